@@ -1,0 +1,7 @@
+"""MLflow integration for sidestream."""
+
+from importlib.metadata import version
+
+__all__ = ["__version__"]
+
+__version__ = version("sidestream-mlflow")

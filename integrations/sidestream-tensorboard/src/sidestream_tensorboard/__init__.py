@@ -1,0 +1,7 @@
+"""TensorBoard integration for sidestream."""
+
+from importlib.metadata import version
+
+__all__ = ["__version__"]
+
+__version__ = version("sidestream-tensorboard")

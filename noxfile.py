@@ -1,0 +1,74 @@
+"""Every workflow of the repository: ``nox -l`` lists them.
+
+The torch requirement comes from one place, ``SIDESTREAM_TORCH`` (default ``torch==2.13.0``):
+set it to ``torch`` for the latest release or pin the build your machines use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = False
+
+PYTHON = "3.11"
+TORCH = os.environ.get("SIDESTREAM_TORCH", "torch==2.13.0")
+CORE = "packages/sidestream"
+INTEGRATIONS = [
+    "integrations/sidestream-wandb",
+    "integrations/sidestream-mlflow",
+    "integrations/sidestream-tensorboard",
+]
+TEST_REQUIREMENTS = ["pytest>=8", "pytest-timeout", "numpy", "scikit-learn"]
+
+
+def _install_project(session: nox.Session, *extra: str, integrations: bool = True) -> None:
+    # Torch first and on its own, so the requirement above is the one that decides the build.
+    session.install(TORCH)
+    editables = [CORE, *(INTEGRATIONS if integrations else [])]
+    session.install(*[arg for path in editables for arg in ("-e", path)], *extra)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """Ruff lint and format check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def typecheck(session: nox.Session) -> None:
+    """Mypy (strict) over the packages."""
+    _install_project(session, "mypy>=1.11")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def tests(session: nox.Session) -> None:
+    """All that runs on a CPU machine: unit, distributed (2 and 4 gloo ranks), integrations."""
+    _install_project(session, *TEST_REQUIREMENTS)
+    session.run("pytest", *(session.posargs or ["tests"]))
+
+
+@nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """Opt-in: CUDA tests under sync-debug mode, then the distributed tests over NCCL."""
+    _install_project(session, *TEST_REQUIREMENTS)
+    session.run("pytest", "-m", "gpu", "tests", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks against peers; writes docs/benchmarks.md."""
+    _install_project(session, "torchmetrics", "numpy", integrations=False)
+    session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """A real multi-process training run logging through sidestream."""
+    _install_project(session, integrations=False)
+    session.run("python", "examples/train_distributed.py", *session.posargs)

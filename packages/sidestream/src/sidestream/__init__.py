@@ -1,0 +1,29 @@
+"""sidestream: distributed training metrics that never stall the training loop."""
+
+from importlib.metadata import version
+
+from sidestream.metric import Metric
+from sidestream.metrics import (
+    ComposeMetric,
+    MaxMetric,
+    MeanMetric,
+    MinMetric,
+    SumMetric,
+    WeightedMeanMetric,
+)
+from sidestream.state import MetricAccumulator, ReduceOp
+
+__all__ = [
+    "ComposeMetric",
+    "MaxMetric",
+    "MeanMetric",
+    "Metric",
+    "MetricAccumulator",
+    "MinMetric",
+    "ReduceOp",
+    "SumMetric",
+    "WeightedMeanMetric",
+    "__version__",
+]
+
+__version__ = version("sidestream")

@@ -1,0 +1,84 @@
+"""Input checks shared by the metrics.
+
+Checks on metadata (type, dtype, shape, device) are free and raise at once. Checks on values
+must not add a host sync on CUDA, so they take the policy of ``screen_invalid``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sidestream.state import MetricAccumulator
+
+__all__ = ["as_tensor", "check_broadcastable", "check_floating", "screen_invalid"]
+
+
+def as_tensor(argument: str, value: object, device: torch.device) -> Tensor:
+    """Return ``value`` as a tensor on ``device``; Python numbers are converted.
+
+    Raises:
+        TypeError: If ``value`` is neither a tensor nor a real number.
+        ValueError: If ``value`` is a tensor on another device than the metric.
+    """
+    if isinstance(value, Tensor):
+        if value.device != device:
+            raise ValueError(
+                f"{argument}: expected a tensor on the metric's device {device}, got one on "
+                f"{value.device}; move the metric with .to(device) or the tensor"
+            )
+        return value.detach()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{argument}: expected a torch.Tensor or a number, got {type(value)}")
+    return torch.tensor(value, device=device)
+
+
+def check_floating(argument: str, tensor: Tensor) -> None:
+    """Raise ``TypeError`` naming ``argument`` unless ``tensor`` has a floating dtype."""
+    if not tensor.is_floating_point():
+        raise TypeError(f"{argument}: expected a floating-point tensor, got dtype {tensor.dtype}")
+
+
+def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_name: str) -> None:
+    """Raise ``ValueError`` unless ``tensor`` broadcasts to ``target``'s shape exactly."""
+    try:
+        shape = torch.broadcast_shapes(tensor.shape, target.shape)  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        shape = None
+    if shape != target.shape:
+        raise ValueError(
+            f"{argument}: expected a scalar or a shape broadcastable to {target_name}'s shape "
+            f"{tuple(target.shape)}, got {tuple(tensor.shape)}"
+        )
+
+
+def screen_invalid(
+    invalid: Tensor, rejected: MetricAccumulator, argument: str, expected: str
+) -> Tensor | None:
+    """Apply the bad-value policy to a batch.
+
+    On CPU (and any non-CUDA device) reading the values costs no device sync, so a batch with
+    any ``invalid`` element raises ``ValueError`` at once, before the state changes.
+
+    On CUDA the check stays on the device: the whole batch is dropped (the caller multiplies its
+    contribution by the returned keep flag) and ``rejected`` counts one rejected update. The
+    count is reduced and checkpointed with the state and exposed by the metric, so bad input is
+    reported with the result instead of stalling the training thread.
+
+    Args:
+        invalid: A boolean tensor, true where an element is out of range.
+        rejected: The metric's int64 SUM counter of rejected updates.
+        argument: The argument name for the error message.
+        expected: What valid values look like, for the error message.
+
+    Returns:
+        ``None`` when the batch is valid on CPU; on CUDA a 0-dim bool tensor, true to keep the
+        batch.
+    """
+    if invalid.device.type != "cuda":
+        if bool(invalid.any()):
+            raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
+        return None
+    bad = invalid.any()
+    rejected.accumulate(bad.to(rejected.local.dtype))
+    return ~bad

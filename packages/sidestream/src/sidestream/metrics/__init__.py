@@ -1,0 +1,16 @@
+"""Ready-made metrics."""
+
+from sidestream.metrics.compose import ComposeMetric
+from sidestream.metrics.extremum import MaxMetric, MinMetric
+from sidestream.metrics.mean import MeanMetric
+from sidestream.metrics.sum import SumMetric
+from sidestream.metrics.weighted_mean import WeightedMeanMetric
+
+__all__ = [
+    "ComposeMetric",
+    "MaxMetric",
+    "MeanMetric",
+    "MinMetric",
+    "SumMetric",
+    "WeightedMeanMetric",
+]

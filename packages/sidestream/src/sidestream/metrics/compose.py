@@ -1,0 +1,84 @@
+"""A named collection of metrics that syncs, resets, moves and checkpoints together."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from sidestream._distributed import Group
+from sidestream.metric import Metric
+from sidestream.state import MetricAccumulator
+from sidestream.sync import coalesced_sync
+
+__all__ = ["ComposeMetric"]
+
+
+class ComposeMetric(Metric[dict[str, Any]]):
+    """Several metrics under names; ``compute`` returns ``{name: child.compute()}``.
+
+    One ``sync`` reduces every child's state in the same coalesced collectives. Children may be
+    ``ComposeMetric`` themselves. Update the children, not the composition.
+
+    Args:
+        metrics: Child metrics by name. Names may not contain ``.`` or ``/``.
+
+    Example:
+        >>> metrics = ComposeMetric({"loss": MeanMetric(), "max_loss": MaxMetric()})
+        >>> metrics["loss"].update(torch.tensor([1.0, 3.0]))
+        >>> metrics.compute()["loss"]
+        tensor(2., dtype=torch.float64)
+    """
+
+    def __init__(self, metrics: Mapping[str, Metric[Any]]) -> None:
+        for name, metric in metrics.items():
+            if not isinstance(name, str) or not name or "." in name or "/" in name:
+                raise ValueError(
+                    f"metrics: names must be non-empty without '.' or '/', got {name!r}"
+                )
+            if not isinstance(metric, Metric):
+                raise TypeError(
+                    f"metrics[{name!r}]: expected a sidestream Metric, got {type(metric)}"
+                )
+        self._children: dict[str, Metric[Any]] = dict(metrics)
+
+    def __getitem__(self, name: str) -> Metric[Any]:
+        return self._children[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._children)
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def items(self) -> Iterator[tuple[str, Metric[Any]]]:
+        """``(name, child)`` pairs in insertion order."""
+        return iter(self._children.items())
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: update the children, for example ``compose["loss"].update(...)``."""
+        raise TypeError(
+            "ComposeMetric.update: a composition has no update of its own; update its children, "
+            f"for example compose[{next(iter(self._children), 'name')!r}].update(...)"
+        )
+
+    def named_accumulators(self, prefix: str = "") -> Iterator[tuple[str, MetricAccumulator]]:
+        """Every child's accumulators, named ``child.state``."""
+        for name, child in self._children.items():
+            yield from child.named_accumulators(f"{prefix}{name}.")
+
+    def sync(self, group: Group = None) -> None:
+        """Sync every child in one coalesced batch of collectives."""
+        self._sync_group = group
+        with coalesced_sync():
+            for child in self._children.values():
+                child.sync(group)
+
+    def compute(self) -> dict[str, Any]:
+        """``{name: child.compute()}``."""
+        return {name: child.compute() for name, child in self._children.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore every child (see ``Metric.load_state_dict``)."""
+        for child in self._children.values():
+            child._sync_group = self._sync_group
+        super().load_state_dict(state_dict)

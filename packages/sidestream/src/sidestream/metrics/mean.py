@@ -1,0 +1,38 @@
+"""Arithmetic mean of all values seen."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sidestream._validation import as_tensor, check_floating
+from sidestream.metric import Metric
+from sidestream.state import MetricAccumulator
+
+__all__ = ["MeanMetric"]
+
+
+class MeanMetric(Metric[Tensor]):
+    """The mean of every element passed to ``update``, stored as a sum and a count.
+
+    A mean over no data is NaN (0 / 0), on purpose: it is not a zero loss.
+
+    Args:
+        dtype: The accumulation dtype of the sum and the count (float64 by default).
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        self._total = MetricAccumulator(0.0, dtype=dtype)
+        self._count = MetricAccumulator(0.0, dtype=dtype)
+
+    def update(self, values: Tensor | float) -> None:
+        """Add the elements of ``values`` (any shape, floating point; empty is fine)."""
+        tensor = as_tensor("values", values, self.device)
+        check_floating("values", tensor)
+        self._total.accumulate(tensor.sum(dtype=self._total.local.dtype))
+        # numel is metadata: adding it is a host-to-device scalar, not a sync.
+        self._count.accumulate(torch.tensor(float(tensor.numel()), dtype=self._count.local.dtype))
+
+    def compute(self) -> Tensor:
+        """Sum / count; NaN over no data."""
+        return self._total.value / self._count.value

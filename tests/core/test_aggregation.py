@@ -1,0 +1,185 @@
+"""Single-process behaviour of the aggregation metrics against direct numpy computations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sidestream import (
+    ComposeMetric,
+    MaxMetric,
+    MeanMetric,
+    MinMetric,
+    SumMetric,
+    WeightedMeanMetric,
+)
+from tests.core.cases import CASES, concat, feed, make_shards
+
+SEEDS = range(5)
+
+
+def _assert_close(actual: float, expected: float) -> None:
+    if math.isnan(expected):
+        assert math.isnan(actual)
+    else:
+        assert actual == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_matches_direct_computation(name: str, seed: int) -> None:
+    shards = make_shards(seed, 3)
+    metric = CASES[name].factory()
+    for shard in shards:
+        feed(name, metric, shard)
+    metric.sync()  # torch.distributed not initialized: a no-op
+    _assert_close(metric.compute().item(), CASES[name].reference(concat(shards)))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reset_then_reuse_gives_same_numbers(name: str) -> None:
+    shard = make_shards(7, 1)[0]
+    metric = CASES[name].factory()
+    feed(name, metric, shard)
+    first = metric.compute().item()
+    metric.reset()
+    feed(name, metric, shard)
+    assert metric.compute().item() == first
+    _assert_close(first, CASES[name].reference(shard))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_data(name: str) -> None:
+    metric = CASES[name].factory()
+    feed(name, metric, {"values": np.zeros(0, np.float32), "weights": np.zeros(0, np.int64)})
+    _assert_close(
+        metric.compute().item(),
+        CASES[name].reference({"values": np.zeros(0), "weights": np.zeros(0)}),
+    )
+
+
+def test_mean_over_no_data_is_nan() -> None:
+    assert math.isnan(MeanMetric().compute().item())
+    assert math.isnan(WeightedMeanMetric().compute().item())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_state_dict_mid_window_continues(name: str) -> None:
+    shards = make_shards(11, 2)
+    metric = CASES[name].factory()
+    feed(name, metric, shards[0])
+    restored = CASES[name].factory()
+    restored.load_state_dict(metric.state_dict())
+    feed(name, restored, shards[1])
+    _assert_close(restored.compute().item(), CASES[name].reference(concat(shards)))
+
+
+def test_weighted_mean_seed_usage() -> None:
+    metric = WeightedMeanMetric()
+    metric.to("cpu")
+    losses = [torch.tensor(2.0), torch.tensor(4.0)]
+    tokens = [torch.tensor(3), torch.tensor(1)]
+    for loss, num_tokens in zip(losses, tokens, strict=True):
+        metric.update(values=loss, weights=num_tokens)
+    metric.sync()
+    assert metric.compute().item() == pytest.approx((2 * 3 + 4 * 1) / 4)
+    metric.reset()
+    assert math.isnan(metric.compute().item())
+
+
+def test_nan_values_propagate() -> None:
+    for metric in (MeanMetric(), MaxMetric(), MinMetric(), SumMetric()):
+        metric.update(torch.tensor([1.0, float("nan")]))
+        assert math.isnan(metric.compute().item())
+
+
+def _weighted_state(metric: WeightedMeanMetric) -> dict[str, float]:
+    return {k: float(v) for k, v in metric.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "argument"),
+    [
+        ({"values": torch.tensor([1, 2]), "weights": 1.0}, TypeError, "values"),
+        ({"values": torch.ones(3), "weights": torch.ones(2)}, ValueError, "weights"),
+        ({"values": torch.ones(3), "weights": torch.ones(2, 3)}, ValueError, "weights"),
+        (
+            {"values": torch.ones(3), "weights": torch.tensor([1.0, -1.0, 1.0])},
+            ValueError,
+            "weights",
+        ),
+        (
+            {"values": torch.ones(2), "weights": torch.tensor([1.0, float("inf")])},
+            ValueError,
+            "weights",
+        ),
+        ({"values": torch.ones(2, device="meta"), "weights": 1.0}, ValueError, "values"),
+        ({"values": "1.0", "weights": 1.0}, TypeError, "values"),
+    ],
+)
+def test_bad_input_names_argument_and_leaves_state(
+    kwargs: dict, error: type, argument: str
+) -> None:
+    metric = WeightedMeanMetric()
+    metric.update(values=torch.tensor([1.0, 2.0]), weights=torch.tensor([1.0, 3.0]))
+    before = _weighted_state(metric)
+    with pytest.raises(error, match=argument):
+        metric.update(**kwargs)
+    assert _weighted_state(metric) == before
+
+
+@pytest.mark.parametrize("cls", [SumMetric, MeanMetric, MaxMetric, MinMetric])
+def test_integer_values_rejected(cls: type) -> None:
+    metric = cls()
+    with pytest.raises(TypeError, match="values: expected a floating-point tensor"):
+        metric.update(torch.tensor([1, 2]))
+
+
+def test_compose_computes_syncs_and_checkpoints_children() -> None:
+    shards = make_shards(3, 2)
+    compose = ComposeMetric({name: case.factory() for name, case in CASES.items()})
+    for name in CASES:
+        feed(name, compose[name], shards[0])
+    restored = ComposeMetric({name: case.factory() for name, case in CASES.items()})
+    restored.load_state_dict(compose.state_dict())
+    for name in CASES:
+        feed(name, restored[name], shards[1])
+    restored.sync()
+    values = restored.compute()
+    assert set(values) == set(CASES)
+    for name, case in CASES.items():
+        _assert_close(values[name].item(), case.reference(concat(shards)))
+    restored.reset()
+    assert math.isnan(restored.compute()["mean"].item())
+
+
+def test_compose_refuses_update_and_bad_children() -> None:
+    compose = ComposeMetric({"loss": MeanMetric()})
+    with pytest.raises(TypeError, match=r"compose\['loss'\]\.update"):
+        compose.update(torch.ones(1))
+    with pytest.raises(TypeError, match="metrics\\['x'\\]"):
+        ComposeMetric({"x": object()})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="names"):
+        ComposeMetric({"a.b": MeanMetric()})
+
+
+def test_nested_compose_state_names() -> None:
+    inner = ComposeMetric({"loss": MeanMetric()})
+    outer = ComposeMetric({"train": inner, "max": MaxMetric()})
+    assert sorted(outer.state_dict()) == ["max.extremum", "train.loss.count", "train.loss.total"]
+
+
+def test_load_state_dict_rejects_wrong_keys_and_shapes() -> None:
+    metric = MeanMetric()
+    with pytest.raises(KeyError, match="missing keys"):
+        metric.load_state_dict({"total": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="shape"):
+        metric.load_state_dict({"total": torch.zeros(2), "count": torch.tensor(1.0)})
+
+
+def test_to_moves_state() -> None:
+    metric = ComposeMetric({"a": MeanMetric(), "b": MaxMetric()}).to("meta")
+    assert all(acc.device.type == "meta" for _, acc in metric.named_accumulators())
