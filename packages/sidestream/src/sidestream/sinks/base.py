@@ -1,0 +1,88 @@
+"""The sink contract: what the collector hands to trackers, and what a tracker must implement.
+
+Modelled on OpenTelemetry exporters: a narrow interface with explicit timeouts. The collector
+calls every method of a sink from that sink's own thread on rank 0 only, so a sink may block
+(network, disk) without delaying training or other sinks.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["Report", "RunInfo", "Sink"]
+
+
+@dataclass(frozen=True)
+class Report:
+    """The finished values of one logging window.
+
+    Attributes:
+        step: The training step given to ``schedule_collection``.
+        values: Flat names to Python floats (``"val/f1"``, ``"acc/class_3"``); one name per
+            element of a per-class vector.
+        time: Wall-clock time (``time.time()``) when the window was scheduled.
+        histograms: Flat names to CPU tensors of histogram values (bin counts, or raw samples),
+            for backends that draw histograms.
+    """
+
+    step: int
+    values: Mapping[str, float]
+    time: float
+    histograms: Mapping[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a sink needs to open (or resume) its run.
+
+    Attributes:
+        name: Human-readable run name, if any.
+        config: Hyper-parameters; nested dicts allowed (sinks flatten them for their backend).
+        tags: String tags.
+    """
+
+    name: str | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+
+class Sink(abc.ABC):
+    """A destination for reports (a tracker, a file, the console).
+
+    Lifecycle, all on the sink's own thread on rank 0: optionally ``load_state_dict`` (resume
+    from a checkpoint), ``open`` once, ``write`` per report in step order, ``flush`` when asked,
+    ``close`` once. ``write`` may raise: the pipeline retries with backoff and keeps the report
+    until it is delivered. Sinks are never opened on other ranks.
+    """
+
+    #: Short name used in messages and as the entry-point name (``"jsonl"``, ``"mlflow"``).
+    name: str = "sink"
+
+    @abc.abstractmethod
+    def open(self, run: RunInfo) -> None:
+        """Create or resume the run. Called once before the first ``write``."""
+
+    @abc.abstractmethod
+    def write(self, report: Report) -> None:
+        """Deliver one report. Raise on failure; the pipeline retries it."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Push buffered data out; return whether it finished within ``timeout`` seconds."""
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Flush and release the backend; return whether it finished within ``timeout``."""
+        return self.flush(timeout)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed job needs to continue the same run (run id, last delivered step)."""
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore ``state_dict`` before ``open`` so ``open`` resumes the saved run."""
+        del state_dict  # a sink without run identity has nothing to restore
