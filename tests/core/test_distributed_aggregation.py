@@ -175,3 +175,23 @@ def test_collectives_do_not_grow_with_metric_count(pools: dict[int, DistributedP
     pool = pools.setdefault(2, DistributedPool(2))
     one, many = pool.run(_count_all_reduce, 1)[0], pool.run(_count_all_reduce, 20)[0]
     assert one == many
+
+
+def _async_sync(seed: int) -> float:
+    from sidestream.sync import coalesced_sync
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    metric = CASES["weighted_mean"].factory()
+    feed("weighted_mean", metric, make_shards(seed, world_size)[rank])
+    with coalesced_sync(async_op=True) as batch:
+        metric.sync()
+    assert batch.works, "async_op must start the collectives without waiting"
+    batch.wait()
+    return metric.compute().item()
+
+
+def test_async_sync_matches(pools: dict[int, DistributedPool]) -> None:
+    pool = pools.setdefault(2, DistributedPool(2))
+    expected = CASES["weighted_mean"].reference(concat(make_shards(4, 2)))
+    for value in pool.run(_async_sync, 4):
+        _assert_close(value, expected)

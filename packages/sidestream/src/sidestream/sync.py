@@ -43,6 +43,8 @@ class SyncBatch:
         default_factory=dict
     )
     _groups: dict[int, dist.ProcessGroup | None] = field(default_factory=dict)
+    async_op: bool = False
+    works: list[dist.Work] = field(default_factory=list)
 
     def add(
         self,
@@ -63,18 +65,32 @@ class SyncBatch:
         self._buckets.setdefault(key, []).append(_Entry(accumulator, receive))
 
     def flush(self) -> None:
-        """Issue one all_reduce per bucket and hand each accumulator its slice of the result."""
+        """Issue one all_reduce per bucket and hand each accumulator its slice of the result.
+
+        With ``async_op`` the collectives are only started: the slices handed out are valid
+        once ``wait`` returned (on CUDA, once the current stream passed ``wait``).
+        """
         buckets, self._buckets = self._buckets, {}
         # Insertion order: every rank adds its accumulators in the same order, so every rank
         # issues the same sequence of collectives.
         for (group_key, _, op, _), entries in buckets.items():
             flat = torch.cat([entry.accumulator.local.reshape(-1) for entry in entries])
-            dist.all_reduce(flat, op=_DIST_OPS[op], group=self._groups[group_key])
+            work = dist.all_reduce(
+                flat, op=_DIST_OPS[op], group=self._groups[group_key], async_op=self.async_op
+            )
+            if work is not None:
+                self.works.append(work)
             offset = 0
             for entry in entries:
                 local = entry.accumulator.local
                 entry.receive(flat[offset : offset + local.numel()].view(local.shape))
                 offset += local.numel()
+
+    def wait(self) -> None:
+        """Wait for the collectives started by an ``async_op`` flush (no-op otherwise)."""
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
 
 
 _current: contextvars.ContextVar[SyncBatch | None] = contextvars.ContextVar(
@@ -83,17 +99,21 @@ _current: contextvars.ContextVar[SyncBatch | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def coalesced_sync() -> Iterator[SyncBatch]:
+def coalesced_sync(async_op: bool = False) -> Iterator[SyncBatch]:
     """Batch every accumulator reduction inside the block into as few collectives as possible.
 
     Nested blocks join the outermost one. On normal exit the batch is flushed; on an exception it
     is dropped, so no rank issues collectives the others may never match.
+
+    Args:
+        async_op: Start the collectives without waiting; call ``batch.wait()`` after the block
+            before reading the results (the collector does this off the training thread).
     """
     outer = _current.get()
     if outer is not None:
         yield outer
         return
-    batch = SyncBatch()
+    batch = SyncBatch(async_op=async_op)
     token = _current.set(batch)
     try:
         yield batch
