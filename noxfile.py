@@ -60,6 +60,15 @@ def gpu(session: nox.Session) -> None:
     session.run("pytest", "-m", "gpu", "tests", *session.posargs)
 
 
+@nox.session(python=PYTHON, tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """Build the documentation site strictly (broken links or references fail)."""
+    session.install("mkdocs-material", "mkdocstrings[python]")
+    session.run(
+        "mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"}
+    )
+
+
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks against peers; writes docs/benchmarks.md."""
