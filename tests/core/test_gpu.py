@@ -43,7 +43,21 @@ def test_updates_do_not_sync_with_host() -> None:
             metrics["weighted"].update(values=values, weights=bad_weights)  # dropped, counted
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    assert torch.allclose(metrics["sum"].compute(), values.double().sum() * 10)
     expected = (values.double() * weights.double()).sum() / weights.double().sum()
     assert torch.allclose(metrics["weighted"].compute(), expected)
     assert metrics["weighted"].rejected_updates.item() == 10  # type: ignore[attr-defined]
     assert torch.allclose(metrics["mean"].compute(), values.double().mean())
+
+
+def test_python_number_inputs_do_not_sync() -> None:
+    metric = WeightedMeanMetric().to("cuda")
+    values = torch.randn(64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        metric.update(values=values)  # default weights=1.0, a Python number
+        metric.update(values=values, weights=3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.allclose(metric.compute(), values.double().mean())

@@ -30,7 +30,8 @@ def as_tensor(argument: str, value: object, device: torch.device) -> Tensor:
         return value.detach()
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{argument}: expected a torch.Tensor or a number, got {type(value)}")
-    return torch.tensor(value, device=device)
+    # A fill kernel, not a host-to-device copy from pageable memory (which would sync on CUDA).
+    return torch.full((), value, device=device)
 
 
 def check_floating(argument: str, tensor: Tensor) -> None:
