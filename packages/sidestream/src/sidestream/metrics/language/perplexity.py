@@ -102,11 +102,15 @@ class PerplexityMetric(Metric[Tensor]):
 
     def _update_losses(self, losses: Tensor, weights: Tensor | float) -> None:
         losses_t = as_tensor("losses", losses, self.device)
-        weights_t = as_tensor("weights", weights, self.device)
         check_floating("losses", losses_t)
-        check_broadcastable("weights", weights_t, losses_t, "losses")
         losses_64 = losses_t.to(torch.float64)
-        weights_64 = weights_t.to(torch.float64).expand(losses_t.shape)
+        if isinstance(weights, Tensor):
+            weights_t = as_tensor("weights", weights, self.device)
+            check_broadcastable("weights", weights_t, losses_t, "losses")
+            weights_64 = weights_t.to(torch.float64).expand(losses_t.shape)
+        else:
+            # A Python weight is filled on the device: no host-to-device copy (a CUDA sync).
+            weights_64 = torch.full_like(losses_64, float(weights))
         if self.device.type != "cuda":
             screen_invalid(~torch.isfinite(losses_64), self._rejected, "losses", "finite values")
             screen_invalid(
