@@ -38,6 +38,24 @@ def bin_index(scores: Tensor, num_bins: int) -> Tensor:
     return (work * num_bins).to(torch.int64).clamp_(0, num_bins - 1)
 
 
+def outside(values: Tensor, low: float, high: float) -> Tensor:
+    """A 0-dim bool, true if any of the non-empty ``values`` is outside ``[low, high]`` or NaN.
+
+    One fused min/max pass instead of an element-wise mask: this check runs on every update.
+    """
+    low_seen, high_seen = torch.aminmax(values.reshape(-1))
+    return ~((low_seen >= low) & (high_seen <= high))  # NaN compares false: outside
+
+
+def not_binary(target: Tensor) -> Tensor:
+    """A 0-dim bool, true if any of the non-empty ``target`` is neither 0 nor 1."""
+    if target.dtype == torch.bool:
+        return torch.zeros((), dtype=torch.bool, device=target.device)
+    if target.is_floating_point():
+        return ((target != 0) & (target != 1)).any()
+    return outside(target, 0, 1)
+
+
 def screen(checks: list[tuple[Tensor, str, str]], rejected: MetricAccumulator) -> Tensor | None:
     """Apply ``screen_invalid`` to several arguments, counting a bad batch once on CUDA.
 
@@ -144,32 +162,31 @@ class ScoreHistogramMetric(Metric[Tensor]):
         target_t = as_tensor("target", target, self.device)
         check_floating("preds", preds_t)
         self._check_shapes(preds_t, target_t)
-        bad_score = ~((preds_t >= 0) & (preds_t <= 1))  # NaN compares false: bad
+        if preds_t.numel() == 0:
+            return
         classes, bins = self._num_classes, self._num_bins
         if self._problem == "multiclass":
-            target_t = target_t.to(torch.int64)
             checks = [
-                (bad_score, "preds", "probabilities in [0, 1]"),
-                (
-                    (target_t < 0) | (target_t >= classes),
-                    "target",
-                    f"class indices in [0, {classes})",
-                ),
+                (outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
+                (outside(target_t, 0, classes - 1), "target", f"class indices in [0, {classes})"),
             ]
             positive = target_t.unsqueeze(1) == torch.arange(classes, device=self.device)
         else:
             checks = [
-                (bad_score, "preds", "probabilities in [0, 1]"),
-                ((target_t != 0) & (target_t != 1), "target", "0 or 1"),
+                (outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
+                (not_binary(target_t), "target", "0 or 1"),
             ]
-            positive = target_t == 1
+            # Validated targets are 0/1 on CPU, so they are the positive flag as they are; a
+            # dropped CUDA batch may hold anything, so there the flag is recomputed.
+            positive = target_t if target_t.device.type != "cuda" else target_t == 1
             if self._problem == "binary":
                 preds_t, positive = preds_t.reshape(-1, 1), positive.reshape(-1, 1)
         keep = screen(checks, self._rejected)
-        class_offset = torch.arange(classes, device=self.device) * bins
-        index = (
-            positive.to(torch.int64) * (classes * bins) + class_offset + bin_index(preds_t, bins)
-        )
+        # Fused in place: index = bin + class * bins + is_positive * classes * bins.
+        index = bin_index(preds_t, bins)
+        if classes > 1:
+            index.add_(torch.arange(0, classes * bins, bins, device=self.device))
+        index.add_(positive.to(torch.int64), alpha=classes * bins)
         if keep is None:
             source = torch.ones((), dtype=torch.int64, device=self.device)
         else:
@@ -178,6 +195,10 @@ class ScoreHistogramMetric(Metric[Tensor]):
 
     def _check_shapes(self, preds: Tensor, target: Tensor) -> None:
         classes = self._num_classes
+        if self._problem == "multiclass" and (
+            target.is_floating_point() or target.dtype == torch.bool
+        ):
+            raise TypeError(f"target: expected integer class indices, got dtype {target.dtype}")
         if self._problem == "binary":
             if preds.shape != target.shape:
                 raise ValueError(

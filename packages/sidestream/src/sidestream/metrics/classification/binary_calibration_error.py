@@ -6,7 +6,7 @@ from torch import Tensor
 
 from sidestream._validation import as_tensor, check_floating
 from sidestream.metrics.classification._calibration import CalibrationHistogramMetric
-from sidestream.metrics.classification._score_histogram import screen
+from sidestream.metrics.classification._score_histogram import not_binary, outside, screen
 
 __all__ = ["BinaryCalibrationErrorMetric"]
 
@@ -45,10 +45,12 @@ class BinaryCalibrationErrorMetric(CalibrationHistogramMetric):
                 f"target: expected the shape of preds {tuple(preds_t.shape)}, "
                 f"got {tuple(target_t.shape)}"
             )
+        if preds_t.numel() == 0:
+            return
         keep = screen(
             [
-                (~((preds_t >= 0) & (preds_t <= 1)), "preds", "probabilities in [0, 1]"),
-                ((target_t != 0) & (target_t != 1), "target", "0 or 1"),
+                (outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
+                (not_binary(target_t), "target", "0 or 1"),
             ],
             self._rejected,
         )

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from sidestream._validation import as_tensor, check_floating
 from sidestream.metrics.classification._calibration import CalibrationHistogramMetric
-from sidestream.metrics.classification._score_histogram import check_positive_int, screen
+from sidestream.metrics.classification._score_histogram import (
+    check_positive_int,
+    outside,
+    screen,
+)
 
 __all__ = ["MulticlassCalibrationErrorMetric"]
 
@@ -46,6 +51,8 @@ class MulticlassCalibrationErrorMetric(CalibrationHistogramMetric):
         preds_t = as_tensor("preds", preds, self.device)
         target_t = as_tensor("target", target, self.device)
         check_floating("preds", preds_t)
+        if target_t.is_floating_point() or target_t.dtype == torch.bool:
+            raise TypeError(f"target: expected integer class indices, got dtype {target_t.dtype}")
         classes = self._num_classes
         if preds_t.ndim != 2 or preds_t.shape[1] != classes:
             raise ValueError(
@@ -56,14 +63,12 @@ class MulticlassCalibrationErrorMetric(CalibrationHistogramMetric):
             raise ValueError(
                 f"target: expected shape {(preds_t.shape[0],)}, got {tuple(target_t.shape)}"
             )
+        if preds_t.numel() == 0:
+            return
         keep = screen(
             [
-                (~((preds_t >= 0) & (preds_t <= 1)), "preds", "probabilities in [0, 1]"),
-                (
-                    (target_t < 0) | (target_t >= classes),
-                    "target",
-                    f"class indices in [0, {classes})",
-                ),
+                (outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
+                (outside(target_t, 0, classes - 1), "target", f"class indices in [0, {classes})"),
             ],
             self._rejected,
         )
