@@ -268,3 +268,26 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
         BinaryAUROCMetric(1)
     with pytest.raises(ValueError, match="average"):
         MultilabelAUROCMetric(3, average="micro")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_scores_and_bool_targets(dtype: torch.dtype) -> None:
+    data = _binary(np.random.default_rng(11), (3000,), np.float32)
+    scores = torch.from_numpy(data["scores"]).to(dtype)
+    target = torch.from_numpy(data["target"]).bool()
+    auroc = BinaryAUROCMetric(BINS)
+    auroc.update(scores, target)
+    exact = roc_auc_score(data["target"], scores.float().numpy())  # the values the metric saw
+    assert abs(auroc.compute().item() - exact) <= auroc.error_bound().item() + 1e-12
+
+
+def test_state_dict_round_trip_continues_the_same_numbers() -> None:
+    first, second = _shard(12, 800), _shard(13, 700)
+    metrics, restored = _metrics(), _metrics()
+    _feed(metrics, first)
+    for name, metric in metrics.items():
+        restored[name].load_state_dict(metric.state_dict())
+    _feed(metrics, second)
+    _feed(restored, second)
+    assert _results(restored) == _results(metrics)
+    _check(_results(restored), _concat([first, second]))
