@@ -104,18 +104,22 @@ def test_ignore_index_inside_the_vocabulary_and_none() -> None:
     )
 
 
-def _synced(seed: int) -> dict[str, float]:
-    shard = _shards(seed, dist.get_world_size())[dist.get_rank()]
-    return _feed(shard, torch.float64)
+def _synced(seeds: list[int]) -> list[dict[str, float]]:
+    return [
+        _feed(_shards(seed, dist.get_world_size())[dist.get_rank()], torch.float64)
+        for seed in seeds
+    ]
 
 
 def test_distributed_matches_cross_entropy_on_all_shards(dist_pool: DistributedPool) -> None:
-    per_rank = dist_pool.run(_synced, 8)
-    perplexity, accuracy = _reference(_concat(_shards(8, dist_pool.world_size)))
-    for values in per_rank:
-        assert values["logits"] == pytest.approx(perplexity, rel=1e-12)
-        assert values["losses"] == pytest.approx(perplexity, rel=1e-12)
-        assert values["accuracy"] == pytest.approx(accuracy, abs=1e-15)
+    seeds = [8, 9, 10]
+    per_rank = dist_pool.run(_synced, seeds)
+    for i, seed in enumerate(seeds):
+        perplexity, accuracy = _reference(_concat(_shards(seed, dist_pool.world_size)))
+        for values in per_rank:
+            assert values[i]["logits"] == pytest.approx(perplexity, rel=1e-12)
+            assert values[i]["losses"] == pytest.approx(perplexity, rel=1e-12)
+            assert values[i]["accuracy"] == pytest.approx(accuracy, abs=1e-15)
 
 
 def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:

@@ -206,21 +206,25 @@ def test_coarse_bins_err_but_stay_within_the_bound() -> None:
             assert auroc_error > 1e-3  # the check above is not vacuous
 
 
-def _synced(seed: int) -> dict[str, tuple[list[float], list[float]]]:
-    shard = _shards(seed, dist.get_world_size())[dist.get_rank()]
-    metrics = _metrics()
-    _feed(metrics, shard)
-    for metric in metrics.values():
-        metric.sync()
-    return _results(metrics)
+def _synced(seeds: list[int]) -> list[dict[str, tuple[list[float], list[float]]]]:
+    out = []
+    for seed in seeds:
+        shard = _shards(seed, dist.get_world_size())[dist.get_rank()]
+        metrics = _metrics()
+        _feed(metrics, shard)
+        for metric in metrics.values():
+            metric.sync()
+        out.append(_results(metrics))
+    return out
 
 
 def test_distributed_matches_sklearn_on_all_shards(dist_pool: DistributedPool) -> None:
-    seed = 7
-    per_rank = dist_pool.run(_synced, seed)
-    everything = _concat(_shards(seed, dist_pool.world_size))
-    for results in per_rank:
-        _check(results, everything)
+    seeds = [7, 8]
+    per_rank = dist_pool.run(_synced, seeds)
+    for i, seed in enumerate(seeds):
+        everything = _concat(_shards(seed, dist_pool.world_size))
+        for results in per_rank:
+            _check(results[i], everything)
 
 
 def test_state_is_constant_size_and_counts_are_exact() -> None:

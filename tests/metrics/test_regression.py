@@ -119,24 +119,29 @@ def test_shift_keeps_r2_and_pearson_accurate_far_from_zero() -> None:
     assert pearson.compute().item() == pytest.approx(pearsonr(p64, t64).statistic, rel=1e-9)
 
 
-def _synced(seed: int, outputs: int) -> dict[str, list[float]]:
-    shard = _shards(seed, dist.get_world_size(), outputs)[dist.get_rank()]
-    metrics = _metrics(outputs)
-    _feed(metrics, shard)
-    for metric in metrics.values():
-        metric.sync()
-    return _values(metrics)
+def _synced(seeds: list[int], outputs: int) -> list[dict[str, list[float]]]:
+    out = []
+    for seed in seeds:
+        shard = _shards(seed, dist.get_world_size(), outputs)[dist.get_rank()]
+        metrics = _metrics(outputs)
+        _feed(metrics, shard)
+        for metric in metrics.values():
+            metric.sync()
+        out.append(_values(metrics))
+    return out
 
 
 @pytest.mark.parametrize("outputs", [1, OUTPUTS])
 def test_distributed_matches_sklearn_on_all_shards(
     dist_pool: DistributedPool, outputs: int
 ) -> None:
-    per_rank = dist_pool.run(_synced, 3, outputs)
-    shards = _shards(3, dist_pool.world_size, outputs)
-    everything = {k: np.concatenate([s[k] for s in shards]) for k in shards[0]}
-    for values in per_rank:
-        _check(values, everything)
+    seeds = [3, 4, 5]
+    per_rank = dist_pool.run(_synced, seeds, outputs)
+    for i, seed in enumerate(seeds):
+        shards = _shards(seed, dist_pool.world_size, outputs)
+        everything = {k: np.concatenate([s[k] for s in shards]) for k in shards[0]}
+        for values in per_rank:
+            _check(values[i], everything)
 
 
 def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
