@@ -1,0 +1,56 @@
+"""Shared state of the calibration-error metrics: per-bin count, confidence and accuracy sums."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sidestream.metric import Metric
+from sidestream.metrics.classification._score_histogram import (
+    bin_index,
+    check_positive_int,
+)
+from sidestream.state import MetricAccumulator
+
+__all__: list[str] = []
+
+
+class CalibrationHistogramMetric(Metric[Tensor]):
+    """Expected calibration error from per-bin sums over ``num_bins`` uniform confidence bins.
+
+    ``ECE = sum_b |sum of confidences in b - sum of accuracies in b| / N``, the L1 form: the
+    bin-size-weighted mean gap between confidence and accuracy. The sums are float64 and add
+    across ranks, so the synced value equals the value on all the data (up to float64 rounding);
+    no approximation beyond the binning that defines ECE itself. Over no data it is NaN.
+
+    Args:
+        num_bins: Confidence bins over ``[0, 1]``; bin ``b`` is ``[b/n, (b+1)/n)``, 1.0 in the
+            last.
+    """
+
+    def __init__(self, num_bins: int = 15) -> None:
+        check_positive_int("num_bins", num_bins, 1)
+        self._num_bins = num_bins
+        self._count = MetricAccumulator(torch.zeros(num_bins, dtype=torch.float64))
+        self._confidence = MetricAccumulator(torch.zeros(num_bins, dtype=torch.float64))
+        self._accuracy = MetricAccumulator(torch.zeros(num_bins, dtype=torch.float64))
+        self._rejected = MetricAccumulator(0, dtype=torch.int64)
+
+    @property
+    def rejected_updates(self) -> Tensor:
+        """How many updates were dropped for bad values (CUDA only; CPU raises instead)."""
+        return self._rejected.value
+
+    def _add(self, confidence: Tensor, accuracy: Tensor, keep: Tensor | None) -> None:
+        index = bin_index(confidence, self._num_bins).reshape(-1)
+        weight = torch.ones_like(index, dtype=torch.float64)
+        if keep is not None:
+            weight = weight * keep.to(torch.float64)
+        self._count.scatter_add(index, weight)
+        self._confidence.scatter_add(index, confidence.reshape(-1).to(torch.float64) * weight)
+        self._accuracy.scatter_add(index, accuracy.reshape(-1).to(torch.float64) * weight)
+
+    def compute(self) -> Tensor:
+        """The expected calibration error (L1); NaN over no data."""
+        gap = (self._confidence.value - self._accuracy.value).abs().sum()
+        return gap / self._count.value.sum()

@@ -1,0 +1,62 @@
+"""Input handling shared by the language-model metrics."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sidestream._validation import screen_invalid
+from sidestream.state import MetricAccumulator
+
+__all__: list[str] = []
+
+
+def check_ignore_index(ignore_index: int | None) -> None:
+    """Raise ``TypeError`` unless ``ignore_index`` is an int or ``None``."""
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
+    ):
+        raise TypeError(f"ignore_index: expected an int or None, got {ignore_index!r}")
+
+
+def check_logits(logits: Tensor, target: Tensor, vocab_size: int | None) -> None:
+    """Raise naming the argument unless logits are ``(..., V)`` floats and target ``(...)`` ints."""
+    if not logits.is_floating_point():
+        raise TypeError(f"logits: expected a floating-point tensor, got dtype {logits.dtype}")
+    if target.is_floating_point() or target.dtype == torch.bool:
+        raise TypeError(f"target: expected integer token ids, got dtype {target.dtype}")
+    if logits.ndim < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
+        raise ValueError(
+            f"logits: expected shape target.shape + (vocab,) = {(*target.shape, 'V')}, "
+            f"got {tuple(logits.shape)}"
+        )
+    if vocab_size is not None and logits.shape[-1] != vocab_size:
+        raise ValueError(
+            f"logits: expected vocab_size={vocab_size} entries in the last dimension, "
+            f"got {logits.shape[-1]}"
+        )
+
+
+def token_weights(
+    target: Tensor, vocab: int, ignore_index: int | None, rejected: MetricAccumulator
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Safe token ids, 0/1 float64 weights and the CUDA keep flag for a batch of targets.
+
+    A target outside ``[0, vocab)`` that is not ``ignore_index`` is bad input (CPU raises,
+    CUDA drops the batch); ``ignore_index`` tokens get weight 0. Safe ids replace every
+    out-of-range id by 0 so that gathers never index out of bounds on the device.
+    """
+    in_vocab = (target >= 0) & (target < vocab)
+    ignored = torch.zeros_like(in_vocab) if ignore_index is None else target == ignore_index
+    keep = screen_invalid(
+        ~in_vocab & ~ignored,
+        rejected,
+        "target",
+        f"token ids in [0, {vocab}) or ignore_index={ignore_index}",
+    )
+    counted = in_vocab & ~ignored
+    weights = counted.to(torch.float64)
+    if keep is not None:
+        weights = weights * keep.to(torch.float64)
+    safe = torch.where(in_vocab, target, 0).to(torch.int64)
+    return safe, weights, keep

@@ -1,0 +1,133 @@
+"""Perplexity from token-weighted negative log-likelihood."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sidestream._validation import (
+    as_tensor,
+    check_broadcastable,
+    check_floating,
+    screen_invalid,
+)
+from sidestream.metric import Metric
+from sidestream.metrics.language._tokens import check_ignore_index, check_logits, token_weights
+from sidestream.state import MetricAccumulator
+
+__all__ = ["PerplexityMetric"]
+
+
+class PerplexityMetric(Metric[Tensor]):
+    """``exp(sum of token NLL / number of counted tokens)`` over every update and rank.
+
+    Feed either ``logits`` ``(..., V)`` with integer ``target`` ``(...)`` (the NLL is computed
+    in float32 or better with ``cross_entropy``; tokens equal to ``ignore_index`` get weight 0),
+    or per-token ``losses`` (natural-log NLL, for example ``reduction="none"`` output of your
+    loss) with optional ``weights`` (token counts or a 0/1 mask). State: two float64 sums, so
+    the synced perplexity equals the perplexity of all tokens of all ranks.
+
+    Bad input: a shape or vocabulary mismatch raises at once. A target id outside
+    ``[0, V)`` other than ``ignore_index``, or a negative / non-finite weight or non-finite
+    loss, raises on CPU before the state changes; on CUDA the batch is dropped and counted in
+    ``rejected_updates``.
+
+    Args:
+        ignore_index: The target id of padding tokens (``None``: every token counts).
+        vocab_size: If given, ``logits.shape[-1]`` must equal it.
+
+    Example:
+        >>> metric = PerplexityMetric()
+        >>> metric.update(losses=torch.tensor([1.0, 2.0, 3.0]), weights=torch.tensor([1, 1, 0]))
+        >>> metric.compute()
+        tensor(4.4817, dtype=torch.float64)
+    """
+
+    def __init__(self, ignore_index: int | None = -100, vocab_size: int | None = None) -> None:
+        check_ignore_index(ignore_index)
+        self._ignore_index = ignore_index
+        self._vocab_size = vocab_size
+        self._nll = MetricAccumulator(0.0, dtype=torch.float64)
+        self._tokens = MetricAccumulator(0.0, dtype=torch.float64)
+        self._rejected = MetricAccumulator(0, dtype=torch.int64)
+
+    @property
+    def rejected_updates(self) -> Tensor:
+        """How many updates were dropped for bad values (CUDA only; CPU raises instead)."""
+        return self._rejected.value
+
+    def update(
+        self,
+        logits: Tensor | None = None,
+        target: Tensor | None = None,
+        *,
+        losses: Tensor | None = None,
+        weights: Tensor | float = 1.0,
+    ) -> None:
+        """Add a batch: ``update(logits, target)`` or ``update(losses=..., weights=...)``.
+
+        Args:
+            logits: ``(..., V)`` unnormalized scores (any float dtype).
+            target: ``(...)`` integer token ids, ``ignore_index`` for padding.
+            losses: Per-token NLL, any shape, instead of logits and target.
+            weights: With ``losses``: a scalar or a tensor broadcastable to ``losses``.
+
+        Raises:
+            TypeError: If neither or both input forms are given, or on a wrong dtype.
+            ValueError: See the class docstring.
+        """
+        if (logits is None) == (losses is None) or (logits is None) != (target is None):
+            raise TypeError(
+                "update: pass either logits and target, or losses (with optional weights)"
+            )
+        if logits is not None and target is not None:
+            self._update_logits(logits, target)
+        elif losses is not None:
+            self._update_losses(losses, weights)
+
+    def _update_logits(self, logits: Tensor, target: Tensor) -> None:
+        logits_t = as_tensor("logits", logits, self.device)
+        target_t = as_tensor("target", target, self.device)
+        check_logits(logits_t, target_t, self._vocab_size)
+        vocab = logits_t.shape[-1]
+        safe, weights, _ = token_weights(target_t, vocab, self._ignore_index, self._rejected)
+        work_dtype = torch.float64 if logits_t.dtype == torch.float64 else torch.float32
+        nll = F.cross_entropy(
+            logits_t.reshape(-1, vocab).to(work_dtype), safe.reshape(-1), reduction="none"
+        )
+        weights = weights.reshape(-1)
+        self._nll.accumulate((nll.to(torch.float64) * weights).sum())
+        self._tokens.accumulate(weights.sum())
+
+    def _update_losses(self, losses: Tensor, weights: Tensor | float) -> None:
+        losses_t = as_tensor("losses", losses, self.device)
+        check_floating("losses", losses_t)
+        losses_64 = losses_t.to(torch.float64)
+        if isinstance(weights, Tensor):
+            weights_t = as_tensor("weights", weights, self.device)
+            check_broadcastable("weights", weights_t, losses_t, "losses")
+            weights_64 = weights_t.to(torch.float64).expand(losses_t.shape)
+        else:
+            # A Python weight is filled on the device: no host-to-device copy (a CUDA sync).
+            weights_64 = torch.full_like(losses_64, float(weights))
+        if self.device.type != "cuda":
+            screen_invalid(~torch.isfinite(losses_64), self._rejected, "losses", "finite values")
+            screen_invalid(
+                (weights_64 < 0) | ~torch.isfinite(weights_64),
+                self._rejected,
+                "weights",
+                "finite values >= 0",
+            )
+        else:
+            invalid = ~torch.isfinite(losses_64) | (weights_64 < 0) | ~torch.isfinite(weights_64)
+            keep = screen_invalid(invalid, self._rejected, "losses/weights", "finite, weights >= 0")
+            assert keep is not None  # CUDA always returns the keep flag
+            losses_64 = torch.where(keep, losses_64, 0.0)
+            weights_64 = torch.where(keep, weights_64, 0.0)
+        self._nll.accumulate((losses_64 * weights_64).sum())
+        self._tokens.accumulate(weights_64.sum())
+
+    def compute(self) -> Tensor:
+        """The perplexity; NaN when no token was counted."""
+        return torch.exp(self._nll.value / self._tokens.value)

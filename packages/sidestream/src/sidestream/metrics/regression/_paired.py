@@ -1,0 +1,95 @@
+"""Input handling shared by the regression metrics."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from sidestream._validation import as_tensor, check_floating, screen_invalid
+from sidestream.metric import Metric
+from sidestream.state import MetricAccumulator
+
+__all__: list[str] = []
+
+MultiOutput = Literal["uniform_average", "raw_values"]
+_MULTIOUTPUT = ("uniform_average", "raw_values")
+
+
+class PairedRegressionMetric(Metric[Tensor]):
+    """Base of the regression metrics: checks ``(preds, target)`` and holds the float64 sums.
+
+    Every state is a float64 sum per output (and one sample count), so ranks add exactly and
+    ``compute`` on the synced state equals ``compute`` on all the data up to float64 rounding.
+
+    Args:
+        num_outputs: 1 for a scalar target (``preds`` and ``target`` of any equal shape), or
+            ``D > 1`` for ``(N, D)`` inputs.
+        multioutput: With ``D > 1``: ``uniform_average`` (mean over outputs, scikit-learn's
+            default) or ``raw_values`` (a ``(D,)`` vector).
+    """
+
+    def __init__(self, num_outputs: int = 1, multioutput: MultiOutput = "uniform_average") -> None:
+        if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:
+            raise ValueError(f"num_outputs: expected an int >= 1, got {num_outputs!r}")
+        if multioutput not in _MULTIOUTPUT:
+            raise ValueError(f"multioutput: expected one of {_MULTIOUTPUT}, got {multioutput!r}")
+        self._num_outputs = num_outputs
+        self._multioutput = multioutput
+        self._count = MetricAccumulator(0.0, dtype=torch.float64)
+        self._rejected = MetricAccumulator(0, dtype=torch.int64)
+
+    def _sum_state(self) -> MetricAccumulator:
+        return MetricAccumulator(torch.zeros(self._num_outputs, dtype=torch.float64))
+
+    @property
+    def rejected_updates(self) -> Tensor:
+        """How many updates were dropped for non-finite values (CUDA only; CPU raises)."""
+        return self._rejected.value
+
+    def _pairs(
+        self, preds: Tensor | float, target: Tensor | float
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Checked float64 ``(N, D)`` preds and target, and the CUDA keep flag.
+
+        A dropped CUDA batch comes back as zeros (``keep`` false). Also adds the batch's
+        sample count (0 for a dropped batch).
+        """
+        preds_t = as_tensor("preds", preds, self.device)
+        target_t = as_tensor("target", target, self.device)
+        check_floating("preds", preds_t)
+        if preds_t.shape != target_t.shape:
+            raise ValueError(
+                f"target: expected the shape of preds {tuple(preds_t.shape)}, "
+                f"got {tuple(target_t.shape)}"
+            )
+        outputs = self._num_outputs
+        if outputs > 1 and (preds_t.ndim != 2 or preds_t.shape[1] != outputs):
+            raise ValueError(
+                f"preds: expected shape (N, {outputs}) for num_outputs={outputs}, "
+                f"got {tuple(preds_t.shape)}"
+            )
+        preds_64 = preds_t.to(torch.float64).reshape(-1, outputs)
+        target_64 = target_t.to(torch.float64).reshape(-1, outputs)
+        if preds_t.device.type != "cuda":
+            screen_invalid(~torch.isfinite(preds_64), self._rejected, "preds", "finite values")
+            screen_invalid(~torch.isfinite(target_64), self._rejected, "target", "finite values")
+            keep: Tensor | None = None
+        else:
+            invalid = ~(torch.isfinite(preds_64) & torch.isfinite(target_64))
+            keep = screen_invalid(invalid, self._rejected, "preds/target", "finite values")
+        rows = float(preds_64.shape[0])  # metadata, not a device value
+        if keep is None:
+            self._count.accumulate(torch.tensor(rows, dtype=torch.float64))
+        else:
+            # where, not multiply: 0 * inf would still be NaN.
+            preds_64 = torch.where(keep, preds_64, 0.0)
+            target_64 = torch.where(keep, target_64, 0.0)
+            self._count.accumulate(keep.to(torch.float64) * rows)
+        return preds_64, target_64, keep
+
+    def _finish(self, per_output: Tensor) -> Tensor:
+        if self._num_outputs == 1:
+            return per_output[0]
+        return per_output if self._multioutput == "raw_values" else per_output.mean()

@@ -1,0 +1,81 @@
+"""Pearson correlation between predictions and targets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Self
+
+import torch
+from torch import Tensor
+
+from sidestream.metrics.regression._paired import MultiOutput, PairedRegressionMetric
+from sidestream.metrics.regression.r2_score import shift_vector
+
+__all__ = ["PearsonCorrelationMetric"]
+
+
+class PearsonCorrelationMetric(PairedRegressionMetric):
+    """Pearson's r from float64 sums of ``x``, ``y``, ``x^2``, ``y^2``, ``xy`` (x = preds).
+
+    Both inputs are shifted by ``shift`` before summing; as for ``R2ScoreMetric`` this only
+    guards the one-pass covariance against cancellation when the means are far from 0 relative
+    to the spread (relative error about ``1e-16 * (mean - shift)^2 / var``). Fewer than two
+    samples or a constant input give NaN.
+
+    Args:
+        num_outputs: 1, or ``D`` for ``(N, D)`` inputs (one correlation per column).
+        multioutput: ``uniform_average`` or ``raw_values`` (with ``D > 1``).
+        shift: A scalar or one value per output, subtracted from preds and target.
+
+    Example:
+        >>> metric = PearsonCorrelationMetric()
+        >>> metric.update(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 3.0, 2.0]))
+        >>> metric.compute()
+        tensor(0.5000, dtype=torch.float64)
+    """
+
+    def __init__(
+        self,
+        num_outputs: int = 1,
+        multioutput: MultiOutput = "uniform_average",
+        shift: float | Sequence[float] = 0.0,
+    ) -> None:
+        super().__init__(num_outputs, multioutput)
+        self._shift = shift_vector("shift", shift, num_outputs)
+        self._preds_sum = self._sum_state()
+        self._target_sum = self._sum_state()
+        self._preds_squares = self._sum_state()
+        self._target_squares = self._sum_state()
+        self._products = self._sum_state()
+
+    def update(self, preds: Tensor | float, target: Tensor | float) -> None:
+        """Add predictions and targets of the same shape (``(N, D)`` with ``D`` outputs).
+
+        Raises:
+            TypeError: If ``preds`` is not floating point.
+            ValueError: On a shape mismatch, or (CPU) a non-finite value; CUDA drops such a
+                batch and counts it in ``rejected_updates``.
+        """
+        preds_64, target_64, keep = self._pairs(preds, target)
+        x, y = preds_64 - self._shift, target_64 - self._shift
+        if keep is not None:
+            x, y = torch.where(keep, x, 0.0), torch.where(keep, y, 0.0)
+        self._preds_sum.accumulate(x.sum(0))
+        self._target_sum.accumulate(y.sum(0))
+        self._preds_squares.accumulate(x.square().sum(0))
+        self._target_squares.accumulate(y.square().sum(0))
+        self._products.accumulate((x * y).sum(0))
+
+    def to(self, device: torch.device | str) -> Self:
+        """Move the state and the shift to ``device`` and return ``self``."""
+        self._shift = self._shift.to(device)
+        return super().to(device)
+
+    def compute(self) -> Tensor:
+        """Pearson's r per output then averaged; NaN when undefined."""
+        n = self._count.value
+        sx, sy = self._preds_sum.value, self._target_sum.value
+        cov = self._products.value - sx * sy / n
+        var_x = self._preds_squares.value - sx.square() / n
+        var_y = self._target_squares.value - sy.square() / n
+        return self._finish(cov / (var_x * var_y).sqrt())

@@ -1,0 +1,89 @@
+"""Coefficient of determination."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Self
+
+import torch
+from torch import Tensor
+
+from sidestream.metrics.regression._paired import MultiOutput, PairedRegressionMetric
+
+__all__ = ["R2ScoreMetric"]
+
+
+class R2ScoreMetric(PairedRegressionMetric):
+    """``1 - SSE / SST`` with ``SST = sum (y - mean y)^2``, from float64 sums.
+
+    State per output: the squared-error sum, and ``sum(y - s)``, ``sum((y - s)^2)`` of the
+    target shifted by ``shift`` ``s``; ``SST = sum((y-s)^2) - sum(y-s)^2 / n``. Shifting
+    changes nothing mathematically but removes the cancellation of the one-pass formula: its
+    relative error is about ``1e-16 * (mean(y) - s)^2 / var(y)``, so leave ``shift`` at 0 for
+    targets whose mean is within a few thousand standard deviations of 0, and pass a rough
+    mean otherwise (it must be the same on every rank).
+
+    A constant target (``SST == 0``) gives NaN (scikit-learn returns 1.0 or 0.0 there).
+
+    Args:
+        num_outputs: 1, or ``D`` for ``(N, D)`` inputs.
+        multioutput: ``uniform_average`` or ``raw_values`` (with ``D > 1``).
+        shift: A scalar or one value per output subtracted from the target before summing.
+
+    Example:
+        >>> metric = R2ScoreMetric()
+        >>> metric.update(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.5, 2.5]))
+        >>> metric.compute()
+        tensor(0.6667, dtype=torch.float64)
+    """
+
+    def __init__(
+        self,
+        num_outputs: int = 1,
+        multioutput: MultiOutput = "uniform_average",
+        shift: float | Sequence[float] = 0.0,
+    ) -> None:
+        super().__init__(num_outputs, multioutput)
+        self._shift = shift_vector("shift", shift, num_outputs)
+        self._squared_error = self._sum_state()
+        self._target_sum = self._sum_state()
+        self._target_squares = self._sum_state()
+
+    def update(self, preds: Tensor | float, target: Tensor | float) -> None:
+        """Add predictions and targets of the same shape (``(N, D)`` with ``D`` outputs).
+
+        Raises:
+            TypeError: If ``preds`` is not floating point.
+            ValueError: On a shape mismatch, or (CPU) a non-finite value; CUDA drops such a
+                batch and counts it in ``rejected_updates``.
+        """
+        preds_64, target_64, keep = self._pairs(preds, target)
+        shifted = target_64 - self._shift
+        if keep is not None:
+            shifted = torch.where(keep, shifted, 0.0)
+        self._squared_error.accumulate((preds_64 - target_64).square().sum(0))
+        self._target_sum.accumulate(shifted.sum(0))
+        self._target_squares.accumulate(shifted.square().sum(0))
+
+    def to(self, device: torch.device | str) -> Self:
+        """Move the state and the shift to ``device`` and return ``self``."""
+        self._shift = self._shift.to(device)
+        return super().to(device)
+
+    def compute(self) -> Tensor:
+        """R² per output then averaged; NaN over no data or for a constant target."""
+        count = self._count.value
+        total = self._target_squares.value - self._target_sum.value.square() / count
+        return self._finish(1.0 - self._squared_error.value / total)
+
+
+def shift_vector(argument: str, shift: float | Sequence[float], outputs: int) -> Tensor:
+    """``shift`` as a float64 ``(outputs,)`` vector; raises naming ``argument`` on a bad size."""
+    vector = torch.as_tensor(shift, dtype=torch.float64).reshape(-1)
+    if vector.numel() == 1:
+        return vector.expand(outputs).clone()
+    if vector.numel() != outputs:
+        raise ValueError(
+            f"{argument}: expected a scalar or {outputs} values (num_outputs), got {vector.numel()}"
+        )
+    return vector

@@ -1,0 +1,121 @@
+"""CUDA only: every ranking, regression and language metric updates without a host sync.
+
+Each metric gets a valid batch and a bad one under ``torch.cuda.set_sync_debug_mode("error")``;
+the bad batch must be dropped on the device and counted, and the result must equal the CPU
+metric fed the valid batch only. Skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from sidestream.metrics.classification import (
+    BinaryAUROCMetric,
+    BinaryAveragePrecisionMetric,
+    BinaryCalibrationErrorMetric,
+    MulticlassAUROCMetric,
+    MulticlassAveragePrecisionMetric,
+    MulticlassCalibrationErrorMetric,
+    MultilabelAUROCMetric,
+    MultilabelAveragePrecisionMetric,
+)
+from sidestream.metrics.language import PerplexityMetric, TokenAccuracyMetric
+from sidestream.metrics.regression import (
+    MeanAbsoluteErrorMetric,
+    MeanSquaredErrorMetric,
+    PearsonCorrelationMetric,
+    R2ScoreMetric,
+    RootMeanSquaredErrorMetric,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+C = 5
+
+
+def _cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], dict[str, Any]]]:
+    """(name, factory, valid kwargs, bad kwargs) on the CPU."""
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    scores = torch.rand(n, generator=g)
+    binary = torch.randint(0, 2, (n,), generator=g)
+    probs = torch.softmax(torch.randn(n, C, generator=g), dim=1)
+    labels = torch.randint(0, C, (n,), generator=g)
+    label_matrix = torch.randint(0, 2, (n, C), generator=g)
+    preds, target = torch.randn(n, 2, generator=g), torch.randn(n, 2, generator=g)
+    logits = torch.randn(4, 16, 50, generator=g)
+    tokens = torch.randint(0, 50, (4, 16), generator=g)
+    tokens[:, -3:] = -100
+    bad_tokens = tokens.clone()
+    bad_tokens[0, 0] = 50
+    bad_scores = scores.clone()
+    bad_scores[7] = 1.5
+    bad_preds = preds.clone()
+    bad_preds[3, 1] = float("nan")
+    bin_ok = {"preds": scores, "target": binary}
+    bin_bad = {"preds": bad_scores, "target": binary}
+    mc_ok = {"preds": probs, "target": labels}
+    mc_bad = {"preds": probs, "target": torch.where(labels == 0, C, labels)}
+    ml_ok = {"preds": probs, "target": label_matrix}
+    ml_bad = {"preds": probs, "target": label_matrix * 2}
+    reg_ok = {"preds": preds, "target": target}
+    reg_bad = {"preds": bad_preds, "target": target}
+    lm_ok = {"logits": logits, "target": tokens}
+    lm_bad = {"logits": logits, "target": bad_tokens}
+    losses = torch.rand(64, generator=g)
+    loss_ok = {"losses": losses, "weights": torch.randint(0, 3, (64,), generator=g)}
+    loss_bad = {"losses": losses, "weights": -torch.ones(64)}
+    return [
+        ("auroc", lambda: BinaryAUROCMetric(), bin_ok, bin_bad),
+        ("ap", lambda: BinaryAveragePrecisionMetric(), bin_ok, bin_bad),
+        ("ece", lambda: BinaryCalibrationErrorMetric(), bin_ok, bin_bad),
+        ("mc_auroc", lambda: MulticlassAUROCMetric(C, average="weighted"), mc_ok, mc_bad),
+        ("mc_ap", lambda: MulticlassAveragePrecisionMetric(C), mc_ok, mc_bad),
+        ("mc_ece", lambda: MulticlassCalibrationErrorMetric(C), mc_ok, mc_bad),
+        ("ml_auroc", lambda: MultilabelAUROCMetric(C), ml_ok, ml_bad),
+        ("ml_ap", lambda: MultilabelAveragePrecisionMetric(C, average="none"), ml_ok, ml_bad),
+        ("mse", lambda: MeanSquaredErrorMetric(2), reg_ok, reg_bad),
+        ("rmse", lambda: RootMeanSquaredErrorMetric(2), reg_ok, reg_bad),
+        ("mae", lambda: MeanAbsoluteErrorMetric(2), reg_ok, reg_bad),
+        ("r2", lambda: R2ScoreMetric(2, shift=0.5), reg_ok, reg_bad),
+        ("pearson", lambda: PearsonCorrelationMetric(2, shift=[0.1, 0.2]), reg_ok, reg_bad),
+        ("perplexity", lambda: PerplexityMetric(), lm_ok, lm_bad),
+        ("perplexity_losses", lambda: PerplexityMetric(), loss_ok, loss_bad),
+        ("token_accuracy", lambda: TokenAccuracyMetric(), lm_ok, lm_bad),
+    ]
+
+
+def test_every_update_is_sync_free_and_drops_bad_batches() -> None:
+    cases = _cases()
+    on_gpu = []
+    for name, factory, ok, bad in cases:
+        metric = factory().to("cuda")
+        ok_cuda = {k: v.cuda() for k, v in ok.items()}
+        bad_cuda = {k: v.cuda() for k, v in bad.items()}
+        on_gpu.append((name, metric, ok_cuda, bad_cuda))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _, metric, ok_cuda, bad_cuda in on_gpu:
+            metric.update(**ok_cuda)
+            metric.update(**bad_cuda)
+            metric.update(**ok_cuda)
+        # A Python-number weight must not copy to the device either.
+        on_gpu[-2][1].update(losses=on_gpu[-2][2]["losses"], weights=0.0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for (name, factory, ok, _), (_, metric, _, _) in zip(cases, on_gpu, strict=True):
+        reference = factory()
+        reference.update(**ok)
+        reference.update(**ok)
+        assert metric.rejected_updates.item() == 1, name
+        assert torch.allclose(
+            metric.compute().cpu(), reference.compute(), rtol=1e-6, atol=1e-9, equal_nan=True
+        ), name

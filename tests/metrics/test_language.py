@@ -1,0 +1,146 @@
+"""Perplexity and token accuracy against cross_entropy on the concatenated data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from sidestream.metrics.language import PerplexityMetric, TokenAccuracyMetric
+from sidestream.testing import DistributedPool
+
+VOCAB = 11
+
+
+def _shard(seed: int, batch: int, seq: int = 9) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, seq, VOCAB, generator=generator, dtype=torch.float64) * 2
+    target = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+    padding = torch.rand(batch, seq, generator=generator) < 0.25
+    target = torch.where(padding, -100, target)
+    return {"logits": logits, "target": target}
+
+
+def _shards(seed: int, world_size: int) -> list[dict[str, torch.Tensor]]:
+    sizes = np.random.default_rng(seed).integers(1, 20, size=world_size)
+    if world_size > 1:
+        sizes[-1] = 0
+    return [_shard(seed * 10 + r, int(s)) for r, s in enumerate(sizes)]
+
+
+def _concat(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+
+
+def _reference(data: dict[str, torch.Tensor]) -> tuple[float, float]:
+    logits, target = data["logits"].reshape(-1, VOCAB), data["target"].reshape(-1)
+    nll = F.cross_entropy(logits, target, ignore_index=-100)  # mean over counted tokens
+    counted = target != -100
+    accuracy = (logits.argmax(-1) == target)[counted].double().mean()
+    return math.exp(nll.item()), accuracy.item()
+
+
+def _feed(data: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
+    from_logits, from_losses = PerplexityMetric(), PerplexityMetric()
+    accuracy = TokenAccuracyMetric(vocab_size=VOCAB)
+    logits, target = data["logits"].to(dtype), data["target"]
+    half = len(target) // 2
+    for part in (slice(0, half), slice(half, None)):
+        from_logits.update(logits[part], target[part])
+        accuracy.update(logits[part], target[part])
+        weights = (target[part] != -100).to(torch.int64)
+        safe = torch.where(weights.bool(), target[part], 0)
+        losses = F.cross_entropy(
+            logits[part].reshape(-1, VOCAB).double(), safe.reshape(-1), reduction="none"
+        )
+        from_losses.update(losses=losses, weights=weights.reshape(-1))
+    metrics = {"logits": from_logits, "losses": from_losses, "accuracy": accuracy}
+    if dist.is_initialized():
+        for metric in metrics.values():
+            metric.sync()
+    return {name: metric.compute().item() for name, metric in metrics.items()}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_single_process_matches_cross_entropy(seed: int, dtype: torch.dtype) -> None:
+    data = _shard(seed, 3 + 5 * seed)
+    perplexity, accuracy = _reference(data)
+    values = _feed(data, dtype)
+    rel = 1e-12 if dtype == torch.float64 else 1e-5
+    assert values["logits"] == pytest.approx(perplexity, rel=rel)
+    assert values["losses"] == pytest.approx(
+        perplexity, rel=1e-12 if dtype == torch.float64 else 1e-5
+    )
+    assert values["accuracy"] == pytest.approx(accuracy, abs=1e-15)
+
+
+def test_low_precision_logits() -> None:
+    data = _shard(4, 6)
+    data["logits"] = data["logits"].to(torch.bfloat16).double()  # the reference sees bf16 values
+    perplexity, accuracy = _reference(data)
+    values = _feed(data, torch.bfloat16)
+    assert values["logits"] == pytest.approx(perplexity, rel=1e-5)
+    assert values["accuracy"] == pytest.approx(accuracy, abs=1e-15)
+
+
+def test_ignore_index_inside_the_vocabulary_and_none() -> None:
+    data = _shard(5, 4)
+    target = torch.where(data["target"] == -100, 0, data["target"])  # pad id 0, in vocab
+    metric = PerplexityMetric(ignore_index=0)
+    metric.update(data["logits"], target)
+    expected = F.cross_entropy(
+        data["logits"].reshape(-1, VOCAB), target.reshape(-1), ignore_index=0
+    )
+    assert metric.compute().item() == pytest.approx(math.exp(expected.item()), rel=1e-12)
+    every = TokenAccuracyMetric(ignore_index=None)
+    every.update(data["logits"], target)
+    assert every.compute().item() == pytest.approx(
+        (data["logits"].argmax(-1) == target).double().mean().item(), abs=1e-15
+    )
+
+
+def _synced(seeds: list[int]) -> list[dict[str, float]]:
+    return [
+        _feed(_shards(seed, dist.get_world_size())[dist.get_rank()], torch.float64)
+        for seed in seeds
+    ]
+
+
+def test_distributed_matches_cross_entropy_on_all_shards(dist_pool: DistributedPool) -> None:
+    seeds = [8, 9, 10]
+    per_rank = dist_pool.run(_synced, seeds)
+    for i, seed in enumerate(seeds):
+        perplexity, accuracy = _reference(_concat(_shards(seed, dist_pool.world_size)))
+        for values in per_rank:
+            assert values[i]["logits"] == pytest.approx(perplexity, rel=1e-12)
+            assert values[i]["losses"] == pytest.approx(perplexity, rel=1e-12)
+            assert values[i]["accuracy"] == pytest.approx(accuracy, abs=1e-15)
+
+
+def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
+    perplexity, accuracy = PerplexityMetric(vocab_size=VOCAB), TokenAccuracyMetric()
+    logits = torch.randn(2, 3, VOCAB)
+    for metric in (perplexity, accuracy):
+        with pytest.raises(ValueError, match="target"):
+            metric.update(logits, torch.tensor([[0, 1, VOCAB], [0, 0, 0]]))
+        with pytest.raises(ValueError, match="target"):
+            metric.update(logits, torch.tensor([[0, 1, -5], [0, 0, 0]]))
+        with pytest.raises(ValueError, match="logits"):
+            metric.update(logits, torch.zeros(2, 4, dtype=torch.int64))
+        with pytest.raises(TypeError, match="target"):
+            metric.update(logits, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="vocab_size=11"):
+        perplexity.update(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="weights"):
+        perplexity.update(losses=torch.ones(3), weights=torch.tensor([1.0, -1.0, 1.0]))
+    with pytest.raises(ValueError, match="losses"):
+        perplexity.update(losses=torch.tensor([1.0, float("nan")]))
+    with pytest.raises(TypeError, match="either"):
+        perplexity.update(logits, losses=torch.ones(3))
+    assert torch.isnan(perplexity.compute()) and torch.isnan(accuracy.compute())
+    assert perplexity.state_dict()["tokens"].item() == 0

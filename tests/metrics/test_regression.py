@@ -1,0 +1,162 @@
+"""Regression metrics against scikit-learn and scipy, in one process and on gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from scipy.stats import pearsonr
+from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
+
+from sidestream.metrics.regression import (
+    MeanAbsoluteErrorMetric,
+    MeanSquaredErrorMetric,
+    PearsonCorrelationMetric,
+    R2ScoreMetric,
+    RootMeanSquaredErrorMetric,
+)
+from sidestream.testing import DistributedPool
+
+OUTPUTS = 3
+
+
+def _shard(seed: int, size: int, outputs: int, offset: float = 0.0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (size,) if outputs == 1 else (size, outputs)
+    target = offset + rng.normal(scale=2.0, size=shape)
+    preds = target + rng.normal(scale=1.0, size=shape)
+    return {"preds": preds.astype(np.float32), "target": target.astype(np.float32)}
+
+
+def _shards(seed: int, world_size: int, outputs: int) -> list[dict[str, np.ndarray]]:
+    sizes = np.random.default_rng(seed + 500).integers(3, 300, size=world_size)
+    if world_size > 1:
+        sizes[-1] = 0
+    return [_shard(seed * 10 + r, int(s), outputs) for r, s in enumerate(sizes)]
+
+
+def _metrics(outputs: int) -> dict[str, Any]:
+    raw = "raw_values"
+    return {
+        "mse": MeanSquaredErrorMetric(outputs),
+        "rmse": RootMeanSquaredErrorMetric(outputs),
+        "mae": MeanAbsoluteErrorMetric(outputs),
+        "r2": R2ScoreMetric(outputs),
+        "pearson": PearsonCorrelationMetric(outputs),
+        "mse_raw": MeanSquaredErrorMetric(outputs, multioutput=raw),
+        "r2_raw": R2ScoreMetric(outputs, multioutput=raw),
+        "pearson_raw": PearsonCorrelationMetric(outputs, multioutput=raw),
+    }
+
+
+def _feed(metrics: dict[str, Any], data: dict[str, np.ndarray]) -> None:
+    n = len(data["preds"])
+    for a, b in ((0, n // 3), (n // 3, n // 3), (n // 3, n)):  # includes an empty batch
+        preds, target = torch.from_numpy(data["preds"][a:b]), torch.from_numpy(data["target"][a:b])
+        for metric in metrics.values():
+            metric.update(preds, target)
+
+
+def _values(metrics: dict[str, Any]) -> dict[str, list[float]]:
+    return {name: m.compute().reshape(-1).tolist() for name, m in metrics.items()}
+
+
+def _references(data: dict[str, np.ndarray]) -> dict[str, list[float]]:
+    p, t = data["preds"].astype(np.float64), data["target"].astype(np.float64)
+    p2, t2 = p.reshape(len(p), -1), t.reshape(len(t), -1)
+    pearson = [pearsonr(p2[:, j], t2[:, j]).statistic for j in range(p2.shape[1])]
+    raw = "raw_values"
+    mse_raw = mean_squared_error(t2, p2, multioutput=raw)
+    return {
+        "mse": [mean_squared_error(t, p)],
+        "rmse": [float(np.mean(np.sqrt(mse_raw)))],
+        "mae": [mean_absolute_error(t, p)],
+        "r2": [r2_score(t, p)],
+        "pearson": [float(np.mean(pearson))],
+        "mse_raw": list(mse_raw),
+        "r2_raw": list(r2_score(t2, p2, multioutput=raw)),
+        "pearson_raw": pearson,
+    }
+
+
+def _check(values: dict[str, list[float]], data: dict[str, np.ndarray]) -> None:
+    for name, expected in _references(data).items():
+        assert values[name] == pytest.approx(expected, rel=1e-9, abs=1e-12), name
+
+
+@pytest.mark.parametrize("outputs", [1, OUTPUTS])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_single_process_matches_sklearn_and_scipy(seed: int, outputs: int) -> None:
+    data = _shard(seed, 50 + 200 * seed, outputs)
+    metrics = _metrics(outputs)
+    _feed(metrics, data)
+    _check(_values(metrics), data)
+
+
+def test_any_input_shape_with_one_output() -> None:
+    data = _shard(4, 60, 1)
+    metric = MeanSquaredErrorMetric()
+    metric.update(
+        torch.from_numpy(data["preds"]).reshape(3, 4, 5),
+        torch.from_numpy(data["target"]).reshape(3, 4, 5),
+    )
+    assert metric.compute().item() == pytest.approx(
+        mean_squared_error(data["target"].astype(float), data["preds"].astype(float)), rel=1e-12
+    )
+
+
+def test_shift_keeps_r2_and_pearson_accurate_far_from_zero() -> None:
+    data = _shard(6, 2000, 1, offset=1e7)
+    p, t = torch.from_numpy(data["preds"]).double(), torch.from_numpy(data["target"]).double()
+    r2, pearson = R2ScoreMetric(shift=1e7), PearsonCorrelationMetric(shift=1e7)
+    r2.update(p, t)
+    pearson.update(p, t)
+    p64, t64 = p.numpy(), t.numpy()
+    assert r2.compute().item() == pytest.approx(r2_score(t64, p64), rel=1e-9)
+    assert pearson.compute().item() == pytest.approx(pearsonr(p64, t64).statistic, rel=1e-9)
+
+
+def _synced(seeds: list[int], outputs: int) -> list[dict[str, list[float]]]:
+    out = []
+    for seed in seeds:
+        shard = _shards(seed, dist.get_world_size(), outputs)[dist.get_rank()]
+        metrics = _metrics(outputs)
+        _feed(metrics, shard)
+        for metric in metrics.values():
+            metric.sync()
+        out.append(_values(metrics))
+    return out
+
+
+@pytest.mark.parametrize("outputs", [1, OUTPUTS])
+def test_distributed_matches_sklearn_on_all_shards(
+    dist_pool: DistributedPool, outputs: int
+) -> None:
+    seeds = [3, 4, 5]
+    per_rank = dist_pool.run(_synced, seeds, outputs)
+    for i, seed in enumerate(seeds):
+        shards = _shards(seed, dist_pool.world_size, outputs)
+        everything = {k: np.concatenate([s[k] for s in shards]) for k in shards[0]}
+        for values in per_rank:
+            _check(values[i], everything)
+
+
+def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
+    metric = R2ScoreMetric(num_outputs=2)
+    with pytest.raises(ValueError, match=r"preds.*num_outputs=2"):
+        metric.update(torch.zeros(4, 3), torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="target"):
+        metric.update(torch.zeros(4, 2), torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="preds"):
+        metric.update(torch.tensor([[0.0, float("inf")]]), torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="target"):
+        metric.update(torch.zeros(1, 2), torch.tensor([[0.0, float("nan")]]))
+    with pytest.raises(TypeError, match="preds"):
+        metric.update(torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="shift"):
+        R2ScoreMetric(num_outputs=2, shift=[1.0, 2.0, 3.0])
+    assert all(float(t.abs().sum()) == 0 for t in metric.state_dict().values())
+    assert torch.isnan(metric.compute())
