@@ -21,7 +21,7 @@ INTEGRATIONS = [
     "integrations/sidestream-mlflow",
     "integrations/sidestream-tensorboard",
 ]
-TEST_REQUIREMENTS = ["pytest>=8", "pytest-timeout", "numpy", "scikit-learn"]
+TEST_REQUIREMENTS = ["pytest>=8", "pytest-timeout", "numpy", "scikit-learn", "scipy"]
 
 
 def _install_project(session: nox.Session, *extra: str, integrations: bool = True) -> None:
