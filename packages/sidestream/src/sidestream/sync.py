@@ -71,23 +71,70 @@ class _GroupEntries:
     entries: list[_Entry] = field(default_factory=list)
 
 
+@dataclass
+class _Segment:
+    """Every state of one (dtype, op) class, laid out back to back in a staging buffer."""
+
+    dtype: torch.dtype
+    op: ReduceOp
+    entries: list[_Entry]
+    numel: int
+
+    @property
+    def integral(self) -> bool:
+        return not (self.dtype.is_floating_point or self.dtype.is_complex)
+
+    def flat_local(self) -> Tensor:
+        return torch.cat([e.accumulator.local.reshape(-1) for e in self.entries])
+
+    def hand_out(self, result: Tensor) -> None:
+        """Give each state its slice of ``result`` (this segment's reduced values)."""
+        offset = 0
+        for entry in self.entries:
+            local = entry.accumulator.local
+            entry.receive(result[offset : offset + local.numel()].view(local.shape))
+            offset += local.numel()
+
+
+def _segments(entries: list[_Entry]) -> list[_Segment]:
+    """Group states by (dtype, op) in first-appearance order: the same on every rank."""
+    classes: dict[tuple[torch.dtype, ReduceOp], _Segment] = {}
+    for entry in entries:
+        local = entry.accumulator.local
+        key = (local.dtype, entry.accumulator.op)
+        segment = classes.get(key)
+        if segment is None:
+            segment = classes[key] = _Segment(local.dtype, entry.accumulator.op, [], 0)
+        segment.entries.append(entry)
+        segment.numel += local.numel()
+    return list(classes.values())
+
+
+class _Scope:
+    __slots__ = ("_name", "_token")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __enter__(self) -> None:
+        self._token = _scope.set((*_scope.get(), self._name))
+
+    def __exit__(self, *exc: object) -> None:
+        _scope.reset(self._token)
+
+
 _scope: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     "sidestream_state_scope", default=()
 )
 
 
-@contextlib.contextmanager
-def state_name(name: str) -> Iterator[None]:
-    """Name the accumulators reduced inside the block (nested names join with ``.``).
+def state_name(name: str) -> contextlib.AbstractContextManager[None]:
+    """Name the accumulators reduced inside the ``with`` block (nested names join with ``.``).
 
     Only used to say which state differs when ranks disagree; ``Metric.sync`` names each
     accumulator by its dotted attribute path.
     """
-    token = _scope.set((*_scope.get(), name))
-    try:
-        yield
-    finally:
-        _scope.reset(token)
+    return _Scope(name)
 
 
 @dataclass
@@ -97,6 +144,7 @@ class SyncBatch:
     async_op: bool = False
     works: list[dist.Work] = field(default_factory=list)
     _groups: dict[int, _GroupEntries] = field(default_factory=dict)
+    _resolved: dict[int, tuple[Any, dist.ProcessGroup | None, int]] = field(default_factory=dict)
     _finishers: list[Callable[[], None]] = field(default_factory=list)
 
     def add(
@@ -110,14 +158,19 @@ class SyncBatch:
         The tensor handed to ``receive`` holds the reduced state once the batch is flushed (with
         ``async_op``, once ``wait`` returned; on CUDA, once the current stream passed ``wait``).
         """
-        process_group = resolve_group(group)
-        size = group_size(process_group)
+        resolved = self._resolved.get(id(group))
+        if resolved is None or resolved[0] is not group:
+            process_group = resolve_group(group)
+            resolved = self._resolved[id(group)] = (group, process_group, group_size(process_group))
+        _, process_group, size = resolved
         if size == 1:
             # Nothing to reduce with: the local state is already the global one.
             receive(accumulator.local.clone())
             return
+        slot = self._groups.get(id(process_group))
+        if slot is None:
+            slot = self._groups[id(process_group)] = _GroupEntries(process_group, size)
         scope = _scope.get()
-        slot = self._groups.setdefault(id(process_group), _GroupEntries(process_group, size))
         name = ".".join(scope) if scope else f"#{len(slot.entries)}"
         slot.entries.append(_Entry(name, accumulator, receive))
 
@@ -133,14 +186,17 @@ class SyncBatch:
             _check_structure(slot)
             by_device: dict[torch.device, list[_Entry]] = {}
             for entry in slot.entries:
-                by_device.setdefault(entry.accumulator.local.device, []).append(entry)
+                if entry.accumulator.local.numel() == 0:
+                    entry.receive(entry.accumulator.local.clone())
+                else:
+                    by_device.setdefault(entry.accumulator.local.device, []).append(entry)
             for entries in by_device.values():
-                live = [e for e in entries if e.accumulator.local.numel() > 0]
-                for entry in entries:
-                    if entry.accumulator.local.numel() == 0:
-                        entry.receive(entry.accumulator.local.clone())
-                if live:
-                    self._reduce(live, slot.group, slot.size)
+                segments = _segments(entries)
+                packed = sum(_padded_bytes(s) for s in segments)
+                if packed * slot.size <= GATHER_LIMIT_BYTES:
+                    self._gather(segments, slot.group, slot.size, packed)
+                else:
+                    self._all_reduce(segments, slot.group)
         if not self.async_op:
             self._finish()
 
@@ -164,129 +220,115 @@ class SyncBatch:
         if work is not None:
             self.works.append(work)
 
-    def _reduce(self, entries: list[_Entry], group: dist.ProcessGroup | None, size: int) -> None:
-        packed = sum(_padded_bytes(e.accumulator.local) for e in entries)
-        if packed * size <= GATHER_LIMIT_BYTES:
-            self._gather(entries, group, size, packed)
-        else:
-            self._all_reduce(entries, group)
-
     def _gather(
-        self, entries: list[_Entry], group: dist.ProcessGroup | None, size: int, packed: int
+        self,
+        segments: list[_Segment],
+        group: dist.ProcessGroup | None,
+        size: int,
+        packed: int,
     ) -> None:
-        device = entries[0].accumulator.local.device
-        staged = torch.zeros(packed, dtype=torch.uint8, device=device)
-        offsets = []
-        offset = 0
-        for entry in entries:
-            local = entry.accumulator.local
-            flat_bytes = local.reshape(-1).view(torch.uint8)
-            staged[offset : offset + flat_bytes.numel()].copy_(flat_bytes)
-            offsets.append(offset)
-            offset += _padded_bytes(local)
+        device = segments[0].entries[0].accumulator.local.device
+        parts = []
+        for segment in segments:
+            parts.append(segment.flat_local().view(torch.uint8))
+            padding = _padded_bytes(segment) - parts[-1].numel()
+            if padding:
+                parts.append(torch.zeros(padding, dtype=torch.uint8, device=device))
+        staged = torch.cat(parts)
         gathered = torch.empty(size * packed, dtype=torch.uint8, device=device)
         self._start(_all_gather_single(gathered, staged, group, self.async_op))
         rows = gathered.view(size, packed)
-        outputs = [torch.empty_like(e.accumulator.local) for e in entries]
+        plan = []
+        start = 0
+        for segment in segments:
+            result = torch.empty(segment.numel, dtype=segment.dtype, device=device)
+            plan.append((segment, start, result))
+            segment.hand_out(result)
+            start += _padded_bytes(segment)
 
         def finish() -> None:
-            for entry, start, out in zip(entries, offsets, outputs, strict=True):
-                local = entry.accumulator.local
-                nbytes = local.numel() * local.element_size()
-                per_rank = rows[:, start : start + nbytes].view(local.dtype)
-                out.copy_(_reduce_rows(per_rank, entry.accumulator.op).view(local.shape))
+            for segment, begin, result in plan:
+                nbytes = segment.numel * result.element_size()
+                per_rank = rows[:, begin : begin + nbytes].view(segment.dtype)
+                result.copy_(_reduce_rows(per_rank, segment.op))
 
         self._finishers.append(finish)
-        for entry, out in zip(entries, outputs, strict=True):
-            entry.receive(out)
 
-    def _all_reduce(self, entries: list[_Entry], group: dist.ProcessGroup | None) -> None:
-        device = entries[0].accumulator.local.device
-        plans: dict[str, list[tuple[_Entry, int]]] = {"sum": [], "max": [], "int_max": []}
-        sizes = {"sum": 0, "max": 0, "int_max": 0}
-        for entry in entries:
-            kind, width = _buffer_kind(entry.accumulator)
-            plans[kind].append((entry, sizes[kind]))
-            sizes[kind] += width * entry.accumulator.local.numel()
-        buffers = {
-            kind: torch.empty(
-                sizes[kind],
-                dtype=torch.int64 if kind == "int_max" else torch.float64,
-                device=device,
-            )
-            for kind in plans
-            if sizes[kind]
-        }
-        for kind, buffer in buffers.items():
-            for entry, start in plans[kind]:
-                _stage(entry.accumulator, buffer, start)
+    def _all_reduce(self, segments: list[_Segment], group: dist.ProcessGroup | None) -> None:
+        device = segments[0].entries[0].accumulator.local.device
+        layout: dict[str, list[tuple[_Segment, int]]] = {"sum": [], "max": [], "int_max": []}
+        sizes = dict.fromkeys(layout, 0)
+        for segment in segments:
+            kind, width = _buffer_kind(segment)
+            layout[kind].append((segment, sizes[kind]))
+            sizes[kind] += width * segment.numel
+        unpack: list[tuple[_Segment, Tensor, Tensor]] = []
+        for kind, placed in layout.items():
+            if not placed:
+                continue
+            wide = torch.int64 if kind == "int_max" else torch.float64
+            buffer = torch.empty(sizes[kind], dtype=wide, device=device)
+            for segment, start in placed:
+                width = 2 if kind == "sum" and segment.integral else 1
+                view = buffer[start : start + width * segment.numel]
+                _stage(segment, view)
+                if segment.dtype == wide and segment.op is not ReduceOp.MIN:
+                    segment.hand_out(view)  # reduced in place: no unpacking
+                else:
+                    result = torch.empty(segment.numel, dtype=segment.dtype, device=device)
+                    unpack.append((segment, view, result))
+                    segment.hand_out(result)
             op = dist.ReduceOp.SUM if kind == "sum" else dist.ReduceOp.MAX
             self._start(dist.all_reduce(buffer, op=op, group=group, async_op=self.async_op))
-        outputs: list[tuple[_Entry, Tensor, Tensor, int]] = []
-        for kind, buffer in buffers.items():
-            for entry, start in plans[kind]:
-                outputs.append((entry, torch.empty_like(entry.accumulator.local), buffer, start))
 
         def finish() -> None:
-            for entry, out, buffer, start in outputs:
-                _unstage(entry.accumulator, buffer, start, out)
+            for segment, view, result in unpack:
+                _unstage(segment, view, result)
 
-        self._finishers.append(finish)
-        for entry, out, _, _ in outputs:
-            entry.receive(out)
+        if unpack:
+            self._finishers.append(finish)
 
 
-def _padded_bytes(tensor: Tensor) -> int:
-    nbytes = tensor.numel() * tensor.element_size()
+def _padded_bytes(segment: _Segment) -> int:
+    nbytes = segment.numel * segment.dtype.itemsize
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _is_integral(tensor: Tensor) -> bool:
-    return not (tensor.is_floating_point() or tensor.is_complex())
+def _buffer_kind(segment: _Segment) -> tuple[str, int]:
+    """Which all_reduce buffer a segment rides in, and how many slots per element it takes."""
+    if segment.op is ReduceOp.SUM:
+        return "sum", 2 if segment.integral else 1  # integers as two exact 32-bit halves
+    return ("int_max" if segment.integral else "max"), 1
 
 
-def _buffer_kind(accumulator: MetricAccumulator) -> tuple[str, int]:
-    """Which all_reduce buffer a state rides in, and how many slots per element it takes."""
-    integral = _is_integral(accumulator.local)
-    if accumulator.op is ReduceOp.SUM:
-        return "sum", 2 if integral else 1  # integers as two exact 32-bit halves
-    return ("int_max" if integral else "max"), 1
-
-
-def _stage(accumulator: MetricAccumulator, buffer: Tensor, start: int) -> None:
-    local = accumulator.local.reshape(-1)
-    n = local.numel()
-    if _is_integral(local):
+def _stage(segment: _Segment, view: Tensor) -> None:
+    local = segment.flat_local()
+    n = segment.numel
+    if segment.integral:
         wide = local.to(torch.int64)
-        if accumulator.op is ReduceOp.SUM:
-            buffer[start : start + n].copy_(wide >> 32)
-            buffer[start + n : start + 2 * n].copy_(wide & _LOW_BITS)
-        elif accumulator.op is ReduceOp.MIN:
-            torch.bitwise_not(wide, out=buffer[start : start + n])  # MIN as MAX, overflow-free
+        if segment.op is ReduceOp.SUM:
+            view[:n].copy_(wide >> 32)
+            view[n:].copy_(wide & _LOW_BITS)
+        elif segment.op is ReduceOp.MIN:
+            torch.bitwise_not(wide, out=view)  # MIN as MAX, overflow-free
         else:
-            buffer[start : start + n].copy_(wide)
-    elif accumulator.op is ReduceOp.MIN:
-        torch.neg(local.to(torch.float64), out=buffer[start : start + n])
+            view.copy_(wide)
+    elif segment.op is ReduceOp.MIN:
+        torch.neg(local.to(view.dtype), out=view)
     else:
-        buffer[start : start + n].copy_(local)
+        view.copy_(local)
 
 
-def _unstage(accumulator: MetricAccumulator, buffer: Tensor, start: int, out: Tensor) -> None:
-    n = out.numel()
-    flat = out.view(-1)
-    if _is_integral(out):
-        if accumulator.op is ReduceOp.SUM:
-            high = buffer[start : start + n].to(torch.int64)
-            low = buffer[start + n : start + 2 * n].to(torch.int64)
-            flat.copy_((high << 32) + low)
-        elif accumulator.op is ReduceOp.MIN:
-            flat.copy_(torch.bitwise_not(buffer[start : start + n]))
-        else:
-            flat.copy_(buffer[start : start + n])
-    elif accumulator.op is ReduceOp.MIN:
-        flat.copy_(buffer[start : start + n].neg())
+def _unstage(segment: _Segment, view: Tensor, result: Tensor) -> None:
+    n = segment.numel
+    if segment.integral and segment.op is ReduceOp.SUM:
+        result.copy_((view[:n].to(torch.int64) << 32) + view[n:].to(torch.int64))
+    elif segment.integral and segment.op is ReduceOp.MIN:
+        result.copy_(torch.bitwise_not(view))
+    elif segment.op is ReduceOp.MIN:
+        result.copy_(view.neg())
     else:
-        flat.copy_(buffer[start : start + n])
+        result.copy_(view)
 
 
 def _reduce_rows(per_rank: Tensor, op: ReduceOp) -> Tensor:
@@ -410,5 +452,9 @@ def reduce_accumulator(
     accumulator: MetricAccumulator, group: Group, receive: Callable[[Tensor], None]
 ) -> None:
     """Reduce ``accumulator`` over ``group``, batched with the running coalesced sync if any."""
+    running = _current.get()
+    if running is not None:
+        running.add(accumulator, group, receive)
+        return
     with coalesced_sync() as batch:
         batch.add(accumulator, group, receive)
