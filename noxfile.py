@@ -64,7 +64,7 @@ def gpu(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks against peers; writes docs/benchmarks.md."""
     _install_project(session, "torchmetrics", "numpy", integrations=False)
-    session.run("python", "benchmarks/run.py", *session.posargs)
+    session.run("python", "-m", "benchmarks.run", *session.posargs)
 
 
 @nox.session(python=PYTHON)
