@@ -312,6 +312,10 @@ def _mesh_sync(seed: int) -> dict[str, Any]:
         out[f"{group_name} state_dict"] = {k: v.tolist() for k, v in saved.items()}
     with pytest.raises(ValueError, match="1-D DeviceMesh"):
         MeanMetric().sync(group=mesh)
+    whole_world = SumMetric()  # the mistake the mesh group avoids: replicas counted twice
+    feed("sum", whole_world, shard)
+    whole_world.sync()
+    out["world sum"] = float(whole_world.compute())
     return out
 
 
@@ -332,6 +336,7 @@ def test_device_mesh_dimension_does_not_count_replicas_twice(
                     assert values[name] == pytest.approx(expected, rel=1e-9, abs=1e-9), name
             assert calls.count("all_gather_single") == 2, calls
         assert result["dp mesh state_dict"] == per_rank[0]["dp mesh state_dict"]
+        assert result["world sum"] == pytest.approx(2 * CASES["sum"].reference(everything))
 
 
 class _Shaped(Metric[Tensor]):
