@@ -376,6 +376,26 @@ def _mismatches(token: str) -> dict[str, Any]:
             out[scenario] = "no error"
         except RankMismatchError as error:
             out[scenario] = str(error)
+    # check_only pays the structure check up front; the real sync then reduces with one gather.
+    name = f"checked_{token}"
+    checked = ComposeMetric({name: SumMetric()})
+    checked[name].update(torch.tensor([1.0]))
+    with counting_collectives() as check_calls, coalesced_sync(check_only=True):
+        checked.sync()
+    out["check_only untouched"] = all(a.synced is None for _, a in checked.named_accumulators())
+    with counting_collectives() as real_calls:
+        checked.sync()
+    out["check_only calls"] = (check_calls, real_calls, float(checked.compute()[name]))
+    layout = {"counts": ((4,), torch.int64, ReduceOp.SUM) if rank == odd else default}
+    mismatched = ComposeMetric(
+        {f"check_{token}": ComposeMetric({key: _Shaped(*spec) for key, spec in layout.items()})}
+    )
+    try:
+        with coalesced_sync(check_only=True):
+            mismatched.sync()
+        out["check_only mismatch"] = "no error"
+    except RankMismatchError as error:
+        out["check_only mismatch"] = str(error)
     # The group is still usable afterwards.
     healthy = SumMetric()
     healthy.update(torch.tensor([1.0]))
@@ -407,3 +427,6 @@ def test_rank_mismatch_raises_on_every_rank(dist_pool: DistributedPool) -> None:
         assert f"'{prefix.format('missing')}extra.state' exists on rank {odd}" in missing
         assert f"seen from rank {rank}" in shape
         assert result["after"] == world
+        assert result["check_only untouched"]
+        assert result["check_only calls"] == (["all_reduce"], ["all_gather_single"], world)
+        assert f"has shape (4,) on rank {odd}" in result["check_only mismatch"]

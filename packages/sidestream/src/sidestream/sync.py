@@ -17,7 +17,9 @@ The first sync of a given state structure (names, shapes, dtypes, ops) over a gr
 fixed-size fingerprint first (one extra, blocking all_reduce of two int64). When ranks disagree,
 every rank raises ``RankMismatchError`` naming the states that differ and on which ranks, instead
 of hanging in collectives of different sizes. Verified structures are cached, so later syncs pay
-nothing; structures must therefore change on every rank together.
+nothing; structures must therefore change on every rank together. ``coalesced_sync(
+check_only=True)`` runs only this check, so code that must not block later (the collector) can
+pay it up front.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class SyncBatch:
     """The accumulators collected by one ``coalesced_sync`` block, reduced together at its end."""
 
     async_op: bool = False
+    check_only: bool = False
     works: list[dist.Work] = field(default_factory=list)
     _groups: dict[int, _GroupEntries] = field(default_factory=dict)
     _resolved: dict[int, tuple[Any, dist.ProcessGroup | None, int]] = field(default_factory=dict)
@@ -164,6 +167,8 @@ class SyncBatch:
             resolved = self._resolved[id(group)] = (group, process_group, group_size(process_group))
         _, process_group, size = resolved
         if size == 1:
+            if self.check_only:
+                return
             # Nothing to reduce with: the local state is already the global one.
             receive(accumulator.local.clone())
             return
@@ -184,6 +189,8 @@ class SyncBatch:
         groups, self._groups = self._groups, {}
         for slot in groups.values():
             _check_structure(slot)
+            if self.check_only:
+                continue
             by_device: dict[torch.device, list[_Entry]] = {}
             for entry in slot.entries:
                 if entry.accumulator.local.numel() == 0:
@@ -425,7 +432,7 @@ _current: contextvars.ContextVar[SyncBatch | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def coalesced_sync(async_op: bool = False) -> Iterator[SyncBatch]:
+def coalesced_sync(async_op: bool = False, *, check_only: bool = False) -> Iterator[SyncBatch]:
     """Batch every accumulator reduction inside the block into as few collectives as possible.
 
     Nested blocks join the outermost one. On normal exit the batch is flushed; on an exception it
@@ -434,12 +441,16 @@ def coalesced_sync(async_op: bool = False) -> Iterator[SyncBatch]:
     Args:
         async_op: Start the collectives without waiting; call ``batch.wait()`` after the block
             before reading the results (the collector does this off the training thread).
+        check_only: Reduce nothing; only check, once per state structure, that every rank of
+            each group syncs the same states (a blocking collective, see the module docstring).
+            A later real sync of the same structure then skips the check, so it can run
+            without any host sync (for example at ``bind`` time, before the training loop).
     """
     outer = _current.get()
     if outer is not None:
         yield outer
         return
-    batch = SyncBatch(async_op=async_op)
+    batch = SyncBatch(async_op=async_op, check_only=check_only)
     token = _current.set(batch)
     try:
         yield batch
