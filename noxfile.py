@@ -73,7 +73,7 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks against peers; writes docs/benchmarks.md."""
     _install_project(session, "torchmetrics", "numpy", integrations=False)
-    session.run("python", "benchmarks/run.py", *session.posargs)
+    session.run("python", "-m", "benchmarks.run", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from sidestream._distributed import Group, group_rank, resolve_group
 from sidestream.state import MetricAccumulator
-from sidestream.sync import coalesced_sync
+from sidestream.sync import coalesced_sync, state_name
 
 __all__ = ["Metric"]
 
@@ -70,8 +70,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
         """
         self._sync_group = group
         with coalesced_sync():
-            for _, accumulator in self.named_accumulators():
-                accumulator.sync(group)
+            for name, accumulator in self.named_accumulators():
+                with state_name(name):
+                    accumulator.sync(group)
 
     def reset(self) -> None:
         """Return every state to its initial value (no communication)."""
@@ -101,7 +102,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
         reduced: dict[str, Any] = {}
         with coalesced_sync():
             for name, accumulator in self.named_accumulators():
-                accumulator.reduce_into(self._sync_group, _receiver(reduced, name))
+                with state_name(name):
+                    accumulator.reduce_into(self._sync_group, _receiver(reduced, name))
         return reduced
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from sidestream._distributed import Group
 from sidestream.metric import Metric
 from sidestream.state import MetricAccumulator
-from sidestream.sync import coalesced_sync
+from sidestream.sync import coalesced_sync, state_name
 
 __all__ = ["ComposeMetric"]
 
@@ -70,8 +70,9 @@ class ComposeMetric(Metric[dict[str, Any]]):
         """Sync every child in one coalesced batch of collectives."""
         self._sync_group = group
         with coalesced_sync():
-            for child in self._children.values():
-                child.sync(group)
+            for name, child in self._children.items():
+                with state_name(name):
+                    child.sync(group)
 
     def compute(self) -> dict[str, Any]:
         """``{name: child.compute()}``."""

@@ -1,0 +1,127 @@
+"""Checkpoints are world-size independent: save mid-window on 4 ranks, resume on 2, then on 1.
+
+The resumed run must continue to the numbers an uninterrupted single-process run gives on the
+same data (exactly for integer counts), and to a direct numpy computation on all of it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+from sidestream import ComposeMetric, Metric
+from sidestream.state import MetricAccumulator, ReduceOp
+from sidestream.testing import DistributedPool
+from tests.core.cases import CASES, Shard, concat, feed, make_shards
+
+NUM_CLASSES = 10
+
+
+class ClassCounts(Metric[Tensor]):
+    """Per-class label counts (int64) and the largest label seen: integer state of both ops."""
+
+    def __init__(self) -> None:
+        self._counts = MetricAccumulator(torch.zeros(NUM_CLASSES, dtype=torch.int64))
+        self._largest = MetricAccumulator(torch.tensor(-1), ReduceOp.MAX)
+
+    def update(self, labels: Tensor) -> None:
+        self._counts.scatter_add(labels, torch.ones_like(labels))
+        if labels.numel():
+            self._largest.accumulate(labels.max())
+
+    def compute(self) -> Tensor:
+        return torch.cat([self._counts.value, self._largest.value.reshape(1)])
+
+
+def _labels(shard: Shard) -> Tensor:
+    # Derived from the shard so every phase sees different, reproducible labels.
+    return torch.from_numpy(shard["weights"] % NUM_CLASSES)
+
+
+def _metrics() -> ComposeMetric:
+    children: dict[str, Metric[Any]] = {name: case.factory() for name, case in CASES.items()}
+    return ComposeMetric({**children, "classes": ClassCounts()})
+
+
+def _feed(metrics: ComposeMetric, shard: Shard) -> None:
+    for name in CASES:
+        feed(name, metrics[name], shard)
+    metrics["classes"].update(_labels(shard))
+
+
+def _results(metrics: ComposeMetric) -> dict[str, Any]:
+    return {name: value.tolist() for name, value in metrics.compute().items()}
+
+
+def _references(shards: list[Shard]) -> dict[str, Any]:
+    everything = concat(shards)
+    out: dict[str, Any] = {name: case.reference(everything) for name, case in CASES.items()}
+    labels = everything["weights"] % NUM_CLASSES
+    largest = int(labels.max()) if len(labels) else -1
+    out["classes"] = [*np.bincount(labels, minlength=NUM_CLASSES).tolist(), largest]
+    return out
+
+
+def _assert_matches(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert actual["classes"] == expected["classes"]  # integer counts: exact
+    for name in CASES:
+        if math.isnan(expected[name]):
+            assert math.isnan(actual[name]), name
+        else:
+            assert actual[name] == pytest.approx(expected[name], rel=1e-12, abs=1e-12), name
+
+
+def _save_on_four(path: str, seed: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    metrics = _metrics()
+    _feed(metrics, make_shards(seed, world)[rank])
+    dcp.save({"metrics": metrics}, checkpoint_id=path)  # state_dict() is a collective here
+    return {name: value.tolist() for name, value in metrics.state_dict().items()}
+
+
+def _resume_on_two(load_path: str, save_path: str, seed: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    metrics = _metrics()
+    dcp.load({"metrics": metrics}, checkpoint_id=load_path)
+    _feed(metrics, make_shards(seed, world)[rank])
+    metrics.sync()  # log mid-window; the window goes on
+    logged = _results(metrics)
+    dcp.save({"metrics": metrics}, checkpoint_id=save_path)
+    return logged
+
+
+def test_save_on_four_resume_on_two_then_one(
+    pools: dict[int, DistributedPool], tmp_path: Path
+) -> None:
+    four = pools.setdefault(4, DistributedPool(4))
+    two = pools.setdefault(2, DistributedPool(2))
+    first, second = str(tmp_path / "four"), str(tmp_path / "two")
+
+    saved = four.run(_save_on_four, first, 31)
+    assert all(state == saved[0] for state in saved), "state_dict must match on every rank"
+
+    logged = two.run(_resume_on_two, first, second, 32)
+    seen = make_shards(31, 4) + make_shards(32, 2)
+    for per_rank in logged:
+        _assert_matches(per_rank, _references(seen))
+
+    resumed = _metrics()  # one process, torch.distributed not initialized
+    dcp.load({"metrics": resumed}, checkpoint_id=second)
+    last = make_shards(33, 1)
+    _feed(resumed, last[0])
+
+    uninterrupted = _metrics()
+    for shard in [*seen, *last]:
+        _feed(uninterrupted, shard)
+
+    _assert_matches(_results(resumed), _references([*seen, *last]))
+    _assert_matches(_results(resumed), _results(uninterrupted))
+    assert _results(resumed)["max"] == _results(uninterrupted)["max"]

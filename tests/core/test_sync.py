@@ -1,0 +1,432 @@
+"""Coalesced sync on 2 and 4 gloo ranks: exact results, counted collectives, groups, mismatches.
+
+References are computed here from every rank's data (Python integers and numpy), never from the
+code under test. Collectives are counted by wrapping the functions of ``torch.distributed`` and
+``torch.distributed.distributed_c10d`` inside the rank processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch import Tensor
+
+from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, MinMetric, SumMetric
+from sidestream import sync as sync_module
+from sidestream.state import MetricAccumulator, ReduceOp
+from sidestream.sync import RankMismatchError, coalesced_sync
+from sidestream.testing import DistributedPool
+from tests.core.cases import CASES, concat, feed, make_shards
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+)
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[list[str]]:
+    """Record the name of every collective issued inside the block, nested calls included."""
+    calls: list[str] = []
+    saved: list[tuple[Any, str, Any]] = []
+    for module in (dist, c10d):
+        for name in COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+
+            def wrapper(*args: Any, __name: str = name, __fn: Any = original, **kw: Any) -> Any:
+                calls.append(__name)
+                return __fn(*args, **kw)
+
+            saved.append((module, name, original))
+            setattr(module, name, wrapper)
+    try:
+        yield calls
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def gather_limit(limit: int) -> Iterator[None]:
+    previous = sync_module.GATHER_LIMIT_BYTES
+    sync_module.GATHER_LIMIT_BYTES = limit
+    try:
+        yield
+    finally:
+        sync_module.GATHER_LIMIT_BYTES = previous
+
+
+# name -> (dtype, op, shape)
+MIXED = {
+    "big_counts": (torch.int64, ReduceOp.SUM, (5,)),
+    "signed": (torch.int32, ReduceOp.SUM, (3,)),
+    "flags": (torch.bool, ReduceOp.SUM, (4,)),
+    "int_max": (torch.int64, ReduceOp.MAX, (3,)),
+    "int_min": (torch.int64, ReduceOp.MIN, (3,)),
+    "all_flags": (torch.bool, ReduceOp.MIN, (2,)),
+    "float_sum": (torch.float32, ReduceOp.SUM, (4,)),
+    "float_max": (torch.float64, ReduceOp.MAX, ()),
+    "float_min": (torch.float64, ReduceOp.MIN, (2,)),
+    "half_max": (torch.float16, ReduceOp.MAX, (2,)),
+}
+
+
+def mixed_local(rank: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed * 1000 + rank)
+    int64 = np.iinfo(np.int64)
+    return {
+        # Beyond 2**53: a float64 sum would lose the low bits.
+        "big_counts": 2**59 + rng.integers(0, 2**40, 5, dtype=np.int64),
+        "signed": rng.integers(-1000, 1000, 3).astype(np.int32),
+        "flags": rng.random(4) < 0.3,
+        "int_max": rng.integers(-(2**62), 2**62, 3, dtype=np.int64),
+        "int_min": np.array([int64.max if rank == 0 else 7, int64.min + rank, -(2**60) - rank]),
+        "all_flags": np.array([True, rank != 1]),
+        "float_sum": rng.normal(size=4).astype(np.float32),
+        "float_max": np.array(rng.normal()),
+        "float_min": np.array([math.inf if rank == 0 else rng.normal(), -rank - 0.5]),
+        "half_max": rng.normal(size=2).astype(np.float16),
+    }
+
+
+def mixed_reference(world_size: int, seed: int) -> dict[str, list[Any]]:
+    locals_ = [mixed_local(rank, seed) for rank in range(world_size)]
+    out: dict[str, list[Any]] = {}
+    for name, (_, op, _) in MIXED.items():
+        stacked = np.stack([np.atleast_1d(d[name]) for d in locals_])
+        if name == "big_counts" or name == "signed":
+            out[name] = [sum(int(v) for v in column) for column in stacked.T]
+        elif name == "flags":
+            out[name] = stacked.any(axis=0).tolist()
+        elif name == "float_sum":
+            out[name] = stacked.astype(np.float64).sum(axis=0).astype(np.float32).tolist()
+        elif op is ReduceOp.MAX:
+            out[name] = stacked.max(axis=0).tolist()
+        else:
+            out[name] = stacked.min(axis=0).tolist()
+    return out
+
+
+class MixedState(Metric[dict[str, Tensor]]):
+    """One accumulator of every dtype/op kind the sync packs differently."""
+
+    def __init__(self) -> None:
+        for name, (dtype, op, shape) in MIXED.items():
+            setattr(self, f"_{name}", MetricAccumulator(torch.zeros(shape, dtype=dtype), op))
+
+    def update(self, local: dict[str, np.ndarray]) -> None:
+        for name, (dtype, _, shape) in MIXED.items():
+            accumulator: MetricAccumulator = getattr(self, f"_{name}")
+            accumulator.load_local(torch.as_tensor(local[name], dtype=dtype).reshape(shape))
+
+    def compute(self) -> dict[str, Tensor]:
+        return {name: getattr(self, f"_{name}").value.clone() for name in MIXED}
+
+
+def _as_lists(values: dict[str, Tensor]) -> dict[str, list[Any]]:
+    return {name: value.reshape(-1).tolist() for name, value in values.items()}
+
+
+def _synced_counted(metric: Metric[Any], async_op: bool = False) -> list[str]:
+    with counting_collectives() as calls:
+        with coalesced_sync(async_op=async_op) as batch:
+            metric.sync()
+        if async_op:
+            assert batch.works, "async_op must start the collectives without waiting"
+        batch.wait()
+    return calls
+
+
+def _exact_in_every_mode(seed: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for mode, limit in (("gather", sync_module.GATHER_LIMIT_BYTES), ("all_reduce", 0)):
+        for async_op in (False, True):
+            with gather_limit(limit):
+                metric = MixedState()
+                metric.update(mixed_local(rank, seed))
+                metric.sync()  # the first sync of a structure adds the fingerprint check
+                calls = _synced_counted(metric, async_op)
+                out[f"{mode} async={async_op}"] = (_as_lists(metric.compute()), calls)
+    return out
+
+
+def test_every_dtype_and_op_reduces_exactly(dist_pool: DistributedPool) -> None:
+    world = dist_pool.world_size
+    expected = mixed_reference(world, 3)
+    for result in dist_pool.run(_exact_in_every_mode, 3):
+        for mode, (values, calls) in result.items():
+            for name, reference in expected.items():
+                if name == "float_sum":
+                    assert values[name] == pytest.approx(reference, rel=1e-6), mode
+                else:
+                    assert values[name] == reference, (mode, name)
+            if mode.startswith("gather"):
+                assert calls == ["all_gather_single"], mode
+            else:
+                # float SUM (integer counts ride in it exactly), float MAX (+MIN), int MAX (+MIN)
+                assert calls == ["all_reduce"] * 3, mode
+
+
+def _aggregations(count: int, offset: int = 0) -> dict[str, Metric[Any]]:
+    kinds: list[Callable[[], Metric[Any]]] = [SumMetric, MeanMetric, MaxMetric, MinMetric]
+    return {f"m{offset + i}": kinds[(offset + i) % len(kinds)]() for i in range(count)}
+
+
+def _nested(count: int) -> ComposeMetric:
+    """Three levels deep, ``count`` leaf metrics spread over the levels."""
+    third = count // 3
+    inner = ComposeMetric(_aggregations(third, 2 * third))
+    middle = ComposeMetric({"inner": inner, **_aggregations(third, third)})
+    return ComposeMetric({"middle": middle, **_aggregations(count - 2 * third)})
+
+
+def _leaves(metric: Metric[Any]) -> list[Metric[Any]]:
+    if isinstance(metric, ComposeMetric):
+        return [leaf for _, child in metric.items() for leaf in _leaves(child)]
+    return [metric]
+
+
+def _fed(metric: Metric[Any], rank: int) -> Metric[Any]:
+    for index, leaf in enumerate(_leaves(metric)):
+        leaf.update(torch.tensor([float(rank + index), float(2 * rank - index)]))
+    return metric
+
+
+def _leaf_results(metric: Metric[Any]) -> list[float]:
+    return [float(leaf.compute()) for leaf in _leaves(metric)]
+
+
+def _counts_by_size(token: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    builders: dict[str, Callable[[int], Metric[Any]]] = {
+        "metric": lambda _: MeanMetric(),
+        "nested": _nested,
+        "flat": lambda count: ComposeMetric(_aggregations(count)),
+    }
+    for limit_name, limit in (("gather", sync_module.GATHER_LIMIT_BYTES), ("all_reduce", 0)):
+        with gather_limit(limit):
+            for name, build in builders.items():
+                for count in (3, 60):
+                    metric = _fed(build(count), rank)
+                    fresh = ComposeMetric({f"fresh_{token}_{limit_name}_{name}_{count}": metric})
+                    first = _synced_counted(fresh)
+                    steady = _synced_counted(fresh)
+                    out[f"{limit_name} {name} {count}"] = (first, steady, _leaf_results(metric))
+    # A large histogram goes through all_reduce on its own, exact for int64 counts.
+    histogram = MetricAccumulator(torch.zeros(70_000, dtype=torch.int64))
+    histogram.accumulate(torch.arange(70_000, dtype=torch.int64) * (rank + 1) + 2**55)
+    histogram.sync()
+    with counting_collectives() as calls:
+        histogram.sync()
+    assert histogram.synced is not None
+    out["histogram"] = (calls, histogram.synced[[0, 1, 69_999]].tolist())
+    return out
+
+
+def _expected_leaves(metric: Metric[Any], world: int) -> list[float]:
+    expected = []
+    for index, leaf in enumerate(_leaves(metric)):
+        values = np.array([[rank + index, 2 * rank - index] for rank in range(world)], float)
+        if isinstance(leaf, SumMetric):
+            expected.append(float(values.sum()))
+        elif isinstance(leaf, MeanMetric):
+            expected.append(float(values.mean()))
+        elif isinstance(leaf, MaxMetric):
+            expected.append(float(values.max()))
+        else:
+            expected.append(float(values.min()))
+    return expected
+
+
+def test_collectives_per_sync_never_grow_with_metrics(dist_pool: DistributedPool) -> None:
+    world = dist_pool.world_size
+    result = dist_pool.run(_counts_by_size, uuid.uuid4().hex)
+    for per_rank in result:
+        for key, outcome in per_rank.items():
+            if key == "histogram":
+                continue
+            first, steady, values = outcome
+            path, name, count = key.split()
+            # The first sync of a new structure adds exactly one fingerprint all_reduce.
+            assert first == ["all_reduce", *steady], key
+            if path == "gather":
+                assert steady == ["all_gather_single"], key
+            elif name == "metric":
+                assert steady == ["all_reduce"], key  # sum and count: one SUM buffer
+            else:
+                assert steady == ["all_reduce", "all_reduce"], key  # SUM and MAX (+MIN)
+            builder = {"metric": lambda _: MeanMetric(), "nested": _nested}.get(
+                name, lambda n: ComposeMetric(_aggregations(n))
+            )
+            assert values == pytest.approx(_expected_leaves(builder(int(count)), world)), key
+        calls, picked = per_rank["histogram"]
+        assert calls == ["all_reduce"]
+        scale = world * (world + 1) // 2
+        assert picked == [world * 2**55, scale + world * 2**55, 69_999 * scale + world * 2**55]
+
+
+def _mesh_sync(seed: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    data_parallel = mesh.get_coordinate()
+    assert data_parallel is not None
+    # Tensor-parallel replicas hold the same data; both data-parallel shards are non-empty.
+    shard = make_shards(seed, 3)[data_parallel[0]]
+    out: dict[str, Any] = {}
+    for group_name, group in (("dp mesh", mesh["dp"]), ("dp group", mesh["dp"].get_group())):
+        metrics = ComposeMetric({name: case.factory() for name, case in CASES.items()})
+        for name in CASES:
+            feed(name, metrics[name], shard)
+        with counting_collectives() as calls:
+            metrics.sync(group=group)
+            metrics.sync(group=group)
+        out[group_name] = ({k: float(v) for k, v in metrics.compute().items()}, calls)
+        saved = metrics.state_dict()  # reduced over the last sync's group
+        out[f"{group_name} state_dict"] = {k: v.tolist() for k, v in saved.items()}
+    with pytest.raises(ValueError, match="1-D DeviceMesh"):
+        MeanMetric().sync(group=mesh)
+    whole_world = SumMetric()  # the mistake the mesh group avoids: replicas counted twice
+    feed("sum", whole_world, shard)
+    whole_world.sync()
+    out["world sum"] = float(whole_world.compute())
+    return out
+
+
+def test_device_mesh_dimension_does_not_count_replicas_twice(
+    pools: dict[int, DistributedPool],
+) -> None:
+    pool = pools.setdefault(4, DistributedPool(4))
+    per_rank = pool.run(_mesh_sync, 11)
+    everything = concat(make_shards(11, 3)[:2])
+    for result in per_rank:
+        for group_name in ("dp mesh", "dp group"):
+            values, calls = result[group_name]
+            for name, case in CASES.items():
+                expected = case.reference(everything)
+                if math.isnan(expected):
+                    assert math.isnan(values[name])
+                else:
+                    assert values[name] == pytest.approx(expected, rel=1e-9, abs=1e-9), name
+            assert calls.count("all_gather_single") == 2, calls
+        assert result["dp mesh state_dict"] == per_rank[0]["dp mesh state_dict"]
+        assert result["world sum"] == pytest.approx(2 * CASES["sum"].reference(everything))
+
+
+class _Shaped(Metric[Tensor]):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, op: ReduceOp) -> None:
+        self._state = MetricAccumulator(torch.zeros(shape, dtype=dtype), op)
+
+    def update(self) -> None:
+        self._state.accumulate(torch.ones((), dtype=self._state.local.dtype))
+
+    def compute(self) -> Tensor:
+        return self._state.value
+
+
+def _mismatches(token: str) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    odd = world - 1  # the rank that differs
+    default = ((3,), torch.int64, ReduceOp.SUM)
+    scenarios: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype, ReduceOp]]] = {
+        "shape": {"counts": ((4,), torch.int64, ReduceOp.SUM)},
+        "dtype": {"counts": ((3,), torch.float32, ReduceOp.SUM)},
+        "op": {"counts": ((3,), torch.int64, ReduceOp.MAX)},
+        "key": {"other": default},
+        "missing": {"counts": default, "extra": default},
+    }
+    out: dict[str, Any] = {}
+    for scenario, different in scenarios.items():
+        layout = different if rank == odd else {"counts": default}
+        metric = ComposeMetric(
+            {
+                f"{scenario}_{token}": ComposeMetric(
+                    {name: _Shaped(*spec) for name, spec in layout.items()}
+                )
+            }
+        )
+        try:
+            metric.sync()
+            out[scenario] = "no error"
+        except RankMismatchError as error:
+            out[scenario] = str(error)
+    # check_only pays the structure check up front; the real sync then reduces with one gather.
+    name = f"checked_{token}"
+    checked = ComposeMetric({name: SumMetric()})
+    checked[name].update(torch.tensor([1.0]))
+    with counting_collectives() as check_calls, coalesced_sync(check_only=True):
+        checked.sync()
+    out["check_only untouched"] = all(a.synced is None for _, a in checked.named_accumulators())
+    with counting_collectives() as real_calls:
+        checked.sync()
+    out["check_only calls"] = (check_calls, real_calls, float(checked.compute()[name]))
+    layout = {"counts": ((4,), torch.int64, ReduceOp.SUM) if rank == odd else default}
+    mismatched = ComposeMetric(
+        {f"check_{token}": ComposeMetric({key: _Shaped(*spec) for key, spec in layout.items()})}
+    )
+    try:
+        with coalesced_sync(check_only=True):
+            mismatched.sync()
+        out["check_only mismatch"] = "no error"
+    except RankMismatchError as error:
+        out["check_only mismatch"] = str(error)
+    # The group is still usable afterwards.
+    healthy = SumMetric()
+    healthy.update(torch.tensor([1.0]))
+    healthy.sync()
+    out["after"] = float(healthy.compute())
+    return out
+
+
+def test_rank_mismatch_raises_on_every_rank(dist_pool: DistributedPool) -> None:
+    world = dist_pool.world_size
+    odd = world - 1
+    token = uuid.uuid4().hex[:6]
+    per_rank = dist_pool.run(_mismatches, token, timeout=90)
+    prefix = f"{{}}_{token}."
+    for rank, result in enumerate(per_rank):
+        shape = result["shape"]
+        assert f"state '{prefix.format('shape')}counts.state' has shape (4,) on rank {odd}" in (
+            shape
+        )
+        assert "but (3,) on rank 0" in shape
+        assert f"has dtype float32 on rank {odd} but int64 on rank 0" in result["dtype"]
+        assert f"has op MAX on rank {odd} but SUM on rank 0" in result["op"]
+        key = result["key"]
+        assert f"'{prefix.format('key')}other.state' exists on rank {odd} but not on rank 0" in key
+        assert f"'{prefix.format('key')}counts.state' exists on rank 0 but not on rank {odd}" in (
+            key
+        )
+        missing = result["missing"]
+        assert f"'{prefix.format('missing')}extra.state' exists on rank {odd}" in missing
+        assert f"seen from rank {rank}" in shape
+        assert result["after"] == world
+        assert result["check_only untouched"]
+        assert result["check_only calls"] == (["all_reduce"], ["all_gather_single"], world)
+        assert f"has shape (4,) on rank {odd}" in result["check_only mismatch"]
