@@ -22,8 +22,10 @@ class JsonlSink(Sink):
     pushed to the file every ``flush_every`` reports and whenever the pipeline flushes (it does
     when the sink has been idle for a moment, and on close), so the disk sees batches.
 
-    The file is only appended to. A job resumed from a checkpoint (``state_dict`` holds the
-    last written step) skips reports at or before that step, so no step appears twice.
+    The file is only appended to. A job resumed from a checkpoint (``load_state_dict`` before
+    ``open``) skips reports at or before the last step in the file (or in the checkpoint, if
+    larger), so no step appears twice even when the job logged past its last checkpoint. A
+    line cut short by a crash is closed with a newline before appending.
 
     Args:
         path: The file; parent directories are created.
@@ -42,12 +44,20 @@ class JsonlSink(Sink):
         self._file: IO[str] | None = None
         self._unflushed = 0
         self._last_step: int | None = None
+        self._resuming = False
 
     def open(self, run: RunInfo) -> None:
         """Open ``path`` for appending (``run`` is not recorded in the file)."""
         del run
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        tail = _tail(self.path)
         self._file = self.path.open("a", encoding="utf-8")
+        if tail and not tail.endswith(b"\n"):
+            self._file.write("\n")
+        if self._resuming:
+            written = _last_step(tail)
+            if written is not None and (self._last_step is None or written > self._last_step):
+                self._last_step = written
 
     def write(self, report: Report) -> None:
         """Buffer one line; skip steps already written before a resume."""
@@ -93,3 +103,27 @@ class JsonlSink(Sink):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume after ``state_dict["last_step"]``."""
         self._last_step = state_dict.get("last_step")
+        self._resuming = True
+
+
+def _tail(path: Path, size: int = 65536) -> bytes:
+    """The last ``size`` bytes of ``path`` (empty if it does not exist)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(0, os.SEEK_END)
+            file.seek(max(0, file.tell() - size))
+            return file.read()
+    except FileNotFoundError:
+        return b""
+
+
+def _last_step(tail: bytes) -> int | None:
+    """The step of the last complete JSON line in ``tail``."""
+    for line in reversed(tail.splitlines()):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
