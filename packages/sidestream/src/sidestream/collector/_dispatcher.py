@@ -134,13 +134,10 @@ class Dispatcher:
             window.batch.wait()
             tree = flatten_tree(window.slot.metric.compute())
             leaves = list(tree.leaves)
+        # One tolist per leaf and plain Python after it: every torch call here lets the
+        # training thread's GIL requests in and out, so keep them few.
         python_leaves = [leaf.tolist() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-        flat_values = [
-            leaf.detach().reshape(-1).to(torch.float64).tolist()
-            if isinstance(leaf, Tensor)
-            else [float(leaf)]
-            for leaf in leaves
-        ]
+        flat_values = [_floats(leaf) for leaf in python_leaves]
         self._release(window.slot)
         if self._runners:
             names = self._names_of(tree, leaves)
@@ -156,6 +153,13 @@ class Dispatcher:
         if names is None:
             names = self._names[key] = tree.element_names(self._prefix)
         return names
+
+
+def _floats(value: Any) -> list[float]:
+    """A leaf's numbers (a number or nested lists of them) as a flat list of floats."""
+    if isinstance(value, list):
+        return [number for item in value for number in _floats(item)]
+    return [float(value)]
 
 
 def _wait_event(event: torch.cuda.Event) -> None:

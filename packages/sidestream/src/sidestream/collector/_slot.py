@@ -24,19 +24,25 @@ class Slot:
 
     Args:
         metric: A copy of the collector's metric (see ``clone_metric``), on the same device.
+        live: The collector's metric, which ``stage`` copies from.
     """
 
-    def __init__(self, metric: Metric[Any]) -> None:
+    def __init__(self, metric: Metric[Any], live: Metric[Any]) -> None:
         self.metric = metric
+        # Pairs found once: walking the metric tree per window costs the training thread.
+        self._pairs = [
+            (staged, source)
+            for (_, staged), (_, source) in zip(
+                metric.named_accumulators(), live.named_accumulators(), strict=True
+            )
+        ]
         self.host: list[Tensor] = []
         #: CUDA: recorded on the side stream after the last window that used this slot.
         self.done: torch.cuda.Event | None = None
 
-    def stage_from(self, live: Metric[Any]) -> None:
-        """Copy every local accumulator of ``live`` into this slot's metric (device copies)."""
-        for (_, staged), (_, source) in zip(
-            self.metric.named_accumulators(), live.named_accumulators(), strict=True
-        ):
+    def stage(self) -> None:
+        """Copy every local accumulator of the live metric into this slot's (device copies)."""
+        for staged, source in self._pairs:
             staged.load_local(source.local)
 
     def copy_to_host(self, leaves: tuple[Any, ...]) -> list[Any]:

@@ -21,6 +21,7 @@ from sidestream.collector._window import Window
 from sidestream.metric import Metric
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
+from sidestream.state import MetricAccumulator
 from sidestream.sync import coalesced_sync
 
 __all__ = ["AsyncMetricCollector"]
@@ -79,7 +80,7 @@ class AsyncMetricCollector(Generic[T]):
         *,
         prefix: str = "",
         run: RunInfo | None = None,
-        sink_capacity: int = 64,
+        sink_capacity: int = 1024,
         spool_dir: str | None = None,
         exit_timeout: float = 30.0,
     ) -> None:
@@ -109,6 +110,7 @@ class AsyncMetricCollector(Generic[T]):
         self._runners: list[SinkRunner] = []
         self._dispatcher: Dispatcher | None = None
         self._last_step: int | None = None
+        self._live_accumulators: list[MetricAccumulator] = []
         self._closed = False
 
     # ------------------------------------------------------------------ properties
@@ -150,11 +152,12 @@ class AsyncMetricCollector(Generic[T]):
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
         self._metric.to(target)
+        self._live_accumulators = [acc for _, acc in self._metric.named_accumulators()]
         self._device = target
         if target.type == "cuda":
             self._side = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
         for _ in range(_INITIAL_SLOTS):
-            self._free_slots.put(Slot(clone_metric(self._metric)))
+            self._free_slots.put(Slot(clone_metric(self._metric), self._metric))
         if self.is_writer:
             for key, sink in self._sinks.items():
                 runner = SinkRunner(
@@ -224,15 +227,16 @@ class AsyncMetricCollector(Generic[T]):
         window.tree, window.done, slot.done = tree, done, done
 
     def _stage(self, slot: Slot) -> None:
-        slot.stage_from(self._metric)
+        slot.stage()
         if self._reset_each_window:
-            self._metric.reset()
+            for accumulator in self._live_accumulators:
+                accumulator.reset()
 
     def _take_slot(self) -> Slot:
         try:
             return self._free_slots.get_nowait()
         except queue.Empty:
-            return Slot(clone_metric(self._metric))
+            return Slot(clone_metric(self._metric), self._metric)
 
     def collect_results(self, timeout: float | None = None) -> Any:
         """Wait for every scheduled window and return the latest one's value.
