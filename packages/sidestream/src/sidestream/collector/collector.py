@@ -30,9 +30,9 @@ T = TypeVar("T")
 
 logger = logging.getLogger("sidestream.collector")
 
-# Two slots let window k+1 stage while window k is still being published; more are made on
-# demand if the dispatcher falls further behind.
-_INITIAL_SLOTS = 2
+# A few slots let new windows stage while older ones are still being published; more are made
+# on demand if the dispatcher falls further behind.
+_INITIAL_SLOTS = 3
 
 
 class AsyncMetricCollector(Generic[T]):
@@ -157,7 +157,7 @@ class AsyncMetricCollector(Generic[T]):
         if target.type == "cuda":
             self._side = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
         for _ in range(_INITIAL_SLOTS):
-            self._free_slots.put(Slot(clone_metric(self._metric), self._metric))
+            self._free_slots.put(self._new_slot())
         if self.is_writer:
             for key, sink in self._sinks.items():
                 runner = SinkRunner(
@@ -236,7 +236,19 @@ class AsyncMetricCollector(Generic[T]):
         try:
             return self._free_slots.get_nowait()
         except queue.Empty:
-            return Slot(clone_metric(self._metric), self._metric)
+            return self._new_slot()
+
+    def _new_slot(self) -> Slot:
+        slot = Slot(clone_metric(self._metric), self._metric)
+        if self._side is not None:
+            # Allocate the pinned buffers now (shapes from a compute on the copied state), and
+            # let the next staging wait for this compute like for any window's.
+            self._side.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._side):
+                slot.copy_to_host(flatten_tree(slot.metric.compute()).leaves)
+                slot.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                slot.done.record(self._side)
+        return slot
 
     def collect_results(self, timeout: float | None = None) -> Any:
         """Wait for every scheduled window and return the latest one's value.
@@ -328,7 +340,10 @@ class AsyncMetricCollector(Generic[T]):
                     )
                 sink_states[runner.key] = runner.sink_state()
         elif self.is_writer and self._dispatcher is None:
-            sink_states = {key: sink.state_dict() for key, sink in self._sinks.items()}
+            sink_states = {
+                key: self._resume_states.get(key, sink.state_dict())
+                for key, sink in self._sinks.items()
+            }
         return {"metric": metric_state, "sinks": sink_states}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
