@@ -7,7 +7,11 @@ numbers compare like with like on whatever machine runs them.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+# `python benchmarks/run.py` puts benchmarks/ first on sys.path; the package needs the root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import collector_overhead, sync_cost
 
