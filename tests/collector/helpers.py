@@ -50,7 +50,8 @@ class RecordingSink(Sink):
 
 
 class AlwaysFailingSink(RecordingSink):
-    name = "broken"
+    def __init__(self) -> None:
+        super().__init__(name="broken")
 
     def write(self, report: Report) -> None:
         self.attempts += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,14 @@ import torch
 from sidestream import MeanMetric, SumMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.sinks import JsonlSink
-from tests.collector.helpers import RecordingSink, feed, make_metric, reference, window_data
+from tests.collector.helpers import (
+    AlwaysFailingSink,
+    RecordingSink,
+    feed,
+    make_metric,
+    reference,
+    window_data,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,3 +170,25 @@ def test_interpreter_exit_flushes_what_was_scheduled(tmp_path: Path) -> None:
         (2, 2.0),
         (3, 3.0),
     ]
+
+
+def test_close_reports_a_sink_that_cannot_deliver_in_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    metric = SumMetric()
+    good, broken = JsonlSink(tmp_path / "good.jsonl"), AlwaysFailingSink()
+    collector = AsyncMetricCollector(
+        metric, sinks=[good, broken], spool_dir=str(tmp_path / "spool")
+    )
+    collector.bind("cpu")
+    for step in (1, 2):
+        metric.update(torch.tensor([float(step)]))
+        collector.schedule_collection(step)
+    assert collector.collect_results() == 2.0
+    with caplog.at_level(logging.WARNING):
+        assert collector.close(timeout=0.5) is False
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("'broken'" in m and "retrying" in m for m in messages) == 1
+    (kept,) = [m for m in messages if "not delivered" in m]
+    assert "2 report(s)" in kept and str(tmp_path / "spool") in kept
+    assert len((tmp_path / "good.jsonl").read_text().splitlines()) == 2
