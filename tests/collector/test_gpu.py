@@ -101,7 +101,8 @@ def test_collection_every_step_has_no_host_sync_and_matches_cpu() -> None:
     assert side is not None
     assert {phase for phase, _ in STREAMS} == {"sync", "compute"}
     assert all(stream == side for _, stream in STREAMS), "sync and compute ran on the side stream"
-    assert len(STREAMS) == 2 * (WARMUP + WINDOWS)
+    # One reduction per window; compute also runs once per slot when it is made (pinned sizes).
+    assert sum(phase == "sync" for phase, _ in STREAMS) == WARMUP + WINDOWS
 
     cpu_reports, _ = _run("cpu", debug_sync=False)
     assert [r.step for r in cuda_reports] == [r.step for r in cpu_reports]
