@@ -154,3 +154,16 @@ def test_jsonl_resume_skips_steps_logged_after_the_checkpoint_and_heals_cut_line
     lines = path.read_text().splitlines()
     assert lines[2] == '{"st'
     assert [json.loads(line)["step"] for line in lines[:2] + lines[3:]] == [1, 4, 5]
+
+
+def test_sink_whose_module_fails_to_import_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib.metadata import EntryPoint
+
+    import sidestream.sinks.config as config
+
+    broken = EntryPoint(name="mlflow", value="no_such_module_xyz:Sink", group="sidestream.sinks")
+    monkeypatch.setattr(config, "entry_points", lambda group: [broken])
+    with pytest.raises(
+        LookupError, match=r'could not be imported .*pip install "sidestream\[mlflow\]"'
+    ):
+        sinks_from_config(["mlflow"])

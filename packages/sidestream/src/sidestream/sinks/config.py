@@ -39,8 +39,9 @@ def sinks_from_config(config: SinkConfig) -> list[Sink]:
         The sinks, in the order given.
 
     Raises:
-        LookupError: If a name is not installed; for ``wandb``, ``mlflow`` and ``tensorboard``
-            the message says which extra to install (``pip install "sidestream[mlflow]"``).
+        LookupError: If a name is not installed or its module fails to import; for ``wandb``,
+            ``mlflow`` and ``tensorboard`` the message says which extra to install
+            (``pip install "sidestream[mlflow]"``).
         TypeError: If the config has the wrong shape, options do not fit the sink, or the entry
             point does not make a ``Sink``.
     """
@@ -88,7 +89,15 @@ def _build(name: str, options: dict[str, Any]) -> Sink:
             f"sink {name!r} is unknown; installed sinks: {', '.join(available_sinks()) or 'none'} "
             f'(optional: {", ".join(sorted(_EXTRAS))} via pip install "sidestream[NAME]")'
         )
-    factory = matches[0].load()
+    try:
+        factory = matches[0].load()
+    except ImportError as error:
+        hint = (
+            f'pip install "sidestream[{_EXTRAS[name]}]"'
+            if name in _EXTRAS
+            else f"reinstall the package that provides {matches[0].value}"
+        )
+        raise LookupError(f"sink {name!r} could not be imported ({error}); {hint}") from error
     try:
         sink = factory(**options)
     except TypeError as error:
