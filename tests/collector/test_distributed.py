@@ -120,7 +120,7 @@ def test_rank0_jsonl_matches_numpy_and_sinks_are_isolated(
 
     rank0 = per_rank[0]
     # A 1 s/write sink and a raising sink never slowed the training thread.
-    assert max(rank0["durations"]) < 0.25, rank0["durations"]
+    assert max(rank0["durations"]) < 0.5, rank0["durations"]  # one slow write takes 1 s
     assert rank0["jsonl_done_first"] is True
     # Nothing lost at close: the slow sink got everything, and so did the flaky one, in order.
     assert rank0["slow_steps"] == _steps()
