@@ -2,14 +2,14 @@
 
 Run it as ``python examples/train_distributed.py`` (it starts its own gloo processes) or under
 ``torchrun --nproc-per-node N examples/train_distributed.py`` (NCCL when GPUs are visible).
-Every rank trains a shard with DDP; every ``--log-every`` steps the metrics are synced across
-ranks and rank 0 prints them and appends them to a JSON-lines file.
+Every rank trains a shard with DDP; every ``--log-every`` steps an ``AsyncMetricCollector``
+reduces the window's metrics across ranks in the background and rank 0's sinks print them and
+append them to a JSON-lines file. The training loop never waits for any of it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, WeightedMeanMetric
+from sidestream.collector import AsyncMetricCollector
+from sidestream.sinks import ConsoleSink, JsonlSink, RunInfo
 
 
 def make_data(rank: int, samples: int, features: int, classes: int) -> tuple[torch.Tensor, ...]:
@@ -46,41 +48,41 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
     metrics = ComposeMetric(
         {"loss": WeightedMeanMetric(), "accuracy": MeanMetric(), "max_loss": MaxMetric()}
-    ).to(device)
+    )
     out = Path(args.out)
     if rank == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("")
+        out.unlink(missing_ok=True)  # a fresh log per demo run (the sink only appends)
+    # Every rank builds the same collector; only rank 0 opens and writes the sinks.
+    collector = AsyncMetricCollector(
+        metrics,
+        sinks=[JsonlSink(out), ConsoleSink()],
+        prefix="train",
+        run=RunInfo(name="demo", config=vars(args)),
+    )
     started = time.monotonic()
-    for step in range(args.steps):
-        index = torch.randint(0, args.samples, (args.batch_size,), device=device)
-        logits = ddp(inputs[index])
-        per_sample = nn.functional.cross_entropy(logits, labels[index], reduction="none")
-        optimizer.zero_grad(set_to_none=True)
-        per_sample.mean().backward()
-        optimizer.step()
+    with collector.bind(device):
+        for step in range(args.steps):
+            index = torch.randint(0, args.samples, (args.batch_size,), device=device)
+            logits = ddp(inputs[index])
+            per_sample = nn.functional.cross_entropy(logits, labels[index], reduction="none")
+            optimizer.zero_grad(set_to_none=True)
+            per_sample.mean().backward()
+            optimizer.step()
 
-        # Device-side updates: no communication, no host sync.
-        metrics["loss"].update(values=per_sample.detach(), weights=1)
-        metrics["accuracy"].update((logits.argmax(1) == labels[index]).float())
-        metrics["max_loss"].update(per_sample.detach())
+            # Device-side updates: no communication, no host sync.
+            metrics["loss"].update(values=per_sample.detach(), weights=1)
+            metrics["accuracy"].update((logits.argmax(1) == labels[index]).float())
+            metrics["max_loss"].update(per_sample.detach())
 
-        if (step + 1) % args.log_every == 0:
-            metrics.sync()  # one coalesced batch of collectives for all three metrics
-            values = {name: value.item() for name, value in metrics.compute().items()}
-            metrics.reset()
-            if rank == 0:
-                record = {"step": step + 1, **values}
-                with out.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
-                print(
-                    f"step {step + 1:4d}  loss {values['loss']:.4f}  "
-                    f"accuracy {values['accuracy']:.3f}  max_loss {values['max_loss']:.3f}",
-                    flush=True,
-                )
+            if (step + 1) % args.log_every == 0:
+                # Stages the window, starts one coalesced reduction, returns at once.
+                collector.schedule_collection(step + 1)
+        final = collector.collect_results()  # blocking: the last window on this rank
+    # Leaving the block closed the collector: every window reached the sinks.
     if rank == 0:
         print(
-            f"{world_size} ranks, {args.steps} steps, {time.monotonic() - started:.1f} s; log {out}"
+            f"{world_size} ranks, {args.steps} steps, {time.monotonic() - started:.1f} s; "
+            f"last window {final}; log {out}"
         )
 
 

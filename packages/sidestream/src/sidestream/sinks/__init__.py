@@ -1,5 +1,18 @@
 """Sinks: where finished metric values go."""
 
 from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.config import available_sinks, sinks_from_config
+from sidestream.sinks.console import ConsoleSink
+from sidestream.sinks.jsonl import JsonlSink
+from sidestream.sinks.runner import SinkRunner
 
-__all__ = ["Report", "RunInfo", "Sink"]
+__all__ = [
+    "ConsoleSink",
+    "JsonlSink",
+    "Report",
+    "RunInfo",
+    "Sink",
+    "SinkRunner",
+    "available_sinks",
+    "sinks_from_config",
+]

@@ -1,0 +1,172 @@
+"""The thread that waits for each window, turns it into numbers and hands it to the sinks."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sidestream.collector._slot import Slot
+from sidestream.collector._tree import FlatTree, flatten_tree
+from sidestream.collector._window import Window
+from sidestream.sinks.base import Report
+from sidestream.sinks.runner import SinkRunner
+
+__all__ = ["Dispatcher"]
+
+logger = logging.getLogger("sidestream.collector")
+
+_STOP = object()
+
+
+class Dispatcher:
+    """Processes windows in the order they were scheduled, on one background thread.
+
+    It only waits (on collective work handles or CUDA events) and never issues a collective.
+
+    Args:
+        runners: Sink runners to publish reports to (empty on ranks other than 0).
+        release: Called with a window's slot once its numbers are on the host.
+        prefix: Put in front of every flat name.
+    """
+
+    def __init__(
+        self, runners: Sequence[SinkRunner], release: Callable[[Slot], None], prefix: str
+    ) -> None:
+        self._runners = list(runners)
+        self._release = release
+        self._prefix = prefix
+        self._windows: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._scheduled = 0
+        self._processed = 0
+        self._latest: tuple[int, Any] | None = None
+        self._latest_error: BaseException | None = None
+        self._errors = 0
+        self._names: dict[Any, list[str]] = {}
+        self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
+        self._thread.start()
+
+    def submit(self, window: Window) -> None:
+        """Queue ``window`` (returns at once)."""
+        with self._cond:
+            self._scheduled += 1
+        self._windows.put(window)
+
+    @property
+    def scheduled(self) -> int:
+        """Windows submitted so far."""
+        with self._cond:
+            return self._scheduled
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Block until every submitted window is processed; whether it happened in time."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._processed == self._scheduled, timeout)
+
+    def latest(self) -> tuple[int, Any]:
+        """``(step, result)`` of the last processed window.
+
+        Raises:
+            RuntimeError: If that window failed (the cause is chained), or none was processed.
+        """
+        with self._cond:
+            if self._latest_error is not None:
+                raise RuntimeError("the latest window failed") from self._latest_error
+            if self._latest is None:
+                raise RuntimeError("no window has been processed")
+            return self._latest
+
+    def stop(self, timeout: float | None) -> bool:
+        """Process what was submitted, then end the thread; whether it ended within timeout."""
+        self._windows.put(_STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def unprocessed(self) -> int:
+        """Windows submitted and not processed yet."""
+        with self._cond:
+            return self._scheduled - self._processed
+
+    def _work(self) -> None:
+        while True:
+            window = self._windows.get()
+            if window is _STOP:
+                return
+            try:
+                step, result = self._process(window)
+            except Exception as error:
+                self._errors += 1
+                if self._errors == 1:
+                    logger.error(
+                        "window at step %d failed: %s: %s (later failures are counted, not "
+                        "logged; collect_results raises them)",
+                        window.step,
+                        type(error).__name__,
+                        error,
+                    )
+                with self._cond:
+                    self._latest_error = error
+                    self._processed += 1
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                self._latest = (step, result)
+                self._latest_error = None
+                self._processed += 1
+                self._cond.notify_all()
+
+    def _process(self, window: Window) -> tuple[int, Any]:
+        if window.done is not None:
+            _wait_event(window.done)
+            assert window.tree is not None
+            tree, leaves = window.tree, window.host
+        else:
+            assert window.batch is not None
+            window.batch.wait()
+            tree = flatten_tree(window.slot.metric.compute())
+            leaves = list(tree.leaves)
+        # One tolist per leaf and plain Python after it: every torch call here lets the
+        # training thread's GIL requests in and out, so keep them few.
+        python_leaves = [leaf.tolist() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+        flat_values = [_floats(leaf) for leaf in python_leaves]
+        self._release(window.slot)
+        if self._runners:
+            names = self._names_of(tree, leaves)
+            values = dict(zip(names, itertools.chain.from_iterable(flat_values), strict=True))
+            report = Report(step=window.step, values=values, time=window.time)
+            for runner in self._runners:
+                runner.submit(report)
+        return window.step, tree.rebuild(python_leaves)
+
+    def _names_of(self, tree: FlatTree, leaves: list[Any]) -> list[str]:
+        key = (tree.paths, tuple(tuple(t.shape) if isinstance(t, Tensor) else () for t in leaves))
+        names = self._names.get(key)
+        if names is None:
+            names = self._names[key] = tree.element_names(self._prefix)
+        return names
+
+
+def _floats(value: Any) -> list[float]:
+    """A leaf's numbers (a number or nested lists of them) as a flat list of floats."""
+    if isinstance(value, list):
+        return [number for item in value for number in _floats(item)]
+    return [float(value)]
+
+
+def _wait_event(event: torch.cuda.Event) -> None:
+    if torch.cuda.get_sync_debug_mode() == 0:
+        event.synchronize()  # releases the GIL while it waits
+        return
+    # A job debugging host syncs on its training thread should not see this thread's wait
+    # reported, so poll instead of synchronizing while sync debug mode is on.
+    while not event.query():  # type: ignore[no-untyped-call]
+        time.sleep(0.0002)

@@ -1,0 +1,376 @@
+"""``AsyncMetricCollector``: logging windows that never make the training thread wait."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import time
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from sidestream._distributed import Group
+from sidestream.collector._dispatcher import Dispatcher
+from sidestream.collector._slot import Slot, clone_metric
+from sidestream.collector._tree import flatten_tree
+from sidestream.collector._window import Window
+from sidestream.metric import Metric
+from sidestream.sinks.base import RunInfo, Sink
+from sidestream.sinks.runner import SinkRunner
+from sidestream.state import MetricAccumulator
+from sidestream.sync import coalesced_sync
+
+__all__ = ["AsyncMetricCollector"]
+
+T = TypeVar("T")
+
+logger = logging.getLogger("sidestream.collector")
+
+# A few slots let new windows stage while older ones are still being published; more are made
+# on demand if the dispatcher falls further behind.
+_INITIAL_SLOTS = 3
+
+
+class AsyncMetricCollector(Generic[T]):
+    """Reduce, compute and log a metric every window without stalling the training thread.
+
+    ``schedule_collection(step)`` copies the metric's local state into a private staging copy
+    (and resets the local state when ``reset_each_window``), starts the coalesced reduction and
+    returns. On CUDA the reduction, ``compute`` and the device-to-host copy are queued on a side
+    stream; on CPU (gloo) the collectives run with ``async_op=True``. A dispatcher thread waits
+    for each window, turns the result into Python numbers, flattens it to names (``loss``,
+    ``f1/class_3``) and hands a ``Report`` to every sink, each on its own thread.
+
+    Every rank computes; only global rank 0 opens and writes sinks. Collectives are issued by
+    the calling (training) thread, in the same order on every rank, so every rank must call
+    ``schedule_collection`` and ``state_dict`` the same number of times.
+
+    Args:
+        metric: The metric (or ``ComposeMetric``) to collect. Update it as usual.
+        sinks: Where reports go (rank 0 only).
+        group: The process group / 1-D device mesh to reduce over (default: the world).
+        reset_each_window: Start every window from an empty state (per-window values); when
+            ``False`` each window reports the cumulative value since the start.
+        prefix: Put in front of every flat name (``"train"`` gives ``"train/loss"``).
+        run: Name, config and tags given to ``sink.open``.
+        sink_capacity: Reports each sink keeps in memory before spooling to disk.
+        spool_dir: Directory for spool files (system temp dir by default).
+        exit_timeout: Seconds ``close`` may take when called at interpreter exit.
+
+    Example:
+        >>> collector = AsyncMetricCollector(MeanMetric(), sinks=[ConsoleSink()])
+        >>> collector.bind("cpu")
+        >>> collector.metric.update(torch.tensor([1.0, 2.0]))
+        >>> collector.schedule_collection(step=1)
+        >>> collector.collect_results()
+        1.5
+        >>> collector.close()
+    """
+
+    def __init__(
+        self,
+        metric: Metric[T],
+        sinks: Iterable[Sink] = (),
+        group: Group = None,
+        reset_each_window: bool = True,
+        *,
+        prefix: str = "",
+        run: RunInfo | None = None,
+        sink_capacity: int = 1024,
+        spool_dir: str | None = None,
+        exit_timeout: float = 30.0,
+    ) -> None:
+        if not isinstance(metric, Metric):
+            raise TypeError(f"metric: expected a sidestream Metric, got {type(metric)}")
+        sink_list = list(sinks)
+        for index, sink in enumerate(sink_list):
+            if not isinstance(sink, Sink):
+                raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")
+        if sink_capacity < 1:
+            raise ValueError(f"sink_capacity: expected >= 1, got {sink_capacity}")
+        self._metric = metric
+        # Checkpoints reduce over the collector's group, not whatever the metric last saw.
+        metric._sync_group = group
+        self._sinks = _keyed(sink_list)
+        self._group = group
+        self._reset_each_window = reset_each_window
+        self._prefix = prefix.strip("/")
+        self._run = run or RunInfo()
+        self._sink_capacity = sink_capacity
+        self._spool_dir = spool_dir
+        self._exit_timeout = exit_timeout
+        self._resume_states: dict[str, Any] = {}
+        self._device: torch.device | None = None
+        self._side: torch.cuda.Stream | None = None
+        self._free_slots: queue.SimpleQueue[Slot] = queue.SimpleQueue()
+        self._runners: list[SinkRunner] = []
+        self._dispatcher: Dispatcher | None = None
+        self._last_step: int | None = None
+        self._live_accumulators: list[MetricAccumulator] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def metric(self) -> Metric[T]:
+        """The live metric: update it on the training thread."""
+        return self._metric
+
+    @property
+    def side_stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream reductions and compute run on (``None`` off CUDA or before bind)."""
+        return self._side
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process opens and writes the sinks (global rank 0)."""
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+    @property
+    def sink_runners(self) -> list[SinkRunner]:
+        """The running sink pipelines (empty before ``bind`` and on ranks other than 0)."""
+        return list(self._runners)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def bind(self, device: torch.device | str | None = None) -> Self:
+        """Move the metric to ``device`` (its current device by default) and start the threads.
+
+        On CUDA this creates the side stream. On rank 0 it starts one thread per sink, which
+        resumes (``load_state_dict``) and opens it. Registers ``close`` to run at exit.
+
+        Raises:
+            RuntimeError: If already bound or closed.
+        """
+        if self._dispatcher is not None or self._closed:
+            raise RuntimeError("bind: the collector is already bound (or closed)")
+        target = torch.device(device) if device is not None else self._metric.device
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        self._metric.to(target)
+        self._live_accumulators = [acc for _, acc in self._metric.named_accumulators()]
+        self._device = target
+        if target.type == "cuda":
+            self._side = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
+        for _ in range(_INITIAL_SLOTS):
+            self._free_slots.put(self._new_slot())
+        if self.is_writer:
+            for key, sink in self._sinks.items():
+                runner = SinkRunner(
+                    sink,
+                    self._run,
+                    key=key,
+                    resume_state=self._resume_states.get(key),
+                    capacity=self._sink_capacity,
+                    spool_dir=self._spool_dir,
+                )
+                runner.start()
+                self._runners.append(runner)
+        self._dispatcher = Dispatcher(self._runners, self._free_slots.put, self._prefix)
+        atexit.register(self._close_at_exit)
+        return self
+
+    def schedule_collection(self, step: int) -> None:
+        """Start collecting the window that ends now, logged at ``step``; returns at once.
+
+        Issues the window's collectives from this thread (every rank must call it, in the same
+        order). No host sync on CUDA.
+
+        Raises:
+            RuntimeError: If not bound, or closed.
+            ValueError: If ``step`` is not larger than the previous window's step.
+        """
+        if self._dispatcher is None or self._closed:
+            raise RuntimeError("schedule_collection: call bind(device) first (and not after close)")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(
+                f"step: expected > the previous window's {self._last_step}, got {step}"
+            )
+        self._last_step = step
+        slot = self._take_slot()
+        window = Window(step=step, time=time.time(), slot=slot)
+        if self._side is None:
+            self._stage(slot)
+            with coalesced_sync(async_op=True) as batch:
+                slot.metric.sync(self._group)
+            window.batch = batch
+        else:
+            self._schedule_on_side_stream(window)
+        self._dispatcher.submit(window)
+
+    def _schedule_on_side_stream(self, window: Window) -> None:
+        assert self._side is not None
+        slot, side = window.slot, self._side
+        current = torch.cuda.current_stream(self._device)
+        if slot.done is not None:
+            # The slot came back from the dispatcher, so this wait is already satisfied; it
+            # keeps staging ordered after the last reader of these buffers on the GPU too.
+            current.wait_event(slot.done)
+        self._stage(slot)
+        staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        staged.record(current)
+        with torch.cuda.stream(side):
+            side.wait_event(staged)
+            with coalesced_sync(async_op=True) as batch:
+                slot.metric.sync(self._group)
+            batch.wait()  # NCCL: the side stream waits for the collectives; the host does not
+            tree = flatten_tree(slot.metric.compute())
+            window.host = slot.copy_to_host(tree.leaves)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(side)
+        window.tree, window.done, slot.done = tree, done, done
+
+    def _stage(self, slot: Slot) -> None:
+        slot.stage()
+        if self._reset_each_window:
+            for accumulator in self._live_accumulators:
+                accumulator.reset()
+
+    def _take_slot(self) -> Slot:
+        try:
+            return self._free_slots.get_nowait()
+        except queue.Empty:
+            return self._new_slot()
+
+    def _new_slot(self) -> Slot:
+        slot = Slot(clone_metric(self._metric), self._metric)
+        if self._side is not None:
+            # Allocate the pinned buffers now (shapes from a compute on the copied state), and
+            # let the next staging wait for this compute like for any window's.
+            self._side.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._side):
+                slot.copy_to_host(flatten_tree(slot.metric.compute()).leaves)
+                slot.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                slot.done.record(self._side)
+        return slot
+
+    def collect_results(self, timeout: float | None = None) -> Any:
+        """Wait for every scheduled window and return the latest one's value.
+
+        Blocking. The value has the shape of ``metric.compute()`` with Python numbers (and
+        nested lists for vectors) in place of tensors.
+
+        Raises:
+            RuntimeError: If nothing was scheduled, the latest window failed, or ``timeout``
+                passed first.
+        """
+        if self._dispatcher is None or self._dispatcher.scheduled == 0:
+            raise RuntimeError("collect_results: no window scheduled; call schedule_collection")
+        if not self._dispatcher.wait_idle(timeout):
+            raise RuntimeError(f"collect_results: windows still running after {timeout} s")
+        return self._dispatcher.latest()[1]
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Finish every scheduled window, deliver and close every sink, stop the threads.
+
+        Blocking, bounded by ``timeout`` seconds overall. Idempotent.
+
+        Returns:
+            Whether everything finished in time. If not, a warning says what is left; reports
+            a sink could not take in time are kept in a spool file the warning names.
+        """
+        if self._closed:
+            return True
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
+        if self._dispatcher is None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        complete = self._dispatcher.stop(remaining())
+        if not complete:
+            logger.warning(
+                "close: %d window(s) not finished within %s s (a collective may be stuck); "
+                "they are not reported",
+                self._dispatcher.unprocessed,
+                timeout,
+            )
+        for runner in self._runners:
+            if not runner.close(remaining()):
+                complete = False
+        return complete
+
+    def _close_at_exit(self) -> None:
+        self.close(self._exit_timeout)
+
+    def __enter__(self) -> Self:
+        if self._dispatcher is None:
+            self.bind()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, timeout: float | None = 60.0) -> dict[str, Any]:
+        """The metric's state (globally reduced: a collective) and every sink's state.
+
+        Blocking. Every rank must call it. On rank 0 it first waits (up to ``timeout``) until
+        every scheduled window is delivered, so the sinks' last steps match the metric state.
+        """
+        metric_state = self._metric.state_dict()
+        sink_states: dict[str, Any] = {}
+        if self._runners:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            assert self._dispatcher is not None
+            self._dispatcher.wait_idle(timeout)
+            for runner in self._runners:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not runner.wait_delivered(left):
+                    logger.warning(
+                        "state_dict: sink %r still has %d undelivered report(s); its state is "
+                        "as of its last delivered step",
+                        runner.key,
+                        runner.pending,
+                    )
+                sink_states[runner.key] = runner.sink_state()
+        elif self.is_writer and self._dispatcher is None:
+            sink_states = {
+                key: self._resume_states.get(key, sink.state_dict())
+                for key, sink in self._sinks.items()
+            }
+        return {"metric": metric_state, "sinks": sink_states}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict`` (any world size). Call before ``bind``.
+
+        The metric continues the saved numbers; each sink gets its saved state before it
+        opens, so it resumes the same run without repeating steps.
+
+        Raises:
+            RuntimeError: If the collector is already bound.
+            KeyError: If ``state_dict`` lacks ``"metric"``.
+        """
+        if self._dispatcher is not None:
+            raise RuntimeError(
+                "load_state_dict: call it before bind (sinks resume their run when they open)"
+            )
+        self._metric.load_state_dict(state_dict["metric"])
+        self._resume_states = dict(state_dict.get("sinks", {}))
+
+
+def _keyed(sinks: list[Sink]) -> dict[str, Sink]:
+    """Sinks by a stable key: the sink's name, ``name-2`` for a second sink of that name."""
+    keyed: dict[str, Sink] = {}
+    for sink in sinks:
+        key, n = sink.name, 1
+        while key in keyed:
+            n += 1
+            key = f"{sink.name}-{n}"
+        keyed[key] = sink
+    return keyed

@@ -1,0 +1,109 @@
+"""Build sinks by name from the ``sidestream.sinks`` entry points."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+from sidestream.sinks.base import Sink
+
+__all__ = ["ENTRY_POINT_GROUP", "available_sinks", "sinks_from_config"]
+
+ENTRY_POINT_GROUP = "sidestream.sinks"
+
+# Sinks that live in an optional integration distribution, by entry-point name.
+_EXTRAS = {"wandb": "wandb", "mlflow": "mlflow", "tensorboard": "tensorboard"}
+
+SinkConfig = Mapping[str, Mapping[str, Any] | None] | Sequence[str | Mapping[str, Any]]
+
+
+def available_sinks() -> list[str]:
+    """Names of every installed sink (the core's and the integrations')."""
+    return sorted({entry.name for entry in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def sinks_from_config(config: SinkConfig) -> list[Sink]:
+    """Build sinks by entry-point name with keyword options.
+
+    Two spellings, in order:
+
+    - a mapping of name to options: ``{"jsonl": {"path": "runs/a.jsonl"}, "console": None}``;
+    - a list of names or of option dicts with a ``"type"``:
+      ``["console", {"type": "jsonl", "path": "runs/a.jsonl"}]`` (the same type may repeat).
+
+    Args:
+        config: One of the spellings above.
+
+    Returns:
+        The sinks, in the order given.
+
+    Raises:
+        LookupError: If a name is not installed or its module fails to import; for ``wandb``,
+            ``mlflow`` and ``tensorboard`` the message says which extra to install
+            (``pip install "sidestream[mlflow]"``).
+        TypeError: If the config has the wrong shape, options do not fit the sink, or the entry
+            point does not make a ``Sink``.
+    """
+    return [_build(name, options) for name, options in _entries(config)]
+
+
+def _entries(config: SinkConfig) -> list[tuple[str, dict[str, Any]]]:
+    if isinstance(config, Mapping):
+        entries = []
+        for name, options in config.items():
+            if options is not None and not isinstance(options, Mapping):
+                raise TypeError(
+                    f"sinks_from_config: options of {name!r} must be a dict or None, "
+                    f"got {type(options).__name__}"
+                )
+            entries.append((str(name), dict(options or {})))
+        return entries
+    if isinstance(config, str) or not isinstance(config, Sequence):
+        raise TypeError(
+            "sinks_from_config: expected {name: options} or a list of names / "
+            f"{{'type': name, ...}} dicts, got {type(config).__name__}"
+        )
+    entries = []
+    for item in config:
+        if isinstance(item, str):
+            entries.append((item, {}))
+        elif isinstance(item, Mapping) and isinstance(item.get("type"), str):
+            options = dict(item)
+            entries.append((options.pop("type"), options))
+        else:
+            raise TypeError(
+                f"sinks_from_config: list items must be names or dicts with a 'type', got {item!r}"
+            )
+    return entries
+
+
+def _build(name: str, options: dict[str, Any]) -> Sink:
+    matches = [entry for entry in entry_points(group=ENTRY_POINT_GROUP) if entry.name == name]
+    if not matches:
+        if name in _EXTRAS:
+            raise LookupError(
+                f'sink {name!r} is not installed: pip install "sidestream[{_EXTRAS[name]}]"'
+            )
+        raise LookupError(
+            f"sink {name!r} is unknown; installed sinks: {', '.join(available_sinks()) or 'none'} "
+            f'(optional: {", ".join(sorted(_EXTRAS))} via pip install "sidestream[NAME]")'
+        )
+    try:
+        factory = matches[0].load()
+    except ImportError as error:
+        hint = (
+            f'pip install "sidestream[{_EXTRAS[name]}]"'
+            if name in _EXTRAS
+            else f"reinstall the package that provides {matches[0].value}"
+        )
+        raise LookupError(f"sink {name!r} could not be imported ({error}); {hint}") from error
+    try:
+        sink = factory(**options)
+    except TypeError as error:
+        raise TypeError(f"sinks_from_config: sink {name!r}: {error}") from error
+    if not isinstance(sink, Sink):
+        raise TypeError(
+            f"sinks_from_config: entry point {name!r} made a {type(sink).__name__}, not a Sink"
+        )
+    return sink

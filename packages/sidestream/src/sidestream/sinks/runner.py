@@ -1,0 +1,275 @@
+"""One sink's bounded queue and thread: retries with backoff, spools overflow, reports once."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+from sidestream.sinks._spool import Spool
+from sidestream.sinks.base import Report, RunInfo, Sink
+
+__all__ = ["SinkRunner"]
+
+logger = logging.getLogger("sidestream.sinks")
+
+
+class SinkRunner:
+    """Delivers reports to one sink, in step order, from a thread of its own.
+
+    ``submit`` never blocks and never drops: up to ``capacity`` reports wait in memory, more
+    go to a spool file and are read back in order. A ``write`` that raises is retried with
+    exponential backoff until it succeeds; the first failure of a streak is logged (logger
+    ``sidestream.sinks``) and so is the recovery, never each attempt. Every sink method runs on
+    this thread, so a slow or failing sink delays nothing else.
+
+    Args:
+        sink: The sink to drive.
+        run: Passed to ``sink.open``.
+        key: A name for messages, thread and spool file (the sink's name by default).
+        resume_state: Given to ``sink.load_state_dict`` before ``open``, if not ``None``.
+        capacity: Reports kept in memory before spooling to disk.
+        spool_dir: Directory of the spool file (the system temp dir by default).
+        retry_initial_s: First backoff after a failure; doubles up to ``retry_max_s``.
+        retry_max_s: Longest backoff.
+        flush_interval_s: An idle sink with unflushed writes is flushed after this long.
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        run: RunInfo | None = None,
+        *,
+        key: str | None = None,
+        resume_state: Mapping[str, Any] | None = None,
+        capacity: int = 64,
+        spool_dir: str | None = None,
+        retry_initial_s: float = 0.1,
+        retry_max_s: float = 10.0,
+        flush_interval_s: float = 1.0,
+    ) -> None:
+        if not isinstance(sink, Sink):
+            raise TypeError(f"sink: expected a sidestream.sinks.Sink, got {type(sink)}")
+        if capacity < 1:
+            raise ValueError(f"capacity: expected >= 1, got {capacity}")
+        self.sink = sink
+        self.key = key or sink.name
+        self._run = run or RunInfo()
+        self._resume_state = resume_state
+        self._capacity = capacity
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self._flush_interval_s = flush_interval_s
+        self._cond = threading.Condition()
+        self._queue: deque[Report] = deque()
+        self._spool = Spool(spool_dir, label=self.key)
+        self._in_flight: Report | None = None
+        self._submitted = 0
+        self._delivered = 0
+        self._closing = False
+        self._close_deadline: float | None = None
+        self._abandon = threading.Event()
+        self._failing = False
+        self._failed_attempts = 0
+        self._state: dict[str, Any] = {}
+        self._thread = threading.Thread(
+            target=self._work, name=f"sidestream-sink-{self.key}", daemon=True
+        )
+
+    # ------------------------------------------------------------------ caller side
+
+    def start(self) -> None:
+        """Start the thread; it opens the sink, then delivers."""
+        self._thread.start()
+
+    def submit(self, report: Report) -> None:
+        """Queue ``report``; returns at once (spools to disk when the queue is full).
+
+        Raises:
+            RuntimeError: After ``close``.
+        """
+        with self._cond:
+            if self._closing:
+                raise RuntimeError(f"sink {self.key!r}: submit after close")
+            if len(self._spool) or len(self._queue) >= self._capacity:
+                self._spool.append(report)
+            else:
+                self._queue.append(report)
+            self._submitted += 1
+            self._cond.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Reports submitted and not delivered yet (queued, spooled or being written)."""
+        with self._cond:
+            return self._submitted - self._delivered
+
+    @property
+    def delivered(self) -> int:
+        """Reports the sink accepted."""
+        with self._cond:
+            return self._delivered
+
+    @property
+    def spooled(self) -> int:
+        """Reports waiting in the spool file."""
+        with self._cond:
+            return len(self._spool)
+
+    def sink_state(self) -> dict[str, Any]:
+        """``sink.state_dict()`` as of the last delivered report, taken on the sink's thread."""
+        with self._cond:
+            return dict(self._state)
+
+    def wait_delivered(self, timeout: float | None = None) -> bool:
+        """Block until every submitted report is delivered; whether that happened in time."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._delivered == self._submitted or self._abandon.is_set(), timeout
+            ) and (self._delivered == self._submitted)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Deliver what is pending, flush and close the sink, stop the thread.
+
+        When ``timeout`` runs out first, the undelivered reports are written to a spool file
+        that is kept on disk, a warning names it, and ``False`` is returned.
+        """
+        with self._cond:
+            self._closing = True
+            self._close_deadline = None if timeout is None else time.monotonic() + timeout
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._spool.discard()
+            return self._delivered == self._submitted
+        self._abandon.set()
+        with self._cond:
+            undelivered = [*([self._in_flight] if self._in_flight else []), *self._queue]
+            self._queue.clear()
+            count = len(undelivered) + len(self._spool)
+            path = self._spool.keep(undelivered)
+            self._cond.notify_all()
+        logger.warning(
+            "sink %r: %d report(s) not delivered within %.1f s of close; kept in %s "
+            "(pickled sidestream.sinks.Report objects, oldest first)",
+            self.key,
+            count,
+            timeout or 0.0,
+            path,
+        )
+        return False
+
+    # ------------------------------------------------------------------ sink thread
+
+    def _work(self) -> None:
+        if not self._retry("open", self._open):
+            return
+        self._snapshot_state()
+        dirty = False
+        last_flush = time.monotonic()
+        while True:
+            report, flush_now, stop = self._next(dirty, last_flush)
+            if report is not None:
+                if not self._retry(f"write (step {report.step})", partial(self._write, report)):
+                    return
+                dirty = True
+                continue
+            if dirty and flush_now:
+                self._once("flush", lambda: self.sink.flush(self._remaining()))
+                dirty = False
+                last_flush = time.monotonic()
+            if stop:
+                break
+        self._once("close", lambda: self.sink.close(self._remaining()))
+
+    def _open(self) -> None:
+        if self._resume_state is not None:
+            self.sink.load_state_dict(self._resume_state)
+        self.sink.open(self._run)
+
+    def _write(self, report: Report) -> None:
+        self.sink.write(report)
+        with self._cond:
+            self._in_flight = None
+            self._delivered += 1
+        self._snapshot_state()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _next(self, dirty: bool, last_flush: float) -> tuple[Report | None, bool, bool]:
+        """The next report, or whether to flush now, and whether to stop."""
+        with self._cond:
+            while True:
+                if self._abandon.is_set():
+                    return None, False, True
+                if self._queue:
+                    self._in_flight = self._queue.popleft()
+                    return self._in_flight, False, False
+                if len(self._spool):
+                    self._in_flight = self._spool.pop_oldest()
+                    return self._in_flight, False, False
+                if self._closing:
+                    return None, True, True
+                if not dirty:
+                    self._cond.wait()
+                    continue
+                remaining = self._flush_interval_s - (time.monotonic() - last_flush)
+                if remaining <= 0:
+                    return None, True, False
+                self._cond.wait(remaining)
+
+    def _retry(self, what: str, action: Callable[[], None]) -> bool:
+        """Run ``action`` until it succeeds (True) or the runner is abandoned (False)."""
+        delay = self._retry_initial_s
+        while True:
+            try:
+                action()
+            except Exception as error:
+                self._failed_attempts += 1
+                if not self._failing:
+                    self._failing = True
+                    logger.warning(
+                        "sink %r: %s failed: %s: %s; retrying with backoff, reports are kept "
+                        "(not logged again until it recovers)",
+                        self.key,
+                        what,
+                        type(error).__name__,
+                        error,
+                    )
+                if self._abandon.wait(delay):
+                    return False
+                delay = min(delay * 2, self._retry_max_s)
+                continue
+            if self._failing:
+                self._failing = False
+                logger.warning(
+                    "sink %r: recovered after %d failed attempt(s)", self.key, self._failed_attempts
+                )
+                self._failed_attempts = 0
+            return True
+
+    def _once(self, what: str, action: Callable[[], object]) -> None:
+        try:
+            action()
+        except Exception as error:
+            logger.warning(
+                "sink %r: %s failed: %s: %s", self.key, what, type(error).__name__, error
+            )
+
+    def _snapshot_state(self) -> None:
+        try:
+            state = dict(self.sink.state_dict())
+        except Exception as error:  # a broken state_dict must not stop delivery
+            logger.warning("sink %r: state_dict failed: %s", self.key, error)
+            return
+        with self._cond:
+            self._state = state
+
+    def _remaining(self) -> float | None:
+        if self._close_deadline is None:
+            return None
+        return max(0.0, self._close_deadline - time.monotonic())

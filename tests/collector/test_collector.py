@@ -1,0 +1,194 @@
+"""The collector in one process: windows, cumulative mode, exit paths, checkpoints, errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sidestream import MeanMetric, SumMetric
+from sidestream.collector import AsyncMetricCollector
+from sidestream.sinks import JsonlSink
+from tests.collector.helpers import (
+    AlwaysFailingSink,
+    RecordingSink,
+    feed,
+    make_metric,
+    reference,
+    window_data,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _approx(expected: dict[str, float]) -> dict[str, object]:
+    return {name: pytest.approx(value, rel=1e-12) for name, value in expected.items()}
+
+
+def test_every_window_matches_numpy_with_prefix_and_pytree_results(tmp_path: Path) -> None:
+    metric = make_metric()
+    sink = RecordingSink()
+    collector = AsyncMetricCollector(metric, sinks=[sink], prefix="train")
+    collector.bind()
+    results = []
+    for window in range(3):
+        feed(metric, window_data(1, window, 0))
+        collector.schedule_collection(step=window + 1)
+        results.append(collector.collect_results())
+    assert collector.close() is True
+    assert sink.steps == [1, 2, 3]
+    for window, (report, result) in enumerate(zip(sink.reports, results, strict=True)):
+        expected = reference([window_data(1, window, 0)])
+        assert report.values == _approx({f"train/{k}": v for k, v in expected.items()})
+        assert result["loss"] == pytest.approx(expected["loss"], rel=1e-12)
+        assert result["classes"] == pytest.approx(
+            [expected[f"classes/class_{i}"] for i in range(4)], rel=1e-12
+        )
+    assert all(isinstance(v, float) for v in sink.reports[0].values.values())
+
+
+def test_cumulative_mode_and_updates_after_scheduling_do_not_leak_in() -> None:
+    metric = SumMetric()
+    collector = AsyncMetricCollector(metric, reset_each_window=False)
+    collector.bind("cpu")
+    metric.update(torch.tensor([1.0, 2.0]))
+    collector.schedule_collection(1)
+    metric.update(torch.tensor([10.0]))  # after the snapshot: belongs to the next window
+    assert collector.collect_results() == 3.0
+    collector.schedule_collection(2)
+    assert collector.collect_results() == 13.0
+    collector.close()
+
+
+def test_with_block_closes_and_delivers_on_exception(tmp_path: Path) -> None:
+    metric = MeanMetric()
+    path = tmp_path / "m.jsonl"
+    collector = AsyncMetricCollector(metric, sinks=[JsonlSink(path)])
+    with pytest.raises(ZeroDivisionError), collector:
+        metric.update(torch.tensor([4.0]))
+        collector.schedule_collection(5)
+        _ = 1 / 0
+    assert [json.loads(line)["values"] for line in path.read_text().splitlines()] == [
+        {"value": 4.0}
+    ]
+    with pytest.raises(RuntimeError, match="bind"):
+        collector.schedule_collection(6)
+
+
+def test_checkpoint_resumes_metric_and_sink_without_duplicates(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    first, partial, other, later, more = (
+        np.arange(1.0, 5.0),
+        np.array([100.0]),
+        np.array([50.0]),
+        np.array([7.0, 9.0]),
+        np.array([-3.0]),
+    )
+    metric = MeanMetric()
+    collector = AsyncMetricCollector(metric, sinks=[JsonlSink(path)]).bind()
+    metric.update(torch.from_numpy(first))
+    collector.schedule_collection(1)
+    metric.update(torch.from_numpy(partial))  # not collected yet when the checkpoint is taken
+    state = collector.state_dict()
+    metric.update(torch.from_numpy(other))
+    collector.schedule_collection(2)  # logged after the checkpoint, then the job "dies"
+    collector.close()
+
+    metric2 = MeanMetric()
+    resumed = AsyncMetricCollector(metric2, sinks=[JsonlSink(path)])
+    resumed.load_state_dict(state)
+    resumed.bind()
+    with pytest.raises(RuntimeError, match="before bind"):
+        resumed.load_state_dict(state)
+    metric2.update(torch.from_numpy(later))
+    resumed.schedule_collection(2)  # replayed from the checkpoint: already in the file
+    # The interrupted window's data is counted exactly once.
+    assert resumed.collect_results() == pytest.approx(np.concatenate([partial, later]).mean())
+    metric2.update(torch.from_numpy(more))
+    resumed.schedule_collection(3)
+    resumed.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert [line["values"]["value"] for line in lines] == pytest.approx(
+        [first.mean(), np.concatenate([partial, other]).mean(), more.mean()]
+    )
+
+
+def test_bad_use_raises_clear_errors() -> None:
+    with pytest.raises(TypeError, match="metric: expected a sidestream Metric"):
+        AsyncMetricCollector(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"sinks\[0\]"):
+        AsyncMetricCollector(MeanMetric(), sinks=["jsonl"])  # type: ignore[list-item]
+    collector = AsyncMetricCollector(MeanMetric())
+    with pytest.raises(RuntimeError, match="bind"):
+        collector.schedule_collection(1)
+    collector.bind("cpu")
+    with pytest.raises(RuntimeError, match="no window scheduled"):
+        collector.collect_results()
+    collector.schedule_collection(3)
+    with pytest.raises(ValueError, match="step: expected > the previous window's 3, got 3"):
+        collector.schedule_collection(3)
+    with pytest.raises(TypeError, match="step: expected an int"):
+        collector.schedule_collection(4.0)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="already bound"):
+        collector.bind("cpu")
+    assert collector.close() and collector.close()
+
+
+def test_interpreter_exit_flushes_what_was_scheduled(tmp_path: Path) -> None:
+    path = tmp_path / "exit.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from sidestream import SumMetric
+        from sidestream.collector import AsyncMetricCollector
+        from sidestream.sinks import JsonlSink
+        from tests.collector.helpers import RecordingSink
+
+        metric = SumMetric()
+        collector = AsyncMetricCollector(
+            metric, sinks=[RecordingSink(delay_s=0.2), JsonlSink({str(path)!r})]
+        )
+        collector.bind("cpu")
+        for step in range(1, 4):
+            metric.update(torch.tensor([float(step)]))
+            collector.schedule_collection(step)
+        # no close(): the atexit hook must deliver everything
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=120)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(line["step"], line["values"]["value"]) for line in lines] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+    ]
+
+
+def test_close_reports_a_sink_that_cannot_deliver_in_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    metric = SumMetric()
+    good, broken = JsonlSink(tmp_path / "good.jsonl"), AlwaysFailingSink()
+    collector = AsyncMetricCollector(
+        metric, sinks=[good, broken], spool_dir=str(tmp_path / "spool")
+    )
+    collector.bind("cpu")
+    for step in (1, 2):
+        metric.update(torch.tensor([float(step)]))
+        collector.schedule_collection(step)
+    assert collector.collect_results() == 2.0
+    with caplog.at_level(logging.WARNING):
+        assert collector.close(timeout=0.5) is False
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("'broken'" in m and "retrying" in m for m in messages) == 1
+    (kept,) = [m for m in messages if "not delivered" in m]
+    assert "2 report(s)" in kept and str(tmp_path / "spool") in kept
+    assert len((tmp_path / "good.jsonl").read_text().splitlines()) == 2

@@ -1,0 +1,133 @@
+"""The collector on 2 and 4 gloo ranks: rank 0's JSONL equals numpy on every rank's data."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from sidestream.collector import AsyncMetricCollector
+from sidestream.sinks import JsonlSink
+from sidestream.testing import DistributedPool
+from tests.collector.helpers import (
+    CountingHandler,
+    RecordingSink,
+    feed,
+    make_metric,
+    reference,
+    window_data,
+)
+
+WINDOWS = 4
+SEED = 7
+
+
+def _steps() -> list[int]:
+    return [10 * (k + 1) for k in range(WINDOWS)]
+
+
+def _train(directory: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    handler = CountingHandler()
+    logging.getLogger("sidestream").addHandler(handler)
+    slow = RecordingSink(delay_s=1.0, name="slow")
+    flaky = RecordingSink(failures=3, name="flaky")
+    jsonl = JsonlSink(Path(directory) / f"rank{rank}.jsonl")
+    metric = make_metric()
+    collector = AsyncMetricCollector(metric, sinks=[slow, jsonl, flaky])
+    collector.bind("cpu")
+    durations = []
+    try:
+        for window, step in enumerate(_steps()):
+            feed(metric, window_data(SEED, window, rank))
+            started = time.perf_counter()
+            collector.schedule_collection(step)
+            durations.append(time.perf_counter() - started)
+        latest = collector.collect_results()
+        jsonl_done_first = None
+        if collector.is_writer:
+            runner = next(r for r in collector.sink_runners if r.key == "jsonl")
+            deadline = time.monotonic() + 10
+            while runner.delivered < WINDOWS and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # The JSONL sink got every window while the slow one was still on its first ones.
+            jsonl_done_first = runner.delivered == WINDOWS and len(slow.steps) < WINDOWS
+        # A partial window, then a checkpoint: a collective on every rank.
+        feed(metric, window_data(SEED, 99, rank))
+        state = collector.state_dict()
+    finally:
+        closed = collector.close(timeout=60)
+        logging.getLogger("sidestream").removeHandler(handler)
+    return {
+        "durations": durations,
+        "latest": latest,
+        "jsonl_done_first": jsonl_done_first,
+        "closed": closed,
+        "opened": len(slow.opened) + len(flaky.opened),
+        "slow_steps": slow.steps,
+        "flaky_steps": flaky.steps,
+        "flaky_attempts": flaky.attempts,
+        "messages": handler.messages,
+        "weight_state": state["metric"]["loss.weight"].item(),
+        "sink_states": state["sinks"],
+    }
+
+
+def _close(actual: float, expected: float) -> None:
+    assert actual == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_rank0_jsonl_matches_numpy_and_sinks_are_isolated(
+    dist_pool: DistributedPool, tmp_path: Path
+) -> None:
+    world = dist_pool.world_size
+    per_rank = dist_pool.run(_train, str(tmp_path), timeout=120)
+    expected = [reference([window_data(SEED, k, r) for r in range(world)]) for k in range(WINDOWS)]
+
+    # Rank 0 wrote every window, in step order, with the values of all ranks' data.
+    lines = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == _steps()
+    for line, want in zip(lines, expected, strict=True):
+        assert set(line["values"]) == set(want)
+        for name, value in want.items():
+            _close(line["values"][name], value)
+
+    # Every rank computed the same numbers; only rank 0 opened or wrote anything.
+    for rank, result in enumerate(per_rank):
+        latest = result["latest"]
+        _close(latest["loss"], expected[-1]["loss"])
+        _close(latest["acc"], expected[-1]["acc"])
+        for i, fraction in enumerate(latest["classes"]):
+            _close(fraction, expected[-1][f"classes/class_{i}"])
+        assert result["closed"] is True
+        if rank == 0:
+            assert result["opened"] == 2
+        else:
+            assert result["opened"] == 0
+            assert not (tmp_path / f"rank{rank}.jsonl").exists()
+            assert result["slow_steps"] == result["flaky_steps"] == []
+            assert result["sink_states"] == {}
+
+    # The checkpoint holds the partial window reduced over all ranks, identically everywhere.
+    partial_weight = sum(window_data(SEED, 99, r)["weights"].sum() for r in range(world))
+    for result in per_rank:
+        _close(result["weight_state"], partial_weight)
+
+    rank0 = per_rank[0]
+    # A 1 s/write sink and a raising sink never slowed the training thread.
+    assert max(rank0["durations"]) < 0.5, rank0["durations"]  # one slow write takes 1 s
+    assert rank0["jsonl_done_first"] is True
+    # Nothing lost at close: the slow sink got everything, and so did the flaky one, in order.
+    assert rank0["slow_steps"] == _steps()
+    assert rank0["flaky_steps"] == _steps()
+    assert rank0["flaky_attempts"] == WINDOWS + 3
+    failures = [m for m in rank0["messages"] if "'flaky'" in m and "retrying" in m]
+    recoveries = [m for m in rank0["messages"] if "'flaky'" in m and "recovered" in m]
+    assert len(failures) == 1 and "ConnectionError" in failures[0]
+    assert len(recoveries) == 1
+    assert rank0["sink_states"]["jsonl"]["last_step"] == _steps()[-1]

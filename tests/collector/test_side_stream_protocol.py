@@ -1,0 +1,99 @@
+"""The CUDA branch's event protocol, run on CPU with recording stand-ins for streams/events.
+
+This does not prove anything about the GPU (test_gpu.py does, on a GPU); it checks, on every
+machine, that the side-stream path orders its waits as documented and produces the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from sidestream.collector import AsyncMetricCollector
+from tests.collector.helpers import RecordingSink, feed, make_metric, reference, window_data
+
+Log = list[tuple[str, str, int]]
+
+
+class _Event:
+    count = 0
+
+    def __init__(self, log: Log) -> None:
+        _Event.count += 1
+        self.id = _Event.count
+        self._log = log
+
+    def record(self, stream: Any = None) -> None:
+        self._log.append(("record", stream.label, self.id))
+
+    def synchronize(self) -> None:
+        self._log.append(("synchronize", "host", self.id))
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    def __init__(self, label: str, log: Log) -> None:
+        self.label = label
+        self._log = log
+
+    def wait_event(self, event: _Event) -> None:
+        self._log.append(("wait_event", self.label, event.id))
+
+    def wait_stream(self, stream: _Stream) -> None:
+        self._log.append(("wait_stream", self.label, 0))
+
+
+def test_side_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: Log = []
+    current, side = _Stream("current", log), _Stream("side", log)
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+
+    metric, sink = make_metric(), RecordingSink()
+    collector = AsyncMetricCollector(metric, sinks=[sink]).bind("cpu")
+    collector._side = side  # take the CUDA branch from here on
+    slots_used = []
+    original_take = collector._take_slot
+
+    def take() -> Any:
+        slot = original_take()
+        slots_used.append((slot, slot.done.id if slot.done is not None else None))
+        return slot
+
+    monkeypatch.setattr(collector, "_take_slot", take)
+    for window in range(8):
+        feed(metric, window_data(4, window, 0))
+        collector.schedule_collection(window + 1)
+        collector.collect_results()  # deterministic slot reuse: three slots, round robin
+    assert collector.close()
+
+    for window, report in enumerate(sink.reports):
+        expected = reference([window_data(4, window, 0)])
+        assert report.values == {k: pytest.approx(v, rel=1e-12) for k, v in expected.items()}
+
+    records = [(stream, event) for kind, stream, event in log if kind == "record"]
+    staged = [event for stream, event in records if stream == "current"]
+    done = [event for stream, event in records if stream == "side"]
+    assert len(staged) == len(done) == 8
+    side_waits = [event for kind, stream, event in log if kind == "wait_event" and stream == "side"]
+    assert side_waits == staged, "the side stream starts every window after its staging"
+    synchronized = [event for kind, _, event in log if kind == "synchronize"]
+    assert synchronized == done, "the dispatcher waits for every window's done event, in order"
+    # A reused slot: the training stream waits (GPU-side) on that slot's last done event
+    # before staging into it, and the host had already seen that event pass.
+    current_waits = [e for kind, stream, e in log if kind == "wait_event" and stream == "current"]
+    previous = [done_id for _, done_id in slots_used if done_id is not None]
+    assert current_waits == previous and len(previous) == 5
+    for event in previous:
+        assert log.index(("synchronize", "host", event)) < log.index(
+            ("wait_event", "current", event)
+        )

@@ -1,0 +1,169 @@
+"""Built-in sinks, the per-sink runner and building sinks from a config."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sidestream.sinks import (
+    ConsoleSink,
+    JsonlSink,
+    Report,
+    RunInfo,
+    SinkRunner,
+    available_sinks,
+    sinks_from_config,
+)
+from tests.collector.helpers import AlwaysFailingSink, RecordingSink
+
+
+def _report(step: int, **values: float) -> Report:
+    return Report(step=step, values=values or {"loss": float(step)}, time=1000.0 + step)
+
+
+def test_jsonl_appends_batches_and_resumes_without_duplicates(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "m.jsonl"
+    sink = JsonlSink(path, flush_every=2)
+    sink.open(RunInfo())
+    sink.write(_report(1, loss=0.5, acc=float("nan")))
+    assert path.read_text() == "", "buffered until a batch is full"
+    sink.write(
+        Report(step=2, values={"loss": 0.25}, time=0.0, histograms={"h": torch.tensor([1, 2])})
+    )
+    assert len(path.read_text().splitlines()) == 2
+    saved = sink.state_dict()
+    sink.close()
+
+    resumed = JsonlSink(path)
+    resumed.load_state_dict(saved)
+    resumed.open(RunInfo())
+    for step in (2, 3):  # step 2 was written before the checkpoint
+        resumed.write(_report(step))
+    resumed.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert (
+        lines[0]["values"]["loss"] == 0.5 and lines[0]["values"]["acc"] != lines[0]["values"]["acc"]
+    )
+    assert lines[1]["histograms"] == {"h": [1, 2]}
+    assert lines[2]["time"] == 1003.0
+
+
+def test_console_line() -> None:
+    stream = io.StringIO()
+    sink = ConsoleSink(stream=stream, max_values=2, every=2)
+    sink.open(RunInfo(name="demo"))
+    for step in (1, 2, 3):
+        sink.write(_report(step, **{"train/loss": 0.123456, "acc": float("inf"), "x": 1.0}))
+    assert stream.getvalue().splitlines() == [
+        "run demo",
+        "step 1 | train/loss 0.1235 | acc inf | ... (+1 more)",
+        "step 3 | train/loss 0.1235 | acc inf | ... (+1 more)",
+    ]
+
+
+def test_sinks_from_config_by_entry_point(tmp_path: Path) -> None:
+    assert {"jsonl", "console"} <= set(available_sinks())
+    built = sinks_from_config({"jsonl": {"path": tmp_path / "a.jsonl"}, "console": None})
+    assert [type(s) for s in built] == [JsonlSink, ConsoleSink]
+    built = sinks_from_config(
+        ["console", {"type": "jsonl", "path": tmp_path / "b.jsonl", "flush_every": 3}]
+    )
+    assert isinstance(built[1], JsonlSink) and built[1].path == tmp_path / "b.jsonl"
+
+
+@pytest.mark.parametrize("name", ["mlflow", "wandb", "tensorboard"])
+def test_missing_integration_names_the_extra(name: str) -> None:
+    if name in available_sinks():
+        pytest.skip(f"{name} integration installed here")
+    with pytest.raises(LookupError, match=rf'pip install "sidestream\[{name}\]"'):
+        sinks_from_config([name])
+
+
+def test_unknown_sink_and_bad_options() -> None:
+    with pytest.raises(LookupError, match=r"'nosuch' is unknown; installed sinks: .*jsonl"):
+        sinks_from_config(["nosuch"])
+    with pytest.raises(TypeError, match="sink 'jsonl'"):
+        sinks_from_config({"jsonl": {"paht": "x"}})
+    with pytest.raises(TypeError, match="options of 'console' must be a dict"):
+        sinks_from_config({"console": 3})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="names or dicts with a 'type'"):
+        sinks_from_config([{"path": "x"}])
+
+
+def test_runner_spools_overflow_and_keeps_order(tmp_path: Path) -> None:
+    sink = RecordingSink(delay_s=0.02)
+    runner = SinkRunner(sink, capacity=2, spool_dir=str(tmp_path))
+    runner.start()
+    for step in range(1, 21):
+        runner.submit(_report(step))
+    assert runner.spooled > 0, "a full queue spills to disk instead of blocking or dropping"
+    assert runner.close(timeout=30) is True
+    assert sink.steps == list(range(1, 21))
+    assert sink.closed and len(sink.opened) == 1
+    assert list(tmp_path.iterdir()) == [], "the spool file is removed once drained"
+
+
+def test_runner_keeps_undeliverable_reports_and_warns_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sink = AlwaysFailingSink()
+    runner = SinkRunner(sink, spool_dir=str(tmp_path), retry_initial_s=0.01, retry_max_s=0.02)
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        runner.start()
+        for step in range(1, 6):
+            runner.submit(_report(step))
+        time.sleep(0.3)
+        assert runner.close(timeout=0.2) is False
+    assert sink.attempts > 5, "failed writes are retried"
+    retry_warnings = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retry_warnings) == 1, "a failure streak is reported once, not per attempt"
+    kept = [r for r in caplog.records if "not delivered" in r.getMessage()]
+    assert len(kept) == 1 and "5 report(s)" in kept[0].getMessage()
+    (spool,) = tmp_path.iterdir()
+    reports = []
+    with spool.open("rb") as file:
+        while True:
+            try:
+                reports.append(pickle.load(file))
+            except EOFError:
+                break
+    assert [r.step for r in reports] == [1, 2, 3, 4, 5]
+
+
+def test_jsonl_resume_skips_steps_logged_after_the_checkpoint_and_heals_cut_line(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text(
+        '{"step": 1, "time": 0, "values": {}}\n{"step": 4, "time": 0, "values": {}}\n{"st'
+    )
+    sink = JsonlSink(path)
+    sink.load_state_dict({"last_step": 1})  # the checkpoint was taken at step 1
+    sink.open(RunInfo())
+    for step in (2, 4, 5):
+        sink.write(_report(step))
+    sink.close()
+    lines = path.read_text().splitlines()
+    assert lines[2] == '{"st'
+    assert [json.loads(line)["step"] for line in lines[:2] + lines[3:]] == [1, 4, 5]
+
+
+def test_sink_whose_module_fails_to_import_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib.metadata import EntryPoint
+
+    import sidestream.sinks.config as config
+
+    broken = EntryPoint(name="mlflow", value="no_such_module_xyz:Sink", group="sidestream.sinks")
+    monkeypatch.setattr(config, "entry_points", lambda group: [broken])
+    with pytest.raises(
+        LookupError, match=r'could not be imported .*pip install "sidestream\[mlflow\]"'
+    ):
+        sinks_from_config(["mlflow"])
