@@ -143,6 +143,10 @@ class AsyncMetricCollector(Generic[T]):
         On CUDA this creates the side stream. On rank 0 it starts one thread per sink, which
         resumes (``load_state_dict``) and opens it. Registers ``close`` to run at exit.
 
+        Blocking and a collective on multi-rank jobs: every rank calls it, and it checks once
+        that all ranks hold the same metric structure (raising ``RankMismatchError`` naming the
+        difference otherwise), so later windows never block on that check.
+
         Raises:
             RuntimeError: If already bound or closed.
         """
@@ -156,8 +160,13 @@ class AsyncMetricCollector(Generic[T]):
         self._device = target
         if target.type == "cuda":
             self._side = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
-        for _ in range(_INITIAL_SLOTS):
-            self._free_slots.put(self._new_slot())
+        slots = [self._new_slot() for _ in range(_INITIAL_SLOTS)]
+        # The one blocking collective: check now that every rank holds the same state structure,
+        # so no window ever blocks on it (or hangs on mismatched collectives) later.
+        with coalesced_sync(check_only=True):
+            slots[0].metric.sync(self._group)
+        for slot in slots:
+            self._free_slots.put(slot)
         if self.is_writer:
             for key, sink in self._sinks.items():
                 runner = SinkRunner(
