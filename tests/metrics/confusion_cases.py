@@ -79,16 +79,21 @@ def make_batch(
 ) -> dict[str, np.ndarray]:
     """Raw numpy inputs of one batch (scores in float64; cast to the dtype in ``to_torch``).
 
-    Multiclass: class 0 never occurs and is never predicted (absent: left out of macro means);
-    with ``unseen_class`` class 1 is never a target but predicted (precision 0, recall 0/0).
+    Multiclass with C >= 3: class 0 never occurs and is never predicted (absent: left out of
+    macro means); with C >= 4 and ``unseen_class``, class 1 is never a target but is predicted
+    (precision 0, recall 0/0).
     """
     shape = (size, *case.extra_dims)
     if case.kind == "multiclass":
-        skew = np.concatenate([[0.0], rng.uniform(0.1, 3.0, size=case.classes - 1)])
-        skew[1] *= 0.0 if unseen_class else 1.0
+        skew = rng.uniform(0.1, 3.0, size=case.classes)
+        if case.classes >= 3:
+            skew[0] = 0.0
+        if case.classes >= 4 and unseen_class:
+            skew[1] = 0.0
         target = rng.choice(case.classes, size=shape, p=skew / skew.sum())
         scores = rng.normal(size=(*shape, case.classes))
-        scores[..., 0] = -1e4
+        if case.classes >= 3:
+            scores[..., 0] = -1e4
         scores += 1.5 * np.eye(case.classes)[target] * rng.integers(0, 2, size=(*shape, 1))
     else:
         label_shape = shape if case.kind == "binary" else (*shape, case.classes)
