@@ -1,0 +1,183 @@
+"""Builder rules, result shapes, and bad input for the confusion-count metrics (CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from sidestream.metrics.classification import (
+    ConfusionCountMetric,
+    MulticlassConfusionMatrixMetric,
+    confusion_matrix_metric,
+)
+
+
+def _multiclass(**options: Any) -> ConfusionCountMetric:
+    return confusion_matrix_metric(**options).multiclass(4).with_accuracy().with_f1().build()
+
+
+def test_result_shapes_and_names() -> None:
+    single = confusion_matrix_metric().multiclass(3).with_f1().micro().build()
+    single.update(torch.randn(10, 3), torch.randint(0, 3, (10,)))
+    value = single.compute()
+    assert isinstance(value, torch.Tensor) and value.shape == () and value.dtype == torch.float64
+
+    several = (
+        confusion_matrix_metric()
+        .multiclass(3)
+        .with_f1()
+        .with_fbeta(1.0)  # the same statistic: kept once
+        .with_fbeta(0.5)
+        .with_specificity()
+        .per_class()
+        .build()
+    )
+    several.update(torch.randn(10, 3), torch.randint(0, 3, (10,)))
+    values = several.compute()
+    assert isinstance(values, dict) and list(values) == ["f1", "f0.5", "specificity"]
+    assert all(v.shape == (3,) for v in values.values())
+
+    binary = confusion_matrix_metric().binary().with_recall().with_precision().build()
+    binary.update(torch.rand(7), torch.randint(0, 2, (7,)))
+    assert all(v.shape == () for v in binary.compute().values())
+
+
+def test_builder_is_immutable() -> None:
+    base = confusion_matrix_metric().multiclass(3).with_accuracy()
+    micro, macro = base.micro().build(), base.macro().build()
+    preds, target = torch.tensor([0, 1, 1, 1]), torch.tensor([0, 1, 2, 2])
+    micro.update(preds, target)
+    macro.update(preds, target)
+    assert micro.compute().item() == pytest.approx(0.5)
+    assert macro.compute().item() == pytest.approx((1 + 1 + 0) / 3)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: confusion_matrix_metric().with_f1().build(), ValueError, "problem"),
+        (lambda: confusion_matrix_metric().binary().build(), ValueError, "statistic"),
+        (lambda: confusion_matrix_metric().binary().multiclass(3), ValueError, "problem"),
+        (
+            lambda: confusion_matrix_metric().binary().with_f1().macro().build(),
+            ValueError,
+            "binary",
+        ),
+        (
+            lambda: confusion_matrix_metric().multiclass(3).micro().macro(),
+            ValueError,
+            "aggregation",
+        ),
+        (lambda: confusion_matrix_metric().multiclass(3).with_fbeta(0), ValueError, "beta"),
+        (lambda: confusion_matrix_metric().multiclass(3, top_k=4), ValueError, "top_k"),
+        (lambda: confusion_matrix_metric().multiclass(1), ValueError, "num_classes"),
+        (lambda: confusion_matrix_metric().multiclass(2.0), TypeError, "num_classes"),
+        (lambda: confusion_matrix_metric().binary(1.5), ValueError, "threshold"),
+        (lambda: _multiclass(zero_division=0.5), ValueError, "zero_division"),
+        (lambda: _multiclass(ignore_index=1.0), TypeError, "ignore_index"),
+        (lambda: MulticlassConfusionMatrixMetric(1), ValueError, "num_classes"),
+    ],
+)
+def test_builder_errors(make: Callable[[], object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+MULTICLASS_BAD = [
+    # (preds, target, error, message fragment)
+    (torch.randn(4, 5), torch.tensor([0, 1, 2, 3]), ValueError, r"preds: .*num_classes = 4"),
+    (torch.randn(4, 4), torch.tensor([0, 1, 2]), ValueError, r"target: expected class indices"),
+    (torch.randn(4, 4), torch.tensor([0, 1, 2, 4]), ValueError, r"target: .*\[0, 4\)"),
+    (torch.randn(4, 4), torch.tensor([0, 1, 2, -1]), ValueError, r"target: .*\[0, 4\)"),
+    (torch.tensor([0, 1, 5, 3]), torch.tensor([0, 1, 2, 3]), ValueError, r"preds: .*\[0, 4\)"),
+    (torch.randn(4, 4), torch.tensor([0.0, 1, 2, 3]), TypeError, "target: expected integer"),
+    (torch.randn(2, 4), torch.tensor([[1, 1, 0, 0], [0, 0, 1, 0]]), ValueError, "one-hot"),
+    (torch.randn(4, 4), [0, 1, 2, 3], TypeError, "target: expected a torch.Tensor"),
+    (torch.randn(4, 4).bool(), torch.tensor([0, 1, 2, 3]), TypeError, "preds"),
+]
+
+
+@pytest.mark.parametrize(("preds", "target", "error", "match"), MULTICLASS_BAD)
+def test_multiclass_bad_input_raises_before_state_changes(
+    preds: Any, target: Any, error: type[Exception], match: str
+) -> None:
+    for metric in (_multiclass(), MulticlassConfusionMatrixMetric(4)):
+        metric.update(torch.randn(6, 4), torch.randint(0, 4, (6,)))
+        before = {name: acc.local.clone() for name, acc in metric.named_accumulators()}
+        with pytest.raises(error, match=match):
+            metric.update(preds, target)
+        for name, accumulator in metric.named_accumulators():
+            assert torch.equal(accumulator.local, before[name]), name
+
+
+def test_ignore_index_is_not_out_of_range() -> None:
+    metric = _multiclass(ignore_index=-100)
+    metric.update(torch.tensor([0, 1, 2]), torch.tensor([0, -100, 2]))
+    assert metric.counts()["tp"].tolist() == [1, 0, 1, 0]
+    assert metric.counts()["tn"].tolist() == [1, 2, 1, 2]  # the ignored sample counts nowhere
+    with pytest.raises(ValueError, match="ignore_index=-100"):
+        metric.update(torch.tensor([0]), torch.tensor([-1]))
+    assert metric.rejected_updates.item() == 0
+
+
+def test_top_k_needs_scores() -> None:
+    metric = confusion_matrix_metric().multiclass(4, top_k=2).with_recall().build()
+    with pytest.raises(ValueError, match="top_k"):
+        metric.update(torch.tensor([0, 1]), torch.tensor([0, 1]))
+
+
+LABEL_BAD = [
+    ("binary", torch.tensor([0.2, 1.2]), torch.tensor([0, 1]), ValueError, r"preds: .*\[0, 1\]"),
+    ("binary", torch.tensor([0.2, -0.1]), torch.tensor([0, 1]), ValueError, "logits=True"),
+    ("binary", torch.tensor([0.2, float("nan")]), torch.tensor([0, 1]), ValueError, "preds"),
+    ("binary", torch.tensor([0, 2]), torch.tensor([0, 1]), ValueError, "preds: expected 0/1"),
+    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0, 2]), ValueError, "target: expected 0/1"),
+    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0, 1, 1]), ValueError, "target: .*shape"),
+    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0.0, 1.0]), TypeError, "target"),
+    ("multilabel", torch.rand(3, 4), torch.randint(0, 2, (3, 4)), ValueError, "num_labels = 3"),
+]
+
+
+@pytest.mark.parametrize(("kind", "preds", "target", "error", "match"), LABEL_BAD)
+def test_binary_and_multilabel_bad_input(
+    kind: str, preds: torch.Tensor, target: torch.Tensor, error: type[Exception], match: str
+) -> None:
+    builder = confusion_matrix_metric()
+    builder = builder.binary() if kind == "binary" else builder.multilabel(3)
+    metric = builder.with_accuracy().build()
+    with pytest.raises(error, match=match):
+        metric.update(preds, target)
+    assert all(int(acc.local.sum()) == 0 for _, acc in metric.named_accumulators())
+
+
+def test_logits_flag_accepts_any_real_score() -> None:
+    metric = confusion_matrix_metric().binary(logits=True).with_accuracy().build()
+    metric.update(torch.tensor([-3.0, 2.0, 0.1]), torch.tensor([0, 1, 0]))
+    assert metric.compute().item() == pytest.approx(2 / 3)
+
+
+def test_zero_division_policy() -> None:
+    """No predicted positives: precision is 0/0, reported as the chosen value."""
+    for zero_division in (0.0, 1.0):
+        metric = (
+            confusion_matrix_metric(zero_division=zero_division).binary().with_precision().build()
+        )
+        metric.update(torch.tensor([0.1, 0.2]), torch.tensor([1, 0]))
+        assert metric.compute().item() == zero_division
+    nan_metric = confusion_matrix_metric(zero_division=float("nan")).binary().with_recall().build()
+    nan_metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 0]))
+    assert torch.isnan(nan_metric.compute())
+
+
+def test_reset_and_state_dict_round_trip() -> None:
+    metric = _multiclass()
+    metric.update(torch.randn(9, 4), torch.randint(0, 4, (9,)))
+    expected = metric.compute()
+    fresh = _multiclass()
+    fresh.load_state_dict(metric.state_dict())
+    assert all(torch.equal(fresh.compute()[k], expected[k]) for k in expected)
+    metric.reset()
+    assert all(int(acc.local.sum()) == 0 for _, acc in metric.named_accumulators())
