@@ -17,6 +17,8 @@ from sidestream.state import MetricAccumulator
 
 __all__ = ["Check", "check_tensor", "confusion_counts", "multiclass_labels", "screen"]
 
+_SMALL_MATRIX_CLASSES = 64
+
 Check = tuple[Tensor, str, str]
 """``(invalid elements, argument name, what valid values look like)`` for one value check."""
 
@@ -82,15 +84,27 @@ def _target_labels(
     if not _integer(target):
         raise TypeError(f"target: expected integer class indices, got dtype {target.dtype}")
     labels = target.reshape(-1)
-    out_of_range = (labels < 0) | (labels >= num_classes)
     weight = None
     expected = f"class indices in [0, {num_classes})"
+    checked = labels
     if ignore_index is not None:
         kept = labels != ignore_index
-        out_of_range = out_of_range & kept
         weight = kept.to(torch.int64)
+        checked = torch.where(kept, labels, 0)
         expected += f" or ignore_index={ignore_index}"
-    return labels.clamp(0, num_classes - 1).long(), weight, [(out_of_range, "target", expected)]
+    checks = [(_outside(checked, 0, num_classes - 1), "target", expected)]
+    return labels.clamp(0, num_classes - 1).long(), weight, checks
+
+
+def _outside(values: Tensor, low: float, high: float) -> Tensor:
+    """A 0-dim bool tensor, true when any value is outside ``[low, high]`` (or NaN).
+
+    One ``aminmax`` pass instead of elementwise comparisons and an ``any``.
+    """
+    if values.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=values.device)
+    smallest, largest = torch.aminmax(values)
+    return ~((smallest >= low) & (largest <= high))
 
 
 def multiclass_labels(
@@ -131,7 +145,7 @@ def multiclass_labels(
         sample_shape = preds.shape
         flat = preds.reshape(-1, 1)
         checks.append(
-            ((flat < 0) | (flat >= num_classes), "preds", f"class indices in [0, {num_classes})")
+            (_outside(flat, 0, num_classes - 1), "preds", f"class indices in [0, {num_classes})")
         )
         predicted = flat.clamp(0, num_classes - 1).long()
     else:
@@ -157,15 +171,25 @@ def _multiclass_counts(
     predicted, labels, weight = multiclass_labels(
         classes, problem.top_k, preds, target, ignore_index, rejected
     )
-    hit = (predicted == labels.unsqueeze(-1)).any(-1).to(torch.int64)
     ones = torch.ones_like(labels) if weight is None else weight
-    predicted_weight = ones.unsqueeze(-1).expand(predicted.shape).reshape(-1)
-    # One index_add over three stacked count vectors: true positives, support, predicted.
-    index = torch.cat((labels, labels + classes, predicted.reshape(-1) + 2 * classes))
-    source = torch.cat((hit if weight is None else hit * weight, ones, predicted_weight))
-    stacked = torch.zeros(3 * classes, dtype=torch.int64, device=labels.device)
-    stacked.index_add_(0, index, source)
-    tp, support, predicted_count = stacked.view(3, classes)
+    if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
+        # A C x C confusion matrix costs one index_add over the samples; its diagonal, column
+        # and row sums are tp, predicted and true counts.
+        matrix = torch.zeros(classes * classes, dtype=torch.int64, device=labels.device)
+        matrix.index_add_(0, labels * classes + predicted.view(-1), ones)
+        matrix = matrix.view(classes, classes)
+        tp = matrix.diagonal()
+        predicted_count = matrix.sum(0)
+        support = matrix.sum(1)
+    else:
+        hit = (predicted == labels.unsqueeze(-1)).any(-1).to(torch.int64)
+        predicted_weight = ones.unsqueeze(-1).expand(predicted.shape).reshape(-1)
+        # One index_add over three stacked count vectors: true positives, support, predicted.
+        index = torch.cat((labels, labels + classes, predicted.reshape(-1) + 2 * classes))
+        source = torch.cat((hit * ones, ones, predicted_weight))
+        stacked = torch.zeros(3 * classes, dtype=torch.int64, device=labels.device)
+        stacked.index_add_(0, index, source)
+        tp, support, predicted_count = stacked.view(3, classes)
     total = ones.sum()
     fp = predicted_count - tp
     fn = support - tp
@@ -177,14 +201,26 @@ def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
         scores = preds.float()
         if problem.logits:
             return torch.sigmoid(scores) >= problem.threshold, []
-        invalid = ~((scores >= 0) & (scores <= 1))
-        checks = [(invalid, "preds", "probabilities in [0, 1] (pass logits=True for logits)")]
+        checks = [
+            (
+                _outside(scores, 0, 1),
+                "preds",
+                "probabilities in [0, 1] (pass logits=True for logits)",
+            )
+        ]
         return scores >= problem.threshold, checks
     if preds.dtype == torch.bool:
         return preds, []
     if _integer(preds):
-        return preds == 1, [(~((preds == 0) | (preds == 1)), "preds", "0/1 predictions")]
+        return preds == 1, [(_outside(preds, 0, 1), "preds", "0/1 predictions")]
     raise TypeError(f"preds: expected probabilities, logits or 0/1 predictions, got {preds.dtype}")
+
+
+def _count(flags: Tensor, problem: Problem) -> Tensor:
+    """Per-class count of true ``flags``: (1,) for binary, (L,) over the last dim otherwise."""
+    if problem.kind is ProblemKind.BINARY:
+        return torch.count_nonzero(flags).reshape(1)
+    return torch.count_nonzero(flags.reshape(-1, problem.num_classes), dim=0)
 
 
 def _label_counts(
@@ -207,29 +243,29 @@ def _label_counts(
     if target.is_floating_point() or target.is_complex():
         raise TypeError(f"target: expected integer or bool 0/1 targets, got dtype {target.dtype}")
     positive, checks = _positives(problem, preds)
-    truth = target == 1
-    expected = "0/1 targets"
-    invalid = ~(truth | (target == 0))
+    truth = target if target.dtype == torch.bool else target == 1
     weight: Tensor | None = None
-    if ignore_index is not None:
-        weight = target != ignore_index
-        invalid = invalid & weight
-        expected += f" or ignore_index={ignore_index}"
-    keep = screen([*checks, (invalid, "target", expected)], rejected)
+    if target.dtype != torch.bool:
+        expected = "0/1 targets"
+        checked = target
+        if ignore_index is not None:
+            weight = target != ignore_index
+            checked = torch.where(weight, target, 0)
+            expected += f" or ignore_index={ignore_index}"
+        checks.append((_outside(checked, 0, 1), "target", expected))
+    keep = screen(checks, rejected)
     if keep is not None:
         weight = keep.expand(target.shape) if weight is None else weight & keep
     if weight is not None:
         positive = positive & weight
         truth = truth & weight
-    positive = positive.reshape(-1, labels)
-    truth = truth.reshape(-1, labels)
-    tp = (positive & truth).sum(0)
-    predicted_count = positive.sum(0)
-    support = truth.sum(0)
+    tp = _count(positive & truth, problem)
+    predicted_count = _count(positive, problem)
+    support = _count(truth, problem)
     if weight is None:
-        total = torch.full_like(tp, positive.shape[0])
+        total = torch.full_like(tp, preds.numel() // labels)
     else:
-        total = weight.reshape(-1, labels).sum(0)
+        total = _count(weight, problem)
     fp = predicted_count - tp
     fn = support - tp
     return tp, fp, fn, total - tp - fp - fn
