@@ -9,24 +9,34 @@ import torch
 
 from sidestream.metrics.classification import confusion_matrix_metric
 
-REPEATS = 200
+ROUNDS = 7
+BLOCK = 20
 BATCH = 4096
 CLASSES = 10
 
 
-def _seconds_per_update(update: Callable[[], None], device: torch.device) -> float:
-    for _ in range(10):  # warm-up: allocator, first-call dispatch
-        update()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):  # best of three runs resists noise from other processes
-        start = time.perf_counter()
-        for _ in range(REPEATS):
+def _seconds_per_update(
+    implementations: dict[str, Callable[[], None]], device: torch.device
+) -> dict[str, float]:
+    """Best time per update of each implementation, timed in interleaved blocks.
+
+    Interleaving spreads the noise of other processes over every implementation alike; the
+    best block resists it.
+    """
+    best = dict.fromkeys(implementations, float("inf"))
+    for update in implementations.values():
+        for _ in range(5):  # warm-up: allocator, first-call dispatch
             update()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / REPEATS)
+    for _ in range(ROUNDS):
+        for name, update in implementations.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(BLOCK):
+                update()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - start) / BLOCK)
     return best
 
 
@@ -55,7 +65,9 @@ def _cases(device: torch.device) -> dict[str, dict[str, Callable[[], None]]]:
         f"binary accuracy, probabilities ({BATCH * 16},) float32": {
             "sidestream": lambda: accuracy.update(probabilities, truth),
             "torchmetrics (default)": lambda: accuracy_default.update(probabilities, truth),
-            "torchmetrics (validate_args=False)": lambda: accuracy_fast.update(probabilities, truth),
+            "torchmetrics (validate_args=False)": lambda: accuracy_fast.update(
+                probabilities, truth
+            ),
         },
     }
 
@@ -66,17 +78,15 @@ def run() -> str:
         devices.append(torch.device("cuda"))
     lines = [
         "## Classification update throughput\n",
-        f"One `update` per call on the same tensors; best of 3 runs of {REPEATS} updates, "
+        f"One `update` per call on the same tensors; best of {ROUNDS} interleaved blocks of "
+        f"{BLOCK} updates, "
         f"{torch.get_num_threads()} CPU threads. Ratio = time per update / sidestream's.\n",
         "| device | metric | implementation | µs per update | time / sidestream |",
         "| --- | --- | --- | ---: | ---: |",
     ]
     for device in devices:
         for metric, implementations in _cases(device).items():
-            times = {
-                name: _seconds_per_update(update, device)
-                for name, update in implementations.items()
-            }
+            times = _seconds_per_update(implementations, device)
             ours = times["sidestream"]
             for name, seconds in times.items():
                 lines.append(
