@@ -181,3 +181,45 @@ def test_reset_and_state_dict_round_trip() -> None:
     assert all(torch.equal(fresh.compute()[k], expected[k]) for k in expected)
     metric.reset()
     assert all(int(acc.local.sum()) == 0 for _, acc in metric.named_accumulators())
+
+
+def test_target_encodings_agree() -> None:
+    """Class indices of any integer dtype and one-hot targets (int, float, bool) count alike."""
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(40, 5, generator=generator)
+    labels = torch.randint(0, 5, (40,), generator=generator)
+    one_hot = torch.nn.functional.one_hot(labels, 5)
+    targets = [
+        labels,
+        labels.int(),
+        labels.to(torch.uint8),
+        one_hot,
+        one_hot.float(),
+        one_hot.bool(),
+    ]
+    results = []
+    for target in targets:
+        metric = confusion_matrix_metric().multiclass(5).with_f1().per_class().build()
+        metric.update(scores, target)
+        matrix = MulticlassConfusionMatrixMetric(5)
+        matrix.update(scores, target)
+        results.append((metric.counts(), matrix.compute()))
+    for counts, matrix in results[1:]:
+        assert all(torch.equal(counts[k], results[0][0][k]) for k in counts)
+        assert torch.equal(matrix, results[0][1])
+
+
+def test_empty_batches_change_nothing() -> None:
+    for builder, preds, target in [
+        (confusion_matrix_metric().binary(), torch.zeros(0), torch.zeros(0, dtype=torch.long)),
+        (
+            confusion_matrix_metric(ignore_index=-100).multiclass(3),
+            torch.zeros(0, 3),
+            torch.zeros(0, dtype=torch.long),
+        ),
+        (confusion_matrix_metric().multilabel(2), torch.zeros(0, 2), torch.zeros(0, 2).long()),
+    ]:
+        metric = builder.with_recall().build()
+        metric.update(preds, target)
+        assert all(int(acc.local.abs().sum()) == 0 for _, acc in metric.named_accumulators())
+        assert metric.compute().item() == 0.0  # no data: the zero-division value

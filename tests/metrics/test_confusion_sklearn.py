@@ -9,6 +9,7 @@ import pytest
 
 from tests.metrics.confusion_cases import (
     AGGREGATIONS,
+    BALANCED_ACCURACY_CHECKS,
     Case,
     assert_matches,
     make_shards,
@@ -88,3 +89,13 @@ def test_cases_cover_absent_and_unseen_classes() -> None:
         assert 0 not in truth
         unseen.append(1 not in truth)
     assert any(unseen) and not all(unseen)
+
+
+def test_macro_accuracy_is_balanced_accuracy() -> None:
+    """Macro accuracy against balanced_accuracy_score on data where every class is a target."""
+    BALANCED_ACCURACY_CHECKS.clear()
+    case = Case("multiclass", classes=3, aggregation="macro", dtype="bfloat16")
+    for seed in range(4):
+        batches = [batch for shard in make_shards(case, seed, 2) for batch in shard]
+        assert_matches(run_case(case, batches, sync=False), reference(case, batches), seed)
+    assert BALANCED_ACCURACY_CHECKS

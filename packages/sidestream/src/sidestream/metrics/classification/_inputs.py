@@ -71,7 +71,7 @@ def _target_labels(
 ) -> tuple[Tensor, Tensor | None, list[Check]]:
     """Class indices ``(M,)``, weights ``(M,)`` (``None``: all 1) and checks for a target."""
     if target.shape == (*sample_shape, num_classes):
-        one_hot = target
+        one_hot = target.to(torch.uint8) if target.dtype == torch.bool else target
         is_binary = (one_hot == 0) | (one_hot == 1)
         invalid = ~is_binary.all(-1) | (one_hot.sum(-1) != 1)
         labels = one_hot.argmax(-1).reshape(-1)
