@@ -223,3 +223,82 @@ def test_empty_batches_change_nothing() -> None:
         metric.update(preds, target)
         assert all(int(acc.local.abs().sum()) == 0 for _, acc in metric.named_accumulators())
         assert metric.compute().item() == 0.0  # no data: the zero-division value
+
+
+def _accuracy(name: str, builder: Any) -> ConfusionCountMetric:
+    chosen = builder.with_accuracy()
+    return (chosen if name == "binary" else chosen.per_class()).build()
+
+
+def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA policy (drop the batch on the device, count it), exercised on CPU.
+
+    ``screen`` is replaced by its device branch, so the weight-0 path that CUDA takes runs here:
+    the bad batches must leave the counts exactly as if they had never been fed.
+    """
+    from sidestream.metrics.classification import _inputs
+
+    def device_screen(
+        checks: list[tuple[torch.Tensor, str, str]], rejected: Any
+    ) -> torch.Tensor | None:
+        if not checks:
+            return None
+        any_invalid = torch.stack([invalid.any() for invalid, _, _ in checks]).any()
+        rejected.accumulate(any_invalid.to(torch.int64))
+        return ~any_invalid
+
+    generator = torch.Generator().manual_seed(0)
+    good = [
+        (torch.randn(9, 4, generator=generator), torch.randint(0, 4, (9,), generator=generator))
+        for _ in range(3)
+    ]
+    bad_multiclass = [
+        (torch.randn(5, 4), torch.tensor([0, 1, 9, 2, -100])),  # 9 is out of range
+        (torch.tensor([0, 1, 4, 2, 3]), torch.tensor([0, 1, 2, 3, 3])),  # predicted class 4
+        (torch.randn(2, 4), torch.tensor([[1, 1, 0, 0], [0, 0, 1, 0]])),  # not one-hot
+    ]
+    probabilities = [torch.rand(6, 3, generator=generator) for _ in range(2)]
+    labels = [torch.randint(0, 2, (6, 3), generator=generator) for _ in range(2)]
+    bad_multilabel = [
+        (torch.full((2, 3), 1.5), torch.zeros(2, 3, dtype=torch.long)),  # not probabilities
+        (torch.rand(2, 3), torch.full((2, 3), 2)),  # target 2
+    ]
+    builders = {
+        "multiclass": confusion_matrix_metric(ignore_index=-100).multiclass(4),
+        "top2": confusion_matrix_metric(ignore_index=-100).multiclass(4, top_k=2),
+        "multilabel": confusion_matrix_metric(ignore_index=-100).multilabel(3),
+        "binary": confusion_matrix_metric().binary(),
+    }
+    for name, builder in builders.items():
+        if name in ("multiclass", "top2"):
+            clean, bad = good, bad_multiclass if name == "multiclass" else bad_multiclass[:1]
+        else:
+            clean = list(zip(probabilities, labels, strict=True))
+            bad = bad_multilabel
+            if name == "binary":
+                clean = [(p.reshape(-1), t.reshape(-1)) for p, t in clean]
+                bad = [(p.reshape(-1), t.reshape(-1)) for p, t in bad]
+        reference = _accuracy(name, builder)
+        for preds, target in clean:
+            reference.update(preds, target)
+        with monkeypatch.context() as patch:
+            patch.setattr(_inputs, "screen", device_screen)
+            metric = _accuracy(name, builder)
+            for (preds, target), dropped in zip(clean, bad, strict=False):
+                metric.update(preds, target)
+                metric.update(*dropped)
+            for preds, target in clean[len(bad) :]:
+                metric.update(preds, target)
+        expected_counts, counts = reference.counts(), metric.counts()
+        assert all(torch.equal(counts[k], expected_counts[k]) for k in counts), name
+        assert metric.rejected_updates.item() == min(len(bad), len(clean)), name
+    matrix, expected_matrix = MulticlassConfusionMatrixMetric(4), MulticlassConfusionMatrixMetric(4)
+    with monkeypatch.context() as patch:
+        patch.setattr(_inputs, "screen", device_screen)
+        for (preds, target), dropped in zip(good, bad_multiclass, strict=True):
+            matrix.update(preds, target)
+            matrix.update(*dropped)
+    for preds, target in good:
+        expected_matrix.update(preds, target)
+    assert torch.equal(matrix.compute(), expected_matrix.compute())
+    assert matrix.rejected_updates.item() == 3
