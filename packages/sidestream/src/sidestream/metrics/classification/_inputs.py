@@ -155,8 +155,8 @@ def multiclass_labels(
     labels, weight, target_checks = _target_labels(num_classes, sample_shape, target, ignore_index)
     keep = screen(checks + target_checks, rejected)
     if keep is not None:
-        weight = keep.to(torch.int64) if weight is None else weight * keep
-        weight = weight.expand(labels.shape)
+        # Materialized (not an expanded 0-dim flag) so index_add_ gets an ordinary source.
+        weight = (torch.ones_like(labels) if weight is None else weight) * keep
     return predicted, labels, weight
 
 
