@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -11,16 +12,24 @@ import torch
 from sklearn.metrics import (
     accuracy_score,
     balanced_accuracy_score,
+    cohen_kappa_score,
     confusion_matrix,
     fbeta_score,
     hamming_loss,
+    matthews_corrcoef,
     precision_recall_fscore_support,
     precision_score,
     recall_score,
     top_k_accuracy_score,
 )
 
-from sidestream.metrics.classification import ConfusionMatrixMetricBuilder, confusion_matrix_metric
+from sidestream.metrics.classification import (
+    CohenKappaMetric,
+    ConfusionMatrixMetricBuilder,
+    MatthewsCorrCoefMetric,
+    MulticlassConfusionMatrixMetric,
+    confusion_matrix_metric,
+)
 
 IGNORE = -100
 BALANCED_ACCURACY_CHECKS: list[int] = []  # how often balanced_accuracy_score was the reference
@@ -375,4 +384,113 @@ def assert_matches(actual: dict[str, Any], expected: dict[str, Any], context: ob
             name,
             got,
             want,
+        )
+
+
+def binary_cases() -> list[Case]:
+    variants = [
+        {},
+        {"threshold": 0.3, "dtype": "float16"},
+        {"logits": True, "dtype": "bfloat16", "ignore": True},
+        {"logits": True, "threshold": 0.7, "target_dtype": "bool", "extra_dims": (3,)},
+        {"preds_format": "labels", "target_dtype": "uint8", "zero_division": 1.0},
+        {"ignore": True, "target_dtype": "int32", "extra_dims": (2, 3), "dtype": "float64"},
+    ]
+    return [Case("binary", **variant) for variant in variants]
+
+
+def multiclass_cases() -> list[Case]:
+    variants = [
+        {"classes": 5},
+        {"classes": 4, "dtype": "bfloat16", "ignore": True},
+        {"classes": 7, "dtype": "float16", "target_dtype": "one_hot"},
+        {"classes": 3, "preds_format": "labels", "target_dtype": "int32", "zero_division": 1.0},
+        {"classes": 6, "extra_dims": (4,), "ignore": True, "zero_division": float("nan")},
+        {"classes": 6, "top_k": 2, "dtype": "float64"},
+        {"classes": 8, "top_k": 3, "ignore": True, "zero_division": 1.0},
+    ]
+    return [
+        Case("multiclass", aggregation=aggregation, **variant)
+        for variant, aggregation in itertools.product(variants, AGGREGATIONS)
+    ]
+
+
+def multilabel_cases() -> list[Case]:
+    variants = [
+        {"classes": 4},
+        {"classes": 5, "logits": True, "dtype": "bfloat16", "ignore": True},
+        {"classes": 3, "threshold": 0.4, "extra_dims": (3,), "target_dtype": "bool"},
+        {"classes": 6, "preds_format": "labels", "ignore": True, "zero_division": 1.0},
+    ]
+    return [
+        Case("multilabel", aggregation=aggregation, **variant)
+        for variant, aggregation in itertools.product(variants, AGGREGATIONS)
+    ]
+
+
+CASES = binary_cases() + multiclass_cases() + multilabel_cases()
+"""Every problem x statistic x aggregation with varied dtypes, shapes, targets and options."""
+
+
+MATRIX_CASES = [
+    Case("multiclass", 4),
+    Case("multiclass", 2, dtype="bfloat16", ignore=True),
+    Case("multiclass", 6, dtype="float16", target_dtype="one_hot", extra_dims=(3,)),
+    Case("multiclass", 5, preds_format="labels", target_dtype="int32", ignore=True),
+]
+
+
+def matrix_metrics(case: Case) -> dict[str, MulticlassConfusionMatrixMetric]:
+    ignore = IGNORE if case.ignore else None
+    return {
+        "matrix": MulticlassConfusionMatrixMetric(case.classes, ignore_index=ignore),
+        "mcc": MatthewsCorrCoefMetric(case.classes, ignore_index=ignore),
+        "kappa": CohenKappaMetric(case.classes, ignore_index=ignore),
+        "kappa_linear": CohenKappaMetric(case.classes, ignore_index=ignore, weights="linear"),
+        "kappa_quadratic": CohenKappaMetric(case.classes, ignore_index=ignore, weights="quadratic"),
+    }
+
+
+def run_matrix_case(
+    case: Case, batches: list[dict[str, np.ndarray]], sync: bool
+) -> dict[str, object]:
+    metrics = matrix_metrics(case)
+    out: dict[str, object] = {}
+    for name, metric in metrics.items():
+        for batch in batches:
+            metric.update(*to_torch(case, batch))
+        if sync:
+            metric.sync()
+        out[name] = metric.compute().tolist()
+    return out
+
+
+def matrix_reference(case: Case, batches: list[dict[str, np.ndarray]]) -> dict[str, object]:
+    truth = np.concatenate([b["target"].reshape(-1) for b in batches])
+    predicted = np.concatenate(
+        [quantized_scores(case, b).argmax(-1).numpy().reshape(-1) for b in batches]
+    )
+    kept = truth != IGNORE
+    truth, predicted = truth[kept], predicted[kept]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {
+            "matrix": confusion_matrix(truth, predicted, labels=list(range(case.classes))),
+            "mcc": matthews_corrcoef(truth, predicted),
+            "kappa": cohen_kappa_score(truth, predicted),
+            "kappa_linear": cohen_kappa_score(truth, predicted, weights="linear"),
+            "kappa_quadratic": cohen_kappa_score(truth, predicted, weights="quadratic"),
+        }
+
+
+def assert_matrix_matches(
+    actual: dict[str, object], expected: dict[str, object], context: object
+) -> None:
+    assert np.array_equal(np.asarray(actual["matrix"]), expected["matrix"]), context
+    for name in ("mcc", "kappa", "kappa_linear", "kappa_quadratic"):
+        assert np.isclose(actual[name], expected[name], rtol=1e-12, atol=1e-12), (
+            context,
+            name,
+            actual[name],
+            expected[name],
         )

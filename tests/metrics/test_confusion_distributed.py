@@ -13,22 +13,21 @@ import torch.distributed as dist
 from sidestream.testing import DistributedPool
 from tests.metrics.confusion_cases import (
     AGGREGATIONS,
+    MATRIX_CASES,
     Case,
     assert_matches,
+    assert_matrix_matches,
+    binary_cases,
     make_shards,
+    matrix_reference,
+    multiclass_cases,
     reference,
     run_case,
+    run_matrix_case,
     to_torch,
 )
-from tests.metrics.test_confusion_matrix import (
-    MATRIX_CASES,
-    assert_matrix_matches,
-    matrix_reference,
-    run_matrix_case,
-)
-from tests.metrics.test_confusion_sklearn import _binary_cases, _multiclass_cases
 
-_MULTICLASS = [case for case in _multiclass_cases() if case.aggregation == "macro"] + [
+_MULTICLASS = [case for case in multiclass_cases() if case.aggregation == "macro"] + [
     Case("multiclass", 5, aggregation=aggregation, ignore=True)
     for aggregation in ("micro", "weighted", "per_class")
 ]
@@ -36,8 +35,8 @@ _MULTILABEL = [
     Case("multilabel", 4, aggregation=aggregation, ignore=ignore, extra_dims=dims)
     for aggregation, (ignore, dims) in itertools.product(AGGREGATIONS, [(False, ()), (True, (2,))])
 ]
-CASES = _binary_cases() + _MULTICLASS + _MULTILABEL
-SEEDS = (11,)
+CASES = binary_cases() + _MULTICLASS + _MULTILABEL
+SEEDS = (11, 12)
 
 
 def _on_rank(seed: int) -> dict[str, list[Any]]:
@@ -48,7 +47,7 @@ def _on_rank(seed: int) -> dict[str, list[Any]]:
         for case in MATRIX_CASES
     ]
     # A checkpoint holds the global counts: restored on every rank and synced, it counts once.
-    case = CASES[len(_binary_cases())]
+    case = CASES[len(binary_cases())]
     metric = case.builder().build()
     for batch in make_shards(case, seed, world_size)[rank]:
         metric.update(*to_torch(case, batch))
@@ -75,7 +74,7 @@ def test_synced_values_match_sklearn_on_all_shards(dist_pool: DistributedPool) -
             expected_matrix = matrix_reference(case, everything)
             for rank, result in enumerate(per_rank):
                 assert_matrix_matches(result["matrices"][index], expected_matrix, (case, rank))
-        case = CASES[len(_binary_cases())]
+        case = CASES[len(binary_cases())]
         everything = [b for shard in make_shards(case, seed, world_size) for b in shard]
         for result in per_rank:
             assert_matches(result["checkpoint"][0], reference(case, everything), "checkpoint")

@@ -8,9 +8,14 @@ import pytest
 import torch
 
 from sidestream.metric import Metric
-from tests.metrics.confusion_cases import Case, make_shards, to_torch
-from tests.metrics.test_confusion_matrix import MATRIX_CASES, matrix_metrics
-from tests.metrics.test_confusion_sklearn import CASES
+from tests.metrics.confusion_cases import (
+    CASES,
+    MATRIX_CASES,
+    Case,
+    make_shards,
+    matrix_metrics,
+    to_torch,
+)
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,77 +7,17 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import cohen_kappa_score, confusion_matrix, matthews_corrcoef
+from sklearn.metrics import cohen_kappa_score, matthews_corrcoef
 
-from sidestream.metrics.classification import (
-    CohenKappaMetric,
-    MatthewsCorrCoefMetric,
-    MulticlassConfusionMatrixMetric,
+from sidestream.metrics.classification import CohenKappaMetric, MatthewsCorrCoefMetric
+from tests.metrics.confusion_cases import (
+    MATRIX_CASES,
+    Case,
+    assert_matrix_matches,
+    make_shards,
+    matrix_reference,
+    run_matrix_case,
 )
-from tests.metrics.confusion_cases import IGNORE, Case, make_shards, quantized_scores, to_torch
-
-MATRIX_CASES = [
-    Case("multiclass", 4),
-    Case("multiclass", 2, dtype="bfloat16", ignore=True),
-    Case("multiclass", 6, dtype="float16", target_dtype="one_hot", extra_dims=(3,)),
-    Case("multiclass", 5, preds_format="labels", target_dtype="int32", ignore=True),
-]
-
-
-def matrix_metrics(case: Case) -> dict[str, MulticlassConfusionMatrixMetric]:
-    ignore = IGNORE if case.ignore else None
-    return {
-        "matrix": MulticlassConfusionMatrixMetric(case.classes, ignore_index=ignore),
-        "mcc": MatthewsCorrCoefMetric(case.classes, ignore_index=ignore),
-        "kappa": CohenKappaMetric(case.classes, ignore_index=ignore),
-        "kappa_linear": CohenKappaMetric(case.classes, ignore_index=ignore, weights="linear"),
-        "kappa_quadratic": CohenKappaMetric(case.classes, ignore_index=ignore, weights="quadratic"),
-    }
-
-
-def run_matrix_case(
-    case: Case, batches: list[dict[str, np.ndarray]], sync: bool
-) -> dict[str, object]:
-    metrics = matrix_metrics(case)
-    out: dict[str, object] = {}
-    for name, metric in metrics.items():
-        for batch in batches:
-            metric.update(*to_torch(case, batch))
-        if sync:
-            metric.sync()
-        out[name] = metric.compute().tolist()
-    return out
-
-
-def matrix_reference(case: Case, batches: list[dict[str, np.ndarray]]) -> dict[str, object]:
-    truth = np.concatenate([b["target"].reshape(-1) for b in batches])
-    predicted = np.concatenate(
-        [quantized_scores(case, b).argmax(-1).numpy().reshape(-1) for b in batches]
-    )
-    kept = truth != IGNORE
-    truth, predicted = truth[kept], predicted[kept]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {
-            "matrix": confusion_matrix(truth, predicted, labels=list(range(case.classes))),
-            "mcc": matthews_corrcoef(truth, predicted),
-            "kappa": cohen_kappa_score(truth, predicted),
-            "kappa_linear": cohen_kappa_score(truth, predicted, weights="linear"),
-            "kappa_quadratic": cohen_kappa_score(truth, predicted, weights="quadratic"),
-        }
-
-
-def assert_matrix_matches(
-    actual: dict[str, object], expected: dict[str, object], context: object
-) -> None:
-    assert np.array_equal(np.asarray(actual["matrix"]), expected["matrix"]), context
-    for name in ("mcc", "kappa", "kappa_linear", "kappa_quadratic"):
-        assert np.isclose(actual[name], expected[name], rtol=1e-12, atol=1e-12), (
-            context,
-            name,
-            actual[name],
-            expected[name],
-        )
 
 
 @pytest.mark.parametrize("case", MATRIX_CASES, ids=lambda c: f"C{c.classes}-{c.dtype}")

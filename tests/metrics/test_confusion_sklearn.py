@@ -2,64 +2,18 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 from tests.metrics.confusion_cases import (
-    AGGREGATIONS,
     BALANCED_ACCURACY_CHECKS,
+    CASES,
     Case,
     assert_matches,
     make_shards,
     reference,
     run_case,
 )
-
-
-def _binary_cases() -> list[Case]:
-    variants = [
-        {},
-        {"threshold": 0.3, "dtype": "float16"},
-        {"logits": True, "dtype": "bfloat16", "ignore": True},
-        {"logits": True, "threshold": 0.7, "target_dtype": "bool", "extra_dims": (3,)},
-        {"preds_format": "labels", "target_dtype": "uint8", "zero_division": 1.0},
-        {"ignore": True, "target_dtype": "int32", "extra_dims": (2, 3), "dtype": "float64"},
-    ]
-    return [Case("binary", **variant) for variant in variants]
-
-
-def _multiclass_cases() -> list[Case]:
-    variants = [
-        {"classes": 5},
-        {"classes": 4, "dtype": "bfloat16", "ignore": True},
-        {"classes": 7, "dtype": "float16", "target_dtype": "one_hot"},
-        {"classes": 3, "preds_format": "labels", "target_dtype": "int32", "zero_division": 1.0},
-        {"classes": 6, "extra_dims": (4,), "ignore": True, "zero_division": float("nan")},
-        {"classes": 6, "top_k": 2, "dtype": "float64"},
-        {"classes": 8, "top_k": 3, "ignore": True, "zero_division": 1.0},
-    ]
-    return [
-        Case("multiclass", aggregation=aggregation, **variant)
-        for variant, aggregation in itertools.product(variants, AGGREGATIONS)
-    ]
-
-
-def _multilabel_cases() -> list[Case]:
-    variants = [
-        {"classes": 4},
-        {"classes": 5, "logits": True, "dtype": "bfloat16", "ignore": True},
-        {"classes": 3, "threshold": 0.4, "extra_dims": (3,), "target_dtype": "bool"},
-        {"classes": 6, "preds_format": "labels", "ignore": True, "zero_division": 1.0},
-    ]
-    return [
-        Case("multilabel", aggregation=aggregation, **variant)
-        for variant, aggregation in itertools.product(variants, AGGREGATIONS)
-    ]
-
-
-CASES = _binary_cases() + _multiclass_cases() + _multilabel_cases()
 
 
 def _case_id(case: Case) -> str:
