@@ -198,7 +198,8 @@ def _multiclass_counts(
 
 def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
     if preds.is_floating_point():
-        scores = preds.float()
+        # Half precision is widened so the threshold is compared exactly as given.
+        scores = preds if preds.dtype in (torch.float32, torch.float64) else preds.float()
         if problem.logits:
             return torch.sigmoid(scores) >= problem.threshold, []
         checks = [
