@@ -190,10 +190,9 @@ def _multiclass_counts(
         stacked = torch.zeros(3 * classes, dtype=torch.int64, device=labels.device)
         stacked.index_add_(0, index, source)
         tp, support, predicted_count = stacked.view(3, classes)
-    total = ones.sum()
     fp = predicted_count - tp
     fn = support - tp
-    return tp, fp, fn, total - tp - fp - fn
+    return tp, fp, fn, support.sum() - support - fp
 
 
 def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:

@@ -97,7 +97,7 @@ class ConfusionCountMetric(Metric[Tensor | dict[str, Tensor]]):
                 tensor on another device, and (CPU only) values out of range; on CUDA such a
                 batch is dropped and counted in ``rejected_updates``.
         """
-        device = self.device
+        device = self._tp.device
         preds_t = check_tensor("preds", preds, device)
         target_t = check_tensor("target", target, device)
         tp, fp, fn, tn = confusion_counts(

@@ -65,7 +65,7 @@ class MulticlassConfusionMatrixMetric(Metric[Tensor]):
                 device, and (CPU only) class indices outside ``[0, C)``; on CUDA such a batch is
                 dropped and counted in ``rejected_updates``.
         """
-        device = self.device
+        device = self._matrix.device
         predicted, labels, weight = multiclass_labels(
             self._num_classes,
             1,
