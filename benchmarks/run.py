@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks import collector_overhead, ranking_memory, sync_cost
+from benchmarks import classification_update, collector_overhead, ranking_memory, sync_cost
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -18,7 +18,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    sections = [sync_cost.run(), collector_overhead.run(), ranking_memory.run()]
+    sections = [
+        sync_cost.run(),
+        collector_overhead.run(),
+        classification_update.run(),
+        ranking_memory.run(),
+    ]
     header = (
         "# Benchmarks\n\n"
         "Written by `nox -s bench` (`python -m benchmarks.run`). Peers run in the same process "

@@ -1,0 +1,288 @@
+"""Turn predictions and targets into per-class confusion counts with fixed-size device ops.
+
+Everything here is host-sync free on CUDA: no boolean-mask indexing, no ``bincount``, no
+``.item()``. Ignored elements and dropped batches get weight 0 instead of being removed, and
+class indices are clamped into range before ``index_add_`` so a dropped batch with garbage labels
+can never index out of bounds on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sidestream._validation import screen_invalid
+from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.state import MetricAccumulator
+
+__all__ = ["Check", "check_tensor", "confusion_counts", "multiclass_labels", "screen"]
+
+_SMALL_MATRIX_CLASSES = 64
+
+Check = tuple[Tensor, str, str]
+"""``(invalid elements, argument name, what valid values look like)`` for one value check."""
+
+
+def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
+    """Return ``value`` detached, after checking it is a tensor on ``device``.
+
+    Raises:
+        TypeError: If ``value`` is not a tensor.
+        ValueError: If it lives on another device than the metric.
+    """
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{argument}: expected a torch.Tensor, got {type(value)}")
+    if value.device != device:
+        raise ValueError(
+            f"{argument}: expected a tensor on the metric's device {device}, got one on "
+            f"{value.device}; move the metric with .to(device) or the tensor"
+        )
+    return value.detach()
+
+
+def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
+    """Apply ``screen_invalid`` to several value checks of one update.
+
+    On CPU each check raises with its own argument name. On CUDA the checks are folded into one
+    device flag so a bad batch is counted once in ``rejected``.
+
+    Returns:
+        ``None`` when nothing needs dropping (CPU, or no checks); on CUDA a 0-dim bool tensor,
+        true to keep the batch.
+    """
+    if not checks:
+        return None
+    if checks[0][0].device.type != "cuda":
+        for invalid, argument, expected in checks:
+            screen_invalid(invalid, rejected, argument, expected)
+        return None
+    any_invalid = checks[0][0].any()
+    for invalid, _, _ in checks[1:]:
+        any_invalid = any_invalid | invalid.any()
+    return screen_invalid(any_invalid, rejected, "preds/target", "valid values")
+
+
+def _integer(tensor: Tensor) -> bool:
+    return not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
+
+
+def _target_labels(
+    num_classes: int, sample_shape: torch.Size, target: Tensor, ignore_index: int | None
+) -> tuple[Tensor, Tensor | None, list[Check]]:
+    """Class indices ``(M,)``, weights ``(M,)`` (``None``: all 1) and checks for a target."""
+    if target.shape == (*sample_shape, num_classes):
+        one_hot = target.to(torch.uint8) if target.dtype == torch.bool else target
+        is_binary = (one_hot == 0) | (one_hot == 1)
+        invalid = ~is_binary.all(-1) | (one_hot.sum(-1) != 1)
+        labels = one_hot.argmax(-1).reshape(-1)
+        return labels, None, [(invalid, "target", "one-hot rows: one 1, zeros elsewhere")]
+    if target.shape != sample_shape:
+        raise ValueError(
+            f"target: expected class indices of shape {tuple(sample_shape)} or one-hot targets "
+            f"of shape {(*sample_shape, num_classes)} to match preds, got {tuple(target.shape)}"
+        )
+    if not _integer(target):
+        raise TypeError(f"target: expected integer class indices, got dtype {target.dtype}")
+    labels = target.reshape(-1)
+    weight = None
+    expected = f"class indices in [0, {num_classes})"
+    checked = labels
+    if ignore_index is not None:
+        kept = labels != ignore_index
+        weight = kept.to(torch.int64)
+        checked = torch.where(kept, labels, 0)
+        expected += f" or ignore_index={ignore_index}"
+    checks = [(_outside(checked, 0, num_classes - 1), "target", expected)]
+    return labels.clamp(0, num_classes - 1).long(), weight, checks
+
+
+def _outside(values: Tensor, low: float, high: float) -> Tensor:
+    """A 0-dim bool tensor, true when any value is outside ``[low, high]`` (or NaN).
+
+    One ``aminmax`` pass instead of elementwise comparisons and an ``any``.
+    """
+    if values.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=values.device)
+    smallest, largest = torch.aminmax(values)
+    return ~((smallest >= low) & (largest <= high))
+
+
+def multiclass_labels(
+    num_classes: int,
+    top_k: int,
+    preds: Tensor,
+    target: Tensor,
+    ignore_index: int | None,
+    rejected: MetricAccumulator,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Predicted classes ``(M, top_k)``, target classes ``(M,)`` and weights ``(M,)`` or ``None``.
+
+    ``preds`` are scores ``(N, ..., C)`` (logits or probabilities: argmax / top-k is the same for
+    both) or class indices ``(N, ...)``; ``target`` is class indices ``(N, ...)`` or one-hot
+    ``(N, ..., C)``. Value checks go through ``screen``; on CUDA a dropped batch has all weights 0.
+
+    Raises:
+        ValueError: On a shape that does not fit ``num_classes`` or ``target``, or (CPU) on
+            labels outside ``[0, C)`` other than ``ignore_index`` or a malformed one-hot row.
+        TypeError: On a dtype that is neither scores nor class indices.
+    """
+    checks: list[Check] = []
+    if preds.is_floating_point():
+        if preds.ndim < 1 or preds.shape[-1] != num_classes:
+            raise ValueError(
+                f"preds: expected scores of shape (N, ..., C) with C = num_classes = "
+                f"{num_classes}, got shape {tuple(preds.shape)}"
+            )
+        sample_shape = preds.shape[:-1]
+        scores = preds.reshape(-1, num_classes)
+        if top_k == 1:
+            predicted = scores.argmax(-1, keepdim=True)
+        else:
+            predicted = scores.topk(top_k, dim=-1).indices
+    elif _integer(preds):
+        if top_k != 1:
+            raise ValueError(f"preds: top_k={top_k} needs scores (N, ..., C), got class indices")
+        sample_shape = preds.shape
+        flat = preds.reshape(-1, 1)
+        checks.append(
+            (_outside(flat, 0, num_classes - 1), "preds", f"class indices in [0, {num_classes})")
+        )
+        predicted = flat.clamp(0, num_classes - 1).long()
+    else:
+        raise TypeError(
+            f"preds: expected floating-point scores or integer class indices, got {preds.dtype}"
+        )
+    labels, weight, target_checks = _target_labels(num_classes, sample_shape, target, ignore_index)
+    keep = screen(checks + target_checks, rejected)
+    if keep is not None:
+        # Materialized (not an expanded 0-dim flag) so index_add_ gets an ordinary source.
+        weight = (torch.ones_like(labels) if weight is None else weight) * keep
+    return predicted, labels, weight
+
+
+def _multiclass_counts(
+    problem: Problem,
+    preds: Tensor,
+    target: Tensor,
+    ignore_index: int | None,
+    rejected: MetricAccumulator,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    classes = problem.num_classes
+    predicted, labels, weight = multiclass_labels(
+        classes, problem.top_k, preds, target, ignore_index, rejected
+    )
+    ones = torch.ones_like(labels) if weight is None else weight
+    if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
+        # A C x C confusion matrix costs one index_add over the samples; its diagonal, column
+        # and row sums are tp, predicted and true counts.
+        matrix = torch.zeros(classes * classes, dtype=torch.int64, device=labels.device)
+        matrix.index_add_(0, labels * classes + predicted.view(-1), ones)
+        matrix = matrix.view(classes, classes)
+        tp = matrix.diagonal()
+        predicted_count = matrix.sum(0)
+        support = matrix.sum(1)
+    else:
+        hit = (predicted == labels.unsqueeze(-1)).any(-1).to(torch.int64)
+        predicted_weight = ones.unsqueeze(-1).expand(predicted.shape).reshape(-1)
+        # One index_add over three stacked count vectors: true positives, support, predicted.
+        index = torch.cat((labels, labels + classes, predicted.reshape(-1) + 2 * classes))
+        source = torch.cat((hit * ones, ones, predicted_weight))
+        stacked = torch.zeros(3 * classes, dtype=torch.int64, device=labels.device)
+        stacked.index_add_(0, index, source)
+        tp, support, predicted_count = stacked.view(3, classes)
+    fp = predicted_count - tp
+    fn = support - tp
+    return tp, fp, fn, support.sum() - support - fp
+
+
+def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
+    if preds.is_floating_point():
+        # Half precision is widened so the threshold is compared exactly as given.
+        scores = preds if preds.dtype in (torch.float32, torch.float64) else preds.float()
+        if problem.logits:
+            return torch.sigmoid(scores) >= problem.threshold, []
+        checks = [
+            (
+                _outside(scores, 0, 1),
+                "preds",
+                "probabilities in [0, 1] (pass logits=True for logits)",
+            )
+        ]
+        return scores >= problem.threshold, checks
+    if preds.dtype == torch.bool:
+        return preds, []
+    if _integer(preds):
+        return preds == 1, [(_outside(preds, 0, 1), "preds", "0/1 predictions")]
+    raise TypeError(f"preds: expected probabilities, logits or 0/1 predictions, got {preds.dtype}")
+
+
+def _count(flags: Tensor, problem: Problem) -> Tensor:
+    """Per-class count of true ``flags``: (1,) for binary, (L,) over the last dim otherwise."""
+    if problem.kind is ProblemKind.BINARY:
+        return torch.count_nonzero(flags).reshape(1)
+    return torch.count_nonzero(flags.reshape(-1, problem.num_classes), dim=0)
+
+
+def _label_counts(
+    problem: Problem,
+    preds: Tensor,
+    target: Tensor,
+    ignore_index: int | None,
+    rejected: MetricAccumulator,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    labels = problem.num_classes
+    if problem.kind is ProblemKind.MULTILABEL and (preds.ndim < 1 or preds.shape[-1] != labels):
+        raise ValueError(
+            f"preds: expected shape (N, ..., L) with L = num_labels = {labels}, "
+            f"got {tuple(preds.shape)}"
+        )
+    if target.shape != preds.shape:
+        raise ValueError(
+            f"target: expected the shape of preds {tuple(preds.shape)}, got {tuple(target.shape)}"
+        )
+    if target.is_floating_point() or target.is_complex():
+        raise TypeError(f"target: expected integer or bool 0/1 targets, got dtype {target.dtype}")
+    positive, checks = _positives(problem, preds)
+    truth = target if target.dtype == torch.bool else target == 1
+    weight: Tensor | None = None
+    if target.dtype != torch.bool:
+        expected = "0/1 targets"
+        checked = target
+        if ignore_index is not None:
+            weight = target != ignore_index
+            checked = torch.where(weight, target, 0)
+            expected += f" or ignore_index={ignore_index}"
+        checks.append((_outside(checked, 0, 1), "target", expected))
+    keep = screen(checks, rejected)
+    if keep is not None:
+        weight = keep.expand(target.shape) if weight is None else weight & keep
+    if weight is not None:
+        positive = positive & weight
+        truth = truth & weight
+    tp = _count(positive & truth, problem)
+    predicted_count = _count(positive, problem)
+    support = _count(truth, problem)
+    if weight is None:
+        total = torch.full_like(tp, preds.numel() // labels)
+    else:
+        total = _count(weight, problem)
+    fp = predicted_count - tp
+    fn = support - tp
+    return tp, fp, fn, total - tp - fp - fn
+
+
+def confusion_counts(
+    problem: Problem,
+    preds: Tensor,
+    target: Tensor,
+    ignore_index: int | None,
+    rejected: MetricAccumulator,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-class ``(tp, fp, fn, tn)`` int64 counts of one batch, each of shape ``(C,)``.
+
+    Binary problems have one class (the positive one), multilabel problems one per label.
+    Raises (CPU) or drops and counts (CUDA) as documented on the metric.
+    """
+    if problem.kind is ProblemKind.MULTICLASS:
+        return _multiclass_counts(problem, preds, target, ignore_index, rejected)
+    return _label_counts(problem, preds, target, ignore_index, rejected)

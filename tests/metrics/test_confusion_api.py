@@ -1,0 +1,304 @@
+"""Builder rules, result shapes, and bad input for the confusion-count metrics (CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from sidestream.metrics.classification import (
+    ConfusionCountMetric,
+    MulticlassConfusionMatrixMetric,
+    confusion_matrix_metric,
+)
+
+
+def _multiclass(**options: Any) -> ConfusionCountMetric:
+    return confusion_matrix_metric(**options).multiclass(4).with_accuracy().with_f1().build()
+
+
+def test_result_shapes_and_names() -> None:
+    single = confusion_matrix_metric().multiclass(3).with_f1().micro().build()
+    single.update(torch.randn(10, 3), torch.randint(0, 3, (10,)))
+    value = single.compute()
+    assert isinstance(value, torch.Tensor) and value.shape == () and value.dtype == torch.float64
+
+    several = (
+        confusion_matrix_metric()
+        .multiclass(3)
+        .with_f1()
+        .with_fbeta(1.0)  # the same statistic: kept once
+        .with_fbeta(0.5)
+        .with_specificity()
+        .per_class()
+        .build()
+    )
+    several.update(torch.randn(10, 3), torch.randint(0, 3, (10,)))
+    values = several.compute()
+    assert isinstance(values, dict) and list(values) == ["f1", "f0.5", "specificity"]
+    assert all(v.shape == (3,) for v in values.values())
+
+    binary = confusion_matrix_metric().binary().with_recall().with_precision().build()
+    binary.update(torch.rand(7), torch.randint(0, 2, (7,)))
+    assert all(v.shape == () for v in binary.compute().values())
+
+
+def test_builder_is_immutable() -> None:
+    base = confusion_matrix_metric().multiclass(3).with_accuracy()
+    micro, macro = base.micro().build(), base.macro().build()
+    preds, target = torch.tensor([0, 1, 1, 1]), torch.tensor([0, 1, 2, 2])
+    micro.update(preds, target)
+    macro.update(preds, target)
+    assert micro.compute().item() == pytest.approx(0.5)
+    assert macro.compute().item() == pytest.approx((1 + 1 + 0) / 3)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: confusion_matrix_metric().with_f1().build(), ValueError, "problem"),
+        (lambda: confusion_matrix_metric().binary().build(), ValueError, "statistic"),
+        (lambda: confusion_matrix_metric().binary().multiclass(3), ValueError, "problem"),
+        (
+            lambda: confusion_matrix_metric().binary().with_f1().macro().build(),
+            ValueError,
+            "binary",
+        ),
+        (
+            lambda: confusion_matrix_metric().multiclass(3).micro().macro(),
+            ValueError,
+            "aggregation",
+        ),
+        (lambda: confusion_matrix_metric().multiclass(3).with_fbeta(0), ValueError, "beta"),
+        (lambda: confusion_matrix_metric().multiclass(3, top_k=4), ValueError, "top_k"),
+        (lambda: confusion_matrix_metric().multiclass(1), ValueError, "num_classes"),
+        (lambda: confusion_matrix_metric().multiclass(2.0), TypeError, "num_classes"),
+        (lambda: confusion_matrix_metric().binary(1.5), ValueError, "threshold"),
+        (lambda: _multiclass(zero_division=0.5), ValueError, "zero_division"),
+        (lambda: _multiclass(ignore_index=1.0), TypeError, "ignore_index"),
+        (lambda: MulticlassConfusionMatrixMetric(1), ValueError, "num_classes"),
+    ],
+)
+def test_builder_errors(make: Callable[[], object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+MULTICLASS_BAD = [
+    # (preds, target, error, message fragment)
+    (torch.randn(4, 5), torch.tensor([0, 1, 2, 3]), ValueError, r"preds: .*num_classes = 4"),
+    (torch.randn(4, 4), torch.tensor([0, 1, 2]), ValueError, r"target: expected class indices"),
+    (torch.randn(4, 4), torch.tensor([0, 1, 2, 4]), ValueError, r"target: .*\[0, 4\)"),
+    (torch.randn(4, 4), torch.tensor([0, 1, 2, -1]), ValueError, r"target: .*\[0, 4\)"),
+    (torch.tensor([0, 1, 5, 3]), torch.tensor([0, 1, 2, 3]), ValueError, r"preds: .*\[0, 4\)"),
+    (torch.randn(4, 4), torch.tensor([0.0, 1, 2, 3]), TypeError, "target: expected integer"),
+    (torch.randn(2, 4), torch.tensor([[1, 1, 0, 0], [0, 0, 1, 0]]), ValueError, "one-hot"),
+    (torch.randn(4, 4), [0, 1, 2, 3], TypeError, "target: expected a torch.Tensor"),
+    (torch.randn(4, 4).bool(), torch.tensor([0, 1, 2, 3]), TypeError, "preds"),
+]
+
+
+@pytest.mark.parametrize(("preds", "target", "error", "match"), MULTICLASS_BAD)
+def test_multiclass_bad_input_raises_before_state_changes(
+    preds: Any, target: Any, error: type[Exception], match: str
+) -> None:
+    for metric in (_multiclass(), MulticlassConfusionMatrixMetric(4)):
+        metric.update(torch.randn(6, 4), torch.randint(0, 4, (6,)))
+        before = {name: acc.local.clone() for name, acc in metric.named_accumulators()}
+        with pytest.raises(error, match=match):
+            metric.update(preds, target)
+        for name, accumulator in metric.named_accumulators():
+            assert torch.equal(accumulator.local, before[name]), name
+
+
+def test_ignore_index_is_not_out_of_range() -> None:
+    metric = _multiclass(ignore_index=-100)
+    metric.update(torch.tensor([0, 1, 2]), torch.tensor([0, -100, 2]))
+    assert metric.counts()["tp"].tolist() == [1, 0, 1, 0]
+    assert metric.counts()["tn"].tolist() == [1, 2, 1, 2]  # the ignored sample counts nowhere
+    with pytest.raises(ValueError, match="ignore_index=-100"):
+        metric.update(torch.tensor([0]), torch.tensor([-1]))
+    assert metric.rejected_updates.item() == 0
+
+
+def test_top_k_needs_scores() -> None:
+    metric = confusion_matrix_metric().multiclass(4, top_k=2).with_recall().build()
+    with pytest.raises(ValueError, match="top_k"):
+        metric.update(torch.tensor([0, 1]), torch.tensor([0, 1]))
+
+
+LABEL_BAD = [
+    ("binary", torch.tensor([0.2, 1.2]), torch.tensor([0, 1]), ValueError, r"preds: .*\[0, 1\]"),
+    ("binary", torch.tensor([0.2, -0.1]), torch.tensor([0, 1]), ValueError, "logits=True"),
+    ("binary", torch.tensor([0.2, float("nan")]), torch.tensor([0, 1]), ValueError, "preds"),
+    ("binary", torch.tensor([0, 2]), torch.tensor([0, 1]), ValueError, "preds: expected 0/1"),
+    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0, 2]), ValueError, "target: expected 0/1"),
+    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0, 1, 1]), ValueError, "target: .*shape"),
+    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0.0, 1.0]), TypeError, "target"),
+    ("multilabel", torch.rand(3, 4), torch.randint(0, 2, (3, 4)), ValueError, "num_labels = 3"),
+]
+
+
+@pytest.mark.parametrize(("kind", "preds", "target", "error", "match"), LABEL_BAD)
+def test_binary_and_multilabel_bad_input(
+    kind: str, preds: torch.Tensor, target: torch.Tensor, error: type[Exception], match: str
+) -> None:
+    builder = confusion_matrix_metric()
+    builder = builder.binary() if kind == "binary" else builder.multilabel(3)
+    metric = builder.with_accuracy().build()
+    with pytest.raises(error, match=match):
+        metric.update(preds, target)
+    assert all(int(acc.local.sum()) == 0 for _, acc in metric.named_accumulators())
+
+
+def test_logits_flag_accepts_any_real_score() -> None:
+    metric = confusion_matrix_metric().binary(logits=True).with_accuracy().build()
+    metric.update(torch.tensor([-3.0, 2.0, 0.1]), torch.tensor([0, 1, 0]))
+    assert metric.compute().item() == pytest.approx(2 / 3)
+
+
+def test_zero_division_policy() -> None:
+    """No predicted positives: precision is 0/0, reported as the chosen value."""
+    for zero_division in (0.0, 1.0):
+        metric = (
+            confusion_matrix_metric(zero_division=zero_division).binary().with_precision().build()
+        )
+        metric.update(torch.tensor([0.1, 0.2]), torch.tensor([1, 0]))
+        assert metric.compute().item() == zero_division
+    nan_metric = confusion_matrix_metric(zero_division=float("nan")).binary().with_recall().build()
+    nan_metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 0]))
+    assert torch.isnan(nan_metric.compute())
+
+
+def test_reset_and_state_dict_round_trip() -> None:
+    metric = _multiclass()
+    metric.update(torch.randn(9, 4), torch.randint(0, 4, (9,)))
+    expected = metric.compute()
+    fresh = _multiclass()
+    fresh.load_state_dict(metric.state_dict())
+    assert all(torch.equal(fresh.compute()[k], expected[k]) for k in expected)
+    metric.reset()
+    assert all(int(acc.local.sum()) == 0 for _, acc in metric.named_accumulators())
+
+
+def test_target_encodings_agree() -> None:
+    """Class indices of any integer dtype and one-hot targets (int, float, bool) count alike."""
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(40, 5, generator=generator)
+    labels = torch.randint(0, 5, (40,), generator=generator)
+    one_hot = torch.nn.functional.one_hot(labels, 5)
+    targets = [
+        labels,
+        labels.int(),
+        labels.to(torch.uint8),
+        one_hot,
+        one_hot.float(),
+        one_hot.bool(),
+    ]
+    results = []
+    for target in targets:
+        metric = confusion_matrix_metric().multiclass(5).with_f1().per_class().build()
+        metric.update(scores, target)
+        matrix = MulticlassConfusionMatrixMetric(5)
+        matrix.update(scores, target)
+        results.append((metric.counts(), matrix.compute()))
+    for counts, matrix in results[1:]:
+        assert all(torch.equal(counts[k], results[0][0][k]) for k in counts)
+        assert torch.equal(matrix, results[0][1])
+
+
+def test_empty_batches_change_nothing() -> None:
+    for builder, preds, target in [
+        (confusion_matrix_metric().binary(), torch.zeros(0), torch.zeros(0, dtype=torch.long)),
+        (
+            confusion_matrix_metric(ignore_index=-100).multiclass(3),
+            torch.zeros(0, 3),
+            torch.zeros(0, dtype=torch.long),
+        ),
+        (confusion_matrix_metric().multilabel(2), torch.zeros(0, 2), torch.zeros(0, 2).long()),
+    ]:
+        metric = builder.with_recall().build()
+        metric.update(preds, target)
+        assert all(int(acc.local.abs().sum()) == 0 for _, acc in metric.named_accumulators())
+        assert metric.compute().item() == 0.0  # no data: the zero-division value
+
+
+def _accuracy(name: str, builder: Any) -> ConfusionCountMetric:
+    chosen = builder.with_accuracy()
+    return (chosen if name == "binary" else chosen.per_class()).build()
+
+
+def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA policy (drop the batch on the device, count it), exercised on CPU.
+
+    ``screen`` is replaced by its device branch, so the weight-0 path that CUDA takes runs here:
+    the bad batches must leave the counts exactly as if they had never been fed.
+    """
+    from sidestream.metrics.classification import _inputs
+
+    def device_screen(
+        checks: list[tuple[torch.Tensor, str, str]], rejected: Any
+    ) -> torch.Tensor | None:
+        if not checks:
+            return None
+        any_invalid = torch.stack([invalid.any() for invalid, _, _ in checks]).any()
+        rejected.accumulate(any_invalid.to(torch.int64))
+        return ~any_invalid
+
+    generator = torch.Generator().manual_seed(0)
+    good = [
+        (torch.randn(9, 4, generator=generator), torch.randint(0, 4, (9,), generator=generator))
+        for _ in range(3)
+    ]
+    bad_multiclass = [
+        (torch.randn(5, 4), torch.tensor([0, 1, 9, 2, -100])),  # 9 is out of range
+        (torch.tensor([0, 1, 4, 2, 3]), torch.tensor([0, 1, 2, 3, 3])),  # predicted class 4
+        (torch.randn(2, 4), torch.tensor([[1, 1, 0, 0], [0, 0, 1, 0]])),  # not one-hot
+    ]
+    probabilities = [torch.rand(6, 3, generator=generator) for _ in range(2)]
+    labels = [torch.randint(0, 2, (6, 3), generator=generator) for _ in range(2)]
+    bad_multilabel = [
+        (torch.full((2, 3), 1.5), torch.zeros(2, 3, dtype=torch.long)),  # not probabilities
+        (torch.rand(2, 3), torch.full((2, 3), 2)),  # target 2
+    ]
+    builders = {
+        "multiclass": confusion_matrix_metric(ignore_index=-100).multiclass(4),
+        "top2": confusion_matrix_metric(ignore_index=-100).multiclass(4, top_k=2),
+        "multilabel": confusion_matrix_metric(ignore_index=-100).multilabel(3),
+        "binary": confusion_matrix_metric().binary(),
+    }
+    for name, builder in builders.items():
+        if name in ("multiclass", "top2"):
+            clean, bad = good, bad_multiclass if name == "multiclass" else bad_multiclass[:1]
+        else:
+            clean = list(zip(probabilities, labels, strict=True))
+            bad = bad_multilabel
+            if name == "binary":
+                clean = [(p.reshape(-1), t.reshape(-1)) for p, t in clean]
+                bad = [(p.reshape(-1), t.reshape(-1)) for p, t in bad]
+        reference = _accuracy(name, builder)
+        for preds, target in clean:
+            reference.update(preds, target)
+        with monkeypatch.context() as patch:
+            patch.setattr(_inputs, "screen", device_screen)
+            metric = _accuracy(name, builder)
+            for (preds, target), dropped in zip(clean, bad, strict=False):
+                metric.update(preds, target)
+                metric.update(*dropped)
+            for preds, target in clean[len(bad) :]:
+                metric.update(preds, target)
+        expected_counts, counts = reference.counts(), metric.counts()
+        assert all(torch.equal(counts[k], expected_counts[k]) for k in counts), name
+        assert metric.rejected_updates.item() == min(len(bad), len(clean)), name
+    matrix, expected_matrix = MulticlassConfusionMatrixMetric(4), MulticlassConfusionMatrixMetric(4)
+    with monkeypatch.context() as patch:
+        patch.setattr(_inputs, "screen", device_screen)
+        for (preds, target), dropped in zip(good, bad_multiclass, strict=True):
+            matrix.update(preds, target)
+            matrix.update(*dropped)
+    for preds, target in good:
+        expected_matrix.update(preds, target)
+    assert torch.equal(matrix.compute(), expected_matrix.compute())
+    assert matrix.rejected_updates.item() == 3

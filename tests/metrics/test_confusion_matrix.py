@@ -1,0 +1,49 @@
+"""MulticlassConfusionMatrixMetric, MatthewsCorrCoefMetric and CohenKappaMetric vs sklearn."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import cohen_kappa_score, matthews_corrcoef
+
+from sidestream.metrics.classification import CohenKappaMetric, MatthewsCorrCoefMetric
+from tests.metrics.confusion_cases import (
+    MATRIX_CASES,
+    Case,
+    assert_matrix_matches,
+    make_shards,
+    matrix_reference,
+    run_matrix_case,
+)
+
+
+@pytest.mark.parametrize("case", MATRIX_CASES, ids=lambda c: f"C{c.classes}-{c.dtype}")
+def test_matrix_mcc_kappa_match_sklearn(case: Case) -> None:
+    for seed in range(4):
+        batches = [batch for shard in make_shards(case, seed, 3) for batch in shard]
+        assert_matrix_matches(
+            run_matrix_case(case, batches, sync=False), matrix_reference(case, batches), seed
+        )
+
+
+def test_degenerate_values_follow_sklearn() -> None:
+    """One class everywhere: MCC 0 like sklearn; kappa undefined (NaN) like sklearn."""
+    mcc, kappa = MatthewsCorrCoefMetric(3), CohenKappaMetric(3)
+    for metric in (mcc, kappa):
+        metric.update(torch.tensor([2, 2, 2]), torch.tensor([2, 2, 2]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert mcc.compute().item() == matthews_corrcoef([2, 2, 2], [2, 2, 2])
+        assert np.isnan(cohen_kappa_score([2, 2, 2], [2, 2, 2]))
+    assert torch.isnan(kappa.compute())
+    empty = MatthewsCorrCoefMetric(3)
+    assert empty.compute().item() == 0.0
+    assert empty.confusion_matrix().sum().item() == 0
+
+
+def test_cohen_kappa_rejects_unknown_weighting() -> None:
+    with pytest.raises(ValueError, match="weights"):
+        CohenKappaMetric(3, weights="cubic")
