@@ -6,10 +6,8 @@ Collectives are counted by wrapping the functions of both ``torch.distributed`` 
 ``torch.distributed.distributed_c10d`` (every collective a library issues goes through one of
 them), nested calls included.
 
-The classification and regression metrics of sidestream land with their own issue; until then
-the sidestream side uses small stand-ins defined here that hold the same state (per-class int64
-tp/fp/tn/fn count vectors, a float64 error sum and an int64 count) and compute the same values.
-``sidestream_collection()`` is the one place to switch to the real builders.
+Both sides run their real classes on the same inputs; the values after the sync are compared
+so the two collections are known to compute the same thing.
 """
 
 from __future__ import annotations
@@ -26,7 +24,8 @@ from torch import Tensor
 
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, SumMetric
 from sidestream import sync as sync_module
-from sidestream.state import MetricAccumulator
+from sidestream.metrics.classification import confusion_matrix_metric
+from sidestream.metrics.regression import MeanAbsoluteErrorMetric, MeanSquaredErrorMetric
 from sidestream.testing import DistributedPool
 
 WORLD_SIZE = 4
@@ -46,89 +45,23 @@ _COLLECTIVES = (
 )
 
 
-class ConfusionStandIn(Metric[Tensor]):
-    """Stand-in: per-class tp/fp/tn/fn int64 counts, like the coming confusion-matrix metrics.
-
-    Args:
-        num_classes: Classes (2 means binary: predictions are probabilities of class 1).
-        score: ``"accuracy"``, ``"precision"``, ``"recall"`` or ``"f1"``.
-        average: ``"macro"``, ``"weighted"``, ``"micro"`` or ``"binary"``.
-    """
-
-    def __init__(self, num_classes: int, score: str, average: str) -> None:
-        size = 1 if average in ("micro", "binary") else num_classes
-        self._num_classes, self._score, self._average = num_classes, score, average
-        for name in ("tp", "fp", "tn", "fn"):
-            setattr(self, f"_{name}", MetricAccumulator(torch.zeros(size, dtype=torch.int64)))
-
-    def update(self, preds: Tensor, target: Tensor) -> None:
-        """Count a batch: ``preds`` logits ``(N, C)`` (or probabilities ``(N,)``), ``target``."""
-        if self._average == "binary":
-            predicted = (preds > 0.5).long()
-            hit = torch.stack([predicted * target, predicted * (1 - target)])
-            miss = torch.stack([(1 - predicted) * (1 - target), (1 - predicted) * target])
-            tp, fp, tn, fn = (counts.sum().reshape(1) for counts in (*hit, *miss))
-        else:
-            predicted = torch.nn.functional.one_hot(preds.argmax(dim=1), self._num_classes)
-            actual = torch.nn.functional.one_hot(target, self._num_classes)
-            tp = (predicted * actual).sum(0)
-            fp = (predicted * (1 - actual)).sum(0)
-            fn = ((1 - predicted) * actual).sum(0)
-            tn = target.numel() - tp - fp - fn
-            if self._average == "micro":
-                tp, fp, tn, fn = (counts.sum().reshape(1) for counts in (tp, fp, tn, fn))
-        for name, counts in zip(("tp", "fp", "tn", "fn"), (tp, fp, tn, fn), strict=True):
-            getattr(self, f"_{name}").accumulate(counts)
-
-    def compute(self) -> Tensor:
-        tp, fp, tn, fn = (getattr(self, f"_{n}").value.double() for n in ("tp", "fp", "tn", "fn"))
-        per_class = {
-            "accuracy": (tp + tn) / (tp + fp + tn + fn)
-            if self._average == "binary"
-            else tp / (tp + fn),
-            "precision": tp / (tp + fp),
-            "recall": tp / (tp + fn),
-            "f1": 2 * tp / (2 * tp + fp + fn),
-        }[self._score].nan_to_num(0.0)
-        if self._average == "weighted":
-            support = tp + fn
-            return (per_class * support).sum() / support.sum()
-        return per_class.mean()
-
-
-class ErrorStandIn(Metric[Tensor]):
-    """Stand-in: mean squared or absolute error as a float64 error sum and an int64 count."""
-
-    def __init__(self, squared: bool) -> None:
-        self._squared = squared
-        self._error = MetricAccumulator(torch.zeros((), dtype=torch.float64))
-        self._count = MetricAccumulator(torch.zeros((), dtype=torch.int64))
-
-    def update(self, preds: Tensor, target: Tensor) -> None:
-        difference = (preds - target).double()
-        error = difference.square() if self._squared else difference.abs()
-        self._error.accumulate(error.sum())
-        self._count.accumulate(torch.tensor(target.numel()))
-
-    def compute(self) -> Tensor:
-        return self._error.value / self._count.value
-
-
 def sidestream_collection() -> ComposeMetric:
-    """The 11 metrics on the sidestream side (classification and regression are stand-ins)."""
+    """The 11 metrics with sidestream's own classes."""
+    multiclass = confusion_matrix_metric().multiclass(NUM_CLASSES)
+    binary = confusion_matrix_metric().binary(0.5)
     return ComposeMetric(
         {
             "mean": MeanMetric(),
             "sum": SumMetric(),
             "max": MaxMetric(),
-            "acc_macro": ConfusionStandIn(NUM_CLASSES, "accuracy", "macro"),
-            "f1_macro": ConfusionStandIn(NUM_CLASSES, "f1", "macro"),
-            "precision_weighted": ConfusionStandIn(NUM_CLASSES, "precision", "weighted"),
-            "recall_micro": ConfusionStandIn(NUM_CLASSES, "recall", "micro"),
-            "binary_acc": ConfusionStandIn(2, "accuracy", "binary"),
-            "binary_f1": ConfusionStandIn(2, "f1", "binary"),
-            "mse": ErrorStandIn(squared=True),
-            "mae": ErrorStandIn(squared=False),
+            "acc_macro": multiclass.with_accuracy().macro().build(),
+            "f1_macro": multiclass.with_f1().macro().build(),
+            "precision_weighted": multiclass.with_precision().weighted().build(),
+            "recall_micro": multiclass.with_recall().micro().build(),
+            "binary_acc": binary.with_accuracy().build(),
+            "binary_f1": binary.with_f1().build(),
+            "mse": MeanSquaredErrorMetric(),
+            "mae": MeanAbsoluteErrorMetric(),
         }
     )
 
@@ -310,11 +243,8 @@ def run() -> str:
         f"{measured['states']} state tensors ({measured['state_bytes']} bytes) per rank. "
         f"Median of {REPEATS} syncs on rank 0, barrier before each; collectives counted by "
         "wrapping `torch.distributed` and `torch.distributed.distributed_c10d`.\n",
-        "**Stand-ins:** sidestream's classification and regression metrics are not merged yet; "
-        "the sidestream rows use stand-ins (`benchmarks/sync_cost.py`) holding the same state "
-        "as the coming metrics (int64 per-class tp/fp/tn/fn vectors, float64 error sum and "
-        "int64 count). After the sync their values match torchmetrics' to within "
-        f"{measured['difference']:.1e}.\n",
+        "Both sides use their real classes on the same inputs; after the sync their values "
+        f"agree to within {measured['difference']:.1e}.\n",
         "torchmetrics runs the real classes in a `MetricCollection`; with "
         "`compute_groups=True` only the first metric of each compute group is synced, as "
         "`MetricCollection.compute` does.\n",

@@ -2,6 +2,7 @@
 
 from importlib.metadata import version
 
+from sidestream.collector import AsyncMetricCollector
 from sidestream.metric import Metric
 from sidestream.metrics import (
     ComposeMetric,
@@ -14,6 +15,7 @@ from sidestream.metrics import (
 from sidestream.state import MetricAccumulator, ReduceOp
 
 __all__ = [
+    "AsyncMetricCollector",
     "ComposeMetric",
     "MaxMetric",
     "MeanMetric",
