@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks import sync_cost
+from benchmarks import sync_cost, tracker_overhead
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -18,7 +18,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    sections = [sync_cost.run()]
+    sections = [sync_cost.run(), tracker_overhead.run()]
     header = (
         "# Benchmarks\n\n"
         "Written by `nox -s bench` (`benchmarks/run.py`). Peers run in the same process group, "

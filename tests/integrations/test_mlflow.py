@@ -87,7 +87,7 @@ def test_resume_continues_the_same_run_without_repeats(
 def test_server_down_from_step_50_to_120_delivers_all_once_in_order(
     mlflow_server: MlflowServer,
 ) -> None:
-    sink = MlflowSink(tracking_uri=mlflow_server.uri, experiment="fault", http_timeout=2.0)
+    sink = MlflowSink(tracking_uri=mlflow_server.uri, experiment="fault", http_timeout=2)
     sink.open(RUN_INFO)
     driver = RetryingDriver(sink, initial_backoff=0.05, max_backoff=0.5)
     restart: threading.Thread | None = None

@@ -34,6 +34,8 @@ MAX_RUN_NAME_LENGTH = 250
 
 # Characters MLflow allows in metric, param and tag names; others become "_".
 _NOT_ALLOWED_IN_KEY = re.compile(r"[^A-Za-z0-9_\-. :/]")
+# MLflow reads its HTTP settings from the environment at each request; the values sinks put there.
+_ENV_SET_BY_SINKS: dict[str, str] = {}
 _SECRET_ENV = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_TOKEN")
 
 
@@ -57,8 +59,9 @@ class MlflowSink(Sink):
             experiment.
         run_name: Run name; defaults to the ``RunInfo`` name given to ``open``.
         tags: Extra run tags, merged with the ``RunInfo`` tags.
-        http_timeout: Seconds per HTTP request, set through ``MLFLOW_HTTP_REQUEST_TIMEOUT`` for
-            this process unless that variable is already set. ``None`` leaves MLflow's default.
+        http_timeout: Whole seconds per HTTP request, set for this process through
+            ``MLFLOW_HTTP_REQUEST_TIMEOUT`` unless the user set that variable. ``None`` leaves
+            MLflow's default.
         http_max_retries: MLflow's own retries per request (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
             same rule). ``None`` leaves MLflow's default (several retries with long backoff).
 
@@ -75,7 +78,7 @@ class MlflowSink(Sink):
         run_name: str | None = None,
         tags: Mapping[str, str] | None = None,
         *,
-        http_timeout: float | None = 10.0,
+        http_timeout: int | None = 10,
         http_max_retries: int | None = 0,
     ) -> None:
         self._tracking_uri = tracking_uri
@@ -115,10 +118,19 @@ class MlflowSink(Sink):
         return RuntimeError(f"MlflowSink ({uri}): {what} failed: {message}")
 
     def _configure_http(self) -> None:
-        if self._http_timeout is not None:
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(self._http_timeout))
-        if self._http_max_retries is not None:
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(self._http_max_retries))
+        for variable, value in (
+            ("MLFLOW_HTTP_REQUEST_TIMEOUT", self._http_timeout),
+            ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", self._http_max_retries),
+        ):
+            current = os.environ.get(variable)
+            # A value the user set wins; one an earlier sink set may be replaced.
+            if value is not None and (
+                current is None or _ENV_SET_BY_SINKS.get(variable) == current
+            ):
+                os.environ[variable] = _ENV_SET_BY_SINKS[variable] = str(value)
+        if uri_without_password(self._tracking_uri) != self._tracking_uri:
+            # MLflow prints the run's URL, user information included, when a run ends.
+            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
     def open(self, run: RunInfo) -> None:
         """Create the run, or continue the one from ``load_state_dict``.

@@ -93,9 +93,9 @@ class TensorBoardSink(Sink):
 
         # Written into this run's own event file (SummaryWriter.add_hparams would open a
         # separate sub-run directory for them).
-        experiment, session_start, session_end = hparams_summary(hparams, {})
+        summaries = hparams_summary(hparams, {})  # type: ignore[no-untyped-call]
         file_writer = self._writer._get_file_writer()
-        for summary in (experiment, session_start, session_end):
+        for summary in summaries:
             file_writer.add_summary(summary)
 
     def write(self, report: Report) -> None:
