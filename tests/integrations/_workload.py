@@ -149,6 +149,7 @@ def train(
         "state": sink.state_dict(),
         "delivered": driver.delivered,
         "failures": driver.failures,
+        "max_submit_s": max(driver.submit_seconds, default=0.0),
         "run_dir": getattr(sink, "run_dir", None),
         "closed": None,
     }

@@ -65,6 +65,7 @@ def test_two_ranks_every_window_once_through_server(
     assert run.data.params["optimizer.betas"] == "[0.9, 0.95]"
     assert run.data.tags["suite"] == "integration"
     assert results[0]["state"] == {"run_id": run_id, "last_step": STEPS - 1}
+    print(f"\nno-fault run: max submit time {results[0]['max_submit_s'] * 1e6:.1f} us")
 
 
 def test_resume_continues_the_same_run_without_repeats(
