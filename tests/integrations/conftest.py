@@ -24,6 +24,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.integration)
+            if "pool2" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.distributed)
 
 
 def _free_port() -> int:
