@@ -18,6 +18,9 @@ import pytest
 from sidestream.testing import DistributedPool
 from tests.integrations._workload import WORLD_SIZE
 
+# Nothing outside this machine is reachable from the tests: no MLflow usage telemetry.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
