@@ -202,3 +202,23 @@ def test_credentials_never_leave_the_sink(
     )
     assert "***@127.0.0.1" in str(opened.value)
     assert token not in text and password not in text
+
+
+def test_resume_skips_steps_delivered_after_the_checkpoint(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = MlflowSink(tracking_uri=uri, experiment="late")
+    first.open(RunInfo(name="late"))
+    for step in range(7):
+        first.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+        if step == 3:
+            checkpoint = first.state_dict()  # the job goes on delivering after this
+    assert first.close(timeout=30)
+    resumed = MlflowSink(tracking_uri=uri, experiment="late")
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="late"))
+    for step in range(4, 9):  # windows recomputed from the checkpoint
+        resumed.write(Report(step=step, values={"loss": 100.0 + step}, time=time.time()))
+    assert resumed.close(timeout=30)
+    history = MlflowClient(tracking_uri=uri).get_metric_history(checkpoint["run_id"], "loss")
+    got = sorted((m.step, m.value) for m in history)
+    assert got == [(s, float(s)) for s in range(7)] + [(7, 107.0), (8, 108.0)]

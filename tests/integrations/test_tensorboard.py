@@ -107,3 +107,21 @@ def test_retry_after_failure_midway_writes_each_value_once(tmp_path: Path) -> No
     accumulator = _load(tmp_path)
     got = {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in "abc"}
     assert got == {"a": [(7, 1.0)], "b": [(7, 2.0)], "c": [(7, 3.0)]}
+
+
+def test_resume_skips_steps_delivered_after_the_checkpoint(tmp_path: Path) -> None:
+    first = TensorBoardSink(log_dir=tmp_path)
+    first.open(RunInfo(name="late", config={"lr": 0.1}, tags={"a": "b"}))
+    for step in range(7):
+        first.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+        if step == 3:
+            checkpoint = first.state_dict()  # the job goes on delivering after this
+    assert first.close(timeout=30)
+    resumed = TensorBoardSink()
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="late"))
+    for step in range(4, 9):  # windows recomputed from the checkpoint
+        resumed.write(Report(step=step, values={"loss": 100.0 + step}, time=time.time()))
+    assert resumed.close(timeout=30)
+    got = [(e.step, e.value) for e in _load(tmp_path).Scalars("loss")]
+    assert got == [(s, float(s)) for s in range(7)] + [(7, 107.0), (8, 108.0)]

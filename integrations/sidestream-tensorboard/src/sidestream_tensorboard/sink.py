@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, Sink
@@ -30,7 +31,8 @@ class TensorBoardSink(Sink):
 
     Resume: ``state_dict()`` holds the log directory and the last delivered step; after
     ``load_state_dict`` the next ``open`` appends a new event file to the same directory and
-    skips reports at or below that step, so TensorBoard never sees a step twice.
+    skips reports at or below that step (or the largest step already in the directory, if
+    later), so TensorBoard never sees a step twice.
 
     Args:
         log_dir: The run's directory; ``None`` takes the saved one on resume, else
@@ -79,6 +81,10 @@ class TensorBoardSink(Sink):
         self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
         self._log_dir = str(self._writer.log_dir)
         if self._resumed:
+            # Reports delivered after the checkpoint was taken are already in the directory.
+            on_disk = _last_step_on_disk(self._log_dir)
+            if on_disk is not None and (self._last_step is None or on_disk > self._last_step):
+                self._last_step = on_disk
             return
         if run.config:
             self._write_hparams(flatten_config(run.config, plain_types=_HPARAM_TYPES))
@@ -221,3 +227,19 @@ def _within(action: Any, timeout: float | None, what: str) -> bool:
         _log.warning("TensorBoardSink.%s failed: %s", what, errors[0])
         return False
     return True
+
+
+def _last_step_on_disk(log_dir: str) -> int | None:
+    """The largest step of a scalar or histogram in the event files of ``log_dir``, if any."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    last: int | None = None
+    for path in sorted(Path(log_dir).glob("*tfevents*")):
+        for event in LegacyEventFileLoader(str(path)).Load():
+            if event.step <= (-1 if last is None else last):
+                continue
+            # Only what write() adds counts, not the hparams / text summaries of open().
+            values = event.summary.value
+            if any(v.HasField("simple_value") or v.HasField("histo") for v in values):
+                last = int(event.step)
+    return last

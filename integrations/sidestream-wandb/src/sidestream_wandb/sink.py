@@ -110,6 +110,11 @@ class WandbSink(Sink):
         if failure is not None:
             raise failure  # outside the handler: the original is not chained as its context
         self._run_id = str(self._run.id)
+        # Online, a resumed run starts after the last step the server holds, which may be
+        # later than the checkpoint's; W&B would drop anything at or below it.
+        next_step = int(getattr(self._run, "step", 0) or 0)
+        if next_step > 0:
+            self._last_step = max(next_step - 1, -1 if self._last_step is None else self._last_step)
 
     def write(self, report: Report) -> None:
         """Log the report as one history row at ``report.step`` (skipped if already delivered).
