@@ -9,7 +9,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks import classification_update, collector_overhead, ranking_memory, sync_cost
+from benchmarks import (
+    classification_update,
+    collector_overhead,
+    ranking_memory,
+    sync_cost,
+    tracker_overhead,
+)
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -23,6 +29,7 @@ def main() -> None:
         collector_overhead.run(),
         classification_update.run(),
         ranking_memory.run(),
+        tracker_overhead.run(),
     ]
     header = (
         "# Benchmarks\n\n"

@@ -2,6 +2,8 @@
 
 from importlib.metadata import version
 
-__all__ = ["__version__"]
+from sidestream_mlflow.sink import MlflowSink
+
+__all__ = ["MlflowSink", "__version__"]
 
 __version__ = version("sidestream-mlflow")

@@ -2,6 +2,8 @@
 
 from importlib.metadata import version
 
-__all__ = ["__version__"]
+from sidestream_tensorboard.sink import TensorBoardSink
+
+__all__ = ["TensorBoardSink", "__version__"]
 
 __version__ = version("sidestream-tensorboard")

@@ -2,6 +2,8 @@
 
 from importlib.metadata import version
 
-__all__ = ["__version__"]
+from sidestream_wandb.sink import WandbSink
+
+__all__ = ["WandbSink", "__version__"]
 
 __version__ = version("sidestream-wandb")

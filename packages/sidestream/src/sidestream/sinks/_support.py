@@ -1,0 +1,117 @@
+"""Helpers shared by tracker sinks: hyper-parameter flattening, length limits, secret redaction."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = [
+    "flatten_config",
+    "histogram_edges",
+    "redact",
+    "secrets_in",
+    "shorten",
+    "uri_without_password",
+]
+
+_PLAIN = (bool, int, float, str)
+
+
+def flatten_config(
+    config: Mapping[str, Any],
+    separator: str = ".",
+    plain_types: tuple[type, ...] = _PLAIN,
+) -> dict[str, Any]:
+    """Flatten nested mappings into ``{"a.b.c": value}``; other values become strings.
+
+    Args:
+        config: Hyper-parameters, possibly nested.
+        separator: Joins the keys of nested levels.
+        plain_types: Value types the backend takes as they are; anything else (lists, tensors,
+            objects, ``None``) is stored as ``str(value)``.
+    """
+    flat: dict[str, Any] = {}
+
+    def visit(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, child in value.items():
+                visit(f"{prefix}{separator}{key}" if prefix else str(key), child)
+        elif isinstance(value, plain_types):
+            flat[prefix] = value
+        else:
+            flat[prefix] = str(value)
+
+    for key, value in config.items():
+        visit(str(key), value)
+    return flat
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` if it fits in ``limit`` characters, else a prefix plus a digest of the whole.
+
+    The digest keeps two long names that share a prefix distinct after shortening.
+    """
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha1(text.encode()).hexdigest()[:8]
+    if limit < 16:
+        return digest[:limit]
+    return f"{text[: limit - 9]}-{digest}"
+
+
+def uri_without_password(uri: str | None) -> str | None:
+    """``uri`` with any ``user:password@`` user information replaced by ``***@``."""
+    if uri is None:
+        return None
+    parts = urlsplit(uri)
+    if parts.password is None and parts.username is None:
+        return uri
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return parts._replace(netloc=f"***@{host}").geturl()
+
+
+def secrets_in(env_names: Iterable[str], uris: Iterable[str | None] = ()) -> list[str]:
+    """The secret strings to keep out of messages: values of ``env_names`` and URI passwords.
+
+    Values shorter than 4 characters are ignored, so redaction never mangles ordinary text.
+    """
+    found = [os.environ.get(name, "") for name in env_names]
+    for uri in uris:
+        if uri:
+            parts = urlsplit(uri)
+            found += [parts.password or "", parts.username or ""]
+    return sorted({secret for secret in found if len(secret) >= 4}, key=len, reverse=True)
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every occurrence of each secret replaced by ``***``."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    # Authorization headers can appear in exception text from HTTP libraries.
+    return re.sub(
+        r"(?i)(authorization['\"]?\s*[:=]\s*['\"]?)(bearer |basic )?[^\s'\",}]+", r"\1***", text
+    )
+
+
+def histogram_edges(num_bins: int, edges: Iterable[float] | None) -> list[float]:
+    """Bin edges for ``num_bins`` counts: ``edges`` when given, else ``0, 1, ..., num_bins``.
+
+    Raises:
+        ValueError: If ``edges`` does not hold ``num_bins + 1`` increasing values.
+    """
+    if edges is None:
+        return [float(i) for i in range(num_bins + 1)]
+    result = [float(edge) for edge in edges]
+    if len(result) != num_bins + 1 or any(b <= a for a, b in itertools.pairwise(result)):
+        raise ValueError(
+            f"histogram_edges: expected {num_bins + 1} increasing edges for {num_bins} bins, "
+            f"got {len(result)}"
+        )
+    return result

@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidestream.testing import DistributedPool
+from tests.integrations._workload import WORLD_SIZE
+
+# Nothing outside this machine is reachable from the tests: no MLflow usage telemetry.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.integration)
+            if "pool2" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.distributed)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class MlflowServer:
+    """A real ``mlflow server`` on 127.0.0.1 with a SQLite store; tests may kill and restart it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log = root / "server.log"
+
+    def start(self, timeout: float = 120.0) -> None:
+        executable = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
+        command = [
+            executable,
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self.root / "artifacts"),
+            "--workers",
+            "1",
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self._log, "ab") as log:
+            self._process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"mlflow server exited:\n{self._log.read_text()[-3000:]}")
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.uri}/health", timeout=1.0) as response,
+            ):
+                if response.status == 200:
+                    return
+            time.sleep(0.25)
+        self.kill()
+        raise RuntimeError(
+            f"mlflow server not healthy in {timeout} s:\n{self._log.read_text()[-3000:]}"
+        )
+
+    def kill(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        # The server runs in its own session: end its workers with it.
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server() -> Iterator[MlflowServer]:
+    pytest.importorskip("mlflow")
+    # SQLite commits on a RAM disk where there is one: the server's cost is mostly fsync.
+    shm = Path("/dev/shm")
+    root = Path(tempfile.mkdtemp(prefix="sidestream-mlflow-", dir=shm if shm.is_dir() else None))
+    server = MlflowServer(root)
+    server.start()
+    yield server
+    server.kill()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def pool2(pools: dict[int, DistributedPool]) -> DistributedPool:
+    if WORLD_SIZE not in pools:
+        pools[WORLD_SIZE] = DistributedPool(WORLD_SIZE)
+    return pools[WORLD_SIZE]

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import pytest
+
+from sidestream.sinks._support import (
+    flatten_config,
+    histogram_edges,
+    redact,
+    secrets_in,
+    shorten,
+    uri_without_password,
+)
+
+
+def test_flatten_config_joins_keys_and_stringifies_what_the_backend_cannot_take() -> None:
+    marker = object()
+    config = {"opt": {"lr": 0.1, "betas": [0.9, 0.95], "sched": {"warmup": 10}}, "x": marker}
+    assert flatten_config(config) == {
+        "opt.lr": 0.1,
+        "opt.betas": "[0.9, 0.95]",
+        "opt.sched.warmup": 10,
+        "x": str(marker),
+    }
+    assert flatten_config({"a": {"b": 1, "c": None}}, separator="/", plain_types=()) == {
+        "a/b": "1",
+        "a/c": "None",
+    }
+
+
+def test_shorten_keeps_the_limit_and_keeps_long_names_distinct() -> None:
+    assert shorten("short", 250) == "short"
+    a, b = shorten("x" * 300 + "a", 250), shorten("x" * 300 + "b", 250)
+    assert len(a) == len(b) == 250 and a != b
+    assert shorten("x" * 300 + "a", 250) == a  # deterministic
+
+
+def test_credentials_are_removed_from_uris_and_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = "https://alice:s3cret-pass@mlflow.example.com:8443/path"
+    assert uri_without_password(uri) == "https://***@mlflow.example.com:8443/path"
+    assert uri_without_password("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    monkeypatch.setenv("SOME_TOKEN", "tok-123456")
+    secrets = secrets_in(["SOME_TOKEN", "UNSET_VARIABLE"], [uri])
+    message = f"failed {uri} with tok-123456; headers={{'Authorization': 'Bearer abcdef'}}"
+    cleaned = redact(message, secrets)
+    for secret in ("s3cret-pass", "tok-123456", "abcdef"):
+        assert secret not in cleaned
+
+
+def test_histogram_edges_default_to_unit_bins_and_check_given_ones() -> None:
+    assert histogram_edges(3, None) == [0.0, 1.0, 2.0, 3.0]
+    assert histogram_edges(2, [0, 0.5, 1]) == [0.0, 0.5, 1.0]
+    with pytest.raises(ValueError, match="expected 3 increasing edges"):
+        histogram_edges(2, [0, 1])
+    with pytest.raises(ValueError, match="increasing"):
+        histogram_edges(2, [0, 1, 1])

@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sidestream.sinks import Report, RunInfo
+from sidestream.testing import DistributedPool
+from tests.integrations._workload import HISTOGRAM_EDGES, expected, train
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+
+from sidestream_tensorboard import TensorBoardSink
+
+STEPS = 200
+
+
+def _spec(log_dir: Path) -> tuple[str, str, dict[str, Any]]:
+    kwargs = {"log_dir": str(log_dir), "histogram_edges": HISTOGRAM_EDGES}
+    return ("sidestream_tensorboard", "TensorBoardSink", kwargs)
+
+
+def _load(log_dir: Path) -> Any:
+    # No sampling, and no purging on restarts: a repeated step would show up as a duplicate.
+    guidance = dict.fromkeys(event_accumulator.DEFAULT_SIZE_GUIDANCE, 0)
+    accumulator = event_accumulator.EventAccumulator(
+        str(log_dir), size_guidance=guidance, purge_orphaned_data=False
+    )
+    return accumulator.Reload()
+
+
+def _check(accumulator: Any, steps: range) -> None:
+    names = list(expected(0)[0])
+    assert sorted(accumulator.Tags()["scalars"]) == sorted(names)
+    for name in names:
+        events = accumulator.Scalars(name)
+        assert [e.step for e in events] == list(steps), name
+        for event in events:
+            # TensorBoard stores scalars as float32.
+            want = np.float32(expected(event.step)[0][name])
+            assert np.float32(event.value) == want, f"{name}@{event.step}"
+    histograms = accumulator.Histograms("scores")
+    assert [h.step for h in histograms] == list(steps)
+    edges = HISTOGRAM_EDGES["scores"]
+    for event in histograms:
+        counts = expected(event.step)[1]
+        value = event.histogram_value
+        np.testing.assert_array_equal(value.bucket, counts)
+        np.testing.assert_allclose(value.bucket_limit, edges[1:])
+        assert value.num == counts.sum()
+
+
+def test_two_ranks_every_window_once(tmp_path: Path, pool2: DistributedPool) -> None:
+    log_dir = tmp_path / "tb"
+    results = pool2.run(train, _spec(log_dir), range(STEPS), timeout=240)
+    assert [r["opened_sink"] for r in results] == [True, False]
+    assert results[0]["closed"] is True and results[0]["failures"] == 0
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # rank 1 wrote nothing
+    accumulator = _load(log_dir)
+    _check(accumulator, range(STEPS))
+    content = accumulator.PluginTagToContent("hparams")
+    start = hparams_metadata.parse_session_start_info_plugin_data(
+        content["_hparams_/session_start_info"]
+    )
+    assert start.hparams["optimizer.lr"].number_value == 3e-4
+    assert start.hparams["optimizer.betas"].string_value == "[0.9, 0.95]"
+    assert results[0]["state"] == {"log_dir": str(log_dir), "last_step": STEPS - 1}
+
+
+def test_resume_appends_to_the_same_directory_without_repeats(
+    tmp_path: Path, pool2: DistributedPool
+) -> None:
+    log_dir = tmp_path / "tb"
+    first = pool2.run(train, _spec(log_dir), range(101), timeout=240)[0]
+    # Restart from an earlier checkpoint; the saved directory is used (no log_dir given).
+    spec = ("sidestream_tensorboard", "TensorBoardSink", {"histogram_edges": HISTOGRAM_EDGES})
+    second = pool2.run(train, spec, range(90, STEPS), first["state"], timeout=240)[0]
+    assert second["state"] == {"log_dir": str(log_dir), "last_step": STEPS - 1}
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 2
+    _check(_load(log_dir), range(STEPS))
+
+
+def test_retry_after_failure_midway_writes_each_value_once(tmp_path: Path) -> None:
+    sink = TensorBoardSink(log_dir=tmp_path)
+    sink.open(RunInfo())
+    writer = sink._writer
+    original = writer.add_scalar
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        return original(*args, **kwargs)
+
+    writer.add_scalar = flaky
+    report = Report(step=7, values={"a": 1.0, "b": 2.0, "c": 3.0}, time=time.time())
+    with pytest.raises(OSError):
+        sink.write(report)
+    sink.write(report)
+    assert sink.close(timeout=30)
+    accumulator = _load(tmp_path)
+    got = {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in "abc"}
+    assert got == {"a": [(7, 1.0)], "b": [(7, 2.0)], "c": [(7, 3.0)]}
+
+
+def test_resume_skips_steps_delivered_after_the_checkpoint(tmp_path: Path) -> None:
+    first = TensorBoardSink(log_dir=tmp_path)
+    first.open(RunInfo(name="late", config={"lr": 0.1}, tags={"a": "b"}))
+    for step in range(7):
+        first.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+        if step == 3:
+            checkpoint = first.state_dict()  # the job goes on delivering after this
+    assert first.close(timeout=30)
+    resumed = TensorBoardSink()
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="late"))
+    for step in range(4, 9):  # windows recomputed from the checkpoint
+        resumed.write(Report(step=step, values={"loss": 100.0 + step}, time=time.time()))
+    assert resumed.close(timeout=30)
+    got = [(e.step, e.value) for e in _load(tmp_path).Scalars("loss")]
+    assert got == [(s, float(s)) for s in range(7)] + [(7, 107.0), (8, 108.0)]
