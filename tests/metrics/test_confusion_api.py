@@ -233,10 +233,11 @@ def _accuracy(name: str, builder: Any) -> ConfusionCountMetric:
 def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA policy (drop the batch on the device, count it), exercised on CPU.
 
-    ``screen`` is replaced by its device branch, so the weight-0 path that CUDA takes runs here:
-    the bad batches must leave the counts exactly as if they had never been fed.
+    ``screen`` is replaced by its device branch and the CPU fast path is off, so the weight-0
+    ``index_add_`` path that CUDA takes runs here: the bad batches must leave the counts exactly
+    as if they had never been fed.
     """
-    from sidestream.metrics.classification import _inputs
+    from sidestream.metrics.classification import _host, _inputs
 
     def device_screen(
         checks: list[tuple[torch.Tensor, str, str]], rejected: Any
@@ -283,6 +284,7 @@ def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch
             reference.update(preds, target)
         with monkeypatch.context() as patch:
             patch.setattr(_inputs, "screen", device_screen)
+            patch.setattr(_host, "host_fast_path", lambda device: False)
             metric = _accuracy(name, builder)
             for (preds, target), dropped in zip(clean, bad, strict=False):
                 metric.update(preds, target)
@@ -295,6 +297,7 @@ def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch
     matrix, expected_matrix = MulticlassConfusionMatrixMetric(4), MulticlassConfusionMatrixMetric(4)
     with monkeypatch.context() as patch:
         patch.setattr(_inputs, "screen", device_screen)
+        patch.setattr(_host, "host_fast_path", lambda device: False)
         for (preds, target), dropped in zip(good, bad_multiclass, strict=True):
             matrix.update(preds, target)
             matrix.update(*dropped)

@@ -54,7 +54,7 @@ def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_na
 
 
 def screen_invalid(
-    invalid: Tensor, rejected: MetricAccumulator, argument: str, expected: str
+    invalid: Tensor | bool, rejected: MetricAccumulator, argument: str, expected: str
 ) -> Tensor | None:
     """Apply the bad-value policy to a batch.
 
@@ -67,7 +67,8 @@ def screen_invalid(
     reported with the result instead of stalling the training thread.
 
     Args:
-        invalid: A boolean tensor, true where an element is out of range.
+        invalid: A boolean tensor, true where an element is out of range, or a Python bool
+            (true: some element is) from a check already read on the host.
         rejected: The metric's int64 SUM counter of rejected updates.
         argument: The argument name for the error message.
         expected: What valid values look like, for the error message.
@@ -76,8 +77,8 @@ def screen_invalid(
         ``None`` when the batch is valid on CPU; on CUDA a 0-dim bool tensor, true to keep the
         batch.
     """
-    if invalid.device.type != "cuda":
-        if bool(invalid.any()):
+    if isinstance(invalid, bool) or invalid.device.type != "cuda":
+        if invalid if isinstance(invalid, bool) else bool(invalid.any()):
             raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
         return None
     bad = invalid.any()

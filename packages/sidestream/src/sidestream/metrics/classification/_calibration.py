@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from sidestream.metric import Metric
+from sidestream.metrics.classification import _host
 from sidestream.metrics.classification._score_histogram import (
     bin_index,
     check_positive_int,
@@ -42,6 +43,9 @@ class CalibrationHistogramMetric(Metric[Tensor]):
         return self._rejected.value
 
     def _add(self, confidence: Tensor, accuracy: Tensor, keep: Tensor | None) -> None:
+        if _host.host_fast_path(confidence.device):
+            self._add_on_host(confidence.reshape(-1), accuracy.reshape(-1))
+            return
         index = bin_index(confidence, self._num_bins).reshape(-1)
         weight = torch.ones_like(index, dtype=torch.float64)
         if keep is not None:
@@ -49,6 +53,19 @@ class CalibrationHistogramMetric(Metric[Tensor]):
         self._count.scatter_add(index, weight)
         self._confidence.scatter_add(index, confidence.reshape(-1).to(torch.float64) * weight)
         self._accuracy.scatter_add(index, accuracy.reshape(-1).to(torch.float64) * weight)
+
+    def _add_on_host(self, confidence: Tensor, accuracy: Tensor) -> None:
+        """``bincount`` a checked batch: wrong and right samples per bin in one counting pass."""
+        bins = self._num_bins
+        stride = bins + 1
+        index = _host.score_bins(confidence, bins, 2)
+        correct = torch.add(index, accuracy.to(index.dtype), alpha=stride)
+        tally = _host.fold_bins(torch.bincount(correct, minlength=2 * stride), 2, bins)
+        wrong, right = tally.view(2, bins).to(torch.float64)
+        sums = torch.bincount(index, weights=confidence.to(torch.float64), minlength=stride)
+        self._count.accumulate(wrong + right)
+        self._accuracy.accumulate(right)
+        self._confidence.accumulate(_host.fold_bins(sums, 1, bins))
 
     def compute(self) -> Tensor:
         """The expected calibration error (L1); NaN over no data."""

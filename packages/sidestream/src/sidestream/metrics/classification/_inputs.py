@@ -3,7 +3,9 @@
 Everything here is host-sync free on CUDA: no boolean-mask indexing, no ``bincount``, no
 ``.item()``. Ignored elements and dropped batches get weight 0 instead of being removed, and
 class indices are clamped into range before ``index_add_`` so a dropped batch with garbage labels
-can never index out of bounds on the device.
+can never index out of bounds on the device. On CPU (``_host.host_fast_path``) checks are read
+on the host and raise before anything is counted, so counts come from ``bincount`` and the clamp
+is skipped where every value was checked.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import screen_invalid
+from sidestream.metrics.classification import _host
 from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.state import MetricAccumulator
 
@@ -19,8 +22,10 @@ __all__ = ["Check", "check_tensor", "confusion_counts", "multiclass_labels", "sc
 
 _SMALL_MATRIX_CLASSES = 64
 
-Check = tuple[Tensor, str, str]
-"""``(invalid elements, argument name, what valid values look like)`` for one value check."""
+Check = tuple[Tensor | bool, str, str]
+"""``(invalid elements, argument name, what valid values look like)`` for one value check.
+
+The first item is a bool when the check was already read on the host (CPU fast path)."""
 
 
 def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
@@ -52,13 +57,15 @@ def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
     """
     if not checks:
         return None
-    if checks[0][0].device.type != "cuda":
+    flags = [invalid for invalid, _, _ in checks]
+    if any(isinstance(flag, bool) or flag.device.type != "cuda" for flag in flags):
         for invalid, argument, expected in checks:
             screen_invalid(invalid, rejected, argument, expected)
         return None
-    any_invalid = checks[0][0].any()
-    for invalid, _, _ in checks[1:]:
-        any_invalid = any_invalid | invalid.any()
+    device_flags = [flag for flag in flags if isinstance(flag, Tensor)]
+    any_invalid = device_flags[0].any()
+    for flag in device_flags[1:]:
+        any_invalid = any_invalid | flag.any()
     return screen_invalid(any_invalid, rejected, "preds/target", "valid values")
 
 
@@ -93,18 +100,26 @@ def _target_labels(
         checked = torch.where(kept, labels, 0)
         expected += f" or ignore_index={ignore_index}"
     checks = [(_outside(checked, 0, num_classes - 1), "target", expected)]
-    return labels.clamp(0, num_classes - 1).long(), weight, checks
+    return _in_range(labels, num_classes, all_checked=ignore_index is None), weight, checks
 
 
-def _outside(values: Tensor, low: float, high: float) -> Tensor:
-    """A 0-dim bool tensor, true when any value is outside ``[low, high]`` (or NaN).
+def _in_range(values: Tensor, num_classes: int, all_checked: bool) -> Tensor:
+    """int64 class indices in ``[0, C)``, so no index can go out of bounds.
 
-    One ``aminmax`` pass instead of elementwise comparisons and an ``any``.
+    The device path clamps (a dropped batch may hold anything, and so may ignored elements). On
+    the host path values that were all checked have raised already if out of range, so the
+    clamp pass is skipped.
     """
+    if all_checked and _host.host_fast_path(values.device):
+        return values.long()
+    return values.clamp(0, num_classes - 1).long()
+
+
+def _outside(values: Tensor, low: float, high: float) -> Tensor | bool:
+    """True when any value is outside ``[low, high]`` (or NaN); see ``_host.outside``."""
     if values.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=values.device)
-    smallest, largest = torch.aminmax(values)
-    return ~((smallest >= low) & (largest <= high))
+    return _host.outside(values, low, high)
 
 
 def multiclass_labels(
@@ -147,7 +162,7 @@ def multiclass_labels(
         checks.append(
             (_outside(flat, 0, num_classes - 1), "preds", f"class indices in [0, {num_classes})")
         )
-        predicted = flat.clamp(0, num_classes - 1).long()
+        predicted = _in_range(flat, num_classes, all_checked=True)
     else:
         raise TypeError(
             f"preds: expected floating-point scores or integer class indices, got {preds.dtype}"
@@ -171,24 +186,22 @@ def _multiclass_counts(
     predicted, labels, weight = multiclass_labels(
         classes, problem.top_k, preds, target, ignore_index, rejected
     )
-    ones = torch.ones_like(labels) if weight is None else weight
     if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
-        # A C x C confusion matrix costs one index_add over the samples; its diagonal, column
-        # and row sums are tp, predicted and true counts.
-        matrix = torch.zeros(classes * classes, dtype=torch.int64, device=labels.device)
-        matrix.index_add_(0, labels * classes + predicted.view(-1), ones)
-        matrix = matrix.view(classes, classes)
+        # A C x C confusion matrix costs one counting pass over the samples; its diagonal,
+        # column and row sums are tp, predicted and true counts.
+        cell = torch.add(predicted.view(-1), labels, alpha=classes)
+        matrix = _host.count_indices(cell, classes * classes, weight).view(classes, classes)
         tp = matrix.diagonal()
         predicted_count = matrix.sum(0)
         support = matrix.sum(1)
     else:
+        ones = torch.ones_like(labels) if weight is None else weight
         hit = (predicted == labels.unsqueeze(-1)).any(-1).to(torch.int64)
         predicted_weight = ones.unsqueeze(-1).expand(predicted.shape).reshape(-1)
-        # One index_add over three stacked count vectors: true positives, support, predicted.
+        # One counting pass over three stacked count vectors: true positives, support, predicted.
         index = torch.cat((labels, labels + classes, predicted.reshape(-1) + 2 * classes))
         source = torch.cat((hit * ones, ones, predicted_weight))
-        stacked = torch.zeros(3 * classes, dtype=torch.int64, device=labels.device)
-        stacked.index_add_(0, index, source)
+        stacked = _host.count_indices(index, 3 * classes, source)
         tp, support, predicted_count = stacked.view(3, classes)
     fp = predicted_count - tp
     fn = support - tp

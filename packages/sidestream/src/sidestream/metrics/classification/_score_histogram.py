@@ -15,6 +15,7 @@ from torch import Tensor
 
 from sidestream._validation import as_tensor, check_floating, screen_invalid
 from sidestream.metric import Metric
+from sidestream.metrics.classification import _host
 from sidestream.state import MetricAccumulator
 
 __all__: list[str] = []
@@ -38,40 +39,35 @@ def bin_index(scores: Tensor, num_bins: int) -> Tensor:
     return (work * num_bins).to(torch.int64).clamp_(0, num_bins - 1)
 
 
-def outside(values: Tensor, low: float, high: float) -> Tensor:
-    """A 0-dim bool, true if any of the non-empty ``values`` is outside ``[low, high]`` or NaN.
-
-    One fused min/max pass instead of an element-wise mask: this check runs on every update.
-    """
-    low_seen, high_seen = torch.aminmax(values.reshape(-1))
-    return ~((low_seen >= low) & (high_seen <= high))  # NaN compares false: outside
-
-
-def not_binary(target: Tensor) -> Tensor:
-    """A 0-dim bool, true if any of the non-empty ``target`` is neither 0 nor 1."""
+def not_binary(target: Tensor) -> Tensor | bool:
+    """True if any of the non-empty ``target`` is neither 0 nor 1 (a bool or a 0-dim bool)."""
     if target.dtype == torch.bool:
-        return torch.zeros((), dtype=torch.bool, device=target.device)
+        return False
     if target.is_floating_point():
         return ((target != 0) & (target != 1)).any()
-    return outside(target, 0, 1)
+    return _host.outside(target, 0, 1)
 
 
-def screen(checks: list[tuple[Tensor, str, str]], rejected: MetricAccumulator) -> Tensor | None:
+def screen(
+    checks: list[tuple[Tensor | bool, str, str]], rejected: MetricAccumulator
+) -> Tensor | None:
     """Apply ``screen_invalid`` to several arguments, counting a bad batch once on CUDA.
 
     Args:
-        checks: ``(invalid, argument, expected)`` per argument.
+        checks: ``(invalid, argument, expected)`` per argument; ``invalid`` is a bool where the
+            check was read on the host.
         rejected: The metric's rejected-update counter.
 
     Returns:
         ``None`` off CUDA (a bad batch raised, naming the argument); on CUDA a 0-dim bool keep
         flag.
     """
-    if checks[0][0].device.type != "cuda":
+    flags = [check for check, _, _ in checks]
+    if any(isinstance(flag, bool) or flag.device.type != "cuda" for flag in flags):
         for invalid, argument, expected in checks:
             screen_invalid(invalid, rejected, argument, expected)
         return None
-    invalid = torch.stack([check.any() for check, _, _ in checks]).any()
+    invalid = torch.stack([flag.any() for flag in flags if isinstance(flag, Tensor)]).any()
     names = "/".join(argument for _, argument, _ in checks)
     return screen_invalid(invalid, rejected, names, "valid values")
 
@@ -166,22 +162,27 @@ class ScoreHistogramMetric(Metric[Tensor]):
             return
         classes, bins = self._num_classes, self._num_bins
         if self._problem == "multiclass":
-            checks = [
-                (outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
-                (outside(target_t, 0, classes - 1), "target", f"class indices in [0, {classes})"),
-            ]
+            target_check = _host.outside(target_t, 0, classes - 1)
+            target_expected = f"class indices in [0, {classes})"
+        else:
+            target_check, target_expected = not_binary(target_t), "0 or 1"
+        keep = screen(
+            [
+                (_host.outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
+                (target_check, "target", target_expected),
+            ],
+            self._rejected,
+        )
+        if self._problem == "binary":
+            preds_t, target_t = preds_t.reshape(-1, 1), target_t.reshape(-1, 1)
+        if _host.host_fast_path(self.device):
+            self._histogram.accumulate(self._host_counts(preds_t, target_t))
+            return
+        if self._problem == "multiclass":
             positive = target_t.unsqueeze(1) == torch.arange(classes, device=self.device)
         else:
-            checks = [
-                (outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
-                (not_binary(target_t), "target", "0 or 1"),
-            ]
-            # Validated targets are 0/1 on CPU, so they are the positive flag as they are; a
-            # dropped CUDA batch may hold anything, so there the flag is recomputed.
+            # A dropped CUDA batch may hold anything, so the flag is recomputed.
             positive = target_t if target_t.device.type != "cuda" else target_t == 1
-            if self._problem == "binary":
-                preds_t, positive = preds_t.reshape(-1, 1), positive.reshape(-1, 1)
-        keep = screen(checks, self._rejected)
         # Fused in place: index = bin + class * bins + is_positive * classes * bins.
         index = bin_index(preds_t, bins)
         if classes > 1:
@@ -192,6 +193,27 @@ class ScoreHistogramMetric(Metric[Tensor]):
         else:
             source = keep.to(torch.int64)
         self._histogram.scatter_add(index, source.expand(index.shape))
+
+    def _host_counts(self, preds: Tensor, target: Tensor) -> Tensor:
+        """The histogram of one checked batch by ``bincount`` (host path, CPU).
+
+        ``preds`` is ``(M, classes)``; ``target`` ``(M,)`` class indices (multiclass) or 0/1 of
+        ``preds``' shape, already checked, so it is the positive flag as it is.
+        """
+        classes, bins = self._num_classes, self._num_bins
+        rows = 2 * classes
+        stride = bins + 1
+        index = _host.score_bins(preds, bins, rows)
+        if classes > 1:
+            index += torch.arange(0, classes * stride, stride, dtype=index.dtype)
+        if self._problem == "multiclass":
+            # One offset per sample at its true class, not an (N, C) comparison.
+            samples = torch.arange(index.shape[0])
+            index[samples, target.long()] += classes * stride
+        else:
+            index.add_(target.to(index.dtype), alpha=classes * stride)
+        counts = torch.bincount(index.reshape(-1), minlength=rows * stride)
+        return _host.fold_bins(counts, rows, bins)
 
     def _check_shapes(self, preds: Tensor, target: Tensor) -> None:
         classes = self._num_classes

@@ -5,8 +5,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from sidestream._validation import as_tensor, check_floating
+from sidestream.metrics.classification import _host
 from sidestream.metrics.classification._calibration import CalibrationHistogramMetric
-from sidestream.metrics.classification._score_histogram import not_binary, outside, screen
+from sidestream.metrics.classification._score_histogram import not_binary, screen
 
 __all__ = ["BinaryCalibrationErrorMetric"]
 
@@ -49,7 +50,7 @@ class BinaryCalibrationErrorMetric(CalibrationHistogramMetric):
             return
         keep = screen(
             [
-                (outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
+                (_host.outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
                 (not_binary(target_t), "target", "0 or 1"),
             ],
             self._rejected,

@@ -6,12 +6,9 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import as_tensor, check_floating
+from sidestream.metrics.classification import _host
 from sidestream.metrics.classification._calibration import CalibrationHistogramMetric
-from sidestream.metrics.classification._score_histogram import (
-    check_positive_int,
-    outside,
-    screen,
-)
+from sidestream.metrics.classification._score_histogram import check_positive_int, screen
 
 __all__ = ["MulticlassCalibrationErrorMetric"]
 
@@ -67,8 +64,12 @@ class MulticlassCalibrationErrorMetric(CalibrationHistogramMetric):
             return
         keep = screen(
             [
-                (outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
-                (outside(target_t, 0, classes - 1), "target", f"class indices in [0, {classes})"),
+                (_host.outside(preds_t, 0, 1), "preds", "probabilities in [0, 1]"),
+                (
+                    _host.outside(target_t, 0, classes - 1),
+                    "target",
+                    f"class indices in [0, {classes})",
+                ),
             ],
             self._rejected,
         )

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from sidestream.metric import Metric
+from sidestream.metrics.classification import _host
 from sidestream.metrics.classification._inputs import check_tensor, multiclass_labels
 from sidestream.state import MetricAccumulator
 
@@ -74,9 +75,13 @@ class MulticlassConfusionMatrixMetric(Metric[Tensor]):
             self._ignore_index,
             self._rejected,
         )
-        cell = labels * self._num_classes + predicted.reshape(-1)
-        source = torch.ones_like(cell) if weight is None else weight
-        self._matrix.scatter_add(cell, source)
+        cell = torch.add(predicted.reshape(-1), labels, alpha=self._num_classes)
+        cells = self._num_classes**2
+        if _host.host_fast_path(device) and cell.numel() >= cells:
+            # bincount's O(cells) pass pays off once the batch is at least that large.
+            self._matrix.accumulate(_host.count_indices(cell, cells, weight))
+        else:
+            self._matrix.scatter_add(cell, torch.ones_like(cell) if weight is None else weight)
 
     @property
     def rejected_updates(self) -> Tensor:

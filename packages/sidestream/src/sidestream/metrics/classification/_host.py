@@ -1,0 +1,91 @@
+"""CPU fast paths of the classification updates.
+
+On CPU the values are already in host memory, so reading them costs no device sync: a value
+check can be read into a Python bool, and counts can come from ``torch.bincount``, several times
+faster there than ``index_add_``. On CUDA both would stall the host, so the device paths
+(fixed-size ``index_add_`` with 0/1 weights, checks kept as device flags) are the only ones used
+there. ``host_fast_path`` is the single switch; tests turn it off to run the device paths on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["count_indices", "fold_bins", "host_fast_path", "outside", "score_bins"]
+
+_INT32_LIMIT = 2**31 - 1
+
+
+def host_fast_path(device: torch.device) -> bool:
+    """Whether updates on ``device`` may read values on the host (true on CPU only)."""
+    return device.type == "cpu"
+
+
+def outside(values: Tensor, low: float, high: float) -> Tensor | bool:
+    """Whether any of the non-empty ``values`` is outside ``[low, high]`` or NaN.
+
+    One fused min/max pass. With the host fast path the answer is a Python bool; otherwise a
+    0-dim bool tensor that stays on the device.
+    """
+    smallest, largest = torch.aminmax(values.reshape(-1))
+    if host_fast_path(values.device):
+        # NaN propagates through aminmax and compares false: outside.
+        return not (smallest.item() >= low and largest.item() <= high)
+    return ~((smallest >= low) & (largest <= high))
+
+
+def count_indices(index: Tensor, size: int, weight: Tensor | None = None) -> Tensor:
+    """int64 counts of each value of ``index`` in ``[0, size)``, elements weighted 0 or 1.
+
+    Args:
+        index: Integer indices; those of weight-1 elements must lie in ``[0, size)``.
+        size: The number of counts.
+        weight: 0/1 weights of ``index``'s shape (integer or bool); ``None`` counts all.
+
+    Returns:
+        A ``(size,)`` int64 tensor. The host path uses ``bincount`` and sends weight-0 elements
+        to an extra bin it drops; the device path adds the weights with ``index_add_``.
+    """
+    flat = index.reshape(-1)
+    if host_fast_path(index.device):
+        if weight is None:
+            return torch.bincount(flat, minlength=size)
+        flat = torch.where(weight.reshape(-1).bool(), flat, size)
+        return torch.bincount(flat, minlength=size + 1)[:size]
+    source = torch.ones_like(flat) if weight is None else weight.reshape(-1).to(torch.int64)
+    counts = torch.zeros(size, dtype=torch.int64, device=index.device)
+    return counts.index_add_(0, flat, source)
+
+
+def score_bins(scores: Tensor, num_bins: int, rows: int) -> Tensor:
+    """Host path: uniform-bin indices of validated scores in ``[0, 1]``, laid out for rows.
+
+    The index of a score is ``bin + row_offset`` with rows of ``num_bins + 1`` slots: the extra
+    slot holds scores of exactly 1.0 (or that round up to ``num_bins``), which ``fold_bins``
+    moves into the last bin afterwards, so no clamp pass is needed. int32 when ``rows`` rows
+    fit, which halves the memory traffic of the index.
+
+    Args:
+        scores: Probabilities in ``[0, 1]`` (already checked).
+        num_bins: Bins over ``[0, 1]``.
+        rows: The number of rows the caller will offset into (for the dtype choice).
+
+    Returns:
+        Integer bin indices of ``scores``' shape, in ``[0, num_bins]``.
+    """
+    work = scores if scores.dtype == torch.float64 else scores.float()
+    dtype = torch.int32 if rows * (num_bins + 1) <= _INT32_LIMIT else torch.int64
+    # The same float product and truncation as the device path's bin index.
+    return (work * num_bins).to(dtype)
+
+
+def fold_bins(counts: Tensor, rows: int, num_bins: int) -> Tensor:
+    """Fold ``bincount`` output over ``rows`` rows of ``num_bins + 1`` slots into ``num_bins``.
+
+    Returns:
+        The flattened ``(rows, num_bins)`` counts, the extra slot added to the last bin.
+    """
+    table = counts.view(rows, num_bins + 1)
+    table[:, -2] += table[:, -1]
+    return table[:, :-1].reshape(-1)

@@ -1,0 +1,212 @@
+"""The CPU fast paths and the CUDA-style device paths, both on CPU, against scikit-learn.
+
+``_host.host_fast_path`` picks ``bincount`` and host-read checks on CPU. Turning it off runs the
+fixed-size ``index_add_`` paths that CUDA takes, so both stay checked against the references
+here, and their states must agree exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import confusion_matrix, f1_score, precision_score
+
+from sidestream.metrics.classification import (
+    BinaryAUROCMetric,
+    BinaryCalibrationErrorMetric,
+    MulticlassAUROCMetric,
+    MulticlassCalibrationErrorMetric,
+    MulticlassConfusionMatrixMetric,
+    MultilabelAveragePrecisionMetric,
+    _host,
+    confusion_matrix_metric,
+)
+from tests.metrics import test_ranking
+from tests.metrics.confusion_cases import (
+    CASES,
+    MATRIX_CASES,
+    assert_matches,
+    assert_matrix_matches,
+    make_shards,
+    matrix_reference,
+    reference,
+    run_case,
+    run_matrix_case,
+)
+
+
+@contextmanager
+def _device_path(monkeypatch: pytest.MonkeyPatch, on: bool) -> Iterator[None]:
+    with monkeypatch.context() as patch:
+        if on:
+            patch.setattr(_host, "host_fast_path", lambda device: False)
+        yield
+
+
+def _states(metrics: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
+    return {
+        name: [acc.local.clone() for _, acc in metric.named_accumulators()]
+        for name, metric in metrics.items()
+    }
+
+
+def test_confusion_cases_on_the_device_path_match_sklearn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with _device_path(monkeypatch, on=True):
+        for case in CASES:
+            batches = [batch for shard in make_shards(case, 0, 2) for batch in shard]
+            assert_matches(run_case(case, batches, sync=False), reference(case, batches), case)
+        for case in MATRIX_CASES:
+            batches = [batch for shard in make_shards(case, 0, 2) for batch in shard]
+            expected = matrix_reference(case, batches)
+            assert_matrix_matches(run_matrix_case(case, batches, sync=False), expected, case)
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_many_classes_and_large_batches_match_sklearn(
+    monkeypatch: pytest.MonkeyPatch, device_path: bool
+) -> None:
+    """Past 64 classes (stacked counts) and batches over C * C (bincount of the matrix)."""
+    generator = torch.Generator().manual_seed(3)
+    classes = 70
+    logits = torch.randn(6000, classes, generator=generator)
+    target = torch.randint(0, classes, (6000,), generator=generator)
+    target[::7] = -100
+    four_classes = torch.where(target < 0, target, target % 4)
+    with _device_path(monkeypatch, on=device_path):
+        f1 = (
+            confusion_matrix_metric(ignore_index=-100)
+            .multiclass(classes)
+            .with_f1()
+            .with_precision()
+            .macro()
+            .build()
+        )
+        small = MulticlassConfusionMatrixMetric(4, ignore_index=-100)
+        large = MulticlassConfusionMatrixMetric(4, ignore_index=-100)
+        for part in range(3):
+            rows = slice(part * 2000, (part + 1) * 2000)
+            f1.update(logits[rows], target[rows])
+            large.update(logits[rows, :4], four_classes[rows])
+            small.update(logits[rows, :4][:5], four_classes[rows][:5])
+        values = f1.compute()
+    kept = (target != -100).numpy()
+    truth, predicted = target.numpy()[kept], logits.argmax(1).numpy()[kept]
+    labels = list(range(classes))
+    assert isinstance(values, dict)
+    expected_f1 = f1_score(truth, predicted, labels=labels, average="macro", zero_division=0)
+    expected_precision = precision_score(
+        truth, predicted, labels=labels, average="macro", zero_division=0
+    )
+    assert np.isclose(values["f1"].item(), expected_f1, rtol=1e-12)
+    assert np.isclose(values["precision"].item(), expected_precision, rtol=1e-12)
+    four, truth_four = logits[:, :4].argmax(1).numpy(), four_classes.numpy()
+    expected_large = confusion_matrix(truth_four[kept], four[kept], labels=range(4))
+    assert np.array_equal(large.compute().numpy(), expected_large)
+    first = np.concatenate([np.arange(k * 2000, k * 2000 + 5) for k in range(3)])
+    first = first[kept[first]]
+    assert len(first) < 15  # ignored samples among them
+    expected_small = confusion_matrix(truth_four[first], four[first], labels=range(4))
+    assert np.array_equal(small.compute().numpy(), expected_small)
+
+
+def test_ranking_and_calibration_paths_agree_and_match_sklearn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = test_ranking._shard(5, 4000)
+    states = {}
+    for device_path in (False, True):
+        with _device_path(monkeypatch, on=device_path):
+            metrics = test_ranking._metrics()
+            test_ranking._feed(metrics, data)
+            test_ranking._check(test_ranking._results(metrics), data)
+            states[device_path] = _states(metrics)
+    for name, host_state in states[False].items():
+        for host, device in zip(host_state, states[True][name], strict=True):
+            if host.dtype == torch.int64:
+                assert torch.equal(host, device), name
+            else:  # float64 sums, added in another order
+                assert torch.allclose(host, device, rtol=1e-12, atol=1e-12), name
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_scores_on_bin_edges_land_where_the_bins_say(
+    monkeypatch: pytest.MonkeyPatch, device_path: bool
+) -> None:
+    """0, 1, exact edges and values just below them, in float32, float64 and bfloat16."""
+    bins = 8
+    edges = np.arange(bins + 1) / bins
+    base = np.concatenate([edges, np.nextafter(edges[1:], 0), [0.0, 1.0, 1.0]])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        scores = torch.tensor(base).to(dtype)
+        target = torch.arange(len(base)) % 2
+        labels = torch.arange(len(base)) % 3
+        probs = torch.stack([scores, 1 - scores, torch.zeros_like(scores)], dim=1)
+        wide = scores.double() if dtype == torch.float64 else scores.float()
+        index = np.minimum((wide * bins).to(torch.int64).numpy(), bins - 1)
+        positive = target.numpy() == 1
+        with _device_path(monkeypatch, on=device_path):
+            auroc = BinaryAUROCMetric(bins)
+            auroc.update(scores, target)
+            multiclass = MulticlassAUROCMetric(3, bins)
+            multiclass.update(probs, labels)
+            multilabel = MultilabelAveragePrecisionMetric(2, bins)
+            multilabel.update(
+                torch.stack([scores, scores], dim=1), torch.stack([target, 1 - target], dim=1)
+            )
+            ece = BinaryCalibrationErrorMetric(bins)
+            ece.update(scores, target.bool())
+            top = MulticlassCalibrationErrorMetric(3, bins)
+            top.update(probs, labels)
+        negatives, positives = auroc.histograms()
+        assert negatives[0].tolist() == np.bincount(index[~positive], minlength=bins).tolist()
+        assert positives[0].tolist() == np.bincount(index[positive], minlength=bins).tolist()
+        negatives, positives = multiclass.histograms()
+        assert (
+            positives[0].tolist()
+            == np.bincount(index[labels.numpy() == 0], minlength=bins).tolist()
+        )
+        assert (
+            negatives[0].tolist()
+            == np.bincount(index[labels.numpy() != 0], minlength=bins).tolist()
+        )
+        negatives, positives = multilabel.histograms()
+        assert positives[0].tolist() == np.bincount(index[positive], minlength=bins).tolist()
+        assert negatives[1].tolist() == np.bincount(index[positive], minlength=bins).tolist()
+        expected = test_ranking._ece(wide.numpy(), target.numpy(), bins)
+        assert np.isclose(ece.compute().item(), expected, rtol=1e-12, atol=1e-15)
+        confidence, predicted = probs.max(1)
+        correct = (predicted == labels).double().numpy()
+        wide_top = confidence.double() if dtype == torch.float64 else confidence.float()
+        expected_top = test_ranking._ece(wide_top.numpy(), correct, bins)
+        assert np.isclose(top.compute().item(), expected_top, rtol=1e-12, atol=1e-15)
+
+
+def test_host_checks_raise_before_the_state_changes() -> None:
+    """The host-read checks name the argument and leave the state untouched."""
+    auroc = BinaryAUROCMetric(16)
+    auroc.update(torch.tensor([0.2, 0.7]), torch.tensor([0, 1]))
+    before = auroc.histograms()[0].clone(), auroc.histograms()[1].clone()
+    for preds, target, argument in [
+        (torch.tensor([0.2, float("nan")]), torch.tensor([0, 1]), "preds"),
+        (torch.tensor([0.2, 1.5]), torch.tensor([0, 1]), "preds"),
+        (torch.tensor([0.2, 0.5]), torch.tensor([0, 2]), "target"),
+    ]:
+        with pytest.raises(ValueError, match=argument):
+            auroc.update(preds, target)
+    assert all(torch.equal(a, b) for a, b in zip(auroc.histograms(), before, strict=True))
+    metric = confusion_matrix_metric(ignore_index=-100).multiclass(3).with_recall().build()
+    for preds, target, argument in [
+        (torch.tensor([0, 3]), torch.tensor([0, 1]), "preds"),
+        (torch.tensor([0, 1]), torch.tensor([0, -1]), "target"),
+        (torch.tensor([0, 1]), torch.tensor([0, 3]), "target"),
+    ]:
+        with pytest.raises(ValueError, match=argument):
+            metric.update(preds, target)
+    assert all(int(value.abs().sum()) == 0 for value in metric.counts().values())
