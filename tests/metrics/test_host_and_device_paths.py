@@ -210,3 +210,77 @@ def test_host_checks_raise_before_the_state_changes() -> None:
         with pytest.raises(ValueError, match=argument):
             metric.update(preds, target)
     assert all(int(value.abs().sum()) == 0 for value in metric.counts().values())
+
+
+def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA policy on the device path, on CPU: bad batches (NaN too) leave no trace."""
+    from sidestream.metrics.classification import (
+        _score_histogram,
+        binary_calibration_error,
+        multiclass_calibration_error,
+    )
+
+    def device_screen(checks: list[tuple[Any, str, str]], rejected: Any) -> torch.Tensor:
+        bad = torch.stack([torch.as_tensor(flag).any() for flag, _, _ in checks]).any()
+        rejected.accumulate(bad.to(torch.int64))
+        return ~bad
+
+    generator = torch.Generator().manual_seed(4)
+    scores = torch.rand(50, 3, generator=generator)
+    probs = scores / scores.sum(1, keepdim=True)
+    labels = torch.randint(0, 3, (50,), generator=generator)
+    matrix = torch.randint(0, 2, (50, 3), generator=generator)
+    nan = probs.clone()
+    nan[3, 1] = float("nan")
+    feeds: dict[str, tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]] = {
+        "auroc": (
+            lambda: BinaryAUROCMetric(32),
+            [(nan[:, 1], matrix[:, 0]), (scores[:, 0] + 1, matrix[:, 0]), (scores[:, 0], labels)],
+        ),
+        "multiclass": (
+            lambda: MulticlassAUROCMetric(3, 32),
+            [(nan, labels), (probs, labels + 1), (probs * 2, labels)],
+        ),
+        "multilabel": (
+            lambda: MultilabelAveragePrecisionMetric(3, 32),
+            [(nan, matrix), (scores, matrix * 2), (scores, matrix - 1)],
+        ),
+        "ece": (
+            lambda: BinaryCalibrationErrorMetric(7),
+            [(nan[:, 1], matrix[:, 0]), (scores[:, 0], matrix[:, 0] + 1)],
+        ),
+        "top_ece": (
+            lambda: MulticlassCalibrationErrorMetric(3, 7),
+            [(nan, labels), (probs, labels + 1), (-probs, labels)],
+        ),
+    }
+    good = {
+        "auroc": (scores[:, 0], matrix[:, 0]),
+        "multiclass": (probs, labels),
+        "multilabel": (scores, matrix),
+        "ece": (scores[:, 0], matrix[:, 0]),
+        "top_ece": (probs, labels),
+    }
+    for name, (make, bad_batches) in feeds.items():
+        reference = make()
+        reference.update(*good[name])
+        reference.update(*good[name])
+        with monkeypatch.context() as patch:
+            patch.setattr(_host, "host_fast_path", lambda device: False)
+            for module in (
+                _score_histogram,
+                binary_calibration_error,
+                multiclass_calibration_error,
+            ):
+                patch.setattr(module, "screen", device_screen)
+            metric = make()
+            metric.update(*good[name])
+            for preds, target in bad_batches:
+                metric.update(preds, target)
+            metric.update(*good[name])
+        assert metric.rejected_updates.item() == len(bad_batches), name
+        for (_, expected), (_, actual) in zip(
+            reference.named_accumulators(), metric.named_accumulators(), strict=True
+        ):
+            if expected.local.ndim:  # the state, not the rejected counter
+                assert torch.allclose(actual.local, expected.local, rtol=1e-12, atol=0), name

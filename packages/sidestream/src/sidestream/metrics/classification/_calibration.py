@@ -48,11 +48,16 @@ class CalibrationHistogramMetric(Metric[Tensor]):
             return
         index = bin_index(confidence, self._num_bins).reshape(-1)
         weight = torch.ones_like(index, dtype=torch.float64)
+        confidence = confidence.reshape(-1).to(torch.float64)
+        accuracy = accuracy.reshape(-1).to(torch.float64)
         if keep is not None:
+            # Selected, not multiplied: a dropped batch may hold NaN, and NaN * 0 is NaN.
             weight = weight * keep.to(torch.float64)
+            confidence = torch.where(keep, confidence, 0.0)
+            accuracy = torch.where(keep, accuracy, 0.0)
         self._count.scatter_add(index, weight)
-        self._confidence.scatter_add(index, confidence.reshape(-1).to(torch.float64) * weight)
-        self._accuracy.scatter_add(index, accuracy.reshape(-1).to(torch.float64) * weight)
+        self._confidence.scatter_add(index, confidence)
+        self._accuracy.scatter_add(index, accuracy)
 
     def _add_on_host(self, confidence: Tensor, accuracy: Tensor) -> None:
         """``bincount`` a checked batch: wrong and right samples per bin in one counting pass."""

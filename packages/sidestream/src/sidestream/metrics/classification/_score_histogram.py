@@ -40,9 +40,15 @@ def bin_index(scores: Tensor, num_bins: int) -> Tensor:
 
 
 def not_binary(target: Tensor) -> Tensor | bool:
-    """True if any of the non-empty ``target`` is neither 0 nor 1 (a bool or a 0-dim bool)."""
+    """True if any of the non-empty ``target`` is neither 0 nor 1.
+
+    A Python bool on the host path, else a 0-dim bool on the device (``screen`` takes the
+    device branch only when every check is a CUDA tensor).
+    """
     if target.dtype == torch.bool:
-        return False
+        if _host.host_fast_path(target.device):
+            return False
+        return torch.zeros((), dtype=torch.bool, device=target.device)
     if target.is_floating_point():
         return ((target != 0) & (target != 1)).any()
     return _host.outside(target, 0, 1)
@@ -181,8 +187,8 @@ class ScoreHistogramMetric(Metric[Tensor]):
         if self._problem == "multiclass":
             positive = target_t.unsqueeze(1) == torch.arange(classes, device=self.device)
         else:
-            # A dropped CUDA batch may hold anything, so the flag is recomputed.
-            positive = target_t if target_t.device.type != "cuda" else target_t == 1
+            # Compared, not used as is: a dropped batch may hold any target value.
+            positive = target_t == 1
         # Fused in place: index = bin + class * bins + is_positive * classes * bins.
         index = bin_index(preds_t, bins)
         if classes > 1:
