@@ -12,9 +12,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["count_indices", "fold_bins", "host_fast_path", "outside", "score_bins"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "count_indices",
+    "fold_bins",
+    "host_fast_path",
+    "outside",
+    "score_bins",
+]
 
 _INT32_LIMIT = 2**31 - 1
+
+CHUNK_ELEMENTS = 2**18
+"""Elements per chunk of a large host-path batch: its int32/float32 temporaries (1 MiB each)
+fit in cache and are recycled by the allocator."""
 
 
 def host_fast_path(device: torch.device) -> bool:

@@ -204,12 +204,24 @@ class ScoreHistogramMetric(Metric[Tensor]):
         """The histogram of one checked batch by ``bincount`` (host path, CPU).
 
         ``preds`` is ``(M, classes)``; ``target`` ``(M,)`` class indices (multiclass) or 0/1 of
-        ``preds``' shape, already checked, so it is the positive flag as it is.
+        ``preds``' shape, already checked, so it is the positive flag as it is. Large batches go
+        in row chunks whose temporaries stay in cache and are reused by the allocator, instead
+        of fresh batch-sized buffers paged in on every update.
         """
+        rows = 2 * self._num_classes
+        slots = rows * (self._num_bins + 1)
+        # At least as many elements per chunk as bincount zeroes, so that pass stays minor.
+        step = max(1, max(_host.CHUNK_ELEMENTS, slots) // self._num_classes)
+        total = self._chunk_counts(preds[:step], target[:step], slots)
+        for start in range(step, preds.shape[0], step):
+            end = start + step
+            total += self._chunk_counts(preds[start:end], target[start:end], slots)
+        return _host.fold_bins(total, rows, self._num_bins)
+
+    def _chunk_counts(self, preds: Tensor, target: Tensor, slots: int) -> Tensor:
         classes, bins = self._num_classes, self._num_bins
-        rows = 2 * classes
         stride = bins + 1
-        index = _host.score_bins(preds, bins, rows)
+        index = _host.score_bins(preds, bins, 2 * classes)
         if classes > 1:
             index += torch.arange(0, classes * stride, stride, dtype=index.dtype)
         if self._problem == "multiclass":
@@ -218,8 +230,7 @@ class ScoreHistogramMetric(Metric[Tensor]):
             index[samples, target.long()] += classes * stride
         else:
             index.add_(target.to(index.dtype), alpha=classes * stride)
-        counts = torch.bincount(index.reshape(-1), minlength=rows * stride)
-        return _host.fold_bins(counts, rows, bins)
+        return torch.bincount(index.reshape(-1), minlength=slots)
 
     def _check_shapes(self, preds: Tensor, target: Tensor) -> None:
         classes = self._num_classes
