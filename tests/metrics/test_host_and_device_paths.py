@@ -119,12 +119,14 @@ def test_many_classes_and_large_batches_match_sklearn(
 def test_ranking_and_calibration_paths_agree_and_match_sklearn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    data = test_ranking._shard(5, 4000)
+    """One batch large enough for the host path's bincount, in two chunks (the last ragged)."""
+    monkeypatch.setattr(_host, "CHUNK_ELEMENTS", 1)
+    data = test_ranking._shard(5, 25_000)
     states = {}
     for device_path in (False, True):
         with _device_path(monkeypatch, on=device_path):
             metrics = test_ranking._metrics()
-            test_ranking._feed(metrics, data)
+            test_ranking._feed(metrics, data, pieces=1)
             test_ranking._check(test_ranking._results(metrics), data)
             states[device_path] = _states(metrics)
     for name, host_state in states[False].items():

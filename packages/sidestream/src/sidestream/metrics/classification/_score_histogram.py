@@ -181,7 +181,9 @@ class ScoreHistogramMetric(Metric[Tensor]):
         )
         if self._problem == "binary":
             preds_t, target_t = preds_t.reshape(-1, 1), target_t.reshape(-1, 1)
-        if _host.host_fast_path(self.device):
+        slots = 2 * classes * (bins + 1)
+        if _host.host_fast_path(self.device) and preds_t.numel() >= slots:
+            # bincount's O(slots) pass pays off once the batch is at least that large.
             self._histogram.accumulate(self._host_counts(preds_t, target_t))
             return
         if self._problem == "multiclass":
@@ -211,7 +213,7 @@ class ScoreHistogramMetric(Metric[Tensor]):
         rows = 2 * self._num_classes
         slots = rows * (self._num_bins + 1)
         # At least as many elements per chunk as bincount zeroes, so that pass stays minor.
-        step = max(1, max(_host.CHUNK_ELEMENTS, slots) // self._num_classes)
+        step = max(_host.CHUNK_ELEMENTS, slots) // self._num_classes
         total = self._chunk_counts(preds[:step], target[:step], slots)
         for start in range(step, preds.shape[0], step):
             end = start + step

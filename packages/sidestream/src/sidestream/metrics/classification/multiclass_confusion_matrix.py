@@ -18,7 +18,8 @@ class MulticlassConfusionMatrixMetric(Metric[Tensor]):
 
     ``compute()`` returns an int64 ``(C, C)`` tensor: row = true class, column = predicted
     class. The state is one int64 SUM accumulator of length C * C (the row-major matrix), filled
-    with one ``index_add_`` per update, and a ``rejected`` counter.
+    with one ``index_add_`` per update (``bincount`` on CPU for batches of at least C * C
+    samples), and a ``rejected`` counter.
 
     Inputs and bad-input policy are those of ``confusion_matrix_metric().multiclass(C)``:
     scores ``(N, ..., C)`` (argmax is taken) or class indices ``(N, ...)``; targets class indices
