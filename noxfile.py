@@ -80,5 +80,5 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """A real multi-process training run logging through sidestream."""
-    _install_project(session, integrations=False)
+    _install_project(session, "numpy", integrations=False)  # numpy: torch warns without it
     session.run("python", "examples/train_distributed.py", *session.posargs)
