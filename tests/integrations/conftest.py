@@ -84,6 +84,11 @@ class MlflowServer:
             f"mlflow server not healthy in {timeout} s:\n{self._log.read_text()[-3000:]}"
         )
 
+    @property
+    def running(self) -> bool:
+        """Whether the server process was started and has not exited."""
+        return self._process is not None and self._process.poll() is None
+
     def kill(self) -> None:
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
