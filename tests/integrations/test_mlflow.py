@@ -61,21 +61,28 @@ def _check_ranks(results: list[dict[str, Any]]) -> None:
     assert results[1]["sink_states"] == [{"run_id": None, "last_step": None}]
 
 
-def test_two_ranks_every_window_once_through_server(
-    mlflow_server: MlflowServer, pool2: DistributedPool
-) -> None:
-    config = _config(mlflow_server.uri, "dist")
-    results = pool2.run(train, config, range(STEPS), step_seconds=STEP_SECONDS, timeout=280)
-    _check_ranks(results)
-    assert results[0]["delivered"] == [STEPS] and results[0]["sink_warnings"] == []
-    client = MlflowClient(tracking_uri=mlflow_server.uri)
-    run_id = _check_run(client, "dist", range(STEPS))  # one run: rank 1 created none
+def _check_run_details(client: Any, run_id: str) -> None:
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FINISHED"  # closed on rank 0 within the timeout
     assert run.info.run_name == "integration"
     assert run.data.params["optimizer.lr"] == "0.0003"
     assert run.data.params["optimizer.betas"] == "[0.9, 0.95]"
     assert run.data.tags["suite"] == "integration"
+
+
+def test_two_ranks_every_window_once_sqlite(shm_path: Path, pool2: DistributedPool) -> None:
+    # The no-fault run. Against SQLite, not the server: the sink thread then does its writes in
+    # this process (more Python, so more GIL competition for the training thread than HTTP
+    # waits), and the suite saves a minute of server requests; the server run is the fault run.
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    results = pool2.run(
+        train, _config(uri, "dist"), range(STEPS), step_seconds=STEP_SECONDS, timeout=280
+    )
+    _check_ranks(results)
+    assert results[0]["delivered"] == [STEPS] and results[0]["sink_warnings"] == []
+    client = MlflowClient(tracking_uri=uri)
+    run_id = _check_run(client, "dist", range(STEPS))  # one run: rank 1 created none
+    _check_run_details(client, run_id)
     assert results[0]["sink_states"] == [{"run_id": run_id, "last_step": STEPS - 1}]
     assert max(results[0]["schedule_seconds"]) < 0.5
     print(f"\nno-fault run, training thread in schedule_collection: {_timing(results[0])}")
@@ -137,11 +144,14 @@ def test_server_down_from_step_50_to_120_delivers_all_once_in_order(
     recoveries = [w for w in warnings if "recovered after" in w]
     # Dozens of failed attempts, reported once per failure streak, never per attempt.
     assert 1 <= len(streaks) == len(recoveries) <= 2, warnings
-    assert "log_batch" in streaks[0] and "***@127.0.0.1" in streaks[0]
+    # The kill may land while the sink is still opening its run (creating a run is several
+    # requests): then opening is what is retried. Either way the URI's password is redacted.
+    assert "log_batch" in streaks[0] or "open failed" in streaks[0], streaks
+    assert "***@127.0.0.1" in streaks[0]
     assert password not in " ".join(warnings) + repr(rank0["sink_states"])
     client = MlflowClient(tracking_uri=mlflow_server.uri)
-    run_id = _check_run(client, "fault", range(STEPS))
-    assert client.get_run(run_id).info.status == "FINISHED"
+    run_id = _check_run(client, "fault", range(STEPS))  # one run: rank 1 created none
+    _check_run_details(client, run_id)
     assert rank0["sink_states"] == [{"run_id": run_id, "last_step": STEPS - 1}]
     # Generous: the training thread never waits for the tracker, down or not.
     assert max(rank0["schedule_seconds"]) < 0.5
@@ -149,9 +159,9 @@ def test_server_down_from_step_50_to_120_delivers_all_once_in_order(
 
 
 def test_resume_from_collector_checkpoint_continues_the_same_run(
-    tmp_path: Path, pool2: DistributedPool
+    shm_path: Path, pool2: DistributedPool
 ) -> None:
-    config = _config(f"sqlite:///{tmp_path / 'mlflow.db'}", "resume")
+    config = _config(f"sqlite:///{shm_path / 'mlflow.db'}", "resume")
     # Stop after step 100's update with a checkpoint; step 100 is not logged yet.
     first = pool2.run(train, config, range(101), checkpoint_at=100, timeout=280)
     _check_ranks(first)
@@ -200,8 +210,8 @@ def test_retry_after_failure_midway_does_not_duplicate(mlflow_server: MlflowServ
     assert sink.close(timeout=30)
 
 
-def test_long_names_and_odd_config_values_are_kept_within_limits(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_long_names_and_odd_config_values_are_kept_within_limits(shm_path: Path) -> None:
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
     long_key = "k" * 400
     sink = MlflowSink(tracking_uri=uri, experiment="limits", run_name="r" * 400)
     config = {"nested": {long_key: "v" * 7000, "obj": object(), "none": None}}
@@ -247,8 +257,8 @@ def test_credentials_never_leave_the_sink(
     assert token not in text and password not in text
 
 
-def test_resume_skips_steps_delivered_after_the_checkpoint(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_resume_skips_steps_delivered_after_the_checkpoint(shm_path: Path) -> None:
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
     first = MlflowSink(tracking_uri=uri, experiment="late")
     first.open(RunInfo(name="late"))
     for step in range(7):
