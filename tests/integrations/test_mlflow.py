@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 import threading
 import time
@@ -142,8 +143,11 @@ def test_server_down_from_step_50_to_120_delivers_all_once_in_order(
     warnings = rank0["sink_warnings"]
     streaks = [w for w in warnings if "retrying with backoff" in w]
     recoveries = [w for w in warnings if "recovered after" in w]
-    # Dozens of failed attempts, reported once per failure streak, never per attempt.
-    assert 1 <= len(streaks) == len(recoveries) <= 2, warnings
+    # Dozens of failed attempts, reported once per failure streak (a server just restarted on
+    # a loaded machine may fail a few more requests), never per attempt.
+    attempts = [int(n) for w in recoveries for n in re.findall(r"after (\d+) failed", w)]
+    assert 1 <= len(streaks) == len(recoveries), warnings
+    assert max(attempts) >= 10 and len(streaks) < sum(attempts) / 5, warnings
     # The kill may land while the sink is still opening its run (creating a run is several
     # requests): then opening is what is retried. Either way the URI's password is redacted.
     assert "log_batch" in streaks[0] or "open failed" in streaks[0], streaks
