@@ -85,7 +85,8 @@ def test_two_ranks_every_window_once_sqlite(shm_path: Path, pool2: DistributedPo
     run_id = _check_run(client, "dist", range(STEPS))  # one run: rank 1 created none
     _check_run_details(client, run_id)
     assert results[0]["sink_states"] == [{"run_id": run_id, "last_step": STEPS - 1}]
-    assert max(results[0]["schedule_seconds"]) < 0.5
+    # Very generous: in-process SQLite writes compete for the GIL on a loaded machine.
+    assert max(results[0]["schedule_seconds"]) < 1.0
     print(f"\nno-fault run, training thread in schedule_collection: {_timing(results[0])}")
 
 
