@@ -126,6 +126,10 @@ def test_bad_use_raises_clear_errors() -> None:
         AsyncMetricCollector(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"sinks\[0\]"):
         AsyncMetricCollector(MeanMetric(), sinks=["jsonl"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="sink_retry_initial_s, sink_retry_max_s"):
+        AsyncMetricCollector(MeanMetric(), sink_retry_initial_s=2.0, sink_retry_max_s=1.0)
+    with pytest.raises(TypeError, match="histograms: expected non-empty leaf paths"):
+        AsyncMetricCollector(MeanMetric(), histograms=[""])
     collector = AsyncMetricCollector(MeanMetric())
     with pytest.raises(RuntimeError, match="bind"):
         collector.schedule_collection(1)
@@ -140,6 +144,44 @@ def test_bad_use_raises_clear_errors() -> None:
     with pytest.raises(RuntimeError, match="already bound"):
         collector.bind("cpu")
     assert collector.close() and collector.close()
+
+
+def test_histogram_leaves_go_to_report_histograms(tmp_path: Path) -> None:
+    metric = make_metric()
+    sink = RecordingSink(failures=2)
+    path = tmp_path / "m.jsonl"
+    collector = AsyncMetricCollector(
+        metric,
+        sinks=[sink, JsonlSink(path)],
+        prefix="train",
+        histograms=["classes"],
+        sink_retry_initial_s=0.001,
+        sink_retry_max_s=0.002,
+    ).bind("cpu")
+    for window in range(2):
+        feed(metric, window_data(3, window, 0))
+        collector.schedule_collection(step=window + 1)
+    result = collector.collect_results()
+    assert collector.close(timeout=30) is True
+    assert sink.steps == [1, 2] and sink.attempts == 4  # two failed writes retried quickly
+    for window, report in enumerate(sink.reports):
+        expected = reference([window_data(3, window, 0)])
+        fractions = [expected.pop(f"classes/class_{i}") for i in range(4)]
+        assert report.values == _approx({f"train/{k}": v for k, v in expected.items()})
+        assert list(report.histograms) == ["train/classes"]
+        histogram = report.histograms["train/classes"]
+        assert histogram.device.type == "cpu" and histogram.shape == (4,)
+        np.testing.assert_allclose(histogram.numpy(), fractions, rtol=1e-12)
+    assert result["classes"] == pytest.approx(fractions, rel=1e-12)  # results keep every leaf
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert last["histograms"]["train/classes"] == pytest.approx(fractions, rel=1e-12)
+
+    misnamed = AsyncMetricCollector(make_metric(), histograms=["nosuch"]).bind("cpu")
+    misnamed.schedule_collection(1)
+    with pytest.raises(RuntimeError, match="latest window failed") as failed:
+        misnamed.collect_results()
+    assert "['nosuch'] are not leaves" in str(failed.value.__cause__)
+    misnamed.close()
 
 
 def test_interpreter_exit_flushes_what_was_scheduled(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The training run the integration tests log: per-rank data, metrics, reports, references.
+"""The training run the integration tests log: per-rank data, the loop, the references.
 
 Every rank draws its batches from a generator seeded by (rank, step), so the parent process can
 recompute each window directly with numpy on the concatenated data of all ranks.
@@ -6,8 +6,9 @@ recompute each window directly with numpy on the concatenated data of all ranks.
 
 from __future__ import annotations
 
-import importlib
+import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,8 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sidestream import ComposeMetric, MeanMetric, Metric, MetricAccumulator
-from sidestream.sinks import Report, RunInfo, Sink
-from tests.integrations._driver import RetryingDriver
+from sidestream.collector import AsyncMetricCollector
+from sidestream.sinks import RunInfo, sinks_from_config
 
 NUM_CLASSES = 4
 NUM_BINS = 8
@@ -96,62 +97,114 @@ def make_metric() -> ComposeMetric:
     )
 
 
-def report_from(step: int, computed: dict[str, Tensor], histograms: bool = True) -> Report:
-    """What the collector hands to sinks: flat Python floats, per-class names, CPU histograms."""
-    values = {"loss": float(computed["loss"])}
-    per_class = computed["per_class"].tolist()
-    values.update({f"per_class/class_{i}": float(v) for i, v in enumerate(per_class)})
-    hists = {"scores": computed["scores"].cpu()} if histograms else {}
-    return Report(step=step, values=values, time=time.time(), histograms=hists)
+class _SinkWarnings(logging.Handler):
+    """Keeps the sink pipeline's warnings (failure streaks, recoveries) of this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
-def build_sink(spec: tuple[str, str, dict[str, Any]]) -> Sink:
-    module, name, kwargs = spec
-    sink: Sink = getattr(importlib.import_module(module), name)(**kwargs)
-    return sink
+def _signal(directory: str | None, name: str, wait: bool) -> None:
+    """Tell the test process that rank 0 reached a point; optionally wait for its answer."""
+    if directory is None:
+        return
+    (Path(directory) / name).touch()
+    answer = Path(directory) / f"{name}.done"
+    deadline = time.monotonic() + 120.0
+    while wait and not answer.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the test process never answered {name!r}")
+        time.sleep(0.01)
 
 
 def train(
-    spec: tuple[str, str, dict[str, Any]],
+    config: dict[str, Any],
     steps: range,
     state: dict[str, Any] | None = None,
-    histograms: bool = True,
-) -> dict[str, Any] | None:
-    """One rank's loop: update, sync each window; rank 0 alone opens the sink and writes.
+    *,
+    checkpoint_at: int | None = None,
+    step_seconds: float = 0.0,
+    signals: str | None = None,
+    signal_steps: tuple[int, ...] = (),
+    sink_capacity: int = 1024,
+) -> dict[str, Any]:
+    """One rank's training loop, logged through ``AsyncMetricCollector`` every step.
 
-    Returns rank 0's sink state and run details; other ranks return whether they made a sink.
+    Every rank builds the same sinks with ``sinks_from_config(config)`` and the same collector;
+    only rank 0 opens them. Each step updates the metric with the rank's batch and calls
+    ``schedule_collection(step)``; the time spent inside that call is recorded.
+
+    Args:
+        config: The ``sinks_from_config`` config.
+        steps: The steps to run.
+        state: A ``collector.state_dict()`` to resume from; it holds the first step's batch
+            (the checkpoint was taken after that step's update), so that step is not updated
+            again, only collected.
+        checkpoint_at: After this step's update, take ``collector.state_dict()``, close and
+            stop (the job dies before logging that step); the checkpoint is returned.
+        step_seconds: Sleep per step (stands for the training work).
+        signals: A directory for ``_signal`` files to the test process.
+        signal_steps: After collecting these steps, rank 0 signals ``step_<n>`` and waits for
+            the answer (the test process acts on the backend meanwhile).
+        sink_capacity: Reports kept in memory per sink before spooling to disk.
+
+    Returns:
+        On every rank: the sinks' own ``state_dict`` and how many sink threads ran; the time per
+        ``schedule_collection``; whether ``close`` finished in time; the checkpoint; on rank 0
+        also what its sink runner saw (most reports spooled at once, reports delivered, the
+        pipeline's warnings).
     """
     rank = dist.get_rank()
+    warnings = _SinkWarnings()
+    logging.getLogger("sidestream.sinks").addHandler(warnings)
     metric = make_metric()
-    sink = driver = None
-    if rank == 0:
-        sink = build_sink(spec)
-        if state is not None:
-            sink.load_state_dict(state)
-        sink.open(RUN_INFO)
-        driver = RetryingDriver(sink)
+    sinks = sinks_from_config(config)
+    collector = AsyncMetricCollector(
+        metric,
+        sinks=sinks,
+        histograms=list(HISTOGRAM_EDGES),
+        run=RUN_INFO,
+        sink_capacity=sink_capacity,
+        sink_retry_initial_s=0.05,
+        sink_retry_max_s=0.5,
+    )
+    if state is not None:
+        collector.load_state_dict(state)
+    collector.bind("cpu")
+    runners = collector.sink_runners
+    schedule_seconds: list[float] = []
+    most_spooled = 0
+    checkpoint = None
     for step in steps:
-        losses, labels, scores = batch(rank, step)
-        metric["loss"].update(torch.from_numpy(losses))
-        metric["per_class"].update(torch.from_numpy(labels))
-        metric["scores"].update(torch.from_numpy(scores))
-        metric.sync()
-        computed = metric.compute()
-        metric.reset()
-        if driver is not None:
-            driver.submit(report_from(step, computed, histograms))
-    if sink is None or driver is None:
-        return {"rank": rank, "opened_sink": False}
-    driver.stop()
-    result = {
+        if state is None or step != steps.start:
+            losses, labels, scores = batch(rank, step)
+            metric["loss"].update(torch.from_numpy(losses))
+            metric["per_class"].update(torch.from_numpy(labels))
+            metric["scores"].update(torch.from_numpy(scores))
+        if step == checkpoint_at:
+            checkpoint = collector.state_dict()
+            break
+        started = time.perf_counter()
+        collector.schedule_collection(step)
+        schedule_seconds.append(time.perf_counter() - started)
+        most_spooled = max([most_spooled, *(runner.spooled for runner in runners)])
+        if rank == 0 and step in signal_steps:
+            _signal(signals, f"step_{step}", wait=True)
+        time.sleep(step_seconds)
+    closed = collector.close(timeout=240.0)
+    logging.getLogger("sidestream.sinks").removeHandler(warnings)
+    return {
         "rank": rank,
-        "opened_sink": True,
-        "state": sink.state_dict(),
-        "delivered": driver.delivered,
-        "failures": driver.failures,
-        "max_submit_s": max(driver.submit_seconds, default=0.0),
-        "run_dir": getattr(sink, "run_dir", None),
-        "closed": None,
+        "sink_threads": len(runners),
+        "sink_states": [sink.state_dict() for sink in sinks],
+        "delivered": [runner.delivered for runner in runners],
+        "most_spooled": most_spooled,
+        "schedule_seconds": schedule_seconds,
+        "closed": closed,
+        "checkpoint": checkpoint,
+        "sink_warnings": warnings.messages,
     }
-    result["closed"] = sink.close(timeout=60.0)
-    return result

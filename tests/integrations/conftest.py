@@ -84,6 +84,11 @@ class MlflowServer:
             f"mlflow server not healthy in {timeout} s:\n{self._log.read_text()[-3000:]}"
         )
 
+    @property
+    def running(self) -> bool:
+        """Whether the server process was started and has not exited."""
+        return self._process is not None and self._process.poll() is None
+
     def kill(self) -> None:
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
@@ -93,12 +98,24 @@ class MlflowServer:
         process.wait(timeout=30)
 
 
+def _ram_dir(prefix: str) -> Path:
+    # SQLite commits on a RAM disk where there is one: an MLflow write's cost is mostly fsync.
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=shm if shm.is_dir() else None))
+
+
+@pytest.fixture
+def shm_path() -> Iterator[Path]:
+    """A temporary directory on a RAM disk where there is one (for SQLite MLflow stores)."""
+    root = _ram_dir("sidestream-test-")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def mlflow_server() -> Iterator[MlflowServer]:
     pytest.importorskip("mlflow")
-    # SQLite commits on a RAM disk where there is one: the server's cost is mostly fsync.
-    shm = Path("/dev/shm")
-    root = Path(tempfile.mkdtemp(prefix="sidestream-mlflow-", dir=shm if shm.is_dir() else None))
+    root = _ram_dir("sidestream-mlflow-")
     server = MlflowServer(root)
     server.start()
     yield server

@@ -20,9 +20,11 @@ from sidestream_tensorboard import TensorBoardSink
 STEPS = 200
 
 
-def _spec(log_dir: Path) -> tuple[str, str, dict[str, Any]]:
-    kwargs = {"log_dir": str(log_dir), "histogram_edges": HISTOGRAM_EDGES}
-    return ("sidestream_tensorboard", "TensorBoardSink", kwargs)
+def _config(log_dir: Path | None) -> dict[str, Any]:
+    options: dict[str, Any] = {"histogram_edges": HISTOGRAM_EDGES}
+    if log_dir is not None:
+        options["log_dir"] = str(log_dir)
+    return {"tensorboard": options}
 
 
 def _load(log_dir: Path) -> Any:
@@ -57,10 +59,12 @@ def _check(accumulator: Any, steps: range) -> None:
 
 def test_two_ranks_every_window_once(tmp_path: Path, pool2: DistributedPool) -> None:
     log_dir = tmp_path / "tb"
-    results = pool2.run(train, _spec(log_dir), range(STEPS), timeout=240)
-    assert [r["opened_sink"] for r in results] == [True, False]
-    assert results[0]["closed"] is True and results[0]["failures"] == 0
+    results = pool2.run(train, _config(log_dir), range(STEPS), timeout=240)
+    assert [r["sink_threads"] for r in results] == [1, 0]
+    assert [r["closed"] for r in results] == [True, True]
+    assert results[0]["delivered"] == [STEPS]
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # rank 1 wrote nothing
+    assert results[1]["sink_states"] == [{"log_dir": str(log_dir), "last_step": None}]
     accumulator = _load(log_dir)
     _check(accumulator, range(STEPS))
     content = accumulator.PluginTagToContent("hparams")
@@ -69,18 +73,21 @@ def test_two_ranks_every_window_once(tmp_path: Path, pool2: DistributedPool) -> 
     )
     assert start.hparams["optimizer.lr"].number_value == 3e-4
     assert start.hparams["optimizer.betas"].string_value == "[0.9, 0.95]"
-    assert results[0]["state"] == {"log_dir": str(log_dir), "last_step": STEPS - 1}
+    assert results[0]["sink_states"] == [{"log_dir": str(log_dir), "last_step": STEPS - 1}]
 
 
-def test_resume_appends_to_the_same_directory_without_repeats(
+def test_resume_from_collector_checkpoint_appends_to_the_same_directory(
     tmp_path: Path, pool2: DistributedPool
 ) -> None:
     log_dir = tmp_path / "tb"
-    first = pool2.run(train, _spec(log_dir), range(101), timeout=240)[0]
-    # Restart from an earlier checkpoint; the saved directory is used (no log_dir given).
-    spec = ("sidestream_tensorboard", "TensorBoardSink", {"histogram_edges": HISTOGRAM_EDGES})
-    second = pool2.run(train, spec, range(90, STEPS), first["state"], timeout=240)[0]
-    assert second["state"] == {"log_dir": str(log_dir), "last_step": STEPS - 1}
+    # Stop after step 100's update with a checkpoint; step 100 is not logged yet.
+    first = pool2.run(train, _config(log_dir), range(101), checkpoint_at=100, timeout=240)
+    checkpoint = first[0]["checkpoint"]
+    assert checkpoint["sinks"]["tensorboard"] == {"log_dir": str(log_dir), "last_step": 99}
+    # The restarted job names no directory: the checkpoint's is used.
+    second = pool2.run(train, _config(None), range(100, STEPS), checkpoint, timeout=240)
+    assert [r["closed"] for r in first + second] == [True] * 4
+    assert second[0]["sink_states"] == [{"log_dir": str(log_dir), "last_step": STEPS - 1}]
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 2
     _check(_load(log_dir), range(STEPS))
 

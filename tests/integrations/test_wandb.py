@@ -18,14 +18,14 @@ from sidestream_wandb import WandbSink
 STEPS = 200
 
 
-def _spec(root: Path) -> tuple[str, str, dict[str, Any]]:
-    kwargs = {
+def _config(root: Path) -> dict[str, Any]:
+    options = {
         "project": "sidestream-it",
         "mode": "offline",
         "dir": str(root),
         "histogram_edges": HISTOGRAM_EDGES,
     }
-    return ("sidestream_wandb", "WandbSink", kwargs)
+    return {"wandb": options}
 
 
 def _data_file(run_dir: str) -> Path:
@@ -49,32 +49,42 @@ def _check_rows(rows: list[HistoryRow], steps: range) -> None:
         np.testing.assert_allclose(scores["bins"], HISTOGRAM_EDGES["scores"])
 
 
+def _data_files(root: Path) -> list[Path]:
+    """Every offline run's ``.wandb`` file under ``root``, ordered by the first step it holds."""
+    files = [_data_file(str(run)) for run in (root / "wandb").glob("offline-run-*")]
+    return sorted(files, key=lambda f: read_history(f)[0].step if read_history(f) else -1)
+
+
 def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: DistributedPool) -> None:
-    results = pool2.run(train, _spec(tmp_path), range(STEPS), timeout=240)
-    assert [r["opened_sink"] for r in results] == [True, False]
-    assert results[0]["closed"] is True and results[0]["failures"] == 0
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1, runs  # rank 1 created no run
-    data = _data_file(results[0]["run_dir"])
-    assert run_id_of(data) == results[0]["state"]["run_id"]
+    results = pool2.run(train, _config(tmp_path), range(STEPS), timeout=240)
+    assert [r["sink_threads"] for r in results] == [1, 0]
+    assert [r["closed"] for r in results] == [True, True]
+    assert results[0]["delivered"] == [STEPS]
+    assert results[1]["sink_states"] == [{"run_id": None, "last_step": None}]
+    (data,) = _data_files(tmp_path)  # rank 1 created no run
+    state = results[0]["sink_states"][0]
+    assert run_id_of(data) == state["run_id"] and state["last_step"] == STEPS - 1
     _check_rows(read_history(data), range(STEPS))
-    assert results[0]["state"]["last_step"] == STEPS - 1
 
 
-def test_resume_keeps_the_run_id_and_never_repeats_a_step(
+def test_resume_from_collector_checkpoint_keeps_the_run_id_and_never_repeats_a_step(
     tmp_path: Path, pool2: DistributedPool
 ) -> None:
-    first = pool2.run(train, _spec(tmp_path), range(101), timeout=240)[0]
-    second = pool2.run(train, _spec(tmp_path), range(90, STEPS), first["state"], timeout=240)[0]
-    run_id = first["state"]["run_id"]
-    assert second["state"] == {"run_id": run_id, "last_step": STEPS - 1}
+    # Stop after step 100's update with a checkpoint; step 100 is not logged yet.
+    first = pool2.run(train, _config(tmp_path), range(101), checkpoint_at=100, timeout=240)
+    saved = first[0]["checkpoint"]["sinks"]["wandb"]
+    assert saved["last_step"] == 99
+    second = pool2.run(
+        train, _config(tmp_path), range(100, STEPS), first[0]["checkpoint"], timeout=240
+    )
+    assert [r["closed"] for r in first + second] == [True] * 4
+    assert second[0]["sink_states"] == [{"run_id": saved["run_id"], "last_step": STEPS - 1}]
     # Offline, W&B writes the continuation to a second directory of the same run id (joined by
     # `wandb sync`); together they hold every step once.
-    files = [_data_file(first["run_dir"]), _data_file(second["run_dir"])]
-    assert files[0] != files[1]
-    assert [run_id_of(f) for f in files] == [run_id, run_id]
-    rows = read_history(files[0]) + read_history(files[1])
-    _check_rows(rows, range(STEPS))
+    files = _data_files(tmp_path)
+    assert len(files) == 2
+    assert [run_id_of(f) for f in files] == [saved["run_id"]] * 2
+    _check_rows(read_history(files[0]) + read_history(files[1]), range(STEPS))
 
 
 def test_skips_bad_histograms_and_keeps_credentials_out(

@@ -7,7 +7,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,14 +36,21 @@ class Dispatcher:
         runners: Sink runners to publish reports to (empty on ranks other than 0).
         release: Called with a window's slot once its numbers are on the host.
         prefix: Put in front of every flat name.
+        histograms: Paths of result leaves (``"scores"``, ``"val/scores"``) delivered as
+            ``Report.histograms`` instead of values.
     """
 
     def __init__(
-        self, runners: Sequence[SinkRunner], release: Callable[[Slot], None], prefix: str
+        self,
+        runners: Sequence[SinkRunner],
+        release: Callable[[Slot], None],
+        prefix: str,
+        histograms: Collection[str] = (),
     ) -> None:
         self._runners = list(runners)
         self._release = release
         self._prefix = prefix
+        self._histograms = frozenset(histograms)
         self._windows: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._scheduled = 0
@@ -50,7 +58,7 @@ class Dispatcher:
         self._latest: tuple[int, Any] | None = None
         self._latest_error: BaseException | None = None
         self._errors = 0
-        self._names: dict[Any, list[str]] = {}
+        self._layouts: dict[Any, _Layout] = {}
         self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
         self._thread.start()
 
@@ -137,22 +145,69 @@ class Dispatcher:
         # One tolist per leaf and plain Python after it: every torch call here lets the
         # training thread's GIL requests in and out, so keep them few.
         python_leaves = [leaf.tolist() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-        flat_values = [_floats(leaf) for leaf in python_leaves]
         self._release(window.slot)
+        # On every rank, so a histogram path that names no leaf fails the window everywhere.
+        layout = self._layout_of(tree, leaves)
         if self._runners:
-            names = self._names_of(tree, leaves)
-            values = dict(zip(names, itertools.chain.from_iterable(flat_values), strict=True))
-            report = Report(step=window.step, values=values, time=window.time)
+            numbers = itertools.chain.from_iterable(
+                _floats(python_leaves[i]) for i in layout.value_leaves
+            )
+            values = dict(zip(layout.value_names, numbers, strict=True))
+            # New CPU tensors: on CUDA the leaves are pinned buffers the next window reuses.
+            histograms = {
+                name: torch.tensor(python_leaves[i], dtype=_dtype(leaves[i]))
+                for i, name in layout.histograms
+            }
+            report = Report(
+                step=window.step, values=values, time=window.time, histograms=histograms
+            )
             for runner in self._runners:
                 runner.submit(report)
         return window.step, tree.rebuild(python_leaves)
 
-    def _names_of(self, tree: FlatTree, leaves: list[Any]) -> list[str]:
+    def _layout_of(self, tree: FlatTree, leaves: list[Any]) -> _Layout:
         key = (tree.paths, tuple(tuple(t.shape) if isinstance(t, Tensor) else () for t in leaves))
-        names = self._names.get(key)
-        if names is None:
-            names = self._names[key] = tree.element_names(self._prefix)
-        return names
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _Layout.of(tree, self._prefix, self._histograms)
+        return layout
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each leaf of a result goes in a report: value names, or one histogram name."""
+
+    value_leaves: tuple[int, ...]
+    value_names: tuple[str, ...]
+    histograms: tuple[tuple[int, str], ...]
+
+    @classmethod
+    def of(cls, tree: FlatTree, prefix: str, histograms: frozenset[str]) -> _Layout:
+        """Split ``tree``'s leaves by path; raise ``ValueError`` for an unknown histogram path."""
+        missing = sorted(histograms - set(tree.paths))
+        if missing:
+            raise ValueError(
+                f"histograms: {missing} are not leaves of the compute() result; its leaves are "
+                f"{list(tree.paths)}"
+            )
+        names = tree.element_names(prefix)
+        value_leaves: list[int] = []
+        value_names: list[str] = []
+        hist: list[tuple[int, str]] = []
+        start = 0
+        for index, (path, leaf) in enumerate(zip(tree.paths, tree.leaves, strict=True)):
+            count = leaf.numel() if isinstance(leaf, Tensor) else 1
+            if path in histograms:
+                hist.append((index, "/".join(part for part in (prefix, path) if part)))
+            else:
+                value_leaves.append(index)
+                value_names.extend(names[start : start + count])
+            start += count
+        return cls(tuple(value_leaves), tuple(value_names), tuple(hist))
+
+
+def _dtype(leaf: Any) -> torch.dtype | None:
+    return leaf.dtype if isinstance(leaf, Tensor) else None
 
 
 def _floats(value: Any) -> list[float]:

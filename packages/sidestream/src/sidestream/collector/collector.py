@@ -56,8 +56,16 @@ class AsyncMetricCollector(Generic[T]):
         reset_each_window: Start every window from an empty state (per-window values); when
             ``False`` each window reports the cumulative value since the start.
         prefix: Put in front of every flat name (``"train"`` gives ``"train/loss"``).
+        histograms: Paths of result leaves (``"scores"`` for ``ComposeMetric({"scores": ...})``,
+            ``"val/scores"`` when nested) whose value is a histogram (1-D bin counts): they go
+            to ``Report.histograms`` as CPU tensors, under the prefixed name, instead of one
+            value per bin. ``collect_results`` is unaffected.
         run: Name, config and tags given to ``sink.open``.
         sink_capacity: Reports each sink keeps in memory before spooling to disk.
+        sink_retry_initial_s: A sink's first wait after a failed write; doubles after each
+            further failure, up to ``sink_retry_max_s``.
+        sink_retry_max_s: A sink's longest wait between retries, so also how late a recovered
+            backend may see its first retry.
         spool_dir: Directory for spool files (system temp dir by default).
         exit_timeout: Seconds ``close`` may take when called at interpreter exit.
 
@@ -79,8 +87,11 @@ class AsyncMetricCollector(Generic[T]):
         reset_each_window: bool = True,
         *,
         prefix: str = "",
+        histograms: Iterable[str] = (),
         run: RunInfo | None = None,
         sink_capacity: int = 1024,
+        sink_retry_initial_s: float = 0.1,
+        sink_retry_max_s: float = 10.0,
         spool_dir: str | None = None,
         exit_timeout: float = 30.0,
     ) -> None:
@@ -92,6 +103,15 @@ class AsyncMetricCollector(Generic[T]):
                 raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")
         if sink_capacity < 1:
             raise ValueError(f"sink_capacity: expected >= 1, got {sink_capacity}")
+        if not 0 < sink_retry_initial_s <= sink_retry_max_s:
+            raise ValueError(
+                "sink_retry_initial_s, sink_retry_max_s: expected 0 < initial <= max, got "
+                f"{sink_retry_initial_s}, {sink_retry_max_s}"
+            )
+        histogram_paths = (histograms,) if isinstance(histograms, str) else tuple(histograms)
+        for path in histogram_paths:
+            if not isinstance(path, str) or not path.strip("/"):
+                raise TypeError(f"histograms: expected non-empty leaf paths (str), got {path!r}")
         self._metric = metric
         # Checkpoints reduce over the collector's group, not whatever the metric last saw.
         metric._sync_group = group
@@ -99,8 +119,10 @@ class AsyncMetricCollector(Generic[T]):
         self._group = group
         self._reset_each_window = reset_each_window
         self._prefix = prefix.strip("/")
+        self._histograms = frozenset(path.strip("/") for path in histogram_paths)
         self._run = run or RunInfo()
         self._sink_capacity = sink_capacity
+        self._sink_retry = (sink_retry_initial_s, sink_retry_max_s)
         self._spool_dir = spool_dir
         self._exit_timeout = exit_timeout
         self._resume_states: dict[str, Any] = {}
@@ -176,10 +198,14 @@ class AsyncMetricCollector(Generic[T]):
                     resume_state=self._resume_states.get(key),
                     capacity=self._sink_capacity,
                     spool_dir=self._spool_dir,
+                    retry_initial_s=self._sink_retry[0],
+                    retry_max_s=self._sink_retry[1],
                 )
                 runner.start()
                 self._runners.append(runner)
-        self._dispatcher = Dispatcher(self._runners, self._free_slots.put, self._prefix)
+        self._dispatcher = Dispatcher(
+            self._runners, self._free_slots.put, self._prefix, self._histograms
+        )
         atexit.register(self._close_at_exit)
         return self
 
