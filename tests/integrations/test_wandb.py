@@ -28,6 +28,23 @@ def _config(root: Path) -> dict[str, Any]:
     return {"wandb": options}
 
 
+def _history(path: Path, timeout: float = 30.0) -> list[HistoryRow]:
+    """Read the history once wandb's service process has finished writing the file.
+
+    ``run.finish()`` returns when the service acknowledged the run's end; on a loaded machine
+    the last block can reach the disk a moment later, so wait until two reads agree.
+    """
+    deadline = time.monotonic() + timeout
+    rows = read_history(path)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = read_history(path)
+        if rows and len(again) == len(rows):
+            return again
+        rows = again
+    return rows
+
+
 def _data_file(run_dir: str) -> Path:
     files = list(Path(run_dir).glob("*.wandb"))
     assert len(files) == 1, files
@@ -52,7 +69,7 @@ def _check_rows(rows: list[HistoryRow], steps: range) -> None:
 def _data_files(root: Path) -> list[Path]:
     """Every offline run's ``.wandb`` file under ``root``, ordered by the first step it holds."""
     files = [_data_file(str(run)) for run in (root / "wandb").glob("offline-run-*")]
-    return sorted(files, key=lambda f: read_history(f)[0].step if read_history(f) else -1)
+    return sorted(files, key=lambda f: _history(f)[0].step if _history(f) else -1)
 
 
 def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: DistributedPool) -> None:
@@ -64,7 +81,7 @@ def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: DistributedP
     (data,) = _data_files(tmp_path)  # rank 1 created no run
     state = results[0]["sink_states"][0]
     assert run_id_of(data) == state["run_id"] and state["last_step"] == STEPS - 1
-    _check_rows(read_history(data), range(STEPS))
+    _check_rows(_history(data), range(STEPS))
 
 
 def test_resume_from_collector_checkpoint_keeps_the_run_id_and_never_repeats_a_step(
@@ -84,7 +101,7 @@ def test_resume_from_collector_checkpoint_keeps_the_run_id_and_never_repeats_a_s
     files = _data_files(tmp_path)
     assert len(files) == 2
     assert [run_id_of(f) for f in files] == [saved["run_id"]] * 2
-    _check_rows(read_history(files[0]) + read_history(files[1]), range(STEPS))
+    _check_rows(_history(files[0]) + _history(files[1]), range(STEPS))
 
 
 def test_skips_bad_histograms_and_keeps_credentials_out(
@@ -112,7 +129,7 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
     run_dir = sink.run_dir
     assert sink.close(timeout=60)
     assert run_dir is not None
-    rows = read_history(_data_file(run_dir))
+    rows = _history(_data_file(run_dir))
     assert [(row.step, row.items["loss"]) for row in rows] == [(5, 0.5)]
     assert rows[0].items["ok"]["values"] == [1.0, 2.0] and "bad" not in rows[0].items
     assert "bad" in caplog.text
