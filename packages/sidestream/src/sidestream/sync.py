@@ -310,13 +310,14 @@ class SyncBatch:
             work.wait()
         self._finish()
 
-    def _prepare(self) -> SyncProgram:
+    def _prepare(self, check: bool = True) -> SyncProgram:
         """Check each group's structure (once per structure) and lay out its collectives."""
         groups, self._groups = self._groups, {}
         copies, self._copies = self._copies, []
         plans: list[_GatherPlan | _ReducePlan] = []
         for slot in groups.values():
-            _check_structure(slot)
+            if check:
+                _check_structure(slot)
             by_device: dict[torch.device, list[_Entry]] = {}
             for entry in slot.entries:
                 if entry.accumulator.local.numel() == 0:
@@ -366,11 +367,16 @@ class SyncProgram:
         self._plans = plans
 
     @classmethod
-    def record(cls, sync: Callable[[], None]) -> SyncProgram:
+    def record(cls, sync: Callable[[], None], *, check: bool = True) -> SyncProgram:
         """Record the accumulator reductions ``sync`` asks for (for example ``metric.sync``).
 
         Issues no reduction. Like the first sync of a structure, recording a structure not yet
         verified on this group runs the blocking rank check (every rank must record then).
+
+        Args:
+            sync: Calls the syncs to record.
+            check: ``False`` skips the rank check, for code that records on one rank alone a
+                copy of a structure it already checked (the collector's extra slots).
 
         Raises:
             RankMismatchError: If ranks of a group hold different metric state.
@@ -381,7 +387,7 @@ class SyncProgram:
             sync()
         finally:
             _current.reset(token)
-        return batch._prepare()
+        return batch._prepare(check)
 
     def start(self, async_op: bool = False) -> SyncBatch:
         """Stage the current state and issue the collectives; returns the batch to ``wait`` on.

@@ -31,9 +31,14 @@ class Slot:
         metric: A copy of the collector's metric (see ``clone_metric``), on the same device.
         live: The collector's metric, which ``stage`` copies from.
         group: The process group / 1-D device mesh the windows are reduced over.
+        check: Run the blocking check that every rank holds this structure (the first slot,
+            made on every rank at ``bind``). Slots made later, on one rank alone when its
+            dispatcher falls behind, must not issue collectives.
     """
 
-    def __init__(self, metric: Metric[Any], live: Metric[Any], group: Group) -> None:
+    def __init__(
+        self, metric: Metric[Any], live: Metric[Any], group: Group, *, check: bool
+    ) -> None:
         self.metric = metric
         self._group = group
         # Found once: walking the metric tree per window costs the training thread.
@@ -44,7 +49,12 @@ class Slot:
         # The library's own sync methods only reduce the accumulators, always the same ones in
         # the same order, so their sync is recorded once and replayed every window. A metric
         # with its own sync keeps calling it.
-        self._program = SyncProgram.record(self._sync) if _replayable(metric) else None
+        self._program = None
+        if _replayable(metric):
+            self._program = SyncProgram.record(self._sync, check=check)
+        elif check:
+            with coalesced_sync(check_only=True):
+                self._sync()
         self.host: list[Tensor] = []
         #: CUDA: recorded on the side stream after the last window that used this slot.
         self.done: torch.cuda.Event | None = None

@@ -162,8 +162,8 @@ class AsyncMetricCollector(Generic[T]):
         # Making the first slot is the one blocking collective: it checks that every rank holds
         # the same state structure (when recording its sync), so no window ever blocks on that
         # check (or hangs on mismatched collectives) later.
-        for _ in range(_INITIAL_SLOTS):
-            self._free_slots.put(self._new_slot())
+        for index in range(_INITIAL_SLOTS):
+            self._free_slots.put(self._new_slot(check=index == 0))
         if self.is_writer:
             for key, sink in self._sinks.items():
                 runner = SinkRunner(
@@ -240,16 +240,16 @@ class AsyncMetricCollector(Generic[T]):
         except queue.Empty:
             return self._new_slot()
 
-    def _new_slot(self) -> Slot:
+    def _new_slot(self, check: bool = False) -> Slot:
         copied = clone_metric(self._metric)
         if self._side is None:
-            return Slot(copied, self._metric, self._group)
+            return Slot(copied, self._metric, self._group, check=check)
         # Its sync buffers are made on the side stream, the only stream that uses them. Allocate
         # the pinned buffers now too (shapes from a compute on the copied state), and let the next
         # staging wait for this compute like for any window's.
         self._side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._side):
-            slot = Slot(copied, self._metric, self._group)
+            slot = Slot(copied, self._metric, self._group, check=check)
             slot.copy_to_host(flatten_tree(slot.metric.compute()).leaves)
             slot.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             slot.done.record(self._side)
