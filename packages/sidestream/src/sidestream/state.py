@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +11,7 @@ from torch import Tensor
 
 from sidestream._distributed import Group
 
-__all__ = ["MetricAccumulator", "ReduceOp"]
+__all__ = ["MetricAccumulator", "ReduceOp", "load_all", "reset_all"]
 
 
 class ReduceOp(enum.Enum):
@@ -183,3 +183,33 @@ class MetricAccumulator:
             f"MetricAccumulator(op={self._op.name}, shape={tuple(self._local.shape)}, "
             f"dtype={self._local.dtype}, device={self._local.device})"
         )
+
+
+def reset_all(accumulators: Sequence[MetricAccumulator]) -> None:
+    """``reset`` every accumulator, with one batched copy instead of one call per state.
+
+    Args:
+        accumulators: The accumulators to return to their initial values.
+    """
+    if not accumulators:
+        return
+    torch._foreach_copy_([a._local for a in accumulators], [a._initial for a in accumulators])
+    for accumulator in accumulators:
+        accumulator._synced = None
+
+
+def load_all(accumulators: Sequence[MetricAccumulator], values: Sequence[Tensor]) -> None:
+    """``load_local`` every accumulator from the matching tensor, with one batched copy.
+
+    Shapes are not checked here: callers pair accumulators with values of the same structure
+    (for example the states of a metric and of its copy).
+
+    Args:
+        accumulators: The accumulators to overwrite.
+        values: One tensor per accumulator, of its shape.
+    """
+    if not accumulators:
+        return
+    torch._foreach_copy_([a._local for a in accumulators], list(values))
+    for accumulator in accumulators:
+        accumulator._synced = None

@@ -20,6 +20,9 @@ of hanging in collectives of different sizes. Verified structures are cached, so
 nothing; structures must therefore change on every rank together. ``coalesced_sync(
 check_only=True)`` runs only this check, so code that must not block later (the collector) can
 pay it up front.
+
+``SyncProgram.record`` lays a sync out once (buffers and views included) so that it can be
+started again with a handful of tensor calls; the collector replays one per staging slot.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ __all__ = [
     "GATHER_LIMIT_BYTES",
     "RankMismatchError",
     "SyncBatch",
+    "SyncProgram",
     "coalesced_sync",
     "reduce_accumulator",
     "state_name",
@@ -89,13 +93,15 @@ class _Segment:
     def flat_local(self) -> Tensor:
         return torch.cat([e.accumulator.local.reshape(-1) for e in self.entries])
 
-    def hand_out(self, result: Tensor) -> None:
-        """Give each state its slice of ``result`` (this segment's reduced values)."""
+    def slices(self, flat: Tensor) -> list[tuple[_Entry, Tensor]]:
+        """Each state with its slice of ``flat`` (one element per element of the segment)."""
+        out = []
         offset = 0
         for entry in self.entries:
             local = entry.accumulator.local
-            entry.receive(result[offset : offset + local.numel()].view(local.shape))
+            out.append((entry, flat[offset : offset + local.numel()].view(local.shape)))
             offset += local.numel()
+        return out
 
 
 def _segments(entries: list[_Entry]) -> list[_Segment]:
@@ -110,6 +116,110 @@ def _segments(entries: list[_Entry]) -> list[_Segment]:
         segment.entries.append(entry)
         segment.numel += local.numel()
     return list(classes.values())
+
+
+_Handout = tuple[Callable[[Tensor], None], Tensor]
+
+
+class _GatherPlan:
+    """One all_gather of every state packed into a byte buffer; each rank reduces the rows.
+
+    The buffers and every view into them are made once: running the plan stages with one
+    batched copy (each state's view into the send buffer), issues the collective and hands out
+    precomputed result views, which the finisher fills with one reduction per segment.
+    """
+
+    def __init__(
+        self, segments: list[_Segment], group: dist.ProcessGroup | None, size: int
+    ) -> None:
+        device = segments[0].entries[0].accumulator.local.device
+        packed = sum(_padded_bytes(segment) for segment in segments)
+        self._group = group
+        self._send = torch.zeros(packed, dtype=torch.uint8, device=device)  # padding stays 0
+        self._gathered = torch.empty(size * packed, dtype=torch.uint8, device=device)
+        rows = self._gathered.view(size, packed)
+        self._sources: list[MetricAccumulator] = []
+        self._staging: list[Tensor] = []
+        self._handouts: list[_Handout] = []
+        self._reductions: list[tuple[Tensor, Tensor, ReduceOp]] = []
+        start = 0
+        for segment in segments:
+            nbytes = segment.numel * segment.dtype.itemsize
+            for entry, view in segment.slices(
+                self._send[start : start + nbytes].view(segment.dtype)
+            ):
+                self._sources.append(entry.accumulator)
+                self._staging.append(view)
+            result = torch.empty(segment.numel, dtype=segment.dtype, device=device)
+            self._handouts += [(entry.receive, view) for entry, view in segment.slices(result)]
+            per_rank = rows[:, start : start + nbytes].view(segment.dtype)
+            self._reductions.append((result, per_rank, segment.op))
+            start += _padded_bytes(segment)
+
+    def run(self, batch: SyncBatch) -> None:
+        torch._foreach_copy_(self._staging, [source.local for source in self._sources])
+        batch._start(_all_gather_single(self._gathered, self._send, self._group, batch.async_op))
+        for receive, result in self._handouts:
+            receive(result)
+        batch._finishers.append(self._reduce)
+
+    def _reduce(self) -> None:
+        for result, per_rank, op in self._reductions:
+            result.copy_(_reduce_rows(per_rank, op))
+
+
+class _ReducePlan:
+    """At most three all_reduce: float64 SUM, float64 MAX (MIN negated), int64 MAX (MIN inverted).
+
+    Buffers and views are made once; running the plan converts each segment into its buffer,
+    issues the collectives and hands out the results (views into a buffer where the state's
+    dtype and op need no conversion back, else tensors the finisher fills).
+    """
+
+    def __init__(self, segments: list[_Segment], group: dist.ProcessGroup | None) -> None:
+        device = segments[0].entries[0].accumulator.local.device
+        layout: dict[str, list[tuple[_Segment, int]]] = {"sum": [], "max": [], "int_max": []}
+        sizes = dict.fromkeys(layout, 0)
+        for segment in segments:
+            kind, width = _buffer_kind(segment)
+            layout[kind].append((segment, sizes[kind]))
+            sizes[kind] += width * segment.numel
+        self._group = group
+        self._buffers: list[tuple[Tensor, dist.ReduceOp.RedOpType]] = []
+        self._stages: list[tuple[_Segment, Tensor]] = []
+        self._handouts: list[_Handout] = []
+        self._unpack: list[tuple[_Segment, Tensor, Tensor]] = []
+        for kind, placed in layout.items():
+            if not placed:
+                continue
+            wide = torch.int64 if kind == "int_max" else torch.float64
+            buffer = torch.empty(sizes[kind], dtype=wide, device=device)
+            for segment, start in placed:
+                width = 2 if kind == "sum" and segment.integral else 1
+                view = buffer[start : start + width * segment.numel]
+                self._stages.append((segment, view))
+                if segment.dtype == wide and segment.op is not ReduceOp.MIN:
+                    result = view  # reduced in place: no unpacking
+                else:
+                    result = torch.empty(segment.numel, dtype=segment.dtype, device=device)
+                    self._unpack.append((segment, view, result))
+                self._handouts += [(entry.receive, part) for entry, part in segment.slices(result)]
+            op = dist.ReduceOp.SUM if kind == "sum" else dist.ReduceOp.MAX
+            self._buffers.append((buffer, op))
+
+    def run(self, batch: SyncBatch) -> None:
+        for segment, view in self._stages:
+            _stage(segment, view)
+        for buffer, op in self._buffers:
+            batch._start(dist.all_reduce(buffer, op=op, group=self._group, async_op=batch.async_op))
+        for receive, result in self._handouts:
+            receive(result)
+        if self._unpack:
+            batch._finishers.append(self._unstage)
+
+    def _unstage(self) -> None:
+        for segment, view, result in self._unpack:
+            _unstage(segment, view, result)
 
 
 class _Scope:
@@ -147,6 +257,7 @@ class SyncBatch:
     check_only: bool = False
     works: list[dist.Work] = field(default_factory=list)
     _groups: dict[int, _GroupEntries] = field(default_factory=dict)
+    _copies: list[_Entry] = field(default_factory=list)
     _resolved: dict[int, tuple[Any, dist.ProcessGroup | None, int]] = field(default_factory=dict)
     _finishers: list[Callable[[], None]] = field(default_factory=list)
 
@@ -167,10 +278,8 @@ class SyncBatch:
             resolved = self._resolved[id(group)] = (group, process_group, group_size(process_group))
         _, process_group, size = resolved
         if size == 1:
-            if self.check_only:
-                return
             # Nothing to reduce with: the local state is already the global one.
-            receive(accumulator.local.clone())
+            self._copies.append(_Entry("", accumulator, receive))
             return
         slot = self._groups.get(id(process_group))
         if slot is None:
@@ -186,24 +295,7 @@ class SyncBatch:
         accumulators in the same order, so every rank issues the same sequence of collectives.
         Without ``async_op`` the results are ready on return.
         """
-        groups, self._groups = self._groups, {}
-        for slot in groups.values():
-            _check_structure(slot)
-            if self.check_only:
-                continue
-            by_device: dict[torch.device, list[_Entry]] = {}
-            for entry in slot.entries:
-                if entry.accumulator.local.numel() == 0:
-                    entry.receive(entry.accumulator.local.clone())
-                else:
-                    by_device.setdefault(entry.accumulator.local.device, []).append(entry)
-            for entries in by_device.values():
-                segments = _segments(entries)
-                packed = sum(_padded_bytes(s) for s in segments)
-                if packed * slot.size <= GATHER_LIMIT_BYTES:
-                    self._gather(segments, slot.group, slot.size, packed)
-                else:
-                    self._all_reduce(segments, slot.group)
+        self._prepare()._run(self)
         if not self.async_op:
             self._finish()
 
@@ -218,6 +310,31 @@ class SyncBatch:
             work.wait()
         self._finish()
 
+    def _prepare(self, check: bool = True) -> SyncProgram:
+        """Check each group's structure (once per structure) and lay out its collectives."""
+        groups, self._groups = self._groups, {}
+        copies, self._copies = self._copies, []
+        plans: list[_GatherPlan | _ReducePlan] = []
+        for slot in groups.values():
+            if check:
+                _check_structure(slot)
+            by_device: dict[torch.device, list[_Entry]] = {}
+            for entry in slot.entries:
+                if entry.accumulator.local.numel() == 0:
+                    copies.append(entry)
+                else:
+                    by_device.setdefault(entry.accumulator.local.device, []).append(entry)
+            if self.check_only:
+                continue
+            for entries in by_device.values():
+                segments = _segments(entries)
+                packed = sum(_padded_bytes(s) for s in segments)
+                if packed * slot.size <= GATHER_LIMIT_BYTES:
+                    plans.append(_GatherPlan(segments, slot.group, slot.size))
+                else:
+                    plans.append(_ReducePlan(segments, slot.group))
+        return SyncProgram([] if self.check_only else copies, plans)
+
     def _finish(self) -> None:
         finishers, self._finishers = self._finishers, []
         for finish in finishers:
@@ -227,73 +344,67 @@ class SyncBatch:
         if work is not None:
             self.works.append(work)
 
-    def _gather(
-        self,
-        segments: list[_Segment],
-        group: dist.ProcessGroup | None,
-        size: int,
-        packed: int,
-    ) -> None:
-        device = segments[0].entries[0].accumulator.local.device
-        parts = []
-        for segment in segments:
-            parts.append(segment.flat_local().view(torch.uint8))
-            padding = _padded_bytes(segment) - parts[-1].numel()
-            if padding:
-                parts.append(torch.zeros(padding, dtype=torch.uint8, device=device))
-        staged = torch.cat(parts)
-        gathered = torch.empty(size * packed, dtype=torch.uint8, device=device)
-        self._start(_all_gather_single(gathered, staged, group, self.async_op))
-        rows = gathered.view(size, packed)
-        plan = []
-        start = 0
-        for segment in segments:
-            result = torch.empty(segment.numel, dtype=segment.dtype, device=device)
-            plan.append((segment, start, result))
-            segment.hand_out(result)
-            start += _padded_bytes(segment)
 
-        def finish() -> None:
-            for segment, begin, result in plan:
-                nbytes = segment.numel * result.element_size()
-                per_rank = rows[:, begin : begin + nbytes].view(segment.dtype)
-                result.copy_(_reduce_rows(per_rank, segment.op))
+class SyncProgram:
+    """A recorded sync that can be started again and again with the same prepared collectives.
 
-        self._finishers.append(finish)
+    ``record`` runs a sync once without issuing its collectives and keeps what it would do:
+    the packing layout, the buffers and every view into them. ``start`` then issues the same
+    collectives as that sync, skipping the walk over the metric, the structure check and the
+    packing: small states are staged with one batched copy and reduced with one all_gather.
 
-    def _all_reduce(self, segments: list[_Segment], group: dist.ProcessGroup | None) -> None:
-        device = segments[0].entries[0].accumulator.local.device
-        layout: dict[str, list[tuple[_Segment, int]]] = {"sum": [], "max": [], "int_max": []}
-        sizes = dict.fromkeys(layout, 0)
-        for segment in segments:
-            kind, width = _buffer_kind(segment)
-            layout[kind].append((segment, sizes[kind]))
-            sizes[kind] += width * segment.numel
-        unpack: list[tuple[_Segment, Tensor, Tensor]] = []
-        for kind, placed in layout.items():
-            if not placed:
-                continue
-            wide = torch.int64 if kind == "int_max" else torch.float64
-            buffer = torch.empty(sizes[kind], dtype=wide, device=device)
-            for segment, start in placed:
-                width = 2 if kind == "sum" and segment.integral else 1
-                view = buffer[start : start + width * segment.numel]
-                _stage(segment, view)
-                if segment.dtype == wide and segment.op is not ReduceOp.MIN:
-                    segment.hand_out(view)  # reduced in place: no unpacking
-                else:
-                    result = torch.empty(segment.numel, dtype=segment.dtype, device=device)
-                    unpack.append((segment, view, result))
-                    segment.hand_out(result)
-            op = dist.ReduceOp.SUM if kind == "sum" else dist.ReduceOp.MAX
-            self._start(dist.all_reduce(buffer, op=op, group=group, async_op=self.async_op))
+    Each start reuses the same buffers, so the tensors it hands out are overwritten by the next
+    start: read (or copy) a start's results before starting the program again. The recorded
+    accumulators must keep their shapes, dtypes and devices.
 
-        def finish() -> None:
-            for segment, view, result in unpack:
-                _unstage(segment, view, result)
+    Example:
+        >>> program = SyncProgram.record(lambda: metric.sync())
+        >>> program.start().wait()  # like metric.sync(), for the state of this moment
+    """
 
-        if unpack:
-            self._finishers.append(finish)
+    def __init__(self, copies: list[_Entry], plans: list[_GatherPlan | _ReducePlan]) -> None:
+        self._copies = copies
+        self._plans = plans
+
+    @classmethod
+    def record(cls, sync: Callable[[], None], *, check: bool = True) -> SyncProgram:
+        """Record the accumulator reductions ``sync`` asks for (for example ``metric.sync``).
+
+        Issues no reduction. Like the first sync of a structure, recording a structure not yet
+        verified on this group runs the blocking rank check (every rank must record then).
+
+        Args:
+            sync: Calls the syncs to record.
+            check: ``False`` skips the rank check, for code that records on one rank alone a
+                copy of a structure it already checked (the collector's extra slots).
+
+        Raises:
+            RankMismatchError: If ranks of a group hold different metric state.
+        """
+        batch = SyncBatch()
+        token = _current.set(batch)
+        try:
+            sync()
+        finally:
+            _current.reset(token)
+        return batch._prepare(check)
+
+    def start(self, async_op: bool = False) -> SyncBatch:
+        """Stage the current state and issue the collectives; returns the batch to ``wait`` on.
+
+        Without ``async_op`` the results are ready on return (``wait`` then does nothing).
+        """
+        batch = SyncBatch(async_op=async_op)
+        self._run(batch)
+        if not async_op:
+            batch._finish()
+        return batch
+
+    def _run(self, batch: SyncBatch) -> None:
+        for entry in self._copies:
+            entry.receive(entry.accumulator.local.clone())
+        for plan in self._plans:
+            plan.run(batch)
 
 
 def _padded_bytes(segment: _Segment) -> int:

@@ -21,8 +21,7 @@ from sidestream.collector._window import Window
 from sidestream.metric import Metric
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
-from sidestream.state import MetricAccumulator
-from sidestream.sync import coalesced_sync
+from sidestream.state import MetricAccumulator, reset_all
 
 __all__ = ["AsyncMetricCollector"]
 
@@ -182,13 +181,11 @@ class AsyncMetricCollector(Generic[T]):
         self._device = target
         if target.type == "cuda":
             self._side = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
-        slots = [self._new_slot() for _ in range(_INITIAL_SLOTS)]
-        # The one blocking collective: check now that every rank holds the same state structure,
-        # so no window ever blocks on it (or hangs on mismatched collectives) later.
-        with coalesced_sync(check_only=True):
-            slots[0].metric.sync(self._group)
-        for slot in slots:
-            self._free_slots.put(slot)
+        # Making the first slot is the one blocking collective: it checks that every rank holds
+        # the same state structure (when recording its sync), so no window ever blocks on that
+        # check (or hangs on mismatched collectives) later.
+        for index in range(_INITIAL_SLOTS):
+            self._free_slots.put(self._new_slot(check=index == 0))
         if self.is_writer:
             for key, sink in self._sinks.items():
                 runner = SinkRunner(
@@ -232,9 +229,7 @@ class AsyncMetricCollector(Generic[T]):
         window = Window(step=step, time=time.time(), slot=slot)
         if self._side is None:
             self._stage(slot)
-            with coalesced_sync(async_op=True) as batch:
-                slot.metric.sync(self._group)
-            window.batch = batch
+            window.batch = slot.start_sync()
         else:
             self._schedule_on_side_stream(window)
         self._dispatcher.submit(window)
@@ -252,8 +247,7 @@ class AsyncMetricCollector(Generic[T]):
         staged.record(current)
         with torch.cuda.stream(side):
             side.wait_event(staged)
-            with coalesced_sync(async_op=True) as batch:
-                slot.metric.sync(self._group)
+            batch = slot.start_sync()
             batch.wait()  # NCCL: the side stream waits for the collectives; the host does not
             tree = flatten_tree(slot.metric.compute())
             window.host = slot.copy_to_host(tree.leaves)
@@ -264,8 +258,7 @@ class AsyncMetricCollector(Generic[T]):
     def _stage(self, slot: Slot) -> None:
         slot.stage()
         if self._reset_each_window:
-            for accumulator in self._live_accumulators:
-                accumulator.reset()
+            reset_all(self._live_accumulators)
 
     def _take_slot(self) -> Slot:
         try:
@@ -273,16 +266,19 @@ class AsyncMetricCollector(Generic[T]):
         except queue.Empty:
             return self._new_slot()
 
-    def _new_slot(self) -> Slot:
-        slot = Slot(clone_metric(self._metric), self._metric)
-        if self._side is not None:
-            # Allocate the pinned buffers now (shapes from a compute on the copied state), and
-            # let the next staging wait for this compute like for any window's.
-            self._side.wait_stream(torch.cuda.current_stream(self._device))
-            with torch.cuda.stream(self._side):
-                slot.copy_to_host(flatten_tree(slot.metric.compute()).leaves)
-                slot.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                slot.done.record(self._side)
+    def _new_slot(self, check: bool = False) -> Slot:
+        copied = clone_metric(self._metric)
+        if self._side is None:
+            return Slot(copied, self._metric, self._group, check=check)
+        # Its sync buffers are made on the side stream, the only stream that uses them. Allocate
+        # the pinned buffers now too (shapes from a compute on the copied state), and let the next
+        # staging wait for this compute like for any window's.
+        self._side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._side):
+            slot = Slot(copied, self._metric, self._group, check=check)
+            slot.copy_to_host(flatten_tree(slot.metric.compute()).leaves)
+            slot.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            slot.done.record(self._side)
         return slot
 
     def collect_results(self, timeout: float | None = None) -> Any:
