@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, Sink
-from sidestream.sinks._support import flatten_config, histogram_edges
+from sidestream.sinks._support import flatten_config, histogram_edges, parse_resume_state
 
 __all__ = ["TensorBoardSink"]
 
@@ -192,16 +192,7 @@ class TensorBoardSink(Sink):
         Raises:
             ValueError: If ``state_dict`` lacks ``log_dir`` / ``last_step`` or has wrong types.
         """
-        if not isinstance(state_dict, Mapping) or {"log_dir", "last_step"} - set(state_dict):
-            raise ValueError(
-                "state_dict: expected a mapping with 'log_dir' and 'last_step' (from "
-                f"TensorBoardSink.state_dict), got {state_dict!r}"
-            )
-        log_dir, last_step = state_dict["log_dir"], state_dict["last_step"]
-        if log_dir is not None and not isinstance(log_dir, str):
-            raise ValueError(f"state_dict['log_dir']: expected a str or None, got {log_dir!r}")
-        if last_step is not None and not isinstance(last_step, int):
-            raise ValueError(f"state_dict['last_step']: expected an int or None, got {last_step!r}")
+        log_dir, last_step = parse_resume_state(state_dict, "log_dir", "TensorBoardSink")
         if self._log_dir is None:
             self._log_dir = log_dir
         self._last_step = last_step

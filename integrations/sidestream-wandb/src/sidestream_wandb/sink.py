@@ -8,7 +8,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, Sink
-from sidestream.sinks._support import flatten_config, histogram_edges, redact, secrets_in, shorten
+from sidestream.sinks._support import (
+    flatten_config,
+    histogram_edges,
+    parse_resume_state,
+    redact,
+    secrets_in,
+    shorten,
+)
 
 __all__ = ["WandbSink"]
 
@@ -201,14 +208,5 @@ class WandbSink(Sink):
         Raises:
             ValueError: If ``state_dict`` lacks ``run_id`` / ``last_step`` or has wrong types.
         """
-        if not isinstance(state_dict, Mapping) or {"run_id", "last_step"} - set(state_dict):
-            raise ValueError(
-                "state_dict: expected a mapping with 'run_id' and 'last_step' (from "
-                f"WandbSink.state_dict), got {state_dict!r}"
-            )
-        run_id, last_step = state_dict["run_id"], state_dict["last_step"]
-        if run_id is not None and not isinstance(run_id, str):
-            raise ValueError(f"state_dict['run_id']: expected a str or None, got {run_id!r}")
-        if last_step is not None and not isinstance(last_step, int):
-            raise ValueError(f"state_dict['last_step']: expected an int or None, got {last_step!r}")
+        run_id, last_step = parse_resume_state(state_dict, "run_id", "WandbSink")
         self._run_id, self._last_step = run_id, last_step

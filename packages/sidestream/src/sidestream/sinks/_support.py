@@ -1,4 +1,4 @@
-"""Helpers shared by tracker sinks: hyper-parameter flattening, length limits, secret redaction."""
+"""Helpers shared by tracker sinks: config flattening, length limits, redaction, resume state."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 __all__ = [
     "flatten_config",
+    "parse_resume_state",
     "histogram_edges",
     "redact",
     "secrets_in",
@@ -115,3 +116,24 @@ def histogram_edges(num_bins: int, edges: Iterable[float] | None) -> list[float]
             f"got {len(result)}"
         )
     return result
+
+
+def parse_resume_state(
+    state_dict: Mapping[str, Any], id_key: str, sink: str
+) -> tuple[str | None, int | None]:
+    """Validate a tracker sink's ``{id_key, "last_step"}`` state and return both values.
+
+    Raises:
+        ValueError: Naming the key, if either is missing or has the wrong type.
+    """
+    if not isinstance(state_dict, Mapping) or {id_key, "last_step"} - set(state_dict):
+        raise ValueError(
+            f"state_dict: expected a mapping with {id_key!r} and 'last_step' (from "
+            f"{sink}.state_dict), got {state_dict!r}"
+        )
+    identity, last_step = state_dict[id_key], state_dict["last_step"]
+    if identity is not None and not isinstance(identity, str):
+        raise ValueError(f"state_dict[{id_key!r}]: expected a str or None, got {identity!r}")
+    if last_step is not None and (isinstance(last_step, bool) or not isinstance(last_step, int)):
+        raise ValueError(f"state_dict['last_step']: expected an int or None, got {last_step!r}")
+    return identity, last_step
