@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, Sink
 from sidestream.sinks._support import (
+    call_within,
     flatten_config,
     parse_resume_state,
     redact,
@@ -264,24 +264,18 @@ class MlflowSink(Sink):
         if self._client is None or self._run_id is None:
             return True
         client, run_id = self._client, self._run_id
-        errors: list[str] = []
-
-        def terminate() -> None:
-            try:
-                client.set_terminated(run_id, status="FINISHED")
-            except Exception as error:
-                errors.append(str(self._failure("set_terminated", error)))
-
-        worker = threading.Thread(target=terminate, name="sidestream-mlflow-close", daemon=True)
         started = time.monotonic()
-        worker.start()
-        worker.join(timeout)
+        finished, error = call_within(
+            lambda: client.set_terminated(run_id, status="FINISHED"),
+            timeout,
+            "sidestream-mlflow-close",
+        )
         self._client = None
-        if worker.is_alive():
+        if not finished:
             _log.warning("MlflowSink.close: run not marked finished within %.1f s", timeout)
             return False
-        if errors:
-            _log.warning("%s", errors[0])
+        if error is not None:
+            _log.warning("%s", self._failure("set_terminated", error))
             return False
         _log.debug("MlflowSink.close took %.3f s", time.monotonic() - started)
         return True

@@ -5,13 +5,17 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, Sink
-from sidestream.sinks._support import flatten_config, histogram_edges, parse_resume_state
+from sidestream.sinks._support import (
+    call_within,
+    flatten_config,
+    histogram_edges,
+    parse_resume_state,
+)
 
 __all__ = ["TensorBoardSink"]
 
@@ -200,22 +204,12 @@ class TensorBoardSink(Sink):
 
 
 def _within(action: Any, timeout: float | None, what: str) -> bool:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            action()
-        except Exception as error:
-            errors.append(error)
-
-    worker = threading.Thread(target=run, name=f"sidestream-tensorboard-{what}", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
+    finished, error = call_within(action, timeout, f"sidestream-tensorboard-{what}")
+    if not finished:
         _log.warning("TensorBoardSink.%s did not end within %s s", what, timeout)
         return False
-    if errors:
-        _log.warning("TensorBoardSink.%s failed: %s", what, errors[0])
+    if error is not None:
+        _log.warning("TensorBoardSink.%s failed: %s", what, error)
         return False
     return True
 

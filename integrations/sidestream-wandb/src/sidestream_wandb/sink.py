@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, Sink
 from sidestream.sinks._support import (
+    call_within,
     flatten_config,
     histogram_edges,
     parse_resume_state,
@@ -179,22 +179,12 @@ class WandbSink(Sink):
         if self._run is None:
             return True
         active, self._run = self._run, None
-        errors: list[str] = []
-
-        def finish() -> None:
-            try:
-                active.finish()
-            except Exception as error:
-                errors.append(str(self._failure("finish", error)))
-
-        worker = threading.Thread(target=finish, name="sidestream-wandb-close", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
+        finished, error = call_within(active.finish, timeout, "sidestream-wandb-close")
+        if not finished:
             _log.warning("WandbSink.close: run.finish() did not end within %s s", timeout)
             return False
-        if errors:
-            _log.warning("%s", errors[0])
+        if error is not None:
+            _log.warning("%s", self._failure("finish", error))
             return False
         return True
 

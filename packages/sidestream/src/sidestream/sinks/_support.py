@@ -1,4 +1,4 @@
-"""Helpers shared by tracker sinks: config flattening, length limits, redaction, resume state."""
+"""Helpers shared by tracker sinks: config, length limits, redaction, resume state, timeouts."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import hashlib
 import itertools
 import os
 import re
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = [
+    "call_within",
     "flatten_config",
     "parse_resume_state",
     "histogram_edges",
@@ -137,3 +139,30 @@ def parse_resume_state(
     if last_step is not None and (isinstance(last_step, bool) or not isinstance(last_step, int)):
         raise ValueError(f"state_dict['last_step']: expected an int or None, got {last_step!r}")
     return identity, last_step
+
+
+def call_within(
+    action: Callable[[], object], timeout: float | None, thread_name: str
+) -> tuple[bool, Exception | None]:
+    """Run ``action`` on a daemon thread and wait at most ``timeout`` seconds for it.
+
+    Backend clients may block for minutes on a dead server; a sink's ``flush``/``close`` must
+    honour its timeout anyway, so the call runs on a thread that is abandoned if it overruns.
+
+    Returns:
+        ``(finished, error)``: whether it ended in time, and the exception it raised, if any.
+    """
+    errors: list[Exception] = []
+
+    def run() -> None:
+        try:
+            action()
+        except Exception as error:
+            errors.append(error)
+
+    worker = threading.Thread(target=run, name=thread_name, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return False, None
+    return True, (errors[0] if errors else None)
