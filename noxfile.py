@@ -55,9 +55,27 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def gpu(session: nox.Session) -> None:
-    """Opt-in: CUDA tests under sync-debug mode, then the distributed tests over NCCL."""
+    """Opt-in: CUDA tests under sync-debug mode, then the distributed tests over NCCL.
+
+    With two or more GPUs the distributed tests run on ranks torchrun starts, one per GPU,
+    joined by NCCL: with 2 and 4 ranks (as on CPU) and once over every visible GPU.
+    """
     _install_project(session, *TEST_REQUIREMENTS)
     session.run("pytest", "-m", "gpu", "tests", *session.posargs)
+    count = "import torch; print(torch.cuda.device_count())"
+    output = session.run("python", "-c", count, silent=True)
+    gpus = int(str(output).split()[-1])
+    if gpus < 2:
+        session.log(f"{gpus} GPU visible: the NCCL run of the distributed tests needs 2; skipped")
+        return
+    session.run(
+        "pytest",
+        "-m",
+        "distributed and not integration",
+        "tests",
+        *session.posargs,
+        env={"SIDESTREAM_TEST_LAUNCHER": "torchrun", "SIDESTREAM_TEST_BACKEND": "nccl"},
+    )
 
 
 @nox.session(python=PYTHON, tags=["ci"])

@@ -94,7 +94,9 @@ def window_data(seed: int, window: int, rank: int) -> dict[str, np.ndarray]:
     }
 
 
-def feed(metric: ComposeMetric, data: dict[str, np.ndarray], device: str = "cpu") -> None:
+def feed(
+    metric: ComposeMetric, data: dict[str, np.ndarray], device: torch.device | str = "cpu"
+) -> None:
     """Two batches per window, so a window is more than one update."""
     half = len(data["values"]) // 2
     for part in (slice(0, half), slice(half, None)):

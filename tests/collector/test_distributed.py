@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from sidestream.collector import AsyncMetricCollector
 from sidestream.sinks import JsonlSink
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool, rank_device
 from tests.collector.helpers import (
     CountingHandler,
     RecordingSink,
@@ -32,7 +32,7 @@ def _steps() -> list[int]:
 
 
 def _train(directory: str) -> dict[str, Any]:
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), rank_device()
     handler = CountingHandler()
     logging.getLogger("sidestream").addHandler(handler)
     slow = RecordingSink(delay_s=1.0, name="slow")
@@ -40,11 +40,11 @@ def _train(directory: str) -> dict[str, Any]:
     jsonl = JsonlSink(Path(directory) / f"rank{rank}.jsonl")
     metric = make_metric()
     collector = AsyncMetricCollector(metric, sinks=[slow, jsonl, flaky])
-    collector.bind("cpu")
+    collector.bind(device)
     durations = []
     try:
         for window, step in enumerate(_steps()):
-            feed(metric, window_data(SEED, window, rank))
+            feed(metric, window_data(SEED, window, rank), device)
             started = time.perf_counter()
             collector.schedule_collection(step)
             durations.append(time.perf_counter() - started)
@@ -58,7 +58,7 @@ def _train(directory: str) -> dict[str, Any]:
             # The JSONL sink got every window while the slow one was still on its first ones.
             jsonl_done_first = runner.delivered == WINDOWS and len(slow.steps) < WINDOWS
         # A partial window, then a checkpoint: a collective on every rank.
-        feed(metric, window_data(SEED, 99, rank))
+        feed(metric, window_data(SEED, 99, rank), device)
         state = collector.state_dict()
     finally:
         closed = collector.close(timeout=60)
@@ -83,7 +83,7 @@ def _close(actual: float, expected: float) -> None:
 
 
 def test_rank0_jsonl_matches_numpy_and_sinks_are_isolated(
-    dist_pool: DistributedPool, tmp_path: Path
+    dist_pool: RankPool, tmp_path: Path
 ) -> None:
     world = dist_pool.world_size
     per_rank = dist_pool.run(_train, str(tmp_path), timeout=120)

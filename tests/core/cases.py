@@ -52,13 +52,18 @@ class Case:
     reference: Callable[[Shard], float]
 
 
+def on_device(metric: Metric[Any], array: np.ndarray) -> torch.Tensor:
+    """``array`` as a tensor on the metric's device (the CPU, or this rank's GPU on NCCL)."""
+    return torch.from_numpy(array).to(metric.device)
+
+
 def _values(metric: Metric[Any], batch: Shard) -> None:
-    metric.update(torch.from_numpy(batch["values"]))
+    metric.update(on_device(metric, batch["values"]))
 
 
 def _weighted(metric: Metric[Any], batch: Shard) -> None:
     metric.update(
-        values=torch.from_numpy(batch["values"]), weights=torch.from_numpy(batch["weights"])
+        values=on_device(metric, batch["values"]), weights=on_device(metric, batch["weights"])
     )
 
 

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from sidestream import ComposeMetric, Metric
 from sidestream.state import MetricAccumulator, ReduceOp
-from sidestream.testing import DistributedPool
+from sidestream.testing import on_rank_device
+from tests.conftest import Pools
 from tests.core.cases import CASES, Shard, concat, feed, make_shards
 
 NUM_CLASSES = 10
@@ -43,7 +44,7 @@ class ClassCounts(Metric[Tensor]):
 
 def _labels(shard: Shard) -> Tensor:
     # Derived from the shard so every phase sees different, reproducible labels.
-    return torch.from_numpy(shard["weights"] % NUM_CLASSES)
+    return torch.as_tensor(shard["weights"] % NUM_CLASSES)
 
 
 def _metrics() -> ComposeMetric:
@@ -79,6 +80,7 @@ def _assert_matches(actual: dict[str, Any], expected: dict[str, Any]) -> None:
             assert actual[name] == pytest.approx(expected[name], rel=1e-12, abs=1e-12), name
 
 
+@on_rank_device
 def _save_on_four(path: str, seed: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     metrics = _metrics()
@@ -87,6 +89,7 @@ def _save_on_four(path: str, seed: int) -> dict[str, Any]:
     return {name: value.tolist() for name, value in metrics.state_dict().items()}
 
 
+@on_rank_device
 def _resume_on_two(load_path: str, save_path: str, seed: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     metrics = _metrics()
@@ -98,11 +101,9 @@ def _resume_on_two(load_path: str, save_path: str, seed: int) -> dict[str, Any]:
     return logged
 
 
-def test_save_on_four_resume_on_two_then_one(
-    pools: dict[int, DistributedPool], tmp_path: Path
-) -> None:
-    four = pools.setdefault(4, DistributedPool(4))
-    two = pools.setdefault(2, DistributedPool(2))
+def test_save_on_four_resume_on_two_then_one(pools: Pools, tmp_path: Path) -> None:
+    four = pools.get(4)
+    two = pools.get(2)
     first, second = str(tmp_path / "four"), str(tmp_path / "two")
 
     saved = four.run(_save_on_four, first, 31)

@@ -24,7 +24,8 @@ from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, MinMetric, 
 from sidestream import sync as sync_module
 from sidestream.state import MetricAccumulator, ReduceOp
 from sidestream.sync import RankMismatchError, coalesced_sync
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool, on_rank_device, rank_device
+from tests.conftest import Pools
 from tests.core.cases import CASES, concat, feed, make_shards
 
 COLLECTIVES = (
@@ -48,8 +49,13 @@ COLLECTIVES = (
 
 @contextlib.contextmanager
 def counting_collectives() -> Iterator[list[str]]:
-    """Record the name of every collective issued inside the block, nested calls included."""
+    """Record the name of every collective issued inside the block, nested calls included.
+
+    A collective that re-enters itself is counted once: under a ``torch.device`` context (as
+    ``on_rank_device`` sets) torch's function mode dispatches the call again by its public name.
+    """
     calls: list[str] = []
+    active: set[str] = set()
     saved: list[tuple[Any, str, Any]] = []
     for module in (dist, c10d):
         for name in COLLECTIVES:
@@ -58,8 +64,14 @@ def counting_collectives() -> Iterator[list[str]]:
                 continue
 
             def wrapper(*args: Any, __name: str = name, __fn: Any = original, **kw: Any) -> Any:
+                if __name in active:
+                    return __fn(*args, **kw)
                 calls.append(__name)
-                return __fn(*args, **kw)
+                active.add(__name)
+                try:
+                    return __fn(*args, **kw)
+                finally:
+                    active.discard(__name)
 
             saved.append((module, name, original))
             setattr(module, name, wrapper)
@@ -161,6 +173,7 @@ def _synced_counted(metric: Metric[Any], async_op: bool = False) -> list[str]:
     return calls
 
 
+@on_rank_device
 def _exact_in_every_mode(seed: int) -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {}
@@ -175,7 +188,7 @@ def _exact_in_every_mode(seed: int) -> dict[str, Any]:
     return out
 
 
-def test_every_dtype_and_op_reduces_exactly(dist_pool: DistributedPool) -> None:
+def test_every_dtype_and_op_reduces_exactly(dist_pool: RankPool) -> None:
     world = dist_pool.world_size
     expected = mixed_reference(world, 3)
     for result in dist_pool.run(_exact_in_every_mode, 3):
@@ -221,6 +234,7 @@ def _leaf_results(metric: Metric[Any]) -> list[float]:
     return [float(leaf.compute()) for leaf in _leaves(metric)]
 
 
+@on_rank_device
 def _counts_by_size(token: str) -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {}
@@ -264,7 +278,7 @@ def _expected_leaves(metric: Metric[Any], world: int) -> list[float]:
     return expected
 
 
-def test_collectives_per_sync_never_grow_with_metrics(dist_pool: DistributedPool) -> None:
+def test_collectives_per_sync_never_grow_with_metrics(dist_pool: RankPool) -> None:
     world = dist_pool.world_size
     result = dist_pool.run(_counts_by_size, uuid.uuid4().hex)
     for per_rank in result:
@@ -291,10 +305,11 @@ def test_collectives_per_sync_never_grow_with_metrics(dist_pool: DistributedPool
         assert picked == [world * 2**55, scale + world * 2**55, 69_999 * scale + world * 2**55]
 
 
+@on_rank_device
 def _mesh_sync(seed: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("dp", "tp"))
     data_parallel = mesh.get_coordinate()
     assert data_parallel is not None
     # Tensor-parallel replicas hold the same data; both data-parallel shards are non-empty.
@@ -320,9 +335,9 @@ def _mesh_sync(seed: int) -> dict[str, Any]:
 
 
 def test_device_mesh_dimension_does_not_count_replicas_twice(
-    pools: dict[int, DistributedPool],
+    pools: Pools,
 ) -> None:
-    pool = pools.setdefault(4, DistributedPool(4))
+    pool = pools.get(4)
     per_rank = pool.run(_mesh_sync, 11)
     everything = concat(make_shards(11, 3)[:2])
     for result in per_rank:
@@ -350,6 +365,7 @@ class _Shaped(Metric[Tensor]):
         return self._state.value
 
 
+@on_rank_device
 def _mismatches(token: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     odd = world - 1  # the rank that differs
@@ -404,7 +420,7 @@ def _mismatches(token: str) -> dict[str, Any]:
     return out
 
 
-def test_rank_mismatch_raises_on_every_rank(dist_pool: DistributedPool) -> None:
+def test_rank_mismatch_raises_on_every_rank(dist_pool: RankPool) -> None:
     world = dist_pool.world_size
     odd = world - 1
     token = uuid.uuid4().hex[:6]

@@ -22,7 +22,7 @@ from sidestream import sync as sync_module
 from sidestream.collector import AsyncMetricCollector
 from sidestream.state import MetricAccumulator, ReduceOp
 from sidestream.sync import RankMismatchError, SyncProgram
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool, on_rank_device
 from tests.core.test_sync import (
     MixedState,
     counting_collectives,
@@ -53,6 +53,7 @@ def _small_values(metric: ComposeMetric) -> dict[str, float]:
     return {name: float(value) for name, value in inner.items()}
 
 
+@on_rank_device
 def _programs(token: str) -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {}
@@ -111,7 +112,7 @@ class _Shaped(Metric[Tensor]):
         return self._state.value
 
 
-def test_recorded_programs_match_numpy_and_direct_sync(dist_pool: DistributedPool) -> None:
+def test_recorded_programs_match_numpy_and_direct_sync(dist_pool: RankPool) -> None:
     world = dist_pool.world_size
     token = uuid.uuid4().hex[:6]
     for rank, result in enumerate(dist_pool.run(_programs, token, timeout=120)):

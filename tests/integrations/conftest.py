@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool
+from tests.conftest import Pools
 from tests.integrations._workload import WORLD_SIZE
 
 # Nothing outside this machine is reachable from the tests: no MLflow usage telemetry.
@@ -124,7 +125,5 @@ def mlflow_server() -> Iterator[MlflowServer]:
 
 
 @pytest.fixture
-def pool2(pools: dict[int, DistributedPool]) -> DistributedPool:
-    if WORLD_SIZE not in pools:
-        pools[WORLD_SIZE] = DistributedPool(WORLD_SIZE)
-    return pools[WORLD_SIZE]
+def pool2(pools: Pools) -> RankPool:
+    return pools.get(WORLD_SIZE)

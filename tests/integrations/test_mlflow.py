@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sidestream.sinks import Report, RunInfo
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool
 from tests.integrations._workload import expected, train
 from tests.integrations.conftest import MlflowServer
 
@@ -71,7 +71,7 @@ def _check_run_details(client: Any, run_id: str) -> None:
     assert run.data.tags["suite"] == "integration"
 
 
-def test_two_ranks_every_window_once_sqlite(shm_path: Path, pool2: DistributedPool) -> None:
+def test_two_ranks_every_window_once_sqlite(shm_path: Path, pool2: RankPool) -> None:
     # The no-fault run. Against SQLite, not the server: the sink thread then does its writes in
     # this process (more Python, so more GIL competition for the training thread than HTTP
     # waits), and the suite saves a minute of server requests; the server run is the fault run.
@@ -113,7 +113,7 @@ def _control_outage(server: MlflowServer, signals: Path, errors: list[BaseExcept
 
 @pytest.mark.timeout(600)
 def test_server_down_from_step_50_to_120_delivers_all_once_in_order(
-    mlflow_server: MlflowServer, pool2: DistributedPool, tmp_path: Path
+    mlflow_server: MlflowServer, pool2: RankPool, tmp_path: Path
 ) -> None:
     password = "hunter2-fake-password"
     uri = mlflow_server.uri.replace("://", f"://alice:{password}@")
@@ -164,7 +164,7 @@ def test_server_down_from_step_50_to_120_delivers_all_once_in_order(
 
 
 def test_resume_from_collector_checkpoint_continues_the_same_run(
-    shm_path: Path, pool2: DistributedPool
+    shm_path: Path, pool2: RankPool
 ) -> None:
     config = _config(f"sqlite:///{shm_path / 'mlflow.db'}", "resume")
     # Stop after step 100's update with a checkpoint; step 100 is not logged yet.

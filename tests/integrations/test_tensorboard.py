@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sidestream.sinks import Report, RunInfo
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool
 from tests.integrations._workload import HISTOGRAM_EDGES, expected, train
 
 pytest.importorskip("tensorboard")
@@ -57,7 +57,7 @@ def _check(accumulator: Any, steps: range) -> None:
         assert value.num == counts.sum()
 
 
-def test_two_ranks_every_window_once(tmp_path: Path, pool2: DistributedPool) -> None:
+def test_two_ranks_every_window_once(tmp_path: Path, pool2: RankPool) -> None:
     log_dir = tmp_path / "tb"
     results = pool2.run(train, _config(log_dir), range(STEPS), timeout=240)
     assert [r["sink_threads"] for r in results] == [1, 0]
@@ -77,7 +77,7 @@ def test_two_ranks_every_window_once(tmp_path: Path, pool2: DistributedPool) -> 
 
 
 def test_resume_from_collector_checkpoint_appends_to_the_same_directory(
-    tmp_path: Path, pool2: DistributedPool
+    tmp_path: Path, pool2: RankPool
 ) -> None:
     log_dir = tmp_path / "tb"
     # Stop after step 100's update with a checkpoint; step 100 is not logged yet.

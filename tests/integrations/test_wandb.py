@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sidestream.sinks import Report, RunInfo
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool
 from tests.integrations._workload import HISTOGRAM_EDGES, expected, train
 from tests.integrations.wandb_reader import HistoryRow, read_history, run_id_of
 
@@ -72,7 +72,7 @@ def _data_files(root: Path) -> list[Path]:
     return sorted(files, key=lambda f: _history(f)[0].step if _history(f) else -1)
 
 
-def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: DistributedPool) -> None:
+def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: RankPool) -> None:
     results = pool2.run(train, _config(tmp_path), range(STEPS), timeout=240)
     assert [r["sink_threads"] for r in results] == [1, 0]
     assert [r["closed"] for r in results] == [True, True]
@@ -85,7 +85,7 @@ def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: DistributedP
 
 
 def test_resume_from_collector_checkpoint_keeps_the_run_id_and_never_repeats_a_step(
-    tmp_path: Path, pool2: DistributedPool
+    tmp_path: Path, pool2: RankPool
 ) -> None:
     # Stop after step 100's update with a checkpoint; step 100 is not logged yet.
     first = pool2.run(train, _config(tmp_path), range(101), checkpoint_at=100, timeout=240)

@@ -135,27 +135,30 @@ def make_shards(case: Case, seed: int, world_size: int) -> list[list[dict[str, n
 
 def to_torch(case: Case, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     """The (preds, target) tensors the metric receives."""
-    scores = torch.from_numpy(batch["scores"]).to(DTYPES[case.dtype])
+    scores = torch.as_tensor(batch["scores"]).to(DTYPES[case.dtype])
     if case.preds_format == "labels":
         preds = (
-            quantized_scores(case, batch).argmax(-1)
+            torch.as_tensor(quantized_scores(case, batch).argmax(-1))  # the rank's device
             if case.kind == "multiclass"
-            else torch.from_numpy(predicted_positive(case, batch)).to(torch.int64)
+            else torch.as_tensor(predicted_positive(case, batch)).to(torch.int64)
         )
     else:
         preds = scores
     target_np = batch["target"]
     if case.target_dtype == "one_hot":
-        target = torch.nn.functional.one_hot(torch.from_numpy(target_np), case.classes)
+        target = torch.nn.functional.one_hot(torch.as_tensor(target_np), case.classes)
     elif case.target_dtype == "bool":
-        target = torch.from_numpy(target_np).bool()
+        target = torch.as_tensor(target_np).bool()
     else:
-        target = torch.from_numpy(target_np).to(getattr(torch, case.target_dtype))
+        target = torch.as_tensor(target_np).to(getattr(torch, case.target_dtype))
     return preds, target
 
 
 def quantized_scores(case: Case, batch: dict[str, np.ndarray]) -> torch.Tensor:
-    """Scores after the round trip through the input dtype, as float64 (what the metric sees)."""
+    """Scores after the round trip through the input dtype, as float64 (what the metric sees).
+
+    Always on the host: references read it with ``.numpy()``.
+    """
     return torch.from_numpy(batch["scores"]).to(DTYPES[case.dtype]).to(torch.float64)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool, on_rank_device
 from tests.metrics.confusion_cases import (
     AGGREGATIONS,
     MATRIX_CASES,
@@ -39,6 +39,7 @@ CASES = binary_cases() + _MULTICLASS + _MULTILABEL
 SEEDS = (11, 12)
 
 
+@on_rank_device
 def _on_rank(seed: int) -> dict[str, list[Any]]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     counts = [run_case(case, make_shards(case, seed, world_size)[rank], True) for case in CASES]
@@ -60,7 +61,7 @@ def _on_rank(seed: int) -> dict[str, list[Any]]:
     return {"counts": counts, "matrices": matrices, "checkpoint": [checkpoint]}
 
 
-def test_synced_values_match_sklearn_on_all_shards(dist_pool: DistributedPool) -> None:
+def test_synced_values_match_sklearn_on_all_shards(dist_pool: RankPool) -> None:
     world_size = dist_pool.world_size
     for seed in SEEDS:
         per_rank = dist_pool.run(_on_rank, seed)

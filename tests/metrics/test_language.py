@@ -11,16 +11,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sidestream.metrics.language import PerplexityMetric, TokenAccuracyMetric
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool, on_rank_device
 
 VOCAB = 11
 
 
 def _shard(seed: int, batch: int, seq: int = 9) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    logits = torch.randn(batch, seq, VOCAB, generator=generator, dtype=torch.float64) * 2
-    target = torch.randint(0, VOCAB, (batch, seq), generator=generator)
-    padding = torch.rand(batch, seq, generator=generator) < 0.25
+    # Drawn on the host with a CPU generator, so every rank and the reference see the same data.
+    generator, cpu = torch.Generator().manual_seed(seed), torch.device("cpu")
+    logits = torch.randn(batch, seq, VOCAB, generator=generator, dtype=torch.float64, device=cpu)
+    target = torch.randint(0, VOCAB, (batch, seq), generator=generator, device=cpu)
+    padding = torch.rand(batch, seq, generator=generator, device=cpu) < 0.25
+    logits = logits * 2
     target = torch.where(padding, -100, target)
     return {"logits": logits, "target": target}
 
@@ -47,7 +49,8 @@ def _reference(data: dict[str, torch.Tensor]) -> tuple[float, float]:
 def _feed(data: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
     from_logits, from_losses = PerplexityMetric(), PerplexityMetric()
     accuracy = TokenAccuracyMetric(vocab_size=VOCAB)
-    logits, target = data["logits"].to(dtype), data["target"]
+    device = from_logits.device  # the rank's GPU under NCCL
+    logits, target = data["logits"].to(device, dtype), data["target"].to(device)
     half = len(target) // 2
     for part in (slice(0, half), slice(half, None)):
         from_logits.update(logits[part], target[part])
@@ -104,6 +107,7 @@ def test_ignore_index_inside_the_vocabulary_and_none() -> None:
     )
 
 
+@on_rank_device
 def _synced(seeds: list[int]) -> list[dict[str, float]]:
     return [
         _feed(_shards(seed, dist.get_world_size())[dist.get_rank()], torch.float64)
@@ -111,7 +115,7 @@ def _synced(seeds: list[int]) -> list[dict[str, float]]:
     ]
 
 
-def test_distributed_matches_cross_entropy_on_all_shards(dist_pool: DistributedPool) -> None:
+def test_distributed_matches_cross_entropy_on_all_shards(dist_pool: RankPool) -> None:
     seeds = [8, 9, 10]
     per_rank = dist_pool.run(_synced, seeds)
     for i, seed in enumerate(seeds):

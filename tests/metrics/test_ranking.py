@@ -22,7 +22,7 @@ from sidestream.metrics.classification import (
     MultilabelAUROCMetric,
     MultilabelAveragePrecisionMetric,
 )
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool, on_rank_device
 
 CLASSES = 4
 BINS = 10_000
@@ -96,7 +96,7 @@ def _feed(metrics: dict[str, Any], data: dict[str, np.ndarray], pieces: int = 3)
     n = len(data["target"])
     cuts = np.linspace(0, n, pieces + 1).astype(int)
     for a, b in itertools.pairwise(cuts):
-        part = {k: torch.from_numpy(v[a:b]) for k, v in data.items()}
+        part = {k: torch.as_tensor(v[a:b]) for k, v in data.items()}
         for name, metric in metrics.items():
             if name in ("auroc", "ap", "ece"):
                 metric.update(part["scores"], part["target"])
@@ -172,7 +172,7 @@ def test_binary_any_shape_and_float64(shape: tuple[int, ...]) -> None:
     data = _binary(np.random.default_rng(len(shape)), shape, np.float64)
     auroc, ap = BinaryAUROCMetric(BINS), BinaryAveragePrecisionMetric(BINS)
     for metric in (auroc, ap):
-        metric.update(torch.from_numpy(data["scores"]), torch.from_numpy(data["target"]))
+        metric.update(torch.as_tensor(data["scores"]), torch.as_tensor(data["target"]))
     flat_s, flat_t = data["scores"].reshape(-1), data["target"].reshape(-1)
     assert abs(auroc.compute().item() - roc_auc_score(flat_t, flat_s)) <= auroc.error_bound()
     assert abs(ap.compute().item() - average_precision_score(flat_t, flat_s)) <= ap.error_bound()
@@ -185,7 +185,7 @@ def test_scores_on_distinct_bins_are_exact() -> None:
     scores = np.round(np.clip(rng.normal(0.5, 0.2, 5000) + 0.1 * target, 0, 1), 2)
     auroc, ap = BinaryAUROCMetric(BINS), BinaryAveragePrecisionMetric(BINS)
     for metric in (auroc, ap):
-        metric.update(torch.from_numpy(scores), torch.from_numpy(target))
+        metric.update(torch.as_tensor(scores), torch.as_tensor(target))
     assert auroc.compute().item() == pytest.approx(roc_auc_score(target, scores), abs=1e-12)
     assert ap.compute().item() == pytest.approx(average_precision_score(target, scores), abs=1e-12)
 
@@ -197,7 +197,7 @@ def test_coarse_bins_err_but_stay_within_the_bound() -> None:
     for bins in (4, 16, 100):
         auroc, ap = BinaryAUROCMetric(bins), BinaryAveragePrecisionMetric(bins)
         for metric in (auroc, ap):
-            metric.update(torch.from_numpy(data["scores"]), torch.from_numpy(data["target"]))
+            metric.update(torch.as_tensor(data["scores"]), torch.as_tensor(data["target"]))
         auroc_error = abs(auroc.compute().item() - exact_auroc)
         ap_error = abs(ap.compute().item() - exact_ap)
         assert auroc_error <= auroc.error_bound().item()
@@ -206,6 +206,7 @@ def test_coarse_bins_err_but_stay_within_the_bound() -> None:
             assert auroc_error > 1e-3  # the check above is not vacuous
 
 
+@on_rank_device
 def _synced(seeds: list[int]) -> list[dict[str, tuple[list[float], list[float]]]]:
     out = []
     for seed in seeds:
@@ -218,7 +219,7 @@ def _synced(seeds: list[int]) -> list[dict[str, tuple[list[float], list[float]]]
     return out
 
 
-def test_distributed_matches_sklearn_on_all_shards(dist_pool: DistributedPool) -> None:
+def test_distributed_matches_sklearn_on_all_shards(dist_pool: RankPool) -> None:
     seeds = [7, 8]
     per_rank = dist_pool.run(_synced, seeds)
     for i, seed in enumerate(seeds):
@@ -232,7 +233,7 @@ def test_state_is_constant_size_and_counts_are_exact() -> None:
     sizes = []
     for seed in range(4):
         data = _shard(seed, 1000)
-        metric.update(torch.from_numpy(data["probs"]), torch.from_numpy(data["labels"]))
+        metric.update(torch.as_tensor(data["probs"]), torch.as_tensor(data["labels"]))
         sizes.append(sum(t.numel() for t in metric.state_dict().values()))
     assert len(set(sizes)) == 1
     negatives, positives = metric.histograms()
@@ -277,8 +278,8 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_scores_and_bool_targets(dtype: torch.dtype) -> None:
     data = _binary(np.random.default_rng(11), (3000,), np.float32)
-    scores = torch.from_numpy(data["scores"]).to(dtype)
-    target = torch.from_numpy(data["target"]).bool()
+    scores = torch.as_tensor(data["scores"]).to(dtype)
+    target = torch.as_tensor(data["target"]).bool()
     auroc = BinaryAUROCMetric(BINS)
     auroc.update(scores, target)
     exact = roc_auc_score(data["target"], scores.float().numpy())  # the values the metric saw

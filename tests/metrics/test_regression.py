@@ -18,7 +18,7 @@ from sidestream.metrics.regression import (
     R2ScoreMetric,
     RootMeanSquaredErrorMetric,
 )
-from sidestream.testing import DistributedPool
+from sidestream.testing import RankPool, on_rank_device
 
 OUTPUTS = 3
 
@@ -55,7 +55,7 @@ def _metrics(outputs: int) -> dict[str, Any]:
 def _feed(metrics: dict[str, Any], data: dict[str, np.ndarray]) -> None:
     n = len(data["preds"])
     for a, b in ((0, n // 3), (n // 3, n // 3), (n // 3, n)):  # includes an empty batch
-        preds, target = torch.from_numpy(data["preds"][a:b]), torch.from_numpy(data["target"][a:b])
+        preds, target = torch.as_tensor(data["preds"][a:b]), torch.as_tensor(data["target"][a:b])
         for metric in metrics.values():
             metric.update(preds, target)
 
@@ -100,8 +100,8 @@ def test_any_input_shape_with_one_output() -> None:
     data = _shard(4, 60, 1)
     metric = MeanSquaredErrorMetric()
     metric.update(
-        torch.from_numpy(data["preds"]).reshape(3, 4, 5),
-        torch.from_numpy(data["target"]).reshape(3, 4, 5),
+        torch.as_tensor(data["preds"]).reshape(3, 4, 5),
+        torch.as_tensor(data["target"]).reshape(3, 4, 5),
     )
     assert metric.compute().item() == pytest.approx(
         mean_squared_error(data["target"].astype(float), data["preds"].astype(float)), rel=1e-12
@@ -110,7 +110,7 @@ def test_any_input_shape_with_one_output() -> None:
 
 def test_shift_keeps_r2_and_pearson_accurate_far_from_zero() -> None:
     data = _shard(6, 2000, 1, offset=1e7)
-    p, t = torch.from_numpy(data["preds"]).double(), torch.from_numpy(data["target"]).double()
+    p, t = torch.as_tensor(data["preds"]).double(), torch.as_tensor(data["target"]).double()
     r2, pearson = R2ScoreMetric(shift=1e7), PearsonCorrelationMetric(shift=1e7)
     r2.update(p, t)
     pearson.update(p, t)
@@ -119,6 +119,7 @@ def test_shift_keeps_r2_and_pearson_accurate_far_from_zero() -> None:
     assert pearson.compute().item() == pytest.approx(pearsonr(p64, t64).statistic, rel=1e-9)
 
 
+@on_rank_device
 def _synced(seeds: list[int], outputs: int) -> list[dict[str, list[float]]]:
     out = []
     for seed in seeds:
@@ -132,9 +133,7 @@ def _synced(seeds: list[int], outputs: int) -> list[dict[str, list[float]]]:
 
 
 @pytest.mark.parametrize("outputs", [1, OUTPUTS])
-def test_distributed_matches_sklearn_on_all_shards(
-    dist_pool: DistributedPool, outputs: int
-) -> None:
+def test_distributed_matches_sklearn_on_all_shards(dist_pool: RankPool, outputs: int) -> None:
     seeds = [3, 4, 5]
     per_rank = dist_pool.run(_synced, seeds, outputs)
     for i, seed in enumerate(seeds):

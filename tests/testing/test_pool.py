@@ -9,9 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sidestream.testing import DistributedError, DistributedPool, run_distributed
+from sidestream.testing import (
+    DistributedError,
+    DistributedPool,
+    RankPool,
+    on_rank_device,
+    run_distributed,
+)
 
 
+@on_rank_device
 def _rank_sum() -> float:
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
@@ -32,13 +39,13 @@ def _rank_one_dies() -> int:
     return 0
 
 
-def test_results_come_back_by_rank(dist_pool: DistributedPool) -> None:
+def test_results_come_back_by_rank(dist_pool: RankPool) -> None:
     n = dist_pool.world_size
     assert dist_pool.run(_rank_sum) == [n * (n + 1) / 2] * n
     assert dist_pool.run(dist.get_rank) == list(range(n))
 
 
-def test_failing_rank_reported_without_hang(dist_pool: DistributedPool) -> None:
+def test_failing_rank_reported_without_hang(dist_pool: RankPool) -> None:
     start = time.monotonic()
     with pytest.raises(DistributedError) as caught:
         dist_pool.run(_rank_one_raises, timeout=60)

@@ -155,7 +155,7 @@ class Dispatcher:
             values = dict(zip(layout.value_names, numbers, strict=True))
             # New CPU tensors: on CUDA the leaves are pinned buffers the next window reuses.
             histograms = {
-                name: torch.tensor(python_leaves[i], dtype=_dtype(leaves[i]))
+                name: torch.tensor(python_leaves[i], dtype=_dtype(leaves[i]), device="cpu")
                 for i, name in layout.histograms
             }
             report = Report(

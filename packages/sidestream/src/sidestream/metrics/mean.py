@@ -30,8 +30,10 @@ class MeanMetric(Metric[Tensor]):
         tensor = as_tensor("values", values, self.device)
         check_floating("values", tensor)
         self._total.accumulate(tensor.sum(dtype=self._total.local.dtype))
-        # numel is metadata: adding it is a host-to-device scalar, not a sync.
-        self._count.accumulate(torch.tensor(float(tensor.numel()), dtype=self._count.local.dtype))
+        # numel is metadata: a CPU scalar rides into the add as an argument, not a sync (even
+        # under a CUDA default device, hence device="cpu").
+        count = torch.tensor(float(tensor.numel()), dtype=self._count.local.dtype, device="cpu")
+        self._count.accumulate(count)
 
     def compute(self) -> Tensor:
         """Sum / count; NaN over no data."""

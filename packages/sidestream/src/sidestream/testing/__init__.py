@@ -1,5 +1,17 @@
-"""Helpers to test code on several local processes joined by a gloo process group."""
+"""Helpers to test code on several local processes joined by a process group."""
 
-from sidestream.testing._pool import DistributedError, DistributedPool, RankFailure, run_distributed
+from sidestream.testing._device import on_rank_device, rank_device
+from sidestream.testing._pool import DistributedPool, RankPool, run_distributed
+from sidestream.testing._results import DistributedError, RankFailure
+from sidestream.testing._torchrun import TorchrunPool
 
-__all__ = ["DistributedError", "DistributedPool", "RankFailure", "run_distributed"]
+__all__ = [
+    "DistributedError",
+    "DistributedPool",
+    "RankFailure",
+    "RankPool",
+    "TorchrunPool",
+    "on_rank_device",
+    "rank_device",
+    "run_distributed",
+]

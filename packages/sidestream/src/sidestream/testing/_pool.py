@@ -1,42 +1,149 @@
-"""Run functions on N local gloo processes and get each rank's result or traceback back."""
+"""Run functions on N local processes joined by a process group; get each rank's result back."""
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ["DistributedError", "DistributedPool", "RankFailure", "run_distributed"]
+from sidestream.testing._results import DistributedError, RankFailure, dumps_on_host
+
+__all__ = ["DistributedPool", "run_distributed"]
 
 _STOP = "stop"
+_GRACE_S = 5.0  # after one rank fails, how long the others get to report their own view
 
 
-@dataclass(frozen=True)
-class RankFailure:
-    """What went wrong on one rank: its traceback, or why it produced no result."""
+class RankPool(ABC):
+    """A process group of ``world_size`` ranks that runs one function at a time on all of them.
 
-    rank: int
-    reason: str
+    Subclasses say how the ranks are started and how tasks and results travel; the waiting,
+    the failure reports and the restart after a failure are the same for all of them.
+    """
+
+    def __init__(self, world_size: int, backend: str, collective_timeout_s: float) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size: expected >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self._collective_timeout_s = collective_timeout_s
+        self._started = False
+        self._next_task = 0
+
+    @abstractmethod
+    def _start(self) -> None:
+        """Start the ranks and their process group."""
+
+    @abstractmethod
+    def _submit(self, task_id: int, task: bytes) -> None:
+        """Hand the pickled ``(function, args, kwargs)`` to every rank."""
+
+    @abstractmethod
+    def _poll(self, task_id: int, waiting: set[int], wait_s: float) -> list[tuple[int, bytes]]:
+        """Return ``(rank, pickled (ok, payload))`` for ranks of ``waiting`` that finished."""
+
+    @abstractmethod
+    def _any_dead(self) -> bool:
+        """Whether a rank (or the launcher holding them) has exited."""
+
+    @abstractmethod
+    def _missing_reason(self, rank: int, timeout: float, gave_up: bool) -> str:
+        """Why ``rank`` produced no result."""
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """Stop every rank (politely, then by force) and release what ``_start`` made."""
+
+    def run(
+        self, function: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``function(*args, **kwargs)`` on every rank and return the results by rank.
+
+        ``function`` must be picklable (defined at module level) and so must its arguments and
+        results. Tensors in the results come back on the CPU.
+
+        Raises:
+            DistributedError: If any rank raised, did not finish within ``timeout`` seconds, or
+                died. Every rank's traceback or reason is in the message.
+        """
+        task = pickle.dumps((function, args, kwargs))
+        if not self._started:
+            self._started = True  # so close() also cleans up after a start that failed halfway
+            self._next_task = 0
+            self._start()
+        task_id = self._next_task
+        self._next_task += 1
+        self._submit(task_id, task)
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        grace_deadline: float | None = None
+        while len(outcomes) < self.world_size:
+            now = time.monotonic()
+            limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
+            if now >= limit:
+                break
+            waiting = set(range(self.world_size)) - outcomes.keys()
+            finished = self._poll(task_id, waiting, min(0.2, limit - now))
+            if not finished:
+                if grace_deadline is None and self._any_dead():
+                    grace_deadline = time.monotonic() + _GRACE_S
+                continue
+            for rank, outcome in finished:
+                ok, payload = pickle.loads(outcome)
+                outcomes[rank] = (ok, payload)
+                if not ok and grace_deadline is None:
+                    grace_deadline = time.monotonic() + _GRACE_S
+        name = getattr(function, "__qualname__", repr(function))
+        gave_up = grace_deadline is not None and time.monotonic() < deadline
+        failures = self._failures(outcomes, timeout, gave_up)
+        if failures:
+            self.close()
+            raise DistributedError(name, self.world_size, failures)
+        return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def _failures(
+        self, outcomes: dict[int, tuple[bool, Any]], timeout: float, gave_up: bool
+    ) -> list[RankFailure]:
+        failures = []
+        for rank in range(self.world_size):
+            if rank in outcomes:
+                ok, payload = outcomes[rank]
+                if not ok:
+                    failures.append(RankFailure(rank, payload))
+                continue
+            failures.append(RankFailure(rank, self._missing_reason(rank, timeout, gave_up)))
+        return failures
+
+    def close(self) -> None:
+        """Stop every rank and forget the process group; the next ``run`` starts a new one."""
+        if self._started:
+            self._stop()
+            self._started = False
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
-class DistributedError(RuntimeError):
-    """One or more ranks failed, timed out or died; ``failures`` says which and how."""
-
-    def __init__(self, function: str, world_size: int, failures: list[RankFailure]) -> None:
-        self.failures = failures
-        lines = [f"{function} failed on {len(failures)} of {world_size} ranks:"]
-        for failure in failures:
-            lines.append(f"--- rank {failure.rank} ---\n{failure.reason.rstrip()}")
-        super().__init__("\n".join(lines))
+def run_task(task: bytes) -> bytes:
+    """Run one pickled task on this rank; return the pickled ``(ok, result or traceback)``."""
+    try:
+        function, args, kwargs = pickle.loads(task)
+        return dumps_on_host((True, function(*args, **kwargs)))
+    except BaseException:  # report everything, the parent decides
+        return pickle.dumps((False, traceback.format_exc()))
 
 
 def _worker(
@@ -65,18 +172,15 @@ def _worker(
             task = tasks.get()
             if task == _STOP:
                 break
-            task_id, function, args, kwargs = task
-            try:
-                results.put((task_id, rank, True, function(*args, **kwargs)))
-            except BaseException:  # report everything, the parent decides
-                results.put((task_id, rank, False, traceback.format_exc()))
+            task_id, payload = task
+            results.put((task_id, rank, run_task(payload)))
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
 
-class DistributedPool:
-    """A process group of ``world_size`` local processes that runs one function at a time.
+class DistributedPool(RankPool):
+    """A gloo process group of ``world_size`` local processes that runs one function at a time.
 
     Starting processes and a process group costs seconds, so the pool keeps them between calls.
     When a call fails on any rank, times out, or a process dies, the pool is torn down (so a
@@ -98,17 +202,12 @@ class DistributedPool:
     def __init__(
         self, world_size: int, backend: str = "gloo", collective_timeout_s: float = 30.0
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size: expected >= 1, got {world_size}")
-        self.world_size = world_size
-        self._backend = backend
-        self._collective_timeout_s = collective_timeout_s
+        super().__init__(world_size, backend, collective_timeout_s)
         self._context = mp.get_context("spawn")
         self._processes: list[BaseProcess] = []
         self._tasks: list[Any] = []
         self._results: Any = None
         self._store_dir: tempfile.TemporaryDirectory[str] | None = None
-        self._next_task = 0
 
     def _start(self) -> None:
         self._store_dir = tempfile.TemporaryDirectory(prefix="sidestream-pg-")
@@ -122,7 +221,7 @@ class DistributedPool:
                     rank,
                     self.world_size,
                     store_path,
-                    self._backend,
+                    self.backend,
                     self._collective_timeout_s,
                     self._tasks[rank],
                     self._results,
@@ -135,74 +234,29 @@ class DistributedPool:
         for process in self._processes:
             process.start()
 
-    def run(
-        self, function: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
-    ) -> list[Any]:
-        """Run ``function(*args, **kwargs)`` on every rank and return the results by rank.
-
-        ``function`` must be picklable (defined at module level) and so must its arguments and
-        results.
-
-        Raises:
-            DistributedError: If any rank raised, did not finish within ``timeout`` seconds, or
-                died. Every rank's traceback or reason is in the message.
-        """
-        if not self._processes:
-            self._start()
-        task_id = self._next_task
-        self._next_task += 1
+    def _submit(self, task_id: int, task: bytes) -> None:
         for task_queue in self._tasks:
-            task_queue.put((task_id, function, args, kwargs))
-        outcomes: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout
-        grace_deadline: float | None = None
-        while len(outcomes) < self.world_size:
-            now = time.monotonic()
-            limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
-            if now >= limit:
-                break
-            try:
-                got_id, rank, ok, payload = self._results.get(timeout=min(0.2, limit - now))
-            except queue.Empty:
-                if any(not p.is_alive() for p in self._processes) and grace_deadline is None:
-                    grace_deadline = time.monotonic() + 5.0
-                continue
-            if got_id != task_id:
-                continue
-            outcomes[rank] = (ok, payload)
-            if not ok and grace_deadline is None:
-                # Give the other ranks a moment to report their own view, then stop waiting.
-                grace_deadline = time.monotonic() + 5.0
-        name = getattr(function, "__qualname__", repr(function))
-        gave_up = grace_deadline is not None and time.monotonic() < deadline
-        failures = self._failures(outcomes, timeout, gave_up)
-        if failures:
-            self.close()
-            raise DistributedError(name, self.world_size, failures)
-        return [outcomes[rank][1] for rank in range(self.world_size)]
+            task_queue.put((task_id, task))
 
-    def _failures(
-        self, outcomes: dict[int, tuple[bool, Any]], timeout: float, gave_up: bool
-    ) -> list[RankFailure]:
-        failures = []
-        for rank in range(self.world_size):
-            if rank in outcomes:
-                ok, payload = outcomes[rank]
-                if not ok:
-                    failures.append(RankFailure(rank, payload))
-                continue
-            process = self._processes[rank]
-            if process.is_alive() and gave_up:
-                reason = "no result after another rank failed (likely waiting on it; killed)"
-            elif process.is_alive():
-                reason = f"no result within {timeout:.0f} s (still running; killed)"
-            else:
-                reason = f"process died with exit code {process.exitcode}"
-            failures.append(RankFailure(rank, reason))
-        return failures
+    def _poll(self, task_id: int, waiting: set[int], wait_s: float) -> list[tuple[int, bytes]]:
+        try:
+            got_id, rank, outcome = self._results.get(timeout=wait_s)
+        except queue.Empty:
+            return []
+        return [(rank, outcome)] if got_id == task_id and rank in waiting else []
 
-    def close(self) -> None:
-        """Stop every rank (politely, then by force) and forget the process group."""
+    def _any_dead(self) -> bool:
+        return any(not process.is_alive() for process in self._processes)
+
+    def _missing_reason(self, rank: int, timeout: float, gave_up: bool) -> str:
+        process = self._processes[rank]
+        if process.is_alive() and gave_up:
+            return "no result after another rank failed (likely waiting on it; killed)"
+        if process.is_alive():
+            return f"no result within {timeout:.0f} s (still running; killed)"
+        return f"process died with exit code {process.exitcode}"
+
+    def _stop(self) -> None:
         for task_queue in self._tasks:
             with contextlib.suppress(Exception):
                 task_queue.put(_STOP)
@@ -221,12 +275,6 @@ class DistributedPool:
         if self._store_dir is not None:
             self._store_dir.cleanup()
             self._store_dir = None
-
-    def __enter__(self) -> DistributedPool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def run_distributed(

@@ -225,10 +225,12 @@ class ScoreHistogramMetric(Metric[Tensor]):
         stride = bins + 1
         index = _host.score_bins(preds, bins, 2 * classes)
         if classes > 1:
-            index += torch.arange(0, classes * stride, stride, dtype=index.dtype)
+            index += torch.arange(
+                0, classes * stride, stride, dtype=index.dtype, device=index.device
+            )
         if self._problem == "multiclass":
             # One offset per sample at its true class, not an (N, C) comparison.
-            samples = torch.arange(index.shape[0])
+            samples = torch.arange(index.shape[0], device=index.device)
             index[samples, target.long()] += classes * stride
         else:
             index.add_(target.to(index.dtype), alpha=classes * stride)

@@ -81,7 +81,7 @@ class PairedRegressionMetric(Metric[Tensor]):
             keep = screen_invalid(invalid, self._rejected, "preds/target", "finite values")
         rows = float(preds_64.shape[0])  # metadata, not a device value
         if keep is None:
-            self._count.accumulate(torch.tensor(rows, dtype=torch.float64))
+            self._count.accumulate(torch.tensor(rows, dtype=torch.float64, device="cpu"))
         else:
             # where, not multiply: 0 * inf would still be NaN.
             preds_64 = torch.where(keep, preds_64, 0.0)

@@ -1,0 +1,163 @@
+"""A ``RankPool`` whose ranks torchrun starts: one process per GPU with NCCL, or CPU with gloo."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import IO, Any
+
+import torch
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
+
+from sidestream.testing._pool import RankPool
+from sidestream.testing._torchrun_worker import STOP
+
+__all__ = ["TorchrunPool"]
+
+_PREFIX = "sidestream-pool"
+_LOG_TAIL_CHARS = 4000
+
+
+class TorchrunPool(RankPool):
+    """``world_size`` ranks launched by torchrun, running one function at a time.
+
+    This is how multi-GPU machines run the distributed tests: torchrun starts one process per
+    GPU, each binds ``cuda:LOCAL_RANK`` and joins an NCCL process group, exactly as a training
+    job does. Tasks and results travel through a TCP store this process hosts, so the test
+    process itself stays out of the group. Failures, timeouts and restarts behave as in
+    ``DistributedPool``; when a rank dies, torchrun stops the others and its output is quoted.
+
+    Args:
+        world_size: Number of ranks (at most the number of visible GPUs with NCCL).
+        backend: ``"nccl"`` for GPU ranks, ``"gloo"`` for CPU ranks.
+        collective_timeout_s: Timeout of each collective inside the ranks.
+
+    Raises:
+        ValueError: If ``backend`` is ``"nccl"`` and fewer than ``world_size`` GPUs are visible.
+
+    Example:
+        >>> with TorchrunPool(2, backend="gloo") as pool:
+        ...     ranks = pool.run(torch.distributed.get_rank)
+        >>> ranks
+        [0, 1]
+    """
+
+    def __init__(
+        self, world_size: int, backend: str = "nccl", collective_timeout_s: float = 30.0
+    ) -> None:
+        super().__init__(world_size, backend, collective_timeout_s)
+        if backend == "nccl" and torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"world_size: NCCL needs one GPU per rank, got {world_size} ranks and "
+                f"{torch.cuda.device_count()} visible GPUs"
+            )
+        self._store: TCPStore | None = None
+        self._launcher: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def run(
+        self, function: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``function(*args, **kwargs)`` on every rank; see ``RankPool.run``.
+
+        Raises:
+            ValueError: If ``function`` lives in ``__main__``, which the ranks cannot import.
+            DistributedError: If any rank raised, timed out or died.
+        """
+        if getattr(function, "__module__", None) == "__main__":
+            raise ValueError(
+                "function: the torchrun ranks import it by module; define it in an importable "
+                "module, not in __main__"
+            )
+        return super().run(function, *args, timeout=timeout, **kwargs)
+
+    def _start(self) -> None:
+        self._store = TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        self._log = tempfile.TemporaryFile(prefix="sidestream-torchrun-")  # noqa: SIM115 (closed in _stop)
+        env = {
+            **os.environ,
+            "SIDESTREAM_POOL_STORE": f"127.0.0.1:{self._store.port}",
+            "SIDESTREAM_POOL_PREFIX": _PREFIX,
+            "SIDESTREAM_POOL_BACKEND": self.backend,
+            "SIDESTREAM_POOL_TIMEOUT_S": str(self._collective_timeout_s),
+            # The ranks unpickle functions by module, as spawned processes would.
+            "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),
+        }
+        if self.backend != "nccl":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={self.world_size}",
+            "--max-restarts=0",
+            "--monitor-interval=0.2",
+            "-m",
+            "sidestream.testing._torchrun_worker",
+        ]
+        # Its own session, so stopping it by force also stops the ranks it started.
+        self._launcher = subprocess.Popen(
+            command, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def _submit(self, task_id: int, task: bytes) -> None:
+        assert self._store is not None
+        self._store.set(f"{_PREFIX}/task/{task_id}", task)  # type: ignore[arg-type]  # takes bytes
+
+    def _poll(self, task_id: int, waiting: set[int], wait_s: float) -> list[tuple[int, bytes]]:
+        assert self._store is not None
+        deadline = time.monotonic() + wait_s
+        while True:
+            finished = []
+            for rank in sorted(waiting):
+                key = f"{_PREFIX}/result/{task_id}/{rank}"
+                if self._store.check([key]):
+                    finished.append((rank, self._store.get(key)))
+            if finished or time.monotonic() >= deadline:
+                return finished
+            time.sleep(0.01)
+
+    def _any_dead(self) -> bool:
+        return self._launcher is None or self._launcher.poll() is not None
+
+    def _missing_reason(self, rank: int, timeout: float, gave_up: bool) -> str:
+        alive = not self._any_dead()
+        if alive and gave_up:
+            return "no result after another rank failed (likely waiting on it; killed)"
+        if alive:
+            return f"no result within {timeout:.0f} s (still running; killed)"
+        code = None if self._launcher is None else self._launcher.returncode
+        return f"torchrun exited with code {code}; its output ends with:\n{self._log_tail()}"
+
+    def _log_tail(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-_LOG_TAIL_CHARS:]
+
+    def _stop(self) -> None:
+        if self._launcher is not None:
+            if self._store is not None and self._launcher.poll() is None:
+                with contextlib.suppress(Exception):
+                    stop_key = f"{_PREFIX}/task/{self._next_task}"
+                    self._store.set(stop_key, STOP)  # type: ignore[arg-type]
+            try:
+                self._launcher.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._launcher.pid, signal.SIGKILL)
+                self._launcher.wait(timeout=10.0)
+        if self._log is not None:
+            self._log.close()
+        self._launcher, self._log, self._store = None, None, None

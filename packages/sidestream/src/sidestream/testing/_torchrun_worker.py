@@ -1,0 +1,58 @@
+"""One rank of a ``TorchrunPool``: join the process group, then run tasks until told to stop.
+
+Started by torchrun (``python -m torch.distributed.run ... -m sidestream.testing._torchrun_worker``)
+with ``SIDESTREAM_POOL_STORE`` naming the parent's store, where tasks and results travel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
+
+from sidestream.testing._pool import run_task
+
+STOP = b"stop"
+
+
+def _join_group(backend: str, timeout: timedelta) -> None:
+    if backend == "nccl":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)  # one process per GPU
+        dist.init_process_group(
+            backend, timeout=timeout, device_id=torch.device("cuda", local_rank)
+        )
+    else:
+        torch.set_num_threads(1)  # CPU ranks share this machine's cores
+        dist.init_process_group(backend, timeout=timeout)
+
+
+def main() -> None:
+    host, port = os.environ["SIDESTREAM_POOL_STORE"].rsplit(":", 1)
+    prefix = os.environ["SIDESTREAM_POOL_PREFIX"]
+    backend = os.environ["SIDESTREAM_POOL_BACKEND"]
+    timeout = timedelta(seconds=float(os.environ["SIDESTREAM_POOL_TIMEOUT_S"]))
+    # Tasks may be minutes apart; a lost parent closes the store, which ends the wait at once.
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(days=1))
+    rank = int(os.environ["RANK"])
+    _join_group(backend, timeout)
+    try:
+        task_id = 0
+        while True:
+            task = store.get(f"{prefix}/task/{task_id}")
+            if task == STOP:
+                break
+            # The stub says str; the store takes bytes as they are.
+            store.set(f"{prefix}/result/{task_id}/{rank}", run_task(task))  # type: ignore[arg-type]
+            task_id += 1
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

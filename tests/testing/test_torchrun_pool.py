@@ -1,0 +1,105 @@
+"""TorchrunPool: ranks started by torchrun (gloo here, NCCL in the gpu session) behave like a pool.
+
+Also runs real distributed test files through the torchrun launcher, as ``nox -s gpu`` does
+with NCCL, to show the same tests run unchanged on ranks torchrun starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sidestream.testing import DistributedError, TorchrunPool, rank_device
+from tests.testing.test_pool import _rank_one_dies, _rank_one_raises, _rank_sum
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _launched_by_torchrun() -> tuple[str, str, str]:
+    return os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], str(rank_device())
+
+
+def _device_tensor() -> torch.Tensor:
+    return torch.arange(3) * (dist.get_rank() + 1)
+
+
+@pytest.fixture(scope="module")
+def torchrun_pool() -> Iterator[TorchrunPool]:
+    with TorchrunPool(2, backend="gloo") as pool:
+        yield pool
+
+
+def test_ranks_are_started_by_torchrun_and_results_come_back(torchrun_pool: TorchrunPool) -> None:
+    assert torchrun_pool.run(_launched_by_torchrun) == [("0", "2", "cpu"), ("1", "2", "cpu")]
+    assert torchrun_pool.run(_rank_sum) == [3.0, 3.0]
+    assert torchrun_pool.run(dist.get_rank) == [0, 1]
+    results = torchrun_pool.run(_device_tensor)
+    assert [r.tolist() for r in results] == [[0, 1, 2], [0, 2, 4]]
+
+
+def test_failing_rank_reported_then_pool_restarts(torchrun_pool: TorchrunPool) -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as caught:
+        torchrun_pool.run(_rank_one_raises, timeout=60)
+    assert time.monotonic() - start < 45
+    assert [f.rank for f in caught.value.failures if "ValueError" in f.reason] == [1]
+    assert "bad shard on rank one" in str(caught.value)
+    assert torchrun_pool.run(dist.get_rank) == [0, 1]
+
+
+def test_dead_rank_reported_with_torchrun_output(torchrun_pool: TorchrunPool) -> None:
+    with pytest.raises(DistributedError, match="torchrun exited") as caught:
+        torchrun_pool.run(_rank_one_dies, timeout=60)
+    assert "exitcode  : 3" in str(caught.value)  # torchrun's own failure report
+    assert torchrun_pool.run(dist.get_rank) == [0, 1]
+
+
+def test_rejects_what_it_cannot_run() -> None:
+    def in_main() -> int:
+        return 0
+
+    in_main.__module__ = "__main__"
+    with pytest.raises(ValueError, match="function: the torchrun ranks import it"):
+        TorchrunPool(2, backend="gloo").run(in_main)
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match="world_size: NCCL needs one GPU per rank"):
+            TorchrunPool(64, backend="nccl")
+    with pytest.raises(ValueError, match="world_size"):
+        TorchrunPool(0, backend="gloo")
+
+
+def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_distributed_tests_run_unchanged_through_torchrun() -> None:
+    tests = [
+        "tests/core/test_checkpoint_resharding.py",
+        "tests/metrics/test_regression.py::test_distributed_matches_sklearn_on_all_shards",
+    ]
+    done = _pytest(*tests, "-m", "distributed", SIDESTREAM_TEST_LAUNCHER="torchrun")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "5 passed" in done.stdout, done.stdout[-2000:]
+
+
+def test_launcher_settings_are_checked() -> None:
+    done = _pytest("tests/testing/test_pool.py", SIDESTREAM_TEST_BACKEND="nccl")
+    assert done.returncode != 0
+    assert "SIDESTREAM_TEST_BACKEND=nccl needs SIDESTREAM_TEST_LAUNCHER=torchrun" in (
+        done.stdout + done.stderr
+    )
