@@ -4,9 +4,10 @@
 (``run.log``, ``mlflow.log_metric``, ``SummaryWriter.add_scalar``) on the training thread. "Via
 sink" updates a sidestream metric and calls ``AsyncMetricCollector.schedule_collection``: the real
 pipeline (dispatcher thread, then the sink's own ``SinkRunner`` thread), which also moves the
-``.item()`` off the training thread. Each
-step also does a small fixed amount of compute, so the table shows the loop's step time too:
-the background thread competes with it for the GIL.
+``.item()`` off the training thread. "Via child" is the same with the sink wrapped in a
+``ProcessSink``, so the tracker client runs in a child process. Each step also does a small
+fixed amount of compute, so the table shows the loop's step time too: a background thread
+competes with it for the GIL, a child process does not.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from sidestream import AsyncMetricCollector, Metric, MetricAccumulator
-from sidestream.sinks import Sink
+from sidestream.sinks import ProcessSink, Sink
 
 STEPS = {"tensorboard": 400, "mlflow": 30, "wandb": 400}
 VALUES = 8  # metrics per logged step (loss plus per-class values)
@@ -49,6 +50,11 @@ class _ThroughCollector:
 
     def __init__(self, sink: Sink) -> None:
         self._collector = AsyncMetricCollector(_Values(), sinks=[sink]).bind("cpu")
+        # Warm up: the sink is open (a child process started) before the timed loop begins.
+        self.log(-1, torch.zeros(VALUES))
+        self._collector.collect_results(timeout=300)  # handed to the sink's runner
+        for runner in self._collector.sink_runners:
+            assert runner.wait_delivered(timeout=300), "the warm-up report must arrive"
 
     def log(self, step: int, values: torch.Tensor) -> None:
         self._collector.metric.update(values)
@@ -58,6 +64,16 @@ class _ThroughCollector:
         started = time.perf_counter()
         assert self._collector.close(timeout=300), "every report must reach the sink"
         return time.perf_counter() - started
+
+
+def _piped(steps: int, make_sink: Callable[[], Sink]) -> dict[str, Any]:
+    """Through the collector, with the sink on a thread and then in a child process."""
+    out: dict[str, Any] = {}
+    for kind, sink in (("sink", make_sink()), ("child", ProcessSink(make_sink()))):
+        piped = _ThroughCollector(sink)
+        out[kind] = _loop(steps, piped.log)
+        out[f"{kind} drain"] = piped.close()
+    return out
 
 
 def _loop(steps: int, log: Callable[[int, torch.Tensor], None]) -> tuple[float, float]:
@@ -94,10 +110,8 @@ def _tensorboard(root: Path) -> dict[str, Any]:
 
     direct_cost = _loop(STEPS["tensorboard"], direct)
     writer.close()
-    piped = _ThroughCollector(TensorBoardSink(log_dir=root / "sink"))
-    sink_cost = _loop(STEPS["tensorboard"], piped.log)
-    drain = piped.close()
-    return {"direct": direct_cost, "sink": sink_cost, "drain": drain}
+    piped = _piped(STEPS["tensorboard"], lambda: TensorBoardSink(log_dir=root / "sink"))
+    return {"direct": direct_cost, **piped}
 
 
 def _mlflow(root: Path) -> dict[str, Any]:
@@ -115,10 +129,8 @@ def _mlflow(root: Path) -> dict[str, Any]:
                 mlflow.log_metric(f"metric_{i}", values[i].item(), step=step)
 
         direct_cost = _loop(STEPS["mlflow"], direct)
-    piped = _ThroughCollector(MlflowSink(tracking_uri=uri, experiment="bench"))
-    sink_cost = _loop(STEPS["mlflow"], piped.log)
-    drain = piped.close()
-    return {"direct": direct_cost, "sink": sink_cost, "drain": drain}
+    piped = _piped(STEPS["mlflow"], lambda: MlflowSink(tracking_uri=uri, experiment="bench"))
+    return {"direct": direct_cost, **piped}
 
 
 def _wandb(root: Path) -> dict[str, Any]:
@@ -133,10 +145,10 @@ def _wandb(root: Path) -> dict[str, Any]:
 
     direct_cost = _loop(STEPS["wandb"], direct)
     run.finish()
-    piped = _ThroughCollector(WandbSink(project="bench", mode="offline", dir=str(root)))
-    sink_cost = _loop(STEPS["wandb"], piped.log)
-    drain = piped.close()
-    return {"direct": direct_cost, "sink": sink_cost, "drain": drain}
+    piped = _piped(
+        STEPS["wandb"], lambda: WandbSink(project="bench", mode="offline", dir=str(root))
+    )
+    return {"direct": direct_cost, **piped}
 
 
 def run() -> str:
@@ -152,10 +164,13 @@ def run() -> str:
         with tempfile.TemporaryDirectory() as tmp, _quiet():
             result = measure(Path(tmp))
         (direct_log, direct_step), (sink_log, sink_step) = result["direct"], result["sink"]
+        child_log, child_step = result["child"]
         rows.append(
             f"| {label} | {direct_log * 1e6:,.0f} | {sink_log * 1e6:,.1f} | "
-            f"{direct_log / sink_log:,.0f}x | {direct_step * 1e6:,.0f} | {sink_step * 1e6:,.0f} | "
-            f"{direct_step / sink_step:.1f}x | {result['drain']:.2f} |"
+            f"{child_log * 1e6:,.1f} | {direct_log / child_log:,.0f}x | "
+            f"{direct_step * 1e6:,.0f} | {sink_step * 1e6:,.0f} | {child_step * 1e6:,.0f} | "
+            f"{direct_step / sink_step:.1f}x | {direct_step / child_step:.1f}x | "
+            f"{result['sink drain']:.2f} / {result['child drain']:.2f} |"
         )
     return (
         "## Tracker overhead on the training thread\n\n"
@@ -163,16 +178,21 @@ def run() -> str:
         "small matmul stands in for the training step. *Direct*: `.item()` then the tracker's "
         "own call on the training thread. *Via sink*: `metric.update` + "
         "`AsyncMetricCollector.schedule_collection` (the real pipeline: dispatcher thread, then "
-        "the sink's own thread). "
-        "Ratios are direct / via sink. *Drain*: seconds the background thread still needed "
-        "after the loop ended (off the training thread); where it is large, most delivery "
-        "happened after the loop, so the step-time column understates the background thread's "
-        "share of the GIL. On CPU tensors `.item()` is free; on a GPU each one is a host sync "
-        "that stalls the training thread, which this CPU measurement cannot show. Absolute "
-        "numbers depend heavily on the machine's load.\n\n"
-        "| backend | direct log µs/step | via sink log µs/step | ratio | direct step µs | "
-        "via sink step µs | ratio | drain s |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n" + "\n".join(rows) + "\n"
+        "the sink's own thread). *Via child*: the same with the sink wrapped in `ProcessSink` "
+        "(`child_process: true`), so the tracker client runs in a child process. "
+        "Ratios are direct / via sink (thread) and direct / via child. *Drain*: seconds the "
+        "background thread (or child) still needed after the loop ended (off the training "
+        "thread); where it is large, most delivery happened after the loop, so the step-time "
+        "columns understate the background thread's share of the GIL. On CPU tensors "
+        "`.item()` is free; on a GPU each one is a host sync that stalls the training "
+        "thread, which this CPU measurement cannot show. Absolute numbers depend heavily on "
+        "the machine's load.\n\n"
+        "| backend | direct log µs/step | via sink log µs/step | via child log µs/step | "
+        "ratio (child) | direct step µs | via sink step µs | via child step µs | "
+        "ratio (sink) | ratio (child) | drain s (sink / child) |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+        + "\n".join(rows)
+        + "\n"
     )
 
 

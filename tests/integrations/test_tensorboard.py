@@ -76,6 +76,18 @@ def test_two_ranks_every_window_once(tmp_path: Path, pool2: RankPool) -> None:
     assert results[0]["sink_states"] == [{"log_dir": str(log_dir), "last_step": STEPS - 1}]
 
 
+def test_from_a_child_process(tmp_path: Path, pool2: RankPool) -> None:
+    """``child_process: true`` runs the writer in a child of rank 0; the files are the same."""
+    log_dir = tmp_path / "tb"
+    config = _config(log_dir)
+    config["tensorboard"]["child_process"] = True
+    results = pool2.run(train, config, range(50), timeout=240)
+    assert results[0]["delivered"] == [50]
+    assert [r["closed"] for r in results] == [True, True]
+    assert results[0]["sink_states"] == [{"log_dir": str(log_dir), "last_step": 49}]
+    _check(_load(log_dir), range(50))
+
+
 def test_resume_from_collector_checkpoint_appends_to_the_same_directory(
     tmp_path: Path, pool2: RankPool
 ) -> None:

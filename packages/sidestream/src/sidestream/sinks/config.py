@@ -7,6 +7,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from sidestream.sinks.base import Sink
+from sidestream.sinks.process import ProcessSink
 
 __all__ = ["ENTRY_POINT_GROUP", "available_sinks", "sinks_from_config"]
 
@@ -31,6 +32,9 @@ def sinks_from_config(config: SinkConfig) -> list[Sink]:
     - a mapping of name to options: ``{"jsonl": {"path": "runs/a.jsonl"}, "console": None}``;
     - a list of names or of option dicts with a ``"type"``:
       ``["console", {"type": "jsonl", "path": "runs/a.jsonl"}]`` (the same type may repeat).
+
+    The option ``"child_process": True`` runs that sink in a child process of its own
+    (``ProcessSink``), so its client's Python work never competes with training for the GIL.
 
     Args:
         config: One of the spellings above.
@@ -79,6 +83,17 @@ def _entries(config: SinkConfig) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _build(name: str, options: dict[str, Any]) -> Sink:
+    child_process = options.pop("child_process", False)
+    if not isinstance(child_process, bool):
+        raise TypeError(
+            f"sinks_from_config: sink {name!r}: child_process must be true or false, "
+            f"got {child_process!r}"
+        )
+    sink = _make(name, options)
+    return ProcessSink(sink) if child_process else sink
+
+
+def _make(name: str, options: dict[str, Any]) -> Sink:
     matches = [entry for entry in entry_points(group=ENTRY_POINT_GROUP) if entry.name == name]
     if not matches:
         if name in _EXTRAS:

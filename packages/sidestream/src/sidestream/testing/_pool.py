@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing as mp
 import os
@@ -80,6 +81,7 @@ class RankPool(ABC):
         if not self._started:
             self._started = True  # so close() also cleans up after a start that failed halfway
             self._next_task = 0
+            atexit.register(self.close)  # the ranks are not daemons: stop them at exit
             self._start()
         task_id = self._next_task
         self._next_task += 1
@@ -129,6 +131,7 @@ class RankPool(ABC):
         if self._started:
             self._stop()
             self._started = False
+            atexit.unregister(self.close)
 
     def __enter__(self) -> RankPool:
         return self
@@ -226,7 +229,9 @@ class DistributedPool(RankPool):
                     self._tasks[rank],
                     self._results,
                 ),
-                daemon=True,
+                # Not a daemon: a rank may start processes of its own (a ProcessSink), as
+                # torchrun's ranks can.
+                daemon=False,
                 name=f"sidestream-rank-{rank}",
             )
             for rank in range(self.world_size)

@@ -1,0 +1,299 @@
+"""Run a sink in a child process, so its client's Python work never holds the trainer's GIL."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from sidestream.sinks.base import Report, RunInfo, Sink
+
+__all__ = ["ProcessSink", "SinkProcessError"]
+
+_OK, _ERROR = "ok", "error"
+
+
+class SinkProcessError(RuntimeError):
+    """The wrapped sink raised in the child process, or the child died or stopped answering.
+
+    Attributes:
+        child_traceback: The traceback from the child when the sink raised there, else ``""``.
+    """
+
+    def __init__(self, message: str, child_traceback: str = "") -> None:
+        super().__init__(message)
+        self.child_traceback = child_traceback
+
+
+def _reply(conn: Connection, *message: Any) -> None:
+    conn.send_bytes(pickle.dumps(message))
+
+
+def _failure(error: BaseException) -> tuple[str, str]:
+    return f"{type(error).__name__}: {error}", traceback.format_exc()
+
+
+def _serve(
+    conn: Connection, sink_bytes: bytes, run: RunInfo, state: Mapping[str, Any] | None
+) -> None:
+    """The child: open the sink, then answer write / flush / close until told to stop."""
+    sink: Sink = pickle.loads(sink_bytes)
+    try:
+        if state is not None:
+            sink.load_state_dict(state)
+        sink.open(run)
+        _reply(conn, _OK, None, sink.state_dict())
+    except Exception as error:
+        _reply(conn, _ERROR, *_failure(error))
+        return
+    while True:
+        try:
+            operation, argument = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the parent is gone: close what we can
+            with contextlib.suppress(Exception):
+                sink.close(5.0)
+            return
+        try:
+            if operation == "write":
+                result = sink.write(argument)
+            elif operation == "flush":
+                result = sink.flush(argument)
+            else:
+                result = sink.close(argument)
+            _reply(conn, _OK, result, sink.state_dict())
+        except Exception as error:
+            _reply(conn, _ERROR, *_failure(error))
+        if operation == "close":
+            # The sink is closed: skip the interpreter's teardown (tracker clients' exit hooks
+            # can take seconds), which would only delay the trainer's own shutdown.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+class ProcessSink(Sink):
+    """Delivers to ``sink`` from a child process of its own.
+
+    A tracker client that does much Python work per report (TensorBoard's protobuf encoding,
+    W&B's history serialisation) competes with the training thread for the GIL even from the
+    sink's own thread. Wrapped in a ``ProcessSink``, that work runs in a spawned child; this
+    process only pickles each report and waits on a pipe, which releases the GIL.
+
+    Nothing is lost when the child dies or hangs: the call raises ``SinkProcessError``, the
+    pipeline retries it, and the retry starts a fresh child that resumes the run from the state
+    of the last flush and first re-sends every report written since, so reports that sat in
+    the dead child's buffers are delivered again. A sink that skips steps it has already
+    delivered (JSONL, MLflow, TensorBoard) then delivers each report once; others may repeat
+    the reports of that last unflushed stretch.
+
+    Args:
+        sink: The sink to run in the child; it must be picklable before ``open`` (the built-in
+            and tracker sinks are). It is copied: later changes to it are not seen.
+        call_timeout_s: How long a ``write`` may take in the child before the child is killed
+            and the call raises (a hung network call); ``None`` waits forever.
+        start_timeout_s: How long starting the child and opening the sink there may take.
+        flush_every: Reports written before the child is asked to flush on its own, which
+            bounds how many reports are held here for re-sending.
+
+    Attributes:
+        restarts: How many times a child was started again after dying or hanging.
+
+    Raises:
+        TypeError: If ``sink`` is not a ``Sink`` or cannot be pickled.
+        ValueError: If a timeout is not positive or ``flush_every`` < 1.
+
+    Example:
+        >>> sinks = [ProcessSink(JsonlSink("runs/a.jsonl"))]  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        call_timeout_s: float | None = 300.0,
+        start_timeout_s: float = 120.0,
+        flush_every: int = 256,
+    ) -> None:
+        if not isinstance(sink, Sink):
+            raise TypeError(f"sink: expected a sidestream.sinks.Sink, got {type(sink)}")
+        if isinstance(sink, ProcessSink):
+            raise TypeError("sink: already a ProcessSink")
+        if call_timeout_s is not None and call_timeout_s <= 0:
+            raise ValueError(f"call_timeout_s: expected seconds > 0 or None, got {call_timeout_s}")
+        if start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s: expected seconds > 0, got {start_timeout_s}")
+        if flush_every < 1:
+            raise ValueError(f"flush_every: expected >= 1, got {flush_every}")
+        try:
+            self._sink_bytes = pickle.dumps(sink)
+        except Exception as error:
+            raise TypeError(
+                f"sink: {type(sink).__name__} must be picklable to run in a child process "
+                f"({type(error).__name__}: {error})"
+            ) from error
+        self.name = sink.name
+        self._call_timeout_s = call_timeout_s
+        self._start_timeout_s = start_timeout_s
+        self._flush_every = flush_every
+        self._run: RunInfo | None = None
+        self._resume: dict[str, Any] | None = None
+        self._state: dict[str, Any] = {}
+        self._flushed_state: dict[str, Any] | None = None
+        self._unflushed: list[Report] = []
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ the Sink contract
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Keep the state for the child's ``load_state_dict`` before it opens."""
+        self._resume = dict(state_dict)
+        self._state = dict(state_dict)
+
+    def open(self, run: RunInfo) -> None:
+        """Start the child, which resumes (if a state was loaded) and opens the sink."""
+        self._run = run
+        self._start(self._resume)
+        self._flushed_state = dict(self._state)
+
+    def write(self, report: Report) -> None:
+        """Hand ``report`` to the child and wait for its ``write`` to return.
+
+        Raises:
+            SinkProcessError: If the child's ``write`` raised (the message names the original
+                error), or the child died or exceeded ``call_timeout_s``.
+        """
+        if not self._alive():
+            self._restart()
+        self._call("write", report, self._call_timeout_s)
+        self._unflushed.append(report)
+        if len(self._unflushed) >= self._flush_every:
+            self.flush(self._call_timeout_s)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Flush the child's sink; the reports written so far no longer need re-sending."""
+        if not self._alive():
+            if not self._unflushed:
+                return True
+            self._restart()  # they may have died with the child: deliver them again first
+        done = bool(self._call("flush", timeout, timeout))
+        if done:
+            self._unflushed.clear()
+            self._flushed_state = dict(self._state)
+        return done
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Close the sink in the child and stop the child."""
+        if not self._alive():
+            if not self._unflushed:
+                self._stop()
+                return True
+            self._restart()
+        try:
+            done = bool(self._call("close", timeout, timeout))
+        finally:
+            self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
+        if done:
+            self._unflushed.clear()
+        return done
+
+    def state_dict(self) -> dict[str, Any]:
+        """The child sink's ``state_dict`` as of its last answered call."""
+        return dict(self._state)
+
+    # ------------------------------------------------------------------ the child
+
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def _start(self, state: Mapping[str, Any] | None) -> None:
+        assert self._run is not None
+        if mp.current_process().daemon:
+            raise SinkProcessError(
+                f"sink {self.name!r}: a daemonic process cannot start the child process; run "
+                "the trainer in a non-daemonic process (torchrun, mp.spawn) or drop child_process"
+            )
+        context = mp.get_context("spawn")
+        parent, child = context.Pipe()
+        process = context.Process(
+            target=_serve,
+            args=(child, self._sink_bytes, self._run, state),
+            name=f"sidestream-sink-{self.name}",
+            daemon=True,
+        )
+        process.start()
+        child.close()
+        self._process, self._conn = process, parent
+        try:
+            self._receive(self._start_timeout_s, "open")
+        except SinkProcessError:
+            self._stop()
+            raise
+
+    def _restart(self) -> None:
+        """A fresh child resumed from the last flush, then the reports since, sent again."""
+        self._stop()
+        self.restarts += 1
+        self._start(self._flushed_state or None)
+        for report in self._unflushed:
+            self._call("write", report, self._call_timeout_s)
+
+    def _call(self, operation: str, argument: Any, timeout: float | None) -> Any:
+        assert self._conn is not None
+        try:
+            self._conn.send_bytes(pickle.dumps((operation, argument)))
+        except OSError as error:
+            self._stop()
+            raise SinkProcessError(f"sink {self.name!r}: the child process is gone") from error
+        return self._receive(timeout, operation)
+
+    def _receive(self, timeout: float | None, operation: str) -> Any:
+        assert self._conn is not None and self._process is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # Poll in slices so a child that dies without closing the pipe is noticed.
+        while not self._conn.poll(0.5):
+            if not self._process.is_alive():
+                code = self._process.exitcode
+                self._stop()
+                raise SinkProcessError(
+                    f"sink {self.name!r}: the child process died during {operation} "
+                    f"(exit code {code})"
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                self._stop(join_s=0.0)  # hung: waiting longer would not help
+                raise SinkProcessError(
+                    f"sink {self.name!r}: {operation} took longer than {timeout:.1f} s in the "
+                    "child process; it was stopped"
+                )
+        try:
+            status, *payload = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError) as error:
+            self._stop()
+            raise SinkProcessError(
+                f"sink {self.name!r}: the child process died during {operation}"
+            ) from error
+        if status == _ERROR:
+            message, child_traceback = payload
+            raise SinkProcessError(f"{message} (in the child process)", child_traceback)
+        result, state = payload
+        self._state = dict(state)
+        return result
+
+    def _stop(self, join_s: float = 5.0) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._process is not None:
+            self._process.join(join_s)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5.0)
+        self._process, self._conn = None, None

@@ -1,0 +1,59 @@
+"""Sinks that misbehave inside a ProcessSink's child; importable there by module."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from sidestream.sinks import JsonlSink, Report, RunInfo, Sink
+
+
+class TroubleJsonlSink(JsonlSink):
+    """A JSONL sink (buffered, resumable) that dies, hangs or raises once at a given step.
+
+    Each trouble happens once per marker file, so the child started after it behaves.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        die_at: int | None = None,
+        hang_at: int | None = None,
+        raise_at: int | None = None,
+        raises: int = 1,
+    ) -> None:
+        super().__init__(path, flush_every=1000)  # buffered: a dead child loses its buffer
+        self._marker = Path(f"{path}.trouble")
+        self._die_at, self._hang_at, self._raise_at = die_at, hang_at, raise_at
+        self._raises = raises
+
+    def write(self, report: Report) -> None:
+        if report.step == self._die_at and not self._marker.exists():
+            self._marker.touch()
+            os._exit(9)
+        if report.step == self._hang_at and not self._marker.exists():
+            self._marker.touch()
+            time.sleep(600)
+        if report.step == self._raise_at and self._raises > 0:
+            self._raises -= 1
+            raise ConnectionError("tracker refused the connection")
+        super().write(report)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "pid": os.getpid()}
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "pid"})
+
+
+class FailingOpenSink(Sink):
+    name = "failing_open"
+
+    def open(self, run: RunInfo) -> None:
+        raise PermissionError("no write access to the tracker")
+
+    def write(self, report: Report) -> None:  # pragma: no cover - never opened
+        raise AssertionError("write without open")

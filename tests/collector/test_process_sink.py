@@ -1,0 +1,154 @@
+"""ProcessSink: a sink in a child process; nothing lost when the child raises, dies or hangs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from sidestream import MeanMetric
+from sidestream.collector import AsyncMetricCollector
+from sidestream.sinks import (
+    JsonlSink,
+    ProcessSink,
+    Report,
+    RunInfo,
+    SinkProcessError,
+    sinks_from_config,
+)
+from tests.collector.child_sinks import FailingOpenSink, TroubleJsonlSink
+
+STEPS = list(range(1, 21))
+
+
+def _run(sink: ProcessSink, steps: list[int] = STEPS) -> list[float]:
+    """Log the mean of ``step * [1, 2, 3]`` at every step through the real collector."""
+    metric = MeanMetric()
+    collector = AsyncMetricCollector(metric, sinks=[sink], sink_retry_initial_s=0.05)
+    expected = []
+    with collector.bind("cpu"):
+        for step in steps:
+            values = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64) * step
+            metric.update(values)
+            collector.schedule_collection(step)
+            expected.append(float(values.mean()))
+    return expected
+
+
+def _lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_delivers_from_another_process(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    sink = ProcessSink(TroubleJsonlSink(path))
+    expected = _run(sink)
+    lines = _lines(path)
+    assert [line["step"] for line in lines] == STEPS
+    assert [line["values"] for line in lines] == [{"value": value} for value in expected]
+    assert sink.state_dict()["pid"] != os.getpid()
+    assert sink.state_dict()["last_step"] == STEPS[-1]
+    assert sink.restarts == 0
+
+
+@pytest.mark.parametrize("trouble", ["die_at", "hang_at"])
+def test_dead_or_hung_child_is_replaced_and_nothing_is_lost(
+    tmp_path: Path, trouble: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "m.jsonl"
+    # The child buffers every line until close: what it held when it died must be sent again.
+    sink = ProcessSink(TroubleJsonlSink(path, **{trouble: 12}), call_timeout_s=3.0)
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        expected = _run(sink)
+    lines = _lines(path)
+    assert [line["step"] for line in lines] == STEPS  # each once, in order
+    assert [line["values"]["value"] for line in lines] == expected
+    assert sink.restarts == 1
+    reason = "died during write" if trouble == "die_at" else "took longer than 3.0 s"
+    assert any(reason in record.getMessage() for record in caplog.records), caplog.text
+
+
+def test_errors_in_the_child_are_retried_and_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "m.jsonl"
+    sink = ProcessSink(TroubleJsonlSink(path, raise_at=5, raises=3))
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        _run(sink)
+    assert [line["step"] for line in _lines(path)] == STEPS
+    assert sink.restarts == 0  # an exception is not a crash: the same child goes on
+    failures = [r.getMessage() for r in caplog.records if "write (step 5) failed" in r.getMessage()]
+    assert failures == [
+        "sink 'jsonl': write (step 5) failed: SinkProcessError: ConnectionError: tracker refused "
+        "the connection (in the child process); retrying with backoff, reports are kept (not "
+        "logged again until it recovers)"
+    ]
+
+
+def test_child_traceback_is_kept(tmp_path: Path) -> None:
+    sink = ProcessSink(TroubleJsonlSink(tmp_path / "m.jsonl", raise_at=1))
+    sink.open(RunInfo())
+    with pytest.raises(SinkProcessError) as caught:
+        sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    assert 'raise ConnectionError("tracker refused the connection")' in caught.value.child_traceback
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))  # raises only once
+    assert sink.close(30.0)
+    assert [line["step"] for line in _lines(tmp_path / "m.jsonl")] == [1]
+
+
+def test_resumes_and_flushes_through_the_child(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    first = ProcessSink(JsonlSink(path, flush_every=1000))
+    first.open(RunInfo())
+    for step in (1, 2):
+        first.write(Report(step=step, values={"x": float(step)}, time=0.0))
+    assert first.flush(30.0) and len(_lines(path)) == 2
+    saved = first.state_dict()
+    assert first.close(30.0)
+
+    resumed = ProcessSink(JsonlSink(path))
+    resumed.load_state_dict(saved)
+    resumed.open(RunInfo())
+    for step in (2, 3):  # step 2 was delivered before the checkpoint
+        resumed.write(Report(step=step, values={"x": float(step)}, time=0.0))
+    assert resumed.close(30.0)
+    assert [line["step"] for line in _lines(path)] == [1, 2, 3]
+
+
+def test_open_failure_names_the_original_error() -> None:
+    sink = ProcessSink(FailingOpenSink(), start_timeout_s=60.0)
+    with pytest.raises(SinkProcessError, match="PermissionError: no write access"):
+        sink.open(RunInfo())
+    assert sink.close(5.0)
+
+
+def test_bad_arguments_fail_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"sink: expected a sidestream\.sinks\.Sink"):
+        ProcessSink("jsonl")  # type: ignore[arg-type]
+    unpicklable = JsonlSink(tmp_path / "m.jsonl")
+    unpicklable.lock = threading.Lock()  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="sink: JsonlSink must be picklable"):
+        ProcessSink(unpicklable)
+    with pytest.raises(TypeError, match="already a ProcessSink"):
+        ProcessSink(ProcessSink(JsonlSink(tmp_path / "m.jsonl")))
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        ProcessSink(JsonlSink(tmp_path / "m.jsonl"), call_timeout_s=0)
+    with pytest.raises(ValueError, match="start_timeout_s"):
+        ProcessSink(JsonlSink(tmp_path / "m.jsonl"), start_timeout_s=-1)
+    with pytest.raises(ValueError, match="flush_every"):
+        ProcessSink(JsonlSink(tmp_path / "m.jsonl"), flush_every=0)
+
+
+def test_config_option_wraps_the_sink(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    (sink,) = sinks_from_config({"jsonl": {"path": str(path), "child_process": True}})
+    assert isinstance(sink, ProcessSink) and sink.name == "jsonl"
+    (plain,) = sinks_from_config([{"type": "jsonl", "path": str(path), "child_process": False}])
+    assert isinstance(plain, JsonlSink)
+    with pytest.raises(TypeError, match="child_process must be true or false"):
+        sinks_from_config({"jsonl": {"path": str(path), "child_process": "yes"}})
