@@ -215,6 +215,35 @@ def test_retry_after_failure_midway_does_not_duplicate(mlflow_server: MlflowServ
     assert sink.close(timeout=30)
 
 
+def test_lost_create_run_reply_does_not_make_a_second_run(
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    original = MlflowClient.create_run
+    calls = {"n": 0}
+
+    def reply_lost_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        created = original(self, *args, **kwargs)  # the run exists on the server...
+        if calls["n"] == 1:
+            raise ConnectionError("reply lost")  # ...but the sink never hears of it
+        return created
+
+    monkeypatch.setattr(MlflowClient, "create_run", reply_lost_once)
+    sink = MlflowSink(tracking_uri=uri, experiment="lost")
+    with pytest.raises(RuntimeError, match="reply lost"):
+        sink.open(RunInfo(name="lost"))
+    sink.open(RunInfo(name="lost"))  # the pipeline's retry
+    sink.write(Report(step=0, values={"loss": 0.5}, time=time.time()))
+    assert sink.close(timeout=30)
+    reader = MlflowClient(tracking_uri=uri)
+    experiment = reader.get_experiment_by_name("lost")
+    runs = reader.search_runs([experiment.experiment_id])
+    assert calls["n"] == 1, "the retry found the run instead of creating another"
+    assert [run.info.run_id for run in runs] == [sink.run_id]
+    assert runs[0].data.metrics == {"loss": 0.5}
+
+
 def test_long_names_and_odd_config_values_are_kept_within_limits(shm_path: Path) -> None:
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"
     long_key = "k" * 400

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,8 @@ _log = logging.getLogger(__name__)
 # MLflow's documented limits (mlflow.utils.validation); kept here so a newer MLflow that relaxes
 # them still receives requests an older server accepts.
 MAX_METRICS_PER_BATCH = 1000
+#: The tag holding a key unique to the sink that created the run (finds it again on a retry).
+RUN_KEY_TAG = "sidestream.run_key"
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_KEY_LENGTH = 250
 MAX_PARAM_VALUE_LENGTH = 6000
@@ -96,6 +99,10 @@ class MlflowSink(Sink):
         self._pending_step: int | None = None
         self._chunks_done = 0
         self._chunk_uncertain = False
+        # Tags the run this sink creates, so a retry after a lost create_run reply finds it
+        # instead of creating a second run.
+        self._run_key = uuid.uuid4().hex
+        self._create_attempted = False
 
     def __repr__(self) -> str:
         return (
@@ -181,12 +188,21 @@ class MlflowSink(Sink):
                 experiment_id = found.experiment_id
         else:
             experiment_id = "0"
+        if self._create_attempted:
+            # The last create_run may have reached the server with its reply lost.
+            found = self._client.search_runs(
+                [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self._run_key}'"
+            )
+            if found:
+                return str(found[0].info.run_id)
         tags = {**dict(run.tags), **self._tags}
         name = self._run_name if self._run_name is not None else run.name
+        run_tags = {_key(str(k)): shorten(str(v), MAX_TAG_VALUE_LENGTH) for k, v in tags.items()}
+        self._create_attempted = True
         created = self._client.create_run(
             experiment_id,
             run_name=shorten(name, MAX_RUN_NAME_LENGTH) if name else None,
-            tags={_key(str(k)): shorten(str(v), MAX_TAG_VALUE_LENGTH) for k, v in tags.items()},
+            tags={**run_tags, RUN_KEY_TAG: self._run_key},
         )
         return str(created.info.run_id)
 
