@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +58,25 @@ class FailingOpenSink(Sink):
 
     def write(self, report: Report) -> None:  # pragma: no cover - never opened
         raise AssertionError("write without open")
+
+
+class BatchSizesSink(Sink):
+    """Takes up to 4 reports per call and reports the sizes it got in its state."""
+
+    name = "batch_sizes"
+    max_batch = 4
+
+    def __init__(self) -> None:
+        self._sizes: list[int] = []
+
+    def open(self, run: RunInfo) -> None:
+        pass
+
+    def write(self, report: Report) -> None:
+        self._sizes.append(1)
+
+    def write_batch(self, reports: Sequence[Report]) -> None:
+        self._sizes.append(len(reports))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sizes": list(self._sizes), "pid": os.getpid()}

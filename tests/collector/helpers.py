@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -128,3 +129,23 @@ class CountingHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+class BatchingSink(RecordingSink):
+    """Takes up to ``max_batch`` reports per call; records each call's steps, fails some."""
+
+    max_batch = 5
+
+    def __init__(self, failures: int = 0) -> None:
+        super().__init__(failures=failures, name="batching")
+        self.calls: list[list[int]] = []
+
+    def write(self, report: Report) -> None:
+        self.write_batch([report])
+
+    def write_batch(self, reports: Sequence[Report]) -> None:
+        self.calls.append([report.step for report in reports])
+        if self.failures_left:
+            self.failures_left -= 1
+            raise ConnectionError("tracker unreachable")
+        self.steps.extend(report.step for report in reports)

@@ -21,7 +21,7 @@ from sidestream.sinks import (
     SinkProcessError,
     sinks_from_config,
 )
-from tests.collector.child_sinks import FailingOpenSink, TroubleJsonlSink
+from tests.collector.child_sinks import BatchSizesSink, FailingOpenSink, TroubleJsonlSink
 
 STEPS = list(range(1, 21))
 
@@ -118,6 +118,17 @@ def test_resumes_and_flushes_through_the_child(tmp_path: Path) -> None:
         resumed.write(Report(step=step, values={"x": float(step)}, time=0.0))
     assert resumed.close(30.0)
     assert [line["step"] for line in _lines(path)] == [1, 2, 3]
+
+
+def test_batches_reach_the_child_sink_whole() -> None:
+    sink = ProcessSink(BatchSizesSink())
+    assert sink.max_batch == BatchSizesSink.max_batch
+    sink.open(RunInfo())
+    sink.write_batch([Report(step=s, values={"x": 1.0}, time=0.0) for s in range(3)])
+    sink.write(Report(step=3, values={"x": 1.0}, time=0.0))
+    assert sink.state_dict()["sizes"] == [3, 1]
+    assert sink.state_dict()["pid"] != os.getpid()
+    assert sink.close(30.0)
 
 
 def test_open_failure_names_the_original_error() -> None:

@@ -17,11 +17,12 @@ from sidestream.sinks import (
     JsonlSink,
     Report,
     RunInfo,
+    Sink,
     SinkRunner,
     available_sinks,
     sinks_from_config,
 )
-from tests.collector.helpers import AlwaysFailingSink, RecordingSink
+from tests.collector.helpers import AlwaysFailingSink, BatchingSink, RecordingSink
 
 
 def _report(step: int, **values: float) -> Report:
@@ -109,6 +110,28 @@ def test_runner_spools_overflow_and_keeps_order(tmp_path: Path) -> None:
     assert sink.steps == list(range(1, 21))
     assert sink.closed and len(sink.opened) == 1
     assert list(tmp_path.iterdir()) == [], "the spool file is removed once drained"
+
+
+def test_runner_sends_a_backlog_in_batches_and_retries_them_whole(tmp_path: Path) -> None:
+    sink = BatchingSink(failures=1)
+    runner = SinkRunner(sink, capacity=4, spool_dir=str(tmp_path), retry_initial_s=0.01)
+    for step in range(1, 13):  # a backlog before the thread starts: queue and spool
+        runner.submit(_report(step))
+    assert runner.spooled == 8
+    runner.start()
+    assert runner.close(timeout=30) is True
+    assert sink.steps == list(range(1, 13))
+    assert runner.delivered == 12
+    # The first call took the oldest five, failed, and the same five were sent again.
+    assert sink.calls[0] == sink.calls[1] == [1, 2, 3, 4, 5]
+    assert all(1 <= len(call) <= BatchingSink.max_batch for call in sink.calls)
+    assert len(sink.calls) <= 5, sink.calls
+
+
+def test_default_write_batch_writes_one_by_one() -> None:
+    sink = RecordingSink()
+    sink.write_batch([_report(1), _report(2)])
+    assert sink.steps == [1, 2] and Sink.max_batch == 1
 
 
 def test_runner_keeps_undeliverable_reports_and_warns_once(

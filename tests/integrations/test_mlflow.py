@@ -215,6 +215,46 @@ def test_retry_after_failure_midway_does_not_duplicate(mlflow_server: MlflowServ
     assert sink.close(timeout=30)
 
 
+def test_backlog_goes_out_in_few_requests_without_duplicates(shm_path: Path) -> None:
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    sink = MlflowSink(tracking_uri=uri, experiment="backlog")
+    sink.open(RunInfo(name="backlog"))
+    reports = [
+        Report(step=step, values={f"v{i}": step + i / 10 for i in range(8)}, time=1000.0 + step)
+        for step in range(250)
+    ]
+    client = sink._client
+    requests: list[int] = []
+    original = client.log_batch
+
+    def lost_once(*args: Any, **kwargs: Any) -> Any:
+        requests.append(len(kwargs["metrics"]))
+        result = original(*args, **kwargs)
+        if len(requests) == 2:
+            raise ConnectionError("reply lost")  # the second request landed anyway
+        return result
+
+    client.log_batch = lost_once
+    assert sink.max_batch == 100
+    for start in range(0, 250, sink.max_batch):
+        batch = reports[start : start + sink.max_batch]
+        for _ in range(3):  # the pipeline retries the same batch
+            try:
+                sink.write_batch(batch)
+                break
+            except RuntimeError as error:
+                assert "reply lost" in str(error) and "steps 100..199" in str(error)
+    sink.write_batch(reports[:10])  # already delivered: nothing is sent
+    assert requests == [800, 800, 400], "one request per batch of 100 reports, none sent twice"
+    assert sink.close(timeout=30)
+    reader = MlflowClient(tracking_uri=uri)
+    for i in (0, 7):
+        history = sorted(
+            (m.step, m.value, m.timestamp) for m in reader.get_metric_history(sink.run_id, f"v{i}")
+        )
+        assert history == [(r.step, r.step + i / 10, int(r.time * 1000)) for r in reports]
+
+
 def test_lost_create_run_reply_does_not_make_a_second_run(
     shm_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -74,6 +74,7 @@ class MlflowSink(Sink):
     """
 
     name = "mlflow"
+    max_batch = 100  # reports per write_batch: a backlog goes out 1000 values per request
 
     def __init__(
         self,
@@ -96,7 +97,7 @@ class MlflowSink(Sink):
         self._last_step: int | None = None
         # Progress through the report being delivered: its step, how many chunks of it went
         # out, and whether the last attempt at the next chunk failed (it may have landed).
-        self._pending_step: int | None = None
+        self._pending_steps: tuple[int, ...] | None = None
         self._chunks_done = 0
         self._chunk_uncertain = False
         # Tags the run this sink creates, so a retry after a lost create_run reply finds it
@@ -232,17 +233,31 @@ class MlflowSink(Sink):
             RuntimeError: If the sink is not open, or a request failed (redacted message); what
                 was delivered before the failure is not sent again when the report is retried.
         """
+        self.write_batch([report])
+
+    def write_batch(self, reports: Sequence[Report]) -> None:
+        """Log consecutive reports in as few ``log_batch`` requests as MLflow allows.
+
+        Up to ``max_batch`` reports at once (a backlog after an outage), 1000 values per request.
+        Steps already delivered are skipped.
+
+        Raises:
+            RuntimeError: If the sink is not open, or a request failed (redacted message); what
+                was delivered before the failure is not sent again when the batch is retried.
+        """
         if self._client is None or self._run_id is None:
             raise RuntimeError("MlflowSink.write: call open() first")
-        if self._last_step is not None and report.step <= self._last_step:
+        fresh = [r for r in reports if self._last_step is None or r.step > self._last_step]
+        if not fresh:
             return
         from mlflow.entities import Metric
 
-        if self._pending_step != report.step:
-            self._pending_step, self._chunks_done, self._chunk_uncertain = report.step, 0, False
-        timestamp = int(report.time * 1000)
+        steps = tuple(report.step for report in fresh)
+        if self._pending_steps != steps:
+            self._pending_steps, self._chunks_done, self._chunk_uncertain = steps, 0, False
         metrics = [
-            Metric(_key(key), float(value), timestamp, report.step)
+            Metric(_key(key), float(value), int(report.time * 1000), report.step)
+            for report in fresh
             for key, value in report.values.items()
         ]
         chunks = [
@@ -253,23 +268,24 @@ class MlflowSink(Sink):
         try:
             while self._chunks_done < len(chunks):
                 chunk = chunks[self._chunks_done]
-                if not (self._chunk_uncertain and self._landed(chunk, report.step)):
+                if not (self._chunk_uncertain and self._landed(chunk)):
                     self._chunk_uncertain = True
                     self._client.log_batch(self._run_id, metrics=chunk)
                 self._chunk_uncertain = False
                 self._chunks_done += 1
         except Exception as error:
-            failure = self._failure(f"log_batch at step {report.step}", error)
+            where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+            failure = self._failure(f"log_batch at {where}", error)
         if failure is not None:
             raise failure  # outside the handler: the original is not chained as its context
-        self._last_step, self._pending_step = report.step, None
+        self._last_step, self._pending_steps = steps[-1], None
 
-    def _landed(self, chunk: Sequence[Any], step: int) -> bool:
+    def _landed(self, chunk: Sequence[Any]) -> bool:
         # A request whose response was lost may still have been applied. log_batch is one
         # transaction, so one of its metrics tells whether the whole chunk is there.
         probe = chunk[-1]
         history = self._client.get_metric_history(self._run_id, probe.key)
-        return any(int(metric.step) == step for metric in history)
+        return any(int(metric.step) == probe.step for metric in history)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Nothing is buffered: ``write`` returns once MLflow has the metrics."""

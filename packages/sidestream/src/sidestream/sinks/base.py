@@ -8,7 +8,7 @@ calls every method of a sink from that sink's own thread on rank 0 only, so a si
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,13 +55,19 @@ class Sink(abc.ABC):
     """A destination for reports (a tracker, a file, the console).
 
     Lifecycle, all on the sink's own thread on rank 0: optionally ``load_state_dict`` (resume
-    from a checkpoint), ``open`` once, ``write`` per report in step order, ``flush`` when asked,
-    ``close`` once. ``write`` may raise: the pipeline retries with backoff and keeps the report
-    until it is delivered. Sinks are never opened on other ranks.
+    from a checkpoint), ``open`` once, ``write`` per report in step order (or ``write_batch``
+    for several, when ``max_batch`` > 1), ``flush`` when asked, ``close`` once. ``write`` may
+    raise: the pipeline retries with backoff and keeps the report until it is delivered. Sinks
+    are never opened on other ranks.
     """
 
     #: Short name used in messages and as the entry-point name (``"jsonl"``, ``"mlflow"``).
     name: str = "sink"
+
+    #: Most reports one ``write_batch`` call may get. With 1 (the default) the pipeline only
+    #: calls ``write``; a sink whose backend takes many values per request (MLflow) sets more,
+    #: so a backlog after an outage goes out in a few requests instead of one per report.
+    max_batch: int = 1
 
     @abc.abstractmethod
     def open(self, run: RunInfo) -> None:
@@ -70,6 +76,15 @@ class Sink(abc.ABC):
     @abc.abstractmethod
     def write(self, report: Report) -> None:
         """Deliver one report. Raise on failure; the pipeline retries it."""
+
+    def write_batch(self, reports: Sequence[Report]) -> None:
+        """Deliver consecutive reports (at most ``max_batch``, in step order) at once.
+
+        Raise on failure: the pipeline retries the same batch, so a sink must not repeat what
+        an earlier attempt delivered. The default writes them one by one.
+        """
+        for report in reports:
+            self.write(report)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Push buffered data out; return whether it finished within ``timeout`` seconds."""

@@ -9,7 +9,7 @@ import pickle
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -62,8 +62,11 @@ def _serve(
                 sink.close(5.0)
             return
         try:
+            result: object = None
             if operation == "write":
-                result = sink.write(argument)
+                sink.write(argument)
+            elif operation == "write_batch":
+                sink.write_batch(argument)
             elif operation == "flush":
                 result = sink.flush(argument)
             else:
@@ -140,6 +143,7 @@ class ProcessSink(Sink):
                 f"({type(error).__name__}: {error})"
             ) from error
         self.name = sink.name
+        self.max_batch = sink.max_batch
         self._call_timeout_s = call_timeout_s
         self._start_timeout_s = start_timeout_s
         self._flush_every = flush_every
@@ -176,6 +180,19 @@ class ProcessSink(Sink):
             self._restart()
         self._call("write", report, self._call_timeout_s)
         self._unflushed.append(report)
+        if len(self._unflushed) >= self._flush_every:
+            self.flush(self._call_timeout_s)
+
+    def write_batch(self, reports: Sequence[Report]) -> None:
+        """Hand ``reports`` to the child's ``write_batch`` (for sinks with ``max_batch`` > 1).
+
+        Raises:
+            SinkProcessError: As ``write``.
+        """
+        if not self._alive():
+            self._restart()
+        self._call("write_batch", list(reports), self._call_timeout_s)
+        self._unflushed.extend(reports)
         if len(self._unflushed) >= self._flush_every:
             self.flush(self._call_timeout_s)
 
@@ -244,8 +261,8 @@ class ProcessSink(Sink):
         self._stop()
         self.restarts += 1
         self._start(self._flushed_state or None)
-        for report in self._unflushed:
-            self._call("write", report, self._call_timeout_s)
+        if self._unflushed:
+            self._call("write_batch", self._unflushed, self._call_timeout_s)
 
     def _call(self, operation: str, argument: Any, timeout: float | None) -> Any:
         assert self._conn is not None

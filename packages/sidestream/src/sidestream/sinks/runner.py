@@ -23,7 +23,9 @@ class SinkRunner:
 
     ``submit`` never blocks and never drops: up to ``capacity`` reports wait in memory, more
     go to a spool file and are read back in order. A ``write`` that raises is retried with
-    exponential backoff until it succeeds; the first failure of a streak is logged (logger
+    exponential backoff until it succeeds; a sink with ``max_batch > 1`` gets a backlog in
+    ``write_batch`` calls of up to that many reports, retried whole. The first failure of a
+    streak is logged (logger
     ``sidestream.sinks``) and so is the recovery, never each attempt. Every sink method runs on
     this thread, so a slow or failing sink delays nothing else.
 
@@ -64,10 +66,11 @@ class SinkRunner:
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
         self._flush_interval_s = flush_interval_s
+        self._max_batch = max(1, int(getattr(sink, "max_batch", 1)))
         self._cond = threading.Condition()
         self._queue: deque[Report] = deque()
         self._spool = Spool(spool_dir, label=self.key)
-        self._in_flight: Report | None = None
+        self._in_flight: list[Report] = []
         self._submitted = 0
         self._delivered = 0
         self._closing = False
@@ -148,7 +151,7 @@ class SinkRunner:
             return self._delivered == self._submitted
         self._abandon.set()
         with self._cond:
-            undelivered = [*([self._in_flight] if self._in_flight else []), *self._queue]
+            undelivered = [*self._in_flight, *self._queue]
             self._queue.clear()
             count = len(undelivered) + len(self._spool)
             path = self._spool.keep(undelivered)
@@ -172,9 +175,12 @@ class SinkRunner:
         dirty = False
         last_flush = time.monotonic()
         while True:
-            report, flush_now, stop = self._next(dirty, last_flush)
-            if report is not None:
-                if not self._retry(f"write (step {report.step})", partial(self._write, report)):
+            batch, flush_now, stop = self._next(dirty, last_flush)
+            if batch:
+                steps = f"step {batch[0].step}"
+                if len(batch) > 1:
+                    steps = f"steps {batch[0].step}..{batch[-1].step}"
+                if not self._retry(f"write ({steps})", partial(self._write, batch)):
                     return
                 dirty = True
                 continue
@@ -191,35 +197,42 @@ class SinkRunner:
             self.sink.load_state_dict(self._resume_state)
         self.sink.open(self._run)
 
-    def _write(self, report: Report) -> None:
-        self.sink.write(report)
+    def _write(self, batch: list[Report]) -> None:
+        if len(batch) == 1:
+            self.sink.write(batch[0])
+        else:
+            self.sink.write_batch(batch)
         with self._cond:
-            self._in_flight = None
-            self._delivered += 1
+            self._in_flight = []
+            self._delivered += len(batch)
         self._snapshot_state()
         with self._cond:
             self._cond.notify_all()
 
-    def _next(self, dirty: bool, last_flush: float) -> tuple[Report | None, bool, bool]:
-        """The next report, or whether to flush now, and whether to stop."""
+    def _next(self, dirty: bool, last_flush: float) -> tuple[list[Report], bool, bool]:
+        """The next reports, or whether to flush now, and whether to stop.
+
+        Up to the sink's ``max_batch`` reports, oldest first.
+        """
         with self._cond:
             while True:
                 if self._abandon.is_set():
-                    return None, False, True
-                if self._queue:
-                    self._in_flight = self._queue.popleft()
-                    return self._in_flight, False, False
-                if len(self._spool):
-                    self._in_flight = self._spool.pop_oldest()
-                    return self._in_flight, False, False
+                    return [], False, True
+                if self._queue or len(self._spool):
+                    # The queue holds older reports than the spool (see submit).
+                    while len(self._in_flight) < self._max_batch and self._queue:
+                        self._in_flight.append(self._queue.popleft())
+                    while len(self._in_flight) < self._max_batch and len(self._spool):
+                        self._in_flight.append(self._spool.pop_oldest())
+                    return list(self._in_flight), False, False
                 if self._closing:
-                    return None, True, True
+                    return [], True, True
                 if not dirty:
                     self._cond.wait()
                     continue
                 remaining = self._flush_interval_s - (time.monotonic() - last_flush)
                 if remaining <= 0:
-                    return None, True, False
+                    return [], True, False
                 self._cond.wait(remaining)
 
     def _retry(self, what: str, action: Callable[[], None]) -> bool:
