@@ -354,6 +354,50 @@ def test_device_mesh_dimension_does_not_count_replicas_twice(
         assert result["world sum"] == pytest.approx(2 * CASES["sum"].reference(everything))
 
 
+@on_rank_device
+def _mesh_checkpoint(seed: int) -> dict[str, dict[str, float]]:
+    """Save and restore over the data-parallel dimension of a 2x2 mesh, with and without
+    telling the restored metric its group first."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("dp", "tp"))
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    shard = make_shards(seed, 3)[coordinate[0]]  # tensor-parallel replicas share a shard
+
+    def fresh() -> ComposeMetric:
+        return ComposeMetric({name: case.factory() for name, case in CASES.items()})
+
+    metrics = fresh()
+    for name in CASES:
+        feed(name, metrics[name], shard)
+    metrics.sync_group = mesh["dp"]
+    saved = metrics.state_dict()  # a collective over dp only
+    out = {}
+    for told in (True, False):
+        restored = fresh()
+        if told:
+            restored.sync_group = mesh["dp"]
+        restored.load_state_dict(saved)
+        restored.sync(group=mesh["dp"])
+        out[f"told={told}"] = {k: float(v) for k, v in restored.compute().items()}
+    return out
+
+
+def test_checkpoint_over_a_mesh_dimension_restores_every_replica(pools: Pools) -> None:
+    per_rank = pools.get(4).run(_mesh_checkpoint, 13)
+    everything = concat(make_shards(13, 3)[:2])
+    for rank, result in enumerate(per_rank):
+        for name, case in CASES.items():
+            expected = case.reference(everything)
+            got = result["told=True"][name]
+            assert got == pytest.approx(expected, rel=1e-9, abs=1e-9, nan_ok=True), (rank, name)
+    # Not told, the state goes to global rank 0 only: the other dp groups lose it. This is
+    # the mistake sync_group prevents, and shows the test can tell the difference.
+    lost = [r["told=False"]["sum"] != pytest.approx(r["told=True"]["sum"]) for r in per_rank]
+    assert any(lost)
+
+
 class _Shaped(Metric[Tensor]):
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, op: ReduceOp) -> None:
         self._state = MetricAccumulator(torch.zeros(shape, dtype=dtype), op)

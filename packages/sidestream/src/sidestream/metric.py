@@ -58,6 +58,20 @@ class Metric(Stateful, Generic[T], abc.ABC):
             elif isinstance(value, Metric):
                 yield from value.named_accumulators(name + ".")
 
+    @property
+    def sync_group(self) -> Group:
+        """The group ``state_dict`` reduces over and ``load_state_dict`` places the state in.
+
+        The group of the last ``sync`` (``None``, the default group, before any). Set it before
+        ``load_state_dict`` when the metric syncs over a sub-group, such as the data-parallel
+        dimension of a device mesh, so each such group's first rank takes the saved state.
+        """
+        return self._sync_group
+
+    @sync_group.setter
+    def sync_group(self, group: Group) -> None:
+        self._sync_group = group
+
     def sync(self, group: Group = None) -> None:
         """Reduce the state over ``group`` with a coalesced, fixed number of collectives.
 

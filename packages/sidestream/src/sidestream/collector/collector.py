@@ -113,7 +113,7 @@ class AsyncMetricCollector(Generic[T]):
                 raise TypeError(f"histograms: expected non-empty leaf paths (str), got {path!r}")
         self._metric = metric
         # Checkpoints reduce over the collector's group, not whatever the metric last saw.
-        metric._sync_group = group
+        metric.sync_group = group
         self._sinks = _keyed(sink_list)
         self._group = group
         self._reset_each_window = reset_each_window

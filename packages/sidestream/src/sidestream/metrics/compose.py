@@ -78,8 +78,18 @@ class ComposeMetric(Metric[dict[str, Any]]):
         """``{name: child.compute()}``."""
         return {name: child.compute() for name, child in self._children.items()}
 
+    @property
+    def sync_group(self) -> Group:
+        """The group of this composition and, once set, of every child (see ``Metric``)."""
+        return self._sync_group
+
+    @sync_group.setter
+    def sync_group(self, group: Group) -> None:
+        self._sync_group = group
+        for child in self._children.values():
+            child.sync_group = group
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore every child (see ``Metric.load_state_dict``)."""
-        for child in self._children.values():
-            child._sync_group = self._sync_group
+        self.sync_group = self._sync_group  # the children place their state in this group
         super().load_state_dict(state_dict)
