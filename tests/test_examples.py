@@ -5,14 +5,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from sklearn.metrics import brier_score_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_distributed.py"
+CUSTOM = ROOT / "examples" / "custom_metric.py"
 
 
 def _run(launcher: list[str], out: Path) -> subprocess.CompletedProcess[str]:
@@ -52,3 +57,32 @@ def test_demo_logs_every_window_from_rank_zero(launcher: list[str], tmp_path: Pa
         assert all(math.isfinite(v) for v in values.values())
     # It trains: the last window's loss is below the first one's.
     assert lines[-1]["values"]["train/loss"] < lines[0]["values"]["train/loss"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_custom_metric_example_matches_sklearn_on_all_ranks_data(world_size: int) -> None:
+    done = subprocess.run(
+        [sys.executable, str(CUSTOM), "--world-size", str(world_size), "--samples", "700"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    example = runpy.run_path(str(CUSTOM))  # its make_data, to rebuild every rank's data
+    parts = [example["make_data"](rank, 700) for rank in range(world_size)]
+    probs = np.concatenate([p for p, _ in parts])
+    target = np.concatenate([t for _, t in parts])
+    assert printed == {
+        "world_size": world_size,
+        "brier": pytest.approx(brier_score_loss(target, probs), rel=1e-12),
+    }
+
+
+def test_custom_metric_rejects_mismatched_shapes() -> None:
+    example = runpy.run_path(str(CUSTOM))
+    metric = example["BrierScoreMetric"]()
+    with pytest.raises(ValueError, match=r"target: expected the shape of probs \(3,\)"):
+        metric.update(torch.rand(3), torch.zeros(4))
+    assert math.isnan(float(metric.compute()))  # nothing was added
