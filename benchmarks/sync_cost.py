@@ -2,7 +2,8 @@
 
 sidestream vs torchmetrics (the real classes in a ``MetricCollection``) vs a loop of one
 ``all_reduce`` per state tensor, in the same process group, on the same data, in the same run.
-Collectives are counted by wrapping the functions of both ``torch.distributed`` and
+Collectives are counted with ``sidestream.testing.count_collectives``, which wraps the functions of
+both ``torch.distributed`` and
 ``torch.distributed.distributed_c10d`` (every collective a library issues goes through one of
 them), nested calls included.
 
@@ -19,30 +20,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
 
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, SumMetric
 from sidestream import sync as sync_module
 from sidestream.metrics.classification import confusion_matrix_metric
 from sidestream.metrics.regression import MeanAbsoluteErrorMetric, MeanSquaredErrorMetric
-from sidestream.testing import DistributedPool
+from sidestream.testing import DistributedPool, count_collectives
 
 WORLD_SIZE = 4
 REPEATS = 20
 NUM_CLASSES = 10
 SAMPLES = 4096
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "reduce_scatter_tensor",
-    "all_to_all_single",
-    "barrier",
-)
 
 
 def sidestream_collection() -> ComposeMetric:
@@ -121,40 +110,10 @@ def _inputs(name: str, batch: dict[str, Tensor]) -> tuple[Tensor, ...]:
     return batch["logits"], batch["labels"]
 
 
-class _Counter:
-    """Counts every collective issued while active, through either module path."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self._saved: list[tuple[Any, str, Any]] = []
-
-    def __enter__(self) -> _Counter:
-        for module in (dist, c10d):
-            for name in _COLLECTIVES:
-                original = getattr(module, name, None)
-                if original is None:
-                    continue
-                self._saved.append((module, name, original))
-                setattr(module, name, self._wrap(original))
-        return self
-
-    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        return counted
-
-    def __exit__(self, *exc: object) -> None:
-        for module, name, original in self._saved:
-            setattr(module, name, original)
-        self._saved.clear()
-
-
 def _time_sync(sync: Callable[[], None]) -> tuple[float, int]:
     """Median seconds per sync over ``REPEATS`` (barrier before each) and collectives per sync."""
     sync()  # warm-up; sidestream's first sync of a structure also checks it across ranks
-    with _Counter() as counter:
+    with count_collectives() as calls:
         sync()
     times = []
     for _ in range(REPEATS):
@@ -162,7 +121,7 @@ def _time_sync(sync: Callable[[], None]) -> tuple[float, int]:
         start = time.perf_counter()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), counter.calls
+    return statistics.median(times), len(calls)
 
 
 def _iterate(compose: ComposeMetric) -> Iterator[tuple[str, Metric[Any]]]:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from sidestream import ComposeMetric
-from sidestream.testing import RankPool, rank_device
+from sidestream.testing import RankPool, count_collectives, rank_device
 from tests.conftest import Pools
 from tests.core.cases import CASES, concat, feed, make_shards
 
@@ -152,41 +152,16 @@ def _dcp_load_and_continue_single(path: str, seed: int) -> dict[str, float]:
     return {name: value.item() for name, value in metrics.compute().items()}
 
 
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "broadcast",
-)
-
-
 def _count_collectives(number_of_metrics: int) -> int:
-    calls = 0
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def counting(original: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            return original(*args, **kwargs)
-
-        return call
-
-    for name, original in originals.items():
-        setattr(dist, name, counting(original))
-    try:
-        metrics = ComposeMetric(
-            {f"m{i}": CASES["weighted_mean"].factory() for i in range(number_of_metrics)}
-        ).to(rank_device())
-        ones = torch.ones(3, device=rank_device())
-        for i in range(number_of_metrics):
-            metrics[f"m{i}"].update(values=ones, weights=ones)
+    metrics = ComposeMetric(
+        {f"m{i}": CASES["weighted_mean"].factory() for i in range(number_of_metrics)}
+    ).to(rank_device())
+    ones = torch.ones(3, device=rank_device())
+    for i in range(number_of_metrics):
+        metrics[f"m{i}"].update(values=ones, weights=ones)
+    with count_collectives() as calls:
         metrics.sync()
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-    return calls
+    return len(calls)
 
 
 def test_collectives_do_not_grow_with_metric_count(pools: Pools) -> None:

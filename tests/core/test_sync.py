@@ -17,69 +17,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
 
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, MinMetric, SumMetric
 from sidestream import sync as sync_module
 from sidestream.state import MetricAccumulator, ReduceOp
 from sidestream.sync import RankMismatchError, coalesced_sync
-from sidestream.testing import RankPool, on_rank_device, rank_device
+from sidestream.testing import RankPool, count_collectives, on_rank_device, rank_device
 from tests.conftest import Pools
 from tests.core.cases import CASES, concat, feed, make_shards
-
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "barrier",
-)
-
-
-@contextlib.contextmanager
-def counting_collectives() -> Iterator[list[str]]:
-    """Record the name of every collective issued inside the block, nested calls included.
-
-    A collective that re-enters itself is counted once: under a ``torch.device`` context (as
-    ``on_rank_device`` sets) torch's function mode dispatches the call again by its public name.
-    """
-    calls: list[str] = []
-    active: set[str] = set()
-    saved: list[tuple[Any, str, Any]] = []
-    for module in (dist, c10d):
-        for name in COLLECTIVES:
-            original = getattr(module, name, None)
-            if original is None:
-                continue
-
-            def wrapper(*args: Any, __name: str = name, __fn: Any = original, **kw: Any) -> Any:
-                if __name in active:
-                    return __fn(*args, **kw)
-                calls.append(__name)
-                active.add(__name)
-                try:
-                    return __fn(*args, **kw)
-                finally:
-                    active.discard(__name)
-
-            saved.append((module, name, original))
-            setattr(module, name, wrapper)
-    try:
-        yield calls
-    finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
 
 
 @contextlib.contextmanager
@@ -164,7 +110,7 @@ def _as_lists(values: dict[str, Tensor]) -> dict[str, list[Any]]:
 
 
 def _synced_counted(metric: Metric[Any], async_op: bool = False) -> list[str]:
-    with counting_collectives() as calls:
+    with count_collectives() as calls:
         with coalesced_sync(async_op=async_op) as batch:
             metric.sync()
         if async_op:
@@ -256,7 +202,7 @@ def _counts_by_size(token: str) -> dict[str, Any]:
     histogram = MetricAccumulator(torch.zeros(70_000, dtype=torch.int64))
     histogram.accumulate(torch.arange(70_000, dtype=torch.int64) * (rank + 1) + 2**55)
     histogram.sync()
-    with counting_collectives() as calls:
+    with count_collectives() as calls:
         histogram.sync()
     assert histogram.synced is not None
     out["histogram"] = (calls, histogram.synced[[0, 1, 69_999]].tolist())
@@ -319,7 +265,7 @@ def _mesh_sync(seed: int) -> dict[str, Any]:
         metrics = ComposeMetric({name: case.factory() for name, case in CASES.items()})
         for name in CASES:
             feed(name, metrics[name], shard)
-        with counting_collectives() as calls:
+        with count_collectives() as calls:
             metrics.sync(group=group)
             metrics.sync(group=group)
         out[group_name] = ({k: float(v) for k, v in metrics.compute().items()}, calls)
@@ -440,10 +386,10 @@ def _mismatches(token: str) -> dict[str, Any]:
     name = f"checked_{token}"
     checked = ComposeMetric({name: SumMetric()})
     checked[name].update(torch.tensor([1.0]))
-    with counting_collectives() as check_calls, coalesced_sync(check_only=True):
+    with count_collectives() as check_calls, coalesced_sync(check_only=True):
         checked.sync()
     out["check_only untouched"] = all(a.synced is None for _, a in checked.named_accumulators())
-    with counting_collectives() as real_calls:
+    with count_collectives() as real_calls:
         checked.sync()
     out["check_only calls"] = (check_calls, real_calls, float(checked.compute()[name]))
     layout = {"counts": ((4,), torch.int64, ReduceOp.SUM) if rank == odd else default}

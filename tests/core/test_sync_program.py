@@ -22,10 +22,9 @@ from sidestream import sync as sync_module
 from sidestream.collector import AsyncMetricCollector
 from sidestream.state import MetricAccumulator, ReduceOp
 from sidestream.sync import RankMismatchError, SyncProgram
-from sidestream.testing import RankPool, on_rank_device
+from sidestream.testing import RankPool, count_collectives, on_rank_device
 from tests.core.test_sync import (
     MixedState,
-    counting_collectives,
     gather_limit,
     mixed_local,
     mixed_reference,
@@ -62,7 +61,7 @@ def _programs(token: str) -> dict[str, Any]:
             mixed = MixedState()
             wrapped = ComposeMetric({f"mixed_{token}_{mode}": mixed})  # a new structure
             small = _small_metric(f"{token}_{mode}")
-            with counting_collectives() as record_calls:
+            with count_collectives() as record_calls:
                 mixed_program = SyncProgram.record(lambda m=wrapped: m.sync())
                 small_program = SyncProgram.record(lambda m=small: m.sync())
         out[f"{mode} record"] = record_calls
@@ -72,7 +71,7 @@ def _programs(token: str) -> dict[str, Any]:
             for leaf in small[f"small_{token}_{mode}"].items():
                 leaf[1].reset()
                 leaf[1].update(torch.tensor(_small(rank, seed), dtype=torch.float64))
-            with counting_collectives() as calls:
+            with count_collectives() as calls:
                 small_batch = small_program.start(async_op=True)
                 mixed_program.start()
                 small_batch.wait()

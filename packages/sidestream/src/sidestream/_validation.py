@@ -11,7 +11,13 @@ from torch import Tensor
 
 from sidestream.state import MetricAccumulator
 
-__all__ = ["as_tensor", "check_broadcastable", "check_floating", "screen_invalid"]
+__all__ = [
+    "as_tensor",
+    "check_broadcastable",
+    "check_floating",
+    "check_same_shape",
+    "screen_invalid",
+]
 
 
 def as_tensor(argument: str, value: object, device: torch.device) -> Tensor:
@@ -38,6 +44,14 @@ def check_floating(argument: str, tensor: Tensor) -> None:
     """Raise ``TypeError`` naming ``argument`` unless ``tensor`` has a floating dtype."""
     if not tensor.is_floating_point():
         raise TypeError(f"{argument}: expected a floating-point tensor, got dtype {tensor.dtype}")
+
+
+def check_same_shape(preds: Tensor, target: Tensor) -> None:
+    """Raise ``ValueError`` naming ``target`` unless it has exactly ``preds``' shape."""
+    if target.shape != preds.shape:
+        raise ValueError(
+            f"target: expected the shape of preds {tuple(preds.shape)}, got {tuple(target.shape)}"
+        )
 
 
 def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_name: str) -> None:

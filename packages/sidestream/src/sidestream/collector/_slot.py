@@ -116,8 +116,8 @@ def _sync_groups(obj: Any, seen: set[int]) -> Iterator[Any]:
         return
     seen.add(id(obj))
     if isinstance(obj, Metric):
-        if obj._sync_group is not None:
-            yield obj._sync_group
+        if obj.sync_group is not None:
+            yield obj.sync_group
         for value in vars(obj).values():
             yield from _sync_groups(value, seen)
     elif isinstance(obj, dict):

@@ -88,8 +88,3 @@ class ComposeMetric(Metric[dict[str, Any]]):
         self._sync_group = group
         for child in self._children.values():
             child.sync_group = group
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore every child (see ``Metric.load_state_dict``)."""
-        self.sync_group = self._sync_group  # the children place their state in this group
-        super().load_state_dict(state_dict)

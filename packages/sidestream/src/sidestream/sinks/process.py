@@ -63,9 +63,7 @@ def _serve(
             return
         try:
             result: object = None
-            if operation == "write":
-                sink.write(argument)
-            elif operation == "write_batch":
+            if operation == "write_batch":
                 sink.write_batch(argument)
             elif operation == "flush":
                 result = sink.flush(argument)
@@ -176,12 +174,7 @@ class ProcessSink(Sink):
             SinkProcessError: If the child's ``write`` raised (the message names the original
                 error), or the child died or exceeded ``call_timeout_s``.
         """
-        if not self._alive():
-            self._restart()
-        self._call("write", report, self._call_timeout_s)
-        self._unflushed.append(report)
-        if len(self._unflushed) >= self._flush_every:
-            self.flush(self._call_timeout_s)
+        self.write_batch([report])
 
     def write_batch(self, reports: Sequence[Report]) -> None:
         """Hand ``reports`` to the child's ``write_batch`` (for sinks with ``max_batch`` > 1).

@@ -58,8 +58,12 @@ class RankPool(ABC):
         """Whether a rank (or the launcher holding them) has exited."""
 
     @abstractmethod
-    def _missing_reason(self, rank: int, timeout: float, gave_up: bool) -> str:
-        """Why ``rank`` produced no result."""
+    def _rank_alive(self, rank: int) -> bool:
+        """Whether ``rank``'s process is still running."""
+
+    @abstractmethod
+    def _death_reason(self, rank: int) -> str:
+        """How ``rank``'s process (or the launcher holding it) ended."""
 
     @abstractmethod
     def _stop(self) -> None:
@@ -125,6 +129,13 @@ class RankPool(ABC):
                 continue
             failures.append(RankFailure(rank, self._missing_reason(rank, timeout, gave_up)))
         return failures
+
+    def _missing_reason(self, rank: int, timeout: float, gave_up: bool) -> str:
+        if not self._rank_alive(rank):
+            return self._death_reason(rank)
+        if gave_up:
+            return "no result after another rank failed (likely waiting on it; killed)"
+        return f"no result within {timeout:.0f} s (still running; killed)"
 
     def close(self) -> None:
         """Stop every rank and forget the process group; the next ``run`` starts a new one."""
@@ -253,13 +264,11 @@ class DistributedPool(RankPool):
     def _any_dead(self) -> bool:
         return any(not process.is_alive() for process in self._processes)
 
-    def _missing_reason(self, rank: int, timeout: float, gave_up: bool) -> str:
-        process = self._processes[rank]
-        if process.is_alive() and gave_up:
-            return "no result after another rank failed (likely waiting on it; killed)"
-        if process.is_alive():
-            return f"no result within {timeout:.0f} s (still running; killed)"
-        return f"process died with exit code {process.exitcode}"
+    def _rank_alive(self, rank: int) -> bool:
+        return self._processes[rank].is_alive()
+
+    def _death_reason(self, rank: int) -> str:
+        return f"process died with exit code {self._processes[rank].exitcode}"
 
     def _stop(self) -> None:
         for task_queue in self._tasks:

@@ -130,12 +130,10 @@ class TorchrunPool(RankPool):
     def _any_dead(self) -> bool:
         return self._launcher is None or self._launcher.poll() is not None
 
-    def _missing_reason(self, rank: int, timeout: float, gave_up: bool) -> str:
-        alive = not self._any_dead()
-        if alive and gave_up:
-            return "no result after another rank failed (likely waiting on it; killed)"
-        if alive:
-            return f"no result within {timeout:.0f} s (still running; killed)"
+    def _rank_alive(self, rank: int) -> bool:
+        return not self._any_dead()  # torchrun stops every rank when one ends
+
+    def _death_reason(self, rank: int) -> str:
         code = None if self._launcher is None else self._launcher.returncode
         return f"torchrun exited with code {code}; its output ends with:\n{self._log_tail()}"
 

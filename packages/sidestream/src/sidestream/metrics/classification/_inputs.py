@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import screen_invalid
+from sidestream._validation import check_same_shape, screen_invalid
 from sidestream.metrics.classification import _host
 from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.state import MetricAccumulator
@@ -249,10 +249,7 @@ def _label_counts(
             f"preds: expected shape (N, ..., L) with L = num_labels = {labels}, "
             f"got {tuple(preds.shape)}"
         )
-    if target.shape != preds.shape:
-        raise ValueError(
-            f"target: expected the shape of preds {tuple(preds.shape)}, got {tuple(target.shape)}"
-        )
+    check_same_shape(preds, target)
     if target.is_floating_point() or target.is_complex():
         raise TypeError(f"target: expected integer or bool 0/1 targets, got dtype {target.dtype}")
     positive, checks = _positives(problem, preds)

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating, screen_invalid
+from sidestream._validation import as_tensor, check_floating, check_same_shape, screen_invalid
 from sidestream.metric import Metric
 from sidestream.metrics.classification import _host
 from sidestream.state import MetricAccumulator
@@ -243,11 +243,7 @@ class ScoreHistogramMetric(Metric[Tensor]):
         ):
             raise TypeError(f"target: expected integer class indices, got dtype {target.dtype}")
         if self._problem == "binary":
-            if preds.shape != target.shape:
-                raise ValueError(
-                    f"target: expected the shape of preds {tuple(preds.shape)}, "
-                    f"got {tuple(target.shape)}"
-                )
+            check_same_shape(preds, target)
             return
         name = "num_classes" if self._problem == "multiclass" else "num_labels"
         if preds.ndim != 2 or preds.shape[1] != classes:

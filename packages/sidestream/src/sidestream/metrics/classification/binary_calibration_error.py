@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating
+from sidestream._validation import as_tensor, check_floating, check_same_shape
 from sidestream.metrics.classification import _host
 from sidestream.metrics.classification._calibration import CalibrationHistogramMetric
 from sidestream.metrics.classification._score_histogram import not_binary, screen
@@ -41,11 +41,7 @@ class BinaryCalibrationErrorMetric(CalibrationHistogramMetric):
         preds_t = as_tensor("preds", preds, self.device)
         target_t = as_tensor("target", target, self.device)
         check_floating("preds", preds_t)
-        if preds_t.shape != target_t.shape:
-            raise ValueError(
-                f"target: expected the shape of preds {tuple(preds_t.shape)}, "
-                f"got {tuple(target_t.shape)}"
-            )
+        check_same_shape(preds_t, target_t)
         if preds_t.numel() == 0:
             return
         keep = screen(

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating, screen_invalid
+from sidestream._validation import as_tensor, check_floating, check_same_shape, screen_invalid
 from sidestream.metric import Metric
 from sidestream.state import MetricAccumulator
 
@@ -59,11 +59,7 @@ class PairedRegressionMetric(Metric[Tensor]):
         preds_t = as_tensor("preds", preds, self.device)
         target_t = as_tensor("target", target, self.device)
         check_floating("preds", preds_t)
-        if preds_t.shape != target_t.shape:
-            raise ValueError(
-                f"target: expected the shape of preds {tuple(preds_t.shape)}, "
-                f"got {tuple(target_t.shape)}"
-            )
+        check_same_shape(preds_t, target_t)
         outputs = self._num_outputs
         if outputs > 1 and (preds_t.ndim != 2 or preds_t.shape[1] != outputs):
             raise ValueError(

@@ -1,0 +1,77 @@
+"""Count the collectives code issues: the measure of a coalesced sync, in tests and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+__all__ = ["COLLECTIVES", "count_collectives"]
+
+#: The torch.distributed functions counted, wherever they are called from.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+)
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[list[str]]:
+    """Record the name of every collective issued inside the block, in order.
+
+    Calls through ``torch.distributed`` and through ``distributed_c10d`` (where torch's own
+    helpers call each other) both count, so ``all_gather_object`` shows its inner
+    ``all_gather`` calls too. A collective that re-enters itself counts once: under a
+    ``torch.device`` context (as ``on_rank_device`` sets) torch dispatches the call again by
+    its public name.
+
+    Example:
+        >>> with count_collectives() as calls:
+        ...     metric.sync()  # doctest: +SKIP
+        >>> calls  # doctest: +SKIP
+        ['all_gather_single']
+    """
+    calls: list[str] = []
+    active: set[str] = set()
+    saved: list[tuple[Any, str, Any]] = []
+
+    def counted(name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if name in active:
+                return original(*args, **kwargs)
+            calls.append(name)
+            active.add(name)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                active.discard(name)
+
+        return call
+
+    for module in (dist, c10d):
+        for name in COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is not None:
+                saved.append((module, name, original))
+                setattr(module, name, counted(name, original))
+    try:
+        yield calls
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
