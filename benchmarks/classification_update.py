@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks._threads import one_thread
 from sidestream.metrics.classification import confusion_matrix_metric
 
 ROUNDS = 15
@@ -72,18 +73,8 @@ def _cases(device: torch.device) -> dict[str, dict[str, Callable[[], None]]]:
     }
 
 
+@one_thread
 def run() -> str:
-    # One thread: on a shared machine, waking a thread pool for each small op costs more than
-    # the op and swamps the comparison; every implementation runs under the same setting.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _run()
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run() -> str:
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.append(torch.device("cuda"))

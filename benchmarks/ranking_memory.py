@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._threads import one_thread
 from sidestream.metrics.classification import BinaryAUROCMetric
 
 TOTAL = 10_000_000
@@ -65,18 +66,8 @@ def _best_of(
     return best, first
 
 
+@one_thread
 def run() -> str:
-    # One thread, as in the classification benchmark: on a shared machine a thread pool's
-    # wake-ups swamp the comparison; every implementation runs under the same setting.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _run()
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run() -> str:
     from torchmetrics.classification import BinaryAUROC
 
     chunks = [_data(CHUNK, seed) for seed in range(TOTAL // CHUNK)]

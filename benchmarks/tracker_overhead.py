@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._threads import one_thread
 from sidestream import AsyncMetricCollector, Metric, MetricAccumulator
 from sidestream.sinks import ProcessSink, Sink
 
@@ -151,8 +152,8 @@ def _wandb(root: Path) -> dict[str, Any]:
     return {"direct": direct_cost, **piped}
 
 
+@one_thread
 def run() -> str:
-    torch.set_num_threads(1)
     os.environ.setdefault("WANDB_SILENT", "true")
     backends = {
         "TensorBoard (`SummaryWriter.add_scalar`)": _tensorboard,
