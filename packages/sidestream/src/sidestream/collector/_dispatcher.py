@@ -19,6 +19,7 @@ from sidestream.collector._tree import FlatTree, flatten_tree
 from sidestream.collector._window import Window
 from sidestream.sinks.base import Report
 from sidestream.sinks.runner import SinkRunner
+from sidestream.sync import RankMismatchError
 
 __all__ = ["Dispatcher"]
 
@@ -58,6 +59,7 @@ class Dispatcher:
         self._latest: tuple[int, Any] | None = None
         self._latest_error: BaseException | None = None
         self._errors = 0
+        self._mismatch: RankMismatchError | None = None
         self._layouts: dict[Any, _Layout] = {}
         self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
         self._thread.start()
@@ -99,6 +101,12 @@ class Dispatcher:
         return not self._thread.is_alive()
 
     @property
+    def mismatch(self) -> RankMismatchError | None:
+        """The first window that found ranks paired with different calls, if any."""
+        with self._cond:
+            return self._mismatch
+
+    @property
     def unprocessed(self) -> int:
         """Windows submitted and not processed yet."""
         with self._cond:
@@ -123,6 +131,8 @@ class Dispatcher:
                     )
                 with self._cond:
                     self._latest_error = error
+                    if isinstance(error, RankMismatchError) and self._mismatch is None:
+                        self._mismatch = error
                     self._processed += 1
                     self._cond.notify_all()
                 continue
@@ -135,6 +145,8 @@ class Dispatcher:
     def _process(self, window: Window) -> tuple[int, Any]:
         if window.done is not None:
             _wait_event(window.done)
+            if window.batch is not None:
+                window.batch.verify()  # the fingerprints, on the host now that done passed
             assert window.tree is not None
             tree, leaves = window.tree, window.host
         else:
