@@ -53,6 +53,8 @@ class WeightedMeanMetric(Metric[Tensor]):
         values_t = as_tensor("values", values, self.device)
         weights_t = as_tensor("weights", weights, self.device)
         check_floating("values", values_t)
+        if weights_t.is_complex():
+            raise TypeError(f"weights: expected real numbers, got dtype {weights_t.dtype}")
         check_broadcastable("weights", weights_t, values_t, "values")
         dtype = self._weight.local.dtype
         weights_t = weights_t.to(dtype)
