@@ -78,6 +78,23 @@ def gpu(session: nox.Session) -> None:
     )
 
 
+@nox.session(python=PYTHON, name="compile")
+def compile_inductor(session: nox.Session) -> None:
+    """Opt-in (slow): every built-in metric's update compiled with inductor, against eager.
+
+    CI compiles the same catalogue with the fast ``aot_eager`` backend.
+    """
+    _install_project(session, *TEST_REQUIREMENTS)
+    session.run(
+        "pytest",
+        "-m",
+        "compile",
+        "tests/metrics/test_compiled_updates.py",
+        *session.posargs,
+        env={"SIDESTREAM_COMPILE_INDUCTOR": "1"},
+    )
+
+
 @nox.session(python=PYTHON, tags=["ci"])
 def docs(session: nox.Session) -> None:
     """Build the documentation site strictly (broken links or references fail)."""

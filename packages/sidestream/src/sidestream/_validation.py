@@ -16,6 +16,7 @@ __all__ = [
     "check_broadcastable",
     "check_floating",
     "check_same_shape",
+    "checks_stay_on_device",
     "screen_invalid",
 ]
 
@@ -67,6 +68,15 @@ def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_na
         )
 
 
+def checks_stay_on_device(device: torch.device) -> bool:
+    """Whether value checks on ``device`` must stay on the device (count and drop, no raise).
+
+    True on CUDA (a host read would sync) and inside ``torch.compile`` on any device (a host
+    read would break the graph); false in eager mode off CUDA, where reading is free.
+    """
+    return device.type == "cuda" or torch.compiler.is_compiling()
+
+
 def screen_invalid(
     invalid: Tensor | bool, rejected: MetricAccumulator, argument: str, expected: str
 ) -> Tensor | None:
@@ -96,7 +106,7 @@ def screen_invalid(
         if invalid:
             raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
         return None
-    if invalid.device.type != "cuda" and not torch.compiler.is_compiling():
+    if not checks_stay_on_device(invalid.device):
         if bool(invalid.any()):
             raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
         return None

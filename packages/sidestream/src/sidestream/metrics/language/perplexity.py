@@ -10,6 +10,7 @@ from sidestream._validation import (
     as_tensor,
     check_broadcastable,
     check_floating,
+    checks_stay_on_device,
     screen_invalid,
 )
 from sidestream.metric import Metric
@@ -111,7 +112,7 @@ class PerplexityMetric(Metric[Tensor]):
         else:
             # A Python weight is filled on the device: no host-to-device copy (a CUDA sync).
             weights_64 = torch.full_like(losses_64, float(weights))
-        if self.device.type != "cuda":
+        if not checks_stay_on_device(self.device):
             screen_invalid(~torch.isfinite(losses_64), self._rejected, "losses", "finite values")
             screen_invalid(
                 (weights_64 < 0) | ~torch.isfinite(weights_64),
