@@ -115,10 +115,13 @@ class MetricAccumulator:
         """
         if self._op is ReduceOp.SUM:
             self._target.add_(update)
+        elif update.dtype != self._target.dtype:
+            self.accumulate(update.to(self._target.dtype))  # out= may not narrow a type
+            return
         elif self._op is ReduceOp.MAX:
-            self._target.copy_(torch.maximum(self._target, update.to(self._target.dtype)))
+            torch.maximum(self._target, update, out=self._target)  # NaN propagates
         else:
-            self._target.copy_(torch.minimum(self._target, update.to(self._target.dtype)))
+            torch.minimum(self._target, update, out=self._target)
         self._freshness.current = False
 
     def scatter_add(self, index: Tensor, source: Tensor) -> None:

@@ -218,11 +218,12 @@ class _GatherPlan:
         data = sum(_padded_bytes(segment) for segment in segments)
         packed = data + 8 * _FINGERPRINT_WORDS
         self._group = group
+        self._rank = group_rank(group)
         self._structure = structure
         self._send = torch.zeros(packed, dtype=torch.uint8, device=device)  # padding stays 0
         self._gathered = torch.empty(size * packed, dtype=torch.uint8, device=device)
         rows = self._gathered.view(size, packed)
-        self._fingerprint = self._send[data:].view(torch.int64)
+        self._fingerprint = _FingerprintWriter(self._send[data:].view(torch.int64))
         self._gathered_fingerprints = rows[:, data:].view(torch.int64)
         self._sources: list[Tensor] = []
         self._staging: list[Tensor] = []
@@ -242,10 +243,10 @@ class _GatherPlan:
 
     def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None:
         torch._foreach_copy_(self._staging, self._sources)
-        _write(self._fingerprint, fingerprint.words(self._structure))
+        self._fingerprint.write(fingerprint.words(self._structure))
         handle._start(_all_gather_single(self._gathered, self._send, self._group, handle.async_op))
         handle._finishers.append(self._reduce)
-        handle._checks.append(_GatherCheck(self._gathered_fingerprints, group_rank(self._group)))
+        handle._checks.append(_GatherCheck(self._gathered_fingerprints, self._rank))
 
     def _reduce(self) -> None:
         for result, per_rank, op in self._reductions:
@@ -295,6 +296,9 @@ class _ReducePlan:
             if kind == carrier:
                 self._carrier = carrier
                 self._fingerprint = buffer[fingerprint_at:]
+                self._writer = _FingerprintWriter(
+                    torch.empty_like(self._fingerprint), self._fingerprint
+                )
             for segment, start in placed:
                 width = _buffer_kind(segment)[1]
                 view = buffer[start : start + width * segment.numel]
@@ -310,7 +314,7 @@ class _ReducePlan:
             _stage(segment, view)
         chunks = _chunks(fingerprint.words(self._structure))
         second = [c * c for c in chunks] if self._carrier == "sum" else [-c for c in chunks]
-        _write(self._fingerprint, chunks + second)
+        self._writer.write(chunks + second)
         for buffer, op in self._buffers:
             handle._start(
                 dist.all_reduce(buffer, op=op, group=self._group, async_op=handle.async_op)
@@ -409,13 +413,29 @@ def _chunks(words: list[int]) -> list[int]:
     return out
 
 
-def _write(view: Tensor, values: list[int]) -> None:
-    """Write host integers into a device view without a host sync (pinned, non-blocking)."""
-    if view.device.type == "cuda":
-        source = torch.tensor(values, dtype=view.dtype).pin_memory()
-        view.copy_(source, non_blocking=True)
-    else:
-        view.copy_(torch.tensor(values, dtype=view.dtype))
+class _FingerprintWriter:
+    """Writes a fingerprint's numbers into a device buffer: one ``fill_`` per changed number.
+
+    A fill takes its number as a kernel argument, so there is no host-to-device copy (a sync on
+    CUDA from pageable memory) and no temporary tensor; numbers unchanged since the last call
+    (the structure hash, the kind, the high chunks of a step) cost nothing. ``target`` is
+    written with one copy when given: the all_reduce path reduces its buffer in place, so the
+    numbers are kept in a staging tensor of their own.
+    """
+
+    def __init__(self, staging: Tensor, target: Tensor | None = None) -> None:
+        self._staging = staging
+        self._target = target
+        self._cells = list(staging.unbind(0))
+        self._last: list[int | None] = [None] * len(self._cells)
+
+    def write(self, values: list[int]) -> None:
+        for index, value in enumerate(values):
+            if value != self._last[index]:
+                self._cells[index].fill_(value)
+                self._last[index] = value
+        if self._target is not None:
+            self._target.copy_(self._staging)
 
 
 def _to_host(tensor: Tensor) -> Tensor:
@@ -597,6 +617,8 @@ class SyncProgram:
     def __init__(self, copies: _CopyPlan, plans: list[_Plan]) -> None:
         self._copies = copies
         self._plans = plans
+        # On CUDA the fingerprint check waits for the device: it moves from wait to verify.
+        self._cuda = any(_plan_device(plan).type == "cuda" for plan in plans)
 
     @property
     def collective(self) -> bool:
@@ -617,12 +639,10 @@ class SyncProgram:
             RankMismatchError: Without ``async_op``, off CUDA, if ranks paired different calls.
         """
         handle = SyncHandle(async_op)
+        handle._cuda = self._cuda
         self._copies.run(handle, fingerprint)
         for plan in self._plans:
             plan.run(handle, fingerprint)
-        handle._cuda = any(isinstance(p, _GatherPlan | _ReducePlan) for p in self._plans) and (
-            _plan_device(self._plans[0]).type == "cuda"
-        )
         if not async_op:
             handle.wait()
         return handle

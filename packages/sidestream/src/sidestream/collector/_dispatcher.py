@@ -103,8 +103,7 @@ class Dispatcher:
     @property
     def mismatch(self) -> RankMismatchError | None:
         """The first window that found ranks paired with different calls, if any."""
-        with self._cond:
-            return self._mismatch
+        return self._mismatch  # one attribute read: no lock on the training thread's path
 
     @property
     def unprocessed(self) -> int:

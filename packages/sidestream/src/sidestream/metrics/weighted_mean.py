@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_broadcastable, check_floating, screen_invalid
+from sidestream._validation import (
+    as_tensor,
+    check_broadcastable,
+    check_floating,
+    checks_stay_on_device,
+    screen_invalid,
+)
 from sidestream.metric import Metric
 from sidestream.state import MetricAccumulator
 
@@ -50,23 +58,38 @@ class WeightedMeanMetric(Metric[Tensor]):
             ValueError: On a shape or device mismatch, or (CPU only) a negative or non-finite
                 weight.
         """
-        values_t = as_tensor("values", values, self.device)
-        weights_t = as_tensor("weights", weights, self.device)
+        device = self.device
+        values_t = as_tensor("values", values, device)
+        weights_t = as_tensor("weights", weights, device)
         check_floating("values", values_t)
         if weights_t.is_complex():
             raise TypeError(f"weights: expected real numbers, got dtype {weights_t.dtype}")
-        check_broadcastable("weights", weights_t, values_t, "values")
         dtype = self._weight.local.dtype
         weights_t = weights_t.to(dtype)
-        invalid = (weights_t < 0) | ~torch.isfinite(weights_t)
-        keep = screen_invalid(invalid, self._rejected, "weights", "finite values >= 0")
-        weights_t = weights_t.expand(values_t.shape)
-        contribution = values_t.to(dtype) * weights_t
-        if keep is not None:
-            contribution = torch.where(keep, contribution, 0.0)
-            weights_t = torch.where(keep, weights_t, 0.0)
-        self._weighted_sum.accumulate(contribution.sum())
-        self._weight.accumulate(weights_t.sum())
+        if weights_t.shape != values_t.shape:
+            if weights_t.dim():  # a scalar always broadcasts; torch.broadcast_shapes is slow
+                check_broadcastable("weights", weights_t, values_t, "values")
+            weights_t = weights_t.expand(values_t.shape)
+        weighted = (values_t.to(dtype) * weights_t).sum()
+        total = weights_t.sum()
+        if not checks_stay_on_device(device):
+            # One fused check on the host: every weight >= 0 (NaN fails) and their sum finite
+            # (an inf weight makes it inf), before the state changes.
+            if weights_t.numel() and not (
+                float(weights_t.amin()) >= 0 and math.isfinite(float(total))
+            ):
+                raise ValueError(
+                    "weights: expected finite values >= 0; this batch has values outside"
+                )
+        else:
+            invalid = (weights_t < 0) | ~torch.isfinite(weights_t)
+            keep = screen_invalid(invalid, self._rejected, "weights", "finite values >= 0")
+            assert keep is not None  # the device path always returns the keep flag
+            # where, not multiply: 0 * inf would still be NaN.
+            weighted = torch.where(keep, weighted, 0.0)
+            total = torch.where(keep, total, 0.0)
+        self._weighted_sum.accumulate(weighted)
+        self._weight.accumulate(total)
 
     @property
     def rejected_updates(self) -> Tensor:
