@@ -268,3 +268,32 @@ def test_partial_update_after_sync_uses_local_state(dist_pool: RankPool) -> None
         assert result["synced"] == [sum(values), float(world), max(values)]
         # Local: this rank's own value plus the 100, its own count and max (never the global).
         assert result["after"] == [rank + 1 + 100.0, 1.0, float(rank + 1)]
+
+
+class _OwnSync(MeanMetric):
+    """A metric with its own sync (the slow path), counting its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def sync(self, group: Any = None) -> None:
+        self.calls += 1
+        super().sync(group)
+
+
+def test_own_sync_child_takes_the_slow_path_and_sees_new_states() -> None:
+    child = _OwnSync()
+    tree = ComposeMetric({"own": child, "plain": SumMetric()})
+    child.update(torch.tensor([1.0, 3.0]))
+    tree["plain"].update(torch.tensor([5.0]))
+    tree.sync()
+    assert child.calls == 1
+    assert float(child.compute()) == 2.0 and float(tree["plain"].compute()) == 5.0
+    child.extra = MetricAccumulator(torch.zeros(2))  # the tree changes: layouts are redone
+    child.update(torch.tensor([5.0]))
+    tree.sync()
+    assert child.calls == 2
+    assert float(child.compute()) == 3.0
+    assert all(s.synced is not None for _, s in tree.named_accumulators())
+    assert len(list(tree.named_accumulators())) == 4

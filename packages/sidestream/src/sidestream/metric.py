@@ -41,7 +41,7 @@ class CallCounter:
 
 @dataclass
 class _Prepared:
-    """A metric's laid-out sync over one group, valid while its arena lives."""
+    """A metric's laid-out sync over one group, valid while the arena of its states lives."""
 
     group: Group
     arena: Arena | None
@@ -299,20 +299,24 @@ class Metric(Stateful, Generic[T], abc.ABC):
         changed together, the new layout is checked and used.
         """
         arena = self._own_arena()
+        # The arena this tree's states live in: its own, or its parent tree's.
+        home: Arena | None = self.__dict__.get("_state_arena")
         cache: dict[int, _Prepared] = self.__dict__.setdefault("_sync_layouts", {})
         prepared = cache.get(id(group))
         if prepared is not None and prepared.group is group:
-            if prepared.arena is None or prepared.arena.alive:
+            if prepared.arena is home and home is not None and home.alive:
                 return prepared
             del cache[id(group)]
             if prepared.every_state.collective:
                 changed = CallFingerprint("changed", self.call_counter.next())
                 prepared.every_state.start(changed).verify()
-        prepared = self._lay_out(group, arena, check)
+        prepared = self._lay_out(group, arena, home, check)
         cache[id(group)] = prepared
         return prepared
 
-    def _lay_out(self, group: Group, arena: Arena | None, check: bool) -> _Prepared:
+    def _lay_out(
+        self, group: Group, arena: Arena | None, home: Arena | None, check: bool
+    ) -> _Prepared:
         own_sync = [m for m in self._walk_metrics() if m is not self and _has_own_sync(m)]
         everything = SyncBatch()
         if arena is not None:
@@ -325,13 +329,13 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 everything.add(state, group, state._synced, name=name)
         every_state = everything.program(check=check)
         if not own_sync:
-            return _Prepared(group, arena, every_state, every_state)
+            return _Prepared(group, home, every_state, every_state)
         skipped = {id(s) for m in own_sync for _, s in m.named_accumulators()}
         batched = SyncBatch()
         for name, state in self.named_accumulators():
             if id(state) not in skipped:
                 batched.add(state, group, state._synced, name=name)
-        return _Prepared(group, arena, every_state, batched.program(check=check), own_sync)
+        return _Prepared(group, home, every_state, batched.program(check=check), own_sync)
 
     def reset(self) -> None:
         """Return every state to its initial value (no communication)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -65,7 +67,7 @@ class MetricAccumulator:
         self._op = op
         self._freshness = Freshness()
         self._owned = False
-        self._arena: object | None = None  # the state arena holding this state's views
+        self._arena: Any = None  # the state arena holding this state's views (or None)
         self._bind(initial_tensor.clone(), initial_tensor.clone(), torch.empty_like(initial_tensor))
 
     def _bind(self, local: Tensor, initial: Tensor, synced: Tensor) -> None:
@@ -170,6 +172,8 @@ class MetricAccumulator:
         A metric's states move with ``Metric.to`` (which rebuilds the arena).
         """
         self._bind(self._local.to(device), self._initial.to(device), self._synced.to(device))
+        if self._arena is not None:
+            self._arena.alive = False  # this state is no longer a view into it
         return self
 
     def load_local(self, value: Tensor) -> None:

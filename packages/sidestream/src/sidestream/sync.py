@@ -494,7 +494,7 @@ class SyncHandle:
             RankMismatchError: If ranks paired different calls.
         """
         if self._event is not None:
-            self._event.synchronize()  # type: ignore[no-untyped-call]
+            self._event.synchronize()
             self._event = None
         checks, self._checks = self._checks, []
         for check in checks:

@@ -30,6 +30,7 @@ class ComposeMetric(Metric[dict[str, Any]]):
     """
 
     _independent_children = True
+    _children: dict[str, Metric[Any]]
 
     def __init__(self, metrics: Mapping[str, Metric[Any]]) -> None:
         for name, metric in metrics.items():
