@@ -117,10 +117,12 @@ class Arena:
         self.mark(False)
 
     def copy_from(self, other: Arena) -> None:
-        """Copy ``other``'s local state (same layout) into this arena; flags become stale."""
+        """Copy ``other``'s local state (same layout) into this arena.
+
+        The flags are left alone: the caller (the collector's staging) syncs right after.
+        """
         if self.locals:
             torch._foreach_copy_(self.locals, other.locals)
-        self.mark(False)
 
     def mark(self, current: bool) -> None:
         """Set every freshness flag of the tree."""
