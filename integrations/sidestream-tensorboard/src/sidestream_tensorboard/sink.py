@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, Sink
-from sidestream.sinks._support import (
+from sidestream.sinks.support import (
     call_within,
     flatten_config,
     histogram_edges,
