@@ -202,7 +202,16 @@ class Delivery:
         complete = True
         for runner in runners:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not runner.close(left):
+            try:
+                closed = runner.close(left)
+            except (
+                Exception
+            ) as error:  # one sink's failure (its spool on a full disk) stays its own
+                logger.error(
+                    "sink %r: close failed: %s: %s", runner.key, type(error).__name__, error
+                )
+                closed = False
+            if not closed:
                 complete = False
             if runner.status.state == "failed":
                 complete = False

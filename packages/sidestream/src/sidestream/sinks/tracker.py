@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -11,7 +12,7 @@ from typing import Any, ClassVar
 from sidestream.sinks.base import Report, Sink
 from sidestream.sinks.support import call_within
 
-__all__ = ["TrackerSink", "stream_of"]
+__all__ = ["TrackerSink", "parse_tracker_state", "signature_options", "stream_of"]
 
 logger = logging.getLogger("sidestream.sinks")
 
@@ -65,6 +66,23 @@ class TrackerSink(Sink):
             setattr(self, key, threading.Lock())
 
     # ------------------------------------------------------------------ subclass hooks
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``ImportError`` (with the install command) if the backend's client is missing.
+
+        ``sinks_from_config`` calls it when it builds the sink, so a missing client is found
+        at once on every rank, not at ``open`` on rank 0. The default checks nothing.
+        """
+
+    @classmethod
+    def option_names(cls) -> set[str] | None:
+        """The keyword options the constructor takes (``None``: any).
+
+        The default reads the constructor's signature; a sink that forwards ``**kwargs`` to
+        its client adds the client's names.
+        """
+        return signature_options(cls)
 
     @abc.abstractmethod
     def send(self, reports: Sequence[Report]) -> None:
@@ -228,6 +246,24 @@ class TrackerSink(Sink):
     def describe_error(self, error: BaseException) -> str:
         """``error`` as text fit for a log (subclasses remove credentials)."""
         return f"{type(error).__name__}: {error}"
+
+
+def signature_options(*functions: Callable[..., Any]) -> set[str] | None:
+    """Keyword names ``functions`` take together; ``None`` if one takes ``**kwargs``.
+
+    ``**kwargs`` of the first function (a constructor that forwards them) do not count when
+    later functions say where they go.
+    """
+    names: set[str] = set()
+    for index, function in enumerate(functions):
+        for parameter in inspect.signature(function).parameters.values():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                if index == len(functions) - 1:
+                    return None
+            elif parameter.kind is not inspect.Parameter.VAR_POSITIONAL:
+                names.add(parameter.name)
+    names.discard("self")
+    return names
 
 
 def stream_of(name: str, streams: Iterable[str]) -> str:
