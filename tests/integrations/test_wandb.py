@@ -76,7 +76,7 @@ def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: RankPool) ->
     assert [r["sink_threads"] for r in results] == [1, 0]
     assert [r["closed"] for r in results] == [True, True]
     assert results[0]["delivered"] == [STEPS]
-    assert results[1]["sink_states"] == [{"run_id": None, "last_steps": {}}]
+    assert results[1]["sink_states"] == [{"run_id": None, "last_steps": {}, "run_dir": None}]
     (data,) = _data_files(tmp_path)  # rank 1 created no run
     state = results[0]["sink_states"][0]
     assert run_id_of(data) == state["run_id"] and state["last_steps"] == {"": STEPS - 1}
@@ -94,7 +94,8 @@ def test_resume_from_collector_checkpoint_keeps_the_run_id_and_never_repeats_a_s
         train, _config(tmp_path), range(100, STEPS), first[0]["checkpoint"], timeout=240
     )
     assert [r["closed"] for r in first + second] == [True] * 4
-    assert second[0]["sink_states"] == [{"run_id": saved["run_id"], "last_steps": {"": STEPS - 1}}]
+    (resumed,) = second[0]["sink_states"]
+    assert resumed["run_id"] == saved["run_id"] and resumed["last_steps"] == {"": STEPS - 1}
     # Offline, W&B writes the continuation to a second directory of the same run id (joined by
     # `wandb sync`); together they hold every step once.
     files = _data_files(tmp_path)
@@ -132,7 +133,7 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
     assert [(row.items["step"], row.items["loss"]) for row in rows] == [(5, 0.5)]
     assert rows[0].items["ok"]["values"] == [1.0, 2.0] and "bad" not in rows[0].items
     assert "bad" in caplog.text
-    assert state == {"run_id": state["run_id"], "last_steps": {"": 5}}
+    assert state == {"run_id": state["run_id"], "last_steps": {"": 5}, "run_dir": run_dir}
     written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]
     assert all(key.encode() not in content for content in written)
     assert key not in repr(state) + repr(sink) + caplog.text

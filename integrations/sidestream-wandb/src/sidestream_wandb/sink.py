@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
@@ -14,6 +17,8 @@ __all__ = ["WandbSink", "step_metric"]
 _SECRET_ENV = ("WANDB_API_KEY",)
 _MAX_TAG_LENGTH = 64  # W&B rejects longer tags
 _MAX_HISTOGRAM_BINS = 512  # wandb.Histogram's limit
+#: Each stream's last logged step, in the run's local directory (outside the uploaded files/).
+PROGRESS_FILE = "sidestream-steps.json"
 INSTALL = (
     'pip install "sidestream[wandb]" (from a checkout: pip install ./integrations/sidestream-wandb)'
 )
@@ -34,11 +39,13 @@ class WandbSink(TrackerSink):
     plotted at 500. Chart against ``<stream>/step``. A report at or below its stream's last
     delivered step is skipped.
 
-    Resume: ``state_dict()`` holds the run id and the last delivered step per stream; after
-    ``load_state_dict`` the next ``open`` passes that id with ``resume="allow"``. Online this
-    continues the same run on the server (steps the server already has, read from the run's
-    summary, are skipped). Offline, W&B writes a new ``offline-run-*-<id>`` directory with the
-    same run id; ``wandb sync`` the directories in order to join them.
+    Resume: ``state_dict()`` holds the run id, the last delivered step per stream and the run's
+    local directory; after ``load_state_dict`` the next ``open`` passes that id with
+    ``resume="allow"``. Online this continues the same run on the server. Offline, W&B writes a
+    new ``offline-run-*-<id>`` directory with the same run id; ``wandb sync`` the directories in
+    order to join them. Steps delivered after the checkpoint was taken are skipped either way:
+    the sink keeps each stream's last logged step in ``sidestream-steps.json`` in the run's
+    directory (outside ``files/``, so it is not uploaded) and reads it back on resume.
 
     Args:
         project: W&B project.
@@ -69,6 +76,8 @@ class WandbSink(TrackerSink):
         self._run: Any = None
         self._run_id: str | None = self._init_kwargs.pop("id", None)
         self._defined: set[str] = set()  # names given a step metric with define_metric
+        self._logged: dict[str, int] = {}  # last step per stream handed to W&B by this sink
+        self._previous_dir: str | None = None  # the run directory of the checkpointed job
 
     @classmethod
     def check_available(cls) -> None:
@@ -153,8 +162,11 @@ class WandbSink(TrackerSink):
         self._run_id = str(self._run.id)
         self._defined.clear()
         if self.resumed:
-            # Online, the server may hold steps logged after the checkpoint was taken.
+            # Steps logged after the checkpoint was taken: in the last job's progress file,
+            # and online also in the run's summary.
+            self.found_in_backend(_read_progress(self._previous_dir))
             self.found_in_backend(self._steps_in_summary())
+        self._logged = self.last_steps()
 
     def _steps_in_summary(self) -> dict[str, int]:
         found: dict[str, int] = {}
@@ -195,6 +207,30 @@ class WandbSink(TrackerSink):
             if failure is not None:
                 raise failure  # outside the handler: the original is not chained as context
             self.mark_sent(report)
+            self._logged[report.stream] = report.step
+        self._write_progress()
+
+    def _write_progress(self) -> None:
+        """Record each stream's last logged step next to the run (read back on resume)."""
+        run_dir = self.run_dir
+        if run_dir is None:
+            return
+        path = Path(run_dir) / PROGRESS_FILE
+        try:
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(json.dumps(self._logged))
+            os.replace(temporary, path)
+        except OSError as error:
+            self.warn_once("progress", f"WandbSink: cannot write {path}: {error}")
+
+    def extra_state(self) -> dict[str, Any]:
+        """The run's local directory (where the progress file is)."""
+        return {"run_dir": self.run_dir or self._previous_dir}
+
+    def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Remember the saved run directory."""
+        run_dir = state_dict.get("run_dir")
+        self._previous_dir = run_dir if isinstance(run_dir, str) else None
 
     def _define(self, stream: str, key: str, row: Mapping[str, Any]) -> None:
         """Plot the row's names against the stream's step metric (declared once per name)."""
@@ -231,6 +267,22 @@ class WandbSink(TrackerSink):
             return True
         active, self._run = self._run, None
         return self.within(active.finish, timeout, "finish")
+
+
+def _read_progress(run_dir: str | None) -> dict[str, int]:
+    if run_dir is None:
+        return {}
+    try:
+        saved = json.loads((Path(run_dir) / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    return {
+        str(stream): step
+        for stream, step in saved.items()
+        if isinstance(step, int) and not isinstance(step, bool)
+    }
 
 
 def step_metric(stream: str) -> str:
