@@ -2,7 +2,8 @@
 
 The CI set compiles with the ``aot_eager`` backend (dynamo tracing and AOT functionalization,
 where in-place updates of 0-dim float64 state were silently lost with torch 2.13 on CPU), which
-takes a fraction of a second per metric. The same catalogue under inductor is slower (a C++
+takes a fraction of a second per metric; states must be bitwise equal. The same catalogue under
+inductor (equal up to float rounding: it may order a reduction differently) is slower (a C++
 build per graph) and runs in ``nox -s compile`` (marker ``compile``, enabled by
 ``SIDESTREAM_COMPILE_INDUCTOR=1``).
 """
@@ -135,7 +136,10 @@ def _compare(name: str, backend: str) -> None:
     for (key, ours), (_, theirs) in zip(
         compiled.named_accumulators(), eager.named_accumulators(), strict=True
     ):
-        assert torch.equal(ours.local, theirs.local), (name, key, ours.local, theirs.local)
+        if backend == "aot_eager" or not ours.local.is_floating_point():
+            assert torch.equal(ours.local, theirs.local), (name, key, ours.local, theirs.local)
+        else:  # inductor may order a float reduction differently: rounding only
+            assert torch.allclose(ours.local, theirs.local, rtol=1e-6, atol=1e-9), (name, key)
     for ours, theirs in zip(
         tree_leaves(compiled.compute()), tree_leaves(eager.compute()), strict=True
     ):
