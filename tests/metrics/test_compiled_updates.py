@@ -156,8 +156,9 @@ def test_compiled_bad_values_are_counted_and_dropped() -> None:
     metric = WeightedMeanMetric()
     step = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
     step(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]))
-    step(torch.tensor([5.0, 5.0]), torch.tensor([-1.0, 1.0]))  # a negative weight: dropped
-    assert int(metric.rejected_updates) == 1
+    for bad in (-1.0, float("inf"), float("nan")):
+        step(torch.tensor([5.0, 5.0]), torch.tensor([bad, 1.0]))  # dropped and counted
+    assert int(metric.rejected_updates) == 3
     assert float(metric.compute()) == 1.5
     with pytest.raises(ValueError, match="weights"):
         metric.update(torch.tensor([5.0]), torch.tensor([-1.0]))  # eager on CPU still raises
