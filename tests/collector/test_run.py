@@ -135,6 +135,8 @@ def test_one_sink_belongs_to_one_run(tmp_path: Path) -> None:
         Run([RecordingSink(), *[JsonlSink(tmp_path / "b.jsonl")] * 2])
     assert first.close()
     Run([sink]).close()  # released once its run is closed
+    AsyncMetricCollector(MeanMetric(), sinks=[sink])  # never closed, and gone at once
+    AsyncMetricCollector(MeanMetric(), sinks=[sink]).close()  # so the sink is free again
     with pytest.raises(TypeError, match=r"run: got a sidestream\.Run; .*run\.collector"):
         AsyncMetricCollector(MeanMetric(), run=Run())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"sinks\[0\]: expected a sidestream"):
