@@ -212,9 +212,11 @@ class Delivery:
                     "sink %r: close failed: %s: %s", runner.key, type(error).__name__, error
                 )
                 closed = False
-            if not closed:
+            if not closed or runner.status.state == "failed":
                 complete = False
-            if runner.status.state == "failed":
+            elif isinstance(runner.sink, TrackerSink) and not runner.sink.all_delivered:
+                # Written, but the final flush failed: the backend may not have it.
+                logger.warning("sink %r: its last flush failed; not all was delivered", runner.key)
                 complete = False
         _release(self.sinks.values(), self)
         return complete
