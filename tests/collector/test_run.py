@@ -131,7 +131,7 @@ def test_one_sink_belongs_to_one_run(tmp_path: Path) -> None:
         AsyncMetricCollector(MeanMetric(), sinks=[sink])
     with pytest.raises(ValueError, match="already belongs to a run"):
         Run([sink])
-    with pytest.raises(ValueError, match="already belongs to a run"):
+    with pytest.raises(ValueError, match="is given twice"):
         Run([RecordingSink(), *[JsonlSink(tmp_path / "b.jsonl")] * 2])
     assert first.close()
     Run([sink]).close()  # released once its run is closed

@@ -104,6 +104,9 @@ class Delivery:
             RuntimeError: If the environment says the job has several processes but no
                 process group is initialized, or the run is closed.
         """
+        runners = self.runners
+        if runners is not None and not self._closed:
+            return runners  # started: the process group was checked then (run.log's hot path)
         check_process_group(where)
         with self._lock:
             if self._closed:
@@ -238,7 +241,12 @@ def _claim(sinks: list[Sink], owner: Delivery) -> None:
     with _CLAIM_LOCK:
         seen: set[int] = set()
         for sink in sinks:
-            if id(sink) in seen or _owner(sink) is not None:
+            if id(sink) in seen:
+                raise ValueError(
+                    f"sinks: {sink!r} is given twice; pass each sink object once (for two "
+                    "files or runs of one tracker, make two sinks)"
+                )
+            if _owner(sink) is not None:
                 raise ValueError(
                     f"sinks: {sink!r} already belongs to a run (another collector's, or a "
                     "sidestream.Run); a sink is one tracker run, so share it by creating one "

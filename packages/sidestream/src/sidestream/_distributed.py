@@ -68,5 +68,6 @@ def check_process_group(where: str) -> None:
             f"{where}: the environment says this job has several processes (WORLD_SIZE="
             f"{world or 'unset'}, RANK={rank or 'unset'}) but no process group is initialized; "
             "call torch.distributed.init_process_group(...) on every rank first (otherwise "
-            "every rank logs its own shard as if it were rank 0)"
+            "every rank acts as a job of its own: it reduces only its own data and writes to "
+            "the trackers as if it were rank 0)"
         )

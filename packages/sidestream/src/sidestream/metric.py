@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sidestream._arena import Arena
-from sidestream._distributed import Group, group_rank, resolve_group
+from sidestream._distributed import Group, check_process_group, group_rank, resolve_group
 from sidestream._reduce_op import ReduceOp
 from sidestream.state import Freshness, MetricAccumulator
 from sidestream.sync import CallFingerprint, SyncBatch, SyncHandle, SyncProgram
@@ -255,7 +255,10 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
         Raises:
             RankMismatchError: If ranks hold different state, or paired different calls.
+            RuntimeError: If ``WORLD_SIZE``/``RANK`` say the job has several processes but no
+                process group is initialized (the sync would silently reduce nothing).
         """
+        check_process_group("sync")
         self._sync_group = group
         self.verify_sync()
         prepared = self.prepare_sync(group)
@@ -372,7 +375,10 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
         Raises:
             RankMismatchError: If ranks hold different state, or paired different calls.
+            RuntimeError: If ``WORLD_SIZE``/``RANK`` say the job has several processes but no
+                process group is initialized (each rank would save only its own data).
         """
+        check_process_group("state_dict")
         self.verify_sync()
         prepared = self.prepare_sync(self._sync_group)
         fingerprint = CallFingerprint("state_dict", self.call_counter.next())

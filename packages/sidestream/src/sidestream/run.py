@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import time
 from collections.abc import Iterable, Mapping
+from numbers import Real
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -174,7 +175,8 @@ class Run:
 
         Args:
             step: The training step; larger than the previous ``log`` call's.
-            values: Names (``"lr"``, ``"grad_norm"``) to Python numbers or 0-dim tensors.
+            values: Names (``"lr"``, ``"grad_norm"``) to real numbers (Python or numpy) or
+                0-dim tensors.
 
         Raises:
             TypeError: If ``step`` is not an int, or a name or value has the wrong type.
@@ -204,7 +206,8 @@ class Run:
                     on_gpu.append((name, value))
                 else:
                     numbers[name] = float(value)
-            elif isinstance(value, int | float) and not isinstance(value, bool):
+            elif isinstance(value, Real) and not isinstance(value, bool):
+                # numbers.Real: Python numbers and numpy scalars (np.float32 is no float).
                 numbers[name] = float(value)
             else:
                 raise TypeError(

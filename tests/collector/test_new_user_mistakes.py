@@ -1,0 +1,52 @@
+"""Mistakes a new user made with ``Run`` and plain metrics, each failing loudly or working."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sidestream import ComposeMetric, MeanMetric, Run
+from sidestream.sinks import JsonlSink, read_jsonl
+
+
+def test_sync_and_state_dict_under_a_launcher_without_a_process_group_raise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torchrun set WORLD_SIZE/RANK, the script forgot init_process_group: a sync that quietly
+    # returns this rank's numbers as global ones would be a wrong number, not an error.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    metrics = ComposeMetric({"loss": MeanMetric()})
+    metrics["loss"].update(torch.tensor([1.0, 3.0]))
+    with pytest.raises(RuntimeError, match=r"^sync: .*WORLD_SIZE=2.*init_process_group"):
+        metrics.sync()
+    with pytest.raises(RuntimeError, match=r"^state_dict: .*init_process_group"):
+        metrics.state_dict()
+    with pytest.raises(RuntimeError, match=r"^sync: .*init_process_group"):
+        metrics["loss"].sync()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a one-process job: sync is a no-op
+    metrics.sync()
+    assert metrics.compute()["loss"].item() == 2.0
+    assert metrics.state_dict()["loss.total"].item() == 4.0
+
+
+def test_one_sink_given_twice_to_one_run_says_so(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    with pytest.raises(ValueError, match=r"is given twice; pass each sink object once"):
+        Run([sink, sink])
+    with Run([sink]) as run:  # the refused run claimed nothing
+        run.log(1, {"lr": 0.1})
+
+
+def test_log_takes_numpy_scalars(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    values = {"lr": np.float32(0.1), "tokens": np.int64(4096), "norm": np.float64(2.5)}
+    with Run([JsonlSink(path)]) as run:
+        run.log(1, values)
+        with pytest.raises(TypeError, match=r"values\['flag'\]: expected a number"):
+            run.log(2, {"flag": np.bool_(True)})
+    (record,) = read_jsonl(path)
+    assert record["values"] == {name: float(value) for name, value in values.items()}
