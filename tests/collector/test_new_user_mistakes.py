@@ -50,3 +50,23 @@ def test_log_takes_numpy_scalars(tmp_path: Path) -> None:
             run.log(2, {"flag": np.bool_(True)})
     (record,) = read_jsonl(path)
     assert record["values"] == {name: float(value) for name, value in values.items()}
+
+
+class _FailingMean(MeanMetric):
+    def compute(self) -> torch.Tensor:
+        raise ValueError("compute failed")
+
+
+def test_run_close_reports_a_failed_window_of_a_collector_closed_before_it(
+    tmp_path: Path,
+) -> None:
+    # `with collector:` (as the collector docs show) closes a run's collector first; the run's
+    # close must still say that not everything was delivered, and so must a second close.
+    run = Run([JsonlSink(tmp_path / "m.jsonl")])
+    with run.collector(_FailingMean(), prefix="val").bind("cpu") as val:
+        val.metric.update(torch.tensor([1.0]))
+        val.schedule_collection(1)
+    assert val.close() is False
+    run.log(1, {"lr": 0.1})
+    assert run.close() is False
+    assert run.close() is False

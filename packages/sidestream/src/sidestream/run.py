@@ -79,7 +79,7 @@ class Run:
         self._log_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last_log_step: int | None = None
         self._closed = False
-        self._at_exit = False
+        self._close_result = True  # what the first close returned; later calls repeat it
 
     # ------------------------------------------------------------------ properties
 
@@ -268,7 +268,8 @@ class Run:
     def close(self, timeout: float | None = 30.0) -> bool:
         """Finish every collector's windows and the logged values, then close each sink once.
 
-        Blocking, bounded by ``timeout`` seconds overall. Idempotent.
+        Blocking, bounded by ``timeout`` seconds overall. Idempotent: a later call returns what
+        the first returned.
 
         Returns:
             Whether everything was delivered: ``False`` if windows were still running or
@@ -276,7 +277,7 @@ class Run:
             file a warning names) or a sink failed for good.
         """
         if self._closed:
-            return True
+            return self._close_result
         self._closed = True
         atexit.unregister(self._close_at_exit)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -288,6 +289,7 @@ class Run:
             complete = False
         if not self._delivery.close(deadline):
             complete = False
+        self._close_result = complete
         return complete
 
     def _close_at_exit(self) -> None:

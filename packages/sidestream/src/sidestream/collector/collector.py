@@ -141,6 +141,7 @@ class AsyncMetricCollector(Generic[T]):
         self._dispatcher: Dispatcher | None = None
         self._last_step: int | None = None
         self._closed = False
+        self._close_result = True  # what the first close returned; later calls repeat it
 
     # ------------------------------------------------------------------ properties
 
@@ -327,8 +328,9 @@ class AsyncMetricCollector(Generic[T]):
         """Finish every scheduled window and stop the threads (and the sinks of its own run).
 
         With a run of its own it also delivers to and closes every sink. Blocking, bounded by
-        ``timeout`` seconds overall. Idempotent. A collector of a shared
-        ``Run`` leaves the sinks open (``run.close`` closes them).
+        ``timeout`` seconds overall. Idempotent: a later call returns what the first returned
+        (so ``run.close`` reports a collector closed before it). A collector of a shared ``Run``
+        leaves the sinks open (``run.close`` closes them).
 
         Returns:
             Whether everything finished and was delivered: ``False`` if windows were still
@@ -336,7 +338,7 @@ class AsyncMetricCollector(Generic[T]):
             in a spool file a warning names) or if a sink failed for good.
         """
         if self._closed:
-            return True
+            return self._close_result
         self._closed = True
         if self._owns_delivery:
             atexit.unregister(self._close_at_exit)
@@ -360,6 +362,7 @@ class AsyncMetricCollector(Generic[T]):
                 complete = False
         if self._owns_delivery and not self._delivery.close(deadline):
             complete = False
+        self._close_result = complete
         return complete
 
     def wait_windows(self, timeout: float | None) -> bool:
