@@ -10,6 +10,7 @@ import torch
 
 from sidestream import ComposeMetric, MeanMetric, Run
 from sidestream.sinks import JsonlSink, read_jsonl
+from sidestream.sync import RankMismatchError
 
 
 def test_sync_and_state_dict_under_a_launcher_without_a_process_group_raise(
@@ -69,4 +70,26 @@ def test_run_close_reports_a_failed_window_of_a_collector_closed_before_it(
     assert val.close() is False
     run.log(1, {"lr": 0.1})
     assert run.close() is False
+    assert run.close() is False
+
+
+class _MismatchedMean(MeanMetric):
+    def compute(self) -> torch.Tensor:
+        # What a window's fingerprint check raises when ranks paired different calls.
+        raise RankMismatchError("sync: ranks of the group paired different calls")
+
+
+def test_run_state_dict_raises_a_rank_mismatch_its_windows_found(tmp_path: Path) -> None:
+    # collector.state_dict() raises it before issuing its collective; run.state_dict() of a
+    # run's collector must too, instead of checkpointing as if nothing happened.
+    run = Run([JsonlSink(tmp_path / "m.jsonl")])
+    train = run.collector(_MismatchedMean(), prefix="train").bind("cpu")
+    train.metric.update(torch.tensor([1.0]))
+    train.schedule_collection(1)
+    with pytest.raises(RankMismatchError):
+        train.collect_results(timeout=30)
+    with pytest.raises(RankMismatchError, match="paired different calls"):
+        train.state_dict()
+    with pytest.raises(RankMismatchError, match="paired different calls"):
+        run.state_dict()
     assert run.close() is False

@@ -319,9 +319,15 @@ class Run:
         state as of its last delivered step, with a warning; the reports it has not
         delivered yet are still delivered by this job, but a job resumed from this
         checkpoint will not log them again.
+
+        Raises:
+            RankMismatchError: If a collector's window was paired with another call on some
+                rank (one rank skipped a ``schedule_collection``), as ``collector.state_dict``.
         """
+        # The collector's own state_dict first raises a rank mismatch its windows found (as
+        # it does when called directly); a collector of this run holds no sink states.
+        collectors = {c.prefix: c.state_dict(timeout)["metric"] for c in self._collectors}
         deadline = None if timeout is None else time.monotonic() + timeout
-        collectors = {c.prefix: c.metric.state_dict() for c in self._collectors}
         sinks: dict[str, Any] = {}
         if self.is_writer:
             for collector in self._collectors:
