@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +14,8 @@ import torch
 from sidestream import ComposeMetric, MeanMetric, Run
 from sidestream.sinks import JsonlSink, read_jsonl
 from sidestream.sync import RankMismatchError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sync_and_state_dict_under_a_launcher_without_a_process_group_raise(
@@ -93,3 +98,44 @@ def test_run_state_dict_raises_a_rank_mismatch_its_windows_found(tmp_path: Path)
     with pytest.raises(RankMismatchError, match="paired different calls"):
         run.state_dict()
     assert run.close() is False
+
+
+def test_a_run_of_collectors_only_is_closed_at_interpreter_exit(tmp_path: Path) -> None:
+    # "Closing also happens at interpreter exit", also when no run.log started the sinks: before,
+    # only log registered the exit hook, so a bound collector's windows died with the process.
+    path = tmp_path / "exit.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import time
+
+        import torch
+        from sidestream import Run, SumMetric
+        from sidestream.sinks import JsonlSink
+
+
+        class SlowJsonl(JsonlSink):
+            def send(self, reports):
+                time.sleep(0.2)  # a tracker slower than the interpreter's exit
+                super().send(reports)
+
+
+        run = Run([SlowJsonl({str(path)!r})])
+        train = run.collector(SumMetric(), prefix="train").bind("cpu")
+        for step in range(1, 4):
+            train.metric.update(torch.tensor([float(step)]))
+            train.schedule_collection(step)
+        # no close()
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=120)
+    assert [(r["step"], r["values"]["train"]) for r in read_jsonl(path)] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+    ]
+
+
+def test_a_run_that_never_started_is_not_kept_alive(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    Run([sink])  # never started, never closed, and gone at once: its sink is free
+    Run([sink]).close()

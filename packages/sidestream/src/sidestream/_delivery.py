@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -84,6 +84,9 @@ class Delivery:
         self.options = options
         self.resume_states: dict[str, Any] = {}
         self.runners: list[SinkRunner] | None = None
+        # Called once when the sinks start, whoever starts them (a collector's bind or
+        # Run.log): the owner registers its close at interpreter exit there.
+        self.on_start: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -129,6 +132,8 @@ class Delivery:
                     runner.start()
                     runners.append(runner)
             self.runners = runners
+            if self.on_start is not None:
+                self.on_start()
             return runners
 
     def submit(self, report: Report) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from numbers import Real
 from types import TracebackType
@@ -73,6 +75,9 @@ class Run:
             sink_capacity, sink_retry_initial_s, sink_retry_max_s, spool_dir, exit_timeout
         )
         self._delivery = Delivery(sinks, info, options)
+        # Whichever starts the sinks (a collector's bind, or log) registers the close at exit;
+        # a weak reference, so a run that never starts is not kept alive by its delivery.
+        self._delivery.on_start = functools.partial(_register_close_at_exit, weakref.ref(self))
         self._collectors: list[AsyncMetricCollector[Any]] = []
         self._metric_states: dict[str, Any] = {}
         self._log_pipe: LogPipe | None = None
@@ -221,7 +226,7 @@ class Run:
                 "log: a collector of this run has the prefix '' (the stream of run.log); "
                 "give it a prefix"
             )
-        self._start("log")
+        self._delivery.start("log")
         self._last_log_step = step
         if not self.is_writer:
             return
@@ -255,13 +260,6 @@ class Run:
             tensor.record_stream(side)
         entry.device_names = tuple(name for name, _ in tensors)
         entry.host, entry.done = host, done
-
-    def _start(self, where: str) -> list[SinkRunner]:
-        started = self._delivery.started
-        runners = self._delivery.start(where)
-        if not started:
-            atexit.register(self._close_at_exit)
-        return runners
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -358,6 +356,12 @@ class Run:
                 collector.load_metric_state(collectors.pop(collector.prefix))
         self._metric_states = collectors
         self._delivery.load_sink_states(sinks)
+
+
+def _register_close_at_exit(run: weakref.ref[Run]) -> None:
+    alive = run()
+    if alive is not None:
+        atexit.register(alive._close_at_exit)
 
 
 def _left(deadline: float | None) -> float | None:
