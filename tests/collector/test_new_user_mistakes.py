@@ -139,3 +139,14 @@ def test_a_run_that_never_started_is_not_kept_alive(tmp_path: Path) -> None:
     sink = JsonlSink(tmp_path / "m.jsonl")
     Run([sink])  # never started, never closed, and gone at once: its sink is free
     Run([sink]).close()
+
+
+def test_a_collector_per_validation_pass_is_refused_with_the_pattern_that_works(
+    tmp_path: Path,
+) -> None:
+    with Run([JsonlSink(tmp_path / "m.jsonl")]) as run:
+        with run.collector(MeanMetric(), prefix="val").bind("cpu") as val:
+            val.metric.update(torch.tensor([1.0]))
+            val.schedule_collection(100)
+        with pytest.raises(ValueError, match=r"stream 'val'.*make each stream's collector once"):
+            run.collector(MeanMetric(), prefix="val")

@@ -154,7 +154,9 @@ class Run:
             raise ValueError(
                 f"prefix: the run already has a stream {stream!r}"
                 + (" (run.log's)" if stream == "" else "")
-                + "; give each collector of a run its own prefix"
+                + "; give each collector of a run its own prefix, and make each stream's "
+                "collector once: a validation pass reuses it (update, then schedule_collection), "
+                "since a stream's steps continue across passes"
             )
         collector = AsyncMetricCollector(
             metric,
