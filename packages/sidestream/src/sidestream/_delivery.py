@@ -107,9 +107,9 @@ class Delivery:
             RuntimeError: If the environment says the job has several processes but no
                 process group is initialized, or the run is closed.
         """
-        runners = self.runners
-        if runners is not None and not self._closed:
-            return runners  # started: the process group was checked then (run.log's hot path)
+        started = self.runners
+        if started is not None and not self._closed:
+            return started  # started: the process group was checked then (run.log's hot path)
         check_process_group(where)
         with self._lock:
             if self._closed:
