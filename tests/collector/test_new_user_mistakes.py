@@ -150,3 +150,16 @@ def test_a_collector_per_validation_pass_is_refused_with_the_pattern_that_works(
             val.schedule_collection(100)
         with pytest.raises(ValueError, match=r"stream 'val'.*make each stream's collector once"):
             run.collector(MeanMetric(), prefix="val")
+
+
+def test_run_load_state_dict_of_a_collector_checkpoint_names_the_expected_keys(
+    tmp_path: Path,
+) -> None:
+    collector = MeanMetric()
+    with Run([JsonlSink(tmp_path / "a.jsonl")]) as run:
+        train = run.collector(collector, prefix="train").bind("cpu")
+        saved = train.state_dict()  # the collector's own: {"metric": ..., "sinks": {}}
+    resumed = Run([JsonlSink(tmp_path / "b.jsonl")])
+    with pytest.raises(KeyError, match=r"\['collectors', 'sinks'\], got \['metric', 'sinks'\]"):
+        resumed.load_state_dict(saved)
+    assert resumed.close()

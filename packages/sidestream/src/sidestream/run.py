@@ -351,6 +351,12 @@ class Run:
                 "load_state_dict: call it before the first bind or log (sinks resume their "
                 "run when they open)"
             )
+        if not isinstance(state_dict, Mapping) or not {"collectors", "sinks"} <= state_dict.keys():
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)
+            raise KeyError(
+                f"state_dict: expected run.state_dict()'s keys ['collectors', 'sinks'], got "
+                f"{keys} (a collector's own state_dict() goes to collector.load_state_dict)"
+            )
         collectors = dict(state_dict["collectors"])
         sinks = state_dict["sinks"]
         for collector in self._collectors:
