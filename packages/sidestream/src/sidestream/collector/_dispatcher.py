@@ -59,6 +59,7 @@ class Dispatcher:
         self._latest_error: BaseException | None = None
         self._errors = 0
         self._layouts: dict[Any, _Layout] = {}
+        self._failed_submits: set[str] = set()
         self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
         self._thread.start()
 
@@ -99,6 +100,11 @@ class Dispatcher:
         return not self._thread.is_alive()
 
     @property
+    def alive(self) -> bool:
+        """Whether the thread is still running."""
+        return self._thread.is_alive()
+
+    @property
     def unprocessed(self) -> int:
         """Windows submitted and not processed yet."""
         with self._cond:
@@ -133,19 +139,23 @@ class Dispatcher:
                 self._cond.notify_all()
 
     def _process(self, window: Window) -> tuple[int, Any]:
-        if window.done is not None:
-            _wait_event(window.done)
-            assert window.tree is not None
-            tree, leaves = window.tree, window.host
-        else:
-            assert window.batch is not None
-            window.batch.wait()
-            tree = flatten_tree(window.slot.metric.compute())
-            leaves = list(tree.leaves)
-        # One tolist per leaf and plain Python after it: every torch call here lets the
-        # training thread's GIL requests in and out, so keep them few.
-        python_leaves = [leaf.tolist() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-        self._release(window.slot)
+        try:
+            if window.done is not None:
+                _wait_event(window.done)
+                assert window.tree is not None
+                tree, leaves = window.tree, window.host
+            else:
+                assert window.batch is not None
+                window.batch.wait()
+                tree = flatten_tree(window.slot.metric.compute())
+                leaves = list(tree.leaves)
+            # One tolist per leaf and plain Python after it: every torch call here lets the
+            # training thread's GIL requests in and out, so keep them few.
+            python_leaves = [leaf.tolist() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+        finally:
+            # Also when the reduction or compute() failed: the slot is free either way, and
+            # the training thread may be waiting for one (see AsyncMetricCollector max_slots).
+            self._release(window.slot)
         # On every rank, so a histogram path that names no leaf fails the window everywhere.
         layout = self._layout_of(tree, leaves)
         if self._runners:
@@ -162,8 +172,24 @@ class Dispatcher:
                 step=window.step, values=values, time=window.time, histograms=histograms
             )
             for runner in self._runners:
-                runner.submit(report)
+                self._submit(runner, report)
         return window.step, tree.rebuild(python_leaves)
+
+    def _submit(self, runner: SinkRunner, report: Report) -> None:
+        """Hand ``report`` to one sink; its failure is that sink's alone (logged once)."""
+        try:
+            runner.submit(report)
+        except Exception as error:
+            if runner.key not in self._failed_submits:
+                self._failed_submits.add(runner.key)
+                logger.error(
+                    "sink %r: submit failed: %s: %s; this sink misses the report of step %d "
+                    "(other sinks are unaffected; later failures are not logged)",
+                    runner.key,
+                    type(error).__name__,
+                    error,
+                    report.step,
+                )
 
     def _layout_of(self, tree: FlatTree, leaves: list[Any]) -> _Layout:
         key = (tree.paths, tuple(tuple(t.shape) if isinstance(t, Tensor) else () for t in leaves))

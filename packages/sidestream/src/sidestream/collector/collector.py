@@ -19,6 +19,7 @@ from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
 from sidestream.collector._window import Window
 from sidestream.metric import Metric
+from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.state import MetricAccumulator, reset_all
@@ -30,8 +31,9 @@ T = TypeVar("T")
 logger = logging.getLogger("sidestream.collector")
 
 # A few slots let new windows stage while older ones are still being published; more are made
-# on demand if the dispatcher falls further behind.
+# on demand, up to max_slots, if the dispatcher falls further behind.
 _INITIAL_SLOTS = 3
+DEFAULT_MAX_SLOTS = 8
 
 
 class AsyncMetricCollector(Generic[T]):
@@ -66,6 +68,15 @@ class AsyncMetricCollector(Generic[T]):
         sink_retry_max_s: A sink's longest wait between retries, so also how late a recovered
             backend may see its first retry.
         spool_dir: Directory for spool files (system temp dir by default).
+        spool_max_bytes: Most bytes each sink's spool file holds; beyond it the oldest spooled
+            reports are dropped, counted (``SinkRunner.dropped``) and logged.
+        max_slots: Most staging copies of the metric (each window holds one from
+            ``schedule_collection`` until its numbers are on the host; 8 by default). They also
+            bound the windows waiting for the dispatcher. When all are taken,
+            ``schedule_collection`` waits for the oldest window to finish (logged once, timed
+            in ``slot_wait_s``); skipping the window instead would pair different collectives
+            across ranks, whose dispatchers finish at different times. Slots made beyond the
+            first three are freed once the backlog has drained.
         exit_timeout: Seconds ``close`` may take when called at interpreter exit.
 
     Example:
@@ -92,6 +103,8 @@ class AsyncMetricCollector(Generic[T]):
         sink_retry_initial_s: float = 0.1,
         sink_retry_max_s: float = 10.0,
         spool_dir: str | None = None,
+        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+        max_slots: int = DEFAULT_MAX_SLOTS,
         exit_timeout: float = 30.0,
     ) -> None:
         if not isinstance(metric, Metric):
@@ -100,6 +113,10 @@ class AsyncMetricCollector(Generic[T]):
         for index, sink in enumerate(sink_list):
             if not isinstance(sink, Sink):
                 raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")
+        if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1:
+            raise ValueError(f"max_slots: expected an int >= 1, got {max_slots!r}")
+        if spool_max_bytes < 1:
+            raise ValueError(f"spool_max_bytes: expected >= 1, got {spool_max_bytes}")
         if sink_capacity < 1:
             raise ValueError(f"sink_capacity: expected >= 1, got {sink_capacity}")
         if not 0 < sink_retry_initial_s <= sink_retry_max_s:
@@ -123,6 +140,11 @@ class AsyncMetricCollector(Generic[T]):
         self._sink_capacity = sink_capacity
         self._sink_retry = (sink_retry_initial_s, sink_retry_max_s)
         self._spool_dir = spool_dir
+        self._spool_max_bytes = spool_max_bytes
+        self._max_slots = max_slots
+        self._slot_count = 0
+        self._slot_wait_s = 0.0
+        self._slot_wait_logged = False
         self._exit_timeout = exit_timeout
         self._resume_states: dict[str, Any] = {}
         self._device: torch.device | None = None
@@ -184,7 +206,7 @@ class AsyncMetricCollector(Generic[T]):
         # Making the first slot is the one blocking collective: it checks that every rank holds
         # the same state structure (when recording its sync), so no window ever blocks on that
         # check (or hangs on mismatched collectives) later.
-        for index in range(_INITIAL_SLOTS):
+        for index in range(min(_INITIAL_SLOTS, self._max_slots)):
             self._free_slots.put(self._new_slot(check=index == 0))
         if self.is_writer:
             for key, sink in self._sinks.items():
@@ -195,6 +217,7 @@ class AsyncMetricCollector(Generic[T]):
                     resume_state=self._resume_states.get(key),
                     capacity=self._sink_capacity,
                     spool_dir=self._spool_dir,
+                    spool_max_bytes=self._spool_max_bytes,
                     retry_initial_s=self._sink_retry[0],
                     retry_max_s=self._sink_retry[1],
                 )
@@ -260,13 +283,51 @@ class AsyncMetricCollector(Generic[T]):
         if self._reset_each_window:
             reset_all(self._live_accumulators)
 
+    @property
+    def slot_wait_s(self) -> float:
+        """Seconds ``schedule_collection`` has waited for a free slot (``max_slots`` reached)."""
+        return self._slot_wait_s
+
     def _take_slot(self) -> Slot:
+        assert self._dispatcher is not None
         try:
-            return self._free_slots.get_nowait()
+            slot = self._free_slots.get_nowait()
         except queue.Empty:
-            return self._new_slot()
+            if self._slot_count < self._max_slots:
+                return self._new_slot()
+            return self._wait_for_slot()
+        if self._slot_count > _INITIAL_SLOTS and self._dispatcher.unprocessed == 0:
+            # The backlog has drained, so every slot is free: keep the first few only.
+            while self._slot_count > _INITIAL_SLOTS:
+                self._free_slots.get_nowait()
+                self._slot_count -= 1
+        return slot
+
+    def _wait_for_slot(self) -> Slot:
+        assert self._dispatcher is not None
+        if not self._slot_wait_logged:
+            self._slot_wait_logged = True
+            logger.warning(
+                "schedule_collection: all %d staging slots are in use (windows are scheduled "
+                "faster than they are reduced and computed); waiting for the oldest window. "
+                "Schedule less often or raise max_slots (logged once; see slot_wait_s)",
+                self._max_slots,
+            )
+        start = time.monotonic()
+        try:
+            while True:
+                try:
+                    return self._free_slots.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._dispatcher.alive:
+                        raise RuntimeError(
+                            "schedule_collection: the dispatcher thread has stopped"
+                        ) from None
+        finally:
+            self._slot_wait_s += time.monotonic() - start
 
     def _new_slot(self, check: bool = False) -> Slot:
+        self._slot_count += 1
         copied = clone_metric(self._metric)
         if self._side is None:
             return Slot(copied, self._metric, self._group, check=check)
