@@ -111,8 +111,10 @@ def test_slots_are_capped_queue_bounded_values_right_and_extra_slots_freed(
     assert collector.close(10) is True
     # Nothing skipped, nothing merged: each window reports exactly its own value.
     assert sink.steps == list(range(1, 32))
-    assert [r.values["value"] if "value" in r.values else next(iter(r.values.values()))
-            for r in sink.reports] == [float(s) for s in range(1, 31)] + [1.0]
+    assert [
+        r.values["value"] if "value" in r.values else next(iter(r.values.values()))
+        for r in sink.reports
+    ] == [float(s) for s in range(1, 31)] + [1.0]
 
 
 def test_max_slots_is_checked() -> None:

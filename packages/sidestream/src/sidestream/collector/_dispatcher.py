@@ -16,7 +16,7 @@ from torch import Tensor
 
 from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
-from sidestream.collector._window import Window
+from sidestream.collector._window import Window, rejected_names, rejected_on_host
 from sidestream.sinks.base import Report
 from sidestream.sinks.runner import SinkRunner
 
@@ -152,6 +152,7 @@ class Dispatcher:
             # One tolist per leaf and plain Python after it: every torch call here lets the
             # training thread's GIL requests in and out, so keep them few.
             python_leaves = [leaf.tolist() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+            rejected = rejected_on_host(window)
         finally:
             # Also when the reduction or compute() failed: the slot is free either way, and
             # the training thread may be waiting for one (see AsyncMetricCollector max_slots).
@@ -168,6 +169,11 @@ class Dispatcher:
                 name: torch.tensor(python_leaves[i], dtype=_dtype(leaves[i]), device="cpu")
                 for i, name in layout.histograms
             }
+            if any(rejected):
+                # Batches dropped on the device for bad values (CUDA): reported with the window
+                # they were dropped from, only when there were some.
+                names = rejected_names(window.slot.metric, self._prefix)
+                values.update((n, float(c)) for n, c in zip(names, rejected, strict=True) if c)
             report = Report(
                 step=window.step, values=values, time=window.time, histograms=histograms
             )

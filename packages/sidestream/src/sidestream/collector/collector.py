@@ -17,7 +17,7 @@ from sidestream._distributed import Group
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
-from sidestream.collector._window import Window
+from sidestream.collector._window import Window, rejected_to_host
 from sidestream.metric import Metric
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
@@ -274,6 +274,7 @@ class AsyncMetricCollector(Generic[T]):
             batch.wait()  # NCCL: the side stream waits for the collectives; the host does not
             tree = flatten_tree(slot.metric.compute())
             window.host = slot.copy_to_host(tree.leaves)
+            window.rejected = rejected_to_host(slot.metric)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(side)
         window.tree, window.done, slot.done = tree, done, done
