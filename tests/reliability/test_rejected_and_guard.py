@@ -1,4 +1,4 @@
-"""Dropped-batch counts reach the reports; a ProcessSink started without a __main__ guard is named."""
+"""Dropped-batch counts reach the reports; a ProcessSink without a __main__ guard is named."""
 
 from __future__ import annotations
 
