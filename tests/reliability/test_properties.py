@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,7 +144,7 @@ def _regroup(batches: list[Batch], cuts: list[int]) -> list[Batch]:
     whole = {key: [x for b in batches for x in b[key]] for key in batches[0]}
     n = len(next(iter(whole.values())))
     points = sorted({0, n, *(c % (n + 1) for c in cuts)})
-    return [{k: v[a:b] for k, v in whole.items()} for a, b in zip(points, points[1:], strict=False)]
+    return [{k: v[a:b] for k, v in whole.items()} for a, b in itertools.pairwise(points)]
 
 
 @st.composite
