@@ -54,3 +54,17 @@ def tally(expected: Iterable[int], delivered: Iterable[int]) -> dict[str, int]:
         "duplicated": sum(n - 1 for step, n in counts.items() if n > 1 and step in want),
         "unexpected": sum(n for step, n in counts.items() if step not in want),
     }
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses of sockets in LISTEN state on ``port`` (from /proc/net/tcp*)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as file:
+            next(file)
+            for line in file:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(address)
+    return found

@@ -25,7 +25,7 @@ import torch
 
 from sidestream import AsyncMetricCollector, MeanMetric
 from sidestream.sinks import JsonlSink, Report, RunInfo, Sink, read_spool, replay_spool
-from tests.reliability.faults import tally
+from tests.reliability.faults import listening_addresses, tally
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -555,3 +555,95 @@ def run_all(scenarios: list[Callable[[Path], Iterator[Row]]] = FAST) -> list[Row
         with tempfile.TemporaryDirectory(prefix="sidestream-rel-") as tmp:
             rows.extend(scenario(Path(tmp)))
     return rows
+
+
+# ------------------------------------------------------------------- heavier: real backends
+
+
+def mlflow_server_restart(
+    tmp: Path, windows: int = 150, down: tuple[int, int] = (30, 90)
+) -> Iterator[Row]:
+    """A real ``mlflow server`` (SQLite store) killed at one step and started again later."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from sidestream_mlflow import MlflowSink
+    from tests.integrations.conftest import MlflowServer
+
+    root = Path(
+        tempfile.mkdtemp(
+            prefix="sidestream-rel-mlflow-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+        )
+    )
+    server = MlflowServer(root)
+    server.start()
+    listening = listening_addresses(server.port)
+    password = "planted-secret-password"
+    uri = server.uri.replace("://", f"://alice:{password}@")
+    restarted_at: list[float] = []
+
+    def on_step(step: int) -> None:
+        if step == down[0]:
+            server.kill()
+        if step == down[1]:
+            server.start()
+            restarted_at.append(time.monotonic())
+
+    written: list[float] = []
+
+    class TimedMlflowSink(MlflowSink):
+        def write_batch(self, reports: Any) -> None:
+            super().write_batch(reports)
+            written.append(time.monotonic())
+
+        def write(self, report: Report) -> None:
+            super().write(report)
+            written.append(time.monotonic())
+
+    sink = TimedMlflowSink(uri, experiment="outage", http_timeout=2)
+    before = rss_mib()
+    try:
+        collector, complete, blocked = _drive(
+            [sink],
+            windows,
+            on_step=on_step,
+            step_s=0.02,
+            sink_retry_initial_s=0.05,
+            sink_retry_max_s=0.5,
+            sink_capacity=8,
+            spool_dir=str(tmp / "spool"),
+            close_timeout=180,
+        )
+        runner = collector.sink_runners[0]
+        client = MlflowClient(tracking_uri=server.uri)
+        experiment = client.get_experiment_by_name("outage")
+        runs = client.search_runs([experiment.experiment_id])
+        history = [m for r in runs for m in client.get_metric_history(r.info.run_id, "loss")]
+        steps = [m.step for m in history]
+        values = [m.value for m in history]
+        logs = (root / "server.log").read_text(errors="replace")
+    finally:
+        server.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    row = _row(
+        f"MLflow server killed at step {down[0]}, restarted at step {down[1]}",
+        "mlflow (server)",
+        steps,
+        values,
+        windows,
+        outcome=f"{len(runs)} run; backlog spooled then sent in batches; close returned {complete}",
+        blocked_ms=max(blocked) * 1e3,
+        memory_mib=rss_mib() - before,
+        ok=complete and len(runs) == 1,
+    )
+    del runner
+    after = [t - restarted_at[0] for t in written if restarted_at and t > restarted_at[0]]
+    row.recover_s = min(after) if after else None
+    if listening != {"0100007F"}:
+        row.ok = False
+        row.notes.append(f"the test server listens on {listening}, not only 127.0.0.1")
+    if password in logs:
+        row.ok = False
+        row.notes.append("the planted password reached the server log")
+    yield row

@@ -14,6 +14,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from sidestream.testing import DistributedError, TorchrunPool
 from sidestream.testing._signed import sign, verify
+from tests.reliability.faults import listening_addresses
 
 pytestmark = pytest.mark.distributed
 
@@ -26,20 +27,6 @@ class _Plant:
 
     def __reduce__(self) -> tuple[object, tuple[str, str]]:
         return (open, (self.path, "w"))
-
-
-def _listening_addresses(port: int) -> set[str]:
-    """Local addresses of sockets in LISTEN state on ``port`` (from /proc/net/tcp*)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as file:
-            next(file)
-            for line in file:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.split(":")
-                if state == "0A" and int(hex_port, 16) == port:
-                    found.add(address)
-    return found
 
 
 def _other_address() -> str | None:
@@ -59,7 +46,7 @@ def test_pool_store_is_loopback_only_and_rejects_unsigned_tasks(tmp_path: Path) 
         assert len(pool.run(os.getpid)) == 2  # starts the ranks
         assert pool._store is not None
         port = pool._store.port
-        assert _listening_addresses(port) == {"0100007F"}, "127.0.0.1 only"
+        assert listening_addresses(port) == {"0100007F"}, "127.0.0.1 only"
         other = _other_address()
         if other is not None:
             with pytest.raises(OSError), socket.create_connection((other, port), timeout=2):

@@ -387,6 +387,10 @@ class AsyncMetricCollector(Generic[T]):
                 self._dispatcher.unprocessed,
                 timeout,
             )
+        # Every sink's close starts now, so their timeouts run side by side.
+        deadline_left = remaining()
+        for runner in self._runners:
+            runner.begin_close(deadline_left)
         for runner in self._runners:
             if not runner.close(remaining()):
                 complete = False

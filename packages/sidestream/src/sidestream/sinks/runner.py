@@ -184,6 +184,19 @@ class SinkRunner:
                 timeout,
             ) and (self._delivered + self._dropped == self._submitted)
 
+    def begin_close(self, timeout: float | None = None) -> None:
+        """Start closing (no more ``submit``; deliver, flush, close) without waiting.
+
+        Lets a caller start every runner's close at once, then ``close`` each: their
+        timeouts then run side by side instead of one after another. Only the first call's
+        ``timeout`` counts.
+        """
+        with self._cond:
+            if not self._closing:
+                self._closing = True
+                self._close_deadline = None if timeout is None else time.monotonic() + timeout
+            self._cond.notify_all()
+
     def close(self, timeout: float | None = None) -> bool:
         """Deliver what is pending, flush and close the sink, stop the thread.
 
@@ -193,11 +206,8 @@ class SinkRunner:
         written is logged with the count of reports lost. Also ``False`` when reports were
         dropped (see ``dropped``).
         """
-        with self._cond:
-            self._closing = True
-            self._close_deadline = None if timeout is None else time.monotonic() + timeout
-            self._cond.notify_all()
-        self._thread.join(timeout)
+        self.begin_close(timeout)
+        self._thread.join(self._remaining())
         if not self._thread.is_alive():
             with self._cond:
                 self._spool.discard()
@@ -208,6 +218,15 @@ class SinkRunner:
             undelivered = [*self._in_flight, *self._queue]
             self._queue.clear()
             count = len(undelivered) + len(self._spool)
+            if count == 0:
+                logger.warning(
+                    "sink %r: every report was delivered, but flushing and closing the sink "
+                    "did not finish within %.1f s of close",
+                    self.key,
+                    timeout or 0.0,
+                )
+                self._log_dropped()
+                return False
             try:
                 path = self._spool.keep(undelivered)
             except Exception as error:
