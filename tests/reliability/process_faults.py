@@ -105,16 +105,20 @@ def _kill_rank0(launch_: Launch, sig: int) -> float:
         return -1.0
 
 
-def run(out: Path, steps: int = 60, seed: int = 0) -> tuple[list[Row], dict[str, Any]]:
-    """Three faults in one job, then a clean finish; rows for the report and raw figures."""
+FULL_PLAN = [
+    ("SIGKILL just after a checkpoint", signal.SIGKILL, "checkpoint"),
+    ("SIGKILL at a random step", signal.SIGKILL, "random"),
+    ("SIGTERM at a random step", signal.SIGTERM, "random"),
+]
+
+
+def run(
+    out: Path, steps: int = 60, seed: int = 0, plan: list[tuple[str, int, str]] = FULL_PLAN
+) -> tuple[list[Row], dict[str, Any]]:
+    """The faults of ``plan`` in one job, then a clean finish; rows and raw figures."""
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     figures: dict[str, Any] = {"rank1_exit_s": [], "rank1_messages": [], "kills": []}
-    plan = [
-        ("SIGKILL just after a checkpoint", signal.SIGKILL, "checkpoint"),
-        ("SIGKILL at a random step", signal.SIGKILL, "random"),
-        ("SIGTERM at a random step", signal.SIGTERM, "random"),
-    ]
     attempt = 0
     for name, sig, where in plan:
         job = launch(out, steps, attempt=attempt)
@@ -152,8 +156,9 @@ def _row(
     counts = Counter(steps)
     want = set(range(n))
     row = Row(
-        fault="rank 0 killed 3x (SIGKILL after a checkpoint, SIGKILL and SIGTERM at random "
-        "steps), both ranks restarted from the last checkpoint",
+        fault=f"rank 0 killed {len(figures['kills'])}x ("
+        + "; ".join(figures["kills"])
+        + "), both ranks restarted from the last checkpoint",
         sink=tracker,
         outcome=f"{runs} run(s); {note}",
         delivered=len(want & set(counts)),

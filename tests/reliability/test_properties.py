@@ -168,7 +168,7 @@ def _rank_result(name: str, per_rank: list[list[Batch]]) -> list[float]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=_split(), cuts=st.lists(st.integers(0, 100), max_size=5))
 def test_any_split_over_ranks_order_and_batching_gives_one_process_result(
     pools: Pools,
