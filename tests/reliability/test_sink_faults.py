@@ -40,10 +40,6 @@ def test_fault_is_contained_and_counted(name: str, tmp_path: Path) -> None:
             assert row.blocked_ms < 500, row
 
 
-@pytest.mark.xfail(
-    reason="JsonlSink acknowledges a step before it is on disk: issue 11 item 1 (helper RUN)",
-    strict=False,
-)
 def test_disk_full_every_step_delivered_kept_or_counted(tmp_path: Path) -> None:
     (row,) = scenarios.disk_full(tmp_path, windows=120)
     assert row.ok, (row.outcome, row.notes)

@@ -140,7 +140,7 @@ def test_damaged_and_unreadable_spool_lines_are_dropped_not_fatal(tmp_path: Path
 def test_kept_spool_is_private_readable_json_and_replays(tmp_path: Path) -> None:
     sink = GatedSink()
     runner = SinkRunner(sink, capacity=2, spool_dir=str(tmp_path / "spool"))
-    hist = torch.tensor([[1.5, float("inf")], [0.0, -2.0]], dtype=torch.float32)
+    hist = torch.tensor([1.5, float("inf"), 0.0, -2.0], dtype=torch.float32)
     runner.start()
     for step in range(1, 8):
         runner.submit(
@@ -154,7 +154,7 @@ def test_kept_spool_is_private_readable_json_and_replays(tmp_path: Path) -> None
     assert [line["step"] for line in lines] == list(range(1, 8))
     assert lines[0]["histograms"]["h"] == {
         "dtype": "float32",
-        "shape": [2, 2],
+        "shape": [4],
         "data": [1.5, "Infinity", 0.0, -2.0],
     }
     back = list(read_spool(kept))
