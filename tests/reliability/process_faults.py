@@ -85,10 +85,17 @@ def _wait_for(out: Path, predicate: Any, launch_: Launch, limit_s: float = 240.0
     deadline = time.monotonic() + limit_s
     while not predicate(_progress(out)):
         if any(p.poll() is not None for p in launch_.ranks):
-            raise RuntimeError("a rank ended early:\n" + launch_.logs[0].read_text()[-2000:])
+            raise RuntimeError(f"a rank ended early:\n{_tails(launch_)}")
         if time.monotonic() > deadline:
-            raise TimeoutError("the job made no progress")
+            raise TimeoutError(f"the job made no progress:\n{_tails(launch_)}")
         time.sleep(0.01)
+
+
+def _tails(launch_: Launch) -> str:
+    return "\n".join(
+        f"--- {log.name} (exit {p.poll()}):\n{log.read_text(errors='replace')[-1500:]}"
+        for p, log in zip(launch_.ranks, launch_.logs, strict=True)
+    )
 
 
 def _kill_rank0(launch_: Launch, sig: int) -> float:
@@ -141,6 +148,8 @@ def run(
         process.wait(300)
     codes = [p.returncode for p in job.ranks]
     figures["final_exit_codes"] = codes
+    if codes != [0, 0]:
+        figures["final_logs"] = _tails(job)
     rows = check(out, steps, figures)
     return rows, figures
 
