@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import stat
 import subprocess
 import sys
@@ -233,3 +234,22 @@ def test_disk_full_while_spooling_drops_counts_and_goes_on(tmp_path: Path) -> No
     assert counts["duplicated"] == counts["unexpected"] == 0
     assert counts["delivered"] + int(dropped) == 100
     assert delivered == sorted(delivered) and delivered[:2] == [1, 2]
+
+
+def test_spool_file_on_disk_stays_bounded_under_steady_overflow(tmp_path: Path) -> None:
+    from sidestream.sinks._spool import _CHUNK, Spool
+
+    spool = Spool(str(tmp_path), label="t", max_bytes=4096)
+    biggest = 0
+    for step in range(30_000):
+        spool.append(_report(step))
+        if step % 7 == 0:
+            spool.pop_oldest()
+        assert spool.path is not None
+        biggest = max(biggest, os.path.getsize(spool.path))
+    assert spool.nbytes <= 4096
+    # Dropped lines stay in the file until the dead prefix outgrows the live part and a chunk.
+    assert biggest <= 4096 + _CHUNK + 200
+    kept = list(read_spool(spool.keep([])))
+    assert [r.step for r in kept] == sorted(r.step for r in kept)
+    assert kept[-1].step == 29_999 and len(kept) == len(set(r.step for r in kept))
