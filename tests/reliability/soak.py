@@ -130,12 +130,16 @@ def count_outputs(out: Path, tensorboard: bool) -> dict[str, Any]:
     first = json.loads(next(iter((out / "soak.jsonl").open())))
     found["names_per_report"] = len(first["values"])
     if tensorboard:
-        from tensorboard.backend.event_processing import event_accumulator
+        # TensorBoard's own event reader, streamed: EventAccumulator would hold every one of
+        # the 200 tags' events in memory.
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-        guidance = dict.fromkeys(event_accumulator.DEFAULT_SIZE_GUIDANCE, 0)
-        accumulator = event_accumulator.EventAccumulator(str(out / "tb"), size_guidance=guidance)
-        accumulator.Reload()
-        tb_steps = [e.step for e in accumulator.Scalars("soak/class_7")]
+        tb_steps = [
+            event.step
+            for path in sorted((out / "tb").rglob("events.out.tfevents.*"))
+            for event in EventFileLoader(str(path)).Load()
+            if any(value.tag == "soak/class_7" for value in event.summary.value)
+        ]
         found["tensorboard_steps"] = len(tb_steps)
         found["tensorboard_unique"] = len(set(tb_steps))
     return found
