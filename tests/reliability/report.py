@@ -264,6 +264,17 @@ def main() -> int:
         "",
         *_rows_table(rank_rows),
         "",
+        *(
+            []
+            if all(r.ok for r in rank_rows)
+            else [
+                "This does not hold yet: the call fingerprint that turns a skipped call into "
+                "`RankMismatchError` on every rank is issue 11 item 7 (separate work). Until "
+                "it lands, the collectives of different windows pair up and the numbers are "
+                "wrong, as the table shows.",
+                "",
+            ]
+        ),
         *_soak_section(soak_figures, soak_source),
         *fuzz_lines,
         *property_lines,

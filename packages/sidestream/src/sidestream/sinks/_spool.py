@@ -171,20 +171,26 @@ class Spool:
             OSError: If the file cannot be written.
         """
         out, path = self._new_file()
-        with out:
-            for report in reports:
-                out.write(encode_report(report))
-            if self._file is not None:
-                source = self._read_offset
-                while source < self._end:
-                    self._file.seek(source)
-                    chunk = self._file.read(min(_CHUNK, self._end - source))
-                    if not chunk:
-                        break
-                    out.write(chunk)
-                    source += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+        try:
+            with out:
+                for report in reports:
+                    out.write(encode_report(report))
+                if self._file is not None:
+                    source = self._read_offset
+                    while source < self._end:
+                        self._file.seek(source)
+                        chunk = self._file.read(min(_CHUNK, self._end - source))
+                        if not chunk:
+                            break
+                        out.write(chunk)
+                        source += len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            # A part of the reports in a file would look like all of them: leave none.
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
         self.discard()
         return path
 
