@@ -18,6 +18,7 @@ from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
 from sidestream.collector._window import Window, rejected_names, rejected_on_host
 from sidestream.sinks.base import Report
+from sidestream.sync import RankMismatchError
 
 __all__ = ["Dispatcher"]
 
@@ -64,6 +65,7 @@ class Dispatcher:
         self._latest: tuple[int, Any] | None = None
         self._latest_error: BaseException | None = None
         self._errors = 0
+        self._mismatch: RankMismatchError | None = None
         self._layouts: dict[Any, _Layout] = {}
         self._failed_submits: set[str] = set()
         self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
@@ -111,6 +113,11 @@ class Dispatcher:
         return self._thread.is_alive()
 
     @property
+    def mismatch(self) -> RankMismatchError | None:
+        """The first window that found ranks paired with different calls, if any."""
+        return self._mismatch  # one attribute read: no lock on the training thread's path
+
+    @property
     def failed_windows(self) -> int:
         """Windows whose processing raised."""
         with self._cond:
@@ -142,6 +149,8 @@ class Dispatcher:
                     )
                 with self._cond:
                     self._latest_error = error
+                    if isinstance(error, RankMismatchError) and self._mismatch is None:
+                        self._mismatch = error
                     self._processed += 1
                     self._cond.notify_all()
                 continue
@@ -155,6 +164,8 @@ class Dispatcher:
         try:
             if window.done is not None:
                 _wait_event(window.done)
+                if window.batch is not None:
+                    window.batch.verify()  # the fingerprints, on the host now that done passed
                 assert window.tree is not None
                 tree, leaves = window.tree, window.host
             else:

@@ -14,7 +14,7 @@ from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree
 from sidestream.metric import Metric
 from sidestream.metrics.compose import ComposeMetric
-from sidestream.sync import SyncBatch
+from sidestream.sync import SyncHandle
 
 __all__ = ["Window", "rejected_names", "rejected_on_host", "rejected_to_host"]
 
@@ -35,7 +35,7 @@ class Window:
     step: int
     time: float
     slot: Slot
-    batch: SyncBatch | None = None
+    batch: SyncHandle | None = None
     done: torch.cuda.Event | None = None
     tree: FlatTree | None = None
     host: list[Any] = field(default_factory=list)
