@@ -331,7 +331,6 @@ AGGREGATES = {"SumMetric", "MeanMetric", "MaxMetric", "MinMetric", "WeightedMean
 
 #: Gaps found by this fuzz that other work items fix (issue 11 item 8); xfail until they land.
 KNOWN_GAPS = {
-    ("WeightedMeanMetric", "weights", "complex dtype"): "complex weights (ARENA)",
     ("MulticlassConfusionMatrixMetric", "preds", "NaN"): "NaN scores as class 0 (CAT)",
     ("confusion_matrix_metric().multiclass(...).with_f1()", "preds", "NaN"): (
         "NaN scores as class 0 (CAT)"

@@ -43,3 +43,14 @@ def test_fault_is_contained_and_counted(name: str, tmp_path: Path) -> None:
 def test_disk_full_every_step_delivered_kept_or_counted(tmp_path: Path) -> None:
     (row,) = scenarios.disk_full(tmp_path, windows=120)
     assert row.ok, (row.outcome, row.notes)
+
+
+@pytest.mark.distributed
+def test_a_rank_skipping_a_window_fails_every_rank_clearly_and_fast() -> None:
+    from tests.reliability.rank_faults import rank_skips_a_call
+
+    rows = rank_skips_a_call()
+    assert len(rows) == 2
+    for row in rows:
+        assert "RankMismatchError" in row.outcome and "wrong" not in row.outcome, row
+        assert row.recover_s is not None and row.recover_s < 20, row
