@@ -204,8 +204,10 @@ def main() -> int:
         time.sleep(5)  # a `nox -s soak` still running beside this one
     if args.soak.exists():
         soak_figures = json.loads(args.soak.read_text())
+        at = f", at commit `{soak_figures['commit']}`" if "commit" in soak_figures else ""
         soak_source = (
-            f"`nox -s soak` ({soak_figures['windows']} windows, {soak_figures['seconds']:.0f} s)"
+            f"`nox -s soak` ({soak_figures['windows']} windows, {soak_figures['seconds']:.0f} s"
+            f"{at})"
         )
     else:
         soak_figures = soak.run_all(1000)

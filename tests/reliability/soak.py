@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import resource
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -172,6 +173,9 @@ def run_all(windows: int) -> dict[str, Any]:
         "lagging_dispatcher": run(lagging, tensorboard=False, compute_s=0.004, max_slots=4),
     }
     figures["seconds"] = time.perf_counter() - started
+    figures["commit"] = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     return figures
 
 
