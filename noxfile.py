@@ -23,7 +23,14 @@ INTEGRATIONS = [
     "integrations/sidestream-tensorboard",
 ]
 DISTRIBUTIONS = [CORE, *INTEGRATIONS]
-TEST_REQUIREMENTS = ["pytest>=8", "pytest-timeout", "numpy", "scikit-learn", "scipy"]
+TEST_REQUIREMENTS = [
+    "pytest>=8",
+    "pytest-timeout",
+    "numpy",
+    "scikit-learn",
+    "scipy",
+    "hypothesis",
+]
 
 
 def _install_project(session: nox.Session, *extra: str, integrations: bool = True) -> None:
@@ -157,3 +164,20 @@ def demo(session: nox.Session) -> None:
     """A real multi-process training run logging through sidestream."""
     _install_project(session, "numpy", integrations=False)  # numpy: torch warns without it
     session.run("python", "examples/train_distributed.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """100,000 windows of 200 names on 2 ranks (``-- --windows N`` for another count).
+
+    Writes ``build/soak.json``, which ``nox -s reliability`` quotes in docs/reliability.md.
+    """
+    _install_project(session, *TEST_REQUIREMENTS)
+    session.run("python", "-m", "tests.reliability.soak", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def reliability(session: nox.Session) -> None:
+    """Every fault and bad input of the suite, full size; regenerates docs/reliability.md."""
+    _install_project(session, *TEST_REQUIREMENTS)
+    session.run("python", "-m", "tests.reliability.report", *session.posargs)

@@ -6,7 +6,6 @@ import io
 import json
 import logging
 import math
-import pickle
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from sidestream.sinks import (
     SinkRunner,
     available_sinks,
     read_jsonl,
+    read_spool,
     sinks_from_config,
 )
 from tests.collector.helpers import AlwaysFailingSink, BatchingSink, RecordingSink
@@ -194,13 +194,7 @@ def test_runner_keeps_undeliverable_reports_and_warns_once(
     kept = [r for r in caplog.records if "not delivered" in r.getMessage()]
     assert len(kept) == 1 and "5 report(s)" in kept[0].getMessage()
     (spool,) = tmp_path.iterdir()
-    reports = []
-    with spool.open("rb") as file:
-        while True:
-            try:
-                reports.append(pickle.load(file))
-            except EOFError:
-                break
+    reports = list(read_spool(spool))
     assert [r.step for r in reports] == [1, 2, 3, 4, 5]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from sidestream._distributed import check_process_group
+from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
@@ -38,6 +39,7 @@ class DeliveryOptions:
         sink_retry_max_s: float = 10.0,
         spool_dir: str | None = None,
         exit_timeout: float = 30.0,
+        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
     ) -> None:
         if isinstance(sink_capacity, bool) or not isinstance(sink_capacity, int):
             raise TypeError(f"sink_capacity: expected an int, got {sink_capacity!r}")
@@ -50,6 +52,11 @@ class DeliveryOptions:
             )
         if exit_timeout < 0:
             raise ValueError(f"exit_timeout: expected >= 0, got {exit_timeout}")
+        if isinstance(spool_max_bytes, bool) or not isinstance(spool_max_bytes, int):
+            raise TypeError(f"spool_max_bytes: expected an int, got {spool_max_bytes!r}")
+        if spool_max_bytes < 1:
+            raise ValueError(f"spool_max_bytes: expected >= 1, got {spool_max_bytes}")
+        self.spool_max_bytes = spool_max_bytes
         self.sink_capacity = sink_capacity
         self.retry = (sink_retry_initial_s, sink_retry_max_s)
         self.spool_dir = spool_dir
@@ -89,6 +96,7 @@ class Delivery:
         self.on_start: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._failed_submits: set[str] = set()
 
     @property
     def started(self) -> bool:
@@ -126,6 +134,7 @@ class Delivery:
                         resume_state=self.resume_states.get(key),
                         capacity=self.options.sink_capacity,
                         spool_dir=self.options.spool_dir,
+                        spool_max_bytes=self.options.spool_max_bytes,
                         retry_initial_s=self.options.retry[0],
                         retry_max_s=self.options.retry[1],
                     )
@@ -137,10 +146,21 @@ class Delivery:
             return runners
 
     def submit(self, report: Report) -> None:
-        """Hand ``report`` to every runner (rank 0, once started)."""
+        """Hand ``report`` to every runner (rank 0, once started); one failing stays its own."""
         for runner in self.runners or ():
             if runner.status.state != "failed":  # it takes nothing more: keep no backlog
-                runner.submit(report)
+                try:
+                    runner.submit(report)
+                except Exception as error:
+                    if runner.key not in self._failed_submits:
+                        self._failed_submits.add(runner.key)
+                        logger.error(
+                            "sink %r: submit failed: %s: %s; the other sinks are unaffected "
+                            "(later failures of this sink are not logged)",
+                            runner.key,
+                            type(error).__name__,
+                            error,
+                        )
 
     def status(self) -> dict[str, SinkStatus]:
         """Each sink's status by key (``healthy`` before the sinks start, and off rank 0)."""
@@ -209,6 +229,9 @@ class Delivery:
             self._closed = True
             runners = self.runners or []
         complete = True
+        # Start every sink's close at once, so one slow sink does not use up the others' time.
+        for runner in runners:
+            runner.begin_close(None if deadline is None else max(0.0, deadline - time.monotonic()))
         for runner in runners:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:

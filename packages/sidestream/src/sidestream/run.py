@@ -19,6 +19,7 @@ from sidestream._distributed import Group
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream.collector.collector import AsyncMetricCollector
 from sidestream.metric import Metric
+from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
@@ -47,6 +48,8 @@ class Run:
         sink_retry_max_s: A sink's longest wait between retries.
         spool_dir: Directory for spool files (system temp dir by default).
         exit_timeout: Seconds ``close`` may take when called at interpreter exit.
+        spool_max_bytes: Most bytes each sink's spool file holds (256 MiB by default); beyond
+            it the oldest spooled reports are dropped, counted and logged.
 
     Raises:
         TypeError: If a sink is not a ``Sink`` or ``info`` not a ``RunInfo``.
@@ -70,9 +73,15 @@ class Run:
         sink_retry_max_s: float = 10.0,
         spool_dir: str | None = None,
         exit_timeout: float = 30.0,
+        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
     ) -> None:
         options = DeliveryOptions(
-            sink_capacity, sink_retry_initial_s, sink_retry_max_s, spool_dir, exit_timeout
+            sink_capacity,
+            sink_retry_initial_s,
+            sink_retry_max_s,
+            spool_dir,
+            exit_timeout,
+            spool_max_bytes,
         )
         self._delivery = Delivery(sinks, info, options)
         # Whichever starts the sinks (a collector's bind, or log) registers the close at exit;

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
-from sidestream.collector._window import Window
+from sidestream.collector._window import Window, rejected_names, rejected_on_host
 from sidestream.sinks.base import Report
 from sidestream.sync import RankMismatchError
 
@@ -67,6 +67,7 @@ class Dispatcher:
         self._errors = 0
         self._mismatch: RankMismatchError | None = None
         self._layouts: dict[Any, _Layout] = {}
+        self._failed_submits: set[str] = set()
         self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
         self._thread.start()
 
@@ -105,6 +106,11 @@ class Dispatcher:
         self._windows.put(_STOP)
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread is still running."""
+        return self._thread.is_alive()
 
     @property
     def mismatch(self) -> RankMismatchError | None:
@@ -155,21 +161,26 @@ class Dispatcher:
                 self._cond.notify_all()
 
     def _process(self, window: Window) -> tuple[int, Any]:
-        if window.done is not None:
-            _wait_event(window.done)
-            if window.batch is not None:
-                window.batch.verify()  # the fingerprints, on the host now that done passed
-            assert window.tree is not None
-            tree, leaves = window.tree, window.host
-        else:
-            assert window.batch is not None
-            window.batch.wait()
-            tree = flatten_tree(window.slot.metric.compute())
-            leaves = list(tree.leaves)
-        # One tolist per leaf and plain Python after it: every torch call here lets the
-        # training thread's GIL requests in and out, so keep them few.
-        python_leaves = [leaf.tolist() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-        self._release(window.slot)
+        try:
+            if window.done is not None:
+                _wait_event(window.done)
+                if window.batch is not None:
+                    window.batch.verify()  # the fingerprints, on the host now that done passed
+                assert window.tree is not None
+                tree, leaves = window.tree, window.host
+            else:
+                assert window.batch is not None
+                window.batch.wait()
+                tree = flatten_tree(window.slot.metric.compute())
+                leaves = list(tree.leaves)
+            # One tolist per leaf and plain Python after it: every torch call here lets the
+            # training thread's GIL requests in and out, so keep them few.
+            python_leaves = [leaf.tolist() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+            rejected = rejected_on_host(window)
+        finally:
+            # Also when the reduction or compute() failed: the slot is free either way, and
+            # the training thread may be waiting for one (see AsyncMetricCollector max_slots).
+            self._release(window.slot)
         # On every rank, so a histogram path that names no leaf fails the window everywhere.
         layout = self._layout_of(tree, leaves)
         if self._runners:
@@ -182,6 +193,11 @@ class Dispatcher:
                 name: torch.tensor(python_leaves[i], dtype=_dtype(leaves[i]), device="cpu")
                 for i, name in layout.histograms
             }
+            if any(rejected):
+                # Batches dropped on the device for bad values (CUDA): reported with the window
+                # they were dropped from, only when there were some.
+                names = rejected_names(window.slot.metric, self._prefix)
+                values.update((n, float(c)) for n, c in zip(names, rejected, strict=True) if c)
             report = Report(
                 step=window.step,
                 values=values,
@@ -190,8 +206,25 @@ class Dispatcher:
                 stream=self._prefix,
             )
             for runner in self._runners:
-                runner.submit(report)
+                self._submit(runner, report)
         return window.step, tree.rebuild(python_leaves)
+
+    def _submit(self, runner: ReportTarget, report: Report) -> None:
+        """Hand ``report`` to one sink; its failure is that sink's alone (logged once)."""
+        try:
+            runner.submit(report)
+        except Exception as error:
+            key = str(getattr(runner, "key", runner))
+            if key not in self._failed_submits:
+                self._failed_submits.add(key)
+                logger.error(
+                    "sink %r: submit failed: %s: %s; this sink misses the report of step %d "
+                    "(other sinks are unaffected; later failures are not logged)",
+                    key,
+                    type(error).__name__,
+                    error,
+                    report.step,
+                )
 
     def _layout_of(self, tree: FlatTree, leaves: list[Any]) -> _Layout:
         key = (tree.paths, tuple(tuple(t.shape) if isinstance(t, Tensor) else () for t in leaves))

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree
+from sidestream.metric import Metric
+from sidestream.metrics.compose import ComposeMetric
 from sidestream.sync import SyncHandle
 
-__all__ = ["Window"]
+__all__ = ["Window", "rejected_names", "rejected_on_host", "rejected_to_host"]
+
+#: The name a metric's count of dropped batches gets in a report, after the metric's path.
+REJECTED = "rejected_updates"
 
 
 @dataclass
@@ -20,7 +28,8 @@ class Window:
 
     CPU: ``batch`` holds the started collectives; the dispatcher waits on it and computes on
     ``slot.metric``. CUDA: reduction and compute were queued on the side stream; ``tree``
-    describes the result, ``host`` holds its pinned copies, valid once ``done`` has passed.
+    describes the result, ``host`` holds its pinned copies, valid once ``done`` has passed,
+    and ``rejected`` the reduced counts of dropped batches (see ``rejected_to_host``).
     """
 
     step: int
@@ -30,3 +39,53 @@ class Window:
     done: torch.cuda.Event | None = None
     tree: FlatTree | None = None
     host: list[Any] = field(default_factory=list)
+    rejected: Tensor | None = None
+
+
+# Found once per staging copy: walking the metric tree per window would cost the training thread.
+_COUNTERS: weakref.WeakKeyDictionary[Metric[Any], list[tuple[str, Metric[Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _walk(metric: Metric[Any], path: str) -> Iterator[tuple[str, Metric[Any]]]:
+    if isinstance(metric, ComposeMetric):
+        for name, child in metric.items():
+            yield from _walk(child, "/".join(part for part in (path, name) if part))
+    elif isinstance(getattr(type(metric), REJECTED, None), property):
+        yield path, metric
+
+
+def _counters(metric: Metric[Any]) -> list[tuple[str, Metric[Any]]]:
+    counters = _COUNTERS.get(metric)
+    if counters is None:
+        counters = _COUNTERS[metric] = list(_walk(metric, ""))
+    return counters
+
+
+def rejected_names(metric: Metric[Any], prefix: str) -> list[str]:
+    """Report names of the metric's dropped-batch counts: ``[prefix/][path/]rejected_updates``."""
+    return ["/".join(p for p in (prefix, path, REJECTED) if p) for path, _ in _counters(metric)]
+
+
+def _stacked(metric: Metric[Any]) -> Tensor | None:
+    counts = [child.rejected_updates.reshape(()) for _, child in _counters(metric)]  # type: ignore[attr-defined]
+    return torch.stack(counts) if counts else None
+
+
+def rejected_to_host(metric: Metric[Any]) -> Tensor | None:
+    """Start copying the reduced dropped-batch counts to the host (CUDA, current stream).
+
+    Call after the window's reduction was queued and before its ``done`` event is recorded;
+    read the result only after that event.
+    """
+    counts = _stacked(metric)
+    return None if counts is None else counts.to("cpu", non_blocking=True)
+
+
+def rejected_on_host(window: Window) -> list[int]:
+    """The window's reduced dropped-batch counts (after ``done`` on CUDA, after sync on CPU)."""
+    if window.done is not None:
+        return [] if window.rejected is None else window.rejected.tolist()
+    counts = _stacked(window.slot.metric)
+    return [] if counts is None else counts.tolist()

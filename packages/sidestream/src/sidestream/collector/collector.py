@@ -17,8 +17,9 @@ from sidestream._distributed import Group, check_process_group
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
-from sidestream.collector._window import Window
+from sidestream.collector._window import Window, rejected_to_host
 from sidestream.metric import Metric
+from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
@@ -31,8 +32,9 @@ T = TypeVar("T")
 logger = logging.getLogger("sidestream.collector")
 
 # A few slots let new windows stage while older ones are still being published; more are made
-# on demand if the dispatcher falls further behind.
+# on demand, up to max_slots, if the dispatcher falls further behind.
 _INITIAL_SLOTS = 3
+DEFAULT_MAX_SLOTS = 8
 
 
 class AsyncMetricCollector(Generic[T]):
@@ -75,6 +77,15 @@ class AsyncMetricCollector(Generic[T]):
         sink_retry_max_s: A sink's longest wait between retries, so also how late a recovered
             backend may see its first retry.
         spool_dir: Directory for spool files (system temp dir by default).
+        spool_max_bytes: Most bytes each sink's spool file holds; beyond it the oldest spooled
+            reports are dropped, counted (``SinkRunner.dropped``) and logged.
+        max_slots: Most staging copies of the metric (each window holds one from
+            ``schedule_collection`` until its numbers are on the host; 8 by default). They also
+            bound the windows waiting for the dispatcher. When all are taken,
+            ``schedule_collection`` waits for the oldest window to finish (logged once, timed
+            in ``slot_wait_s``); skipping the window instead would pair different collectives
+            across ranks, whose dispatchers finish at different times. Slots made beyond the
+            first three are freed once the backlog has drained.
         exit_timeout: Seconds ``close`` may take when called at interpreter exit.
 
     Example:
@@ -102,10 +113,14 @@ class AsyncMetricCollector(Generic[T]):
         sink_retry_max_s: float = 10.0,
         spool_dir: str | None = None,
         exit_timeout: float = 30.0,
+        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+        max_slots: int = DEFAULT_MAX_SLOTS,
         _delivery: Delivery | None = None,
     ) -> None:
         if not isinstance(metric, Metric):
             raise TypeError(f"metric: expected a sidestream Metric, got {type(metric)}")
+        if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1:
+            raise ValueError(f"max_slots: expected an int >= 1, got {max_slots!r}")
         if run is not None and not isinstance(run, RunInfo):
             if callable(getattr(run, "collector", None)):
                 raise TypeError(
@@ -122,7 +137,12 @@ class AsyncMetricCollector(Generic[T]):
         metric.sync_group = group
         if _delivery is None:
             options = DeliveryOptions(
-                sink_capacity, sink_retry_initial_s, sink_retry_max_s, spool_dir, exit_timeout
+                sink_capacity,
+                sink_retry_initial_s,
+                sink_retry_max_s,
+                spool_dir,
+                exit_timeout,
+                spool_max_bytes,
             )
             _delivery = Delivery(sinks, run, options)
             self._owns_delivery = True
@@ -138,6 +158,10 @@ class AsyncMetricCollector(Generic[T]):
         self._device: torch.device | None = None
         self._side: torch.cuda.Stream | None = None
         self._free_slots: queue.SimpleQueue[Slot] = queue.SimpleQueue()
+        self._max_slots = max_slots
+        self._slot_count = 0
+        self._slot_wait_s = 0.0
+        self._slot_wait_logged = False
         self._dispatcher: Dispatcher | None = None
         self._last_step: int | None = None
         self._closed = False
@@ -211,7 +235,7 @@ class AsyncMetricCollector(Generic[T]):
         # Making the first slot is the one blocking collective: it checks that every rank holds
         # the same state structure (when recording its sync), so no window ever blocks on that
         # check (or hangs on mismatched collectives) later.
-        for index in range(_INITIAL_SLOTS):
+        for index in range(min(_INITIAL_SLOTS, self._max_slots)):
             self._free_slots.put(self._new_slot(check=index == 0))
         runners = self._delivery.start("bind")
         self._dispatcher = Dispatcher(
@@ -271,6 +295,7 @@ class AsyncMetricCollector(Generic[T]):
             window.batch = batch  # the dispatcher checks its fingerprints after ``done``
             tree = flatten_tree(slot.metric.compute())
             window.host = slot.copy_to_host(tree.leaves)
+            window.rejected = rejected_to_host(slot.metric)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(side)
         window.tree, window.done, slot.done = tree, done, done
@@ -286,13 +311,51 @@ class AsyncMetricCollector(Generic[T]):
         if error is not None:
             raise RankMismatchError(str(error)) from error
 
+    @property
+    def slot_wait_s(self) -> float:
+        """Seconds ``schedule_collection`` has waited for a free slot (``max_slots`` reached)."""
+        return self._slot_wait_s
+
     def _take_slot(self) -> Slot:
+        assert self._dispatcher is not None
         try:
-            return self._free_slots.get_nowait()
+            slot = self._free_slots.get_nowait()
         except queue.Empty:
-            return self._new_slot()
+            if self._slot_count < self._max_slots:
+                return self._new_slot()
+            return self._wait_for_slot()
+        if self._slot_count > _INITIAL_SLOTS and self._dispatcher.unprocessed == 0:
+            # The backlog has drained, so every slot is free: keep the first few only.
+            while self._slot_count > _INITIAL_SLOTS:
+                self._free_slots.get_nowait()
+                self._slot_count -= 1
+        return slot
+
+    def _wait_for_slot(self) -> Slot:
+        assert self._dispatcher is not None
+        if not self._slot_wait_logged:
+            self._slot_wait_logged = True
+            logger.warning(
+                "schedule_collection: all %d staging slots are in use (windows are scheduled "
+                "faster than they are reduced and computed); waiting for the oldest window. "
+                "Schedule less often or raise max_slots (logged once; see slot_wait_s)",
+                self._max_slots,
+            )
+        start = time.monotonic()
+        try:
+            while True:
+                try:
+                    return self._free_slots.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._dispatcher.alive:
+                        raise RuntimeError(
+                            "schedule_collection: the dispatcher thread has stopped"
+                        ) from None
+        finally:
+            self._slot_wait_s += time.monotonic() - start
 
     def _new_slot(self, check: bool = False) -> Slot:
+        self._slot_count += 1
         copied = clone_metric(self._metric)
         if self._side is None:
             return Slot(copied, self._metric, self._group, check=check)

@@ -1,104 +1,208 @@
-"""A first-in first-out file of reports: where reports wait when a sink's queue is full."""
+"""A first-in first-out file of reports, one JSON line each: where a full queue's reports wait."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import tempfile
+from collections import deque
 from typing import IO
 
+from sidestream.sinks._spool_format import decode_report, encode_report
 from sidestream.sinks.base import Report
 
-__all__ = ["Spool"]
+__all__ = ["DEFAULT_SPOOL_MAX_BYTES", "Spool"]
+
+#: Default cap on the bytes one sink's spool file holds (256 MiB).
+DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
+
+# Bytes moved per read when the file is compacted or copied: bounded memory.
+_CHUNK = 1 << 20
 
 
 class Spool:
-    """Reports kept on disk, read back in the order they were written.
+    """Reports kept on disk, one JSON line each, read back in the order they were written.
 
     Not thread-safe: the sink runner holds its lock around every call. The file is created on
-    first use and deleted by ``discard``; ``keep`` leaves it on disk for a person to inspect.
+    first use (readable by its owner only) and deleted by ``discard``; ``keep`` leaves a file
+    on disk for a person to read or replay (``sidestream.sinks.replay_spool``).
+
+    At most ``max_bytes`` of reports are held: appending past it drops the oldest reports
+    first (counted in ``dropped``). The dead prefix of reports already read is cut off once it
+    is larger than the live part, so the file on disk stays within twice the cap.
 
     Args:
         directory: Where to create the spool file (the system temp dir by default).
         label: Part of the file name, to tell sinks apart.
+        max_bytes: Most bytes of reports held; the oldest are dropped beyond it.
     """
 
-    def __init__(self, directory: str | None = None, label: str = "sink") -> None:
+    def __init__(
+        self,
+        directory: str | None = None,
+        label: str = "sink",
+        max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+    ) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes: expected >= 1, got {max_bytes}")
         self._directory = directory
         self._label = label
+        self._max_bytes = max_bytes
         self._file: IO[bytes] | None = None
         self._path: str | None = None
         self._read_offset = 0
-        self._count = 0
+        self._end = 0
+        self._lines: deque[int] = deque()  # byte length of each spooled line, oldest first
+        self.dropped = 0
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._lines)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the reports spooled now."""
+        return self._end - self._read_offset
+
+    @property
+    def path(self) -> str | None:
+        """The spool file, once created."""
+        return self._path
+
+    def _new_file(self) -> tuple[IO[bytes], str]:
+        if self._directory is not None:
+            os.makedirs(self._directory, mode=0o700, exist_ok=True)
+        # mkstemp creates the file with mode 0600: reports may hold what the job logs.
+        handle, path = tempfile.mkstemp(
+            prefix=f"sidestream-{self._label}-", suffix=".spool.jsonl", dir=self._directory
+        )
+        return os.fdopen(handle, "w+b"), path
 
     def _open(self) -> IO[bytes]:
         if self._file is None:
-            if self._directory is not None:
-                os.makedirs(self._directory, exist_ok=True)
-            handle, self._path = tempfile.mkstemp(
-                prefix=f"sidestream-{self._label}-", suffix=".spool", dir=self._directory
-            )
-            self._file = os.fdopen(handle, "w+b")
+            self._file, self._path = self._new_file()
         return self._file
 
-    def append(self, report: Report) -> None:
-        """Add ``report`` at the end."""
+    def append(self, report: Report) -> int:
+        """Add ``report`` at the end; return how many old reports were dropped to make room.
+
+        Raises:
+            OSError: If the file cannot be created or written (the spool is left as it was).
+        """
+        line = encode_report(report)
+        if len(line) > self._max_bytes:
+            self.dropped += 1  # larger than the whole cap: it can never be kept
+            return 1
+        dropped = 0
+        while self._lines and self.nbytes + len(line) > self._max_bytes:
+            self._read_offset += self._lines.popleft()
+            dropped += 1
+        self.dropped += dropped
         file = self._open()
-        file.seek(0, os.SEEK_END)
-        pickle.dump(report, file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._count += 1
+        if self._read_offset > max(self.nbytes, _CHUNK):
+            self._compact(file)
+        try:
+            file.seek(self._end)
+            file.write(line)
+            file.flush()
+        except OSError:
+            # A full disk may have taken part of the line: cut it so the file stays readable.
+            with contextlib.suppress(OSError):
+                file.truncate(self._end)
+            raise
+        self._end += len(line)
+        self._lines.append(len(line))
+        return dropped
 
     def pop_oldest(self) -> Report:
         """Remove and return the oldest report.
 
+        The report is removed even when it cannot be read back.
+
         Raises:
             IndexError: If the spool is empty.
+            ValueError: If its line is damaged.
+            OSError: If the file cannot be read.
         """
-        if self._file is None or self._count == 0:
+        if self._file is None or not self._lines:
             raise IndexError("the spool is empty")
-        self._file.seek(self._read_offset)
-        report: Report = pickle.load(self._file)
-        self._read_offset = self._file.tell()
-        self._count -= 1
-        if self._count == 0:
-            # Everything read back: start the file over instead of growing it forever.
-            self._file.seek(0)
-            self._file.truncate()
-            self._read_offset = 0
-        return report
+        size = self._lines.popleft()
+        start = self._read_offset
+        self._read_offset += size
+        try:
+            self._file.seek(start)
+            line = self._file.read(size)
+        finally:
+            if not self._lines:
+                self._reset_file()
+        if len(line) != size:
+            raise ValueError(f"spool {self._path}: a line was cut short ({len(line)} of {size} B)")
+        return decode_report(line)
+
+    def _reset_file(self) -> None:
+        # Everything read back: start the file over instead of growing it forever.
+        assert self._file is not None
+        self._end = self._read_offset = 0
+        with contextlib.suppress(OSError):
+            self._file.truncate(0)
+
+    def _compact(self, file: IO[bytes]) -> None:
+        """Move the live lines to the start of the file, in chunks (bounded memory)."""
+        source, target = self._read_offset, 0
+        while source < self._end:
+            file.seek(source)
+            chunk = file.read(min(_CHUNK, self._end - source))
+            if not chunk:
+                break
+            file.seek(target)
+            file.write(chunk)
+            source += len(chunk)
+            target += len(chunk)
+        file.truncate(target)
+        file.flush()
+        self._end, self._read_offset = target, 0
 
     def keep(self, reports: list[Report]) -> str:
-        """Put ``reports`` in front of what is spooled, close the file and leave it on disk.
+        """Write ``reports`` then what is spooled to a file left on disk; empty the spool.
 
         Returns:
-            The path of the file: pickled ``Report`` objects, oldest first.
+            The path of the file: one JSON report per line, oldest first.
+
+        Raises:
+            OSError: If the file cannot be written.
         """
-        remaining = [*reports, *(self.pop_oldest() for _ in range(self._count))]
-        file = self._open()
-        file.seek(0)
-        file.truncate()
-        for report in remaining:
-            pickle.dump(report, file, protocol=pickle.HIGHEST_PROTOCOL)
-        file.close()
-        self._file = None
-        assert self._path is not None
-        path, self._path = self._path, None
-        self._count = 0
-        self._read_offset = 0
+        out, path = self._new_file()
+        try:
+            with out:
+                for report in reports:
+                    out.write(encode_report(report))
+                if self._file is not None:
+                    source = self._read_offset
+                    while source < self._end:
+                        self._file.seek(source)
+                        chunk = self._file.read(min(_CHUNK, self._end - source))
+                        if not chunk:
+                            break
+                        out.write(chunk)
+                        source += len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            # A part of the reports in a file would look like all of them: leave none.
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        self.discard()
         return path
 
     def discard(self) -> None:
-        """Close and delete the spool file."""
+        """Close and delete the spool file; never raises."""
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):
+                self._file.close()
             self._file = None
         if self._path is not None:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.unlink(self._path)
             self._path = None
-        self._count = 0
-        self._read_offset = 0
+        self._lines.clear()
+        self._read_offset = self._end = 0

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from types import FrameType
 from typing import Any
 
 from sidestream.sinks.base import Report, RunInfo, Sink
@@ -80,6 +83,72 @@ def _serve(
             os._exit(0)
 
 
+_GUARD_HELP = (
+    'put the training code under `if __name__ == "__main__":` (or in a function called from '
+    "there): the child process is started with multiprocessing's spawn method, which imports "
+    "the main script again, so unguarded top-level code would run a second time in the child "
+    "(the whole training job)"
+)
+
+
+def _main_module_frame() -> FrameType | None:
+    """The main thread's frame running the main script's top-level code, if it is doing so."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    parts = [node.test.left, *node.test.comparators]
+    names = [p.id for p in parts if isinstance(p, ast.Name)]
+    texts = [p.value for p in parts if isinstance(p, ast.Constant)]
+    return names == ["__name__"] and texts == ["__main__"]
+
+
+def unguarded_main_line() -> tuple[str, int] | None:
+    """``(script, line)`` when the main script is running top-level code outside a guard.
+
+    That is where starting a spawned child re-runs the script in the child. ``None`` when the
+    main thread is inside ``if __name__ == "__main__":``, or there is no script (interactive,
+    ``python -c``) or its source cannot be read.
+    """
+    frame = _main_module_frame()
+    path = frame.f_globals.get("__file__") if frame is not None else None
+    if frame is None or not isinstance(path, str):
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in tree.body:
+        end = node.end_lineno or node.lineno
+        if _is_main_guard(node) and node.lineno <= line <= end:
+            return None
+    return path, line
+
+
+def _check_main_guard(name: str) -> None:
+    if getattr(mp.current_process(), "_inheriting", False):
+        # We are the spawned child, importing the main script again: it is unguarded.
+        raise SinkProcessError(
+            f"sink {name!r}: ProcessSink was started while a child process imported the main "
+            f"script; {_GUARD_HELP}"
+        )
+    where = unguarded_main_line()
+    if where is not None:
+        raise SinkProcessError(
+            f"sink {name!r}: ProcessSink used by top-level code of {where[0]} (line {where[1]}) "
+            f'outside an `if __name__ == "__main__":` block; {_GUARD_HELP}'
+        )
+
+
 class ProcessSink(Sink):
     """Delivers to ``sink`` from a child process of its own.
 
@@ -110,6 +179,9 @@ class ProcessSink(Sink):
     Raises:
         TypeError: If ``sink`` is not a ``Sink`` or cannot be pickled.
         ValueError: If a timeout is not positive or ``flush_every`` < 1.
+        SinkProcessError: If the main script creates it (or later opens it) from top-level
+            code outside ``if __name__ == "__main__":``, where the spawned child would run the
+            script again; the message says so.
 
     Example:
         >>> sinks = [ProcessSink(JsonlSink("runs/a.jsonl"))]  # doctest: +SKIP
@@ -133,6 +205,7 @@ class ProcessSink(Sink):
             raise ValueError(f"start_timeout_s: expected seconds > 0, got {start_timeout_s}")
         if flush_every < 1:
             raise ValueError(f"flush_every: expected >= 1, got {flush_every}")
+        _check_main_guard(sink.name)
         try:
             self._sink_bytes = pickle.dumps(sink)
         except Exception as error:
@@ -232,6 +305,7 @@ class ProcessSink(Sink):
                 f"sink {self.name!r}: a daemonic process cannot start the child process; run "
                 "the trainer in a non-daemonic process (torchrun, mp.spawn) or drop child_process"
             )
+        _check_main_guard(self.name)
         context = mp.get_context("spawn")
         parent, child = context.Pipe()
         process = context.Process(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from sidestream.sinks._spool import Spool
+from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import SinkStatus, is_permanent
 
@@ -23,8 +23,13 @@ logger = logging.getLogger("sidestream.sinks")
 class SinkRunner:
     """Delivers reports to one sink, in step order, from a thread of its own.
 
-    ``submit`` never blocks and never drops: up to ``capacity`` reports wait in memory, more
-    go to a spool file and are read back in order. A ``write`` that raises is retried with
+    ``submit`` never blocks and never raises into the caller (except after ``close``): up to
+    ``capacity`` reports wait in memory, more go to a spool file (JSON lines, owner-only) and
+    are read back in order. The spool holds at most ``spool_max_bytes``; past that the oldest
+    spooled reports are dropped. A report that cannot be spooled (unusable directory, full
+    disk) or read back (damaged file) is dropped too. Every drop is counted in ``dropped`` and
+    logged (the first of a streak, and the total at ``close``), and ``close`` then returns
+    ``False``: a failing spool affects this sink only. A ``write`` that raises is retried with
     exponential backoff until it succeeds; a sink with ``max_batch > 1`` gets a backlog in
     ``write_batch`` calls of up to that many reports, retried whole. The first failure of a
     streak is logged (logger
@@ -38,6 +43,7 @@ class SinkRunner:
         resume_state: Given to ``sink.load_state_dict`` before ``open``, if not ``None``.
         capacity: Reports kept in memory before spooling to disk.
         spool_dir: Directory of the spool file (the system temp dir by default).
+        spool_max_bytes: Most bytes the spool file holds (256 MiB by default).
         retry_initial_s: First backoff after a failure; doubles up to ``retry_max_s``.
         retry_max_s: Longest backoff.
         flush_interval_s: An idle sink with unflushed writes is flushed after this long.
@@ -52,6 +58,7 @@ class SinkRunner:
         resume_state: Mapping[str, Any] | None = None,
         capacity: int = 64,
         spool_dir: str | None = None,
+        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
         retry_initial_s: float = 0.1,
         retry_max_s: float = 10.0,
         flush_interval_s: float = 1.0,
@@ -71,10 +78,12 @@ class SinkRunner:
         self._max_batch = max(1, int(getattr(sink, "max_batch", 1)))
         self._cond = threading.Condition()
         self._queue: deque[Report] = deque()
-        self._spool = Spool(spool_dir, label=self.key)
+        self._spool = Spool(spool_dir, label=self.key, max_bytes=spool_max_bytes)
         self._in_flight: list[Report] = []
         self._submitted = 0
         self._delivered = 0
+        self._dropped = 0
+        self._dropping = False  # inside a streak of drops: logged once
         self._closing = False
         self._close_deadline: float | None = None
         self._abandon = threading.Event()
@@ -95,24 +104,61 @@ class SinkRunner:
     def submit(self, report: Report) -> None:
         """Queue ``report``; returns at once (spools to disk when the queue is full).
 
+        A spool that cannot take the report (full: the oldest are dropped; unusable: this one
+        is) costs reports of this sink only; they are counted in ``dropped``, never raised.
+
         Raises:
             RuntimeError: After ``close``.
         """
         with self._cond:
             if self._closing:
                 raise RuntimeError(f"sink {self.key!r}: submit after close")
+            self._submitted += 1
             if len(self._spool) or len(self._queue) >= self._capacity:
-                self._spool.append(report)
+                try:
+                    dropped = self._spool.append(report)
+                except Exception as error:
+                    self._drop(1, f"could not spool step {report.step}: {_describe(error)}")
+                else:
+                    if dropped:
+                        self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
+                    else:
+                        self._dropping = False
             else:
                 self._queue.append(report)
-            self._submitted += 1
             self._cond.notify_all()
+
+    def _drop(self, count: int, reason: str) -> None:
+        """Count ``count`` lost reports (lock held); log the first of a streak."""
+        self._dropped += count
+        if not self._dropping:
+            self._dropping = True
+            logger.warning(
+                "sink %r: %s; dropped %d report(s) (counted in SinkRunner.dropped, %d so far; "
+                "not logged again until spooling works)",
+                self.key,
+                reason,
+                count,
+                self._dropped,
+            )
 
     @property
     def pending(self) -> int:
         """Reports submitted and not delivered yet (queued, spooled or being written)."""
         with self._cond:
-            return self._submitted - self._delivered
+            return self._submitted - self._delivered - self._dropped
+
+    @property
+    def dropped(self) -> int:
+        """Reports lost to this sink: spool full (oldest first), unusable or damaged."""
+        with self._cond:
+            return self._dropped
+
+    @property
+    def spooled_bytes(self) -> int:
+        """Bytes of reports waiting in the spool file."""
+        with self._cond:
+            return self._spool.nbytes
 
     @property
     def delivered(self) -> int:
@@ -141,39 +187,91 @@ class SinkRunner:
         """Block until every submitted report is delivered; whether that happened in time."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: self._delivered == self._submitted or self._abandon.is_set(), timeout
-            ) and (self._delivered == self._submitted)
+                lambda: (
+                    self._delivered + self._dropped == self._submitted or self._abandon.is_set()
+                ),
+                timeout,
+            ) and (self._delivered + self._dropped == self._submitted)
+
+    def begin_close(self, timeout: float | None = None) -> None:
+        """Start closing (no more ``submit``; deliver, flush, close) without waiting.
+
+        Lets a caller start every runner's close at once, then ``close`` each: their
+        timeouts then run side by side instead of one after another. Only the first call's
+        ``timeout`` counts.
+        """
+        with self._cond:
+            if not self._closing:
+                self._closing = True
+                self._close_deadline = None if timeout is None else time.monotonic() + timeout
+            self._cond.notify_all()
 
     def close(self, timeout: float | None = None) -> bool:
         """Deliver what is pending, flush and close the sink, stop the thread.
 
         When ``timeout`` runs out first, the undelivered reports are written to a spool file
-        that is kept on disk, a warning names it, and ``False`` is returned.
+        that is kept on disk (JSON lines, oldest first; ``replay_spool`` delivers them later),
+        a warning names it, and ``False`` is returned. Never raises: a file that cannot be
+        written is logged with the count of reports lost. Also ``False`` when reports were
+        dropped (see ``dropped``).
         """
-        with self._cond:
-            self._closing = True
-            self._close_deadline = None if timeout is None else time.monotonic() + timeout
-            self._cond.notify_all()
-        self._thread.join(timeout)
+        self.begin_close(timeout)
+        self._thread.join(self._remaining())
         if not self._thread.is_alive():
-            self._spool.discard()
-            return self._delivered == self._submitted
+            with self._cond:
+                self._spool.discard()
+                self._log_dropped()
+                return self._delivered == self._submitted
         self._abandon.set()
         with self._cond:
             undelivered = [*self._in_flight, *self._queue]
             self._queue.clear()
             count = len(undelivered) + len(self._spool)
-            path = self._spool.keep(undelivered)
+            if count == 0:
+                logger.warning(
+                    "sink %r: every report was delivered, but flushing and closing the sink "
+                    "did not finish within %.1f s of close",
+                    self.key,
+                    timeout or 0.0,
+                )
+                self._log_dropped()
+                return False
+            try:
+                path = self._spool.keep(undelivered)
+            except Exception as error:
+                self._spool.discard()
+                self._dropped += count
+                logger.error(
+                    "sink %r: %d report(s) not delivered within %.1f s of close, and they "
+                    "could not be kept in a spool file (%s): they are lost",
+                    self.key,
+                    count,
+                    timeout or 0.0,
+                    _describe(error),
+                )
+                self._log_dropped()
+                return False
+            self._log_dropped()
             self._cond.notify_all()
         logger.warning(
             "sink %r: %d report(s) not delivered within %.1f s of close; kept in %s "
-            "(pickled sidestream.sinks.Report objects, oldest first)",
+            "(one JSON report per line, oldest first; deliver them later with "
+            "sidestream.sinks.replay_spool or python -m sidestream.sinks.replay)",
             self.key,
             count,
             timeout or 0.0,
             path,
         )
         return False
+
+    def _log_dropped(self) -> None:
+        if self._dropped:
+            logger.warning(
+                "sink %r: %d of %d report(s) were dropped (spool full, unusable or damaged)",
+                self.key,
+                self._dropped,
+                self._submitted,
+            )
 
     # ------------------------------------------------------------------ sink thread
 
@@ -232,8 +330,11 @@ class SinkRunner:
                     while len(self._in_flight) < self._max_batch and self._queue:
                         self._in_flight.append(self._queue.popleft())
                     while len(self._in_flight) < self._max_batch and len(self._spool):
-                        self._in_flight.append(self._spool.pop_oldest())
-                    return list(self._in_flight), False, False
+                        self._pop_spooled()
+                    if self._in_flight:
+                        return list(self._in_flight), False, False
+                    self._cond.notify_all()  # only damaged lines: wait_delivered may be done
+                    continue
                 if self._closing:
                     return [], True, True
                 if not dirty:
@@ -243,6 +344,20 @@ class SinkRunner:
                 if remaining <= 0:
                     return [], True, False
                 self._cond.wait(remaining)
+
+    def _pop_spooled(self) -> None:
+        """Move the oldest spooled report in flight (lock held); a damaged one is dropped."""
+        try:
+            self._in_flight.append(self._spool.pop_oldest())
+        except OSError as error:
+            # The file cannot be read at all: nothing after this point can come back.
+            count = len(self._spool) + 1
+            self._spool.discard()
+            self._drop(count, f"spool file unreadable: {_describe(error)}")
+        except Exception as error:
+            self._drop(1, f"damaged spool line: {_describe(error)}")
+        else:
+            self._dropping = False
 
     def _retry(self, what: str, action: Callable[[], None]) -> bool:
         """Run ``action`` until it succeeds (True), fails for good or is abandoned (False).
@@ -324,3 +439,7 @@ class SinkRunner:
         if self._close_deadline is None:
             return None
         return max(0.0, self._close_deadline - time.monotonic())
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

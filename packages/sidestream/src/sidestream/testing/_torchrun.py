@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +20,7 @@ import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
 
 from sidestream.testing._pool import RankPool
+from sidestream.testing._signed import KEY_ENV, sign, verify
 from sidestream.testing._torchrun_worker import STOP
 
 __all__ = ["TorchrunPool"]
@@ -33,6 +37,10 @@ class TorchrunPool(RankPool):
     job does. Tasks and results travel through a TCP store this process hosts, so the test
     process itself stays out of the group. Failures, timeouts and restarts behave as in
     ``DistributedPool``; when a rank dies, torchrun stops the others and its output is quoted.
+
+    The store listens on 127.0.0.1 only, and every task and result in it is signed (HMAC-SHA256)
+    with a random key made per pool and handed to the ranks through their environment: a rank
+    unpickles only tasks this process wrote, and this process only results its ranks wrote.
 
     Args:
         world_size: Number of ranks (at most the number of visible GPUs with NCCL).
@@ -59,6 +67,8 @@ class TorchrunPool(RankPool):
                 f"{torch.cuda.device_count()} visible GPUs"
             )
         self._store: TCPStore | None = None
+        self._listener: socket.socket | None = None
+        self._key = b""
         self._launcher: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -79,8 +89,19 @@ class TorchrunPool(RankPool):
         return super().run(function, *args, timeout=timeout, **kwargs)
 
     def _start(self) -> None:
+        self._key = secrets.token_bytes(32)
+        # TCPStore's own server listens on every interface; hand it a socket bound to
+        # loopback instead, so no other machine can reach the store.
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
         self._store = TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+            "127.0.0.1",
+            self._listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=30),
+            master_listen_fd=self._listener.fileno(),
         )
         self._log = tempfile.TemporaryFile(prefix="sidestream-torchrun-")  # noqa: SIM115 (closed in _stop)
         env = {
@@ -89,6 +110,7 @@ class TorchrunPool(RankPool):
             "SIDESTREAM_POOL_PREFIX": _PREFIX,
             "SIDESTREAM_POOL_BACKEND": self.backend,
             "SIDESTREAM_POOL_TIMEOUT_S": str(self._collective_timeout_s),
+            KEY_ENV: self._key.hex(),
             # The ranks unpickle functions by module, as spawned processes would.
             "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),
         }
@@ -112,7 +134,8 @@ class TorchrunPool(RankPool):
 
     def _submit(self, task_id: int, task: bytes) -> None:
         assert self._store is not None
-        self._store.set(f"{_PREFIX}/task/{task_id}", task)  # type: ignore[arg-type]  # takes bytes
+        signed = sign(self._key, task)
+        self._store.set(f"{_PREFIX}/task/{task_id}", signed)  # type: ignore[arg-type]  # takes bytes
 
     def _poll(self, task_id: int, waiting: set[int], wait_s: float) -> list[tuple[int, bytes]]:
         assert self._store is not None
@@ -122,10 +145,17 @@ class TorchrunPool(RankPool):
             for rank in sorted(waiting):
                 key = f"{_PREFIX}/result/{task_id}/{rank}"
                 if self._store.check([key]):
-                    finished.append((rank, self._store.get(key)))
+                    finished.append((rank, self._verified(self._store.get(key))))
             if finished or time.monotonic() >= deadline:
                 return finished
             time.sleep(0.01)
+
+    def _verified(self, message: bytes) -> bytes:
+        try:
+            return verify(self._key, message)
+        except ValueError as error:
+            # Not from a rank: never unpickle it; report a failure made here instead.
+            return pickle.dumps((False, f"rejected a result: {error}"))
 
     def _any_dead(self) -> bool:
         return self._launcher is None or self._launcher.poll() is not None
@@ -149,7 +179,7 @@ class TorchrunPool(RankPool):
             if self._store is not None and self._launcher.poll() is None:
                 with contextlib.suppress(Exception):
                     stop_key = f"{_PREFIX}/task/{self._next_task}"
-                    self._store.set(stop_key, STOP)  # type: ignore[arg-type]
+                    self._store.set(stop_key, sign(self._key, STOP))  # type: ignore[arg-type]
             try:
                 self._launcher.wait(timeout=10.0)
             except subprocess.TimeoutExpired:
@@ -158,4 +188,6 @@ class TorchrunPool(RankPool):
                 self._launcher.wait(timeout=10.0)
         if self._log is not None:
             self._log.close()
-        self._launcher, self._log, self._store = None, None, None
+        if self._listener is not None:
+            self._listener.close()
+        self._launcher, self._log, self._store, self._listener = None, None, None, None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from datetime import timedelta
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
 
 from sidestream.testing._pool import run_task
+from sidestream.testing._signed import KEY_ENV, sign, verify
 
 STOP = b"stop"
 
@@ -36,6 +38,7 @@ def main() -> None:
     prefix = os.environ["SIDESTREAM_POOL_PREFIX"]
     backend = os.environ["SIDESTREAM_POOL_BACKEND"]
     timeout = timedelta(seconds=float(os.environ["SIDESTREAM_POOL_TIMEOUT_S"]))
+    key = bytes.fromhex(os.environ.pop(KEY_ENV))  # popped: the tasks' own subprocesses don't get it
     # Tasks may be minutes apart; a lost parent closes the store, which ends the wait at once.
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(days=1))
     rank = int(os.environ["RANK"])
@@ -43,11 +46,17 @@ def main() -> None:
     try:
         task_id = 0
         while True:
-            task = store.get(f"{prefix}/task/{task_id}")
-            if task == STOP:
-                break
+            try:
+                task = verify(key, store.get(f"{prefix}/task/{task_id}"))
+            except ValueError as error:
+                # Written by someone without the key: never unpickle it.
+                result = pickle.dumps((False, f"rank {rank} rejected task {task_id}: {error}"))
+            else:
+                if task == STOP:
+                    break
+                result = run_task(task)
             # The stub says str; the store takes bytes as they are.
-            store.set(f"{prefix}/result/{task_id}/{rank}", run_task(task))  # type: ignore[arg-type]
+            store.set(f"{prefix}/result/{task_id}/{rank}", sign(key, result))  # type: ignore[arg-type]
             task_id += 1
     finally:
         with contextlib.suppress(Exception):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor
+from sidestream._validation import as_tensor, screen_invalid
 from sidestream.metric import Metric
 from sidestream.metrics.language._tokens import check_ignore_index, check_logits, token_weights
 from sidestream.state import MetricAccumulator
@@ -53,14 +53,19 @@ class TokenAccuracyMetric(Metric[Tensor]):
         Raises:
             TypeError: On a wrong dtype.
             ValueError: On a shape or vocabulary mismatch, or (CPU) a target id outside
-                ``[0, V)`` other than ``ignore_index``.
+                ``[0, V)`` other than ``ignore_index`` or a NaN in ``logits`` (CUDA drops such
+                a batch and counts it in ``rejected_updates``).
         """
         logits_t = as_tensor("logits", logits, self.device)
         target_t = as_tensor("target", target, self.device)
         check_logits(logits_t, target_t, self._vocab_size)
+        # A NaN score has no arg max: bad input, as an out-of-vocabulary target is.
+        keep = screen_invalid(logits_t.isnan().any(), self._rejected, "logits", "no NaN scores")
         vocab = logits_t.shape[-1]
         safe, weights, _ = token_weights(target_t, vocab, self._ignore_index, self._rejected)
         counted = weights.to(torch.int64)
+        if keep is not None:
+            counted = counted * keep.to(torch.int64)
         correct = (logits_t.argmax(dim=-1) == safe).to(torch.int64) * counted
         self._correct.accumulate(correct.sum())
         self._tokens.accumulate(counted.sum())

@@ -1,0 +1,146 @@
+"""Spool files: reports as JSON lines a person can read, and replaying them into a sink."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sidestream.sinks.base import Report, RunInfo, Sink
+
+__all__ = ["decode_report", "encode_report", "read_spool", "replay_spool"]
+
+# Standard JSON has no NaN or infinity: they are written as these strings.
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _number(value: float) -> float | str:
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+def _tensor(tensor: Tensor) -> dict[str, Any]:
+    flat = tensor.detach().cpu().reshape(-1)
+    data = flat.tolist()
+    if flat.is_floating_point():
+        data = [_number(value) for value in data]
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return {"dtype": dtype, "shape": list(tensor.shape), "data": data}
+
+
+def encode_report(report: Report) -> bytes:
+    """One report as a line of standard JSON (newline-terminated, UTF-8).
+
+    Values are numbers (``"NaN"``, ``"Infinity"``, ``"-Infinity"`` as strings); a histogram is
+    ``{"dtype", "shape", "data"}`` with its elements flat, in row-major order.
+    """
+    line: dict[str, Any] = {}
+    for field in dataclasses.fields(report):
+        value = getattr(report, field.name)
+        if field.name == "values":
+            value = {name: _number(float(number)) for name, number in value.items()}
+        elif field.name == "histograms":
+            value = {name: _tensor(tensor) for name, tensor in value.items()}
+        line[field.name] = value
+    return (json.dumps(line, allow_nan=False, separators=(",", ":")) + "\n").encode()
+
+
+def _float(value: float | str) -> float:
+    if isinstance(value, str):
+        if value not in _NON_FINITE:
+            raise ValueError(f"expected a number or one of {sorted(_NON_FINITE)}, got {value!r}")
+        return _NON_FINITE[value]
+    return float(value)
+
+
+def decode_report(line: bytes | str) -> Report:
+    """The report that ``encode_report`` wrote as ``line``.
+
+    Raises:
+        ValueError: If the line is not such a report (damaged or cut short).
+    """
+    try:
+        data = json.loads(line)
+        kwargs: dict[str, Any] = {}
+        names = {field.name for field in dataclasses.fields(Report)}
+        for name, value in data.items():
+            if name not in names:
+                continue  # written by a newer version: keep what this one knows
+            if name == "values":
+                value = {key: _float(number) for key, number in value.items()}
+            elif name == "histograms":
+                value = {
+                    key: torch.tensor(
+                        [_float(x) if isinstance(x, str) else x for x in item["data"]],
+                        dtype=getattr(torch, item["dtype"]),
+                    ).reshape(item["shape"])
+                    for key, item in value.items()
+                }
+            kwargs[name] = value
+        return Report(**kwargs)
+    except (TypeError, KeyError, AttributeError, RuntimeError, json.JSONDecodeError) as error:
+        raise ValueError(f"not a spooled report: {type(error).__name__}: {error}") from error
+
+
+def read_spool(path: str | os.PathLike[str]) -> Iterator[Report]:
+    """The reports in a spool file, oldest first, reading one line at a time.
+
+    Raises:
+        ValueError: At a damaged line, naming its number (the reports before it were yielded).
+    """
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield decode_report(line)
+            except ValueError as error:
+                raise ValueError(f"{os.fspath(path)}, line {number}: {error}") from None
+
+
+def replay_spool(
+    path: str | os.PathLike[str],
+    sink: Sink,
+    run: RunInfo | None = None,
+    *,
+    resume_state: Mapping[str, Any] | None = None,
+    timeout: float | None = 60.0,
+) -> int:
+    """Deliver a kept spool file into ``sink``: load its state, open, write each report, close.
+
+    Use it after a job warned that reports were "kept in" a spool file, with the sink the job
+    used and, for a tracker, the sink state from the job's checkpoint (``resume_state``) so
+    the reports land in the same run. Steps the sink already has are skipped by sinks that
+    resume (JSONL, TensorBoard, MLflow, W&B).
+
+    Args:
+        path: The spool file.
+        sink: Where the reports go.
+        run: Given to ``sink.open``.
+        resume_state: Given to ``sink.load_state_dict`` before ``open``, if not ``None``.
+        timeout: Given to ``sink.close``.
+
+    Returns:
+        How many reports were written.
+
+    Raises:
+        ValueError: At a damaged line (the reports before it were delivered).
+    """
+    if resume_state is not None:
+        sink.load_state_dict(resume_state)
+    sink.open(run or RunInfo())
+    written = 0
+    try:
+        for report in read_spool(path):
+            sink.write(report)
+            written += 1
+    finally:
+        sink.close(timeout)
+    return written

@@ -1,0 +1,255 @@
+"""One sink's spool failing costs that sink only; the spool is bounded, readable, replayable."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sidestream import AsyncMetricCollector, MeanMetric
+from sidestream.collector._dispatcher import Dispatcher
+from sidestream.sinks import JsonlSink, Report, SinkRunner, read_spool, replay_spool
+from tests.collector.helpers import RecordingSink
+from tests.reliability.faults import GatedSink, tally
+
+
+def _report(step: int) -> Report:
+    return Report(step=step, values={"loss": step / 4, "nan": float("nan")}, time=float(step))
+
+
+def _wait(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_unusable_spool_dir_costs_only_the_sink_that_spools(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    healthy = JsonlSink(tmp_path / "m.jsonl")
+    stuck = GatedSink()
+    metric = MeanMetric()
+    collector = AsyncMetricCollector(
+        metric, sinks=[stuck, healthy], prefix="loss", spool_dir=str(not_a_dir), sink_capacity=16
+    )
+    collector.bind("cpu")
+    runner, healthy_runner = collector.sink_runners
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 101):
+            metric.update(torch.tensor([float(step)]))
+            collector.schedule_collection(step)
+            if step % 10 == 0:  # the healthy sink never needs its spool: it keeps up
+                collector.collect_results(timeout=30)
+                assert healthy_runner.wait_delivered(30)
+        _wait(lambda: runner.dropped > 0)
+        stuck.gate.set()
+        assert collector.close(timeout=30) is False, "reports were lost: close says so"
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert tally(range(1, 101), [line["step"] for line in lines])["delivered"] == 100
+    assert [line["values"]["loss"] for line in lines] == [float(s) for s in range(1, 101)]
+    counts = tally(range(1, 101), stuck.steps)
+    assert counts["duplicated"] == 0 and counts["unexpected"] == 0
+    assert counts["lost"] == runner.dropped > 0
+    assert counts["delivered"] + counts["lost"] == 100
+    drops = [r for r in caplog.records if "could not spool" in r.getMessage()]
+    assert len(drops) == 1, "a streak of drops is logged once"
+
+
+def test_a_runner_that_raises_in_submit_does_not_skip_the_others() -> None:
+    class Exploding(SinkRunner):
+        def submit(self, report: Report) -> None:
+            raise OSError("disk on fire")
+
+    good, bad = RecordingSink(name="good"), RecordingSink(name="bad")
+    runners = [Exploding(bad), SinkRunner(good)]
+    for runner in runners:
+        runner.start()
+    metric = MeanMetric()
+    collector = AsyncMetricCollector(metric)
+    collector.bind("cpu")
+    assert collector._dispatcher is not None
+    dispatcher = Dispatcher(runners, collector._free_slots.put, "")
+    collector._dispatcher.stop(5)
+    collector._dispatcher = dispatcher
+    for step in range(1, 11):
+        metric.update(torch.tensor([1.0]))
+        collector.schedule_collection(step)
+    assert collector.collect_results(timeout=20) == 1.0
+    assert runners[1].close(10) is True
+    assert good.steps == list(range(1, 11))
+    dispatcher.stop(5)
+
+
+def test_spool_is_bounded_drops_oldest_and_counts(tmp_path: Path) -> None:
+    sink = GatedSink()
+    line = len(json.dumps({"step": 10, "values": {"loss": 2.5, "nan": "NaN"}, "time": 10.0}))
+    runner = SinkRunner(sink, capacity=2, spool_dir=str(tmp_path), spool_max_bytes=line * 10)
+    for step in range(1, 201):
+        runner.submit(_report(step))
+    assert runner.spooled_bytes <= line * 10
+    assert 0 < runner.spooled < 12
+    assert runner.dropped == 198 - runner.spooled
+    runner.start()
+    sink.gate.set()
+    assert runner.close(10) is False
+    # The in-memory queue's two oldest, then the newest spooled ones, in order.
+    kept = runner.spooled or len(sink.steps) - 2
+    assert sink.steps == [1, 2, *range(201 - kept, 201)]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_damaged_and_unreadable_spool_lines_are_dropped_not_fatal(tmp_path: Path) -> None:
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=1, spool_dir=str(tmp_path))
+    for step in range(1, 11):
+        runner.submit(_report(step))
+    path = runner._spool.path
+    assert path is not None
+    data = bytearray(Path(path).read_bytes())
+    data[data.index(b'"step":4') : data.index(b'"step":4') + 8] = b"garbage!"
+    Path(path).write_bytes(bytes(data))
+    runner.start()
+    sink.gate.set()
+    assert runner.wait_delivered(10)
+    assert sink.steps == [1, 2, 3, 5, 6, 7, 8, 9, 10]
+    # An unreadable file: everything in it is counted lost, and the thread goes on.
+    sink.gate.clear()
+    for step in range(11, 21):
+        runner.submit(_report(step))
+    _wait(lambda: runner.spooled > 0)
+    assert runner._spool._file is not None
+    runner._spool._file.close()  # reads now fail with an OSError (ValueError on a closed file)
+    sink.gate.set()
+    assert runner.wait_delivered(10)
+    runner.submit(_report(21))
+    assert runner.close(10) is False
+    assert sink.steps[-1] == 21 and runner.dropped + len(sink.steps) == 21
+    assert runner._thread.is_alive() is False
+
+
+def test_kept_spool_is_private_readable_json_and_replays(tmp_path: Path) -> None:
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=2, spool_dir=str(tmp_path / "spool"))
+    hist = torch.tensor([1.5, float("inf"), 0.0, -2.0], dtype=torch.float32)
+    runner.start()
+    for step in range(1, 8):
+        runner.submit(
+            Report(step=step, values={"a": step * 0.1}, time=1.0, histograms={"h": hist * step})
+        )
+    assert runner.close(timeout=0.3) is False, "the gate is shut: nothing delivered"
+    (kept,) = (tmp_path / "spool").iterdir()
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "spool").stat().st_mode) == 0o700
+    lines = [json.loads(line) for line in kept.read_text().splitlines()]  # standard JSON
+    assert [line["step"] for line in lines] == list(range(1, 8))
+    assert lines[0]["histograms"]["h"] == {
+        "dtype": "float32",
+        "shape": [4],
+        "data": [1.5, "Infinity", 0.0, -2.0],
+    }
+    back = list(read_spool(kept))
+    assert [r.values["a"] for r in back] == [step * 0.1 for step in range(1, 8)]
+    assert torch.equal(back[2].histograms["h"], hist * 3)
+    out = tmp_path / "replayed.jsonl"
+    assert replay_spool(kept, JsonlSink(out)) == 7
+    assert [json.loads(x)["step"] for x in out.read_text().splitlines()] == list(range(1, 8))
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sidestream.sinks.replay",
+            str(kept),
+            "--sink",
+            "jsonl",
+            "--option",
+            f"path={tmp_path / 'cli.jsonl'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert "replayed 7 report(s)" in cli.stdout
+    assert len((tmp_path / "cli.jsonl").read_text().splitlines()) == 7
+
+
+def test_keep_failing_at_close_is_logged_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spool_dir = tmp_path / "spool"
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=1, spool_dir=str(spool_dir))
+    runner.start()
+    for step in range(1, 4):
+        runner.submit(_report(step))
+    # The directory goes away and a file takes its place: the kept file cannot be made.
+    spool_dir.rename(tmp_path / "moved")
+    spool_dir.write_text("")
+    with caplog.at_level(logging.ERROR, logger="sidestream.sinks"):
+        assert runner.close(timeout=0.3) is False
+    assert any("they are lost" in r.getMessage() for r in caplog.records)
+    assert runner.dropped == 3
+
+
+_DISK_FULL = r"""
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+from sidestream.sinks import Report, SinkRunner
+from tests.reliability.faults import GatedSink
+sink = GatedSink()
+runner = SinkRunner(sink, capacity=2, spool_dir=sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+for step in range(1, 101):
+    runner.submit(Report(step=step, values={"loss": float(step)}, time=0.0))
+runner.start()
+sink.gate.set()
+print(runner.close(20), runner.dropped, ",".join(map(str, sink.steps)))
+"""
+
+
+def test_disk_full_while_spooling_drops_counts_and_goes_on(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _DISK_FULL, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr
+    complete, dropped, steps = result.stdout.split()
+    delivered = [int(s) for s in steps.split(",")]
+    assert complete == "False" and int(dropped) > 0
+    counts = tally(range(1, 101), delivered)
+    assert counts["duplicated"] == counts["unexpected"] == 0
+    assert counts["delivered"] + int(dropped) == 100
+    assert delivered == sorted(delivered) and delivered[:2] == [1, 2]
+
+
+def test_spool_file_on_disk_stays_bounded_under_steady_overflow(tmp_path: Path) -> None:
+    from sidestream.sinks._spool import _CHUNK, Spool
+
+    spool = Spool(str(tmp_path), label="t", max_bytes=4096)
+    biggest = 0
+    for step in range(30_000):
+        spool.append(_report(step))
+        if step % 7 == 0:
+            spool.pop_oldest()
+        assert spool.path is not None
+        biggest = max(biggest, os.path.getsize(spool.path))
+    assert spool.nbytes <= 4096
+    # Dropped lines stay in the file until the dead prefix outgrows the live part and a chunk.
+    assert biggest <= 4096 + _CHUNK + 200
+    kept = list(read_spool(spool.keep([])))
+    assert [r.step for r in kept] == sorted(r.step for r in kept)
+    assert kept[-1].step == 29_999 and len(kept) == len(set(r.step for r in kept))
