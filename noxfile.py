@@ -20,6 +20,7 @@ INTEGRATIONS = [
     "integrations/sidestream-wandb",
     "integrations/sidestream-mlflow",
     "integrations/sidestream-tensorboard",
+    "integrations/sidestream-torchmetrics",
 ]
 TEST_REQUIREMENTS = ["pytest>=8", "pytest-timeout", "numpy", "scikit-learn", "scipy"]
 

@@ -90,7 +90,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
         max_fpr: float | None = None,
     ) -> None:
         super().__init__()
-        allowed = ("macro", "weighted", "none")
+        allowed: tuple[str, ...] = ("macro", "weighted", "none")
         if problem.kind is ProblemKind.MULTILABEL:
             allowed = ("micro", *allowed)
         check_average(average, allowed)

@@ -53,8 +53,13 @@ class R2ScoreMetric(PairedRegressionMetric):
         shift: float | Sequence[float] = 0.0,
         adjusted: int = 0,
     ) -> None:
+        choices = ("uniform_average", "raw_values", "variance_weighted")
+        if multioutput not in choices:
+            raise ValueError(f"multioutput: expected one of {choices}, got {multioutput!r}")
         weighted = multioutput == "variance_weighted"
-        super().__init__(num_outputs, "uniform_average" if weighted else multioutput)
+        super().__init__(
+            num_outputs, "raw_values" if multioutput == "raw_values" else "uniform_average"
+        )
         if isinstance(adjusted, bool) or not isinstance(adjusted, int) or adjusted < 0:
             raise ValueError(f"adjusted: expected an int >= 0 (regressors), got {adjusted!r}")
         self._variance_weighted = weighted
