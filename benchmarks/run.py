@@ -14,6 +14,7 @@ from benchmarks import (
     collector_overhead,
     ranking_memory,
     sync_cost,
+    torchmetrics_bridge,
     tracker_overhead,
 )
 
@@ -26,6 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     sections = [
         sync_cost.run(),
+        torchmetrics_bridge.run(),
         collector_overhead.run(),
         classification_update.run(),
         ranking_memory.run(),
