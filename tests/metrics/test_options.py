@@ -202,6 +202,15 @@ def _ranking_cases() -> dict[str, Case]:
             )
         )
 
+    cases["b_auroc_uniform_as_tm_int_thresholds"] = Case(
+        lambda: BinaryAUROCMetric(num_bins=20),
+        _feed_scores("b", False, False),
+        lambda d: float(
+            tmf.binary_auroc(
+                *(torch.as_tensor(a) for a in _rows(d, "b", False, False)), thresholds=21
+            )
+        ),
+    )
     cases["b_auroc_thresholds"] = Case(
         lambda: BinaryAUROCMetric(thresholds=edges),
         _feed_scores("b", False, False),
