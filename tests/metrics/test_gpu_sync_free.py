@@ -28,6 +28,7 @@ from sidestream.metrics.classification import (
     MultilabelAveragePrecisionMetric,
     MultilabelConfusionMatrixMetric,
     MultilabelMatthewsCorrCoefMetric,
+    confusion_count_metric,
 )
 from sidestream.metrics.language import PerplexityMetric, TokenAccuracyMetric
 from sidestream.metrics.regression import (

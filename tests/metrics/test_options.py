@@ -42,6 +42,7 @@ from sidestream.metrics.classification import (
     MultilabelAveragePrecisionMetric,
     MultilabelConfusionMatrixMetric,
     MultilabelMatthewsCorrCoefMetric,
+    confusion_count_metric,
 )
 from sidestream.metrics.regression import R2ScoreMetric
 from sidestream.testing import on_rank_device
@@ -357,7 +358,62 @@ def _regression_cases() -> dict[str, Case]:
     }
 
 
-CASES = {**_ranking_cases(), **_calibration_cases(), **_matrix_cases(), **_regression_cases()}
+def _samplewise_cases() -> dict[str, Case]:
+    """multidim_average="samplewise": the mean of torchmetrics' per-sample vector."""
+
+    def multiclass_feed(metric: Any, d: Arrays) -> None:
+        scores = torch.as_tensor(np.moveaxis(d["mc_logits"], 1, -1), dtype=torch.float32)
+        metric.update(scores, torch.as_tensor(d["mc_target_ignored"]))
+
+    def multilabel_feed(metric: Any, d: Arrays) -> None:
+        scores = torch.as_tensor(np.moveaxis(d["ml_logits"], 1, -1), dtype=torch.float32)
+        metric.update(scores, torch.as_tensor(np.moveaxis(d["ml_target"], 1, -1)))
+
+    def tm(function: Any, d: Arrays, kind: str, **options: Any) -> float:
+        target = d["mc_target_ignored"] if kind == "mc" else d[f"{kind}_target"]
+        values = function(
+            torch.as_tensor(d[f"{kind}_logits"], dtype=torch.float32),
+            torch.as_tensor(target),
+            multidim_average="samplewise",
+            **options,
+        )
+        return float(values.double().mean())
+
+    samplewise = confusion_count_metric(multidim_average="samplewise")
+    cases = {}
+    for average in ("micro", "macro", "weighted"):
+        cases[f"samplewise_mc_f1_{average}"] = Case(
+            lambda a=average: getattr(
+                confusion_count_metric(ignore_index=IGNORE, multidim_average="samplewise")
+                .multiclass(C)
+                .with_f1(),
+                a,
+            )().build(),
+            multiclass_feed,
+            lambda d, a=average: tm(
+                tmf.multiclass_f1_score, d, "mc", num_classes=C, average=a, ignore_index=IGNORE
+            ),
+        )
+    cases["samplewise_ml_recall_macro"] = Case(
+        lambda: samplewise.multilabel(C, logits=True).with_recall().macro().build(),
+        multilabel_feed,
+        lambda d: tm(tmf.multilabel_recall, d, "ml", num_labels=C, average="macro"),
+    )
+    cases["samplewise_b_precision"] = Case(
+        lambda: samplewise.binary(logits=True).with_precision().build(),
+        _feed_scores("b", False, True),
+        lambda d: tm(tmf.binary_precision, d, "b"),
+    )
+    return cases
+
+
+CASES = {
+    **_ranking_cases(),
+    **_calibration_cases(),
+    **_matrix_cases(),
+    **_regression_cases(),
+    **_samplewise_cases(),
+}
 
 
 def _value(metric: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -45,6 +45,7 @@ from sidestream.metrics.classification.ranking import (
     MultilabelAveragePrecisionMetric,
     RankingMetric,
 )
+from sidestream.metrics.classification.samplewise import SamplewiseConfusionCountMetric
 from sidestream.metrics.classification.statistics import (
     Accuracy,
     Counts,
@@ -88,6 +89,7 @@ __all__ = [
     "ProblemKind",
     "RankingMetric",
     "Recall",
+    "SamplewiseConfusionCountMetric",
     "Specificity",
     "Statistic",
     "confusion_count_metric",

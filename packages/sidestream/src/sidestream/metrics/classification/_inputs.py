@@ -29,6 +29,7 @@ __all__ = [
     "multiclass_labels",
     "not_binary",
     "outside",
+    "sample_counts",
     "screen",
 ]
 
@@ -320,3 +321,42 @@ def confusion_counts(
     if problem.kind is ProblemKind.MULTICLASS:
         return _multiclass_counts(problem, preds, target, rejected)
     return _label_counts(problem, preds, target, rejected)
+
+
+def sample_counts(
+    problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-sample, per-class ``(tp, fp, fn, tn)`` int64 counts, each ``(N, C)``.
+
+    A sample is one index of the first dimension; its counts run over every other position
+    (torchmetrics' ``multidim_average="samplewise"``). Fixed-size ops only: one-hot indicators
+    summed over the positions, no masking. Checks and policy as ``confusion_counts``.
+    """
+    samples = preds.shape[0] if preds.ndim else 1
+    classes = problem.num_classes
+    if problem.kind is ProblemKind.MULTICLASS:
+        predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
+        chosen = torch.zeros(labels.shape[0], classes, dtype=torch.int64, device=labels.device)
+        chosen.scatter_(1, predicted, 1)
+        # scatter_, not one_hot: indicators by one fixed-size op on every device.
+        truth = torch.zeros_like(chosen).scatter_(1, labels.unsqueeze(1), 1)
+        kept = torch.ones_like(labels) if weight is None else weight.to(torch.int64)
+        kept = kept.unsqueeze(1)
+        positive, actual = chosen * kept, truth * kept
+    else:
+        positive_flags, truth_flags, weight = label_flags(problem, preds, target, rejected)
+        positive = positive_flags.reshape(-1, classes).to(torch.int64)
+        actual = truth_flags.reshape(-1, classes).to(torch.int64)
+        if weight is None:
+            kept = torch.ones_like(positive)
+        else:
+            kept = weight.reshape(-1, classes).to(torch.int64)
+
+    def per_sample(flags: Tensor) -> Tensor:
+        return flags.reshape(samples, -1, classes).sum(1)
+
+    tp = per_sample(positive * actual)
+    predicted_count, support = per_sample(positive), per_sample(actual)
+    total = per_sample(kept.expand(positive.shape))
+    fp, fn = predicted_count - tp, support - tp
+    return tp, fp, fn, total - tp - fp - fn

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from sidestream.metrics.classification._average import Average
 from sidestream.metrics.classification._problem import Problem, ProblemKind, check_ignore_index
 from sidestream.metrics.classification.confusion_count import ConfusionCountMetric
+from sidestream.metrics.classification.samplewise import SamplewiseConfusionCountMetric
 from sidestream.metrics.classification.statistics import (
     Accuracy,
     FBeta,
@@ -35,6 +37,7 @@ class ConfusionCountMetricBuilder:
     average: Average | None = None
     ignore_index: int | None = None
     zero_division: float = 0.0
+    multidim_average: str = "global"
 
     def _with_problem(self, problem: Problem) -> ConfusionCountMetricBuilder:
         if self.problem is not None:
@@ -152,7 +155,7 @@ class ConfusionCountMetricBuilder:
         """One value per class, shape (C,) (torchmetrics' ``average="none"``)."""
         return self._with_average("none")
 
-    def build(self) -> ConfusionCountMetric:
+    def build(self) -> ConfusionCountMetric | SamplewiseConfusionCountMetric:
         """The metric, on CPU (move it with ``.to(device)``).
 
         Raises:
@@ -168,13 +171,19 @@ class ConfusionCountMetricBuilder:
                 "binary problems report the positive class and take no average; use "
                 ".multiclass(2) for per-class or averaged values over both classes"
             )
-        return ConfusionCountMetric(
-            self.problem, self.statistics, self.average or "macro", self.zero_division
-        )
+        average = self.average or "macro"
+        if self.multidim_average == "samplewise":
+            return SamplewiseConfusionCountMetric(
+                self.problem, self.statistics, average, self.zero_division
+            )
+        return ConfusionCountMetric(self.problem, self.statistics, average, self.zero_division)
 
 
 def confusion_count_metric(
-    *, ignore_index: int | None = None, zero_division: float = 0.0
+    *,
+    ignore_index: int | None = None,
+    zero_division: float = 0.0,
+    multidim_average: Literal["global", "samplewise"] = "global",
 ) -> ConfusionCountMetricBuilder:
     """Start building an accuracy / precision / recall / F-beta / specificity metric.
 
@@ -183,6 +192,9 @@ def confusion_count_metric(
             padding. Multiclass predictions of such elements are skipped too.
         zero_division: The value of a ratio whose denominator is 0: 0.0 (default, like
             scikit-learn), 1.0, or NaN (left out of macro and weighted means).
+        multidim_average: ``global`` (counts over every position of every sample) or
+            ``samplewise`` (each sample's statistic from its own counts, averaged over the
+            samples; builds a ``SamplewiseConfusionCountMetric``).
 
     Example:
         >>> metric = confusion_count_metric().multiclass(3).with_f1().macro().build()
@@ -191,4 +203,12 @@ def confusion_count_metric(
         tensor(0.3333, dtype=torch.float64)
     """
     check_ignore_index(ignore_index)
-    return ConfusionCountMetricBuilder(ignore_index=ignore_index, zero_division=zero_division)
+    if multidim_average not in ("global", "samplewise"):
+        raise ValueError(
+            f"multidim_average: expected 'global' or 'samplewise', got {multidim_average!r}"
+        )
+    return ConfusionCountMetricBuilder(
+        ignore_index=ignore_index,
+        zero_division=zero_division,
+        multidim_average=multidim_average,
+    )

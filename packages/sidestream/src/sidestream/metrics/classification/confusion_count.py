@@ -8,18 +8,13 @@ import torch
 from torch import Tensor
 
 from sidestream.metrics._screened import ScreenedMetric
-from sidestream.metrics.classification._average import (
-    Average,
-    check_average,
-    divide,
-    mean_over_classes,
-)
+from sidestream.metrics.classification._average import Average, average_statistic, check_average
 from sidestream.metrics.classification._inputs import check_tensor, confusion_counts
 from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.metrics.classification.statistics import Counts, Statistic
 from sidestream.state import MetricAccumulator
 
-__all__ = ["ConfusionCountMetric"]
+__all__ = ["ConfusionCountMetric", "macro_weights"]
 
 
 class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
@@ -138,21 +133,26 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
     def _value(self, statistic: Statistic, counts: Counts) -> Tensor:
         """One statistic, averaged over classes as configured, in float64."""
         numerator, denominator = statistic.ratio(self._problem.kind, counts)
-        if self._average == "micro":
-            return divide(numerator.sum(), denominator.sum(), self._zero_division)
-        per_class = divide(numerator, denominator, self._zero_division)
-        if self._average == "none":
-            return per_class
-        tp, fp, fn, _ = counts
-        if self._average == "weighted":
-            weights = tp + fn
-        elif self._problem.kind is not ProblemKind.MULTICLASS:
-            weights = torch.ones_like(tp)
-        elif self._problem.top_k > 1:
-            # torchmetrics' rule: a class seen only as an extra member of a top-k set has no
-            # recall to report and stays out of the mean.
-            weights = ((tp + fn) > 0).to(torch.float64)
-        else:
-            # Like scikit-learn's default labels: only classes seen in targets or predictions.
-            weights = ((tp + fp + fn) > 0).to(torch.float64)
-        return mean_over_classes(per_class, weights, self._zero_division)
+        return average_statistic(
+            numerator,
+            denominator,
+            counts,
+            self._average,
+            macro_weights(self._problem, counts),
+            self._zero_division,
+        )
+
+
+def macro_weights(problem: Problem, counts: Counts) -> Tensor:
+    """Which classes a macro mean covers, as torchmetrics (0/1 float64, shape of the counts).
+
+    Multiclass: classes seen in the targets or the predictions; with ``top_k > 1``, classes
+    seen in the targets (a class that is only an extra member of a top-k set has no recall to
+    report). Binary and multilabel: every label.
+    """
+    tp, fp, fn, _ = counts
+    if problem.kind is not ProblemKind.MULTICLASS:
+        return torch.ones_like(tp)
+    if problem.top_k > 1:
+        return ((tp + fn) > 0).to(torch.float64)
+    return ((tp + fp + fn) > 0).to(torch.float64)
