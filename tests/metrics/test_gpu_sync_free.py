@@ -190,6 +190,17 @@ def _cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], dict[str, Any
             cm_bad,
         ),
         (
+            "samplewise_f1",
+            lambda: (
+                confusion_count_metric(ignore_index=-100, multidim_average="samplewise")
+                .multiclass(C)
+                .with_f1()
+                .build()
+            ),
+            cm_ok,
+            cm_bad,
+        ),
+        (
             "r2_adjusted",
             lambda: R2ScoreMetric(2, adjusted=2, multioutput="variance_weighted"),
             reg_ok,
