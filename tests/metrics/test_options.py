@@ -505,3 +505,27 @@ def test_bad_values_raise_before_the_state_changes() -> None:
     assert int(auroc.histograms()[0].sum() + auroc.histograms()[1].sum()) == 0
     auroc.update(torch.randn(5, C, X), torch.full((5, X), IGNORE))  # all ignored: nothing counted
     assert int(auroc.histograms()[0].sum() + auroc.histograms()[1].sum()) == 0
+
+
+def test_samplewise_per_class_and_several_statistics() -> None:
+    data = make_data(4, 50)
+    logits = torch.as_tensor(data["mc_logits"], dtype=torch.float32)
+    target = torch.as_tensor(data["mc_target"])
+    metric = (
+        confusion_count_metric(multidim_average="samplewise")
+        .multiclass(C)
+        .with_f1()
+        .with_recall()
+        .per_class()
+        .build()
+    )
+    metric.update(logits[:20].movedim(1, -1), target[:20])
+    metric.update(logits[20:].movedim(1, -1), target[20:])
+    values = metric.compute()
+    assert isinstance(values, dict)
+    for name, function in (("f1", tmf.multiclass_f1_score), ("recall", tmf.multiclass_recall)):
+        expected = function(
+            logits, target, num_classes=C, average="none", multidim_average="samplewise"
+        ).double()
+        assert values[name].shape == (C,)
+        assert torch.allclose(values[name], expected.mean(0), atol=1e-6), name

@@ -83,11 +83,10 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
 
     def compute(self) -> Tensor | dict[str, Tensor]:
         """The mean per-sample statistics: a tensor for one, ``{name: tensor}`` for several."""
-        means = self._sums.value / self._samples.value
-        values = {
-            statistic.name: (mean if self._average == "none" else mean[0])
-            for statistic, mean in zip(self._statistics, means, strict=True)
-        }
+        means: Tensor = self._sums.value / self._samples.value
+        if self._average != "none":
+            means = means[:, 0]
+        values = {statistic.name: means[row] for row, statistic in enumerate(self._statistics)}
         if len(values) == 1:
             return next(iter(values.values()))
         return values
