@@ -198,3 +198,23 @@ def test_binned_curves_wrap() -> None:
     plain.update(scores, target)
     wrapped.update(scores, target)
     assert wrapped.compute().item() == pytest.approx(plain.compute().item())
+
+
+def test_async_collector_reports_each_window_as_torchmetrics() -> None:
+    """A wrapped collection in the collector: one report per window, each window from zero."""
+    from sidestream.collector import AsyncMetricCollector
+
+    metric = wrap(torchmetrics.MetricCollection(_members()))
+    collector = AsyncMetricCollector(metric).bind(torch.device("cpu"))
+    expected = []
+    for step in range(3):
+        shard = _shard(20 + step, 0, 1)
+        reference = _members()
+        for name, child in metric.items():
+            _feed(name, child, shard)
+            _feed(name, reference[name], shard)
+        expected.append({name: m.compute().item() for name, m in reference.items()})
+        collector.schedule_collection(step)
+        reported = collector.collect_results()
+        assert reported == pytest.approx(expected[-1], rel=1e-6), step
+    assert collector.close()
