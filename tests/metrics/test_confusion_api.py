@@ -305,3 +305,22 @@ def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch
         expected_matrix.update(preds, target)
     assert torch.equal(matrix.compute(), expected_matrix.compute())
     assert matrix.rejected_updates.item() == 3
+
+
+def test_old_names_point_to_the_new_ones() -> None:
+    """The renamed builder warns and still works; generic classes refuse a class count."""
+    from sidestream.metrics.classification import (
+        CohenKappaMetric,
+        MatthewsCorrCoefMetric,
+        confusion_matrix_metric,
+    )
+
+    with pytest.warns(DeprecationWarning, match="confusion_count_metric"):
+        builder = confusion_matrix_metric(ignore_index=-100)
+    assert builder == confusion_count_metric(ignore_index=-100)
+    for generic, thin in (
+        (MatthewsCorrCoefMetric, "MulticlassMatthewsCorrCoefMetric"),
+        (CohenKappaMetric, "MulticlassCohenKappaMetric"),
+    ):
+        with pytest.raises(TypeError, match=thin):
+            generic(3)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.metrics.classification.builder import (
     ConfusionCountMetricBuilder,
     confusion_count_metric,
+    confusion_matrix_metric,
 )
 from sidestream.metrics.classification.calibration import (
     BinaryCalibrationErrorMetric,
@@ -93,4 +94,5 @@ __all__ = [
     "Specificity",
     "Statistic",
     "confusion_count_metric",
+    "confusion_matrix_metric",
 ]

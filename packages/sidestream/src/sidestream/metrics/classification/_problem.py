@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Problem", "ProblemKind", "check_ignore_index", "check_int"]
+__all__ = ["Problem", "ProblemKind", "check_ignore_index", "check_int", "check_problem"]
 
 
 class ProblemKind(enum.Enum):
@@ -71,3 +71,18 @@ class Problem:
     def size_name(self) -> str:
         """``num_classes`` or ``num_labels``, for error messages."""
         return "num_labels" if self.kind is ProblemKind.MULTILABEL else "num_classes"
+
+
+def check_problem(problem: object, family: str) -> Problem:
+    """Return ``problem`` if it is a ``Problem``; else raise naming the thin classes to use.
+
+    Args:
+        problem: The argument to check.
+        family: The metric family, e.g. ``"MatthewsCorrCoef"``, for the hint.
+    """
+    if not isinstance(problem, Problem):
+        raise TypeError(
+            f"problem: expected a sidestream Problem, got {problem!r}; for C classes use "
+            f"Multiclass{family}Metric(C) (or Binary{family}Metric / Multilabel{family}Metric)"
+        )
+    return problem

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +21,7 @@ from sidestream.metrics.classification.statistics import (
     Statistic,
 )
 
-__all__ = ["ConfusionCountMetricBuilder", "confusion_count_metric"]
+__all__ = ["ConfusionCountMetricBuilder", "confusion_count_metric", "confusion_matrix_metric"]
 
 
 @dataclass(frozen=True)
@@ -212,3 +213,19 @@ def confusion_count_metric(
         zero_division=zero_division,
         multidim_average=multidim_average,
     )
+
+
+def confusion_matrix_metric(
+    *, ignore_index: int | None = None, zero_division: float = 0.0
+) -> ConfusionCountMetricBuilder:
+    """Deprecated name of ``confusion_count_metric`` (it never built a confusion matrix).
+
+    Kept for one release so existing code keeps running; it warns once per call site.
+    """
+    warnings.warn(
+        "confusion_matrix_metric() is now confusion_count_metric(); the C x C matrix is "
+        "MulticlassConfusionMatrixMetric",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return confusion_count_metric(ignore_index=ignore_index, zero_division=zero_division)

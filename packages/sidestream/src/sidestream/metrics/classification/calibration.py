@@ -10,7 +10,12 @@ from torch import Tensor
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._binning import bin_index
-from sidestream.metrics.classification._problem import Problem, ProblemKind, check_int
+from sidestream.metrics.classification._problem import (
+    Problem,
+    ProblemKind,
+    check_int,
+    check_problem,
+)
 from sidestream.metrics.classification._scores import score_batch
 from sidestream.state import MetricAccumulator
 
@@ -50,6 +55,7 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
 
     def __init__(self, problem: Problem, num_bins: int = 15, norm: Norm = "l1") -> None:
         super().__init__()
+        check_problem(problem, "CalibrationError")
         check_int("num_bins", num_bins, 1)
         if norm not in _NORMS:
             raise ValueError(f"norm: expected one of {_NORMS}, got {norm!r}")

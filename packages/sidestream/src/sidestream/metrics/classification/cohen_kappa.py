@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
 from sidestream.metrics.classification.confusion_matrix import ConfusionMatrixMetric
 
 __all__ = ["BinaryCohenKappaMetric", "CohenKappaMetric", "MulticlassCohenKappaMetric"]
@@ -36,6 +36,7 @@ class CohenKappaMetric(ConfusionMatrixMetric):
     """
 
     def __init__(self, problem: Problem, weights: Weights | None = None) -> None:
+        check_problem(problem, "CohenKappa")
         if weights not in _WEIGHTINGS:
             raise ValueError(f"weights: expected one of {_WEIGHTINGS}, got {weights!r}")
         if problem.kind is ProblemKind.MULTILABEL:

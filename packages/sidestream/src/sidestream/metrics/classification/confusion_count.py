@@ -50,6 +50,11 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
         zero_division: float = 0.0,
     ) -> None:
         super().__init__()
+        if not isinstance(problem, Problem):
+            raise TypeError(
+                f"problem: expected a sidestream Problem, got {problem!r}; build the metric with "
+                "confusion_count_metric()"
+            )
         if not statistics:
             raise ValueError("statistics: select at least one, e.g. .with_accuracy()")
         names = [statistic.name for statistic in statistics]

@@ -10,7 +10,7 @@ from torch import Tensor
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._inputs import check_tensor, label_flags, multiclass_labels
-from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
 from sidestream.state import MetricAccumulator
 
 __all__ = [
@@ -44,6 +44,7 @@ class ConfusionMatrixMetric(ScreenedMetric[Tensor]):
 
     def __init__(self, problem: Problem, normalize: Normalize | None = None) -> None:
         super().__init__()
+        check_problem(problem, "ConfusionMatrix")
         if normalize not in _NORMALIZE:
             raise ValueError(f"normalize: expected one of {_NORMALIZE}, got {normalize!r}")
         self._problem = problem

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
 from sidestream.metrics.classification.confusion_matrix import ConfusionMatrixMetric
 
 __all__ = [
@@ -50,7 +50,7 @@ class MatthewsCorrCoefMetric(ConfusionMatrixMetric):
     """
 
     def __init__(self, problem: Problem) -> None:
-        super().__init__(problem)
+        super().__init__(check_problem(problem, "MatthewsCorrCoef"))
 
     def compute(self) -> Tensor:
         """The Matthews correlation coefficient, a float64 0-dim tensor in [-1, 1]."""

@@ -25,7 +25,7 @@ from sidestream.metrics.classification._curves import (
     average_precision_from_histograms,
     partial_auroc_from_histograms,
 )
-from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
 from sidestream.metrics.classification._scores import score_batch
 from sidestream.state import MetricAccumulator
 
@@ -90,6 +90,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
         max_fpr: float | None = None,
     ) -> None:
         super().__init__()
+        check_problem(problem, "AUROC")
         allowed: tuple[str, ...] = ("macro", "weighted", "none")
         if problem.kind is ProblemKind.MULTILABEL:
             allowed = ("micro", *allowed)
