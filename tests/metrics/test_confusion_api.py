@@ -312,15 +312,23 @@ def test_old_names_point_to_the_new_ones() -> None:
     from sidestream.metrics.classification import (
         CohenKappaMetric,
         MatthewsCorrCoefMetric,
+        MulticlassCohenKappaMetric,
+        MulticlassMatthewsCorrCoefMetric,
         confusion_matrix_metric,
     )
 
     with pytest.warns(DeprecationWarning, match="confusion_count_metric"):
         builder = confusion_matrix_metric(ignore_index=-100)
     assert builder == confusion_count_metric(ignore_index=-100)
+    generator = torch.Generator().manual_seed(2)
+    preds, target = torch.randint(0, 3, (40,), generator=generator), torch.randint(0, 3, (40,))
     for generic, thin in (
-        (MatthewsCorrCoefMetric, "MulticlassMatthewsCorrCoefMetric"),
-        (CohenKappaMetric, "MulticlassCohenKappaMetric"),
+        (MatthewsCorrCoefMetric, MulticlassMatthewsCorrCoefMetric),
+        (CohenKappaMetric, MulticlassCohenKappaMetric),
     ):
-        with pytest.raises(TypeError, match=thin):
-            generic(3)  # type: ignore[arg-type]
+        short, full = generic(3), thin(3)  # an int is short for a multiclass problem
+        short.update(preds, target)
+        full.update(preds, target)
+        assert torch.equal(short.compute(), full.compute())
+        with pytest.raises(TypeError, match=thin.__name__):
+            generic("three")  # type: ignore[arg-type]

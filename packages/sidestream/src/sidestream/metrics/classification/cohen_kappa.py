@@ -31,12 +31,15 @@ class CohenKappaMetric(ConfusionMatrixMetric):
     not) it puts 0 and 2 at distance 1 instead of 2 and its value differs.
 
     Args:
-        problem: Binary or multiclass; its threshold, logits and ignore_index apply.
+        problem: Binary or multiclass; its threshold, logits and ignore_index apply. An int
+            ``C`` is short for ``Problem(ProblemKind.MULTICLASS, C)``.
         weights: ``None``, ``"linear"`` or ``"quadratic"`` disagreement weights.
     """
 
-    def __init__(self, problem: Problem, weights: Weights | None = None) -> None:
-        check_problem(problem, "CohenKappa")
+    def __init__(self, problem: Problem | int, weights: Weights | None = None) -> None:
+        if isinstance(problem, int) and not isinstance(problem, bool):
+            problem = Problem(ProblemKind.MULTICLASS, problem)
+        problem = check_problem(problem, "CohenKappa")
         if weights not in _WEIGHTINGS:
             raise ValueError(f"weights: expected one of {_WEIGHTINGS}, got {weights!r}")
         if problem.kind is ProblemKind.MULTILABEL:

@@ -46,10 +46,13 @@ class MatthewsCorrCoefMetric(ConfusionMatrixMetric):
     ``confusion_matrix()`` still returns the matrix.
 
     Args:
-        problem: The problem; its threshold, logits and ignore_index apply.
+        problem: The problem; its threshold, logits and ignore_index apply. An int ``C`` is
+            short for ``Problem(ProblemKind.MULTICLASS, C)``.
     """
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem | int) -> None:
+        if isinstance(problem, int) and not isinstance(problem, bool):
+            problem = Problem(ProblemKind.MULTICLASS, problem)
         super().__init__(check_problem(problem, "MatthewsCorrCoef"))
 
     def compute(self) -> Tensor:
