@@ -142,3 +142,11 @@ def test_cuda_counts_and_drops_without_a_host_sync() -> None:
         _check(float(metric.compute()), _expected(name, "disable", [clean.cpu()]))
     assert int(weighted.rejected_updates) == 1
     _check(float(weighted.compute()), float(clean.mean()))
+
+
+def test_rejected_updates_is_always_a_tensor() -> None:
+    """The collector stacks every metric's rejected_updates: 0 unless nan_strategy="error"."""
+    for strategy in STRATEGIES:
+        for name, (ours, _) in PAIRS.items():
+            value = ours(nan_strategy=strategy).rejected_updates
+            assert isinstance(value, Tensor) and int(value) == 0, (name, strategy)

@@ -58,6 +58,9 @@ class MeanMetric(Metric[Tensor]):
         return None if self._nan_count is None else self._nan_count.value
 
     @property
-    def rejected_updates(self) -> Tensor | None:
-        """Batches dropped for NaN on CUDA (``nan_strategy="error"``), else None."""
-        return None if self._rejected is None else self._rejected.value
+    def rejected_updates(self) -> Tensor:
+        """Batches dropped for NaN on CUDA (``nan_strategy="error"``); always 0 otherwise."""
+        if self._rejected is None:
+            # A fill on the metric's device, not a copy: no sync, and the collector can stack it.
+            return torch.zeros((), dtype=torch.int64, device=self.device)
+        return self._rejected.value
