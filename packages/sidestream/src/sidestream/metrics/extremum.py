@@ -22,7 +22,8 @@ class _ExtremumMetric(Metric[Tensor]):
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
         identity = -math.inf if self._op is ReduceOp.MAX else math.inf
-        self._extremum = MetricAccumulator(identity, self._op, dtype=dtype)
+        # Named after the op, so a MaxMetric checkpoint cannot load into a MinMetric.
+        self._extremum = self.add_state(self._op.value, identity, self._op, dtype=dtype)
         self._nan = NanPolicy(nan_strategy)
         self._nan_count = self._nan.counter()
         self._rejected = MetricAccumulator(0, dtype=torch.int64) if self._nan.checks else None
