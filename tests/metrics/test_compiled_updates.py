@@ -33,7 +33,7 @@ from sidestream.metrics.classification import (
     MulticlassConfusionMatrixMetric,
     MultilabelAUROCMetric,
     MultilabelAveragePrecisionMetric,
-    confusion_matrix_metric,
+    confusion_count_metric,
 )
 from sidestream.metrics.language import PerplexityMetric, TokenAccuracyMetric
 from sidestream.metrics.regression import (
@@ -85,15 +85,15 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
     "max": (MaxMetric, _values),
     "min": (MinMetric, _values),
     "f1_macro": (
-        lambda: confusion_matrix_metric().multiclass(C).with_f1().macro().build(),
+        lambda: confusion_count_metric().multiclass(C).with_f1().macro().build(),
         _multiclass,
     ),
     "binary_accuracy": (
-        lambda: confusion_matrix_metric().binary().with_accuracy().build(),
+        lambda: confusion_count_metric().binary().with_accuracy().build(),
         _binary,
     ),
     "multilabel_recall": (
-        lambda: confusion_matrix_metric().multilabel(C).with_recall().micro().build(),
+        lambda: confusion_count_metric().multilabel(C).with_recall().micro().build(),
         _multilabel,
     ),
     "confusion_matrix": (lambda: MulticlassConfusionMatrixMetric(C), _multiclass),
