@@ -25,6 +25,7 @@ from sidestream.metrics.classification import (
     BinaryAUROCMetric,
     BinaryAveragePrecisionMetric,
     BinaryCalibrationErrorMetric,
+    BinaryMatthewsCorrCoefMetric,
     CohenKappaMetric,
     MatthewsCorrCoefMetric,
     MulticlassAUROCMetric,
@@ -33,6 +34,7 @@ from sidestream.metrics.classification import (
     MulticlassConfusionMatrixMetric,
     MultilabelAUROCMetric,
     MultilabelAveragePrecisionMetric,
+    MultilabelConfusionMatrixMetric,
     confusion_count_metric,
 )
 from sidestream.metrics.language import PerplexityMetric, TokenAccuracyMetric
@@ -66,6 +68,10 @@ def _multiclass(g: torch.Generator) -> tuple[Any, ...]:
 
 def _multilabel(g: torch.Generator) -> tuple[Any, ...]:
     return torch.rand(N, C, generator=g), torch.randint(0, 2, (N, C), generator=g)
+
+
+def _binary_logits(g: torch.Generator) -> tuple[Any, ...]:
+    return torch.randn(N, generator=g), torch.randint(0, 2, (N,), generator=g)
 
 
 def _regression(g: torch.Generator) -> tuple[Any, ...]:
@@ -114,6 +120,29 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
     "pearson": (PearsonCorrelationMetric, _regression),
     "perplexity": (PerplexityMetric, _tokens),
     "token_accuracy": (TokenAccuracyMetric, _tokens),
+    # The options of issue 13: logits, ignore_index, thresholds, norms, samplewise, nan_strategy.
+    "multiclass_auroc_logits": (
+        lambda: MulticlassAUROCMetric(C, 64, logits=True, ignore_index=-100),
+        _multiclass,
+    ),
+    "binary_ap_thresholds": (
+        lambda: BinaryAveragePrecisionMetric(thresholds=[0.2, 0.5, 0.8]),
+        _binary,
+    ),
+    "binary_mcc_logits": (lambda: BinaryMatthewsCorrCoefMetric(logits=True), _binary_logits),
+    "multilabel_matrix": (
+        lambda: MultilabelConfusionMatrixMetric(C, normalize="true"),
+        _multilabel,
+    ),
+    "calibration_max": (lambda: MulticlassCalibrationErrorMetric(C, norm="max"), _multiclass),
+    "f1_samplewise": (
+        lambda: (
+            confusion_count_metric(multidim_average="samplewise").multiclass(C).with_f1().build()
+        ),
+        _multiclass,
+    ),
+    "mean_nan_ignore": (lambda: MeanMetric(nan_strategy="ignore"), _values),
+    "weighted_mean_nan_fill": (lambda: WeightedMeanMetric(nan_strategy=0.0), _weighted),
 }
 
 
