@@ -21,6 +21,7 @@ INTEGRATIONS = [
     "integrations/sidestream-wandb",
     "integrations/sidestream-mlflow",
     "integrations/sidestream-tensorboard",
+    "integrations/sidestream-torchmetrics",
 ]
 DISTRIBUTIONS = [CORE, *INTEGRATIONS]
 TEST_REQUIREMENTS = [
@@ -106,7 +107,7 @@ def compile_inductor(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def build(session: nox.Session) -> None:
-    """Wheels and sdists of all four distributions (one version) into dist/, then a smoke test.
+    """Wheels and sdists of all five distributions (one version) into dist/, then a smoke test.
 
     The smoke test installs the wheels the way a user would, into this session's fresh
     virtual environment: torch first, then ``pip install --find-links dist "sidestream[all]"``,
@@ -139,6 +140,7 @@ sinks = sinks_from_config({"jsonl": {"path": "a.jsonl"}, "console": None,
     "tensorboard": {"log_dir": "tb"}, "mlflow": {"tracking_uri": "sqlite:///m.db"},
     "wandb": {"mode": "offline"}})
 print("built:", [type(sink).__name__ for sink in sinks])
+from sidestream_torchmetrics import wrap  # the fifth distribution, through the extra
 """
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks._threads import one_thread
-from sidestream.metrics.classification import confusion_matrix_metric
+from sidestream.metrics.classification import confusion_count_metric
 
 ROUNDS = 15
 BLOCK = 10
@@ -50,11 +50,11 @@ def _cases(device: torch.device) -> dict[str, dict[str, Callable[[], None]]]:
     probabilities = torch.rand(BATCH * 16, generator=generator).to(device)
     truth = torch.randint(0, 2, (BATCH * 16,), generator=generator).to(device)
 
-    f1 = confusion_matrix_metric().multiclass(CLASSES).with_f1().macro().build().to(device)
+    f1 = confusion_count_metric().multiclass(CLASSES).with_f1().macro().build().to(device)
     f1_default = MulticlassF1Score(num_classes=CLASSES, average="macro").to(device)
     f1_fast = MulticlassF1Score(num_classes=CLASSES, average="macro", validate_args=False)
     f1_fast = f1_fast.to(device)
-    accuracy = confusion_matrix_metric().binary().with_accuracy().build().to(device)
+    accuracy = confusion_count_metric().binary().with_accuracy().build().to(device)
     accuracy_default = BinaryAccuracy().to(device)
     accuracy_fast = BinaryAccuracy(validate_args=False).to(device)
     return {

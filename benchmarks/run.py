@@ -15,6 +15,7 @@ from benchmarks import (
     ranking_memory,
     schedule_cost,
     sync_cost,
+    torchmetrics_bridge,
     tracker_overhead,
     update_overhead,
 )
@@ -24,6 +25,7 @@ OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 BENCHMARKS = {
     "sync_cost": sync_cost.run,
+    "torchmetrics_bridge": torchmetrics_bridge.run,
     "collector_overhead": collector_overhead.run,
     "schedule_cost": schedule_cost.run,
     "update_overhead": update_overhead.run,

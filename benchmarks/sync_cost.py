@@ -25,7 +25,7 @@ from torch import Tensor
 
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, MinMetric, SumMetric
 from sidestream import sync as sync_module
-from sidestream.metrics.classification import confusion_matrix_metric
+from sidestream.metrics.classification import confusion_count_metric
 from sidestream.metrics.regression import MeanAbsoluteErrorMetric, MeanSquaredErrorMetric
 from sidestream.testing import DistributedPool, count_collectives
 
@@ -38,8 +38,8 @@ SAMPLES = 4096
 
 def sidestream_collection() -> ComposeMetric:
     """The 11 metrics with sidestream's own classes."""
-    multiclass = confusion_matrix_metric().multiclass(NUM_CLASSES)
-    binary = confusion_matrix_metric().binary(0.5)
+    multiclass = confusion_count_metric().multiclass(NUM_CLASSES)
+    binary = confusion_count_metric().binary(0.5)
     return ComposeMetric(
         {
             "mean": MeanMetric(),

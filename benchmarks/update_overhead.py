@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from benchmarks._threads import one_thread
 from sidestream.metrics import MaxMetric, MeanMetric, WeightedMeanMetric
-from sidestream.metrics.classification import BinaryAUROCMetric, confusion_matrix_metric
+from sidestream.metrics.classification import BinaryAUROCMetric, confusion_count_metric
 from sidestream.metrics.language import PerplexityMetric
 
 SIZES = (64, 1_000_000)
@@ -90,7 +90,7 @@ def _cases(size: int) -> dict[str, Case]:
         pair[0:1].add_(nll.to(F64))
         pair[1:2].add_(t.numel())
 
-    f1 = confusion_matrix_metric().multiclass(CLASSES).with_f1().macro().build().to("cpu")
+    f1 = confusion_count_metric().multiclass(CLASSES).with_f1().macro().build().to("cpu")
     tm_f1 = MulticlassF1Score(num_classes=CLASSES, average="macro", validate_args=False)
     tm_auroc = BinaryAUROC(thresholds=None, validate_args=False)
     tm_weighted, tm_mean = TmMean(nan_strategy="disable"), TmMean(nan_strategy="disable")

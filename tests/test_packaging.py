@@ -6,7 +6,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-INTEGRATIONS = ["wandb", "mlflow", "tensorboard"]
+INTEGRATIONS = ["wandb", "mlflow", "tensorboard", "torchmetrics"]
 
 
 def _project(path: Path) -> dict:

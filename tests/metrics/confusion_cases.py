@@ -24,11 +24,11 @@ from sklearn.metrics import (
 )
 
 from sidestream.metrics.classification import (
-    CohenKappaMetric,
-    ConfusionMatrixMetricBuilder,
-    MatthewsCorrCoefMetric,
+    ConfusionCountMetricBuilder,
+    MulticlassCohenKappaMetric,
     MulticlassConfusionMatrixMetric,
-    confusion_matrix_metric,
+    MulticlassMatthewsCorrCoefMetric,
+    confusion_count_metric,
 )
 
 IGNORE = -100
@@ -60,8 +60,8 @@ class Case:
     preds_format: str = "scores"  # scores | labels
     extra_dims: tuple[int, ...] = ()
 
-    def builder(self) -> ConfusionMatrixMetricBuilder:
-        builder = confusion_matrix_metric(
+    def builder(self) -> ConfusionCountMetricBuilder:
+        builder = confusion_count_metric(
             ignore_index=IGNORE if self.ignore else None, zero_division=self.zero_division
         )
         if self.kind == "binary":
@@ -306,9 +306,10 @@ def _indicator_reference(case: Case, batches: list[dict[str, np.ndarray]]) -> di
         rows = kept.all(1)
         truth_rows, predicted_rows = truth[rows], predicted[rows]
         if multiclass:
-            # scikit-learn's default labels for multiclass: classes seen in truth or predictions.
-            seen = (truth_rows + predicted_rows).sum(0) > 0
-            labels = list(range(classes)) if average is None else list(np.flatnonzero(seen))
+            # torchmetrics' top-k macro rule: only classes seen in the targets.
+            seen = truth_rows.sum(0) > 0
+            everything = average in (None, "micro")
+            labels = list(range(classes)) if everything else list(np.flatnonzero(seen))
         else:
             labels = list(range(classes))
         for name in ("f1", "f2", "f0.5"):
@@ -337,9 +338,9 @@ def _indicator_reference(case: Case, batches: list[dict[str, np.ndarray]]) -> di
         for name in ("f1", "f2", "f0.5"):
             per_column[name].append(fbeta_score(t, p, beta=_beta(name), zero_division=zd))
     masked_truth = np.where(kept, truth, 0)
-    masked_predicted = np.where(kept, predicted, 0)
     support = masked_truth.sum(0)
-    present = (masked_truth + masked_predicted).sum(0) > 0 if multiclass else np.ones(classes, bool)
+    # Top-k macro means take classes seen in the targets (torchmetrics' rule).
+    present = masked_truth.sum(0) > 0 if multiclass else np.ones(classes, bool)
     flat_t, flat_p = truth[kept], predicted[kept]
     for name in STATISTICS:
         if name in out:
@@ -447,10 +448,14 @@ def matrix_metrics(case: Case) -> dict[str, MulticlassConfusionMatrixMetric]:
     ignore = IGNORE if case.ignore else None
     return {
         "matrix": MulticlassConfusionMatrixMetric(case.classes, ignore_index=ignore),
-        "mcc": MatthewsCorrCoefMetric(case.classes, ignore_index=ignore),
-        "kappa": CohenKappaMetric(case.classes, ignore_index=ignore),
-        "kappa_linear": CohenKappaMetric(case.classes, ignore_index=ignore, weights="linear"),
-        "kappa_quadratic": CohenKappaMetric(case.classes, ignore_index=ignore, weights="quadratic"),
+        "mcc": MulticlassMatthewsCorrCoefMetric(case.classes, ignore_index=ignore),
+        "kappa": MulticlassCohenKappaMetric(case.classes, ignore_index=ignore),
+        "kappa_linear": MulticlassCohenKappaMetric(
+            case.classes, ignore_index=ignore, weights="linear"
+        ),
+        "kappa_quadratic": MulticlassCohenKappaMetric(
+            case.classes, ignore_index=ignore, weights="quadratic"
+        ),
     }
 
 

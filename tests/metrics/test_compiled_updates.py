@@ -25,6 +25,7 @@ from sidestream.metrics.classification import (
     BinaryAUROCMetric,
     BinaryAveragePrecisionMetric,
     BinaryCalibrationErrorMetric,
+    BinaryMatthewsCorrCoefMetric,
     CohenKappaMetric,
     MatthewsCorrCoefMetric,
     MulticlassAUROCMetric,
@@ -33,7 +34,8 @@ from sidestream.metrics.classification import (
     MulticlassConfusionMatrixMetric,
     MultilabelAUROCMetric,
     MultilabelAveragePrecisionMetric,
-    confusion_matrix_metric,
+    MultilabelConfusionMatrixMetric,
+    confusion_count_metric,
 )
 from sidestream.metrics.language import PerplexityMetric, TokenAccuracyMetric
 from sidestream.metrics.regression import (
@@ -68,6 +70,10 @@ def _multilabel(g: torch.Generator) -> tuple[Any, ...]:
     return torch.rand(N, C, generator=g), torch.randint(0, 2, (N, C), generator=g)
 
 
+def _binary_logits(g: torch.Generator) -> tuple[Any, ...]:
+    return torch.randn(N, generator=g), torch.randint(0, 2, (N,), generator=g)
+
+
 def _regression(g: torch.Generator) -> tuple[Any, ...]:
     return torch.randn(N, generator=g), torch.randn(N, generator=g)
 
@@ -85,15 +91,15 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
     "max": (MaxMetric, _values),
     "min": (MinMetric, _values),
     "f1_macro": (
-        lambda: confusion_matrix_metric().multiclass(C).with_f1().macro().build(),
+        lambda: confusion_count_metric().multiclass(C).with_f1().macro().build(),
         _multiclass,
     ),
     "binary_accuracy": (
-        lambda: confusion_matrix_metric().binary().with_accuracy().build(),
+        lambda: confusion_count_metric().binary().with_accuracy().build(),
         _binary,
     ),
     "multilabel_recall": (
-        lambda: confusion_matrix_metric().multilabel(C).with_recall().micro().build(),
+        lambda: confusion_count_metric().multilabel(C).with_recall().micro().build(),
         _multilabel,
     ),
     "confusion_matrix": (lambda: MulticlassConfusionMatrixMetric(C), _multiclass),
@@ -114,6 +120,29 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
     "pearson": (PearsonCorrelationMetric, _regression),
     "perplexity": (PerplexityMetric, _tokens),
     "token_accuracy": (TokenAccuracyMetric, _tokens),
+    # The options of issue 13: logits, ignore_index, thresholds, norms, samplewise, nan_strategy.
+    "multiclass_auroc_logits": (
+        lambda: MulticlassAUROCMetric(C, 64, logits=True, ignore_index=-100),
+        _multiclass,
+    ),
+    "binary_ap_thresholds": (
+        lambda: BinaryAveragePrecisionMetric(thresholds=[0.2, 0.5, 0.8]),
+        _binary,
+    ),
+    "binary_mcc_logits": (lambda: BinaryMatthewsCorrCoefMetric(logits=True), _binary_logits),
+    "multilabel_matrix": (
+        lambda: MultilabelConfusionMatrixMetric(C, normalize="true"),
+        _multilabel,
+    ),
+    "calibration_max": (lambda: MulticlassCalibrationErrorMetric(C, norm="max"), _multiclass),
+    "f1_samplewise": (
+        lambda: (
+            confusion_count_metric(multidim_average="samplewise").multiclass(C).with_f1().build()
+        ),
+        _multiclass,
+    ),
+    "mean_nan_ignore": (lambda: MeanMetric(nan_strategy="ignore"), _values),
+    "weighted_mean_nan_fill": (lambda: WeightedMeanMetric(nan_strategy=0.0), _weighted),
 }
 
 

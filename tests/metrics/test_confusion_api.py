@@ -11,22 +11,22 @@ import torch
 from sidestream.metrics.classification import (
     ConfusionCountMetric,
     MulticlassConfusionMatrixMetric,
-    confusion_matrix_metric,
+    confusion_count_metric,
 )
 
 
 def _multiclass(**options: Any) -> ConfusionCountMetric:
-    return confusion_matrix_metric(**options).multiclass(4).with_accuracy().with_f1().build()
+    return confusion_count_metric(**options).multiclass(4).with_accuracy().with_f1().build()
 
 
 def test_result_shapes_and_names() -> None:
-    single = confusion_matrix_metric().multiclass(3).with_f1().micro().build()
+    single = confusion_count_metric().multiclass(3).with_f1().micro().build()
     single.update(torch.randn(10, 3), torch.randint(0, 3, (10,)))
     value = single.compute()
     assert isinstance(value, torch.Tensor) and value.shape == () and value.dtype == torch.float64
 
     several = (
-        confusion_matrix_metric()
+        confusion_count_metric()
         .multiclass(3)
         .with_f1()
         .with_fbeta(1.0)  # the same statistic: kept once
@@ -40,13 +40,13 @@ def test_result_shapes_and_names() -> None:
     assert isinstance(values, dict) and list(values) == ["f1", "f0.5", "specificity"]
     assert all(v.shape == (3,) for v in values.values())
 
-    binary = confusion_matrix_metric().binary().with_recall().with_precision().build()
+    binary = confusion_count_metric().binary().with_recall().with_precision().build()
     binary.update(torch.rand(7), torch.randint(0, 2, (7,)))
     assert all(v.shape == () for v in binary.compute().values())
 
 
 def test_builder_is_immutable() -> None:
-    base = confusion_matrix_metric().multiclass(3).with_accuracy()
+    base = confusion_count_metric().multiclass(3).with_accuracy()
     micro, macro = base.micro().build(), base.macro().build()
     preds, target = torch.tensor([0, 1, 1, 1]), torch.tensor([0, 1, 2, 2])
     micro.update(preds, target)
@@ -58,24 +58,24 @@ def test_builder_is_immutable() -> None:
 @pytest.mark.parametrize(
     ("make", "error", "match"),
     [
-        (lambda: confusion_matrix_metric().with_f1().build(), ValueError, "problem"),
-        (lambda: confusion_matrix_metric().binary().build(), ValueError, "statistic"),
-        (lambda: confusion_matrix_metric().binary().multiclass(3), ValueError, "problem"),
+        (lambda: confusion_count_metric().with_f1().build(), ValueError, "problem"),
+        (lambda: confusion_count_metric().binary().build(), ValueError, "statistic"),
+        (lambda: confusion_count_metric().binary().multiclass(3), ValueError, "problem"),
         (
-            lambda: confusion_matrix_metric().binary().with_f1().macro().build(),
+            lambda: confusion_count_metric().binary().with_f1().macro().build(),
             ValueError,
             "binary",
         ),
         (
-            lambda: confusion_matrix_metric().multiclass(3).micro().macro(),
+            lambda: confusion_count_metric().multiclass(3).micro().macro(),
             ValueError,
-            "aggregation",
+            "average",
         ),
-        (lambda: confusion_matrix_metric().multiclass(3).with_fbeta(0), ValueError, "beta"),
-        (lambda: confusion_matrix_metric().multiclass(3, top_k=4), ValueError, "top_k"),
-        (lambda: confusion_matrix_metric().multiclass(1), ValueError, "num_classes"),
-        (lambda: confusion_matrix_metric().multiclass(2.0), TypeError, "num_classes"),
-        (lambda: confusion_matrix_metric().binary(1.5), ValueError, "threshold"),
+        (lambda: confusion_count_metric().multiclass(3).with_fbeta(0), ValueError, "beta"),
+        (lambda: confusion_count_metric().multiclass(3, top_k=4), ValueError, "top_k"),
+        (lambda: confusion_count_metric().multiclass(1), ValueError, "num_classes"),
+        (lambda: confusion_count_metric().multiclass(2.0), TypeError, "num_classes"),
+        (lambda: confusion_count_metric().binary(1.5), ValueError, "threshold"),
         (lambda: _multiclass(zero_division=0.5), ValueError, "zero_division"),
         (lambda: _multiclass(ignore_index=1.0), TypeError, "ignore_index"),
         (lambda: MulticlassConfusionMatrixMetric(1), ValueError, "num_classes"),
@@ -124,7 +124,7 @@ def test_ignore_index_is_not_out_of_range() -> None:
 
 
 def test_top_k_needs_scores() -> None:
-    metric = confusion_matrix_metric().multiclass(4, top_k=2).with_recall().build()
+    metric = confusion_count_metric().multiclass(4, top_k=2).with_recall().build()
     with pytest.raises(ValueError, match="top_k"):
         metric.update(torch.tensor([0, 1]), torch.tensor([0, 1]))
 
@@ -145,7 +145,7 @@ LABEL_BAD = [
 def test_binary_and_multilabel_bad_input(
     kind: str, preds: torch.Tensor, target: torch.Tensor, error: type[Exception], match: str
 ) -> None:
-    builder = confusion_matrix_metric()
+    builder = confusion_count_metric()
     builder = builder.binary() if kind == "binary" else builder.multilabel(3)
     metric = builder.with_accuracy().build()
     with pytest.raises(error, match=match):
@@ -154,7 +154,7 @@ def test_binary_and_multilabel_bad_input(
 
 
 def test_logits_flag_accepts_any_real_score() -> None:
-    metric = confusion_matrix_metric().binary(logits=True).with_accuracy().build()
+    metric = confusion_count_metric().binary(logits=True).with_accuracy().build()
     metric.update(torch.tensor([-3.0, 2.0, 0.1]), torch.tensor([0, 1, 0]))
     assert metric.compute().item() == pytest.approx(2 / 3)
 
@@ -163,11 +163,11 @@ def test_zero_division_policy() -> None:
     """No predicted positives: precision is 0/0, reported as the chosen value."""
     for zero_division in (0.0, 1.0):
         metric = (
-            confusion_matrix_metric(zero_division=zero_division).binary().with_precision().build()
+            confusion_count_metric(zero_division=zero_division).binary().with_precision().build()
         )
         metric.update(torch.tensor([0.1, 0.2]), torch.tensor([1, 0]))
         assert metric.compute().item() == zero_division
-    nan_metric = confusion_matrix_metric(zero_division=float("nan")).binary().with_recall().build()
+    nan_metric = confusion_count_metric(zero_division=float("nan")).binary().with_recall().build()
     nan_metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 0]))
     assert torch.isnan(nan_metric.compute())
 
@@ -199,7 +199,7 @@ def test_target_encodings_agree() -> None:
     ]
     results = []
     for target in targets:
-        metric = confusion_matrix_metric().multiclass(5).with_f1().per_class().build()
+        metric = confusion_count_metric().multiclass(5).with_f1().per_class().build()
         metric.update(scores, target)
         matrix = MulticlassConfusionMatrixMetric(5)
         matrix.update(scores, target)
@@ -211,13 +211,13 @@ def test_target_encodings_agree() -> None:
 
 def test_empty_batches_change_nothing() -> None:
     for builder, preds, target in [
-        (confusion_matrix_metric().binary(), torch.zeros(0), torch.zeros(0, dtype=torch.long)),
+        (confusion_count_metric().binary(), torch.zeros(0), torch.zeros(0, dtype=torch.long)),
         (
-            confusion_matrix_metric(ignore_index=-100).multiclass(3),
+            confusion_count_metric(ignore_index=-100).multiclass(3),
             torch.zeros(0, 3),
             torch.zeros(0, dtype=torch.long),
         ),
-        (confusion_matrix_metric().multilabel(2), torch.zeros(0, 2), torch.zeros(0, 2).long()),
+        (confusion_count_metric().multilabel(2), torch.zeros(0, 2), torch.zeros(0, 2).long()),
     ]:
         metric = builder.with_recall().build()
         metric.update(preds, target)
@@ -237,7 +237,7 @@ def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch
     ``index_add_`` path that CUDA takes runs here: the bad batches must leave the counts exactly
     as if they had never been fed.
     """
-    from sidestream.metrics.classification import _host, _inputs
+    from sidestream.metrics.classification import _cpu_path, _inputs
 
     def device_screen(
         checks: list[tuple[torch.Tensor, str, str]], rejected: Any
@@ -265,10 +265,10 @@ def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch
         (torch.rand(2, 3), torch.full((2, 3), 2)),  # target 2
     ]
     builders = {
-        "multiclass": confusion_matrix_metric(ignore_index=-100).multiclass(4),
-        "top2": confusion_matrix_metric(ignore_index=-100).multiclass(4, top_k=2),
-        "multilabel": confusion_matrix_metric(ignore_index=-100).multilabel(3),
-        "binary": confusion_matrix_metric().binary(),
+        "multiclass": confusion_count_metric(ignore_index=-100).multiclass(4),
+        "top2": confusion_count_metric(ignore_index=-100).multiclass(4, top_k=2),
+        "multilabel": confusion_count_metric(ignore_index=-100).multilabel(3),
+        "binary": confusion_count_metric().binary(),
     }
     for name, builder in builders.items():
         if name in ("multiclass", "top2"):
@@ -284,7 +284,7 @@ def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch
             reference.update(preds, target)
         with monkeypatch.context() as patch:
             patch.setattr(_inputs, "screen", device_screen)
-            patch.setattr(_host, "host_fast_path", lambda device: False)
+            patch.setattr(_cpu_path, "enabled", lambda device: False)
             metric = _accuracy(name, builder)
             for (preds, target), dropped in zip(clean, bad, strict=False):
                 metric.update(preds, target)
@@ -297,7 +297,7 @@ def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch
     matrix, expected_matrix = MulticlassConfusionMatrixMetric(4), MulticlassConfusionMatrixMetric(4)
     with monkeypatch.context() as patch:
         patch.setattr(_inputs, "screen", device_screen)
-        patch.setattr(_host, "host_fast_path", lambda device: False)
+        patch.setattr(_cpu_path, "enabled", lambda device: False)
         for (preds, target), dropped in zip(good, bad_multiclass, strict=True):
             matrix.update(preds, target)
             matrix.update(*dropped)
@@ -305,3 +305,30 @@ def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch
         expected_matrix.update(preds, target)
     assert torch.equal(matrix.compute(), expected_matrix.compute())
     assert matrix.rejected_updates.item() == 3
+
+
+def test_old_names_point_to_the_new_ones() -> None:
+    """The renamed builder warns and still works; generic classes refuse a class count."""
+    from sidestream.metrics.classification import (
+        CohenKappaMetric,
+        MatthewsCorrCoefMetric,
+        MulticlassCohenKappaMetric,
+        MulticlassMatthewsCorrCoefMetric,
+        confusion_matrix_metric,
+    )
+
+    with pytest.warns(DeprecationWarning, match="confusion_count_metric"):
+        builder = confusion_matrix_metric(ignore_index=-100)
+    assert builder == confusion_count_metric(ignore_index=-100)
+    generator = torch.Generator().manual_seed(2)
+    preds, target = torch.randint(0, 3, (40,), generator=generator), torch.randint(0, 3, (40,))
+    for generic, thin in (
+        (MatthewsCorrCoefMetric, MulticlassMatthewsCorrCoefMetric),
+        (CohenKappaMetric, MulticlassCohenKappaMetric),
+    ):
+        short, full = generic(3), thin(3)  # an int is short for a multiclass problem
+        short.update(preds, target)
+        full.update(preds, target)
+        assert torch.equal(short.compute(), full.compute())
+        with pytest.raises(TypeError, match=thin.__name__):
+            generic("three")  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""MulticlassConfusionMatrixMetric, MatthewsCorrCoefMetric and CohenKappaMetric vs sklearn."""
+"""Confusion matrices, MCC and Cohen kappa vs sklearn."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import pytest
 import torch
 from sklearn.metrics import cohen_kappa_score, matthews_corrcoef
 
-from sidestream.metrics.classification import CohenKappaMetric, MatthewsCorrCoefMetric
+from sidestream.metrics.classification import (
+    MulticlassCohenKappaMetric,
+    MulticlassMatthewsCorrCoefMetric,
+)
 from tests.metrics.confusion_cases import (
     MATRIX_CASES,
     Case,
@@ -31,7 +34,7 @@ def test_matrix_mcc_kappa_match_sklearn(case: Case) -> None:
 
 def test_degenerate_values_follow_sklearn() -> None:
     """One class everywhere: MCC 0 like sklearn; kappa undefined (NaN) like sklearn."""
-    mcc, kappa = MatthewsCorrCoefMetric(3), CohenKappaMetric(3)
+    mcc, kappa = MulticlassMatthewsCorrCoefMetric(3), MulticlassCohenKappaMetric(3)
     for metric in (mcc, kappa):
         metric.update(torch.tensor([2, 2, 2]), torch.tensor([2, 2, 2]))
     with warnings.catch_warnings():
@@ -39,11 +42,11 @@ def test_degenerate_values_follow_sklearn() -> None:
         assert mcc.compute().item() == matthews_corrcoef([2, 2, 2], [2, 2, 2])
         assert np.isnan(cohen_kappa_score([2, 2, 2], [2, 2, 2]))
     assert torch.isnan(kappa.compute())
-    empty = MatthewsCorrCoefMetric(3)
+    empty = MulticlassMatthewsCorrCoefMetric(3)
     assert empty.compute().item() == 0.0
     assert empty.confusion_matrix().sum().item() == 0
 
 
 def test_cohen_kappa_rejects_unknown_weighting() -> None:
     with pytest.raises(ValueError, match="weights"):
-        CohenKappaMetric(3, weights="cubic")
+        MulticlassCohenKappaMetric(3, weights="cubic")

@@ -1,6 +1,6 @@
 """The CPU fast paths and the CUDA-style device paths, both on CPU, against scikit-learn.
 
-``_host.host_fast_path`` picks ``bincount`` and host-read checks on CPU. Turning it off runs the
+``_cpu_path.enabled`` picks ``bincount`` and host-read checks on CPU. Turning it off runs the
 fixed-size ``index_add_`` paths that CUDA takes, so both stay checked against the references
 here, and their states must agree exactly.
 """
@@ -23,8 +23,8 @@ from sidestream.metrics.classification import (
     MulticlassCalibrationErrorMetric,
     MulticlassConfusionMatrixMetric,
     MultilabelAveragePrecisionMetric,
-    _host,
-    confusion_matrix_metric,
+    _cpu_path,
+    confusion_count_metric,
 )
 from tests.metrics import test_ranking
 from tests.metrics.confusion_cases import (
@@ -44,7 +44,7 @@ from tests.metrics.confusion_cases import (
 def _device_path(monkeypatch: pytest.MonkeyPatch, on: bool) -> Iterator[None]:
     with monkeypatch.context() as patch:
         if on:
-            patch.setattr(_host, "host_fast_path", lambda device: False)
+            patch.setattr(_cpu_path, "enabled", lambda device: False)
         yield
 
 
@@ -81,7 +81,7 @@ def test_many_classes_and_large_batches_match_sklearn(
     four_classes = torch.where(target < 0, target, target % 4)
     with _device_path(monkeypatch, on=device_path):
         f1 = (
-            confusion_matrix_metric(ignore_index=-100)
+            confusion_count_metric(ignore_index=-100)
             .multiclass(classes)
             .with_f1()
             .with_precision()
@@ -120,7 +120,7 @@ def test_ranking_and_calibration_paths_agree_and_match_sklearn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One batch large enough for the host path's bincount, in two chunks (the last ragged)."""
-    monkeypatch.setattr(_host, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(_cpu_path, "CHUNK_ELEMENTS", 1)
     data = test_ranking._shard(5, 25_000)
     states = {}
     for device_path in (False, True):
@@ -146,7 +146,7 @@ def test_scores_on_bin_edges_land_where_the_bins_say(
     Chunks shrink to the histogram size (18 to 54 elements), so the host path adds up two
     chunks, the last one ragged.
     """
-    monkeypatch.setattr(_host, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(_cpu_path, "CHUNK_ELEMENTS", 1)
     bins = 8
     edges = np.arange(bins + 1) / bins
     base = np.concatenate([edges, np.nextafter(edges[1:], 0), [0.0, 1.0, 1.0]])
@@ -156,7 +156,8 @@ def test_scores_on_bin_edges_land_where_the_bins_say(
         labels = torch.arange(len(base)) % 3
         probs = torch.stack([scores, 1 - scores, torch.zeros_like(scores)], dim=1)
         wide = scores.double() if dtype == torch.float64 else scores.float()
-        index = np.minimum((wide * bins).to(torch.int64).numpy(), bins - 1)
+        # The documented edge rule: scores within 2**-20 relative below an edge open its bin.
+        index = np.minimum((wide * (bins * (1 + 2**-20))).to(torch.int64).numpy(), bins - 1)
         positive = target.numpy() == 1
         with _device_path(monkeypatch, on=device_path):
             auroc = BinaryAUROCMetric(bins)
@@ -208,7 +209,7 @@ def test_host_checks_raise_before_the_state_changes() -> None:
         with pytest.raises(ValueError, match=argument):
             auroc.update(preds, target)
     assert all(torch.equal(a, b) for a, b in zip(auroc.histograms(), before, strict=True))
-    metric = confusion_matrix_metric(ignore_index=-100).multiclass(3).with_recall().build()
+    metric = confusion_count_metric(ignore_index=-100).multiclass(3).with_recall().build()
     for preds, target, argument in [
         (torch.tensor([0, 3]), torch.tensor([0, 1]), "preds"),
         (torch.tensor([0, 1]), torch.tensor([0, -1]), "target"),
@@ -221,11 +222,7 @@ def test_host_checks_raise_before_the_state_changes() -> None:
 
 def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA policy on the device path, on CPU: bad batches (NaN too) leave no trace."""
-    from sidestream.metrics.classification import (
-        _score_histogram,
-        binary_calibration_error,
-        multiclass_calibration_error,
-    )
+    from sidestream.metrics.classification import _scores
 
     def device_screen(checks: list[tuple[Any, str, str]], rejected: Any) -> torch.Tensor:
         bad = torch.stack([torch.as_tensor(flag).any() for flag, _, _ in checks]).any()
@@ -273,13 +270,8 @@ def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.Mon
         reference.update(*good[name])
         reference.update(*good[name])
         with monkeypatch.context() as patch:
-            patch.setattr(_host, "host_fast_path", lambda device: False)
-            for module in (
-                _score_histogram,
-                binary_calibration_error,
-                multiclass_calibration_error,
-            ):
-                patch.setattr(module, "screen", device_screen)
+            patch.setattr(_cpu_path, "enabled", lambda device: False)
+            patch.setattr(_scores, "screen", device_screen)
             metric = make()
             metric.update(*good[name])
             for preds, target in bad_batches:

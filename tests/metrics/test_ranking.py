@@ -115,8 +115,14 @@ def _results(metrics: dict[str, Any]) -> dict[str, tuple[list[float], list[float
     return out
 
 
+def _bin(scores: np.ndarray, bins: int) -> np.ndarray:
+    """The documented binning: floor(score * bins), where a score within 2**-20 relative below
+    an edge opens the bin above it (decimal scores sit a hair below their value)."""
+    return np.minimum((scores.astype(np.float64) * (bins * (1 + 2**-20))).astype(int), bins - 1)
+
+
 def _ece(confidence: np.ndarray, accuracy: np.ndarray, bins: int) -> float:
-    index = np.minimum((confidence.astype(np.float64) * bins).astype(int), bins - 1)
+    index = _bin(confidence, bins)
     gaps = [
         abs(confidence[index == b].astype(np.float64).sum() - accuracy[index == b].sum())
         for b in range(bins)
@@ -272,7 +278,7 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
     with pytest.raises(ValueError, match="num_bins"):
         BinaryAUROCMetric(1)
     with pytest.raises(ValueError, match="average"):
-        MultilabelAUROCMetric(3, average="micro")  # type: ignore[arg-type]
+        MulticlassAUROCMetric(3, average="micro")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -1,5 +1,6 @@
 """Ready-made metrics."""
 
+from sidestream.metrics._nan_strategy import NanPolicy, NanStrategy
 from sidestream.metrics.compose import ComposeMetric
 from sidestream.metrics.extremum import MaxMetric, MinMetric
 from sidestream.metrics.mean import MeanMetric
@@ -11,6 +12,8 @@ __all__ = [
     "MaxMetric",
     "MeanMetric",
     "MinMetric",
+    "NanPolicy",
+    "NanStrategy",
     "SumMetric",
     "WeightedMeanMetric",
 ]

@@ -9,7 +9,8 @@ from torch import Tensor
 
 from sidestream._validation import as_tensor, check_floating
 from sidestream.metric import Metric
-from sidestream.state import ReduceOp
+from sidestream.metrics._nan_strategy import NanPolicy, NanStrategy
+from sidestream.state import MetricAccumulator, ReduceOp
 
 __all__ = ["MaxMetric", "MinMetric"]
 
@@ -17,10 +18,15 @@ __all__ = ["MaxMetric", "MinMetric"]
 class _ExtremumMetric(Metric[Tensor]):
     _op: ReduceOp
 
-    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+    def __init__(
+        self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
+    ) -> None:
         identity = -math.inf if self._op is ReduceOp.MAX else math.inf
         # Named after the op, so a MaxMetric checkpoint cannot load into a MinMetric.
         self._extremum = self.add_state(self._op.value, identity, self._op, dtype=dtype)
+        self._nan = NanPolicy(nan_strategy)
+        self._nan_count = self._nan.counter()
+        self._rejected = MetricAccumulator(0, dtype=torch.int64) if self._nan.checks else None
 
     def update(self, values: Tensor | float) -> None:
         """Fold ``values`` (any shape, floating point; empty is fine) into the extremum."""
@@ -29,20 +35,42 @@ class _ExtremumMetric(Metric[Tensor]):
         if tensor.numel() == 0:  # metadata only; amax of nothing is an error
             return
         reduce = torch.amax if self._op is ReduceOp.MAX else torch.amin
-        self._extremum.accumulate(reduce(tensor))
+        tensor, kept, keep = self._nan.apply(tensor, self._rejected, self._nan_count)
+        identity = -math.inf if self._op is ReduceOp.MAX else math.inf
+        if kept is not None:
+            tensor = torch.where(kept, tensor, identity)
+        extremum = reduce(tensor)
+        self._extremum.accumulate(
+            extremum if keep is None else torch.where(keep, extremum, identity)
+        )
 
     def compute(self) -> Tensor:
         """The extremum; the identity (-inf for max, +inf for min) over no data."""
         return self._extremum.value.clone()
 
+    @property
+    def nan_count(self) -> Tensor | None:
+        """NaN elements ignored or filled (``nan_strategy`` "ignore" or a number), else None."""
+        return None if self._nan_count is None else self._nan_count.value
+
+    @property
+    def rejected_updates(self) -> Tensor:
+        """Batches dropped for NaN on CUDA (``nan_strategy="error"``); always 0 otherwise."""
+        if self._rejected is None:
+            # A fill on the metric's device, not a copy: no sync, and the collector can stack it.
+            return torch.zeros((), dtype=torch.int64, device=self.device)
+        return self._rejected.value
+
 
 class MaxMetric(_ExtremumMetric):
     """The largest value passed to ``update`` over every rank; -inf over no data.
 
-    NaN propagates: a NaN value makes the result NaN.
+    NaN propagates (a NaN value makes the result NaN) unless ``nan_strategy`` says otherwise.
 
     Args:
         dtype: The state dtype (float64 by default).
+        nan_strategy: ``"disable"``, ``"error"``, ``"ignore"`` or a fill value; see
+            ``sidestream.metrics.NanPolicy``.
     """
 
     _op = ReduceOp.MAX
@@ -51,10 +79,12 @@ class MaxMetric(_ExtremumMetric):
 class MinMetric(_ExtremumMetric):
     """The smallest value passed to ``update`` over every rank; +inf over no data.
 
-    NaN propagates: a NaN value makes the result NaN.
+    NaN propagates (a NaN value makes the result NaN) unless ``nan_strategy`` says otherwise.
 
     Args:
         dtype: The state dtype (float64 by default).
+        nan_strategy: ``"disable"``, ``"error"``, ``"ignore"`` or a fill value; see
+            ``sidestream.metrics.NanPolicy``.
     """
 
     _op = ReduceOp.MIN

@@ -15,6 +15,7 @@ from sidestream._validation import (
     screen_invalid,
 )
 from sidestream.metric import Metric
+from sidestream.metrics._nan_strategy import NanPolicy, NanStrategy
 from sidestream.state import MetricAccumulator
 
 __all__ = ["WeightedMeanMetric"]
@@ -32,6 +33,9 @@ class WeightedMeanMetric(Metric[Tensor]):
 
     Args:
         dtype: The accumulation dtype (float64 by default).
+        nan_strategy: What a NaN value does: ``"disable"`` (it propagates), ``"error"`` (bad
+            input, like a bad weight), ``"ignore"`` (its weight becomes 0) or a fill value; see
+            ``sidestream.metrics.NanPolicy``.
 
     Example:
         >>> metric = WeightedMeanMetric()
@@ -40,10 +44,14 @@ class WeightedMeanMetric(Metric[Tensor]):
         tensor(1.5000, dtype=torch.float64)
     """
 
-    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+    def __init__(
+        self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
+    ) -> None:
         self._weighted_sum = MetricAccumulator(0.0, dtype=dtype)
         self._weight = MetricAccumulator(0.0, dtype=dtype)
         self._rejected = MetricAccumulator(0, dtype=torch.int64)
+        self._nan = NanPolicy(nan_strategy)
+        self._nan_count = self._nan.counter()
 
     def update(self, values: Tensor | float, weights: Tensor | float = 1.0) -> None:
         """Add a batch.
@@ -68,7 +76,13 @@ class WeightedMeanMetric(Metric[Tensor]):
         if weights_t.shape != values_t.shape and weights_t.dim():
             # A scalar always broadcasts; torch.broadcast_shapes is slow.
             check_broadcastable("weights", weights_t, values_t, "values")
-        if not checks_stay_on_device(device):
+        on_device = checks_stay_on_device(device)
+        if not (self._nan.checks and on_device):
+            # CPU "error" raises here, naming values, before the state changes.
+            values_t, kept, _ = self._nan.apply(values_t, self._rejected, self._nan_count)
+            if kept is not None:  # nan_strategy="ignore": a NaN value's weight becomes 0
+                weights_t = torch.where(kept, weights_t.to(dtype), 0.0)
+        if not on_device:
             weighted, total = _host_sums(values_t, weights_t, dtype)
         else:
             weights_t = weights_t.to(dtype).expand(values_t.shape)
@@ -80,6 +94,9 @@ class WeightedMeanMetric(Metric[Tensor]):
             invalid = ~torch.isfinite(total)
             if weights_t.numel():  # metadata
                 invalid = invalid | ~(weights_t.amin() >= 0)
+            if self._nan.checks:
+                # One flag, so a batch bad in both ways is counted once.
+                invalid = invalid | torch.isnan(values_t).any()
             keep = screen_invalid(invalid, self._rejected, "weights", "finite values >= 0")
             assert keep is not None  # the device path always returns the keep flag
             # where, not multiply: 0 * inf would still be NaN.
@@ -92,6 +109,11 @@ class WeightedMeanMetric(Metric[Tensor]):
     def rejected_updates(self) -> Tensor:
         """How many updates were dropped for bad weights (CUDA only; CPU raises instead)."""
         return self._rejected.value
+
+    @property
+    def nan_count(self) -> Tensor | None:
+        """NaN values ignored or filled (``nan_strategy`` "ignore" or a number), else None."""
+        return None if self._nan_count is None else self._nan_count.value
 
     def compute(self) -> Tensor:
         """The weighted mean; NaN when the total weight is zero."""

@@ -1,51 +1,98 @@
 """Classification metrics.
 
-Confusion-count statistics (built with ``confusion_matrix_metric()``), the confusion matrix, MCC
+Confusion-count statistics (built with ``confusion_count_metric()``), confusion matrices, MCC
 and kappa, ranking curves (AUROC, average precision) in constant memory and calibration error.
+Each family has one generic class taking a ``Problem`` and thin Binary/Multiclass/Multilabel
+classes named as in torchmetrics.
 """
 
-from sidestream.metrics.classification.binary_auroc import BinaryAUROCMetric
-from sidestream.metrics.classification.binary_average_precision import (
-    BinaryAveragePrecisionMetric,
-)
-from sidestream.metrics.classification.binary_calibration_error import (
-    BinaryCalibrationErrorMetric,
-)
+from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.metrics.classification.builder import (
-    ConfusionMatrixMetricBuilder,
+    ConfusionCountMetricBuilder,
+    confusion_count_metric,
     confusion_matrix_metric,
 )
-from sidestream.metrics.classification.cohen_kappa import CohenKappaMetric
-from sidestream.metrics.classification.confusion_count import ConfusionCountMetric
-from sidestream.metrics.classification.matthews_corrcoef import MatthewsCorrCoefMetric
-from sidestream.metrics.classification.multiclass_auroc import MulticlassAUROCMetric
-from sidestream.metrics.classification.multiclass_average_precision import (
-    MulticlassAveragePrecisionMetric,
-)
-from sidestream.metrics.classification.multiclass_calibration_error import (
+from sidestream.metrics.classification.calibration import (
+    BinaryCalibrationErrorMetric,
+    CalibrationErrorMetric,
     MulticlassCalibrationErrorMetric,
 )
-from sidestream.metrics.classification.multiclass_confusion_matrix import (
-    MulticlassConfusionMatrixMetric,
+from sidestream.metrics.classification.cohen_kappa import (
+    BinaryCohenKappaMetric,
+    CohenKappaMetric,
+    MulticlassCohenKappaMetric,
 )
-from sidestream.metrics.classification.multilabel_auroc import MultilabelAUROCMetric
-from sidestream.metrics.classification.multilabel_average_precision import (
+from sidestream.metrics.classification.confusion_count import ConfusionCountMetric
+from sidestream.metrics.classification.confusion_matrix import (
+    BinaryConfusionMatrixMetric,
+    ConfusionMatrixMetric,
+    MulticlassConfusionMatrixMetric,
+    MultilabelConfusionMatrixMetric,
+)
+from sidestream.metrics.classification.matthews_corrcoef import (
+    BinaryMatthewsCorrCoefMetric,
+    MatthewsCorrCoefMetric,
+    MulticlassMatthewsCorrCoefMetric,
+    MultilabelMatthewsCorrCoefMetric,
+)
+from sidestream.metrics.classification.ranking import (
+    BinaryAUROCMetric,
+    BinaryAveragePrecisionMetric,
+    Curve,
+    Estimate,
+    MulticlassAUROCMetric,
+    MulticlassAveragePrecisionMetric,
+    MultilabelAUROCMetric,
     MultilabelAveragePrecisionMetric,
+    RankingMetric,
+)
+from sidestream.metrics.classification.samplewise import SamplewiseConfusionCountMetric
+from sidestream.metrics.classification.statistics import (
+    Accuracy,
+    Counts,
+    FBeta,
+    Precision,
+    Recall,
+    Specificity,
+    Statistic,
 )
 
 __all__ = [
+    "Accuracy",
     "BinaryAUROCMetric",
     "BinaryAveragePrecisionMetric",
     "BinaryCalibrationErrorMetric",
+    "BinaryCohenKappaMetric",
+    "BinaryConfusionMatrixMetric",
+    "BinaryMatthewsCorrCoefMetric",
+    "CalibrationErrorMetric",
     "CohenKappaMetric",
     "ConfusionCountMetric",
-    "ConfusionMatrixMetricBuilder",
+    "ConfusionCountMetricBuilder",
+    "ConfusionMatrixMetric",
+    "Counts",
+    "Curve",
+    "Estimate",
+    "FBeta",
     "MatthewsCorrCoefMetric",
     "MulticlassAUROCMetric",
     "MulticlassAveragePrecisionMetric",
     "MulticlassCalibrationErrorMetric",
+    "MulticlassCohenKappaMetric",
     "MulticlassConfusionMatrixMetric",
+    "MulticlassMatthewsCorrCoefMetric",
     "MultilabelAUROCMetric",
     "MultilabelAveragePrecisionMetric",
+    "MultilabelConfusionMatrixMetric",
+    "MultilabelMatthewsCorrCoefMetric",
+    "Precision",
+    "Problem",
+    "ProblemKind",
+    "RankingMetric",
+    "Recall",
+    "SamplewiseConfusionCountMetric",
+    "Specificity",
+    "Statistic",
+    "confusion_count_metric",
     "confusion_matrix_metric",
 ]

@@ -3,9 +3,12 @@
 Everything here is host-sync free on CUDA: no boolean-mask indexing, no ``bincount``, no
 ``.item()``. Ignored elements and dropped batches get weight 0 instead of being removed, and
 class indices are clamped into range before ``index_add_`` so a dropped batch with garbage labels
-can never index out of bounds on the device. On CPU (``_host.host_fast_path``) checks are read
+can never index out of bounds on the device. On CPU (``_cpu_path.enabled``) checks are read
 on the host and raise before anything is counted, so counts come from ``bincount`` and the clamp
 is skipped where every value was checked.
+
+This module is the one home of the classification input checks: ``check_tensor`` (type and
+device), ``screen`` (the bad-value policy over several checks) and the per-problem parsers.
 """
 
 from __future__ import annotations
@@ -13,12 +16,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import check_same_shape, checks_stay_on_device, screen_invalid
-from sidestream.metrics.classification import _host
+from sidestream._validation import (
+    as_tensor,
+    check_same_shape,
+    checks_stay_on_device,
+    screen_invalid,
+)
+from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.state import MetricAccumulator
 
-__all__ = ["Check", "check_tensor", "confusion_counts", "multiclass_labels", "screen"]
+__all__ = [
+    "Check",
+    "check_tensor",
+    "confusion_counts",
+    "label_flags",
+    "multiclass_labels",
+    "not_binary",
+    "outside",
+    "sample_counts",
+    "screen",
+]
 
 _SMALL_MATRIX_CLASSES = 64
 
@@ -33,27 +51,22 @@ def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
 
     Raises:
         TypeError: If ``value`` is not a tensor.
-        ValueError: If it lives on another device than the metric.
+        ValueError: If it lives on another device than the metric (``as_tensor``'s check).
     """
     if not isinstance(value, Tensor):
         raise TypeError(f"{argument}: expected a torch.Tensor, got {type(value)}")
-    if value.device != device:
-        raise ValueError(
-            f"{argument}: expected a tensor on the metric's device {device}, got one on "
-            f"{value.device}; move the metric with .to(device) or the tensor"
-        )
-    return value.detach()
+    return as_tensor(argument, value, device)
 
 
 def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
-    """Apply ``screen_invalid`` to several value checks of one update.
+    """Apply ``screen_invalid`` to the value checks of one update.
 
-    On CPU each check raises with its own argument name. On CUDA the checks are folded into one
-    device flag so a bad batch is counted once in ``rejected``.
+    Off CUDA each check raises with its own argument name, before the state changes. On CUDA
+    the checks are folded into one device flag, so a bad batch is counted once in ``rejected``.
 
     Returns:
-        ``None`` when nothing needs dropping (CPU, or no checks); on CUDA a 0-dim bool tensor,
-        true to keep the batch.
+        ``None`` when nothing needs dropping (off CUDA, or no checks); on CUDA a 0-dim bool
+        tensor, true to keep the batch.
     """
     if not checks:
         return None
@@ -66,7 +79,25 @@ def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
     any_invalid = device_flags[0].any()
     for flag in device_flags[1:]:
         any_invalid = any_invalid | flag.any()
-    return screen_invalid(any_invalid, rejected, "preds/target", "valid values")
+    names = "/".join(argument for _, argument, _ in checks)
+    return screen_invalid(any_invalid, rejected, names, "valid values")
+
+
+def not_binary(target: Tensor) -> Tensor | bool:
+    """True if any of ``target`` is neither 0 nor 1 (see ``outside`` for the result type)."""
+    if target.dtype == torch.bool:
+        if _cpu_path.enabled(target.device):
+            return False
+        return torch.zeros((), dtype=torch.bool, device=target.device)
+    if target.is_floating_point():
+        return outside(torch.where(target == 1, 0, target), 0, 0)
+    return outside(target, 0, 1)
+
+
+def has_nan(scores: Tensor) -> Tensor | bool:
+    """True if any score is NaN: a Python bool on the CPU path, else a 0-dim device bool."""
+    flag = torch.isnan(scores).any()
+    return bool(flag) if _cpu_path.enabled(scores.device) else flag
 
 
 def _integer(tensor: Tensor) -> bool:
@@ -99,7 +130,7 @@ def _target_labels(
         weight = kept.to(torch.int64)
         checked = torch.where(kept, labels, 0)
         expected += f" or ignore_index={ignore_index}"
-    checks = [(_outside(checked, 0, num_classes - 1), "target", expected)]
+    checks = [(outside(checked, 0, num_classes - 1), "target", expected)]
     return _in_range(labels, num_classes, all_checked=ignore_index is None), weight, checks
 
 
@@ -110,25 +141,20 @@ def _in_range(values: Tensor, num_classes: int, all_checked: bool) -> Tensor:
     the host path values that were all checked have raised already if out of range, so the
     clamp pass is skipped.
     """
-    if all_checked and _host.host_fast_path(values.device):
+    if all_checked and _cpu_path.enabled(values.device):
         return values.long()
     return values.clamp(0, num_classes - 1).long()
 
 
-def _outside(values: Tensor, low: float, high: float) -> Tensor | bool:
-    """True when any value is outside ``[low, high]`` (or NaN); see ``_host.outside``."""
+def outside(values: Tensor, low: float, high: float) -> Tensor | bool:
+    """True when any value is outside ``[low, high]`` (or NaN); see ``_cpu_path.outside``."""
     if values.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=values.device)
-    return _host.outside(values, low, high)
+    return _cpu_path.outside(values, low, high)
 
 
 def multiclass_labels(
-    num_classes: int,
-    top_k: int,
-    preds: Tensor,
-    target: Tensor,
-    ignore_index: int | None,
-    rejected: MetricAccumulator,
+    problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Predicted classes ``(M, top_k)``, target classes ``(M,)`` and weights ``(M,)`` or ``None``.
 
@@ -141,6 +167,7 @@ def multiclass_labels(
             labels outside ``[0, C)`` other than ``ignore_index`` or a malformed one-hot row.
         TypeError: On a dtype that is neither scores nor class indices.
     """
+    num_classes, top_k, ignore_index = problem.num_classes, problem.top_k, problem.ignore_index
     checks: list[Check] = []
     if preds.is_floating_point():
         if preds.ndim < 1 or preds.shape[-1] != num_classes:
@@ -150,6 +177,8 @@ def multiclass_labels(
             )
         sample_shape = preds.shape[:-1]
         scores = preds.reshape(-1, num_classes)
+        # argmax / topk rank NaN as the highest score: a NaN row would be counted as a class.
+        checks.append((has_nan(scores), "preds", "scores without NaN"))
         if top_k == 1:
             predicted = scores.argmax(-1, keepdim=True)
         else:
@@ -160,7 +189,7 @@ def multiclass_labels(
         sample_shape = preds.shape
         flat = preds.reshape(-1, 1)
         checks.append(
-            (_outside(flat, 0, num_classes - 1), "preds", f"class indices in [0, {num_classes})")
+            (outside(flat, 0, num_classes - 1), "preds", f"class indices in [0, {num_classes})")
         )
         predicted = _in_range(flat, num_classes, all_checked=True)
     else:
@@ -176,21 +205,15 @@ def multiclass_labels(
 
 
 def _multiclass_counts(
-    problem: Problem,
-    preds: Tensor,
-    target: Tensor,
-    ignore_index: int | None,
-    rejected: MetricAccumulator,
+    problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     classes = problem.num_classes
-    predicted, labels, weight = multiclass_labels(
-        classes, problem.top_k, preds, target, ignore_index, rejected
-    )
+    predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
     if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
         # A C x C confusion matrix costs one counting pass over the samples; its diagonal,
         # column and row sums are tp, predicted and true counts.
         cell = torch.add(predicted.view(-1), labels, alpha=classes)
-        matrix = _host.count_indices(cell, classes * classes, weight).view(classes, classes)
+        matrix = _cpu_path.count_indices(cell, classes * classes, weight).view(classes, classes)
         tp = matrix.diagonal()
         predicted_count = matrix.sum(0)
         support = matrix.sum(1)
@@ -201,7 +224,7 @@ def _multiclass_counts(
         # One counting pass over three stacked count vectors: true positives, support, predicted.
         index = torch.cat((labels, labels + classes, predicted.reshape(-1) + 2 * classes))
         source = torch.cat((hit * ones, ones, predicted_weight))
-        stacked = _host.count_indices(index, 3 * classes, source)
+        stacked = _cpu_path.count_indices(index, 3 * classes, source)
         tp, support, predicted_count = stacked.view(3, classes)
     fp = predicted_count - tp
     fn = support - tp
@@ -213,10 +236,12 @@ def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
         # Half precision is widened so the threshold is compared exactly as given.
         scores = preds if preds.dtype in (torch.float32, torch.float64) else preds.float()
         if problem.logits:
-            return torch.sigmoid(scores) >= problem.threshold, []
+            # sigmoid(NaN) >= threshold is false: a NaN would be counted as a negative.
+            checks = [(has_nan(scores), "preds", "logits without NaN")]
+            return torch.sigmoid(scores) >= problem.threshold, checks
         checks = [
             (
-                _outside(scores, 0, 1),
+                outside(scores, 0, 1),
                 "preds",
                 "probabilities in [0, 1] (pass logits=True for logits)",
             )
@@ -225,7 +250,7 @@ def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
     if preds.dtype == torch.bool:
         return preds, []
     if _integer(preds):
-        return preds == 1, [(_outside(preds, 0, 1), "preds", "0/1 predictions")]
+        return preds == 1, [(outside(preds, 0, 1), "preds", "0/1 predictions")]
     raise TypeError(f"preds: expected probabilities, logits or 0/1 predictions, got {preds.dtype}")
 
 
@@ -236,13 +261,15 @@ def _count(flags: Tensor, problem: Problem) -> Tensor:
     return torch.count_nonzero(flags.reshape(-1, problem.num_classes), dim=0)
 
 
-def _label_counts(
-    problem: Problem,
-    preds: Tensor,
-    target: Tensor,
-    ignore_index: int | None,
-    rejected: MetricAccumulator,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def label_flags(
+    problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Binary and multilabel inputs as ``(positive, truth, weight)`` bool tensors.
+
+    ``positive`` is the thresholded prediction and ``truth`` the target, both of ``preds``'
+    shape and already zero where ``weight`` is false; ``weight`` is ``None`` when every element
+    counts (no ``ignore_index`` hit, and off CUDA, where a bad batch raised instead).
+    """
     labels = problem.num_classes
     if problem.kind is ProblemKind.MULTILABEL and (preds.ndim < 1 or preds.shape[-1] != labels):
         raise ValueError(
@@ -258,22 +285,29 @@ def _label_counts(
     if target.dtype != torch.bool:
         expected = "0/1 targets"
         checked = target
-        if ignore_index is not None:
-            weight = target != ignore_index
+        if problem.ignore_index is not None:
+            weight = target != problem.ignore_index
             checked = torch.where(weight, target, 0)
-            expected += f" or ignore_index={ignore_index}"
-        checks.append((_outside(checked, 0, 1), "target", expected))
+            expected += f" or ignore_index={problem.ignore_index}"
+        checks.append((outside(checked, 0, 1), "target", expected))
     keep = screen(checks, rejected)
     if keep is not None:
         weight = keep.expand(target.shape) if weight is None else weight & keep
     if weight is not None:
         positive = positive & weight
         truth = truth & weight
+    return positive, truth, weight
+
+
+def _label_counts(
+    problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    positive, truth, weight = label_flags(problem, preds, target, rejected)
     tp = _count(positive & truth, problem)
     predicted_count = _count(positive, problem)
     support = _count(truth, problem)
     if weight is None:
-        total = torch.full_like(tp, preds.numel() // labels)
+        total = torch.full_like(tp, preds.numel() // problem.num_classes)
     else:
         total = _count(weight, problem)
     fp = predicted_count - tp
@@ -282,11 +316,7 @@ def _label_counts(
 
 
 def confusion_counts(
-    problem: Problem,
-    preds: Tensor,
-    target: Tensor,
-    ignore_index: int | None,
-    rejected: MetricAccumulator,
+    problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-class ``(tp, fp, fn, tn)`` int64 counts of one batch, each of shape ``(C,)``.
 
@@ -294,5 +324,44 @@ def confusion_counts(
     Raises (CPU) or drops and counts (CUDA) as documented on the metric.
     """
     if problem.kind is ProblemKind.MULTICLASS:
-        return _multiclass_counts(problem, preds, target, ignore_index, rejected)
-    return _label_counts(problem, preds, target, ignore_index, rejected)
+        return _multiclass_counts(problem, preds, target, rejected)
+    return _label_counts(problem, preds, target, rejected)
+
+
+def sample_counts(
+    problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-sample, per-class ``(tp, fp, fn, tn)`` int64 counts, each ``(N, C)``.
+
+    A sample is one index of the first dimension; its counts run over every other position
+    (torchmetrics' ``multidim_average="samplewise"``). Fixed-size ops only: one-hot indicators
+    summed over the positions, no masking. Checks and policy as ``confusion_counts``.
+    """
+    samples = preds.shape[0] if preds.ndim else 1
+    classes = problem.num_classes
+    if problem.kind is ProblemKind.MULTICLASS:
+        predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
+        chosen = torch.zeros(labels.shape[0], classes, dtype=torch.int64, device=labels.device)
+        chosen.scatter_(1, predicted, 1)
+        # scatter_, not one_hot: indicators by one fixed-size op on every device.
+        truth = torch.zeros_like(chosen).scatter_(1, labels.unsqueeze(1), 1)
+        kept = torch.ones_like(labels) if weight is None else weight.to(torch.int64)
+        kept = kept.unsqueeze(1)
+        positive, actual = chosen * kept, truth * kept
+    else:
+        positive_flags, truth_flags, weight = label_flags(problem, preds, target, rejected)
+        positive = positive_flags.reshape(-1, classes).to(torch.int64)
+        actual = truth_flags.reshape(-1, classes).to(torch.int64)
+        if weight is None:
+            kept = torch.ones_like(positive)
+        else:
+            kept = weight.reshape(-1, classes).to(torch.int64)
+
+    def per_sample(flags: Tensor) -> Tensor:
+        return flags.reshape(samples, -1, classes).sum(1)
+
+    tp = per_sample(positive * actual)
+    predicted_count, support = per_sample(positive), per_sample(actual)
+    total = per_sample(kept.expand(positive.shape))
+    fp, fn = predicted_count - tp, support - tp
+    return tp, fp, fn, total - tp - fp - fn

@@ -1,11 +1,11 @@
-"""What kind of classification problem a confusion-count metric reads."""
+"""What kind of classification problem a metric reads, and the argument checks it needs."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Problem", "ProblemKind"]
+__all__ = ["Problem", "ProblemKind", "check_ignore_index", "check_int", "check_problem"]
 
 
 class ProblemKind(enum.Enum):
@@ -16,36 +16,73 @@ class ProblemKind(enum.Enum):
     MULTILABEL = "multilabel"
 
 
+def check_int(argument: str, value: object, minimum: int) -> None:
+    """Raise naming ``argument`` unless ``value`` is an int ``>= minimum`` (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{argument}: expected an int >= {minimum}, got {type(value)}")
+    if value < minimum:
+        raise ValueError(f"{argument}: expected an int >= {minimum}, got {value}")
+
+
+def check_ignore_index(ignore_index: object) -> None:
+    """Raise ``TypeError`` unless ``ignore_index`` is an int or ``None``."""
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
+    ):
+        raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index)}")
+
+
 @dataclass(frozen=True)
 class Problem:
-    """A validated problem description, made by the builder's ``.binary``/``.multiclass``/...
+    """A validated problem description, shared by every classification metric.
 
     Attributes:
         kind: Binary, multiclass or multilabel.
         num_classes: Classes (multiclass), labels (multilabel), or 1 (binary: the positive class).
         threshold: Binary and multilabel: a score at or above it counts as positive.
-        logits: Binary and multilabel: scores are logits (a sigmoid is applied) rather than
-            probabilities in [0, 1].
+        logits: Scores are logits rather than probabilities in ``[0, 1]``: binary and multilabel
+            scores go through a sigmoid, multiclass scores (ranking, calibration) a softmax.
         top_k: Multiclass: a prediction is the set of the ``top_k`` highest scores.
+        ignore_index: Target value whose elements are skipped (weight 0), e.g. -100.
     """
 
     kind: ProblemKind
-    num_classes: int
+    num_classes: int = 1
     threshold: float = 0.5
     logits: bool = False
     top_k: int = 1
+    ignore_index: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int):
-            raise TypeError(f"num_classes: expected an int, got {type(self.num_classes)}")
-        minimum = 2 if self.kind is ProblemKind.MULTICLASS else 1
-        if self.num_classes < minimum:
-            raise ValueError(f"num_classes: expected an int >= {minimum}, got {self.num_classes}")
+        name = "num_labels" if self.kind is ProblemKind.MULTILABEL else "num_classes"
+        check_int(name, self.num_classes, 2 if self.kind is ProblemKind.MULTICLASS else 1)
         if not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"threshold: expected a probability in [0, 1], got {self.threshold}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise TypeError(f"top_k: expected an int or None, got {type(self.top_k)}")
-        if not 1 <= self.top_k <= self.num_classes:
+        if not isinstance(self.logits, bool):
+            raise TypeError(f"logits: expected a bool, got {type(self.logits)}")
+        check_int("top_k", self.top_k, 1)
+        if self.top_k > self.num_classes:
             raise ValueError(
                 f"top_k: expected an int in [1, num_classes={self.num_classes}], got {self.top_k}"
             )
+        check_ignore_index(self.ignore_index)
+
+    @property
+    def size_name(self) -> str:
+        """``num_classes`` or ``num_labels``, for error messages."""
+        return "num_labels" if self.kind is ProblemKind.MULTILABEL else "num_classes"
+
+
+def check_problem(problem: object, family: str) -> Problem:
+    """Return ``problem`` if it is a ``Problem``; else raise naming the thin classes to use.
+
+    Args:
+        problem: The argument to check.
+        family: The metric family, e.g. ``"MatthewsCorrCoef"``, for the hint.
+    """
+    if not isinstance(problem, Problem):
+        raise TypeError(
+            f"problem: expected a sidestream Problem, got {problem!r}; for C classes use "
+            f"Multiclass{family}Metric(C) (or Binary{family}Metric / Multilabel{family}Metric)"
+        )
+    return problem

@@ -1,42 +1,53 @@
-"""``confusion_matrix_metric()``: choose a problem, statistics and an aggregation, then build."""
+"""``confusion_count_metric()``: choose a problem, statistics and an average, then build."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
+from typing import Literal
 
-from sidestream.metrics.classification._aggregation import Aggregation
-from sidestream.metrics.classification._problem import Problem, ProblemKind
-from sidestream.metrics.classification._statistic import Statistic
+from sidestream.metrics.classification._average import Average
+from sidestream.metrics.classification._problem import Problem, ProblemKind, check_ignore_index
 from sidestream.metrics.classification.confusion_count import ConfusionCountMetric
+from sidestream.metrics.classification.samplewise import SamplewiseConfusionCountMetric
+from sidestream.metrics.classification.statistics import (
+    Accuracy,
+    FBeta,
+    Precision,
+    Recall,
+    Specificity,
+    Statistic,
+)
 
-__all__ = ["ConfusionMatrixMetricBuilder", "confusion_matrix_metric"]
+__all__ = ["ConfusionCountMetricBuilder", "confusion_count_metric", "confusion_matrix_metric"]
 
 
 @dataclass(frozen=True)
-class ConfusionMatrixMetricBuilder:
+class ConfusionCountMetricBuilder:
     """An immutable description of a confusion-count metric; every method returns a new one.
 
     Pick exactly one problem (``binary``, ``multiclass``, ``multilabel``), one or more
-    statistics (``with_*``), at most one aggregation (``micro``, ``macro`` (the default),
+    statistics (``with_*``), at most one average (``micro``, ``macro`` (the default),
     ``weighted``, ``per_class``; binary problems take none), then ``build()``.
     """
 
     problem: Problem | None = None
     statistics: tuple[Statistic, ...] = ()
-    aggregation: Aggregation | None = None
+    average: Average | None = None
     ignore_index: int | None = None
     zero_division: float = 0.0
+    multidim_average: str = "global"
 
-    def _with_problem(self, problem: Problem) -> ConfusionMatrixMetricBuilder:
+    def _with_problem(self, problem: Problem) -> ConfusionCountMetricBuilder:
         if self.problem is not None:
             raise ValueError(f"problem already chosen ({self.problem.kind.value}); pick one")
         return dataclasses.replace(self, problem=problem)
 
     def binary(
         self, threshold: float = 0.5, *, logits: bool = False
-    ) -> ConfusionMatrixMetricBuilder:
+    ) -> ConfusionCountMetricBuilder:
         """Binary problem: one score per element, positive when ``score >= threshold``.
 
         Args:
@@ -44,24 +55,25 @@ class ConfusionMatrixMetricBuilder:
             logits: Scores are logits; a sigmoid turns them into probabilities. Without it,
                 floating scores must lie in [0, 1] (a value check).
         """
-        return self._with_problem(Problem(ProblemKind.BINARY, 1, threshold, logits))
+        return self._with_problem(
+            Problem(ProblemKind.BINARY, 1, threshold, logits, ignore_index=self.ignore_index)
+        )
 
-    def multiclass(
-        self, num_classes: int, top_k: int | None = None
-    ) -> ConfusionMatrixMetricBuilder:
+    def multiclass(self, num_classes: int, top_k: int | None = None) -> ConfusionCountMetricBuilder:
         """Multiclass problem with ``num_classes`` classes.
 
         Args:
             num_classes: The number of classes C (>= 2).
             top_k: Count a prediction as the ``top_k`` highest scores (default 1: argmax).
         """
+        top = 1 if top_k is None else top_k
         return self._with_problem(
-            Problem(ProblemKind.MULTICLASS, num_classes, top_k=1 if top_k is None else top_k)
+            Problem(ProblemKind.MULTICLASS, num_classes, top_k=top, ignore_index=self.ignore_index)
         )
 
     def multilabel(
         self, num_labels: int, threshold: float = 0.5, *, logits: bool = False
-    ) -> ConfusionMatrixMetricBuilder:
+    ) -> ConfusionCountMetricBuilder:
         """Multilabel problem: ``num_labels`` independent binary labels in the last dim.
 
         Args:
@@ -69,30 +81,45 @@ class ConfusionMatrixMetricBuilder:
             threshold: Probability threshold in [0, 1].
             logits: Scores are logits (see ``binary``).
         """
-        return self._with_problem(Problem(ProblemKind.MULTILABEL, num_labels, threshold, logits))
+        return self._with_problem(
+            Problem(
+                ProblemKind.MULTILABEL,
+                num_labels,
+                threshold,
+                logits,
+                ignore_index=self.ignore_index,
+            )
+        )
 
-    def _with_statistic(self, statistic: Statistic) -> ConfusionMatrixMetricBuilder:
+    def with_statistic(self, statistic: Statistic) -> ConfusionCountMetricBuilder:
+        """Add any ``Statistic`` (a built-in one or your own); a repeated name is ignored.
+
+        Raises:
+            TypeError: If ``statistic`` does not follow the ``Statistic`` protocol.
+        """
+        if not isinstance(statistic, Statistic):
+            raise TypeError(f"statistic: expected a Statistic (name and ratio), got {statistic!r}")
         if any(chosen.name == statistic.name for chosen in self.statistics):
             return self
         return dataclasses.replace(self, statistics=(*self.statistics, statistic))
 
-    def with_accuracy(self) -> ConfusionMatrixMetricBuilder:
+    def with_accuracy(self) -> ConfusionCountMetricBuilder:
         """Add ``"accuracy"`` (multiclass per class: recall; see the docs)."""
-        return self._with_statistic(Statistic("accuracy"))
+        return self.with_statistic(Accuracy())
 
-    def with_precision(self) -> ConfusionMatrixMetricBuilder:
+    def with_precision(self) -> ConfusionCountMetricBuilder:
         """Add ``"precision"``: tp / (tp + fp)."""
-        return self._with_statistic(Statistic("precision"))
+        return self.with_statistic(Precision())
 
-    def with_recall(self) -> ConfusionMatrixMetricBuilder:
+    def with_recall(self) -> ConfusionCountMetricBuilder:
         """Add ``"recall"``: tp / (tp + fn)."""
-        return self._with_statistic(Statistic("recall"))
+        return self.with_statistic(Recall())
 
-    def with_f1(self) -> ConfusionMatrixMetricBuilder:
+    def with_f1(self) -> ConfusionCountMetricBuilder:
         """Add ``"f1"``: 2 tp / (2 tp + fn + fp)."""
-        return self._with_statistic(Statistic("fbeta", 1.0))
+        return self.with_statistic(FBeta(1.0))
 
-    def with_fbeta(self, beta: float) -> ConfusionMatrixMetricBuilder:
+    def with_fbeta(self, beta: float) -> ConfusionCountMetricBuilder:
         """Add ``f"f{beta:g}"``: (1 + b²) tp / ((1 + b²) tp + b² fn + fp).
 
         Args:
@@ -100,64 +127,65 @@ class ConfusionMatrixMetricBuilder:
         """
         if not (isinstance(beta, int | float) and math.isfinite(beta) and beta > 0):
             raise ValueError(f"beta: expected a finite number > 0, got {beta!r}")
-        return self._with_statistic(Statistic("fbeta", float(beta)))
+        return self.with_statistic(FBeta(float(beta)))
 
-    def with_specificity(self) -> ConfusionMatrixMetricBuilder:
+    def with_specificity(self) -> ConfusionCountMetricBuilder:
         """Add ``"specificity"``: tn / (tn + fp)."""
-        return self._with_statistic(Statistic("specificity"))
+        return self.with_statistic(Specificity())
 
-    def _with_aggregation(self, aggregation: Aggregation) -> ConfusionMatrixMetricBuilder:
-        if self.aggregation is not None and self.aggregation is not aggregation:
+    def _with_average(self, average: Average) -> ConfusionCountMetricBuilder:
+        if self.average is not None and self.average != average:
             raise ValueError(
-                f"aggregation already chosen ({self.aggregation.value}); build one metric per "
-                "aggregation"
+                f"average already chosen ({self.average}); build one metric per average"
             )
-        return dataclasses.replace(self, aggregation=aggregation)
+        return dataclasses.replace(self, average=average)
 
-    def micro(self) -> ConfusionMatrixMetricBuilder:
-        """Statistics of the counts summed over classes."""
-        return self._with_aggregation(Aggregation.MICRO)
+    def micro(self) -> ConfusionCountMetricBuilder:
+        """Statistics of the counts summed over classes (torchmetrics' ``average="micro"``)."""
+        return self._with_average("micro")
 
-    def macro(self) -> ConfusionMatrixMetricBuilder:
+    def macro(self) -> ConfusionCountMetricBuilder:
         """Unweighted mean of per-class statistics (the default)."""
-        return self._with_aggregation(Aggregation.MACRO)
+        return self._with_average("macro")
 
-    def weighted(self) -> ConfusionMatrixMetricBuilder:
+    def weighted(self) -> ConfusionCountMetricBuilder:
         """Mean of per-class statistics weighted by each class's support (tp + fn)."""
-        return self._with_aggregation(Aggregation.WEIGHTED)
+        return self._with_average("weighted")
 
-    def per_class(self) -> ConfusionMatrixMetricBuilder:
-        """One value per class, shape (C,)."""
-        return self._with_aggregation(Aggregation.PER_CLASS)
+    def per_class(self) -> ConfusionCountMetricBuilder:
+        """One value per class, shape (C,) (torchmetrics' ``average="none"``)."""
+        return self._with_average("none")
 
-    def build(self) -> ConfusionCountMetric:
+    def build(self) -> ConfusionCountMetric | SamplewiseConfusionCountMetric:
         """The metric, on CPU (move it with ``.to(device)``).
 
         Raises:
-            ValueError: Without a problem or a statistic, or with an aggregation on a binary
+            ValueError: Without a problem or a statistic, or with an average on a binary
                 problem.
         """
         if self.problem is None:
             raise ValueError("choose a problem first: .binary(), .multiclass(C) or .multilabel(L)")
         if not self.statistics:
             raise ValueError("choose at least one statistic, e.g. .with_accuracy()")
-        if self.problem.kind is ProblemKind.BINARY and self.aggregation is not None:
+        if self.problem.kind is ProblemKind.BINARY and self.average is not None:
             raise ValueError(
-                "binary problems report the positive class and take no aggregation; use "
+                "binary problems report the positive class and take no average; use "
                 ".multiclass(2) for per-class or averaged values over both classes"
             )
-        return ConfusionCountMetric(
-            self.problem,
-            self.statistics,
-            self.aggregation or Aggregation.MACRO,
-            ignore_index=self.ignore_index,
-            zero_division=self.zero_division,
-        )
+        average = self.average or "macro"
+        if self.multidim_average == "samplewise":
+            return SamplewiseConfusionCountMetric(
+                self.problem, self.statistics, average, self.zero_division
+            )
+        return ConfusionCountMetric(self.problem, self.statistics, average, self.zero_division)
 
 
-def confusion_matrix_metric(
-    *, ignore_index: int | None = None, zero_division: float = 0.0
-) -> ConfusionMatrixMetricBuilder:
+def confusion_count_metric(
+    *,
+    ignore_index: int | None = None,
+    zero_division: float = 0.0,
+    multidim_average: Literal["global", "samplewise"] = "global",
+) -> ConfusionCountMetricBuilder:
     """Start building an accuracy / precision / recall / F-beta / specificity metric.
 
     Args:
@@ -165,11 +193,39 @@ def confusion_matrix_metric(
             padding. Multiclass predictions of such elements are skipped too.
         zero_division: The value of a ratio whose denominator is 0: 0.0 (default, like
             scikit-learn), 1.0, or NaN (left out of macro and weighted means).
+        multidim_average: ``global`` (counts over every position of every sample) or
+            ``samplewise`` (each sample's statistic from its own counts, averaged over the
+            samples; builds a ``SamplewiseConfusionCountMetric``).
 
     Example:
-        >>> metric = confusion_matrix_metric().multiclass(3).with_f1().macro().build()
+        >>> metric = confusion_count_metric().multiclass(3).with_f1().macro().build()
         >>> metric.update(torch.tensor([[0.9, 0.1, 0.0], [0.2, 0.7, 0.1]]), torch.tensor([0, 2]))
         >>> metric.compute()
         tensor(0.3333, dtype=torch.float64)
     """
-    return ConfusionMatrixMetricBuilder(ignore_index=ignore_index, zero_division=zero_division)
+    check_ignore_index(ignore_index)
+    if multidim_average not in ("global", "samplewise"):
+        raise ValueError(
+            f"multidim_average: expected 'global' or 'samplewise', got {multidim_average!r}"
+        )
+    return ConfusionCountMetricBuilder(
+        ignore_index=ignore_index,
+        zero_division=zero_division,
+        multidim_average=multidim_average,
+    )
+
+
+def confusion_matrix_metric(
+    *, ignore_index: int | None = None, zero_division: float = 0.0
+) -> ConfusionCountMetricBuilder:
+    """Deprecated name of ``confusion_count_metric`` (it never built a confusion matrix).
+
+    Kept for one release so existing code keeps running; it warns once per call site.
+    """
+    warnings.warn(
+        "confusion_matrix_metric() is now confusion_count_metric(); the C x C matrix is "
+        "MulticlassConfusionMatrixMetric",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return confusion_count_metric(ignore_index=ignore_index, zero_division=zero_division)

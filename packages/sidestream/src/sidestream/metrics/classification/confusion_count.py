@@ -7,32 +7,37 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from sidestream.metric import Metric
-from sidestream.metrics.classification._aggregation import Aggregation
+from sidestream.metrics._screened import ScreenedMetric
+from sidestream.metrics.classification._average import Average, average_statistic, check_average
 from sidestream.metrics.classification._inputs import check_tensor, confusion_counts
 from sidestream.metrics.classification._problem import Problem, ProblemKind
-from sidestream.metrics.classification._statistic import Statistic
+from sidestream.metrics.classification.statistics import Counts, Statistic
 from sidestream.state import MetricAccumulator
 
-__all__ = ["ConfusionCountMetric"]
+__all__ = ["ConfusionCountMetric", "macro_weights"]
 
 
-class ConfusionCountMetric(Metric[Tensor | dict[str, Tensor]]):
+class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
     """Per-class true/false positive/negative counts and the statistics built from them.
 
-    Usually made by ``confusion_matrix_metric()...build()``. The state is four int64 vectors of
+    Usually made by ``confusion_count_metric()...build()``. The state is four int64 vectors of
     fixed length C (``tp``, ``fp``, ``fn``, ``tn``; C = 1 for binary problems) and a
     ``rejected`` counter, all SUM accumulators, so the reduction over ranks is exact.
 
     ``compute()`` returns float64 values: a tensor when one statistic is selected, else a dict
     ``{name: tensor}`` in selection order. Binary problems give 0-dim tensors (the positive
-    class); ``per_class`` gives shape (C,); the other aggregations give 0-dim tensors.
+    class); ``average="none"`` gives shape (C,); the other averages give 0-dim tensors.
+
+    Macro averaging follows torchmetrics: a multiclass class enters the mean once it appears in
+    the targets or the predictions; with ``top_k > 1``, once it appears in the targets (a class
+    that is only an extra member of a top-k set has no recall to report). Multilabel macro
+    means are over every label.
 
     Args:
-        problem: The problem description (binary, multiclass or multilabel).
+        problem: The problem description (binary, multiclass or multilabel; its
+            ``ignore_index`` applies).
         statistics: The statistics to compute, at least one, names unique.
-        aggregation: How classes are combined (ignored for binary problems).
-        ignore_index: Target value whose elements are skipped (weight 0), e.g. -100.
+        average: ``micro``, ``macro``, ``weighted`` or ``none`` (ignored for binary problems).
         zero_division: The value of a ratio whose denominator is 0 (0.0, 1.0 or NaN; NaN
             classes are left out of macro and weighted means, like scikit-learn).
     """
@@ -41,33 +46,36 @@ class ConfusionCountMetric(Metric[Tensor | dict[str, Tensor]]):
         self,
         problem: Problem,
         statistics: Sequence[Statistic],
-        aggregation: Aggregation = Aggregation.MACRO,
-        ignore_index: int | None = None,
+        average: Average = "macro",
         zero_division: float = 0.0,
     ) -> None:
+        super().__init__()
+        if not isinstance(problem, Problem):
+            raise TypeError(
+                f"problem: expected a sidestream Problem, got {problem!r}; build the metric with "
+                "confusion_count_metric()"
+            )
         if not statistics:
             raise ValueError("statistics: select at least one, e.g. .with_accuracy()")
         names = [statistic.name for statistic in statistics]
         if len(set(names)) != len(names):
             raise ValueError(f"statistics: names must be unique, got {names}")
-        if ignore_index is not None and (
-            isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
-        ):
-            raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index)}")
+        for statistic in statistics:
+            if not isinstance(statistic, Statistic):
+                raise TypeError(f"statistics: expected Statistic objects, got {statistic!r}")
+        check_average(average)
         zero_division = float(zero_division)
         if zero_division not in (0.0, 1.0) and zero_division == zero_division:
             raise ValueError(f"zero_division: expected 0.0, 1.0 or NaN, got {zero_division}")
         self._problem = problem
         self._statistics = tuple(statistics)
-        self._aggregation = Aggregation.MICRO if problem.kind is ProblemKind.BINARY else aggregation
-        self._ignore_index = ignore_index
+        self._average = "micro" if problem.kind is ProblemKind.BINARY else average
         self._zero_division = zero_division
         classes = problem.num_classes
         self._tp = MetricAccumulator(torch.zeros(classes, dtype=torch.int64))
         self._fp = MetricAccumulator(torch.zeros(classes, dtype=torch.int64))
         self._fn = MetricAccumulator(torch.zeros(classes, dtype=torch.int64))
         self._tn = MetricAccumulator(torch.zeros(classes, dtype=torch.int64))
-        self._rejected = MetricAccumulator(0, dtype=torch.int64)
 
     @property
     def problem(self) -> Problem:
@@ -100,18 +108,11 @@ class ConfusionCountMetric(Metric[Tensor | dict[str, Tensor]]):
         device = self._tp.device
         preds_t = check_tensor("preds", preds, device)
         target_t = check_tensor("target", target, device)
-        tp, fp, fn, tn = confusion_counts(
-            self._problem, preds_t, target_t, self._ignore_index, self._rejected
-        )
+        tp, fp, fn, tn = confusion_counts(self._problem, preds_t, target_t, self._rejected)
         self._tp.accumulate(tp)
         self._fp.accumulate(fp)
         self._fn.accumulate(fn)
         self._tn.accumulate(tn)
-
-    @property
-    def rejected_updates(self) -> Tensor:
-        """Updates dropped for out-of-range values (CUDA only; CPU raises instead)."""
-        return self._rejected.value
 
     def counts(self) -> dict[str, Tensor]:
         """The int64 per-class counts ``{"tp", "fp", "fn", "tn"}``, each of shape (C,)."""
@@ -124,15 +125,39 @@ class ConfusionCountMetric(Metric[Tensor | dict[str, Tensor]]):
 
     def compute(self) -> Tensor | dict[str, Tensor]:
         """The selected statistics: a tensor for one, ``{name: tensor}`` for several."""
-        counts = (self._tp.value, self._fp.value, self._fn.value, self._tn.value)
-        values = {
-            statistic.name: statistic.value(
-                self._problem.kind, self._aggregation, counts, self._zero_division
-            )
-            for statistic in self._statistics
-        }
+        counts = Counts(
+            *(count.value.to(torch.float64) for count in (self._tp, self._fp, self._fn, self._tn))
+        )
+        values = {statistic.name: self._value(statistic, counts) for statistic in self._statistics}
         if self._problem.kind is ProblemKind.BINARY:
             values = {name: value.reshape(()) for name, value in values.items()}
         if len(values) == 1:
             return next(iter(values.values()))
         return values
+
+    def _value(self, statistic: Statistic, counts: Counts) -> Tensor:
+        """One statistic, averaged over classes as configured, in float64."""
+        numerator, denominator = statistic.ratio(self._problem.kind, counts)
+        return average_statistic(
+            numerator,
+            denominator,
+            counts,
+            self._average,
+            macro_weights(self._problem, counts),
+            self._zero_division,
+        )
+
+
+def macro_weights(problem: Problem, counts: Counts) -> Tensor:
+    """Which classes a macro mean covers, as torchmetrics (0/1 float64, shape of the counts).
+
+    Multiclass: classes seen in the targets or the predictions; with ``top_k > 1``, classes
+    seen in the targets (a class that is only an extra member of a top-k set has no recall to
+    report). Binary and multilabel: every label.
+    """
+    tp, fp, fn, _ = counts
+    if problem.kind is not ProblemKind.MULTICLASS:
+        return torch.ones_like(tp)
+    if problem.top_k > 1:
+        return ((tp + fn) > 0).to(torch.float64)
+    return ((tp + fp + fn) > 0).to(torch.float64)

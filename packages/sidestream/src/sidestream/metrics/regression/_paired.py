@@ -14,7 +14,7 @@ from sidestream._validation import (
     checks_stay_on_device,
     screen_invalid,
 )
-from sidestream.metric import Metric
+from sidestream.metrics._screened import ScreenedMetric
 from sidestream.state import MetricAccumulator
 
 __all__: list[str] = []
@@ -23,7 +23,7 @@ MultiOutput = Literal["uniform_average", "raw_values"]
 _MULTIOUTPUT = ("uniform_average", "raw_values")
 
 
-class PairedRegressionMetric(Metric[Tensor]):
+class PairedRegressionMetric(ScreenedMetric[Tensor]):
     """Base of the regression metrics: checks ``(preds, target)`` and holds the float64 sums.
 
     Every state is a float64 sum per output (and one sample count), so ranks add exactly and
@@ -37,6 +37,7 @@ class PairedRegressionMetric(Metric[Tensor]):
     """
 
     def __init__(self, num_outputs: int = 1, multioutput: MultiOutput = "uniform_average") -> None:
+        super().__init__()
         if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:
             raise ValueError(f"num_outputs: expected an int >= 1, got {num_outputs!r}")
         if multioutput not in _MULTIOUTPUT:
@@ -44,15 +45,9 @@ class PairedRegressionMetric(Metric[Tensor]):
         self._num_outputs = num_outputs
         self._multioutput = multioutput
         self._count = MetricAccumulator(0.0, dtype=torch.float64)
-        self._rejected = MetricAccumulator(0, dtype=torch.int64)
 
     def _sum_state(self) -> MetricAccumulator:
         return MetricAccumulator(torch.zeros(self._num_outputs, dtype=torch.float64))
-
-    @property
-    def rejected_updates(self) -> Tensor:
-        """How many updates were dropped for non-finite values (CUDA only; CPU raises)."""
-        return self._rejected.value
 
     def _pairs(
         self, preds: Tensor | float, target: Tensor | float

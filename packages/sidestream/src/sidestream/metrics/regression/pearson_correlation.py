@@ -20,7 +20,8 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
     Both inputs are shifted by ``shift`` before summing; as for ``R2ScoreMetric`` this only
     guards the one-pass covariance against cancellation when the means are far from 0 relative
     to the spread (relative error about ``1e-16 * (mean - shift)^2 / var``). Fewer than two
-    samples or a constant input give NaN.
+    samples or a constant input give NaN. The variances are rooted one at a time, so the result
+    holds at any scale whose squares are finite in float64, and it is clamped to ``[-1, 1]``.
 
     Args:
         num_outputs: 1, or ``D`` for ``(N, D)`` inputs (one correlation per column).
@@ -78,4 +79,8 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         cov = self._products.value - sx * sy / n
         var_x = self._preds_squares.value - sx.square() / n
         var_y = self._target_squares.value - sy.square() / n
-        return self._finish(cov / (var_x * var_y).sqrt())
+        # Each variance is rooted on its own: their product can underflow or overflow while
+        # every stored sum is finite (x, y ~ 1e-100 or 1e100). Rounding can push |r| a hair
+        # past 1, hence the clamp (NaN stays NaN).
+        r = cov / (var_x.sqrt() * var_y.sqrt())
+        return self._finish(r.clamp(-1.0, 1.0))

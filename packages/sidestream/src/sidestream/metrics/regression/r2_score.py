@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Self
+from typing import Literal, Self
 
 import torch
 from torch import Tensor
 
-from sidestream.metrics.regression._paired import MultiOutput, PairedRegressionMetric
+from sidestream.metrics.regression._paired import PairedRegressionMetric
 
 __all__ = ["R2ScoreMetric"]
+
+R2MultiOutput = Literal["uniform_average", "raw_values", "variance_weighted"]
 
 
 class R2ScoreMetric(PairedRegressionMetric):
@@ -25,10 +27,17 @@ class R2ScoreMetric(PairedRegressionMetric):
 
     A constant target (``SST == 0``) gives NaN (scikit-learn returns 1.0 or 0.0 there).
 
+    ``adjusted=k`` reports the adjusted R² of a model with ``k`` regressors,
+    ``1 - (1 - R²) (n - 1) / (n - k - 1)`` (torchmetrics' ``R2Score(adjusted=k)``); it is NaN
+    while ``n <= k + 1`` (torchmetrics warns and falls back to the plain R² there).
+
     Args:
         num_outputs: 1, or ``D`` for ``(N, D)`` inputs.
-        multioutput: ``uniform_average`` or ``raw_values`` (with ``D > 1``).
+        multioutput: With ``D > 1``: ``uniform_average`` (the mean over outputs),
+            ``raw_values`` (a ``(D,)`` vector) or ``variance_weighted`` (outputs weighted by
+            their target variance, as scikit-learn).
         shift: A scalar or one value per output subtracted from the target before summing.
+        adjusted: The number of regressors ``k`` for the adjusted R² (0: plain R²).
 
     Example:
         >>> metric = R2ScoreMetric()
@@ -40,10 +49,21 @@ class R2ScoreMetric(PairedRegressionMetric):
     def __init__(
         self,
         num_outputs: int = 1,
-        multioutput: MultiOutput = "uniform_average",
+        multioutput: R2MultiOutput = "uniform_average",
         shift: float | Sequence[float] = 0.0,
+        adjusted: int = 0,
     ) -> None:
-        super().__init__(num_outputs, multioutput)
+        choices = ("uniform_average", "raw_values", "variance_weighted")
+        if multioutput not in choices:
+            raise ValueError(f"multioutput: expected one of {choices}, got {multioutput!r}")
+        weighted = multioutput == "variance_weighted"
+        super().__init__(
+            num_outputs, "raw_values" if multioutput == "raw_values" else "uniform_average"
+        )
+        if isinstance(adjusted, bool) or not isinstance(adjusted, int) or adjusted < 0:
+            raise ValueError(f"adjusted: expected an int >= 0 (regressors), got {adjusted!r}")
+        self._variance_weighted = weighted
+        self._adjusted = adjusted
         self._shift = shift_vector("shift", shift, num_outputs)
         self._squared_error = self._sum_state()
         self._target_sum = self._sum_state()
@@ -74,7 +94,14 @@ class R2ScoreMetric(PairedRegressionMetric):
         """R² per output then averaged; NaN over no data or for a constant target."""
         count = self._count.value
         total = self._target_squares.value - self._target_sum.value.square() / count
-        return self._finish(1.0 - self._squared_error.value / total)
+        r2 = 1.0 - self._squared_error.value / total
+        if self._adjusted:
+            dof = count - self._adjusted - 1
+            ratio = (count - 1) / torch.where(dof > 0, dof, 1.0)
+            r2 = torch.where(dof > 0, 1.0 - (1.0 - r2) * ratio, torch.nan)
+        if self._variance_weighted and self._num_outputs > 1:
+            return (r2 * total).sum() / total.sum()
+        return self._finish(r2)
 
 
 def shift_vector(argument: str, shift: float | Sequence[float], outputs: int) -> Tensor:

@@ -1,10 +1,10 @@
-"""CPU fast paths of the classification updates.
+"""The CPU path of the classification updates.
 
 On CPU the values are already in host memory, so reading them costs no device sync: a value
 check can be read into a Python bool, and counts can come from ``torch.bincount``, several times
 faster there than ``index_add_``. On CUDA both would stall the host, so the device paths
 (fixed-size ``index_add_`` with 0/1 weights, checks kept as device flags) are the only ones used
-there. ``host_fast_path`` is the single switch; tests turn it off to run the device paths on CPU.
+there. ``enabled`` is the single switch; tests turn it off to run the device paths on CPU.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from sidestream._validation import checks_stay_on_device
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "bin_scale",
     "count_indices",
     "fold_bins",
-    "host_fast_path",
+    "enabled",
     "outside",
     "score_bins",
 ]
@@ -26,11 +27,11 @@ __all__ = [
 _INT32_LIMIT = 2**31 - 1
 
 CHUNK_ELEMENTS = 2**18
-"""Elements per chunk of a large host-path batch: its int32/float32 temporaries (1 MiB each)
+"""Elements per chunk of a large CPU-path batch: its int32/float32 temporaries (1 MiB each)
 fit in cache and are recycled by the allocator."""
 
 
-def host_fast_path(device: torch.device) -> bool:
+def enabled(device: torch.device) -> bool:
     """Whether updates on ``device`` may read values on the host (CPU, not compiling)."""
     return device.type == "cpu" and not checks_stay_on_device(device)
 
@@ -38,11 +39,11 @@ def host_fast_path(device: torch.device) -> bool:
 def outside(values: Tensor, low: float, high: float) -> Tensor | bool:
     """Whether any of the non-empty ``values`` is outside ``[low, high]`` or NaN.
 
-    One fused min/max pass. With the host fast path the answer is a Python bool; otherwise a
+    One fused min/max pass. On the CPU path the answer is a Python bool; otherwise a
     0-dim bool tensor that stays on the device.
     """
     smallest, largest = torch.aminmax(values.reshape(-1))
-    if host_fast_path(values.device):
+    if enabled(values.device):
         # NaN propagates through aminmax and compares false: outside.
         return not (smallest.item() >= low and largest.item() <= high)
     return ~((smallest >= low) & (largest <= high))
@@ -57,11 +58,11 @@ def count_indices(index: Tensor, size: int, weight: Tensor | None = None) -> Ten
         weight: 0/1 weights of ``index``'s shape (integer or bool); ``None`` counts all.
 
     Returns:
-        A ``(size,)`` int64 tensor. The host path uses ``bincount`` and sends weight-0 elements
+        A ``(size,)`` int64 tensor. The CPU path uses ``bincount`` and sends weight-0 elements
         to an extra bin it drops; the device path adds the weights with ``index_add_``.
     """
     flat = index.reshape(-1)
-    if host_fast_path(index.device):
+    if enabled(index.device):
         if weight is None:
             return torch.bincount(flat, minlength=size)
         flat = torch.where(weight.reshape(-1).bool(), flat, size)
@@ -72,7 +73,7 @@ def count_indices(index: Tensor, size: int, weight: Tensor | None = None) -> Ten
 
 
 def score_bins(scores: Tensor, num_bins: int, rows: int) -> Tensor:
-    """Host path: uniform-bin indices of validated scores in ``[0, 1]``, laid out for rows.
+    """CPU path: uniform-bin indices of validated scores in ``[0, 1]``, laid out for rows.
 
     The index of a score is ``bin + row_offset`` with rows of ``num_bins + 1`` slots: the extra
     slot holds scores of exactly 1.0 (or that round up to ``num_bins``), which ``fold_bins``
@@ -90,7 +91,20 @@ def score_bins(scores: Tensor, num_bins: int, rows: int) -> Tensor:
     work = scores if scores.dtype == torch.float64 else scores.float()
     dtype = torch.int32 if rows * (num_bins + 1) <= _INT32_LIMIT else torch.int64
     # The same float product and truncation as the device path's bin index.
-    return (work * num_bins).to(dtype)
+    return (work * bin_scale(num_bins)).to(dtype)
+
+
+def bin_scale(num_bins: int) -> float:
+    """The factor that maps a score in ``[0, 1]`` to its bin: ``num_bins``, nudged up.
+
+    A decimal score such as 0.29 is stored a hair below its value (``0.29 * 100`` is
+    28.999999999999996 in float64), so a bare ``floor(score * num_bins)`` puts a score that sits
+    on a bin edge into the bin below, next to 0.28. Scaling by ``num_bins * (1 + 2**-20)`` lifts
+    every edge score into its own bin for float32 and float64 scores (their rounding error is at
+    most ``2**-24`` relative) and moves only scores within about ``1e-6`` relative below an edge,
+    so scores with ``d`` decimals land in distinct bins once ``num_bins >= 10**d``.
+    """
+    return num_bins * (1.0 + 2.0**-20)
 
 
 def fold_bins(counts: Tensor, rows: int, num_bins: int) -> Tensor:

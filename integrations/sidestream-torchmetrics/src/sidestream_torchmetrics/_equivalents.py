@@ -1,0 +1,38 @@
+"""The sidestream metric to suggest when a torchmetrics metric cannot be wrapped."""
+
+from __future__ import annotations
+
+__all__ = ["suggestion"]
+
+_CLASSIFICATION = "sidestream.metrics.classification"
+_REGRESSION = "sidestream.metrics.regression"
+
+_EQUIVALENTS = {
+    "BinaryAUROC": f"{_CLASSIFICATION}.BinaryAUROCMetric",
+    "MulticlassAUROC": f"{_CLASSIFICATION}.MulticlassAUROCMetric",
+    "MultilabelAUROC": f"{_CLASSIFICATION}.MultilabelAUROCMetric",
+    "BinaryAveragePrecision": f"{_CLASSIFICATION}.BinaryAveragePrecisionMetric",
+    "MulticlassAveragePrecision": f"{_CLASSIFICATION}.MulticlassAveragePrecisionMetric",
+    "MultilabelAveragePrecision": f"{_CLASSIFICATION}.MultilabelAveragePrecisionMetric",
+    "BinaryCalibrationError": f"{_CLASSIFICATION}.BinaryCalibrationErrorMetric",
+    "MulticlassCalibrationError": f"{_CLASSIFICATION}.MulticlassCalibrationErrorMetric",
+    "PearsonCorrCoef": f"{_REGRESSION}.PearsonCorrelationMetric",
+    "R2Score": f"{_REGRESSION}.R2ScoreMetric",
+    "MeanMetric": "sidestream.metrics.MeanMetric",
+}
+
+_BINNED = {"AUROC", "AveragePrecision", "ROC", "PrecisionRecallCurve"}
+
+
+def suggestion(class_name: str) -> str:
+    """A sentence naming what to use instead of the torchmetrics class ``class_name``."""
+    hints = []
+    if class_name in _EQUIVALENTS:
+        hints.append(f"use {_EQUIVALENTS[class_name]} (fixed-size state)")
+    if any(class_name.endswith(curve) for curve in _BINNED):
+        hints.append(
+            "or pass thresholds=<int or list> to torchmetrics, whose binned states are sums"
+        )
+    if not hints:
+        return "sidestream has no fixed-size equivalent; keep this metric outside the bridge"
+    return "; ".join(hints)

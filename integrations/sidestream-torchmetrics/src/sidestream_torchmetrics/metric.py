@@ -1,0 +1,155 @@
+"""One torchmetrics ``Metric`` as a sidestream ``Metric``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Self
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric as TorchmetricsBase
+from torchmetrics.utilities.data import (
+    dim_zero_cat,
+    dim_zero_max,
+    dim_zero_mean,
+    dim_zero_min,
+    dim_zero_sum,
+)
+
+from sidestream.metric import Metric
+from sidestream.state import MetricAccumulator, ReduceOp
+from sidestream_torchmetrics._equivalents import suggestion
+
+__all__ = ["TorchmetricsMetric", "UnsupportedStateError"]
+
+_OPS = {dim_zero_sum: ReduceOp.SUM, dim_zero_max: ReduceOp.MAX, dim_zero_min: ReduceOp.MIN}
+_OWN_FIELDS = ("torchmetrics", "state_names")
+
+
+class UnsupportedStateError(ValueError):
+    """A torchmetrics state that is not a fixed-size sum, max or min."""
+
+
+def _state_op(metric: TorchmetricsBase, name: str) -> ReduceOp:
+    """The sidestream op of torchmetrics state ``name``; raises naming the state otherwise."""
+    default = metric._defaults[name]
+    reduction = metric._reductions[name]
+    where = f"{type(metric).__name__}: state {name!r}"
+    hint = suggestion(type(metric).__name__)
+    if isinstance(default, list) or reduction is dim_zero_cat:
+        raise UnsupportedStateError(
+            f"{where} concatenates samples (dist_reduce_fx='cat' or a list state), so it grows "
+            f"with the data and cannot be a fixed-size sidestream state; {hint}"
+        )
+    if reduction is dim_zero_mean:
+        raise UnsupportedStateError(
+            f"{where} is averaged across ranks (dist_reduce_fx='mean'), which is not linearly "
+            f"reducible (store a sum and a count); {hint}"
+        )
+    if reduction is None:
+        raise UnsupportedStateError(
+            f"{where} has dist_reduce_fx=None: torchmetrics reduces it in its own code after a "
+            f"gather, which a sidestream sync cannot do; {hint}"
+        )
+    if reduction not in _OPS:
+        raise UnsupportedStateError(
+            f"{where} uses a callable reduction ({getattr(reduction, '__name__', reduction)}); "
+            f"only 'sum', 'max' and 'min' map to sidestream state; {hint}"
+        )
+    if name in _OWN_FIELDS:
+        raise UnsupportedStateError(f"{where}: the name is reserved by the wrapper")
+    return _OPS[reduction]
+
+
+class TorchmetricsMetric(Metric[Any]):
+    """A torchmetrics ``Metric`` whose states are sidestream accumulators.
+
+    ``update`` and ``compute`` are torchmetrics' own. Before each ``update`` the torchmetrics
+    state attributes are pointed at the accumulators' local tensors, and after it whatever the
+    update left there is stored back, so in-place updates (``self.tp += tp``) and rebinding
+    ones (``self.max_value = torch.max(...)``) both land in sidestream state. ``compute`` runs
+    torchmetrics' ``compute`` on the synchronized state when a ``sync`` is current, with
+    torchmetrics' own distributed sync turned off: the reduction over ranks is sidestream's
+    coalesced sync, and checkpoints are sidestream's world-size independent ``state_dict``.
+
+    State names are torchmetrics' (``tp``, ``max_value``...), so checkpoints are keyed by them.
+
+    Args:
+        metric: A torchmetrics metric whose states are all fixed-size tensors reduced by
+            ``"sum"``, ``"max"`` or ``"min"``.
+
+    Raises:
+        UnsupportedStateError: (a ``ValueError``) naming the first state that concatenates,
+            averages, is not reduced, or uses a callable reduction, with the sidestream metric
+            to use instead where there is one.
+        TypeError: If ``metric`` is not a torchmetrics ``Metric``.
+    """
+
+    def __init__(self, metric: TorchmetricsBase) -> None:
+        if not isinstance(metric, TorchmetricsBase):
+            raise TypeError(f"metric: expected a torchmetrics Metric, got {type(metric)}")
+        ops = {name: _state_op(metric, name) for name in metric._defaults}
+        # torchmetrics must never issue collectives of its own: sidestream syncs the states.
+        metric.sync_on_compute = False
+        metric.dist_sync_on_step = False
+        metric._to_sync = False
+        self._torchmetrics = metric
+        self._state_names = tuple(ops)
+        for name, op in ops.items():
+            default = metric._defaults[name]
+            assert isinstance(default, Tensor)  # list states were refused above
+            setattr(self, f"_{name}", MetricAccumulator(default.detach().clone(), op=op))
+
+    @property
+    def torchmetrics(self) -> TorchmetricsBase:
+        """The wrapped torchmetrics metric (its states are only current inside calls)."""
+        return self._torchmetrics
+
+    def _accumulators(self) -> list[tuple[str, MetricAccumulator]]:
+        return [(name, getattr(self, f"_{name}")) for name in self._state_names]
+
+    def _point_states(self, synced: bool) -> None:
+        for name, accumulator in self._accumulators():
+            setattr(self._torchmetrics, name, accumulator.value if synced else accumulator.local)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Run torchmetrics' ``update`` on the local state. No communication.
+
+        Host syncs are torchmetrics': its argument validation reads values on CUDA, so pass
+        ``validate_args=False`` to the torchmetrics constructor where it has one.
+        """
+        self._point_states(synced=False)
+        self._torchmetrics.update(*args, **kwargs)
+        for name, accumulator in self._accumulators():
+            value = getattr(self._torchmetrics, name)
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"{type(self._torchmetrics).__name__}.update left state {name!r} as "
+                    f"{type(value)}, not a tensor"
+                )
+            # In place or rebound, the result becomes the local state (and any sync is stale).
+            accumulator.load_local(value.to(accumulator.local.dtype))
+
+    def compute(self) -> Any:
+        """Run torchmetrics' ``compute`` on the synchronized state if current, else the local."""
+        metric = self._torchmetrics
+        self._point_states(synced=True)
+        metric._computed = None
+        try:
+            with warnings.catch_warnings():
+                # After a reset or a checkpoint load torchmetrics has seen no update of its own.
+                warnings.filterwarnings("ignore", message=".*was called before the ``update``")
+                return metric.compute()
+        finally:
+            metric._computed = None
+            self._point_states(synced=False)
+
+    def reset(self) -> None:
+        """Reset the sidestream state and torchmetrics' own bookkeeping."""
+        super().reset()
+        self._torchmetrics.reset()
+
+    def to(self, device: torch.device | str) -> Self:
+        """Move the state and the torchmetrics module to ``device``."""
+        self._torchmetrics.to(device)
+        return super().to(device)

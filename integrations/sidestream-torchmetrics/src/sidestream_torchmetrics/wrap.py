@@ -1,0 +1,47 @@
+"""``wrap``: the entry point of the bridge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchmetrics import Metric as TorchmetricsBase
+from torchmetrics import MetricCollection
+
+from sidestream.metric import Metric
+from sidestream_torchmetrics.collection import TorchmetricsCollection
+from sidestream_torchmetrics.metric import TorchmetricsMetric
+
+__all__ = ["wrap"]
+
+
+def wrap(metric: TorchmetricsBase | MetricCollection) -> Metric[Any]:
+    """A torchmetrics ``Metric`` or ``MetricCollection`` as a sidestream ``Metric``.
+
+    Wrap a fresh metric (before any update): the wrapper owns the state from then on.
+
+    Args:
+        metric: A torchmetrics metric or collection whose states are fixed-size tensors
+            reduced by ``"sum"``, ``"max"`` or ``"min"``.
+
+    Returns:
+        A ``TorchmetricsMetric``, or a ``TorchmetricsCollection`` for a collection.
+
+    Raises:
+        UnsupportedStateError: Naming a state that concatenates samples, averages across ranks,
+            is not reduced or uses a callable reduction, with the sidestream equivalent.
+        TypeError: For anything else.
+
+    Example:
+        >>> import torchmetrics
+        >>> accuracy = wrap(torchmetrics.classification.BinaryAccuracy(validate_args=False))
+        >>> accuracy.update(torch.tensor([0.9, 0.2, 0.7]), torch.tensor([1, 0, 0]))
+        >>> accuracy.compute()
+        tensor(0.6667)
+    """
+    if isinstance(metric, MetricCollection):
+        return TorchmetricsCollection(metric)
+    if isinstance(metric, TorchmetricsBase):
+        return TorchmetricsMetric(metric)
+    raise TypeError(
+        f"metric: expected a torchmetrics Metric or MetricCollection, got {type(metric)}"
+    )

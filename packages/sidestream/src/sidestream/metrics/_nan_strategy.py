@@ -1,0 +1,100 @@
+"""``nan_strategy`` of the aggregation metrics: what a NaN value does, with no host sync."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from sidestream._validation import screen_invalid
+from sidestream.state import MetricAccumulator
+
+__all__ = ["NanPolicy", "NanStrategy", "Screened"]
+
+NanStrategy = Literal["error", "ignore", "disable"] | float
+_NAMES = ("error", "ignore", "disable")
+
+
+class Screened(NamedTuple):
+    """One batch after the policy.
+
+    Attributes:
+        values: The values, NaN replaced (by the fill value, or by 0 where ``kept`` is false).
+        kept: Elements that count (``"ignore"``), or ``None`` when every element does.
+        keep: The batch keep flag on CUDA under ``"error"``, else ``None``.
+    """
+
+    values: Tensor
+    kept: Tensor | None
+    keep: Tensor | None
+
+
+class NanPolicy:
+    """What a NaN in ``values`` does, per torchmetrics' ``nan_strategy``.
+
+    - ``"disable"`` (the default): no check; NaN propagates into the result.
+    - ``"error"``: a NaN is bad input. CPU raises ``ValueError`` naming ``values`` before the
+      state changes; CUDA drops the batch on the device and counts it in ``rejected_updates``.
+    - ``"ignore"``: NaN elements are left out (weight 0); how many is counted on the device in
+      the ``nan_count`` state.
+    - a finite number: NaN elements are replaced by it, and counted in ``nan_count``.
+
+    torchmetrics' ``"warn"`` needs the host to know whether to warn; use ``"ignore"`` and read
+    ``nan_count`` with the result instead.
+
+    Args:
+        strategy: ``"error"``, ``"ignore"``, ``"disable"`` or a finite fill value.
+    """
+
+    def __init__(self, strategy: NanStrategy) -> None:
+        self._fill: float | None = None
+        if isinstance(strategy, str):
+            if strategy not in _NAMES:
+                raise ValueError(
+                    f"nan_strategy: expected one of {_NAMES} or a finite number, got {strategy!r}"
+                )
+        elif isinstance(strategy, bool) or not isinstance(strategy, int | float):
+            raise TypeError(f"nan_strategy: expected a string or a number, got {type(strategy)}")
+        elif not math.isfinite(strategy):
+            raise ValueError(f"nan_strategy: a fill value must be finite, got {strategy}")
+        else:
+            self._fill = float(strategy)
+        self._strategy = strategy
+
+    @property
+    def checks(self) -> bool:
+        """Whether NaN is bad input (``"error"``): the metric needs a rejected counter."""
+        return self._strategy == "error"
+
+    @property
+    def counts(self) -> bool:
+        """Whether NaN elements are counted (``"ignore"`` or a fill value)."""
+        return self._strategy == "ignore" or self._fill is not None
+
+    def counter(self) -> MetricAccumulator | None:
+        """A fresh int64 ``nan_count`` state when the policy counts, else ``None``."""
+        return MetricAccumulator(0, dtype=torch.int64) if self.counts else None
+
+    def apply(
+        self,
+        values: Tensor,
+        rejected: MetricAccumulator | None,
+        nan_count: MetricAccumulator | None,
+    ) -> Screened:
+        """Apply the policy to one batch; device ops only, except the CPU ``"error"`` raise."""
+        if self._strategy == "disable":
+            return Screened(values, None, None)
+        nan = torch.isnan(values)
+        if self._strategy == "error":
+            assert rejected is not None
+            keep = screen_invalid(nan, rejected, "values", "values without NaN (nan_strategy)")
+            if keep is not None:
+                values = torch.where(keep, values, 0.0)
+            return Screened(values, None, keep)
+        assert nan_count is not None
+        nan_count.accumulate(nan.sum())
+        if self._fill is not None:
+            return Screened(torch.where(nan, self._fill, values), None, None)
+        return Screened(torch.where(nan, 0.0, values), ~nan, None)

@@ -1,0 +1,76 @@
+"""How per-class values are combined: ``average`` = micro, macro, weighted or none."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AVERAGES",
+    "Average",
+    "average_statistic",
+    "check_average",
+    "divide",
+    "mean_over_classes",
+]
+
+Average = Literal["micro", "macro", "weighted", "none"]
+AVERAGES: tuple[str, ...] = ("micro", "macro", "weighted", "none")
+
+
+def check_average(average: str, allowed: tuple[str, ...] = AVERAGES) -> None:
+    """Raise ``ValueError`` naming ``average`` unless it is one of ``allowed``."""
+    if average not in allowed:
+        raise ValueError(f"average: expected one of {allowed}, got {average!r}")
+
+
+def divide(numerator: Tensor, denominator: Tensor, zero_division: float) -> Tensor:
+    """``numerator / denominator``, ``zero_division`` where the denominator is 0."""
+    safe = torch.where(denominator == 0, 1.0, denominator)
+    return torch.where(denominator == 0, zero_division, numerator / safe)
+
+
+def mean_over_classes(
+    per_class: Tensor, weights: Tensor, zero_division: float = math.nan
+) -> Tensor:
+    """The ``weights``-weighted mean of ``per_class`` over its last dimension.
+
+    ``zero_division`` where no weight is > 0. Classes whose value is NaN (undefined) are left
+    out when ``zero_division`` is NaN.
+    """
+    if math.isnan(zero_division):
+        weights = torch.where(per_class.isnan(), 0.0, weights)
+    total = weights.sum(-1)
+    weighted = torch.where(weights > 0, per_class, 0.0).mul(weights).sum(-1)
+    return torch.where(total > 0, weighted / total.clamp_min(1e-300), zero_division)
+
+
+def average_statistic(
+    numerator: Tensor,
+    denominator: Tensor,
+    counts: tuple[Tensor, Tensor, Tensor, Tensor],
+    average: str,
+    macro_weights: Tensor,
+    zero_division: float,
+) -> Tensor:
+    """A statistic's per-class ``numerator / denominator`` averaged over the last dimension.
+
+    Args:
+        numerator: Per-class numerators, ``(..., C)``.
+        denominator: Per-class denominators, ``(..., C)``.
+        counts: ``(tp, fp, fn, tn)`` of the same shape (``weighted`` uses ``tp + fn``).
+        average: ``micro``, ``macro``, ``weighted`` or ``none``.
+        macro_weights: Which classes enter a macro mean (0/1, shape ``(..., C)``).
+        zero_division: The value of a ratio whose denominator is 0.
+    """
+    if average == "micro":
+        return divide(numerator.sum(-1), denominator.sum(-1), zero_division)
+    per_class = divide(numerator, denominator, zero_division)
+    if average == "none":
+        return per_class
+    tp, _, fn, _ = counts
+    weights = tp + fn if average == "weighted" else macro_weights
+    return mean_over_classes(per_class, weights, zero_division)

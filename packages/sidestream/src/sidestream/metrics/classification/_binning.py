@@ -1,0 +1,72 @@
+"""Score bins shared by the ranking and calibration metrics: uniform, or at given edges."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from sidestream.metrics.classification import _cpu_path
+from sidestream.metrics.classification._problem import check_int
+
+__all__ = ["Bins", "bin_index"]
+
+
+def bin_index(scores: Tensor, num_bins: int) -> Tensor:
+    """The uniform-bin index of each score, clamped into ``[0, num_bins)``.
+
+    ``torch.bucketize`` on ``linspace(0, 1, num_bins + 1)`` with ``right=True`` (a score on an
+    edge opens the bin above), without a boundary tensor or a binary search; see
+    ``_cpu_path.bin_scale``. Multiplying by a constant is monotone under rounding, so a higher
+    score never lands in a lower bin, which is all the error bounds rely on. NaN and
+    out-of-range scores get a valid index too (their batch is screened out), so a bad value can
+    never index out of bounds on the device.
+    """
+    work = scores if scores.dtype == torch.float64 else scores.float()
+    return (work * _cpu_path.bin_scale(num_bins)).to(torch.int64).clamp_(0, num_bins - 1)
+
+
+class Bins:
+    """``num_bins`` uniform bins over ``[0, 1]``, or the bins between user-given edges.
+
+    With ``edges`` ``e_1 < ... < e_T`` in ``[0, 1]`` there are ``T + 1`` bins: ``[0, e_1)``,
+    ``[e_1, e_2)``, ..., ``[e_T, 1]``, so the curves have one point per edge (a score at or
+    above ``e_k`` counts as positive there), as torchmetrics' ``thresholds=[...]``.
+
+    Args:
+        num_bins: Uniform bins (ignored when ``edges`` is given).
+        edges: Increasing thresholds in ``[0, 1]``, or ``None`` for uniform bins.
+    """
+
+    def __init__(self, num_bins: int, edges: Sequence[float] | Tensor | None = None) -> None:
+        self._edges: Tensor | None = None
+        if edges is None:
+            check_int("num_bins", num_bins, 2)
+            self.count = num_bins
+            return
+        values = torch.as_tensor(edges, dtype=torch.float64).reshape(-1).cpu()
+        if values.numel() == 0 or not bool(((values >= 0) & (values <= 1)).all()):
+            raise ValueError(f"thresholds: expected values in [0, 1], got {values.tolist()}")
+        if values.numel() > 1 and not bool((values[1:] > values[:-1]).all()):
+            raise ValueError("thresholds: expected strictly increasing values")
+        self._edges = values
+        self.count = values.numel() + 1
+
+    @property
+    def uniform(self) -> bool:
+        """Whether the bins are uniform (the CPU path can then ``bincount`` them)."""
+        return self._edges is None
+
+    def to(self, device: torch.device) -> None:
+        """Keep the edges on the metric's device (``bucketize`` needs them there)."""
+        if self._edges is not None:
+            self._edges = self._edges.to(device)
+
+    def index(self, scores: Tensor) -> Tensor:
+        """The int64 bin of each score, in ``[0, count)``; host-sync free."""
+        if self._edges is None:
+            return bin_index(scores, self.count)
+        edges = self._edges.to(scores.dtype if scores.dtype == torch.float64 else torch.float32)
+        work = scores if scores.dtype == torch.float64 else scores.float()
+        return torch.bucketize(work, edges, right=True)

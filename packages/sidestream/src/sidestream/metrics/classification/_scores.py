@@ -1,0 +1,118 @@
+"""Score inputs of the ranking and calibration metrics: shapes, logits, ignore_index, checks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from sidestream._validation import check_floating, check_same_shape
+from sidestream.metrics.classification._inputs import (
+    Check,
+    check_tensor,
+    not_binary,
+    outside,
+    screen,
+)
+from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.state import MetricAccumulator
+
+__all__ = ["ScoreBatch", "score_batch"]
+
+
+class ScoreBatch(NamedTuple):
+    """One checked batch, flattened to rows.
+
+    Attributes:
+        scores: ``(M, C)`` probabilities in ``[0, 1]`` (C = 1 for binary).
+        target: ``(M,)`` class indices (multiclass) or ``(M, C)`` 0/1 values; ignored and
+            dropped elements hold a valid placeholder.
+        weight: ``(M,)`` (multiclass) or ``(M, C)`` 0/1 int64 weights, or ``None`` when every
+            element counts (no ``ignore_index``, and off CUDA, where a bad batch raised).
+    """
+
+    scores: Tensor
+    target: Tensor
+    weight: Tensor | None
+
+
+def _rows(problem: Problem, preds: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """``preds`` as ``(M, C)`` rows and ``target`` as ``(M,)`` / ``(M, C)``; shape checks."""
+    classes = problem.num_classes
+    if problem.kind is ProblemKind.BINARY:
+        check_same_shape(preds, target)
+        return preds.reshape(-1, 1), target.reshape(-1, 1)
+    name = problem.size_name
+    if preds.ndim < 2 or preds.shape[1] != classes:
+        raise ValueError(
+            f"preds: expected shape (N, {classes}, ...) for {name}={classes}, "
+            f"got {tuple(preds.shape)}"
+        )
+    if problem.kind is ProblemKind.MULTICLASS:
+        expected = (preds.shape[0], *preds.shape[2:])
+        if target.is_floating_point() or target.dtype == torch.bool:
+            raise TypeError(f"target: expected integer class indices, got dtype {target.dtype}")
+        if tuple(target.shape) != expected:
+            raise ValueError(f"target: expected shape {expected}, got {tuple(target.shape)}")
+        return preds.movedim(1, -1).reshape(-1, classes), target.reshape(-1)
+    check_same_shape(preds, target)
+    return preds.movedim(1, -1).reshape(-1, classes), target.movedim(1, -1).reshape(-1, classes)
+
+
+def score_batch(
+    problem: Problem,
+    preds: object,
+    target: object,
+    device: torch.device,
+    rejected: MetricAccumulator,
+) -> ScoreBatch | None:
+    """Check and flatten one update's ``(preds, target)``; ``None`` for an empty batch.
+
+    Binary: scores and 0/1 targets of any equal shape. Multiclass: scores ``(N, C, ...)`` and
+    class indices ``(N, ...)``. Multilabel: scores ``(N, L, ...)`` and 0/1 targets of that
+    shape. With ``problem.logits`` the scores go through a sigmoid (binary, multilabel) or a
+    softmax over ``C`` (multiclass) first.
+
+    Raises:
+        TypeError: On a non-tensor or a wrong dtype.
+        ValueError: On a wrong shape or device, or (CPU) a probability outside ``[0, 1]`` / NaN
+            or a target outside its range; on CUDA the batch is dropped and counted instead.
+    """
+    preds_t = check_tensor("preds", preds, device)
+    target_t = check_tensor("target", target, device)
+    check_floating("preds", preds_t)
+    scores, labels = _rows(problem, preds_t, target_t)
+    if scores.numel() == 0:
+        return None
+    if problem.logits:
+        work = scores if scores.dtype == torch.float64 else scores.float()
+        scores = work.softmax(-1) if problem.kind is ProblemKind.MULTICLASS else work.sigmoid()
+        expected = "finite logits (NaN or +inf in a softmax row is not)"
+    else:
+        expected = "probabilities in [0, 1] (pass logits=True for logits)"
+    weight: Tensor | None = None
+    checked = labels
+    ignore = problem.ignore_index
+    if ignore is not None:
+        kept = labels != ignore
+        weight = kept.to(torch.int64)
+        # A valid placeholder, so ignored elements are neither checked nor indexed out of range.
+        labels = torch.where(kept, labels, 0)
+        checked = labels
+    checks: list[Check] = [(outside(scores, 0, 1), "preds", expected)]
+    suffix = "" if ignore is None else f" or ignore_index={ignore}"
+    if problem.kind is ProblemKind.MULTICLASS:
+        classes = problem.num_classes
+        in_range = f"class indices in [0, {classes}){suffix}"
+        checks.append((outside(checked, 0, classes - 1), "target", in_range))
+    else:
+        checks.append((not_binary(checked), "target", f"0 or 1{suffix}"))
+    keep = screen(checks, rejected)
+    if keep is not None:
+        base = torch.ones_like(labels, dtype=torch.int64) if weight is None else weight
+        weight = base * keep
+        # Dropped batches may hold anything: keep indices in range.
+        if problem.kind is ProblemKind.MULTICLASS:
+            labels = labels.clamp(0, problem.num_classes - 1)
+    return ScoreBatch(scores, labels, weight)

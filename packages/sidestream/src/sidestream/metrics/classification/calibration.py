@@ -1,0 +1,202 @@
+"""Expected calibration error from per-bin count, confidence and accuracy sums."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from sidestream.metrics._screened import ScreenedMetric
+from sidestream.metrics.classification import _cpu_path
+from sidestream.metrics.classification._binning import bin_index
+from sidestream.metrics.classification._problem import (
+    Problem,
+    ProblemKind,
+    check_int,
+    check_problem,
+)
+from sidestream.metrics.classification._scores import score_batch
+from sidestream.state import MetricAccumulator
+
+__all__ = [
+    "BinaryCalibrationErrorMetric",
+    "CalibrationErrorMetric",
+    "MulticlassCalibrationErrorMetric",
+    "Norm",
+]
+
+Norm = Literal["l1", "l2", "max"]
+_NORMS = ("l1", "l2", "max")
+
+
+class CalibrationErrorMetric(ScreenedMetric[Tensor]):
+    """Calibration error over ``num_bins`` uniform confidence bins, from per-bin sums.
+
+    Per bin the state holds the sample count and the sums of confidences and accuracies, all
+    float64, so ranks add and the synced value equals the value on all the data up to float64
+    rounding; no approximation beyond the binning that defines the metric itself. With
+    ``a_b`` and ``c_b`` the mean accuracy and confidence of bin ``b`` and ``p_b`` its share of
+    the samples (empty bins count 0), as torchmetrics:
+
+    - ``l1`` (the expected calibration error): ``sum_b p_b |a_b - c_b|``;
+    - ``l2``: ``sqrt(sum_b p_b (a_b - c_b)²)``;
+    - ``max`` (the maximum calibration error): ``max_b |a_b - c_b|``.
+
+    Over no data it is NaN. Bin ``b`` is ``[b/n, (b+1)/n)``, with 1.0 in the last bin
+    (torchmetrics gives a score of exactly 1.0 a bin of its own).
+
+    Args:
+        problem: Binary (confidence = the probability, accuracy = the 0/1 target) or
+            multiclass (confidence = the top probability, accuracy = top-1 correct).
+        num_bins: Confidence bins over ``[0, 1]``.
+        norm: ``l1``, ``l2`` or ``max``.
+    """
+
+    def __init__(self, problem: Problem, num_bins: int = 15, norm: Norm = "l1") -> None:
+        super().__init__()
+        check_problem(problem, "CalibrationError")
+        check_int("num_bins", num_bins, 1)
+        if norm not in _NORMS:
+            raise ValueError(f"norm: expected one of {_NORMS}, got {norm!r}")
+        if problem.kind is ProblemKind.MULTILABEL:
+            raise ValueError("problem: calibration error takes a binary or multiclass problem")
+        self._problem = problem
+        self._num_bins = num_bins
+        self._norm = norm
+        self._count = MetricAccumulator(torch.zeros(num_bins, dtype=torch.float64))
+        self._confidence = MetricAccumulator(torch.zeros(num_bins, dtype=torch.float64))
+        self._accuracy = MetricAccumulator(torch.zeros(num_bins, dtype=torch.float64))
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        """Add a batch. No communication and no host sync on CUDA.
+
+        Args:
+            preds: Probabilities in ``[0, 1]`` (or logits with ``logits=True``). Binary: any
+                shape; multiclass: ``(N, C, ...)``.
+            target: Binary: 0/1 of ``preds``' shape; multiclass: ``(N, ...)`` class indices.
+                Elements equal to ``ignore_index`` are skipped.
+
+        Raises:
+            TypeError: If ``preds`` is not floating point.
+            ValueError: On a wrong shape, or (CPU) a probability outside ``[0, 1]`` or a target
+                outside its range; CUDA drops such a batch and counts it in
+                ``rejected_updates``.
+        """
+        batch = score_batch(self._problem, preds, target, self.device, self._rejected)
+        if batch is None:
+            return
+        scores, labels, weight = batch
+        if self._problem.kind is ProblemKind.MULTICLASS:
+            confidence, predicted = scores.max(dim=1)
+            accuracy = predicted == labels
+        else:
+            confidence, accuracy = scores.reshape(-1), labels.reshape(-1)
+        if weight is None and _cpu_path.enabled(confidence.device):
+            self._add_on_cpu(confidence, accuracy)
+            return
+        index = bin_index(confidence, self._num_bins).reshape(-1)
+        confidence = confidence.to(torch.float64)
+        accuracy = accuracy.to(torch.float64)
+        count = torch.ones_like(confidence)
+        if weight is not None:
+            kept = weight.reshape(-1).bool()
+            # Selected, not multiplied: a dropped batch may hold NaN, and NaN * 0 is NaN.
+            count = kept.to(torch.float64)
+            confidence = torch.where(kept, confidence, 0.0)
+            accuracy = torch.where(kept, accuracy, 0.0)
+        self._count.scatter_add(index, count)
+        self._confidence.scatter_add(index, confidence)
+        self._accuracy.scatter_add(index, accuracy)
+
+    def _add_on_cpu(self, confidence: Tensor, accuracy: Tensor) -> None:
+        """``bincount`` a checked batch: wrong and right samples per bin in one counting pass."""
+        bins = self._num_bins
+        stride = bins + 1
+        index = _cpu_path.score_bins(confidence, bins, 2)
+        correct = torch.add(index, accuracy.to(index.dtype), alpha=stride)
+        tally = _cpu_path.fold_bins(torch.bincount(correct, minlength=2 * stride), 2, bins)
+        wrong, right = tally.view(2, bins).to(torch.float64)
+        sums = torch.bincount(index, weights=confidence.to(torch.float64), minlength=stride)
+        self._count.accumulate(wrong + right)
+        self._accuracy.accumulate(right)
+        self._confidence.accumulate(_cpu_path.fold_bins(sums, 1, bins))
+
+    def compute(self) -> Tensor:
+        """The calibration error in the chosen norm; NaN over no data."""
+        count = self._count.value
+        gap = self._confidence.value - self._accuracy.value
+        total = count.sum()
+        if self._norm == "l1":
+            return gap.abs().sum() / total
+        mean_gap = gap / count.clamp_min(1.0)
+        if self._norm == "max":
+            return torch.where(total > 0, mean_gap.abs().max(), torch.nan)
+        return (mean_gap.square().mul(count).sum() / total).sqrt()
+
+
+class BinaryCalibrationErrorMetric(CalibrationErrorMetric):
+    """Calibration error of the positive-class probability.
+
+    The confidence of a sample is its probability ``p`` and its accuracy its 0/1 target (the
+    convention of torchmetrics' ``BinaryCalibrationError``).
+
+    Args:
+        num_bins: Confidence bins over ``[0, 1]``.
+        norm: ``l1`` (ECE), ``l2`` or ``max`` (MCE).
+        logits: Scores are logits (a sigmoid is applied).
+        ignore_index: Target value whose elements are skipped.
+
+    Example:
+        >>> metric = BinaryCalibrationErrorMetric(num_bins=2)
+        >>> metric.update(torch.tensor([0.2, 0.9, 0.7]), torch.tensor([0, 1, 0]))
+        >>> metric.compute()
+        tensor(0.2667, dtype=torch.float64)
+    """
+
+    def __init__(
+        self,
+        num_bins: int = 15,
+        norm: Norm = "l1",
+        *,
+        logits: bool = False,
+        ignore_index: int | None = None,
+    ) -> None:
+        problem = Problem(ProblemKind.BINARY, logits=logits, ignore_index=ignore_index)
+        super().__init__(problem, num_bins, norm)
+
+
+class MulticlassCalibrationErrorMetric(CalibrationErrorMetric):
+    """Calibration error of the top-1 prediction of ``(N, C, ...)`` class scores.
+
+    The confidence of a sample is its highest class probability, its accuracy 1 when that class
+    is the target.
+
+    Args:
+        num_classes: The number of classes C.
+        num_bins: Confidence bins over ``[0, 1]``.
+        norm: ``l1`` (ECE), ``l2`` or ``max`` (MCE).
+        logits: Scores are logits (a softmax over C is applied).
+        ignore_index: Target value whose samples are skipped.
+
+    Example:
+        >>> metric = MulticlassCalibrationErrorMetric(num_classes=3, num_bins=2)
+        >>> probs = torch.tensor([[0.7, 0.2, 0.1], [0.2, 0.5, 0.3], [0.1, 0.3, 0.6]])
+        >>> metric.update(probs, torch.tensor([0, 2, 2]))
+        >>> metric.compute()
+        tensor(0.0667, dtype=torch.float64)
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        num_bins: int = 15,
+        norm: Norm = "l1",
+        *,
+        logits: bool = False,
+        ignore_index: int | None = None,
+    ) -> None:
+        problem = Problem(
+            ProblemKind.MULTICLASS, num_classes, logits=logits, ignore_index=ignore_index
+        )
+        super().__init__(problem, num_bins, norm)

@@ -1,0 +1,425 @@
+"""AUROC and average precision in constant memory, from per-class score histograms.
+
+One generic ``RankingMetric`` does the work; the six public classes only choose its curve and
+problem. Bin ``b`` of ``num_bins`` holds scores in ``[b / num_bins, (b + 1) / num_bins)`` (1.0
+goes to the last bin), or the bins lie between user-given ``thresholds``. For every class the
+state counts negatives and positives per bin, so memory is ``2 * classes * bins`` int64 counts
+whatever the number of samples, and two ranks' states add.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, Self
+
+import torch
+from torch import Tensor
+
+from sidestream.metrics._screened import ScreenedMetric
+from sidestream.metrics.classification import _cpu_path
+from sidestream.metrics.classification._average import check_average, mean_over_classes
+from sidestream.metrics.classification._binning import Bins
+from sidestream.metrics.classification._curves import (
+    auroc_from_histograms,
+    average_precision_from_histograms,
+    partial_auroc_from_histograms,
+)
+from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
+from sidestream.metrics.classification._scores import score_batch
+from sidestream.state import MetricAccumulator
+
+__all__ = [
+    "BinaryAUROCMetric",
+    "BinaryAveragePrecisionMetric",
+    "Curve",
+    "Estimate",
+    "MulticlassAUROCMetric",
+    "MulticlassAveragePrecisionMetric",
+    "MultilabelAUROCMetric",
+    "MultilabelAveragePrecisionMetric",
+    "RankingMetric",
+]
+
+RankingAverage = Literal["micro", "macro", "weighted", "none"]
+Thresholds = Sequence[float] | Tensor | None
+
+
+class Curve(enum.Enum):
+    """The area a ``RankingMetric`` reports."""
+
+    AUROC = "auroc"
+    AVERAGE_PRECISION = "average_precision"
+
+
+class Estimate(NamedTuple):
+    """A value from the histograms and a certified bound on its distance to the exact value."""
+
+    value: Tensor
+    bound: Tensor
+
+
+class RankingMetric(ScreenedMetric[Tensor]):
+    """AUROC or average precision of a binary, multiclass (one-vs-rest) or multilabel problem.
+
+    State: ``2 * classes * bins`` int64 counts whatever the number of samples; no predictions
+    are stored. ``compute()`` differs from the exact value (scikit-learn's on the same scores)
+    by at most ``error_bound()``. Bad values follow the library policy: CPU raises before the
+    state changes, CUDA drops the batch and counts it in ``rejected_updates``.
+
+    Args:
+        curve: ``Curve.AUROC`` or ``Curve.AVERAGE_PRECISION``.
+        problem: The problem; its ``logits`` and ``ignore_index`` apply.
+        num_bins: Uniform histogram bins over ``[0, 1]``; the bound shrinks with more bins.
+        thresholds: Increasing edges in ``[0, 1]`` instead of uniform bins (one curve point
+            per edge).
+        average: Multiclass and multilabel: ``macro`` (mean over classes), ``weighted`` (by
+            number of positives), ``none`` (per class), and for multilabel ``micro`` (every
+            label's scores as one binary problem). Undefined classes (NaN) are left out.
+        max_fpr: Binary AUROC only: the McClish-standardized partial AUROC over false-positive
+            rates in ``[0, max_fpr]`` (scikit-learn's and torchmetrics' ``max_fpr``).
+    """
+
+    def __init__(
+        self,
+        curve: Curve,
+        problem: Problem,
+        num_bins: int = 10_000,
+        thresholds: Thresholds = None,
+        average: RankingAverage = "macro",
+        max_fpr: float | None = None,
+    ) -> None:
+        super().__init__()
+        check_problem(problem, "AUROC")
+        allowed: tuple[str, ...] = ("macro", "weighted", "none")
+        if problem.kind is ProblemKind.MULTILABEL:
+            allowed = ("micro", *allowed)
+        check_average(average, allowed)
+        if max_fpr is not None:
+            if curve is not Curve.AUROC or problem.kind is not ProblemKind.BINARY:
+                raise ValueError("max_fpr: only binary AUROC has a partial area")
+            if not 0.0 < float(max_fpr) <= 1.0:
+                raise ValueError(f"max_fpr: expected a number in (0, 1], got {max_fpr}")
+        self._curve = curve
+        self._problem = problem
+        self._bins = Bins(num_bins, thresholds)
+        self._average = average
+        self._max_fpr = max_fpr
+        # Layout (is_positive, class, bin), flattened so one index_add_ fills it.
+        classes = problem.num_classes
+        self._histogram = MetricAccumulator(
+            torch.zeros(2 * classes * self._bins.count, dtype=torch.int64)
+        )
+
+    @property
+    def num_bins(self) -> int:
+        """The number of histogram bins."""
+        return self._bins.count
+
+    def to(self, device: torch.device | str) -> Self:
+        """Move the state (and the threshold edges) to ``device`` and return ``self``."""
+        self._bins.to(torch.device(device))
+        return super().to(device)
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        """Add a batch of scores and targets. No communication and no host sync on CUDA.
+
+        Args:
+            preds: Floating-point probabilities in ``[0, 1]`` (or logits with ``logits=True``).
+                Binary: any shape; multiclass: ``(N, C, ...)``; multilabel: ``(N, L, ...)``.
+            target: Binary: 0/1 of ``preds``' shape (int, bool or float); multiclass:
+                ``(N, ...)`` class indices in ``[0, C)``; multilabel: 0/1 of ``preds``' shape.
+                Elements equal to ``ignore_index`` are skipped.
+
+        Raises:
+            TypeError: If ``preds`` is not floating point (or a multiclass target not integer).
+            ValueError: On a wrong shape or class count (always), or (CPU) a score outside
+                ``[0, 1]`` / NaN or a target outside its range. On CUDA such a batch is dropped
+                and counted in ``rejected_updates`` instead.
+        """
+        batch = score_batch(self._problem, preds, target, self.device, self._rejected)
+        if batch is None:
+            return
+        classes, bins = self._problem.num_classes, self._bins.count
+        scores, labels, weight = batch
+        # bincount's O(slots) pass pays off once the batch is at least that large.
+        cpu_path = weight is None and self._bins.uniform and _cpu_path.enabled(self.device)
+        if cpu_path and scores.numel() >= 2 * classes * (bins + 1):
+            self._histogram.accumulate(self._cpu_counts(scores, labels))
+            return
+        if self._problem.kind is ProblemKind.MULTICLASS:
+            positive = labels.unsqueeze(1) == torch.arange(classes, device=self.device)
+            if weight is not None:
+                weight = weight.unsqueeze(1).expand(positive.shape)
+        else:
+            # Compared, not used as is: a dropped batch may hold any target value.
+            positive = labels == 1
+        # Fused in place: index = bin + class * bins + is_positive * classes * bins.
+        index = self._bins.index(scores)
+        if classes > 1:
+            index.add_(torch.arange(0, classes * bins, bins, device=self.device))
+        index.add_(positive.to(torch.int64), alpha=classes * bins)
+        if weight is None:
+            source = torch.ones((), dtype=torch.int64, device=self.device).expand(index.shape)
+        else:
+            source = weight
+        self._histogram.scatter_add(index, source)
+
+    def _cpu_counts(self, scores: Tensor, target: Tensor) -> Tensor:
+        """The histogram of one checked batch by ``bincount`` (CPU path).
+
+        Large batches go in row chunks whose temporaries stay in cache and are reused by the
+        allocator, instead of fresh batch-sized buffers paged in on every update.
+        """
+        classes = self._problem.num_classes
+        rows = 2 * classes
+        slots = rows * (self._bins.count + 1)
+        # At least as many elements per chunk as bincount zeroes, so that pass stays minor.
+        step = max(_cpu_path.CHUNK_ELEMENTS, slots) // classes
+        total = self._chunk_counts(scores[:step], target[:step], slots)
+        for start in range(step, scores.shape[0], step):
+            end = start + step
+            total += self._chunk_counts(scores[start:end], target[start:end], slots)
+        return _cpu_path.fold_bins(total, rows, self._bins.count)
+
+    def _chunk_counts(self, scores: Tensor, target: Tensor, slots: int) -> Tensor:
+        classes, bins = self._problem.num_classes, self._bins.count
+        stride = bins + 1
+        index = _cpu_path.score_bins(scores, bins, 2 * classes)
+        if classes > 1:
+            index += torch.arange(
+                0, classes * stride, stride, dtype=index.dtype, device=index.device
+            )
+        if self._problem.kind is ProblemKind.MULTICLASS:
+            # One offset per sample at its true class, not an (N, C) comparison.
+            samples = torch.arange(index.shape[0], device=index.device)
+            index[samples, target.long()] += classes * stride
+        else:
+            index.add_(target.to(index.dtype), alpha=classes * stride)
+        return torch.bincount(index.reshape(-1), minlength=slots)
+
+    def histograms(self) -> tuple[Tensor, Tensor]:
+        """``(negatives, positives)`` counts per class and bin, each ``(classes, bins)``."""
+        classes, bins = self._problem.num_classes, self._bins.count
+        counts = self._histogram.value.view(2, classes, bins)
+        return counts[0], counts[1]
+
+    def estimate(self) -> Estimate:
+        """The value and its certified error bound, averaged as configured."""
+        negatives, positives = (h.to(torch.float64) for h in self.histograms())
+        if self._average == "micro":
+            negatives, positives = negatives.sum(0, keepdim=True), positives.sum(0, keepdim=True)
+        if self._max_fpr is not None:
+            value, bound = partial_auroc_from_histograms(negatives, positives, self._max_fpr)
+        elif self._curve is Curve.AUROC:
+            value, bound = auroc_from_histograms(negatives, positives)
+        else:
+            value, bound = average_precision_from_histograms(negatives, positives)
+        if self._problem.kind is ProblemKind.BINARY or self._average == "micro":
+            return Estimate(value[0], bound[0])
+        if self._average == "none":
+            return Estimate(value, bound)
+        support = positives.sum(-1)
+        weights = torch.ones_like(value) if self._average == "macro" else support
+        defined = ~value.isnan()
+        # The bound is averaged with the value's weights: a mean of errors is within the mean
+        # of their bounds.
+        return Estimate(
+            mean_over_classes(value, weights),
+            mean_over_classes(torch.where(defined, bound, torch.nan), weights),
+        )
+
+    def compute(self) -> Tensor:
+        """The value (a scalar, or per class with ``average="none"``); NaN where undefined."""
+        return self.estimate().value
+
+    def error_bound(self) -> Tensor:
+        """A certified bound on ``|compute() - exact|`` from the histograms alone.
+
+        The exact value (scikit-learn's on the same scores) lies within this distance of
+        ``compute()``; same shape as ``compute()``.
+        """
+        return self.estimate().bound
+
+
+class BinaryAUROCMetric(RankingMetric):
+    """Area under the ROC curve of binary scores, in constant memory.
+
+    ``preds``: probabilities in ``[0, 1]`` (or logits with ``logits=True``) of any shape;
+    ``target``: 0/1 of the same shape. See ``RankingMetric`` for the state, the error bound
+    and the bad-input policy.
+
+    Args:
+        num_bins: Uniform histogram bins over ``[0, 1]``.
+        thresholds: Increasing edges in ``[0, 1]`` instead of uniform bins.
+        max_fpr: Partial AUROC over false-positive rates up to ``max_fpr`` (McClish).
+        logits: Scores are logits (a sigmoid is applied).
+        ignore_index: Target value whose elements are skipped, e.g. -100.
+
+    Example:
+        >>> metric = BinaryAUROCMetric(num_bins=1000)
+        >>> metric.update(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1]))
+        >>> round(float(metric.compute()), 4)
+        0.75
+    """
+
+    def __init__(
+        self,
+        num_bins: int = 10_000,
+        *,
+        thresholds: Thresholds = None,
+        max_fpr: float | None = None,
+        logits: bool = False,
+        ignore_index: int | None = None,
+    ) -> None:
+        problem = Problem(ProblemKind.BINARY, logits=logits, ignore_index=ignore_index)
+        super().__init__(Curve.AUROC, problem, num_bins, thresholds, "none", max_fpr)
+
+
+class BinaryAveragePrecisionMetric(RankingMetric):
+    """Average precision (area under the precision-recall curve) of binary scores.
+
+    Inputs and options as ``BinaryAUROCMetric`` (without ``max_fpr``).
+
+    Example:
+        >>> metric = BinaryAveragePrecisionMetric(num_bins=1000)
+        >>> metric.update(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1]))
+        >>> round(float(metric.compute()), 4)
+        0.8333
+    """
+
+    def __init__(
+        self,
+        num_bins: int = 10_000,
+        *,
+        thresholds: Thresholds = None,
+        logits: bool = False,
+        ignore_index: int | None = None,
+    ) -> None:
+        problem = Problem(ProblemKind.BINARY, logits=logits, ignore_index=ignore_index)
+        super().__init__(Curve.AVERAGE_PRECISION, problem, num_bins, thresholds, "none")
+
+
+class MulticlassAUROCMetric(RankingMetric):
+    """One-vs-rest AUROC of ``(N, C, ...)`` scores against ``(N, ...)`` class indices.
+
+    Args:
+        num_classes: The number of classes C.
+        num_bins: Uniform histogram bins over ``[0, 1]``.
+        average: ``macro``, ``weighted`` (by positives) or ``none`` (per class).
+        thresholds: Increasing edges in ``[0, 1]`` instead of uniform bins.
+        logits: Scores are logits (a softmax over C is applied).
+        ignore_index: Target value whose samples are skipped, e.g. -100.
+
+    Example:
+        >>> metric = MulticlassAUROCMetric(num_classes=3, num_bins=1000)
+        >>> probs = torch.tensor([[0.7, 0.2, 0.1], [0.2, 0.5, 0.3], [0.1, 0.3, 0.6]])
+        >>> metric.update(probs, torch.tensor([0, 1, 2]))
+        >>> round(float(metric.compute()), 4)
+        1.0
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        num_bins: int = 10_000,
+        average: Literal["macro", "weighted", "none"] = "macro",
+        *,
+        thresholds: Thresholds = None,
+        logits: bool = False,
+        ignore_index: int | None = None,
+    ) -> None:
+        problem = Problem(
+            ProblemKind.MULTICLASS, num_classes, logits=logits, ignore_index=ignore_index
+        )
+        super().__init__(Curve.AUROC, problem, num_bins, thresholds, average)
+
+
+class MulticlassAveragePrecisionMetric(RankingMetric):
+    """One-vs-rest average precision; inputs and options as ``MulticlassAUROCMetric``.
+
+    Example:
+        >>> metric = MulticlassAveragePrecisionMetric(num_classes=3, num_bins=1000)
+        >>> probs = torch.tensor([[0.7, 0.2, 0.1], [0.2, 0.5, 0.3], [0.1, 0.3, 0.6]])
+        >>> metric.update(probs, torch.tensor([0, 1, 2]))
+        >>> round(float(metric.compute()), 4)
+        1.0
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        num_bins: int = 10_000,
+        average: Literal["macro", "weighted", "none"] = "macro",
+        *,
+        thresholds: Thresholds = None,
+        logits: bool = False,
+        ignore_index: int | None = None,
+    ) -> None:
+        problem = Problem(
+            ProblemKind.MULTICLASS, num_classes, logits=logits, ignore_index=ignore_index
+        )
+        super().__init__(Curve.AVERAGE_PRECISION, problem, num_bins, thresholds, average)
+
+
+class MultilabelAUROCMetric(RankingMetric):
+    """Per-label AUROC of ``(N, L, ...)`` scores against 0/1 targets of that shape.
+
+    Args:
+        num_labels: The number of labels L.
+        num_bins: Uniform histogram bins over ``[0, 1]``.
+        average: ``micro`` (all labels as one binary problem), ``macro``, ``weighted`` or
+            ``none``.
+        thresholds: Increasing edges in ``[0, 1]`` instead of uniform bins.
+        logits: Scores are logits (a sigmoid is applied).
+        ignore_index: Target value whose elements are skipped, e.g. -100.
+
+    Example:
+        >>> metric = MultilabelAUROCMetric(num_labels=2, num_bins=1000)
+        >>> probs = torch.tensor([[0.9, 0.2], [0.3, 0.8], [0.6, 0.4]])
+        >>> metric.update(probs, torch.tensor([[1, 0], [0, 1], [0, 1]]))
+        >>> round(float(metric.compute()), 4)
+        1.0
+    """
+
+    def __init__(
+        self,
+        num_labels: int,
+        num_bins: int = 10_000,
+        average: RankingAverage = "macro",
+        *,
+        thresholds: Thresholds = None,
+        logits: bool = False,
+        ignore_index: int | None = None,
+    ) -> None:
+        problem = Problem(
+            ProblemKind.MULTILABEL, num_labels, logits=logits, ignore_index=ignore_index
+        )
+        super().__init__(Curve.AUROC, problem, num_bins, thresholds, average)
+
+
+class MultilabelAveragePrecisionMetric(RankingMetric):
+    """Per-label average precision; inputs and options as ``MultilabelAUROCMetric``.
+
+    Example:
+        >>> metric = MultilabelAveragePrecisionMetric(num_labels=2, num_bins=1000)
+        >>> probs = torch.tensor([[0.9, 0.2], [0.3, 0.8], [0.6, 0.4]])
+        >>> metric.update(probs, torch.tensor([[1, 0], [0, 1], [0, 1]]))
+        >>> round(float(metric.compute()), 4)
+        1.0
+    """
+
+    def __init__(
+        self,
+        num_labels: int,
+        num_bins: int = 10_000,
+        average: RankingAverage = "macro",
+        *,
+        thresholds: Thresholds = None,
+        logits: bool = False,
+        ignore_index: int | None = None,
+    ) -> None:
+        problem = Problem(
+            ProblemKind.MULTILABEL, num_labels, logits=logits, ignore_index=ignore_index
+        )
+        super().__init__(Curve.AVERAGE_PRECISION, problem, num_bins, thresholds, average)

@@ -1,0 +1,92 @@
+"""Confusion-count statistics per sample, averaged over the samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from sidestream.metrics._screened import ScreenedMetric
+from sidestream.metrics.classification._average import Average, average_statistic, check_average
+from sidestream.metrics.classification._inputs import check_tensor, sample_counts
+from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.metrics.classification.confusion_count import macro_weights
+from sidestream.metrics.classification.statistics import Counts, Statistic
+from sidestream.state import MetricAccumulator
+
+__all__ = ["SamplewiseConfusionCountMetric"]
+
+
+class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
+    """The mean over samples of each sample's statistic (``multidim_average="samplewise"``).
+
+    Each sample (an index of the first dimension: an image, a sequence) gets its own confusion
+    counts over its other positions, its statistics are computed from them and averaged over
+    classes as chosen, and the metric keeps the float64 sum of those per-sample values and the
+    sample count. torchmetrics' ``multidim_average="samplewise"`` returns the ``(N,)`` vector of
+    per-sample values, which grows with the data; this is its mean (``tm(...).mean()``), in
+    fixed memory and exact across ranks up to float64 rounding.
+
+    Usually made by ``confusion_count_metric(multidim_average="samplewise")...build()``.
+
+    Args:
+        problem: The problem (binary, multiclass or multilabel).
+        statistics: The statistics, at least one, names unique.
+        average: How classes are combined within a sample (``none`` keeps ``(C,)`` values).
+        zero_division: The value of a ratio whose denominator is 0 within a sample.
+    """
+
+    def __init__(
+        self,
+        problem: Problem,
+        statistics: Sequence[Statistic],
+        average: Average = "macro",
+        zero_division: float = 0.0,
+    ) -> None:
+        super().__init__()
+        check_average(average)
+        self._problem = problem
+        self._statistics = tuple(statistics)
+        self._average = "micro" if problem.kind is ProblemKind.BINARY else average
+        self._zero_division = float(zero_division)
+        width = problem.num_classes if self._average == "none" else 1
+        self._sums = MetricAccumulator(
+            torch.zeros(len(self._statistics), width, dtype=torch.float64)
+        )
+        self._samples = MetricAccumulator(0.0, dtype=torch.float64)
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        """Add a batch of ``N`` samples; inputs as ``ConfusionCountMetric.update``."""
+        device = self._sums.device
+        preds_t = check_tensor("preds", preds, device)
+        target_t = check_tensor("target", target, device)
+        if preds_t.ndim and preds_t.shape[0] == 0:
+            return  # no samples (shapes are still checked by a non-empty batch)
+        before = self._rejected.local.clone()
+        counts = sample_counts(self._problem, preds_t, target_t, self._rejected)
+        float_counts = Counts(*(count.to(torch.float64) for count in counts))
+        weights = macro_weights(self._problem, float_counts)
+        rows = []
+        for statistic in self._statistics:
+            numerator, denominator = statistic.ratio(self._problem.kind, float_counts)
+            value = average_statistic(
+                numerator, denominator, float_counts, self._average, weights, self._zero_division
+            )
+            rows.append(value.reshape(value.shape[0], -1).sum(0))
+        # A batch dropped on CUDA raised the rejected counter: its samples do not count.
+        kept = 1.0 - (self._rejected.local - before).to(torch.float64)
+        samples = float(counts[0].shape[0])  # metadata, not a device value
+        sums = torch.stack(rows)
+        self._sums.accumulate(torch.where(kept > 0, sums, 0.0))
+        self._samples.accumulate(kept * samples)
+
+    def compute(self) -> Tensor | dict[str, Tensor]:
+        """The mean per-sample statistics: a tensor for one, ``{name: tensor}`` for several."""
+        means: Tensor = self._sums.value / self._samples.value
+        if self._average != "none":
+            means = means[:, 0]
+        values = {statistic.name: means[row] for row, statistic in enumerate(self._statistics)}
+        if len(values) == 1:
+            return next(iter(values.values()))
+        return values

@@ -1,0 +1,220 @@
+"""sidestream_torchmetrics.wrap against torchmetrics' own (distributed) computation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torchmetrics
+from torchmetrics.classification import BinaryAccuracy, MulticlassF1Score
+
+from sidestream.testing import RankPool, count_collectives, on_rank_device
+from sidestream_torchmetrics import UnsupportedStateError, wrap
+from tests.conftest import Pools
+
+CLASSES = 5
+
+
+def _members() -> dict[str, torchmetrics.Metric]:
+    return {
+        "f1": MulticlassF1Score(CLASSES, average="macro", validate_args=False),
+        "accuracy": BinaryAccuracy(validate_args=False),
+        "mse": torchmetrics.MeanSquaredError(),
+        "mean": torchmetrics.MeanMetric(nan_strategy="disable"),
+        "max": torchmetrics.MaxMetric(nan_strategy="disable"),
+    }
+
+
+def _collection() -> torchmetrics.MetricCollection:
+    return torchmetrics.MetricCollection(
+        {
+            "f1": MulticlassF1Score(CLASSES, average="micro", validate_args=False),
+            "accuracy": BinaryAccuracy(validate_args=False),
+        },
+        prefix="val/",
+    )
+
+
+def _shard(seed: int, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Seeded uneven data; the last of several ranks has none."""
+    generator = torch.Generator().manual_seed(seed * 100 + rank)
+    size = 0 if world > 1 and rank == world - 1 else 20 + 13 * rank + seed % 7
+    return {
+        "scores": torch.randn(size, CLASSES, generator=generator),
+        "labels": torch.randint(0, CLASSES, (size,), generator=generator),
+        "probs": torch.rand(size, generator=generator),
+        "binary": torch.randint(0, 2, (size,), generator=generator),
+        "values": torch.randn(size, generator=generator) * 3,
+    }
+
+
+def _feed(name: str, metric: Any, shard: dict[str, torch.Tensor]) -> None:
+    if not len(shard["labels"]):
+        return  # an empty rank never calls update
+    if name == "f1":
+        metric.update(shard["scores"], shard["labels"])
+    elif name == "accuracy":
+        metric.update(shard["probs"], shard["binary"])
+    elif name == "mse":
+        metric.update(shard["values"], shard["probs"])
+    else:
+        metric.update(shard["values"])
+
+
+def _feed_collection(metric: Any, shard: dict[str, torch.Tensor]) -> None:
+    if len(shard["labels"]):
+        # Both members take (preds, target): binary scores of the argmax class vs its label.
+        metric.update(shard["scores"].softmax(-1)[:, 0], (shard["labels"] == 0).long())
+
+
+@on_rank_device
+def _compare(seed: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = _shard(seed, rank, world)
+    out: dict[str, Any] = {}
+    plain, wrapped = _members(), {name: wrap(m) for name, m in _members().items()}
+    for name in plain:
+        _feed(name, plain[name], shard)
+        _feed(name, wrapped[name], shard)
+        wrapped[name].sync()  # the first sync of a structure also checks it across ranks
+        with count_collectives() as calls:
+            wrapped[name].sync()
+        out[name] = (plain[name].compute().item(), wrapped[name].compute().item(), calls)
+    collection, wrapped_collection = _collection(), wrap(_collection())
+    _feed_collection(collection, shard)
+    _feed_collection(wrapped_collection, shard)
+    wrapped_collection.sync()
+    with count_collectives() as calls:
+        wrapped_collection.sync()
+    expected = {key: value.item() for key, value in collection.compute().items()}
+    actual = {key: value.item() for key, value in wrapped_collection.compute().items()}
+    out["collection"] = (expected, actual, calls)
+    return out
+
+
+def test_wrapped_metrics_match_torchmetrics_distributed(dist_pool: RankPool) -> None:
+    for per_rank in dist_pool.run(_compare, 3):
+        for name, (expected, actual, calls) in per_rank.items():
+            assert len(calls) == 1, (name, calls)  # one sync, one collective
+            assert actual == pytest.approx(expected, rel=1e-6), name
+
+
+def test_single_process_matches_torchmetrics() -> None:
+    shard = _shard(5, 0, 1)
+    plain, wrapped = _members(), {name: wrap(m) for name, m in _members().items()}
+    for name in plain:
+        _feed(name, plain[name], shard)
+        _feed(name, wrapped[name], shard)
+        assert wrapped[name].compute().item() == pytest.approx(plain[name].compute().item())
+        wrapped[name].reset()
+        _feed(name, wrapped[name], _shard(6, 0, 1))
+        again = _members()[name]
+        _feed(name, again, _shard(6, 0, 1))
+        assert wrapped[name].compute().item() == pytest.approx(again.compute().item()), name
+
+
+def _state(metric: Any) -> dict[str, Any]:
+    return {key: value.tolist() for key, value in metric.state_dict().items()}
+
+
+def _all_members() -> Any:
+    return wrap(torchmetrics.MetricCollection(_members()))
+
+
+def _feed_all(metric: Any, shard: dict[str, torch.Tensor]) -> None:
+    for name, child in metric.items():
+        _feed(name, child, shard)
+
+
+@on_rank_device
+def _save(path: str, seed: int) -> dict[str, Any]:
+    metric = _all_members()
+    _feed_all(metric, _shard(seed, dist.get_rank(), dist.get_world_size()))
+    dcp.save({"metric": metric}, checkpoint_id=path)
+    return _state(metric)
+
+
+@on_rank_device
+def _resume(load: str, save: str, seed: int) -> None:
+    metric = _all_members()
+    dcp.load({"metric": metric}, checkpoint_id=load)
+    _feed_all(metric, _shard(seed, dist.get_rank(), dist.get_world_size()))
+    dcp.save({"metric": metric}, checkpoint_id=save)
+
+
+def test_checkpoints_reshard_four_two_one(pools: Pools, tmp_path: Path) -> None:
+    first, second = str(tmp_path / "four"), str(tmp_path / "two")
+    saved = pools.get(4).run(_save, first, 11)
+    assert all(state == saved[0] for state in saved)
+    pools.get(2).run(_resume, first, second, 12)
+    resumed = _all_members()
+    dcp.load({"metric": resumed}, checkpoint_id=second)
+    _feed_all(resumed, _shard(13, 0, 1))
+    shards = [_shard(11, r, 4) for r in range(4)] + [_shard(12, r, 2) for r in range(2)]
+    everything = {k: torch.cat([s[k] for s in [*shards, _shard(13, 0, 1)]]) for k in shards[0]}
+    reference = _members()
+    for name, metric in reference.items():
+        _feed(name, metric, everything)
+    values = resumed.compute()
+    for name, metric in reference.items():
+        assert values[name].item() == pytest.approx(metric.compute().item(), rel=1e-5), name
+
+
+@pytest.mark.parametrize(
+    ("metric", "message"),
+    [
+        (
+            torchmetrics.classification.BinaryAUROC(),
+            r"BinaryAUROC: state 'preds' concatenates samples .*"
+            r"use sidestream\.metrics\.classification\.BinaryAUROCMetric",
+        ),
+        (torchmetrics.CatMetric(), r"CatMetric: state 'value' concatenates samples"),
+        (
+            torchmetrics.PearsonCorrCoef(),
+            r"PearsonCorrCoef: state 'mean_x' has dist_reduce_fx=None.*PearsonCorrelationMetric",
+        ),
+    ],
+)
+def test_unsupported_states_are_refused_by_name(metric: Any, message: str) -> None:
+    with pytest.raises(UnsupportedStateError, match=message):
+        wrap(metric)
+    with pytest.raises(UnsupportedStateError, match=message):
+        wrap(torchmetrics.MetricCollection({"ok": BinaryAccuracy(), "bad": metric.clone()}))
+    with pytest.raises(TypeError, match="torchmetrics"):
+        wrap(np.zeros(3))  # type: ignore[arg-type]
+
+
+def test_binned_curves_wrap() -> None:
+    """torchmetrics' binned AUROC keeps sum states: it goes through the bridge."""
+    generator = torch.Generator().manual_seed(0)
+    scores, target = torch.rand(300, generator=generator), torch.randint(0, 2, (300,))
+    plain = torchmetrics.classification.BinaryAUROC(thresholds=50)
+    wrapped = wrap(torchmetrics.classification.BinaryAUROC(thresholds=50))
+    plain.update(scores, target)
+    wrapped.update(scores, target)
+    assert wrapped.compute().item() == pytest.approx(plain.compute().item())
+
+
+def test_async_collector_reports_each_window_as_torchmetrics() -> None:
+    """A wrapped collection in the collector: one report per window, each window from zero."""
+    from sidestream.collector import AsyncMetricCollector
+
+    metric = wrap(torchmetrics.MetricCollection(_members()))
+    collector = AsyncMetricCollector(metric).bind(torch.device("cpu"))
+    expected = []
+    for step in range(3):
+        shard = _shard(20 + step, 0, 1)
+        reference = _members()
+        for name, child in metric.items():
+            _feed(name, child, shard)
+            _feed(name, reference[name], shard)
+        expected.append({name: m.compute().item() for name, m in reference.items()})
+        collector.schedule_collection(step)
+        reported = collector.collect_results()
+        assert reported == pytest.approx(expected[-1], rel=1e-6), step
+    assert collector.close()

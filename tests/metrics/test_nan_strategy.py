@@ -1,0 +1,152 @@
+"""nan_strategy of the aggregation metrics against torchmetrics' aggregators."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchmetrics
+from torch import Tensor
+
+from sidestream.metrics import MaxMetric, MeanMetric, MinMetric, SumMetric, WeightedMeanMetric
+from sidestream.testing import on_rank_device
+from tests.conftest import Pools
+
+PAIRS = {
+    "sum": (SumMetric, torchmetrics.SumMetric),
+    "mean": (MeanMetric, torchmetrics.MeanMetric),
+    "max": (MaxMetric, torchmetrics.MaxMetric),
+    "min": (MinMetric, torchmetrics.MinMetric),
+}
+STRATEGIES: list[Any] = ["ignore", 2.5, "disable"]
+
+
+def _batches(seed: int, count: int = 3) -> list[Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        values = torch.randn(20, generator=generator, dtype=torch.float64)
+        values[torch.rand(20, generator=generator) < 0.2] = float("nan")
+        out.append(values)
+    return out
+
+
+def _expected(name: str, strategy: Any, batches: list[Tensor]) -> float:
+    reference = PAIRS[name][1](nan_strategy=strategy)
+    for batch in batches:
+        reference.update(batch.clone())  # torchmetrics fills NaN in place
+    return float(reference.compute())
+
+
+def _check(actual: float, expected: float) -> None:
+    assert actual == pytest.approx(expected, rel=1e-6, nan_ok=True)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_matches_torchmetrics_and_counts_nan(strategy: Any) -> None:
+    batches = _batches(0)
+    nans = int(sum(torch.isnan(b).sum() for b in batches))
+    for name, (ours, _) in PAIRS.items():
+        metric = ours(nan_strategy=strategy)
+        for batch in batches:
+            metric.update(batch)
+        _check(float(metric.compute()), _expected(name, strategy, batches))
+        counted = metric.nan_count
+        assert (counted is None) == (strategy == "disable"), name
+        if counted is not None:
+            assert int(counted) == nans, name
+    weighted = WeightedMeanMetric(nan_strategy=strategy)
+    for batch in batches:
+        weighted.update(batch, torch.ones_like(batch))
+    mean = torchmetrics.MeanMetric(nan_strategy=strategy)
+    for batch in batches:
+        mean.update(batch.clone(), torch.ones_like(batch))
+    _check(float(weighted.compute()), float(mean.compute()))
+
+
+def test_error_raises_before_the_state_changes() -> None:
+    batch = torch.tensor([1.0, float("nan")])
+    for name, (ours, _) in PAIRS.items():
+        metric = ours(nan_strategy="error")
+        metric.update(torch.tensor([3.0]))
+        with pytest.raises(ValueError, match="values"):
+            metric.update(batch)
+        assert float(metric.compute()) == 3.0, name
+        assert int(metric.rejected_updates) == 0
+    weighted = WeightedMeanMetric(nan_strategy="error")
+    with pytest.raises(ValueError, match="values"):
+        weighted.update(batch, torch.ones(2))
+    assert torch.isnan(weighted.compute())
+    for bad in ("warn", float("inf")):
+        with pytest.raises(ValueError, match="nan_strategy"):
+            MeanMetric(nan_strategy=bad)
+
+
+@on_rank_device
+def _synced(strategy: Any) -> dict[str, tuple[float, int]]:
+    rank = dist.get_rank()
+    batches = _batches(rank) if rank == 0 else []  # rank 1 has no data
+    out = {}
+    for name, (ours, _) in PAIRS.items():
+        metric = ours(nan_strategy=strategy)
+        for batch in batches:
+            metric.update(batch)
+        metric.sync()
+        out[name] = (float(metric.compute()), int(metric.nan_count))
+    return out
+
+
+def test_two_ranks_one_empty(pools: Pools) -> None:
+    batches = _batches(0)
+    nans = int(sum(torch.isnan(b).sum() for b in batches))
+    for per_rank in pools.get(2).run(_synced, "ignore"):
+        for name, (value, counted) in per_rank.items():
+            _check(value, _expected(name, "ignore", batches))
+            assert counted == nans
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_counts_and_drops_without_a_host_sync() -> None:
+    batches = [b.cuda() for b in _batches(1)]
+    nans = int(sum(torch.isnan(b).sum() for b in batches))
+    clean = torch.randn(16, dtype=torch.float64, device="cuda")
+    metrics = {
+        "ignore": {
+            name: ours(nan_strategy="ignore").to("cuda") for name, (ours, _) in PAIRS.items()
+        },
+        "error": {name: ours(nan_strategy="error").to("cuda") for name, (ours, _) in PAIRS.items()},
+    }
+    weighted = WeightedMeanMetric(nan_strategy="error").to("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches:
+            for metric in metrics["ignore"].values():
+                metric.update(batch)
+        for metric in metrics["error"].values():
+            metric.update(clean)
+            metric.update(batches[0])  # has NaN: dropped and counted
+        weighted.update(clean, torch.ones_like(clean))
+        weighted.update(batches[0], -torch.ones_like(batches[0]))  # bad twice: counted once
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    cpu = [b.cpu() for b in batches]
+    for name, metric in metrics["ignore"].items():
+        _check(float(metric.compute()), _expected(name, "ignore", cpu))
+        assert int(metric.nan_count) == nans
+    for name, metric in metrics["error"].items():
+        assert int(metric.rejected_updates) == 1, name
+        _check(float(metric.compute()), _expected(name, "disable", [clean.cpu()]))
+    assert int(weighted.rejected_updates) == 1
+    _check(float(weighted.compute()), float(clean.mean()))
+
+
+def test_rejected_updates_is_always_a_tensor() -> None:
+    """The collector stacks every metric's rejected_updates: 0 unless nan_strategy="error"."""
+    for strategy in STRATEGIES:
+        for name, (ours, _) in PAIRS.items():
+            value = ours(nan_strategy=strategy).rejected_updates
+            assert isinstance(value, Tensor) and int(value) == 0, (name, strategy)
