@@ -78,13 +78,32 @@ def gpu(session: nox.Session) -> None:
     )
 
 
+DOCS_REQUIREMENTS = ["mkdocs-material", "mkdocstrings[python]"]
+
+
 @nox.session(python=PYTHON, tags=["ci"])
 def docs(session: nox.Session) -> None:
-    """Build the documentation site strictly (broken links or references fail)."""
-    session.install("mkdocs-material", "mkdocstrings[python]")
+    """Build the documentation site strictly, then check every nav page was built and linked."""
+    session.install(*DOCS_REQUIREMENTS, "pytest", "pytest-timeout")
     session.run(
         "mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"}
     )
+    # --noconftest: the nav checks read files only; the tests' conftest would import torch.
+    session.run(
+        "pytest",
+        "--noconftest",
+        "tests/test_docs.py",
+        "-k",
+        "nav",
+        env={"SIDESTREAM_SITE_DIR": "site"},
+    )
+
+
+@nox.session(name="docs-serve", python=PYTHON)
+def docs_serve(session: nox.Session) -> None:
+    """Preview the site at http://127.0.0.1:8000, rebuilt on every change (``mkdocs serve``)."""
+    session.install(*DOCS_REQUIREMENTS)
+    session.run("mkdocs", "serve", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(python=PYTHON)
