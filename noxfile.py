@@ -108,9 +108,9 @@ def docs_serve(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks against peers; writes docs/benchmarks.md."""
+    """Benchmarks against peers; writes docs/benchmarks.md and its plots (docs/figures/)."""
     # The integrations come along: tracker_overhead measures each tracker's own client too.
-    _install_project(session, "torchmetrics", "numpy")
+    _install_project(session, "torchmetrics", "numpy", "matplotlib")
     session.run("python", "-m", "benchmarks.run", *session.posargs)
 
 

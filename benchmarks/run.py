@@ -1,4 +1,4 @@
-"""Run every benchmark and write docs/benchmarks.md.
+"""Run every benchmark and write docs/benchmarks.md, with a plot per section.
 
 Each benchmark measures sidestream and its peers in the same run and reports ratios, so the
 numbers compare like with like on whatever machine runs them.
@@ -12,6 +12,7 @@ from pathlib import Path
 from benchmarks import (
     classification_update,
     collector_overhead,
+    plots,
     ranking_memory,
     sync_cost,
     tracker_overhead,
@@ -37,8 +38,9 @@ def main() -> None:
         "group, "
         "on the same data, in the same run; ratios are peer / sidestream.\n"
     )
-    args.out.write_text(header + "\n" + "\n".join(sections))
-    print(f"wrote {args.out}")
+    # Each section's plot (figures/bench-*.svg next to the page) goes at the end of its section.
+    args.out.write_text(plots.add_plots(header + "\n" + "\n".join(sections), args.out.parent))
+    print(f"wrote {args.out} and its plots")
 
 
 if __name__ == "__main__":

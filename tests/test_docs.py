@@ -87,3 +87,17 @@ def test_nav_page_is_built_and_reachable(page: str, site: Path) -> None:
     for source in re.findall(r'<img[^>]* src="([^"]+)"', html):
         if not source.startswith(("http:", "https:", "data:")):
             assert (site / url / source).resolve().is_file(), f"{page}: missing image {source}"
+
+
+def test_benchmark_page_has_its_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from benchmarks import plots
+
+    page = (DOCS / "benchmarks.md").read_text()
+    redrawn = plots.add_plots(page, tmp_path)
+    assert redrawn == page  # the committed page already links every plot, once
+    for plot in plots.PLOTS:
+        link = f"(figures/bench-{plot.slug}.svg)"
+        assert page.count(link) == 1, link
+        assert (tmp_path / "figures" / f"bench-{plot.slug}.svg").read_text().startswith("<?xml")
+        assert (DOCS / "figures" / f"bench-{plot.slug}.svg").is_file()
