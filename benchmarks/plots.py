@@ -223,11 +223,16 @@ def draw(plot: Plot, tables: list[Table], out: Path) -> None:
 
     plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "sidestream", "font.size": 9})
     panels = _panels(plot, tables)
-    bars = max(len(drawn.labels) * len(drawn.panel.series) for drawn in panels)
+    # Panels stacked, each as tall as its bars: the page's content column is narrow.
+    bars = [len(drawn.labels) * len(drawn.panel.series) for drawn in panels]
     fig, axes = plt.subplots(
-        1, len(panels), figsize=(4.6 * len(panels) + 2.6, 1.2 + 0.3 * bars), squeeze=False
+        len(panels),
+        1,
+        figsize=(7.5, 0.6 + sum(0.6 + 0.26 * count for count in bars)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [1.5 + count for count in bars]},
     )
-    for ax, drawn in zip(axes[0], panels, strict=True):
+    for ax, drawn in zip(axes[:, 0], panels, strict=True):
         series = drawn.panel.series
         height = 0.8 / len(series)
         rows = list(range(len(drawn.labels)))[::-1]  # the table's first row on top

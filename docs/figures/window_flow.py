@@ -174,11 +174,11 @@ def main() -> None:
             color="#444444",
         )
     for lane, top, height, text in BOXES.values():
-        x = _lane_x(lane) + 0.12
+        x = _lane_x(lane) + 0.07
         ax.add_patch(
             FancyBboxPatch(
                 (x, top - height),
-                LANE_W - 0.24,
+                LANE_W - 0.14,
                 height,
                 boxstyle="round,pad=0.02,rounding_size=0.08",
                 facecolor="white",
@@ -187,12 +187,12 @@ def main() -> None:
             )
         )
         ax.text(
-            x + (LANE_W - 0.24) / 2,
+            x + (LANE_W - 0.14) / 2,
             top - height / 2,
             text,
             ha="center",
             va="center",
-            fontsize=10,
+            fontsize=9.5,
             linespacing=1.2,
         )
     for start, end, label in ARROWS:
