@@ -26,22 +26,23 @@ class TroubleJsonlSink(JsonlSink):
         raise_at: int | None = None,
         raises: int = 1,
     ) -> None:
-        super().__init__(path, flush_every=1000)  # buffered: a dead child loses its buffer
+        super().__init__(path, flush_every=1)  # one report per write: troubles hit one step
         self._marker = Path(f"{path}.trouble")
         self._die_at, self._hang_at, self._raise_at = die_at, hang_at, raise_at
         self._raises = raises
 
-    def write(self, report: Report) -> None:
-        if report.step == self._die_at and not self._marker.exists():
-            self._marker.touch()
-            os._exit(9)
-        if report.step == self._hang_at and not self._marker.exists():
-            self._marker.touch()
-            time.sleep(600)
-        if report.step == self._raise_at and self._raises > 0:
-            self._raises -= 1
-            raise ConnectionError("tracker refused the connection")
-        super().write(report)
+    def send(self, reports: Sequence[Report]) -> None:
+        for report in reports:
+            if report.step == self._die_at and not self._marker.exists():
+                self._marker.touch()
+                os._exit(9)
+            if report.step == self._hang_at and not self._marker.exists():
+                self._marker.touch()
+                time.sleep(600)
+            if report.step == self._raise_at and self._raises > 0:
+                self._raises -= 1
+                raise ConnectionError("tracker refused the connection")
+        super().send(reports)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "pid": os.getpid()}

@@ -52,7 +52,7 @@ def test_delivers_from_another_process(tmp_path: Path) -> None:
     assert [line["step"] for line in lines] == STEPS
     assert [line["values"] for line in lines] == [{"value": value} for value in expected]
     assert sink.state_dict()["pid"] != os.getpid()
-    assert sink.state_dict()["last_step"] == STEPS[-1]
+    assert sink.state_dict()["last_steps"] == {"": STEPS[-1]}
     assert sink.restarts == 0
 
 

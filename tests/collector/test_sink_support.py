@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sidestream.sinks._support import call_within, parse_resume_state
+from sidestream.sinks.support import call_within, parse_resume_state
 
 
 def test_call_within_returns_on_time_even_if_the_call_hangs() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import pickle
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from sidestream.sinks import (
     Sink,
     SinkRunner,
     available_sinks,
+    read_jsonl,
     sinks_from_config,
 )
 from tests.collector.helpers import AlwaysFailingSink, BatchingSink, RecordingSink
@@ -29,12 +31,12 @@ def _report(step: int, **values: float) -> Report:
     return Report(step=step, values=values or {"loss": float(step)}, time=1000.0 + step)
 
 
-def test_jsonl_appends_batches_and_resumes_without_duplicates(tmp_path: Path) -> None:
+def test_jsonl_writes_standard_json_and_resumes_without_duplicates(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "m.jsonl"
     sink = JsonlSink(path, flush_every=2)
     sink.open(RunInfo())
-    sink.write(_report(1, loss=0.5, acc=float("nan")))
-    assert path.read_text() == "", "buffered until a batch is full"
+    sink.write(_report(1, loss=0.5, acc=float("nan"), up=float("inf"), down=float("-inf")))
+    assert len(path.read_text().splitlines()) == 1, "delivered means in the file"
     sink.write(
         Report(step=2, values={"loss": 0.25}, time=0.0, histograms={"h": torch.tensor([1, 2])})
     )
@@ -48,11 +50,17 @@ def test_jsonl_appends_batches_and_resumes_without_duplicates(tmp_path: Path) ->
     for step in (2, 3):  # step 2 was written before the checkpoint
         resumed.write(_report(step))
     resumed.close()
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
+
+    # Standard JSON: a strict parser (no NaN / Infinity tokens) reads every line.
+    def strict(token: str) -> None:
+        raise ValueError(f"non-standard JSON token {token}")
+
+    lines = [json.loads(line, parse_constant=strict) for line in path.read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
-    assert (
-        lines[0]["values"]["loss"] == 0.5 and lines[0]["values"]["acc"] != lines[0]["values"]["acc"]
-    )
+    assert lines[0]["values"] == {"loss": 0.5, "acc": "NaN", "up": "Infinity", "down": "-Infinity"}
+    read = list(read_jsonl(path))
+    assert math.isnan(read[0]["values"]["acc"]) and read[0]["values"]["up"] == math.inf
+    assert read[0]["values"]["down"] == -math.inf
     assert lines[1]["histograms"] == {"h": [1, 2]}
     assert lines[2]["time"] == 1003.0
 

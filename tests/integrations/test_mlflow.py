@@ -59,7 +59,7 @@ def _check_ranks(results: list[dict[str, Any]]) -> None:
     """Rank 0 ran one sink thread and closed in time; rank 1 never opened its sink."""
     assert [r["sink_threads"] for r in results] == [1, 0]
     assert [r["closed"] for r in results] == [True, True]
-    assert results[1]["sink_states"] == [{"run_id": None, "last_step": None}]
+    assert results[1]["sink_states"] == [{"run_id": None, "last_steps": {}}]
 
 
 def _check_run_details(client: Any, run_id: str) -> None:
@@ -84,7 +84,7 @@ def test_two_ranks_every_window_once_sqlite(shm_path: Path, pool2: RankPool) -> 
     client = MlflowClient(tracking_uri=uri)
     run_id = _check_run(client, "dist", range(STEPS))  # one run: rank 1 created none
     _check_run_details(client, run_id)
-    assert results[0]["sink_states"] == [{"run_id": run_id, "last_step": STEPS - 1}]
+    assert results[0]["sink_states"] == [{"run_id": run_id, "last_steps": {"": STEPS - 1}}]
     # Very generous: in-process SQLite writes compete for the GIL on a loaded machine.
     assert max(results[0]["schedule_seconds"]) < 1.0
     print(f"\nno-fault run, training thread in schedule_collection: {_timing(results[0])}")
@@ -157,7 +157,7 @@ def test_server_down_from_step_50_to_120_delivers_all_once_in_order(
     client = MlflowClient(tracking_uri=mlflow_server.uri)
     run_id = _check_run(client, "fault", range(STEPS))  # one run: rank 1 created none
     _check_run_details(client, run_id)
-    assert rank0["sink_states"] == [{"run_id": run_id, "last_step": STEPS - 1}]
+    assert rank0["sink_states"] == [{"run_id": run_id, "last_steps": {"": STEPS - 1}}]
     # Generous: the training thread never waits for the tracker, down or not.
     assert max(rank0["schedule_seconds"]) < 0.5
     print(f"\nserver down 50..120, training thread in schedule_collection: {_timing(rank0)}")
@@ -172,10 +172,10 @@ def test_resume_from_collector_checkpoint_continues_the_same_run(
     _check_ranks(first)
     checkpoint = first[0]["checkpoint"]
     saved = checkpoint["sinks"]["mlflow"]
-    assert saved["last_step"] == 99
+    assert saved["last_steps"] == {"": 99}
     second = pool2.run(train, config, range(100, STEPS), checkpoint, timeout=280)
     _check_ranks(second)
-    assert second[0]["sink_states"] == [{"run_id": saved["run_id"], "last_step": STEPS - 1}]
+    assert second[0]["sink_states"] == [{"run_id": saved["run_id"], "last_steps": {"": STEPS - 1}}]
     client = MlflowClient(tracking_uri=config["mlflow"]["tracking_uri"])
     assert _check_run(client, "resume", range(STEPS)) == saved["run_id"]
     assert client.get_run(saved["run_id"]).info.status == "FINISHED"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidestream.sinks._support import (
+from sidestream.sinks.support import (
     flatten_config,
     histogram_edges,
     redact,

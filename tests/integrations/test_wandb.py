@@ -52,14 +52,13 @@ def _data_file(run_dir: str) -> Path:
 
 
 def _check_rows(rows: list[HistoryRow], steps: range) -> None:
-    assert [row.step for row in rows] == list(steps)
+    # Each row carries its stream's step metric ("step" for the stream ""), not W&B's _step.
+    assert [row.items["step"] for row in rows] == list(steps)
     for row in rows:
-        values, histogram = expected(row.step)
-        assert row.items["_step"] == row.step
+        step = row.items["step"]
+        values, histogram = expected(step)
         for key, want in values.items():
-            np.testing.assert_allclose(
-                row.items[key], want, rtol=1e-12, err_msg=f"{key}@{row.step}"
-            )
+            np.testing.assert_allclose(row.items[key], want, rtol=1e-12, err_msg=f"{key}@{step}")
         scores = row.items["scores"]
         assert scores["_type"] == "histogram"
         np.testing.assert_array_equal(scores["values"], histogram)
@@ -69,7 +68,7 @@ def _check_rows(rows: list[HistoryRow], steps: range) -> None:
 def _data_files(root: Path) -> list[Path]:
     """Every offline run's ``.wandb`` file under ``root``, ordered by the first step it holds."""
     files = [_data_file(str(run)) for run in (root / "wandb").glob("offline-run-*")]
-    return sorted(files, key=lambda f: _history(f)[0].step if _history(f) else -1)
+    return sorted(files, key=lambda f: _history(f)[0].items["step"] if _history(f) else -1)
 
 
 def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: RankPool) -> None:
@@ -77,10 +76,10 @@ def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: RankPool) ->
     assert [r["sink_threads"] for r in results] == [1, 0]
     assert [r["closed"] for r in results] == [True, True]
     assert results[0]["delivered"] == [STEPS]
-    assert results[1]["sink_states"] == [{"run_id": None, "last_step": None}]
+    assert results[1]["sink_states"] == [{"run_id": None, "last_steps": {}, "run_dir": None}]
     (data,) = _data_files(tmp_path)  # rank 1 created no run
     state = results[0]["sink_states"][0]
-    assert run_id_of(data) == state["run_id"] and state["last_step"] == STEPS - 1
+    assert run_id_of(data) == state["run_id"] and state["last_steps"] == {"": STEPS - 1}
     _check_rows(_history(data), range(STEPS))
 
 
@@ -90,12 +89,13 @@ def test_resume_from_collector_checkpoint_keeps_the_run_id_and_never_repeats_a_s
     # Stop after step 100's update with a checkpoint; step 100 is not logged yet.
     first = pool2.run(train, _config(tmp_path), range(101), checkpoint_at=100, timeout=240)
     saved = first[0]["checkpoint"]["sinks"]["wandb"]
-    assert saved["last_step"] == 99
+    assert saved["last_steps"] == {"": 99}
     second = pool2.run(
         train, _config(tmp_path), range(100, STEPS), first[0]["checkpoint"], timeout=240
     )
     assert [r["closed"] for r in first + second] == [True] * 4
-    assert second[0]["sink_states"] == [{"run_id": saved["run_id"], "last_step": STEPS - 1}]
+    (resumed,) = second[0]["sink_states"]
+    assert resumed["run_id"] == saved["run_id"] and resumed["last_steps"] == {"": STEPS - 1}
     # Offline, W&B writes the continuation to a second directory of the same run id (joined by
     # `wandb sync`); together they hold every step once.
     files = _data_files(tmp_path)
@@ -130,10 +130,10 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
     assert sink.close(timeout=60)
     assert run_dir is not None
     rows = _history(_data_file(run_dir))
-    assert [(row.step, row.items["loss"]) for row in rows] == [(5, 0.5)]
+    assert [(row.items["step"], row.items["loss"]) for row in rows] == [(5, 0.5)]
     assert rows[0].items["ok"]["values"] == [1.0, 2.0] and "bad" not in rows[0].items
     assert "bad" in caplog.text
-    assert state == {"run_id": state["run_id"], "last_step": 5}
+    assert state == {"run_id": state["run_id"], "last_steps": {"": 5}, "run_dir": run_dir}
     written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]
     assert all(key.encode() not in content for content in written)
     assert key not in repr(state) + repr(sink) + caplog.text

@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import time
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
-from sidestream.sinks import Report, RunInfo, Sink
-from sidestream.sinks._support import (
-    call_within,
+from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
+from sidestream.sinks.support import (
     flatten_config,
-    parse_resume_state,
     redact,
     secrets_in,
     shorten,
     uri_without_password,
 )
+from sidestream.sinks.tracker import stream_of
+from sidestream_mlflow._http import request_settings
 
 __all__ = ["MlflowSink"]
 
-_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # MLflow's documented limits (mlflow.utils.validation); kept here so a newer MLflow that relaxes
 # them still receives requests an older server accepts.
@@ -38,23 +36,27 @@ MAX_RUN_NAME_LENGTH = 250
 
 # Characters MLflow allows in metric, param and tag names; others become "_".
 _NOT_ALLOWED_IN_KEY = re.compile(r"[^A-Za-z0-9_\-. :/]")
-# MLflow reads its HTTP settings from the environment at each request; the values sinks put there.
-_ENV_SET_BY_SINKS: dict[str, str] = {}
+INSTALL = (
+    'pip install "sidestream[mlflow]" (from a checkout: pip install '
+    "./integrations/sidestream-mlflow)"
+)
 _SECRET_ENV = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_TOKEN")
 
 
-class MlflowSink(Sink):
+class MlflowSink(TrackerSink):
     """Logs every report to one MLflow run with ``MlflowClient.log_batch``.
 
     ``open`` creates the run (name, tags, flattened hyper-parameters as params) in
     ``experiment``, or continues the run saved in ``state_dict``. ``write`` sends a report's
-    values as metrics at the report's step, at most 1000 per request, with no flush per step.
-    A step at or below the last delivered one is skipped, so a resumed job never logs a step
-    twice. If a request fails midway through a report, retrying the same report sends only what
-    is missing.
+    values as metrics at the report's step, at most 1000 per request, with no flush per step;
+    streams may arrive in any step order. A step at or below its stream's last delivered one is
+    skipped, so a resumed job never logs a step twice. If a request fails midway through a
+    report, retrying the same report sends only what is missing.
 
-    Requests fail fast (``http_timeout``, ``http_max_retries``) so the caller's retry loop, not
-    MLflow's own, decides how long to keep trying while the server is away.
+    The sink's own requests fail fast (``http_timeout``, ``http_max_retries``) so the
+    pipeline's retry loop, not MLflow's, decides how long to keep trying while the server is
+    away. These settings apply to the sink's requests only: MLflow calls elsewhere in the
+    process keep MLflow's settings (no environment variable is changed).
 
     Args:
         tracking_uri: MLflow tracking URI (``http://host:5000``, ``sqlite:///mlflow.db``);
@@ -63,17 +65,17 @@ class MlflowSink(Sink):
             experiment.
         run_name: Run name; defaults to the ``RunInfo`` name given to ``open``.
         tags: Extra run tags, merged with the ``RunInfo`` tags.
-        http_timeout: Whole seconds per HTTP request, set for this process through
-            ``MLFLOW_HTTP_REQUEST_TIMEOUT`` unless the user set that variable. ``None`` leaves
-            MLflow's default.
-        http_max_retries: MLflow's own retries per request (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
-            same rule). ``None`` leaves MLflow's default (several retries with long backoff).
+        http_timeout: Seconds per HTTP request of this sink. ``None`` leaves MLflow's setting
+            (``MLFLOW_HTTP_REQUEST_TIMEOUT``).
+        http_max_retries: MLflow's own retries per request of this sink. ``None`` leaves
+            MLflow's setting (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``: several, with long backoff).
 
     Example:
         >>> sink = MlflowSink(tracking_uri="sqlite:///mlflow.db", experiment="demo")
     """
 
     name = "mlflow"
+    identity_key = "run_id"
     max_batch = 100  # reports per write_batch: a backlog goes out 1000 values per request
 
     def __init__(
@@ -86,6 +88,7 @@ class MlflowSink(Sink):
         http_timeout: int | None = 10,
         http_max_retries: int | None = 0,
     ) -> None:
+        super().__init__()
         self._tracking_uri = tracking_uri
         self._experiment = experiment
         self._run_name = run_name
@@ -94,16 +97,24 @@ class MlflowSink(Sink):
         self._http_max_retries = http_max_retries
         self._client: Any = None
         self._run_id: str | None = None
-        self._last_step: int | None = None
-        # Progress through the report being delivered: its step, how many chunks of it went
-        # out, and whether the last attempt at the next chunk failed (it may have landed).
-        self._pending_steps: tuple[int, ...] | None = None
+        # Progress through the reports being delivered: their streams and steps, how many
+        # chunks went out, and whether the last attempt at the next chunk failed (it may
+        # have landed).
+        self._pending_steps: tuple[tuple[str, int], ...] | None = None
         self._chunks_done = 0
         self._chunk_uncertain = False
         # Tags the run this sink creates, so a retry after a lost create_run reply finds it
         # instead of creating a second run.
         self._run_key = uuid.uuid4().hex
         self._create_attempted = False
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``ImportError`` with the install command if mlflow is missing."""
+        try:
+            import mlflow  # noqa: F401
+        except ImportError as error:
+            raise ImportError(f"MlflowSink needs mlflow ({error}): {INSTALL}") from None
 
     def __repr__(self) -> str:
         return (
@@ -116,27 +127,36 @@ class MlflowSink(Sink):
         """The MLflow run id once opened (or loaded from a state dict)."""
         return self._run_id
 
+    @property
+    def identity(self) -> str | None:
+        """The run id."""
+        return self._run_id
+
+    @identity.setter
+    def identity(self, value: str | None) -> None:
+        self._run_id = value
+
     def _secrets(self) -> list[str]:
         return secrets_in(_SECRET_ENV, [self._tracking_uri])
 
+    def describe_error(self, error: BaseException) -> str:
+        """``error`` as text without the tracking URI's password or tokens."""
+        return redact(f"{type(error).__name__}: {error}", self._secrets())
+
     def _failure(self, what: str, error: BaseException) -> RuntimeError:
         # The original exception may carry the tracking URI with its password or a token from
-        # a request header, so only a redacted message leaves the sink, raised unchained.
-        message = redact(f"{type(error).__name__}: {error}", self._secrets())
+        # a request header, so only a redacted message leaves the sink, raised unchained; its
+        # kind (permanent or worth a retry) survives in the class.
         uri = uri_without_password(self._tracking_uri)
-        return RuntimeError(f"MlflowSink ({uri}): {what} failed: {message}")
+        kind = PermanentSinkError if is_permanent(error) else RuntimeError
+        return kind(f"MlflowSink ({uri}): {what} failed: {self.describe_error(error)}")
+
+    def _call(self, action: Callable[[], _T]) -> _T:
+        """Run MLflow client calls with this sink's HTTP settings (this thread only)."""
+        with request_settings(self._http_timeout, self._http_max_retries):
+            return action()
 
     def _configure_http(self) -> None:
-        for variable, value in (
-            ("MLFLOW_HTTP_REQUEST_TIMEOUT", self._http_timeout),
-            ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", self._http_max_retries),
-        ):
-            current = os.environ.get(variable)
-            # A value the user set wins; one an earlier sink set may be replaced.
-            if value is not None and (
-                current is None or _ENV_SET_BY_SINKS.get(variable) == current
-            ):
-                os.environ[variable] = _ENV_SET_BY_SINKS[variable] = str(value)
         if uri_without_password(self._tracking_uri) != self._tracking_uri:
             # MLflow prints the run's URL, user information included, when a run ends.
             os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -149,28 +169,37 @@ class MlflowSink(Sink):
         already on the server (so reports delivered after the checkpoint are not repeated).
 
         Raises:
-            RuntimeError: If the tracking server cannot be reached or refuses (redacted message).
+            PermanentSinkError: If mlflow is not installed, or the server refuses the request
+                for good (HTTP 4xx other than 408/429, a bad argument).
+            RuntimeError: If the tracking server cannot be reached (redacted message).
         """
         self._configure_http()
-        from mlflow.tracking import MlflowClient
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError as error:
+            message = f"MlflowSink: mlflow is not installed ({error}); {INSTALL}"
+            raise PermanentSinkError(message) from None
 
         failure: RuntimeError | None = None
         try:
             self._client = MlflowClient(tracking_uri=self._tracking_uri)
-            if self._run_id is None:
-                self._run_id = self._create_run(run)
-                existing_params: Mapping[str, str] = {}
-            else:
-                existing = self._client.get_run(self._run_id)
-                if existing.info.status != "RUNNING":
-                    self._client.update_run(self._run_id, status="RUNNING")
-                existing_params = existing.data.params
-                self._last_step = _max_step(self._last_step, self._server_last_step(existing))
-            self._log_params(run, existing_params)
+            self._call(lambda: self._open_run(run))
         except Exception as error:
             failure = self._failure("open", error)
         if failure is not None:
             raise failure  # outside the handler: the original is not chained as its context
+
+    def _open_run(self, run: RunInfo) -> None:
+        if self._run_id is None:
+            self._run_id = self._create_run(run)
+            existing_params: Mapping[str, str] = {}
+        else:
+            existing = self._client.get_run(self._run_id)
+            if existing.info.status != "RUNNING":
+                self._client.update_run(self._run_id, status="RUNNING")
+            existing_params = existing.data.params
+            self.found_in_backend(self._server_last_steps(existing))
+        self._log_params(run, existing_params)
 
     def _create_run(self, run: RunInfo) -> str:
         experiment_id = None
@@ -219,27 +248,24 @@ class MlflowSink(Sink):
             chunk = params[start : start + MAX_PARAMS_TAGS_PER_BATCH]
             self._client.log_batch(self._run_id, params=chunk)
 
-    def _server_last_step(self, existing: Any) -> int | None:
-        names = list(existing.data.metrics)
-        if not names:
-            return None
-        history = self._client.get_metric_history(self._run_id, names[0])
-        return max((int(metric.step) for metric in history), default=None)
+    def _server_last_steps(self, existing: Any) -> dict[str, int]:
+        """The largest step per known stream on the server (one metric's history each)."""
+        streams = list(self.last_steps())
+        probes: dict[str, str] = {}
+        for name in existing.data.metrics:
+            probes.setdefault(stream_of(name, streams), name)
+        found: dict[str, int] = {}
+        for stream, name in probes.items():
+            history = self._client.get_metric_history(self._run_id, name)
+            last = max((int(metric.step) for metric in history), default=None)
+            if last is not None:
+                found[stream] = last
+        return found
 
-    def write(self, report: Report) -> None:
-        """Log the report's values at its step (skipped if that step was already delivered).
-
-        Raises:
-            RuntimeError: If the sink is not open, or a request failed (redacted message); what
-                was delivered before the failure is not sent again when the report is retried.
-        """
-        self.write_batch([report])
-
-    def write_batch(self, reports: Sequence[Report]) -> None:
-        """Log consecutive reports in as few ``log_batch`` requests as MLflow allows.
+    def send(self, reports: Sequence[Report]) -> None:
+        """Log reports in as few ``log_batch`` requests as MLflow allows.
 
         Up to ``max_batch`` reports at once (a backlog after an outage), 1000 values per request.
-        Steps already delivered are skipped.
 
         Raises:
             RuntimeError: If the sink is not open, or a request failed (redacted message); what
@@ -247,12 +273,10 @@ class MlflowSink(Sink):
         """
         if self._client is None or self._run_id is None:
             raise RuntimeError("MlflowSink.write: call open() first")
-        fresh = [r for r in reports if self._last_step is None or r.step > self._last_step]
-        if not fresh:
-            return
         from mlflow.entities import Metric
 
-        steps = tuple(report.step for report in fresh)
+        fresh = list(reports)
+        steps = tuple((report.stream, report.step) for report in fresh)
         if self._pending_steps != steps:
             self._pending_steps, self._chunks_done, self._chunk_uncertain = steps, 0, False
         metrics = [
@@ -266,19 +290,23 @@ class MlflowSink(Sink):
         ]
         failure: RuntimeError | None = None
         try:
-            while self._chunks_done < len(chunks):
-                chunk = chunks[self._chunks_done]
-                if not (self._chunk_uncertain and self._landed(chunk)):
-                    self._chunk_uncertain = True
-                    self._client.log_batch(self._run_id, metrics=chunk)
-                self._chunk_uncertain = False
-                self._chunks_done += 1
+            self._call(lambda: self._send_chunks(chunks))
         except Exception as error:
-            where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+            first, last = steps[0][1], steps[-1][1]
+            where = f"step {first}" if len(steps) == 1 else f"steps {first}..{last}"
             failure = self._failure(f"log_batch at {where}", error)
         if failure is not None:
             raise failure  # outside the handler: the original is not chained as its context
-        self._last_step, self._pending_steps = steps[-1], None
+        self._pending_steps = None
+
+    def _send_chunks(self, chunks: list[list[Any]]) -> None:
+        while self._chunks_done < len(chunks):
+            chunk = chunks[self._chunks_done]
+            if not (self._chunk_uncertain and self._landed(chunk)):
+                self._chunk_uncertain = True
+                self._client.log_batch(self._run_id, metrics=chunk)
+            self._chunk_uncertain = False
+            self._chunks_done += 1
 
     def _landed(self, chunk: Sequence[Any]) -> bool:
         # A request whose response was lost may still have been applied. log_batch is one
@@ -287,51 +315,17 @@ class MlflowSink(Sink):
         history = self._client.get_metric_history(self._run_id, probe.key)
         return any(int(metric.step) == probe.step for metric in history)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Nothing is buffered: ``write`` returns once MLflow has the metrics."""
-        return True
-
     def close(self, timeout: float | None = None) -> bool:
         """Mark the run FINISHED; return whether that happened within ``timeout`` seconds."""
         if self._client is None or self._run_id is None:
             return True
         client, run_id = self._client, self._run_id
-        started = time.monotonic()
-        finished, error = call_within(
-            lambda: client.set_terminated(run_id, status="FINISHED"),
-            timeout,
-            "sidestream-mlflow-close",
-        )
         self._client = None
-        if not finished:
-            _log.warning("MlflowSink.close: run not marked finished within %.1f s", timeout)
-            return False
-        if error is not None:
-            _log.warning("%s", self._failure("set_terminated", error))
-            return False
-        _log.debug("MlflowSink.close took %.3f s", time.monotonic() - started)
-        return True
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"run_id", "last_step"}``: enough to continue the same run. Never credentials."""
-        return {"run_id": self._run_id, "last_step": self._last_step}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Continue the saved run at the next ``open``.
-
-        Raises:
-            ValueError: If ``state_dict`` lacks ``run_id`` / ``last_step`` or has wrong types.
-        """
-        run_id, last_step = parse_resume_state(state_dict, "run_id", "MlflowSink")
-        self._run_id, self._last_step = run_id, last_step
-
-
-def _max_step(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return max(a, b)
+        return self.within(
+            lambda: self._call(lambda: client.set_terminated(run_id, status="FINISHED")),
+            timeout,
+            "close",
+        )
 
 
 def _key(name: str) -> str:

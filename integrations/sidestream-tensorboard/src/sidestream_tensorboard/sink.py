@@ -3,40 +3,38 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sidestream.sinks import Report, RunInfo, Sink
-from sidestream.sinks._support import (
-    call_within,
-    flatten_config,
-    histogram_edges,
-    parse_resume_state,
-)
+from sidestream.sinks import Report, RunInfo, TrackerSink
+from sidestream.sinks.support import flatten_config, histogram_edges
+from sidestream.sinks.tracker import signature_options, stream_of
 
 __all__ = ["TensorBoardSink"]
 
-_log = logging.getLogger(__name__)
-
 _HPARAM_TYPES = (bool, int, float, str)
+INSTALL = (
+    'pip install "sidestream[tensorboard]" (from a checkout: pip install '
+    "./integrations/sidestream-tensorboard)"
+)
 
 
-class TensorBoardSink(Sink):
+class TensorBoardSink(TrackerSink):
     """Writes every report to TensorBoard event files with ``SummaryWriter``.
 
     ``open`` creates the writer on ``log_dir`` and, for a new run, records the flattened
     hyper-parameters in TensorBoard's HPARAMS tab (values it cannot show become strings) and
     the tags as a text summary. ``write`` adds each value with ``add_scalar`` and each histogram
-    (bin counts) with ``add_histogram_raw`` at the report's step and wall time. Nothing is
-    flushed per step: the writer flushes every ``flush_secs`` and on ``flush`` / ``close``.
+    (bin counts) with ``add_histogram_raw`` at the report's step and wall time; streams may
+    arrive in any step order. Nothing is flushed per step: the writer flushes every
+    ``flush_secs`` and on ``flush`` / ``close``, and only flushed steps count as delivered.
 
-    Resume: ``state_dict()`` holds the log directory and the last delivered step; after
-    ``load_state_dict`` the next ``open`` appends a new event file to the same directory and
-    skips reports at or below that step (or the largest step already in the directory, if
-    later), so TensorBoard never sees a step twice.
+    Resume: ``state_dict()`` holds the log directory and the last delivered step per stream;
+    after ``load_state_dict`` the next ``open`` appends a new event file to the same directory
+    and skips reports at or below each stream's step (or the largest step of that stream
+    already in the directory, if later), so TensorBoard never sees a step twice.
 
     Args:
         log_dir: The run's directory; ``None`` takes the saved one on resume, else
@@ -51,6 +49,8 @@ class TensorBoardSink(Sink):
     """
 
     name = "tensorboard"
+    identity_key = "log_dir"
+    durable_on_send = False  # the writer buffers events until it flushes
 
     def __init__(
         self,
@@ -59,24 +59,47 @@ class TensorBoardSink(Sink):
         histogram_edges: Mapping[str, Sequence[float]] | None = None,
         **writer_kwargs: Any,
     ) -> None:
+        super().__init__()
         self._log_dir = None if log_dir is None else os.fspath(log_dir)
         self._histogram_edges = dict(histogram_edges or {})
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
-        self._last_step: int | None = None
-        self._resumed = False
-        # Progress through the report being written: its step and how many entries went out.
-        self._pending_step: int | None = None
+        # Progress through the report being written: its stream and step, entries sent.
+        self._pending: tuple[str, int] | None = None
         self._entries_done = 0
-        self._warned: set[str] = set()
 
     def __repr__(self) -> str:
         return f"TensorBoardSink(log_dir={self._log_dir!r})"
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``ImportError`` with the install command if tensorboard is missing."""
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as error:
+            raise ImportError(f"TensorBoardSink needs tensorboard ({error}): {INSTALL}") from None
+
+    @classmethod
+    def option_names(cls) -> set[str] | None:
+        """The constructor's options and ``SummaryWriter``'s."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        return signature_options(cls, SummaryWriter)
 
     @property
     def log_dir(self) -> str | None:
         """The run's directory (known once opened, given, or loaded from a state dict)."""
         return self._log_dir
+
+    @property
+    def identity(self) -> str | None:
+        """The log directory."""
+        return self._log_dir
+
+    @identity.setter
+    def identity(self, value: str | None) -> None:
+        if self._log_dir is None:  # a directory given to the constructor wins
+            self._log_dir = value
 
     def open(self, run: RunInfo) -> None:
         """Create the writer; for a new run, record hyper-parameters and tags."""
@@ -84,11 +107,9 @@ class TensorBoardSink(Sink):
 
         self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
         self._log_dir = str(self._writer.log_dir)
-        if self._resumed:
+        if self.resumed:
             # Reports delivered after the checkpoint was taken are already in the directory.
-            on_disk = _last_step_on_disk(self._log_dir)
-            if on_disk is not None and (self._last_step is None or on_disk > self._last_step):
-                self._last_step = on_disk
+            self.found_in_backend(_last_steps_on_disk(self._log_dir, self.last_steps()))
             return
         if run.config:
             self._write_hparams(flatten_config(run.config, plain_types=_HPARAM_TYPES))
@@ -108,8 +129,8 @@ class TensorBoardSink(Sink):
         for summary in summaries:
             file_writer.add_summary(summary)
 
-    def write(self, report: Report) -> None:
-        """Add the report's scalars and histograms at its step (skipped if already delivered).
+    def send(self, reports: Sequence[Report]) -> None:
+        """Add each report's scalars and histograms at its step.
 
         Raises:
             RuntimeError: If the sink is not open. Entries written before a failure are not
@@ -117,10 +138,13 @@ class TensorBoardSink(Sink):
         """
         if self._writer is None:
             raise RuntimeError("TensorBoardSink.write: call open() first")
-        if self._last_step is not None and report.step <= self._last_step:
-            return
-        if self._pending_step != report.step:
-            self._pending_step, self._entries_done = report.step, 0
+        for report in reports:
+            self._send_one(report)
+            self.mark_sent(report)
+
+    def _send_one(self, report: Report) -> None:
+        if self._pending != (report.stream, report.step):
+            self._pending, self._entries_done = (report.stream, report.step), 0
         entries: list[tuple[str, Any]] = [*report.values.items(), *report.histograms.items()]
         num_values = len(report.values)
         while self._entries_done < len(entries):
@@ -133,11 +157,11 @@ class TensorBoardSink(Sink):
             else:
                 self._add_histogram(tag, value, report)
             self._entries_done += 1
-        self._last_step, self._pending_step = report.step, None
+        self._pending = None
 
     def _add_histogram(self, tag: str, counts: Any, report: Report) -> None:
         if counts.dim() != 1 or counts.numel() == 0:
-            self._warn_once(
+            self.warn_once(
                 tag,
                 f"TensorBoardSink: histogram {tag!r} skipped: expected 1-D bin counts, got "
                 f"shape {tuple(counts.shape)}",
@@ -147,7 +171,7 @@ class TensorBoardSink(Sink):
         try:
             edges = histogram_edges(bin_counts.numel(), self._histogram_edges.get(tag))
         except ValueError as error:
-            self._warn_once(tag, f"TensorBoardSink: histogram {tag!r} skipped: {error}")
+            self.warn_once(tag, f"TensorBoardSink: histogram {tag!r} skipped: {error}")
             return
         centers = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
         weights = bin_counts.tolist()
@@ -168,63 +192,43 @@ class TensorBoardSink(Sink):
             walltime=report.time,
         )
 
-    def _warn_once(self, name: str, message: str) -> None:
-        if name not in self._warned:
-            self._warned.add(name)
-            _log.warning("%s", message)
+    def persist(self, timeout: float | None) -> bool:
+        """Write pending events to disk; return whether that ended within ``timeout`` s.
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Write pending events to disk; return whether that ended within ``timeout`` s."""
-        if self._writer is None:
+        Thread-safe (the writer's queue takes events from any thread), so a checkpoint may
+        call it while the sink's thread writes.
+        """
+        writer = self._writer
+        if writer is None:
             return True
-        return _within(self._writer.flush, timeout, "flush")
+        return self.within(writer.flush, timeout, "flush")
 
     def close(self, timeout: float | None = None) -> bool:
         """Flush and close the event file; return whether that ended within ``timeout`` s."""
         if self._writer is None:
             return True
         writer, self._writer = self._writer, None
-        return _within(writer.close, timeout, "close")
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"log_dir", "last_step"}``: enough to continue the same directory."""
-        return {"log_dir": self._log_dir, "last_step": self._last_step}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Continue the saved directory (unless ``log_dir`` was given) at the next ``open``.
-
-        Raises:
-            ValueError: If ``state_dict`` lacks ``log_dir`` / ``last_step`` or has wrong types.
-        """
-        log_dir, last_step = parse_resume_state(state_dict, "log_dir", "TensorBoardSink")
-        if self._log_dir is None:
-            self._log_dir = log_dir
-        self._last_step = last_step
-        self._resumed = True
+        if not self.within(writer.close, timeout, "close"):
+            return False
+        return self.flush(0)  # the writer is gone: what was sent is on disk now
 
 
-def _within(action: Any, timeout: float | None, what: str) -> bool:
-    finished, error = call_within(action, timeout, f"sidestream-tensorboard-{what}")
-    if not finished:
-        _log.warning("TensorBoardSink.%s did not end within %s s", what, timeout)
-        return False
-    if error is not None:
-        _log.warning("TensorBoardSink.%s failed: %s", what, error)
-        return False
-    return True
+def _last_steps_on_disk(log_dir: str, known: Mapping[str, int]) -> dict[str, int]:
+    """The largest step per stream of scalars and histograms in the event files of ``log_dir``.
 
-
-def _last_step_on_disk(log_dir: str) -> int | None:
-    """The largest step of a scalar or histogram in the event files of ``log_dir``, if any."""
+    A tag belongs to the longest known stream it starts with (``"val/f1"`` to ``"val"``),
+    else to the stream ``""``.
+    """
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
-    last: int | None = None
+    last: dict[str, int] = {}
+    streams = list(known)
     for path in sorted(Path(log_dir).glob("*tfevents*")):
         for event in LegacyEventFileLoader(str(path)).Load():
-            if event.step <= (-1 if last is None else last):
-                continue
             # Only what write() adds counts, not the hparams / text summaries of open().
-            values = event.summary.value
-            if any(v.HasField("simple_value") or v.HasField("histo") for v in values):
-                last = int(event.step)
+            for value in event.summary.value:
+                if value.HasField("simple_value") or value.HasField("histo"):
+                    stream = stream_of(value.tag, streams)
+                    if event.step > last.get(stream, -1):
+                        last[stream] = int(event.step)
     return last

@@ -2,43 +2,50 @@
 
 from __future__ import annotations
 
-import logging
+import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from sidestream.sinks import Report, RunInfo, Sink
-from sidestream.sinks._support import (
-    call_within,
-    flatten_config,
-    histogram_edges,
-    parse_resume_state,
-    redact,
-    secrets_in,
-    shorten,
-)
+from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
+from sidestream.sinks.support import flatten_config, histogram_edges, redact, secrets_in, shorten
+from sidestream.sinks.tracker import signature_options
 
-__all__ = ["WandbSink"]
-
-_log = logging.getLogger(__name__)
+__all__ = ["WandbSink", "step_metric"]
 
 _SECRET_ENV = ("WANDB_API_KEY",)
 _MAX_TAG_LENGTH = 64  # W&B rejects longer tags
 _MAX_HISTOGRAM_BINS = 512  # wandb.Histogram's limit
+#: Each stream's last logged step, in the run's local directory (outside the uploaded files/).
+PROGRESS_FILE = "sidestream-steps.json"
+INSTALL = (
+    'pip install "sidestream[wandb]" (from a checkout: pip install ./integrations/sidestream-wandb)'
+)
 
 
-class WandbSink(Sink):
-    """Logs every report as one W&B history row at the report's step.
+class WandbSink(TrackerSink):
+    """Logs every report as one W&B history row, against its stream's own step metric.
 
     ``open`` starts the run with ``wandb.init`` (its own run object, ``reinit="create_new"``,
     so a run the user started with ``wandb.init`` is left alone): the ``RunInfo`` name, its
     flattened hyper-parameters as the config and its tags as ``key:value`` W&B tags. ``write``
-    logs scalars as they are and histograms (bin counts) as ``wandb.Histogram``. A step at or
-    below the last delivered one is skipped: W&B itself drops steps that go backwards.
+    logs scalars as they are and histograms (bin counts) as ``wandb.Histogram``.
 
-    Resume: ``state_dict()`` holds the run id and the last delivered step; after
-    ``load_state_dict`` the next ``open`` passes that id with ``resume="allow"``. Online this
-    continues the same run on the server. Offline, W&B writes a new ``offline-run-*-<id>``
-    directory with the same run id; ``wandb sync`` the directories in order to join them.
+    Streams: W&B's own step must only grow, so reports are not logged with ``step=``.
+    Instead each stream gets a step metric (``train/step`` for the stream ``train``, ``step``
+    for ``Run.log``'s) declared with ``define_metric``, and every row carries it: a
+    validation window at step 500 that arrives after training windows up to 520 is kept and
+    plotted at 500. Chart against ``<stream>/step``. A report at or below its stream's last
+    delivered step is skipped.
+
+    Resume: ``state_dict()`` holds the run id, the last delivered step per stream and the run's
+    local directory; after ``load_state_dict`` the next ``open`` passes that id with
+    ``resume="allow"``. Online this continues the same run on the server. Offline, W&B writes a
+    new ``offline-run-*-<id>`` directory with the same run id; ``wandb sync`` the directories in
+    order to join them. Steps delivered after the checkpoint was taken are skipped either way:
+    the sink keeps each stream's last logged step in ``sidestream-steps.json`` in the run's
+    directory (outside ``files/``, so it is not uploaded) and reads it back on resume.
 
     Args:
         project: W&B project.
@@ -61,14 +68,31 @@ class WandbSink(Sink):
         histogram_edges: Mapping[str, Sequence[float]] | None = None,
         **init_kwargs: Any,
     ) -> None:
+        super().__init__()
         self._init_kwargs = dict(init_kwargs)
         if project is not None:
             self._init_kwargs["project"] = project
         self._histogram_edges = dict(histogram_edges or {})
         self._run: Any = None
         self._run_id: str | None = self._init_kwargs.pop("id", None)
-        self._last_step: int | None = None
-        self._warned: set[str] = set()
+        self._defined: set[str] = set()  # names given a step metric with define_metric
+        self._logged: dict[str, int] = {}  # last step per stream handed to W&B by this sink
+        self._previous_dir: str | None = None  # the run directory of the checkpointed job
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``ImportError`` with the install command if wandb is missing."""
+        try:
+            import wandb  # noqa: F401
+        except ImportError as error:
+            raise ImportError(f"WandbSink needs wandb ({error}): {INSTALL}") from None
+
+    @classmethod
+    def option_names(cls) -> set[str] | None:
+        """The constructor's options and ``wandb.init``'s (minus ``config``/``tags`` merging)."""
+        import wandb
+
+        return signature_options(cls, wandb.init)
 
     def __repr__(self) -> str:
         return (
@@ -82,21 +106,40 @@ class WandbSink(Sink):
         return self._run_id
 
     @property
+    def identity(self) -> str | None:
+        """The run id."""
+        return self._run_id
+
+    @identity.setter
+    def identity(self, value: str | None) -> None:
+        self._run_id = value
+
+    @property
     def run_dir(self) -> str | None:
         """The local directory of the open run (where an offline run's ``.wandb`` file is)."""
         return None if self._run is None else str(self._run.dir).removesuffix("/files")
 
+    def describe_error(self, error: BaseException) -> str:
+        """``error`` as text with the API key removed."""
+        return redact(f"{type(error).__name__}: {error}", secrets_in(_SECRET_ENV))
+
     def _failure(self, what: str, error: BaseException) -> RuntimeError:
-        message = redact(f"{type(error).__name__}: {error}", secrets_in(_SECRET_ENV))
-        return RuntimeError(f"WandbSink: {what} failed: {message}")
+        # Unchained and redacted; the kind (permanent or not) survives in the class.
+        kind = PermanentSinkError if is_permanent(error) or _is_usage(error) else RuntimeError
+        return kind(f"WandbSink: {what} failed: {self.describe_error(error)}")
 
     def open(self, run: RunInfo) -> None:
         """Start the run, or continue the one from ``load_state_dict`` / ``id=``.
 
         Raises:
+            PermanentSinkError: If wandb is not installed or rejects the arguments.
             RuntimeError: If ``wandb.init`` failed (message redacted of the API key).
         """
-        import wandb
+        try:
+            import wandb
+        except ImportError as error:
+            message = f"WandbSink: wandb is not installed ({error}); {INSTALL}"
+            raise PermanentSinkError(message) from None
 
         kwargs = dict(self._init_kwargs)
         if run.name is not None:
@@ -117,42 +160,95 @@ class WandbSink(Sink):
         if failure is not None:
             raise failure  # outside the handler: the original is not chained as its context
         self._run_id = str(self._run.id)
-        # Online, a resumed run starts after the last step the server holds, which may be
-        # later than the checkpoint's; W&B would drop anything at or below it.
-        next_step = int(getattr(self._run, "step", 0) or 0)
-        if next_step > 0:
-            self._last_step = max(next_step - 1, -1 if self._last_step is None else self._last_step)
+        self._defined.clear()
+        if self.resumed:
+            # Steps logged after the checkpoint was taken: in the last job's progress file,
+            # and online also in the run's summary.
+            self.found_in_backend(_read_progress(self._previous_dir))
+            self.found_in_backend(self._steps_in_summary())
+        self._logged = self.last_steps()
 
-    def write(self, report: Report) -> None:
-        """Log the report as one history row at ``report.step`` (skipped if already delivered).
+    def _steps_in_summary(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        summary = getattr(self._run, "summary", None)
+        for stream in self.last_steps():
+            try:
+                value = summary.get(step_metric(stream)) if summary is not None else None
+            except Exception:  # an offline or older client: nothing to learn
+                value = None
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                found[stream] = int(value)
+        return found
+
+    def send(self, reports: Sequence[Report]) -> None:
+        """Log each report as one history row, with its stream's step metric.
 
         Raises:
             RuntimeError: If the sink is not open or ``run.log`` failed (redacted message).
         """
         if self._run is None:
             raise RuntimeError("WandbSink.write: call open() first")
-        if self._last_step is not None and report.step <= self._last_step:
-            return
         import wandb
 
-        row: dict[str, Any] = dict(report.values)
-        for name, counts in report.histograms.items():
-            histogram = self._histogram(wandb, name, counts)
-            if histogram is not None:
-                row[name] = histogram
-        failure: RuntimeError | None = None
+        for report in reports:
+            key = step_metric(report.stream)
+            row: dict[str, Any] = dict(report.values)
+            for name, counts in report.histograms.items():
+                histogram = self._histogram(wandb, name, counts)
+                if histogram is not None:
+                    row[name] = histogram
+            failure: RuntimeError | None = None
+            try:
+                self._define(report.stream, key, row)
+                row[key] = report.step
+                self._run.log(row, commit=True)
+            except Exception as error:
+                failure = self._failure(f"log at {key}={report.step}", error)
+            if failure is not None:
+                raise failure  # outside the handler: the original is not chained as context
+            self.mark_sent(report)
+            self._logged[report.stream] = report.step
+        self._write_progress()
+
+    def _write_progress(self) -> None:
+        """Record each stream's last logged step next to the run (read back on resume)."""
+        run_dir = self.run_dir
+        if run_dir is None:
+            return
+        path = Path(run_dir) / PROGRESS_FILE
         try:
-            self._run.log(row, step=report.step, commit=True)
-        except Exception as error:
-            failure = self._failure(f"log at step {report.step}", error)
-        if failure is not None:
-            raise failure  # outside the handler: the original is not chained as its context
-        self._last_step = report.step
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(json.dumps(self._logged))
+            os.replace(temporary, path)
+        except OSError as error:
+            self.warn_once("progress", f"WandbSink: cannot write {path}: {error}")
+
+    def extra_state(self) -> dict[str, Any]:
+        """The run's local directory (where the progress file is)."""
+        return {"run_dir": self.run_dir or self._previous_dir}
+
+    def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Remember the saved run directory."""
+        run_dir = state_dict.get("run_dir")
+        self._previous_dir = run_dir if isinstance(run_dir, str) else None
+
+    def _define(self, stream: str, key: str, row: Mapping[str, Any]) -> None:
+        """Plot the row's names against the stream's step metric (declared once per name)."""
+        if key not in self._defined:
+            self._run.define_metric(key)
+            if stream:
+                self._run.define_metric(f"{stream}/*", step_metric=key)
+            self._defined.add(key)
+        if not stream:
+            # Run.log's names have no common prefix to glob: declare each new one.
+            for name in row.keys() - self._defined:
+                self._run.define_metric(name, step_metric=key)
+                self._defined.add(name)
 
     def _histogram(self, wandb: Any, name: str, counts: Any) -> Any:
         flat = counts.detach().reshape(-1).double().cpu().numpy()
         if counts.dim() != 1 or not 1 <= flat.size <= _MAX_HISTOGRAM_BINS:
-            self._warn_once(
+            self.warn_once(
                 name,
                 f"WandbSink: histogram {name!r} skipped: expected 1-D bin counts with 1 to "
                 f"{_MAX_HISTOGRAM_BINS} bins, got shape {tuple(counts.shape)}",
@@ -161,42 +257,39 @@ class WandbSink(Sink):
         try:
             edges = histogram_edges(flat.size, self._histogram_edges.get(name))
         except ValueError as error:
-            self._warn_once(name, f"WandbSink: histogram {name!r} skipped: {error}")
+            self.warn_once(name, f"WandbSink: histogram {name!r} skipped: {error}")
             return None
         return wandb.Histogram(np_histogram=(flat.tolist(), edges))
-
-    def _warn_once(self, name: str, message: str) -> None:
-        if name not in self._warned:
-            self._warned.add(name)
-            _log.warning("%s", message)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """W&B hands rows to its own service process at once; nothing to push here."""
-        return True
 
     def close(self, timeout: float | None = None) -> bool:
         """``run.finish()``; return whether it finished within ``timeout`` seconds."""
         if self._run is None:
             return True
         active, self._run = self._run, None
-        finished, error = call_within(active.finish, timeout, "sidestream-wandb-close")
-        if not finished:
-            _log.warning("WandbSink.close: run.finish() did not end within %s s", timeout)
-            return False
-        if error is not None:
-            _log.warning("%s", self._failure("finish", error))
-            return False
-        return True
+        return self.within(active.finish, timeout, "finish")
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"run_id", "last_step"}``: enough to continue the same run. Never credentials."""
-        return {"run_id": self._run_id, "last_step": self._last_step}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Continue the saved run at the next ``open``.
+def _read_progress(run_dir: str | None) -> dict[str, int]:
+    if run_dir is None:
+        return {}
+    try:
+        saved = json.loads((Path(run_dir) / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    return {
+        str(stream): step
+        for stream, step in saved.items()
+        if isinstance(step, int) and not isinstance(step, bool)
+    }
 
-        Raises:
-            ValueError: If ``state_dict`` lacks ``run_id`` / ``last_step`` or has wrong types.
-        """
-        run_id, last_step = parse_resume_state(state_dict, "run_id", "WandbSink")
-        self._run_id, self._last_step = run_id, last_step
+
+def step_metric(stream: str) -> str:
+    """The W&B step metric of ``stream``: ``"<stream>/step"``, or ``"step"`` for ``""``."""
+    return f"{stream}/step" if stream else "step"
+
+
+def _is_usage(error: BaseException) -> bool:
+    """Whether ``error`` is wandb's ``UsageError`` (a bad argument): retrying cannot help."""
+    return any(cls.__name__ == "UsageError" for cls in type(error).__mro__)

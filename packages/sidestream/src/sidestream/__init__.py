@@ -12,6 +12,7 @@ from sidestream.metrics import (
     SumMetric,
     WeightedMeanMetric,
 )
+from sidestream.run import Run
 from sidestream.state import MetricAccumulator, ReduceOp
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "MetricAccumulator",
     "MinMetric",
     "ReduceOp",
+    "Run",
     "SumMetric",
     "WeightedMeanMetric",
     "__version__",

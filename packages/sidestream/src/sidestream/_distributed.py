@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import TypeAlias
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Group", "group_rank", "group_size", "resolve_group"]
+__all__ = ["Group", "check_process_group", "group_rank", "group_size", "resolve_group"]
 
 Group: TypeAlias = "dist.ProcessGroup | DeviceMesh | None"
 
@@ -46,3 +47,26 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)
+
+
+def check_process_group(where: str) -> None:
+    """Raise if the environment says this job has several processes but none is joined.
+
+    torchrun (and most launchers) set ``WORLD_SIZE`` and ``RANK``. Without
+    ``init_process_group`` every rank would act as rank 0 of a job of its own: each writes to
+    the trackers, each reduces only its own data.
+
+    Raises:
+        RuntimeError: Naming ``torch.distributed.init_process_group``.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
+    several = (world.isdigit() and int(world) > 1) or (rank.isdigit() and int(rank) > 0)
+    if several:
+        raise RuntimeError(
+            f"{where}: the environment says this job has several processes (WORLD_SIZE="
+            f"{world or 'unset'}, RANK={rank or 'unset'}) but no process group is initialized; "
+            "call torch.distributed.init_process_group(...) on every rank first (otherwise "
+            "every rank logs its own shard as if it were rank 0)"
+        )

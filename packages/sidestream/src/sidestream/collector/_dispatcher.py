@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -18,7 +18,6 @@ from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
 from sidestream.collector._window import Window
 from sidestream.sinks.base import Report
-from sidestream.sinks.runner import SinkRunner
 
 __all__ = ["Dispatcher"]
 
@@ -27,13 +26,20 @@ logger = logging.getLogger("sidestream.collector")
 _STOP = object()
 
 
+class ReportTarget(Protocol):
+    """Where finished reports go: a run's sinks (``submit`` never blocks)."""
+
+    def submit(self, report: Report) -> None:
+        """Hand over one report."""
+
+
 class Dispatcher:
     """Processes windows in the order they were scheduled, on one background thread.
 
     It only waits (on collective work handles or CUDA events) and never issues a collective.
 
     Args:
-        runners: Sink runners to publish reports to (empty on ranks other than 0).
+        runners: Where to publish reports (the run's sinks; empty on ranks other than 0).
         release: Called with a window's slot once its numbers are on the host.
         prefix: Put in front of every flat name.
         histograms: Paths of result leaves (``"scores"``, ``"val/scores"``) delivered as
@@ -42,7 +48,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        runners: Sequence[SinkRunner],
+        runners: Sequence[ReportTarget],
         release: Callable[[Slot], None],
         prefix: str,
         histograms: Collection[str] = (),
@@ -99,6 +105,12 @@ class Dispatcher:
         return not self._thread.is_alive()
 
     @property
+    def failed_windows(self) -> int:
+        """Windows whose processing raised."""
+        with self._cond:
+            return self._errors
+
+    @property
     def unprocessed(self) -> int:
         """Windows submitted and not processed yet."""
         with self._cond:
@@ -112,7 +124,8 @@ class Dispatcher:
             try:
                 step, result = self._process(window)
             except Exception as error:
-                self._errors += 1
+                with self._cond:
+                    self._errors += 1
                 if self._errors == 1:
                     logger.error(
                         "window at step %d failed: %s: %s (later failures are counted, not "
@@ -159,7 +172,11 @@ class Dispatcher:
                 for i, name in layout.histograms
             }
             report = Report(
-                step=window.step, values=values, time=window.time, histograms=histograms
+                step=window.step,
+                values=values,
+                time=window.time,
+                histograms=histograms,
+                stream=self._prefix,
             )
             for runner in self._runners:
                 runner.submit(report)

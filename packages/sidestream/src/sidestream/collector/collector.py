@@ -11,9 +11,9 @@ from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 import torch
-import torch.distributed as dist
 
-from sidestream._distributed import Group
+from sidestream._delivery import Delivery, DeliveryOptions
+from sidestream._distributed import Group, check_process_group
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
@@ -21,6 +21,7 @@ from sidestream.collector._window import Window
 from sidestream.metric import Metric
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
+from sidestream.sinks.status import SinkStatus
 from sidestream.state import MetricAccumulator, reset_all
 
 __all__ = ["AsyncMetricCollector"]
@@ -48,9 +49,15 @@ class AsyncMetricCollector(Generic[T]):
     the calling (training) thread, in the same order on every rank, so every rank must call
     ``schedule_collection`` and ``state_dict`` the same number of times.
 
+    A job with several streams (train, validation, plain values) makes one ``sidestream.Run``
+    and its collectors with ``run.collector(metric, prefix=...)``, so they share one tracker
+    run. ``AsyncMetricCollector(metric, sinks=...)`` is the shortcut for a collector with a
+    run of its own (the delivery options below are that run's).
+
     Args:
         metric: The metric (or ``ComposeMetric``) to collect. Update it as usual.
-        sinks: Where reports go (rank 0 only).
+        sinks: Where reports go (rank 0 only). A sink belongs to one run: to share sinks
+            between collectors, use ``sidestream.Run``.
         group: The process group / 1-D device mesh to reduce over (default: the world).
         reset_each_window: Start every window from an empty state (per-window values); when
             ``False`` each window reports the cumulative value since the start.
@@ -59,7 +66,9 @@ class AsyncMetricCollector(Generic[T]):
             ``"val/scores"`` when nested) whose value is a histogram (1-D bin counts): they go
             to ``Report.histograms`` as CPU tensors, under the prefixed name, instead of one
             value per bin. ``collect_results`` is unaffected.
-        run: Name, config and tags given to ``sink.open``.
+        run: Name, config and tags given to ``sink.open`` (a ``RunInfo``; the ``info`` of the
+            collector's own run). A ``sidestream.Run`` is not accepted here: make the
+            collector with ``run.collector(...)``.
         sink_capacity: Reports each sink keeps in memory before spooling to disk.
         sink_retry_initial_s: A sink's first wait after a failed write; doubles after each
             further failure, up to ``sink_retry_max_s``.
@@ -93,20 +102,17 @@ class AsyncMetricCollector(Generic[T]):
         sink_retry_max_s: float = 10.0,
         spool_dir: str | None = None,
         exit_timeout: float = 30.0,
+        _delivery: Delivery | None = None,
     ) -> None:
         if not isinstance(metric, Metric):
             raise TypeError(f"metric: expected a sidestream Metric, got {type(metric)}")
-        sink_list = list(sinks)
-        for index, sink in enumerate(sink_list):
-            if not isinstance(sink, Sink):
-                raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")
-        if sink_capacity < 1:
-            raise ValueError(f"sink_capacity: expected >= 1, got {sink_capacity}")
-        if not 0 < sink_retry_initial_s <= sink_retry_max_s:
-            raise ValueError(
-                "sink_retry_initial_s, sink_retry_max_s: expected 0 < initial <= max, got "
-                f"{sink_retry_initial_s}, {sink_retry_max_s}"
-            )
+        if run is not None and not isinstance(run, RunInfo):
+            if callable(getattr(run, "collector", None)):
+                raise TypeError(
+                    "run: got a sidestream.Run; make its collectors with "
+                    "run.collector(metric, prefix=...)"
+                )
+            raise TypeError(f"run: expected a sidestream.sinks.RunInfo, got {run!r}")
         histogram_paths = (histograms,) if isinstance(histograms, str) else tuple(histograms)
         for path in histogram_paths:
             if not isinstance(path, str) or not path.strip("/"):
@@ -114,21 +120,24 @@ class AsyncMetricCollector(Generic[T]):
         self._metric = metric
         # Checkpoints reduce over the collector's group, not whatever the metric last saw.
         metric.sync_group = group
-        self._sinks = _keyed(sink_list)
+        if _delivery is None:
+            options = DeliveryOptions(
+                sink_capacity, sink_retry_initial_s, sink_retry_max_s, spool_dir, exit_timeout
+            )
+            _delivery = Delivery(sinks, run, options)
+            self._owns_delivery = True
+        else:
+            if list(sinks):
+                raise TypeError("sinks: a collector of a Run delivers to the run's sinks")
+            self._owns_delivery = False
+        self._delivery = _delivery
         self._group = group
         self._reset_each_window = reset_each_window
         self._prefix = prefix.strip("/")
         self._histograms = frozenset(path.strip("/") for path in histogram_paths)
-        self._run = run or RunInfo()
-        self._sink_capacity = sink_capacity
-        self._sink_retry = (sink_retry_initial_s, sink_retry_max_s)
-        self._spool_dir = spool_dir
-        self._exit_timeout = exit_timeout
-        self._resume_states: dict[str, Any] = {}
         self._device: torch.device | None = None
         self._side: torch.cuda.Stream | None = None
         self._free_slots: queue.SimpleQueue[Slot] = queue.SimpleQueue()
-        self._runners: list[SinkRunner] = []
         self._dispatcher: Dispatcher | None = None
         self._last_step: int | None = None
         self._live_accumulators: list[MetricAccumulator] = []
@@ -147,14 +156,24 @@ class AsyncMetricCollector(Generic[T]):
         return self._side
 
     @property
+    def prefix(self) -> str:
+        """The prefix of every value name: the collector's stream in its run."""
+        return self._prefix
+
+    @property
     def is_writer(self) -> bool:
         """Whether this process opens and writes the sinks (global rank 0)."""
-        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        return self._delivery.is_writer
 
     @property
     def sink_runners(self) -> list[SinkRunner]:
-        """The running sink pipelines (empty before ``bind`` and on ranks other than 0)."""
-        return list(self._runners)
+        """The sink pipelines of the collector's run (none before they start, or off rank 0)."""
+        return list(self._delivery.runners or ())
+
+    @property
+    def sink_status(self) -> dict[str, SinkStatus]:
+        """Each sink's delivery status by key (healthy, retrying or failed; the last error)."""
+        return self._delivery.status()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -169,11 +188,20 @@ class AsyncMetricCollector(Generic[T]):
         difference otherwise), so later windows never block on that check.
 
         Raises:
-            RuntimeError: If already bound or closed.
+            RuntimeError: If already bound or closed; if ``device`` is CUDA and CUDA is not
+                available; if the environment (``WORLD_SIZE``/``RANK``) says the job has
+                several processes but no process group is initialized.
         """
         if self._dispatcher is not None or self._closed:
             raise RuntimeError("bind: the collector is already bound (or closed)")
         target = torch.device(device) if device is not None else self._metric.device
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"bind: device {str(target)!r} needs CUDA, but torch.cuda.is_available() is "
+                f"False (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+                "bind('cpu') or run on a machine with a GPU and a CUDA build of torch"
+            )
+        check_process_group("bind")
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
         self._metric.to(target)
@@ -186,24 +214,15 @@ class AsyncMetricCollector(Generic[T]):
         # check (or hangs on mismatched collectives) later.
         for index in range(_INITIAL_SLOTS):
             self._free_slots.put(self._new_slot(check=index == 0))
-        if self.is_writer:
-            for key, sink in self._sinks.items():
-                runner = SinkRunner(
-                    sink,
-                    self._run,
-                    key=key,
-                    resume_state=self._resume_states.get(key),
-                    capacity=self._sink_capacity,
-                    spool_dir=self._spool_dir,
-                    retry_initial_s=self._sink_retry[0],
-                    retry_max_s=self._sink_retry[1],
-                )
-                runner.start()
-                self._runners.append(runner)
+        runners = self._delivery.start("bind")
         self._dispatcher = Dispatcher(
-            self._runners, self._free_slots.put, self._prefix, self._histograms
+            [self._delivery] if runners else [],
+            self._free_slots.put,
+            self._prefix,
+            self._histograms,
         )
-        atexit.register(self._close_at_exit)
+        if self._owns_delivery:
+            atexit.register(self._close_at_exit)
         return self
 
     def schedule_collection(self, step: int) -> None:
@@ -298,40 +317,50 @@ class AsyncMetricCollector(Generic[T]):
         return self._dispatcher.latest()[1]
 
     def close(self, timeout: float | None = 30.0) -> bool:
-        """Finish every scheduled window, deliver and close every sink, stop the threads.
+        """Finish every scheduled window and stop the threads (and the sinks of its own run).
 
-        Blocking, bounded by ``timeout`` seconds overall. Idempotent.
+        With a run of its own it also delivers to and closes every sink. Blocking, bounded by
+        ``timeout`` seconds overall. Idempotent. A collector of a shared
+        ``Run`` leaves the sinks open (``run.close`` closes them).
 
         Returns:
-            Whether everything finished in time. If not, a warning says what is left; reports
-            a sink could not take in time are kept in a spool file the warning names.
+            Whether everything finished and was delivered: ``False`` if windows were still
+            running or failed, if a sink could not take its reports in time (they are kept
+            in a spool file a warning names) or if a sink failed for good.
         """
         if self._closed:
             return True
         self._closed = True
-        atexit.unregister(self._close_at_exit)
-        if self._dispatcher is None:
-            return True
+        if self._owns_delivery:
+            atexit.unregister(self._close_at_exit)
         deadline = None if timeout is None else time.monotonic() + timeout
-
-        def remaining() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-        complete = self._dispatcher.stop(remaining())
-        if not complete:
-            logger.warning(
-                "close: %d window(s) not finished within %s s (a collective may be stuck); "
-                "they are not reported",
-                self._dispatcher.unprocessed,
-                timeout,
-            )
-        for runner in self._runners:
-            if not runner.close(remaining()):
+        complete = True
+        if self._dispatcher is not None:
+            complete = self._dispatcher.stop(timeout)
+            if not complete:
+                logger.warning(
+                    "close: %d window(s) not finished within %s s (a collective may be "
+                    "stuck); they are not reported",
+                    self._dispatcher.unprocessed,
+                    timeout,
+                )
+            if self._dispatcher.failed_windows:
+                logger.warning(
+                    "close: %d window(s) of stream %r failed (the first failure was logged)",
+                    self._dispatcher.failed_windows,
+                    self._prefix,
+                )
                 complete = False
+        if self._owns_delivery and not self._delivery.close(deadline):
+            complete = False
         return complete
 
+    def wait_windows(self, timeout: float | None) -> bool:
+        """Block until every scheduled window was handed to the sinks; whether in time."""
+        return self._dispatcher is None or self._dispatcher.wait_idle(timeout)
+
     def _close_at_exit(self) -> None:
-        self.close(self._exit_timeout)
+        self.close(self._delivery.options.exit_timeout)
 
     def __enter__(self) -> Self:
         if self._dispatcher is None:
@@ -348,33 +377,24 @@ class AsyncMetricCollector(Generic[T]):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, timeout: float | None = 60.0) -> dict[str, Any]:
-        """The metric's state (globally reduced: a collective) and every sink's state.
+    def state_dict(self, timeout: float | None = 10.0) -> dict[str, Any]:
+        """The metric's state (globally reduced: a collective) and the sinks' of its own run.
 
-        Blocking. Every rank must call it. On rank 0 it first waits (up to ``timeout``) until
-        every scheduled window is delivered, so the sinks' last steps match the metric state.
+        Blocking. Every rank must call it. On rank 0 it then waits at most ``timeout``
+        seconds in all until every scheduled window is delivered (so the sinks' last steps
+        match the metric state) and makes the sinks' data durable. A sink still behind after
+        ``timeout`` gives its state as of its last delivered step (a warning says so): this
+        job still delivers the rest, but a job resumed from this checkpoint will not log
+        those steps again. A collector of a shared ``Run`` has no sink states
+        (``run.state_dict()`` holds them).
         """
         metric_state = self._metric.state_dict()
         sink_states: dict[str, Any] = {}
-        if self._runners:
+        if self._owns_delivery and self.is_writer:
             deadline = None if timeout is None else time.monotonic() + timeout
-            assert self._dispatcher is not None
-            self._dispatcher.wait_idle(timeout)
-            for runner in self._runners:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not runner.wait_delivered(left):
-                    logger.warning(
-                        "state_dict: sink %r still has %d undelivered report(s); its state is "
-                        "as of its last delivered step",
-                        runner.key,
-                        runner.pending,
-                    )
-                sink_states[runner.key] = runner.sink_state()
-        elif self.is_writer and self._dispatcher is None:
-            sink_states = {
-                key: self._resume_states.get(key, sink.state_dict())
-                for key, sink in self._sinks.items()
-            }
+            self.wait_windows(timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            sink_states = self._delivery.sink_states(left)
         return {"metric": metric_state, "sinks": sink_states}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -391,17 +411,17 @@ class AsyncMetricCollector(Generic[T]):
             raise RuntimeError(
                 "load_state_dict: call it before bind (sinks resume their run when they open)"
             )
-        self._metric.load_state_dict(state_dict["metric"])
-        self._resume_states = dict(state_dict.get("sinks", {}))
+        metric_state = state_dict["metric"]
+        if self._owns_delivery:
+            self._delivery.load_sink_states(state_dict.get("sinks", {}))
+        self._metric.load_state_dict(metric_state)
 
+    def load_metric_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the metric's part of a checkpoint (``Run.load_state_dict`` calls it).
 
-def _keyed(sinks: list[Sink]) -> dict[str, Sink]:
-    """Sinks by a stable key: the sink's name, ``name-2`` for a second sink of that name."""
-    keyed: dict[str, Sink] = {}
-    for sink in sinks:
-        key, n = sink.name, 1
-        while key in keyed:
-            n += 1
-            key = f"{sink.name}-{n}"
-        keyed[key] = sink
-    return keyed
+        Raises:
+            RuntimeError: If the collector is already bound.
+        """
+        if self._dispatcher is not None:
+            raise RuntimeError("load_state_dict: call it before bind")
+        self._metric.load_state_dict(dict(state_dict))

@@ -3,19 +3,26 @@
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.config import available_sinks, sinks_from_config
 from sidestream.sinks.console import ConsoleSink
-from sidestream.sinks.jsonl import JsonlSink
+from sidestream.sinks.jsonl import JsonlSink, read_jsonl
 from sidestream.sinks.process import ProcessSink, SinkProcessError
 from sidestream.sinks.runner import SinkRunner
+from sidestream.sinks.status import PermanentSinkError, SinkStatus, is_permanent
+from sidestream.sinks.tracker import TrackerSink
 
 __all__ = [
     "ConsoleSink",
     "JsonlSink",
+    "PermanentSinkError",
     "ProcessSink",
     "Report",
     "RunInfo",
     "Sink",
     "SinkProcessError",
     "SinkRunner",
+    "SinkStatus",
+    "TrackerSink",
     "available_sinks",
+    "is_permanent",
+    "read_jsonl",
     "sinks_from_config",
 ]

@@ -28,12 +28,16 @@ class Report:
         time: Wall-clock time (``time.time()``) when the window was scheduled.
         histograms: Flat names to CPU tensors of histogram values (bin counts, or raw samples),
             for backends that draw histograms.
+        stream: Which stream of the run the report belongs to: the collector's prefix
+            (``"train"``, ``"val"``), or ``""`` for ``Run.log``. Steps increase within a
+            stream; reports of different streams may reach a sink in any step order.
     """
 
     step: int
     values: Mapping[str, float]
     time: float
     histograms: Mapping[str, Tensor] = field(default_factory=dict)
+    stream: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,15 @@ class Sink(abc.ABC):
     """A destination for reports (a tracker, a file, the console).
 
     Lifecycle, all on the sink's own thread on rank 0: optionally ``load_state_dict`` (resume
-    from a checkpoint), ``open`` once, ``write`` per report in step order (or ``write_batch``
-    for several, when ``max_batch`` > 1), ``flush`` when asked, ``close`` once. ``write`` may
-    raise: the pipeline retries with backoff and keeps the report until it is delivered. Sinks
-    are never opened on other ranks.
+    from a checkpoint), ``open`` once, ``write`` per report (or ``write_batch`` for several,
+    when ``max_batch`` > 1), ``flush`` when asked, ``close`` once. Steps increase within each
+    ``Report.stream``; reports of different streams arrive in the order they finished. A
+    report counts as delivered once ``write`` returns, so ``write`` returns only when the
+    backend has it. ``write`` may raise: the pipeline retries transient errors with backoff and
+    keeps the report until it is delivered; permanent ones (``ImportError``, ``TypeError``,
+    ``ValueError``, an HTTP 4xx other than 408/429) mark the sink failed. Sinks are never
+    opened on other ranks. Tracker sinks that keep a run derive from
+    ``sidestream.sinks.TrackerSink``, which does the per-stream resume bookkeeping.
     """
 
     #: Short name used in messages and as the entry-point name (``"jsonl"``, ``"mlflow"``).
@@ -78,7 +87,7 @@ class Sink(abc.ABC):
         """Deliver one report. Raise on failure; the pipeline retries it."""
 
     def write_batch(self, reports: Sequence[Report]) -> None:
-        """Deliver consecutive reports (at most ``max_batch``, in step order) at once.
+        """Deliver consecutive reports (at most ``max_batch``, in delivery order) at once.
 
         Raise on failure: the pipeline retries the same batch, so a sink must not repeat what
         an earlier attempt delivered. The default writes them one by one.

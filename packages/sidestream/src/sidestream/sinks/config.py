@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any
@@ -9,12 +11,21 @@ from typing import Any
 from sidestream.sinks.base import Sink
 from sidestream.sinks.process import ProcessSink
 
-__all__ = ["ENTRY_POINT_GROUP", "available_sinks", "sinks_from_config"]
+__all__ = ["ENTRY_POINT_GROUP", "available_sinks", "install_hint", "sinks_from_config"]
 
 ENTRY_POINT_GROUP = "sidestream.sinks"
 
 # Sinks that live in an optional integration distribution, by entry-point name.
 _EXTRAS = {"wandb": "wandb", "mlflow": "mlflow", "tensorboard": "tensorboard"}
+
+
+def install_hint(name: str) -> str:
+    """The commands that install the integration of sink ``name``: from an index and a checkout."""
+    return (
+        f'pip install "sidestream[{_EXTRAS[name]}]" (from a checkout of the repository: pip '
+        f"install ./packages/sidestream ./integrations/sidestream-{_EXTRAS[name]})"
+    )
+
 
 SinkConfig = Mapping[str, Mapping[str, Any] | None] | Sequence[str | Mapping[str, Any]]
 
@@ -36,6 +47,10 @@ def sinks_from_config(config: SinkConfig) -> list[Sink]:
     The option ``"child_process": True`` runs that sink in a child process of its own
     (``ProcessSink``), so its client's Python work never competes with training for the GIL.
 
+    Everything is checked here, on every rank, before anything opens: each option against the
+    sink's constructor (and the client call it forwards options to), and that the tracker's
+    client is installed.
+
     Args:
         config: One of the spellings above.
 
@@ -43,11 +58,13 @@ def sinks_from_config(config: SinkConfig) -> list[Sink]:
         The sinks, in the order given.
 
     Raises:
-        LookupError: If a name is not installed or its module fails to import; for ``wandb``,
-            ``mlflow`` and ``tensorboard`` the message says which extra to install
-            (``pip install "sidestream[mlflow]"``).
-        TypeError: If the config has the wrong shape, options do not fit the sink, or the entry
-            point does not make a ``Sink``.
+        LookupError: If a name is not installed, its module fails to import or its tracker
+            client is missing; for ``wandb``, ``mlflow`` and ``tensorboard`` the message gives
+            the install command from an index (``pip install "sidestream[mlflow]"``) and from
+            a checkout.
+        TypeError: If the config has the wrong shape, an option is unknown (the message names
+            it, the valid options and the nearest match), or the entry point does not make a
+            ``Sink``.
     """
     return [_build(name, options) for name, options in _entries(config)]
 
@@ -97,9 +114,7 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
     matches = [entry for entry in entry_points(group=ENTRY_POINT_GROUP) if entry.name == name]
     if not matches:
         if name in _EXTRAS:
-            raise LookupError(
-                f'sink {name!r} is not installed: pip install "sidestream[{_EXTRAS[name]}]"'
-            )
+            raise LookupError(f"sink {name!r} is not installed: {install_hint(name)}")
         raise LookupError(
             f"sink {name!r} is unknown; installed sinks: {', '.join(available_sinks()) or 'none'} "
             f'(optional: {", ".join(sorted(_EXTRAS))} via pip install "sidestream[NAME]")'
@@ -108,11 +123,19 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
         factory = matches[0].load()
     except ImportError as error:
         hint = (
-            f'pip install "sidestream[{_EXTRAS[name]}]"'
+            install_hint(name)
             if name in _EXTRAS
             else f"reinstall the package that provides {matches[0].value}"
         )
         raise LookupError(f"sink {name!r} could not be imported ({error}); {hint}") from error
+    check_available = getattr(factory, "check_available", None)
+    if callable(check_available):
+        try:
+            check_available()
+        except ImportError as error:
+            hint = install_hint(name) if name in _EXTRAS else "install the tracker's client"
+            raise LookupError(f"sink {name!r}: {error} ({hint})") from None
+    _check_options(name, factory, options)
     try:
         sink = factory(**options)
     except TypeError as error:
@@ -122,3 +145,29 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
             f"sinks_from_config: entry point {name!r} made a {type(sink).__name__}, not a Sink"
         )
     return sink
+
+
+def _check_options(name: str, factory: Any, options: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` for an option ``factory`` does not take, naming the nearest one."""
+    option_names = getattr(factory, "option_names", None)
+    if callable(option_names):
+        accepted = option_names()
+    else:
+        try:
+            parameters = inspect.signature(factory).parameters.values()
+        except (TypeError, ValueError):
+            return
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            return
+        accepted = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    if accepted is None:
+        return
+    valid = sorted(accepted | {"child_process"})
+    for option in options:
+        if option not in accepted:
+            nearest = difflib.get_close_matches(option, valid, n=1)
+            hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+            raise TypeError(
+                f"sinks_from_config: sink {name!r} has no option {option!r}{hint} "
+                f"(valid options: {', '.join(valid)})"
+            )

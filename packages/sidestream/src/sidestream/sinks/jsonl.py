@@ -3,127 +3,259 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Mapping
+import stat
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.base import Report, RunInfo
+from sidestream.sinks.tracker import TrackerSink
 
-__all__ = ["JsonlSink"]
+__all__ = ["JsonlSink", "read_jsonl"]
+
+# Non-finite floats as JSON strings, spelt the way float() reads them back.
+_NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+_CHUNK = 65536
 
 
-class JsonlSink(Sink):
+class JsonlSink(TrackerSink):
     """Append one JSON object per report to ``path``.
 
-    Each line is ``{"step": ..., "time": ..., "values": {name: number}}`` (plus
-    ``"histograms": {name: [numbers]}`` when a report has any). Non-finite values are written
-    as ``NaN`` / ``Infinity``, which Python's ``json`` reads back. Lines are buffered and
-    pushed to the file every ``flush_every`` reports and whenever the pipeline flushes (it does
-    when the sink has been idle for a moment, and on close), so the disk sees batches.
+    Each line is standard JSON (``jq`` and ``pandas.read_json(path, lines=True)`` read it)::
+
+        {"step": 120, "stream": "train", "time": 1700000000.0, "values": {"train/loss": 0.43}}
+
+    plus ``"histograms": {name: [numbers]}`` when a report has any. Non-finite values are
+    written as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (``float()`` reads
+    them back; ``read_jsonl`` does so). Lines are in delivery order: streams may interleave
+    out of step order (a validation window at step 50 after training windows up to 60).
+
+    Delivery: ``write`` returns once its lines are flushed to the file, so a step counts as
+    delivered only when the operating system has it (a full disk fails the write, which the
+    pipeline retries). When a checkpoint takes the state, the file is ``fsync``-ed first
+    (``make_durable``). With ``fsync=True`` every write is.
 
     The file is only appended to. A job resumed from a checkpoint (``load_state_dict`` before
-    ``open``) skips reports at or before the last step in the file (or in the checkpoint, if
-    larger), so no step appears twice even when the job logged past its last checkpoint. A
-    line cut short by a crash is closed with a newline before appending.
+    ``open``) skips reports at or before each stream's last step in the checkpoint or in the
+    lines written after it, so no step appears twice even when the job logged past its last
+    checkpoint. A line cut short by a crash is closed with a newline before appending. A path
+    that is not a regular file (``/dev/stdout``, a pipe) is only appended to.
 
     Args:
         path: The file; parent directories are created.
-        flush_every: Push buffered lines to the file after this many reports.
-        fsync: Also ``os.fsync`` on every flush (survives a machine crash, costs a disk sync).
+        flush_every: Most reports written per flush when a backlog is delivered at once.
+        fsync: Also ``os.fsync`` after every write (survives a machine crash, costs a disk sync).
     """
 
     name = "jsonl"
+    identity_key = "path"
+    _own_locks = ("_lock", "_file_lock")
 
     def __init__(self, path: str | os.PathLike[str], flush_every: int = 64, fsync: bool = False):
+        super().__init__()
         if flush_every < 1:
             raise ValueError(f"flush_every: expected >= 1, got {flush_every}")
         self.path = Path(path)
-        self._flush_every = flush_every
+        self.max_batch = flush_every
         self._fsync = fsync
-        self._file: IO[str] | None = None
-        self._unflushed = 0
-        self._last_step: int | None = None
-        self._resuming = False
+        # Unbuffered: what write() returned for is in the file, nothing waits in a buffer.
+        self._file: IO[bytes] | None = None
+        self._cut = False  # a failed write may have left part of a line
+        self._regular = True
+        self._file_lock = threading.Lock()
+        self._offset: int | None = None  # bytes of the file once the last write was flushed
+        self._resume_offset: int | None = None
+
+    @property
+    def identity(self) -> str | None:
+        """The file's path."""
+        return str(self.path)
+
+    @identity.setter
+    def identity(self, value: str | None) -> None:
+        del value  # the path given to the constructor wins
 
     def open(self, run: RunInfo) -> None:
         """Open ``path`` for appending (``run`` is not recorded in the file)."""
         del run
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tail = _tail(self.path)
-        self._file = self.path.open("a", encoding="utf-8")
-        if tail and not tail.endswith(b"\n"):
-            self._file.write("\n")
-        if self._resuming:
-            written = _last_step(tail)
-            if written is not None and (self._last_step is None or written > self._last_step):
-                self._last_step = written
+        regular = self._regular = _is_regular(self.path)
+        if regular and self.resumed:
+            self.found_in_backend(_steps_after(self.path, self._resume_offset))
+        self._file = self.path.open("ab", buffering=0)
+        if regular:
+            self._cut = not _ends_with_newline(self.path)
+            self._offset = self._file.tell()
 
-    def write(self, report: Report) -> None:
-        """Buffer one line; skip steps already written before a resume."""
+    def send(self, reports: Sequence[Report]) -> None:
+        """Write one line per report and flush them to the file.
+
+        Raises:
+            RuntimeError: If the sink is not open.
+            OSError: If the file cannot take the lines (a full disk); nothing counts as
+                delivered then, and the retry writes them again after closing a cut line.
+        """
         if self._file is None:
             raise RuntimeError(f"JsonlSink({self.path}): write before open")
-        if self._last_step is not None and report.step <= self._last_step:
-            return
-        record: dict[str, Any] = {
-            "step": report.step,
-            "time": report.time,
-            "values": dict(report.values),
-        }
-        if report.histograms:
-            record["histograms"] = {k: v.tolist() for k, v in report.histograms.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._last_step = report.step
-        self._unflushed += 1
-        if self._unflushed >= self._flush_every:
-            self.flush()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Push buffered lines to the file."""
-        del timeout
-        if self._file is not None and self._unflushed:
-            self._file.flush()
+        data = "".join(_line(report) for report in reports).encode()
+        with self._file_lock:
+            file = self._file
+            if self._cut and not (self._regular and _ends_with_newline(self.path)):
+                data = b"\n" + data  # close the line a failed write left cut short
+            self._cut = True
+            view = memoryview(data)
+            while view:
+                view = view[file.write(view) or 0 :]
             if self._fsync:
+                os.fsync(file.fileno())
+            self._cut = False
+            if self._offset is not None:
+                self._offset = file.tell()
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        """``fsync`` the file, so delivered lines survive a machine crash. Thread-safe."""
+        del timeout
+        with self._file_lock:
+            if self._file is not None:
                 os.fsync(self._file.fileno())
-            self._unflushed = 0
         return True
 
     def close(self, timeout: float | None = None) -> bool:
-        """Flush and close the file."""
-        self.flush(timeout)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the file (every delivered line is already in it)."""
+        with self._file_lock:
+            file, self._file = self._file, None
+        if file is not None:
+            file.close()
         return True
 
-    def state_dict(self) -> dict[str, Any]:
-        """The path and the last step written."""
-        return {"path": str(self.path), "last_step": self._last_step}
+    def extra_state(self) -> dict[str, Any]:
+        """Where the file ended after the last delivered line (to find later lines on resume)."""
+        return {"offset": self._offset}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Resume after ``state_dict["last_step"]``."""
-        self._last_step = state_dict.get("last_step")
-        self._resuming = True
+    def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Remember the saved end of file."""
+        offset = state_dict.get("offset")
+        self._resume_offset = offset if isinstance(offset, int) and offset >= 0 else None
 
 
-def _tail(path: Path, size: int = 65536) -> bytes:
-    """The last ``size`` bytes of ``path`` (empty if it does not exist)."""
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The records of a ``JsonlSink`` file, non-finite values read back as floats.
+
+    Lines that do not parse (one cut short by a crash) are skipped.
+    """
+    with Path(path).open(encoding="utf-8") as file:
+        for line in file:
+            record = _parse(line)
+            if record is not None:
+                yield record
+
+
+def _line(report: Report) -> str:
+    record: dict[str, Any] = {
+        "step": report.step,
+        "stream": report.stream,
+        "time": report.time,
+        "values": dict(report.values),
+    }
+    if report.histograms:
+        record["histograms"] = {k: v.tolist() for k, v in report.histograms.items()}
     try:
-        with path.open("rb") as file:
-            file.seek(0, os.SEEK_END)
-            file.seek(max(0, file.tell() - size))
-            return file.read()
+        return json.dumps(record, allow_nan=False) + "\n"
+    except ValueError:  # a non-finite value: rare, so only then walk the values
+        record["values"] = {k: _finite_or_text(v) for k, v in record["values"].items()}
+        if "histograms" in record:
+            record["histograms"] = {
+                k: [_finite_or_text(x) for x in v] for k, v in record["histograms"].items()
+            }
+        return json.dumps(record, allow_nan=False) + "\n"
+
+
+def _finite_or_text(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else _NON_FINITE[value]
+    return value
+
+
+def _parse(line: str | bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        return None
+    values = record.get("values")
+    if isinstance(values, dict):
+        record["values"] = {k: float(v) if isinstance(v, str) else v for k, v in values.items()}
+    return record
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
     except FileNotFoundError:
-        return b""
+        return True  # created as one by open
 
 
-def _last_step(tail: bytes) -> int | None:
-    """The step of the last complete JSON line in ``tail``."""
-    for line in reversed(tail.splitlines()):
-        try:
-            step = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        if isinstance(step, int):
-            return step
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as file:
+        size = file.seek(0, os.SEEK_END)
+        if size == 0:
+            return True
+        file.seek(size - 1)
+        return file.read(1) == b"\n"
+
+
+def _steps_after(path: Path, offset: int | None) -> dict[str, int]:
+    """The last step per stream in the lines from ``offset`` on (the last line if unknown)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return {}
+    steps: dict[str, int] = {}
+    if offset is not None and offset <= size:
+        with path.open("rb") as file:
+            file.seek(offset)
+            for line in file:  # one line in memory at a time
+                _note(steps, _parse(line) if line.endswith(b"\n") else None)
+        return steps
+    _note(steps, _last_record(path, size))
+    return steps
+
+
+def _note(steps: dict[str, int], record: dict[str, Any] | None) -> None:
+    if record is None:
+        return
+    stream = str(record.get("stream", ""))
+    if record["step"] > steps.get(stream, record["step"] - 1):
+        steps[stream] = record["step"]
+
+
+def _last_record(path: Path, size: int) -> dict[str, Any] | None:
+    """The last complete line that parses, read backwards in fixed chunks."""
+    with path.open("rb") as file:
+        end = _previous_newline(file, size)  # the newline that ends the last complete line
+        while end is not None:
+            start = _previous_newline(file, end)
+            begin = 0 if start is None else start + 1
+            file.seek(begin)
+            record = _parse(file.read(end - begin))
+            if record is not None:
+                return record
+            end = start
+    return None
+
+
+def _previous_newline(file: IO[bytes], before: int) -> int | None:
+    """Offset of the last newline before byte ``before``, reading ``_CHUNK`` bytes at a time."""
+    position = before
+    while position > 0:
+        start = max(0, position - _CHUNK)
+        file.seek(start)
+        index = file.read(position - start).rfind(b"\n")
+        if index >= 0:
+            return start + index
+        position = start
     return None

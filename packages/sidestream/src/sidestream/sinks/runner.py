@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -12,6 +13,7 @@ from typing import Any
 
 from sidestream.sinks._spool import Spool
 from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.status import SinkStatus, is_permanent
 
 __all__ = ["SinkRunner"]
 
@@ -78,6 +80,7 @@ class SinkRunner:
         self._abandon = threading.Event()
         self._failing = False
         self._failed_attempts = 0
+        self._status = SinkStatus("healthy", None)
         self._state: dict[str, Any] = {}
         self._thread = threading.Thread(
             target=self._work, name=f"sidestream-sink-{self.key}", daemon=True
@@ -122,6 +125,12 @@ class SinkRunner:
         """Reports waiting in the spool file."""
         with self._cond:
             return len(self._spool)
+
+    @property
+    def status(self) -> SinkStatus:
+        """Whether the sink is healthy, retrying a transient failure, or failed for good."""
+        with self._cond:
+            return self._status
 
     def sink_state(self) -> dict[str, Any]:
         """``sink.state_dict()`` as of the last delivered report, taken on the sink's thread."""
@@ -236,24 +245,35 @@ class SinkRunner:
                 self._cond.wait(remaining)
 
     def _retry(self, what: str, action: Callable[[], None]) -> bool:
-        """Run ``action`` until it succeeds (True) or the runner is abandoned (False)."""
+        """Run ``action`` until it succeeds (True), fails for good or is abandoned (False).
+
+        A permanent error (``is_permanent``: a missing client, a bad argument, HTTP 4xx other
+        than 408/429) is not retried: the sink is marked failed and the reason logged once at
+        ERROR. Transient errors are retried with exponential backoff and jitter.
+        """
         delay = self._retry_initial_s
         while True:
             try:
                 action()
             except Exception as error:
                 self._failed_attempts += 1
+                reason = f"{type(error).__name__}: {error}"
+                if is_permanent(error):
+                    self._fail(what, reason)
+                    return False
+                with self._cond:
+                    self._status = SinkStatus("retrying", reason)
                 if not self._failing:
                     self._failing = True
                     logger.warning(
-                        "sink %r: %s failed: %s: %s; retrying with backoff, reports are kept "
+                        "sink %r: %s failed: %s; retrying with backoff, reports are kept "
                         "(not logged again until it recovers)",
                         self.key,
                         what,
-                        type(error).__name__,
-                        error,
+                        reason,
                     )
-                if self._abandon.wait(delay):
+                # Jitter: sinks (or ranks' jobs) that failed together do not retry in step.
+                if self._abandon.wait(delay * random.uniform(0.5, 1.0)):
                     return False
                 delay = min(delay * 2, self._retry_max_s)
                 continue
@@ -263,7 +283,25 @@ class SinkRunner:
                     "sink %r: recovered after %d failed attempt(s)", self.key, self._failed_attempts
                 )
                 self._failed_attempts = 0
+            with self._cond:
+                if self._status.state != "healthy":
+                    self._status = SinkStatus("healthy", self._status.last_error)
             return True
+
+    def _fail(self, what: str, reason: str) -> None:
+        """Mark the sink failed for good: stop delivering, count nothing more as delivered."""
+        with self._cond:
+            self._status = SinkStatus("failed", reason)
+            self._cond.notify_all()
+        self._abandon.set()
+        logger.error(
+            "sink %r: %s failed permanently: %s. Not retried: this sink gets no more reports "
+            "and close() returns False. Fix the sink's options or install its client, then "
+            "resume from the last checkpoint",
+            self.key,
+            what,
+            reason,
+        )
 
     def _once(self, what: str, action: Callable[[], object]) -> None:
         try:

@@ -1,0 +1,114 @@
+"""``python -m sidestream show PATH.jsonl [--plot out.png]``: look at a run without a tracker."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from sidestream.sinks.jsonl import read_jsonl
+
+__all__ = ["main"]
+
+_MAX_LINES_PER_PLOT = 20
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m sidestream")
+    commands = parser.add_subparsers(dest="command", required=True)
+    show = commands.add_parser(
+        "show", help="print each stream's latest values from a JsonlSink file"
+    )
+    show.add_argument("path", type=Path, help="the .jsonl file a JsonlSink wrote")
+    show.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="also draw every value over steps into this image (needs matplotlib: pip install "
+        '"sidestream[plot]")',
+    )
+    args = parser.parse_args(argv)
+    if not args.path.is_file():
+        parser.error(f"{args.path}: no such file")
+    history = _history(args.path)
+    if not history:
+        print(f"{args.path}: no records", file=sys.stderr)
+        return 1
+    print(_table(history))
+    if args.plot is not None:
+        try:
+            _plot(history, args.plot)
+        except ImportError:
+            print(
+                'error: --plot needs matplotlib: pip install "sidestream[plot]" (or pip install '
+                "matplotlib)",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+# stream -> name -> [(step, value)], in file order
+History = dict[str, dict[str, list[tuple[int, float]]]]
+
+
+def _history(path: Path) -> History:
+    history: History = {}
+    for record in read_jsonl(path):
+        stream = str(record.get("stream", ""))
+        names = history.setdefault(stream, {})
+        for name, value in (record.get("values") or {}).items():
+            if isinstance(value, int | float):
+                names.setdefault(name, []).append((int(record["step"]), float(value)))
+    return history
+
+
+def _table(history: History) -> str:
+    rows = [("stream", "step", "name", "value")]
+    for stream in sorted(history):
+        for name in sorted(history[stream]):
+            step, value = max(history[stream][name])  # the latest step, whatever the line order
+            rows.append((stream or "(log)", str(step), name, _number(value)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _number(value: float) -> str:
+    return str(value) if not math.isfinite(value) else f"{value:.6g}"
+
+
+def _plot(history: History, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    streams = sorted(history)
+    figure, axes = plt.subplots(
+        len(streams), 1, figsize=(8, 3 * len(streams)), squeeze=False, constrained_layout=True
+    )
+    for axis, stream in zip(axes[:, 0], streams, strict=True):
+        names = sorted(history[stream])
+        for name in names[:_MAX_LINES_PER_PLOT]:
+            points = sorted(history[stream][name])
+            axis.plot([p[0] for p in points], [p[1] for p in points], label=name)
+        title = stream or "(log)"
+        if len(names) > _MAX_LINES_PER_PLOT:
+            title += f" (first {_MAX_LINES_PER_PLOT} of {len(names)} values)"
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.legend(fontsize="small")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""A run's sinks and their pipelines: opened once on rank 0, shared by every stream."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from sidestream._distributed import check_process_group
+from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.runner import SinkRunner
+from sidestream.sinks.status import SinkStatus
+from sidestream.sinks.tracker import TrackerSink
+
+__all__ = ["Delivery", "DeliveryOptions"]
+
+logger = logging.getLogger("sidestream.sinks")
+
+# Sinks that belong to a live run, by id: a sink is one tracker run, so two runs (or two
+# collectors with runs of their own) sharing it would interleave or drop each other's steps.
+_CLAIMED: weakref.WeakValueDictionary[int, Sink] = weakref.WeakValueDictionary()
+_CLAIM_LOCK = threading.Lock()
+
+
+class DeliveryOptions:
+    """The delivery options a run takes (checked once)."""
+
+    def __init__(
+        self,
+        sink_capacity: int = 1024,
+        sink_retry_initial_s: float = 0.1,
+        sink_retry_max_s: float = 10.0,
+        spool_dir: str | None = None,
+        exit_timeout: float = 30.0,
+    ) -> None:
+        if isinstance(sink_capacity, bool) or not isinstance(sink_capacity, int):
+            raise TypeError(f"sink_capacity: expected an int, got {sink_capacity!r}")
+        if sink_capacity < 1:
+            raise ValueError(f"sink_capacity: expected >= 1, got {sink_capacity}")
+        if not 0 < sink_retry_initial_s <= sink_retry_max_s:
+            raise ValueError(
+                "sink_retry_initial_s, sink_retry_max_s: expected 0 < initial <= max, got "
+                f"{sink_retry_initial_s}, {sink_retry_max_s}"
+            )
+        if exit_timeout < 0:
+            raise ValueError(f"exit_timeout: expected >= 0, got {exit_timeout}")
+        self.sink_capacity = sink_capacity
+        self.retry = (sink_retry_initial_s, sink_retry_max_s)
+        self.spool_dir = spool_dir
+        self.exit_timeout = exit_timeout
+
+
+class Delivery:
+    """The sinks of one run, their runners (rank 0 only) and the resume states.
+
+    Args:
+        sinks: The run's sinks; each may belong to one run at a time.
+        info: Name, config and tags given to ``sink.open``.
+        options: Capacity, retry, spool and exit options.
+
+    Raises:
+        TypeError: If an item of ``sinks`` is not a ``Sink``.
+        ValueError: If a sink already belongs to another live run.
+    """
+
+    def __init__(
+        self, sinks: Iterable[Sink], info: RunInfo | None, options: DeliveryOptions
+    ) -> None:
+        sink_list = list(sinks)
+        for index, sink in enumerate(sink_list):
+            if not isinstance(sink, Sink):
+                raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")
+        if info is not None and not isinstance(info, RunInfo):
+            raise TypeError(f"info: expected a sidestream.sinks.RunInfo, got {info!r}")
+        _claim(sink_list)
+        self.sinks = _keyed(sink_list)
+        self.info = info or RunInfo()
+        self.options = options
+        self.resume_states: dict[str, Any] = {}
+        self.runners: list[SinkRunner] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def started(self) -> bool:
+        """Whether the sinks were started (their runners exist on rank 0)."""
+        return self.runners is not None
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process opens and writes the sinks (global rank 0)."""
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+    def start(self, where: str) -> list[SinkRunner]:
+        """Start one runner per sink on rank 0, once; the runners (none on other ranks).
+
+        Raises:
+            RuntimeError: If the environment says the job has several processes but no
+                process group is initialized, or the run is closed.
+        """
+        check_process_group(where)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{where}: the run is closed")
+            if self.runners is not None:
+                return self.runners
+            runners: list[SinkRunner] = []
+            if self.is_writer:
+                for key, sink in self.sinks.items():
+                    runner = SinkRunner(
+                        sink,
+                        self.info,
+                        key=key,
+                        resume_state=self.resume_states.get(key),
+                        capacity=self.options.sink_capacity,
+                        spool_dir=self.options.spool_dir,
+                        retry_initial_s=self.options.retry[0],
+                        retry_max_s=self.options.retry[1],
+                    )
+                    runner.start()
+                    runners.append(runner)
+            self.runners = runners
+            return runners
+
+    def submit(self, report: Report) -> None:
+        """Hand ``report`` to every runner (rank 0, once started)."""
+        for runner in self.runners or ():
+            if runner.status.state != "failed":  # it takes nothing more: keep no backlog
+                runner.submit(report)
+
+    def status(self) -> dict[str, SinkStatus]:
+        """Each sink's status by key (``healthy`` before the sinks start, and off rank 0)."""
+        if not self.runners:
+            return {key: SinkStatus("healthy", None) for key in self.sinks}
+        return {runner.key: runner.status for runner in self.runners}
+
+    def sink_states(self, timeout: float | None) -> dict[str, Any]:
+        """Every sink's state as of its last delivered report, made durable first.
+
+        Waits up to ``timeout`` seconds in all for pending reports to be delivered; a sink
+        still behind then gives its state as of its last delivered report (warned).
+        """
+        if self.runners is None:
+            if not self.is_writer:
+                return {}
+            return {
+                key: self.resume_states.get(key, sink.state_dict())
+                for key, sink in self.sinks.items()
+            }
+        deadline = None if timeout is None else time.monotonic() + timeout
+        states: dict[str, Any] = {}
+        for runner in self.runners:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not runner.wait_delivered(left):
+                logger.warning(
+                    "state_dict: sink %r still has %d undelivered report(s) after %s s; its "
+                    "state is as of its last delivered step",
+                    runner.key,
+                    runner.pending,
+                    timeout,
+                )
+            states[runner.key] = self._durable_state(runner, left)
+        return states
+
+    @staticmethod
+    def _durable_state(runner: SinkRunner, timeout: float | None) -> Any:
+        sink = runner.sink
+        if isinstance(sink, TrackerSink) and runner.status.state != "failed":
+            # Thread-safe by contract: make what was sent durable, then read what counts.
+            try:
+                if sink.make_durable(timeout):
+                    return sink.state_dict()
+            except Exception as error:
+                logger.warning("state_dict: sink %r: make_durable failed: %s", runner.key, error)
+        return runner.sink_state()
+
+    def load_sink_states(self, states: Mapping[str, Any]) -> None:
+        """Give each sink its saved state when it starts.
+
+        Raises:
+            RuntimeError: If the sinks already started.
+        """
+        if self.runners is not None:
+            raise RuntimeError(
+                "load_state_dict: call it before the first bind or log (sinks resume their "
+                "run when they open)"
+            )
+        self.resume_states = dict(states)
+
+    def close(self, deadline: float | None) -> bool:
+        """Close every runner once (delivering what is pending); whether all was delivered."""
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+            runners = self.runners or []
+        complete = True
+        for runner in runners:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                closed = runner.close(left)
+            except (
+                Exception
+            ) as error:  # one sink's failure (its spool on a full disk) stays its own
+                logger.error(
+                    "sink %r: close failed: %s: %s", runner.key, type(error).__name__, error
+                )
+                closed = False
+            if not closed:
+                complete = False
+            if runner.status.state == "failed":
+                complete = False
+        _release(self.sinks.values())
+        return complete
+
+
+def _claim(sinks: list[Sink]) -> None:
+    with _CLAIM_LOCK:
+        seen: set[int] = set()
+        for sink in sinks:
+            if id(sink) in seen or _CLAIMED.get(id(sink)) is sink:
+                raise ValueError(
+                    f"sinks: {sink!r} already belongs to a run (another collector's, or a "
+                    "sidestream.Run); a sink is one tracker run, so share it by creating one "
+                    "sidestream.Run(sinks) and making every collector with run.collector(...)"
+                )
+            seen.add(id(sink))
+        for sink in sinks:
+            _CLAIMED[id(sink)] = sink
+
+
+def _release(sinks: Iterable[Sink]) -> None:
+    with _CLAIM_LOCK:
+        for sink in sinks:
+            if _CLAIMED.get(id(sink)) is sink:
+                del _CLAIMED[id(sink)]
+
+
+def _keyed(sinks: list[Sink]) -> dict[str, Sink]:
+    """Sinks by a stable key: the sink's name, ``name-2`` for a second sink of that name."""
+    keyed: dict[str, Sink] = {}
+    for sink in sinks:
+        key, n = sink.name, 1
+        while key in keyed:
+            n += 1
+            key = f"{sink.name}-{n}"
+        keyed[key] = sink
+    return keyed

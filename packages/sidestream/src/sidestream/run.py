@@ -1,0 +1,353 @@
+"""``Run``: one tracker run per job, shared by every stream of that job."""
+
+from __future__ import annotations
+
+import atexit
+import time
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import torch
+from torch import Tensor
+
+from sidestream._delivery import Delivery, DeliveryOptions
+from sidestream._distributed import Group
+from sidestream._log_pipe import LogEntry, LogPipe
+from sidestream.collector.collector import AsyncMetricCollector
+from sidestream.metric import Metric
+from sidestream.sinks.base import RunInfo, Sink
+from sidestream.sinks.runner import SinkRunner
+from sidestream.sinks.status import SinkStatus
+
+__all__ = ["Run"]
+
+T = TypeVar("T")
+
+
+class Run:
+    """One tracker run per training job: every stream (train, validation, plain values) in it.
+
+    The run owns its sinks and one delivery pipeline per sink. On global rank 0 it opens each
+    sink once, when the first collector binds or at the first ``log``; other ranks never open
+    them. Each collector made with ``collector`` is a stream named by its prefix; ``log`` is
+    the stream ``""``. Reports of different streams reach the sinks in the order they finish
+    (a validation window at step 500 may arrive after training windows up to 520); every sink
+    takes them, and resume tracks the last delivered step per stream.
+
+    Args:
+        sinks: Where reports go (rank 0 only). A sink belongs to one run.
+        info: Name, config and tags given to ``sink.open``.
+        sink_capacity: Reports each sink keeps in memory before spooling to disk.
+        sink_retry_initial_s: A sink's first wait after a transient failure; doubles (with
+            jitter) after each further failure, up to ``sink_retry_max_s``.
+        sink_retry_max_s: A sink's longest wait between retries.
+        spool_dir: Directory for spool files (system temp dir by default).
+        exit_timeout: Seconds ``close`` may take when called at interpreter exit.
+
+    Raises:
+        TypeError: If a sink is not a ``Sink`` or ``info`` not a ``RunInfo``.
+        ValueError: If a sink already belongs to another run, or an option is out of range.
+
+    Example:
+        >>> with Run([JsonlSink("runs/a.jsonl")], info=RunInfo(name="a")) as run:
+        ...     train = run.collector(MeanMetric(), prefix="train").bind("cpu")
+        ...     train.metric.update(torch.tensor([1.0, 2.0]))
+        ...     train.schedule_collection(step=10)
+        ...     run.log(10, {"lr": 3e-4})
+    """
+
+    def __init__(
+        self,
+        sinks: Iterable[Sink] = (),
+        *,
+        info: RunInfo | None = None,
+        sink_capacity: int = 1024,
+        sink_retry_initial_s: float = 0.1,
+        sink_retry_max_s: float = 10.0,
+        spool_dir: str | None = None,
+        exit_timeout: float = 30.0,
+    ) -> None:
+        options = DeliveryOptions(
+            sink_capacity, sink_retry_initial_s, sink_retry_max_s, spool_dir, exit_timeout
+        )
+        self._delivery = Delivery(sinks, info, options)
+        self._collectors: list[AsyncMetricCollector[Any]] = []
+        self._metric_states: dict[str, Any] = {}
+        self._log_pipe: LogPipe | None = None
+        self._log_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._last_log_step: int | None = None
+        self._closed = False
+        self._at_exit = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def info(self) -> RunInfo:
+        """Name, config and tags of the run."""
+        return self._delivery.info
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process opens and writes the sinks (global rank 0)."""
+        return self._delivery.is_writer
+
+    @property
+    def sink_runners(self) -> list[SinkRunner]:
+        """The running sink pipelines (empty before the sinks start and off rank 0)."""
+        return list(self._delivery.runners or ())
+
+    @property
+    def sink_status(self) -> dict[str, SinkStatus]:
+        """Each sink's delivery status by key (its name; ``name-2`` for a second one)."""
+        return self._delivery.status()
+
+    @property
+    def streams(self) -> list[str]:
+        """The prefixes of this run's collectors, in the order they were made."""
+        return [collector.prefix for collector in self._collectors]
+
+    @property
+    def log_dropped(self) -> int:
+        """``log`` calls dropped because the queue was full (CUDA copies stalled)."""
+        return 0 if self._log_pipe is None else self._log_pipe.dropped
+
+    # ------------------------------------------------------------------ streams
+
+    def collector(
+        self,
+        metric: Metric[T],
+        *,
+        prefix: str,
+        group: Group = None,
+        reset_each_window: bool = True,
+        histograms: Iterable[str] = (),
+    ) -> AsyncMetricCollector[T]:
+        """A collector whose windows go to this run's sinks, as the stream ``prefix``.
+
+        Bind it (``collector.bind(device)``) before its first window, like any collector.
+
+        Args:
+            metric: The metric (or ``ComposeMetric``) to collect.
+            prefix: The stream's name, put in front of every value name (``"val"`` gives
+                ``"val/f1"``). Unique within the run; ``""`` only if ``log`` is not used.
+            group: The process group / 1-D device mesh to reduce over (default: the world).
+            reset_each_window: Start every window from an empty state.
+            histograms: Result leaves delivered as histograms (see ``AsyncMetricCollector``).
+
+        Raises:
+            RuntimeError: If the run is closed.
+            ValueError: If another stream of this run already has ``prefix``.
+        """
+        if self._closed:
+            raise RuntimeError("collector: the run is closed")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
+        stream = prefix.strip("/")
+        if stream in self.streams or (stream == "" and self._last_log_step is not None):
+            raise ValueError(
+                f"prefix: the run already has a stream {stream!r}"
+                + (" (run.log's)" if stream == "" else "")
+                + "; give each collector of a run its own prefix"
+            )
+        collector = AsyncMetricCollector(
+            metric,
+            group=group,
+            reset_each_window=reset_each_window,
+            prefix=stream,
+            histograms=histograms,
+            _delivery=self._delivery,
+        )
+        if stream in self._metric_states:
+            collector.load_metric_state(self._metric_states.pop(stream))
+        self._collectors.append(collector)
+        return collector
+
+    def log(self, step: int, values: Mapping[str, float | int | Tensor]) -> None:
+        """Log plain values (learning rate, grad norm, tokens/s) at ``step``; returns at once.
+
+        No collective: any rank may call it, and only global rank 0's values are written.
+        Python numbers and CPU tensors are read at once. On CUDA the tensors are copied to
+        pinned memory on a side stream and read by a background thread once that copy has
+        completed, so the caller never waits for the GPU. Steps increase from call to call:
+        log every value of a step in one call.
+
+        Args:
+            step: The training step; larger than the previous ``log`` call's.
+            values: Names (``"lr"``, ``"grad_norm"``) to Python numbers or 0-dim tensors.
+
+        Raises:
+            TypeError: If ``step`` is not an int, or a name or value has the wrong type.
+            ValueError: If ``step`` does not increase, or a tensor is not 0-dim.
+            RuntimeError: If the run is closed, or the job's process group is missing.
+        """
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        if self._last_log_step is not None and step <= self._last_log_step:
+            raise ValueError(
+                f"step: expected > the previous log call's {self._last_log_step}, got {step} "
+                "(log every value of a step in one call)"
+            )
+        if not isinstance(values, Mapping):
+            raise TypeError(f"values: expected a mapping of names to numbers, got {values!r}")
+        numbers: dict[str, float] = {}
+        on_gpu: list[tuple[str, Tensor]] = []
+        for name, value in values.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"values: names must be non-empty str, got {name!r}")
+            if isinstance(value, Tensor):
+                if value.dim() != 0:
+                    raise ValueError(
+                        f"values[{name!r}]: expected a 0-dim tensor, got shape {tuple(value.shape)}"
+                    )
+                if value.is_cuda:
+                    on_gpu.append((name, value))
+                else:
+                    numbers[name] = float(value)
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                numbers[name] = float(value)
+            else:
+                raise TypeError(
+                    f"values[{name!r}]: expected a number or a 0-dim tensor, got "
+                    f"{type(value).__name__}"
+                )
+        if self._closed:
+            raise RuntimeError("log: the run is closed")
+        if "" in self.streams:
+            raise ValueError(
+                "log: a collector of this run has the prefix '' (the stream of run.log); "
+                "give it a prefix"
+            )
+        self._start("log")
+        self._last_log_step = step
+        if not self.is_writer:
+            return
+        entry = LogEntry(step=step, time=time.time(), numbers=numbers)
+        if on_gpu:
+            self._copy_to_host(entry, on_gpu)
+        if self._log_pipe is None:
+            self._log_pipe = LogPipe(self._delivery.submit)
+        self._log_pipe.put(entry)
+
+    def _copy_to_host(self, entry: LogEntry, tensors: list[tuple[str, Tensor]]) -> None:
+        device = tensors[0][1].device
+        if any(tensor.device != device for _, tensor in tensors):
+            raise ValueError(
+                f"values: CUDA tensors of one log call must be on one device, got "
+                f"{sorted({str(t.device) for _, t in tensors})}"
+            )
+        side = self._log_streams.get(device)
+        if side is None:
+            side = self._log_streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            flat = torch.stack([tensor.detach().to(torch.float64) for _, tensor in tensors])
+            host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(side)
+        for _, tensor in tensors:
+            # Made on the caller's stream, read on ``side``: keep the allocator from reusing it
+            # before the copy has run.
+            tensor.record_stream(side)
+        entry.device_names = tuple(name for name, _ in tensors)
+        entry.host, entry.done = host, done
+
+    def _start(self, where: str) -> list[SinkRunner]:
+        started = self._delivery.started
+        runners = self._delivery.start(where)
+        if not started:
+            atexit.register(self._close_at_exit)
+        return runners
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Finish every collector's windows and the logged values, then close each sink once.
+
+        Blocking, bounded by ``timeout`` seconds overall. Idempotent.
+
+        Returns:
+            Whether everything was delivered: ``False`` if windows were still running or
+            failed, a sink could not take its reports in time (they are kept in a spool
+            file a warning names) or a sink failed for good.
+        """
+        if self._closed:
+            return True
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        complete = True
+        for collector in self._collectors:
+            if not collector.close(_left(deadline)):
+                complete = False
+        if self._log_pipe is not None and not self._log_pipe.stop(_left(deadline)):
+            complete = False
+        if not self._delivery.close(deadline):
+            complete = False
+        return complete
+
+    def _close_at_exit(self) -> None:
+        self.close(self._delivery.options.exit_timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, timeout: float | None = 10.0) -> dict[str, Any]:
+        """Every collector's metric state and every sink's state.
+
+        A collective (each collector's state is reduced over its group): every rank calls it,
+        in the same order relative to other collectives. On rank 0 it then waits up to
+        ``timeout`` seconds in all for scheduled windows and logged values to be delivered
+        (so the sinks' last steps match the metric states) and makes each sink's delivered
+        data durable (``fsync`` for files). A sink still behind after ``timeout`` gives its
+        state as of its last delivered step, with a warning; the reports it has not
+        delivered yet are still delivered by this job, but a job resumed from this
+        checkpoint will not log them again.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        collectors = {c.prefix: c.metric.state_dict() for c in self._collectors}
+        sinks: dict[str, Any] = {}
+        if self.is_writer:
+            for collector in self._collectors:
+                collector.wait_windows(_left(deadline))
+            if self._log_pipe is not None:
+                self._log_pipe.wait_idle(_left(deadline))
+            sinks = self._delivery.sink_states(_left(deadline))
+        return {"collectors": collectors, "sinks": sinks}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict`` (any world size) before the first bind or log.
+
+        Collectors made later get their saved metric state when ``collector`` makes them.
+
+        Raises:
+            RuntimeError: If a collector is bound or values were logged already.
+            KeyError: If ``state_dict`` lacks ``"collectors"`` or ``"sinks"``.
+        """
+        if self._delivery.started:
+            raise RuntimeError(
+                "load_state_dict: call it before the first bind or log (sinks resume their "
+                "run when they open)"
+            )
+        collectors = dict(state_dict["collectors"])
+        sinks = state_dict["sinks"]
+        for collector in self._collectors:
+            if collector.prefix in collectors:
+                collector.load_metric_state(collectors.pop(collector.prefix))
+        self._metric_states = collectors
+        self._delivery.load_sink_states(sinks)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

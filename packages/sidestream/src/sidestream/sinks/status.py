@@ -1,0 +1,66 @@
+"""``SinkStatus``: how a sink's delivery is going, and which failures are permanent."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["PermanentSinkError", "SinkStatus", "is_permanent"]
+
+
+@dataclass(frozen=True)
+class SinkStatus:
+    """The delivery status of one sink (``SinkRunner.status``, ``Run.sink_status``).
+
+    Attributes:
+        state: ``"healthy"`` (delivering, or nothing to deliver), ``"retrying"`` (the last
+            attempt failed with a transient error; reports are kept and retried with backoff)
+            or ``"failed"`` (a permanent error: nothing more is delivered to this sink, and
+            ``close`` returns ``False``).
+        last_error: The last failure as text (credentials removed by the sink), if any.
+    """
+
+    state: Literal["healthy", "retrying", "failed"]
+    last_error: str | None = None
+
+
+class PermanentSinkError(RuntimeError):
+    """A sink failure that retrying cannot fix (a bad option, a missing client, HTTP 4xx).
+
+    Sinks raise it (with a message that says the fix) when they turn a backend error into a
+    message of their own, so the pipeline still knows not to retry.
+    """
+
+
+# HTTP statuses that a retry may fix: request timeout and too many requests.
+_TRANSIENT_4XX = {408, 429}
+
+
+def is_permanent(error: BaseException) -> bool:
+    """Whether retrying the call that raised ``error`` cannot help.
+
+    Permanent: ``PermanentSinkError``, ``ImportError`` (a client not installed), ``TypeError``
+    and ``ValueError`` (bad arguments), and HTTP errors with a 4xx status other than 408/429
+    (read from ``status_code``, ``response.status_code`` or ``get_http_status_code()``).
+    Everything else (connection errors, timeouts, 5xx) is transient.
+    """
+    if isinstance(error, PermanentSinkError | ImportError | TypeError | ValueError):
+        return True
+    status = _http_status(error)
+    return status is not None and 400 <= status < 500 and status not in _TRANSIENT_4XX
+
+
+def _http_status(error: BaseException) -> int | None:
+    candidates: list[object] = [
+        getattr(error, "status_code", None),
+        getattr(getattr(error, "response", None), "status_code", None),
+    ]
+    getter = getattr(error, "get_http_status_code", None)
+    if callable(getter):
+        with contextlib.suppress(Exception):
+            candidates.append(getter())
+    for value in candidates:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None

@@ -1,0 +1,309 @@
+"""``TrackerSink``: the delivery bookkeeping every sink that keeps a run shares."""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+from sidestream.sinks.base import Report, Sink
+from sidestream.sinks.support import call_within
+
+__all__ = ["TrackerSink", "parse_tracker_state", "signature_options", "stream_of"]
+
+logger = logging.getLogger("sidestream.sinks")
+
+
+class TrackerSink(Sink):
+    """A sink that keeps one run of a tracker, resumable from a checkpoint, exactly once.
+
+    It tracks, per ``Report.stream``, the last step the backend has, and skips any report at
+    or below it, so streams may arrive in any order relative to each other and a resumed job
+    never sends a step twice. Subclasses implement ``send`` (deliver fresh reports) and may
+    override ``persist`` (push buffered data to the backend) and ``make_durable`` (make
+    delivered data survive a machine crash, called when a checkpoint takes the state).
+
+    The rule: a step counts as delivered only once the backend has it. If ``send`` returns
+    only when the backend has the reports (``durable_on_send``, the default), they count at
+    once; otherwise only after a ``persist`` that succeeded. ``state_dict`` holds delivered
+    steps only.
+
+    State: ``{identity_key: ..., "last_steps": {stream: step}}`` plus what the subclass adds
+    with ``extra_state``. An older ``{"last_step": n}`` state is read as ``n`` for every stream.
+
+    Attributes:
+        identity_key: The name of the run identity in the state (``"run_id"``, ``"log_dir"``).
+        durable_on_send: Whether ``send`` returning means the backend has the reports.
+    """
+
+    identity_key: ClassVar[str] = "run_id"
+    durable_on_send: ClassVar[bool] = True
+    _own_locks: ClassVar[tuple[str, ...]] = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sent: dict[str, int] = {}
+        self._delivered: dict[str, int] = {}
+        # A state from before streams: one last step for all of them.
+        self._sent_default: int | None = None
+        self._delivered_default: int | None = None
+        self._resumed = False
+        self._warned: set[str] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable (ProcessSink sends sinks to a child process): its own locks are made anew.
+        state = dict(self.__dict__)
+        for key in self._own_locks:
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for key in self._own_locks:
+            setattr(self, key, threading.Lock())
+
+    # ------------------------------------------------------------------ subclass hooks
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``ImportError`` (with the install command) if the backend's client is missing.
+
+        ``sinks_from_config`` calls it when it builds the sink, so a missing client is found
+        at once on every rank, not at ``open`` on rank 0. The default checks nothing.
+        """
+
+    @classmethod
+    def option_names(cls) -> set[str] | None:
+        """The keyword options the constructor takes (``None``: any).
+
+        The default reads the constructor's signature; a sink that forwards ``**kwargs`` to
+        its client adds the client's names.
+        """
+        return signature_options(cls)
+
+    @abc.abstractmethod
+    def send(self, reports: Sequence[Report]) -> None:
+        """Deliver ``reports`` (none of them delivered before) to the backend; raise on failure.
+
+        A retry calls it again with the reports that did not count as sent; a subclass whose
+        backend may have taken part of a failed call tracks that itself.
+        """
+
+    def persist(self, timeout: float | None) -> bool:
+        """Push buffered data to the backend; whether that finished within ``timeout``."""
+        del timeout
+        return True
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        """Make what was sent durable, before a checkpoint takes ``state_dict``.
+
+        Called from the training thread while the sink's thread may be writing, so it must be
+        thread-safe. The default is ``flush`` (``persist``); a file sink also ``fsync``s.
+        """
+        return self.flush(timeout)
+
+    @property
+    def identity(self) -> str | None:
+        """The run's identity (run id, log directory), once known."""
+        return None
+
+    @identity.setter
+    def identity(self, value: str | None) -> None:
+        del value
+
+    def extra_state(self) -> dict[str, Any]:
+        """More state for ``state_dict`` (JSON-able); none by default."""
+        return {}
+
+    def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Read back what ``extra_state`` wrote (called by ``load_state_dict``)."""
+        del state_dict
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @property
+    def resumed(self) -> bool:
+        """Whether ``load_state_dict`` gave a state to continue from."""
+        return self._resumed
+
+    def last_step(self, stream: str) -> int | None:
+        """The last step of ``stream`` the backend has (or that was sent, not yet persisted)."""
+        return self._sent.get(stream, self._sent_default)
+
+    def last_steps(self) -> dict[str, int]:
+        """The last delivered step of each stream seen so far."""
+        with self._lock:
+            return dict(self._delivered)
+
+    def is_delivered(self, report: Report) -> bool:
+        """Whether ``report``'s step of its stream was already sent."""
+        last = self._sent.get(report.stream, self._sent_default)
+        return last is not None and report.step <= last
+
+    def found_in_backend(self, last_steps: Mapping[str, int]) -> None:
+        """Count steps that the backend already holds (found on resume) as delivered."""
+        with self._lock:
+            for stream, step in last_steps.items():
+                sent = self._sent.get(stream, self._sent_default)
+                if sent is None or step > sent:
+                    self._sent[stream] = step
+                delivered = self._delivered.get(stream, self._delivered_default)
+                if delivered is None or step > delivered:
+                    self._delivered[stream] = step
+
+    def mark_sent(self, report: Report) -> None:
+        """Count ``report`` as sent.
+
+        ``send`` may call it after each report it completed, so that a retry after a failure
+        later in the same call skips it.
+        """
+        with self._lock:
+            self._sent[report.stream] = report.step
+            if self.durable_on_send:
+                self._delivered[report.stream] = report.step
+
+    def write(self, report: Report) -> None:
+        """Send ``report`` unless its step of its stream was delivered already."""
+        self.write_batch([report])
+
+    def write_batch(self, reports: Sequence[Report]) -> None:
+        """Send the reports not delivered yet, in one ``send``."""
+        fresh = [report for report in reports if not self.is_delivered(report)]
+        if not fresh:
+            return
+        self.send(fresh)
+        for report in fresh:
+            self.mark_sent(report)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """``persist``; what was sent before counts as delivered once it succeeded."""
+        with self._lock:
+            sent = dict(self._sent)
+        if not self.persist(timeout):
+            return False
+        with self._lock:
+            self._delivered.update(sent)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Flush; subclasses release their backend after calling this."""
+        return self.flush(timeout)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run identity and the last delivered step per stream. Never credentials."""
+        with self._lock:
+            steps = dict(self._delivered)
+            default = self._delivered_default
+        state: dict[str, Any] = {self.identity_key: self.identity, "last_steps": steps}
+        if default is not None:
+            state["last_step"] = default
+        state.update(self.extra_state())
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue the saved run at the next ``open``, after the saved steps.
+
+        Raises:
+            ValueError: If the state lacks the identity or the steps, or has wrong types.
+        """
+        identity, steps, default = parse_tracker_state(
+            state_dict, self.identity_key, type(self).__name__
+        )
+        self.load_extra_state(state_dict)
+        self.identity = identity
+        with self._lock:
+            self._sent, self._delivered = dict(steps), dict(steps)
+            self._sent_default = self._delivered_default = default
+        self._resumed = True
+
+    # ------------------------------------------------------------------ helpers
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Log ``message`` at WARNING the first time ``key`` is seen on this sink."""
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("%s", message)
+
+    def within(self, action: Callable[[], object], timeout: float | None, what: str) -> bool:
+        """Run a backend call that may hang for at most ``timeout`` s; whether it succeeded.
+
+        An overrun or an error is logged (once per call) as a warning naming ``what``.
+        """
+        finished, error = call_within(action, timeout, f"sidestream-{self.name}-{what}")
+        if not finished:
+            logger.warning("%s: %s did not end within %s s", type(self).__name__, what, timeout)
+            return False
+        if error is not None:
+            logger.warning(
+                "%s: %s failed: %s", type(self).__name__, what, self.describe_error(error)
+            )
+            return False
+        return True
+
+    def describe_error(self, error: BaseException) -> str:
+        """``error`` as text fit for a log (subclasses remove credentials)."""
+        return f"{type(error).__name__}: {error}"
+
+
+def signature_options(*functions: Callable[..., Any]) -> set[str] | None:
+    """Keyword names ``functions`` take together; ``None`` if one takes ``**kwargs``.
+
+    ``**kwargs`` of the first function (a constructor that forwards them) do not count when
+    later functions say where they go.
+    """
+    names: set[str] = set()
+    for index, function in enumerate(functions):
+        for parameter in inspect.signature(function).parameters.values():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                if index == len(functions) - 1:
+                    return None
+            elif parameter.kind is not inspect.Parameter.VAR_POSITIONAL:
+                names.add(parameter.name)
+    names.discard("self")
+    return names
+
+
+def stream_of(name: str, streams: Iterable[str]) -> str:
+    """The stream a flat value name belongs to: the longest ``stream/`` prefix, else ``""``."""
+    best = ""
+    for stream in streams:
+        if stream and name.startswith(stream + "/") and len(stream) > len(best):
+            best = stream
+    return best
+
+
+def parse_tracker_state(
+    state_dict: Mapping[str, Any], identity_key: str, sink: str
+) -> tuple[str | None, dict[str, int], int | None]:
+    """Validate a tracker sink's state: ``(identity, last step per stream, default step)``.
+
+    Raises:
+        ValueError: Naming the key, if one is missing or has the wrong type.
+    """
+    if not isinstance(state_dict, Mapping) or not {"last_steps", "last_step"} & set(state_dict):
+        raise ValueError(
+            f"state_dict: expected a mapping with {identity_key!r} and 'last_steps' (from "
+            f"{sink}.state_dict), got {state_dict!r}"
+        )
+    identity = state_dict.get(identity_key)
+    if identity is not None and not isinstance(identity, str):
+        raise ValueError(f"state_dict[{identity_key!r}]: expected a str or None, got {identity!r}")
+    default = state_dict.get("last_step")
+    if default is not None and not _is_int(default):
+        raise ValueError(f"state_dict['last_step']: expected an int or None, got {default!r}")
+    steps = state_dict.get("last_steps") or {}
+    if not isinstance(steps, Mapping) or not all(
+        isinstance(stream, str) and _is_int(step) for stream, step in steps.items()
+    ):
+        raise ValueError(
+            f"state_dict['last_steps']: expected a mapping of stream (str) to step (int), "
+            f"got {steps!r}"
+        )
+    return identity, dict(steps), default
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,241 @@
+"""Mistakes fail early and clearly; permanent sink failures stop retrying; JSONL durability."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from sidestream import MeanMetric, Run, SumMetric
+from sidestream.collector import AsyncMetricCollector
+from sidestream.sinks import (
+    JsonlSink,
+    PermanentSinkError,
+    Report,
+    RunInfo,
+    SinkStatus,
+    is_permanent,
+    read_jsonl,
+    sinks_from_config,
+)
+from tests.collector.helpers import RecordingSink
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class HttpError(Exception):
+    def __init__(self, status_code: int) -> None:
+        super().__init__(f"HTTP {status_code}")
+        self.status_code = status_code
+
+
+class FailingSink(RecordingSink):
+    """Raises ``error`` from ``open`` (or from the first ``fail_writes`` writes)."""
+
+    def __init__(self, error: Exception, *, at_open: bool = True, fail_writes: int = 0) -> None:
+        super().__init__(name="failing")
+        self.error, self.at_open, self.fail_writes = error, at_open, fail_writes
+
+    def open(self, run: RunInfo) -> None:
+        if self.at_open:
+            raise self.error
+        super().open(run)
+
+    def write(self, report: Report) -> None:
+        if self.fail_writes:
+            self.fail_writes -= 1
+            self.attempts += 1
+            raise self.error
+        super().write(report)
+
+
+def test_option_typo_names_the_option_the_valid_ones_and_the_nearest(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"no option 'paht'; did you mean 'path'\?.*flush_every"):
+        sinks_from_config({"jsonl": {"paht": "x"}})
+    pytest.importorskip("sidestream_tensorboard")
+    with pytest.raises(
+        TypeError,
+        match=r"sink 'tensorboard' has no option 'logdir'; did you mean 'log_dir'\? "
+        r"\(valid options: .*flush_secs.*\)",
+    ):
+        sinks_from_config({"tensorboard": {"logdir": str(tmp_path)}})
+
+
+@pytest.mark.parametrize(("name", "client"), [("mlflow", "mlflow"), ("wandb", "wandb")])
+def test_missing_tracker_client_raises_at_build_with_both_install_commands(
+    name: str, client: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip(f"sidestream_{name}")
+    monkeypatch.setitem(sys.modules, client, None)  # "import mlflow" now raises ImportError
+    with pytest.raises(
+        LookupError,
+        match=rf'sink {name!r}: .*pip install "sidestream\[{name}\]" \(from a checkout of the '
+        rf"repository: pip install ./packages/sidestream ./integrations/sidestream-{name}\)",
+    ):
+        sinks_from_config([name])
+
+
+def test_several_processes_without_a_process_group_fail_at_bind_and_log(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    collector = AsyncMetricCollector(MeanMetric())
+    with pytest.raises(RuntimeError, match=r"bind: .*WORLD_SIZE=2, RANK=1.*init_process_group"):
+        collector.bind("cpu")
+    run = Run()
+    with pytest.raises(RuntimeError, match=r"log: .*torch\.distributed\.init_process_group"):
+        run.log(1, {"lr": 0.1})
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    run.log(1, {"lr": 0.1})  # a one-process job is fine
+    assert run.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error() -> None:
+    collector = AsyncMetricCollector(MeanMetric())
+    with pytest.raises(RuntimeError, match=r"bind: device 'cuda' needs CUDA.*bind\('cpu'\)"):
+        collector.bind("cuda")
+
+
+def test_which_failures_are_permanent() -> None:
+    assert is_permanent(ImportError("no module"))
+    assert is_permanent(TypeError("unexpected keyword"))
+    assert is_permanent(PermanentSinkError("bad project"))
+    assert is_permanent(HttpError(403)) and is_permanent(HttpError(404))
+    assert not is_permanent(HttpError(408)) and not is_permanent(HttpError(429))
+    assert not is_permanent(HttpError(503)) and not is_permanent(ConnectionError("down"))
+
+
+@pytest.mark.parametrize(
+    ("error", "at_open"),
+    [(ImportError("No module named 'tracker'"), True), (HttpError(403), False)],
+)
+def test_permanent_failure_is_reported_once_and_healthy_sinks_get_everything(
+    error: Exception, at_open: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = FailingSink(error, at_open=at_open, fail_writes=0 if at_open else 1)
+    path = tmp_path / "m.jsonl"
+    run = Run([JsonlSink(path), broken], sink_retry_initial_s=0.01, sink_retry_max_s=0.02)
+    train = run.collector(SumMetric(), prefix="train").bind("cpu")
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        for step in range(1, 21):
+            train.metric.update(torch.tensor([float(step)]))
+            train.schedule_collection(step)
+            run.log(step, {"lr": 0.1})
+        assert train.wait_windows(30)
+        assert run.close(timeout=30) is False
+    status = run.sink_status
+    assert status["jsonl"] == SinkStatus("healthy", None)
+    assert status["failing"].state == "failed"
+    assert type(error).__name__ in str(status["failing"].last_error)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "failed permanently" in errors[0].getMessage()
+    assert "close() returns False" in errors[0].getMessage()
+    assert broken.attempts <= 1, "a permanent failure is not retried"
+    records = list(read_jsonl(path))
+    for stream in ("train", ""):
+        assert [r["step"] for r in records if r["stream"] == stream] == list(range(1, 21))
+
+
+def test_transient_http_failure_is_retried_and_recovers(tmp_path: Path) -> None:
+    flaky = FailingSink(HttpError(429), at_open=False, fail_writes=3)
+    run = Run([flaky], sink_retry_initial_s=0.01, sink_retry_max_s=0.02)
+    run.log(1, {"lr": 0.5})
+    assert run.close(timeout=30) is True
+    assert flaky.steps == [1] and flaky.attempts == 4
+    assert run.sink_status["failing"] == SinkStatus("healthy", "HttpError: HTTP 429")
+
+
+def test_jsonl_counts_a_step_only_once_it_is_in_the_file(tmp_path: Path) -> None:
+    """A full disk (RLIMIT_FSIZE): close is False and the state holds only what is in the file."""
+    path = tmp_path / "m.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import json, resource, signal, torch
+        from sidestream import SumMetric
+        from sidestream.collector import AsyncMetricCollector
+        from sidestream.sinks import JsonlSink
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))
+        metric = SumMetric()
+        collector = AsyncMetricCollector(
+            metric, sinks=[JsonlSink({str(path)!r})], sink_retry_initial_s=0.01,
+            sink_retry_max_s=0.05, spool_dir={str(tmp_path)!r},
+        ).bind("cpu")
+        for step in range(1, 401):
+            metric.update(torch.tensor([float(step)]))
+            collector.schedule_collection(step)
+        state = collector.state_dict(timeout=3)["sinks"]["jsonl"]
+        closed = collector.close(timeout=3)
+        print(json.dumps({{"closed": closed, "state": state}}))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    steps = [record["step"] for record in read_jsonl(path)]
+    assert 0 < len(steps) < 400
+    assert steps == list(range(1, len(steps) + 1)), "each step once, in order"
+    assert result["closed"] is False, "undelivered steps make close() False"
+    # The state never claims a step the file lacks (lines of a failed batch may be there).
+    assert result["state"]["last_steps"][""] <= steps[-1]
+    # Resumed with room on the disk: every step exactly once.
+    resumed = JsonlSink(path)
+    resumed.load_state_dict(result["state"])
+    resumed.open(RunInfo())
+    for step in range(1, 401):
+        resumed.write(Report(step=step, values={"": float(step)}, time=0.0))
+    resumed.close()
+    assert [record["step"] for record in read_jsonl(path)] == list(range(1, 401))
+
+
+def test_jsonl_resume_finds_the_last_line_of_any_length(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    big = {"h": list(range(40000))}  # a line of about 250 KB: longer than any fixed tail
+    sink = JsonlSink(path)
+    sink.open(RunInfo())
+    for step in (1, 2, 3):
+        sink.write(
+            Report(
+                step=step,
+                values={"x": 1.0},
+                time=0.0,
+                histograms={k: torch.tensor(v) for k, v in big.items()},
+            )
+        )
+    sink.close()
+    assert path.stat().st_size > 3 * 200_000
+    resumed = JsonlSink(path)
+    resumed.load_state_dict({"last_step": 1})  # an old checkpoint: no offset, one stream
+    resumed.open(RunInfo())
+    for step in (2, 3, 4):
+        resumed.write(Report(step=step, values={"x": 2.0}, time=0.0))
+    resumed.close()
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4]
+
+
+def test_jsonl_on_a_character_device_does_not_read_it(tmp_path: Path) -> None:
+    sink = JsonlSink("/dev/null")
+    sink.load_state_dict({"path": "/dev/null", "last_steps": {"": 3}, "offset": 10})
+    sink.open(RunInfo())  # no tail read of an endless device
+    sink.write(Report(step=4, values={"x": 1.0}, time=0.0))
+    assert sink.close()
+    assert sink.state_dict()["last_steps"] == {"": 4}
+    json.dumps(sink.state_dict())

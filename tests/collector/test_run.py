@@ -1,0 +1,195 @@
+"""``Run``: several streams in one tracker run, plain values, checkpoints, misuse (one process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sidestream import MeanMetric, Run, SumMetric
+from sidestream.__main__ import main as cli
+from sidestream.collector import AsyncMetricCollector
+from sidestream.sinks import JsonlSink, RunInfo, read_jsonl
+from tests.collector.helpers import RecordingSink
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _losses(step: int) -> np.ndarray:
+    return np.random.default_rng([7, step]).gamma(2.0, 0.5, 3 + step % 5)
+
+
+def _train(run: Run, steps: range, val: AsyncMetricCollector[object] | None = None) -> None:
+    """Train collector every 10 steps; validation at 50 and 100 scheduled after later windows."""
+    train = next(c for c in run._collectors if c.prefix == "train")
+    for step in steps:
+        train.metric.update(torch.from_numpy(_losses(step)))
+        if val is not None and step in (50, 100):
+            val.metric.update(torch.from_numpy(_losses(1000 + step)))
+        if step % 10 == 0:
+            train.schedule_collection(step)
+            run.log(step, {"lr": 1.0 / step, "seen": torch.tensor(float(step))})
+        if val is not None and step - 10 in (50, 100):
+            # Only after the training window of a later step was scheduled.
+            val.schedule_collection(step - 10)
+
+
+def _expected_train(step: int) -> float:
+    return float(np.concatenate([_losses(s) for s in range(step - 9, step + 1)]).mean())
+
+
+def test_streams_share_one_run_in_delivery_order(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    recording = RecordingSink()
+    with Run([JsonlSink(path), recording], info=RunInfo(name="r")) as run:
+        train = run.collector(MeanMetric(), prefix="train").bind("cpu")
+        val = run.collector(MeanMetric(), prefix="val").bind("cpu")
+        assert run.streams == ["train", "val"]
+        _train(run, range(1, 111), val)
+    assert run.close() is True  # idempotent
+    assert len(recording.opened) == 1, "one run, opened once"
+    records = list(read_jsonl(path))
+    by_stream: dict[str, list[dict[str, object]]] = {}
+    for record in records:
+        by_stream.setdefault(str(record["stream"]), []).append(record)
+    assert [r["step"] for r in by_stream["train"]] == list(range(10, 111, 10))
+    assert [r["step"] for r in by_stream["val"]] == [50, 100]
+    assert [r["step"] for r in by_stream[""]] == list(range(10, 111, 10))
+    for record in by_stream["train"]:
+        assert record["values"] == {"train": pytest.approx(_expected_train(record["step"]))}
+    for record in by_stream["val"]:
+        expected = float(_losses(1000 + record["step"]).mean())
+        assert record["values"] == {"val": pytest.approx(expected)}
+    for record in by_stream[""]:
+        assert record["values"] == {"lr": 1.0 / record["step"], "seen": float(record["step"])}
+    # Validation at 50 reached the file after the training window at 60: delivery order.
+    order = [(r["stream"], r["step"]) for r in records]
+    assert order.index(("val", 50)) > order.index(("train", 60))
+    assert {r.stream for r in recording.reports} == {"train", "val", ""}
+    del train
+
+
+def test_checkpoint_and_resume_every_stream_exactly_once(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    run = Run([JsonlSink(path)])
+    train = run.collector(SumMetric(), prefix="train").bind("cpu")
+    for step in range(1, 8):
+        train.metric.update(torch.tensor([float(step)]))
+        train.schedule_collection(step)
+        run.log(step, {"lr": float(step)})
+    state = run.state_dict()
+    # The job logs past its checkpoint, then dies: steps 8 and 9 are in the file already.
+    for step in (8, 9):
+        train.metric.update(torch.tensor([float(step)]))
+        train.schedule_collection(step)
+        run.log(step, {"lr": float(step)})
+    assert run.close()
+    json.dumps(state["sinks"])  # sink states are plain data
+
+    resumed = Run([JsonlSink(path)])
+    resumed.load_state_dict(state)
+    again = resumed.collector(SumMetric(), prefix="train").bind("cpu")
+    for step in range(8, 12):
+        again.metric.update(torch.tensor([float(step)]))
+        again.schedule_collection(step)
+        resumed.log(step, {"lr": float(step)})
+    assert resumed.close()
+    records = list(read_jsonl(path))
+    for stream in ("train", ""):
+        steps = [r["step"] for r in records if r["stream"] == stream]
+        assert steps == list(range(1, 12)), stream
+    # The resumed metric continued the saved sum (window mode resets; the checkpoint holds
+    # the state after step 7's window, which is empty, so step 8 starts from 0).
+    train_values = {r["step"]: r["values"]["train"] for r in records if r["stream"] == "train"}
+    assert train_values[10] == 10.0 and train_values[11] == 11.0
+
+
+def test_one_sink_belongs_to_one_run(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path / "a.jsonl")
+    first = AsyncMetricCollector(MeanMetric(), sinks=[sink])
+    with pytest.raises(ValueError, match=r"already belongs to a run.*sidestream\.Run\(sinks\)"):
+        AsyncMetricCollector(MeanMetric(), sinks=[sink])
+    with pytest.raises(ValueError, match="already belongs to a run"):
+        Run([sink])
+    with pytest.raises(ValueError, match="already belongs to a run"):
+        Run([RecordingSink(), *[JsonlSink(tmp_path / "b.jsonl")] * 2])
+    assert first.close()
+    Run([sink]).close()  # released once its run is closed
+    with pytest.raises(TypeError, match=r"run: got a sidestream\.Run; .*run\.collector"):
+        AsyncMetricCollector(MeanMetric(), run=Run())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"sinks\[0\]: expected a sidestream"):
+        Run(["jsonl"])  # type: ignore[list-item]
+
+
+def test_stream_names_and_log_arguments_are_checked() -> None:
+    run = Run([RecordingSink()])
+    run.collector(MeanMetric(), prefix="train")
+    with pytest.raises(ValueError, match="already has a stream 'train'"):
+        run.collector(MeanMetric(), prefix="train/")
+    with pytest.raises(TypeError, match="step: expected an int"):
+        run.log(1.0, {"lr": 1.0})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"values\['lr'\]: expected a number or a 0-dim tensor"):
+        run.log(1, {"lr": "high"})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"values\['lr'\]: expected a 0-dim tensor, got shape"):
+        run.log(1, {"lr": torch.ones(2)})
+    with pytest.raises(TypeError, match="names must be non-empty str"):
+        run.log(1, {"": 1.0})
+    run.log(5, {"lr": 1.0})
+    with pytest.raises(ValueError, match="expected > the previous log call's 5"):
+        run.log(5, {"grad_norm": 1.0})
+    with pytest.raises(ValueError, match=r"already has a stream ''"):
+        run.collector(MeanMetric(), prefix="")
+    assert run.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        run.log(6, {"lr": 1.0})
+
+
+def test_collector_close_is_false_when_windows_failed() -> None:
+    class Exploding(MeanMetric):
+        def compute(self) -> torch.Tensor:
+            if self._fail:
+                raise ArithmeticError("boom")
+            return super().compute()
+
+        _fail = False
+
+    metric = Exploding()
+    collector = AsyncMetricCollector(metric, sinks=[RecordingSink()]).bind("cpu")
+    metric.update(torch.tensor([1.0]))
+    collector.schedule_collection(1)
+    collector.collect_results()
+    Exploding._fail = True
+    collector.schedule_collection(2)
+    assert collector.close() is False
+
+
+def test_show_prints_each_streams_latest_values_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    with Run([JsonlSink(path)]) as run:
+        train = run.collector(MeanMetric(), prefix="train").bind("cpu")
+        for step in (10, 20):
+            train.metric.update(torch.tensor([float(step)]))
+            train.schedule_collection(step)
+            run.log(step, {"lr": float("nan") if step == 20 else 0.5})
+    assert cli(["show", str(path), "--plot", str(tmp_path / "plot.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["stream", "step", "name", "value"]
+    assert lines[1].split() == ["(log)", "20", "lr", "nan"]
+    assert lines[2].split() == ["train", "20", "train", "20"]
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # And as a module, the way the docs say.
+    shown = subprocess.run(
+        [sys.executable, "-m", "sidestream", "show", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    assert "train" in shown.stdout.splitlines()[-1]
