@@ -21,7 +21,8 @@ INTEGRATIONS = [
     "integrations/sidestream-mlflow",
     "integrations/sidestream-tensorboard",
 ]
-TEST_REQUIREMENTS = ["pytest>=8", "pytest-timeout", "numpy", "scikit-learn", "scipy"]
+# matplotlib: the demo draws its curves, and its test checks the image.
+TEST_REQUIREMENTS = ["pytest>=8", "pytest-timeout", "numpy", "scikit-learn", "scipy", "matplotlib"]
 
 
 def _install_project(session: nox.Session, *extra: str, integrations: bool = True) -> None:
@@ -116,6 +117,12 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """A real multi-process training run logging through sidestream."""
-    _install_project(session, "numpy", integrations=False)  # numpy: torch warns without it
+    """A real 2-process training run: train, validation and lr streams, then a PNG of the curves.
+
+    Writes runs/demo/metrics.jsonl, runs/demo/tensorboard/ and runs/demo/curves.png (its path
+    is printed last). ``nox -s demo -- --plot docs/figures/demo.png`` redraws the README's image.
+    """
+    # numpy: torch warns without it; matplotlib: the plot; TensorBoard: the demo writes there too.
+    _install_project(session, "numpy", "matplotlib", integrations=False)
+    session.install("-e", "integrations/sidestream-tensorboard")
     session.run("python", "examples/train_distributed.py", *session.posargs)
