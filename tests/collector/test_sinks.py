@@ -65,6 +65,35 @@ def test_jsonl_writes_standard_json_and_resumes_without_duplicates(tmp_path: Pat
     assert lines[2]["time"] == 1003.0
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_console_live_line_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([100.0, 102.0, 103.0])
+    monkeypatch.setattr("sidestream.sinks.console.time.monotonic", lambda: next(clock))
+    stream = _Terminal()
+    sink = ConsoleSink(stream=stream)
+    sink.open(RunInfo())
+    sink.write(Report(step=10, values={"train/loss": 0.5}, time=0.0, stream="train"))
+    sink.write(Report(step=20, values={"train/loss": 0.25}, time=0.0, stream="train"))
+    sink.write(Report(step=10, values={"val/f1": 0.75}, time=0.0, stream="val"))  # late
+    assert sink.close()
+    frames = stream.getvalue().split("\r")[1:]
+    assert all(frame.endswith("\x1b[K") for frame in frames[:-1])
+    assert frames[0] == "step 10 | train/loss 0.5\x1b[K"
+    assert frames[1] == "step 20 | 5 steps/s | train/loss 0.25\x1b[K"
+    # The latest values of every stream; the step stays the latest one.
+    assert frames[2] == "step 20 | 5 steps/s | train/loss 0.25 | val/f1 0.75\x1b[K\n"
+    # Off a terminal: plain lines.
+    plain = io.StringIO()
+    sink = ConsoleSink(stream=plain)
+    sink.open(RunInfo())
+    sink.write(Report(step=10, values={"train/loss": 0.5}, time=0.0, stream="train"))
+    assert plain.getvalue() == "step 10 | train/loss 0.5\n"
+
+
 def test_console_line() -> None:
     stream = io.StringIO()
     sink = ConsoleSink(stream=stream, max_values=2, every=2)

@@ -1,9 +1,11 @@
-"""A readable line per report on the console."""
+"""Reports on the console: one live line on a terminal, plain lines elsewhere."""
 
 from __future__ import annotations
 
 import math
+import shutil
 import sys
+import time
 from typing import TextIO
 
 from sidestream.sinks.base import Report, RunInfo, Sink
@@ -12,14 +14,22 @@ __all__ = ["ConsoleSink"]
 
 
 class ConsoleSink(Sink):
-    """Print ``step 120 | train/loss 0.4321 | train/acc 0.912`` per report.
+    """Show reports on the console.
+
+    On a terminal (``stream.isatty()``) one line is redrawn in place: the latest step, the
+    steps per second and the latest value of every name across all streams
+    (``step 120 | 4.1 steps/s | train/loss 0.4321 | val/f1 0.912 | lr 0.0003``). Elsewhere (a
+    log file, a pipe, a notebook) every report prints a line of its own
+    (``step 120 | train/loss 0.4321 | train/acc 0.912``).
 
     Args:
         stream: Where to print (``sys.stdout`` by default, looked up when the sink opens).
         every: Print one report in ``every`` (the latest values; the others are skipped, as a
-            progress display would).
+            progress display would). Plain lines only.
         max_values: Show at most this many values per line, then ``... (+N more)``.
         digits: Significant digits per value.
+        live: Redraw one line (``True``), print a line per report (``False``), or decide by
+            whether ``stream`` is a terminal (``None``, the default).
     """
 
     name = "console"
@@ -30,6 +40,7 @@ class ConsoleSink(Sink):
         every: int = 1,
         max_values: int = 12,
         digits: int = 4,
+        live: bool | None = None,
     ) -> None:
         if every < 1:
             raise ValueError(f"every: expected >= 1, got {every}")
@@ -39,27 +50,79 @@ class ConsoleSink(Sink):
         self._every = every
         self._max_values = max_values
         self._digits = digits
+        self._live_option = live
+        self._live = False
         self._seen = 0
+        self._latest: dict[str, float] = {}
+        self._step: int | None = None
+        self._first: tuple[int, float] | None = None  # (step, time) of the first report
+        self._rate: float | None = None
+        self._drawn = False
 
     def open(self, run: RunInfo) -> None:
-        """Print the run name, if any."""
+        """Print the run name, if any; decide between a live line and plain lines."""
         if self._stream is None:
             self._stream = sys.stdout
+        if self._live_option is None:
+            isatty = getattr(self._stream, "isatty", None)
+            self._live = bool(isatty()) if callable(isatty) else False
+        else:
+            self._live = self._live_option
         if run.name:
             print(f"run {run.name}", file=self._stream, flush=True)
 
     def write(self, report: Report) -> None:
-        """Print one line (one in ``every`` reports)."""
+        """Redraw the live line, or print one line (one in ``every`` reports)."""
+        if self._live:
+            self._update(report, time.monotonic())
+            self._draw()
+            return
         self._seen += 1
         if (self._seen - 1) % self._every:
             return
         print(self.format(report), file=self._stream, flush=True)
 
     def format(self, report: Report) -> str:
-        """The line printed for ``report``."""
-        items = list(report.values.items())
-        parts = [f"step {report.step}"]
-        parts += [f"{name} {self._number(value)}" for name, value in items[: self._max_values]]
+        """The plain line printed for ``report``."""
+        return self._line([f"step {report.step}"], list(report.values.items()))
+
+    def live_line(self) -> str:
+        """The live line as it stands: latest step, steps per second, latest values."""
+        parts = [f"step {self._step}"]
+        if self._rate is not None:
+            parts.append(f"{self._rate:.3g} steps/s")
+        return self._line(parts, list(self._latest.items()))
+
+    def close(self, timeout: float | None = None) -> bool:
+        """End the live line with a newline."""
+        if self._drawn and self._stream is not None:
+            print(file=self._stream, flush=True)
+            self._drawn = False
+        return True
+
+    def _update(self, report: Report, now: float) -> None:
+        self._latest.update(report.values)
+        if self._step is None or report.step > self._step:
+            self._step = report.step
+            if self._first is None:
+                self._first = (report.step, now)
+            elif now > self._first[1]:
+                self._rate = (report.step - self._first[0]) / (now - self._first[1])
+
+    def _draw(self) -> None:
+        assert self._stream is not None
+        width = shutil.get_terminal_size((120, 24)).columns
+        line = self.live_line()
+        if len(line) >= width:
+            line = line[: max(0, width - 4)] + "..."
+        # Carriage return, the line, then clear what a longer previous line left behind.
+        self._stream.write(f"\r{line}\x1b[K")
+        self._stream.flush()
+        self._drawn = True
+
+    def _line(self, parts: list[str], items: list[tuple[str, float]]) -> str:
+        shown = items[: self._max_values]
+        parts = parts + [f"{name} {self._number(value)}" for name, value in shown]
         if len(items) > self._max_values:
             parts.append(f"... (+{len(items) - self._max_values} more)")
         return " | ".join(parts)
