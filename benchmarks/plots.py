@@ -46,7 +46,7 @@ class Panel:
 
     Attributes:
         table: Index of the table within the section.
-        labels: Columns whose cells, joined with " / ", name a row.
+        labels: Columns whose cells, joined with " / ", name a row (none: "same loop").
         series: (column, legend) per bar of a row; a legend of None draws one unnamed series,
             colored by whether the row is sidestream's.
         axis: The value axis label.
@@ -93,6 +93,15 @@ PLOTS = [
         (
             Panel(0, ("pattern",), (("blocked ms / step (mean)", None),), "ms blocked per step"),
             Panel(0, ("pattern",), (("step ms", None),), "ms per whole step"),
+            Panel(
+                1,
+                (),
+                (
+                    ("`schedule_collection` ms (same loop)", "schedule_collection"),
+                    ("blocked ms / call (mean)", "run.log"),
+                ),
+                "ms blocked per call, run.log next to schedule_collection",
+            ),
         ),
         "Training-thread time per logged step, 2 gloo ranks (lower is better)",
     ),
@@ -192,7 +201,7 @@ def _panels(plot: Plot, tables: list[Table]) -> list[_Drawn]:
         labels = [
             " / ".join(_label(cell) for cell in cells)
             for cells in zip(*(table.column(name) for name in panel.labels), strict=True)
-        ]
+        ] or ["same loop"] * len(table.rows)
         values = [[_number(cell) for cell in table.column(name)] for name, _ in panel.series]
         groups = table.column(panel.split) if panel.split is not None else [""] * len(labels)
         for group in dict.fromkeys(groups):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from sidestream.sinks import (
     Report,
     RunInfo,
     SinkStatus,
+    TrackerSink,
     is_permanent,
     read_jsonl,
     sinks_from_config,
@@ -239,3 +241,31 @@ def test_jsonl_on_a_character_device_does_not_read_it(tmp_path: Path) -> None:
     assert sink.close()
     assert sink.state_dict()["last_steps"] == {"": 4}
     json.dumps(sink.state_dict())
+
+
+def test_close_is_false_when_the_final_flush_of_a_buffering_sink_fails() -> None:
+    class Buffering(TrackerSinkForTests):
+        durable_on_send = False
+
+        def persist(self, timeout: float | None) -> bool:
+            return False  # the backend never confirms
+
+    sink = Buffering()
+    run = Run([sink])
+    run.log(1, {"lr": 0.1})
+    assert run.close(timeout=30) is False
+    assert sink.sent == [1] and sink.state_dict()["last_steps"] == {}
+
+
+class TrackerSinkForTests(TrackerSink):
+    name = "buffering"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[int] = []
+
+    def open(self, run: RunInfo) -> None:
+        del run
+
+    def send(self, reports: Sequence[Report]) -> None:
+        self.sent += [report.step for report in reports]

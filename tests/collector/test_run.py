@@ -135,6 +135,8 @@ def test_one_sink_belongs_to_one_run(tmp_path: Path) -> None:
         Run([RecordingSink(), *[JsonlSink(tmp_path / "b.jsonl")] * 2])
     assert first.close()
     Run([sink]).close()  # released once its run is closed
+    AsyncMetricCollector(MeanMetric(), sinks=[sink])  # never closed, and gone at once
+    AsyncMetricCollector(MeanMetric(), sinks=[sink]).close()  # so the sink is free again
     with pytest.raises(TypeError, match=r"run: got a sidestream\.Run; .*run\.collector"):
         AsyncMetricCollector(MeanMetric(), run=Run())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"sinks\[0\]: expected a sidestream"):
@@ -208,3 +210,24 @@ def test_show_prints_each_streams_latest_values_and_plots(
         cwd=ROOT,
     )
     assert "train" in shown.stdout.splitlines()[-1]
+
+
+def test_checkpoint_makes_the_jsonl_lines_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    run = Run([JsonlSink(tmp_path / "run.jsonl")])
+    run.log(1, {"lr": 0.1})
+    monkeypatch.setattr(os, "fsync", fsync)
+    state = run.state_dict()
+    assert synced, "the checkpoint fsyncs the file before reporting its steps"
+    assert state["sinks"]["jsonl"]["last_steps"] == {"": 1}
+    assert run.close()

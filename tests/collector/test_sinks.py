@@ -63,6 +63,12 @@ def test_jsonl_writes_standard_json_and_resumes_without_duplicates(tmp_path: Pat
     assert read[0]["values"]["down"] == -math.inf
     assert lines[1]["histograms"] == {"h": [1, 2]}
     assert lines[2]["time"] == 1003.0
+    try:
+        import pandas
+    except ImportError:
+        return
+    frame = pandas.read_json(path, lines=True)
+    assert list(frame["step"]) == [1, 2, 3] and frame["values"][0]["acc"] == "NaN"
 
 
 class _Terminal(io.StringIO):

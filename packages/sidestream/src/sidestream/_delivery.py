@@ -21,9 +21,10 @@ __all__ = ["Delivery", "DeliveryOptions"]
 
 logger = logging.getLogger("sidestream.sinks")
 
-# Sinks that belong to a live run, by id: a sink is one tracker run, so two runs (or two
-# collectors with runs of their own) sharing it would interleave or drop each other's steps.
-_CLAIMED: weakref.WeakValueDictionary[int, Sink] = weakref.WeakValueDictionary()
+# Sinks that belong to a live, unclosed run, by id, with weak references to the sink and its
+# run: a sink is one tracker run, so two runs (or two collectors with runs of their own) sharing
+# it would interleave or drop each other's steps. A run that is closed or gone frees its sinks.
+_CLAIMED: dict[int, tuple[weakref.ref[Sink], weakref.ref[Delivery]]] = {}
 _CLAIM_LOCK = threading.Lock()
 
 
@@ -77,7 +78,7 @@ class Delivery:
                 raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")
         if info is not None and not isinstance(info, RunInfo):
             raise TypeError(f"info: expected a sidestream.sinks.RunInfo, got {info!r}")
-        _claim(sink_list)
+        _claim(sink_list, self)
         self.sinks = _keyed(sink_list)
         self.info = info or RunInfo()
         self.options = options
@@ -211,19 +212,33 @@ class Delivery:
                     "sink %r: close failed: %s: %s", runner.key, type(error).__name__, error
                 )
                 closed = False
-            if not closed:
+            if not closed or runner.status.state == "failed":
                 complete = False
-            if runner.status.state == "failed":
+            elif isinstance(runner.sink, TrackerSink) and not runner.sink.all_delivered:
+                # Written, but the final flush failed: the backend may not have it.
+                logger.warning("sink %r: its last flush failed; not all was delivered", runner.key)
                 complete = False
-        _release(self.sinks.values())
+        _release(self.sinks.values(), self)
         return complete
 
 
-def _claim(sinks: list[Sink]) -> None:
+def _owner(sink: Sink) -> Delivery | None:
+    """The live run that ``sink`` belongs to, if any (the caller holds the lock)."""
+    entry = _CLAIMED.get(id(sink))
+    if entry is None:
+        return None
+    claimed, owner = entry[0](), entry[1]()
+    if claimed is not sink or owner is None:
+        del _CLAIMED[id(sink)]  # a sink or run that is gone (its id may be reused)
+        return None
+    return owner
+
+
+def _claim(sinks: list[Sink], owner: Delivery) -> None:
     with _CLAIM_LOCK:
         seen: set[int] = set()
         for sink in sinks:
-            if id(sink) in seen or _CLAIMED.get(id(sink)) is sink:
+            if id(sink) in seen or _owner(sink) is not None:
                 raise ValueError(
                     f"sinks: {sink!r} already belongs to a run (another collector's, or a "
                     "sidestream.Run); a sink is one tracker run, so share it by creating one "
@@ -231,13 +246,13 @@ def _claim(sinks: list[Sink]) -> None:
                 )
             seen.add(id(sink))
         for sink in sinks:
-            _CLAIMED[id(sink)] = sink
+            _CLAIMED[id(sink)] = (weakref.ref(sink), weakref.ref(owner))
 
 
-def _release(sinks: Iterable[Sink]) -> None:
+def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
     with _CLAIM_LOCK:
         for sink in sinks:
-            if _CLAIMED.get(id(sink)) is sink:
+            if _owner(sink) is owner:
                 del _CLAIMED[id(sink)]
 
 

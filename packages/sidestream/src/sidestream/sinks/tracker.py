@@ -138,6 +138,12 @@ class TrackerSink(Sink):
         with self._lock:
             return dict(self._delivered)
 
+    @property
+    def all_delivered(self) -> bool:
+        """Whether everything sent also counts as delivered (nothing waits for a ``persist``)."""
+        with self._lock:
+            return self._sent == self._delivered
+
     def is_delivered(self, report: Report) -> bool:
         """Whether ``report``'s step of its stream was already sent."""
         last = self._sent.get(report.stream, self._sent_default)
