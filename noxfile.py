@@ -81,6 +81,23 @@ def gpu(session: nox.Session) -> None:
     )
 
 
+@nox.session(python=PYTHON, name="compile")
+def compile_inductor(session: nox.Session) -> None:
+    """Opt-in (slow): every built-in metric's update compiled with inductor, against eager.
+
+    CI compiles the same catalogue with the fast ``aot_eager`` backend.
+    """
+    _install_project(session, *TEST_REQUIREMENTS)
+    session.run(
+        "pytest",
+        "-m",
+        "compile",
+        "tests/metrics/test_compiled_updates.py",
+        *session.posargs,
+        env={"SIDESTREAM_COMPILE_INDUCTOR": "1"},
+    )
+
+
 @nox.session(python=PYTHON)
 def build(session: nox.Session) -> None:
     """Wheels and sdists of all four distributions (one version) into dist/, then a smoke test.

@@ -97,8 +97,8 @@ PLOTS = [
                 1,
                 (),
                 (
-                    ("`schedule_collection` ms (same loop)", "schedule_collection"),
-                    ("blocked ms / call (mean)", "run.log"),
+                    ("`schedule_collection` ms (same loop)", "sidestream schedule_collection"),
+                    ("blocked ms / call (mean)", "sidestream run.log"),
                 ),
                 "ms blocked per call, run.log next to schedule_collection",
             ),
@@ -141,6 +141,40 @@ PLOTS = [
             ),
         ),
         "Tracker overhead on the training thread (lower is better)",
+    ),
+    Plot(
+        "schedule-cost",
+        "Training-thread CPU per logged step",
+        (
+            Panel(
+                0,
+                ("metrics",),
+                (
+                    ("bare all_gather CPU µs", "the bare all_gather alone"),
+                    ("CPU µs (median)", "sidestream schedule_collection"),
+                ),
+                "training-thread CPU µs per window (median), by number of metrics",
+            ),
+        ),
+        "schedule_collection against the bare collective it starts (lower is better)",
+    ),
+    Plot(
+        "update-overhead",
+        "Update overhead",
+        (
+            Panel(
+                0,
+                ("metric",),
+                (
+                    ("raw µs", "raw ops, no checks"),
+                    ("sidestream µs", "sidestream"),
+                    ("torchmetrics µs", "torchmetrics"),
+                ),
+                "µs per update (eager)",
+                "size",
+            ),
+        ),
+        "Update cost against raw ops and torchmetrics, one CPU thread (lower is better)",
     ),
 ]
 
@@ -249,8 +283,15 @@ def draw(plot: Plot, tables: list[Table], out: Path) -> None:
             offsets = [row + (len(series) - 1 - 2 * index) * height / 2 for row in rows]
             if legend is None:  # one series: sidestream's rows stand out
                 colors = ["#3b6ea5" if "sidestream" in x else "#9aa5b1" for x in drawn.labels]
-            else:
-                colors = [("#9aa5b1", "#3b6ea5", "#1f3f66")[index % 3]] * len(rows)
+            else:  # sidestream's series in blues, peers' in grey and orange
+                ours = "sidestream" in legend
+                same_kind = [
+                    other
+                    for _, other in series[:index]
+                    if other and ("sidestream" in other) == ours
+                ]
+                palette = ("#3b6ea5", "#1f3f66") if ours else ("#9aa5b1", "#d9822b")
+                colors = [palette[len(same_kind) % 2]] * len(rows)
             ax.barh(offsets, column, height=height * 0.9, color=colors, label=legend)
             for offset, value in zip(offsets, column, strict=True):
                 ax.text(value, offset, " " + _format(value), va="center", fontsize=8)
@@ -260,7 +301,8 @@ def draw(plot: Plot, tables: list[Table], out: Path) -> None:
             ax.set_xscale("log")
         ax.set_xlabel(drawn.panel.axis)
         if drawn.title:
-            ax.set_title(drawn.title, fontsize=9)
+            title = drawn.panel.split + " " + drawn.title if drawn.panel.split else drawn.title
+            ax.set_title(title, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
         ax.spines[["top", "right"]].set_visible(False)
         ax.margins(x=0.3)

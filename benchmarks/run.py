@@ -1,4 +1,4 @@
-"""Run every benchmark and write docs/benchmarks.md, with a plot per section.
+"""Run every benchmark and write docs/benchmarks.md, with plots of its tables (plots.PLOTS).
 
 Each benchmark measures sidestream and its peers in the same run and reports ratios, so the
 numbers compare like with like on whatever machine runs them.
@@ -14,32 +14,67 @@ from benchmarks import (
     collector_overhead,
     plots,
     ranking_memory,
+    schedule_cost,
     sync_cost,
     tracker_overhead,
+    update_overhead,
 )
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 
+BENCHMARKS = {
+    "sync_cost": sync_cost.run,
+    "collector_overhead": collector_overhead.run,
+    "schedule_cost": schedule_cost.run,
+    "update_overhead": update_overhead.run,
+    "classification_update": classification_update.run,
+    "ranking_memory": ranking_memory.run,
+    "tracker_overhead": tracker_overhead.run,
+}
+HEADER = (
+    "# Benchmarks\n\n"
+    "Written by `nox -s bench` (`python -m benchmarks.run`). Peers run in the same process "
+    "group, on the same data, in the same run; ratios are peer / sidestream.\n"
+)
+
+
+def _sections(text: str) -> list[str]:
+    """The ``## `` sections of a benchmarks page, each with its heading."""
+    parts = text.split("\n## ")
+    return ["## " + part for part in parts[1:]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-    sections = [
-        sync_cost.run(),
-        collector_overhead.run(),
-        classification_update.run(),
-        ranking_memory.run(),
-        tracker_overhead.run(),
-    ]
-    header = (
-        "# Benchmarks\n\n"
-        "Written by `nox -s bench` (`python -m benchmarks.run`). Peers run in the same process "
-        "group, "
-        "on the same data, in the same run; ratios are peer / sidestream.\n"
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated benchmarks to rerun (of: " + ", ".join(BENCHMARKS) + "); their "
+        "sections replace the ones with the same heading in --out, the others are kept",
     )
+    args = parser.parse_args()
+    chosen = [name for name in args.only.split(",") if name] or list(BENCHMARKS)
+    unknown = sorted(set(chosen) - set(BENCHMARKS))
+    if unknown:
+        parser.error(f"--only: unknown benchmarks {unknown}")
+    fresh = [BENCHMARKS[name]() for name in chosen]
+    if args.only and args.out.exists():
+        kept = _sections(args.out.read_text())
+        for section in fresh:
+            for new in _sections("\n" + section):
+                heading = new.splitlines()[0].split("(")[0].strip()
+                match = [i for i, old in enumerate(kept) if old.startswith(heading)]
+                if match:
+                    kept[match[0]] = new.rstrip() + "\n"
+                else:
+                    kept.append(new.rstrip() + "\n")
+        body = "\n".join(kept)
+    else:
+        body = "\n".join(fresh)
     # Each section's plot (figures/bench-*.svg next to the page) goes at the end of its section.
-    args.out.write_text(plots.add_plots(header + "\n" + "\n".join(sections), args.out.parent))
+    args.out.write_text(plots.add_plots(HEADER + "\n" + body, args.out.parent))
     print(f"wrote {args.out} and its plots")
 
 

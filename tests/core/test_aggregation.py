@@ -169,7 +169,7 @@ def test_compose_refuses_update_and_bad_children() -> None:
 def test_nested_compose_state_names() -> None:
     inner = ComposeMetric({"loss": MeanMetric()})
     outer = ComposeMetric({"train": inner, "max": MaxMetric()})
-    assert sorted(outer.state_dict()) == ["max.extremum", "train.loss.count", "train.loss.total"]
+    assert sorted(outer.state_dict()) == ["max.max", "train.loss.count", "train.loss.total"]
 
 
 def test_load_state_dict_rejects_wrong_keys_and_shapes() -> None:

@@ -19,9 +19,10 @@ from torch import Tensor
 
 from sidestream import ComposeMetric, Metric
 from sidestream.state import MetricAccumulator, ReduceOp
-from sidestream.testing import on_rank_device
+from sidestream.testing import on_rank_device, rank_device
 from tests.conftest import Pools
 from tests.core.cases import CASES, Shard, concat, feed, make_shards
+from tests.core.test_state_arena import arena_views_intact
 
 NUM_CLASSES = 10
 
@@ -83,17 +84,19 @@ def _assert_matches(actual: dict[str, Any], expected: dict[str, Any]) -> None:
 @on_rank_device
 def _save_on_four(path: str, seed: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    metrics = _metrics()
+    metrics = _metrics().to(rank_device())
     _feed(metrics, make_shards(seed, world)[rank])
     dcp.save({"metrics": metrics}, checkpoint_id=path)  # state_dict() is a collective here
+    assert arena_views_intact(metrics)
     return {name: value.tolist() for name, value in metrics.state_dict().items()}
 
 
 @on_rank_device
 def _resume_on_two(load_path: str, save_path: str, seed: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    metrics = _metrics()
+    metrics = _metrics().to(rank_device())
     dcp.load({"metrics": metrics}, checkpoint_id=load_path)
+    assert arena_views_intact(metrics)  # loading copies into the arena, never replaces views
     _feed(metrics, make_shards(seed, world)[rank])
     metrics.sync()  # log mid-window; the window goes on
     logged = _results(metrics)
@@ -114,8 +117,9 @@ def test_save_on_four_resume_on_two_then_one(pools: Pools, tmp_path: Path) -> No
     for per_rank in logged:
         _assert_matches(per_rank, _references(seen))
 
-    resumed = _metrics()  # one process, torch.distributed not initialized
+    resumed = _metrics().to("cpu")  # one process, torch.distributed not initialized
     dcp.load({"metrics": resumed}, checkpoint_id=second)
+    assert arena_views_intact(resumed)
     last = make_shards(33, 1)
     _feed(resumed, last[0])
 

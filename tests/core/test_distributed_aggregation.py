@@ -171,15 +171,14 @@ def test_collectives_do_not_grow_with_metric_count(pools: Pools) -> None:
 
 
 def _async_sync(seed: int) -> float:
-    from sidestream.sync import coalesced_sync
+    from sidestream.sync import CallFingerprint
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     metric = CASES["weighted_mean"].factory().to(rank_device())
     feed("weighted_mean", metric, make_shards(seed, world_size)[rank])
-    with coalesced_sync(async_op=True) as batch:
-        metric.sync()
-    assert batch.works, "async_op must start the collectives without waiting"
-    batch.wait()
+    handle = metric.start_sync(None, CallFingerprint("sync", 1), async_op=True)
+    assert handle.works, "async_op must start the collectives without waiting"
+    handle.wait()
     return metric.compute().item()
 
 

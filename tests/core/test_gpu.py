@@ -61,3 +61,71 @@ def test_python_number_inputs_do_not_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.allclose(metric.compute(), values.double().mean())
+
+
+def _five_metrics() -> ComposeMetric:
+    return ComposeMetric(
+        {
+            "sum": SumMetric(),
+            "mean": MeanMetric(),
+            "weighted": WeightedMeanMetric(),
+            "max": MaxMetric(),
+            "min": MinMetric(),
+        }
+    ).to("cuda")
+
+
+def _step(metrics: ComposeMetric, values: torch.Tensor, weights: torch.Tensor) -> None:
+    for name in ("sum", "mean", "max", "min"):
+        metrics[name].update(values)
+    metrics["weighted"].update(values=values, weights=weights)
+
+
+def test_updates_of_a_step_capture_in_a_cuda_graph() -> None:
+    """The state arena's views are fixed, so one step's updates replay from a CUDA graph."""
+    captured, eager = _five_metrics(), _five_metrics()
+    values = torch.randn(1024, device="cuda")
+    weights = torch.randint(0, 10, (1024,), device="cuda").float()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require
+        _step(captured, values, weights)
+        _step(eager, values, weights)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _step(captured, values, weights)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            values.copy_(torch.randn(1024, device="cuda", generator=generator))
+            graph.replay()
+            _step(eager, values, weights)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for name in ("sum", "mean", "weighted", "max", "min"):
+        assert torch.allclose(captured[name].compute(), eager[name].compute()), name
+    captured.reset()  # the arena's reset is a copy into the same buffers the graph writes
+    graph.replay()
+    assert torch.allclose(captured["max"].compute(), values.double().max())
+
+
+def test_compiled_updates_do_not_sync_with_host() -> None:
+    metrics, eager = _five_metrics(), _five_metrics()
+    values = torch.randn(1024, device="cuda")
+    weights = torch.randint(0, 10, (1024,), device="cuda").float()
+    step = torch.compile(_step, fullgraph=True)
+    step(metrics, values, weights)  # compile outside sync-debug mode
+    _step(eager, values, weights)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            step(metrics, values, weights)
+            _step(eager, values, weights)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for name in ("sum", "mean", "weighted", "max", "min"):
+        assert torch.allclose(metrics[name].compute(), eager[name].compute()), name

@@ -22,7 +22,7 @@ from torch import Tensor
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, MinMetric, SumMetric
 from sidestream import sync as sync_module
 from sidestream.state import MetricAccumulator, ReduceOp
-from sidestream.sync import RankMismatchError, coalesced_sync
+from sidestream.sync import CallFingerprint, RankMismatchError
 from sidestream.testing import RankPool, count_collectives, on_rank_device, rank_device
 from tests.conftest import Pools
 from tests.core.cases import CASES, concat, feed, make_shards
@@ -110,12 +110,12 @@ def _as_lists(values: dict[str, Tensor]) -> dict[str, list[Any]]:
 
 
 def _synced_counted(metric: Metric[Any], async_op: bool = False) -> list[str]:
+    fingerprint = CallFingerprint("sync", metric.call_counter.next())
     with count_collectives() as calls:
-        with coalesced_sync(async_op=async_op) as batch:
-            metric.sync()
+        handle = metric.start_sync(None, fingerprint, async_op=async_op)
         if async_op:
-            assert batch.works, "async_op must start the collectives without waiting"
-        batch.wait()
+            assert handle.works, "async_op must start the collectives without waiting"
+        handle.wait()
     return calls
 
 
@@ -382,12 +382,12 @@ def _mismatches(token: str) -> dict[str, Any]:
             out[scenario] = "no error"
         except RankMismatchError as error:
             out[scenario] = str(error)
-    # check_only pays the structure check up front; the real sync then reduces with one gather.
+    # prepare_sync pays the structure check up front; the real sync then reduces with one gather.
     name = f"checked_{token}"
     checked = ComposeMetric({name: SumMetric()})
     checked[name].update(torch.tensor([1.0]))
-    with count_collectives() as check_calls, coalesced_sync(check_only=True):
-        checked.sync()
+    with count_collectives() as check_calls:
+        checked.prepare_sync(None)
     out["check_only untouched"] = all(a.synced is None for _, a in checked.named_accumulators())
     with count_collectives() as real_calls:
         checked.sync()
@@ -397,8 +397,7 @@ def _mismatches(token: str) -> dict[str, Any]:
         {f"check_{token}": ComposeMetric({key: _Shaped(*spec) for key, spec in layout.items()})}
     )
     try:
-        with coalesced_sync(check_only=True):
-            mismatched.sync()
+        mismatched.prepare_sync(None)
         out["check_only mismatch"] = "no error"
     except RankMismatchError as error:
         out["check_only mismatch"] = str(error)

@@ -21,7 +21,7 @@ from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, MinMetric, 
 from sidestream import sync as sync_module
 from sidestream.collector import AsyncMetricCollector
 from sidestream.state import MetricAccumulator, ReduceOp
-from sidestream.sync import RankMismatchError, SyncProgram
+from sidestream.sync import CallFingerprint, RankMismatchError
 from sidestream.testing import RankPool, count_collectives, on_rank_device
 from tests.core.test_sync import (
     MixedState,
@@ -62,8 +62,8 @@ def _programs(token: str) -> dict[str, Any]:
             wrapped = ComposeMetric({f"mixed_{token}_{mode}": mixed})  # a new structure
             small = _small_metric(f"{token}_{mode}")
             with count_collectives() as record_calls:
-                mixed_program = SyncProgram.record(lambda m=wrapped: m.sync())
-                small_program = SyncProgram.record(lambda m=small: m.sync())
+                wrapped.prepare_sync(None)
+                small.prepare_sync(None)
         out[f"{mode} record"] = record_calls
         for seed in SEEDS:
             # Interleave the two structures' programs: each keeps its own layout and buffers.
@@ -72,8 +72,8 @@ def _programs(token: str) -> dict[str, Any]:
                 leaf[1].reset()
                 leaf[1].update(torch.tensor(_small(rank, seed), dtype=torch.float64))
             with count_collectives() as calls:
-                small_batch = small_program.start(async_op=True)
-                mixed_program.start()
+                small_batch = small.start_sync(None, CallFingerprint("window", seed))
+                wrapped.start_sync(None, CallFingerprint("window", seed), async_op=False)
                 small_batch.wait()
             replayed_mixed = {k: v.reshape(-1).tolist() for k, v in mixed.compute().items()}
             replayed_small = _small_values(small)
@@ -93,7 +93,7 @@ def _programs(token: str) -> dict[str, Any]:
     shape = (4,) if rank == odd else (3,)
     differing = ComposeMetric({f"odd_{token}": _Shaped(shape)})
     try:
-        SyncProgram.record(differing.sync)
+        differing.prepare_sync(None)
         out["mismatch"] = "no error"
     except RankMismatchError as error:
         out["mismatch"] = str(error)
@@ -150,12 +150,12 @@ def test_recorded_programs_match_numpy_and_direct_sync(dist_pool: RankPool) -> N
 
 def test_single_process_program_hands_out_copies() -> None:
     metric = MeanMetric()
-    program = SyncProgram.record(metric.sync)
+    metric.prepare_sync(None)
     metric.update(torch.tensor([1.0, 3.0]))
-    program.start().wait()
+    metric.start_sync(None, CallFingerprint("sync", 1)).wait()
     assert float(metric.compute()) == 2.0
     metric.update(torch.tensor([8.0]))  # the local state moves on; the synced copy was fresh
-    program.start()
+    metric.start_sync(None, CallFingerprint("sync", 2), async_op=False)
     assert float(metric.compute()) == 4.0
 
 

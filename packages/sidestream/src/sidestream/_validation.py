@@ -16,6 +16,7 @@ __all__ = [
     "check_broadcastable",
     "check_floating",
     "check_same_shape",
+    "checks_stay_on_device",
     "screen_invalid",
 ]
 
@@ -67,6 +68,15 @@ def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_na
         )
 
 
+def checks_stay_on_device(device: torch.device) -> bool:
+    """Whether value checks on ``device`` must stay on the device (count and drop, no raise).
+
+    True on CUDA (a host read would sync) and inside ``torch.compile`` on any device (a host
+    read would break the graph); false in eager mode off CUDA, where reading is free.
+    """
+    return device.type == "cuda" or torch.compiler.is_compiling()
+
+
 def screen_invalid(
     invalid: Tensor | bool, rejected: MetricAccumulator, argument: str, expected: str
 ) -> Tensor | None:
@@ -75,7 +85,8 @@ def screen_invalid(
     On CPU (and any non-CUDA device) reading the values costs no device sync, so a batch with
     any ``invalid`` element raises ``ValueError`` at once, before the state changes.
 
-    On CUDA the check stays on the device: the whole batch is dropped (the caller multiplies its
+    On CUDA, and inside ``torch.compile`` on any device (a host read would break the graph),
+    the check stays on the device: the whole batch is dropped (the caller multiplies its
     contribution by the returned keep flag) and ``rejected`` counts one rejected update. The
     count is reduced and checkpointed with the state and exposed by the metric, so bad input is
     reported with the result instead of stalling the training thread.
@@ -91,8 +102,12 @@ def screen_invalid(
         ``None`` when the batch is valid on CPU; on CUDA a 0-dim bool tensor, true to keep the
         batch.
     """
-    if isinstance(invalid, bool) or invalid.device.type != "cuda":
-        if invalid if isinstance(invalid, bool) else bool(invalid.any()):
+    if isinstance(invalid, bool):
+        if invalid:
+            raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
+        return None
+    if not checks_stay_on_device(invalid.device):
+        if bool(invalid.any()):
             raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
         return None
     bad = invalid.any()

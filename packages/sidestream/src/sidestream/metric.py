@@ -4,18 +4,50 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from sidestream._arena import Arena
 from sidestream._distributed import Group, group_rank, resolve_group
-from sidestream.state import MetricAccumulator
-from sidestream.sync import coalesced_sync, state_name
+from sidestream._reduce_op import ReduceOp
+from sidestream.state import Freshness, MetricAccumulator
+from sidestream.sync import CallFingerprint, SyncBatch, SyncHandle, SyncProgram
 
-__all__ = ["Metric"]
+__all__ = ["CallCounter", "Metric"]
 
 T = TypeVar("T")
+
+_Child = MetricAccumulator | Any  # a state or a child Metric
+
+
+class CallCounter:
+    """Numbers a metric's collective calls; shared with its copies (``clone_metric``).
+
+    Every rank makes the same calls in the same order, so the numbers agree across ranks and go
+    into each call's fingerprint: a rank that skipped or added a call is caught.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def next(self) -> int:
+        """The next call's number."""
+        self.count += 1
+        return self.count
+
+
+@dataclass
+class _Prepared:
+    """A metric's laid-out sync over one group, valid while the arena of its states lives."""
+
+    group: Group
+    arena: Arena | None
+    every_state: SyncProgram
+    batched: SyncProgram
+    own_sync: list[Metric[Any]] = field(default_factory=list)
 
 
 class Metric(Stateful, Generic[T], abc.ABC):
@@ -25,10 +57,18 @@ class Metric(Stateful, Generic[T], abc.ABC):
     sync), ``sync`` to reduce the state over the ranks of a group, ``compute`` to get the value
     (a tensor or a pytree of tensors), ``reset`` to start a new window.
 
-    State is held in ``MetricAccumulator`` attributes (and child ``Metric`` attributes), found in
-    attribute order; the default ``sync``, ``reset``, ``to``, ``state_dict`` and
-    ``load_state_dict`` work on them, so a subclass usually implements only ``update`` and
-    ``compute``.
+    State is declared by name: ``self.add_state("total", 0.0)``, or by assigning a
+    ``MetricAccumulator`` to an attribute (``self._total = MetricAccumulator(0.0)`` declares
+    ``"total"``: the attribute name without its leading underscore). Child metrics assigned to
+    attributes are part of the tree. A duplicate name raises, and so does a state or metric
+    hidden in a list, tuple, set or dict attribute (it would be left out of sync, reset and
+    checkpoints). The default ``sync``, ``reset``, ``to``, ``state_dict`` and
+    ``load_state_dict`` work on the declared states, so a subclass usually implements only
+    ``update`` and ``compute``.
+
+    On ``to`` (or the first ``reset``/sync) every state of the tree becomes a view into the
+    state arena: one flat buffer per dtype, so reset, collector staging and the sync's packing
+    each cost one copy per dtype, whatever the number of metrics.
 
     Checkpoints are world-size independent: on a multi-rank job ``state_dict`` is a collective
     that returns the globally reduced state (identical on every rank), and ``load_state_dict``
@@ -46,17 +86,136 @@ class Metric(Stateful, Generic[T], abc.ABC):
     def compute(self) -> T:
         """Compute the value from the synchronized state if current, else the local state."""
 
-    def named_accumulators(self, prefix: str = "") -> Iterator[tuple[str, MetricAccumulator]]:
-        """Yield ``(dotted name, accumulator)`` for this metric's state, children included.
+    # ------------------------------------------------------------------ declaration
 
-        Attribute names lose their leading underscore: ``self._total`` is ``"total"``.
+    def add_state(
+        self,
+        name: str,
+        initial: torch.Tensor | float | int | bool,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> MetricAccumulator:
+        """Declare a state named ``name`` and return it (keep it in an attribute to update it).
+
+        Args:
+            name: The state's key in ``state_dict`` and sync error messages: unique in this
+                metric, without ``.`` or ``/``.
+            initial: The identity value (0 for sums, -inf for a max); its shape is the state's.
+            op: How updates and ranks combine.
+            dtype: Optional dtype for ``initial``.
+
+        Raises:
+            ValueError: If ``name`` is empty, has ``.`` or ``/``, or is already declared.
         """
-        for attribute, value in vars(self).items():
-            name = prefix + attribute.lstrip("_")
+        state = MetricAccumulator(initial, op, dtype=dtype)
+        self._declare(name, state, None)
+        return state
+
+    def __setattr__(self, attribute: str, value: Any) -> None:
+        if isinstance(value, MetricAccumulator | Metric):
+            if not self._holds_declared(value):
+                self._declare(attribute.lstrip("_"), value, attribute)
+        elif isinstance(value, list | tuple | dict | set | frozenset):
+            _refuse_hidden(attribute, value)
+        object.__setattr__(self, attribute, value)
+
+    def _holds_declared(self, value: Any) -> bool:
+        registry: dict[str, tuple[str | None, _Child]] = self.__dict__.get("_declarations", {})
+        return any(item is value for _, item in registry.values())
+
+    def _declare(self, name: str, value: _Child, attribute: str | None) -> None:
+        if not isinstance(name, str) or not name or "." in name or "/" in name:
+            raise ValueError(
+                f"state name: expected a non-empty str without '.' or '/', got {name!r}"
+            )
+        registry: dict[str, tuple[str | None, _Child]] = self.__dict__.setdefault(
+            "_declarations", {}
+        )
+        existing = registry.get(name)
+        if existing is not None and (attribute is None or existing[0] != attribute):
+            raise ValueError(
+                f"{type(self).__name__}: the state name {name!r} is declared twice "
+                f"(attribute {existing[0] or 'add_state'!r} and {attribute or 'add_state'!r})"
+            )
+        if isinstance(value, MetricAccumulator):
+            value._owned = True
+            value._freshness = self._metric_freshness
+        registry[name] = (attribute, value)
+        arena = self.__dict__.get("_state_arena")
+        if arena is not None:
+            arena.alive = False  # the tree changed: the next reset or sync lays it out anew
+
+    @property
+    def _metric_freshness(self) -> Freshness:
+        flag = self.__dict__.get("_freshness_flag")
+        if flag is None:
+            flag = Freshness()
+            object.__setattr__(self, "_freshness_flag", flag)
+        return flag
+
+    def _declared_items(self) -> Iterator[tuple[str, _Child]]:
+        registry: dict[str, tuple[str | None, _Child]] = self.__dict__.get("_declarations", {})
+        for name, (_, value) in registry.items():
+            yield name, value
+
+    def named_accumulators(self, prefix: str = "") -> Iterator[tuple[str, MetricAccumulator]]:
+        """Yield ``(dotted name, state)`` for this metric's states, children included."""
+        for name, value in self._declared_items():
             if isinstance(value, MetricAccumulator):
-                yield name, value
-            elif isinstance(value, Metric):
-                yield from value.named_accumulators(name + ".")
+                yield prefix + name, value
+            else:
+                yield from value.named_accumulators(f"{prefix}{name}.")
+
+    def _walk_metrics(self) -> Iterator[Metric[Any]]:
+        yield self
+        for _, value in self._declared_items():
+            if isinstance(value, Metric):
+                yield from value._walk_metrics()
+
+    # ------------------------------------------------------------------ the arena
+
+    _independent_children = False  # ComposeMetric: each child has its own freshness flag
+
+    def _assign_freshness(self, flag: Freshness | None = None) -> Iterator[Freshness]:
+        """Give the tree's states their freshness flags; yield each flag once.
+
+        A metric shares one flag with everything below it (it may update its children), except
+        that the children of a composition are independent metrics with flags of their own.
+        """
+        flag = flag or Freshness()
+        object.__setattr__(self, "_freshness_flag", flag)
+        yield flag
+        for _, value in self._declared_items():
+            if isinstance(value, MetricAccumulator):
+                value._freshness = flag
+            elif self._independent_children:
+                yield from value._assign_freshness()
+            else:
+                for inner in value._assign_freshness(flag):
+                    if inner is not flag:
+                        yield inner
+
+    def _own_arena(self, device: torch.device | None = None) -> Arena | None:
+        """This tree's arena, built when missing or dead; ``None`` inside another tree's arena."""
+        arena: Arena | None = self.__dict__.get("_state_arena")
+        if arena is not None and arena.alive and device is None:
+            return arena if arena.root is self else None
+        states = list(self.named_accumulators())
+        built = Arena(self, states, list(self._assign_freshness()), device)
+        for metric in self._walk_metrics():
+            object.__setattr__(metric, "_state_arena", built)
+        return built
+
+    def _mark_fresh(self, current: bool) -> None:
+        arena = self._own_arena()
+        if arena is not None:
+            arena.mark(current)
+        else:
+            for metric in self._walk_metrics():
+                metric._metric_freshness.current = current
+
+    # ------------------------------------------------------------------ lifecycle
 
     @property
     def sync_group(self) -> Group:
@@ -72,53 +231,155 @@ class Metric(Stateful, Generic[T], abc.ABC):
     def sync_group(self, group: Group) -> None:
         self._sync_group = group
 
+    @property
+    def call_counter(self) -> CallCounter:
+        """Numbers this metric's collective calls for their fingerprints (shared by copies)."""
+        counter: CallCounter | None = self.__dict__.get("_call_counter")
+        if counter is None:
+            counter = CallCounter()
+            object.__setattr__(self, "_call_counter", counter)
+        return counter
+
     def sync(self, group: Group = None) -> None:
         """Reduce the state over ``group`` with a coalesced, fixed number of collectives.
 
         A no-op when torch.distributed is not initialized or the group has one rank. Every rank
-        of the group must call it, in the same order relative to other collectives.
+        of the group must call it, in the same order relative to other collectives. The payload
+        carries this call's fingerprint: if ranks pair different calls, every rank raises
+        ``RankMismatchError`` (on CUDA at the next ``sync`` or ``state_dict`` of this metric, so
+        the training thread does not wait for the device).
 
         Args:
             group: A process group, a 1-D device mesh (for example the data-parallel dimension),
                 or ``None`` for the default group. Remembered for ``state_dict``.
+
+        Raises:
+            RankMismatchError: If ranks hold different state, or paired different calls.
         """
         self._sync_group = group
-        with coalesced_sync():
-            for name, accumulator in self.named_accumulators():
-                with state_name(name):
-                    accumulator.sync(group)
+        self.verify_sync()
+        prepared = self.prepare_sync(group)
+        handle = prepared.batched.start(CallFingerprint("sync", self.call_counter.next()))
+        object.__setattr__(self, "_unverified_sync", handle if handle._event is not None else None)
+        for metric in prepared.own_sync:
+            metric.sync(group)
+        self._mark_fresh(True)
+
+    def start_sync(
+        self, group: Group, fingerprint: CallFingerprint, *, async_op: bool = True
+    ) -> SyncHandle:
+        """Start the reduction of every state with ``fingerprint`` (the collector's windows).
+
+        Bypasses metrics' own ``sync`` methods: use it only for trees without them. The state
+        counts as synchronized once the handle was waited on.
+        """
+        handle = self.prepare_sync(group).every_state.start(fingerprint, async_op=async_op)
+        self._mark_fresh(True)
+        return handle
+
+    def verify_sync(self) -> None:
+        """Check the fingerprints of this metric's last CUDA sync (done by now, so no wait).
+
+        Raises:
+            RankMismatchError: If ranks paired different calls in that sync.
+        """
+        pending: SyncHandle | None = self.__dict__.get("_unverified_sync")
+        if pending is not None:
+            object.__setattr__(self, "_unverified_sync", None)
+            pending.verify()
+
+    def prepare_sync(self, group: Group, *, check: bool = True) -> _Prepared:
+        """This metric's sync over ``group``, laid out once and kept while the tree is unchanged.
+
+        The first call per structure and group is blocking and a collective (the structure
+        check, skipped with ``check=False`` for copies of an already checked structure). If the
+        tree changed since the last layout, the old layout is sent once more with a
+        ``"changed"`` fingerprint, so other ranks that did not change fail with
+        ``RankMismatchError`` instead of hanging in collectives of other sizes; when every rank
+        changed together, the new layout is checked and used.
+        """
+        arena = self._own_arena()
+        # The arena this tree's states live in: its own, or its parent tree's.
+        home: Arena | None = self.__dict__.get("_state_arena")
+        cache: dict[int, _Prepared] = self.__dict__.setdefault("_sync_layouts", {})
+        prepared = cache.get(id(group))
+        if prepared is not None and prepared.group is group:
+            if prepared.arena is home and home is not None and home.alive:
+                return prepared
+            del cache[id(group)]
+            if prepared.every_state.collective:
+                changed = CallFingerprint("changed", self.call_counter.next())
+                prepared.every_state.start(changed).verify()
+        prepared = self._lay_out(group, arena, home, check)
+        cache[id(group)] = prepared
+        return prepared
+
+    def _lay_out(
+        self, group: Group, arena: Arena | None, home: Arena | None, check: bool
+    ) -> _Prepared:
+        own_sync = [m for m in self._walk_metrics() if m is not self and _has_own_sync(m)]
+        everything = SyncBatch()
+        if arena is not None:
+            for segment in arena.segments:
+                everything.add(
+                    segment, group, segment.synced, name=segment.parts[0][0], parts=segment.parts
+                )
+        else:
+            for name, state in self.named_accumulators():
+                everything.add(state, group, state._synced, name=name)
+        every_state = everything.program(check=check)
+        if not own_sync:
+            return _Prepared(group, home, every_state, every_state)
+        skipped = {id(s) for m in own_sync for _, s in m.named_accumulators()}
+        batched = SyncBatch()
+        for name, state in self.named_accumulators():
+            if id(state) not in skipped:
+                batched.add(state, group, state._synced, name=name)
+        return _Prepared(group, home, every_state, batched.program(check=check), own_sync)
 
     def reset(self) -> None:
         """Return every state to its initial value (no communication)."""
-        for _, accumulator in self.named_accumulators():
-            accumulator.reset()
+        arena = self._own_arena()
+        if arena is not None:
+            arena.reset()
+            return
+        states = [state for _, state in self.named_accumulators()]
+        if states:
+            torch._foreach_copy_([s.local for s in states], [s.initial for s in states])
+        self._mark_fresh(False)
 
     def to(self, device: torch.device | str) -> Self:
-        """Move every state to ``device`` and return ``self``."""
-        for _, accumulator in self.named_accumulators():
-            accumulator.to(device)
+        """Move every state to ``device`` (into a new arena) and return ``self``."""
+        self._own_arena(torch.device(device))
         return self
 
     @property
     def device(self) -> torch.device:
         """The device of the metric's state (CPU for a metric without state)."""
-        for _, accumulator in self.named_accumulators():
-            return accumulator.device
+        arena: Arena | None = self.__dict__.get("_state_arena")
+        if arena is not None and arena.alive:
+            return arena.device
+        for _, state in self.named_accumulators():
+            return state.device
         return torch.device("cpu")
 
     def state_dict(self) -> dict[str, Any]:
-        """The globally reduced state, keyed by dotted accumulator name.
+        """The globally reduced state, keyed by dotted state name.
 
-        On a multi-rank job this is a collective over the group of the last ``sync`` (the
-        default group if there was none): every rank must call it, and every rank gets the same
-        tensors. Single-process it is a copy of the local state.
+        On a multi-rank job this is a blocking collective over the group of the last ``sync``
+        (the default group if there was none): every rank must call it, and every rank gets the
+        same tensors. Single-process it is a copy of the local state.
+
+        Raises:
+            RankMismatchError: If ranks hold different state, or paired different calls.
         """
-        reduced: dict[str, Any] = {}
-        with coalesced_sync():
-            for name, accumulator in self.named_accumulators():
-                with state_name(name):
-                    accumulator.reduce_into(self._sync_group, _receiver(reduced, name))
-        return reduced
+        self.verify_sync()
+        prepared = self.prepare_sync(self._sync_group)
+        fingerprint = CallFingerprint("state_dict", self.call_counter.next())
+        prepared.every_state.start(fingerprint).verify()
+        # The synced views now hold the global state of this moment, which is what they held
+        # already if the last sync is current; the freshness flags stay as they were.
+        return {name: state._synced.clone() for name, state in self.named_accumulators()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by ``state_dict`` with any number of ranks.
@@ -128,33 +389,53 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
         Raises:
             KeyError: If ``state_dict`` lacks a state of this metric or has an unknown one.
-            ValueError: If a saved tensor's shape differs from the state's shape.
+            ValueError: If a saved tensor's shape or dtype differs from the state's.
         """
-        accumulators = dict(self.named_accumulators())
-        missing = sorted(set(accumulators) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(accumulators))
+        states = dict(self.named_accumulators())
+        missing = sorted(set(states) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(states))
         if missing or unexpected:
             raise KeyError(
                 f"state_dict: missing keys {missing}, unexpected keys {unexpected} "
                 f"for {type(self).__name__}"
             )
-        for name, accumulator in accumulators.items():
-            saved = torch.as_tensor(state_dict[name])
-            if tuple(saved.shape) != tuple(accumulator.local.shape):
+        saved: dict[str, torch.Tensor] = {}
+        for name, state in states.items():
+            tensor = torch.as_tensor(state_dict[name])
+            if tuple(tensor.shape) != tuple(state.local.shape):
                 raise ValueError(
-                    f"state_dict[{name!r}]: expected shape {tuple(accumulator.local.shape)}, "
-                    f"got {tuple(saved.shape)}"
+                    f"state_dict[{name!r}]: expected shape {tuple(state.local.shape)}, "
+                    f"got {tuple(tensor.shape)}"
                 )
+            if tensor.dtype != state.local.dtype:
+                raise ValueError(
+                    f"state_dict[{name!r}]: expected dtype {state.local.dtype}, got "
+                    f"{tensor.dtype} (a checkpoint of a different metric or configuration)"
+                )
+            saved[name] = tensor
         owner = group_rank(resolve_group(self._sync_group)) == 0
-        for name, accumulator in accumulators.items():
-            if owner:
-                accumulator.load_local(torch.as_tensor(state_dict[name]).to(accumulator.device))
-            else:
-                accumulator.load_local(accumulator.initial)
+        targets = [state.local for state in states.values()]
+        if owner:
+            sources = [saved[name].to(state.device) for name, state in states.items()]
+        else:
+            sources = [state.initial for state in states.values()]
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        self._mark_fresh(False)
 
 
-def _receiver(into: dict[str, Any], name: str) -> Any:
-    def receive(reduced: torch.Tensor) -> None:
-        into[name] = reduced
+def _has_own_sync(metric: Metric[Any]) -> bool:
+    return type(metric).sync is not Metric.sync
 
-    return receive
+
+def _refuse_hidden(attribute: str, value: Any) -> None:
+    items = value.values() if isinstance(value, dict) else value
+    for item in items:
+        if isinstance(item, MetricAccumulator | Metric):
+            raise TypeError(
+                f"{attribute}: a {type(item).__name__} inside a {type(value).__name__} would be "
+                "left out of sync, reset and checkpoints; declare each state with add_state or "
+                "its own attribute (child metrics: their own attribute, or a ComposeMetric)"
+            )
+        if isinstance(item, list | tuple | dict | set | frozenset):
+            _refuse_hidden(attribute, item)

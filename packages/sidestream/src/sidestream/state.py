@@ -2,35 +2,40 @@
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from sidestream._distributed import Group
+from sidestream._reduce_op import ReduceOp
+from sidestream.sync import SyncBatch
 
-__all__ = ["MetricAccumulator", "ReduceOp", "load_all", "reset_all"]
+__all__ = ["Freshness", "MetricAccumulator", "ReduceOp"]
 
 
-class ReduceOp(enum.Enum):
-    """How an accumulator combines updates locally and states across ranks.
+class Freshness:
+    """Whether a metric's synchronized state is current: one flag, cleared by any update.
 
-    There is deliberately no AVG: averages are not linearly reducible. Store a sum and a count.
+    Every state of a metric shares its metric's flag, so a metric that updates only some of its
+    states after a sync computes from local state throughout, never from a mix.
     """
 
-    SUM = "sum"
-    MAX = "max"
-    MIN = "min"
+    def __init__(self) -> None:
+        self.current = False
 
 
 class MetricAccumulator:
     """One tensor of metric state, updated in place on its device.
 
-    Updates touch only the local tensor: no communication and no host sync. ``sync`` fills a
-    separate synchronized copy with the reduction over all ranks, and ``value`` returns that copy
-    until the next update or reset, and the local tensor otherwise.
+    Updates touch only the local tensor: no communication and no host sync. A metric's ``sync``
+    fills a separate synchronized copy with the reduction over all ranks, and ``value`` returns
+    that copy until the next update or reset of the metric, and the local tensor otherwise.
+
+    Inside a metric (``self._total = MetricAccumulator(...)`` or ``Metric.add_state``), the
+    tensors are views into the metric tree's state arena once it is built (``to``, ``reset`` or
+    the first sync): one flat buffer per dtype, so reset, staging and sync cost one copy per
+    dtype, not one per state.
 
     Args:
         initial: The identity value of the state (0 for sums, -inf for a max, ...). Its shape and
@@ -54,11 +59,25 @@ class MetricAccumulator:
     ) -> None:
         if not isinstance(op, ReduceOp):
             raise TypeError(f"op: expected a sidestream.state.ReduceOp, got {op!r}")
-        initial_tensor = torch.as_tensor(initial, dtype=dtype)
+        initial_tensor = torch.as_tensor(initial, dtype=dtype).detach()
+        if initial_tensor.is_complex():
+            raise TypeError(
+                f"initial: complex states are not supported, got {initial_tensor.dtype}"
+            )
         self._op = op
-        self._initial = initial_tensor.detach().clone()
-        self._local = initial_tensor.detach().clone()
-        self._synced: Tensor | None = None
+        self._freshness = Freshness()
+        self._owned = False
+        self._arena: Any = None  # the state arena holding this state's views (or None)
+        self._bind(initial_tensor.clone(), initial_tensor.clone(), torch.empty_like(initial_tensor))
+
+    def _bind(self, local: Tensor, initial: Tensor, synced: Tensor) -> None:
+        """Point the state at new tensors (its own, or views into an arena)."""
+        self._local = local
+        self._initial = initial
+        self._synced = synced
+        # Updates write through a 1-D view: torch 2.13 loses in-place updates of 0-dim tensors
+        # (and 0-dim views) inside compiled graphs on CPU; shape (1,) is safe.
+        self._target = local.view(1) if local.dim() == 0 else local
 
     @property
     def op(self) -> ReduceOp:
@@ -77,13 +96,13 @@ class MetricAccumulator:
 
     @property
     def synced(self) -> Tensor | None:
-        """The state reduced over all ranks by the last ``sync``, or ``None`` when stale."""
-        return self._synced
+        """The state reduced over all ranks by the last sync, or ``None`` when stale."""
+        return self._synced if self._freshness.current else None
 
     @property
     def value(self) -> Tensor:
-        """The synchronized state if the last sync is current, else the local state."""
-        return self._local if self._synced is None else self._synced
+        """The synchronized state if the metric's last sync is current, else the local state."""
+        return self._synced if self._freshness.current else self._local
 
     @property
     def device(self) -> torch.device:
@@ -97,12 +116,15 @@ class MetricAccumulator:
             update: A tensor broadcastable to the state's shape, on the state's device.
         """
         if self._op is ReduceOp.SUM:
-            self._local.add_(update)
+            self._target.add_(update)
+        elif update.dtype != self._target.dtype:
+            self.accumulate(update.to(self._target.dtype))  # out= may not narrow a type
+            return
         elif self._op is ReduceOp.MAX:
-            torch.maximum(self._local, update.to(self._local.dtype), out=self._local)
+            torch.maximum(self._target, update, out=self._target)  # NaN propagates
         else:
-            torch.minimum(self._local, update.to(self._local.dtype), out=self._local)
-        self._synced = None
+            torch.minimum(self._target, update, out=self._target)
+        self._freshness.current = False
 
     def scatter_add(self, index: Tensor, source: Tensor) -> None:
         """Add ``source`` into a one-dimensional SUM state at ``index`` (histograms, counts).
@@ -115,49 +137,47 @@ class MetricAccumulator:
         """
         if self._op is not ReduceOp.SUM:
             raise ValueError(f"scatter_add needs a SUM accumulator, this one is {self._op.name}")
-        self._local.index_add_(0, index.reshape(-1), source.reshape(-1).to(self._local.dtype))
-        self._synced = None
+        self._target.index_add_(0, index.reshape(-1), source.reshape(-1).to(self._local.dtype))
+        self._freshness.current = False
 
     def sync(self, group: Group = None) -> None:
-        """Reduce the local state over ``group`` into the synchronized copy.
+        """Reduce a stand-alone accumulator over ``group`` into its synchronized copy.
 
-        Inside a running coalesced sync (any ``Metric.sync``), the reduction is batched with every
-        other accumulator of that sync. A no-op when torch.distributed is not initialized or the
-        group has one rank, so ``value`` stays the local state.
+        For accumulators used on their own. A metric's states are synced by ``Metric.sync``,
+        all together (one flag says whether they are current), so this raises for them.
 
         Args:
             group: A process group, a 1-D device mesh, or ``None`` for the default group.
+
+        Raises:
+            RuntimeError: If the accumulator belongs to a metric.
         """
-        from sidestream.sync import reduce_accumulator
-
-        reduce_accumulator(self, group, self._set_synced)
-
-    def reduce_into(self, group: Group, receive: Callable[[Tensor], None]) -> None:
-        """Reduce the local state over ``group`` and hand the result to ``receive``.
-
-        Like ``sync`` but leaves the synchronized copy alone; checkpoints use it.
-        """
-        from sidestream.sync import reduce_accumulator
-
-        reduce_accumulator(self, group, receive)
-
-    def _set_synced(self, reduced: Tensor) -> None:
-        self._synced = reduced
+        if self._owned:
+            raise RuntimeError(
+                "MetricAccumulator.sync: this state belongs to a metric; call the metric's sync"
+            )
+        batch = SyncBatch()
+        batch.add(self, group, self._synced, name="state")
+        batch.start()
+        self._freshness.current = True
 
     def reset(self) -> None:
-        """Return the local state to its initial value and drop the synchronized copy."""
+        """Return the local state to its initial value (the metric's sync becomes stale)."""
         self._local.copy_(self._initial)
-        self._synced = None
+        self._freshness.current = False
 
     def to(self, device: torch.device | str) -> MetricAccumulator:
-        """Move the state to ``device`` and return ``self``."""
-        self._initial = self._initial.to(device)
-        self._local = self._local.to(device)
-        self._synced = None if self._synced is None else self._synced.to(device)
+        """Move a stand-alone accumulator to ``device`` and return ``self``.
+
+        A metric's states move with ``Metric.to`` (which rebuilds the arena).
+        """
+        self._bind(self._local.to(device), self._initial.to(device), self._synced.to(device))
+        if self._arena is not None:
+            self._arena.alive = False  # this state is no longer a view into it
         return self
 
     def load_local(self, value: Tensor) -> None:
-        """Overwrite the local state with ``value`` (same shape) and drop the synchronized copy.
+        """Overwrite the local state with ``value`` (same shape) and mark the sync stale.
 
         Raises:
             ValueError: If ``value`` does not have the state's shape.
@@ -168,48 +188,10 @@ class MetricAccumulator:
                 f"got {tuple(value.shape)}"
             )
         self._local.copy_(value)
-        self._synced = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """This accumulator's local state (the metric's ``state_dict`` reduces across ranks)."""
-        return {"value": self._local.clone()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the local state saved by ``state_dict``."""
-        self.load_local(torch.as_tensor(state_dict["value"]).to(self.device))
+        self._freshness.current = False
 
     def __repr__(self) -> str:
         return (
             f"MetricAccumulator(op={self._op.name}, shape={tuple(self._local.shape)}, "
             f"dtype={self._local.dtype}, device={self._local.device})"
         )
-
-
-def reset_all(accumulators: Sequence[MetricAccumulator]) -> None:
-    """``reset`` every accumulator, with one batched copy instead of one call per state.
-
-    Args:
-        accumulators: The accumulators to return to their initial values.
-    """
-    if not accumulators:
-        return
-    torch._foreach_copy_([a._local for a in accumulators], [a._initial for a in accumulators])
-    for accumulator in accumulators:
-        accumulator._synced = None
-
-
-def load_all(accumulators: Sequence[MetricAccumulator], values: Sequence[Tensor]) -> None:
-    """``load_local`` every accumulator from the matching tensor, with one batched copy.
-
-    Shapes are not checked here: callers pair accumulators with values of the same structure
-    (for example the states of a metric and of its copy).
-
-    Args:
-        accumulators: The accumulators to overwrite.
-        values: One tensor per accumulator, of its shape.
-    """
-    if not accumulators:
-        return
-    torch._foreach_copy_([a._local for a in accumulators], list(values))
-    for accumulator in accumulators:
-        accumulator._synced = None

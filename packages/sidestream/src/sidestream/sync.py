@@ -1,54 +1,59 @@
-"""Coalesced cross-rank reduction of metric state.
+"""Coalesced cross-rank reduction of metric state: the lower layer, below ``sidestream.state``.
 
-Every accumulator reduced inside one ``coalesced_sync()`` block is staged into flat buffers and
-reduced together when the block ends, so the number of collectives of a sync depends on the kinds
-of state, never on how many metrics there are. Per group and device a sync issues:
+This module works on anything with a ``local`` tensor and an ``op`` (a ``ReduceOp``): the states
+of a metric, or whole flat buffers of them (the state arena of ``sidestream.metric``). It knows
+nothing about metrics.
+
+A ``SyncBatch`` collects entries, each with the tensor its result goes to, and ``start`` issues
+the collectives of every group at once; the returned ``SyncHandle`` is the sync in flight. Per
+group and device a sync issues:
 
 - **one** ``all_gather`` of a single byte buffer holding every state when the gathered size
   (packed bytes x group size) is at most ``GATHER_LIMIT_BYTES``; each rank then reduces the
   gathered rows itself, in each state's own dtype (exact for integers);
 - otherwise **at most three** ``all_reduce``: one float64 SUM buffer (floats widened exactly;
   integer and bool counts split into two 32-bit halves, so sums stay exact in float64), one
-  float64 MAX buffer (MIN states ride in it negated) and, only when there are integer MAX/MIN
-  states, one int64 MAX buffer (MIN states bit-inverted). Collections without MAX/MIN states
-  use one collective, typical ones two.
+  float64 MAX buffer (MIN states ride in it negated, with a NaN flag per element so NaN
+  propagates exactly as on the gather path) and, only when there are integer MAX/MIN states, one
+  int64 MAX buffer (MIN states bit-inverted).
 
-The first sync of a given state structure (names, shapes, dtypes, ops) over a group exchanges a
-fixed-size fingerprint first (one extra, blocking all_reduce of two int64). When ranks disagree,
-every rank raises ``RankMismatchError`` naming the states that differ and on which ranks, instead
-of hanging in collectives of different sizes. Verified structures are cached, so later syncs pay
-nothing; structures must therefore change on every rank together. ``coalesced_sync(
-check_only=True)`` runs only this check, so code that must not block later (the collector) can
-pay it up front.
+Every payload carries a **call fingerprint** (which call, its step or sequence number, and a
+hash of the state structure) at no extra collective. When ranks pair different calls (one rank
+skipped a window, or checkpointed alone) the fingerprints differ, and ``SyncHandle.wait`` (off
+CUDA) or ``SyncHandle.verify`` raises ``RankMismatchError`` on every rank instead of returning
+numbers mixed from different calls.
 
-``SyncProgram.record`` lays a sync out once (buffers and views included) so that it can be
-started again with a handful of tensor calls; the collector replays one per staging slot.
+The first sync of a given state structure over a group also exchanges a fixed-size structure
+check first (one extra, blocking all_reduce of two int64), so ranks holding different states fail
+with a message naming the difference instead of hanging in collectives of different sizes.
+Verified structures are cached, so later syncs pay nothing.
+
+``SyncProgram`` is a batch laid out once (buffers and views included) that can be started again
+and again with a handful of tensor calls; metrics and the collector keep one per group.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from sidestream._distributed import Group, group_rank, group_size, resolve_group
-from sidestream.state import MetricAccumulator, ReduceOp
+from sidestream._reduce_op import ReduceOp
 
 __all__ = [
     "GATHER_LIMIT_BYTES",
+    "CallFingerprint",
     "RankMismatchError",
+    "Reducible",
     "SyncBatch",
+    "SyncHandle",
     "SyncProgram",
-    "coalesced_sync",
-    "reduce_accumulator",
-    "state_name",
 ]
 
 GATHER_LIMIT_BYTES = 1 << 20
@@ -57,17 +62,76 @@ GATHER_LIMIT_BYTES = 1 << 20
 _ALIGN = 8  # every staged state starts at a multiple of the widest element size
 _LOW_BITS = 0xFFFFFFFF
 _MAX_CACHED_STRUCTURES = 4096
+_KINDS = ("sync", "state_dict", "window", "changed", "record")
+_CHUNK_BITS = 16  # all_reduce fingerprints travel as 16-bit chunks: exact in float64 sums
+_FINGERPRINT_WORDS = 3  # kind, sequence, structure (int64 each, on the gather path)
+_FINGERPRINT_CHUNKS = 1 + 2 * (64 // _CHUNK_BITS)
 
 
 class RankMismatchError(RuntimeError):
-    """Ranks of one group tried to sync different metric state (keys, shapes, dtypes or ops)."""
+    """Ranks of one group paired different calls, or hold different metric state."""
+
+
+class Reducible(Protocol):
+    """What ``SyncBatch`` reduces: a local tensor and how to combine it across ranks."""
+
+    @property
+    def local(self) -> Tensor:
+        """This rank's value."""
+
+    @property
+    def op(self) -> ReduceOp:
+        """How ranks combine."""
+
+
+@dataclass(frozen=True)
+class CallFingerprint:
+    """Which call a sync belongs to; every rank of a group must send the same one.
+
+    Attributes:
+        kind: ``"sync"``, ``"state_dict"``, ``"window"``, ``"changed"`` (sent by a rank whose
+            metric structure changed since its last sync) or ``"record"``.
+        sequence: The window's step, or the how-many-th call of this kind on the metric.
+    """
+
+    kind: str
+    sequence: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"kind: expected one of {_KINDS}, got {self.kind!r}")
+
+    def words(self, structure: int) -> list[int]:
+        """The fingerprint with ``structure`` as three signed int64 words."""
+        return [_KINDS.index(self.kind), _signed(self.sequence), structure]
+
+
+_ANY_CALL = CallFingerprint("sync", 0)
+
+
+def _signed(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _describe_words(words: list[int]) -> str:
+    kind, sequence, structure = words
+    name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
+    return f"{name} #{sequence} (structure {structure & ((1 << 64) - 1):016x})"
 
 
 @dataclass
 class _Entry:
     name: str
-    accumulator: MetricAccumulator
-    receive: Callable[[Tensor], None]
+    state: Reducible
+    out: Tensor
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def described(self) -> list[tuple[str, tuple[int, ...], str, str]]:
+        local = self.state.local
+        dtype = str(local.dtype).removeprefix("torch.")
+        parts = self.parts or ((self.name, tuple(local.shape)),)
+        return [(name, shape, dtype, self.state.op.name) for name, shape in parts]
 
 
 @dataclass
@@ -90,16 +154,29 @@ class _Segment:
     def integral(self) -> bool:
         return not (self.dtype.is_floating_point or self.dtype.is_complex)
 
-    def flat_local(self) -> Tensor:
-        return torch.cat([e.accumulator.local.reshape(-1) for e in self.entries])
+    def locals(self) -> list[Tensor]:
+        return [entry.state.local for entry in self.entries]
 
-    def slices(self, flat: Tensor) -> list[tuple[_Entry, Tensor]]:
-        """Each state with its slice of ``flat`` (one element per element of the segment)."""
+    def result_tensor(self, device: torch.device) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """A flat result for the segment and the (out, slice) copies that hand it out.
+
+        A segment of one contiguous entry (a whole arena buffer) reduces straight into its out.
+        """
+        if len(self.entries) == 1:
+            out = self.entries[0].out
+            if out.dtype == self.dtype and out.is_contiguous():
+                return out.view(-1), []
+        result = torch.empty(self.numel, dtype=self.dtype, device=device)
+        parts = zip(self.entries, self.slices(result), strict=True)
+        return result, [(e.out, part) for e, part in parts]
+
+    def slices(self, flat: Tensor) -> list[Tensor]:
+        """Each entry's slice of ``flat`` (one element per element of the segment), shaped."""
         out = []
         offset = 0
         for entry in self.entries:
-            local = entry.accumulator.local
-            out.append((entry, flat[offset : offset + local.numel()].view(local.shape)))
+            local = entry.state.local
+            out.append(flat[offset : offset + local.numel()].view(local.shape))
             offset += local.numel()
         return out
 
@@ -108,169 +185,362 @@ def _segments(entries: list[_Entry]) -> list[_Segment]:
     """Group states by (dtype, op) in first-appearance order: the same on every rank."""
     classes: dict[tuple[torch.dtype, ReduceOp], _Segment] = {}
     for entry in entries:
-        local = entry.accumulator.local
-        key = (local.dtype, entry.accumulator.op)
+        local = entry.state.local
+        key = (local.dtype, entry.state.op)
         segment = classes.get(key)
         if segment is None:
-            segment = classes[key] = _Segment(local.dtype, entry.accumulator.op, [], 0)
+            segment = classes[key] = _Segment(local.dtype, entry.state.op, [], 0)
         segment.entries.append(entry)
         segment.numel += local.numel()
     return list(classes.values())
 
 
-_Handout = tuple[Callable[[Tensor], None], Tensor]
+class _Plan(Protocol):
+    def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None: ...
 
 
 class _GatherPlan:
-    """One all_gather of every state packed into a byte buffer; each rank reduces the rows.
+    """One all_gather of every state packed into a byte buffer, fingerprint last.
 
     The buffers and every view into them are made once: running the plan stages with one
-    batched copy (each state's view into the send buffer), issues the collective and hands out
-    precomputed result views, which the finisher fills with one reduction per segment.
+    batched copy, writes the fingerprint, issues the collective and leaves to the finisher one
+    reduction per segment, straight into the entries' out tensors where their layout allows.
     """
 
     def __init__(
-        self, segments: list[_Segment], group: dist.ProcessGroup | None, size: int
+        self,
+        segments: list[_Segment],
+        group: dist.ProcessGroup | None,
+        size: int,
+        structure: int,
     ) -> None:
-        device = segments[0].entries[0].accumulator.local.device
-        packed = sum(_padded_bytes(segment) for segment in segments)
+        device = segments[0].entries[0].state.local.device
+        data = sum(_padded_bytes(segment) for segment in segments)
+        packed = data + 8 * _FINGERPRINT_WORDS
         self._group = group
+        self._rank = group_rank(group)
+        self._structure = structure
         self._send = torch.zeros(packed, dtype=torch.uint8, device=device)  # padding stays 0
         self._gathered = torch.empty(size * packed, dtype=torch.uint8, device=device)
         rows = self._gathered.view(size, packed)
-        self._sources: list[MetricAccumulator] = []
+        self._fingerprint = _FingerprintWriter(self._send[data:].view(torch.int64))
+        self._gathered_fingerprints = rows[:, data:].view(torch.int64)
+        self._sources: list[Tensor] = []
         self._staging: list[Tensor] = []
-        self._handouts: list[_Handout] = []
         self._reductions: list[tuple[Tensor, Tensor, ReduceOp]] = []
+        self._handouts: list[tuple[Tensor, Tensor]] = []
         start = 0
         for segment in segments:
             nbytes = segment.numel * segment.dtype.itemsize
-            for entry, view in segment.slices(
-                self._send[start : start + nbytes].view(segment.dtype)
-            ):
-                self._sources.append(entry.accumulator)
-                self._staging.append(view)
-            result = torch.empty(segment.numel, dtype=segment.dtype, device=device)
-            self._handouts += [(entry.receive, view) for entry, view in segment.slices(result)]
+            send = self._send[start : start + nbytes].view(segment.dtype)
+            self._sources += segment.locals()
+            self._staging += segment.slices(send)
+            result, handouts = segment.result_tensor(device)
+            self._handouts += handouts
             per_rank = rows[:, start : start + nbytes].view(segment.dtype)
             self._reductions.append((result, per_rank, segment.op))
             start += _padded_bytes(segment)
 
-    def run(self, batch: SyncBatch) -> None:
-        torch._foreach_copy_(self._staging, [source.local for source in self._sources])
-        batch._start(_all_gather_single(self._gathered, self._send, self._group, batch.async_op))
-        for receive, result in self._handouts:
-            receive(result)
-        batch._finishers.append(self._reduce)
+    def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None:
+        torch._foreach_copy_(self._staging, self._sources)
+        self._fingerprint.write(fingerprint.words(self._structure))
+        handle._start(_all_gather_single(self._gathered, self._send, self._group, handle.async_op))
+        handle._finishers.append(self._reduce)
+        handle._checks.append(_GatherCheck(self._gathered_fingerprints, self._rank))
 
     def _reduce(self) -> None:
         for result, per_rank, op in self._reductions:
-            result.copy_(_reduce_rows(per_rank, op))
+            _reduce_rows(per_rank, op, result)
+        if self._handouts:
+            torch._foreach_copy_([out for out, _ in self._handouts], [r for _, r in self._handouts])
 
 
 class _ReducePlan:
     """At most three all_reduce: float64 SUM, float64 MAX (MIN negated), int64 MAX (MIN inverted).
 
-    Buffers and views are made once; running the plan converts each segment into its buffer,
-    issues the collectives and hands out the results (views into a buffer where the state's
-    dtype and op need no conversion back, else tensors the finisher fills).
+    Float MAX/MIN states carry one NaN flag per element in the MAX buffer, because the backends'
+    MAX keeps the non-NaN operand while ``amax`` (the gather path) propagates NaN. The
+    fingerprint rides as 16-bit chunks in the first buffer: with their squares in a SUM buffer
+    (all equal exactly when n * sum(c^2) == sum(c)^2), negated in a MAX buffer.
     """
 
-    def __init__(self, segments: list[_Segment], group: dist.ProcessGroup | None) -> None:
-        device = segments[0].entries[0].accumulator.local.device
+    def __init__(
+        self,
+        segments: list[_Segment],
+        group: dist.ProcessGroup | None,
+        size: int,
+        structure: int,
+    ) -> None:
+        device = segments[0].entries[0].state.local.device
         layout: dict[str, list[tuple[_Segment, int]]] = {"sum": [], "max": [], "int_max": []}
         sizes = dict.fromkeys(layout, 0)
         for segment in segments:
             kind, width = _buffer_kind(segment)
             layout[kind].append((segment, sizes[kind]))
             sizes[kind] += width * segment.numel
+        carrier = next(kind for kind in layout if layout[kind])
+        fingerprint_at = sizes[carrier]
+        sizes[carrier] += 2 * _FINGERPRINT_CHUNKS
         self._group = group
+        self._size = size
+        self._structure = structure
         self._buffers: list[tuple[Tensor, dist.ReduceOp.RedOpType]] = []
         self._stages: list[tuple[_Segment, Tensor]] = []
-        self._handouts: list[_Handout] = []
         self._unpack: list[tuple[_Segment, Tensor, Tensor]] = []
+        self._handouts: list[tuple[Tensor, Tensor]] = []
         for kind, placed in layout.items():
             if not placed:
                 continue
             wide = torch.int64 if kind == "int_max" else torch.float64
             buffer = torch.empty(sizes[kind], dtype=wide, device=device)
+            if kind == carrier:
+                self._carrier = carrier
+                self._fingerprint = buffer[fingerprint_at:]
+                self._writer = _FingerprintWriter(
+                    torch.empty_like(self._fingerprint), self._fingerprint
+                )
             for segment, start in placed:
-                width = 2 if kind == "sum" and segment.integral else 1
+                width = _buffer_kind(segment)[1]
                 view = buffer[start : start + width * segment.numel]
                 self._stages.append((segment, view))
-                if segment.dtype == wide and segment.op is not ReduceOp.MIN:
-                    result = view  # reduced in place: no unpacking
-                else:
-                    result = torch.empty(segment.numel, dtype=segment.dtype, device=device)
-                    self._unpack.append((segment, view, result))
-                self._handouts += [(entry.receive, part) for entry, part in segment.slices(result)]
+                result, handouts = segment.result_tensor(device)
+                self._unpack.append((segment, view, result))
+                self._handouts += handouts
             op = dist.ReduceOp.SUM if kind == "sum" else dist.ReduceOp.MAX
             self._buffers.append((buffer, op))
 
-    def run(self, batch: SyncBatch) -> None:
+    def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None:
         for segment, view in self._stages:
             _stage(segment, view)
+        chunks = _chunks(fingerprint.words(self._structure))
+        second = [c * c for c in chunks] if self._carrier == "sum" else [-c for c in chunks]
+        self._writer.write(chunks + second)
         for buffer, op in self._buffers:
-            batch._start(dist.all_reduce(buffer, op=op, group=self._group, async_op=batch.async_op))
-        for receive, result in self._handouts:
-            receive(result)
-        if self._unpack:
-            batch._finishers.append(self._unstage)
+            handle._start(
+                dist.all_reduce(buffer, op=op, group=self._group, async_op=handle.async_op)
+            )
+        handle._finishers.append(self._unstage)
+        handle._checks.append(
+            _ReduceCheck(self._fingerprint, self._carrier, self._size, fingerprint, self._structure)
+        )
 
     def _unstage(self) -> None:
         for segment, view, result in self._unpack:
             _unstage(segment, view, result)
+        if self._handouts:
+            torch._foreach_copy_([out for out, _ in self._handouts], [r for _, r in self._handouts])
 
 
-class _Scope:
-    __slots__ = ("_name", "_token")
+class _CopyPlan:
+    """A group of one rank: the local state is already the global one."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    def __init__(self, entries: list[_Entry]) -> None:
+        self._outs = [entry.out for entry in entries]
+        self._sources = [entry.state.local for entry in entries]
 
-    def __enter__(self) -> None:
-        self._token = _scope.set((*_scope.get(), self._name))
-
-    def __exit__(self, *exc: object) -> None:
-        _scope.reset(self._token)
-
-
-_scope: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
-    "sidestream_state_scope", default=()
-)
+    def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None:
+        if self._outs:
+            torch._foreach_copy_(self._outs, self._sources)
 
 
-def state_name(name: str) -> contextlib.AbstractContextManager[None]:
-    """Name the accumulators reduced inside the ``with`` block (nested names join with ``.``).
+class _GatherCheck:
+    """Every rank's fingerprint, gathered: each rank tells exactly which ranks differ."""
 
-    Only used to say which state differs when ranks disagree; ``Metric.sync`` names each
-    accumulator by its dotted attribute path.
+    def __init__(self, gathered: Tensor, rank: int) -> None:
+        self._gathered = gathered
+        self._rank = rank
+        self._host: Tensor | None = None
+
+    def queue(self) -> None:
+        self._host = _to_host(self._gathered)
+
+    def check(self) -> None:
+        assert self._host is not None
+        rows: list[list[int]] = self._host.tolist()
+        if all(row == rows[0] for row in rows):
+            return
+        seen = "; ".join(f"rank {r}: {_describe_words(row)}" for r, row in enumerate(rows))
+        raise RankMismatchError(
+            f"sync: ranks of the group paired different calls (seen from rank {self._rank}): "
+            f"{seen}. Every rank must call sync, state_dict and schedule_collection in the same "
+            "order, with the same metric structure"
+        )
+
+
+class _ReduceCheck:
+    """The reduced fingerprint chunks: equal on every rank exactly when no rank differs."""
+
+    def __init__(
+        self,
+        reduced: Tensor,
+        carrier: str,
+        size: int,
+        fingerprint: CallFingerprint,
+        structure: int,
+    ) -> None:
+        self._reduced = reduced
+        self._carrier = carrier
+        self._size = size
+        self._own = _describe_words(fingerprint.words(structure))
+        self._host: Tensor | None = None
+
+    def queue(self) -> None:
+        self._host = _to_host(self._reduced)
+
+    def check(self) -> None:
+        assert self._host is not None
+        values = [int(v) for v in self._host.tolist()]
+        first, second = values[:_FINGERPRINT_CHUNKS], values[_FINGERPRINT_CHUNKS:]
+        if self._carrier == "sum":
+            agree = all(self._size * s == f * f for f, s in zip(first, second, strict=True))
+        else:
+            agree = all(f == -s for f, s in zip(first, second, strict=True))
+        if agree:
+            return
+        raise RankMismatchError(
+            f"sync: ranks of the group paired different calls; this rank is at {self._own} and "
+            "at least one other rank is not. Every rank must call sync, state_dict and "
+            "schedule_collection in the same order, with the same metric structure"
+        )
+
+
+def _chunks(words: list[int]) -> list[int]:
+    kind, sequence, structure = words
+    out = [kind]
+    for word in (sequence, structure):
+        unsigned = word & ((1 << 64) - 1)
+        out += [(unsigned >> shift) & 0xFFFF for shift in range(0, 64, _CHUNK_BITS)]
+    return out
+
+
+class _FingerprintWriter:
+    """Writes a fingerprint's numbers into a device buffer: one ``fill_`` per changed number.
+
+    A fill takes its number as a kernel argument, so there is no host-to-device copy (a sync on
+    CUDA from pageable memory) and no temporary tensor; numbers unchanged since the last call
+    (the structure hash, the kind, the high chunks of a step) cost nothing. ``target`` is
+    written with one copy when given: the all_reduce path reduces its buffer in place, so the
+    numbers are kept in a staging tensor of their own.
     """
-    return _Scope(name)
+
+    def __init__(self, staging: Tensor, target: Tensor | None = None) -> None:
+        self._staging = staging
+        self._target = target
+        self._cells = list(staging.unbind(0))
+        self._last: list[int | None] = [None] * len(self._cells)
+
+    def write(self, values: list[int]) -> None:
+        for index, value in enumerate(values):
+            if value != self._last[index]:
+                self._cells[index].fill_(value)
+                self._last[index] = value
+        if self._target is not None:
+            self._target.copy_(self._staging)
 
 
-@dataclass
+def _to_host(tensor: Tensor) -> Tensor:
+    """A host copy of ``tensor``: on CUDA queued into pinned memory (read after the stream)."""
+    if tensor.device.type != "cuda":
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+class SyncHandle:
+    """A sync in flight: the collectives it started and what finishes its results.
+
+    ``wait`` makes the results ready; the fingerprint check runs in ``wait`` off CUDA and in
+    ``verify`` on CUDA (after the stream reached this point), so a CUDA training thread never
+    blocks on it.
+    """
+
+    def __init__(self, async_op: bool) -> None:
+        self.async_op = async_op
+        self.works: list[dist.Work] = []
+        self._finishers: list[Callable[[], None]] = []
+        self._checks: list[_GatherCheck | _ReduceCheck] = []
+        self._event: torch.cuda.Event | None = None
+        self._cuda = False
+
+    def wait(self) -> None:
+        """Wait for the collectives and finish the results.
+
+        On CUDA the current stream waits (the host does not block), the result unpacking is
+        queued on it, and the fingerprint check is left to ``verify``. Elsewhere it checks the
+        fingerprints too.
+
+        Raises:
+            RankMismatchError: Off CUDA, if ranks paired different calls.
+        """
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+        finishers, self._finishers = self._finishers, []
+        for finish in finishers:
+            finish()
+        for check in self._checks:
+            check.queue()
+        if self._cuda and self._checks:
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+        else:
+            self.verify()
+
+    def verify(self) -> None:
+        """Check that every rank sent the same fingerprint (blocks until ``wait``'s point on CUDA).
+
+        Raises:
+            RankMismatchError: If ranks paired different calls.
+        """
+        if self._event is not None:
+            # query first: once the stream passed the event (the collector checks after the
+            # window's done event) nothing waits, and sync-debug mode reports nothing.
+            if not self._event.query():  # type: ignore[no-untyped-call]
+                self._event.synchronize()
+            self._event = None
+        checks, self._checks = self._checks, []
+        for check in checks:
+            check.check()
+
+    def _start(self, work: dist.Work | None) -> None:
+        if work is not None:
+            self.works.append(work)
+
+
 class SyncBatch:
-    """The accumulators collected by one ``coalesced_sync`` block, reduced together at its end."""
+    """States to reduce together: ``add`` each, then ``program`` (or ``start``) the batch.
 
-    async_op: bool = False
-    check_only: bool = False
-    works: list[dist.Work] = field(default_factory=list)
-    _groups: dict[int, _GroupEntries] = field(default_factory=dict)
-    _copies: list[_Entry] = field(default_factory=list)
-    _resolved: dict[int, tuple[Any, dist.ProcessGroup | None, int]] = field(default_factory=dict)
-    _finishers: list[Callable[[], None]] = field(default_factory=list)
+    Entries are grouped by process group and device in the order they were added; every rank
+    adds the same states in the same order, so every rank issues the same collectives.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[int, _GroupEntries] = {}
+        self._copies: list[_Entry] = []
+        self._resolved: dict[int, tuple[Any, dist.ProcessGroup | None, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._copies) + sum(len(g.entries) for g in self._groups.values())
 
     def add(
         self,
-        accumulator: MetricAccumulator,
+        state: Reducible,
         group: Group,
-        receive: Callable[[Tensor], None],
+        out: Tensor,
+        *,
+        name: str = "",
+        parts: tuple[tuple[str, tuple[int, ...]], ...] = (),
     ) -> None:
-        """Schedule ``accumulator``'s reduction over ``group``; ``receive`` gets the result.
+        """Reduce ``state`` over ``group`` into ``out`` (its shape and dtype).
 
-        The tensor handed to ``receive`` holds the reduced state once the batch is flushed (with
-        ``async_op``, once ``wait`` returned; on CUDA, once the current stream passed ``wait``).
+        Args:
+            state: The local tensor and op.
+            group: A process group, a 1-D device mesh, or ``None`` for the default group.
+            out: Receives the reduced state once the sync's handle was waited on.
+            name: Names the state in the structure check's error message.
+            parts: For a flat buffer of several states: each one's ``(name, shape)``, so the
+                structure check and its message describe the states, not the buffer.
         """
         resolved = self._resolved.get(id(group))
         if resolved is None or resolved[0] is not group:
@@ -278,133 +548,114 @@ class SyncBatch:
             resolved = self._resolved[id(group)] = (group, process_group, group_size(process_group))
         _, process_group, size = resolved
         if size == 1:
-            # Nothing to reduce with: the local state is already the global one.
-            self._copies.append(_Entry("", accumulator, receive))
+            self._copies.append(_Entry(name, state, out, parts))
             return
         slot = self._groups.get(id(process_group))
         if slot is None:
             slot = self._groups[id(process_group)] = _GroupEntries(process_group, size)
-        scope = _scope.get()
-        name = ".".join(scope) if scope else f"#{len(slot.entries)}"
-        slot.entries.append(_Entry(name, accumulator, receive))
+        slot.entries.append(_Entry(name or f"#{len(slot.entries)}", state, out, parts))
 
-    def flush(self) -> None:
-        """Issue the collectives of every group and hand each accumulator its result.
+    def program(self, *, check: bool = True) -> SyncProgram:
+        """Lay the batch out as a ``SyncProgram`` (buffers and views made once).
 
-        Groups and states are processed in the order they were added: every rank adds its
-        accumulators in the same order, so every rank issues the same sequence of collectives.
-        Without ``async_op`` the results are ready on return.
+        Args:
+            check: Run the blocking structure check for structures not yet verified on their
+                group (every rank must then do the same). ``False`` is for code that lays out,
+                on one rank alone, a copy of a structure it already checked.
+
+        Raises:
+            RankMismatchError: If ranks of a group hold different states.
         """
-        self._prepare()._run(self)
-        if not self.async_op:
-            self._finish()
-
-    def wait(self) -> None:
-        """Wait for the collectives started by an ``async_op`` flush and finish the results.
-
-        On CUDA this makes the current stream wait and queues the unpacking on it; the host does
-        not block.
-        """
-        works, self.works = self.works, []
-        for work in works:
-            work.wait()
-        self._finish()
-
-    def _prepare(self, check: bool = True) -> SyncProgram:
-        """Check each group's structure (once per structure) and lay out its collectives."""
-        groups, self._groups = self._groups, {}
-        copies, self._copies = self._copies, []
-        plans: list[_GatherPlan | _ReducePlan] = []
-        for slot in groups.values():
+        copies = list(self._copies)
+        plans: list[_Plan] = []
+        for slot in self._groups.values():
+            structure = _describe(slot)
             if check:
-                _check_structure(slot)
+                _check_structure(slot, structure)
+            digest = _hash(structure)
             by_device: dict[torch.device, list[_Entry]] = {}
             for entry in slot.entries:
-                if entry.accumulator.local.numel() == 0:
+                if entry.state.local.numel() == 0:
                     copies.append(entry)
                 else:
-                    by_device.setdefault(entry.accumulator.local.device, []).append(entry)
-            if self.check_only:
-                continue
+                    by_device.setdefault(entry.state.local.device, []).append(entry)
             for entries in by_device.values():
                 segments = _segments(entries)
-                packed = sum(_padded_bytes(s) for s in segments)
+                packed = sum(_padded_bytes(s) for s in segments) + 8 * _FINGERPRINT_WORDS
                 if packed * slot.size <= GATHER_LIMIT_BYTES:
-                    plans.append(_GatherPlan(segments, slot.group, slot.size))
+                    plans.append(_GatherPlan(segments, slot.group, slot.size, digest))
                 else:
-                    plans.append(_ReducePlan(segments, slot.group))
-        return SyncProgram([] if self.check_only else copies, plans)
+                    plans.append(_ReducePlan(segments, slot.group, slot.size, digest))
+        return SyncProgram(_CopyPlan(copies), plans)
 
-    def _finish(self) -> None:
-        finishers, self._finishers = self._finishers, []
-        for finish in finishers:
-            finish()
+    def check(self) -> None:
+        """Only run the structure check (blocking, once per structure), reducing nothing."""
+        for slot in self._groups.values():
+            _check_structure(slot, _describe(slot))
 
-    def _start(self, work: dist.Work | None) -> None:
-        if work is not None:
-            self.works.append(work)
+    def start(
+        self, fingerprint: CallFingerprint = _ANY_CALL, *, async_op: bool = False
+    ) -> SyncHandle:
+        """``program()`` then ``start``: for a batch reduced once."""
+        return self.program().start(fingerprint, async_op=async_op)
 
 
 class SyncProgram:
-    """A recorded sync that can be started again and again with the same prepared collectives.
+    """A laid-out sync that can be started again and again with the same prepared collectives.
 
-    ``record`` runs a sync once without issuing its collectives and keeps what it would do:
-    the packing layout, the buffers and every view into them. ``start`` then issues the same
-    collectives as that sync, skipping the walk over the metric, the structure check and the
-    packing: small states are staged with one batched copy and reduced with one all_gather.
+    Made by ``SyncBatch.program``: it keeps the packing layout, the buffers and every view into
+    them, so ``start`` skips planning and packing: small states are staged with one batched copy
+    and reduced with one all_gather, and results land in the entries' out tensors.
 
-    Each start reuses the same buffers, so the tensors it hands out are overwritten by the next
-    start: read (or copy) a start's results before starting the program again. The recorded
-    accumulators must keep their shapes, dtypes and devices.
+    Each start reuses the same buffers: wait on one start before starting the program again. The
+    entries' tensors must keep their shapes, dtypes and devices.
 
     Example:
-        >>> program = SyncProgram.record(lambda: metric.sync())
-        >>> program.start().wait()  # like metric.sync(), for the state of this moment
+        >>> batch = SyncBatch()
+        >>> batch.add(state, None, out=synced)
+        >>> program = batch.program()
+        >>> program.start(CallFingerprint("sync", 1)).wait()
     """
 
-    def __init__(self, copies: list[_Entry], plans: list[_GatherPlan | _ReducePlan]) -> None:
+    def __init__(self, copies: _CopyPlan, plans: list[_Plan]) -> None:
         self._copies = copies
         self._plans = plans
+        # On CUDA the fingerprint check waits for the device: it moves from wait to verify.
+        self._cuda = any(_plan_device(plan).type == "cuda" for plan in plans)
 
-    @classmethod
-    def record(cls, sync: Callable[[], None], *, check: bool = True) -> SyncProgram:
-        """Record the accumulator reductions ``sync`` asks for (for example ``metric.sync``).
+    @property
+    def collective(self) -> bool:
+        """Whether a start issues any collective (false in a single process)."""
+        return bool(self._plans)
 
-        Issues no reduction. Like the first sync of a structure, recording a structure not yet
-        verified on this group runs the blocking rank check (every rank must record then).
+    def start(
+        self, fingerprint: CallFingerprint = _ANY_CALL, *, async_op: bool = False
+    ) -> SyncHandle:
+        """Stage the current state, send ``fingerprint`` with it and issue the collectives.
 
         Args:
-            sync: Calls the syncs to record.
-            check: ``False`` skips the rank check, for code that records on one rank alone a
-                copy of a structure it already checked (the collector's extra slots).
+            fingerprint: Which call this is; every rank of the group must send the same.
+            async_op: Return before the collectives finish; call ``wait`` on the handle. Without
+                it the results are ready on return (the fingerprint checked off CUDA).
 
         Raises:
-            RankMismatchError: If ranks of a group hold different metric state.
+            RankMismatchError: Without ``async_op``, off CUDA, if ranks paired different calls.
         """
-        batch = SyncBatch()
-        token = _current.set(batch)
-        try:
-            sync()
-        finally:
-            _current.reset(token)
-        return batch._prepare(check)
-
-    def start(self, async_op: bool = False) -> SyncBatch:
-        """Stage the current state and issue the collectives; returns the batch to ``wait`` on.
-
-        Without ``async_op`` the results are ready on return (``wait`` then does nothing).
-        """
-        batch = SyncBatch(async_op=async_op)
-        self._run(batch)
-        if not async_op:
-            batch._finish()
-        return batch
-
-    def _run(self, batch: SyncBatch) -> None:
-        for entry in self._copies:
-            entry.receive(entry.accumulator.local.clone())
+        handle = SyncHandle(async_op)
+        handle._cuda = self._cuda
+        self._copies.run(handle, fingerprint)
         for plan in self._plans:
-            plan.run(batch)
+            plan.run(handle, fingerprint)
+        if not async_op:
+            handle.wait()
+        return handle
+
+
+def _plan_device(plan: _Plan) -> torch.device:
+    if isinstance(plan, _GatherPlan):
+        return plan._send.device
+    assert isinstance(plan, _ReducePlan)
+    return plan._fingerprint.device
 
 
 def _padded_bytes(segment: _Segment) -> int:
@@ -416,11 +667,16 @@ def _buffer_kind(segment: _Segment) -> tuple[str, int]:
     """Which all_reduce buffer a segment rides in, and how many slots per element it takes."""
     if segment.op is ReduceOp.SUM:
         return "sum", 2 if segment.integral else 1  # integers as two exact 32-bit halves
-    return ("int_max" if segment.integral else "max"), 1
+    if segment.integral:
+        return "int_max", 1
+    return "max", 2  # value and NaN flag
 
 
 def _stage(segment: _Segment, view: Tensor) -> None:
-    local = segment.flat_local()
+    locals_ = segment.locals()
+    local = (
+        locals_[0].reshape(-1) if len(locals_) == 1 else torch.cat([t.reshape(-1) for t in locals_])
+    )
     n = segment.numel
     if segment.integral:
         wide = local.to(torch.int64)
@@ -431,10 +687,15 @@ def _stage(segment: _Segment, view: Tensor) -> None:
             torch.bitwise_not(wide, out=view)  # MIN as MAX, overflow-free
         else:
             view.copy_(wide)
-    elif segment.op is ReduceOp.MIN:
-        torch.neg(local.to(view.dtype), out=view)
-    else:
+    elif segment.op is ReduceOp.SUM:
         view.copy_(local)
+    else:
+        value = local.to(view.dtype)
+        if segment.op is ReduceOp.MIN:
+            value = value.neg()
+        nan = torch.isnan(value)
+        view[:n].copy_(value.masked_fill(nan, -torch.inf))
+        view[n:].copy_(nan)
 
 
 def _unstage(segment: _Segment, view: Tensor, result: Tensor) -> None:
@@ -443,22 +704,25 @@ def _unstage(segment: _Segment, view: Tensor, result: Tensor) -> None:
         result.copy_((view[:n].to(torch.int64) << 32) + view[n:].to(torch.int64))
     elif segment.integral and segment.op is ReduceOp.MIN:
         result.copy_(torch.bitwise_not(view))
-    elif segment.op is ReduceOp.MIN:
-        result.copy_(view.neg())
-    else:
+    elif segment.integral or segment.op is ReduceOp.SUM:
         result.copy_(view)
+    else:
+        value = view[:n].neg() if segment.op is ReduceOp.MIN else view[:n]
+        result.copy_(value.masked_fill(view[n:] > 0, torch.nan))
 
 
-def _reduce_rows(per_rank: Tensor, op: ReduceOp) -> Tensor:
-    """Reduce the gathered ``(ranks, elements)`` rows of one state in an exact dtype."""
+def _reduce_rows(per_rank: Tensor, op: ReduceOp, out: Tensor) -> None:
+    """Reduce the gathered ``(ranks, elements)`` rows of one state into ``out``, exactly."""
     if per_rank.dtype == torch.bool:
         if op is ReduceOp.MIN:
-            return per_rank.all(dim=0)
-        return per_rank.any(dim=0)  # a sum of flags is nonzero exactly when any flag is set
-    if op is ReduceOp.SUM:
+            out.copy_(per_rank.all(dim=0))
+        else:
+            out.copy_(per_rank.any(dim=0))  # a sum of flags is nonzero exactly when one is set
+    elif op is ReduceOp.SUM:
         wide = torch.float64 if per_rank.is_floating_point() else torch.int64
-        return per_rank.sum(dim=0, dtype=wide)
-    return per_rank.amax(dim=0) if op is ReduceOp.MAX else per_rank.amin(dim=0)
+        out.copy_(per_rank.sum(dim=0, dtype=wide))
+    else:
+        out.copy_(per_rank.amax(dim=0) if op is ReduceOp.MAX else per_rank.amin(dim=0))
 
 
 def _all_gather_single(
@@ -469,35 +733,31 @@ def _all_gather_single(
     return work
 
 
-_verified: set[tuple[int, int, tuple[tuple[str, tuple[int, ...], str, str], ...]]] = set()
+_Structure = tuple[tuple[str, tuple[int, ...], str, str], ...]
+_verified: set[tuple[int, int, _Structure]] = set()
 
 
-def _describe(slot: _GroupEntries) -> tuple[tuple[str, tuple[int, ...], str, str], ...]:
-    return tuple(
-        (
-            entry.name,
-            tuple(entry.accumulator.local.shape),
-            str(entry.accumulator.local.dtype).removeprefix("torch."),
-            entry.accumulator.op.name,
-        )
-        for entry in slot.entries
-    )
+def _describe(slot: _GroupEntries) -> _Structure:
+    return tuple(item for entry in slot.entries for item in entry.described())
 
 
-def _check_structure(slot: _GroupEntries) -> None:
+def _hash(structure: _Structure) -> int:
+    digest = hashlib.blake2b(repr(structure).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _check_structure(slot: _GroupEntries, structure: _Structure) -> None:
     """Check once per structure that every rank of the group syncs the same states.
 
     A fixed-size fingerprint (its hash and the bitwise complement, reduced with MAX) tells
     every rank whether all hashes are equal; only on a mismatch are the descriptions exchanged,
     so the error can name the difference on every rank.
     """
-    structure = _describe(slot)
     key = (id(slot.group), slot.size, structure)
     if key in _verified:
         return
-    digest = hashlib.blake2b(repr(structure).encode(), digest_size=8).digest()
-    fingerprint = int.from_bytes(digest, "little", signed=True)
-    device = slot.entries[0].accumulator.local.device
+    fingerprint = _hash(structure)
+    device = slot.entries[0].state.local.device
     check = torch.tensor([fingerprint, ~fingerprint], dtype=torch.int64, device=device)
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=slot.group)
     largest, smallest_inverted = check.tolist()  # one host sync per new structure
@@ -535,48 +795,3 @@ def _mismatch_message(structures: list[Any], own_rank: int) -> str:
         "every rank must sync the same metrics with the same shapes, dtypes and ops: "
         + "; ".join(sorted(set(problems)))
     )
-
-
-_current: contextvars.ContextVar[SyncBatch | None] = contextvars.ContextVar(
-    "sidestream_sync_batch", default=None
-)
-
-
-@contextlib.contextmanager
-def coalesced_sync(async_op: bool = False, *, check_only: bool = False) -> Iterator[SyncBatch]:
-    """Batch every accumulator reduction inside the block into as few collectives as possible.
-
-    Nested blocks join the outermost one. On normal exit the batch is flushed; on an exception it
-    is dropped, so no rank issues collectives the others may never match.
-
-    Args:
-        async_op: Start the collectives without waiting; call ``batch.wait()`` after the block
-            before reading the results (the collector does this off the training thread).
-        check_only: Reduce nothing; only check, once per state structure, that every rank of
-            each group syncs the same states (a blocking collective, see the module docstring).
-            A later real sync of the same structure then skips the check, so it can run
-            without any host sync (for example at ``bind`` time, before the training loop).
-    """
-    outer = _current.get()
-    if outer is not None:
-        yield outer
-        return
-    batch = SyncBatch(async_op=async_op, check_only=check_only)
-    token = _current.set(batch)
-    try:
-        yield batch
-    finally:
-        _current.reset(token)
-    batch.flush()
-
-
-def reduce_accumulator(
-    accumulator: MetricAccumulator, group: Group, receive: Callable[[Tensor], None]
-) -> None:
-    """Reduce ``accumulator`` over ``group``, batched with the running coalesced sync if any."""
-    running = _current.get()
-    if running is not None:
-        running.add(accumulator, group, receive)
-        return
-    with coalesced_sync() as batch:
-        batch.add(accumulator, group, receive)

@@ -18,6 +18,7 @@ from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
 from sidestream.collector._window import Window
 from sidestream.sinks.base import Report
+from sidestream.sync import RankMismatchError
 
 __all__ = ["Dispatcher"]
 
@@ -64,6 +65,7 @@ class Dispatcher:
         self._latest: tuple[int, Any] | None = None
         self._latest_error: BaseException | None = None
         self._errors = 0
+        self._mismatch: RankMismatchError | None = None
         self._layouts: dict[Any, _Layout] = {}
         self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
         self._thread.start()
@@ -105,6 +107,11 @@ class Dispatcher:
         return not self._thread.is_alive()
 
     @property
+    def mismatch(self) -> RankMismatchError | None:
+        """The first window that found ranks paired with different calls, if any."""
+        return self._mismatch  # one attribute read: no lock on the training thread's path
+
+    @property
     def failed_windows(self) -> int:
         """Windows whose processing raised."""
         with self._cond:
@@ -136,6 +143,8 @@ class Dispatcher:
                     )
                 with self._cond:
                     self._latest_error = error
+                    if isinstance(error, RankMismatchError) and self._mismatch is None:
+                        self._mismatch = error
                     self._processed += 1
                     self._cond.notify_all()
                 continue
@@ -148,6 +157,8 @@ class Dispatcher:
     def _process(self, window: Window) -> tuple[int, Any]:
         if window.done is not None:
             _wait_event(window.done)
+            if window.batch is not None:
+                window.batch.verify()  # the fingerprints, on the host now that done passed
             assert window.tree is not None
             tree, leaves = window.tree, window.host
         else:

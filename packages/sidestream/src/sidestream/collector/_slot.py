@@ -9,11 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sidestream._arena import Arena
 from sidestream._distributed import Group
 from sidestream.metric import Metric
-from sidestream.metrics.compose import ComposeMetric
-from sidestream.state import MetricAccumulator, load_all
-from sidestream.sync import SyncBatch, SyncProgram, coalesced_sync
+from sidestream.sync import CallFingerprint, RankMismatchError, SyncHandle
 
 __all__ = ["Slot", "clone_metric"]
 
@@ -21,11 +20,12 @@ __all__ = ["Slot", "clone_metric"]
 class Slot:
     """A staging copy of the metric that one window owns from staging until it is published.
 
-    The training thread copies the live accumulators into ``metric`` (so later updates never
-    race the reduction), the reduction and ``compute`` run on it, and the dispatcher hands the
-    slot back once the window's numbers are on the host. A slot is reused only after that, so
-    no window ever writes a buffer another window still reads, which is also what lets each
-    slot keep one recorded ``SyncProgram`` (with its own buffers) for all its windows.
+    The training thread copies the live metric's state arena into ``metric``'s (one copy per
+    dtype, so later updates never race the reduction), the reduction and ``compute`` run on
+    it, and the dispatcher hands the slot back once the window's numbers are on the host. A
+    slot is reused only after that, so no window ever writes a buffer another window still
+    reads, which is also what lets each slot keep one laid-out sync (with its own buffers) for
+    all its windows.
 
     Args:
         metric: A copy of the collector's metric (see ``clone_metric``), on the same device.
@@ -40,39 +40,46 @@ class Slot:
         self, metric: Metric[Any], live: Metric[Any], group: Group, *, check: bool
     ) -> None:
         self.metric = metric
+        self._live = live
         self._group = group
-        # Found once: walking the metric tree per window costs the training thread.
-        self._staged = [accumulator for _, accumulator in metric.named_accumulators()]
-        self._live = [accumulator for _, accumulator in live.named_accumulators()]
-        if len(self._staged) != len(self._live):
+        live_arena, arena = live._own_arena(), metric._own_arena()
+        if live_arena is None or arena is None or not arena.same_layout(live_arena):
             raise RuntimeError("the collector's metric changed its state while being copied")
-        # The library's own sync methods only reduce the accumulators, always the same ones in
-        # the same order, so their sync is recorded once and replayed every window. A metric
-        # with its own sync keeps calling it.
-        self._program = None
-        if _replayable(metric):
-            self._program = SyncProgram.record(self._sync, check=check)
-        elif check:
-            with coalesced_sync(check_only=True):
-                self._sync()
+        self._live_arena: Arena = live_arena
+        self._arena: Arena = arena
+        # A tree whose metrics all use the library's sync is reduced by one laid-out program
+        # per slot, replayed every window. A metric with its own sync keeps calling it.
+        self._replayable = not any(_has_own_sync(m) for m in metric._walk_metrics())
+        metric.prepare_sync(group, check=check)
         self.host: list[Tensor] = []
         #: CUDA: recorded on the side stream after the last window that used this slot.
         self.done: torch.cuda.Event | None = None
 
-    def stage(self) -> None:
-        """Copy every local accumulator of the live metric into this slot's, in one batched copy."""
-        load_all(self._staged, [accumulator.local for accumulator in self._live])
+    def stage(self, step: int) -> None:
+        """Copy the live metric's state arena into this slot's: one batched copy.
 
-    def start_sync(self) -> SyncBatch:
-        """Start the reduction of the staged state (``async_op``); ``wait`` on the batch."""
-        if self._program is not None:
-            return self._program.start(async_op=True)
-        with coalesced_sync(async_op=True) as batch:
-            self._sync()
-        return batch
+        Raises:
+            RankMismatchError: If the live metric's states changed since ``bind`` (after
+                telling the other ranks, whose window at ``step`` then fails too).
+        """
+        live = self._live._own_arena()
+        if live is not self._live_arena:
+            handle = self.metric.start_sync(
+                self._group, CallFingerprint("changed", step), async_op=False
+            )
+            handle.verify()
+            raise RankMismatchError(
+                "schedule_collection: the collector's metric changed its states after bind; "
+                "make a new collector for a new metric structure"
+            )
+        self._arena.copy_from(live)
 
-    def _sync(self) -> None:
-        self.metric.sync(self._group)
+    def start_sync(self, step: int) -> SyncHandle:
+        """Start the reduction of the staged state (``async_op``); ``wait`` on the handle."""
+        if self._replayable:
+            return self.metric.start_sync(self._group, CallFingerprint("window", step))
+        self.metric.sync(self._group)  # the slow path: the metric's own sync, blocking
+        return SyncHandle(async_op=False)
 
     def copy_to_host(self, leaves: tuple[Any, ...]) -> list[Any]:
         """Start device-to-host copies of ``leaves`` into pinned buffers (CUDA, current stream).
@@ -98,16 +105,20 @@ class Slot:
 
 
 def clone_metric(metric: Metric[Any]) -> Metric[Any]:
-    """A deep copy of ``metric`` that shares (does not copy) process groups and device meshes."""
+    """A deep copy of ``metric`` with its own state arena (views kept as views).
+
+    Process groups, device meshes and the call counter are shared, not copied; laid-out syncs
+    are not copied (the copy lays out its own).
+    """
     memo: dict[int, Any] = {}
     for group in _sync_groups(metric, set()):
         memo[id(group)] = group
-    # Tensor.__deepcopy__ is slow Python; cloning the state tensors up front makes a new slot
-    # (made on the training thread when the dispatcher falls behind) about 5x cheaper.
-    for _, accumulator in metric.named_accumulators():
-        for tensor in (accumulator.local, accumulator.initial, accumulator.synced):
-            if tensor is not None and id(tensor) not in memo:
-                memo[id(tensor)] = tensor.clone()
+    for inner in metric._walk_metrics():
+        memo[id(inner.call_counter)] = inner.call_counter
+        for private in ("_sync_layouts", "_unverified_sync"):
+            value = inner.__dict__.get(private)
+            if value is not None:
+                memo[id(value)] = {} if private == "_sync_layouts" else None
     return copy.deepcopy(metric, memo)
 
 
@@ -128,13 +139,5 @@ def _sync_groups(obj: Any, seen: set[int]) -> Iterator[Any]:
             yield from _sync_groups(value, seen)
 
 
-def _replayable(metric: Metric[Any]) -> bool:
-    """Whether ``metric.sync`` is the library's: it reduces each accumulator once, in order."""
-    sync = type(metric).sync
-    if sync is ComposeMetric.sync:
-        assert isinstance(metric, ComposeMetric)
-        return all(_replayable(child) for _, child in metric.items())
-    return sync is Metric.sync and all(
-        type(accumulator).sync is MetricAccumulator.sync
-        for _, accumulator in metric.named_accumulators()
-    )
+def _has_own_sync(metric: Metric[Any]) -> bool:
+    return type(metric).sync is not Metric.sync

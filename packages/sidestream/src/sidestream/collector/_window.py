@@ -9,7 +9,7 @@ import torch
 
 from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree
-from sidestream.sync import SyncBatch
+from sidestream.sync import SyncHandle
 
 __all__ = ["Window"]
 
@@ -26,7 +26,7 @@ class Window:
     step: int
     time: float
     slot: Slot
-    batch: SyncBatch | None = None
+    batch: SyncHandle | None = None
     done: torch.cuda.Event | None = None
     tree: FlatTree | None = None
     host: list[Any] = field(default_factory=list)

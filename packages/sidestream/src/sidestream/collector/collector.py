@@ -22,7 +22,7 @@ from sidestream.metric import Metric
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
-from sidestream.state import MetricAccumulator, reset_all
+from sidestream.sync import RankMismatchError
 
 __all__ = ["AsyncMetricCollector"]
 
@@ -140,7 +140,6 @@ class AsyncMetricCollector(Generic[T]):
         self._free_slots: queue.SimpleQueue[Slot] = queue.SimpleQueue()
         self._dispatcher: Dispatcher | None = None
         self._last_step: int | None = None
-        self._live_accumulators: list[MetricAccumulator] = []
         self._closed = False
 
     # ------------------------------------------------------------------ properties
@@ -205,7 +204,6 @@ class AsyncMetricCollector(Generic[T]):
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
         self._metric.to(target)
-        self._live_accumulators = [acc for _, acc in self._metric.named_accumulators()]
         self._device = target
         if target.type == "cuda":
             self._side = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
@@ -243,12 +241,13 @@ class AsyncMetricCollector(Generic[T]):
             raise ValueError(
                 f"step: expected > the previous window's {self._last_step}, got {step}"
             )
+        self._raise_mismatch()
         self._last_step = step
         slot = self._take_slot()
         window = Window(step=step, time=time.time(), slot=slot)
         if self._side is None:
-            self._stage(slot)
-            window.batch = slot.start_sync()
+            self._stage(slot, step)
+            window.batch = slot.start_sync(step)
         else:
             self._schedule_on_side_stream(window)
         self._dispatcher.submit(window)
@@ -261,23 +260,30 @@ class AsyncMetricCollector(Generic[T]):
             # The slot came back from the dispatcher, so this wait is already satisfied; it
             # keeps staging ordered after the last reader of these buffers on the GPU too.
             current.wait_event(slot.done)
-        self._stage(slot)
+        self._stage(slot, window.step)
         staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
         staged.record(current)
         with torch.cuda.stream(side):
             side.wait_event(staged)
-            batch = slot.start_sync()
+            batch = slot.start_sync(window.step)
             batch.wait()  # NCCL: the side stream waits for the collectives; the host does not
+            window.batch = batch  # the dispatcher checks its fingerprints after ``done``
             tree = flatten_tree(slot.metric.compute())
             window.host = slot.copy_to_host(tree.leaves)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(side)
         window.tree, window.done, slot.done = tree, done, done
 
-    def _stage(self, slot: Slot) -> None:
-        slot.stage()
+    def _stage(self, slot: Slot, step: int) -> None:
+        slot.stage(step)
         if self._reset_each_window:
-            reset_all(self._live_accumulators)
+            self._metric.reset()  # one copy per dtype from the arena's initial values
+
+    def _raise_mismatch(self) -> None:
+        # A window paired with another call on some rank: every rank fails the same way.
+        error = None if self._dispatcher is None else self._dispatcher.mismatch
+        if error is not None:
+            raise RankMismatchError(str(error)) from error
 
     def _take_slot(self) -> Slot:
         try:
@@ -314,6 +320,7 @@ class AsyncMetricCollector(Generic[T]):
             raise RuntimeError("collect_results: no window scheduled; call schedule_collection")
         if not self._dispatcher.wait_idle(timeout):
             raise RuntimeError(f"collect_results: windows still running after {timeout} s")
+        self._raise_mismatch()
         return self._dispatcher.latest()[1]
 
     def close(self, timeout: float | None = 30.0) -> bool:
@@ -388,6 +395,7 @@ class AsyncMetricCollector(Generic[T]):
         those steps again. A collector of a shared ``Run`` has no sink states
         (``run.state_dict()`` holds them).
         """
+        self._raise_mismatch()
         metric_state = self._metric.state_dict()
         sink_states: dict[str, Any] = {}
         if self._owns_delivery and self.is_writer:

@@ -7,8 +7,6 @@ from typing import Any
 
 from sidestream._distributed import Group
 from sidestream.metric import Metric
-from sidestream.state import MetricAccumulator
-from sidestream.sync import coalesced_sync, state_name
 
 __all__ = ["ComposeMetric"]
 
@@ -16,8 +14,10 @@ __all__ = ["ComposeMetric"]
 class ComposeMetric(Metric[dict[str, Any]]):
     """Several metrics under names; ``compute`` returns ``{name: child.compute()}``.
 
-    One ``sync`` reduces every child's state in the same coalesced collectives. Children may be
-    ``ComposeMetric`` themselves. Update the children, not the composition.
+    One ``sync`` reduces every child's state in the same coalesced collectives, and the whole
+    tree shares one state arena. Children may be ``ComposeMetric`` themselves. Update the
+    children, not the composition; each child's update makes only that child's synced value
+    stale.
 
     Args:
         metrics: Child metrics by name. Names may not contain ``.`` or ``/``.
@@ -29,6 +29,9 @@ class ComposeMetric(Metric[dict[str, Any]]):
         tensor(2., dtype=torch.float64)
     """
 
+    _independent_children = True
+    _children: dict[str, Metric[Any]]
+
     def __init__(self, metrics: Mapping[str, Metric[Any]]) -> None:
         for name, metric in metrics.items():
             if not isinstance(name, str) or not name or "." in name or "/" in name:
@@ -39,7 +42,9 @@ class ComposeMetric(Metric[dict[str, Any]]):
                 raise TypeError(
                     f"metrics[{name!r}]: expected a sidestream Metric, got {type(metric)}"
                 )
-        self._children: dict[str, Metric[Any]] = dict(metrics)
+        for name, metric in metrics.items():
+            self._declare(name, metric, None)
+        object.__setattr__(self, "_children", dict(metrics))
 
     def __getitem__(self, name: str) -> Metric[Any]:
         return self._children[name]
@@ -60,19 +65,6 @@ class ComposeMetric(Metric[dict[str, Any]]):
             "ComposeMetric.update: a composition has no update of its own; update its children, "
             f"for example compose[{next(iter(self._children), 'name')!r}].update(...)"
         )
-
-    def named_accumulators(self, prefix: str = "") -> Iterator[tuple[str, MetricAccumulator]]:
-        """Every child's accumulators, named ``child.state``."""
-        for name, child in self._children.items():
-            yield from child.named_accumulators(f"{prefix}{name}.")
-
-    def sync(self, group: Group = None) -> None:
-        """Sync every child in one coalesced batch of collectives."""
-        self._sync_group = group
-        with coalesced_sync():
-            for name, child in self._children.items():
-                with state_name(name):
-                    child.sync(group)
 
     def compute(self) -> dict[str, Any]:
         """``{name: child.compute()}``."""

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from sidestream._validation import as_tensor, check_floating
 from sidestream.metric import Metric
-from sidestream.state import MetricAccumulator, ReduceOp
+from sidestream.state import ReduceOp
 
 __all__ = ["MaxMetric", "MinMetric"]
 
@@ -19,7 +19,8 @@ class _ExtremumMetric(Metric[Tensor]):
 
     def __init__(self, dtype: torch.dtype = torch.float64) -> None:
         identity = -math.inf if self._op is ReduceOp.MAX else math.inf
-        self._extremum = MetricAccumulator(identity, self._op, dtype=dtype)
+        # Named after the op, so a MaxMetric checkpoint cannot load into a MinMetric.
+        self._extremum = self.add_state(self._op.value, identity, self._op, dtype=dtype)
 
     def update(self, values: Tensor | float) -> None:
         """Fold ``values`` (any shape, floating point; empty is fine) into the extremum."""

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_broadcastable, check_floating, screen_invalid
+from sidestream._validation import (
+    as_tensor,
+    check_broadcastable,
+    check_floating,
+    checks_stay_on_device,
+    screen_invalid,
+)
 from sidestream.metric import Metric
 from sidestream.state import MetricAccumulator
 
@@ -50,21 +58,35 @@ class WeightedMeanMetric(Metric[Tensor]):
             ValueError: On a shape or device mismatch, or (CPU only) a negative or non-finite
                 weight.
         """
-        values_t = as_tensor("values", values, self.device)
-        weights_t = as_tensor("weights", weights, self.device)
+        device = self.device
+        values_t = as_tensor("values", values, device)
+        weights_t = as_tensor("weights", weights, device)
         check_floating("values", values_t)
-        check_broadcastable("weights", weights_t, values_t, "values")
+        if weights_t.is_complex():
+            raise TypeError(f"weights: expected real numbers, got dtype {weights_t.dtype}")
         dtype = self._weight.local.dtype
-        weights_t = weights_t.to(dtype)
-        invalid = (weights_t < 0) | ~torch.isfinite(weights_t)
-        keep = screen_invalid(invalid, self._rejected, "weights", "finite values >= 0")
-        weights_t = weights_t.expand(values_t.shape)
-        contribution = values_t.to(dtype) * weights_t
-        if keep is not None:
-            contribution = torch.where(keep, contribution, 0.0)
-            weights_t = torch.where(keep, weights_t, 0.0)
-        self._weighted_sum.accumulate(contribution.sum())
-        self._weight.accumulate(weights_t.sum())
+        if weights_t.shape != values_t.shape and weights_t.dim():
+            # A scalar always broadcasts; torch.broadcast_shapes is slow.
+            check_broadcastable("weights", weights_t, values_t, "values")
+        if not checks_stay_on_device(device):
+            weighted, total = _host_sums(values_t, weights_t, dtype)
+        else:
+            weights_t = weights_t.to(dtype).expand(values_t.shape)
+            weighted = (values_t.to(dtype) * weights_t).sum()
+            total = weights_t.sum()
+            # The host check's logic as two reductions: the smallest weight >= 0 (NaN fails)
+            # and a finite total (an inf weight makes it inf). An elementwise mask reduced
+            # with any() costs compiled CPU code 20x more.
+            invalid = ~torch.isfinite(total)
+            if weights_t.numel():  # metadata
+                invalid = invalid | ~(weights_t.amin() >= 0)
+            keep = screen_invalid(invalid, self._rejected, "weights", "finite values >= 0")
+            assert keep is not None  # the device path always returns the keep flag
+            # where, not multiply: 0 * inf would still be NaN.
+            weighted = torch.where(keep, weighted, 0.0)
+            total = torch.where(keep, total, 0.0)
+        self._weighted_sum.accumulate(weighted)
+        self._weight.accumulate(total)
 
     @property
     def rejected_updates(self) -> Tensor:
@@ -74,3 +96,43 @@ class WeightedMeanMetric(Metric[Tensor]):
     def compute(self) -> Tensor:
         """The weighted mean; NaN when the total weight is zero."""
         return self._weighted_sum.value / self._weight.value
+
+
+_CHUNK = 1 << 16
+"""Elements per chunk of a large CPU batch: float64 temporaries stay in cache and are reused
+by the allocator, instead of batch-sized buffers paged in on every update."""
+
+
+def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``sum(values * weights)`` and ``sum(weights)`` off CUDA, eager, weights checked first.
+
+    Reading values costs no device sync here, so the check is one fused read: the smallest
+    weight is >= 0 (NaN fails) and the total is finite (an inf weight makes it inf). Raises
+    ``ValueError`` before any state changes.
+    """
+    low: Tensor | None
+    if weights.dim() == 0:  # a scalar (the default 1.0): no batch-sized weights at all
+        weight = weights.to(dtype)
+        weighted, total, low = values.sum(dtype=dtype) * weight, weight * values.numel(), weight
+    elif weights.shape != values.shape:
+        expanded = weights.to(dtype).expand(values.shape)
+        weighted, total = (values.to(dtype) * expanded).sum(), expanded.sum()
+        low = expanded.amin() if expanded.numel() else None
+    else:
+        flat_values, flat_weights = values.reshape(-1), weights.reshape(-1)
+        parts: list[tuple[Tensor, Tensor, Tensor]] = []
+        for start in range(0, flat_values.numel(), _CHUNK):
+            chunk = flat_weights[start : start + _CHUNK].to(dtype)
+            product = torch.dot(flat_values[start : start + _CHUNK].to(dtype), chunk)
+            parts.append((product, chunk.sum(), chunk.amin()))
+        if not parts:
+            zero = torch.zeros((), dtype=dtype, device=values.device)
+            return zero, zero
+        if len(parts) == 1:
+            weighted, total, low = parts[0]
+        else:
+            stacked = torch.stack([torch.stack(part) for part in parts])
+            weighted, total, low = stacked[:, 0].sum(), stacked[:, 1].sum(), stacked[:, 2].amin()
+    if low is not None and not (float(low) >= 0 and math.isfinite(float(total))):
+        raise ValueError("weights: expected finite values >= 0; this batch has values outside")
+    return weighted, total

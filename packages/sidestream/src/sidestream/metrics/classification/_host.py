@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sidestream._validation import checks_stay_on_device
+
 __all__ = [
     "CHUNK_ELEMENTS",
     "count_indices",
@@ -29,8 +31,8 @@ fit in cache and are recycled by the allocator."""
 
 
 def host_fast_path(device: torch.device) -> bool:
-    """Whether updates on ``device`` may read values on the host (true on CPU only)."""
-    return device.type == "cpu"
+    """Whether updates on ``device`` may read values on the host (CPU, not compiling)."""
+    return device.type == "cpu" and not checks_stay_on_device(device)
 
 
 def outside(values: Tensor, low: float, high: float) -> Tensor | bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import check_same_shape, screen_invalid
+from sidestream._validation import check_same_shape, checks_stay_on_device, screen_invalid
 from sidestream.metrics.classification import _host
 from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.state import MetricAccumulator
@@ -58,7 +58,7 @@ def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
     if not checks:
         return None
     flags = [invalid for invalid, _, _ in checks]
-    if any(isinstance(flag, bool) or flag.device.type != "cuda" for flag in flags):
+    if any(isinstance(flag, bool) or not checks_stay_on_device(flag.device) for flag in flags):
         for invalid, argument, expected in checks:
             screen_invalid(invalid, rejected, argument, expected)
         return None

@@ -13,7 +13,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating, check_same_shape, screen_invalid
+from sidestream._validation import (
+    as_tensor,
+    check_floating,
+    check_same_shape,
+    checks_stay_on_device,
+    screen_invalid,
+)
 from sidestream.metric import Metric
 from sidestream.metrics.classification import _host
 from sidestream.state import MetricAccumulator
@@ -69,7 +75,7 @@ def screen(
         flag.
     """
     flags = [check for check, _, _ in checks]
-    if any(isinstance(flag, bool) or flag.device.type != "cuda" for flag in flags):
+    if any(isinstance(flag, bool) or not checks_stay_on_device(flag.device) for flag in flags):
         for invalid, argument, expected in checks:
             screen_invalid(invalid, rejected, argument, expected)
         return None

@@ -10,6 +10,7 @@ from sidestream._validation import (
     as_tensor,
     check_broadcastable,
     check_floating,
+    checks_stay_on_device,
     screen_invalid,
 )
 from sidestream.metric import Metric
@@ -91,6 +92,9 @@ class PerplexityMetric(Metric[Tensor]):
         target_t = as_tensor("target", target, self.device)
         check_logits(logits_t, target_t, self._vocab_size)
         vocab = logits_t.shape[-1]
+        if not checks_stay_on_device(logits_t.device):
+            self._update_logits_on_host(logits_t, target_t, vocab)
+            return
         safe, weights, _ = token_weights(target_t, vocab, self._ignore_index, self._rejected)
         work_dtype = torch.float64 if logits_t.dtype == torch.float64 else torch.float32
         nll = F.cross_entropy(
@@ -99,6 +103,42 @@ class PerplexityMetric(Metric[Tensor]):
         weights = weights.reshape(-1)
         self._nll.accumulate((nll.to(torch.float64) * weights).sum())
         self._tokens.accumulate(weights.sum())
+
+    def _update_logits_on_host(self, logits: Tensor, target: Tensor, vocab: int) -> None:
+        """CPU, eager: values are on the host, so one fused range check and few kernels.
+
+        The token ids' range is read with one ``aminmax``; only when it leaves ``[0, vocab)``
+        are the ids compared one by one with ``ignore_index``. ``cross_entropy`` skips ignored
+        tokens itself (loss 0), so no weights are built.
+        """
+        flat = target.reshape(-1)
+        ignore = self._ignore_index
+        ignored = 0
+        if flat.numel():
+            low, high = (int(v) for v in torch.aminmax(flat))
+            if low < 0 or high >= vocab or (ignore is not None and low <= ignore <= high):
+                is_ignored = (
+                    flat == ignore
+                    if ignore is not None
+                    else torch.zeros_like(flat, dtype=torch.bool)
+                )
+                outside = (flat < 0) | (flat >= vocab)
+                if bool((outside & ~is_ignored).any()):
+                    raise ValueError(
+                        f"target: expected token ids in [0, {vocab}) or ignore_index={ignore}; "
+                        "this batch has values outside"
+                    )
+                ignored = int(is_ignored.sum())
+        work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        nll = F.cross_entropy(
+            logits.reshape(-1, vocab).to(work_dtype),
+            flat.to(torch.int64),
+            ignore_index=-100 if ignore is None else ignore,  # None: no -100 got past the check
+            reduction="none",
+        )
+        self._nll.accumulate(nll.sum(dtype=torch.float64))
+        counted = torch.tensor(float(flat.numel() - ignored), dtype=torch.float64, device="cpu")
+        self._tokens.accumulate(counted)
 
     def _update_losses(self, losses: Tensor, weights: Tensor | float) -> None:
         losses_t = as_tensor("losses", losses, self.device)
@@ -111,7 +151,7 @@ class PerplexityMetric(Metric[Tensor]):
         else:
             # A Python weight is filled on the device: no host-to-device copy (a CUDA sync).
             weights_64 = torch.full_like(losses_64, float(weights))
-        if self.device.type != "cuda":
+        if not checks_stay_on_device(self.device):
             screen_invalid(~torch.isfinite(losses_64), self._rejected, "losses", "finite values")
             screen_invalid(
                 (weights_64 < 0) | ~torch.isfinite(weights_64),

@@ -7,7 +7,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating, check_same_shape, screen_invalid
+from sidestream._validation import (
+    as_tensor,
+    check_floating,
+    check_same_shape,
+    checks_stay_on_device,
+    screen_invalid,
+)
 from sidestream.metric import Metric
 from sidestream.state import MetricAccumulator
 
@@ -68,7 +74,7 @@ class PairedRegressionMetric(Metric[Tensor]):
             )
         preds_64 = preds_t.to(torch.float64).reshape(-1, outputs)
         target_64 = target_t.to(torch.float64).reshape(-1, outputs)
-        if preds_t.device.type != "cuda":
+        if not checks_stay_on_device(preds_t.device):
             screen_invalid(~torch.isfinite(preds_64), self._rejected, "preds", "finite values")
             screen_invalid(~torch.isfinite(target_64), self._rejected, "target", "finite values")
             keep: Tensor | None = None

@@ -1,0 +1,229 @@
+"""Update overhead: µs per ``update`` against the same arithmetic as raw ops, and torchmetrics.
+
+Every implementation gets the same tensors. *Raw ops* is the state arithmetic of the metric
+written by hand (no input checks), the floor any metric library pays. torchmetrics runs with
+its checks off (``validate_args=False``, ``nan_strategy="disable"``). *Compiled* wraps the
+update (sidestream: ``metric.update``; raw: the hand-written function) in
+``torch.compile(fullgraph=True)`` (inductor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks._threads import one_thread
+from sidestream.metrics import MaxMetric, MeanMetric, WeightedMeanMetric
+from sidestream.metrics.classification import BinaryAUROCMetric, confusion_matrix_metric
+from sidestream.metrics.language import PerplexityMetric
+
+SIZES = (64, 1_000_000)
+ROUNDS = 7
+CLASSES = 10
+BINS = 10_000
+VOCAB = 1024
+F64 = torch.float64
+
+
+@dataclass
+class Case:
+    """One metric at one size: each implementation's update, and how to empty its state."""
+
+    raw: Callable[[], None]
+    ours: Callable[..., None]
+    args: tuple[torch.Tensor, ...]
+    peer: Callable[[], None]
+    peer_reset: Callable[[], None] = lambda: None
+    compiled: dict[str, Callable[[], None]] = field(default_factory=dict)
+
+
+def _cases(size: int) -> dict[str, Case]:
+    from torchmetrics.aggregation import MaxMetric as TmMax
+    from torchmetrics.aggregation import MeanMetric as TmMean
+    from torchmetrics.classification import BinaryAUROC, MulticlassF1Score
+    from torchmetrics.text import Perplexity
+
+    g = torch.Generator().manual_seed(0)
+    values, weights = torch.randn(size, generator=g), torch.rand(size, generator=g)
+    rows = max(size // CLASSES, 1)
+    logits = torch.randn(rows, CLASSES, generator=g)
+    labels = torch.randint(0, CLASSES, (rows,), generator=g)
+    scores, truth = torch.rand(size, generator=g), torch.randint(0, 2, (size,), generator=g)
+    tokens = max(size // VOCAB, 2) if size >= VOCAB else 2
+    vocab = VOCAB if size >= VOCAB else size // 2
+    lm_logits = torch.randn(1, tokens, vocab, generator=g)
+    lm_target = torch.randint(0, vocab, (1, tokens), generator=g)
+
+    # Raw state: shape (1,), not 0-dim (compiled in-place updates of 0-dim float64 are lost).
+    pair = torch.zeros(2, dtype=F64)
+    top = torch.full((1,), -torch.inf, dtype=F64)
+    matrix = torch.zeros(CLASSES * CLASSES, dtype=torch.int64)
+    histogram = torch.zeros(2 * BINS, dtype=torch.int64)
+
+    def raw_weighted(v: torch.Tensor, w: torch.Tensor) -> None:
+        w64 = w.to(F64)
+        pair[0:1].add_((v.to(F64) * w64).sum())
+        pair[1:2].add_(w64.sum())
+
+    def raw_mean(v: torch.Tensor) -> None:
+        pair[0:1].add_(v.sum(dtype=F64))
+        pair[1:2].add_(v.numel())
+
+    def raw_max(v: torch.Tensor) -> None:
+        torch.maximum(top, v.amax(), out=top)
+
+    def raw_f1(x: torch.Tensor, y: torch.Tensor) -> None:
+        matrix.add_(torch.bincount(y * CLASSES + x.argmax(1), minlength=CLASSES * CLASSES))
+
+    def raw_auroc(s: torch.Tensor, t: torch.Tensor) -> None:
+        index = (s * BINS).long().clamp_(0, BINS - 1) + BINS * t
+        histogram.add_(torch.bincount(index, minlength=2 * BINS))
+
+    def raw_perplexity(x: torch.Tensor, t: torch.Tensor) -> None:
+        nll = F.cross_entropy(x.reshape(-1, x.shape[-1]), t.reshape(-1), reduction="sum")
+        pair[0:1].add_(nll.to(F64))
+        pair[1:2].add_(t.numel())
+
+    f1 = confusion_matrix_metric().multiclass(CLASSES).with_f1().macro().build().to("cpu")
+    tm_f1 = MulticlassF1Score(num_classes=CLASSES, average="macro", validate_args=False)
+    tm_auroc = BinaryAUROC(thresholds=None, validate_args=False)
+    tm_weighted, tm_mean = TmMean(nan_strategy="disable"), TmMean(nan_strategy="disable")
+    tm_max, tm_perplexity = TmMax(nan_strategy="disable"), Perplexity()
+    weighted, mean, largest = WeightedMeanMetric(), MeanMetric(), MaxMetric()
+    auroc, perplexity = BinaryAUROCMetric(BINS), PerplexityMetric()
+    return {
+        "WeightedMean": Case(
+            lambda: raw_weighted(values, weights),
+            weighted.to("cpu").update,
+            (values, weights),
+            lambda: tm_weighted.update(values, weights),
+            compiled={"raw": raw_weighted},  # type: ignore[dict-item]
+        ),
+        "Mean": Case(
+            lambda: raw_mean(values),
+            mean.to("cpu").update,
+            (values,),
+            lambda: tm_mean.update(values),
+            compiled={"raw": raw_mean},  # type: ignore[dict-item]
+        ),
+        "Max": Case(
+            lambda: raw_max(values),
+            largest.to("cpu").update,
+            (values,),
+            lambda: tm_max.update(values),
+            compiled={"raw": raw_max},  # type: ignore[dict-item]
+        ),
+        f"F1 macro ({CLASSES} classes; size = logits elements)": Case(
+            lambda: raw_f1(logits, labels),
+            f1.update,
+            (logits, labels),
+            lambda: tm_f1.update(logits, labels),
+            compiled={"raw": raw_f1},  # type: ignore[dict-item]
+        ),
+        f"BinaryAUROC ({BINS} bins; torchmetrics exact)": Case(
+            lambda: raw_auroc(scores, truth),
+            auroc.to("cpu").update,
+            (scores, truth),
+            lambda: tm_auroc.update(scores, truth),
+            tm_auroc.reset,
+            compiled={"raw": raw_auroc},  # type: ignore[dict-item]
+        ),
+        f"Perplexity (vocab {vocab}; size = logits elements)": Case(
+            lambda: raw_perplexity(lm_logits, lm_target),
+            perplexity.to("cpu").update,
+            (lm_logits, lm_target),
+            lambda: tm_perplexity.update(lm_logits, lm_target),
+            compiled={"raw": raw_perplexity},  # type: ignore[dict-item]
+        ),
+    }
+
+
+def _best_us(
+    implementations: dict[str, Callable[[], None]], resets: dict[str, Callable[[], None]], size: int
+) -> dict[str, float]:
+    """Best µs per update of each implementation, timed in interleaved blocks."""
+    block = 300 if size < 10_000 else 3
+    best = dict.fromkeys(implementations, float("inf"))
+    for update in implementations.values():
+        for _ in range(3):
+            update()
+    for _ in range(ROUNDS):
+        for name, update in implementations.items():
+            resets.get(name, lambda: None)()
+            start = time.perf_counter()
+            for _ in range(block):
+                update()
+            best[name] = min(best[name], (time.perf_counter() - start) / block * 1e6)
+    return best
+
+
+def _measure(size: int, compiled: bool) -> list[tuple[str, dict[str, float]]]:
+    out = []
+    for name, case in _cases(size).items():
+        arguments = case.args
+        implementations: dict[str, Callable[[], None]] = {
+            "raw": case.raw,
+            "ours": lambda c=case, a=arguments: c.ours(*a),
+            "torchmetrics": case.peer,
+        }
+        if compiled:
+            torch._dynamo.reset()
+            raw_step = torch.compile(case.compiled["raw"], fullgraph=True)
+            our_step = torch.compile(case.ours, fullgraph=True)
+            implementations["raw compiled"] = lambda f=raw_step, a=arguments: f(*a)
+            implementations["ours compiled"] = lambda f=our_step, a=arguments: f(*a)
+        out.append((name, _best_us(implementations, {"torchmetrics": case.peer_reset}, size)))
+    return out
+
+
+def run(compiled: bool = True) -> str:
+    """The markdown section (also printed row by row); ``compiled=False`` skips compiling."""
+    return one_thread(lambda: _table(compiled))()
+
+
+def _table(compiled: bool) -> str:
+    lines = [
+        "## Update overhead against raw ops and torchmetrics\n",
+        "`benchmarks/update_overhead.py`: µs per `update` on the same tensors, best of "
+        f"{ROUNDS} interleaved blocks, one CPU thread, torch {torch.__version__}. *Raw ops* is "
+        "the state arithmetic written by hand with no input checks; torchmetrics runs with "
+        '`validate_args=False` / `nan_strategy="disable"`; *compiled* is '
+        "`torch.compile(fullgraph=True)` (inductor) of the update and of the raw function. "
+        "Size = input elements. sidestream's eager update includes its input checks (CPU "
+        "reads them on the host and raises before the state changes). This machine is "
+        f"shared and loaded ({os.cpu_count()} cores, 1-minute load average "
+        f"{os.getloadavg()[0]:.1f} at the start): compare ratios within a row, not absolute "
+        "numbers across rows.\n",
+        "| metric | size | raw µs | sidestream µs | / raw | torchmetrics µs | torchmetrics / "
+        "sidestream | raw compiled µs | sidestream compiled µs | / raw compiled |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for size in SIZES:
+        for name, us in _measure(size, compiled):
+            row = (
+                f"| {name} | {size:,} | {us['raw']:.1f} | {us['ours']:.1f} | "
+                f"{us['ours'] / us['raw']:.2f}x | {us['torchmetrics']:.1f} | "
+                f"{us['torchmetrics'] / us['ours']:.2f}x |"
+            )
+            if compiled:
+                row += (
+                    f" {us['raw compiled']:.1f} | {us['ours compiled']:.1f} | "
+                    f"{us['ours compiled'] / us['raw compiled']:.2f}x |"
+                )
+            else:
+                row += " | | |"
+            lines.append(row)
+            print(row, flush=True)
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-compile", action="store_true")
+    print(run(compiled=not parser.parse_args().no_compile))

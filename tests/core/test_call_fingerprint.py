@@ -1,0 +1,166 @@
+"""Mis-paired collectives raise ``RankMismatchError`` on every rank, within a bounded time.
+
+Each scenario runs on 2 gloo ranks of a pool of its own, over a fresh sub-group with a short
+collective timeout: a scenario may leave a collective unmatched on one rank (the point of the
+test), and that must not reach later tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sidestream import ComposeMetric, MaxMetric, MeanMetric, MetricAccumulator
+from sidestream import sync as sync_module
+from sidestream.collector import AsyncMetricCollector
+from sidestream.sync import RankMismatchError
+from sidestream.testing import DistributedPool, RankPool
+
+pytestmark = pytest.mark.distributed
+
+BOUND_S = 30.0  # every rank must have raised within this
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[RankPool]:
+    pool = DistributedPool(2, collective_timeout_s=10.0)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def _subgroup() -> Any:
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=5))
+
+
+def _metric() -> ComposeMetric:
+    return ComposeMetric({"loss": MeanMetric(), "top": MaxMetric()})
+
+
+def _update(metric: ComposeMetric, value: float) -> None:
+    metric["loss"].update(torch.tensor([value]))
+    metric["top"].update(torch.tensor([value]))
+
+
+def _outcome(action: Any) -> str:
+    try:
+        action()
+    except RankMismatchError as error:
+        return f"RankMismatchError: {error}"
+    return "no error"
+
+
+def _skipped_window() -> dict[str, Any]:
+    rank = dist.get_rank()
+    collector = AsyncMetricCollector(_metric(), group=_subgroup()).bind("cpu")
+    start = time.monotonic()
+    steps = [1, 2, 3] if rank == 0 else [1, 3]  # rank 1 skips step 2
+    raised_at_schedule = []
+    for step in steps:
+        _update(collector.metric, float(step))
+        try:
+            collector.schedule_collection(step)
+        except RankMismatchError:
+            raised_at_schedule.append(step)
+            break
+    outcome = _outcome(lambda: collector.collect_results(timeout=BOUND_S))
+    elapsed = time.monotonic() - start
+    collector.close(timeout=10)
+    return {"outcome": outcome, "at_schedule": raised_at_schedule, "elapsed": elapsed}
+
+
+def test_a_skipped_window_raises_on_every_rank(pair: RankPool) -> None:
+    per_rank = pair.run(_skipped_window, timeout=90)
+    for rank, result in enumerate(per_rank):
+        assert result["outcome"].startswith("RankMismatchError"), (rank, result)
+        assert result["elapsed"] < BOUND_S, result
+        # The windows that paired wrongly are named by step.
+        assert "rank 0: window #2" in result["outcome"], result
+        assert "rank 1: window #3" in result["outcome"], result
+
+
+def _state_dict_alone(limit: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    sync_module.GATHER_LIMIT_BYTES = limit  # this rank process only; restored below
+    collector = AsyncMetricCollector(_metric(), group=_subgroup()).bind("cpu")
+    _update(collector.metric, 1.0 + rank)
+    start = time.monotonic()
+    if rank == 0:
+        outcome = _outcome(collector.state_dict)  # rank 1 schedules a window instead
+    else:
+        collector.schedule_collection(1)
+        outcome = _outcome(lambda: collector.collect_results(timeout=BOUND_S))
+    elapsed = time.monotonic() - start
+    collector.close(timeout=10)
+    sync_module.GATHER_LIMIT_BYTES = 1 << 20
+    return {"outcome": outcome, "elapsed": elapsed}
+
+
+@pytest.mark.parametrize("path", ["gather", "all_reduce"])
+def test_state_dict_on_one_rank_alone_raises_on_every_rank(pair: RankPool, path: str) -> None:
+    limit = 1 << 20 if path == "gather" else 0
+    for rank, result in enumerate(pair.run(_state_dict_alone, limit, timeout=90)):
+        assert result["outcome"].startswith("RankMismatchError"), (rank, result)
+        assert result["elapsed"] < BOUND_S
+        if rank == 0 and path == "all_reduce":
+            assert "this rank is at state_dict" in result["outcome"]
+        elif rank == 0:
+            assert "rank 0: state_dict" in result["outcome"]
+            assert "rank 1: window #1" in result["outcome"]
+
+
+def _changed_structure(both: bool) -> dict[str, Any]:
+    rank = dist.get_rank()
+    group = _subgroup()
+    metric = _metric()
+    _update(metric, 1.0 + rank)
+    metric.sync(group)  # the first check passes: same structure everywhere
+    if both or rank == 1:
+        metric["loss"].extra = MetricAccumulator(torch.zeros(3, dtype=torch.int64))
+    start = time.monotonic()
+    outcome = _outcome(lambda: metric.sync(group))
+    values = {k: float(v) for k, v in metric.compute().items()} if outcome == "no error" else {}
+    return {"outcome": outcome, "elapsed": time.monotonic() - start, "values": values}
+
+
+def test_a_structure_changed_on_one_rank_raises_on_every_rank(pair: RankPool) -> None:
+    for rank, result in enumerate(pair.run(_changed_structure, False, timeout=90)):
+        assert result["outcome"].startswith("RankMismatchError"), (rank, result)
+        assert result["elapsed"] < BOUND_S
+
+
+def test_a_structure_changed_on_every_rank_keeps_syncing(pair: RankPool) -> None:
+    for result in pair.run(_changed_structure, True, timeout=90):
+        assert result["outcome"] == "no error"
+        assert result["values"] == {"loss": 1.5, "top": 2.0}  # ranks saw 1.0 and 2.0
+
+
+def _collector_structure_changed() -> dict[str, Any]:
+    rank = dist.get_rank()
+    collector = AsyncMetricCollector(_metric(), group=_subgroup()).bind("cpu")
+    _update(collector.metric, 1.0)
+    if rank == 1:
+        collector.metric["top"].extra = MetricAccumulator(torch.zeros(2))
+    start = time.monotonic()
+
+    def window() -> None:
+        collector.schedule_collection(1)
+        collector.collect_results(timeout=BOUND_S)
+
+    outcome = _outcome(window)
+    elapsed = time.monotonic() - start
+    collector.close(timeout=10)
+    return {"outcome": outcome, "elapsed": elapsed}
+
+
+def test_a_collector_metric_changed_after_bind_raises_on_every_rank(pair: RankPool) -> None:
+    for rank, result in enumerate(pair.run(_collector_structure_changed, timeout=90)):
+        assert result["outcome"].startswith("RankMismatchError"), (rank, result)
+        assert result["elapsed"] < BOUND_S

@@ -1,0 +1,299 @@
+"""Explicit state declaration, the freshness flag and the state arena.
+
+The arena's promise is structural (every state of a metric tree is a view into one buffer per
+dtype) and must survive everything that moves or copies state: ``to``, ``load_state_dict``,
+DCP resharding (``tests/core/test_checkpoint_resharding.py`` checks it there) and
+``clone_metric``. Values are checked against plain Python/numpy references.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from sidestream import (
+    ComposeMetric,
+    MaxMetric,
+    MeanMetric,
+    Metric,
+    MetricAccumulator,
+    MinMetric,
+    ReduceOp,
+    SumMetric,
+    WeightedMeanMetric,
+)
+from sidestream.collector._slot import clone_metric
+from sidestream.testing import RankPool, on_rank_device
+
+
+def arena_views_intact(metric: Metric[Any]) -> bool:
+    """Whether every state of ``metric``'s tree is a view into the tree's live arena."""
+    arena = metric.__dict__.get("_state_arena")
+    if arena is None or not arena.alive or arena.root is not metric:
+        return False
+    buffers = {
+        "local": {b.untyped_storage().data_ptr() for b in arena.locals},
+        "initial": {b.untyped_storage().data_ptr() for b in arena.initials},
+        "synced": {b.untyped_storage().data_ptr() for b in arena.synceds},
+    }
+    for _, state in metric.named_accumulators():
+        tensors = {"local": state.local, "initial": state.initial, "synced": state._synced}
+        for kind, tensor in tensors.items():
+            if tensor.untyped_storage().data_ptr() not in buffers[kind]:
+                return False
+        if state._arena is not arena:
+            return False
+    return True
+
+
+class Pair(Metric[Tensor]):
+    """Two SUM states and a MAX state in two dtypes: a small tree of every arena case."""
+
+    def __init__(self) -> None:
+        self._total = MetricAccumulator(0.0, dtype=torch.float64)
+        self.count = self.add_state("count", 0, dtype=torch.int64)
+        self._largest = MetricAccumulator(torch.full((2,), -torch.inf), ReduceOp.MAX)
+
+    def update(self, values: Tensor) -> None:
+        self._total.accumulate(values.sum(dtype=torch.float64))
+        self.count.accumulate(torch.tensor(values.numel()))
+        self._largest.accumulate(values.amax())
+
+    def compute(self) -> Tensor:
+        return torch.stack(
+            [self._total.value, self.count.value.double(), self._largest.value[0].double()]
+        )
+
+
+def _tree() -> ComposeMetric:
+    return ComposeMetric({"pair": Pair(), "inner": ComposeMetric({"mean": MeanMetric()})})
+
+
+# ---------------------------------------------------------------- declaration
+
+
+def test_states_are_named_by_declaration() -> None:
+    assert [name for name, _ in Pair().named_accumulators()] == ["total", "count", "largest"]
+    tree = _tree()
+    assert sorted(tree.state_dict()) == [
+        "inner.mean.count",
+        "inner.mean.total",
+        "pair.count",
+        "pair.largest",
+        "pair.total",
+    ]
+
+
+def test_duplicate_names_raise_at_declaration() -> None:
+    class Colliding(Metric[Tensor]):
+        def __init__(self) -> None:
+            self._count = MetricAccumulator(0.0)
+            self.count = MetricAccumulator(0.0)  # the same key "count"
+
+        def update(self) -> None: ...
+
+        def compute(self) -> Tensor:
+            return torch.zeros(())
+
+    with pytest.raises(ValueError, match="'count' is declared twice"):
+        Colliding()
+
+    metric = SumMetric()
+    with pytest.raises(ValueError, match="'total' is declared twice"):
+        metric.add_state("total", 0.0)
+
+
+@pytest.mark.parametrize("container", [list, tuple, dict])
+def test_states_hidden_in_containers_raise(container: type) -> None:
+    class Hidden(Metric[Tensor]):
+        def __init__(self) -> None:
+            states = [MetricAccumulator(0.0), MetricAccumulator(1.0)]
+            self._states = dict(enumerate(states)) if container is dict else container(states)
+
+        def update(self) -> None: ...
+
+        def compute(self) -> Tensor:
+            return torch.zeros(())
+
+    with pytest.raises(TypeError, match="_states: a MetricAccumulator inside a"):
+        Hidden()
+
+
+def test_child_metrics_in_a_list_raise_and_attributes_work() -> None:
+    class Parent(Metric[Tensor]):
+        def __init__(self, in_list: bool) -> None:
+            if in_list:
+                self._children = [MeanMetric()]
+            else:
+                self._child = MeanMetric()
+
+        def update(self, values: Tensor) -> None:
+            self._child.update(values)
+
+        def compute(self) -> Tensor:
+            return self._child.compute()
+
+    with pytest.raises(TypeError, match="a MeanMetric inside a list"):
+        Parent(in_list=True)
+    parent = Parent(in_list=False)
+    parent.update(torch.tensor([1.0, 3.0]))
+    assert sorted(parent.state_dict()) == ["child.count", "child.total"]
+    parent.reset()
+    assert float(parent._child._count.local) == 0.0
+
+
+def test_accumulator_has_no_local_checkpoint_methods() -> None:
+    # Local-only state in a checkpoint is the opposite of what Metric.state_dict means.
+    assert not hasattr(MetricAccumulator(0.0), "state_dict")
+    assert not hasattr(MetricAccumulator(0.0), "load_state_dict")
+
+
+def test_complex_state_is_refused() -> None:
+    with pytest.raises(TypeError, match="complex"):
+        MetricAccumulator(torch.zeros(2, dtype=torch.complex64))
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_max_state_does_not_load_into_min() -> None:
+    largest = MaxMetric()
+    largest.update(torch.tensor([3.0]))
+    with pytest.raises(KeyError, match=r"missing keys \['min'\], unexpected keys \['max'\]"):
+        MinMetric().load_state_dict(largest.state_dict())
+
+
+def test_float64_state_does_not_load_into_float32() -> None:
+    wide = SumMetric(dtype=torch.float64)
+    wide.update(torch.tensor([1.5]))
+    narrow = SumMetric(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"state_dict\['total'\]: expected dtype torch.float32"):
+        narrow.load_state_dict(wide.state_dict())
+    assert float(narrow.compute()) == 0.0  # nothing was loaded
+
+
+def test_complex_weights_are_refused() -> None:
+    metric = WeightedMeanMetric()
+    with pytest.raises(TypeError, match="weights: expected real"):
+        metric.update(torch.ones(2), torch.ones(2, dtype=torch.complex64))
+    assert float(metric._weight.local) == 0.0
+
+
+# ---------------------------------------------------------------- the arena
+
+
+def test_views_survive_to_reset_load_and_clone() -> None:
+    tree = _tree().to("cpu")
+    assert arena_views_intact(tree)
+    assert len(tree.__dict__["_state_arena"].locals) == 3  # float64, int64, float32
+    tree["pair"].update(torch.tensor([1.0, 5.0]))
+    tree["inner"]["mean"].update(torch.tensor([2.0]))
+    saved = tree.state_dict()
+
+    copy = clone_metric(tree)
+    assert arena_views_intact(copy)
+    assert copy.compute()["pair"].tolist() == [6.0, 2.0, 5.0]
+    copy["pair"].update(torch.tensor([10.0]))  # the copy's arena is its own
+    assert tree.compute()["pair"].tolist() == [6.0, 2.0, 5.0]
+
+    tree.reset()
+    assert arena_views_intact(tree)
+    assert tree.compute()["pair"].tolist() == [0.0, 0.0, -float("inf")]
+    tree.load_state_dict(saved)
+    assert arena_views_intact(tree)
+    assert tree.compute()["pair"].tolist() == [6.0, 2.0, 5.0]
+    tree.to(torch.device("cpu"))
+    assert arena_views_intact(tree)
+    assert tree.compute()["inner"]["mean"].item() == 2.0
+
+
+def test_reset_is_one_copy_per_dtype() -> None:
+    tree = ComposeMetric({f"m{i}": MeanMetric() for i in range(50)}).to("cpu")
+    calls: list[int] = []
+    original = torch._foreach_copy_
+
+    def counting(targets: list[Tensor], sources: list[Tensor]) -> None:
+        calls.append(len(targets))
+        original(targets, sources)
+
+    torch._foreach_copy_ = counting  # type: ignore[assignment]
+    try:
+        tree.reset()
+    finally:
+        torch._foreach_copy_ = original
+    assert calls == [1]  # one float64 buffer for 100 states
+
+
+def test_a_new_state_after_the_arena_rebuilds_it() -> None:
+    metric = MeanMetric().to("cpu")
+    metric.update(torch.tensor([4.0]))
+    metric.extra = MetricAccumulator(torch.zeros(3, dtype=torch.int32))
+    assert not arena_views_intact(metric)
+    metric.reset()
+    assert arena_views_intact(metric)
+    assert [name for name, _ in metric.named_accumulators()] == ["total", "count", "extra"]
+
+
+def test_one_flag_per_metric_cleared_by_any_update() -> None:
+    tree = _tree()
+    tree.sync()  # one process: the synced copy is the local state
+    pair, mean = tree["pair"], tree["inner"]["mean"]
+    assert all(state.synced is not None for _, state in tree.named_accumulators())
+    pair.update(torch.tensor([2.0]))
+    # Every state of the updated metric is stale; the other child's sync is still current.
+    assert all(state.synced is None for _, state in pair.named_accumulators())
+    assert all(state.synced is not None for _, state in mean.named_accumulators())
+
+
+@on_rank_device
+def _partial_update_after_sync() -> dict[str, list[float]]:
+    rank = dist.get_rank()
+    metric = Pair()
+    metric.update(torch.tensor([float(rank + 1)]))
+    metric.sync()
+    synced = metric.compute().tolist()
+    # Only one of the three states changes: compute must use local state for all of them.
+    metric._total.accumulate(torch.tensor(100.0, dtype=torch.float64))
+    return {"synced": synced, "after": metric.compute().tolist()}
+
+
+def test_partial_update_after_sync_uses_local_state(dist_pool: RankPool) -> None:
+    world = dist_pool.world_size
+    for rank, result in enumerate(dist_pool.run(_partial_update_after_sync)):
+        values = [float(r + 1) for r in range(world)]
+        assert result["synced"] == [sum(values), float(world), max(values)]
+        # Local: this rank's own value plus the 100, its own count and max (never the global).
+        assert result["after"] == [rank + 1 + 100.0, 1.0, float(rank + 1)]
+
+
+class _OwnSync(MeanMetric):
+    """A metric with its own sync (the slow path), counting its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def sync(self, group: Any = None) -> None:
+        self.calls += 1
+        super().sync(group)
+
+
+def test_own_sync_child_takes_the_slow_path_and_sees_new_states() -> None:
+    child = _OwnSync()
+    tree = ComposeMetric({"own": child, "plain": SumMetric()})
+    child.update(torch.tensor([1.0, 3.0]))
+    tree["plain"].update(torch.tensor([5.0]))
+    tree.sync()
+    assert child.calls == 1
+    assert float(child.compute()) == 2.0 and float(tree["plain"].compute()) == 5.0
+    child.extra = MetricAccumulator(torch.zeros(2))  # the tree changes: layouts are redone
+    child.update(torch.tensor([5.0]))
+    tree.sync()
+    assert child.calls == 2
+    assert float(child.compute()) == 3.0
+    assert all(s.synced is not None for _, s in tree.named_accumulators())
+    assert len(list(tree.named_accumulators())) == 4

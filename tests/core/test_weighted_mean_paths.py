@@ -1,0 +1,44 @@
+"""WeightedMeanMetric's CPU paths (scalar, broadcast, chunked large batches) against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sidestream import WeightedMeanMetric
+from sidestream.metrics import weighted_mean
+
+
+@pytest.mark.parametrize("size", [0, 5, weighted_mean._CHUNK * 3 + 17])
+def test_paths_match_numpy(size: int) -> None:
+    rng = np.random.default_rng(size)
+    values = rng.normal(size=size).astype(np.float32)
+    weights = rng.integers(0, 7, size=size)
+    metric = WeightedMeanMetric()
+    metric.update(torch.from_numpy(values), torch.from_numpy(weights))  # same shape, chunked
+    metric.update(torch.from_numpy(values), 2.5)  # a Python scalar
+    column = rng.random((3, 1))
+    grid = rng.normal(size=(3, 4))
+    metric.update(torch.from_numpy(grid), torch.from_numpy(column))  # broadcast
+    expected_sum = (
+        (values.astype(np.float64) * weights).sum()
+        + 2.5 * values.astype(np.float64).sum()
+        + (grid * column).sum()
+    )
+    expected_weight = weights.sum() + 2.5 * size + column.sum() * 4
+    assert float(metric.compute()) == pytest.approx(expected_sum / expected_weight, rel=1e-12)
+
+
+def test_a_bad_weight_in_a_later_chunk_raises_before_any_state_changes() -> None:
+    size = weighted_mean._CHUNK * 2 + 5
+    values, weights = torch.ones(size), torch.ones(size)
+    metric = WeightedMeanMetric()
+    metric.update(torch.tensor([3.0]), torch.tensor([1.0]))
+    for bad in (-1.0, float("inf"), float("nan")):
+        weights[-1] = bad
+        with pytest.raises(ValueError, match="weights: expected finite values >= 0"):
+            metric.update(values, weights)
+        with pytest.raises(ValueError, match="weights"):
+            metric.update(values, bad)
+    assert float(metric._weighted_sum.local) == 3.0 and float(metric._weight.local) == 1.0
