@@ -31,6 +31,7 @@ TEST_REQUIREMENTS = [
     "scikit-learn",
     "scipy",
     "hypothesis",
+    "matplotlib",  # the demo draws its curves, and its test checks the image
 ]
 
 
@@ -143,28 +144,52 @@ print("built:", [type(sink).__name__ for sink in sinks])
 from sidestream_torchmetrics import wrap  # the fifth distribution, through the extra
 """
 
+DOCS_REQUIREMENTS = ["mkdocs-material", "mkdocstrings[python]"]
+
 
 @nox.session(python=PYTHON, tags=["ci"])
 def docs(session: nox.Session) -> None:
-    """Build the documentation site strictly (broken links or references fail)."""
-    session.install("mkdocs-material", "mkdocstrings[python]")
+    """Build the documentation site strictly, then check every nav page was built and linked."""
+    session.install(*DOCS_REQUIREMENTS, "pytest", "pytest-timeout")
     session.run(
         "mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"}
     )
+    # --noconftest: the nav checks read files only; the tests' conftest would import torch.
+    session.run(
+        "pytest",
+        "--noconftest",
+        "tests/test_docs.py",
+        "-k",
+        "nav",
+        env={"SIDESTREAM_SITE_DIR": "site"},
+    )
+
+
+@nox.session(name="docs-serve", python=PYTHON)
+def docs_serve(session: nox.Session) -> None:
+    """Preview the site at http://127.0.0.1:8000, rebuilt on every change (``mkdocs serve``)."""
+    session.install(*DOCS_REQUIREMENTS)
+    session.run("mkdocs", "serve", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks against peers; writes docs/benchmarks.md."""
+    """Benchmarks against peers; writes docs/benchmarks.md and its plots (docs/figures/)."""
     # The integrations come along: tracker_overhead measures each tracker's own client too.
-    _install_project(session, "torchmetrics", "numpy")
+    _install_project(session, "torchmetrics", "numpy", "matplotlib")
     session.run("python", "-m", "benchmarks.run", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """A real multi-process training run logging through sidestream."""
-    _install_project(session, "numpy", integrations=False)  # numpy: torch warns without it
+    """A real 2-process training run: train, validation and lr streams, then a PNG of the curves.
+
+    Writes runs/demo/metrics.jsonl, runs/demo/tensorboard/ and runs/demo/curves.png (its path
+    is printed last). ``nox -s demo -- --plot docs/figures/demo.png`` redraws the README's image.
+    """
+    # numpy: torch warns without it; matplotlib: the plot; TensorBoard: the demo writes there too.
+    _install_project(session, "numpy", "matplotlib", integrations=False)
+    session.install("-e", "integrations/sidestream-tensorboard")
     session.run("python", "examples/train_distributed.py", *session.posargs)
 
 

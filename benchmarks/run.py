@@ -1,4 +1,4 @@
-"""Run every benchmark and write docs/benchmarks.md.
+"""Run every benchmark and write docs/benchmarks.md, with plots of its tables (plots.PLOTS).
 
 Each benchmark measures sidestream and its peers in the same run and reports ratios, so the
 numbers compare like with like on whatever machine runs them.
@@ -12,6 +12,7 @@ from pathlib import Path
 from benchmarks import (
     classification_update,
     collector_overhead,
+    plots,
     ranking_memory,
     schedule_cost,
     sync_cost,
@@ -74,8 +75,9 @@ def main() -> None:
         body = "\n".join(kept)
     else:
         body = "\n".join(fresh)
-    args.out.write_text(HEADER + "\n" + body)
-    print(f"wrote {args.out}")
+    # Each section's plot (figures/bench-*.svg next to the page) goes at the end of its section.
+    args.out.write_text(plots.add_plots(HEADER + "\n" + body, args.out.parent))
+    print(f"wrote {args.out} and its plots")
 
 
 if __name__ == "__main__":

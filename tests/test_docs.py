@@ -37,3 +37,67 @@ def test_example_runs(code: str, tmp_path: Path) -> None:
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# The nav, read without a YAML parser (the tests session does not install mkdocs): every
+# ``*.md`` path between ``nav:`` and the next top-level key.
+NAV_PAGE = re.compile(r"[\w./-]+\.md")
+
+
+def _nav_pages() -> list[str]:
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = re.split(r"\n(?=\S)", config.split("\nnav:\n", 1)[1], maxsplit=1)[0]
+    return NAV_PAGE.findall(nav)
+
+
+def test_nav_lists_every_page_once() -> None:
+    pages = _nav_pages()
+    on_disk = sorted(page.relative_to(DOCS).as_posix() for page in DOCS.rglob("*.md"))
+    assert sorted(pages) == on_disk, "mkdocs.yml nav and docs/*.md differ"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built site: ``$SIDESTREAM_SITE_DIR`` (``nox -s docs`` builds it), else built here."""
+    if built := os.environ.get("SIDESTREAM_SITE_DIR"):
+        return Path(built).resolve()
+    for module in ("mkdocs", "material", "mkdocstrings"):
+        pytest.importorskip(module)
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("page", _nav_pages())
+def test_nav_page_is_built_and_reachable(page: str, site: Path) -> None:
+    url = "" if page == "index.md" else page.removesuffix(".md") + "/"
+    html = (site / url / "index.html").read_text()
+    # Reachable: the home page's navigation links to it (material renders the whole nav).
+    if url:
+        assert f'href="{url}"' in (site / "index.html").read_text(), f"{page}: not in the nav"
+    # Every local image it shows was copied into the site.
+    for source in re.findall(r'<img[^>]* src="([^"]+)"', html):
+        if not source.startswith(("http:", "https:", "data:")):
+            assert (site / url / source).resolve().is_file(), f"{page}: missing image {source}"
+
+
+def test_benchmark_page_has_its_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from benchmarks import plots
+
+    page = (DOCS / "benchmarks.md").read_text()
+    redrawn = plots.add_plots(page, tmp_path)
+    assert redrawn == page  # the committed page already links every plot, once
+    for plot in plots.PLOTS:
+        link = f"(figures/bench-{plot.slug}.svg)"
+        assert page.count(link) == 1, link
+        assert (tmp_path / "figures" / f"bench-{plot.slug}.svg").read_text().startswith("<?xml")
+        assert (DOCS / "figures" / f"bench-{plot.slug}.svg").is_file()

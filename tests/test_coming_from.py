@@ -1,0 +1,107 @@
+"""The differences docs/coming-from-torchmetrics.md states, checked against torchmetrics itself."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from sidestream import MeanMetric
+from sidestream.metrics.classification import MulticlassAUROCMetric, confusion_matrix_metric
+
+tm = pytest.importorskip("torchmetrics")
+from torchmetrics import classification as tmc  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", module="torchmetrics")
+
+
+def test_logits_are_declared_not_guessed() -> None:
+    logits, target = torch.tensor([2.0, -1.0, 0.3, -0.2]), torch.tensor([1, 0, 0, 1])
+    theirs = tmc.BinaryAccuracy()
+    theirs.update(logits, target)  # sigmoid applied because values leave [0, 1]
+    ours = confusion_matrix_metric().binary(0.5, logits=True).with_accuracy().build()
+    ours.update(logits, target)
+    assert float(ours.compute()) == pytest.approx(float(theirs.compute()))
+    with pytest.raises(ValueError, match=r"pass logits=True"):
+        confusion_matrix_metric().binary().with_accuracy().build().update(logits, target)
+
+
+def test_class_dimension_is_last() -> None:
+    scores, target = torch.randn(2, 4, 6), torch.randint(0, 4, (2, 6))
+    theirs = tmc.MulticlassAccuracy(4, average="micro")
+    theirs.update(scores, target)  # (N, C, L)
+    ours = confusion_matrix_metric().multiclass(4).with_accuracy().micro().build()
+    ours.update(scores.movedim(1, -1), target)
+    assert float(ours.compute()) == pytest.approx(float(theirs.compute()))
+    with pytest.raises(ValueError, match="num_classes"):
+        confusion_matrix_metric().multiclass(4).with_accuracy().build().update(scores, target)
+
+
+def test_undefined_auroc_is_nan_and_left_out_of_the_mean() -> None:
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.2, 0.7, 0.1], [0.6, 0.3, 0.1], [0.3, 0.6, 0.1]])
+    target = torch.tensor([0, 1, 0, 1])
+    theirs = tmc.MulticlassAUROC(3, average="none")
+    theirs.update(probs, target)
+    assert theirs.compute().tolist() == [1.0, 1.0, 0.0]
+    ours = MulticlassAUROCMetric(3, num_bins=1000, average="none")
+    ours.update(probs, target)
+    assert ours.compute()[:2].tolist() == [1.0, 1.0]
+    assert math.isnan(float(ours.compute()[2]))
+    macro = MulticlassAUROCMetric(3, num_bins=1000)
+    macro.update(probs, target)
+    their_macro = tmc.MulticlassAUROC(3)
+    their_macro.update(probs, target)
+    assert float(macro.compute()) == 1.0
+    assert float(their_macro.compute()) == pytest.approx(2 / 3)
+
+
+def test_absent_class_left_out_of_macro_in_both() -> None:
+    preds, target = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0, 1, 1])
+    theirs = tmc.MulticlassPrecision(3, average="macro")
+    theirs.update(preds, target)
+    ours = confusion_matrix_metric().multiclass(3).with_precision().macro().build()
+    ours.update(preds, target)
+    assert float(ours.compute()) == float(theirs.compute()) == 1.0
+
+
+def test_top_k_micro_accuracy_agrees_and_precision_differs() -> None:
+    scores = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.5, 0.4, 0.0]])
+    target = torch.tensor([1, 2])
+    theirs = tmc.MulticlassAccuracy(4, top_k=2, average="micro")
+    theirs.update(scores, target)
+    ours = confusion_matrix_metric().multiclass(4, top_k=2).with_accuracy().micro().build()
+    ours.update(scores, target)
+    assert float(ours.compute()) == float(theirs.compute()) == 1.0
+    their_precision = tmc.MulticlassPrecision(4, top_k=2, average="micro")
+    their_precision.update(scores, target)
+    our_precision = confusion_matrix_metric().multiclass(4, top_k=2).with_precision().micro()
+    metric = our_precision.build()
+    metric.update(scores, target)
+    assert float(their_precision.compute()) == 1.0  # equals its top-k accuracy
+    assert float(metric.compute()) == 0.5  # 2 hits among 4 predicted (sample, class) pairs
+
+
+def test_nan_propagates_where_torchmetrics_drops_it() -> None:
+    values = torch.tensor([1.0, float("nan"), 3.0])
+    theirs = tm.MeanMetric()
+    theirs.update(values)
+    assert float(theirs.compute()) == 2.0
+    ours = MeanMetric()
+    ours.update(values)
+    assert math.isnan(float(ours.compute()))
+
+
+def test_state_dict_holds_the_state() -> None:
+    theirs = tm.MeanMetric()
+    theirs.update(torch.tensor([1.0, 2.0]))
+    assert dict(theirs.state_dict()) == {}  # states are not persistent by default
+    ours = MeanMetric()
+    ours.update(torch.tensor([1.0, 2.0]))
+    restored = MeanMetric()
+    restored.load_state_dict(ours.state_dict())
+    assert float(restored.compute()) == 1.5
