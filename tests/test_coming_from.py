@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sidestream import MeanMetric
-from sidestream.metrics.classification import MulticlassAUROCMetric, confusion_matrix_metric
+from sidestream.metrics.classification import MulticlassAUROCMetric, confusion_count_metric
 
 tm = pytest.importorskip("torchmetrics")
 from torchmetrics import classification as tmc  # noqa: E402
@@ -24,22 +24,22 @@ def test_logits_are_declared_not_guessed() -> None:
     logits, target = torch.tensor([2.0, -1.0, 0.3, -0.2]), torch.tensor([1, 0, 0, 1])
     theirs = tmc.BinaryAccuracy()
     theirs.update(logits, target)  # sigmoid applied because values leave [0, 1]
-    ours = confusion_matrix_metric().binary(0.5, logits=True).with_accuracy().build()
+    ours = confusion_count_metric().binary(0.5, logits=True).with_accuracy().build()
     ours.update(logits, target)
     assert float(ours.compute()) == pytest.approx(float(theirs.compute()))
     with pytest.raises(ValueError, match=r"pass logits=True"):
-        confusion_matrix_metric().binary().with_accuracy().build().update(logits, target)
+        confusion_count_metric().binary().with_accuracy().build().update(logits, target)
 
 
 def test_class_dimension_is_last() -> None:
     scores, target = torch.randn(2, 4, 6), torch.randint(0, 4, (2, 6))
     theirs = tmc.MulticlassAccuracy(4, average="micro")
     theirs.update(scores, target)  # (N, C, L)
-    ours = confusion_matrix_metric().multiclass(4).with_accuracy().micro().build()
+    ours = confusion_count_metric().multiclass(4).with_accuracy().micro().build()
     ours.update(scores.movedim(1, -1), target)
     assert float(ours.compute()) == pytest.approx(float(theirs.compute()))
     with pytest.raises(ValueError, match="num_classes"):
-        confusion_matrix_metric().multiclass(4).with_accuracy().build().update(scores, target)
+        confusion_count_metric().multiclass(4).with_accuracy().build().update(scores, target)
 
 
 def test_undefined_auroc_is_nan_and_left_out_of_the_mean() -> None:
@@ -64,7 +64,7 @@ def test_absent_class_left_out_of_macro_in_both() -> None:
     preds, target = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0, 1, 1])
     theirs = tmc.MulticlassPrecision(3, average="macro")
     theirs.update(preds, target)
-    ours = confusion_matrix_metric().multiclass(3).with_precision().macro().build()
+    ours = confusion_count_metric().multiclass(3).with_precision().macro().build()
     ours.update(preds, target)
     assert float(ours.compute()) == float(theirs.compute()) == 1.0
 
@@ -74,12 +74,12 @@ def test_top_k_micro_accuracy_agrees_and_precision_differs() -> None:
     target = torch.tensor([1, 2])
     theirs = tmc.MulticlassAccuracy(4, top_k=2, average="micro")
     theirs.update(scores, target)
-    ours = confusion_matrix_metric().multiclass(4, top_k=2).with_accuracy().micro().build()
+    ours = confusion_count_metric().multiclass(4, top_k=2).with_accuracy().micro().build()
     ours.update(scores, target)
     assert float(ours.compute()) == float(theirs.compute()) == 1.0
     their_precision = tmc.MulticlassPrecision(4, top_k=2, average="micro")
     their_precision.update(scores, target)
-    our_precision = confusion_matrix_metric().multiclass(4, top_k=2).with_precision().micro()
+    our_precision = confusion_count_metric().multiclass(4, top_k=2).with_precision().micro()
     metric = our_precision.build()
     metric.update(scores, target)
     assert float(their_precision.compute()) == 1.0  # equals its top-k accuracy

@@ -178,7 +178,7 @@ def test_float64_state_does_not_load_into_float32() -> None:
 
 def test_complex_weights_are_refused() -> None:
     metric = WeightedMeanMetric()
-    with pytest.raises(TypeError, match="weights: expected real"):
+    with pytest.raises(TypeError, match="weights: expected a real tensor"):
         metric.update(torch.ones(2), torch.ones(2, dtype=torch.complex64))
     assert float(metric._weight.local) == 0.0
 

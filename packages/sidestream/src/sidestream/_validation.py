@@ -25,10 +25,13 @@ def as_tensor(argument: str, value: object, device: torch.device) -> Tensor:
     """Return ``value`` as a tensor on ``device``; Python numbers are converted.
 
     Raises:
-        TypeError: If ``value`` is neither a tensor nor a real number.
+        TypeError: If ``value`` is neither a tensor nor a real number, or is a complex tensor.
         ValueError: If ``value`` is a tensor on another device than the metric.
     """
     if isinstance(value, Tensor):
+        if value.is_complex():
+            # No metric here is defined on complex numbers; casting would drop the imaginary part.
+            raise TypeError(f"{argument}: expected a real tensor, got dtype {value.dtype}")
         if value.device != device:
             raise ValueError(
                 f"{argument}: expected a tensor on the metric's device {device}, got one on "

@@ -70,8 +70,6 @@ class WeightedMeanMetric(Metric[Tensor]):
         values_t = as_tensor("values", values, device)
         weights_t = as_tensor("weights", weights, device)
         check_floating("values", values_t)
-        if weights_t.is_complex():
-            raise TypeError(f"weights: expected real numbers, got dtype {weights_t.dtype}")
         dtype = self._weight.local.dtype
         if weights_t.shape != values_t.shape and weights_t.dim():
             # A scalar always broadcasts; torch.broadcast_shapes is slow.
