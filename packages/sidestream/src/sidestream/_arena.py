@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from sidestream._reduce_op import ReduceOp
+from sidestream._samples import SampleStore
 from sidestream.state import Freshness, MetricAccumulator
 
 __all__ = ["Arena", "ArenaSegment"]
@@ -53,6 +54,8 @@ class Arena:
         states: ``(dotted name, state)`` pairs of the tree, in declaration order.
         flags: The freshness flags of the tree's metrics.
         device: Move every state there first (``None``: leave each where it is).
+        stores: The tree's growing per-sample stores: moved, reset and staged with the states
+            (they are not part of the buffers).
     """
 
     def __init__(
@@ -61,8 +64,13 @@ class Arena:
         states: Sequence[tuple[str, MetricAccumulator]],
         flags: Sequence[Freshness],
         device: torch.device | None = None,
+        stores: Sequence[SampleStore] = (),
     ) -> None:
         self.alive = True
+        self.stores = list(stores)
+        if device is not None:
+            for store in self.stores:
+                store.to(device)
         self.root = root
         self.flags = list(flags)
         self.states = list(states)
@@ -114,6 +122,8 @@ class Arena:
         """Every state back to its initial value (one batched copy) and every flag stale."""
         if self.locals:
             torch._foreach_copy_(self.locals, self.initials)
+        for store in self.stores:
+            store.clear()
         self.mark(False)
 
     def copy_from(self, other: Arena) -> None:
@@ -123,6 +133,8 @@ class Arena:
         """
         if self.locals:
             torch._foreach_copy_(self.locals, other.locals)
+        for mine, theirs in zip(self.stores, other.stores, strict=True):
+            mine.copy_from(theirs)
 
     def mark(self, current: bool) -> None:
         """Set every freshness flag of the tree."""
@@ -131,6 +143,6 @@ class Arena:
 
     def same_layout(self, other: Arena) -> bool:
         """Whether ``other`` holds the same states in the same buffers' layout."""
-        return [(n, s.local.shape, s.local.dtype, s.op) for n, s in self.states] == [
-            (n, s.local.shape, s.local.dtype, s.op) for n, s in other.states
-        ]
+        return len(self.stores) == len(other.stores) and [
+            (n, s.local.shape, s.local.dtype, s.op) for n, s in self.states
+        ] == [(n, s.local.shape, s.local.dtype, s.op) for n, s in other.states]

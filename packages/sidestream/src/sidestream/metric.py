@@ -13,10 +13,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from sidestream._arena import Arena
 from sidestream._distributed import Group, check_process_group, group_rank, resolve_group
 from sidestream._reduce_op import ReduceOp
+from sidestream._samples import SampleStore, gather_rows
 from sidestream.state import Freshness, MetricAccumulator
 from sidestream.sync import CallFingerprint, SyncBatch, SyncHandle, SyncProgram
 
-__all__ = ["CallCounter", "Metric"]
+__all__ = ["CallCounter", "Metric", "has_own_sync"]
 
 T = TypeVar("T")
 
@@ -173,6 +174,23 @@ class Metric(Stateful, Generic[T], abc.ABC):
             if isinstance(value, Metric):
                 yield from value._walk_metrics()
 
+    def _sample_stores(self) -> Iterator[SampleStore]:
+        """This metric's own sample stores (attributes holding a ``SampleStore``)."""
+        for value in vars(self).values():
+            if isinstance(value, SampleStore):
+                yield value
+
+    def named_sample_stores(self, prefix: str = "") -> Iterator[tuple[str, SampleStore]]:
+        """Yield ``(dotted prefix, store)`` for the tree's growing per-sample stores.
+
+        Each field of a store is checkpointed under ``prefix + field``.
+        """
+        for store in self._sample_stores():
+            yield prefix, store
+        for name, value in self._declared_items():
+            if isinstance(value, Metric):
+                yield from value.named_sample_stores(f"{prefix}{name}.")
+
     # ------------------------------------------------------------------ the arena
 
     _independent_children = False  # ComposeMetric: each child has its own freshness flag
@@ -202,7 +220,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
         if arena is not None and arena.alive and device is None:
             return arena if arena.root is self else None
         states = list(self.named_accumulators())
-        built = Arena(self, states, list(self._assign_freshness()), device)
+        stores = [store for _, store in self.named_sample_stores()]
+        built = Arena(self, states, list(self._assign_freshness()), device, stores)
         for metric in self._walk_metrics():
             object.__setattr__(metric, "_state_arena", built)
         return built
@@ -266,6 +285,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
         object.__setattr__(self, "_unverified_sync", handle if handle._event is not None else None)
         for metric in prepared.own_sync:
             metric.sync(group)
+        for store in self._sample_stores():
+            store.gather(group)
         self._mark_fresh(True)
 
     def start_sync(
@@ -273,8 +294,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
     ) -> SyncHandle:
         """Start the reduction of every state with ``fingerprint`` (the collector's windows).
 
-        Bypasses metrics' own ``sync`` methods: use it only for trees without them. The state
-        counts as synchronized once the handle was waited on.
+        Bypasses metrics' own ``sync`` methods and sample-store gathers: use it only for trees
+        without them (``has_own_sync``). The state counts as synchronized once the handle was
+        waited on.
         """
         handle = self.prepare_sync(group).every_state.start(fingerprint, async_op=async_op)
         self._mark_fresh(True)
@@ -320,7 +342,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
     def _lay_out(
         self, group: Group, arena: Arena | None, home: Arena | None, check: bool
     ) -> _Prepared:
-        own_sync = [m for m in self._walk_metrics() if m is not self and _has_own_sync(m)]
+        own_sync = [m for m in self._walk_metrics() if m is not self and has_own_sync(m)]
         everything = SyncBatch()
         if arena is not None:
             for segment in arena.segments:
@@ -349,6 +371,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
         states = [state for _, state in self.named_accumulators()]
         if states:
             torch._foreach_copy_([s.local for s in states], [s.initial for s in states])
+        for _, store in self.named_sample_stores():
+            store.clear()
         self._mark_fresh(False)
 
     def to(self, device: torch.device | str) -> Self:
@@ -369,6 +393,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
     def state_dict(self) -> dict[str, Any]:
         """The globally reduced state, keyed by dotted state name.
 
+        A sample store's fields (``SampleStore``) are saved under ``prefix + field`` and hold
+        every rank's rows, concatenated in rank order.
+
         On a multi-rank job this is a blocking collective over the group of the last ``sync``
         (the default group if there was none): every rank must call it, and every rank gets the
         same tensors. Single-process it is a copy of the local state.
@@ -385,21 +412,30 @@ class Metric(Stateful, Generic[T], abc.ABC):
         prepared.every_state.start(fingerprint).verify()
         # The synced views now hold the global state of this moment, which is what they held
         # already if the last sync is current; the freshness flags stay as they were.
-        return {name: state._synced.clone() for name, state in self.named_accumulators()}
+        saved = {name: state._synced.clone() for name, state in self.named_accumulators()}
+        group = resolve_group(self._sync_group)
+        for prefix, store in self.named_sample_stores():
+            # Every rank's rows, in rank order: the same global data on every rank.
+            for field_name, rows in gather_rows(store.local(), group).items():
+                saved[prefix + field_name] = rows.clone()
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by ``state_dict`` with any number of ranks.
 
-        The group's first rank takes the saved global state; the others start from the initial
-        value, so the next sync counts the saved data exactly once.
+        The group's first rank takes the saved global state (sample stores: every saved row);
+        the others start from the initial value (empty stores), so the next sync counts the
+        saved data exactly once.
 
         Raises:
             KeyError: If ``state_dict`` lacks a state of this metric or has an unknown one.
             ValueError: If a saved tensor's shape or dtype differs from the state's.
         """
         states = dict(self.named_accumulators())
-        missing = sorted(set(states) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(states))
+        stores = list(self.named_sample_stores())
+        store_keys = {prefix + name for prefix, store in stores for name in store.fields}
+        missing = sorted((set(states) | store_keys) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(states) - store_keys)
         if missing or unexpected:
             raise KeyError(
                 f"state_dict: missing keys {missing}, unexpected keys {unexpected} "
@@ -427,11 +463,17 @@ class Metric(Stateful, Generic[T], abc.ABC):
             sources = [state.initial for state in states.values()]
         if targets:
             torch._foreach_copy_(targets, sources)
+        for prefix, store in stores:
+            if owner:
+                store.load({name: state_dict[prefix + name] for name in store.fields})
+            else:
+                store.clear()
         self._mark_fresh(False)
 
 
-def _has_own_sync(metric: Metric[Any]) -> bool:
-    return type(metric).sync is not Metric.sync
+def has_own_sync(metric: Metric[Any]) -> bool:
+    """Whether ``metric`` takes the slow sync path: its own ``sync``, or sample stores."""
+    return type(metric).sync is not Metric.sync or any(True for _ in metric._sample_stores())
 
 
 def _refuse_hidden(attribute: str, value: Any) -> None:

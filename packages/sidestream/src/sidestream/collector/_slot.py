@@ -11,7 +11,7 @@ from torch import Tensor
 
 from sidestream._arena import Arena
 from sidestream._distributed import Group
-from sidestream.metric import Metric
+from sidestream.metric import Metric, has_own_sync
 from sidestream.sync import CallFingerprint, RankMismatchError, SyncHandle
 
 __all__ = ["Slot", "clone_metric"]
@@ -48,8 +48,9 @@ class Slot:
         self._live_arena: Arena = live_arena
         self._arena: Arena = arena
         # A tree whose metrics all use the library's sync is reduced by one laid-out program
-        # per slot, replayed every window. A metric with its own sync keeps calling it.
-        self._replayable = not any(_has_own_sync(m) for m in metric._walk_metrics())
+        # per slot, replayed every window. A metric with its own sync (or sample stores, which
+        # sync by gathering) keeps calling it.
+        self._replayable = not any(has_own_sync(m) for m in metric._walk_metrics())
         metric.prepare_sync(group, check=check)
         self.host: list[Tensor] = []
         #: CUDA: recorded on the side stream after the last window that used this slot.
@@ -137,7 +138,3 @@ def _sync_groups(obj: Any, seen: set[int]) -> Iterator[Any]:
     elif isinstance(obj, list | tuple):
         for value in obj:
             yield from _sync_groups(value, seen)
-
-
-def _has_own_sync(metric: Metric[Any]) -> bool:
-    return type(metric).sync is not Metric.sync

@@ -1,0 +1,136 @@
+"""Growing per-sample state: rows kept as they arrive and concatenated over ranks on sync.
+
+The exception to fixed-size accumulators, for metrics that must see every sample (exact
+ranking). Memory grows with every update and is only returned by ``reset``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from sidestream._distributed import Group, group_size, resolve_group
+
+__all__ = ["SampleStore"]
+
+
+class SampleStore:
+    """Named fields of rows (same row count each), appended per update, gathered on sync.
+
+    A metric keeps one in an attribute, set in ``__init__`` (before the state arena is built,
+    which records the tree's stores); ``Metric`` then resets, moves, stages (collector),
+    gathers on ``sync`` and checkpoints it with the rest of the tree, and the metric takes the
+    slow (blocking) sync path. Stored tensors are never changed in place, so a staged copy may
+    share them with the live store.
+
+    Args:
+        fields: For each field, a template of shape ``(0, *row_shape)`` giving the row shape
+            and dtype.
+    """
+
+    def __init__(self, **fields: Tensor) -> None:
+        self._templates = {name: t.detach().clone() for name, t in fields.items()}
+        self._chunks: dict[str, list[Tensor]] = {name: [] for name in fields}
+        self._gathered: dict[str, Tensor] | None = None
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The field names, in declaration order."""
+        return tuple(self._templates)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the rows live."""
+        return next(iter(self._templates.values())).device
+
+    def append(self, **rows: Tensor) -> None:
+        """Keep one batch of rows per field (no copy, no host sync)."""
+        for name, chunks in self._chunks.items():
+            chunks.append(rows[name])
+
+    def local(self) -> dict[str, Tensor]:
+        """This rank's rows per field, concatenated (the chunks are merged once)."""
+        out: dict[str, Tensor] = {}
+        for name, chunks in self._chunks.items():
+            if len(chunks) != 1:
+                chunks[:] = [torch.cat([self._templates[name], *chunks])]
+            out[name] = chunks[0]
+        return out
+
+    def value(self, synced: bool) -> dict[str, Tensor]:
+        """The rows of every rank after ``gather`` when ``synced``, else this rank's."""
+        if synced and self._gathered is not None:
+            return self._gathered
+        return self.local()
+
+    def gather(self, group: Group) -> None:
+        """Concatenate every rank's rows in rank order (blocking collectives on ``group``).
+
+        Ranks may hold any number of rows, none included: the row counts are gathered first,
+        then every field padded to the largest count.
+        """
+        self._gathered = gather_rows(self.local(), resolve_group(group))
+
+    def clear(self) -> None:
+        """Drop every row, local and gathered."""
+        self._chunks = {name: [] for name in self._templates}
+        self._gathered = None
+
+    def load(self, rows: dict[str, Tensor]) -> None:
+        """Replace the local rows with ``rows`` (one tensor per field, checked).
+
+        Raises:
+            KeyError: If a field is missing.
+            ValueError: If a row shape or dtype differs from the field's.
+        """
+        checked: dict[str, Tensor] = {}
+        for name, template in self._templates.items():
+            tensor = torch.as_tensor(rows[name])
+            if tuple(tensor.shape[1:]) != tuple(template.shape[1:]) or tensor.ndim == 0:
+                raise ValueError(
+                    f"state_dict[{name!r}]: expected rows of shape {tuple(template.shape[1:])}, "
+                    f"got a tensor of shape {tuple(tensor.shape)}"
+                )
+            if tensor.dtype != template.dtype:
+                raise ValueError(
+                    f"state_dict[{name!r}]: expected dtype {template.dtype}, got {tensor.dtype}"
+                )
+            checked[name] = tensor.to(template.device)
+        self.clear()
+        self.append(**checked)
+
+    def copy_from(self, other: SampleStore) -> None:
+        """Take ``other``'s local rows (shared, not copied: stored rows are never mutated)."""
+        self._chunks = {name: list(chunks) for name, chunks in other._chunks.items()}
+        self._gathered = None
+
+    def to(self, device: torch.device) -> None:
+        """Move every row to ``device``."""
+        self._templates = {name: t.to(device) for name, t in self._templates.items()}
+        self._chunks = {
+            name: [chunk.to(device) for chunk in chunks] for name, chunks in self._chunks.items()
+        }
+        if self._gathered is not None:
+            self._gathered = {name: t.to(device) for name, t in self._gathered.items()}
+
+
+def gather_rows(rows: dict[str, Tensor], group: dist.ProcessGroup | None) -> dict[str, Tensor]:
+    """Every rank's ``rows`` concatenated in rank order; ``rows`` itself on a single rank."""
+    world = group_size(group)
+    if world == 1:
+        return rows
+    first = next(iter(rows.values()))
+    count = torch.tensor([first.shape[0]], dtype=torch.int64, device=first.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    sizes = [int(c) for c in torch.cat(counts).tolist()]
+    largest = max(sizes)
+    out: dict[str, Tensor] = {}
+    for name, tensor in rows.items():
+        padded = tensor.new_zeros((largest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        out[name] = torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
+    return out
