@@ -5,6 +5,10 @@ problem. Bin ``b`` of ``num_bins`` holds scores in ``[b / num_bins, (b + 1) / nu
 goes to the last bin), or the bins lie between user-given ``thresholds``. For every class the
 state counts negatives and positives per bin, so memory is ``2 * classes * bins`` int64 counts
 whatever the number of samples, and two ranks' states add.
+
+``exact=True`` instead stores every score in a ``SampleStore`` (memory grows with the data)
+and builds the histograms at ``compute`` with one bin per distinct score, which makes the same
+curves exact.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Literal, NamedTuple, Self
 import torch
 from torch import Tensor
 
+from sidestream._samples import SampleStore
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._average import check_average, mean_over_classes
@@ -25,6 +30,7 @@ from sidestream.metrics.classification._curves import (
     average_precision_from_histograms,
     partial_auroc_from_histograms,
 )
+from sidestream.metrics.classification._exact import SKIPPED, tie_histograms
 from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
 from sidestream.metrics.classification._scores import score_batch
 from sidestream.state import MetricAccumulator
@@ -43,6 +49,8 @@ __all__ = [
 
 RankingAverage = Literal["micro", "macro", "weighted", "none"]
 Thresholds = Sequence[float] | Tensor | None
+
+DEFAULT_BINS = 10_000
 
 
 class Curve(enum.Enum):
@@ -67,6 +75,12 @@ class RankingMetric(ScreenedMetric[Tensor]):
     by at most ``error_bound()``. Bad values follow the library policy: CPU raises before the
     state changes, CUDA drops the batch and counts it in ``rejected_updates``.
 
+    With ``exact=True`` the metric stores every score instead: **memory is unbounded**, 9 bytes
+    per score and class (a float64 score and an int8 label) for every sample since the last
+    ``reset``, on the metric's device, and ``sync``/``state_dict`` gather every rank's samples
+    (blocking). ``compute()`` then equals scikit-learn's value, ties included, and
+    ``error_bound()`` is 0. Meant for evaluation sets small enough to hold.
+
     Args:
         curve: ``Curve.AUROC`` or ``Curve.AVERAGE_PRECISION``.
         problem: The problem; its ``logits`` and ``ignore_index`` apply.
@@ -78,16 +92,24 @@ class RankingMetric(ScreenedMetric[Tensor]):
             label's scores as one binary problem). Undefined classes (NaN) are left out.
         max_fpr: Binary AUROC only: the McClish-standardized partial AUROC over false-positive
             rates in ``[0, max_fpr]`` (scikit-learn's and torchmetrics' ``max_fpr``).
+        exact: Store every sample and compute the exact value (unbounded memory); no
+            ``num_bins`` or ``thresholds`` then.
+
+    Raises:
+        ValueError: If ``exact=True`` comes with ``thresholds`` or a ``num_bins`` other than
+            the default (exact mode has no bins).
     """
 
     def __init__(
         self,
         curve: Curve,
         problem: Problem,
-        num_bins: int = 10_000,
+        num_bins: int = DEFAULT_BINS,
         thresholds: Thresholds = None,
         average: RankingAverage = "macro",
         max_fpr: float | None = None,
+        *,
+        exact: bool = False,
     ) -> None:
         super().__init__()
         check_problem(problem, "AUROC")
@@ -100,21 +122,48 @@ class RankingMetric(ScreenedMetric[Tensor]):
                 raise ValueError("max_fpr: only binary AUROC has a partial area")
             if not 0.0 < float(max_fpr) <= 1.0:
                 raise ValueError(f"max_fpr: expected a number in (0, 1], got {max_fpr}")
+        if not isinstance(exact, bool):
+            raise TypeError(f"exact: expected a bool, got {type(exact)}")
+        if exact and thresholds is not None:
+            raise ValueError("thresholds: exact mode (exact=True) has no bins; pass one of them")
+        if exact and num_bins != DEFAULT_BINS:
+            raise ValueError("num_bins: exact mode (exact=True) has no bins; pass one of them")
         self._curve = curve
         self._problem = problem
         self._bins = Bins(num_bins, thresholds)
         self._average = average
         self._max_fpr = max_fpr
-        # Layout (is_positive, class, bin), flattened so one index_add_ fills it.
+        self._exact = exact
         classes = problem.num_classes
+        if exact:
+            self._samples = SampleStore(
+                scores=torch.zeros((0, classes), dtype=torch.float64),
+                labels=torch.zeros((0, classes), dtype=torch.int8),
+            )
+            return
+        # Layout (is_positive, class, bin), flattened so one index_add_ fills it.
         self._histogram = MetricAccumulator(
             torch.zeros(2 * classes * self._bins.count, dtype=torch.int64)
         )
 
     @property
+    def exact(self) -> bool:
+        """Whether every sample is stored and the value is exact (unbounded memory)."""
+        return self._exact
+
+    @property
     def num_bins(self) -> int:
-        """The number of histogram bins."""
+        """The number of histogram bins.
+
+        Raises:
+            ValueError: In exact mode, which has none.
+        """
+        self._refuse_exact("num_bins")
         return self._bins.count
+
+    def _refuse_exact(self, what: str) -> None:
+        if self._exact:
+            raise ValueError(f"{what}: an exact-mode metric (exact=True) has no bins")
 
     def to(self, device: torch.device | str) -> Self:
         """Move the state (and the threshold edges) to ``device`` and return ``self``."""
@@ -140,6 +189,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
         batch = score_batch(self._problem, preds, target, self.device, self._rejected)
         if batch is None:
             return
+        if self._exact:
+            self._store(*batch)
+            return
         classes, bins = self._problem.num_classes, self._bins.count
         scores, labels, weight = batch
         # bincount's O(slots) pass pays off once the batch is at least that large.
@@ -164,6 +216,22 @@ class RankingMetric(ScreenedMetric[Tensor]):
         else:
             source = weight
         self._histogram.scatter_add(index, source)
+
+    def _store(self, scores: Tensor, labels: Tensor, weight: Tensor | None) -> None:
+        """Keep one checked batch as float64 scores and int8 labels, both ``(M, C)``."""
+        if self._problem.kind is ProblemKind.MULTICLASS:
+            classes = torch.arange(self._problem.num_classes, device=labels.device)
+            positive = labels.unsqueeze(1) == classes
+            if weight is not None:
+                weight = weight.unsqueeze(1).expand(positive.shape)
+        else:
+            positive = labels == 1
+        kinds = positive.to(torch.int8)
+        if weight is not None:
+            # Kept on the device with a mark, not filtered: a boolean mask would sync the host.
+            kinds = torch.where(weight > 0, kinds, SKIPPED)
+        self._samples.append(scores=scores.to(torch.float64), labels=kinds)
+        self._metric_freshness.current = False
 
     def _cpu_counts(self, scores: Tensor, target: Tensor) -> Tensor:
         """The histogram of one checked batch by ``bincount`` (CPU path).
@@ -199,14 +267,22 @@ class RankingMetric(ScreenedMetric[Tensor]):
         return torch.bincount(index.reshape(-1), minlength=slots)
 
     def histograms(self) -> tuple[Tensor, Tensor]:
-        """``(negatives, positives)`` counts per class and bin, each ``(classes, bins)``."""
+        """``(negatives, positives)`` counts per class and bin, each ``(classes, bins)``.
+
+        Raises:
+            ValueError: In exact mode, which stores samples, not histograms.
+        """
+        self._refuse_exact("histograms")
         classes, bins = self._problem.num_classes, self._bins.count
         counts = self._histogram.value.view(2, classes, bins)
         return counts[0], counts[1]
 
     def estimate(self) -> Estimate:
         """The value and its certified error bound, averaged as configured."""
-        negatives, positives = (h.to(torch.float64) for h in self.histograms())
+        if self._exact:
+            negatives, positives = self._exact_histograms()
+        else:
+            negatives, positives = (h.to(torch.float64) for h in self.histograms())
         if self._average == "micro":
             negatives, positives = negatives.sum(0, keepdim=True), positives.sum(0, keepdim=True)
         if self._max_fpr is not None:
@@ -215,6 +291,8 @@ class RankingMetric(ScreenedMetric[Tensor]):
             value, bound = auroc_from_histograms(negatives, positives)
         else:
             value, bound = average_precision_from_histograms(negatives, positives)
+        if self._exact:
+            bound = value * 0.0  # one bin per distinct score: nothing is misordered
         if self._problem.kind is ProblemKind.BINARY or self._average == "micro":
             return Estimate(value[0], bound[0])
         if self._average == "none":
@@ -229,6 +307,13 @@ class RankingMetric(ScreenedMetric[Tensor]):
             mean_over_classes(torch.where(defined, bound, torch.nan), weights),
         )
 
+    def _exact_histograms(self) -> tuple[Tensor, Tensor]:
+        rows = self._samples.value(self._metric_freshness.current)
+        scores, labels = rows["scores"], rows["labels"]
+        if self._average == "micro":
+            scores, labels = scores.reshape(-1, 1), labels.reshape(-1, 1)
+        return tie_histograms(scores, labels)
+
     def compute(self) -> Tensor:
         """The value (a scalar, or per class with ``average="none"``); NaN where undefined."""
         return self.estimate().value
@@ -237,7 +322,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
         """A certified bound on ``|compute() - exact|`` from the histograms alone.
 
         The exact value (scikit-learn's on the same scores) lies within this distance of
-        ``compute()``; same shape as ``compute()``.
+        ``compute()``; same shape as ``compute()``. Zero in exact mode (NaN where undefined).
         """
         return self.estimate().bound
 
@@ -255,6 +340,8 @@ class BinaryAUROCMetric(RankingMetric):
         max_fpr: Partial AUROC over false-positive rates up to ``max_fpr`` (McClish).
         logits: Scores are logits (a sigmoid is applied).
         ignore_index: Target value whose elements are skipped, e.g. -100.
+        exact: Store every sample and compute the exact value (unbounded memory; see
+            ``RankingMetric``), without ``num_bins`` or ``thresholds``.
 
     Example:
         >>> metric = BinaryAUROCMetric(num_bins=1000)
@@ -265,15 +352,16 @@ class BinaryAUROCMetric(RankingMetric):
 
     def __init__(
         self,
-        num_bins: int = 10_000,
+        num_bins: int = DEFAULT_BINS,
         *,
         thresholds: Thresholds = None,
         max_fpr: float | None = None,
         logits: bool = False,
         ignore_index: int | None = None,
+        exact: bool = False,
     ) -> None:
         problem = Problem(ProblemKind.BINARY, logits=logits, ignore_index=ignore_index)
-        super().__init__(Curve.AUROC, problem, num_bins, thresholds, "none", max_fpr)
+        super().__init__(Curve.AUROC, problem, num_bins, thresholds, "none", max_fpr, exact=exact)
 
 
 class BinaryAveragePrecisionMetric(RankingMetric):
@@ -290,14 +378,17 @@ class BinaryAveragePrecisionMetric(RankingMetric):
 
     def __init__(
         self,
-        num_bins: int = 10_000,
+        num_bins: int = DEFAULT_BINS,
         *,
         thresholds: Thresholds = None,
         logits: bool = False,
         ignore_index: int | None = None,
+        exact: bool = False,
     ) -> None:
         problem = Problem(ProblemKind.BINARY, logits=logits, ignore_index=ignore_index)
-        super().__init__(Curve.AVERAGE_PRECISION, problem, num_bins, thresholds, "none")
+        super().__init__(
+            Curve.AVERAGE_PRECISION, problem, num_bins, thresholds, "none", exact=exact
+        )
 
 
 class MulticlassAUROCMetric(RankingMetric):
@@ -310,6 +401,8 @@ class MulticlassAUROCMetric(RankingMetric):
         thresholds: Increasing edges in ``[0, 1]`` instead of uniform bins.
         logits: Scores are logits (a softmax over C is applied).
         ignore_index: Target value whose samples are skipped, e.g. -100.
+        exact: Store every sample and compute the exact value (unbounded memory; see
+            ``RankingMetric``), without ``num_bins`` or ``thresholds``.
 
     Example:
         >>> metric = MulticlassAUROCMetric(num_classes=3, num_bins=1000)
@@ -322,17 +415,18 @@ class MulticlassAUROCMetric(RankingMetric):
     def __init__(
         self,
         num_classes: int,
-        num_bins: int = 10_000,
+        num_bins: int = DEFAULT_BINS,
         average: Literal["macro", "weighted", "none"] = "macro",
         *,
         thresholds: Thresholds = None,
         logits: bool = False,
         ignore_index: int | None = None,
+        exact: bool = False,
     ) -> None:
         problem = Problem(
             ProblemKind.MULTICLASS, num_classes, logits=logits, ignore_index=ignore_index
         )
-        super().__init__(Curve.AUROC, problem, num_bins, thresholds, average)
+        super().__init__(Curve.AUROC, problem, num_bins, thresholds, average, exact=exact)
 
 
 class MulticlassAveragePrecisionMetric(RankingMetric):
@@ -349,17 +443,20 @@ class MulticlassAveragePrecisionMetric(RankingMetric):
     def __init__(
         self,
         num_classes: int,
-        num_bins: int = 10_000,
+        num_bins: int = DEFAULT_BINS,
         average: Literal["macro", "weighted", "none"] = "macro",
         *,
         thresholds: Thresholds = None,
         logits: bool = False,
         ignore_index: int | None = None,
+        exact: bool = False,
     ) -> None:
         problem = Problem(
             ProblemKind.MULTICLASS, num_classes, logits=logits, ignore_index=ignore_index
         )
-        super().__init__(Curve.AVERAGE_PRECISION, problem, num_bins, thresholds, average)
+        super().__init__(
+            Curve.AVERAGE_PRECISION, problem, num_bins, thresholds, average, exact=exact
+        )
 
 
 class MultilabelAUROCMetric(RankingMetric):
@@ -373,6 +470,8 @@ class MultilabelAUROCMetric(RankingMetric):
         thresholds: Increasing edges in ``[0, 1]`` instead of uniform bins.
         logits: Scores are logits (a sigmoid is applied).
         ignore_index: Target value whose elements are skipped, e.g. -100.
+        exact: Store every sample and compute the exact value (unbounded memory; see
+            ``RankingMetric``), without ``num_bins`` or ``thresholds``.
 
     Example:
         >>> metric = MultilabelAUROCMetric(num_labels=2, num_bins=1000)
@@ -385,17 +484,18 @@ class MultilabelAUROCMetric(RankingMetric):
     def __init__(
         self,
         num_labels: int,
-        num_bins: int = 10_000,
+        num_bins: int = DEFAULT_BINS,
         average: RankingAverage = "macro",
         *,
         thresholds: Thresholds = None,
         logits: bool = False,
         ignore_index: int | None = None,
+        exact: bool = False,
     ) -> None:
         problem = Problem(
             ProblemKind.MULTILABEL, num_labels, logits=logits, ignore_index=ignore_index
         )
-        super().__init__(Curve.AUROC, problem, num_bins, thresholds, average)
+        super().__init__(Curve.AUROC, problem, num_bins, thresholds, average, exact=exact)
 
 
 class MultilabelAveragePrecisionMetric(RankingMetric):
@@ -412,14 +512,17 @@ class MultilabelAveragePrecisionMetric(RankingMetric):
     def __init__(
         self,
         num_labels: int,
-        num_bins: int = 10_000,
+        num_bins: int = DEFAULT_BINS,
         average: RankingAverage = "macro",
         *,
         thresholds: Thresholds = None,
         logits: bool = False,
         ignore_index: int | None = None,
+        exact: bool = False,
     ) -> None:
         problem = Problem(
             ProblemKind.MULTILABEL, num_labels, logits=logits, ignore_index=ignore_index
         )
-        super().__init__(Curve.AVERAGE_PRECISION, problem, num_bins, thresholds, average)
+        super().__init__(
+            Curve.AVERAGE_PRECISION, problem, num_bins, thresholds, average, exact=exact
+        )

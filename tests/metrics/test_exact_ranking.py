@@ -1,0 +1,368 @@
+"""Exact-mode AUROC and average precision (``exact=True``) against scikit-learn.
+
+Scores are rounded to a few levels so ties are common; every test feeds several batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from sklearn.metrics import average_precision_score, roc_auc_score
+from sklearn.preprocessing import label_binarize
+
+from sidestream.collector import AsyncMetricCollector
+from sidestream.metric import has_own_sync
+from sidestream.metrics import ComposeMetric, SumMetric
+from sidestream.metrics.classification import (
+    BinaryAUROCMetric,
+    BinaryAveragePrecisionMetric,
+    MulticlassAUROCMetric,
+    MulticlassAveragePrecisionMetric,
+    MultilabelAUROCMetric,
+    MultilabelAveragePrecisionMetric,
+    RankingMetric,
+)
+from tests.conftest import Pools
+
+CLASSES = 4
+IGNORE = -100
+
+
+def _data(seed: int, size: int) -> dict[str, np.ndarray]:
+    """Tied binary, multiclass and multilabel scores with targets (some ignored)."""
+    rng = np.random.default_rng(seed)
+    target = rng.integers(0, 2, size=size)
+    binary = np.round(1 / (1 + np.exp(-(rng.normal(size=size) + target))), 1)
+    labels = rng.integers(0, CLASSES, size=size)
+    logits = np.round(rng.normal(size=(size, CLASSES)) + np.eye(CLASSES)[labels], 1)
+    matrix = rng.integers(0, 2, size=(size, CLASSES))
+    label_scores = np.round(rng.uniform(size=(size, CLASSES)) * 0.5 + 0.5 * matrix, 1)
+    ignored = rng.uniform(size=size) < 0.2
+    return {
+        "binary": binary,
+        "target": target,
+        "binary_ignored": np.where(ignored, IGNORE, target),
+        "logits": logits,
+        "labels": labels,
+        "labels_ignored": np.where(ignored, IGNORE, labels),
+        "label_scores": label_scores,
+        "matrix": matrix,
+    }
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _feed(metric: RankingMetric, preds: np.ndarray, target: np.ndarray, batches: int = 3) -> None:
+    for p, t in zip(np.array_split(preds, batches), np.array_split(target, batches), strict=True):
+        metric.update(torch.from_numpy(p), torch.from_numpy(t))
+
+
+def _close(actual: torch.Tensor, expected: Any) -> None:
+    np.testing.assert_allclose(actual.numpy(), np.asarray(expected, dtype=np.float64), rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("max_fpr", [None, 0.1, 0.35, 1.0])
+def test_binary_auroc_matches_sklearn(seed: int, max_fpr: float | None) -> None:
+    data = _data(seed, 700)
+    metric = BinaryAUROCMetric(exact=True, max_fpr=max_fpr)
+    _feed(metric, data["binary"], data["target"])
+    _close(metric.compute(), roc_auc_score(data["target"], data["binary"], max_fpr=max_fpr))
+    assert float(metric.error_bound()) == 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_binary_average_precision_logits_and_ignore_index(seed: int) -> None:
+    data = _data(seed, 700)
+    logits = np.round(np.log(data["binary"] + 0.05) * 3, 0)  # tied logits
+    kept = data["binary_ignored"] != IGNORE
+    metric = BinaryAveragePrecisionMetric(exact=True, logits=True, ignore_index=IGNORE)
+    _feed(metric, logits, data["binary_ignored"])
+    probs = 1 / (1 + np.exp(-logits))
+    _close(metric.compute(), average_precision_score(data["target"][kept], probs[kept]))
+
+
+@pytest.mark.parametrize("average", ["macro", "weighted", "none"])
+def test_multiclass_matches_sklearn_one_vs_rest(average: str) -> None:
+    data = _data(3, 800)
+    kept = data["labels_ignored"] != IGNORE
+    logits = torch.from_numpy(data["logits"])
+    probs = logits.softmax(-1).numpy()[kept]
+    labels = data["labels"][kept]
+    onehot = label_binarize(labels, classes=list(range(CLASSES)))
+    sk_average = None if average == "none" else average
+    auroc = MulticlassAUROCMetric(
+        CLASSES, average=average, logits=True, ignore_index=IGNORE, exact=True
+    )
+    _feed(auroc, data["logits"], data["labels_ignored"])
+    _close(auroc.compute(), roc_auc_score(onehot, probs, average=sk_average))
+    precision = MulticlassAveragePrecisionMetric(CLASSES, average=average, exact=True)
+    _feed(precision, _softmax(data["logits"]), data["labels"])
+    expected = average_precision_score(
+        label_binarize(data["labels"], classes=list(range(CLASSES))),
+        _softmax(data["logits"]),
+        average=sk_average,
+    )
+    _close(precision.compute(), expected)
+
+
+def test_multiclass_ovr_equals_sklearn_multi_class_ovr() -> None:
+    data = _data(4, 600)
+    probs = _softmax(data["logits"])
+    for average in ("macro", "weighted"):
+        metric = MulticlassAUROCMetric(CLASSES, average=average, exact=True)  # type: ignore[arg-type]
+        _feed(metric, probs, data["labels"])
+        expected = roc_auc_score(data["labels"], probs, multi_class="ovr", average=average)
+        _close(metric.compute(), expected)
+
+
+@pytest.mark.parametrize("average", ["micro", "macro", "weighted", "none"])
+def test_multilabel_matches_sklearn(average: str) -> None:
+    data = _data(5, 600)
+    scores, matrix = data["label_scores"], data["matrix"]
+    sk_average = None if average == "none" else average
+    for cls, reference in (
+        (MultilabelAUROCMetric, roc_auc_score),
+        (MultilabelAveragePrecisionMetric, average_precision_score),
+    ):
+        metric = cls(CLASSES, average=average, exact=True)  # type: ignore[arg-type]
+        _feed(metric, scores.astype(np.float32), matrix)
+        _close(metric.compute(), reference(matrix, scores.astype(np.float32), average=sk_average))
+
+
+def test_multidim_inputs_with_ignore_index() -> None:
+    rng = np.random.default_rng(6)
+    scores = np.round(rng.uniform(size=(20, CLASSES, 3, 2)), 1)
+    target = rng.integers(0, 2, size=scores.shape)
+    target[rng.uniform(size=target.shape) < 0.2] = IGNORE
+    metric = MultilabelAUROCMetric(CLASSES, average="micro", ignore_index=IGNORE, exact=True)
+    _feed(metric, scores, target)
+    flat_scores = np.moveaxis(scores, 1, -1).reshape(-1)
+    flat_target = np.moveaxis(target, 1, -1).reshape(-1)
+    kept = flat_target != IGNORE
+    _close(metric.compute(), roc_auc_score(flat_target[kept], flat_scores[kept]))
+    binary = BinaryAveragePrecisionMetric(exact=True, ignore_index=IGNORE)
+    _feed(binary, scores, target)
+    _close(binary.compute(), average_precision_score(flat_target[kept], flat_scores[kept]))
+
+
+def test_undefined_and_empty_are_nan() -> None:
+    metric = BinaryAUROCMetric(exact=True)
+    assert metric.compute().isnan()
+    metric.update(torch.tensor([0.2, 0.4]), torch.tensor([1, 1]))
+    assert metric.compute().isnan()  # no negatives
+    per_class = MulticlassAUROCMetric(3, average="none", exact=True)
+    per_class.update(torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]]), torch.tensor([0, 1]))
+    assert per_class.compute()[:2].tolist() == [1.0, 1.0] and per_class.compute()[2].isnan()
+
+
+def test_options_without_meaning_in_exact_mode_raise_at_construction() -> None:
+    with pytest.raises(ValueError, match="thresholds"):
+        BinaryAUROCMetric(exact=True, thresholds=[0.2, 0.5])
+    with pytest.raises(ValueError, match="num_bins"):
+        MulticlassAUROCMetric(3, 100, exact=True)
+    with pytest.raises(TypeError, match="exact"):
+        BinaryAUROCMetric(exact=1)  # type: ignore[arg-type]
+    metric = BinaryAUROCMetric(exact=True)
+    assert metric.exact and not BinaryAUROCMetric().exact
+    with pytest.raises(ValueError, match="num_bins"):
+        _ = metric.num_bins
+    with pytest.raises(ValueError, match="histograms"):
+        metric.histograms()
+
+
+def _stored_rows(metric: RankingMetric) -> int:
+    return int(metric.state_dict()["scores"].shape[0])
+
+
+def test_bad_input_raises_before_state_changes() -> None:
+    for exact in (False, True):
+        metric = MulticlassAUROCMetric(3, exact=exact)
+        good = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]])
+        metric.update(good, torch.tensor([0, 1]))
+        before = metric.state_dict()
+        bad_calls: list[tuple[Any, Any, type[Exception], str]] = [
+            (good * 2, torch.tensor([0, 1]), ValueError, "preds"),
+            (good, torch.tensor([0, 3]), ValueError, "target"),
+            (good.long(), torch.tensor([0, 1]), TypeError, "preds"),
+            (good, torch.tensor([0.0, 1.0]), TypeError, "target"),
+            (good[:, :2], torch.tensor([0, 1]), ValueError, "preds"),
+            (good.tolist(), torch.tensor([0, 1]), TypeError, "preds"),
+            (good.to(torch.complex64), torch.tensor([0, 1]), TypeError, "preds"),
+        ]
+        for preds, target, error, name in bad_calls:
+            with pytest.raises(error, match=name):
+                metric.update(preds, target)
+        after = metric.state_dict()
+        assert after.keys() == before.keys()
+        assert all(torch.equal(after[k], before[k]) for k in before), exact
+    binary = BinaryAUROCMetric(exact=True)
+    binary.update(torch.tensor([0.3, 0.7]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="preds"):
+        binary.update(torch.tensor([0.3, float("nan")]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="target"):
+        binary.update(torch.tensor([0.3, 0.5]), torch.tensor([0, 2]))
+    assert _stored_rows(binary) == 2
+
+
+def test_binned_mode_is_unchanged() -> None:
+    binned = BinaryAUROCMetric(num_bins=1000)
+    assert binned.num_bins == 1000 and not has_own_sync(binned)
+    assert set(binned.state_dict()) == {"histogram", "rejected"}
+    exact = BinaryAUROCMetric(exact=True)
+    assert has_own_sync(exact)  # its samples are gathered: the slow sync path
+    assert set(exact.state_dict()) == {"rejected", "scores", "labels"}
+    preds, target = torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])
+    binned.update(preds, target)
+    exact.update(preds, target)
+    assert float(binned.compute()) == float(exact.compute()) == 0.75
+    assert float(binned.error_bound()) == 0.0 and float(exact.error_bound()) == 0.0
+
+
+def test_state_dict_reset_sync_and_to() -> None:
+    data = _data(7, 300)
+    metric = BinaryAveragePrecisionMetric(exact=True)
+    _feed(metric, data["binary"], data["target"])
+    expected = average_precision_score(data["target"], data["binary"])
+    saved = metric.state_dict()
+    assert saved["scores"].shape == (300, 1) and saved["labels"].dtype == torch.int8
+    restored = BinaryAveragePrecisionMetric(exact=True)
+    restored.load_state_dict(saved)
+    _close(restored.compute(), expected)
+    restored.sync()  # a single process: the gathered rows are the local ones
+    _close(restored.compute(), expected)
+    restored.to("cpu")
+    _close(restored.compute(), expected)
+    restored.update(torch.tensor([0.9]), torch.tensor([0]))  # the sync goes stale
+    assert float(restored.compute()) != pytest.approx(expected)
+    restored.reset()
+    assert restored.compute().isnan() and _stored_rows(restored) == 0
+    with pytest.raises(ValueError, match="dtype"):
+        restored.load_state_dict({**saved, "scores": saved["scores"].float()})
+    with pytest.raises(KeyError, match="labels"):
+        restored.load_state_dict({"rejected": saved["rejected"], "scores": saved["scores"]})
+
+
+def test_inside_a_compose_metric() -> None:
+    data = _data(8, 200)
+    tree = ComposeMetric({"auroc": BinaryAUROCMetric(exact=True), "count": SumMetric()})
+    tree.to("cpu")
+    halves = zip(np.array_split(data["binary"], 2), np.array_split(data["target"], 2), strict=True)
+    for p, t in halves:
+        tree["auroc"].update(torch.from_numpy(p), torch.from_numpy(t))
+        tree["count"].update(torch.tensor([float(len(p))]))
+    expected = roc_auc_score(data["target"], data["binary"])
+    tree.sync()
+    _close(tree.compute()["auroc"], expected)
+    saved = tree.state_dict()
+    assert {"auroc.scores", "auroc.labels", "count.total"} <= set(saved)
+    tree.reset()
+    assert tree.compute()["auroc"].isnan()
+    tree.load_state_dict(saved)
+    _close(tree.compute()["auroc"], expected)
+
+
+@pytest.mark.parametrize("reset_each_window", [True, False])
+def test_collector_stages_the_samples(reset_each_window: bool) -> None:
+    data = _data(9, 600)
+    metric = MultilabelAUROCMetric(CLASSES, average="micro", exact=True)
+    collector = AsyncMetricCollector(metric, reset_each_window=reset_each_window).bind("cpu")
+    shards = list(
+        zip(np.array_split(data["label_scores"], 3), np.array_split(data["matrix"], 3), strict=True)
+    )
+    try:
+        for window, (scores, matrix) in enumerate(shards):
+            metric.update(torch.from_numpy(scores), torch.from_numpy(matrix))
+            collector.schedule_collection(window + 1)
+            seen = shards[window : window + 1] if reset_each_window else shards[: window + 1]
+            expected = roc_auc_score(
+                np.concatenate([m for _, m in seen]).reshape(-1),
+                np.concatenate([s for s, _ in seen]).reshape(-1),
+            )
+            assert collector.collect_results() == pytest.approx(expected, rel=1e-12)
+    finally:
+        assert collector.close()
+
+
+def _on_rank(seed: int) -> dict[str, Any]:
+    """Rank 0 holds two uneven batches, rank 1 nothing; sync, checkpoint, collector."""
+    rank = dist.get_rank()
+    data = _data(seed, 500)
+    metrics: dict[str, Callable[[], RankingMetric]] = {
+        "binary": lambda: BinaryAUROCMetric(exact=True, max_fpr=0.5),
+        "multiclass": lambda: MulticlassAveragePrecisionMetric(
+            CLASSES, average="weighted", logits=True, ignore_index=IGNORE, exact=True
+        ),
+        "multilabel": lambda: MultilabelAUROCMetric(CLASSES, average="micro", exact=True),
+    }
+    inputs = {
+        "binary": (data["binary"], data["target"]),
+        "multiclass": (data["logits"], data["labels_ignored"]),
+        "multilabel": (data["label_scores"], data["matrix"]),
+    }
+    out: dict[str, Any] = {}
+    for name, make in metrics.items():
+        metric = make()
+        preds, target = inputs[name]
+        if rank == 0:
+            _feed(metric, preds[:350], target[:350], batches=2)
+        else:
+            _feed(metric, preds[350:], target[350:], batches=1)
+        metric.sync()
+        out[name] = float(metric.compute())
+        saved = metric.state_dict()
+        out[f"{name} saved rows"] = int(saved["scores"].shape[0])
+        restored = make()
+        restored.load_state_dict(saved)
+        restored.sync()
+        out[f"{name} restored"] = float(restored.compute())
+        if name == "binary":
+            out["saved"] = saved
+    empty = BinaryAUROCMetric(exact=True)
+    if rank == 0:
+        _feed(empty, data["binary"], data["target"])
+    empty.sync()
+    out["one rank empty"] = float(empty.compute())
+    metric = BinaryAUROCMetric(exact=True)
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    if rank == 1:
+        _feed(metric, data["binary"], data["target"])
+    collector.schedule_collection(1)
+    out["collector"] = collector.collect_results()
+    collector.close()
+    return out
+
+
+def test_two_ranks_one_empty_match_sklearn_on_all_data(pools: Pools) -> None:
+    seed = 10
+    data = _data(seed, 500)
+    kept = data["labels_ignored"] != IGNORE
+    onehot = label_binarize(data["labels"][kept], classes=list(range(CLASSES)))
+    # torch's softmax, as the metric's: another rounding could split tied probabilities.
+    probs = torch.from_numpy(data["logits"]).softmax(-1).numpy()[kept]
+    expected = {
+        "binary": roc_auc_score(data["target"], data["binary"], max_fpr=0.5),
+        "multiclass": average_precision_score(onehot, probs, average="weighted"),
+        "multilabel": roc_auc_score(data["matrix"].reshape(-1), data["label_scores"].reshape(-1)),
+    }
+    full = roc_auc_score(data["target"], data["binary"])
+    results = pools.get(2).run(_on_rank, seed)
+    for result in results:
+        for name, value in expected.items():
+            assert result[name] == pytest.approx(value, rel=1e-12), name
+            assert result[f"{name} restored"] == pytest.approx(value, rel=1e-12), name
+            assert result[f"{name} saved rows"] == 500
+        assert result["one rank empty"] == pytest.approx(full, rel=1e-12)
+        assert result["collector"] == pytest.approx(full, rel=1e-12)
+    # The checkpoint of 2 ranks, loaded by one process, continues the same value.
+    single = BinaryAUROCMetric(exact=True, max_fpr=0.5)
+    single.load_state_dict(results[0]["saved"])
+    assert float(single.compute()) == pytest.approx(expected["binary"], rel=1e-12)
