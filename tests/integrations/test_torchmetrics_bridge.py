@@ -171,7 +171,8 @@ def test_checkpoints_reshard_four_two_one(pools: Pools, tmp_path: Path) -> None:
         (
             torchmetrics.classification.BinaryAUROC(),
             r"BinaryAUROC: state 'preds' concatenates samples .*"
-            r"use sidestream\.metrics\.classification\.BinaryAUROCMetric",
+            r"use sidestream\.metrics\.classification\.BinaryAUROCMetric .*"
+            r"BinaryAUROCMetric\(exact=True\) for the exact value",
         ),
         (torchmetrics.CatMetric(), r"CatMetric: state 'value' concatenates samples"),
         (

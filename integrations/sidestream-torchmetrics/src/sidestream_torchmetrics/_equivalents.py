@@ -23,12 +23,20 @@ _EQUIVALENTS = {
 
 _BINNED = {"AUROC", "AveragePrecision", "ROC", "PrecisionRecallCurve"}
 
+# torchmetrics' exact (thresholds=None) curves whose sidestream class has an exact mode too.
+_EXACT = {"AUROC", "AveragePrecision"}
+
 
 def suggestion(class_name: str) -> str:
     """A sentence naming what to use instead of the torchmetrics class ``class_name``."""
     hints = []
     if class_name in _EQUIVALENTS:
         hints.append(f"use {_EQUIVALENTS[class_name]} (fixed-size state)")
+        if any(class_name.endswith(curve) for curve in _EXACT):
+            hints.append(
+                f"or {_EQUIVALENTS[class_name]}(exact=True) for the exact value (it stores every "
+                "sample, as torchmetrics does: unbounded memory)"
+            )
     if any(class_name.endswith(curve) for curve in _BINNED):
         hints.append(
             "or pass thresholds=<int or list> to torchmetrics, whose binned states are sums"
