@@ -158,6 +158,20 @@ def _cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], dict[str, Any
             mll_ok,
             mll_bad,
         ),
+        # Exact mode: the rows of a dropped batch are kept, marked skipped (no boolean mask).
+        ("exact_auroc", lambda: BinaryAUROCMetric(exact=True, max_fpr=0.5), bin_ok, bin_bad),
+        (
+            "exact_md_ap",
+            lambda: MulticlassAveragePrecisionMetric(C, logits=True, ignore_index=-100, exact=True),
+            md_ok,
+            md_bad,
+        ),
+        (
+            "exact_ml_micro",
+            lambda: MultilabelAUROCMetric(C, average="micro", logits=True, exact=True),
+            mll_ok,
+            mll_bad,
+        ),
         (
             "b_matrix",
             lambda: BinaryConfusionMatrixMetric(0.4, "true", logits=True, ignore_index=-100),
