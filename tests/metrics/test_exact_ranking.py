@@ -15,6 +15,7 @@ import torch.distributed as dist
 from sklearn.metrics import average_precision_score, roc_auc_score
 from sklearn.preprocessing import label_binarize
 
+from sidestream import _validation
 from sidestream.collector import AsyncMetricCollector
 from sidestream.metric import has_own_sync
 from sidestream.metrics import ComposeMetric, SumMetric
@@ -26,6 +27,8 @@ from sidestream.metrics.classification import (
     MultilabelAUROCMetric,
     MultilabelAveragePrecisionMetric,
     RankingMetric,
+    _cpu_path,
+    _inputs,
 )
 from tests.conftest import Pools
 
@@ -366,3 +369,32 @@ def test_two_ranks_one_empty_match_sklearn_on_all_data(pools: Pools) -> None:
     single = BinaryAUROCMetric(exact=True, max_fpr=0.5)
     single.load_state_dict(results[0]["saved"])
     assert float(single.compute()) == pytest.approx(expected["binary"], rel=1e-12)
+
+
+def test_device_path_drops_a_bad_batch_as_skipped_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA policy, run on CPU: a bad batch is kept as skipped rows and counted."""
+    monkeypatch.setattr(_inputs, "checks_stay_on_device", lambda device: True)
+    monkeypatch.setattr(_validation, "checks_stay_on_device", lambda device: True)
+    monkeypatch.setattr(_cpu_path, "enabled", lambda device: False)
+    data = _data(11, 400)
+    for make, preds, good, bad in (
+        (
+            lambda: MulticlassAUROCMetric(CLASSES, ignore_index=IGNORE, logits=True, exact=True),
+            data["logits"],
+            data["labels_ignored"],
+            np.where(data["labels"] == 0, CLASSES, data["labels"]),
+        ),
+        (
+            lambda: MultilabelAveragePrecisionMetric(CLASSES, average="micro", exact=True),
+            data["label_scores"],
+            data["matrix"],
+            data["matrix"] * 2,
+        ),
+    ):
+        metric, reference = make(), make()
+        _feed(metric, preds, good)
+        _feed(metric, preds, bad, batches=1)
+        _feed(reference, preds, good)
+        assert int(metric.rejected_updates) == 1
+        assert metric.state_dict()["scores"].shape[0] == 2 * len(preds)
+        _close(metric.compute(), float(reference.compute()))
