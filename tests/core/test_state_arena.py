@@ -297,3 +297,16 @@ def test_own_sync_child_takes_the_slow_path_and_sees_new_states() -> None:
     assert float(child.compute()) == 3.0
     assert all(s.synced is not None for _, s in tree.named_accumulators())
     assert len(list(tree.named_accumulators())) == 4
+
+
+def test_a_composition_moves_its_childrens_constants() -> None:
+    """``to`` on a root moves the non-state tensors of every child (bin edges, shifts)."""
+    from sidestream.metrics import ComposeMetric
+    from sidestream.metrics.classification import BinaryAUROCMetric
+    from sidestream.metrics.regression import PearsonCorrelationMetric, R2ScoreMetric
+
+    auroc = BinaryAUROCMetric(thresholds=[0.2, 0.5])
+    pearson, r2 = PearsonCorrelationMetric(), R2ScoreMetric()
+    ComposeMetric({"auroc": auroc, "pearson": pearson, "r2": r2}).to("meta")
+    moved = [auroc._bins._edges, pearson._shift, r2._shift]
+    assert [tensor.device.type for tensor in moved] == ["meta"] * 3

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Self
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -149,7 +149,5 @@ class TorchmetricsMetric(Metric[Any]):
         super().reset()
         self._torchmetrics.reset()
 
-    def to(self, device: torch.device | str) -> Self:
-        """Move the state and the torchmetrics module to ``device``."""
-        self._torchmetrics.to(device)
-        return super().to(device)
+    def _move_extras(self, device: torch.device) -> None:
+        self._torchmetrics.to(device)  # its non-state buffers; the states live in the arena

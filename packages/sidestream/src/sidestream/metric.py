@@ -376,9 +376,23 @@ class Metric(Stateful, Generic[T], abc.ABC):
         self._mark_fresh(False)
 
     def to(self, device: torch.device | str) -> Self:
-        """Move every state to ``device`` (into a new arena) and return ``self``."""
-        self._own_arena(torch.device(device))
+        """Move every state of the tree to ``device`` (into a new arena) and return ``self``.
+
+        Each metric of the tree, children included, also moves its own non-state tensors
+        through ``_move_extras``.
+        """
+        target = torch.device(device)
+        for metric in self._walk_metrics():
+            metric._move_extras(target)
+        self._own_arena(target)
         return self
+
+    def _move_extras(self, device: torch.device) -> None:
+        """Move tensors the metric holds besides its states (constants such as bin edges).
+
+        Called by ``to`` on every metric of a tree, so a child inside a composition moves its
+        constants with the root; ``to`` of a child is not called. Override it, not ``to``.
+        """
 
     @property
     def device(self) -> torch.device:

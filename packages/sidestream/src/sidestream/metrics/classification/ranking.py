@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, Self
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -165,10 +165,8 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if self._exact:
             raise ValueError(f"{what}: an exact-mode metric (exact=True) has no bins")
 
-    def to(self, device: torch.device | str) -> Self:
-        """Move the state (and the threshold edges) to ``device`` and return ``self``."""
-        self._bins.to(torch.device(device))
-        return super().to(device)
+    def _move_extras(self, device: torch.device) -> None:
+        self._bins.to(device)  # the threshold edges
 
     def update(self, preds: Tensor, target: Tensor) -> None:
         """Add a batch of scores and targets. No communication and no host sync on CUDA.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Self
 
 import torch
 from torch import Tensor
@@ -67,10 +66,8 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         self._target_squares.accumulate(y.square().sum(0))
         self._products.accumulate((x * y).sum(0))
 
-    def to(self, device: torch.device | str) -> Self:
-        """Move the state and the shift to ``device`` and return ``self``."""
+    def _move_extras(self, device: torch.device) -> None:
         self._shift = self._shift.to(device)
-        return super().to(device)
 
     def compute(self) -> Tensor:
         """Pearson's r per output then averaged; NaN when undefined."""

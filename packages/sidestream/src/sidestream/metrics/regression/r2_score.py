@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Self
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -85,10 +85,8 @@ class R2ScoreMetric(PairedRegressionMetric):
         self._target_sum.accumulate(shifted.sum(0))
         self._target_squares.accumulate(shifted.square().sum(0))
 
-    def to(self, device: torch.device | str) -> Self:
-        """Move the state and the shift to ``device`` and return ``self``."""
+    def _move_extras(self, device: torch.device) -> None:
         self._shift = self._shift.to(device)
-        return super().to(device)
 
     def compute(self) -> Tensor:
         """R² per output then averaged; NaN over no data or for a constant target."""
