@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import TypeAlias
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Group", "check_process_group", "group_rank", "group_size", "resolve_group"]
+__all__ = [
+    "Group",
+    "check_process_group",
+    "group_rank",
+    "group_size",
+    "resolve_group",
+    "retain_work",
+]
 
 Group: TypeAlias = "dist.ProcessGroup | DeviceMesh | None"
 
@@ -71,3 +79,18 @@ def check_process_group(where: str) -> None:
             "every rank acts as a job of its own: it reduces only its own data and writes to "
             "the trackers as if it were rank 0)"
         )
+
+
+# The last collectives' handles, so a gloo worker thread never drops the last reference to one.
+# Dropping it there destroys the work's tensors, which takes the GIL; if the main thread then
+# destroys the process group (a DDP model freed at exit) it joins that worker while holding
+# the GIL, and both wait for ever. Works dropped from here go on the thread that drops them,
+# long after the worker let go. The cap bounds what this keeps alive (small packed buffers).
+_RECENT_WORKS: collections.deque[dist.Work] = collections.deque(maxlen=64)
+
+
+def retain_work(work: dist.Work | None) -> dist.Work | None:
+    """Keep a reference to ``work`` (see ``_RECENT_WORKS``) and return it."""
+    if work is not None:
+        _RECENT_WORKS.append(work)
+    return work

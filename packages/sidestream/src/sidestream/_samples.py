@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sidestream._distributed import Group, group_size, resolve_group
+from sidestream._distributed import Group, group_size, resolve_group, retain_work
 
 __all__ = ["SampleStore"]
 
@@ -123,7 +123,7 @@ def gather_rows(rows: dict[str, Tensor], group: dist.ProcessGroup | None) -> dic
     first = next(iter(rows.values()))
     count = torch.tensor([first.shape[0]], dtype=torch.int64, device=first.device)
     counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
+    _gather(counts, count, group)
     sizes = [int(c) for c in torch.cat(counts).tolist()]
     largest = max(sizes)
     out: dict[str, Tensor] = {}
@@ -131,6 +131,13 @@ def gather_rows(rows: dict[str, Tensor], group: dist.ProcessGroup | None) -> dic
         padded = tensor.new_zeros((largest, *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor
         parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded, group=group)
+        _gather(parts, padded, group)
         out[name] = torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
     return out
+
+
+def _gather(parts: list[Tensor], tensor: Tensor, group: dist.ProcessGroup | None) -> None:
+    # Async and retained, so a gloo worker thread never frees the work (see retain_work).
+    work = retain_work(dist.all_gather(parts, tensor, group=group, async_op=True))
+    if work is not None:
+        work.wait()

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sidestream._distributed import Group, group_rank, group_size, resolve_group
+from sidestream._distributed import Group, group_rank, group_size, resolve_group, retain_work
 from sidestream._reduce_op import ReduceOp
 
 __all__ = [
@@ -244,7 +244,7 @@ class _GatherPlan:
     def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None:
         torch._foreach_copy_(self._staging, self._sources)
         self._fingerprint.write(fingerprint.words(self._structure))
-        handle._start(_all_gather_single(self._gathered, self._send, self._group, handle.async_op))
+        handle._start(_all_gather_single(self._gathered, self._send, self._group))
         handle._finishers.append(self._reduce)
         handle._checks.append(_GatherCheck(self._gathered_fingerprints, self._rank))
 
@@ -317,7 +317,9 @@ class _ReducePlan:
         self._writer.write(chunks + second)
         for buffer, op in self._buffers:
             handle._start(
-                dist.all_reduce(buffer, op=op, group=self._group, async_op=handle.async_op)
+                # Always async, so the handle (and retain_work) holds the work; a blocking
+                # start waits for it at once.
+                dist.all_reduce(buffer, op=op, group=self._group, async_op=True)
             )
         handle._finishers.append(self._unstage)
         handle._checks.append(
@@ -505,7 +507,7 @@ class SyncHandle:
 
     def _start(self, work: dist.Work | None) -> None:
         if work is not None:
-            self.works.append(work)
+            self.works.append(retain_work(work))  # type: ignore[arg-type]
 
 
 class SyncBatch:
@@ -726,10 +728,11 @@ def _reduce_rows(per_rank: Tensor, op: ReduceOp, out: Tensor) -> None:
 
 
 def _all_gather_single(
-    output: Tensor, staged: Tensor, group: dist.ProcessGroup | None, async_op: bool
+    output: Tensor, staged: Tensor, group: dist.ProcessGroup | None
 ) -> dist.Work | None:
     gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work: dist.Work | None = gather(output, staged, group=group, async_op=async_op)
+    # Always async, so the handle (and retain_work) holds the work; a blocking start waits.
+    work: dist.Work | None = gather(output, staged, group=group, async_op=True)
     return work
 
 
@@ -759,7 +762,11 @@ def _check_structure(slot: _GroupEntries, structure: _Structure) -> None:
     fingerprint = _hash(structure)
     device = slot.entries[0].state.local.device
     check = torch.tensor([fingerprint, ~fingerprint], dtype=torch.int64, device=device)
-    dist.all_reduce(check, op=dist.ReduceOp.MAX, group=slot.group)
+    work = retain_work(
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=slot.group, async_op=True)
+    )
+    if work is not None:
+        work.wait()
     largest, smallest_inverted = check.tolist()  # one host sync per new structure
     if largest == ~smallest_inverted:
         if len(_verified) >= _MAX_CACHED_STRUCTURES:
