@@ -81,3 +81,21 @@ class BatchSizesSink(Sink):
 
     def state_dict(self) -> dict[str, Any]:
         return {"sizes": list(self._sizes), "pid": os.getpid()}
+
+
+class DurableCountSink(JsonlSink):
+    """A JSONL sink that counts its ``make_durable`` calls in its state."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, flush_every=1000)  # nothing reaches the file before a flush
+        self._durable_calls = 0
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        self._durable_calls += 1
+        return super().make_durable(timeout)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "durable_calls": self._durable_calls}
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "durable_calls"})

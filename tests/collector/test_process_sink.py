@@ -21,7 +21,12 @@ from sidestream.sinks import (
     SinkProcessError,
     sinks_from_config,
 )
-from tests.collector.child_sinks import BatchSizesSink, FailingOpenSink, TroubleJsonlSink
+from tests.collector.child_sinks import (
+    BatchSizesSink,
+    DurableCountSink,
+    FailingOpenSink,
+    TroubleJsonlSink,
+)
 
 STEPS = list(range(1, 21))
 
@@ -163,3 +168,20 @@ def test_config_option_wraps_the_sink(tmp_path: Path) -> None:
     assert isinstance(plain, JsonlSink)
     with pytest.raises(TypeError, match="child_process must be true or false"):
         sinks_from_config({"jsonl": {"path": str(path), "child_process": "yes"}})
+
+
+def test_a_checkpoint_makes_the_child_sinks_writes_durable(tmp_path: Path) -> None:
+    """``state_dict`` asks the child's sink to make its writes durable, then saves its state."""
+    path = tmp_path / "m.jsonl"
+    metric = MeanMetric()
+    collector = AsyncMetricCollector(metric, sinks=[ProcessSink(DurableCountSink(path))])
+    with collector.bind("cpu"):
+        for step in (1, 2, 3):
+            metric.update(torch.tensor([float(step)]))
+            collector.schedule_collection(step)
+        assert collector.wait_windows(30.0)
+        (saved,) = collector.state_dict()["sinks"].values()
+        # Saved as delivered only once on disk: the child flushed (and fsynced) first.
+        assert saved["durable_calls"] == 1
+        assert saved["last_steps"] == {"": 3}
+        assert [line["step"] for line in _lines(path)] == [1, 2, 3]

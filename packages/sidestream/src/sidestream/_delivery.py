@@ -14,6 +14,7 @@ import torch.distributed as dist
 from sidestream._distributed import check_process_group
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
 from sidestream.sinks.tracker import TrackerSink
@@ -199,7 +200,7 @@ class Delivery:
     @staticmethod
     def _durable_state(runner: SinkRunner, timeout: float | None) -> Any:
         sink = runner.sink
-        if isinstance(sink, TrackerSink) and runner.status.state != "failed":
+        if isinstance(sink, TrackerSink | ProcessSink) and runner.status.state != "failed":
             # Thread-safe by contract: make what was sent durable, then read what counts.
             try:
                 if sink.make_durable(timeout):

@@ -70,6 +70,9 @@ def _serve(
                 sink.write_batch(argument)
             elif operation == "flush":
                 result = sink.flush(argument)
+            elif operation == "make_durable":
+                durable = getattr(sink, "make_durable", None)
+                result = durable(argument) if durable is not None else sink.flush(argument)
             else:
                 result = sink.close(argument)
             _reply(conn, _OK, result, sink.state_dict())
@@ -225,6 +228,9 @@ class ProcessSink(Sink):
         self._unflushed: list[Report] = []
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
+        # The sink's thread writes while a checkpoint calls make_durable from the training
+        # thread: one call on the pipe at a time.
+        self._pipe_lock = threading.RLock()
         self.restarts = 0
 
     # ------------------------------------------------------------------ the Sink contract
@@ -255,39 +261,65 @@ class ProcessSink(Sink):
         Raises:
             SinkProcessError: As ``write``.
         """
-        if not self._alive():
-            self._restart()
-        self._call("write_batch", list(reports), self._call_timeout_s)
-        self._unflushed.extend(reports)
-        if len(self._unflushed) >= self._flush_every:
-            self.flush(self._call_timeout_s)
+        with self._pipe_lock:
+            if not self._alive():
+                self._restart()
+            self._call("write_batch", list(reports), self._call_timeout_s)
+            self._unflushed.extend(reports)
+            if len(self._unflushed) >= self._flush_every:
+                self.flush(self._call_timeout_s)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Flush the child's sink; the reports written so far no longer need re-sending."""
-        if not self._alive():
-            if not self._unflushed:
-                return True
-            self._restart()  # they may have died with the child: deliver them again first
-        done = bool(self._call("flush", timeout, timeout))
-        if done:
-            self._unflushed.clear()
-            self._flushed_state = dict(self._state)
-        return done
+        with self._pipe_lock:
+            if not self._alive():
+                if not self._unflushed:
+                    return True
+                self._restart()  # they may have died with the child: deliver them again first
+            done = bool(self._call("flush", timeout, timeout))
+            if done:
+                self._unflushed.clear()
+                self._flushed_state = dict(self._state)
+            return done
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        """Make what the child's sink was sent durable (its ``make_durable``, else ``flush``).
+
+        Called by a checkpoint from the training thread while the sink's thread may be writing;
+        it waits at most ``timeout`` for that write and as long again for the child. False
+        (and the last state the child reported stands) if either runs out or the child is down.
+        """
+        if not self._pipe_lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        try:
+            if not self._alive():
+                return False
+            try:
+                done = bool(self._call("make_durable", timeout, timeout))
+            except SinkProcessError:
+                return False  # the pipeline's next write restarts the child and re-sends
+            if done:
+                self._unflushed.clear()
+                self._flushed_state = dict(self._state)
+            return done
+        finally:
+            self._pipe_lock.release()
 
     def close(self, timeout: float | None = None) -> bool:
         """Close the sink in the child and stop the child."""
-        if not self._alive():
-            if not self._unflushed:
-                self._stop()
-                return True
-            self._restart()
-        try:
-            done = bool(self._call("close", timeout, timeout))
-        finally:
-            self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
-        if done:
-            self._unflushed.clear()
-        return done
+        with self._pipe_lock:
+            if not self._alive():
+                if not self._unflushed:
+                    self._stop()
+                    return True
+                self._restart()
+            try:
+                done = bool(self._call("close", timeout, timeout))
+            finally:
+                self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
+            if done:
+                self._unflushed.clear()
+            return done
 
     def state_dict(self) -> dict[str, Any]:
         """The child sink's ``state_dict`` as of its last answered call."""
@@ -332,6 +364,10 @@ class ProcessSink(Sink):
             self._call("write_batch", self._unflushed, self._call_timeout_s)
 
     def _call(self, operation: str, argument: Any, timeout: float | None) -> Any:
+        with self._pipe_lock:
+            return self._call_locked(operation, argument, timeout)
+
+    def _call_locked(self, operation: str, argument: Any, timeout: float | None) -> Any:
         assert self._conn is not None
         try:
             self._conn.send_bytes(pickle.dumps((operation, argument)))
