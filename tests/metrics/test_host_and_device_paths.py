@@ -283,3 +283,27 @@ def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.Mon
         ):
             if expected.local.ndim:  # the state, not the rejected counter
                 assert torch.allclose(actual.local, expected.local, rtol=1e-12, atol=0), name
+
+
+@pytest.mark.parametrize("classes", [2, 10, 16, 17])
+def test_small_multiclass_host_counts_equal_the_device_path(
+    monkeypatch: pytest.MonkeyPatch, classes: int
+) -> None:
+    """The CPU shortcut for scores and class indices (``_count_map``) counts as the device path."""
+    generator = torch.Generator().manual_seed(classes)
+    batches = [
+        (torch.randn(5, 3, classes, generator=generator), torch.randint(0, classes, (5, 3))),
+        (torch.randn(64, classes, generator=generator).half(), torch.randint(0, classes, (64,))),
+        (torch.randn(0, classes), torch.zeros(0, dtype=torch.int64)),
+        (torch.randn(7, classes, dtype=torch.float64), torch.randint(0, classes, (7,)).int()),
+    ]
+    counts = {}
+    for device_path in (False, True):
+        metric = confusion_count_metric().multiclass(classes).with_f1().macro().build()
+        with _device_path(monkeypatch, on=device_path):
+            for preds, target in batches:
+                metric.update(preds, target)
+        counts[device_path] = metric.counts()
+    for name, value in counts[False].items():
+        assert torch.equal(value, counts[True][name]), name
+    assert int(counts[False]["tp"].sum() + counts[False]["fn"].sum()) == 5 * 3 + 64 + 7

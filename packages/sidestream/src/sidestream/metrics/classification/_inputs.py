@@ -13,6 +13,8 @@ device), ``screen`` (the bad-value policy over several checks) and the per-probl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,9 @@ __all__ = [
 ]
 
 _SMALL_MATRIX_CLASSES = 64
+
+_MAPPED_CLASSES = 16
+"""Up to this many classes the CPU path derives the four counts with ``_count_map``."""
 
 Check = tuple[Tensor | bool, str, str]
 """``(invalid elements, argument name, what valid values look like)`` for one value check.
@@ -71,6 +76,8 @@ def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
     if not checks:
         return None
     flags = [invalid for invalid, _, _ in checks]
+    if all(flag is False for flag in flags):
+        return None  # every check already read on the host, and passed: the common case
     if any(isinstance(flag, bool) or not checks_stay_on_device(flag.device) for flag in flags):
         for invalid, argument, expected in checks:
             screen_invalid(invalid, rejected, argument, expected)
@@ -96,8 +103,13 @@ def not_binary(target: Tensor) -> Tensor | bool:
 
 def has_nan(scores: Tensor) -> Tensor | bool:
     """True if any score is NaN: a Python bool on the CPU path, else a 0-dim device bool."""
-    flag = torch.isnan(scores).any()
-    return bool(flag) if _cpu_path.enabled(scores.device) else flag
+    if _cpu_path.enabled(scores.device):
+        if not scores.numel():
+            return False
+        # amax propagates NaN: one reduction and a read, instead of a mask, any() and a read.
+        largest = scores.amax().item()
+        return largest != largest
+    return torch.isnan(scores).any()
 
 
 def _integer(tensor: Tensor) -> bool:
@@ -208,12 +220,21 @@ def _multiclass_counts(
     problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     classes = problem.num_classes
+    host_counts = _host_multiclass_counts(problem, preds, target, rejected)
+    if host_counts is not None:
+        return host_counts
     predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
     if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
         # A C x C confusion matrix costs one counting pass over the samples; its diagonal,
         # column and row sums are tp, predicted and true counts.
         cell = torch.add(predicted.view(-1), labels, alpha=classes)
-        matrix = _cpu_path.count_indices(cell, classes * classes, weight).view(classes, classes)
+        cells = _cpu_path.count_indices(cell, classes * classes, weight)
+        if classes <= _MAPPED_CLASSES and _cpu_path.enabled(cells.device):
+            # All four counts are linear in the matrix: one small int64 matrix-vector product
+            # instead of eight reductions and differences (per-op dispatch dominates here).
+            tp, fp, fn, tn = torch.mv(_count_map(classes), cells).view(4, classes).unbind()
+            return tp, fp, fn, tn
+        matrix = cells.view(classes, classes)
         tp = matrix.diagonal()
         predicted_count = matrix.sum(0)
         support = matrix.sum(1)
@@ -229,6 +250,76 @@ def _multiclass_counts(
     fp = predicted_count - tp
     fn = support - tp
     return tp, fp, fn, support.sum() - support - fp
+
+
+def _host_multiclass_counts(
+    problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """The common small case on the CPU path, in as few ops as its checks allow.
+
+    Scores ``(N, ..., C)`` with ``C <= _MAPPED_CLASSES``, class-index targets, ``top_k == 1``
+    and no ``ignore_index``: what ``multiclass_labels`` and ``_multiclass_counts`` do, with
+    the same checks raising the same errors in the same order, minus their per-call generality
+    (which costs several times the arithmetic on small batches).
+
+    Returns:
+        ``(tp, fp, fn, tn)``, or ``None`` for anything else (the general path then handles it,
+        and raises for a bad shape or dtype).
+    """
+    classes = problem.num_classes
+    if (
+        problem.top_k != 1
+        or problem.ignore_index is not None
+        or classes > _MAPPED_CLASSES
+        or not preds.is_floating_point()
+        or preds.ndim < 1
+        or preds.shape[-1] != classes
+        or target.shape != preds.shape[:-1]
+        or not _integer(target)
+        or not preds.numel()
+        or not _cpu_path.enabled(preds.device)
+    ):
+        return None
+    scores = preds.reshape(-1, classes)
+    # amax propagates NaN: one reduction where isnan().any() is two.
+    largest = scores.amax().item()
+    screen_invalid(largest != largest, rejected, "preds", "scores without NaN")
+    labels = target.reshape(-1)
+    low, high = torch.aminmax(labels)
+    screen_invalid(
+        not (low.item() >= 0 and high.item() <= classes - 1),
+        rejected,
+        "target",
+        f"class indices in [0, {classes})",
+    )
+    cells = torch.bincount(
+        torch.add(scores.argmax(-1), labels, alpha=classes), minlength=classes**2
+    )
+    tp, fp, fn, tn = torch.mv(_count_map(classes), cells).view(4, classes).unbind()
+    return tp, fp, fn, tn
+
+
+@functools.cache
+def _count_map(classes: int) -> Tensor:
+    """The int64 ``(4C, C*C)`` CPU map from a flattened confusion matrix to ``(tp, fp, fn, tn)``.
+
+    Cell ``target * C + predicted`` counts for class ``c`` as a true positive when both are
+    ``c``, a false positive when only the prediction is, a false negative when only the target
+    is and a true negative when neither is. Cached per class count (64 KiB at most); never
+    written to.
+    """
+    index = torch.arange(classes)
+    target = index.repeat_interleave(classes)  # the row of each cell
+    predicted = index.repeat(classes)  # its column
+    is_target = target == index.unsqueeze(1)  # (C, C*C): is cell's target class c
+    is_predicted = predicted == index.unsqueeze(1)
+    stacked = (
+        is_target & is_predicted,
+        ~is_target & is_predicted,
+        is_target & ~is_predicted,
+        ~is_target & ~is_predicted,
+    )
+    return torch.cat(stacked).to(torch.int64)
 
 
 def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
