@@ -138,6 +138,12 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
         expanded = weights.to(dtype).expand(values.shape)
         weighted, total = (values.to(dtype) * expanded).sum(), expanded.sum()
         low = expanded.amin() if expanded.numel() else None
+    elif values.numel() <= _CHUNK:
+        # One chunk: no slicing and no stacking (their dispatches dominate small batches).
+        flat_weights = weights.reshape(-1).to(dtype)
+        weighted = torch.dot(values.reshape(-1).to(dtype), flat_weights)
+        total = flat_weights.sum()
+        low = flat_weights.amin() if flat_weights.numel() else None
     else:
         flat_values, flat_weights = values.reshape(-1), weights.reshape(-1)
         parts: list[tuple[Tensor, Tensor, Tensor]] = []
