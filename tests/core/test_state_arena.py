@@ -297,3 +297,13 @@ def test_own_sync_child_takes_the_slow_path_and_sees_new_states() -> None:
     assert float(child.compute()) == 3.0
     assert all(s.synced is not None for _, s in tree.named_accumulators())
     assert len(list(tree.named_accumulators())) == 4
+
+
+def test_add_product_adds_a_matrix_vector_product_in_place() -> None:
+    counts = MetricAccumulator(torch.zeros(2, dtype=torch.int64))
+    matrix = torch.tensor([[1, 0, 2], [0, 1, 1]])
+    counts.add_product(matrix, torch.tensor([3, 4, 5]))
+    counts.add_product(matrix, torch.tensor([1, 1, 1]))
+    assert counts.local.tolist() == [16, 11]
+    with pytest.raises(ValueError, match="SUM"):
+        MetricAccumulator(0.0, ReduceOp.MAX).add_product(matrix, torch.ones(3))

@@ -289,7 +289,7 @@ def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.Mon
 def test_small_multiclass_host_counts_equal_the_device_path(
     monkeypatch: pytest.MonkeyPatch, classes: int
 ) -> None:
-    """The CPU shortcut for scores and class indices (``_count_map``) counts as the device path."""
+    """The CPU shortcut for scores and class indices (``count_map``) counts as the device path."""
     generator = torch.Generator().manual_seed(classes)
     batches = [
         (torch.randn(5, 3, classes, generator=generator), torch.randint(0, classes, (5, 3))),
@@ -300,6 +300,8 @@ def test_small_multiclass_host_counts_equal_the_device_path(
     counts = {}
     for device_path in (False, True):
         metric = confusion_count_metric().multiclass(classes).with_f1().macro().build()
+        if not device_path:
+            metric.to("cpu")  # states as views into the arena, as after any move
         with _device_path(monkeypatch, on=device_path):
             for preds, target in batches:
                 metric.update(preds, target)

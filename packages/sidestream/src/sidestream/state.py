@@ -140,6 +140,21 @@ class MetricAccumulator:
         self._target.index_add_(0, index.reshape(-1), source.reshape(-1).to(self._local.dtype))
         self._freshness.current = False
 
+    def add_product(self, matrix: Tensor, vector: Tensor) -> None:
+        """Add ``matrix @ vector`` into a one-dimensional SUM state, in place.
+
+        One ``addmv_`` instead of a product and an ``add_`` (small CPU updates are dominated by
+        per-op dispatch). Integer dtypes are fine on CPU; CUDA has no integer ``addmv``.
+
+        Args:
+            matrix: ``(state size, K)``, the state's dtype.
+            vector: ``(K,)``, the state's dtype.
+        """
+        if self._op is not ReduceOp.SUM:
+            raise ValueError(f"add_product needs a SUM accumulator, this one is {self._op.name}")
+        self._target.addmv_(matrix, vector)
+        self._freshness.current = False
+
     def sync(self, group: Group = None) -> None:
         """Reduce a stand-alone accumulator over ``group`` into its synchronized copy.
 

@@ -32,6 +32,8 @@ __all__ = [
     "Check",
     "check_tensor",
     "confusion_counts",
+    "count_maps",
+    "host_confusion_cells",
     "label_flags",
     "multiclass_labels",
     "not_binary",
@@ -43,7 +45,7 @@ __all__ = [
 _SMALL_MATRIX_CLASSES = 64
 
 _MAPPED_CLASSES = 16
-"""Up to this many classes the CPU path derives the four counts with ``_count_map``."""
+"""Up to this many classes the CPU path derives the four counts with ``count_map``."""
 
 Check = tuple[Tensor | bool, str, str]
 """``(invalid elements, argument name, what valid values look like)`` for one value check.
@@ -220,9 +222,10 @@ def _multiclass_counts(
     problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     classes = problem.num_classes
-    host_counts = _host_multiclass_counts(problem, preds, target, rejected)
-    if host_counts is not None:
-        return host_counts
+    cells = host_confusion_cells(problem, preds, target, rejected)
+    if cells is not None:
+        tp, fp, fn, tn = torch.mv(count_map(classes), cells).view(4, classes).unbind()
+        return tp, fp, fn, tn
     predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
     if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
         # A C x C confusion matrix costs one counting pass over the samples; its diagonal,
@@ -232,7 +235,7 @@ def _multiclass_counts(
         if classes <= _MAPPED_CLASSES and _cpu_path.enabled(cells.device):
             # All four counts are linear in the matrix: one small int64 matrix-vector product
             # instead of eight reductions and differences (per-op dispatch dominates here).
-            tp, fp, fn, tn = torch.mv(_count_map(classes), cells).view(4, classes).unbind()
+            tp, fp, fn, tn = torch.mv(count_map(classes), cells).view(4, classes).unbind()
             return tp, fp, fn, tn
         matrix = cells.view(classes, classes)
         tp = matrix.diagonal()
@@ -252,9 +255,9 @@ def _multiclass_counts(
     return tp, fp, fn, support.sum() - support - fp
 
 
-def _host_multiclass_counts(
+def host_confusion_cells(
     problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
-) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+) -> Tensor | None:
     """The common small case on the CPU path, in as few ops as its checks allow.
 
     Scores ``(N, ..., C)`` with ``C <= _MAPPED_CLASSES``, class-index targets, ``top_k == 1``
@@ -263,8 +266,9 @@ def _host_multiclass_counts(
     (which costs several times the arithmetic on small batches).
 
     Returns:
-        ``(tp, fp, fn, tn)``, or ``None`` for anything else (the general path then handles it,
-        and raises for a bad shape or dtype).
+        The ``(C * C,)`` int64 confusion matrix of the batch, cell ``target * C + predicted``
+        (``count_map`` turns it into the four counts), or ``None`` for anything else (the
+        general path then handles it, and raises for a bad shape or dtype).
     """
     classes = problem.num_classes
     if (
@@ -292,15 +296,11 @@ def _host_multiclass_counts(
         "target",
         f"class indices in [0, {classes})",
     )
-    cells = torch.bincount(
-        torch.add(scores.argmax(-1), labels, alpha=classes), minlength=classes**2
-    )
-    tp, fp, fn, tn = torch.mv(_count_map(classes), cells).view(4, classes).unbind()
-    return tp, fp, fn, tn
+    return torch.bincount(torch.add(scores.argmax(-1), labels, alpha=classes), minlength=classes**2)
 
 
 @functools.cache
-def _count_map(classes: int) -> Tensor:
+def count_map(classes: int) -> Tensor:
     """The int64 ``(4C, C*C)`` CPU map from a flattened confusion matrix to ``(tp, fp, fn, tn)``.
 
     Cell ``target * C + predicted`` counts for class ``c`` as a true positive when both are
@@ -320,6 +320,13 @@ def _count_map(classes: int) -> Tensor:
         ~is_target & ~is_predicted,
     )
     return torch.cat(stacked).to(torch.int64)
+
+
+@functools.cache
+def count_maps(classes: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``count_map``'s four ``(C, C*C)`` blocks: the maps to tp, fp, fn and tn alone."""
+    tp, fp, fn, tn = count_map(classes).view(4, classes, classes * classes).unbind()
+    return tp, fp, fn, tn
 
 
 def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
