@@ -117,8 +117,13 @@ class MetricAccumulator:
         """
         if self._op is ReduceOp.SUM:
             self._target.add_(update)
-        elif update.dtype != self._target.dtype:
-            self.accumulate(update.to(self._target.dtype))  # out= may not narrow a type
+        elif (
+            update.dtype != self._target.dtype
+            and torch.promote_types(update.dtype, self._target.dtype) != self._target.dtype
+        ):
+            # out= may not narrow a type. A narrower update (float32 into a float64 state)
+            # needs no copy: maximum/minimum promote it exactly as .to() would.
+            self.accumulate(update.to(self._target.dtype))
             return
         elif self._op is ReduceOp.MAX:
             torch.maximum(self._target, update, out=self._target)  # NaN propagates
