@@ -75,7 +75,7 @@ class WeightedMeanMetric(Metric[Tensor]):
             # A scalar always broadcasts; torch.broadcast_shapes is slow.
             check_broadcastable("weights", weights_t, values_t, "values")
         on_device = checks_stay_on_device(device)
-        if not (self._nan.checks and on_device):
+        if not self._nan.disabled and not (self._nan.checks and on_device):
             # CPU "error" raises here, naming values, before the state changes.
             values_t, kept, _ = self._nan.apply(values_t, self._rejected, self._nan_count)
             if kept is not None:  # nan_strategy="ignore": a NaN value's weight becomes 0
@@ -140,8 +140,10 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
         low = expanded.amin() if expanded.numel() else None
     elif values.numel() <= _CHUNK:
         # One chunk: no slicing and no stacking (their dispatches dominate small batches).
-        flat_weights = weights.reshape(-1).to(dtype)
-        weighted = torch.dot(values.reshape(-1).to(dtype), flat_weights)
+        if values.dim() != 1:
+            values, weights = values.reshape(-1), weights.reshape(-1)
+        flat_weights = weights.to(dtype)
+        weighted = torch.dot(values.to(dtype), flat_weights)
         total = flat_weights.sum()
         low = flat_weights.amin() if flat_weights.numel() else None
     else:
