@@ -45,6 +45,10 @@ __all__ = [
 _SMALL_MATRIX_CLASSES = 64
 
 _MAPPED_CLASSES = 16
+
+_FUSED_MAX_ELEMENTS = 1 << 14
+"""From this many scores, ``host_confusion_cells`` takes predictions and the NaN check from one
+``max(-1)`` pass."""
 """Up to this many classes the CPU path derives the four counts with ``count_map``."""
 
 Check = tuple[Tensor | bool, str, str]
@@ -285,8 +289,15 @@ def host_confusion_cells(
     ):
         return None
     scores = preds.reshape(-1, classes)
-    # amax propagates NaN: one reduction where isnan().any() is two.
-    largest = scores.amax().item()
+    # max and amax propagate NaN: one reduction where isnan().any() is two. A large batch
+    # takes its predictions from the same max(-1) pass (same indices as argmax, ties and NaN
+    # included), and the NaN check then reads only the row maxima; on a small one the extra
+    # output of max(-1) costs more than a second pass.
+    if scores.numel() >= _FUSED_MAX_ELEMENTS:
+        row_largest, predicted = scores.max(-1)
+        largest = row_largest.amax().item()
+    else:
+        predicted, largest = None, scores.amax().item()
     screen_invalid(largest != largest, rejected, "preds", "scores without NaN")
     labels = target.reshape(-1)
     low, high = torch.aminmax(labels)
@@ -296,7 +307,9 @@ def host_confusion_cells(
         "target",
         f"class indices in [0, {classes})",
     )
-    return torch.bincount(torch.add(scores.argmax(-1), labels, alpha=classes), minlength=classes**2)
+    if predicted is None:
+        predicted = scores.argmax(-1)
+    return torch.bincount(torch.add(predicted, labels, alpha=classes), minlength=classes**2)
 
 
 @functools.cache
