@@ -288,7 +288,7 @@ def host_confusion_cells(
         or not _cpu_path.enabled(preds.device)
     ):
         return None
-    scores = preds.reshape(-1, classes)
+    scores = preds if preds.ndim == 2 else preds.reshape(-1, classes)
     # max and amax propagate NaN: one reduction where isnan().any() is two. A large batch
     # takes its predictions from the same max(-1) pass (same indices as argmax, ties and NaN
     # included), and the NaN check then reads only the row maxima; on a small one the extra
@@ -299,14 +299,10 @@ def host_confusion_cells(
     else:
         predicted, largest = None, scores.amax().item()
     screen_invalid(largest != largest, rejected, "preds", "scores without NaN")
-    labels = target.reshape(-1)
+    labels = target if target.ndim == 1 else target.reshape(-1)
     low, high = torch.aminmax(labels)
-    screen_invalid(
-        not (low.item() >= 0 and high.item() <= classes - 1),
-        rejected,
-        "target",
-        f"class indices in [0, {classes})",
-    )
+    if not (low.item() >= 0 and high.item() <= classes - 1):
+        screen_invalid(True, rejected, "target", f"class indices in [0, {classes})")
     if predicted is None:
         predicted = scores.argmax(-1)
     return torch.bincount(torch.add(predicted, labels, alpha=classes), minlength=classes**2)
