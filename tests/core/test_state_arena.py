@@ -310,3 +310,13 @@ def test_a_composition_moves_its_childrens_constants() -> None:
     ComposeMetric({"auroc": auroc, "pearson": pearson, "r2": r2}).to("meta")
     moved = [auroc._bins._edges, pearson._shift, r2._shift]
     assert [tensor.device.type for tensor in moved] == ["meta"] * 3
+
+
+def test_add_product_adds_a_matrix_vector_product_in_place() -> None:
+    counts = MetricAccumulator(torch.zeros(2, dtype=torch.int64))
+    matrix = torch.tensor([[1, 0, 2], [0, 1, 1]])
+    counts.add_product(matrix, torch.tensor([3, 4, 5]))
+    counts.add_product(matrix, torch.tensor([1, 1, 1]))
+    assert counts.local.tolist() == [16, 11]
+    with pytest.raises(ValueError, match="SUM"):
+        MetricAccumulator(0.0, ReduceOp.MAX).add_product(matrix, torch.ones(3))

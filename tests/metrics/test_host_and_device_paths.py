@@ -283,3 +283,50 @@ def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.Mon
         ):
             if expected.local.ndim:  # the state, not the rejected counter
                 assert torch.allclose(actual.local, expected.local, rtol=1e-12, atol=0), name
+
+
+@pytest.mark.parametrize("classes", [2, 10, 16, 17])
+def test_small_multiclass_host_counts_equal_the_device_path(
+    monkeypatch: pytest.MonkeyPatch, classes: int
+) -> None:
+    """The CPU shortcut for scores and class indices (``count_map``) counts as the device path."""
+    generator = torch.Generator().manual_seed(classes)
+    rows = (1 << 14) // classes + 1  # integer-valued scores: many ties
+    batches = [
+        (torch.randn(5, 3, classes, generator=generator), torch.randint(0, classes, (5, 3))),
+        (torch.randn(64, classes, generator=generator).half(), torch.randint(0, classes, (64,))),
+        (torch.randn(0, classes), torch.zeros(0, dtype=torch.int64)),
+        (torch.randn(7, classes, dtype=torch.float64), torch.randint(0, classes, (7,)).int()),
+        # Past _FUSED_MAX_ELEMENTS: predictions and the NaN check from one max(-1) pass.
+        (torch.randint(0, 3, (rows, classes)).float(), torch.randint(0, classes, (rows,))),
+    ]
+    counts = {}
+    for device_path in (False, True):
+        metric = confusion_count_metric().multiclass(classes).with_f1().macro().build()
+        if not device_path:
+            metric.to("cpu")  # states as views into the arena, as after any move
+        with _device_path(monkeypatch, on=device_path):
+            for preds, target in batches:
+                metric.update(preds, target)
+        counts[device_path] = metric.counts()
+    for name, value in counts[False].items():
+        assert torch.equal(value, counts[True][name]), name
+    assert int(counts[False]["tp"].sum() + counts[False]["fn"].sum()) == 5 * 3 + 64 + 7 + rows
+
+
+@pytest.mark.parametrize("rows", [6, (1 << 14) // 10 + 1])
+def test_small_multiclass_host_path_raises_before_counting(rows: int) -> None:
+    metric = confusion_count_metric().multiclass(10).with_f1().macro().build().to("cpu")
+    scores, labels = torch.randn(rows, 10), torch.randint(0, 10, (rows,))
+    metric.update(scores, labels)
+    before = {name: value.clone() for name, value in metric.counts().items()}
+    bad_scores = scores.clone()
+    bad_scores[rows // 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="preds: expected scores without NaN"):
+        metric.update(bad_scores, labels)
+    bad_labels = labels.clone()
+    bad_labels[-1] = 10
+    with pytest.raises(ValueError, match=r"target: expected class indices in \[0, 10\)"):
+        metric.update(scores, bad_labels)
+    for name, value in metric.counts().items():
+        assert torch.equal(value, before[name]), name

@@ -117,8 +117,13 @@ class MetricAccumulator:
         """
         if self._op is ReduceOp.SUM:
             self._target.add_(update)
-        elif update.dtype != self._target.dtype:
-            self.accumulate(update.to(self._target.dtype))  # out= may not narrow a type
+        elif (
+            update.dtype != self._target.dtype
+            and torch.promote_types(update.dtype, self._target.dtype) != self._target.dtype
+        ):
+            # out= may not narrow a type. A narrower update (float32 into a float64 state)
+            # needs no copy: maximum/minimum promote it exactly as .to() would.
+            self.accumulate(update.to(self._target.dtype))
             return
         elif self._op is ReduceOp.MAX:
             torch.maximum(self._target, update, out=self._target)  # NaN propagates
@@ -138,6 +143,21 @@ class MetricAccumulator:
         if self._op is not ReduceOp.SUM:
             raise ValueError(f"scatter_add needs a SUM accumulator, this one is {self._op.name}")
         self._target.index_add_(0, index.reshape(-1), source.reshape(-1).to(self._local.dtype))
+        self._freshness.current = False
+
+    def add_product(self, matrix: Tensor, vector: Tensor) -> None:
+        """Add ``matrix @ vector`` into a one-dimensional SUM state, in place.
+
+        One ``addmv_`` instead of a product and an ``add_`` (small CPU updates are dominated by
+        per-op dispatch). Integer dtypes are fine on CPU; CUDA has no integer ``addmv``.
+
+        Args:
+            matrix: ``(state size, K)``, the state's dtype.
+            vector: ``(K,)``, the state's dtype.
+        """
+        if self._op is not ReduceOp.SUM:
+            raise ValueError(f"add_product needs a SUM accumulator, this one is {self._op.name}")
+        self._target.addmv_(matrix, vector)
         self._freshness.current = False
 
     def sync(self, group: Group = None) -> None:

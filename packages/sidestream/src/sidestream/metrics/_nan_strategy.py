@@ -64,6 +64,11 @@ class NanPolicy:
         self._strategy = strategy
 
     @property
+    def disabled(self) -> bool:
+        """Whether NaN just propagates (``"disable"``): ``apply`` returns the values as they are."""
+        return self._strategy == "disable"
+
+    @property
     def checks(self) -> bool:
         """Whether NaN is bad input (``"error"``): the metric needs a rejected counter."""
         return self._strategy == "error"

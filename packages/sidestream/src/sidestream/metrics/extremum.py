@@ -35,6 +35,9 @@ class _ExtremumMetric(Metric[Tensor]):
         if tensor.numel() == 0:  # metadata only; amax of nothing is an error
             return
         reduce = torch.amax if self._op is ReduceOp.MAX else torch.amin
+        if self._nan.disabled:  # the default: nothing to screen, skip the policy's bookkeeping
+            self._extremum.accumulate(reduce(tensor))
+            return
         tensor, kept, keep = self._nan.apply(tensor, self._rejected, self._nan_count)
         identity = -math.inf if self._op is ReduceOp.MAX else math.inf
         if kept is not None:

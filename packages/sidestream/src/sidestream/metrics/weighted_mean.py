@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import Tensor
@@ -75,7 +76,7 @@ class WeightedMeanMetric(Metric[Tensor]):
             # A scalar always broadcasts; torch.broadcast_shapes is slow.
             check_broadcastable("weights", weights_t, values_t, "values")
         on_device = checks_stay_on_device(device)
-        if not (self._nan.checks and on_device):
+        if not self._nan.disabled and not (self._nan.checks and on_device):
             # CPU "error" raises here, naming values, before the state changes.
             values_t, kept, _ = self._nan.apply(values_t, self._rejected, self._nan_count)
             if kept is not None:  # nan_strategy="ignore": a NaN value's weight becomes 0
@@ -118,9 +119,25 @@ class WeightedMeanMetric(Metric[Tensor]):
         return self._weighted_sum.value / self._weight.value
 
 
-_CHUNK = 1 << 16
-"""Elements per chunk of a large CPU batch: float64 temporaries stay in cache and are reused
-by the allocator, instead of batch-sized buffers paged in on every update."""
+_CHUNK = 1 << 15
+"""Elements per chunk of a large CPU batch: the two chunk buffers (512 KiB in float64) stay in
+cache, instead of batch-sized float64 copies paged in on every update."""
+
+_buffers = threading.local()
+"""This thread's chunk buffers by (device, dtype), reused by every update: a fresh float64 chunk
+per step costs an allocation, and pages zeroed by the kernel when the allocator has returned
+them, which is slower than the arithmetic. Per thread, so two threads never share one."""
+
+
+def _chunk_buffers(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """This thread's ``(2, _CHUNK)`` buffer of ``dtype``: a values and a weights chunk."""
+    cache: dict[tuple[torch.device, torch.dtype], Tensor] | None = getattr(_buffers, "cache", None)
+    if cache is None:
+        cache = _buffers.cache = {}
+    pair = cache.get((device, dtype))
+    if pair is None:
+        pair = cache[(device, dtype)] = torch.empty(2, _CHUNK, dtype=dtype, device=device)
+    return pair
 
 
 def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -138,21 +155,44 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
         expanded = weights.to(dtype).expand(values.shape)
         weighted, total = (values.to(dtype) * expanded).sum(), expanded.sum()
         low = expanded.amin() if expanded.numel() else None
+    elif values.numel() <= _CHUNK:
+        # One chunk: no slicing and no stacking (their dispatches dominate small batches).
+        if values.dim() != 1:
+            values, weights = values.reshape(-1), weights.reshape(-1)
+        flat_weights = weights.to(dtype)
+        weighted = torch.dot(values.to(dtype), flat_weights)
+        total = flat_weights.sum()
+        low = flat_weights.amin() if flat_weights.numel() else None
     else:
-        flat_values, flat_weights = values.reshape(-1), weights.reshape(-1)
-        parts: list[tuple[Tensor, Tensor, Tensor]] = []
-        for start in range(0, flat_values.numel(), _CHUNK):
-            chunk = flat_weights[start : start + _CHUNK].to(dtype)
-            product = torch.dot(flat_values[start : start + _CHUNK].to(dtype), chunk)
-            parts.append((product, chunk.sum(), chunk.amin()))
-        if not parts:
-            zero = torch.zeros((), dtype=dtype, device=values.device)
-            return zero, zero
-        if len(parts) == 1:
-            weighted, total, low = parts[0]
-        else:
-            stacked = torch.stack([torch.stack(part) for part in parts])
-            weighted, total, low = stacked[:, 0].sum(), stacked[:, 1].sum(), stacked[:, 2].amin()
+        weighted, total, low = _chunked_sums(values.reshape(-1), weights.reshape(-1), dtype)
     if low is not None and not (float(low) >= 0 and math.isfinite(float(total))):
         raise ValueError("weights: expected finite values >= 0; this batch has values outside")
     return weighted, total
+
+
+def _chunked_sums(
+    values: Tensor, weights: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Dot product, weight total and smallest weight of two flat tensors longer than one chunk.
+
+    Each chunk is cast into this thread's buffers (``copy_`` converts in one pass), so the
+    products are exact in float64 (two float32 factors need 48 bits) with no batch-sized
+    float64 copy of either input.
+    """
+    pair = _chunk_buffers(values.device, dtype)
+    parts: list[Tensor] = []
+    # split: every chunk's view from one call, instead of two slicing calls per chunk.
+    chunks = zip(torch.split(values, _CHUNK), torch.split(weights, _CHUNK), strict=True)
+    for chunk_values, chunk_weights in chunks:
+        length = chunk_values.numel()
+        values_buffer, weights_buffer = pair[:, :length] if length < _CHUNK else pair
+        values_buffer.copy_(chunk_values)
+        weights_buffer.copy_(chunk_weights)
+        # Fresh scalars: the buffers are overwritten by the next chunk.
+        parts += (
+            torch.dot(values_buffer, weights_buffer),
+            weights_buffer.sum(),
+            weights_buffer.amin(),
+        )
+    stacked = torch.stack(parts).view(-1, 3)
+    return stacked[:, 0].sum(), stacked[:, 1].sum(), stacked[:, 2].amin()

@@ -23,7 +23,7 @@ def bin_index(scores: Tensor, num_bins: int) -> Tensor:
     out-of-range scores get a valid index too (their batch is screened out), so a bad value can
     never index out of bounds on the device.
     """
-    work = scores if scores.dtype == torch.float64 else scores.float()
+    work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
     return (work * _cpu_path.bin_scale(num_bins)).to(torch.int64).clamp_(0, num_bins - 1)
 
 

@@ -13,6 +13,8 @@ device), ``screen`` (the bad-value policy over several checks) and the per-probl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -30,6 +32,8 @@ __all__ = [
     "Check",
     "check_tensor",
     "confusion_counts",
+    "count_maps",
+    "host_confusion_cells",
     "label_flags",
     "multiclass_labels",
     "not_binary",
@@ -39,6 +43,13 @@ __all__ = [
 ]
 
 _SMALL_MATRIX_CLASSES = 64
+
+_MAPPED_CLASSES = 16
+
+_FUSED_MAX_ELEMENTS = 1 << 14
+"""From this many scores, ``host_confusion_cells`` takes predictions and the NaN check from one
+``max(-1)`` pass."""
+"""Up to this many classes the CPU path derives the four counts with ``count_map``."""
 
 Check = tuple[Tensor | bool, str, str]
 """``(invalid elements, argument name, what valid values look like)`` for one value check.
@@ -71,6 +82,8 @@ def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
     if not checks:
         return None
     flags = [invalid for invalid, _, _ in checks]
+    if all(flag is False for flag in flags):
+        return None  # every check already read on the host, and passed: the common case
     if any(isinstance(flag, bool) or not checks_stay_on_device(flag.device) for flag in flags):
         for invalid, argument, expected in checks:
             screen_invalid(invalid, rejected, argument, expected)
@@ -96,8 +109,13 @@ def not_binary(target: Tensor) -> Tensor | bool:
 
 def has_nan(scores: Tensor) -> Tensor | bool:
     """True if any score is NaN: a Python bool on the CPU path, else a 0-dim device bool."""
-    flag = torch.isnan(scores).any()
-    return bool(flag) if _cpu_path.enabled(scores.device) else flag
+    if _cpu_path.enabled(scores.device):
+        if not scores.numel():
+            return False
+        # amax propagates NaN: one reduction and a read, instead of a mask, any() and a read.
+        largest = scores.amax().item()
+        return largest != largest
+    return torch.isnan(scores).any()
 
 
 def _integer(tensor: Tensor) -> bool:
@@ -208,12 +226,22 @@ def _multiclass_counts(
     problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     classes = problem.num_classes
+    cells = host_confusion_cells(problem, preds, target, rejected)
+    if cells is not None:
+        tp, fp, fn, tn = torch.mv(count_map(classes), cells).view(4, classes).unbind()
+        return tp, fp, fn, tn
     predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
     if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
         # A C x C confusion matrix costs one counting pass over the samples; its diagonal,
         # column and row sums are tp, predicted and true counts.
         cell = torch.add(predicted.view(-1), labels, alpha=classes)
-        matrix = _cpu_path.count_indices(cell, classes * classes, weight).view(classes, classes)
+        cells = _cpu_path.count_indices(cell, classes * classes, weight)
+        if classes <= _MAPPED_CLASSES and _cpu_path.enabled(cells.device):
+            # All four counts are linear in the matrix: one small int64 matrix-vector product
+            # instead of eight reductions and differences (per-op dispatch dominates here).
+            tp, fp, fn, tn = torch.mv(count_map(classes), cells).view(4, classes).unbind()
+            return tp, fp, fn, tn
+        matrix = cells.view(classes, classes)
         tp = matrix.diagonal()
         predicted_count = matrix.sum(0)
         support = matrix.sum(1)
@@ -229,6 +257,85 @@ def _multiclass_counts(
     fp = predicted_count - tp
     fn = support - tp
     return tp, fp, fn, support.sum() - support - fp
+
+
+def host_confusion_cells(
+    problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
+) -> Tensor | None:
+    """The common small case on the CPU path, in as few ops as its checks allow.
+
+    Scores ``(N, ..., C)`` with ``C <= _MAPPED_CLASSES``, class-index targets, ``top_k == 1``
+    and no ``ignore_index``: what ``multiclass_labels`` and ``_multiclass_counts`` do, with
+    the same checks raising the same errors in the same order, minus their per-call generality
+    (which costs several times the arithmetic on small batches).
+
+    Returns:
+        The ``(C * C,)`` int64 confusion matrix of the batch, cell ``target * C + predicted``
+        (``count_map`` turns it into the four counts), or ``None`` for anything else (the
+        general path then handles it, and raises for a bad shape or dtype).
+    """
+    classes = problem.num_classes
+    if (
+        problem.top_k != 1
+        or problem.ignore_index is not None
+        or classes > _MAPPED_CLASSES
+        or not preds.is_floating_point()
+        or preds.ndim < 1
+        or preds.shape[-1] != classes
+        or target.shape != preds.shape[:-1]
+        or not _integer(target)
+        or not preds.numel()
+        or not _cpu_path.enabled(preds.device)
+    ):
+        return None
+    scores = preds if preds.ndim == 2 else preds.reshape(-1, classes)
+    # max and amax propagate NaN: one reduction where isnan().any() is two. A large batch
+    # takes its predictions from the same max(-1) pass (same indices as argmax, ties and NaN
+    # included), and the NaN check then reads only the row maxima; on a small one the extra
+    # output of max(-1) costs more than a second pass.
+    if scores.numel() >= _FUSED_MAX_ELEMENTS:
+        row_largest, predicted = scores.max(-1)
+        largest = row_largest.amax().item()
+    else:
+        predicted, largest = None, scores.amax().item()
+    screen_invalid(largest != largest, rejected, "preds", "scores without NaN")
+    labels = target if target.ndim == 1 else target.reshape(-1)
+    low, high = torch.aminmax(labels)
+    if not (low.item() >= 0 and high.item() <= classes - 1):
+        screen_invalid(True, rejected, "target", f"class indices in [0, {classes})")
+    if predicted is None:
+        predicted = scores.argmax(-1)
+    return torch.bincount(torch.add(predicted, labels, alpha=classes), minlength=classes**2)
+
+
+@functools.cache
+def count_map(classes: int) -> Tensor:
+    """The int64 ``(4C, C*C)`` CPU map from a flattened confusion matrix to ``(tp, fp, fn, tn)``.
+
+    Cell ``target * C + predicted`` counts for class ``c`` as a true positive when both are
+    ``c``, a false positive when only the prediction is, a false negative when only the target
+    is and a true negative when neither is. Cached per class count (64 KiB at most); never
+    written to.
+    """
+    index = torch.arange(classes)
+    target = index.repeat_interleave(classes)  # the row of each cell
+    predicted = index.repeat(classes)  # its column
+    is_target = target == index.unsqueeze(1)  # (C, C*C): is cell's target class c
+    is_predicted = predicted == index.unsqueeze(1)
+    stacked = (
+        is_target & is_predicted,
+        ~is_target & is_predicted,
+        is_target & ~is_predicted,
+        ~is_target & ~is_predicted,
+    )
+    return torch.cat(stacked).to(torch.int64)
+
+
+@functools.cache
+def count_maps(classes: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``count_map``'s four ``(C, C*C)`` blocks: the maps to tp, fp, fn and tn alone."""
+    tp, fp, fn, tn = count_map(classes).view(4, classes, classes * classes).unbind()
+    return tp, fp, fn, tn
 
 
 def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:

@@ -9,7 +9,12 @@ from torch import Tensor
 
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification._average import Average, average_statistic, check_average
-from sidestream.metrics.classification._inputs import check_tensor, confusion_counts
+from sidestream.metrics.classification._inputs import (
+    check_tensor,
+    confusion_counts,
+    count_maps,
+    host_confusion_cells,
+)
 from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.metrics.classification.statistics import Counts, Statistic
 from sidestream.state import MetricAccumulator
@@ -108,6 +113,14 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
         device = self._tp.device
         preds_t = check_tensor("preds", preds, device)
         target_t = check_tensor("target", target, device)
+        cells = host_confusion_cells(self._problem, preds_t, target_t, self._rejected)
+        if cells is not None:
+            # The small CPU case: each count straight from the batch's confusion matrix, one
+            # addmv_ per state, no intermediate count tensors.
+            states = (self._tp, self._fp, self._fn, self._tn)
+            for state, block in zip(states, count_maps(self._problem.num_classes), strict=True):
+                state.add_product(block, cells)
+            return
         tp, fp, fn, tn = confusion_counts(self._problem, preds_t, target_t, self._rejected)
         self._tp.accumulate(tp)
         self._fp.accumulate(fp)

@@ -201,6 +201,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
             positive = labels.unsqueeze(1) == torch.arange(classes, device=self.device)
             if weight is not None:
                 weight = weight.unsqueeze(1).expand(positive.shape)
+        elif cpu_path and not labels.is_floating_point():
+            # Checked on the host to be 0/1 (or bool) already: the labels are the flags.
+            positive = labels
         else:
             # Compared, not used as is: a dropped batch may hold any target value.
             positive = labels == 1
@@ -208,7 +211,8 @@ class RankingMetric(ScreenedMetric[Tensor]):
         index = self._bins.index(scores)
         if classes > 1:
             index.add_(torch.arange(0, classes * bins, bins, device=self.device))
-        index.add_(positive.to(torch.int64), alpha=classes * bins)
+        # add_ promotes bool and narrower integer flags itself: no int64 copy first.
+        index.add_(positive, alpha=classes * bins)
         if weight is None:
             source = torch.ones((), dtype=torch.int64, device=self.device).expand(index.shape)
         else:

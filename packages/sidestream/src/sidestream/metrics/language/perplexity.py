@@ -115,7 +115,8 @@ class PerplexityMetric(Metric[Tensor]):
         ignore = self._ignore_index
         ignored = 0
         if flat.numel():
-            low, high = (int(v) for v in torch.aminmax(flat))
+            smallest, largest = torch.aminmax(flat)
+            low, high = smallest.item(), largest.item()
             if low < 0 or high >= vocab or (ignore is not None and low <= ignore <= high):
                 is_ignored = (
                     flat == ignore
@@ -129,15 +130,19 @@ class PerplexityMetric(Metric[Tensor]):
                         "this batch has values outside"
                     )
                 ignored = int(is_ignored.sum())
-        work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        scores = logits.reshape(-1, vocab)
+        if scores.dtype not in (torch.float32, torch.float64):
+            scores = scores.float()  # skipped when already fine: each no-op call costs a dispatch
+        ids = flat if flat.dtype == torch.int64 else flat.long()
         nll = F.cross_entropy(
-            logits.reshape(-1, vocab).to(work_dtype),
-            flat.to(torch.int64),
+            scores,
+            ids,
             ignore_index=-100 if ignore is None else ignore,  # None: no -100 got past the check
             reduction="none",
         )
         self._nll.accumulate(nll.sum(dtype=torch.float64))
-        counted = torch.tensor(float(flat.numel() - ignored), dtype=torch.float64, device="cpu")
+        # full, not torch.tensor: a fill, without parsing a Python object into a tensor.
+        counted = torch.full((), float(flat.numel() - ignored), dtype=torch.float64)
         self._tokens.accumulate(counted)
 
     def _update_losses(self, losses: Tensor, weights: Tensor | float) -> None:
