@@ -93,6 +93,9 @@ def main() -> None:
             print(f"epoch {epoch}: token-weighted loss {float(epoch_loss)!r}")
 
     if distributed:
+        # Free DDP before its process group: freed later (at exit) it destroys the group from
+        # a path that holds the GIL and can deadlock with gloo's worker threads.
+        del model
         dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 from typing import TypeAlias
@@ -87,6 +88,8 @@ def check_process_group(where: str) -> None:
 # the GIL, and both wait for ever. Works dropped from here go on the thread that drops them,
 # long after the worker let go. The cap bounds what this keeps alive (small packed buffers).
 _RECENT_WORKS: collections.deque[dist.Work] = collections.deque(maxlen=64)
+# Freed while the interpreter is whole, on the main thread, not during its teardown.
+atexit.register(_RECENT_WORKS.clear)
 
 
 def retain_work(work: dist.Work | None) -> dist.Work | None:
