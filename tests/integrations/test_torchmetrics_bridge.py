@@ -190,6 +190,22 @@ def test_unsupported_states_are_refused_by_name(metric: Any, message: str) -> No
         wrap(np.zeros(3))  # type: ignore[arg-type]
 
 
+def test_an_updated_metric_is_refused_not_emptied() -> None:
+    """Wrapping drops torchmetrics' state: an updated metric raises instead of reading 0."""
+    used = torchmetrics.SumMetric()
+    used.update(torch.tensor(5.0))
+    with pytest.raises(ValueError, match=r"metric: SumMetric was already updated.*reset\(\)"):
+        wrap(used)
+    member = BinaryAccuracy()
+    member.update(torch.tensor([0.9]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="BinaryAccuracy was already updated"):
+        wrap(torchmetrics.MetricCollection({"fresh": torchmetrics.MeanMetric(), "used": member}))
+    used.reset()
+    wrapped = wrap(used)  # reset first: accepted, and counts from zero
+    wrapped.update(torch.tensor(2.0))
+    assert wrapped.compute().item() == 2.0
+
+
 def test_binned_curves_wrap() -> None:
     """torchmetrics' binned AUROC keeps sum states: it goes through the bridge."""
     generator = torch.Generator().manual_seed(0)
