@@ -45,7 +45,11 @@ class WandbSink(TrackerSink):
     new ``offline-run-*-<id>`` directory with the same run id; ``wandb sync`` the directories in
     order to join them. Steps delivered after the checkpoint was taken are skipped either way:
     the sink keeps each stream's last logged step in ``sidestream-steps.json`` in the run's
-    directory (outside ``files/``, so it is not uploaded) and reads it back on resume.
+    directory (outside ``files/``, so it is not uploaded), written once ``finish`` returned,
+    and reads it back on resume. wandb holds logged rows in memory until ``finish`` (or until
+    its write buffer fills), so a job that crashes loses its unfinished run's rows in W&B,
+    those before its last checkpoint included; the resumed job logs every step after the
+    checkpoint again.
 
     Args:
         project: W&B project.
@@ -208,13 +212,15 @@ class WandbSink(TrackerSink):
                 raise failure  # outside the handler: the original is not chained as context
             self.mark_sent(report)
             self._logged[report.stream] = report.step
-        self._write_progress()
 
-    def _write_progress(self) -> None:
-        """Record each stream's last logged step next to the run (read back on resume)."""
-        run_dir = self.run_dir
-        if run_dir is None:
-            return
+    def _write_progress(self, run_dir: str) -> None:
+        """Record each stream's last logged step next to the run (read back on resume).
+
+        Written once ``finish`` has returned, never from ``send``: wandb keeps logged rows in
+        memory until its write buffer fills or the run finishes (wandb 0.31 offline writes no
+        row of a short run before ``finish``), so a crashed job's rows are lost, and a progress
+        file written at ``send`` would make the resumed job skip the steps it could log again.
+        """
         path = Path(run_dir) / PROGRESS_FILE
         try:
             temporary = path.with_suffix(".tmp")
@@ -266,7 +272,11 @@ class WandbSink(TrackerSink):
         if self._run is None:
             return True
         active, self._run = self._run, None
-        return self.within(active.finish, timeout, "finish")
+        run_dir = str(active.dir).removesuffix("/files")
+        finished = self.within(active.finish, timeout, "finish")
+        if finished:
+            self._write_progress(run_dir)  # the rows are written now: a resume may skip them
+        return finished
 
 
 def _read_progress(run_dir: str | None) -> dict[str, int]:
