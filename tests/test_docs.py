@@ -20,9 +20,14 @@ EXAMPLES = [
 ]
 
 
+# Examples that start a child process (a ProcessSink) only work as a guarded script: a user
+# copies them into a file, so they are run as one.
+STARTS_PROCESSES = ('if __name__ == "__main__":', "ProcessSink", '"child_process": True')
+
+
 @pytest.mark.parametrize("code", EXAMPLES)
 def test_example_runs(code: str, tmp_path: Path) -> None:
-    if 'if __name__ == "__main__":' not in code:
+    if not any(marker in code for marker in STARTS_PROCESSES):
         exec(compile(code, "<docs>", "exec"), {"__name__": "docs_example"})
         return
     # A script that starts processes: run it as one, so its functions can be pickled.
