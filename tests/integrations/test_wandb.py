@@ -192,3 +192,14 @@ def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path:
     assert [(row.items["step"], row.items["loss"]) for row in rows] == [
         (step, float(step)) for step in range(5, 12)
     ]
+
+
+def test_a_mode_wandb_rejects_fails_when_the_sink_is_built() -> None:
+    """Not at open on rank 0 after training started, where it fails the sink for the job."""
+    from sidestream.sinks import sinks_from_config
+
+    with pytest.raises(ValueError, match=r"mode: wandb does not take 'ofline' .*'offline'"):
+        WandbSink(project="sidestream-it", mode="ofline")
+    with pytest.raises(ValueError, match=r"mode: wandb does not take 'ofline'"):
+        sinks_from_config({"wandb": {"project": "sidestream-it", "mode": "ofline"}})
+    assert WandbSink(project="sidestream-it", mode="offline").run_id is None

@@ -77,6 +77,8 @@ class WandbSink(TrackerSink):
         if project is not None:
             self._init_kwargs["project"] = project
         self._histogram_edges = dict(histogram_edges or {})
+        if "mode" in self._init_kwargs:
+            _check_mode(self._init_kwargs["mode"])
         self._run: Any = None
         self._run_id: str | None = self._init_kwargs.pop("id", None)
         self._defined: set[str] = set()  # names given a step metric with define_metric
@@ -293,6 +295,27 @@ def _read_progress(run_dir: str | None) -> dict[str, int]:
         for stream, step in saved.items()
         if isinstance(step, int) and not isinstance(step, bool)
     }
+
+
+def _check_mode(mode: object) -> None:
+    """Refuse a ``mode`` wandb would reject, when the sink is built rather than at ``open``.
+
+    ``open`` runs on rank 0 only, once training has started, and a rejected ``wandb.init``
+    fails the sink for the whole job; wandb's own ``Settings`` check costs nothing here.
+    """
+    try:
+        import wandb
+    except ImportError:
+        return  # reported by check_available / open, with the install command
+    try:
+        wandb.Settings(mode=mode)  # type: ignore[arg-type]  # checking it is the point
+    except ValueError as error:  # pydantic's ValidationError
+        lines = [line.strip() for line in str(error).splitlines()]
+        detail = next((line for line in lines if line.startswith("Input should")), lines[0])
+        raise ValueError(
+            f"mode: wandb does not take {mode!r} ({detail.split(' [type=')[0]}); pass "
+            "mode='online', 'offline' or 'disabled'"
+        ) from None
 
 
 def step_metric(stream: str) -> str:
