@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -20,10 +22,42 @@ EXAMPLES = [
 ]
 
 
+# Examples that start a child process (a ProcessSink) only work as a guarded script: a user
+# copies them into a file, so they are run as one.
+STARTS_PROCESSES = ('if __name__ == "__main__":', "ProcessSink", '"child_process": True')
+
+
+PRINTED_DICT = re.compile(r"print\(.*\)\s+# (\{.*)")
+
+
+def _dict_claims(code: str) -> list[str]:
+    """The ``{...}`` a ``print(...)  # {...}`` line says it prints (up to its closing brace)."""
+    claims = []
+    for match in PRINTED_DICT.finditer(code):
+        text, depth = match.group(1), 0
+        for end, char in enumerate(text):
+            depth += {"{": 1, "}": -1}.get(char, 0)
+            if depth == 0:
+                claims.append(text[: end + 1])
+                break
+    return claims
+
+
+def _check_dict_claims(code: str, stdout: str) -> None:
+    """Each printed dict claim matches a printed line, ``...`` standing for anything."""
+    lines = stdout.splitlines()
+    for claim in _dict_claims(code):
+        pattern = re.compile(".*?".join(re.escape(part) for part in claim.split("...")))
+        assert any(pattern.fullmatch(line) for line in lines), (claim, stdout[-2000:])
+
+
 @pytest.mark.parametrize("code", EXAMPLES)
 def test_example_runs(code: str, tmp_path: Path) -> None:
-    if 'if __name__ == "__main__":' not in code:
-        exec(compile(code, "<docs>", "exec"), {"__name__": "docs_example"})
+    if not any(marker in code for marker in STARTS_PROCESSES):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, "<docs>", "exec"), {"__name__": "docs_example"})
+        _check_dict_claims(code, printed.getvalue())
         return
     # A script that starts processes: run it as one, so its functions can be pickled.
     script = tmp_path / "example.py"
@@ -37,6 +71,7 @@ def test_example_runs(code: str, tmp_path: Path) -> None:
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    _check_dict_claims(code, done.stdout)
 
 
 # The nav, read without a YAML parser (the tests session does not install mkdocs): every

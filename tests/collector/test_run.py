@@ -143,6 +143,16 @@ def test_one_sink_belongs_to_one_run(tmp_path: Path) -> None:
         Run(["jsonl"])  # type: ignore[list-item]
 
 
+@pytest.mark.filterwarnings("error")
+def test_log_reads_a_tensor_that_requires_grad_without_a_warning(tmp_path: Path) -> None:
+    """A loss straight from the graph logs as the GPU path does: detached, no UserWarning."""
+    path = tmp_path / "run.jsonl"
+    with Run([JsonlSink(path)]) as run:
+        loss = torch.tensor(1.5, requires_grad=True) * 2
+        run.log(1, {"loss": loss})
+    assert [r["values"] for r in read_jsonl(path)] == [{"loss": 3.0}]
+
+
 def test_stream_names_and_log_arguments_are_checked() -> None:
     run = Run([RecordingSink()])
     run.collector(MeanMetric(), prefix="train")

@@ -190,6 +190,41 @@ def test_unsupported_states_are_refused_by_name(metric: Any, message: str) -> No
         wrap(np.zeros(3))  # type: ignore[arg-type]
 
 
+def test_an_updated_metric_is_refused_not_emptied() -> None:
+    """Wrapping drops torchmetrics' state: an updated metric raises instead of reading 0."""
+    used = torchmetrics.SumMetric()
+    used.update(torch.tensor(5.0))
+    with pytest.raises(ValueError, match=r"metric: SumMetric was already updated.*reset\(\)"):
+        wrap(used)
+    member = BinaryAccuracy()
+    member.update(torch.tensor([0.9]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="BinaryAccuracy was already updated"):
+        wrap(torchmetrics.MetricCollection({"fresh": torchmetrics.MeanMetric(), "used": member}))
+    used.reset()
+    wrapped = wrap(used)  # reset first: accepted, and counts from zero
+    wrapped.update(torch.tensor(2.0))
+    assert wrapped.compute().item() == 2.0
+
+
+def test_collection_update_gives_each_member_its_own_keywords() -> None:
+    """As ``MetricCollection.update``: ``value=`` reaches the mean, not the classifier."""
+
+    def collection() -> torchmetrics.MetricCollection:
+        return torchmetrics.MetricCollection(
+            {"acc": BinaryAccuracy(), "mean": torchmetrics.MeanMetric()}
+        )
+
+    preds, target = torch.tensor([0.9, 0.1, 0.8]), torch.tensor([1, 0, 0])
+    plain, wrapped = collection(), wrap(collection())
+    plain.update(preds=preds, target=target, value=preds)
+    wrapped.update(preds=preds, target=target, value=preds)
+    expected = plain.compute()
+    got = wrapped.compute()
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].item() == pytest.approx(value.item())
+
+
 def test_binned_curves_wrap() -> None:
     """torchmetrics' binned AUROC keeps sum states: it goes through the bridge."""
     generator = torch.Generator().manual_seed(0)

@@ -137,3 +137,69 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
     written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]
     assert all(key.encode() not in content for content in written)
     assert key not in repr(state) + repr(sink) + caplog.text
+
+
+_CRASHING_JOB = """
+import json, os, sys, time
+from sidestream.sinks import Report, RunInfo
+from sidestream_wandb import WandbSink
+
+sink = WandbSink(project="sidestream-it", mode="offline", dir=sys.argv[1])
+sink.open(RunInfo(name="crash"))
+for step in range(5):
+    sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+with open(sys.argv[2], "w") as out:
+    json.dump(sink.state_dict(), out)  # the checkpoint: steps 0 to 4 delivered
+for step in range(5, 10):
+    sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+time.sleep(1)
+os._exit(1)  # killed: the run never finishes
+"""
+
+
+def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path: Path) -> None:
+    """wandb holds rows in memory until finish: a crash loses them, so the resumed job must
+    log the steps after the checkpoint again (the progress file claimed them delivered)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script, saved = tmp_path / "job.py", tmp_path / "checkpoint.json"
+    script.write_text(_CRASHING_JOB)
+    # Its own wandb service (not this process's, named in WANDB_SERVICE), as a real job has.
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(saved)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    checkpoint = json.loads(saved.read_text())
+    assert checkpoint["last_steps"] == {"": 4}
+
+    resumed = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="crash"))
+    for step in range(3, 12):  # the job repeats steps 3 to 9 from its checkpoint
+        resumed.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+    run_dir = resumed.run_dir
+    assert resumed.close(timeout=60) and run_dir is not None
+    rows = _history(_data_file(run_dir))
+    assert [(row.items["step"], row.items["loss"]) for row in rows] == [
+        (step, float(step)) for step in range(5, 12)
+    ]
+
+
+def test_a_mode_wandb_rejects_fails_when_the_sink_is_built() -> None:
+    """Not at open on rank 0 after training started, where it fails the sink for the job."""
+    from sidestream.sinks import sinks_from_config
+
+    with pytest.raises(ValueError, match=r"mode: wandb does not take 'ofline' .*'offline'"):
+        WandbSink(project="sidestream-it", mode="ofline")
+    with pytest.raises(ValueError, match=r"mode: wandb does not take 'ofline'"):
+        sinks_from_config({"wandb": {"project": "sidestream-it", "mode": "ofline"}})
+    assert WandbSink(project="sidestream-it", mode="offline").run_id is None

@@ -157,6 +157,30 @@ def test_multidim_inputs_with_ignore_index() -> None:
     _close(binary.compute(), average_precision_score(flat_target[kept], flat_scores[kept]))
 
 
+def test_large_logits_rank_as_the_logits_not_a_saturated_sigmoid() -> None:
+    """float32 ``sigmoid`` is 1.0 above about 17: exact mode ranks by the logits themselves."""
+    generator = torch.Generator().manual_seed(0)
+    target = torch.randint(0, 2, (2000,), generator=generator)
+    logits = torch.randn(2000, generator=generator) * 3 + 20 + target  # float32, mostly > 17
+    for cls, reference in (
+        (BinaryAUROCMetric, roc_auc_score),
+        (BinaryAveragePrecisionMetric, average_precision_score),
+    ):
+        metric = cls(exact=True, logits=True)
+        metric.update(logits[:700], target[:700])
+        metric.update(logits[700:], target[700:])
+        assert float(metric.compute()) == pytest.approx(reference(target, logits), abs=1e-12)
+    partial = BinaryAUROCMetric(exact=True, logits=True, max_fpr=0.2)
+    partial.update(logits, target)
+    expected = roc_auc_score(target, logits, max_fpr=0.2)
+    assert float(partial.compute()) == pytest.approx(expected, abs=1e-12)
+    labels = target.reshape(1000, 2)
+    multilabel = MultilabelAUROCMetric(2, exact=True, logits=True, average="micro")
+    multilabel.update(logits.reshape(1000, 2), labels)
+    expected = roc_auc_score(labels.reshape(-1), logits)
+    assert float(multilabel.compute()) == pytest.approx(expected, abs=1e-12)
+
+
 def test_undefined_and_empty_are_nan() -> None:
     metric = BinaryAUROCMetric(exact=True)
     assert metric.compute().isnan()

@@ -32,9 +32,14 @@ class TorchmetricsCollection(ComposeMetric):
         self._collection = collection
 
     def update(self, *args: Any, **kwargs: Any) -> None:
-        """Update every member with the same arguments. No communication."""
+        """Update every member with the same arguments. No communication.
+
+        As ``MetricCollection.update``, each member gets only the keyword arguments its
+        ``update`` takes (``preds=``/``target=`` for a classifier, ``value=`` for a mean).
+        """
         for _, child in self.items():
-            child.update(*args, **kwargs)
+            assert isinstance(child, TorchmetricsMetric)
+            child.update(*args, **child.torchmetrics._filter_kwargs(**kwargs))
 
     def compute(self) -> dict[str, Any]:
         """``{name: value}``, names with the collection's prefix and postfix."""

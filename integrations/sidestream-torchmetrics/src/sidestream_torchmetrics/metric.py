@@ -83,11 +83,20 @@ class TorchmetricsMetric(Metric[Any]):
             averages, is not reduced, or uses a callable reduction, with the sidestream metric
             to use instead where there is one.
         TypeError: If ``metric`` is not a torchmetrics ``Metric``.
+        ValueError: If ``metric`` was already updated (its state would be dropped).
     """
 
     def __init__(self, metric: TorchmetricsBase) -> None:
         if not isinstance(metric, TorchmetricsBase):
             raise TypeError(f"metric: expected a torchmetrics Metric, got {type(metric)}")
+        if metric._update_count:
+            # Its accumulated state would be dropped: the wrapper starts from the defaults.
+            raise ValueError(
+                f"metric: {type(metric).__name__} was already updated "
+                f"({metric._update_count} update(s)); wrap a fresh metric (or call its "
+                f"reset() first): the wrapper starts from torchmetrics' default states and "
+                f"would silently drop what it accumulated"
+            )
         ops = {name: _state_op(metric, name) for name in metric._defaults}
         # torchmetrics must never issue collectives of its own: sidestream syncs the states.
         metric.sync_on_compute = False

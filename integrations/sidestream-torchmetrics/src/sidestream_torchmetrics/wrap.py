@@ -29,6 +29,7 @@ def wrap(metric: TorchmetricsBase | MetricCollection) -> Metric[Any]:
     Raises:
         UnsupportedStateError: Naming a state that concatenates samples, averages across ranks,
             is not reduced or uses a callable reduction, with the sidestream equivalent.
+        ValueError: If a metric was already updated: wrap it fresh, or ``reset()`` it first.
         TypeError: For anything else.
 
     Example:

@@ -45,7 +45,11 @@ class WandbSink(TrackerSink):
     new ``offline-run-*-<id>`` directory with the same run id; ``wandb sync`` the directories in
     order to join them. Steps delivered after the checkpoint was taken are skipped either way:
     the sink keeps each stream's last logged step in ``sidestream-steps.json`` in the run's
-    directory (outside ``files/``, so it is not uploaded) and reads it back on resume.
+    directory (outside ``files/``, so it is not uploaded), written once ``finish`` returned,
+    and reads it back on resume. wandb holds logged rows in memory until ``finish`` (or until
+    its write buffer fills), so a job that crashes loses its unfinished run's rows in W&B,
+    those before its last checkpoint included; the resumed job logs every step after the
+    checkpoint again.
 
     Args:
         project: W&B project.
@@ -73,6 +77,8 @@ class WandbSink(TrackerSink):
         if project is not None:
             self._init_kwargs["project"] = project
         self._histogram_edges = dict(histogram_edges or {})
+        if "mode" in self._init_kwargs:
+            _check_mode(self._init_kwargs["mode"])
         self._run: Any = None
         self._run_id: str | None = self._init_kwargs.pop("id", None)
         self._defined: set[str] = set()  # names given a step metric with define_metric
@@ -208,13 +214,15 @@ class WandbSink(TrackerSink):
                 raise failure  # outside the handler: the original is not chained as context
             self.mark_sent(report)
             self._logged[report.stream] = report.step
-        self._write_progress()
 
-    def _write_progress(self) -> None:
-        """Record each stream's last logged step next to the run (read back on resume)."""
-        run_dir = self.run_dir
-        if run_dir is None:
-            return
+    def _write_progress(self, run_dir: str) -> None:
+        """Record each stream's last logged step next to the run (read back on resume).
+
+        Written once ``finish`` has returned, never from ``send``: wandb keeps logged rows in
+        memory until its write buffer fills or the run finishes (wandb 0.31 offline writes no
+        row of a short run before ``finish``), so a crashed job's rows are lost, and a progress
+        file written at ``send`` would make the resumed job skip the steps it could log again.
+        """
         path = Path(run_dir) / PROGRESS_FILE
         try:
             temporary = path.with_suffix(".tmp")
@@ -266,7 +274,11 @@ class WandbSink(TrackerSink):
         if self._run is None:
             return True
         active, self._run = self._run, None
-        return self.within(active.finish, timeout, "finish")
+        run_dir = str(active.dir).removesuffix("/files")
+        finished = self.within(active.finish, timeout, "finish")
+        if finished:
+            self._write_progress(run_dir)  # the rows are written now: a resume may skip them
+        return finished
 
 
 def _read_progress(run_dir: str | None) -> dict[str, int]:
@@ -283,6 +295,27 @@ def _read_progress(run_dir: str | None) -> dict[str, int]:
         for stream, step in saved.items()
         if isinstance(step, int) and not isinstance(step, bool)
     }
+
+
+def _check_mode(mode: object) -> None:
+    """Refuse a ``mode`` wandb would reject, when the sink is built rather than at ``open``.
+
+    ``open`` runs on rank 0 only, once training has started, and a rejected ``wandb.init``
+    fails the sink for the whole job; wandb's own ``Settings`` check costs nothing here.
+    """
+    try:
+        import wandb
+    except ImportError:
+        return  # reported by check_available / open, with the install command
+    try:
+        wandb.Settings(mode=mode)  # type: ignore[arg-type]  # checking it is the point
+    except ValueError as error:  # pydantic's ValidationError
+        lines = [line.strip() for line in str(error).splitlines()]
+        detail = next((line for line in lines if line.startswith("Input should")), lines[0])
+        raise ValueError(
+            f"mode: wandb does not take {mode!r} ({detail.split(' [type=')[0]}); pass "
+            "mode='online', 'offline' or 'disabled'"
+        ) from None
 
 
 def step_metric(stream: str) -> str:

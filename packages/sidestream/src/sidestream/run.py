@@ -221,7 +221,8 @@ class Run:
                 if value.is_cuda:
                     on_gpu.append((name, value))
                 else:
-                    numbers[name] = float(value)
+                    # detach: a loss that requires grad is read without torch's warning
+                    numbers[name] = float(value.detach())
             elif isinstance(value, Real) and not isinstance(value, bool):
                 # numbers.Real: Python numbers and numpy scalars (np.float32 is no float).
                 numbers[name] = float(value)

@@ -66,6 +66,8 @@ def score_batch(
     target: object,
     device: torch.device,
     rejected: MetricAccumulator,
+    *,
+    exact: bool = False,
 ) -> ScoreBatch | None:
     """Check and flatten one update's ``(preds, target)``; ``None`` for an empty batch.
 
@@ -73,6 +75,11 @@ def score_batch(
     class indices ``(N, ...)``. Multilabel: scores ``(N, L, ...)`` and 0/1 targets of that
     shape. With ``problem.logits`` the scores go through a sigmoid (binary, multilabel) or a
     softmax over ``C`` (multiclass) first.
+
+    With ``exact`` (the stored scores of an exact ranking metric, whose value depends only on
+    their order) the transform runs in float64 and binary and multilabel scores are returned
+    as the logits themselves: a float32 sigmoid rounds every logit above about 17 to 1.0, which
+    would tie samples the logits order (the sigmoid is monotone, so the logits rank alike).
 
     Raises:
         TypeError: On a non-tensor or a wrong dtype.
@@ -85,9 +92,17 @@ def score_batch(
     scores, labels = _rows(problem, preds_t, target_t)
     if scores.numel() == 0:
         return None
+    ranked: Tensor | None = None  # what an exact metric stores, if not the probabilities
     if problem.logits:
-        work = scores if scores.dtype == torch.float64 else scores.float()
-        scores = work.softmax(-1) if problem.kind is ProblemKind.MULTICLASS else work.sigmoid()
+        if exact:
+            work = scores.to(torch.float64)
+        else:
+            work = scores if scores.dtype == torch.float64 else scores.float()
+        if problem.kind is ProblemKind.MULTICLASS:
+            scores = work.softmax(-1)
+        else:
+            scores = work.sigmoid()
+            ranked = work if exact else None
         expected = "finite logits (NaN or +inf in a softmax row is not)"
     else:
         expected = "probabilities in [0, 1] (pass logits=True for logits)"
@@ -115,4 +130,4 @@ def score_batch(
         # Dropped batches may hold anything: keep indices in range.
         if problem.kind is ProblemKind.MULTICLASS:
             labels = labels.clamp(0, problem.num_classes - 1)
-    return ScoreBatch(scores, labels, weight)
+    return ScoreBatch(scores if ranked is None else ranked, labels, weight)

@@ -184,7 +184,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
                 ``[0, 1]`` / NaN or a target outside its range. On CUDA such a batch is dropped
                 and counted in ``rejected_updates`` instead.
         """
-        batch = score_batch(self._problem, preds, target, self.device, self._rejected)
+        batch = score_batch(
+            self._problem, preds, target, self.device, self._rejected, exact=self._exact
+        )
         if batch is None:
             return
         if self._exact:
