@@ -357,7 +357,10 @@ class _GatherCheck:
         self._host: Tensor | None = None
 
     def queue(self) -> None:
-        self._host = _to_host(self._gathered)
+        # Off CUDA the gathered rows are read in place: the check runs before the program may
+        # start again (wait, or verify before the next start), so no copy is needed.
+        cpu = self._gathered.device.type == "cpu"
+        self._host = self._gathered if cpu else _to_host(self._gathered)
 
     def check(self) -> None:
         assert self._host is not None
@@ -735,16 +738,27 @@ def _unstage(segment: _Segment, view: Tensor, result: Tensor) -> None:
 
 def _reduce_rows(per_rank: Tensor, op: ReduceOp, out: Tensor) -> None:
     """Reduce the gathered ``(ranks, elements)`` rows of one state into ``out``, exactly."""
+    # Where ``out`` has the reduction's dtype (and is contiguous) it is written in place: one
+    # tensor op instead of a reduction plus a copy.
+    direct = out.is_contiguous()
     if per_rank.dtype == torch.bool:
-        if op is ReduceOp.MIN:
-            out.copy_(per_rank.all(dim=0))
+        reduce = torch.all if op is ReduceOp.MIN else torch.any  # any: a sum of flags is nonzero
+        if direct and out.dtype == torch.bool:
+            reduce(per_rank, dim=0, out=out)
         else:
-            out.copy_(per_rank.any(dim=0))  # a sum of flags is nonzero exactly when one is set
+            out.copy_(reduce(per_rank, dim=0))
     elif op is ReduceOp.SUM:
         wide = torch.float64 if per_rank.is_floating_point() else torch.int64
-        out.copy_(per_rank.sum(dim=0, dtype=wide))
+        if direct and out.dtype == wide:
+            torch.sum(per_rank, dim=0, dtype=wide, out=out)
+        else:
+            out.copy_(per_rank.sum(dim=0, dtype=wide))
     else:
-        out.copy_(per_rank.amax(dim=0) if op is ReduceOp.MAX else per_rank.amin(dim=0))
+        extreme = torch.amax if op is ReduceOp.MAX else torch.amin
+        if direct and out.dtype == per_rank.dtype:
+            extreme(per_rank, dim=0, out=out)
+        else:
+            out.copy_(extreme(per_rank, dim=0))
 
 
 def _all_gather_single(
