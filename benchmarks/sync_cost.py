@@ -183,7 +183,9 @@ def _measure() -> dict[str, Any]:
     gathered = torch.empty(packed * dist.get_world_size(), dtype=torch.uint8)
 
     def bare() -> None:
-        sync_module._all_gather_single(gathered, send, None, async_op=False)
+        work = sync_module._all_gather_single(gathered, send, None)  # always async: wait here
+        assert work is not None
+        work.wait()
 
     results = {
         "sidestream": _time_sync(ours.sync),
