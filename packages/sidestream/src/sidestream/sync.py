@@ -34,6 +34,7 @@ and again with a handful of tensor calls; metrics and the collector keep one per
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -230,7 +231,7 @@ class _GatherPlan:
         self._check = _GatherCheck(self._gathered_fingerprints, self._rank)
         self._sources: list[Tensor] = []
         self._staging: list[Tensor] = []
-        self._reductions: list[tuple[Tensor, Tensor, ReduceOp]] = []
+        self._reductions: list[Callable[[], object]] = []
         self._handouts: list[tuple[Tensor, Tensor]] = []
         start = 0
         for segment in segments:
@@ -241,7 +242,7 @@ class _GatherPlan:
             result, handouts = segment.result_tensor(device)
             self._handouts += handouts
             per_rank = rows[:, start : start + nbytes].view(segment.dtype)
-            self._reductions.append((result, per_rank, segment.op))
+            self._reductions.append(_row_reducer(per_rank, segment.op, result))
             start += _padded_bytes(segment)
 
     def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None:
@@ -252,8 +253,8 @@ class _GatherPlan:
         handle._checks.append(self._check)
 
     def _reduce(self) -> None:
-        for result, per_rank, op in self._reductions:
-            _reduce_rows(per_rank, op, result)
+        for reduce in self._reductions:
+            reduce()
         if self._handouts:
             torch._foreach_copy_([out for out, _ in self._handouts], [r for _, r in self._handouts])
 
@@ -365,7 +366,7 @@ class _GatherCheck:
     def check(self) -> None:
         assert self._host is not None
         rows: list[list[int]] = self._host.tolist()
-        if all(row == rows[0] for row in rows):
+        if rows.count(rows[0]) == len(rows):  # every rank's row equals rank 0's
             return
         seen = "; ".join(f"rank {r}: {_describe_words(row)}" for r, row in enumerate(rows))
         raise RankMismatchError(
@@ -736,29 +737,28 @@ def _unstage(segment: _Segment, view: Tensor, result: Tensor) -> None:
         result.copy_(value.masked_fill(view[n:] > 0, torch.nan))
 
 
-def _reduce_rows(per_rank: Tensor, op: ReduceOp, out: Tensor) -> None:
-    """Reduce the gathered ``(ranks, elements)`` rows of one state into ``out``, exactly."""
-    # Where ``out`` has the reduction's dtype (and is contiguous) it is written in place: one
-    # tensor op instead of a reduction plus a copy.
+def _row_reducer(per_rank: Tensor, op: ReduceOp, out: Tensor) -> Callable[[], object]:
+    """The reduction of one state's gathered ``(ranks, elements)`` rows into ``out``, exactly.
+
+    Bound once per plan: where ``out`` has the reduction's dtype (and is contiguous) it is one
+    tensor op writing ``out`` in place, with no Python in between; otherwise a reduction and a
+    copy.
+    """
     direct = out.is_contiguous()
     if per_rank.dtype == torch.bool:
         reduce = torch.all if op is ReduceOp.MIN else torch.any  # any: a sum of flags is nonzero
         if direct and out.dtype == torch.bool:
-            reduce(per_rank, dim=0, out=out)
-        else:
-            out.copy_(reduce(per_rank, dim=0))
-    elif op is ReduceOp.SUM:
+            return functools.partial(reduce, per_rank, dim=0, out=out)
+        return lambda: out.copy_(reduce(per_rank, dim=0))
+    if op is ReduceOp.SUM:
         wide = torch.float64 if per_rank.is_floating_point() else torch.int64
         if direct and out.dtype == wide:
-            torch.sum(per_rank, dim=0, dtype=wide, out=out)
-        else:
-            out.copy_(per_rank.sum(dim=0, dtype=wide))
-    else:
-        extreme = torch.amax if op is ReduceOp.MAX else torch.amin
-        if direct and out.dtype == per_rank.dtype:
-            extreme(per_rank, dim=0, out=out)
-        else:
-            out.copy_(extreme(per_rank, dim=0))
+            return functools.partial(torch.sum, per_rank, dim=0, dtype=wide, out=out)
+        return lambda: out.copy_(per_rank.sum(dim=0, dtype=wide))
+    extreme = torch.amax if op is ReduceOp.MAX else torch.amin
+    if direct and out.dtype == per_rank.dtype:
+        return functools.partial(extreme, per_rank, dim=0, out=out)
+    return lambda: out.copy_(extreme(per_rank, dim=0))
 
 
 def _all_gather_single(
