@@ -62,6 +62,7 @@ class Slot:
         # sync by gathering) keeps calling it.
         self._replayable = not any(has_own_sync(m) for m in metric._walk_metrics())
         self._direct: SyncProgram | None = None
+        self._marked = False
         if direct and self._replayable:
             self._direct = self._lay_out_direct(check)
         else:
@@ -128,7 +129,11 @@ class Slot:
                 "make a new collector for a new metric structure"
             )
         handle = self._direct.start(CallFingerprint("window", step), async_op=True)
-        self._arena.mark(True)
+        if not self._marked:
+            # Nothing updates, resets or loads a staging copy, so its flags stay current once
+            # set: marking them every window would cost a loop over the tree's metrics.
+            self._arena.mark(True)
+            self._marked = True
         return handle
 
     def start_sync(self, step: int) -> SyncHandle:
