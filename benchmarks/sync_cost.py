@@ -31,6 +31,7 @@ from sidestream.testing import DistributedPool, count_collectives
 
 WORLD_SIZE = 4
 REPEATS = 20
+PAIRED_REPEATS = 100  # sidestream and the bare all_gather, alternated
 SCALING = (4, 256)
 NUM_CLASSES = 10
 SAMPLES = 4096
@@ -126,6 +127,33 @@ def _time_sync(sync: Callable[[], None]) -> tuple[float, int]:
     return statistics.median(times), len(calls)
 
 
+def _time_alternated(
+    first: Callable[[], None], second: Callable[[], None]
+) -> tuple[tuple[float, int], tuple[float, int]]:
+    """``_time_sync`` of two syncs, alternated call by call (``PAIRED_REPEATS`` each).
+
+    Their ratio is the figure of interest: alternating puts both under the same load, where
+    timing one after the other lets the machine's load drift between them.
+    """
+    counts = []
+    for sync in (first, second):
+        sync()
+        with count_collectives() as calls:
+            sync()
+        counts.append(len(calls))
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(PAIRED_REPEATS):
+        for sync, out in zip((first, second), times, strict=True):
+            dist.barrier()
+            start = time.perf_counter()
+            sync()
+            out.append(time.perf_counter() - start)
+    return (
+        (statistics.median(times[0]), counts[0]),
+        (statistics.median(times[1]), counts[1]),
+    )
+
+
 def _iterate(compose: ComposeMetric) -> Iterator[tuple[str, Metric[Any]]]:
     return compose.items()
 
@@ -183,15 +211,18 @@ def _measure() -> dict[str, Any]:
     gathered = torch.empty(packed * dist.get_world_size(), dtype=torch.uint8)
 
     def bare() -> None:
-        sync_module._all_gather_single(gathered, send, None, async_op=False)
+        work = sync_module._all_gather_single(gathered, send, None)  # always async: wait here
+        assert work is not None
+        work.wait()
 
+    ours_timed, bare_timed = _time_alternated(ours.sync, bare)
     results = {
-        "sidestream": _time_sync(ours.sync),
+        "sidestream": ours_timed,
         "sidestream, all_reduce path forced": _time_sync(forced.sync),
         "torchmetrics, compute_groups=False": _time_sync(torchmetrics_sync(False)),
         "torchmetrics, compute_groups=True": _time_sync(torchmetrics_sync(True)),
         "one all_reduce per state tensor": _time_sync(loop_sync),
-        f"bare all_gather of the same {packed} bytes (floor)": _time_sync(bare),
+        f"bare all_gather of the same {packed} bytes (floor)": bare_timed,
     }
     ours.sync()
     ours_values = {name: float(value) for name, value in ours.compute().items()}
@@ -245,8 +276,10 @@ def run() -> str:
         "mean, sum, max; multiclass (10 classes) accuracy macro, F1 macro, precision weighted, "
         "recall micro; binary accuracy, binary F1; MSE; MAE. "
         f"{measured['states']} state tensors ({measured['state_bytes']} bytes) per rank. "
-        f"Median of {REPEATS} syncs on rank 0, barrier before each; collectives counted by "
-        "wrapping `torch.distributed` and `torch.distributed.distributed_c10d`.\n",
+        f"Median of {REPEATS} syncs on rank 0, barrier before each; sidestream and the bare "
+        f"all_gather are timed alternately, {PAIRED_REPEATS} each, so their ratio is taken "
+        "under the same load. Collectives counted by wrapping `torch.distributed` and "
+        "`torch.distributed.distributed_c10d`.\n",
         "Both sides use their real classes on the same inputs; after the sync their values "
         f"agree to within {measured['difference']:.1e}.\n",
         "torchmetrics runs the real classes in a `MetricCollection`; with "

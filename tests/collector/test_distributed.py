@@ -9,10 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from sidestream import MeanMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.sinks import JsonlSink
+from sidestream.sync import RankMismatchError
 from sidestream.testing import RankPool, rank_device
 from tests.collector.helpers import (
     CountingHandler,
@@ -131,3 +134,29 @@ def test_rank0_jsonl_matches_numpy_and_sinks_are_isolated(
     assert len(failures) == 1 and "ConnectionError" in failures[0]
     assert len(recoveries) == 1
     assert rank0["sink_states"]["jsonl"]["last_steps"][""] == _steps()[-1]
+
+
+def _change_structure_on_rank0() -> str:
+    metric = MeanMetric()
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    metric.update(torch.tensor([1.0, 2.0]))
+    collector.schedule_collection(1)
+    collector.collect_results()
+    if dist.get_rank() == 0:
+        metric.to("cpu")  # a new state arena: the structure bound is gone
+    outcome = "no error"
+    try:
+        collector.schedule_collection(2)
+        collector.collect_results(timeout=60)
+    except RankMismatchError as error:
+        outcome = str(error)
+    collector.close(timeout=60)
+    return outcome
+
+
+def test_a_metric_changed_after_bind_fails_the_window_on_every_rank(dist_pool: RankPool) -> None:
+    # The changed rank sends its old layout with a "changed" fingerprint, so no rank hangs and
+    # every rank raises instead of logging numbers mixed from different calls.
+    outcomes = dist_pool.run(_change_structure_on_rank0, timeout=120)
+    assert all(outcome != "no error" for outcome in outcomes), outcomes
+    assert "changed its states after bind" in outcomes[0] or "paired different" in outcomes[0]

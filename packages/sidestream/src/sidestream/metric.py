@@ -278,7 +278,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 process group is initialized (the sync would silently reduce nothing).
         """
         check_process_group("sync")
-        self._sync_group = group
+        if self._sync_group is not group:  # __setattr__ costs an isinstance of Metric per sync
+            self._sync_group = group
         self.verify_sync()
         prepared = self.prepare_sync(group)
         handle = prepared.batched.start(CallFingerprint("sync", self.call_counter.next()))

@@ -34,6 +34,7 @@ and again with a handful of tensor calls; metrics and the collector keep one per
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ _KINDS = ("sync", "state_dict", "window", "changed", "record")
 _CHUNK_BITS = 16  # all_reduce fingerprints travel as 16-bit chunks: exact in float64 sums
 _FINGERPRINT_WORDS = 3  # kind, sequence, structure (int64 each, on the gather path)
 _FINGERPRINT_CHUNKS = 1 + 2 * (64 // _CHUNK_BITS)
+_KIND_INDEX = {kind: index for index, kind in enumerate(_KINDS)}
+_WORD_MASK = (1 << 64) - 1
 
 
 class RankMismatchError(RuntimeError):
@@ -103,15 +106,13 @@ class CallFingerprint:
 
     def words(self, structure: int) -> list[int]:
         """The fingerprint with ``structure`` as three signed int64 words."""
-        return [_KINDS.index(self.kind), _signed(self.sequence), structure]
+        sequence = self.sequence & _WORD_MASK  # _signed, inlined: this runs every window
+        if sequence >= 1 << 63:
+            sequence -= 1 << 64
+        return [_KIND_INDEX[self.kind], sequence, structure]
 
 
 _ANY_CALL = CallFingerprint("sync", 0)
-
-
-def _signed(value: int) -> int:
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _describe_words(words: list[int]) -> str:
@@ -225,9 +226,12 @@ class _GatherPlan:
         rows = self._gathered.view(size, packed)
         self._fingerprint = _FingerprintWriter(self._send[data:].view(torch.int64))
         self._gathered_fingerprints = rows[:, data:].view(torch.int64)
+        # One check object for every start: a start's check is done (in wait or verify) before
+        # the program may start again, so its host copy is never overwritten while needed.
+        self._check = _GatherCheck(self._gathered_fingerprints, self._rank)
         self._sources: list[Tensor] = []
         self._staging: list[Tensor] = []
-        self._reductions: list[tuple[Tensor, Tensor, ReduceOp]] = []
+        self._reductions: list[Callable[[], object]] = []
         self._handouts: list[tuple[Tensor, Tensor]] = []
         start = 0
         for segment in segments:
@@ -238,7 +242,7 @@ class _GatherPlan:
             result, handouts = segment.result_tensor(device)
             self._handouts += handouts
             per_rank = rows[:, start : start + nbytes].view(segment.dtype)
-            self._reductions.append((result, per_rank, segment.op))
+            self._reductions.append(_row_reducer(per_rank, segment.op, result))
             start += _padded_bytes(segment)
 
     def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None:
@@ -246,11 +250,11 @@ class _GatherPlan:
         self._fingerprint.write(fingerprint.words(self._structure))
         handle._start(_all_gather_single(self._gathered, self._send, self._group))
         handle._finishers.append(self._reduce)
-        handle._checks.append(_GatherCheck(self._gathered_fingerprints, self._rank))
+        handle._checks.append(self._check)
 
     def _reduce(self) -> None:
-        for result, per_rank, op in self._reductions:
-            _reduce_rows(per_rank, op, result)
+        for reduce in self._reductions:
+            reduce()
         if self._handouts:
             torch._foreach_copy_([out for out, _ in self._handouts], [r for _, r in self._handouts])
 
@@ -354,12 +358,15 @@ class _GatherCheck:
         self._host: Tensor | None = None
 
     def queue(self) -> None:
-        self._host = _to_host(self._gathered)
+        # Off CUDA the gathered rows are read in place: the check runs before the program may
+        # start again (wait, or verify before the next start), so no copy is needed.
+        cpu = self._gathered.device.type == "cpu"
+        self._host = self._gathered if cpu else _to_host(self._gathered)
 
     def check(self) -> None:
         assert self._host is not None
         rows: list[list[int]] = self._host.tolist()
-        if all(row == rows[0] for row in rows):
+        if rows.count(rows[0]) == len(rows):  # every rank's row equals rank 0's
             return
         seen = "; ".join(f"rank {r}: {_describe_words(row)}" for r, row in enumerate(rows))
         raise RankMismatchError(
@@ -383,7 +390,9 @@ class _ReduceCheck:
         self._reduced = reduced
         self._carrier = carrier
         self._size = size
-        self._own = _describe_words(fingerprint.words(structure))
+        # Described only on a mismatch: formatting it every start would cost the caller.
+        self._fingerprint = fingerprint
+        self._structure = structure
         self._host: Tensor | None = None
 
     def queue(self) -> None:
@@ -400,7 +409,8 @@ class _ReduceCheck:
         if agree:
             return
         raise RankMismatchError(
-            f"sync: ranks of the group paired different calls; this rank is at {self._own} and "
+            "sync: ranks of the group paired different calls; this rank is at "
+            f"{_describe_words(self._fingerprint.words(self._structure))} and "
             "at least one other rank is not. Every rank must call sync, state_dict and "
             "schedule_collection in the same order, with the same metric structure"
         )
@@ -430,8 +440,20 @@ class _FingerprintWriter:
         self._target = target
         self._cells = list(staging.unbind(0))
         self._last: list[int | None] = [None] * len(self._cells)
+        # Off CUDA the numbers are stored through a NumPy view of the payload itself: one
+        # assignment instead of a tensor op per number (and no staging copy to the target).
+        written = staging if target is None else target
+        self._host: Any = None
+        if written.device.type == "cpu":
+            try:
+                self._host = written.numpy()
+            except (ImportError, RuntimeError):  # torch without NumPy: one fill_ per number
+                self._host = None
 
     def write(self, values: list[int]) -> None:
+        if self._host is not None:
+            self._host[:] = values
+            return
         for index, value in enumerate(values):
             if value != self._last[index]:
                 self._cells[index].fill_(value)
@@ -620,7 +642,8 @@ class SyncProgram:
     """
 
     def __init__(self, copies: _CopyPlan, plans: list[_Plan]) -> None:
-        self._copies = copies
+        # A copy plan with nothing to copy (every multi-rank program) is not run at all.
+        self._copies = copies if copies._outs else None
         self._plans = plans
         # On CUDA the fingerprint check waits for the device: it moves from wait to verify.
         self._cuda = any(_plan_device(plan).type == "cuda" for plan in plans)
@@ -645,7 +668,8 @@ class SyncProgram:
         """
         handle = SyncHandle(async_op)
         handle._cuda = self._cuda
-        self._copies.run(handle, fingerprint)
+        if self._copies is not None:
+            self._copies.run(handle, fingerprint)
         for plan in self._plans:
             plan.run(handle, fingerprint)
         if not async_op:
@@ -713,18 +737,28 @@ def _unstage(segment: _Segment, view: Tensor, result: Tensor) -> None:
         result.copy_(value.masked_fill(view[n:] > 0, torch.nan))
 
 
-def _reduce_rows(per_rank: Tensor, op: ReduceOp, out: Tensor) -> None:
-    """Reduce the gathered ``(ranks, elements)`` rows of one state into ``out``, exactly."""
+def _row_reducer(per_rank: Tensor, op: ReduceOp, out: Tensor) -> Callable[[], object]:
+    """The reduction of one state's gathered ``(ranks, elements)`` rows into ``out``, exactly.
+
+    Bound once per plan: where ``out`` has the reduction's dtype (and is contiguous) it is one
+    tensor op writing ``out`` in place, with no Python in between; otherwise a reduction and a
+    copy.
+    """
+    direct = out.is_contiguous()
     if per_rank.dtype == torch.bool:
-        if op is ReduceOp.MIN:
-            out.copy_(per_rank.all(dim=0))
-        else:
-            out.copy_(per_rank.any(dim=0))  # a sum of flags is nonzero exactly when one is set
-    elif op is ReduceOp.SUM:
+        reduce = torch.all if op is ReduceOp.MIN else torch.any  # any: a sum of flags is nonzero
+        if direct and out.dtype == torch.bool:
+            return functools.partial(reduce, per_rank, dim=0, out=out)
+        return lambda: out.copy_(reduce(per_rank, dim=0))
+    if op is ReduceOp.SUM:
         wide = torch.float64 if per_rank.is_floating_point() else torch.int64
-        out.copy_(per_rank.sum(dim=0, dtype=wide))
-    else:
-        out.copy_(per_rank.amax(dim=0) if op is ReduceOp.MAX else per_rank.amin(dim=0))
+        if direct and out.dtype == wide:
+            return functools.partial(torch.sum, per_rank, dim=0, dtype=wide, out=out)
+        return lambda: out.copy_(per_rank.sum(dim=0, dtype=wide))
+    extreme = torch.amax if op is ReduceOp.MAX else torch.amin
+    if direct and out.dtype == per_rank.dtype:
+        return functools.partial(extreme, per_rank, dim=0, out=out)
+    return lambda: out.copy_(extreme(per_rank, dim=0))
 
 
 def _all_gather_single(

@@ -12,7 +12,7 @@ from torch import Tensor
 from sidestream._arena import Arena
 from sidestream._distributed import Group
 from sidestream.metric import Metric, has_own_sync
-from sidestream.sync import CallFingerprint, RankMismatchError, SyncHandle
+from sidestream.sync import CallFingerprint, RankMismatchError, SyncBatch, SyncHandle, SyncProgram
 
 __all__ = ["Slot", "clone_metric"]
 
@@ -34,10 +34,18 @@ class Slot:
         check: Run the blocking check that every rank holds this structure (the first slot,
             made on every rank at ``bind``). Slots made later, on one rank alone when its
             dispatcher falls behind, must not issue collectives.
+        direct: Lay out ``start_from_live`` (off CUDA): the reduction reads the live arena
+            itself, so a window stages with one copy instead of two.
     """
 
     def __init__(
-        self, metric: Metric[Any], live: Metric[Any], group: Group, *, check: bool
+        self,
+        metric: Metric[Any],
+        live: Metric[Any],
+        group: Group,
+        *,
+        check: bool,
+        direct: bool = False,
     ) -> None:
         self.metric = metric
         self._live = live
@@ -46,12 +54,19 @@ class Slot:
         if live_arena is None or arena is None or not arena.same_layout(live_arena):
             raise RuntimeError("the collector's metric changed its state while being copied")
         self._live_arena: Arena = live_arena
+        #: The live metric's arena this slot stages from (checked unchanged every window).
+        self.live_arena = live_arena
         self._arena: Arena = arena
         # A tree whose metrics all use the library's sync is reduced by one laid-out program
         # per slot, replayed every window. A metric with its own sync (or sample stores, which
         # sync by gathering) keeps calling it.
         self._replayable = not any(has_own_sync(m) for m in metric._walk_metrics())
-        metric.prepare_sync(group, check=check)
+        self._direct: SyncProgram | None = None
+        self._marked = False
+        if direct and self._replayable:
+            self._direct = self._lay_out_direct(check)
+        else:
+            metric.prepare_sync(group, check=check)
         self.host: list[Tensor] = []
         #: CUDA: recorded on the side stream after the last window that used this slot.
         self.done: torch.cuda.Event | None = None
@@ -74,6 +89,52 @@ class Slot:
                 "make a new collector for a new metric structure"
             )
         self._arena.copy_from(live)
+
+    def _lay_out_direct(self, check: bool) -> SyncProgram:
+        """The slot's sync with the live arena's segments as sources and its own as results.
+
+        The entries are named and described exactly as ``Metric.prepare_sync`` describes the
+        arena (same structure hash, same structure check), so the payload is byte for byte what
+        a staged copy would send.
+        """
+        batch = SyncBatch()
+        pairs = zip(self._live_arena.segments, self._arena.segments, strict=True)
+        for source, own in pairs:
+            batch.add(source, self._group, own.synced, name=own.parts[0][0], parts=own.parts)
+        return batch.program(check=check)
+
+    def start_from_live(self, step: int) -> SyncHandle:
+        """Stage the live state and start the window's reduction (``async_op``).
+
+        With a direct layout the live arena is copied straight into the send buffer (the
+        slot's own local state is then never read: ``compute`` reads the synced state, marked
+        current here); otherwise ``stage`` then ``start_sync``. Either way the live metric may
+        be updated or reset as soon as this returns.
+
+        Raises:
+            RankMismatchError: If the live metric's states changed since ``bind`` (see
+                ``stage``).
+        """
+        if self._direct is None:
+            self.stage(step)
+            return self.start_sync(step)
+        live = self._live_arena
+        # The common case without a call: the bound arena is alive and still the live tree's
+        # (``_own_arena`` would rebuild a dead one, which is what the check below catches).
+        unchanged = live.alive and self._live.__dict__.get("_state_arena") is live
+        if not unchanged and self._live._own_arena() is not live:
+            self._direct.start(CallFingerprint("changed", step))  # tells the other ranks
+            raise RankMismatchError(
+                "schedule_collection: the collector's metric changed its states after bind; "
+                "make a new collector for a new metric structure"
+            )
+        handle = self._direct.start(CallFingerprint("window", step), async_op=True)
+        if not self._marked:
+            # Nothing updates, resets or loads a staging copy, so its flags stay current once
+            # set: marking them every window would cost a loop over the tree's metrics.
+            self._arena.mark(True)
+            self._marked = True
+        return handle
 
     def start_sync(self, step: int) -> SyncHandle:
         """Start the reduction of the staged state (``async_op``); ``wait`` on the handle."""

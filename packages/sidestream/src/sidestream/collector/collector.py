@@ -133,6 +133,7 @@ class AsyncMetricCollector(Generic[T]):
             if not isinstance(path, str) or not path.strip("/"):
                 raise TypeError(f"histograms: expected non-empty leaf paths (str), got {path!r}")
         self._metric = metric
+        self._plain_reset = type(metric).reset is Metric.reset
         # Checkpoints reduce over the collector's group, not whatever the metric last saw.
         metric.sync_group = group
         if _delivery is None:
@@ -266,13 +267,21 @@ class AsyncMetricCollector(Generic[T]):
             raise ValueError(
                 f"step: expected > the previous window's {self._last_step}, got {step}"
             )
-        self._raise_mismatch()
+        if self._dispatcher.mismatch is not None:
+            self._raise_mismatch()
         self._last_step = step
         slot = self._take_slot()
         window = Window(step=step, time=time.time(), slot=slot)
         if self._side is None:
-            self._stage(slot, step)
-            window.batch = slot.start_sync(step)
+            window.batch = slot.start_from_live(step)
+            if self._reset_each_window:
+                # The live state was copied out; start_from_live checked that its arena is the
+                # one bound, so unless a subclass resets differently, reset that arena at once
+                # (one copy per dtype).
+                if self._plain_reset:
+                    slot.live_arena.reset()
+                else:
+                    self._metric.reset()
         else:
             self._schedule_on_side_stream(window)
         self._dispatcher.submit(window)
@@ -358,7 +367,7 @@ class AsyncMetricCollector(Generic[T]):
         self._slot_count += 1
         copied = clone_metric(self._metric)
         if self._side is None:
-            return Slot(copied, self._metric, self._group, check=check)
+            return Slot(copied, self._metric, self._group, check=check, direct=True)
         # Its sync buffers are made on the side stream, the only stream that uses them. Allocate
         # the pinned buffers now too (shapes from a compute on the copied state), and let the next
         # staging wait for this compute like for any window's.
