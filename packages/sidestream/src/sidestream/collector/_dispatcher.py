@@ -73,9 +73,9 @@ class Dispatcher:
 
     def submit(self, window: Window) -> None:
         """Queue ``window`` (returns at once)."""
-        # Only the scheduling thread writes the count, so the increment needs no lock (one less
-        # lock round trip per window); readers take the lock and see either value.
-        self._scheduled += 1
+        # Under the lock: a close or checkpoint waiting on another thread must see every window.
+        with self._cond:
+            self._scheduled += 1
         self._windows.put(window)
 
     @property
