@@ -61,6 +61,8 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(BENCHMARKS))
     if unknown:
         parser.error(f"--only: unknown benchmarks {unknown}")
+    if args.only and not args.out.exists():
+        parser.error(f"--only rewrites sections of an existing page; {args.out} does not exist")
     fresh = [BENCHMARKS[name]() for name in chosen]
     if args.only and args.out.exists():
         kept = _sections(args.out.read_text())
