@@ -227,3 +227,17 @@ def test_sink_whose_module_fails_to_import_names_the_extra(monkeypatch: pytest.M
         LookupError, match=r'could not be imported .*pip install "sidestream\[mlflow\]"'
     ):
         sinks_from_config(["mlflow"])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"fsync": "yes"}, "fsync: expected True or False, got 'yes'"),
+        ({"flush_every": 2.5}, "flush_every: expected an int >= 1, got 2.5"),
+    ],
+)
+def test_jsonl_options_of_the_wrong_type_are_refused(
+    tmp_path: Path, options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(TypeError, match=message):
+        sinks_from_config({"jsonl": {"path": str(tmp_path / "m.jsonl"), **options}})

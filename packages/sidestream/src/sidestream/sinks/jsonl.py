@@ -56,8 +56,13 @@ class JsonlSink(TrackerSink):
 
     def __init__(self, path: str | os.PathLike[str], flush_every: int = 64, fsync: bool = False):
         super().__init__()
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int):
+            raise TypeError(f"flush_every: expected an int >= 1, got {flush_every!r}")
         if flush_every < 1:
             raise ValueError(f"flush_every: expected >= 1, got {flush_every}")
+        if not isinstance(fsync, bool):
+            # A config's "yes" or "false" would otherwise read as true.
+            raise TypeError(f"fsync: expected True or False, got {fsync!r}")
         self.path = Path(path)
         self.max_batch = flush_every
         self._fsync = fsync
