@@ -1,4 +1,4 @@
-"""The rejected-update counter every metric with value checks carries."""
+"""The rejected-update counter every metric with value checks carries, and ``nan_strategy``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from sidestream.metric import Metric
+from sidestream.metrics._nan_strategy import NanPolicy, NanStrategy
 from sidestream.state import MetricAccumulator
 
-__all__ = ["ScreenedMetric"]
+__all__ = ["NanScreenedMetric", "ScreenedMetric"]
 
 T = TypeVar("T")
 
@@ -30,3 +31,35 @@ class ScreenedMetric(Metric[T]):
     def rejected_updates(self) -> Tensor:
         """How many updates were dropped for bad values (CUDA only; CPU raises instead)."""
         return self._rejected.value
+
+
+class NanScreenedMetric(Metric[Tensor]):
+    """An aggregation with a ``nan_strategy`` (``NanPolicy``): the policy and its counters.
+
+    Unlike ``ScreenedMetric`` the rejected-update counter exists only when something can drop
+    a batch: a metric without checks carries no extra state to sync.
+
+    Args:
+        nan_strategy: ``"disable"``, ``"error"``, ``"ignore"`` or a fill value.
+        counts_rejected: Keep the rejected-update counter even when the policy drops nothing
+            (the metric has other checks that do).
+    """
+
+    def __init__(self, nan_strategy: NanStrategy, *, counts_rejected: bool = False) -> None:
+        self._nan = NanPolicy(nan_strategy)
+        self._nan_count = self._nan.counter()
+        checks = counts_rejected or self._nan.checks
+        self._rejected = MetricAccumulator(0, dtype=torch.int64) if checks else None
+
+    @property
+    def rejected_updates(self) -> Tensor:
+        """Batches dropped for bad values on CUDA (CPU raises instead); 0 without checks."""
+        if self._rejected is None:
+            # A fill on the metric's device, not a copy: no sync, and the collector can stack it.
+            return torch.zeros((), dtype=torch.int64, device=self.device)
+        return self._rejected.value
+
+    @property
+    def nan_count(self) -> Tensor | None:
+        """NaN elements ignored or filled (``nan_strategy`` "ignore" or a number), else None."""
+        return None if self._nan_count is None else self._nan_count.value

@@ -8,14 +8,14 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import as_tensor, check_floating
-from sidestream.metric import Metric
-from sidestream.metrics._nan_strategy import NanPolicy, NanStrategy
-from sidestream.state import MetricAccumulator, ReduceOp
+from sidestream.metrics._nan_strategy import NanStrategy
+from sidestream.metrics._screened import NanScreenedMetric
+from sidestream.state import ReduceOp
 
 __all__ = ["MaxMetric", "MinMetric"]
 
 
-class _ExtremumMetric(Metric[Tensor]):
+class _ExtremumMetric(NanScreenedMetric):
     _op: ReduceOp
 
     def __init__(
@@ -24,9 +24,7 @@ class _ExtremumMetric(Metric[Tensor]):
         identity = -math.inf if self._op is ReduceOp.MAX else math.inf
         # Named after the op, so a MaxMetric checkpoint cannot load into a MinMetric.
         self._extremum = self.add_state(self._op.value, identity, self._op, dtype=dtype)
-        self._nan = NanPolicy(nan_strategy)
-        self._nan_count = self._nan.counter()
-        self._rejected = MetricAccumulator(0, dtype=torch.int64) if self._nan.checks else None
+        super().__init__(nan_strategy)
 
     def update(self, values: Tensor | float) -> None:
         """Fold ``values`` (any shape, floating point; empty is fine) into the extremum."""
@@ -50,19 +48,6 @@ class _ExtremumMetric(Metric[Tensor]):
     def compute(self) -> Tensor:
         """The extremum; the identity (-inf for max, +inf for min) over no data."""
         return self._extremum.value.clone()
-
-    @property
-    def nan_count(self) -> Tensor | None:
-        """NaN elements ignored or filled (``nan_strategy`` "ignore" or a number), else None."""
-        return None if self._nan_count is None else self._nan_count.value
-
-    @property
-    def rejected_updates(self) -> Tensor:
-        """Batches dropped for NaN on CUDA (``nan_strategy="error"``); always 0 otherwise."""
-        if self._rejected is None:
-            # A fill on the metric's device, not a copy: no sync, and the collector can stack it.
-            return torch.zeros((), dtype=torch.int64, device=self.device)
-        return self._rejected.value
 
 
 class MaxMetric(_ExtremumMetric):

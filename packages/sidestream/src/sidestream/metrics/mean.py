@@ -6,14 +6,14 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import as_tensor, check_floating
-from sidestream.metric import Metric
-from sidestream.metrics._nan_strategy import NanPolicy, NanStrategy
+from sidestream.metrics._nan_strategy import NanStrategy
+from sidestream.metrics._screened import NanScreenedMetric
 from sidestream.state import MetricAccumulator
 
 __all__ = ["MeanMetric"]
 
 
-class MeanMetric(Metric[Tensor]):
+class MeanMetric(NanScreenedMetric):
     """The mean of every element passed to ``update``, stored as a sum and a count.
 
     A mean over no data is NaN (0 / 0), on purpose: it is not a zero loss.
@@ -29,9 +29,7 @@ class MeanMetric(Metric[Tensor]):
     ) -> None:
         self._total = MetricAccumulator(0.0, dtype=dtype)
         self._count = MetricAccumulator(0.0, dtype=dtype)
-        self._nan = NanPolicy(nan_strategy)
-        self._nan_count = self._nan.counter()
-        self._rejected = MetricAccumulator(0, dtype=torch.int64) if self._nan.checks else None
+        super().__init__(nan_strategy)
 
     def update(self, values: Tensor | float) -> None:
         """Add the elements of ``values`` (any shape, floating point; empty is fine)."""
@@ -51,16 +49,3 @@ class MeanMetric(Metric[Tensor]):
     def compute(self) -> Tensor:
         """Sum / count; NaN over no data."""
         return self._total.value / self._count.value
-
-    @property
-    def nan_count(self) -> Tensor | None:
-        """NaN elements ignored or filled (``nan_strategy`` "ignore" or a number), else None."""
-        return None if self._nan_count is None else self._nan_count.value
-
-    @property
-    def rejected_updates(self) -> Tensor:
-        """Batches dropped for NaN on CUDA (``nan_strategy="error"``); always 0 otherwise."""
-        if self._rejected is None:
-            # A fill on the metric's device, not a copy: no sync, and the collector can stack it.
-            return torch.zeros((), dtype=torch.int64, device=self.device)
-        return self._rejected.value

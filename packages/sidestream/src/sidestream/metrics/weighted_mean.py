@@ -15,14 +15,14 @@ from sidestream._validation import (
     checks_stay_on_device,
     screen_invalid,
 )
-from sidestream.metric import Metric
-from sidestream.metrics._nan_strategy import NanPolicy, NanStrategy
+from sidestream.metrics._nan_strategy import NanStrategy
+from sidestream.metrics._screened import NanScreenedMetric
 from sidestream.state import MetricAccumulator
 
 __all__ = ["WeightedMeanMetric"]
 
 
-class WeightedMeanMetric(Metric[Tensor]):
+class WeightedMeanMetric(NanScreenedMetric):
     """``sum(values * weights) / sum(weights)`` over every update and every rank.
 
     Weights must be finite and non-negative. On CPU a batch with a bad weight raises
@@ -45,14 +45,15 @@ class WeightedMeanMetric(Metric[Tensor]):
         tensor(1.5000, dtype=torch.float64)
     """
 
+    _rejected: MetricAccumulator  # counts_rejected=True: always there
+
     def __init__(
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
         self._weighted_sum = MetricAccumulator(0.0, dtype=dtype)
         self._weight = MetricAccumulator(0.0, dtype=dtype)
-        self._rejected = MetricAccumulator(0, dtype=torch.int64)
-        self._nan = NanPolicy(nan_strategy)
-        self._nan_count = self._nan.counter()
+        # The weight checks drop bad batches on CUDA whatever the NaN policy.
+        super().__init__(nan_strategy, counts_rejected=True)
 
     def update(self, values: Tensor | float, weights: Tensor | float = 1.0) -> None:
         """Add a batch.
@@ -103,16 +104,6 @@ class WeightedMeanMetric(Metric[Tensor]):
             total = torch.where(keep, total, 0.0)
         self._weighted_sum.accumulate(weighted)
         self._weight.accumulate(total)
-
-    @property
-    def rejected_updates(self) -> Tensor:
-        """How many updates were dropped for bad weights (CUDA only; CPU raises instead)."""
-        return self._rejected.value
-
-    @property
-    def nan_count(self) -> Tensor | None:
-        """NaN values ignored or filled (``nan_strategy`` "ignore" or a number), else None."""
-        return None if self._nan_count is None else self._nan_count.value
 
     def compute(self) -> Tensor:
         """The weighted mean; NaN when the total weight is zero."""
