@@ -12,10 +12,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from sidestream.testing import DistributedPool, RankPool, TorchrunPool
 
 LAUNCHERS = ("spawn", "torchrun")
+# The gather collective sync issues: torch 2.11 (the GPU machines') has no all_gather_single.
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 BACKENDS = ("gloo", "nccl")
 LAUNCHER = os.environ.get("SIDESTREAM_TEST_LAUNCHER", "spawn")
 BACKEND = os.environ.get("SIDESTREAM_TEST_BACKEND", "gloo")

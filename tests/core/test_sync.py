@@ -24,7 +24,7 @@ from sidestream import sync as sync_module
 from sidestream.state import MetricAccumulator, ReduceOp
 from sidestream.sync import CallFingerprint, RankMismatchError
 from sidestream.testing import RankPool, count_collectives, on_rank_device, rank_device
-from tests.conftest import Pools
+from tests.conftest import GATHER, Pools
 from tests.core.cases import CASES, concat, feed, make_shards
 
 
@@ -145,7 +145,7 @@ def test_every_dtype_and_op_reduces_exactly(dist_pool: RankPool) -> None:
                 else:
                     assert values[name] == reference, (mode, name)
             if mode.startswith("gather"):
-                assert calls == ["all_gather_single"], mode
+                assert calls == [GATHER], mode
             else:
                 # float SUM (integer counts ride in it exactly), float MAX (+MIN), int MAX (+MIN)
                 assert calls == ["all_reduce"] * 3, mode
@@ -236,7 +236,7 @@ def test_collectives_per_sync_never_grow_with_metrics(dist_pool: RankPool) -> No
             # The first sync of a new structure adds exactly one fingerprint all_reduce.
             assert first == ["all_reduce", *steady], key
             if path == "gather":
-                assert steady == ["all_gather_single"], key
+                assert steady == [GATHER], key
             elif name == "metric":
                 assert steady == ["all_reduce"], key  # sum and count: one SUM buffer
             else:
@@ -295,7 +295,7 @@ def test_device_mesh_dimension_does_not_count_replicas_twice(
                     assert math.isnan(values[name])
                 else:
                     assert values[name] == pytest.approx(expected, rel=1e-9, abs=1e-9), name
-            assert calls.count("all_gather_single") == 2, calls
+            assert calls.count(GATHER) == 2, calls
         assert result["dp mesh state_dict"] == per_rank[0]["dp mesh state_dict"]
         assert result["world sum"] == pytest.approx(2 * CASES["sum"].reference(everything))
 
@@ -433,5 +433,5 @@ def test_rank_mismatch_raises_on_every_rank(dist_pool: RankPool) -> None:
         assert f"seen from rank {rank}" in shape
         assert result["after"] == world
         assert result["check_only untouched"]
-        assert result["check_only calls"] == (["all_reduce"], ["all_gather_single"], world)
+        assert result["check_only calls"] == (["all_reduce"], [GATHER], world)
         assert f"has shape (4,) on rank {odd}" in result["check_only mismatch"]

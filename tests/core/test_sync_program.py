@@ -23,6 +23,7 @@ from sidestream.collector import AsyncMetricCollector
 from sidestream.state import MetricAccumulator, ReduceOp
 from sidestream.sync import CallFingerprint, RankMismatchError
 from sidestream.testing import RankPool, count_collectives, on_rank_device
+from tests.conftest import GATHER
 from tests.core.test_sync import (
     MixedState,
     gather_limit,
@@ -115,7 +116,7 @@ def test_recorded_programs_match_numpy_and_direct_sync(dist_pool: RankPool) -> N
     world = dist_pool.world_size
     token = uuid.uuid4().hex[:6]
     for rank, result in enumerate(dist_pool.run(_programs, token, timeout=120)):
-        for mode, collective in (("gather", ["all_gather_single"]), ("all_reduce", None)):
+        for mode, collective in (("gather", [GATHER]), ("all_reduce", None)):
             # Recording issues only the structure checks of the two new structures.
             assert result[f"{mode} record"] == ["all_reduce", "all_reduce"], mode
             for seed in SEEDS:
