@@ -235,7 +235,20 @@ def _multiclass_counts(
         tp, fp, fn, tn = counts.view(4, classes).unbind()
         return tp, fp, fn, tn
     predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
-    if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
+    if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES and torch.compiler.is_compiling():
+        # Compiled: per-class indicators, which inductor fuses into one reduction over the
+        # samples; the confusion matrix below would cost an index_put_ fallback kernel, a
+        # C x C buffer and their dispatch (a third of a small compiled update). Eager would
+        # materialize the (M, C) masks instead, so it keeps the matrix.
+        classes_row = torch.arange(classes, device=labels.device)
+        is_predicted = predicted.view(-1, 1) == classes_row
+        is_target = labels.unsqueeze(-1) == classes_row
+        if weight is not None:
+            kept = weight.unsqueeze(-1).bool()
+            is_predicted, is_target = is_predicted & kept, is_target & kept
+        tp = (is_predicted & is_target).sum(0)
+        predicted_count, support = is_predicted.sum(0), is_target.sum(0)
+    elif problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
         # A C x C confusion matrix costs one counting pass over the samples; its diagonal,
         # column and row sums are tp, predicted and true counts.
         cell = torch.add(predicted.view(-1), labels, alpha=classes)
