@@ -115,5 +115,5 @@ def screen_invalid(
             raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
         return None
     bad = invalid.any()
-    rejected.accumulate(bad.to(rejected.local.dtype))
+    rejected.accumulate(bad.to(rejected.dtype))
     return ~bad
