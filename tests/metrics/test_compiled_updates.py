@@ -71,6 +71,13 @@ def _multiclass_ignored(g: torch.Generator) -> tuple[Any, ...]:
     return scores, torch.where(torch.rand(N, generator=g) < 0.2, -100, labels)
 
 
+def _multiclass_large(g: torch.Generator) -> tuple[Any, ...]:
+    # More samples than _inputs._INDICATOR_MAX_ROWS: the compiled confusion-matrix path.
+    rows = 300
+    scores = torch.randn(rows, C, generator=g)
+    return scores, torch.randint(0, C, (rows,), generator=g)
+
+
 def _multilabel(g: torch.Generator) -> tuple[Any, ...]:
     return torch.rand(N, C, generator=g), torch.randint(0, 2, (N, C), generator=g)
 
@@ -102,6 +109,10 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
     "f1_macro_ignore_index": (
         lambda: confusion_count_metric(ignore_index=-100).multiclass(C).with_f1().macro().build(),
         _multiclass_ignored,
+    ),
+    "f1_macro_large_batch": (
+        lambda: confusion_count_metric().multiclass(C).with_f1().macro().build(),
+        _multiclass_large,
     ),
     "binary_accuracy": (
         lambda: confusion_count_metric().binary().with_accuracy().build(),

@@ -50,6 +50,11 @@ _SMALL_MATRIX_CLASSES = 64
 _MAPPED_CLASSES = 16
 """Up to this many classes the CPU path derives the four counts with ``count_map``."""
 
+_INDICATOR_MAX_ROWS = 256
+"""Up to this many samples a compiled multiclass update counts with per-class indicators (a
+small batch is dominated by dispatch, which they save); larger ones keep the matrix, which
+measured as fast or faster there."""
+
 _FUSED_MAX_ELEMENTS = 1 << 14
 """From this many scores, ``batch_cells`` takes predictions and the NaN check from one
 ``max(-1)`` pass."""
@@ -235,11 +240,16 @@ def _multiclass_counts(
         tp, fp, fn, tn = counts.view(4, classes).unbind()
         return tp, fp, fn, tn
     predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
-    if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES and torch.compiler.is_compiling():
-        # Compiled: per-class indicators, which inductor fuses into one reduction over the
-        # samples; the confusion matrix below would cost an index_put_ fallback kernel, a
-        # C x C buffer and their dispatch (a third of a small compiled update). Eager would
-        # materialize the (M, C) masks instead, so it keeps the matrix.
+    if (
+        problem.top_k == 1
+        and classes <= _SMALL_MATRIX_CLASSES
+        and torch.compiler.is_compiling()
+        and labels.shape[0] <= _INDICATOR_MAX_ROWS
+    ):
+        # Compiled small batch: per-class indicators, which inductor fuses into one reduction
+        # over the samples; the confusion matrix below would cost an index_put_ fallback
+        # kernel, a C x C buffer and their dispatch (a third of a small compiled update).
+        # Eager would materialize the (M, C) masks instead, so it keeps the matrix.
         classes_row = torch.arange(classes, device=labels.device)
         is_predicted = predicted.view(-1, 1) == classes_row
         is_target = labels.unsqueeze(-1) == classes_row
