@@ -83,9 +83,10 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
         self._zero_division = zero_division
         classes = problem.num_classes
         self._counts = MetricAccumulator(torch.zeros(4, classes, dtype=torch.int64))
-        # The small CPU path's map from a batch's confusion matrix to the four counts, or None
-        # when the problem never takes that path: decided here, not on every update.
-        self._count_map = count_map(classes) if host_cells_apply(problem) else None
+        # Whether the problem can take the small CPU path, decided here, not on every update
+        # (a bool, not the map: compiled updates guard every tensor they read).
+        self._host_cells = host_cells_apply(problem)
+        self._count_map = count_map(classes) if self._host_cells else None
 
     @property
     def problem(self) -> Problem:
@@ -118,9 +119,9 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
         device = self._counts.device
         preds_t = check_tensor("preds", preds, device)
         target_t = check_tensor("target", target, device)
-        if self._count_map is not None:
+        if self._host_cells:
             cell = batch_cells(self._problem.num_classes, preds_t, target_t, self._rejected)
-            if cell is not None:
+            if cell is not None and self._count_map is not None:
                 # The small CPU case: all four counts straight from the samples' confusion
                 # cells, one addmv_ into the table, no intermediate count tensors.
                 self._counts.add_product(*count_operands(self._count_map, cell))
