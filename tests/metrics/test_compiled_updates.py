@@ -66,6 +66,18 @@ def _multiclass(g: torch.Generator) -> tuple[Any, ...]:
     return torch.randn(N, C, generator=g).softmax(-1), torch.randint(0, C, (N,), generator=g)
 
 
+def _multiclass_ignored(g: torch.Generator) -> tuple[Any, ...]:
+    scores, labels = _multiclass(g)
+    return scores, torch.where(torch.rand(N, generator=g) < 0.2, -100, labels)
+
+
+def _multiclass_large(g: torch.Generator) -> tuple[Any, ...]:
+    # More samples than _inputs._INDICATOR_MAX_ROWS: the compiled confusion-matrix path.
+    rows = 300
+    scores = torch.randn(rows, C, generator=g)
+    return scores, torch.randint(0, C, (rows,), generator=g)
+
+
 def _multilabel(g: torch.Generator) -> tuple[Any, ...]:
     return torch.rand(N, C, generator=g), torch.randint(0, 2, (N, C), generator=g)
 
@@ -93,6 +105,14 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
     "f1_macro": (
         lambda: confusion_count_metric().multiclass(C).with_f1().macro().build(),
         _multiclass,
+    ),
+    "f1_macro_ignore_index": (
+        lambda: confusion_count_metric(ignore_index=-100).multiclass(C).with_f1().macro().build(),
+        _multiclass_ignored,
+    ),
+    "f1_macro_large_batch": (
+        lambda: confusion_count_metric().multiclass(C).with_f1().macro().build(),
+        _multiclass_large,
     ),
     "binary_accuracy": (
         lambda: confusion_count_metric().binary().with_accuracy().build(),
@@ -191,6 +211,19 @@ def test_compiled_bad_values_are_counted_and_dropped() -> None:
     assert float(metric.compute()) == 1.5
     with pytest.raises(ValueError, match="weights"):
         metric.update(torch.tensor([5.0]), torch.tensor([-1.0]))  # eager on CPU still raises
+
+
+def test_compiled_confusion_counts_drop_bad_batches() -> None:
+    """Compiled multiclass counts (per-class indicators) count nothing from a dropped batch."""
+    metric = confusion_count_metric().multiclass(3).with_f1().build()
+    step = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+    scores = torch.tensor([[0.1, 0.7, 0.2], [0.8, 0.1, 0.1]])
+    step(scores, torch.tensor([1, 2]))
+    step(scores, torch.tensor([1, 3]))  # out of range: dropped and counted
+    step(torch.full((2, 3), float("nan")), torch.tensor([1, 2]))  # NaN scores: dropped too
+    assert int(metric.rejected_updates) == 2
+    assert metric.counts()["tp"].tolist() == [0, 1, 0]
+    assert metric.counts()["tn"].tolist() == [1, 1, 1]
 
 
 def test_zero_dim_float64_state_survives_compiled_updates() -> None:

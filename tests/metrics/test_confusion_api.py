@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from sidestream import ComposeMetric
 from sidestream.metrics.classification import (
     ConfusionCountMetric,
     MulticlassConfusionMatrixMetric,
@@ -137,6 +138,8 @@ LABEL_BAD = [
     ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0, 2]), ValueError, "target: expected 0/1"),
     ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0, 1, 1]), ValueError, "target: .*shape"),
     ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0.0, 1.0]), TypeError, "target"),
+    # One score column per sample is not a one-class multiclass batch: the shapes differ.
+    ("binary", torch.tensor([[0.9], [0.1]]), torch.tensor([0, 0]), ValueError, "target: .*shape"),
     ("multilabel", torch.rand(3, 4), torch.randint(0, 2, (3, 4)), ValueError, "num_labels = 3"),
 ]
 
@@ -181,6 +184,38 @@ def test_reset_and_state_dict_round_trip() -> None:
     assert all(torch.equal(fresh.compute()[k], expected[k]) for k in expected)
     metric.reset()
     assert all(int(acc.local.sum()) == 0 for _, acc in metric.named_accumulators())
+
+
+def test_state_is_one_count_table_and_old_checkpoints_load() -> None:
+    """The four counts are one ``(4, C)`` state; checkpoints with ``tp``/``fp``/``fn``/``tn``
+    (the layout before it) still load, on their own and inside a tree."""
+    metric = _multiclass()
+    metric.update(torch.randn(9, 4), torch.randint(0, 4, (9,)))
+    saved = metric.state_dict()
+    assert sorted(saved) == ["counts", "rejected"] and saved["counts"].shape == (4, 4)
+    counts = metric.counts()
+    old = {name: counts[name].clone() for name in ("tp", "fp", "fn", "tn")}
+    old["rejected"] = saved["rejected"]
+    fresh = _multiclass()
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.state_dict()["counts"], saved["counts"])
+
+    tree = ComposeMetric({"val": ComposeMetric({"acc": _multiclass()})})
+    tree.load_state_dict({f"val.acc.{name}": value for name, value in old.items()})
+    assert torch.equal(tree.state_dict()["val.acc.counts"], saved["counts"])
+    with pytest.raises(KeyError, match="missing keys"):
+        _multiclass().load_state_dict({"tp": old["tp"], "rejected": old["rejected"]})
+
+
+def test_small_and_large_batches_count_alike() -> None:
+    """A batch of at most C * C samples takes the map's columns, a larger one bincount."""
+    scores, labels = torch.randn(300, 4), torch.randint(0, 4, (300,))
+    whole, pieces = _multiclass(), _multiclass()
+    whole.update(scores, labels)  # 300 > 16: bincount
+    for start in range(0, 300, 10):  # 10 <= 16: the map's columns
+        pieces.update(scores[start : start + 10], labels[start : start + 10])
+    assert torch.equal(whole.counts()["tn"], pieces.counts()["tn"])
+    assert all(torch.equal(whole.counts()[k], pieces.counts()[k]) for k in ("tp", "fp", "fn"))
 
 
 def test_target_encodings_agree() -> None:

@@ -37,7 +37,8 @@ def as_tensor(argument: str, value: object, device: torch.device) -> Tensor:
                 f"{argument}: expected a tensor on the metric's device {device}, got one on "
                 f"{value.device}; move the metric with .to(device) or the tensor"
             )
-        return value.detach()
+        # detach() makes a new tensor object: skip it when there is no graph to cut.
+        return value.detach() if value.requires_grad else value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{argument}: expected a torch.Tensor or a number, got {type(value)}")
     # A fill kernel, not a host-to-device copy from pageable memory (which would sync on CUDA).
@@ -114,5 +115,5 @@ def screen_invalid(
             raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
         return None
     bad = invalid.any()
-    rejected.accumulate(bad.to(rejected.local.dtype))
+    rejected.accumulate(bad.to(rejected.dtype))
     return ~bad

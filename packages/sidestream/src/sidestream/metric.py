@@ -168,6 +168,21 @@ class Metric(Stateful, Generic[T], abc.ABC):
             else:
                 yield from value.named_accumulators(f"{prefix}{name}.")
 
+    def _named_metrics(self, prefix: str = "") -> Iterator[tuple[str, Metric[Any]]]:
+        """Yield ``(dotted prefix of its states, metric)`` for this metric and its children."""
+        yield prefix, self
+        for name, value in self._declared_items():
+            if isinstance(value, Metric):
+                yield from value._named_metrics(f"{prefix}{name}.")
+
+    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
+        """Rewrite, in place, a checkpoint's keys of an older layout of this metric's states.
+
+        ``load_state_dict`` calls it on every metric of the tree (with the dotted prefix of its
+        states) before checking keys, so a metric that changes its states can keep loading
+        older checkpoints wherever it sits in a tree. The default changes nothing.
+        """
+
     def _walk_metrics(self) -> Iterator[Metric[Any]]:
         yield self
         for _, value in self._declared_items():
@@ -446,6 +461,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
             KeyError: If ``state_dict`` lacks a state of this metric or has an unknown one.
             ValueError: If a saved tensor's shape or dtype differs from the state's.
         """
+        state_dict = dict(state_dict)
+        for prefix, metric in self._named_metrics():
+            metric._upgrade_state_dict(prefix, state_dict)
         states = dict(self.named_accumulators())
         stores = list(self.named_sample_stores())
         store_keys = {prefix + name for prefix, store in stores for name in store.fields}

@@ -78,6 +78,12 @@ class MetricAccumulator:
         # Updates write through a 1-D view: torch 2.13 loses in-place updates of 0-dim tensors
         # (and 0-dim views) inside compiled graphs on CPU; shape (1,) is safe.
         self._target = local.view(1) if local.dim() == 0 else local
+        # add_product's flat view, made once: a view per update costs as much as a small op.
+        self._flat = self._target.view(-1)
+        # Metadata an update reads, kept off the tensors: torch.compile guards every tensor an
+        # update touches, and a 0-dim float one costs a host read per call (a NaN guard).
+        self._dtype = local.dtype
+        self._device = local.device
 
     @property
     def op(self) -> ReduceOp:
@@ -107,7 +113,12 @@ class MetricAccumulator:
     @property
     def device(self) -> torch.device:
         """The device the state lives on."""
-        return self._local.device
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The state's dtype."""
+        return self._dtype
 
     def accumulate(self, update: Tensor) -> None:
         """Combine ``update`` into the local state with this accumulator's op, in place.
@@ -142,22 +153,22 @@ class MetricAccumulator:
         """
         if self._op is not ReduceOp.SUM:
             raise ValueError(f"scatter_add needs a SUM accumulator, this one is {self._op.name}")
-        self._target.index_add_(0, index.reshape(-1), source.reshape(-1).to(self._local.dtype))
+        self._target.index_add_(0, index.reshape(-1), source.reshape(-1).to(self._dtype))
         self._freshness.current = False
 
     def add_product(self, matrix: Tensor, vector: Tensor) -> None:
-        """Add ``matrix @ vector`` into a one-dimensional SUM state, in place.
+        """Add ``matrix @ vector`` into a SUM state, flattened (row-major), in place.
 
         One ``addmv_`` instead of a product and an ``add_`` (small CPU updates are dominated by
         per-op dispatch). Integer dtypes are fine on CPU; CUDA has no integer ``addmv``.
 
         Args:
-            matrix: ``(state size, K)``, the state's dtype.
+            matrix: ``(state numel, K)``, the state's dtype.
             vector: ``(K,)``, the state's dtype.
         """
         if self._op is not ReduceOp.SUM:
             raise ValueError(f"add_product needs a SUM accumulator, this one is {self._op.name}")
-        self._target.addmv_(matrix, vector)
+        self._flat.addmv_(matrix, vector)
         self._freshness.current = False
 
     def sync(self, group: Group = None) -> None:

@@ -36,8 +36,8 @@ class MeanMetric(NanScreenedMetric):
         tensor = as_tensor("values", values, self.device)
         check_floating("values", tensor)
         tensor, kept, keep = self._nan.apply(tensor, self._rejected, self._nan_count)
-        self._total.accumulate(tensor.sum(dtype=self._total.local.dtype))
-        dtype = self._count.local.dtype
+        self._total.accumulate(tensor.sum(dtype=self._total.dtype))
+        dtype = self._count.dtype
         if kept is not None:  # nan_strategy="ignore": NaN elements do not count
             self._count.accumulate(kept.sum(dtype=dtype))
             return

@@ -39,7 +39,7 @@ class SumMetric(NanScreenedMetric):
         tensor = as_tensor("values", values, self.device)
         check_floating("values", tensor)
         tensor = self._nan.apply(tensor, self._rejected, self._nan_count).values
-        self._total.accumulate(tensor.sum(dtype=self._total.local.dtype))
+        self._total.accumulate(tensor.sum(dtype=self._total.dtype))
 
     def compute(self) -> Tensor:
         """The sum (0 over no data)."""

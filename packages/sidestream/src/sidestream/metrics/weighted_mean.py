@@ -72,7 +72,7 @@ class WeightedMeanMetric(NanScreenedMetric):
         values_t = as_tensor("values", values, device)
         weights_t = as_tensor("weights", weights, device)
         check_floating("values", values_t)
-        dtype = self._weight.local.dtype
+        dtype = self._weight.dtype
         if weights_t.shape != values_t.shape and weights_t.dim():
             # A scalar always broadcasts; torch.broadcast_shapes is slow.
             check_broadcastable("weights", weights_t, values_t, "values")

@@ -30,9 +30,12 @@ from sidestream.state import MetricAccumulator
 
 __all__ = [
     "Check",
+    "batch_cells",
     "check_tensor",
     "confusion_counts",
-    "count_maps",
+    "count_map",
+    "count_operands",
+    "host_cells_apply",
     "host_confusion_cells",
     "label_flags",
     "multiclass_labels",
@@ -45,11 +48,16 @@ __all__ = [
 _SMALL_MATRIX_CLASSES = 64
 
 _MAPPED_CLASSES = 16
+"""Up to this many classes the CPU path derives the four counts with ``count_map``."""
+
+_INDICATOR_MAX_ROWS = 256
+"""Up to this many samples a compiled multiclass update counts with per-class indicators (a
+small batch is dominated by dispatch, which they save); larger ones keep the matrix, which
+measured as fast or faster there."""
 
 _FUSED_MAX_ELEMENTS = 1 << 14
-"""From this many scores, ``host_confusion_cells`` takes predictions and the NaN check from one
+"""From this many scores, ``batch_cells`` takes predictions and the NaN check from one
 ``max(-1)`` pass."""
-"""Up to this many classes the CPU path derives the four counts with ``count_map``."""
 
 Check = tuple[Tensor | bool, str, str]
 """``(invalid elements, argument name, what valid values look like)`` for one value check.
@@ -226,12 +234,31 @@ def _multiclass_counts(
     problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     classes = problem.num_classes
-    cells = host_confusion_cells(problem, preds, target, rejected)
-    if cells is not None:
-        tp, fp, fn, tn = torch.mv(count_map(classes), cells).view(4, classes).unbind()
+    cell = host_confusion_cells(problem, preds, target, rejected)
+    if cell is not None:
+        counts = torch.mv(*count_operands(count_map(classes), cell))
+        tp, fp, fn, tn = counts.view(4, classes).unbind()
         return tp, fp, fn, tn
     predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
-    if problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
+    if (
+        problem.top_k == 1
+        and classes <= _SMALL_MATRIX_CLASSES
+        and torch.compiler.is_compiling()
+        and labels.shape[0] <= _INDICATOR_MAX_ROWS
+    ):
+        # Compiled small batch: per-class indicators, which inductor fuses into one reduction
+        # over the samples; the confusion matrix below would cost an index_put_ fallback
+        # kernel, a C x C buffer and their dispatch (a third of a small compiled update).
+        # Eager would materialize the (M, C) masks instead, so it keeps the matrix.
+        classes_row = torch.arange(classes, device=labels.device)
+        is_predicted = predicted.view(-1, 1) == classes_row
+        is_target = labels.unsqueeze(-1) == classes_row
+        if weight is not None:
+            kept = weight.unsqueeze(-1).bool()
+            is_predicted, is_target = is_predicted & kept, is_target & kept
+        tp = (is_predicted & is_target).sum(0)
+        predicted_count, support = is_predicted.sum(0), is_target.sum(0)
+    elif problem.top_k == 1 and classes <= _SMALL_MATRIX_CLASSES:
         # A C x C confusion matrix costs one counting pass over the samples; its diagonal,
         # column and row sums are tp, predicted and true counts.
         cell = torch.add(predicted.view(-1), labels, alpha=classes)
@@ -259,36 +286,58 @@ def _multiclass_counts(
     return tp, fp, fn, support.sum() - support - fp
 
 
+def host_cells_apply(problem: Problem) -> bool:
+    """Whether ``problem`` is one ``host_confusion_cells`` can count (decided once per metric).
+
+    Multiclass, ``top_k == 1``, no ``ignore_index`` and ``C <= _MAPPED_CLASSES``. Binary
+    problems are excluded even with one class: their ``(N, 1)`` scores against ``(N,)``
+    targets are a shape error, not a one-class multiclass batch.
+    """
+    return (
+        problem.kind is ProblemKind.MULTICLASS
+        and problem.top_k == 1
+        and problem.ignore_index is None
+        and problem.num_classes <= _MAPPED_CLASSES
+    )
+
+
 def host_confusion_cells(
     problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
 ) -> Tensor | None:
+    """``batch_cells`` for a problem that qualifies (``host_cells_apply``), else ``None``."""
+    if not host_cells_apply(problem):
+        return None
+    return batch_cells(problem.num_classes, preds, target, rejected)
+
+
+def batch_cells(
+    classes: int, preds: Tensor, target: Tensor, rejected: MetricAccumulator
+) -> Tensor | None:
     """The common small case on the CPU path, in as few ops as its checks allow.
 
-    Scores ``(N, ..., C)`` with ``C <= _MAPPED_CLASSES``, class-index targets, ``top_k == 1``
-    and no ``ignore_index``: what ``multiclass_labels`` and ``_multiclass_counts`` do, with
-    the same checks raising the same errors in the same order, minus their per-call generality
-    (which costs several times the arithmetic on small batches).
+    For a problem that ``host_cells_apply`` accepts (the caller checks, once): scores
+    ``(N, ..., C)`` and class-index targets ``(N, ...)``. It does what ``multiclass_labels``
+    and ``_multiclass_counts`` do, with the same checks raising the same errors in the same
+    order, minus their per-call generality (which costs several times the arithmetic on small
+    batches).
 
     Returns:
-        The ``(C * C,)`` int64 confusion matrix of the batch, cell ``target * C + predicted``
-        (``count_map`` turns it into the four counts), or ``None`` for anything else (the
-        general path then handles it, and raises for a bad shape or dtype).
+        The int64 ``(M,)`` confusion-matrix cell of each sample, ``target * C + predicted``
+        (``count_operands`` turns them into the four counts), or ``None`` for anything else
+        (the general path then handles it, and raises for a bad shape or dtype).
     """
-    classes = problem.num_classes
+    shape = preds.shape
     if (
-        problem.top_k != 1
-        or problem.ignore_index is not None
-        or classes > _MAPPED_CLASSES
-        or not preds.is_floating_point()
-        or preds.ndim < 1
-        or preds.shape[-1] != classes
-        or target.shape != preds.shape[:-1]
+        not preds.is_floating_point()
+        or not shape
+        or shape[-1] != classes
+        or target.shape != shape[:-1]
         or not _integer(target)
         or not preds.numel()
         or not _cpu_path.enabled(preds.device)
     ):
         return None
-    scores = preds if preds.ndim == 2 else preds.reshape(-1, classes)
+    scores = preds if len(shape) == 2 else preds.reshape(-1, classes)
     # max and amax propagate NaN: one reduction where isnan().any() is two. A large batch
     # takes its predictions from the same max(-1) pass (same indices as argmax, ties and NaN
     # included), and the NaN check then reads only the row maxima; on a small one the extra
@@ -298,14 +347,36 @@ def host_confusion_cells(
         largest = row_largest.amax().item()
     else:
         predicted, largest = None, scores.amax().item()
-    screen_invalid(largest != largest, rejected, "preds", "scores without NaN")
+    if largest != largest:
+        screen_invalid(True, rejected, "preds", "scores without NaN")
     labels = target if target.ndim == 1 else target.reshape(-1)
     low, high = torch.aminmax(labels)
     if not (low.item() >= 0 and high.item() <= classes - 1):
         screen_invalid(True, rejected, "target", f"class indices in [0, {classes})")
     if predicted is None:
         predicted = scores.argmax(-1)
-    return torch.bincount(torch.add(predicted, labels, alpha=classes), minlength=classes**2)
+    return torch.add(predicted, labels, alpha=classes)
+
+
+def count_operands(count_map: Tensor, cell: Tensor) -> tuple[Tensor, Tensor]:
+    """``(matrix, vector)`` whose product is a batch's four counts, ``(4 * C,)`` int64.
+
+    ``count_map`` is ``count_map(C)``, ``cell`` the samples' cells from ``batch_cells``.
+    Usually the batch's confusion matrix (``bincount``) through the map; a batch of at most
+    ``C * C`` samples instead takes the map's columns of its cells, summed by a product with
+    ones: that reads no more than the map does and skips ``bincount`` (a fill and two
+    reductions, which dominate a small batch).
+    """
+    rows, cells = cell.shape[0], count_map.shape[1]
+    if rows <= cells:
+        return count_map.index_select(1, cell), _ones(rows)
+    return count_map, torch.bincount(cell, minlength=cells)
+
+
+@functools.cache
+def _ones(rows: int) -> Tensor:
+    """A CPU int64 vector of ``rows`` ones, cached (``rows <= 16 * 16``); never written to."""
+    return torch.ones(rows, dtype=torch.int64)
 
 
 @functools.cache
@@ -329,13 +400,6 @@ def count_map(classes: int) -> Tensor:
         ~is_target & ~is_predicted,
     )
     return torch.cat(stacked).to(torch.int64)
-
-
-@functools.cache
-def count_maps(classes: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``count_map``'s four ``(C, C*C)`` blocks: the maps to tp, fp, fn and tn alone."""
-    tp, fp, fn, tn = count_map(classes).view(4, classes, classes * classes).unbind()
-    return tp, fp, fn, tn
 
 
 def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -10,10 +11,12 @@ from torch import Tensor
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification._average import Average, average_statistic, check_average
 from sidestream.metrics.classification._inputs import (
+    batch_cells,
     check_tensor,
     confusion_counts,
-    count_maps,
-    host_confusion_cells,
+    count_map,
+    count_operands,
+    host_cells_apply,
 )
 from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.metrics.classification.statistics import Counts, Statistic
@@ -25,9 +28,11 @@ __all__ = ["ConfusionCountMetric", "macro_weights"]
 class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
     """Per-class true/false positive/negative counts and the statistics built from them.
 
-    Usually made by ``confusion_count_metric()...build()``. The state is four int64 vectors of
-    fixed length C (``tp``, ``fp``, ``fn``, ``tn``; C = 1 for binary problems) and a
-    ``rejected`` counter, all SUM accumulators, so the reduction over ranks is exact.
+    Usually made by ``confusion_count_metric()...build()``. The state is one int64 ``(4, C)``
+    table ``counts`` (rows ``tp``, ``fp``, ``fn``, ``tn``; C = 1 for binary problems) and a
+    ``rejected`` counter, both SUM accumulators, so the reduction over ranks is exact. One
+    table, not four vectors: a small CPU update adds all four counts with one ``addmv_``.
+    Checkpoints of the older four-state layout still load.
 
     ``compute()`` returns float64 values: a tensor when one statistic is selected, else a dict
     ``{name: tensor}`` in selection order. Binary problems give 0-dim tensors (the positive
@@ -77,10 +82,11 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
         self._average = "micro" if problem.kind is ProblemKind.BINARY else average
         self._zero_division = zero_division
         classes = problem.num_classes
-        self._tp = MetricAccumulator(torch.zeros(classes, dtype=torch.int64))
-        self._fp = MetricAccumulator(torch.zeros(classes, dtype=torch.int64))
-        self._fn = MetricAccumulator(torch.zeros(classes, dtype=torch.int64))
-        self._tn = MetricAccumulator(torch.zeros(classes, dtype=torch.int64))
+        self._counts = MetricAccumulator(torch.zeros(4, classes, dtype=torch.int64))
+        # Whether the problem can take the small CPU path, decided here, not on every update
+        # (a bool, not the map: compiled updates guard every tensor they read).
+        self._host_cells = host_cells_apply(problem)
+        self._count_map = count_map(classes) if self._host_cells else None
 
     @property
     def problem(self) -> Problem:
@@ -110,37 +116,40 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
                 tensor on another device, and (CPU only) values out of range; on CUDA such a
                 batch is dropped and counted in ``rejected_updates``.
         """
-        device = self._tp.device
+        device = self._counts.device
         preds_t = check_tensor("preds", preds, device)
         target_t = check_tensor("target", target, device)
-        cells = host_confusion_cells(self._problem, preds_t, target_t, self._rejected)
-        if cells is not None:
-            # The small CPU case: each count straight from the batch's confusion matrix, one
-            # addmv_ per state, no intermediate count tensors.
-            states = (self._tp, self._fp, self._fn, self._tn)
-            for state, block in zip(states, count_maps(self._problem.num_classes), strict=True):
-                state.add_product(block, cells)
-            return
+        if self._host_cells:
+            cell = batch_cells(self._problem.num_classes, preds_t, target_t, self._rejected)
+            if cell is not None and self._count_map is not None:
+                # The small CPU case: all four counts straight from the samples' confusion
+                # cells, one addmv_ into the table, no intermediate count tensors.
+                self._counts.add_product(*count_operands(self._count_map, cell))
+                return
         tp, fp, fn, tn = confusion_counts(self._problem, preds_t, target_t, self._rejected)
-        self._tp.accumulate(tp)
-        self._fp.accumulate(fp)
-        self._fn.accumulate(fn)
-        self._tn.accumulate(tn)
+        self._counts.accumulate(torch.stack((tp, fp, fn, tn)))
 
     def counts(self) -> dict[str, Tensor]:
-        """The int64 per-class counts ``{"tp", "fp", "fn", "tn"}``, each of shape (C,)."""
-        return {
-            "tp": self._tp.value,
-            "fp": self._fp.value,
-            "fn": self._fn.value,
-            "tn": self._tn.value,
-        }
+        """The int64 per-class counts ``{"tp", "fp", "fn", "tn"}``, each of shape (C,).
+
+        Views of the state (rows of ``counts``): clone them to keep them past the next update.
+        """
+        tp, fp, fn, tn = self._counts.value.unbind()
+        return {"tp": tp, "fp": fp, "fn": fn, "tn": tn}
+
+    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
+        """Stack a checkpoint's four ``tp``/``fp``/``fn``/``tn`` vectors into ``counts``.
+
+        The layout before the ``(4, C)`` table: such checkpoints keep loading.
+        """
+        old = [prefix + name for name in ("tp", "fp", "fn", "tn")]
+        if prefix + "counts" not in state_dict and all(key in state_dict for key in old):
+            rows = [torch.as_tensor(state_dict.pop(key)) for key in old]
+            state_dict[prefix + "counts"] = torch.stack(rows)
 
     def compute(self) -> Tensor | dict[str, Tensor]:
         """The selected statistics: a tensor for one, ``{name: tensor}`` for several."""
-        counts = Counts(
-            *(count.value.to(torch.float64) for count in (self._tp, self._fp, self._fn, self._tn))
-        )
+        counts = Counts(*self._counts.value.to(torch.float64).unbind())
         values = {statistic.name: self._value(statistic, counts) for statistic in self._statistics}
         if self._problem.kind is ProblemKind.BINARY:
             values = {name: value.reshape(()) for name, value in values.items()}
