@@ -42,3 +42,20 @@ def test_a_bad_weight_in_a_later_chunk_raises_before_any_state_changes() -> None
         with pytest.raises(ValueError, match="weights"):
             metric.update(values, bad)
     assert float(metric._weighted_sum.local) == 3.0 and float(metric._weight.local) == 1.0
+
+
+def test_chunked_batches_of_different_lengths_reuse_the_buffers_exactly() -> None:
+    # The chunk buffers (and their all-ones row) are reused by every update: a short last
+    # chunk must not leave stale elements that a later, longer batch would sum.
+    rng = np.random.default_rng(7)
+    metric = WeightedMeanMetric()
+    expected_sum = expected_weight = 0.0
+    for size in (weighted_mean._CHUNK + 3, weighted_mean._CHUNK * 2 + 1, weighted_mean._CHUNK + 9):
+        values = rng.normal(size=size).astype(np.float32)
+        weights = rng.random(size).astype(np.float32)
+        metric.update(torch.from_numpy(values), torch.from_numpy(weights))
+        # float32 products are exact in float64.
+        expected_sum += float((values.astype(np.float64) * weights.astype(np.float64)).sum())
+        expected_weight += float(weights.astype(np.float64).sum())
+    assert float(metric._weighted_sum.local) == pytest.approx(expected_sum, rel=1e-12)
+    assert float(metric._weight.local) == pytest.approx(expected_weight, rel=1e-13)

@@ -111,7 +111,7 @@ class WeightedMeanMetric(NanScreenedMetric):
 
 
 _CHUNK = 1 << 15
-"""Elements per chunk of a large CPU batch: the two chunk buffers (512 KiB in float64) stay in
+"""Elements per chunk of a large CPU batch: the chunk buffers (768 KiB in float64) stay in
 cache, instead of batch-sized float64 copies paged in on every update."""
 
 _buffers = threading.local()
@@ -120,14 +120,22 @@ per step costs an allocation, and pages zeroed by the kernel when the allocator 
 them, which is slower than the arithmetic. Per thread, so two threads never share one."""
 
 
-def _chunk_buffers(device: torch.device, dtype: torch.dtype) -> Tensor:
-    """This thread's ``(2, _CHUNK)`` buffer of ``dtype``: a values and a weights chunk."""
-    cache: dict[tuple[torch.device, torch.dtype], Tensor] | None = getattr(_buffers, "cache", None)
+def _chunk_buffers(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """This thread's chunk buffers of ``dtype``: a ``(2, _CHUNK)`` matrix and a weights chunk.
+
+    The matrix's first row takes a values chunk; its second row is all ones, written once, so
+    one ``mv`` with the weights chunk yields both ``sum(values * weights)`` and ``sum(weights)``
+    (one pass over the chunk instead of a ``dot`` and a ``sum``).
+    """
+    cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] | None
+    cache = getattr(_buffers, "cache", None)
     if cache is None:
         cache = _buffers.cache = {}
     pair = cache.get((device, dtype))
     if pair is None:
-        pair = cache[(device, dtype)] = torch.empty(2, _CHUNK, dtype=dtype, device=device)
+        matrix = torch.empty(2, _CHUNK, dtype=dtype, device=device)
+        matrix[1].fill_(1)
+        pair = cache[(device, dtype)] = (matrix, torch.empty(_CHUNK, dtype=dtype, device=device))
     return pair
 
 
@@ -168,22 +176,26 @@ def _chunked_sums(
 
     Each chunk is cast into this thread's buffers (``copy_`` converts in one pass), so the
     products are exact in float64 (two float32 factors need 48 bits) with no batch-sized
-    float64 copy of either input.
+    float64 copy of either input. Per chunk: two conversions, one ``mv`` for both sums, and
+    the smallest weight read from the input chunk while it is in cache (narrower than the
+    converted one, and its sign and NaN are the same).
     """
-    pair = _chunk_buffers(values.device, dtype)
-    parts: list[Tensor] = []
+    matrix, weights_buffer = _chunk_buffers(values.device, dtype)
+    values_buffer = matrix[0]  # one view for every full chunk, not one select per chunk
+    sums: list[Tensor] = []
+    lows: list[Tensor] = []
     # split: every chunk's view from one call, instead of two slicing calls per chunk.
     chunks = zip(torch.split(values, _CHUNK), torch.split(weights, _CHUNK), strict=True)
     for chunk_values, chunk_weights in chunks:
         length = chunk_values.numel()
-        values_buffer, weights_buffer = pair[:, :length] if length < _CHUNK else pair
-        values_buffer.copy_(chunk_values)
-        weights_buffer.copy_(chunk_weights)
-        # Fresh scalars: the buffers are overwritten by the next chunk.
-        parts += (
-            torch.dot(values_buffer, weights_buffer),
-            weights_buffer.sum(),
-            weights_buffer.amin(),
-        )
-    stacked = torch.stack(parts).view(-1, 3)
-    return stacked[:, 0].sum(), stacked[:, 1].sum(), stacked[:, 2].amin()
+        rows, values_row, weights_row = matrix, values_buffer, weights_buffer
+        if length < _CHUNK:
+            rows, weights_row = matrix[:, :length], weights_buffer[:length]
+            values_row = rows[0]
+        values_row.copy_(chunk_values)
+        weights_row.copy_(chunk_weights)
+        # Fresh results: the buffers are overwritten by the next chunk.
+        sums.append(torch.mv(rows, weights_row))
+        lows.append(chunk_weights.amin())
+    weighted, total = torch.stack(sums).sum(0)
+    return weighted, total, torch.stack(lows).amin()
