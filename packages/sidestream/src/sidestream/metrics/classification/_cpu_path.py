@@ -12,8 +12,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import checks_stay_on_device
-
 __all__ = [
     "CHUNK_ELEMENTS",
     "bin_scale",
@@ -33,7 +31,9 @@ fit in cache and are recycled by the allocator."""
 
 def enabled(device: torch.device) -> bool:
     """Whether updates on ``device`` may read values on the host (CPU, not compiling)."""
-    return device.type == "cpu" and not checks_stay_on_device(device)
+    # checks_stay_on_device inlined (on CPU it is just is_compiling): this runs several
+    # times per update, and every device.type read builds a new string.
+    return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def outside(values: Tensor, low: float, high: float) -> Tensor | bool:
@@ -42,10 +42,13 @@ def outside(values: Tensor, low: float, high: float) -> Tensor | bool:
     One fused min/max pass. On the CPU path the answer is a Python bool; otherwise a
     0-dim bool tensor that stays on the device.
     """
-    smallest, largest = torch.aminmax(values.reshape(-1))
     if enabled(values.device):
-        # NaN propagates through aminmax and compares false: outside.
+        # Eager aminmax reduces every element without a flattening view (a dispatch that
+        # costs small batches as much as the reduction). NaN propagates through aminmax and
+        # compares false: outside.
+        smallest, largest = torch.aminmax(values)
         return not (smallest.item() >= low and largest.item() <= high)
+    smallest, largest = torch.aminmax(values.reshape(-1))
     return ~((smallest >= low) & (largest <= high))
 
 
