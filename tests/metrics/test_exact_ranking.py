@@ -503,3 +503,30 @@ def test_half_precision_logits_rank_as_their_float64_values() -> None:
         metric.update(torch.tensor([1.0, float("nan")]), torch.tensor([0, 1]))
     metric.update(torch.tensor([float("inf"), -float("inf")]), torch.tensor([1, 0]))
     assert int(metric.state_dict()["scores"].shape[0]) == 502
+
+
+def test_a_large_target_is_checked_chunk_by_chunk_before_anything_is_stored() -> None:
+    """A large integer target is checked and converted to int8 per chunk: a bad value in a
+    later chunk, including one whose low byte is 0 or 1 (256, 2**32 + 1), still raises before
+    the state changes."""
+    from sidestream.metrics.classification import _scores
+
+    size = _scores._TARGET_CHUNK * 2 + 7
+    generator = torch.Generator().manual_seed(5)
+    preds = torch.rand(size, generator=generator)
+    target = torch.randint(0, 2, (size,), generator=generator)
+    metric = BinaryAUROCMetric(exact=True)
+    metric.update(preds, target)
+    for bad in (2, -1, 256, 2**32, 2**32 + 1, -(2**63)):
+        for dtype in (torch.int64, torch.int32):
+            if torch.tensor(bad).to(dtype).item() != bad:
+                continue  # not representable
+            broken = target.to(dtype, copy=True)
+            broken[-1] = bad
+            with pytest.raises(ValueError, match="target: expected 0 or 1"):
+                metric.update(preds, broken)
+    metric.update(preds[::2], target[::2].to(torch.int32))  # strided: read contiguously
+    assert _stored_rows(metric) == size + (size + 1) // 2
+    scores = preds.numpy()
+    labels = np.concatenate([target.numpy(), target.numpy()[::2]])
+    _close(metric.compute(), roc_auc_score(labels, np.concatenate([scores, scores[::2]])))

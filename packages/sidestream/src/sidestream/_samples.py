@@ -65,10 +65,10 @@ class SampleStore:
         """
         for name, chunks in self._chunks.items():
             row = rows[name]
-            if row.is_inference():
-                row = row.clone()
-            else:
+            try:
                 self._borrowed.append((row, row._version))
+            except RuntimeError:  # an inference tensor: no version counter
+                row = row.clone()
             chunks.append(row)
 
     def local(self) -> dict[str, Tensor]:

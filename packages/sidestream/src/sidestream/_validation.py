@@ -37,7 +37,9 @@ def as_tensor(argument: str, value: object, device: torch.device) -> Tensor:
                 f"{argument}: expected a tensor on the metric's device {device}, got one on "
                 f"{value.device}; move the metric with .to(device) or the tensor"
             )
-        return value.detach()
+        # detach only what autograd tracks: an alias of a plain tensor costs a dispatch, and
+        # it shares the storage (and version counter) anyway.
+        return value.detach() if value.requires_grad else value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{argument}: expected a torch.Tensor or a number, got {type(value)}")
     # A fill kernel, not a host-to-device copy from pageable memory (which would sync on CUDA).

@@ -94,7 +94,7 @@ def score_batch(
     check_floating("preds", preds_t)
     binary = problem.kind is ProblemKind.BINARY and problem.ignore_index is None
     if binary and not problem.logits and _cpu_path.enabled(device):
-        return _host_binary(preds_t, target_t, rejected)
+        return _host_binary(preds_t, target_t, rejected, exact)
     scores, labels = _rows(problem, preds_t, target_t)
     if scores.numel() == 0:
         return None
@@ -144,12 +144,17 @@ def score_batch(
     return ScoreBatch(scores if ranked is None else ranked, labels, weight)
 
 
-def _host_binary(preds: Tensor, target: Tensor, rejected: MetricAccumulator) -> ScoreBatch | None:
+def _host_binary(
+    preds: Tensor, target: Tensor, rejected: MetricAccumulator, exact: bool
+) -> ScoreBatch | None:
     """``score_batch`` of binary probabilities without ``ignore_index`` on the CPU path.
 
     The same checks, messages and order as the general path, read on the host directly: a
     small batch's update is dominated by per-call overhead, not by its arithmetic. A bad batch
     raises (``screen_invalid`` of a host bool), so ``rejected`` is never touched here.
+
+    For an exact metric (which stores int8 labels) a large integer target is checked and
+    converted chunk by chunk (``_checked_int8``), so it is read from memory once, not twice.
     """
     check_same_shape(preds, target)
     if preds.numel() == 0:
@@ -159,6 +164,12 @@ def _host_binary(preds: Tensor, target: Tensor, rejected: MetricAccumulator) -> 
         screen_invalid(True, rejected, "preds", expected)
     if target.is_floating_point():
         screen_invalid(not_binary(target), rejected, "target", "0 or 1")
+    elif exact and target.element_size() > 1 and target.numel() > _TARGET_CHUNK:
+        converted = _checked_int8(target)
+        if converted is None:
+            screen_invalid(True, rejected, "target", "0 or 1")
+        else:
+            target = converted
     elif target.dtype != torch.bool and not _within(target, 0, 1):
         screen_invalid(True, rejected, "target", "0 or 1")
     return ScoreBatch(preds.reshape(-1, 1), target.reshape(-1, 1), None)
@@ -169,3 +180,29 @@ def _within(values: Tensor, low: float, high: float) -> bool:
     smallest, largest = torch.aminmax(values)
     # NaN propagates through aminmax and compares false: outside.
     return bool(smallest.item() >= low and largest.item() <= high)
+
+
+_TARGET_CHUNK = 1 << 17
+"""Elements per chunk of ``_checked_int8``: 1 MiB of int64, read again from cache."""
+
+
+def _checked_int8(target: Tensor) -> Tensor | None:
+    """A large integer ``target`` as a new int8 tensor, or ``None`` if a value is not 0 or 1.
+
+    ``target`` is contiguous-flattened first (a view of its bytes needs that).
+
+    Each chunk is checked, then converted while it is still in cache: one read of the wide
+    target from memory instead of a check pass and a conversion pass. The check must come
+    first: the conversion wraps (256 would become 0).
+    """
+    flat = target.contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=torch.int8, device=flat.device)
+    for piece, dest in zip(
+        torch.split(flat, _TARGET_CHUNK), torch.split(out, _TARGET_CHUNK), strict=True
+    ):
+        # Bytes all 0 or 1 clear the sign bit (value >= 0), then a maximum of 1 leaves 0 and 1:
+        # two max reductions, cheaper than aminmax, which has no vector kernel for int64.
+        if piece.view(torch.uint8).amax().item() > 1 or piece.amax().item() > 1:
+            return None
+        dest.copy_(piece)
+    return out.view(target.shape)

@@ -196,7 +196,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
                 ``[0, 1]`` / NaN or a target outside its range. On CUDA such a batch is dropped
                 and counted in ``rejected_updates`` instead.
         """
-        device = self.device
+        # The counter's device is the metric's: cheaper than Metric.device before the state
+        # arena is built (a fresh metric), which small batches notice.
+        device = self._rejected.device
         batch = score_batch(self._problem, preds, target, device, self._rejected, exact=self._exact)
         if batch is None:
             return
