@@ -182,11 +182,13 @@ def _chunked_sums(
     """
     matrix, weights_buffer = _chunk_buffers(values.device, dtype)
     values_buffer = matrix[0]  # one view for every full chunk, not one select per chunk
-    sums: list[Tensor] = []
-    lows: list[Tensor] = []
+    # Both sums accumulate in place (addmv_) and each chunk's minimum is written into its slot:
+    # no list of fresh results to stack afterwards.
+    sums = torch.zeros(2, dtype=dtype, device=values.device)
+    lows = torch.empty(-(-values.numel() // _CHUNK), dtype=weights.dtype, device=values.device)
     # split: every chunk's view from one call, instead of two slicing calls per chunk.
     chunks = zip(torch.split(values, _CHUNK), torch.split(weights, _CHUNK), strict=True)
-    for chunk_values, chunk_weights in chunks:
+    for index, (chunk_values, chunk_weights) in enumerate(chunks):
         length = chunk_values.numel()
         rows, values_row, weights_row = matrix, values_buffer, weights_buffer
         if length < _CHUNK:
@@ -194,8 +196,7 @@ def _chunked_sums(
             values_row = rows[0]
         values_row.copy_(chunk_values)
         weights_row.copy_(chunk_weights)
-        # Fresh results: the buffers are overwritten by the next chunk.
-        sums.append(torch.mv(rows, weights_row))
-        lows.append(chunk_weights.amin())
-    weighted, total = torch.stack(sums).sum(0)
-    return weighted, total, torch.stack(lows).amin()
+        sums.addmv_(rows, weights_row)
+        torch.amin(chunk_weights, 0, out=lows[index])
+    weighted, total = sums
+    return weighted, total, lows.amin()
