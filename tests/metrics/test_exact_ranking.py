@@ -459,6 +459,7 @@ def test_an_input_modified_in_place_after_update_raises_until_reset() -> None:
     metric = BinaryAUROCMetric(exact=True)
     preds, target = torch.tensor([0.2, 0.8, 0.4]), torch.tensor([0, 1, 1])
     metric.update(preds, target)
+    metric.to("cpu")  # no move: the rows are still the caller's tensors
     preds.mul_(0.5)  # a reused input buffer
     for _ in range(2):  # no value from changed rows, however often it is asked
         with pytest.raises(RuntimeError, match="modified in place"):

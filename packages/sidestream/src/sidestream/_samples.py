@@ -160,8 +160,10 @@ class SampleStore:
         }
         if self._gathered is not None:
             self._gathered = {name: t.to(device) for name, t in self._gathered.items()}
-        # A row copied to another device no longer reads the caller's tensor.
-        self._borrowed = [(t, version) for t, version in self._borrowed if t.device == device]
+        # A row copied to another device no longer reads the caller's tensor; one that stayed
+        # (``to`` returned the tensor itself) still does.
+        kept = {id(chunk) for chunks in self._chunks.values() for chunk in chunks}
+        self._borrowed = [(t, version) for t, version in self._borrowed if id(t) in kept]
 
 
 def gather_rows(rows: dict[str, Tensor], group: dist.ProcessGroup | None) -> dict[str, Tensor]:

@@ -124,7 +124,7 @@ def _chunk_buffers(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Te
     """This thread's chunk buffers of ``dtype``: a ``(2, _CHUNK)`` matrix and a weights chunk.
 
     The matrix's first row takes a values chunk; its second row is all ones, written once, so
-    one ``mv`` with the weights chunk yields both ``sum(values * weights)`` and ``sum(weights)``
+    one ``addmv_`` with the weights chunk adds both ``sum(values * weights)`` and ``sum(weights)``
     (one pass over the chunk instead of a ``dot`` and a ``sum``).
     """
     cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] | None
@@ -176,7 +176,7 @@ def _chunked_sums(
 
     Each chunk is cast into this thread's buffers (``copy_`` converts in one pass), so the
     products are exact in float64 (two float32 factors need 48 bits) with no batch-sized
-    float64 copy of either input. Per chunk: two conversions, one ``mv`` for both sums, and
+    float64 copy of either input. Per chunk: two conversions, one ``addmv_`` for both sums, and
     the smallest weight read from the input chunk while it is in cache (narrower than the
     converted one, and its sign and NaN are the same).
     """
