@@ -77,13 +77,23 @@ class WeightedMeanMetric(NanScreenedMetric):
             # A scalar always broadcasts; torch.broadcast_shapes is slow.
             check_broadcastable("weights", weights_t, values_t, "values")
         on_device = checks_stay_on_device(device)
-        if not self._nan.disabled and not (self._nan.checks and on_device):
-            # CPU "error" raises here, naming values, before the state changes.
+        # CPU "error" rides on the result: a NaN value makes the weighted sum NaN (NaN * w is
+        # NaN for every weight), so the NaN pass runs only for a NaN sum or a bad weight, and
+        # raises (naming values, first, as before) before the state changes.
+        rides = self._nan.checks and not on_device
+        if not self._nan.disabled and not self._nan.checks:
             values_t, kept, _ = self._nan.apply(values_t, self._rejected, self._nan_count)
             if kept is not None:  # nan_strategy="ignore": a NaN value's weight becomes 0
                 weights_t = torch.where(kept, weights_t.to(dtype), 0.0)
         if not on_device:
-            weighted, total = _host_sums(values_t, weights_t, dtype)
+            try:
+                weighted, total = _host_sums(values_t, weights_t, dtype)
+            except ValueError:
+                if rides:  # a NaN value is reported first, as when it was checked first
+                    self._nan.apply(values_t, self._rejected, self._nan_count)
+                raise
+            if rides and math.isnan(float(weighted)):
+                self._nan.apply(values_t, self._rejected, self._nan_count)
         else:
             weights_t = weights_t.to(dtype).expand(values_t.shape)
             weighted = (values_t.to(dtype) * weights_t).sum()
