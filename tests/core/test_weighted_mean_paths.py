@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -42,3 +44,44 @@ def test_a_bad_weight_in_a_later_chunk_raises_before_any_state_changes() -> None
         with pytest.raises(ValueError, match="weights"):
             metric.update(values, bad)
     assert float(metric._weighted_sum.local) == 3.0 and float(metric._weight.local) == 1.0
+
+
+def test_chunked_batches_of_different_lengths_reuse_the_buffers_exactly() -> None:
+    # The chunk buffers (and their all-ones row) are reused by every update: a short last
+    # chunk must not leave stale elements that a later, longer batch would sum.
+    rng = np.random.default_rng(7)
+    metric = WeightedMeanMetric()
+    expected_sum = expected_weight = 0.0
+    for size in (weighted_mean._CHUNK + 3, weighted_mean._CHUNK * 2 + 1, weighted_mean._CHUNK + 9):
+        values = rng.normal(size=size).astype(np.float32)
+        weights = rng.random(size).astype(np.float32)
+        metric.update(torch.from_numpy(values), torch.from_numpy(weights))
+        # float32 products are exact in float64.
+        expected_sum += float((values.astype(np.float64) * weights.astype(np.float64)).sum())
+        expected_weight += float(weights.astype(np.float64).sum())
+    assert float(metric._weighted_sum.local) == pytest.approx(expected_sum, rel=1e-12)
+    assert float(metric._weight.local) == pytest.approx(expected_weight, rel=1e-13)
+
+
+@pytest.mark.parametrize("size", [5, weighted_mean._CHUNK * 2 + 5])
+def test_nan_error_rides_on_the_sum_and_still_names_values_first(size: int) -> None:
+    # CPU nan_strategy="error" checks NaN only when the weighted sum is NaN or a weight is
+    # bad: the same errors, in the same order, before any state changes.
+    metric = WeightedMeanMetric(nan_strategy="error")
+    metric.update(torch.tensor([3.0]), torch.tensor([1.0]))
+    values, weights = torch.ones(size), torch.ones(size)
+    values[-1] = float("nan")
+    for bad_weight in (1.0, 0.0, -1.0, float("inf")):  # a zero weight still makes NaN
+        weights[-1] = bad_weight
+        with pytest.raises(ValueError, match="values: expected values without NaN"):
+            metric.update(values, weights)
+        with pytest.raises(ValueError, match="values"):
+            metric.update(values, bad_weight)
+    values[-1] = float("inf")  # inf * 0 is NaN too, but no value is NaN: kept, as before
+    weights[-1] = 0.0
+    metric.update(values, weights)
+    assert float(metric._weight.local) == 1.0 + size - 1
+    assert math.isnan(float(metric._weighted_sum.local))
+    weights[-1] = -1.0
+    with pytest.raises(ValueError, match="weights"):
+        metric.update(values, weights)

@@ -422,3 +422,112 @@ def test_device_path_drops_a_bad_batch_as_skipped_rows(monkeypatch: pytest.Monke
         assert int(metric.rejected_updates) == 1
         assert metric.state_dict()["scores"].shape[0] == 2 * len(preds)
         _close(metric.compute(), float(reference.compute()))
+
+
+def test_cpu_updates_keep_the_inputs_without_a_copy_and_widen_them_later() -> None:
+    """float32 scores are borrowed as given (a copy into fresh memory costs more than the
+    rest of an update) and become float64 rows when concatenated: the same rows, checkpoint
+    format and value as converting at once."""
+    data = _data(12, 600)
+    scores = torch.from_numpy(data["binary"]).float()
+    labels = {
+        "int64": torch.from_numpy(data["target"]),
+        "bool": torch.from_numpy(data["target"]).bool(),
+        "uint8": torch.from_numpy(data["target"]).to(torch.uint8),
+        "int8": torch.from_numpy(data["target"]).to(torch.int8),
+        "float": torch.from_numpy(data["target"]).float(),
+    }
+    expected = roc_auc_score(data["target"], scores.double().numpy())
+    for name, target in labels.items():
+        metric = BinaryAUROCMetric(exact=True)
+        metric.update(scores[:250], target[:250])
+        metric.update(scores[250:], target[250:])
+        kept = metric._samples._chunks["scores"]
+        assert kept[0].data_ptr() == scores.data_ptr(), name  # no copy
+        if name in ("bool", "uint8", "int8"):  # the same bytes, viewed as int8
+            assert metric._samples._chunks["labels"][0].data_ptr() == target.data_ptr(), name
+        saved = metric.state_dict()
+        assert saved["scores"].dtype == torch.float64 and saved["labels"].dtype == torch.int8
+        assert torch.equal(saved["scores"][:, 0], scores.double()), name
+        assert torch.equal(saved["labels"][:, 0], labels["int8"]), name
+        _close(metric.compute(), expected)
+
+
+def test_an_input_modified_in_place_after_update_raises_until_reset() -> None:
+    """Borrowed inputs are watched by their version counters: rows that changed under the
+    metric raise instead of giving a wrong value."""
+    metric = BinaryAUROCMetric(exact=True)
+    preds, target = torch.tensor([0.2, 0.8, 0.4]), torch.tensor([0, 1, 1])
+    metric.update(preds, target)
+    metric.to("cpu")  # no move: the rows are still the caller's tensors
+    preds.mul_(0.5)  # a reused input buffer
+    for _ in range(2):  # no value from changed rows, however often it is asked
+        with pytest.raises(RuntimeError, match="modified in place"):
+            metric.compute()
+    with pytest.raises(RuntimeError, match="modified in place"):
+        metric.state_dict()
+    metric.reset()
+    metric.update(preds.clone(), target.clone())
+    preds.fill_(0.0)  # the metric holds a copy now
+    _close(metric.compute(), roc_auc_score([0, 1, 1], [0.1, 0.4, 0.2]))
+    # Once the rows are concatenated (compute), they are the store's own.
+    again = BinaryAUROCMetric(exact=True)
+    again.update(target.float() * 0.5, target)
+    mine = target.float() * 0.5
+    again.update(mine, target)
+    _close(again.compute(), 1.0)
+    mine.zero_()
+    _close(again.compute(), 1.0)
+
+
+def test_inference_tensors_are_copied() -> None:
+    """An inference tensor has no version counter to watch, so the store copies it."""
+    metric = BinaryAUROCMetric(exact=True)
+    with torch.inference_mode():
+        preds, target = torch.tensor([0.2, 0.8, 0.4]), torch.tensor([0, 1, 1])
+        metric.update(preds, target)
+        preds.zero_()
+    _close(metric.compute(), roc_auc_score([0, 1, 1], [0.2, 0.8, 0.4]))
+
+
+def test_half_precision_logits_rank_as_their_float64_values() -> None:
+    """Exact binary logits are stored in their dtype and widened at compute: the same order."""
+    generator = torch.Generator().manual_seed(3)
+    target = torch.randint(0, 2, (500,), generator=generator)
+    logits = (torch.randn(500, generator=generator) * 4 + 20 + target).to(torch.bfloat16)
+    metric = BinaryAUROCMetric(exact=True, logits=True)
+    metric.update(logits[:200], target[:200])
+    metric.update(logits[200:], target[200:])
+    expected = roc_auc_score(target, logits.double())
+    assert float(metric.compute()) == pytest.approx(expected, abs=1e-12)
+    with pytest.raises(ValueError, match="preds: expected finite logits"):
+        metric.update(torch.tensor([1.0, float("nan")]), torch.tensor([0, 1]))
+    metric.update(torch.tensor([float("inf"), -float("inf")]), torch.tensor([1, 0]))
+    assert int(metric.state_dict()["scores"].shape[0]) == 502
+
+
+def test_a_large_target_is_checked_chunk_by_chunk_before_anything_is_stored() -> None:
+    """A large integer target is checked and converted to int8 per chunk: a bad value in a
+    later chunk, including one whose low byte is 0 or 1 (256, 2**32 + 1), still raises before
+    the state changes."""
+    from sidestream.metrics.classification import _scores
+
+    size = _scores._TARGET_CHUNK * 2 + 7
+    generator = torch.Generator().manual_seed(5)
+    preds = torch.rand(size, generator=generator)
+    target = torch.randint(0, 2, (size,), generator=generator)
+    metric = BinaryAUROCMetric(exact=True)
+    metric.update(preds, target)
+    for bad in (2, -1, 256, 2**32, 2**32 + 1, -(2**63)):
+        for dtype in (torch.int64, torch.int32):
+            if torch.tensor(bad).to(dtype).item() != bad:
+                continue  # not representable
+            broken = target.to(dtype, copy=True)
+            broken[-1] = bad
+            with pytest.raises(ValueError, match="target: expected 0 or 1"):
+                metric.update(preds, broken)
+    metric.update(preds[::2], target[::2].to(torch.int32))  # strided: read contiguously
+    assert _stored_rows(metric) == size + (size + 1) // 2
+    scores = preds.numpy()
+    labels = np.concatenate([target.numpy(), target.numpy()[::2]])
+    _close(metric.compute(), roc_auc_score(labels, np.concatenate([scores, scores[::2]])))

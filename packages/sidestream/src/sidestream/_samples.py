@@ -24,6 +24,13 @@ class SampleStore:
     slow (blocking) sync path. Stored tensors are never changed in place, so a staged copy may
     share them with the live store.
 
+    ``borrow`` keeps the caller's own tensors (no copy, like torchmetrics' list states): a
+    copy into fresh memory costs more than the rest of an update (page faults). Their version
+    counters are recorded, and ``local`` raises if one was modified in place since, instead of
+    returning rows that changed under the metric. Borrowed rows may be of a narrower dtype than
+    their field (float32 scores of a float64 field); ``local`` converts them when it
+    concatenates, so the stored values are the same as if converted at once.
+
     Args:
         fields: For each field, a template of shape ``(0, *row_shape)`` giving the row shape
             and dtype.
@@ -33,6 +40,7 @@ class SampleStore:
         self._templates = {name: t.detach().clone() for name, t in fields.items()}
         self._chunks: dict[str, list[Tensor]] = {name: [] for name in fields}
         self._gathered: dict[str, Tensor] | None = None
+        self._borrowed: list[tuple[Tensor, int]] = []  # (tensor, its version when borrowed)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -49,14 +57,51 @@ class SampleStore:
         for name, chunks in self._chunks.items():
             chunks.append(rows[name])
 
+    def borrow(self, **rows: Tensor) -> None:
+        """Keep one batch of rows that may be the caller's tensors: no copy, no host sync.
+
+        Each row may have a narrower dtype than its field (it is converted by ``local``).
+        Inference tensors have no version counter to watch, so those are copied.
+        """
+        for name, chunks in self._chunks.items():
+            row = rows[name]
+            try:
+                self._borrowed.append((row, row._version))
+            except RuntimeError:  # an inference tensor: no version counter
+                row = row.clone()
+            chunks.append(row)
+
     def local(self) -> dict[str, Tensor]:
-        """This rank's rows per field, concatenated (the chunks are merged once)."""
+        """This rank's rows per field, concatenated (the chunks are merged once).
+
+        Raises:
+            RuntimeError: If a borrowed tensor (``borrow``) was modified in place since.
+        """
+        borrowed = bool(self._borrowed)
         out: dict[str, Tensor] = {}
         for name, chunks in self._chunks.items():
-            if len(chunks) != 1:
-                chunks[:] = [torch.cat([self._templates[name], *chunks])]
+            template = self._templates[name]
+            # Borrowed rows are always merged: the result is the store's own, never a caller's.
+            if len(chunks) != 1 or borrowed or chunks[0].dtype != template.dtype:
+                # cat converts narrower rows to the field's dtype (exactly, as .to would).
+                chunks[:] = [torch.cat([template, *chunks]).to(template.dtype)]
             out[name] = chunks[0]
+        if borrowed:
+            # Checked after the copy, so a change made before or during it is caught.
+            self._check_borrowed()
+            self._borrowed = []
         return out
+
+    def _check_borrowed(self) -> None:
+        for tensor, version in self._borrowed:
+            if tensor._version != version:
+                # Raised again on every read until reset: no value from rows that changed.
+                raise RuntimeError(
+                    "a tensor passed to update was modified in place before compute: exact "
+                    "metrics keep references to their inputs (no copy), so their rows changed; "
+                    "reset the metric, and pass a copy (tensor.clone()) when you reuse an "
+                    "input buffer"
+                )
 
     def value(self, synced: bool) -> dict[str, Tensor]:
         """The rows of every rank after ``gather`` when ``synced``, else this rank's."""
@@ -76,6 +121,7 @@ class SampleStore:
         """Drop every row, local and gathered."""
         self._chunks = {name: [] for name in self._templates}
         self._gathered = None
+        self._borrowed = []
 
     def load(self, rows: dict[str, Tensor]) -> None:
         """Replace the local rows with ``rows`` (one tensor per field, checked).
@@ -104,6 +150,7 @@ class SampleStore:
         """Take ``other``'s local rows (shared, not copied: stored rows are never mutated)."""
         self._chunks = {name: list(chunks) for name, chunks in other._chunks.items()}
         self._gathered = None
+        self._borrowed = list(other._borrowed)  # the copy reads the same borrowed tensors
 
     def to(self, device: torch.device) -> None:
         """Move every row to ``device``."""
@@ -113,6 +160,10 @@ class SampleStore:
         }
         if self._gathered is not None:
             self._gathered = {name: t.to(device) for name, t in self._gathered.items()}
+        # A row copied to another device no longer reads the caller's tensor; one that stayed
+        # (``to`` returned the tensor itself) still does.
+        kept = {id(chunk) for chunks in self._chunks.values() for chunk in chunks}
+        self._borrowed = [(t, version) for t, version in self._borrowed if id(t) in kept]
 
 
 def gather_rows(rows: dict[str, Tensor], group: dist.ProcessGroup | None) -> dict[str, Tensor]:

@@ -77,13 +77,23 @@ class WeightedMeanMetric(NanScreenedMetric):
             # A scalar always broadcasts; torch.broadcast_shapes is slow.
             check_broadcastable("weights", weights_t, values_t, "values")
         on_device = checks_stay_on_device(device)
-        if not self._nan.disabled and not (self._nan.checks and on_device):
-            # CPU "error" raises here, naming values, before the state changes.
+        # CPU "error" rides on the result: a NaN value makes the weighted sum NaN (NaN * w is
+        # NaN for every weight), so the NaN pass runs only for a NaN sum or a bad weight, and
+        # raises (naming values, first, as before) before the state changes.
+        rides = self._nan.checks and not on_device
+        if not self._nan.disabled and not self._nan.checks:
             values_t, kept, _ = self._nan.apply(values_t, self._rejected, self._nan_count)
             if kept is not None:  # nan_strategy="ignore": a NaN value's weight becomes 0
                 weights_t = torch.where(kept, weights_t.to(dtype), 0.0)
         if not on_device:
-            weighted, total = _host_sums(values_t, weights_t, dtype)
+            try:
+                weighted, total = _host_sums(values_t, weights_t, dtype)
+            except ValueError:
+                if rides:  # a NaN value is reported first, as when it was checked first
+                    self._nan.apply(values_t, self._rejected, self._nan_count)
+                raise
+            if rides and math.isnan(float(weighted)):
+                self._nan.apply(values_t, self._rejected, self._nan_count)
         else:
             weights_t = weights_t.to(dtype).expand(values_t.shape)
             weighted = (values_t.to(dtype) * weights_t).sum()
@@ -111,7 +121,7 @@ class WeightedMeanMetric(NanScreenedMetric):
 
 
 _CHUNK = 1 << 15
-"""Elements per chunk of a large CPU batch: the two chunk buffers (512 KiB in float64) stay in
+"""Elements per chunk of a large CPU batch: the chunk buffers (768 KiB in float64) stay in
 cache, instead of batch-sized float64 copies paged in on every update."""
 
 _buffers = threading.local()
@@ -120,14 +130,22 @@ per step costs an allocation, and pages zeroed by the kernel when the allocator 
 them, which is slower than the arithmetic. Per thread, so two threads never share one."""
 
 
-def _chunk_buffers(device: torch.device, dtype: torch.dtype) -> Tensor:
-    """This thread's ``(2, _CHUNK)`` buffer of ``dtype``: a values and a weights chunk."""
-    cache: dict[tuple[torch.device, torch.dtype], Tensor] | None = getattr(_buffers, "cache", None)
+def _chunk_buffers(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """This thread's chunk buffers of ``dtype``: a ``(2, _CHUNK)`` matrix and a weights chunk.
+
+    The matrix's first row takes a values chunk; its second row is all ones, written once, so
+    one ``addmv_`` with the weights chunk adds both ``sum(values * weights)`` and ``sum(weights)``
+    (one pass over the chunk instead of a ``dot`` and a ``sum``).
+    """
+    cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] | None
+    cache = getattr(_buffers, "cache", None)
     if cache is None:
         cache = _buffers.cache = {}
     pair = cache.get((device, dtype))
     if pair is None:
-        pair = cache[(device, dtype)] = torch.empty(2, _CHUNK, dtype=dtype, device=device)
+        matrix = torch.empty(2, _CHUNK, dtype=dtype, device=device)
+        matrix[1].fill_(1)
+        pair = cache[(device, dtype)] = (matrix, torch.empty(_CHUNK, dtype=dtype, device=device))
     return pair
 
 
@@ -168,22 +186,27 @@ def _chunked_sums(
 
     Each chunk is cast into this thread's buffers (``copy_`` converts in one pass), so the
     products are exact in float64 (two float32 factors need 48 bits) with no batch-sized
-    float64 copy of either input.
+    float64 copy of either input. Per chunk: two conversions, one ``addmv_`` for both sums, and
+    the smallest weight read from the input chunk while it is in cache (narrower than the
+    converted one, and its sign and NaN are the same).
     """
-    pair = _chunk_buffers(values.device, dtype)
-    parts: list[Tensor] = []
+    matrix, weights_buffer = _chunk_buffers(values.device, dtype)
+    values_buffer = matrix[0]  # one view for every full chunk, not one select per chunk
+    # Both sums accumulate in place (addmv_) and each chunk's minimum is written into its slot:
+    # no list of fresh results to stack afterwards.
+    sums = torch.zeros(2, dtype=dtype, device=values.device)
+    lows = torch.empty(-(-values.numel() // _CHUNK), dtype=weights.dtype, device=values.device)
     # split: every chunk's view from one call, instead of two slicing calls per chunk.
     chunks = zip(torch.split(values, _CHUNK), torch.split(weights, _CHUNK), strict=True)
-    for chunk_values, chunk_weights in chunks:
+    for index, (chunk_values, chunk_weights) in enumerate(chunks):
         length = chunk_values.numel()
-        values_buffer, weights_buffer = pair[:, :length] if length < _CHUNK else pair
-        values_buffer.copy_(chunk_values)
-        weights_buffer.copy_(chunk_weights)
-        # Fresh scalars: the buffers are overwritten by the next chunk.
-        parts += (
-            torch.dot(values_buffer, weights_buffer),
-            weights_buffer.sum(),
-            weights_buffer.amin(),
-        )
-    stacked = torch.stack(parts).view(-1, 3)
-    return stacked[:, 0].sum(), stacked[:, 1].sum(), stacked[:, 2].amin()
+        rows, values_row, weights_row = matrix, values_buffer, weights_buffer
+        if length < _CHUNK:
+            rows, weights_row = matrix[:, :length], weights_buffer[:length]
+            values_row = rows[0]
+        values_row.copy_(chunk_values)
+        weights_row.copy_(chunk_weights)
+        sums.addmv_(rows, weights_row)
+        torch.amin(chunk_weights, 0, out=lows[index])
+    weighted, total = sums
+    return weighted, total, lows.amin()

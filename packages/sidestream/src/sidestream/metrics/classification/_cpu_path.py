@@ -42,10 +42,13 @@ def outside(values: Tensor, low: float, high: float) -> Tensor | bool:
     One fused min/max pass. On the CPU path the answer is a Python bool; otherwise a
     0-dim bool tensor that stays on the device.
     """
-    smallest, largest = torch.aminmax(values.reshape(-1))
     if enabled(values.device):
-        # NaN propagates through aminmax and compares false: outside.
+        # Eager aminmax reduces every element without a flattening view (a dispatch that
+        # costs small batches as much as the reduction). NaN propagates through aminmax and
+        # compares false: outside.
+        smallest, largest = torch.aminmax(values)
         return not (smallest.item() >= low and largest.item() <= high)
+    smallest, largest = torch.aminmax(values.reshape(-1))
     return ~((smallest >= low) & (largest <= high))
 
 

@@ -7,7 +7,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from sidestream._validation import check_floating, check_same_shape
+from sidestream._validation import check_floating, check_same_shape, screen_invalid
+from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._inputs import (
     Check,
     check_tensor,
@@ -77,9 +78,11 @@ def score_batch(
     softmax over ``C`` (multiclass) first.
 
     With ``exact`` (the stored scores of an exact ranking metric, whose value depends only on
-    their order) the transform runs in float64 and binary and multilabel scores are returned
-    as the logits themselves: a float32 sigmoid rounds every logit above about 17 to 1.0, which
-    would tie samples the logits order (the sigmoid is monotone, so the logits rank alike).
+    their order) binary and multilabel scores are returned as the logits themselves, in their
+    dtype (only NaN is rejected: a sigmoid maps every other logit into ``[0, 1]``): a float32
+    sigmoid rounds every logit above about 17 to 1.0, which would tie samples the logits order
+    (the sigmoid is monotone, so the logits rank alike, and widening them to float64 later
+    keeps that order). A multiclass softmax runs in float64.
 
     Raises:
         TypeError: On a non-tensor or a wrong dtype.
@@ -89,21 +92,26 @@ def score_batch(
     preds_t = check_tensor("preds", preds, device)
     target_t = check_tensor("target", target, device)
     check_floating("preds", preds_t)
+    binary = problem.kind is ProblemKind.BINARY and problem.ignore_index is None
+    if binary and not problem.logits and _cpu_path.enabled(device):
+        return _host_binary(preds_t, target_t, rejected, exact)
     scores, labels = _rows(problem, preds_t, target_t)
     if scores.numel() == 0:
         return None
     ranked: Tensor | None = None  # what an exact metric stores, if not the probabilities
     if problem.logits:
-        if exact:
-            work = scores.to(torch.float64)
-        else:
-            work = scores if scores.dtype == torch.float64 else scores.float()
-        if problem.kind is ProblemKind.MULTICLASS:
-            scores = work.softmax(-1)
-        else:
-            scores = work.sigmoid()
-            ranked = work if exact else None
         expected = "finite logits (NaN or +inf in a softmax row is not)"
+        if exact and problem.kind is not ProblemKind.MULTICLASS:
+            # The logits themselves, in their dtype (widening to float64 keeps their order).
+            # A sigmoid maps every logit but NaN into [0, 1], so that is all there is to check.
+            ranked = scores
+        else:
+            if exact:
+                work = scores.to(torch.float64)
+            else:
+                work = scores if scores.dtype == torch.float64 else scores.float()
+            multiclass = problem.kind is ProblemKind.MULTICLASS
+            scores = work.softmax(-1) if multiclass else work.sigmoid()
     else:
         expected = "probabilities in [0, 1] (pass logits=True for logits)"
     weight: Tensor | None = None
@@ -115,7 +123,10 @@ def score_batch(
         # A valid placeholder, so ignored elements are neither checked nor indexed out of range.
         labels = torch.where(kept, labels, 0)
         checked = labels
-    checks: list[Check] = [(outside(scores, 0, 1), "preds", expected)]
+    if ranked is None:
+        checks: list[Check] = [(outside(scores, 0, 1), "preds", expected)]
+    else:
+        checks = [(outside(scores, -torch.inf, torch.inf), "preds", expected)]  # NaN only
     suffix = "" if ignore is None else f" or ignore_index={ignore}"
     if problem.kind is ProblemKind.MULTICLASS:
         classes = problem.num_classes
@@ -131,3 +142,67 @@ def score_batch(
         if problem.kind is ProblemKind.MULTICLASS:
             labels = labels.clamp(0, problem.num_classes - 1)
     return ScoreBatch(scores if ranked is None else ranked, labels, weight)
+
+
+def _host_binary(
+    preds: Tensor, target: Tensor, rejected: MetricAccumulator, exact: bool
+) -> ScoreBatch | None:
+    """``score_batch`` of binary probabilities without ``ignore_index`` on the CPU path.
+
+    The same checks, messages and order as the general path, read on the host directly: a
+    small batch's update is dominated by per-call overhead, not by its arithmetic. A bad batch
+    raises (``screen_invalid`` of a host bool), so ``rejected`` is never touched here.
+
+    For an exact metric (which stores int8 labels) a large integer target is checked and
+    converted chunk by chunk (``_checked_int8``), so it is read from memory once, not twice.
+    """
+    check_same_shape(preds, target)
+    if preds.numel() == 0:
+        return None
+    if not _within(preds, 0, 1):
+        expected = "probabilities in [0, 1] (pass logits=True for logits)"
+        screen_invalid(True, rejected, "preds", expected)
+    if target.is_floating_point():
+        screen_invalid(not_binary(target), rejected, "target", "0 or 1")
+    elif exact and target.element_size() > 1 and target.numel() > _TARGET_CHUNK:
+        converted = _checked_int8(target)
+        if converted is None:
+            screen_invalid(True, rejected, "target", "0 or 1")
+        else:
+            target = converted
+    elif target.dtype != torch.bool and not _within(target, 0, 1):
+        screen_invalid(True, rejected, "target", "0 or 1")
+    return ScoreBatch(preds.reshape(-1, 1), target.reshape(-1, 1), None)
+
+
+def _within(values: Tensor, low: float, high: float) -> bool:
+    """Whether every one of the non-empty ``values`` lies in ``[low, high]`` (host read)."""
+    smallest, largest = torch.aminmax(values)
+    # NaN propagates through aminmax and compares false: outside.
+    return bool(smallest.item() >= low and largest.item() <= high)
+
+
+_TARGET_CHUNK = 1 << 17
+"""Elements per chunk of ``_checked_int8``: 1 MiB of int64, read again from cache."""
+
+
+def _checked_int8(target: Tensor) -> Tensor | None:
+    """A large integer ``target`` as a new int8 tensor, or ``None`` if a value is not 0 or 1.
+
+    ``target`` is contiguous-flattened first (a view of its bytes needs that).
+
+    Each chunk is checked, then converted while it is still in cache: one read of the wide
+    target from memory instead of a check pass and a conversion pass. The check must come
+    first: the conversion wraps (256 would become 0).
+    """
+    flat = target.contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=torch.int8, device=flat.device)
+    for piece, dest in zip(
+        torch.split(flat, _TARGET_CHUNK), torch.split(out, _TARGET_CHUNK), strict=True
+    ):
+        # Bytes all 0 or 1 clear the sign bit (value >= 0), then a maximum of 1 leaves 0 and 1:
+        # two max reductions, cheaper than aminmax, which has no vector kernel for int64.
+        if piece.view(torch.uint8).amax().item() > 1 or piece.amax().item() > 1:
+            return None
+        dest.copy_(piece)
+    return out.view(target.shape)

@@ -60,6 +60,15 @@ class Curve(enum.Enum):
     AVERAGE_PRECISION = "average_precision"
 
 
+def _int8_labels(labels: Tensor) -> Tensor:
+    """0/1 labels (checked) as int8: a view of bool and uint8 labels, else one conversion."""
+    if labels.dtype == torch.int8:
+        return labels
+    if labels.dtype in (torch.bool, torch.uint8):
+        return labels.view(torch.int8)  # the same bytes: 0 and 1
+    return labels.to(torch.int8)
+
+
 class Estimate(NamedTuple):
     """A value from the histograms and a certified bound on its distance to the exact value."""
 
@@ -79,7 +88,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
     per score and class (a float64 score and an int8 label) for every sample since the last
     ``reset``, on the metric's device, and ``sync``/``state_dict`` gather every rank's samples
     (blocking). ``compute()`` then equals scikit-learn's value, ties included, and
-    ``error_bound()`` is 0. Meant for evaluation sets small enough to hold.
+    ``error_bound()`` is 0. Meant for evaluation sets small enough to hold. An eager CPU update
+    keeps the given ``preds`` (and 1-byte targets) without a copy until ``compute``/``sync``/
+    ``state_dict`` concatenate them, like torchmetrics: modifying them in place before then
+    makes those raise ``RuntimeError`` until ``reset`` (see ``SampleStore.borrow``).
 
     Args:
         curve: ``Curve.AUROC`` or ``Curve.AVERAGE_PRECISION``.
@@ -184,13 +196,14 @@ class RankingMetric(ScreenedMetric[Tensor]):
                 ``[0, 1]`` / NaN or a target outside its range. On CUDA such a batch is dropped
                 and counted in ``rejected_updates`` instead.
         """
-        batch = score_batch(
-            self._problem, preds, target, self.device, self._rejected, exact=self._exact
-        )
+        # The counter's device is the metric's: cheaper than Metric.device before the state
+        # arena is built (a fresh metric), which small batches notice.
+        device = self._rejected.device
+        batch = score_batch(self._problem, preds, target, device, self._rejected, exact=self._exact)
         if batch is None:
             return
         if self._exact:
-            self._store(*batch)
+            self._store(*batch, borrow=_cpu_path.enabled(device))
             return
         classes, bins = self._problem.num_classes, self._bins.count
         scores, labels, weight = batch
@@ -221,8 +234,24 @@ class RankingMetric(ScreenedMetric[Tensor]):
             source = weight
         self._histogram.scatter_add(index, source)
 
-    def _store(self, scores: Tensor, labels: Tensor, weight: Tensor | None) -> None:
-        """Keep one checked batch as float64 scores and int8 labels, both ``(M, C)``."""
+    def _store(self, scores: Tensor, labels: Tensor, weight: Tensor | None, borrow: bool) -> None:
+        """Keep one checked batch as float64 scores and int8 labels, both ``(M, C)``.
+
+        On the CPU path the scores are kept as given, with no copy (``SampleStore.borrow``): a
+        copy into fresh memory costs more than the rest of the update, and the store converts
+        them to float64 only when it concatenates (``compute``, ``sync``, ``state_dict``), with
+        the same result. 0/1 labels checked on the host become int8 in at most one pass.
+
+        Args:
+            scores: ``(M, C)`` checked scores (or logits).
+            labels: ``(M,)`` class indices (multiclass) or ``(M, C)`` 0/1 labels.
+            weight: 0/1 weights, or ``None`` when every element counts.
+            borrow: On the CPU path (``_cpu_path.enabled``): keep the tensors as given.
+        """
+        if borrow and weight is None and self._problem.kind is not ProblemKind.MULTICLASS:
+            self._samples.borrow(scores=scores, labels=_int8_labels(labels))
+            self._metric_freshness.current = False
+            return
         if self._problem.kind is ProblemKind.MULTICLASS:
             classes = torch.arange(self._problem.num_classes, device=labels.device)
             positive = labels.unsqueeze(1) == classes
@@ -234,7 +263,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if weight is not None:
             # Kept on the device with a mark, not filtered: a boolean mask would sync the host.
             kinds = torch.where(weight > 0, kinds, SKIPPED)
-        self._samples.append(scores=scores.to(torch.float64), labels=kinds)
+        if borrow:
+            self._samples.borrow(scores=scores, labels=kinds)
+        else:
+            self._samples.append(scores=scores.to(torch.float64), labels=kinds)
         self._metric_freshness.current = False
 
     def _cpu_counts(self, scores: Tensor, target: Tensor) -> Tensor:
