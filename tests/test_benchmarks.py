@@ -1,0 +1,71 @@
+"""The in-process benchmarks run end to end at tiny sizes, so a broken benchmark fails CI.
+
+Only the shape of each table is checked here: speed is what ``nox -s bench`` measures, never a
+test. The multi-process benchmarks (sync, schedule, collector, tracker, bridge) start their own
+ranks with the module's real sizes and are left to ``nox -s bench``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchmetrics")
+
+from benchmarks import classification_update, ranking_memory, update_overhead
+
+
+def _rows(table: str) -> list[list[str]]:
+    """The body rows of the markdown tables in ``table``, as lists of cells."""
+    rows = []
+    for line in table.splitlines():
+        if line.startswith("| ") and not line.startswith("| ---"):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _ratio(cell: str) -> float:
+    return float(cell.rstrip("x"))
+
+
+def test_update_overhead_has_a_row_per_metric(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(update_overhead, "SIZES", (64,))
+    monkeypatch.setattr(update_overhead, "ROUNDS", 1)
+    rows = [row for row in _rows(update_overhead.run(compiled=False)) if row[1] == "64"]
+    names = {row[0].split(" (")[0] for row in rows}
+    expected = {"WeightedMean", "Mean", "Max", "F1 macro", "BinaryAUROC", "Perplexity"}
+    assert expected <= names, names
+    for row in rows:
+        assert _ratio(row[4]) > 0 and _ratio(row[6]) > 0, row
+
+
+def test_classification_update_compares_every_implementation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(classification_update, "ROUNDS", 1)
+    monkeypatch.setattr(classification_update, "BLOCK", 1)
+    monkeypatch.setattr(classification_update, "BATCH", 64)
+    rows = [row for row in _rows(classification_update.run()) if row[0] == "cpu"]
+    assert len(rows) == 6, rows
+    assert all(row[4] == "1.00x" for row in rows if row[2] == "sidestream")
+
+
+def test_ranking_memory_reports_accuracy_within_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in {
+        "TOTAL": 4_000,
+        "CHUNK": 2_000,
+        "SMALL_BATCH": 64,
+        "SMALL_REPEATS": 2,
+        "BINS": 100,
+        "ROUNDS": 1,
+        "SMALL_ROUNDS": 1,
+    }.items():
+        monkeypatch.setattr(ranking_memory, name, value)
+    table = ranking_memory.run()
+    sentence = table.split("Accuracy on the")[1]
+    difference = float(sentence.split("difference ")[1].split(",")[0])
+    bound = float(sentence.split("certified bound ")[1].split(".\n")[0].rstrip("."))
+    assert difference <= bound
+    throughput = [row for row in _rows(table) if row[1].replace(",", "").isdigit()]
+    assert any("exact=True" in row[0] for row in throughput), throughput
