@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from sidestream.state import MetricAccumulator
 
@@ -78,7 +79,9 @@ def checks_stay_on_device(device: torch.device) -> bool:
     True on CUDA (a host read would sync) and inside ``torch.compile`` on any device (a host
     read would break the graph); false in eager mode off CUDA, where reading is free.
     """
-    return device.type == "cuda" or torch.compiler.is_compiling()
+    # is_compiling by name, not torch.compiler.is_compiling: a compiled update that reaches the
+    # torch module through two modules' globals pays an identity guard, run in Python, per call.
+    return device.type == "cuda" or is_compiling()
 
 
 def screen_invalid(

@@ -6,12 +6,17 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from sidestream._distributed import Group
 from sidestream._reduce_op import ReduceOp
 from sidestream.sync import SyncBatch
 
 __all__ = ["Freshness", "MetricAccumulator", "ReduceOp"]
+
+
+_SHARED_BUFFER_MAX = 256
+"""The largest arena buffer (elements) compiled updates add into as a whole; see ``_bind``."""
 
 
 class Freshness:
@@ -65,6 +70,9 @@ class MetricAccumulator:
                 f"initial: complex states are not supported, got {initial_tensor.dtype}"
             )
         self._op = op
+        # A bool, not the enum: under torch.compile the same ReduceOp member reached through two
+        # states costs an identity guard (evaluated in Python) on every call.
+        self._sums = op is ReduceOp.SUM
         self._freshness = Freshness()
         self._owned = False
         self._arena: Any = None  # the state arena holding this state's views (or None)
@@ -84,6 +92,22 @@ class MetricAccumulator:
         # update touches, and a 0-dim float one costs a host read per call (a NaN guard).
         self._dtype = local.dtype
         self._device = local.device
+        # Compiled SUM updates add into a slice of the whole buffer (the arena's, shared by the
+        # metric's states of this dtype): one graph input for all those states instead of one
+        # each (every input costs a guard, an aliasing check and a size assert per call). Only
+        # a small buffer: the compiled graph writes the whole of it back on every call.
+        base: Tensor | None = local._base
+        self._buffer: Tensor = self._flat
+        if (
+            base is not None
+            and base.dim() == 1
+            and base.is_contiguous()
+            and base.numel() <= _SHARED_BUFFER_MAX
+        ):
+            self._buffer = base
+        self._start = local.storage_offset() - self._buffer.storage_offset()
+        self._stop = self._start + local.numel()
+        self._shape = tuple(self._target.shape)
 
     @property
     def op(self) -> ReduceOp:
@@ -126,8 +150,11 @@ class MetricAccumulator:
         Args:
             update: A tensor broadcastable to the state's shape, on the state's device.
         """
-        if self._op is ReduceOp.SUM:
-            self._target.add_(update)
+        if self._sums:
+            if is_compiling():
+                self._buffer[self._start : self._stop].view(self._shape).add_(update)
+            else:
+                self._target.add_(update)
         elif (
             update.dtype != self._target.dtype
             and torch.promote_types(update.dtype, self._target.dtype) != self._target.dtype
@@ -151,7 +178,7 @@ class MetricAccumulator:
             index: int64 indices into the state, same shape as ``source``.
             source: The amounts to add.
         """
-        if self._op is not ReduceOp.SUM:
+        if not self._sums:
             raise ValueError(f"scatter_add needs a SUM accumulator, this one is {self._op.name}")
         self._target.index_add_(0, index.reshape(-1), source.reshape(-1).to(self._dtype))
         self._freshness.current = False
@@ -166,7 +193,7 @@ class MetricAccumulator:
             matrix: ``(state numel, K)``, the state's dtype.
             vector: ``(K,)``, the state's dtype.
         """
-        if self._op is not ReduceOp.SUM:
+        if not self._sums:
             raise ValueError(f"add_product needs a SUM accumulator, this one is {self._op.name}")
         self._flat.addmv_(matrix, vector)
         self._freshness.current = False

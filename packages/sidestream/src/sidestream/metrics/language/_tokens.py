@@ -10,6 +10,11 @@ from sidestream.state import MetricAccumulator
 
 __all__: list[str] = []
 
+_BOOL = torch.bool
+"""Read by ``check_logits`` instead of ``torch.bool``: a compiled update that reaches the torch
+module through this module's globals and another's pays an identity guard, run in Python, on
+every call."""
+
 
 def check_ignore_index(ignore_index: int | None) -> None:
     """Raise ``TypeError`` unless ``ignore_index`` is an int or ``None``."""
@@ -23,7 +28,7 @@ def check_logits(logits: Tensor, target: Tensor, vocab_size: int | None) -> None
     """Raise naming the argument unless logits are ``(..., V)`` floats and target ``(...)`` ints."""
     if not logits.is_floating_point():
         raise TypeError(f"logits: expected a floating-point tensor, got dtype {logits.dtype}")
-    if target.is_floating_point() or target.dtype == torch.bool:
+    if target.is_floating_point() or target.dtype == _BOOL:
         raise TypeError(f"target: expected integer token ids, got dtype {target.dtype}")
     if logits.ndim < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(

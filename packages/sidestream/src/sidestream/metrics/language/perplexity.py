@@ -14,7 +14,7 @@ from sidestream._validation import (
     screen_invalid,
 )
 from sidestream.metric import Metric
-from sidestream.metrics.language._tokens import check_ignore_index, check_logits, token_weights
+from sidestream.metrics.language._tokens import check_ignore_index, check_logits
 from sidestream.state import MetricAccumulator
 
 __all__ = ["PerplexityMetric"]
@@ -95,14 +95,34 @@ class PerplexityMetric(Metric[Tensor]):
         if not checks_stay_on_device(logits_t.device):
             self._update_logits_on_host(logits_t, target_t, vocab)
             return
-        safe, weights, _ = token_weights(target_t, vocab, self._ignore_index, self._rejected)
-        work_dtype = torch.float64 if logits_t.dtype == torch.float64 else torch.float32
-        nll = F.cross_entropy(
-            logits_t.reshape(-1, vocab).to(work_dtype), safe.reshape(-1), reduction="none"
+        self._update_logits_on_device(logits_t, target_t, vocab)
+
+    def _update_logits_on_device(self, logits: Tensor, target: Tensor, vocab: int) -> None:
+        """CUDA, or compiled on any device: no host read, a bad batch is dropped and counted.
+
+        Few ops, for small compiled updates (each op and each value it keeps costs per call):
+        one 0/1 mask of counted tokens, no float64 weights. Every token that is not counted
+        (ignored, or out of range in a dropped batch) gets id -100, which ``cross_entropy``
+        ignores (loss 0, and no out-of-bounds gather on the device).
+        """
+        ignore = self._ignore_index
+        in_vocab = (target >= 0) & (target < vocab)
+        counted = in_vocab if ignore is None else in_vocab & (target != ignore)
+        bad = ~in_vocab if ignore is None else ~in_vocab & (target != ignore)
+        keep = screen_invalid(
+            bad, self._rejected, "target", f"token ids in [0, {vocab}) or ignore_index={ignore}"
         )
-        weights = weights.reshape(-1)
-        self._nll.accumulate((nll.to(torch.float64) * weights).sum())
-        self._tokens.accumulate(weights.sum())
+        assert keep is not None  # the device path always returns the keep flag
+        ids = torch.where(counted, target, -100).reshape(-1)
+        if ids.dtype != torch.int64:
+            ids = ids.long()
+        work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        nll = F.cross_entropy(
+            logits.reshape(-1, vocab).to(work_dtype), ids, ignore_index=-100, reduction="none"
+        )
+        # where, not a product with keep: a dropped batch's NaN or inf loss must not leak.
+        self._nll.accumulate(torch.where(keep, nll.sum(dtype=torch.float64), 0.0))
+        self._tokens.accumulate(torch.where(keep, counted.sum(dtype=torch.float64), 0.0))
 
     def _update_logits_on_host(self, logits: Tensor, target: Tensor, vocab: int) -> None:
         """CPU, eager: values are on the host, so one fused range check and few kernels.
