@@ -107,7 +107,8 @@ class MetricAccumulator:
             self._buffer = base
         self._start = local.storage_offset() - self._buffer.storage_offset()
         self._stop = self._start + local.numel()
-        self._shape = tuple(self._target.shape)
+        # None for a 1-D state (the slice has its shape already): guarding a shape costs more.
+        self._shape = None if self._target.dim() == 1 else tuple(self._target.shape)
 
     @property
     def op(self) -> ReduceOp:
@@ -152,7 +153,9 @@ class MetricAccumulator:
         """
         if self._sums:
             if is_compiling():
-                self._buffer[self._start : self._stop].view(self._shape).add_(update)
+                span = self._buffer[self._start : self._stop]
+                span = span if self._shape is None else span.view(self._shape)
+                span.add_(update)
             else:
                 self._target.add_(update)
         elif (

@@ -62,21 +62,14 @@ class NanPolicy:
         else:
             self._fill = float(strategy)
         self._strategy = strategy
-
-    @property
-    def disabled(self) -> bool:
+        # Plain attributes, not properties: a compiled update guards each property it reads on
+        # its getter's code as well (several guard checks per call instead of one).
+        self.disabled = strategy == "disable"
         """Whether NaN just propagates (``"disable"``): ``apply`` returns the values as they are."""
-        return self._strategy == "disable"
-
-    @property
-    def checks(self) -> bool:
+        self.checks = strategy == "error"
         """Whether NaN is bad input (``"error"``): the metric needs a rejected counter."""
-        return self._strategy == "error"
-
-    @property
-    def counts(self) -> bool:
+        self.counts = strategy == "ignore" or self._fill is not None
         """Whether NaN elements are counted (``"ignore"`` or a fill value)."""
-        return self._strategy == "ignore" or self._fill is not None
 
     def counter(self) -> MetricAccumulator | None:
         """A fresh int64 ``nan_count`` state when the policy counts, else ``None``."""

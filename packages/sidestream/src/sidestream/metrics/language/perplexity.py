@@ -109,20 +109,25 @@ class PerplexityMetric(Metric[Tensor]):
         in_vocab = (target >= 0) & (target < vocab)
         counted = in_vocab if ignore is None else in_vocab & (target != ignore)
         bad = ~in_vocab if ignore is None else ~in_vocab & (target != ignore)
+        # One reduction gives the token count and the verdict (a bad token adds inf): a
+        # separate any() would cost compiled code another reduction and its buffer per call.
+        tokens = torch.where(bad, torch.inf, counted.to(torch.float64)).sum()
         keep = screen_invalid(
-            bad, self._rejected, "target", f"token ids in [0, {vocab}) or ignore_index={ignore}"
+            tokens == torch.inf,
+            self._rejected,
+            "target",
+            f"token ids in [0, {vocab}) or ignore_index={ignore}",
         )
         assert keep is not None  # the device path always returns the keep flag
-        ids = torch.where(counted, target, -100).reshape(-1)
-        if ids.dtype != torch.int64:
-            ids = ids.long()
+        ids = target if target.dtype == torch.int64 else target.long()  # before -100: uint8
+        ids = torch.where(counted, ids, -100).reshape(-1)
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         nll = F.cross_entropy(
             logits.reshape(-1, vocab).to(work_dtype), ids, ignore_index=-100, reduction="none"
         )
         # where, not a product with keep: a dropped batch's NaN or inf loss must not leak.
         self._nll.accumulate(torch.where(keep, nll.sum(dtype=torch.float64), 0.0))
-        self._tokens.accumulate(torch.where(keep, counted.sum(dtype=torch.float64), 0.0))
+        self._tokens.accumulate(torch.where(keep, tokens, 0.0))
 
     def _update_logits_on_host(self, logits: Tensor, target: Tensor, vocab: int) -> None:
         """CPU, eager: values are on the host, so one fused range check and few kernels.
