@@ -235,6 +235,22 @@ def test_zero_dim_float64_state_survives_compiled_updates() -> None:
     assert float(metric.compute()) == 7.0
 
 
+def test_compiled_update_after_a_sync_makes_the_synced_state_stale() -> None:
+    # Updates clear the freshness flag only when it is set: a compiled update reads it, so the
+    # first one after a sync runs a second compiled version, which must clear it.
+    metric = MeanMetric().to("cpu")
+    step = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+    step(torch.tensor([1.0, 2.0]))
+    for _ in range(2):
+        metric.sync()
+        assert metric._total.synced is not None
+        step(torch.tensor([6.0]))
+        assert metric._total.synced is None
+        step(torch.tensor([6.0]))  # the first version again: the flag stays clear
+        assert metric._total.synced is None
+    assert float(metric.compute()) == 27.0 / 6.0
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(
     os.environ.get("SIDESTREAM_COMPILE_INDUCTOR") != "1",
