@@ -52,6 +52,8 @@ class WeightedMeanMetric(NanScreenedMetric):
     ) -> None:
         self._weighted_sum = MetricAccumulator(0.0, dtype=dtype)
         self._weight = MetricAccumulator(0.0, dtype=dtype)
+        # Read by update as a plain attribute: a compiled call guards a property's getter too.
+        self._dtype = self._weight.dtype
         # The weight checks drop bad batches on CUDA whatever the NaN policy.
         super().__init__(nan_strategy, counts_rejected=True)
 
@@ -72,7 +74,7 @@ class WeightedMeanMetric(NanScreenedMetric):
         values_t = as_tensor("values", values, device)
         weights_t = as_tensor("weights", weights, device)
         check_floating("values", values_t)
-        dtype = self._weight.dtype
+        dtype = self._dtype
         if weights_t.shape != values_t.shape and weights_t.dim():
             # A scalar always broadcasts; torch.broadcast_shapes is slow.
             check_broadcastable("weights", weights_t, values_t, "values")
