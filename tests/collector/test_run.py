@@ -198,6 +198,7 @@ def test_collector_close_is_false_when_windows_failed() -> None:
 def test_show_prints_each_streams_latest_values_and_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    pytest.importorskip("matplotlib")  # --plot's extra; the GPU machines lack it
     path = tmp_path / "run.jsonl"
     with Run([JsonlSink(path)]) as run:
         train = run.collector(MeanMetric(), prefix="train").bind("cpu")
