@@ -159,7 +159,7 @@ def _host_binary(
     check_same_shape(preds, target)
     if preds.numel() == 0:
         return None
-    if not _within(preds, 0, 1):
+    if _cpu_path.outside(preds, 0, 1):
         expected = "probabilities in [0, 1] (pass logits=True for logits)"
         screen_invalid(True, rejected, "preds", expected)
     if target.is_floating_point():
@@ -170,16 +170,9 @@ def _host_binary(
             screen_invalid(True, rejected, "target", "0 or 1")
         else:
             target = converted
-    elif target.dtype != torch.bool and not _within(target, 0, 1):
+    elif target.dtype != torch.bool and _cpu_path.outside(target, 0, 1):
         screen_invalid(True, rejected, "target", "0 or 1")
     return ScoreBatch(preds.reshape(-1, 1), target.reshape(-1, 1), None)
-
-
-def _within(values: Tensor, low: float, high: float) -> bool:
-    """Whether every one of the non-empty ``values`` lies in ``[low, high]`` (host read)."""
-    smallest, largest = torch.aminmax(values)
-    # NaN propagates through aminmax and compares false: outside.
-    return bool(smallest.item() >= low and largest.item() <= high)
 
 
 _TARGET_CHUNK = 1 << 17

@@ -42,6 +42,19 @@ def check_logits(logits: Tensor, target: Tensor, vocab_size: int | None) -> None
         )
 
 
+def token_masks(target: Tensor, vocab: int, ignore_index: int | None) -> tuple[Tensor, Tensor]:
+    """The ``(counted, bad)`` token masks of a batch of target ids.
+
+    Counted: in ``[0, vocab)`` and not ``ignore_index``. Bad input: outside ``[0, vocab)`` and
+    not ``ignore_index`` either.
+    """
+    in_vocab = (target >= 0) & (target < vocab)
+    if ignore_index is None:
+        return in_vocab, ~in_vocab
+    kept = target != ignore_index
+    return in_vocab & kept, ~in_vocab & kept
+
+
 def token_weights(
     target: Tensor, vocab: int, ignore_index: int | None, rejected: MetricAccumulator
 ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -49,19 +62,14 @@ def token_weights(
 
     A target outside ``[0, vocab)`` that is not ``ignore_index`` is bad input (CPU raises,
     CUDA drops the batch); ``ignore_index`` tokens get weight 0. Safe ids replace every
-    out-of-range id by 0 so that gathers never index out of bounds on the device.
+    uncounted id by 0 so that gathers never index out of bounds on the device.
     """
-    in_vocab = (target >= 0) & (target < vocab)
-    ignored = torch.zeros_like(in_vocab) if ignore_index is None else target == ignore_index
+    counted, bad = token_masks(target, vocab, ignore_index)
     keep = screen_invalid(
-        ~in_vocab & ~ignored,
-        rejected,
-        "target",
-        f"token ids in [0, {vocab}) or ignore_index={ignore_index}",
+        bad, rejected, "target", f"token ids in [0, {vocab}) or ignore_index={ignore_index}"
     )
-    counted = in_vocab & ~ignored
     weights = counted.to(torch.float64)
     if keep is not None:
         weights = weights * keep.to(torch.float64)
-    safe = torch.where(in_vocab, target, 0).to(torch.int64)
+    safe = torch.where(counted, target, 0).to(torch.int64)
     return safe, weights, keep

@@ -14,7 +14,7 @@ from sidestream._validation import (
     screen_invalid,
 )
 from sidestream.metric import Metric
-from sidestream.metrics.language._tokens import check_ignore_index, check_logits
+from sidestream.metrics.language._tokens import check_ignore_index, check_logits, token_masks
 from sidestream.state import MetricAccumulator
 
 __all__ = ["PerplexityMetric"]
@@ -106,9 +106,7 @@ class PerplexityMetric(Metric[Tensor]):
         ignores (loss 0, and no out-of-bounds gather on the device).
         """
         ignore = self._ignore_index
-        in_vocab = (target >= 0) & (target < vocab)
-        counted = in_vocab if ignore is None else in_vocab & (target != ignore)
-        bad = ~in_vocab if ignore is None else ~in_vocab & (target != ignore)
+        counted, bad = token_masks(target, vocab, ignore)
         # One reduction gives the token count and the verdict (a bad token adds inf): a
         # separate any() would cost compiled code another reduction and its buffer per call.
         tokens = torch.where(bad, torch.inf, counted.to(torch.float64)).sum()
