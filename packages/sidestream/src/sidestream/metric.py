@@ -184,10 +184,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
         """
 
     def _walk_metrics(self) -> Iterator[Metric[Any]]:
-        yield self
-        for _, value in self._declared_items():
-            if isinstance(value, Metric):
-                yield from value._walk_metrics()
+        for _, metric in self._named_metrics():
+            yield metric
 
     def _sample_stores(self) -> Iterator[SampleStore]:
         """This metric's own sample stores (attributes holding a ``SampleStore``)."""
@@ -200,11 +198,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
         Each field of a store is checkpointed under ``prefix + field``.
         """
-        for store in self._sample_stores():
-            yield prefix, store
-        for name, value in self._declared_items():
-            if isinstance(value, Metric):
-                yield from value.named_sample_stores(f"{prefix}{name}.")
+        for metric_prefix, metric in self._named_metrics(prefix):
+            for store in metric._sample_stores():
+                yield metric_prefix, store
 
     # ------------------------------------------------------------------ the arena
 
