@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from sklearn.metrics import confusion_matrix
 
 from sidestream import ComposeMetric
 from sidestream.metrics.classification import (
@@ -216,6 +217,15 @@ def test_small_and_large_batches_count_alike() -> None:
         pieces.update(scores[start : start + 10], labels[start : start + 10])
     assert torch.equal(whole.counts()["tn"], pieces.counts()["tn"])
     assert all(torch.equal(whole.counts()[k], pieces.counts()[k]) for k in ("tp", "fp", "fn"))
+    # Both paths against scikit-learn's confusion matrix, not only against each other.
+    matrix = torch.from_numpy(
+        confusion_matrix(labels.numpy(), scores.argmax(1).numpy(), labels=range(4))
+    )
+    tp = matrix.diagonal()
+    fp, fn = matrix.sum(0) - tp, matrix.sum(1) - tp
+    expected = {"tp": tp, "fp": fp, "fn": fn, "tn": 300 - tp - fp - fn}
+    for name, value in expected.items():
+        assert torch.equal(pieces.counts()[name], value.to(torch.int64)), name
 
 
 def test_target_encodings_agree() -> None:
