@@ -161,6 +161,12 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
         ),
         _multiclass,
     ),
+    # Few bins: a batch of at least 2 * classes * bins elements is counted by bincount on CPU.
+    "binary_auroc_few_bins": (lambda: BinaryAUROCMetric(16), _binary),
+    "multiclass_auroc_few_bins": (
+        lambda: MulticlassAUROCMetric(C, 4, ignore_index=-100),
+        _multiclass,
+    ),
     "mean_nan_ignore": (lambda: MeanMetric(nan_strategy="ignore"), _values),
     "weighted_mean_nan_fill": (lambda: WeightedMeanMetric(nan_strategy=0.0), _weighted),
 }
@@ -224,6 +230,21 @@ def test_compiled_confusion_counts_drop_bad_batches() -> None:
     assert int(metric.rejected_updates) == 2
     assert metric.counts()["tp"].tolist() == [0, 1, 0]
     assert metric.counts()["tn"].tolist() == [1, 1, 1]
+
+
+def test_compiled_histograms_drop_bad_batches() -> None:
+    """Compiled on CPU, a large batch is counted by bincount: a dropped one adds nothing."""
+    metric = BinaryAUROCMetric(4)
+    step = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+    scores = torch.tensor([0.1, 0.3, 0.6, 0.9, 0.95, 0.2, 0.7, 0.4])
+    target = torch.tensor([0, 0, 1, 1, 1, 0, 1, 0])
+    step(scores, target)
+    step(scores, target * 2)  # a target outside {0, 1}: dropped and counted
+    step(torch.full((8,), float("nan")), target)  # NaN scores: dropped too
+    assert int(metric.rejected_updates) == 2
+    negatives, positives = metric.histograms()
+    assert negatives.reshape(-1).tolist() == [2, 2, 0, 0]
+    assert positives.reshape(-1).tolist() == [0, 0, 2, 2]
 
 
 def test_zero_dim_float64_state_survives_compiled_updates() -> None:

@@ -330,3 +330,32 @@ def test_small_multiclass_host_path_raises_before_counting(rows: int) -> None:
         metric.update(scores, bad_labels)
     for name, value in metric.counts().items():
         assert torch.equal(value, before[name]), name
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_large_batches_with_ignore_index_count_only_kept_samples(
+    monkeypatch: pytest.MonkeyPatch, device_path: bool
+) -> None:
+    """With ``ignore_index`` the CPU path counts by bincount, the device path by index_add_."""
+    generator = torch.Generator().manual_seed(11)
+    scores = torch.rand(3, 600, generator=generator)
+    labels = torch.randint(0, 3, (600,), generator=generator)
+    target = torch.randint(0, 2, (600,), generator=generator)
+    target[::7] = -1
+    with _device_path(monkeypatch, on=device_path):
+        binary = BinaryAUROCMetric(8, ignore_index=-1)
+        binary.update(scores[0], target)
+        multiclass = MulticlassAUROCMetric(3, 8, ignore_index=-1)
+        multiclass.update(scores.T, torch.where(target < 0, -1, labels))
+    kept = target >= 0
+    bins = np.minimum((scores[0][kept].numpy() * 8).astype(np.int64), 7)
+    expected = np.stack([np.bincount(bins[target[kept].numpy() == k], minlength=8) for k in (0, 1)])
+    negatives, positives = binary.histograms()
+    assert negatives.reshape(-1).tolist() == expected[0].tolist()
+    assert positives.reshape(-1).tolist() == expected[1].tolist()
+    negatives, positives = multiclass.histograms()
+    for k in range(3):
+        class_bins = np.minimum((scores[k][kept].numpy() * 8).astype(np.int64), 7)
+        is_k = labels[kept].numpy() == k
+        assert positives[k].tolist() == np.bincount(class_bins[is_k], minlength=8).tolist()
+        assert negatives[k].tolist() == np.bincount(class_bins[~is_k], minlength=8).tolist()

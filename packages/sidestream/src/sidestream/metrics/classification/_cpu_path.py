@@ -15,6 +15,7 @@ from torch import Tensor
 __all__ = [
     "CHUNK_ELEMENTS",
     "bin_scale",
+    "bincount_enabled",
     "count_indices",
     "fold_bins",
     "enabled",
@@ -34,6 +35,16 @@ def enabled(device: torch.device) -> bool:
     # checks_stay_on_device's test, minus its CUDA case (a CPU device is not CUDA): this runs
     # on every update.
     return device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def bincount_enabled(device: torch.device) -> bool:
+    """Whether counts on ``device`` may come from ``bincount``: the CPU path, or compiling for CPU.
+
+    Off CUDA ``bincount`` reads nothing back to a device, so a compiled CPU update may use it
+    too (inductor runs it faster than its ``index_add_``); tests that turn ``enabled`` off run
+    the device paths instead, as without compiling.
+    """
+    return device.type == "cpu" and (enabled(device) or torch.compiler.is_compiling())
 
 
 def outside(values: Tensor, low: float, high: float) -> Tensor | bool:

@@ -228,10 +228,14 @@ class RankingMetric(ScreenedMetric[Tensor]):
             index.add_(torch.arange(0, classes * bins, bins, device=self.device))
         # add_ promotes bool and narrower integer flags itself: no int64 copy first.
         index.add_(positive, alpha=classes * bins)
-        if weight is not None and self.device.type == "cpu":
-            # Compiling for CPU: bincount (with no host read there) is what inductor runs
-            # fastest; weight-0 elements go to one extra slot, dropped.
-            slots = 2 * classes * bins
+        slots = 2 * classes * bins
+        if (
+            weight is not None
+            and index.numel() >= slots
+            and _cpu_path.bincount_enabled(self.device)
+        ):
+            # Compiled for CPU, or with ignore_index: weight-0 elements go to an extra slot of
+            # the bincount, dropped.
             index = torch.where(weight.bool(), index, slots)
             self._histogram.accumulate(
                 torch.bincount(index.reshape(-1), minlength=slots + 1)[:slots]
