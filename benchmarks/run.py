@@ -12,6 +12,7 @@ from pathlib import Path
 from benchmarks import (
     classification_update,
     collector_overhead,
+    gpu_overhead,
     plots,
     ranking_memory,
     schedule_cost,
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "classification_update": classification_update.run,
     "ranking_memory": ranking_memory.run,
     "tracker_overhead": tracker_overhead.run,
+    "gpu_overhead": gpu_overhead.run,
 }
 HEADER = (
     "# Benchmarks\n\n"
@@ -64,6 +66,14 @@ def main() -> None:
     if args.only and not args.out.exists():
         parser.error(f"--only rewrites sections of an existing page; {args.out} does not exist")
     fresh = [BENCHMARKS[name]() for name in chosen]
+    if args.out.exists() and gpu_overhead.NOT_MEASURED in fresh:
+        # A machine without CUDA keeps the figures a CUDA machine wrote.
+        heading = gpu_overhead.HEADING.strip()
+        measured = [s for s in _sections(args.out.read_text()) if s.startswith(heading)]
+        fresh = [
+            measured[0] if section == gpu_overhead.NOT_MEASURED and measured else section
+            for section in fresh
+        ]
     if args.only and args.out.exists():
         kept = _sections(args.out.read_text())
         for section in fresh:

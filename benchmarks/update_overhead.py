@@ -48,7 +48,8 @@ class Case:
     raw_reset: Callable[[], None] = lambda: None
 
 
-def _cases(size: int) -> dict[str, Case]:
+def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
+    """Each metric's implementations at ``size`` input elements, data and states on ``device``."""
     from torchmetrics.aggregation import MaxMetric as TmMax
     from torchmetrics.aggregation import MeanMetric as TmMean
     from torchmetrics.classification import BinaryAUROC, MulticlassF1Score
@@ -64,12 +65,15 @@ def _cases(size: int) -> dict[str, Case]:
     vocab = VOCAB if size >= VOCAB else size // 2
     lm_logits = torch.randn(1, tokens, vocab, generator=g)
     lm_target = torch.randint(0, vocab, (1, tokens), generator=g)
+    values, weights, logits, labels, scores, truth, lm_logits, lm_target = (
+        t.to(device) for t in (values, weights, logits, labels, scores, truth, lm_logits, lm_target)
+    )
 
     # Raw state: shape (1,), not 0-dim (compiled in-place updates of 0-dim float64 are lost).
-    pair = torch.zeros(2, dtype=F64)
-    top = torch.full((1,), -torch.inf, dtype=F64)
-    matrix = torch.zeros(CLASSES * CLASSES, dtype=torch.int64)
-    histogram = torch.zeros(2 * BINS, dtype=torch.int64)
+    pair = torch.zeros(2, dtype=F64, device=device)
+    top = torch.full((1,), -torch.inf, dtype=F64, device=device)
+    matrix = torch.zeros(CLASSES * CLASSES, dtype=torch.int64, device=device)
+    histogram = torch.zeros(2 * BINS, dtype=torch.int64, device=device)
     kept: list[torch.Tensor] = []
 
     def raw_weighted(v: torch.Tensor, w: torch.Tensor) -> None:
@@ -99,33 +103,35 @@ def _cases(size: int) -> dict[str, Case]:
         pair[0:1].add_(nll.to(F64))
         pair[1:2].add_(t.numel())
 
-    f1 = confusion_count_metric().multiclass(CLASSES).with_f1().macro().build().to("cpu")
+    f1 = confusion_count_metric().multiclass(CLASSES).with_f1().macro().build().to(device)
     tm_f1 = MulticlassF1Score(num_classes=CLASSES, average="macro", validate_args=False)
     tm_auroc = BinaryAUROC(thresholds=None, validate_args=False)
     tm_exact = BinaryAUROC(thresholds=None, validate_args=False)
     tm_weighted, tm_mean = TmMean(nan_strategy="disable"), TmMean(nan_strategy="disable")
     tm_max, tm_perplexity = TmMax(nan_strategy="disable"), Perplexity()
+    for peer in (tm_f1, tm_auroc, tm_exact, tm_weighted, tm_mean, tm_max, tm_perplexity):
+        peer.to(device)
     weighted, mean, largest = WeightedMeanMetric(), MeanMetric(), MaxMetric()
     auroc, perplexity = BinaryAUROCMetric(BINS), PerplexityMetric()
-    exact = BinaryAUROCMetric(exact=True).to("cpu")
+    exact = BinaryAUROCMetric(exact=True).to(device)
     return {
         "WeightedMean": Case(
             lambda: raw_weighted(values, weights),
-            weighted.to("cpu").update,
+            weighted.to(device).update,
             (values, weights),
             lambda: tm_weighted.update(values, weights),
             compiled={"raw": raw_weighted},  # type: ignore[dict-item]
         ),
         "Mean": Case(
             lambda: raw_mean(values),
-            mean.to("cpu").update,
+            mean.to(device).update,
             (values,),
             lambda: tm_mean.update(values),
             compiled={"raw": raw_mean},  # type: ignore[dict-item]
         ),
         "Max": Case(
             lambda: raw_max(values),
-            largest.to("cpu").update,
+            largest.to(device).update,
             (values,),
             lambda: tm_max.update(values),
             compiled={"raw": raw_max},  # type: ignore[dict-item]
@@ -139,7 +145,7 @@ def _cases(size: int) -> dict[str, Case]:
         ),
         f"BinaryAUROC ({BINS} bins; torchmetrics exact)": Case(
             lambda: raw_auroc(scores, truth),
-            auroc.to("cpu").update,
+            auroc.to(device).update,
             (scores, truth),
             lambda: tm_auroc.update(scores, truth),
             tm_auroc.reset,
@@ -157,7 +163,7 @@ def _cases(size: int) -> dict[str, Case]:
         ),
         f"Perplexity (vocab {vocab}; size = logits elements)": Case(
             lambda: raw_perplexity(lm_logits, lm_target),
-            perplexity.to("cpu").update,
+            perplexity.to(device).update,
             (lm_logits, lm_target),
             lambda: tm_perplexity.update(lm_logits, lm_target),
             compiled={"raw": raw_perplexity},  # type: ignore[dict-item]

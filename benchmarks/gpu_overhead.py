@@ -1,0 +1,212 @@
+"""CUDA only: host time per update (eager, compiled, CUDA graph) and per logged step.
+
+The training thread's cost on a GPU is the host time it spends launching work, so every figure
+here is host time, with no ``torch.cuda.synchronize`` inside a timed block (the device is
+synchronized between blocks): eager and compiled updates of the update-overhead benchmark's
+metrics (``update_overhead._cases`` on CUDA), and the same sidestream update captured once in a
+CUDA graph and replayed. Each sidestream variant is then run under
+``torch.cuda.set_sync_debug_mode("error")``; *sync-free* says whether it passed. The last table
+is ``time.thread_time`` around ``schedule_collection`` of the sync benchmark's 11 metrics on
+one rank joined by NCCL.
+
+Without CUDA the section says so and measures nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import update_overhead
+from benchmarks.sync_cost import NUM_CLASSES, sidestream_collection
+
+SIZES = (64, 1_000_000)
+ROUNDS = 7
+BLOCK = 20
+WINDOWS = 200
+WARMUP = 20
+HEADING = "## Host time on CUDA: eager, compiled and CUDA-graph updates, and per logged step\n"
+NOT_MEASURED = HEADING + "\nNot measured yet: no CUDA device on the machines that ran it.\n"
+
+
+def _host_us(step: Callable[[], object]) -> float:
+    """Best host µs per call over ``ROUNDS`` blocks, the device synchronized between blocks."""
+    for _ in range(3):
+        step()
+    best = float("inf")
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(BLOCK):
+            step()
+        best = min(best, (time.perf_counter() - start) / BLOCK * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def _sync_free(step: Callable[[], object]) -> bool:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError:
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return True
+
+
+def _captured(step: Callable[[], object]) -> Callable[[], object] | str:
+    """``step`` captured in a CUDA graph (its replay), or why it could not be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError as error:
+        return f"not captured: {str(error).splitlines()[0][:80]}"
+    return graph.replay
+
+
+def _update_rows(size: int) -> list[str]:
+    rows = []
+    for name, case in update_overhead._cases(size, "cuda").items():
+        if not case.compiled:
+            continue  # the exact store grows: no fixed graph
+        torch._dynamo.reset()
+        ours = lambda c=case: c.ours(*c.args)  # noqa: E731
+        raw_compiled = torch.compile(case.compiled["raw"], fullgraph=True)
+        our_compiled = torch.compile(case.ours, fullgraph=True)
+        variants: dict[str, Callable[[], object]] = {
+            "raw": case.raw,
+            "ours": ours,
+            "torchmetrics": case.peer,
+            "raw compiled": lambda f=raw_compiled, c=case: f(*c.args),
+            "ours compiled": lambda f=our_compiled, c=case: f(*c.args),
+        }
+        graph = _captured(ours)
+        us = {key: _host_us(step) for key, step in variants.items()}
+        free = [_sync_free(variants["ours"]), _sync_free(variants["ours compiled"])]
+        if callable(graph):
+            us["graph"] = _host_us(graph)
+            free.append(_sync_free(graph))
+            replay = f"{us['graph']:.1f}"
+        else:
+            replay = graph
+        rows.append(
+            f"| {name} | {size:,} | {us['raw']:.1f} | {us['ours']:.1f} | "
+            f"{us['ours'] / us['raw']:.2f}x | {us['torchmetrics']:.1f} | "
+            f"{us['raw compiled']:.1f} | {us['ours compiled']:.1f} | "
+            f"{us['ours compiled'] / us['raw compiled']:.2f}x | {replay} | "
+            f"{'yes' if all(free) else 'NO'} |"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _update_collection(parts: Any, step: int) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(step)
+    values = torch.rand(64, device="cuda", generator=generator)
+    logits = torch.randn(64, NUM_CLASSES, device="cuda", generator=generator)
+    labels = torch.randint(0, NUM_CLASSES, (64,), device="cuda", generator=generator)
+    hits = (values > 0.5).long()
+    for name in ("mean", "sum", "max"):
+        parts[name].update(values)
+    for name in ("acc_macro", "f1_macro", "precision_weighted", "recall_micro"):
+        parts[name].update(logits, labels)
+    for name in ("binary_acc", "binary_f1"):
+        parts[name].update(values, hits)
+    for name in ("mse", "mae"):
+        parts[name].update(values, values.flip(0))
+
+
+def _schedule_cost() -> dict[str, float]:
+    from sidestream.collector import AsyncMetricCollector
+
+    metric = sidestream_collection()
+    collector = AsyncMetricCollector(metric).bind("cuda")
+    cpu, wall = [], []
+    for step in range(1, WARMUP + WINDOWS + 1):
+        _update_collection(metric, step)
+        if step > 1:
+            collector.collect_results()  # its compute would otherwise compete for the GIL
+        begin_wall, begin_cpu = time.perf_counter(), time.thread_time()
+        collector.schedule_collection(step)
+        if step > WARMUP:
+            cpu.append(time.thread_time() - begin_cpu)
+            wall.append(time.perf_counter() - begin_wall)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _update_collection(metric, WARMUP + WINDOWS + 1)
+        collector.schedule_collection(WARMUP + WINDOWS + 1)
+        free = 1.0
+    except RuntimeError:
+        free = 0.0
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert collector.close(timeout=120)
+    return {
+        "cpu_median_us": statistics.median(cpu) * 1e6,
+        "wall_median_us": statistics.median(wall) * 1e6,
+        "sync_free": free,
+    }
+
+
+def run() -> str:
+    """The markdown section (printed too); without CUDA, ``NOT_MEASURED``."""
+    if not torch.cuda.is_available():
+        print(NOT_MEASURED)
+        return NOT_MEASURED
+    lines = [
+        HEADING,
+        f"`benchmarks/gpu_overhead.py`: {torch.cuda.get_device_name()}, torch "
+        f"{torch.__version__}. Host µs per call, best of {ROUNDS} blocks of {BLOCK} (the "
+        "device is synchronized between blocks, never inside one), so a figure is what the "
+        "training thread spends launching the work; for large inputs it can include waiting "
+        "for a full launch queue. *Raw* is the hand-written state arithmetic of "
+        "`benchmarks/update_overhead.py`; *compiled* is `torch.compile(fullgraph=True)` "
+        "(inductor); *graph replay* is sidestream's update captured once in a CUDA graph. "
+        "*Sync-free*: the eager, compiled and graph updates ran under "
+        '`set_sync_debug_mode("error")`.\n',
+        "| metric | size | raw µs | sidestream µs | / raw | torchmetrics µs | raw compiled µs | "
+        "sidestream compiled µs | / raw compiled | graph replay µs | sync-free |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for size in SIZES:
+        lines += _update_rows(size)
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group(
+            "nccl", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1
+        )
+        try:
+            cost = _schedule_cost()
+        finally:
+            dist.destroy_process_group()
+    lines += [
+        "",
+        f"Training-thread CPU per logged step: `time.thread_time` around `schedule_collection` "
+        f"of the sync benchmark's 11 metrics on one NCCL rank, median of {WINDOWS} windows: "
+        f"**{cost['cpu_median_us']:.1f} µs** CPU ({cost['wall_median_us']:.1f} µs wall); "
+        f'under `set_sync_debug_mode("error")`: '
+        f"{'no host sync' if cost['sync_free'] else 'a host sync was reported'}.",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    run()
