@@ -500,7 +500,7 @@ def test_half_precision_logits_rank_as_their_float64_values() -> None:
     metric.update(logits[200:], target[200:])
     expected = roc_auc_score(target, logits.double())
     assert float(metric.compute()) == pytest.approx(expected, abs=1e-12)
-    with pytest.raises(ValueError, match="preds: expected finite logits"):
+    with pytest.raises(ValueError, match="preds: expected logits without NaN"):
         metric.update(torch.tensor([1.0, float("nan")]), torch.tensor([0, 1]))
     metric.update(torch.tensor([float("inf"), -float("inf")]), torch.tensor([1, 0]))
     assert int(metric.state_dict()["scores"].shape[0]) == 502

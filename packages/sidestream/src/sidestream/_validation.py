@@ -22,8 +22,13 @@ __all__ = [
 ]
 
 
-def as_tensor(argument: str, value: object, device: torch.device) -> Tensor:
+def as_tensor(
+    argument: str, value: object, device: torch.device, *, floating: bool = False
+) -> Tensor:
     """Return ``value`` as a tensor on ``device``; Python numbers are converted.
+
+    With ``floating`` (an argument that takes floating-point values) a Python ``int`` becomes
+    a float tensor, as ``3.0`` would.
 
     Raises:
         TypeError: If ``value`` is neither a tensor nor a real number, or is a complex tensor.
@@ -43,7 +48,7 @@ def as_tensor(argument: str, value: object, device: torch.device) -> Tensor:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{argument}: expected a torch.Tensor or a number, got {type(value)}")
     # A fill kernel, not a host-to-device copy from pageable memory (which would sync on CUDA).
-    return torch.full((), value, device=device)
+    return torch.full((), float(value) if floating else value, device=device)
 
 
 def check_floating(argument: str, tensor: Tensor) -> None:
@@ -111,11 +116,11 @@ def screen_invalid(
     """
     if isinstance(invalid, bool):
         if invalid:
-            raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
+            raise ValueError(f"{argument}: expected {expected}; this batch has values that are not")
         return None
     if not checks_stay_on_device(invalid.device):
         if bool(invalid.any()):
-            raise ValueError(f"{argument}: expected {expected}; this batch has values outside")
+            raise ValueError(f"{argument}: expected {expected}; this batch has values that are not")
         return None
     bad = invalid.any()
     rejected.accumulate(bad)  # a bool adds as 0 or 1 (no cast: one guard less per compiled call)

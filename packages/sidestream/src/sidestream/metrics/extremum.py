@@ -28,7 +28,7 @@ class _ExtremumMetric(NanScreenedMetric):
 
     def update(self, values: Tensor | float) -> None:
         """Fold ``values`` (any shape, floating point; empty is fine) into the extremum."""
-        tensor = as_tensor("values", values, self.device)
+        tensor = as_tensor("values", values, self.device, floating=True)
         check_floating("values", tensor)
         if tensor.numel() == 0:  # metadata only; amax of nothing is an error
             return

@@ -33,7 +33,7 @@ class MeanMetric(NanScreenedMetric):
 
     def update(self, values: Tensor | float) -> None:
         """Add the elements of ``values`` (any shape, floating point; empty is fine)."""
-        tensor = as_tensor("values", values, self.device)
+        tensor = as_tensor("values", values, self.device, floating=True)
         check_floating("values", tensor)
         tensor, kept, keep = self._nan.apply(tensor, self._rejected, self._nan_count)
         self._total.accumulate(tensor.sum(dtype=self._total.dtype))

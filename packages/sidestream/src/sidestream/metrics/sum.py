@@ -36,7 +36,7 @@ class SumMetric(NanScreenedMetric):
 
     def update(self, values: Tensor | float) -> None:
         """Add ``values`` (any shape, floating point) to the sum."""
-        tensor = as_tensor("values", values, self.device)
+        tensor = as_tensor("values", values, self.device, floating=True)
         check_floating("values", tensor)
         tensor = self._nan.apply(tensor, self._rejected, self._nan_count).values
         self._total.accumulate(tensor.sum(dtype=self._total.dtype))

@@ -71,7 +71,7 @@ class WeightedMeanMetric(NanScreenedMetric):
                 weight.
         """
         device = self.device
-        values_t = as_tensor("values", values, device)
+        values_t = as_tensor("values", values, device, floating=True)
         weights_t = as_tensor("weights", weights, device)
         check_floating("values", values_t)
         dtype = self._dtype
@@ -176,7 +176,7 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
     else:
         weighted, total, low = _chunked_sums(values.reshape(-1), weights.reshape(-1), dtype)
     if low is not None and not (float(low) >= 0 and math.isfinite(float(total))):
-        raise ValueError("weights: expected finite values >= 0; this batch has values outside")
+        raise ValueError("weights: expected finite values >= 0; this batch has values that are not")
     return weighted, total
 
 

@@ -196,10 +196,13 @@ def multiclass_labels(
     num_classes, top_k, ignore_index = problem.num_classes, problem.top_k, problem.ignore_index
     checks: list[Check] = []
     if preds.is_floating_point():
-        if preds.ndim < 1 or preds.shape[-1] != num_classes:
+        # At least (N, C): a 1-D float vector is ambiguous (one sample's scores, or class
+        # indices in a float dtype), so it is refused rather than read as one sample.
+        if preds.ndim < 2 or preds.shape[-1] != num_classes:
             raise ValueError(
                 f"preds: expected scores of shape (N, ..., C) with C = num_classes = "
-                f"{num_classes}, got shape {tuple(preds.shape)}"
+                f"{num_classes}, or integer class indices (N, ...), got "
+                f"{preds.dtype} of shape {tuple(preds.shape)}"
             )
         sample_shape = preds.shape[:-1]
         scores = preds.reshape(-1, num_classes)
@@ -329,7 +332,7 @@ def batch_cells(
     shape = preds.shape
     if (
         not preds.is_floating_point()
-        or not shape
+        or len(shape) < 2
         or shape[-1] != classes
         or target.shape != shape[:-1]
         or not _integer(target)

@@ -100,7 +100,10 @@ def score_batch(
         return None
     ranked: Tensor | None = None  # what an exact metric stores, if not the probabilities
     if problem.logits:
-        expected = "finite logits (NaN or +inf in a softmax row is not)"
+        if problem.kind is ProblemKind.MULTICLASS:
+            expected = "logits without NaN or +inf (a softmax row with one is NaN)"
+        else:
+            expected = "logits without NaN"
         if exact and problem.kind is not ProblemKind.MULTICLASS:
             # The logits themselves, in their dtype (widening to float64 keeps their order).
             # A sigmoid maps every logit but NaN into [0, 1], so that is all there is to check.

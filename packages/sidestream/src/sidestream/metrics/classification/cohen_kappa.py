@@ -49,7 +49,7 @@ class CohenKappaMetric(ConfusionMatrixMetric):
 
     def compute(self) -> Tensor:
         """Cohen's kappa, a float64 0-dim tensor (NaN when undefined)."""
-        observed = self.confusion_matrix().to(torch.float64)
+        observed = self._matrix_view().to(torch.float64)
         samples = observed.sum()
         expected = torch.outer(observed.sum(1), observed.sum(0)) / samples.clamp_min(1.0)
         size = observed.shape[0]

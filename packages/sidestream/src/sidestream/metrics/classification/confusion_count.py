@@ -132,9 +132,9 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
     def counts(self) -> dict[str, Tensor]:
         """The int64 per-class counts ``{"tp", "fp", "fn", "tn"}``, each of shape (C,).
 
-        Views of the state (rows of ``counts``): clone them to keep them past the next update.
+        A copy: later updates leave the returned tensors alone.
         """
-        tp, fp, fn, tn = self._counts.value.unbind()
+        tp, fp, fn, tn = self._counts.value.clone().unbind()
         return {"tp": tp, "fp": fp, "fn": fn, "tn": tn}
 
     def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:

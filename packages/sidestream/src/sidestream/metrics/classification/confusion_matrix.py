@@ -102,7 +102,11 @@ class ConfusionMatrixMetric(ScreenedMetric[Tensor]):
             self._matrix.scatter_add(cell, source.expand(cell.shape))
 
     def confusion_matrix(self) -> Tensor:
-        """The int64 counts: ``(C, C)``, ``(2, 2)`` or ``(L, 2, 2)``."""
+        """The int64 counts: ``(C, C)``, ``(2, 2)`` or ``(L, 2, 2)``; a copy, not the state."""
+        return self._matrix_view().clone()
+
+    def _matrix_view(self) -> Tensor:
+        """The counts as a view of the state (later updates change it)."""
         counts = self._matrix.value
         if self._problem.kind is ProblemKind.MULTICLASS:
             return counts.view(self.num_classes, self.num_classes)
@@ -112,9 +116,9 @@ class ConfusionMatrixMetric(ScreenedMetric[Tensor]):
 
     def compute(self) -> Tensor:
         """The confusion matrix: int64 counts, or float64 fractions with ``normalize``."""
-        matrix = self.confusion_matrix()
         if self._normalize is None:
-            return matrix
+            return self.confusion_matrix()
+        matrix = self._matrix_view()
         counts = matrix.to(torch.float64)
         if self._normalize == "true":
             total = counts.sum(-1, keepdim=True)

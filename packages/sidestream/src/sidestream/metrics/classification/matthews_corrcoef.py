@@ -57,7 +57,7 @@ class MatthewsCorrCoefMetric(ConfusionMatrixMetric):
 
     def compute(self) -> Tensor:
         """The Matthews correlation coefficient, a float64 0-dim tensor in [-1, 1]."""
-        matrix = self.confusion_matrix()
+        matrix = self._matrix_view()
         if matrix.ndim == 3:
             matrix = matrix.sum(0)
         return matthews_corrcoef(matrix)

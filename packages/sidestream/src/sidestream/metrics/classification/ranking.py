@@ -140,6 +140,8 @@ class RankingMetric(ScreenedMetric[Tensor]):
             raise ValueError("thresholds: exact mode (exact=True) has no bins; pass one of them")
         if exact and num_bins != DEFAULT_BINS:
             raise ValueError("num_bins: exact mode (exact=True) has no bins; pass one of them")
+        if thresholds is not None and num_bins != DEFAULT_BINS:
+            raise ValueError("num_bins: thresholds set the bins themselves; pass one of them")
         self._curve = curve
         self._problem = problem
         self._bins = Bins(num_bins, thresholds)
@@ -318,12 +320,14 @@ class RankingMetric(ScreenedMetric[Tensor]):
     def histograms(self) -> tuple[Tensor, Tensor]:
         """``(negatives, positives)`` counts per class and bin, each ``(classes, bins)``.
 
+        A copy: later updates leave the returned tensors alone.
+
         Raises:
             ValueError: In exact mode, which stores samples, not histograms.
         """
         self._refuse_exact("histograms")
         classes, bins = self._problem.num_classes, self._bins.count
-        counts = self._histogram.value.view(2, classes, bins)
+        counts = self._histogram.value.view(2, classes, bins).clone()
         return counts[0], counts[1]
 
     def estimate(self) -> Estimate:

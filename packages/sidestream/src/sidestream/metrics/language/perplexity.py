@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -19,6 +21,8 @@ from sidestream.state import MetricAccumulator
 
 __all__ = ["PerplexityMetric"]
 
+_FINITE_LOGITS = "finite logits at counted tokens (no NaN or +inf; -inf not at the target id)"
+
 
 class PerplexityMetric(Metric[Tensor]):
     """``exp(sum of token NLL / number of counted tokens)`` over every update and rank.
@@ -30,7 +34,8 @@ class PerplexityMetric(Metric[Tensor]):
     the synced perplexity equals the perplexity of all tokens of all ranks.
 
     Bad input: a shape or vocabulary mismatch raises at once. A target id outside
-    ``[0, V)`` other than ``ignore_index``, or a negative / non-finite weight or non-finite
+    ``[0, V)`` other than ``ignore_index``, logits that make a counted token's loss non-finite
+    (NaN or +inf, or -inf at the target id), or a negative / non-finite weight or non-finite
     loss, raises on CPU before the state changes; on CUDA the batch is dropped and counted in
     ``rejected_updates``.
 
@@ -110,21 +115,22 @@ class PerplexityMetric(Metric[Tensor]):
         # One reduction gives the token count and the verdict (a bad token adds inf): a
         # separate any() would cost compiled code another reduction and its buffer per call.
         tokens = torch.where(bad, torch.inf, counted.to(torch.float64)).sum()
-        keep = screen_invalid(
-            tokens == torch.inf,
-            self._rejected,
-            "target",
-            f"token ids in [0, {vocab}) or ignore_index={ignore}",
-        )
-        assert keep is not None  # the device path always returns the keep flag
         ids = target if target.dtype == torch.int64 else target.long()  # before -100: uint8
         ids = torch.where(counted, ids, -100).reshape(-1)
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         nll = F.cross_entropy(
             logits.reshape(-1, vocab).to(work_dtype), ids, ignore_index=-100, reduction="none"
+        ).sum(dtype=torch.float64)
+        # Bad logits (NaN, +inf, or -inf at a target token) make the summed loss non-finite.
+        keep = screen_invalid(
+            (tokens == torch.inf) | ~torch.isfinite(nll),
+            self._rejected,
+            "target/logits",
+            f"token ids in [0, {vocab}) or ignore_index={ignore}, and {_FINITE_LOGITS}",
         )
+        assert keep is not None  # the device path always returns the keep flag
         # where, not a product with keep: a dropped batch's NaN or inf loss must not leak.
-        self._nll.accumulate(torch.where(keep, nll.sum(dtype=torch.float64), 0.0))
+        self._nll.accumulate(torch.where(keep, nll, 0.0))
         self._tokens.accumulate(torch.where(keep, tokens, 0.0))
 
     def _update_logits_on_host(self, logits: Tensor, target: Tensor, vocab: int) -> None:
@@ -150,7 +156,7 @@ class PerplexityMetric(Metric[Tensor]):
                 if bool((outside & ~is_ignored).any()):
                     raise ValueError(
                         f"target: expected token ids in [0, {vocab}) or ignore_index={ignore}; "
-                        "this batch has values outside"
+                        "this batch has values that are not"
                     )
                 ignored = int(is_ignored.sum())
         scores = logits.reshape(-1, vocab)
@@ -163,13 +169,18 @@ class PerplexityMetric(Metric[Tensor]):
             ignore_index=-100 if ignore is None else ignore,  # None: no -100 got past the check
             reduction="none",
         )
-        self._nll.accumulate(nll.sum(dtype=torch.float64))
+        total = nll.sum(dtype=torch.float64)
+        if not math.isfinite(total.item()):
+            raise ValueError(
+                f"logits: expected {_FINITE_LOGITS}; this batch's loss is {total.item()}"
+            )
+        self._nll.accumulate(total)
         # full, not torch.tensor: a fill, without parsing a Python object into a tensor.
         counted = torch.full((), float(flat.numel() - ignored), dtype=torch.float64)
         self._tokens.accumulate(counted)
 
     def _update_losses(self, losses: Tensor, weights: Tensor | float) -> None:
-        losses_t = as_tensor("losses", losses, self.device)
+        losses_t = as_tensor("losses", losses, self.device, floating=True)
         check_floating("losses", losses_t)
         losses_64 = losses_t.to(torch.float64)
         if isinstance(weights, Tensor):

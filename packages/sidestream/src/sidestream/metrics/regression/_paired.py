@@ -19,6 +19,8 @@ from sidestream.state import MetricAccumulator
 
 __all__: list[str] = []
 
+_EPS = torch.finfo(torch.float64).eps
+
 MultiOutput = Literal["uniform_average", "raw_values"]
 _MULTIOUTPUT = ("uniform_average", "raw_values")
 
@@ -57,8 +59,8 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
         A dropped CUDA batch comes back as zeros (``keep`` false). Also adds the batch's
         sample count (0 for a dropped batch).
         """
-        preds_t = as_tensor("preds", preds, self.device)
-        target_t = as_tensor("target", target, self.device)
+        preds_t = as_tensor("preds", preds, self.device, floating=True)
+        target_t = as_tensor("target", target, self.device, floating=True)
         check_floating("preds", preds_t)
         check_same_shape(preds_t, target_t)
         outputs = self._num_outputs
@@ -90,3 +92,15 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
         if self._num_outputs == 1:
             return per_output[0]
         return per_output if self._multioutput == "raw_values" else per_output.mean()
+
+
+def spread(squares: Tensor, sums: Tensor, count: Tensor) -> Tensor:
+    """``sum((v - mean v)^2)`` from the one-pass sums; NaN where rounding leaves nothing of it.
+
+    The one-pass difference cancels: it keeps no information once it is within the summation's
+    rounding, about ``count * eps * squares`` (a constant input, or a mean too far from the
+    ``shift``). That is reported as NaN, not as the noise left over, which would make an R² of
+    -1e15 or a correlation of +-1.
+    """
+    value = squares - sums.square() / count
+    return torch.where(value > count * _EPS * squares, value, torch.nan)

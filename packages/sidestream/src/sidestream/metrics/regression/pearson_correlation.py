@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from sidestream.metrics.regression._paired import MultiOutput, PairedRegressionMetric
+from sidestream.metrics.regression._paired import MultiOutput, PairedRegressionMetric, spread
 from sidestream.metrics.regression.r2_score import shift_vector
 
 __all__ = ["PearsonCorrelationMetric"]
@@ -74,8 +74,8 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         n = self._count.value
         sx, sy = self._preds_sum.value, self._target_sum.value
         cov = self._products.value - sx * sy / n
-        var_x = self._preds_squares.value - sx.square() / n
-        var_y = self._target_squares.value - sy.square() / n
+        var_x = spread(self._preds_squares.value, sx, n)  # NaN for a constant input
+        var_y = spread(self._target_squares.value, sy, n)
         # Each variance is rooted on its own: their product can underflow or overflow while
         # every stored sum is finite (x, y ~ 1e-100 or 1e100). Rounding can push |r| a hair
         # past 1, hence the clamp (NaN stays NaN).

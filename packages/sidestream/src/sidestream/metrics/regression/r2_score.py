@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from sidestream.metrics.regression._paired import PairedRegressionMetric
+from sidestream.metrics.regression._paired import PairedRegressionMetric, spread
 
 __all__ = ["R2ScoreMetric"]
 
@@ -25,7 +25,9 @@ class R2ScoreMetric(PairedRegressionMetric):
     targets whose mean is within a few thousand standard deviations of 0, and pass a rough
     mean otherwise (it must be the same on every rank).
 
-    A constant target (``SST == 0``) gives NaN (scikit-learn returns 1.0 or 0.0 there).
+    A constant target (``SST == 0``, or an SST lost to rounding: see ``shift``) gives NaN
+    (scikit-learn returns 1.0 or 0.0 there); with ``variance_weighted`` such an output has
+    weight 0, as in scikit-learn.
 
     ``adjusted=k`` reports the adjusted R² of a model with ``k`` regressors,
     ``1 - (1 - R²) (n - 1) / (n - k - 1)`` (torchmetrics' ``R2Score(adjusted=k)``); it is NaN
@@ -91,14 +93,17 @@ class R2ScoreMetric(PairedRegressionMetric):
     def compute(self) -> Tensor:
         """R² per output then averaged; NaN over no data or for a constant target."""
         count = self._count.value
-        total = self._target_squares.value - self._target_sum.value.square() / count
+        total = spread(self._target_squares.value, self._target_sum.value, count)
         r2 = 1.0 - self._squared_error.value / total
         if self._adjusted:
             dof = count - self._adjusted - 1
             ratio = (count - 1) / torch.where(dof > 0, dof, 1.0)
             r2 = torch.where(dof > 0, 1.0 - (1.0 - r2) * ratio, torch.nan)
         if self._variance_weighted and self._num_outputs > 1:
-            return (r2 * total).sum() / total.sum()
+            # A constant output has no variance, so no weight (as in scikit-learn).
+            varies = ~torch.isnan(total)
+            weights = torch.where(varies, total, 0.0)
+            return torch.where(varies, r2 * weights, 0.0).sum() / weights.sum()
         return self._finish(r2)
 
 
