@@ -151,3 +151,16 @@ def test_nan_messages_do_not_say_outside() -> None:
         ValueError, match=r"preds: expected probabilities in \[0, 1\].*that are not"
     ):
         BinaryAUROCMetric(4).update(torch.tensor([0.5, float("nan")]), torch.tensor([0, 1]))
+
+
+def test_pearson_target_shift_handles_inputs_with_different_means() -> None:
+    """One shift cannot serve preds near 5e3 and targets near 1e8; a second one can."""
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=1000) + 1e8
+    x = (y - 1e8) * 2 + rng.normal(size=1000) + 5e3
+    metric = PearsonCorrelationMetric(shift=5e3, target_shift=1e8)
+    metric.update(torch.tensor(x[:400]), torch.tensor(y[:400]))
+    metric.update(torch.tensor(x[400:]), torch.tensor(y[400:]))
+    assert metric.compute().item() == pytest.approx(pearsonr(x, y).statistic, rel=1e-9)
+    with pytest.raises(ValueError, match="target_shift"):
+        PearsonCorrelationMetric(target_shift=[1.0, 2.0])

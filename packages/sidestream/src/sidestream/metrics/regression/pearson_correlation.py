@@ -16,16 +16,20 @@ __all__ = ["PearsonCorrelationMetric"]
 class PearsonCorrelationMetric(PairedRegressionMetric):
     """Pearson's r from float64 sums of ``x``, ``y``, ``x^2``, ``y^2``, ``xy`` (x = preds).
 
-    Both inputs are shifted by ``shift`` before summing; as for ``R2ScoreMetric`` this only
-    guards the one-pass covariance against cancellation when the means are far from 0 relative
-    to the spread (relative error about ``1e-16 * (mean - shift)^2 / var``). Fewer than two
-    samples or a constant input give NaN. The variances are rooted one at a time, so the result
+    Both inputs are shifted by ``shift`` (the target by ``target_shift`` if given) before
+    summing; as for ``R2ScoreMetric`` this only guards the one-pass covariance against
+    cancellation when the means are far from 0 relative to the spread (relative error about
+    ``1e-16 * (mean - shift)^2 / var``). Fewer than two samples, a constant input, or a variance
+    lost to that rounding give NaN. The variances are rooted one at a time, so the result
     holds at any scale whose squares are finite in float64, and it is clamped to ``[-1, 1]``.
 
     Args:
         num_outputs: 1, or ``D`` for ``(N, D)`` inputs (one correlation per column).
         multioutput: ``uniform_average`` or ``raw_values`` (with ``D > 1``).
         shift: A scalar or one value per output, subtracted from preds and target.
+        target_shift: Subtracted from the target instead of ``shift`` (a scalar or one value
+            per output), for inputs whose means differ; ``None``: ``shift``. The correlation
+            does not change with either shift, only the rounding does.
 
     Example:
         >>> metric = PearsonCorrelationMetric()
@@ -39,9 +43,15 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         num_outputs: int = 1,
         multioutput: MultiOutput = "uniform_average",
         shift: float | Sequence[float] = 0.0,
+        target_shift: float | Sequence[float] | None = None,
     ) -> None:
         super().__init__(num_outputs, multioutput)
         self._shift = shift_vector("shift", shift, num_outputs)
+        self._target_shift = (
+            self._shift
+            if target_shift is None
+            else shift_vector("target_shift", target_shift, num_outputs)
+        )
         self._preds_sum = self._sum_state()
         self._target_sum = self._sum_state()
         self._preds_squares = self._sum_state()
@@ -57,7 +67,7 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
                 batch and counts it in ``rejected_updates``.
         """
         preds_64, target_64, keep = self._pairs(preds, target)
-        x, y = preds_64 - self._shift, target_64 - self._shift
+        x, y = preds_64 - self._shift, target_64 - self._target_shift
         if keep is not None:
             x, y = torch.where(keep, x, 0.0), torch.where(keep, y, 0.0)
         self._preds_sum.accumulate(x.sum(0))
@@ -68,6 +78,7 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
 
     def _move_extras(self, device: torch.device) -> None:
         self._shift = self._shift.to(device)
+        self._target_shift = self._target_shift.to(device)
 
     def compute(self) -> Tensor:
         """Pearson's r per output then averaged; NaN when undefined."""
