@@ -351,3 +351,46 @@ def test_resume_skips_steps_delivered_after_the_checkpoint(shm_path: Path) -> No
     history = MlflowClient(tracking_uri=uri).get_metric_history(checkpoint["run_id"], "loss")
     got = sorted((m.step, m.value) for m in history)
     assert got == [(s, float(s)) for s in range(7)] + [(7, 107.0), (8, 108.0)]
+
+
+def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_name(
+    shm_path: Path,
+) -> None:
+    """Values named like another stream (``train`` from the ``train`` collector,
+    ``train/grad_norm`` from ``Run.log``) or renamed by MLflow (``val@ema/loss``)."""
+
+    def reports(step: int) -> list[Report]:
+        out = [Report(step=step, values={"lr": 0.1, "train/grad_norm": 1.0}, time=time.time())]
+        if step % 2 == 0:
+            out.append(Report(step=step, values={"train": 2.0}, time=time.time(), stream="train"))
+        if step % 3 == 0:
+            values = {"val@ema/loss": 3.0}
+            out.append(Report(step=step, values=values, time=time.time(), stream="val@ema"))
+        return out
+
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    first = MlflowSink(tracking_uri=uri, experiment="names")
+    first.open(RunInfo(name="names"))
+    for step in range(1, 8):
+        first.write_batch(reports(step))
+        if step == 4:
+            checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    resumed = MlflowSink(tracking_uri=uri, experiment="names")
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="names"))
+    for step in range(5, 11):  # recomputed from the checkpoint
+        resumed.write_batch(reports(step))
+    assert resumed.close(timeout=30)
+    client = MlflowClient(tracking_uri=uri)
+    names = client.get_run(checkpoint["run_id"]).data.metrics
+    steps = {
+        name: sorted(m.step for m in client.get_metric_history(checkpoint["run_id"], name))
+        for name in names
+    }
+    assert steps == {
+        "lr": list(range(1, 11)),
+        "train/grad_norm": list(range(1, 11)),
+        "train": [2, 4, 6, 8, 10],
+        "val_ema/loss": [3, 6, 9],
+    }

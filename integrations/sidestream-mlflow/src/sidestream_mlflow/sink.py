@@ -16,7 +16,6 @@ from sidestream.sinks.support import (
     shorten,
     uri_without_password,
 )
-from sidestream.sinks.tracker import stream_of
 from sidestream_mlflow._http import request_settings
 
 __all__ = ["MlflowSink"]
@@ -198,7 +197,7 @@ class MlflowSink(TrackerSink):
             if existing.info.status != "RUNNING":
                 self._client.update_run(self._run_id, status="RUNNING")
             existing_params = existing.data.params
-            self.found_in_backend(self._server_last_steps(existing))
+            self.found_values_in_backend(self._server_last_steps(existing))
         self._log_params(run, existing_params)
 
     def _create_run(self, run: RunInfo) -> str:
@@ -249,18 +248,26 @@ class MlflowSink(TrackerSink):
             self._client.log_batch(self._run_id, params=chunk)
 
     def _server_last_steps(self, existing: Any) -> dict[str, int]:
-        """The largest step per known stream on the server (one metric's history each)."""
-        streams = list(self.last_steps())
-        probes: dict[str, str] = {}
-        for name in existing.data.metrics:
-            probes.setdefault(stream_of(name, streams), name)
+        """The largest step of each metric of the run on the server.
+
+        The run's latest metrics carry their step (the latest is the one at the largest step),
+        so one ``get_run`` answers for all of them; a client without that asks each metric's
+        history.
+        """
+        latest = getattr(existing.data, "_metric_objs", None)
+        if latest is not None:
+            return {str(metric.key): int(metric.step) for metric in latest}
         found: dict[str, int] = {}
-        for stream, name in probes.items():
+        for name in existing.data.metrics:
             history = self._client.get_metric_history(self._run_id, name)
             last = max((int(metric.step) for metric in history), default=None)
             if last is not None:
-                found[stream] = last
+                found[name] = last
         return found
+
+    def backend_name(self, name: str) -> str:
+        """The MLflow key of a value name (characters MLflow refuses replaced, shortened)."""
+        return _key(name)
 
     def send(self, reports: Sequence[Report]) -> None:
         """Log reports in as few ``log_batch`` requests as MLflow allows.

@@ -10,7 +10,7 @@ from typing import Any
 
 from sidestream.sinks import Report, RunInfo, TrackerSink
 from sidestream.sinks.support import flatten_config, histogram_edges
-from sidestream.sinks.tracker import signature_options, stream_of
+from sidestream.sinks.tracker import signature_options
 
 __all__ = ["TensorBoardSink"]
 
@@ -109,7 +109,7 @@ class TensorBoardSink(TrackerSink):
         self._log_dir = str(self._writer.log_dir)
         if self.resumed:
             # Reports delivered after the checkpoint was taken are already in the directory.
-            self.found_in_backend(_last_steps_on_disk(self._log_dir, self.last_steps()))
+            self.found_values_in_backend(_last_steps_on_disk(self._log_dir))
             return
         if run.config:
             self._write_hparams(flatten_config(run.config, plain_types=_HPARAM_TYPES))
@@ -213,22 +213,16 @@ class TensorBoardSink(TrackerSink):
         return self.flush(0)  # the writer is gone: what was sent is on disk now
 
 
-def _last_steps_on_disk(log_dir: str, known: Mapping[str, int]) -> dict[str, int]:
-    """The largest step per stream of scalars and histograms in the event files of ``log_dir``.
-
-    A tag belongs to the longest known stream it starts with (``"val/f1"`` to ``"val"``),
-    else to the stream ``""``.
-    """
+def _last_steps_on_disk(log_dir: str) -> dict[str, int]:
+    """The largest step of each scalar and histogram tag in the event files of ``log_dir``."""
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
     last: dict[str, int] = {}
-    streams = list(known)
     for path in sorted(Path(log_dir).glob("*tfevents*")):
         for event in LegacyEventFileLoader(str(path)).Load():
             # Only what write() adds counts, not the hparams / text summaries of open().
             for value in event.summary.value:
-                if value.HasField("simple_value") or value.HasField("histo"):
-                    stream = stream_of(value.tag, streams)
-                    if event.step > last.get(stream, -1):
-                        last[stream] = int(event.step)
+                written = value.HasField("simple_value") or value.HasField("histo")
+                if written and event.step > last.get(value.tag, -1):
+                    last[value.tag] = int(event.step)
     return last

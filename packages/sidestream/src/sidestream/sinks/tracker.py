@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from sidestream.sinks.base import Report, Sink
 from sidestream.sinks.support import call_within
 
-__all__ = ["TrackerSink", "parse_tracker_state", "signature_options", "stream_of"]
+__all__ = ["TrackerSink", "parse_tracker_state", "signature_options"]
 
 logger = logging.getLogger("sidestream.sinks")
 
@@ -52,6 +53,8 @@ class TrackerSink(Sink):
         self._delivered_default: int | None = None
         self._resumed = False
         self._warned: set[str] = set()
+        # Found on resume: the last step the backend holds of each value name (backend_name).
+        self._backend_steps: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # Picklable (ProcessSink sends sinks to a child process): its own locks are made anew.
@@ -160,6 +163,47 @@ class TrackerSink(Sink):
                 if delivered is None or step > delivered:
                     self._delivered[stream] = step
 
+    def found_values_in_backend(self, last_steps: Mapping[str, int]) -> None:
+        """The last step of each value the backend holds, by its name there (found on resume).
+
+        A report then sends only its values past their own last step. For backends that keep
+        values by name alone (no stream): a stream guessed from a name's text goes wrong when a
+        value is named like a stream (the value ``"train"`` of a ``"train"`` collector, or
+        ``"train/lr"`` from ``Run.log``), and a stream's values need not all be at its last step.
+        """
+        for name, step in last_steps.items():
+            if step > self._backend_steps.get(name, -1):
+                self._backend_steps[name] = int(step)
+
+    def backend_name(self, name: str) -> str:
+        """The name a report's value ``name`` has in the backend (itself by default)."""
+        return name
+
+    def _past_backend(self, reports: Sequence[Report]) -> list[Report]:
+        """``reports`` less the values the backend already holds.
+
+        A report left empty counts as sent. A name is forgotten once a report passes it, so a
+        finished resume costs nothing.
+        """
+        steps, kept = self._backend_steps, []
+        for report in reports:
+            fresh: list[dict[str, Any]] = [{}, {}]
+            for index, entries in enumerate((report.values, report.histograms)):
+                for key, value in entries.items():
+                    name = self.backend_name(key)
+                    last = steps.get(name)
+                    if last is None or report.step > last:
+                        fresh[index][key] = value
+                        if last is not None:
+                            del steps[name]
+            if not fresh[0] and not fresh[1]:
+                self.mark_sent(report)
+            elif len(fresh[0]) + len(fresh[1]) == len(report.values) + len(report.histograms):
+                kept.append(report)
+            else:
+                kept.append(dataclasses.replace(report, values=fresh[0], histograms=fresh[1]))
+        return kept
+
     def mark_sent(self, report: Report) -> None:
         """Count ``report`` as sent.
 
@@ -178,6 +222,8 @@ class TrackerSink(Sink):
     def write_batch(self, reports: Sequence[Report]) -> None:
         """Send the reports not delivered yet, in one ``send``."""
         fresh = [report for report in reports if not self.is_delivered(report)]
+        if self._backend_steps:
+            fresh = self._past_backend(fresh)
         if not fresh:
             return
         self.send(fresh)
@@ -270,15 +316,6 @@ def signature_options(*functions: Callable[..., Any]) -> set[str] | None:
                 names.add(parameter.name)
     names.discard("self")
     return names
-
-
-def stream_of(name: str, streams: Iterable[str]) -> str:
-    """The stream a flat value name belongs to: the longest ``stream/`` prefix, else ``""``."""
-    best = ""
-    for stream in streams:
-        if stream and name.startswith(stream + "/") and len(stream) > len(best):
-            best = stream
-    return best
 
 
 def parse_tracker_state(
