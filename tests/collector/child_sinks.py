@@ -99,3 +99,17 @@ class DurableCountSink(JsonlSink):
 
     def load_state_dict(self, state_dict: Any) -> None:
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "durable_calls"})
+
+
+class SlowOpenSink(JsonlSink):
+    """A JSONL sink whose ``open`` takes ``seconds``; each open writes its pid to a file."""
+
+    def __init__(self, path: Path, seconds: float) -> None:
+        super().__init__(path)
+        self._seconds = seconds
+
+    def open(self, run: RunInfo) -> None:
+        with open(f"{self.path}.opens", "a", encoding="utf-8") as opens:
+            opens.write(f"{os.getpid()}\n")
+        time.sleep(self._seconds)
+        super().open(run)

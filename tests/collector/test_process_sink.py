@@ -25,6 +25,7 @@ from tests.collector.child_sinks import (
     BatchSizesSink,
     DurableCountSink,
     FailingOpenSink,
+    SlowOpenSink,
     TroubleJsonlSink,
 )
 
@@ -185,3 +186,26 @@ def test_a_checkpoint_makes_the_child_sinks_writes_durable(tmp_path: Path) -> No
         assert saved["durable_calls"] == 1
         assert saved["last_steps"] == {"": 3}
         assert [line["step"] for line in _lines(path)] == [1, 2, 3]
+
+
+def test_a_checkpoint_during_the_childs_open_waits_for_it_instead_of_killing_it(
+    tmp_path: Path,
+) -> None:
+    """make_durable (a checkpoint, on the training thread) while the child still opens the sink
+    gives up after its timeout; the child finishes opening, once, and delivers."""
+    path = tmp_path / "m.jsonl"
+    sink = ProcessSink(SlowOpenSink(path, seconds=2.0))
+    opening = threading.Thread(target=sink.open, args=(RunInfo(name="slow"),))
+    opening.start()
+    try:
+        while not Path(f"{path}.opens").exists():  # the child is inside open
+            opening.join(0.05)
+        assert sink.make_durable(timeout=0.5) is False
+    finally:
+        opening.join(60)
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    assert sink.make_durable(timeout=30) is True
+    assert sink.close(timeout=30)
+    assert len(Path(f"{path}.opens").read_text().split()) == 1  # one child opened it
+    assert sink.restarts == 0
+    assert [line["step"] for line in _lines(path)] == [1]

@@ -242,9 +242,12 @@ class ProcessSink(Sink):
 
     def open(self, run: RunInfo) -> None:
         """Start the child, which resumes (if a state was loaded) and opens the sink."""
-        self._run = run
-        self._start(self._resume)
-        self._flushed_state = dict(self._state)
+        # Under the pipe lock: a checkpoint's make_durable from the training thread must wait
+        # for the opening child (or give up), not talk to it or stop it halfway through open.
+        with self._pipe_lock:
+            self._run = run
+            self._start(self._resume)
+            self._flushed_state = dict(self._state)
 
     def write(self, report: Report) -> None:
         """Hand ``report`` to the child and wait for its ``write`` to return.
