@@ -160,3 +160,33 @@ def test_a_metric_changed_after_bind_fails_the_window_on_every_rank(dist_pool: R
     outcomes = dist_pool.run(_change_structure_on_rank0, timeout=120)
     assert all(outcome != "no error" for outcome in outcomes), outcomes
     assert "changed its states after bind" in outcomes[0] or "paired different" in outcomes[0]
+
+
+def _skip_a_window_on_rank1() -> tuple[str, float]:
+    """Rank 1 skips step 2's window in a fast loop; each rank times its error."""
+    metric = MeanMetric()
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    outcome, start = "no error", time.monotonic()
+    try:
+        for step in range(1, 5):
+            metric.update(torch.tensor([float(step)]))
+            if not (dist.get_rank() == 1 and step == 2):
+                collector.schedule_collection(step)
+        collector.collect_results(timeout=60)
+    except RankMismatchError as error:
+        outcome = str(error)
+    elapsed = time.monotonic() - start
+    collector.close(timeout=30)  # rank 0's partnerless window ends at the collective timeout
+    return outcome, elapsed
+
+
+def test_a_rank_skipping_a_window_fails_both_ranks_before_the_collective_timeout() -> None:
+    """Rank 0 is left with a window no rank pairs: collect_results raises the mismatch at once
+    instead of waiting for that window's collective to time out."""
+    from sidestream.testing import DistributedPool
+
+    with DistributedPool(2, collective_timeout_s=12) as pool:  # its own: a collective dangles
+        outcomes = pool.run(_skip_a_window_on_rank1, timeout=120)
+    for rank, (outcome, elapsed) in enumerate(outcomes):
+        assert "paired different" in outcome or "mismatch" in outcome.lower(), (rank, outcome)
+        assert elapsed < 6, (rank, elapsed)

@@ -84,10 +84,22 @@ class Dispatcher:
         with self._cond:
             return self._scheduled
 
-    def wait_idle(self, timeout: float | None) -> bool:
-        """Block until every submitted window is processed; whether it happened in time."""
+    def wait_idle(self, timeout: float | None, *, until_mismatch: bool = False) -> bool:
+        """Block until every submitted window is processed; whether it happened in time.
+
+        With ``until_mismatch`` it also returns (false, unless idle) once a window found that
+        ranks paired different calls: a later window of this rank then waits for a partner
+        that never comes, until the collective's timeout.
+        """
         with self._cond:
-            return self._cond.wait_for(lambda: self._processed == self._scheduled, timeout)
+            idle = self._cond.wait_for(
+                lambda: (
+                    self._processed == self._scheduled
+                    or (until_mismatch and self._mismatch is not None)
+                ),
+                timeout,
+            )
+            return bool(idle) and self._processed == self._scheduled
 
     def latest(self) -> tuple[int, Any]:
         """``(step, result)`` of the last processed window.

@@ -386,14 +386,17 @@ class AsyncMetricCollector(Generic[T]):
         nested lists for vectors) in place of tensors.
 
         Raises:
+            RankMismatchError: As soon as a window found that ranks paired different calls (a
+                rank skipped one), without waiting for the windows left with no partner.
             RuntimeError: If nothing was scheduled, the latest window failed, or ``timeout``
                 passed first.
         """
         if self._dispatcher is None or self._dispatcher.scheduled == 0:
             raise RuntimeError("collect_results: no window scheduled; call schedule_collection")
-        if not self._dispatcher.wait_idle(timeout):
+        idle = self._dispatcher.wait_idle(timeout, until_mismatch=True)
+        self._raise_mismatch()  # at once: a mismatch leaves windows waiting for no partner
+        if not idle:
             raise RuntimeError(f"collect_results: windows still running after {timeout} s")
-        self._raise_mismatch()
         return self._dispatcher.latest()[1]
 
     def close(self, timeout: float | None = 30.0) -> bool:
