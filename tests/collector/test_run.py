@@ -242,3 +242,28 @@ def test_checkpoint_makes_the_jsonl_lines_durable(
     assert synced, "the checkpoint fsyncs the file before reporting its steps"
     assert state["sinks"]["jsonl"]["last_steps"] == {"": 1}
     assert run.close()
+
+
+def test_a_checkpoint_names_a_failed_sink_without_waiting_for_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A sink that failed for good takes nothing more: the checkpoint says so and goes on."""
+    import time
+
+    from sidestream.sinks import PermanentSinkError
+
+    class Refused(RecordingSink):
+        def write(self, report: object) -> None:
+            raise PermanentSinkError("project not found")
+
+    with Run([Refused(name="refused")]) as run:
+        run.log(1, {"x": 1.0})
+        deadline = time.monotonic() + 30
+        while run.sink_status["refused"].state != "failed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        run.log(2, {"x": 2.0})
+        began = time.monotonic()
+        with caplog.at_level("WARNING", logger="sidestream"):
+            run.state_dict(timeout=10)
+        assert time.monotonic() - began < 5
+    assert "'refused'" in caplog.text and "failed for good" in caplog.text

@@ -186,13 +186,17 @@ class Delivery:
         states: dict[str, Any] = {}
         for runner in self.runners:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            began = time.monotonic()
             if not runner.wait_delivered(left):
+                failed = runner.status.state == "failed"
                 logger.warning(
-                    "state_dict: sink %r still has %d undelivered report(s) after %s s; its "
-                    "state is as of its last delivered step",
+                    "state_dict: sink %r still has %d undelivered report(s) %s; its state is "
+                    "as of its last delivered step",
                     runner.key,
                     runner.pending,
-                    timeout,
+                    "(it failed for good: see its status)"
+                    if failed
+                    else f"after waiting {time.monotonic() - began:.1f} s",
                 )
             states[runner.key] = self._durable_state(runner, left)
         return states
