@@ -203,3 +203,11 @@ def test_a_mode_wandb_rejects_fails_when_the_sink_is_built() -> None:
     with pytest.raises(ValueError, match=r"mode: wandb does not take 'ofline'"):
         sinks_from_config({"wandb": {"project": "sidestream-it", "mode": "ofline"}})
     assert WandbSink(project="sidestream-it", mode="offline").run_id is None
+
+
+def test_a_settings_key_wandb_rejects_fails_when_the_sink_is_built() -> None:
+    from sidestream.sinks import sinks_from_config
+
+    with pytest.raises(ValueError, match=r"settings: .*'silnt'.*did you mean 'silent'"):
+        sinks_from_config({"wandb": {"mode": "offline", "settings": {"silnt": True}}})
+    assert WandbSink(mode="offline", settings={"silent": True}).run_id is None

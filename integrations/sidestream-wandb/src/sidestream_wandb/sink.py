@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -79,6 +80,8 @@ class WandbSink(TrackerSink):
         self._histogram_edges = dict(histogram_edges or {})
         if "mode" in self._init_kwargs:
             _check_mode(self._init_kwargs["mode"])
+        if isinstance(self._init_kwargs.get("settings"), Mapping):
+            _check_settings(self._init_kwargs["settings"])
         self._run: Any = None
         self._run_id: str | None = self._init_kwargs.pop("id", None)
         self._defined: set[str] = set()  # names given a step metric with define_metric
@@ -316,6 +319,26 @@ def _check_mode(mode: object) -> None:
             f"mode: wandb does not take {mode!r} ({detail.split(' [type=')[0]}); pass "
             "mode='online', 'offline' or 'disabled'"
         ) from None
+
+
+def _check_settings(settings: Mapping[str, Any]) -> None:
+    """Refuse ``settings`` that ``wandb.Settings`` would reject (a typo'd key), when built."""
+    try:
+        import wandb
+    except ImportError:
+        return
+    try:
+        wandb.Settings(**settings)
+    except ValueError as error:  # pydantic's ValidationError: one entry per bad key
+        problems = []
+        for entry in getattr(error, "errors", lambda: [])():
+            key = ".".join(str(part) for part in entry.get("loc", ())) or "?"
+            hint = difflib.get_close_matches(key, type(wandb.Settings()).model_fields, n=1)
+            problems.append(
+                f"{key!r}: {entry.get('msg')}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            )
+        detail = "; ".join(problems) or str(error).splitlines()[0]
+        raise ValueError(f"settings: wandb.Settings does not take {detail}") from None
 
 
 def step_metric(stream: str) -> str:
