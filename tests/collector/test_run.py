@@ -267,3 +267,26 @@ def test_a_checkpoint_names_a_failed_sink_without_waiting_for_it(
             run.state_dict(timeout=10)
         assert time.monotonic() - began < 5
     assert "'refused'" in caplog.text and "failed for good" in caplog.text
+
+
+def test_saved_metric_states_no_collector_claims_are_kept_and_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A collector made under another prefix than the saved one (a typo): the saved state is
+    not silently lost from the next checkpoint, and the warning names both prefixes."""
+    with Run([RecordingSink()]) as first:
+        train = first.collector(SumMetric(), prefix="train")
+        train.metric.update(torch.tensor([5.0]))
+        saved = first.state_dict()
+    with Run([RecordingSink()]) as resumed:
+        resumed.load_state_dict(saved)
+        typo = resumed.collector(SumMetric(), prefix="trian")
+        typo.metric.update(torch.tensor([1.0]))
+        with caplog.at_level("WARNING", logger="sidestream.run"):
+            again = resumed.state_dict()
+    assert "'train'" in caplog.text and "'trian'" in caplog.text
+    assert set(again["collectors"]) == {"train", "trian"}
+    with Run([RecordingSink()]) as fixed:  # the next job spells it right: nothing was lost
+        fixed.load_state_dict(again)
+        train = fixed.collector(SumMetric(), prefix="train")
+        assert float(train.metric.compute()) == 5.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -27,6 +28,8 @@ from sidestream.sinks.status import SinkStatus
 __all__ = ["Run"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger("sidestream.run")
 
 
 class Run:
@@ -89,6 +92,7 @@ class Run:
         self._delivery.on_start = functools.partial(_register_close_at_exit, weakref.ref(self))
         self._collectors: list[AsyncMetricCollector[Any]] = []
         self._metric_states: dict[str, Any] = {}
+        self._warned_unclaimed = False
         self._log_pipe: LogPipe | None = None
         self._log_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last_log_step: int | None = None
@@ -290,6 +294,8 @@ class Run:
             return self._close_result
         self._closed = True
         atexit.unregister(self._close_at_exit)
+        if self._metric_states:
+            self._warn_unclaimed("close")
         deadline = None if timeout is None else time.monotonic() + timeout
         complete = True
         for collector in self._collectors:
@@ -301,6 +307,20 @@ class Run:
             complete = False
         self._close_result = complete
         return complete
+
+    def _warn_unclaimed(self, where: str) -> None:
+        """Once per run: saved metric states no collector claimed (a renamed prefix?)."""
+        if not self._warned_unclaimed:
+            self._warned_unclaimed = True
+            logger.warning(
+                "%s: the loaded checkpoint has metric states for %s, which no collector of "
+                "this run has claimed (a collector's prefix renamed or misspelled?); they "
+                "are kept in state_dict() until a collector with that prefix is made. "
+                "Collectors of this run: %s",
+                where,
+                sorted(self._metric_states),
+                sorted(c.prefix for c in self._collectors),
+            )
 
     def _close_at_exit(self) -> None:
         self.close(self._delivery.options.exit_timeout)
@@ -337,6 +357,11 @@ class Run:
         # The collector's own state_dict first raises a rank mismatch its windows found (as
         # it does when called directly); a collector of this run holds no sink states.
         collectors = {c.prefix: c.state_dict(timeout)["metric"] for c in self._collectors}
+        if self._metric_states:
+            # Loaded and not claimed by any collector yet (made later, or a renamed prefix):
+            # carried on, so this checkpoint does not lose them.
+            self._warn_unclaimed("state_dict")
+            collectors = {**self._metric_states, **collectors}
         deadline = None if timeout is None else time.monotonic() + timeout
         sinks: dict[str, Any] = {}
         if self.is_writer:
