@@ -211,9 +211,49 @@ def test_jsonl_resume_skips_steps_logged_after_the_checkpoint_and_heals_cut_line
     for step in (2, 4, 5):
         sink.write(_report(step))
     sink.close()
+    lines = path.read_text().splitlines()  # the cut line is cut off: every line is JSON
+    assert [json.loads(line)["step"] for line in lines] == [1, 4, 5]
+
+
+def test_jsonl_cut_by_a_failed_write_is_cut_back_before_the_retry(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    sink = JsonlSink(path)
+    sink.open(RunInfo())
+    sink.write(_report(1))
+    assert sink._file is not None
+    sink._file.write(b'{"step": 2, "ti')  # what a write cut by a full disk leaves
+    sink._cut = True
+    sink.write(_report(2))  # the pipeline's retry
+    sink.close()
     lines = path.read_text().splitlines()
-    assert lines[2] == '{"st'
-    assert [json.loads(line)["step"] for line in lines[:2] + lines[3:]] == [1, 4, 5]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_jsonl_checkpoint_of_another_file_gives_no_offset_into_this_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lines already in the new file (another job's steps 100-139) do not make the resumed
+    sink skip its own steps."""
+    first = JsonlSink(tmp_path / "a.jsonl")
+    first.open(RunInfo())
+    for step in range(1, 11):
+        first.write(_report(step))
+    checkpoint = first.state_dict()
+    first.close()
+    other = tmp_path / "b.jsonl"
+    other.write_text(
+        "".join(json.dumps({"step": s, "time": 0, "values": {}}) + "\n" for s in range(100, 140))
+    )
+    resumed = JsonlSink(other)
+    resumed.load_state_dict(checkpoint)
+    with caplog.at_level("WARNING", logger="sidestream.sinks"):
+        resumed.open(RunInfo())
+    for step in range(8, 21):
+        resumed.write(_report(step))
+    resumed.close()
+    assert "a.jsonl" in caplog.text and "b.jsonl" in caplog.text
+    steps = [record["step"] for record in read_jsonl(other)]
+    assert steps == list(range(100, 140)) + list(range(11, 21))
 
 
 def test_sink_whose_module_fails_to_import_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

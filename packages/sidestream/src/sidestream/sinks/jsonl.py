@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import stat
@@ -15,6 +16,8 @@ from sidestream.sinks.base import Report, RunInfo
 from sidestream.sinks.tracker import TrackerSink
 
 __all__ = ["JsonlSink", "read_jsonl"]
+
+logger = logging.getLogger("sidestream.sinks")
 
 # Non-finite floats as JSON strings, spelt the way float() reads them back.
 _NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
@@ -38,11 +41,14 @@ class JsonlSink(TrackerSink):
     pipeline retries). When a checkpoint takes the state, the file is ``fsync``-ed first
     (``make_durable``). With ``fsync=True`` every write is.
 
-    The file is only appended to. A job resumed from a checkpoint (``load_state_dict`` before
+    The file is appended to. A job resumed from a checkpoint (``load_state_dict`` before
     ``open``) skips reports at or before each stream's last step in the checkpoint or in the
     lines written after it, so no step appears twice even when the job logged past its last
-    checkpoint. A line cut short by a crash is closed with a newline before appending. A path
-    that is not a regular file (``/dev/stdout``, a pipe) is only appended to.
+    checkpoint. A line cut short by a crash (or by a failed write) is cut off, the file
+    truncated back to its last complete line, before appending: every line stays valid JSON.
+    A checkpoint of another file (its path differs) gives no offset into this one: a warning
+    says so and only its steps count. A path that is not a regular file (``/dev/stdout``, a
+    pipe) is only appended to (a cut line there is closed with a newline).
 
     Args:
         path: The file; parent directories are created.
@@ -73,6 +79,7 @@ class JsonlSink(TrackerSink):
         self._file_lock = threading.Lock()
         self._offset: int | None = None  # bytes of the file once the last write was flushed
         self._resume_offset: int | None = None
+        self._saved_path: str | None = None  # the file a loaded checkpoint was taken of
 
     @property
     def identity(self) -> str | None:
@@ -88,12 +95,23 @@ class JsonlSink(TrackerSink):
         del run
         self.path.parent.mkdir(parents=True, exist_ok=True)
         regular = self._regular = _is_regular(self.path)
-        if regular and self.resumed:
+        same_file = self._saved_path is None or _same_path(Path(self._saved_path), self.path)
+        if regular and self.resumed and same_file:
             self.found_in_backend(_steps_after(self.path, self._resume_offset))
+        elif self.resumed and not same_file:
+            logger.warning(
+                "JsonlSink: the checkpoint's file is %s, this sink writes %s; steps up to the "
+                "checkpoint's are skipped, the lines already in %s are not looked at",
+                self._saved_path,
+                self.path,
+                self.path,
+            )
         self._file = self.path.open("ab", buffering=0)
         if regular:
-            self._cut = not _ends_with_newline(self.path)
-            self._offset = self._file.tell()
+            end = _last_line_end(self.path)
+            if end is not None:
+                os.ftruncate(self._file.fileno(), end)  # the bytes after it are a cut line
+            self._offset = self._file.seek(0, os.SEEK_END)
 
     def send(self, reports: Sequence[Report]) -> None:
         """Write one line per report and flush them to the file.
@@ -108,8 +126,11 @@ class JsonlSink(TrackerSink):
         data = "".join(_line(report) for report in reports).encode()
         with self._file_lock:
             file = self._file
-            if self._cut and not (self._regular and _ends_with_newline(self.path)):
-                data = b"\n" + data  # close the line a failed write left cut short
+            if self._cut:  # a failed write may have left part of a line
+                if self._regular and self._offset is not None:
+                    os.ftruncate(file.fileno(), self._offset)  # back to the last whole line
+                else:
+                    data = b"\n" + data  # cannot cut a pipe: close the line instead
             self._cut = True
             view = memoryview(data)
             while view:
@@ -141,9 +162,11 @@ class JsonlSink(TrackerSink):
         return {"offset": self._offset}
 
     def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
-        """Remember the saved end of file."""
+        """Remember the saved end of file (and which file it was)."""
         offset = state_dict.get("offset")
         self._resume_offset = offset if isinstance(offset, int) and offset >= 0 else None
+        saved = state_dict.get("path")
+        self._saved_path = saved if isinstance(saved, str) else None
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
@@ -204,13 +227,24 @@ def _is_regular(path: Path) -> bool:
         return True  # created as one by open
 
 
-def _ends_with_newline(path: Path) -> bool:
+def _same_path(saved: Path, path: Path) -> bool:
+    try:
+        return saved.resolve() == path.resolve()
+    except OSError:
+        return str(saved) == str(path)
+
+
+def _last_line_end(path: Path) -> int | None:
+    """Where a cut last line of ``path`` starts (the end of its last whole line), else None."""
     with path.open("rb") as file:
         size = file.seek(0, os.SEEK_END)
         if size == 0:
-            return True
+            return None
         file.seek(size - 1)
-        return file.read(1) == b"\n"
+        if file.read(1) == b"\n":
+            return None
+        newline = _previous_newline(file, size)
+        return 0 if newline is None else newline + 1
 
 
 def _steps_after(path: Path, offset: int | None) -> dict[str, int]:
