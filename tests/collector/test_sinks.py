@@ -281,3 +281,20 @@ def test_jsonl_options_of_the_wrong_type_are_refused(
 ) -> None:
     with pytest.raises(TypeError, match=message):
         sinks_from_config({"jsonl": {"path": str(tmp_path / "m.jsonl"), **options}})
+
+
+def test_console_output_closed_by_its_reader_fails_for_good_at_once() -> None:
+    """``python train.py | head``: a closed pipe takes no later line, so nothing is retried or
+    kept for 30 s at close."""
+    import io
+
+    from sidestream.sinks import ConsoleSink, PermanentSinkError
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    sink = ConsoleSink(stream=ClosedPipe())
+    sink.open(RunInfo())
+    with pytest.raises(PermanentSinkError, match="output was closed"):
+        sink.write(_report(1))

@@ -9,6 +9,7 @@ import time
 from typing import TextIO
 
 from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.status import PermanentSinkError
 
 __all__ = ["ConsoleSink"]
 
@@ -72,7 +73,21 @@ class ConsoleSink(Sink):
             print(f"run {run.name}", file=self._stream, flush=True)
 
     def write(self, report: Report) -> None:
-        """Redraw the live line, or print one line (one in ``every`` reports)."""
+        """Redraw the live line, or print one line (one in ``every`` reports).
+
+        Raises:
+            PermanentSinkError: If the output is a pipe whose reader has exited (``| head``):
+                no later line could be printed, so there is nothing to retry or keep.
+        """
+        try:
+            self._write(report)
+        except BrokenPipeError:
+            raise PermanentSinkError(
+                "ConsoleSink: its output was closed (the reader of the pipe exited); "
+                "it prints nothing more"
+            ) from None
+
+    def _write(self, report: Report) -> None:
         if self._live:
             self._update(report, time.monotonic())
             self._draw()
@@ -96,8 +111,11 @@ class ConsoleSink(Sink):
     def close(self, timeout: float | None = None) -> bool:
         """End the live line with a newline."""
         if self._drawn and self._stream is not None:
-            print(file=self._stream, flush=True)
             self._drawn = False
+            try:
+                print(file=self._stream, flush=True)
+            except BrokenPipeError:
+                return False
         return True
 
     def _update(self, report: Report, now: float) -> None:
