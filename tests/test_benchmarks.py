@@ -76,3 +76,31 @@ def test_ranking_memory_reports_accuracy_within_its_bound(
     assert difference <= bound
     throughput = [row for row in _rows(table) if row[1].replace(",", "").isdigit()]
     assert any("exact=True" in row[0] for row in throughput), throughput
+
+
+def test_gpu_overhead_rows_have_every_column(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA benchmark's table code, run on CPU with the CUDA calls stubbed out (its numbers
+    mean nothing here; a device run gives them), so a broken row fails CI, not the device."""
+    import torch
+
+    from benchmarks import gpu_overhead
+
+    cases = update_overhead._cases
+    monkeypatch.setattr(update_overhead, "_cases", lambda size, device: cases(size, "cpu"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda *args, **kwargs: None)
+    monkeypatch.setattr(gpu_overhead, "_captured", lambda step: "not captured: no CUDA")
+    monkeypatch.setattr(gpu_overhead, "ROUNDS", 1)
+    monkeypatch.setattr(gpu_overhead, "BLOCK", 1)
+    rows = _rows("\n".join(gpu_overhead._update_rows(64, compiled=False)))
+    assert {row[0].split(" (")[0] for row in rows} == {
+        "WeightedMean",
+        "Mean",
+        "Max",
+        "F1 macro",
+        "BinaryAUROC",
+        "Perplexity",
+    }
+    for row in rows:
+        assert len(row) == 11 and _ratio(row[4]) > 0 and row[10] == "yes", row
+    assert gpu_overhead.run() == gpu_overhead.NOT_MEASURED  # no CUDA: nothing measured
