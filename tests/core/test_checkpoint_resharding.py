@@ -15,9 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from sklearn.metrics import roc_auc_score
 from torch import Tensor
 
 from sidestream import ComposeMetric, Metric
+from sidestream._samples import SavedRows
+from sidestream.metrics.classification import BinaryAUROCMetric
 from sidestream.state import MetricAccumulator, ReduceOp
 from sidestream.testing import on_rank_device, rank_device
 from tests.conftest import Pools
@@ -50,17 +53,26 @@ def _labels(shard: Shard) -> Tensor:
 
 def _metrics() -> ComposeMetric:
     children: dict[str, Metric[Any]] = {name: case.factory() for name, case in CASES.items()}
-    return ComposeMetric({**children, "classes": ClassCounts()})
+    # A growing state too: its row count is known only from the checkpoint.
+    exact = BinaryAUROCMetric(exact=True, logits=True)
+    return ComposeMetric({**children, "classes": ClassCounts(), "exact_auroc": exact})
 
 
 def _feed(metrics: ComposeMetric, shard: Shard) -> None:
     for name in CASES:
         feed(name, metrics[name], shard)
     metrics["classes"].update(_labels(shard))
+    device = metrics["classes"].device
+    logits = torch.as_tensor(shard["values"], device=device)
+    metrics["exact_auroc"].update(logits, (_labels(shard) % 2).to(device))
 
 
 def _results(metrics: ComposeMetric) -> dict[str, Any]:
     return {name: value.tolist() for name, value in metrics.compute().items()}
+
+
+def _plain(value: Any) -> Any:
+    return value.rows.tolist() if isinstance(value, SavedRows) else value.tolist()
 
 
 def _references(shards: list[Shard]) -> dict[str, Any]:
@@ -69,11 +81,13 @@ def _references(shards: list[Shard]) -> dict[str, Any]:
     labels = everything["weights"] % NUM_CLASSES
     largest = int(labels.max()) if len(labels) else -1
     out["classes"] = [*np.bincount(labels, minlength=NUM_CLASSES).tolist(), largest]
+    out["exact_auroc"] = roc_auc_score(labels % 2, everything["values"].astype(np.float64))
     return out
 
 
 def _assert_matches(actual: dict[str, Any], expected: dict[str, Any]) -> None:
     assert actual["classes"] == expected["classes"]  # integer counts: exact
+    assert actual["exact_auroc"] == pytest.approx(expected["exact_auroc"], abs=1e-12)
     for name in CASES:
         if math.isnan(expected[name]):
             assert math.isnan(actual[name]), name
@@ -88,7 +102,7 @@ def _save_on_four(path: str, seed: int) -> dict[str, Any]:
     _feed(metrics, make_shards(seed, world)[rank])
     dcp.save({"metrics": metrics}, checkpoint_id=path)  # state_dict() is a collective here
     assert arena_views_intact(metrics)
-    return {name: value.tolist() for name, value in metrics.state_dict().items()}
+    return {name: _plain(value) for name, value in metrics.state_dict().items()}
 
 
 @on_rank_device

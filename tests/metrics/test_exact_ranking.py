@@ -207,7 +207,7 @@ def test_options_without_meaning_in_exact_mode_raise_at_construction() -> None:
 
 
 def _stored_rows(metric: RankingMetric) -> int:
-    return int(metric.state_dict()["scores"].shape[0])
+    return int(metric.state_dict()["scores"].rows.shape[0])
 
 
 def test_bad_input_raises_before_state_changes() -> None:
@@ -230,7 +230,7 @@ def test_bad_input_raises_before_state_changes() -> None:
                 metric.update(preds, target)
         after = metric.state_dict()
         assert after.keys() == before.keys()
-        assert all(torch.equal(after[k], before[k]) for k in before), exact
+        assert all(torch.equal(_tensor(after[k]), _tensor(before[k])) for k in before), exact
     binary = BinaryAUROCMetric(exact=True)
     binary.update(torch.tensor([0.3, 0.7]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="preds"):
@@ -260,7 +260,7 @@ def test_state_dict_reset_sync_and_to() -> None:
     _feed(metric, data["binary"], data["target"])
     expected = average_precision_score(data["target"], data["binary"])
     saved = metric.state_dict()
-    assert saved["scores"].shape == (300, 1) and saved["labels"].dtype == torch.int8
+    assert saved["scores"].rows.shape == (300, 1) and saved["labels"].rows.dtype == torch.int8
     restored = BinaryAveragePrecisionMetric(exact=True)
     restored.load_state_dict(saved)
     _close(restored.compute(), expected)
@@ -273,7 +273,7 @@ def test_state_dict_reset_sync_and_to() -> None:
     restored.reset()
     assert restored.compute().isnan() and _stored_rows(restored) == 0
     with pytest.raises(ValueError, match="dtype"):
-        restored.load_state_dict({**saved, "scores": saved["scores"].float()})
+        restored.load_state_dict({**saved, "scores": saved["scores"].rows.float()})
     with pytest.raises(KeyError, match="labels"):
         restored.load_state_dict({"rejected": saved["rejected"], "scores": saved["scores"]})
 
@@ -346,7 +346,7 @@ def _on_rank(seed: int) -> dict[str, Any]:
         metric.sync()
         out[name] = float(metric.compute())
         saved = metric.state_dict()
-        out[f"{name} saved rows"] = int(saved["scores"].shape[0])
+        out[f"{name} saved rows"] = int(saved["scores"].rows.shape[0])
         restored = make()
         restored.load_state_dict(saved)
         restored.sync()
@@ -420,7 +420,7 @@ def test_device_path_drops_a_bad_batch_as_skipped_rows(monkeypatch: pytest.Monke
         _feed(metric, preds, bad, batches=1)
         _feed(reference, preds, good)
         assert int(metric.rejected_updates) == 1
-        assert metric.state_dict()["scores"].shape[0] == 2 * len(preds)
+        assert metric.state_dict()["scores"].rows.shape[0] == 2 * len(preds)
         _close(metric.compute(), float(reference.compute()))
 
 
@@ -447,9 +447,11 @@ def test_cpu_updates_keep_the_inputs_without_a_copy_and_widen_them_later() -> No
         if name in ("bool", "uint8", "int8"):  # the same bytes, viewed as int8
             assert metric._samples._chunks["labels"][0].data_ptr() == target.data_ptr(), name
         saved = metric.state_dict()
-        assert saved["scores"].dtype == torch.float64 and saved["labels"].dtype == torch.int8
-        assert torch.equal(saved["scores"][:, 0], scores.double()), name
-        assert torch.equal(saved["labels"][:, 0], labels["int8"]), name
+        assert (
+            saved["scores"].rows.dtype == torch.float64 and saved["labels"].rows.dtype == torch.int8
+        )
+        assert torch.equal(saved["scores"].rows[:, 0], scores.double()), name
+        assert torch.equal(saved["labels"].rows[:, 0], labels["int8"]), name
         _close(metric.compute(), expected)
 
 
@@ -503,7 +505,7 @@ def test_half_precision_logits_rank_as_their_float64_values() -> None:
     with pytest.raises(ValueError, match="preds: expected logits without NaN"):
         metric.update(torch.tensor([1.0, float("nan")]), torch.tensor([0, 1]))
     metric.update(torch.tensor([float("inf"), -float("inf")]), torch.tensor([1, 0]))
-    assert int(metric.state_dict()["scores"].shape[0]) == 502
+    assert int(metric.state_dict()["scores"].rows.shape[0]) == 502
 
 
 def test_a_large_target_is_checked_chunk_by_chunk_before_anything_is_stored() -> None:
@@ -531,3 +533,10 @@ def test_a_large_target_is_checked_chunk_by_chunk_before_anything_is_stored() ->
     scores = preds.numpy()
     labels = np.concatenate([target.numpy(), target.numpy()[::2]])
     _close(metric.compute(), roc_auc_score(labels, np.concatenate([scores, scores[::2]])))
+
+
+def _tensor(value: object) -> torch.Tensor:
+    """A saved state as a tensor: a sample store's rows are ``SavedRows``."""
+    from sidestream._samples import SavedRows
+
+    return value.rows if isinstance(value, SavedRows) else torch.as_tensor(value)

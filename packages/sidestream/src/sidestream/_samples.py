@@ -12,7 +12,30 @@ from torch import Tensor
 
 from sidestream._distributed import Group, group_size, resolve_group, retain_work
 
-__all__ = ["SampleStore"]
+__all__ = ["SampleStore", "SavedRows"]
+
+
+class SavedRows:
+    """A sample store field's rows in a ``state_dict``: every rank's rows, in rank order.
+
+    Not a tensor on purpose: ``torch.distributed.checkpoint`` loads a tensor into the tensor of
+    the same name in the state it loads into, which must have the saved shape, while a
+    store's row count is only known from the checkpoint. Any other object is saved whole (as
+    bytes) and handed back as it was saved, so rows load on any world size. ``torch.load``
+    with ``weights_only=True`` accepts it (it is registered as a safe global).
+
+    Attributes:
+        rows: The ``(N, *row_shape)`` tensor.
+    """
+
+    def __init__(self, rows: Tensor) -> None:
+        self.rows = rows
+
+    def __repr__(self) -> str:
+        return f"SavedRows(shape={tuple(self.rows.shape)}, dtype={self.rows.dtype})"
+
+
+torch.serialization.add_safe_globals([SavedRows])
 
 
 class SampleStore:
@@ -123,8 +146,8 @@ class SampleStore:
         self._gathered = None
         self._borrowed = []
 
-    def load(self, rows: dict[str, Tensor]) -> None:
-        """Replace the local rows with ``rows`` (one tensor per field, checked).
+    def load(self, rows: dict[str, Tensor | SavedRows]) -> None:
+        """Replace the local rows with ``rows`` (one tensor or ``SavedRows`` per field, checked).
 
         Raises:
             KeyError: If a field is missing.
@@ -132,7 +155,9 @@ class SampleStore:
         """
         checked: dict[str, Tensor] = {}
         for name, template in self._templates.items():
-            tensor = torch.as_tensor(rows[name])
+            value = rows[name]
+            # A bare tensor: a checkpoint from before SavedRows, or one made by hand.
+            tensor = torch.as_tensor(value.rows if isinstance(value, SavedRows) else value)
             if tuple(tensor.shape[1:]) != tuple(template.shape[1:]) or tensor.ndim == 0:
                 raise ValueError(
                     f"state_dict[{name!r}]: expected rows of shape {tuple(template.shape[1:])}, "

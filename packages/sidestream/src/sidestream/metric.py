@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from sidestream._arena import Arena
 from sidestream._distributed import Group, check_process_group, group_rank, resolve_group
 from sidestream._reduce_op import ReduceOp
-from sidestream._samples import SampleStore, gather_rows
+from sidestream._samples import SampleStore, SavedRows, gather_rows
 from sidestream.state import Freshness, MetricAccumulator
 from sidestream.sync import CallFingerprint, SyncBatch, SyncHandle, SyncProgram
 
@@ -419,8 +419,10 @@ class Metric(Stateful, Generic[T], abc.ABC):
     def state_dict(self) -> dict[str, Any]:
         """The globally reduced state, keyed by dotted state name.
 
-        A sample store's fields (``SampleStore``) are saved under ``prefix + field`` and hold
-        every rank's rows, concatenated in rank order.
+        A sample store's fields (``SampleStore``) are saved under ``prefix + field`` as
+        ``SavedRows`` (its ``rows`` tensor: every rank's rows, concatenated in rank order), an
+        object ``torch.distributed.checkpoint`` saves whole, since their row count is unknown
+        to the metric it loads into.
 
         On a multi-rank job this is a blocking collective over the group of the last ``sync``
         (the default group if there was none): every rank must call it, and every rank gets the
@@ -438,12 +440,14 @@ class Metric(Stateful, Generic[T], abc.ABC):
         prepared.every_state.start(fingerprint).verify()
         # The synced views now hold the global state of this moment, which is what they held
         # already if the last sync is current; the freshness flags stay as they were.
-        saved = {name: state._synced.clone() for name, state in self.named_accumulators()}
+        saved: dict[str, Any] = {
+            name: state._synced.clone() for name, state in self.named_accumulators()
+        }
         group = resolve_group(self._sync_group)
         for prefix, store in self.named_sample_stores():
             # Every rank's rows, in rank order: the same global data on every rank.
             for field_name, rows in gather_rows(store.local(), group).items():
-                saved[prefix + field_name] = rows.clone()
+                saved[prefix + field_name] = SavedRows(rows.clone())
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
