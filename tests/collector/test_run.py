@@ -223,6 +223,24 @@ def test_show_prints_each_streams_latest_values_and_plots(
     assert "train" in shown.stdout.splitlines()[-1]
 
 
+def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "odd.jsonl"
+    lines = [
+        {"step": 1, "stream": "", "time": 0, "values": {"loss": 5.0}},
+        {"step": 1, "stream": "", "time": 0, "values": {"loss": 2.0}},  # replayed twice
+        {"step": 2, "stream": "", "time": 0, "values": {"loss": "abc"}},
+        {"step": 2, "stream": "", "time": 0, "values": [1, 2]},
+        {"step": 2, "stream": "", "time": 0, "values": {"flag": True}},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [record["step"] for record in read_jsonl(path)] == [1, 1, 2]  # two lines skipped
+    assert cli(["show", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1:] == ["(log)   1     loss  2"]  # a bool is no number to show
+
+
 def test_checkpoint_makes_the_jsonl_lines_durable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -184,6 +184,30 @@ def test_kept_spool_is_private_readable_json_and_replays(tmp_path: Path) -> None
     assert len((tmp_path / "cli.jsonl").read_text().splitlines()) == 7
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["MISSING", "--print"], "MISSING: no such file"),
+        (["SPOOL", "--sink", "nosuch"], "--sink nosuch: sink 'nosuch' is unknown"),
+        (["SPOOL", "--sink", "jsonl", "--option", "pth=x"], "did you mean 'path'"),
+        (["SPOOL", "--sink", "console", "--resume-state", "MISSING"], "--resume-state: "),
+    ],
+)
+def test_replay_command_errors_are_one_line_not_tracebacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], message: str
+) -> None:
+    from sidestream.sinks.replay import main
+
+    spool = tmp_path / "kept.jsonl"
+    spool.write_text("")
+    paths = {"SPOOL": str(spool), "MISSING": str(tmp_path / "missing")}
+    with pytest.raises(SystemExit) as exited:
+        main([paths.get(argument, argument) for argument in arguments])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert message.replace("MISSING", paths["MISSING"]) in error and "Traceback" not in error
+
+
 def test_keep_failing_at_close_is_logged_not_raised(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -61,8 +61,9 @@ def _history(path: Path) -> History:
     for record in read_jsonl(path):
         stream = str(record.get("stream", ""))
         names = history.setdefault(stream, {})
-        for name, value in (record.get("values") or {}).items():
-            if isinstance(value, int | float):
+        values = record.get("values")
+        for name, value in (values if isinstance(values, dict) else {}).items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
                 names.setdefault(name, []).append((int(record["step"]), float(value)))
     return history
 
@@ -71,7 +72,11 @@ def _table(history: History) -> str:
     rows = [("stream", "step", "name", "value")]
     for stream in sorted(history):
         for name in sorted(history[stream]):
-            step, value = max(history[stream][name])  # the latest step, whatever the line order
+            # The largest step, whatever the line order; of a step written twice (a spool
+            # replayed twice), the value written last.
+            points = history[stream][name]
+            step = max(point[0] for point in points)
+            value = next(v for s, v in reversed(points) if s == step)
             rows.append((stream or "(log)", str(step), name, _number(value)))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join(
@@ -97,8 +102,10 @@ def _plot(history: History, out: Path) -> None:
     for axis, stream in zip(axes[:, 0], streams, strict=True):
         names = sorted(history[stream])
         for name in names[:_MAX_LINES_PER_PLOT]:
-            points = sorted(history[stream][name])
-            axis.plot([p[0] for p in points], [p[1] for p in points], label=name)
+            # By step only (a stable sort keeps a repeated step's values in file order); with
+            # markers, so a series of one point (a validation logged once) shows.
+            points = sorted(history[stream][name], key=lambda point: point[0])
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=name)
         title = stream or "(log)"
         if len(names) > _MAX_LINES_PER_PLOT:
             title += f" (first {_MAX_LINES_PER_PLOT} of {len(names)} values)"

@@ -214,9 +214,13 @@ def _parse(line: str | bytes) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("step"), int):
         return None
-    values = record.get("values")
-    if isinstance(values, dict):
+    values = record.get("values", {})
+    if not isinstance(values, dict):
+        return None  # not a line JsonlSink writes
+    try:
         record["values"] = {k: float(v) if isinstance(v, str) else v for k, v in values.items()}
+    except ValueError:  # a string other than "NaN" / "Infinity" / "-Infinity"
+        return None
     return record
 
 

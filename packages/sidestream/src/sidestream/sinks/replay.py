@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--print", action="store_true", help="print the reports, write nothing")
     args = parser.parse_args(argv)
+    if not os.path.isfile(args.spool):
+        parser.error(f"{args.spool}: no such file")
     if args.print:
         for report in read_spool(args.spool):
             print(report)
@@ -52,11 +55,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    (sink,) = sinks_from_config({args.sink: options})
+    try:
+        (sink,) = sinks_from_config({args.sink: options})
+    except (LookupError, TypeError, ValueError, ImportError) as error:
+        # The message names the sink, the option and the fix: no traceback to read past.
+        parser.error(f"--sink {args.sink}: {error}")
     state = None
     if args.resume_state:
-        with open(args.resume_state) as file:
-            state = json.load(file)
+        try:
+            with open(args.resume_state) as file:
+                state = json.load(file)
+        except (OSError, ValueError) as error:
+            parser.error(f"--resume-state: {error}")
     count = replay_spool(args.spool, sink, resume_state=state)
     print(f"replayed {count} report(s) from {args.spool} into {args.sink}")
     return 0
