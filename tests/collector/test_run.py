@@ -308,3 +308,31 @@ def test_saved_metric_states_no_collector_claims_are_kept_and_named(
         fixed.load_state_dict(again)
         train = fixed.collector(SumMetric(), prefix="train")
         assert float(train.metric.compute()) == 5.0
+
+
+def test_a_checkpoint_waits_at_most_its_timeout_in_all() -> None:
+    """A sink still sending when the wait ends gets what is left of the timeout to make its
+    data durable, not the timeout again."""
+    import time
+
+    from sidestream.sinks import TrackerSink
+
+    class Slow(TrackerSink):
+        name = "slow"
+
+        def open(self, run: RunInfo) -> None:
+            del run
+
+        def send(self, reports: object) -> None:
+            time.sleep(3.0)
+
+        def make_durable(self, timeout: float | None = None) -> bool:
+            time.sleep(timeout or 0.0)  # as a sink waiting for its busy writer
+            return False
+
+    with Run([Slow()]) as run:
+        run.log(1, {"x": 1.0})
+        time.sleep(0.2)  # the sink's thread is inside send
+        began = time.monotonic()
+        run.state_dict(timeout=1.0)
+        assert time.monotonic() - began < 1.6

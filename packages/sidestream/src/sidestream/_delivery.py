@@ -198,6 +198,8 @@ class Delivery:
                     if failed
                     else f"after waiting {time.monotonic() - began:.1f} s",
                 )
+            # What is left of the overall timeout, not the wait's share again.
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             states[runner.key] = self._durable_state(runner, left)
         return states
 
