@@ -19,13 +19,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from benchmarks import update_overhead
-from benchmarks.sync_cost import NUM_CLASSES, sidestream_collection
+from benchmarks import schedule_cost, update_overhead
+from benchmarks.sync_cost import sidestream_collection
 
 SIZES = (64, 1_000_000)
 ROUNDS = 7
@@ -124,22 +123,6 @@ def _update_rows(size: int, compiled: bool) -> list[str]:
     return rows
 
 
-def _update_collection(parts: Any, step: int) -> None:
-    generator = torch.Generator(device="cuda").manual_seed(step)
-    values = torch.rand(64, device="cuda", generator=generator)
-    logits = torch.randn(64, NUM_CLASSES, device="cuda", generator=generator)
-    labels = torch.randint(0, NUM_CLASSES, (64,), device="cuda", generator=generator)
-    hits = (values > 0.5).long()
-    for name in ("mean", "sum", "max"):
-        parts[name].update(values)
-    for name in ("acc_macro", "f1_macro", "precision_weighted", "recall_micro"):
-        parts[name].update(logits, labels)
-    for name in ("binary_acc", "binary_f1"):
-        parts[name].update(values, hits)
-    for name in ("mse", "mae"):
-        parts[name].update(values, values.flip(0))
-
-
 def _schedule_cost() -> dict[str, float]:
     from sidestream.collector import AsyncMetricCollector
 
@@ -147,7 +130,7 @@ def _schedule_cost() -> dict[str, float]:
     collector = AsyncMetricCollector(metric).bind("cuda")
     cpu, wall = [], []
     for step in range(1, WARMUP + WINDOWS + 1):
-        _update_collection(metric, step)
+        schedule_cost._update([metric], step, "cuda")
         if step > 1:
             collector.collect_results()  # its compute would otherwise compete for the GIL
         begin_wall, begin_cpu = time.perf_counter(), time.thread_time()
@@ -158,7 +141,7 @@ def _schedule_cost() -> dict[str, float]:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _update_collection(metric, WARMUP + WINDOWS + 1)
+        schedule_cost._update([metric], WARMUP + WINDOWS + 1, "cuda")
         collector.schedule_collection(WARMUP + WINDOWS + 1)
         free = 1.0
     except RuntimeError:

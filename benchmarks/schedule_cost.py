@@ -40,12 +40,12 @@ def _parts(metric: ComposeMetric, copies: int) -> list[ComposeMetric]:
     return [part for _, part in metric.items()]  # type: ignore[misc]
 
 
-def _update(parts: list[ComposeMetric], step: int) -> None:
-    """Touch every metric, so each window stages fresh data."""
-    generator = torch.Generator().manual_seed(step)
-    values = torch.rand(64, generator=generator)
-    logits = torch.randn(64, 10, generator=generator)
-    labels = torch.randint(0, 10, (64,), generator=generator)
+def _update(parts: list[ComposeMetric], step: int, device: str = "cpu") -> None:
+    """Touch every metric, so each window stages fresh data (made on ``device``)."""
+    generator = torch.Generator(device=device).manual_seed(step)
+    values = torch.rand(64, generator=generator, device=device)
+    logits = torch.randn(64, 10, generator=generator, device=device)
+    labels = torch.randint(0, 10, (64,), generator=generator, device=device)
     hits = (values > 0.5).long()
     for part in parts:
         for name in ("mean", "sum", "max"):

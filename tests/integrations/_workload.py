@@ -18,7 +18,7 @@ from torch import Tensor
 
 from sidestream import ComposeMetric, MeanMetric, Metric, MetricAccumulator
 from sidestream.collector import AsyncMetricCollector
-from sidestream.sinks import RunInfo, sinks_from_config
+from sidestream.sinks import Report, RunInfo, TrackerSink, sinks_from_config
 
 NUM_CLASSES = 4
 NUM_BINS = 8
@@ -208,3 +208,33 @@ def train(
         "checkpoint": checkpoint,
         "sink_warnings": warnings.messages,
     }
+
+
+def reports_named_like_streams(step: int) -> list[Report]:
+    """One step's reports whose value names do not tell their streams: ``train`` from the
+    ``train`` collector, ``train/grad_norm`` from ``Run.log``, and ``val@ema/loss`` (a name
+    MLflow rewrites) at every third step."""
+    reports = [Report(step=step, values={"lr": 0.1, "train/grad_norm": 1.0}, time=time.time())]
+    if step % 2 == 0:
+        reports.append(Report(step=step, values={"train": 2.0}, time=time.time(), stream="train"))
+    if step % 3 == 0:
+        values = {"val@ema/loss": 3.0}
+        reports.append(Report(step=step, values=values, time=time.time(), stream="val@ema"))
+    return reports
+
+
+def resume_with_names_like_streams(first: TrackerSink, resumed: TrackerSink) -> dict[str, Any]:
+    """``first`` delivers steps 1-7 of ``reports_named_like_streams`` (a checkpoint at 4);
+    ``resumed`` loads that checkpoint and gets steps 5-10 again. The checkpoint is returned."""
+    first.open(RunInfo(name="names"))
+    for step in range(1, 8):
+        first.write_batch(reports_named_like_streams(step))
+        if step == 4:
+            checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="names"))
+    for step in range(5, 11):  # recomputed from the checkpoint
+        resumed.write_batch(reports_named_like_streams(step))
+    assert resumed.close(timeout=30)
+    return checkpoint

@@ -13,7 +13,7 @@ import pytest
 
 from sidestream.sinks import Report, RunInfo
 from sidestream.testing import RankPool
-from tests.integrations._workload import expected, train
+from tests.integrations._workload import expected, resume_with_names_like_streams, train
 from tests.integrations.conftest import MlflowServer
 
 mlflow = pytest.importorskip("mlflow")
@@ -359,29 +359,11 @@ def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_nam
     """Values named like another stream (``train`` from the ``train`` collector,
     ``train/grad_norm`` from ``Run.log``) or renamed by MLflow (``val@ema/loss``)."""
 
-    def reports(step: int) -> list[Report]:
-        out = [Report(step=step, values={"lr": 0.1, "train/grad_norm": 1.0}, time=time.time())]
-        if step % 2 == 0:
-            out.append(Report(step=step, values={"train": 2.0}, time=time.time(), stream="train"))
-        if step % 3 == 0:
-            values = {"val@ema/loss": 3.0}
-            out.append(Report(step=step, values=values, time=time.time(), stream="val@ema"))
-        return out
-
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"
-    first = MlflowSink(tracking_uri=uri, experiment="names")
-    first.open(RunInfo(name="names"))
-    for step in range(1, 8):
-        first.write_batch(reports(step))
-        if step == 4:
-            checkpoint = first.state_dict()
-    assert first.close(timeout=30)
-    resumed = MlflowSink(tracking_uri=uri, experiment="names")
-    resumed.load_state_dict(checkpoint)
-    resumed.open(RunInfo(name="names"))
-    for step in range(5, 11):  # recomputed from the checkpoint
-        resumed.write_batch(reports(step))
-    assert resumed.close(timeout=30)
+    checkpoint = resume_with_names_like_streams(
+        MlflowSink(tracking_uri=uri, experiment="names"),
+        MlflowSink(tracking_uri=uri, experiment="names"),
+    )
     client = MlflowClient(tracking_uri=uri)
     names = client.get_run(checkpoint["run_id"]).data.metrics
     steps = {

@@ -9,7 +9,12 @@ import pytest
 
 from sidestream.sinks import Report, RunInfo
 from sidestream.testing import RankPool
-from tests.integrations._workload import HISTOGRAM_EDGES, expected, train
+from tests.integrations._workload import (
+    HISTOGRAM_EDGES,
+    expected,
+    resume_with_names_like_streams,
+    train,
+)
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing import event_accumulator
@@ -146,34 +151,10 @@ def test_resume_skips_steps_delivered_after_the_checkpoint(tmp_path: Path) -> No
     assert got == [(s, float(s)) for s in range(7)] + [(7, 107.0), (8, 108.0)]
 
 
-def _stream_reports(step: int) -> list[Report]:
-    """Values named like another stream, or like no stream: ``train`` from the ``train``
-    collector, ``train/grad_norm`` from ``Run.log``."""
-    reports = [Report(step=step, values={"lr": 0.1, "train/grad_norm": 1.0}, time=time.time())]
-    if step % 2 == 0:
-        reports.append(Report(step=step, values={"train": 2.0}, time=time.time(), stream="train"))
-    if step % 3 == 0:
-        values = {"val@ema/loss": 3.0}
-        reports.append(Report(step=step, values=values, time=time.time(), stream="val@ema"))
-    return reports
-
-
 def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_name(
     tmp_path: Path,
 ) -> None:
-    first = TensorBoardSink(log_dir=tmp_path)
-    first.open(RunInfo(name="names"))
-    for step in range(1, 8):
-        first.write_batch(_stream_reports(step))
-        if step == 4:
-            checkpoint = first.state_dict()
-    assert first.close(timeout=30)
-    resumed = TensorBoardSink()
-    resumed.load_state_dict(checkpoint)
-    resumed.open(RunInfo(name="names"))
-    for step in range(5, 11):  # recomputed from the checkpoint
-        resumed.write_batch(_stream_reports(step))
-    assert resumed.close(timeout=30)
+    resume_with_names_like_streams(TensorBoardSink(log_dir=tmp_path), TensorBoardSink())
     accumulator = _load(tmp_path)
     steps = {
         tag: [e.step for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
