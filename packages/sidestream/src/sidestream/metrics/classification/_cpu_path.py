@@ -72,13 +72,15 @@ def count_indices(index: Tensor, size: int, weight: Tensor | None = None) -> Ten
         weight: 0/1 weights of ``index``'s shape (integer or bool); ``None`` counts all.
 
     Returns:
-        A ``(size,)`` int64 tensor. The CPU path uses ``bincount`` and sends weight-0 elements
-        to an extra bin it drops; the device path adds the weights with ``index_add_``.
+        A ``(size,)`` int64 tensor. Where ``bincount_enabled`` (CPU, eager or compiled) it
+        comes from ``bincount``, weight-0 elements sent to an extra bin that is dropped; on the
+        device path the weights are added with ``index_add_``.
     """
     flat = index.reshape(-1)
-    if enabled(index.device):
+    if bincount_enabled(index.device):
         if weight is None:
-            return torch.bincount(flat, minlength=size)
+            # Sliced: the output's size is the largest index + 1 as far as a compiler knows.
+            return torch.bincount(flat, minlength=size)[:size]
         flat = torch.where(weight.reshape(-1).bool(), flat, size)
         return torch.bincount(flat, minlength=size + 1)[:size]
     source = torch.ones_like(flat) if weight is None else weight.reshape(-1).to(torch.int64)

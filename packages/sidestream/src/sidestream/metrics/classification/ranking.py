@@ -231,17 +231,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
         # add_ promotes bool and narrower integer flags itself: no int64 copy first.
         index.add_(positive, alpha=classes * bins)
         slots = 2 * classes * bins
-        if (
-            weight is not None
-            and index.numel() >= slots
-            and _cpu_path.bincount_enabled(self.device)
-        ):
-            # Compiled for CPU, or with ignore_index: weight-0 elements go to an extra slot of
-            # the bincount, dropped.
-            index = torch.where(weight.bool(), index, slots)
-            self._histogram.accumulate(
-                torch.bincount(index.reshape(-1), minlength=slots + 1)[:slots]
-            )
+        if index.numel() >= slots and _cpu_path.bincount_enabled(self.device):
+            # Compiled for CPU, with ignore_index, or with threshold edges: bincount's pass over
+            # the slots pays off once the batch is at least that large.
+            self._histogram.accumulate(_cpu_path.count_indices(index, slots, weight))
             return
         if weight is None:
             source = torch.ones((), dtype=torch.int64, device=self.device).expand(index.shape)
