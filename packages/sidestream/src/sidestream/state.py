@@ -29,6 +29,17 @@ class Freshness:
     def __init__(self) -> None:
         self.current = False
 
+    def stale(self) -> None:
+        """Clear the flag (an update happened).
+
+        Written only when set: a compiled update then reads the flag (one guard, checked in
+        C++) instead of writing it back after every call, which costs more than the identity
+        guards of a flag shared by several states. After a sync a compiled update compiles once
+        more (the flag is set); both versions stay cached.
+        """
+        if self.current:
+            self.current = False
+
 
 class MetricAccumulator:
     """One tensor of metric state, updated in place on its device.
@@ -170,12 +181,7 @@ class MetricAccumulator:
             torch.maximum(self._target, update, out=self._target)  # NaN propagates
         else:
             torch.minimum(self._target, update, out=self._target)
-        # Written only when set: a compiled update then reads the flag (one guard, checked in
-        # C++) instead of writing it back after every call, which costs more than the identity
-        # guards of a flag shared by several states. After a sync a compiled update compiles
-        # once more (the flag is set); both versions stay cached.
-        if self._freshness.current:
-            self._freshness.current = False
+        self._freshness.stale()
 
     def scatter_add(self, index: Tensor, source: Tensor) -> None:
         """Add ``source`` into a one-dimensional SUM state at ``index`` (histograms, counts).
@@ -189,8 +195,7 @@ class MetricAccumulator:
         if not self._sums:
             raise ValueError(f"scatter_add needs a SUM accumulator, this one is {self._op.name}")
         self._target.index_add_(0, index.reshape(-1), source.reshape(-1).to(self._dtype))
-        if self._freshness.current:  # written only when set: see accumulate
-            self._freshness.current = False
+        self._freshness.stale()
 
     def add_product(self, matrix: Tensor, vector: Tensor) -> None:
         """Add ``matrix @ vector`` into a SUM state, flattened (row-major), in place.
@@ -205,8 +210,7 @@ class MetricAccumulator:
         if not self._sums:
             raise ValueError(f"add_product needs a SUM accumulator, this one is {self._op.name}")
         self._flat.addmv_(matrix, vector)
-        if self._freshness.current:  # written only when set: see accumulate
-            self._freshness.current = False
+        self._freshness.stale()
 
     def sync(self, group: Group = None) -> None:
         """Reduce a stand-alone accumulator over ``group`` into its synchronized copy.

@@ -258,7 +258,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
         """
         if borrow and weight is None and self._problem.kind is not ProblemKind.MULTICLASS:
             self._samples.borrow(scores=scores, labels=_int8_labels(labels))
-            self._metric_freshness.current = False
+            self._metric_freshness.stale()
             return
         if self._problem.kind is ProblemKind.MULTICLASS:
             classes = torch.arange(self._problem.num_classes, device=labels.device)
@@ -275,7 +275,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
             self._samples.borrow(scores=scores, labels=kinds)
         else:
             self._samples.append(scores=scores.to(torch.float64), labels=kinds)
-        self._metric_freshness.current = False
+        self._metric_freshness.stale()
 
     def _cpu_counts(self, scores: Tensor, target: Tensor) -> Tensor:
         """The histogram of one checked batch by ``bincount`` (CPU path).
