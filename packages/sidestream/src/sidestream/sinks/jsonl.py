@@ -88,7 +88,8 @@ class JsonlSink(TrackerSink):
 
     @identity.setter
     def identity(self, value: str | None) -> None:
-        del value  # the path given to the constructor wins
+        # The path given to the constructor wins; a checkpoint's is kept to compare at open.
+        self._saved_path = value
 
     def open(self, run: RunInfo) -> None:
         """Open ``path`` for appending (``run`` is not recorded in the file)."""
@@ -162,11 +163,9 @@ class JsonlSink(TrackerSink):
         return {"offset": self._offset}
 
     def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
-        """Remember the saved end of file (and which file it was)."""
+        """Remember the saved end of file."""
         offset = state_dict.get("offset")
         self._resume_offset = offset if isinstance(offset, int) and offset >= 0 else None
-        saved = state_dict.get("path")
-        self._saved_path = saved if isinstance(saved, str) else None
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
