@@ -78,10 +78,7 @@ class WandbSink(TrackerSink):
         if project is not None:
             self._init_kwargs["project"] = project
         self._histogram_edges = dict(histogram_edges or {})
-        if "mode" in self._init_kwargs:
-            _check_mode(self._init_kwargs["mode"])
-        if isinstance(self._init_kwargs.get("settings"), Mapping):
-            _check_settings(self._init_kwargs["settings"])
+        _check_settings(self._init_kwargs)
         self._run: Any = None
         self._run_id: str | None = self._init_kwargs.pop("id", None)
         self._defined: set[str] = set()  # names given a step metric with define_metric
@@ -300,39 +297,35 @@ def _read_progress(run_dir: str | None) -> dict[str, int]:
     }
 
 
-def _check_mode(mode: object) -> None:
-    """Refuse a ``mode`` wandb would reject, when the sink is built rather than at ``open``.
+def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
+    """Refuse a ``mode`` or ``settings`` key wandb would reject, when the sink is built.
 
     ``open`` runs on rank 0 only, once training has started, and a rejected ``wandb.init``
     fails the sink for the whole job; wandb's own ``Settings`` check costs nothing here.
     """
+    settings = init_kwargs.get("settings")
+    checked = dict(settings) if isinstance(settings, Mapping) else {}
+    if "mode" in init_kwargs:
+        checked["mode"] = init_kwargs["mode"]
+    if not checked:
+        return
     try:
         import wandb
     except ImportError:
         return  # reported by check_available / open, with the install command
     try:
-        wandb.Settings(mode=mode)  # type: ignore[arg-type]  # checking it is the point
-    except ValueError as error:  # pydantic's ValidationError
-        lines = [line.strip() for line in str(error).splitlines()]
-        detail = next((line for line in lines if line.startswith("Input should")), lines[0])
-        raise ValueError(
-            f"mode: wandb does not take {mode!r} ({detail.split(' [type=')[0]}); pass "
-            "mode='online', 'offline' or 'disabled'"
-        ) from None
-
-
-def _check_settings(settings: Mapping[str, Any]) -> None:
-    """Refuse ``settings`` that ``wandb.Settings`` would reject (a typo'd key), when built."""
-    try:
-        import wandb
-    except ImportError:
-        return
-    try:
-        wandb.Settings(**settings)
+        wandb.Settings(**checked)
     except ValueError as error:  # pydantic's ValidationError: one entry per bad key
+        entries: list[dict[str, Any]] = getattr(error, "errors", lambda: [])()
+        keys = [".".join(str(part) for part in entry.get("loc", ())) for entry in entries]
+        if "mode" in keys:
+            message = entries[keys.index("mode")].get("msg")
+            raise ValueError(
+                f"mode: wandb does not take {checked['mode']!r} ({message}); pass "
+                "mode='online', 'offline' or 'disabled'"
+            ) from None
         problems = []
-        for entry in getattr(error, "errors", lambda: [])():
-            key = ".".join(str(part) for part in entry.get("loc", ())) or "?"
+        for key, entry in zip(keys, entries, strict=True):
             hint = difflib.get_close_matches(key, type(wandb.Settings()).model_fields, n=1)
             problems.append(
                 f"{key!r}: {entry.get('msg')}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
