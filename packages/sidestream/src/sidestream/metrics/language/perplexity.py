@@ -147,18 +147,14 @@ class PerplexityMetric(Metric[Tensor]):
             smallest, largest = torch.aminmax(flat)
             low, high = smallest.item(), largest.item()
             if low < 0 or high >= vocab or (ignore is not None and low <= ignore <= high):
-                is_ignored = (
-                    flat == ignore
-                    if ignore is not None
-                    else torch.zeros_like(flat, dtype=torch.bool)
+                counted, bad = token_masks(flat, vocab, ignore)
+                screen_invalid(
+                    bool(bad.any()),
+                    self._rejected,
+                    "target",
+                    f"token ids in [0, {vocab}) or ignore_index={ignore}",
                 )
-                outside = (flat < 0) | (flat >= vocab)
-                if bool((outside & ~is_ignored).any()):
-                    raise ValueError(
-                        f"target: expected token ids in [0, {vocab}) or ignore_index={ignore}; "
-                        "this batch has values that are not"
-                    )
-                ignored = int(is_ignored.sum())
+                ignored = flat.numel() - int(counted.sum())
         scores = logits.reshape(-1, vocab)
         if scores.dtype not in (torch.float32, torch.float64):
             scores = scores.float()  # skipped when already fine: each no-op call costs a dispatch
