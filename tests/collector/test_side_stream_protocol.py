@@ -7,11 +7,13 @@ machine, that the side-stream path orders its waits as documented and produces t
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import pytest
 import torch
 
+from sidestream import ComposeMetric
 from sidestream.collector import AsyncMetricCollector
 from tests.collector.helpers import RecordingSink, feed, make_metric, reference, window_data
 
@@ -61,6 +63,14 @@ def test_side_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     metric, sink = make_metric(), RecordingSink()
     collector = AsyncMetricCollector(metric, sinks=[sink]).bind("cpu")
     collector._side = side  # take the CUDA branch from here on
+    compute_threads: list[str] = []
+    compose_compute = ComposeMetric.compute
+
+    def compute(self: ComposeMetric) -> Any:
+        compute_threads.append(threading.current_thread().name)
+        return compose_compute(self)
+
+    monkeypatch.setattr(ComposeMetric, "compute", compute)
     slots_used = []
     original_take = collector._take_slot
 
@@ -79,6 +89,9 @@ def test_side_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     for window, report in enumerate(sink.reports):
         expected = reference([window_data(4, window, 0)])
         assert report.values == {k: pytest.approx(v, rel=1e-12) for k, v in expected.items()}
+
+    # The training thread queues no compute(): its Python work grows with the metric tree.
+    assert compute_threads == ["sidestream-dispatch"] * 8
 
     records = [(stream, event) for kind, stream, event in log if kind == "record"]
     staged = [event for stream, event in records if stream == "current"]

@@ -16,7 +16,12 @@ from torch import Tensor
 
 from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
-from sidestream.collector._window import Window, rejected_names, rejected_on_host
+from sidestream.collector._window import (
+    Window,
+    rejected_names,
+    rejected_on_host,
+    rejected_to_host,
+)
 from sidestream.sinks.base import Report
 from sidestream.sync import RankMismatchError
 
@@ -175,12 +180,8 @@ class Dispatcher:
 
     def _process(self, window: Window) -> tuple[int, Any]:
         try:
-            if window.done is not None:
-                _wait_event(window.done)
-                if window.batch is not None:
-                    window.batch.verify()  # the fingerprints, on the host now that done passed
-                assert window.tree is not None
-                tree, leaves = window.tree, window.host
+            if window.side is not None:
+                tree, leaves = _finish_on_side_stream(window)
             else:
                 assert window.batch is not None
                 window.batch.wait()
@@ -289,6 +290,27 @@ def _floats(value: Any) -> list[float]:
     if isinstance(value, list):
         return [number for item in value for number in _floats(item)]
     return [float(value)]
+
+
+def _finish_on_side_stream(window: Window) -> tuple[FlatTree, list[Any]]:
+    """Queue a CUDA window's compute and host copies on its side stream, then wait for them.
+
+    The side stream already waits for the window's collectives; this thread only queues work
+    behind them, then blocks on the ``done`` event (not the training thread).
+    """
+    slot, side = window.slot, window.side
+    assert side is not None and window.batch is not None
+    with torch.cuda.stream(side):
+        tree = flatten_tree(slot.metric.compute())
+        host = slot.copy_to_host(tree.leaves)
+        window.rejected = rejected_to_host(slot.metric)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(side)
+    # Before the slot is released: the next staging into it waits for this event on the GPU.
+    window.done = slot.done = done
+    _wait_event(done)
+    window.batch.verify()  # the fingerprints, on the host now that done passed
+    return tree, host
 
 
 def _wait_event(event: torch.cuda.Event) -> None:

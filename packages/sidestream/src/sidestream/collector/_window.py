@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from sidestream.collector._slot import Slot
-from sidestream.collector._tree import FlatTree
 from sidestream.metric import Metric
 from sidestream.metrics.compose import ComposeMetric
 from sidestream.sync import SyncHandle
@@ -27,18 +26,17 @@ class Window:
     """One scheduled collection.
 
     CPU: ``batch`` holds the started collectives; the dispatcher waits on it and computes on
-    ``slot.metric``. CUDA: reduction and compute were queued on the side stream; ``tree``
-    describes the result, ``host`` holds its pinned copies, valid once ``done`` has passed,
-    and ``rejected`` the reduced counts of dropped batches (see ``rejected_to_host``).
+    ``slot.metric``. CUDA: the reduction was queued on ``side``; the dispatcher queues
+    ``compute()`` and the copies to pinned memory there too, sets ``rejected`` (the reduced
+    counts of dropped batches, see ``rejected_to_host``) and ``done``, then waits on ``done``.
     """
 
     step: int
     time: float
     slot: Slot
     batch: SyncHandle | None = None
+    side: torch.cuda.Stream | None = None
     done: torch.cuda.Event | None = None
-    tree: FlatTree | None = None
-    host: list[Any] = field(default_factory=list)
     rejected: Tensor | None = None
 
 

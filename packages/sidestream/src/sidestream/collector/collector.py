@@ -17,7 +17,7 @@ from sidestream._distributed import Group, check_process_group
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
-from sidestream.collector._window import Window, rejected_to_host
+from sidestream.collector._window import Window
 from sidestream.metric import Metric
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
@@ -301,13 +301,9 @@ class AsyncMetricCollector(Generic[T]):
             side.wait_event(staged)
             batch = slot.start_sync(window.step)
             batch.wait()  # NCCL: the side stream waits for the collectives; the host does not
-            window.batch = batch  # the dispatcher checks its fingerprints after ``done``
-            tree = flatten_tree(slot.metric.compute())
-            window.host = slot.copy_to_host(tree.leaves)
-            window.rejected = rejected_to_host(slot.metric)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(side)
-        window.tree, window.done, slot.done = tree, done, done
+        # compute() is queued on the side stream by the dispatcher thread: its Python work
+        # grows with the metric tree, and the training thread's must not.
+        window.batch, window.side = batch, side
 
     def _stage(self, slot: Slot, step: int) -> None:
         slot.stage(step)
