@@ -210,12 +210,12 @@ class RankingMetric(ScreenedMetric[Tensor]):
         classes, bins = self._problem.num_classes, self._bins.count
         scores, labels, weight = batch
         # bincount's O(slots) pass pays off once the batch is at least that large.
-        cpu_path = weight is None and self._bins.uniform and _cpu_path.enabled(self.device)
+        cpu_path = weight is None and self._bins.uniform and _cpu_path.enabled(device)
         if cpu_path and scores.numel() >= 2 * classes * (bins + 1):
             self._histogram.accumulate(self._cpu_counts(scores, labels))
             return
         if self._problem.kind is ProblemKind.MULTICLASS:
-            positive = labels.unsqueeze(1) == torch.arange(classes, device=self.device)
+            positive = labels.unsqueeze(1) == torch.arange(classes, device=device)
             if weight is not None:
                 weight = weight.unsqueeze(1).expand(positive.shape)
         elif cpu_path and not labels.is_floating_point():
@@ -227,17 +227,17 @@ class RankingMetric(ScreenedMetric[Tensor]):
         # Fused in place: index = bin + class * bins + is_positive * classes * bins.
         index = self._bins.index(scores)
         if classes > 1:
-            index.add_(torch.arange(0, classes * bins, bins, device=self.device))
+            index.add_(torch.arange(0, classes * bins, bins, device=device))
         # add_ promotes bool and narrower integer flags itself: no int64 copy first.
         index.add_(positive, alpha=classes * bins)
         slots = 2 * classes * bins
-        if index.numel() >= slots and _cpu_path.bincount_enabled(self.device):
+        if index.numel() >= slots and _cpu_path.bincount_enabled(device):
             # Compiled for CPU, with ignore_index, or with threshold edges: bincount's pass over
             # the slots pays off once the batch is at least that large.
             self._histogram.accumulate(_cpu_path.count_indices(index, slots, weight))
             return
         if weight is None:
-            source = torch.ones((), dtype=torch.int64, device=self.device).expand(index.shape)
+            source = torch.ones((), dtype=torch.int64, device=device).expand(index.shape)
         else:
             source = weight
         self._histogram.scatter_add(index, source)
