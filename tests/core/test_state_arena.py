@@ -123,6 +123,58 @@ def test_states_hidden_in_containers_raise(container: type) -> None:
         Hidden()
 
 
+@pytest.mark.parametrize("use", ["reset", "state_dict", "to", "sync"])
+def test_states_added_to_a_container_after_its_assignment_raise(use: str) -> None:
+    # An empty list passes __setattr__'s check; the states appended later would be left out
+    # of reset, sync and checkpoints, so the tree refuses them when it builds its arena.
+    class PerHead(Metric[Tensor]):
+        def __init__(self) -> None:
+            self.sums: list[MetricAccumulator] = []
+            for _ in range(3):
+                self.sums.append(MetricAccumulator(torch.zeros((), dtype=torch.float64)))
+
+        def update(self, values: Tensor) -> None:
+            for state, value in zip(self.sums, values, strict=True):
+                state.accumulate(value)
+
+        def compute(self) -> Tensor:
+            return torch.stack([state.value for state in self.sums])
+
+    metric = PerHead()
+    metric.update(torch.tensor([1.0, 2.0, 3.0]))
+    calls = {
+        "reset": metric.reset,
+        "state_dict": metric.state_dict,
+        "to": lambda: metric.to("cpu"),
+        "sync": metric.sync,
+    }
+    with pytest.raises(TypeError, match="sums: a MetricAccumulator inside a list"):
+        calls[use]()
+    assert metric.compute().tolist() == [1.0, 2.0, 3.0]  # nothing was reset half-way
+
+
+def test_containers_of_declared_states_are_allowed() -> None:
+    # A list of states that are declared on their own is only a second way to reach them.
+    class Pair(Metric[Tensor]):
+        def __init__(self) -> None:
+            self._low = MetricAccumulator(0.0)
+            self._high = MetricAccumulator(0.0)
+            self._both = [self._low, self._high]
+
+        def update(self, values: Tensor) -> None:
+            for state, value in zip(self._both, values, strict=True):
+                state.accumulate(value)
+
+        def compute(self) -> Tensor:
+            return torch.stack([state.value for state in self._both])
+
+    metric = Pair()
+    metric.update(torch.tensor([1.0, 2.0]))
+    assert sorted(metric.state_dict()) == ["high", "low"]
+    metric.reset()
+    assert metric.compute().tolist() == [0.0, 0.0]
+
+
 def test_child_metrics_in_a_list_raise_and_attributes_work() -> None:
     class Parent(Metric[Tensor]):
         def __init__(self, in_list: bool) -> None:
@@ -320,3 +372,47 @@ def test_add_product_adds_a_matrix_vector_product_in_place() -> None:
     assert counts.local.tolist() == [16, 11]
     with pytest.raises(ValueError, match="SUM"):
         MetricAccumulator(0.0, ReduceOp.MAX).add_product(matrix, torch.ones(3))
+
+
+class _Buffered(Metric[Tensor]):
+    """A metric with data of its own besides its state, cleared by its reset override."""
+
+    def __init__(self) -> None:
+        self._count = MetricAccumulator(torch.zeros((), dtype=torch.int64))
+        self.buffer: list[float] = []
+        self.resets = 0
+
+    def update(self, values: Tensor) -> None:
+        self.buffer.extend(values.tolist())
+        self._count.accumulate(torch.tensor(values.numel()))
+
+    def reset(self) -> None:
+        super().reset()
+        self.buffer = []
+        self.resets += 1
+
+    def compute(self) -> Tensor:
+        return torch.tensor(float(len(self.buffer)))
+
+
+class _BufferedParent(_Buffered):
+    def __init__(self) -> None:
+        super().__init__()
+        self._inner = _Buffered()
+
+
+def test_reset_calls_each_child_override_once() -> None:
+    # Parents reset their tree's states in one copy; a child that clears data of its own in
+    # reset must still have it called, once, or its data outlives the window.
+    plain = _Buffered()
+    nested = _BufferedParent()
+    compose = ComposeMetric({"plain": plain, "nested": nested, "mean": MeanMetric()})
+    compose.to("cpu")
+    for metric in (plain, nested, nested._inner):
+        metric.update(torch.tensor([1.0, 2.0]))
+    compose.reset()
+    for metric in (plain, nested, nested._inner):
+        assert metric.buffer == [] and metric.resets == 1
+        assert int(metric._count.local) == 0
+    compose.reset()
+    assert [m.resets for m in (plain, nested, nested._inner)] == [2, 2, 2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import collections
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
@@ -62,8 +63,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
     ``MetricAccumulator`` to an attribute (``self._total = MetricAccumulator(0.0)`` declares
     ``"total"``: the attribute name without its leading underscore). Child metrics assigned to
     attributes are part of the tree. A duplicate name raises, and so does a state or metric
-    hidden in a list, tuple, set or dict attribute (it would be left out of sync, reset and
-    checkpoints). The default ``sync``, ``reset``, ``to``, ``state_dict`` and
+    hidden in a list, tuple, set, dict or deque attribute (it would be left out of sync, reset
+    and checkpoints), when assigned or, for a container filled later, when the tree's arena is
+    built. The default ``sync``, ``reset``, ``to``, ``state_dict`` and
     ``load_state_dict`` work on the declared states, so a subclass usually implements only
     ``update`` and ``compute``.
 
@@ -117,9 +119,19 @@ class Metric(Stateful, Generic[T], abc.ABC):
         if isinstance(value, MetricAccumulator | Metric):
             if not self._holds_declared(value):
                 self._declare(attribute.lstrip("_"), value, attribute)
-        elif isinstance(value, list | tuple | dict | set | frozenset):
-            _refuse_hidden(attribute, value)
+        elif isinstance(value, _CONTAINERS):
+            _refuse_hidden(attribute, value, self._declared_ids())
         object.__setattr__(self, attribute, value)
+
+    def _declared_ids(self) -> set[int]:
+        return {id(value) for _, value in self._declared_items()}
+
+    def _refuse_hidden_states(self) -> None:
+        """Raise ``TypeError`` if an attribute's container holds an undeclared state or metric."""
+        declared = self._declared_ids()
+        for attribute, value in vars(self).items():
+            if isinstance(value, _CONTAINERS):
+                _refuse_hidden(attribute, value, declared)
 
     def _holds_declared(self, value: Any) -> bool:
         registry: dict[str, tuple[str | None, _Child]] = self.__dict__.get("_declarations", {})
@@ -230,6 +242,10 @@ class Metric(Stateful, Generic[T], abc.ABC):
         arena: Arena | None = self.__dict__.get("_state_arena")
         if arena is not None and arena.alive and device is None:
             return arena if arena.root is self else None
+        for metric in self._walk_metrics():
+            # Again here, not only in __setattr__: a container filled after its assignment
+            # (self.sums = []; self.sums.append(...)) would otherwise escape the arena.
+            metric._refuse_hidden_states()
         states = list(self.named_accumulators())
         stores = [store for _, store in self.named_sample_stores()]
         built = Arena(self, states, list(self._assign_freshness()), device, stores)
@@ -375,10 +391,20 @@ class Metric(Stateful, Generic[T], abc.ABC):
         return _Prepared(group, home, every_state, batched.program(check=check), own_sync)
 
     def reset(self) -> None:
-        """Return every state to its initial value (no communication)."""
+        """Return every state to its initial value (no communication).
+
+        Child metrics whose class overrides ``reset`` (to clear data of their own, besides
+        their states) have it called too, once each, after their states were reset.
+        """
         arena = self._own_arena()
         if arena is not None:
             arena.reset()
+            cached: tuple[Arena, list[Metric[Any]]] | None = self.__dict__.get("_reset_children")
+            if cached is None or cached[0] is not arena:
+                cached = (arena, self._overriding_children())
+                object.__setattr__(self, "_reset_children", cached)
+            for child in cached[1]:
+                child.reset()
             return
         states = [state for _, state in self.named_accumulators()]
         if states:
@@ -386,6 +412,19 @@ class Metric(Stateful, Generic[T], abc.ABC):
         for _, store in self.named_sample_stores():
             store.clear()
         self._mark_fresh(False)
+        for child in self._overriding_children():
+            child.reset()
+
+    def _overriding_children(self) -> list[Metric[Any]]:
+        """The topmost metrics below this one whose class overrides ``reset``."""
+        found: list[Metric[Any]] = []
+        for _, child in self._declared_items():
+            if isinstance(child, Metric):
+                if type(child).reset is not Metric.reset:
+                    found.append(child)
+                else:
+                    found.extend(child._overriding_children())
+        return found
 
     def to(self, device: torch.device | str) -> Self:
         """Move every state of the tree to ``device`` (into a new arena) and return ``self``.
@@ -504,19 +543,51 @@ class Metric(Stateful, Generic[T], abc.ABC):
         self._mark_fresh(False)
 
 
+_BOOKKEEPING = frozenset(
+    {
+        "_declarations",
+        "_state_arena",
+        "_freshness_flag",
+        "_call_counter",
+        "_sync_group",
+        "_sync_layouts",
+        "_unverified_sync",
+        "_reset_children",
+    }
+)
+"""Attributes the library keeps on every metric (not a metric's own data)."""
+
+
+def own_data(metric: Metric[Any]) -> Iterator[tuple[str, Any]]:
+    """``(attribute, value)`` of what ``metric`` keeps besides its declared states and children.
+
+    Library bookkeeping and sample stores (part of the state arena) are left out: what is
+    left is, for a metric that overrides ``sync``, the data its own sync gathers.
+    """
+    declared = metric._declared_ids()
+    for attribute, value in vars(metric).items():
+        if attribute in _BOOKKEEPING or id(value) in declared or isinstance(value, SampleStore):
+            continue
+        yield attribute, value
+
+
 def has_own_sync(metric: Metric[Any]) -> bool:
     """Whether ``metric`` takes the slow sync path: its own ``sync``, or sample stores."""
     return type(metric).sync is not Metric.sync or any(True for _ in metric._sample_stores())
 
 
-def _refuse_hidden(attribute: str, value: Any) -> None:
+_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+
+
+def _refuse_hidden(attribute: str, value: Any, declared: set[int]) -> None:
+    """Raise ``TypeError`` for a state or metric in ``value`` that is not one of ``declared``."""
     items = value.values() if isinstance(value, dict) else value
     for item in items:
-        if isinstance(item, MetricAccumulator | Metric):
+        if isinstance(item, MetricAccumulator | Metric) and id(item) not in declared:
             raise TypeError(
                 f"{attribute}: a {type(item).__name__} inside a {type(value).__name__} would be "
                 "left out of sync, reset and checkpoints; declare each state with add_state or "
                 "its own attribute (child metrics: their own attribute, or a ComposeMetric)"
             )
-        if isinstance(item, list | tuple | dict | set | frozenset):
-            _refuse_hidden(attribute, item)
+        if isinstance(item, _CONTAINERS):
+            _refuse_hidden(attribute, item, declared)

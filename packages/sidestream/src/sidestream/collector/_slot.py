@@ -11,7 +11,7 @@ from torch import Tensor
 
 from sidestream._arena import Arena
 from sidestream._distributed import Group
-from sidestream.metric import Metric, has_own_sync
+from sidestream.metric import Metric, has_own_sync, own_data
 from sidestream.sync import CallFingerprint, RankMismatchError, SyncBatch, SyncHandle, SyncProgram
 
 __all__ = ["Slot", "clone_metric"]
@@ -61,6 +61,13 @@ class Slot:
         # per slot, replayed every window. A metric with its own sync (or sample stores, which
         # sync by gathering) keeps calling it.
         self._replayable = not any(has_own_sync(m) for m in metric._walk_metrics())
+        # A metric with its own sync keeps data besides its states (a sample buffer, say) that
+        # its sync gathers: staged by a copy too, or this slot's sync would see bind time's.
+        self._own_sync_pairs = [
+            (source, target)
+            for source, target in zip(live._walk_metrics(), metric._walk_metrics(), strict=True)
+            if type(source).sync is not Metric.sync
+        ]
         self._direct: SyncProgram | None = None
         self._marked = False
         if direct and self._replayable:
@@ -89,6 +96,11 @@ class Slot:
                 "make a new collector for a new metric structure"
             )
         self._arena.copy_from(live)
+        for source, target in self._own_sync_pairs:
+            for attribute, value in own_data(source):
+                copied = _staged_copy(value)
+                if copied is not _NOT_COPIED:
+                    object.__setattr__(target, attribute, copied)
 
     def _lay_out_direct(self, check: bool) -> SyncProgram:
         """The slot's sync with the live arena's segments as sources and its own as results.
@@ -164,6 +176,24 @@ class Slot:
             else:
                 out.append(leaf)
         return out
+
+
+_NOT_COPIED = object()
+
+
+def _staged_copy(value: Any) -> Any:
+    """A window's copy of a metric's own data: tensors and plain containers, not other objects.
+
+    Numbers, strings and ``None`` are shared (immutable); other objects (settings, helpers)
+    were copied with the metric at ``bind`` and are left as they are.
+    """
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, list | tuple | dict | set):
+        return copy.deepcopy(value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return _NOT_COPIED
 
 
 def clone_metric(metric: Metric[Any]) -> Metric[Any]:

@@ -133,7 +133,8 @@ class AsyncMetricCollector(Generic[T]):
             if not isinstance(path, str) or not path.strip("/"):
                 raise TypeError(f"histograms: expected non-empty leaf paths (str), got {path!r}")
         self._metric = metric
-        self._plain_reset = type(metric).reset is Metric.reset
+        # No metric of the tree clears data of its own in reset: the arena's reset is all.
+        self._plain_reset = all(type(m).reset is Metric.reset for m in metric._walk_metrics())
         # Checkpoints reduce over the collector's group, not whatever the metric last saw.
         metric.sync_group = group
         if _delivery is None:

@@ -1,0 +1,91 @@
+"""A metric with its own ``sync`` and data besides its states (docs/metrics.md's sample buffer).
+
+The collector stages such data with the states, and resets it with them, whether the metric
+is the collector's root or a child of a ``ComposeMetric``; the reference is numpy on the
+concatenated data of every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from sidestream import ComposeMetric, MeanMetric, Metric, MetricAccumulator
+from sidestream.collector import AsyncMetricCollector
+from sidestream.testing import RankPool
+
+STEPS = (1, 2, 3)
+
+
+class SampleMedian(Metric[Tensor]):
+    """Keeps its samples in a plain tensor attribute and gathers them in its own ``sync``."""
+
+    def __init__(self) -> None:
+        self._count = MetricAccumulator(torch.zeros((), dtype=torch.int64))
+        self.samples = torch.empty(0, dtype=torch.float64)
+        self.gathered: Tensor | None = None
+
+    def update(self, values: Tensor) -> None:
+        self.samples = torch.cat([self.samples, values.double()])
+        self.gathered = None
+        self._count.accumulate(torch.tensor(values.numel()))
+
+    def reset(self) -> None:
+        super().reset()
+        self.samples = torch.empty(0, dtype=torch.float64)
+        self.gathered = None
+
+    def sync(self, group: Any = None) -> None:
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, self.samples, group=group)
+        self.gathered = torch.cat(parts)
+        super().sync(group)
+
+    def compute(self) -> Tensor:
+        data = self.samples if self.gathered is None else self.gathered
+        return data.median() if data.numel() else torch.tensor(float("nan"))
+
+
+def _data(rank: int, step: int) -> Tensor:
+    size = 3 + 2 * rank + step  # uneven across ranks and windows
+    return torch.from_numpy(np.random.default_rng([rank, step]).normal(size=size))
+
+
+def _collect(composed: bool) -> tuple[list[Any], list[int]]:
+    median = SampleMedian()
+    metric: Metric[Any] = ComposeMetric({"median": median, "mean": MeanMetric()})
+    if not composed:
+        metric = median
+    results, left = [], []
+    with AsyncMetricCollector(metric).bind("cpu") as collector:
+        for step in STEPS:
+            values = _data(dist.get_rank(), step)
+            median.update(values)
+            if composed:
+                metric["mean"].update(values)  # type: ignore[index]
+            collector.schedule_collection(step)
+            results.append(collector.collect_results(timeout=60))
+            left.append(int(median.samples.numel()))
+    return results, left
+
+
+def test_own_sync_data_is_staged_and_reset_by_the_collector(dist_pool: RankPool) -> None:
+    world = dist_pool.world_size
+    for composed in (False, True):
+        outcomes = dist_pool.run(_collect, composed, timeout=120)
+        for step, *per_rank in zip(STEPS, *(results for results, _ in outcomes), strict=True):
+            data = torch.cat([_data(rank, step) for rank in range(world)]).numpy()
+            # torch's median of an even count is the lower middle value, not numpy's mean of two.
+            expected = float(np.sort(data)[(data.size - 1) // 2])
+            for result in per_rank:
+                if composed:
+                    assert result["median"] == expected
+                    assert abs(result["mean"] - data.mean()) <= 1e-12 * max(1.0, abs(data.mean()))
+                else:
+                    assert result == expected
+        for _, left in outcomes:
+            assert left == [0, 0, 0], "the live buffer is reset with the window"
