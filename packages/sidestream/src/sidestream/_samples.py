@@ -6,6 +6,8 @@ ranking). Memory grows with every update and is only returned by ``reset``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -64,6 +66,14 @@ class SampleStore:
         self._chunks: dict[str, list[Tensor]] = {name: [] for name in fields}
         self._gathered: dict[str, Tensor] | None = None
         self._borrowed: list[tuple[Tensor, int]] = []  # (tensor, its version when borrowed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (pickle, deepcopy) holds the rows themselves: borrowed tensors come back as
+        # new ones whose version counters no longer tell whether the caller changed them.
+        # Merging checks them (raising as compute would) and leaves nothing borrowed.
+        if self._borrowed:
+            self.local()
+        return dict(self.__dict__)
 
     @property
     def fields(self) -> tuple[str, ...]:

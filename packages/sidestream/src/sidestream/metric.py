@@ -15,7 +15,7 @@ from sidestream._arena import Arena
 from sidestream._distributed import Group, check_process_group, group_rank, resolve_group
 from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore, SavedRows, gather_rows
-from sidestream.state import Freshness, MetricAccumulator
+from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views
 from sidestream.sync import CallFingerprint, SyncBatch, SyncHandle, SyncProgram
 
 __all__ = ["CallCounter", "Metric", "has_own_sync"]
@@ -88,6 +88,19 @@ class Metric(Stateful, Generic[T], abc.ABC):
     @abc.abstractmethod
     def compute(self) -> T:
         """Compute the value from the synchronized state if current, else the local state."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (multiprocessing, Ray, a file) the arena's buffers would come back apart
+        # from the states' views (see MetricAccumulator.__getstate__): leave the arena and the
+        # sync layouts built on it out, and let the tree build them again on first use.
+        return {key: value for key, value in self.__dict__.items() if key not in _ARENA_BOUND}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        copied: Self = copy_keeping_views(self, memo)
+        return copied
 
     # ------------------------------------------------------------------ declaration
 
@@ -542,6 +555,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 store.clear()
         self._mark_fresh(False)
 
+
+_ARENA_BOUND = frozenset({"_state_arena", "_sync_layouts", "_unverified_sync", "_reset_children"})
+"""A metric's attributes that hold the arena's buffers: not pickled (built again on use)."""
 
 _BOOKKEEPING = frozenset(
     {

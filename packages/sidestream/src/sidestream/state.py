@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -120,6 +121,28 @@ class MetricAccumulator:
         self._stop = self._start + local.numel()
         # None for a 1-D state (the slice has its shape already): guarding a shape costs more.
         self._shape = None if self._target.dim() == 1 else tuple(self._target.shape)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle copies each tensor on its own, so the views into one buffer (the arena's, and
+        # the state's own 1-D view) would come back as unrelated copies that updates, compute
+        # and checkpoints no longer share. Keep the three tensors whole; __setstate__ makes
+        # the views again. (deepcopy keeps views as views: see __deepcopy__.)
+        state = {key: value for key, value in self.__dict__.items() if key not in _VIEWS}
+        state.update(
+            _local=self._local.clone(),
+            _initial=self._initial.clone(),
+            _synced=self._synced.clone(),
+            _arena=None,
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._bind(state["_local"], state["_initial"], state["_synced"])
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MetricAccumulator:
+        copied: MetricAccumulator = copy_keeping_views(self, memo)
+        return copied
 
     @property
     def op(self) -> ReduceOp:
@@ -267,3 +290,22 @@ class MetricAccumulator:
             f"MetricAccumulator(op={self._op.name}, shape={tuple(self._local.shape)}, "
             f"dtype={self._local.dtype}, device={self._local.device})"
         )
+
+
+_VIEWS = frozenset(
+    {"_local", "_initial", "_synced", "_target", "_flat", "_buffer", "_start", "_stop", "_shape"}
+)
+"""What ``MetricAccumulator._bind`` derives: left out of a pickle and made again on load."""
+
+
+def copy_keeping_views(obj: Any, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy``'s own copy of ``obj`` (attribute by attribute, views kept as views).
+
+    For classes whose ``__getstate__`` serves pickling only: deepcopy shares tensor storages
+    through its memo, so it need not give up the views that pickling must.
+    """
+    new = object.__new__(type(obj))
+    memo[id(obj)] = new
+    for key, value in obj.__dict__.items():
+        object.__setattr__(new, key, copy.deepcopy(value, memo))
+    return new
