@@ -123,34 +123,37 @@ def test_states_hidden_in_containers_raise(container: type) -> None:
         Hidden()
 
 
-@pytest.mark.parametrize("use", ["reset", "state_dict", "to", "sync"])
-def test_states_added_to_a_container_after_its_assignment_raise(use: str) -> None:
-    # An empty list passes __setattr__'s check; the states appended later would be left out
-    # of reset, sync and checkpoints, so the tree refuses them when it builds its arena.
+def test_states_added_to_a_container_after_its_assignment_raise() -> None:
+    # An empty list passes __setattr__'s check; states appended to it later would be left out
+    # of reset, sync and checkpoints.
     class PerHead(Metric[Tensor]):
-        def __init__(self) -> None:
+        def __init__(self, lazy: bool) -> None:
             self.sums: list[MetricAccumulator] = []
+            if not lazy:
+                self._add_heads()
+
+        def _add_heads(self) -> None:
             for _ in range(3):
                 self.sums.append(MetricAccumulator(torch.zeros((), dtype=torch.float64)))
 
         def update(self, values: Tensor) -> None:
+            if not self.sums:
+                self._add_heads()
             for state, value in zip(self.sums, values, strict=True):
                 state.accumulate(value)
 
         def compute(self) -> Tensor:
             return torch.stack([state.value for state in self.sums])
 
-    metric = PerHead()
-    metric.update(torch.tensor([1.0, 2.0, 3.0]))
-    calls = {
-        "reset": metric.reset,
-        "state_dict": metric.state_dict,
-        "to": lambda: metric.to("cpu"),
-        "sync": metric.sync,
-    }
-    with pytest.raises(TypeError, match="sums: a MetricAccumulator inside a list"):
-        calls[use]()
-    assert metric.compute().tolist() == [1.0, 2.0, 3.0]  # nothing was reset half-way
+    hidden = "sums: a MetricAccumulator inside a list"
+    with pytest.raises(TypeError, match=hidden):
+        PerHead(lazy=False)  # filled in __init__: refused when it ends
+    metric = PerHead(lazy=True)
+    metric.update(torch.tensor([1.0, 2.0, 3.0]))  # filled by the first update
+    for use in (metric.state_dict, lambda: metric.to("cpu")):
+        with pytest.raises(TypeError, match=hidden):
+            use()
+    assert metric.compute().tolist() == [1.0, 2.0, 3.0]  # nothing was reset or moved
 
 
 def test_containers_of_declared_states_are_allowed() -> None:

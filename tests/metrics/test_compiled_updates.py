@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from sidestream import Metric
@@ -280,3 +281,42 @@ def test_compiled_update_after_a_sync_makes_the_synced_state_stale() -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_inductor_update_equals_eager(name: str) -> None:
     _compare(name, "inductor")
+
+
+def test_custom_metric_compiled_across_reset_and_sync_equals_eager() -> None:
+    # A fresh metric used to get its arena at the first reset or sync, which moved its states
+    # under an update compiled before; torch 2.13 then failed to recompile it ("sources must not
+    # be empty for symbol"). The arena is built when the metric's __init__ ends now.
+    from sidestream import MetricAccumulator, ReduceOp
+
+    class Stats(Metric[Tensor]):
+        def __init__(self) -> None:
+            self._total = MetricAccumulator(torch.zeros((), dtype=torch.float64))
+            self._first = MetricAccumulator(torch.zeros(3, dtype=torch.float64))
+            self._high = MetricAccumulator(5.0, ReduceOp.MAX, dtype=torch.float64)
+
+        def update(self, values: Tensor) -> None:
+            self._total.accumulate(values.sum())
+            self._first.accumulate(values[:3])
+            self._high.accumulate(values.max())
+
+        def compute(self) -> Tensor:
+            return torch.cat(
+                [self._total.value.reshape(1), self._first.value, self._high.value.reshape(1)]
+            )
+
+    compiled, eager = Stats(), Stats()
+    step = torch.compile(compiled.update, fullgraph=True, backend="aot_eager")
+    for size, between in ((5, None), (6, "reset"), (7, "sync"), (8, None)):
+        if between is not None:
+            for metric in (compiled, eager):
+                getattr(metric, between)()
+        values = torch.arange(size, dtype=torch.float64)
+        step(values)
+        eager.update(values)
+    # Since the reset: 0..5, 0..6 and 0..7 (a sync resets nothing).
+    batches = [list(range(size)) for size in (6, 7, 8)]
+    expected = [float(sum(map(sum, batches)))]
+    expected += [float(sum(batch[i] for batch in batches)) for i in range(3)]
+    expected += [7.0]  # the largest value since the reset (above the initial 5)
+    assert compiled.compute().tolist() == eager.compute().tolist() == expected

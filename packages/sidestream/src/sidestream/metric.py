@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 import collections
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
 
@@ -64,12 +65,11 @@ class Metric(Stateful, Generic[T], abc.ABC):
     ``"total"``: the attribute name without its leading underscore). Child metrics assigned to
     attributes are part of the tree. A duplicate name raises, and so does a state or metric
     hidden in a list, tuple, set, dict or deque attribute (it would be left out of sync, reset
-    and checkpoints), when assigned or, for a container filled later, when the tree's arena is
-    built. The default ``sync``, ``reset``, ``to``, ``state_dict`` and
+    and checkpoints), when assigned, when ``__init__`` ends, and on ``to`` and ``state_dict``. The default ``sync``, ``reset``, ``to``, ``state_dict`` and
     ``load_state_dict`` work on the declared states, so a subclass usually implements only
     ``update`` and ``compute``.
 
-    On ``to`` (or the first ``reset``/sync) every state of the tree becomes a view into the
+    When ``__init__`` ends (and again on ``to``) every state of the tree becomes a view into the
     state arena: one flat buffer per dtype, so reset, collector staging and the sync's packing
     each cost one copy per dtype, whatever the number of metrics.
 
@@ -88,6 +88,12 @@ class Metric(Stateful, Generic[T], abc.ABC):
     @abc.abstractmethod
     def compute(self) -> T:
         """Compute the value from the synchronized state if current, else the local state."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            cls.__init__ = _building_the_arena(init)  # type: ignore[method-assign]
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled (multiprocessing, Ray, a file) the arena's buffers would come back apart
@@ -139,12 +145,18 @@ class Metric(Stateful, Generic[T], abc.ABC):
     def _declared_ids(self) -> set[int]:
         return {id(value) for _, value in self._declared_items()}
 
-    def _refuse_hidden_states(self) -> None:
-        """Raise ``TypeError`` if an attribute's container holds an undeclared state or metric."""
-        declared = self._declared_ids()
-        for attribute, value in vars(self).items():
-            if isinstance(value, _CONTAINERS):
-                _refuse_hidden(attribute, value, declared)
+    def _refuse_hidden_in_tree(self) -> None:
+        """Raise ``TypeError`` if a container attribute holds an undeclared state or metric.
+
+        Checked again when the arena is built, on ``to`` and on ``state_dict``, not only when
+        an attribute is assigned: a container filled later (``self.sums = []``, then
+        ``append``) would otherwise leave its states out of sync, reset and checkpoints.
+        """
+        for metric in self._walk_metrics():
+            declared = metric._declared_ids()
+            for attribute, value in vars(metric).items():
+                if isinstance(value, _CONTAINERS):
+                    _refuse_hidden(attribute, value, declared)
 
     def _holds_declared(self, value: Any) -> bool:
         registry: dict[str, tuple[str | None, _Child]] = self.__dict__.get("_declarations", {})
@@ -255,10 +267,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
         arena: Arena | None = self.__dict__.get("_state_arena")
         if arena is not None and arena.alive and device is None:
             return arena if arena.root is self else None
-        for metric in self._walk_metrics():
-            # Again here, not only in __setattr__: a container filled after its assignment
-            # (self.sums = []; self.sums.append(...)) would otherwise escape the arena.
-            metric._refuse_hidden_states()
+        self._refuse_hidden_in_tree()
         states = list(self.named_accumulators())
         stores = [store for _, store in self.named_sample_stores()]
         built = Arena(self, states, list(self._assign_freshness()), device, stores)
@@ -446,6 +455,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
         through ``_move_extras``.
         """
         target = torch.device(device)
+        self._refuse_hidden_in_tree()  # before anything moves
         for metric in self._walk_metrics():
             metric._move_extras(target)
         self._own_arena(target)
@@ -485,6 +495,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
             RuntimeError: If ``WORLD_SIZE``/``RANK`` say the job has several processes but no
                 process group is initialized (each rank would save only its own data).
         """
+        self._refuse_hidden_in_tree()
         check_process_group("state_dict")
         self.verify_sync()
         prepared = self.prepare_sync(self._sync_group)
@@ -554,6 +565,24 @@ class Metric(Stateful, Generic[T], abc.ABC):
             else:
                 store.clear()
         self._mark_fresh(False)
+
+
+def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` that, as the instance's outermost ``__init__``, builds the finished tree's arena.
+
+    Built at construction, not at the first ``to``, ``reset`` or sync: a compiled update then
+    never sees the states' layout change under it (after such a change, torch 2.13 fails to
+    recompile an update with automatic dynamic shapes: "sources must not be empty for symbol").
+    A parent's arena replaces its children's when the parent's ``__init__`` ends.
+    """
+
+    @functools.wraps(init)
+    def build_after(self: Metric[Any], *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if type(self).__init__ is build_after:  # the most derived class's __init__ ended
+            self._own_arena()
+
+    return build_after
 
 
 _ARENA_BOUND = frozenset({"_state_arena", "_sync_layouts", "_unverified_sync", "_reset_children"})

@@ -50,8 +50,8 @@ class MetricAccumulator:
     that copy until the next update or reset of the metric, and the local tensor otherwise.
 
     Inside a metric (``self._total = MetricAccumulator(...)`` or ``Metric.add_state``), the
-    tensors are views into the metric tree's state arena once it is built (``to``, ``reset`` or
-    the first sync): one flat buffer per dtype, so reset, staging and sync cost one copy per
+    tensors are views into the metric tree's state arena once it is built (when the metric's
+    ``__init__`` ends, and on ``to``): one flat buffer per dtype, so reset, staging and sync cost one copy per
     dtype, not one per state.
 
     Args:
