@@ -65,9 +65,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
     ``"total"``: the attribute name without its leading underscore). Child metrics assigned to
     attributes are part of the tree. A duplicate name raises, and so does a state or metric
     hidden in a list, tuple, set, dict or deque attribute (it would be left out of sync, reset
-    and checkpoints), when assigned, when ``__init__`` ends, and on ``to`` and ``state_dict``. The default ``sync``, ``reset``, ``to``, ``state_dict`` and
-    ``load_state_dict`` work on the declared states, so a subclass usually implements only
-    ``update`` and ``compute``.
+    and checkpoints), when assigned, when ``__init__`` ends, and on ``to`` and ``state_dict``.
+    The default ``sync``, ``reset``, ``to``, ``state_dict`` and ``load_state_dict`` work on the
+    declared states, so a subclass usually implements only ``update`` and ``compute``.
 
     When ``__init__`` ends (and again on ``to``) every state of the tree becomes a view into the
     state arena: one flat buffer per dtype, so reset, collector staging and the sync's packing

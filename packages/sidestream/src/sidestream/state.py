@@ -51,8 +51,8 @@ class MetricAccumulator:
 
     Inside a metric (``self._total = MetricAccumulator(...)`` or ``Metric.add_state``), the
     tensors are views into the metric tree's state arena once it is built (when the metric's
-    ``__init__`` ends, and on ``to``): one flat buffer per dtype, so reset, staging and sync cost one copy per
-    dtype, not one per state.
+    ``__init__`` ends, and on ``to``): one flat buffer per dtype, so reset, staging and sync
+    cost one copy per dtype, not one per state.
 
     Args:
         initial: The identity value of the state (0 for sums, -inf for a max, ...). Its shape and
