@@ -190,3 +190,34 @@ def test_a_rank_skipping_a_window_fails_both_ranks_before_the_collective_timeout
     for rank, (outcome, elapsed) in enumerate(outcomes):
         assert "paired different" in outcome or "mismatch" in outcome.lower(), (rank, outcome)
         assert elapsed < 6, (rank, elapsed)
+
+
+def _schedule_two_collectors_in_rank_order() -> str:
+    """Two same-shaped collectors; rank 1 schedules them the other way round at one step."""
+    train_metric, val_metric = MeanMetric(), MeanMetric()
+    train = AsyncMetricCollector(train_metric, prefix="train").bind("cpu")
+    val = AsyncMetricCollector(val_metric, prefix="val").bind("cpu")
+    train_metric.update(torch.tensor([1.0]))
+    val_metric.update(torch.tensor([100.0]))
+    order = [train, val] if dist.get_rank() == 0 else [val, train]
+    outcome = "no error"
+    try:
+        for collector in order:
+            collector.schedule_collection(10)
+        outcome = f"train={train.collect_results(timeout=60)} val={val.collect_results(timeout=60)}"
+    except RankMismatchError as error:
+        outcome = str(error)
+    for collector in order:
+        collector.close(timeout=30)
+    return outcome
+
+
+def test_windows_of_two_collectors_in_different_orders_fail_instead_of_mixing(
+    dist_pool: RankPool,
+) -> None:
+    # Without the collector's prefix in the call fingerprint, the two windows paired across
+    # ranks and both reported the mean of 1 and 100.
+    outcomes = dist_pool.run(_schedule_two_collectors_in_rank_order, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert "paired different calls" in outcome, (rank, outcome)
+        assert "collector prefix hash" in outcome or "prefix 'train'" in outcome, outcome

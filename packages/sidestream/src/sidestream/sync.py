@@ -65,10 +65,16 @@ _LOW_BITS = 0xFFFFFFFF
 _MAX_CACHED_STRUCTURES = 4096
 _KINDS = ("sync", "state_dict", "window", "changed", "record")
 _CHUNK_BITS = 16  # all_reduce fingerprints travel as 16-bit chunks: exact in float64 sums
-_FINGERPRINT_WORDS = 3  # kind, sequence, structure (int64 each, on the gather path)
-_FINGERPRINT_CHUNKS = 1 + 2 * (64 // _CHUNK_BITS)
+_FINGERPRINT_WORDS = 4  # kind, sequence, structure, stream (int64 each, on the gather path)
+_FINGERPRINT_CHUNKS = 1 + 3 * (64 // _CHUNK_BITS)
 _KIND_INDEX = {kind: index for index, kind in enumerate(_KINDS)}
 _WORD_MASK = (1 << 64) - 1
+
+
+_SAME_ORDER = (
+    "Every rank must call sync, state_dict and schedule_collection (of every collector) in the "
+    "same order, with the same metric structure"
+)
 
 
 class RankMismatchError(RuntimeError):
@@ -95,10 +101,14 @@ class CallFingerprint:
         kind: ``"sync"``, ``"state_dict"``, ``"window"``, ``"changed"`` (sent by a rank whose
             metric structure changed since its last sync) or ``"record"``.
         sequence: The window's step, or the how-many-th call of this kind on the metric.
+        stream: Which of several same-shaped callers this is: a collector's prefix (its stream
+            in a run), so that two collectors' windows at one step are not taken for each
+            other; ``""`` for a metric's own calls.
     """
 
     kind: str
     sequence: int
+    stream: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -109,16 +119,32 @@ class CallFingerprint:
         sequence = self.sequence & _WORD_MASK  # _signed, inlined: this runs every window
         if sequence >= 1 << 63:
             sequence -= 1 << 64
-        return [_KIND_INDEX[self.kind], sequence, structure]
+        return [_KIND_INDEX[self.kind], sequence, structure, _stream_word(self.stream)]
+
+    def described(self, structure: int) -> str:
+        """This fingerprint in words, naming its stream."""
+        text = _describe_words(self.words(structure))
+        return f"{text} of the collector with prefix {self.stream!r}" if self.stream else text
+
+
+@functools.lru_cache(maxsize=256)
+def _stream_word(stream: str) -> int:
+    """A stream name as a signed int64, the same in every process (0 for none)."""
+    if not stream:
+        return 0
+    digest = hashlib.blake2b(stream.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 _ANY_CALL = CallFingerprint("sync", 0)
 
 
 def _describe_words(words: list[int]) -> str:
-    kind, sequence, structure = words
+    kind, sequence, structure, stream = words
     name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
-    return f"{name} #{sequence} (structure {structure & ((1 << 64) - 1):016x})"
+    text = f"{name} #{sequence} (structure {structure & _WORD_MASK:016x}"
+    # A stream travels as a hash of the collector's prefix: other ranks' names are not known.
+    return text + (f", collector prefix hash {stream & _WORD_MASK:016x})" if stream else ")")
 
 
 @dataclass
@@ -371,8 +397,7 @@ class _GatherCheck:
         seen = "; ".join(f"rank {r}: {_describe_words(row)}" for r, row in enumerate(rows))
         raise RankMismatchError(
             f"sync: ranks of the group paired different calls (seen from rank {self._rank}): "
-            f"{seen}. Every rank must call sync, state_dict and schedule_collection in the same "
-            "order, with the same metric structure"
+            f"{seen}. {_SAME_ORDER}"
         )
 
 
@@ -410,16 +435,15 @@ class _ReduceCheck:
             return
         raise RankMismatchError(
             "sync: ranks of the group paired different calls; this rank is at "
-            f"{_describe_words(self._fingerprint.words(self._structure))} and "
-            "at least one other rank is not. Every rank must call sync, state_dict and "
-            "schedule_collection in the same order, with the same metric structure"
+            f"{self._fingerprint.described(self._structure)} and "
+            f"at least one other rank is not. {_SAME_ORDER}"
         )
 
 
 def _chunks(words: list[int]) -> list[int]:
-    kind, sequence, structure = words
+    kind, *wide = words
     out = [kind]
-    for word in (sequence, structure):
+    for word in wide:
         unsigned = word & ((1 << 64) - 1)
         out += [(unsigned >> shift) & 0xFFFF for shift in range(0, 64, _CHUNK_BITS)]
     return out

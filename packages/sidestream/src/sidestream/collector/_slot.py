@@ -36,6 +36,8 @@ class Slot:
             dispatcher falls behind, must not issue collectives.
         direct: Lay out ``start_from_live`` (off CUDA): the reduction reads the live arena
             itself, so a window stages with one copy instead of two.
+        stream: The collector's prefix, sent in every window's call fingerprint: windows of
+            two collectors that ranks schedule in different orders fail instead of mixing.
     """
 
     def __init__(
@@ -46,8 +48,10 @@ class Slot:
         *,
         check: bool,
         direct: bool = False,
+        stream: str = "",
     ) -> None:
         self.metric = metric
+        self._stream = stream
         self._live = live
         self._group = group
         live_arena, arena = live._own_arena(), metric._own_arena()
@@ -88,7 +92,7 @@ class Slot:
         live = self._live._own_arena()
         if live is not self._live_arena:
             handle = self.metric.start_sync(
-                self._group, CallFingerprint("changed", step), async_op=False
+                self._group, CallFingerprint("changed", step, self._stream), async_op=False
             )
             handle.verify()
             raise RankMismatchError(
@@ -135,12 +139,13 @@ class Slot:
         # (``_own_arena`` would rebuild a dead one, which is what the check below catches).
         unchanged = live.alive and self._live.__dict__.get("_state_arena") is live
         if not unchanged and self._live._own_arena() is not live:
-            self._direct.start(CallFingerprint("changed", step))  # tells the other ranks
+            # Tells the other ranks, whose window at this step then fails too.
+            self._direct.start(CallFingerprint("changed", step, self._stream))
             raise RankMismatchError(
                 "schedule_collection: the collector's metric changed its states after bind; "
                 "make a new collector for a new metric structure"
             )
-        handle = self._direct.start(CallFingerprint("window", step), async_op=True)
+        handle = self._direct.start(CallFingerprint("window", step, self._stream), async_op=True)
         if not self._marked:
             # Nothing updates, resets or loads a staging copy, so its flags stay current once
             # set: marking them every window would cost a loop over the tree's metrics.
@@ -151,7 +156,9 @@ class Slot:
     def start_sync(self, step: int) -> SyncHandle:
         """Start the reduction of the staged state (``async_op``); ``wait`` on the handle."""
         if self._replayable:
-            return self.metric.start_sync(self._group, CallFingerprint("window", step))
+            return self.metric.start_sync(
+                self._group, CallFingerprint("window", step, self._stream)
+            )
         self.metric.sync(self._group)  # the slow path: the metric's own sync, blocking
         return SyncHandle(async_op=False)
 

@@ -364,13 +364,15 @@ class AsyncMetricCollector(Generic[T]):
         self._slot_count += 1
         copied = clone_metric(self._metric)
         if self._side is None:
-            return Slot(copied, self._metric, self._group, check=check, direct=True)
+            return Slot(
+                copied, self._metric, self._group, check=check, direct=True, stream=self._prefix
+            )
         # Its sync buffers are made on the side stream, the only stream that uses them. Allocate
         # the pinned buffers now too (shapes from a compute on the copied state), and let the next
         # staging wait for this compute like for any window's.
         self._side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._side):
-            slot = Slot(copied, self._metric, self._group, check=check)
+            slot = Slot(copied, self._metric, self._group, check=check, stream=self._prefix)
             slot.copy_to_host(flatten_tree(slot.metric.compute()).leaves)
             slot.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             slot.done.record(self._side)
