@@ -180,10 +180,10 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _compare(name: str, backend: str) -> None:
+def _compare(name: str, backend: str, dynamic: bool | None = None) -> None:
     factory, batch = CASES[name]
     eager, compiled = factory(), factory()
-    step = torch.compile(compiled.update, fullgraph=True, backend=backend)
+    step = torch.compile(compiled.update, fullgraph=True, backend=backend, dynamic=dynamic)
     generator = torch.Generator().manual_seed(7)
     for _ in range(3):
         arguments = batch(generator)
@@ -205,6 +205,13 @@ def _compare(name: str, backend: str) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiled_update_equals_eager(name: str) -> None:
     _compare(name, "aot_eager")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compiled_update_with_dynamic_shapes_equals_eager(name: str) -> None:
+    # dynamic=True makes shapes and integer settings symbolic: error texts built from a class
+    # count or a vocabulary size failed to trace (Dynamo cannot format a symbolic int).
+    _compare(name, "aot_eager", dynamic=True)
 
 
 def test_compiled_bad_values_are_counted_and_dropped() -> None:
@@ -320,3 +327,31 @@ def test_custom_metric_compiled_across_reset_and_sync_equals_eager() -> None:
     expected += [float(sum(batch[i] for batch in batches)) for i in range(3)]
     expected += [7.0]  # the largest value since the reset (above the initial 5)
     assert compiled.compute().tolist() == eager.compute().tolist() == expected
+
+
+def test_exact_ranking_compiles_with_its_rows_stored_outside_the_graph() -> None:
+    # An exact metric's store grows by one chunk per batch; inside the graph every call
+    # recompiled, and with fullgraph=True the 9th update failed (the recompile limit).
+    from sklearn.metrics import roc_auc_score
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    metric = BinaryAUROCMetric(exact=True)
+    step = torch.compile(metric.update, backend="aot_eager")
+    generator = torch.Generator().manual_seed(5)
+    scores, targets = [], []
+    for _ in range(20):
+        batch = torch.rand(16, generator=generator)
+        target = (torch.rand(16, generator=generator) < batch).long()
+        step(batch, target)
+        scores.append(batch)
+        targets.append(target)
+    assert counters["stats"]["unique_graphs"] <= 4
+    expected = roc_auc_score(torch.cat(targets).numpy(), torch.cat(scores).numpy())
+    assert float(metric.compute()) == pytest.approx(expected, abs=1e-12)
+    torch._dynamo.reset()  # a new compile, not the cached one without fullgraph
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="exact ranking metric"):
+        torch.compile(BinaryAUROCMetric(exact=True).update, fullgraph=True, backend="aot_eager")(
+            batch, target
+        )

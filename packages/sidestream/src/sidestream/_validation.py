@@ -13,6 +13,7 @@ from torch.compiler import is_compiling
 from sidestream.state import MetricAccumulator
 
 __all__ = [
+    "expected_text",
     "as_tensor",
     "check_broadcastable",
     "check_floating",
@@ -20,6 +21,18 @@ __all__ = [
     "checks_stay_on_device",
     "screen_invalid",
 ]
+
+
+def expected_text(template: str, *values: object) -> str:
+    """``template.format(*values)``: what a check expected, for its error message.
+
+    While compiling the bare template: the text is only read where a CPU update raises, and
+    compiled with ``dynamic=True`` the values (class counts, vocabulary sizes) may be symbolic
+    integers, which Dynamo cannot format into a string.
+    """
+    if torch.compiler.is_compiling():
+        return template
+    return template.format(*values)
 
 
 def as_tensor(

@@ -123,7 +123,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
         Args:
             name: The state's key in ``state_dict`` and sync error messages: unique in this
                 metric, without ``.`` or ``/``.
-            initial: The identity value (0 for sums, -inf for a max); its shape is the state's.
+            initial: The identity value (0 for sums, -inf for a max); its shape is the state's,
+                and its dtype unless ``dtype`` is given (a Python float gives float64, an int
+                int64).
             op: How updates and ranks combine.
             dtype: Optional dtype for ``initial``.
 

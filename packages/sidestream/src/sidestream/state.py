@@ -56,7 +56,8 @@ class MetricAccumulator:
 
     Args:
         initial: The identity value of the state (0 for sums, -inf for a max, ...). Its shape and
-            dtype are the state's shape and dtype.
+            dtype are the state's shape and dtype; a Python float gives a float64 state, an
+            int an int64 one.
         op: How updates and ranks are combined.
         dtype: Optional dtype to convert ``initial`` to.
 
@@ -76,6 +77,8 @@ class MetricAccumulator:
     ) -> None:
         if not isinstance(op, ReduceOp):
             raise TypeError(f"op: expected a sidestream.state.ReduceOp, got {op!r}")
+        if dtype is None and isinstance(initial, float):
+            dtype = torch.float64  # a sum kept in float32 drifts: Python floats are float64
         initial_tensor = torch.as_tensor(initial, dtype=dtype).detach()
         if initial_tensor.is_complex():
             raise TypeError(
@@ -183,8 +186,11 @@ class MetricAccumulator:
         """Combine ``update`` into the local state with this accumulator's op, in place.
 
         Args:
-            update: A tensor broadcastable to the state's shape, on the state's device.
+            update: A tensor broadcastable to the state's shape, on the state's device. A tensor
+                that requires grad is detached: metric state never joins the autograd graph.
         """
+        if update.requires_grad:
+            update = update.detach()
         if self._sums:
             if is_compiling():
                 span = self._buffer[self._start : self._stop]
@@ -212,12 +218,44 @@ class MetricAccumulator:
         Fixed-size and host-sync free, unlike ``bincount`` on CUDA.
 
         Args:
-            index: int64 indices into the state, same shape as ``source``.
+            index: int64 indices into the state, same shape as ``source``, each in
+                ``[0, numel)``.
             source: The amounts to add.
+
+        Raises:
+            ValueError: If ``source``'s shape differs from ``index``'s, or (CPU, not compiling:
+                read on the host) an index is outside ``[0, numel)``, before the state changes.
+                On CUDA indices are not read back (that would stall the host): keep them in
+                range.
         """
         if not self._sums:
             raise ValueError(f"scatter_add needs a SUM accumulator, this one is {self._op.name}")
-        self._target.index_add_(0, index.reshape(-1), source.reshape(-1).to(self._dtype))
+        if tuple(index.shape) != tuple(source.shape):
+            raise ValueError(
+                f"scatter_add: source: expected index's shape {tuple(index.shape)}, "
+                f"got {tuple(source.shape)}"
+            )
+        flat = index.reshape(-1)
+        size = self._target.shape[0]
+        if flat.numel() and flat.device.type == "cpu" and not is_compiling():
+            low, high = (bound.item() for bound in torch.aminmax(flat))
+            if low < 0 or high >= size:
+                raise ValueError(
+                    f"scatter_add: index: expected values in [0, {size}), got values in "
+                    f"[{low}, {high}]"
+                )
+        self.add_at(flat, source.reshape(-1))
+
+    def add_at(self, index: Tensor, source: Tensor) -> None:
+        """``scatter_add`` of flat, trusted indices (the built-in metrics make them in range).
+
+        Args:
+            index: 1-D int64 indices, each in ``[0, numel)``: not checked.
+            source: 1-D amounts, ``index``'s length.
+        """
+        if source.requires_grad:
+            source = source.detach()
+        self._target.index_add_(0, index, source.to(self._dtype))
         self._freshness.stale()
 
     def add_product(self, matrix: Tensor, vector: Tensor) -> None:
@@ -232,6 +270,8 @@ class MetricAccumulator:
         """
         if not self._sums:
             raise ValueError(f"add_product needs a SUM accumulator, this one is {self._op.name}")
+        if matrix.requires_grad or vector.requires_grad:
+            matrix, vector = matrix.detach(), vector.detach()
         self._flat.addmv_(matrix, vector)
         self._freshness.stale()
 

@@ -115,7 +115,7 @@ class CallFingerprint:
             raise ValueError(f"kind: expected one of {_KINDS}, got {self.kind!r}")
 
     def words(self, structure: int) -> list[int]:
-        """The fingerprint with ``structure`` as three signed int64 words."""
+        """The fingerprint with ``structure`` as four signed int64 words."""
         sequence = self.sequence & _WORD_MASK  # _signed, inlined: this runs every window
         if sequence >= 1 << 63:
             sequence -= 1 << 64

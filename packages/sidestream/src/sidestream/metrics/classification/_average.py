@@ -41,7 +41,8 @@ def mean_over_classes(
     ``zero_division`` where no weight is > 0. Classes whose value is NaN (undefined) are left
     out when ``zero_division`` is NaN.
     """
-    if math.isnan(zero_division):
+    # Not math.isnan: compiled with dynamic=True a float setting may be a symbolic float.
+    if zero_division != zero_division:  # NaN
         weights = torch.where(per_class.isnan(), 0.0, weights)
     total = weights.sum(-1)
     weighted = torch.where(weights > 0, per_class, 0.0).mul(weights).sum(-1)

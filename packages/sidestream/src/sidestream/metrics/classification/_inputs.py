@@ -22,6 +22,7 @@ from sidestream._validation import (
     as_tensor,
     check_same_shape,
     checks_stay_on_device,
+    expected_text,
     screen_invalid,
 )
 from sidestream.metrics.classification import _cpu_path
@@ -149,13 +150,13 @@ def _target_labels(
         raise TypeError(f"target: expected integer class indices, got dtype {target.dtype}")
     labels = target.reshape(-1)
     weight = None
-    expected = f"class indices in [0, {num_classes})"
+    expected = expected_text("class indices in [0, {})", num_classes)
     checked = labels
     if ignore_index is not None:
         kept = labels != ignore_index
         weight = kept.to(torch.int64)
         checked = torch.where(kept, labels, 0)
-        expected += f" or ignore_index={ignore_index}"
+        expected += expected_text(" or ignore_index={}", ignore_index)
     checks = [(outside(checked, 0, num_classes - 1), "target", expected)]
     return _in_range(labels, num_classes, all_checked=ignore_index is None), weight, checks
 
@@ -218,7 +219,11 @@ def multiclass_labels(
         sample_shape = preds.shape
         flat = preds.reshape(-1, 1)
         checks.append(
-            (outside(flat, 0, num_classes - 1), "preds", f"class indices in [0, {num_classes})")
+            (
+                outside(flat, 0, num_classes - 1),
+                "preds",
+                expected_text("class indices in [0, {})", num_classes),
+            )
         )
         predicted = _in_range(flat, num_classes, all_checked=True)
     else:

@@ -7,7 +7,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from sidestream._validation import check_floating, check_same_shape, screen_invalid
+from sidestream._validation import (
+    check_floating,
+    check_same_shape,
+    expected_text,
+    screen_invalid,
+)
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._inputs import (
     Check,
@@ -130,10 +135,10 @@ def score_batch(
         checks: list[Check] = [(outside(scores, 0, 1), "preds", expected)]
     else:
         checks = [(outside(scores, -torch.inf, torch.inf), "preds", expected)]  # NaN only
-    suffix = "" if ignore is None else f" or ignore_index={ignore}"
+    suffix = "" if ignore is None else expected_text(" or ignore_index={}", ignore)
     if problem.kind is ProblemKind.MULTICLASS:
         classes = problem.num_classes
-        in_range = f"class indices in [0, {classes}){suffix}"
+        in_range = expected_text("class indices in [0, {})", classes) + suffix
         checks.append((outside(checked, 0, classes - 1), "target", in_range))
     else:
         checks.append((not_binary(checked), "target", f"0 or 1{suffix}"))

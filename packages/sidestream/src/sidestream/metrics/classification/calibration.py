@@ -105,9 +105,10 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
             count = kept.to(torch.float64)
             confidence = torch.where(kept, confidence, 0.0)
             accuracy = torch.where(kept, accuracy, 0.0)
-        self._count.scatter_add(index, count)
-        self._confidence.scatter_add(index, confidence)
-        self._accuracy.scatter_add(index, accuracy)
+        # Indices made in range by bin_index: no check.
+        self._count.add_at(index, count.reshape(-1))
+        self._confidence.add_at(index, confidence.reshape(-1))
+        self._accuracy.add_at(index, accuracy.reshape(-1))
 
     def _add_on_cpu(self, confidence: Tensor, accuracy: Tensor) -> None:
         """``bincount`` a checked batch: wrong and right samples per bin in one counting pass."""

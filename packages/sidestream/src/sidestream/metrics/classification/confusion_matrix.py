@@ -99,7 +99,7 @@ class ConfusionMatrixMetric(ScreenedMetric[Tensor]):
             self._matrix.accumulate(_cpu_path.count_indices(cell, cells, weight))
         else:
             source = torch.ones_like(cell) if weight is None else weight.to(torch.int64)
-            self._matrix.scatter_add(cell, source.expand(cell.shape))
+            self._matrix.add_at(cell.reshape(-1), source.expand(cell.shape).reshape(-1))
 
     def confusion_matrix(self) -> Tensor:
         """The int64 counts: ``(C, C)``, ``(2, 2)`` or ``(L, 2, 2)``; a copy, not the state."""

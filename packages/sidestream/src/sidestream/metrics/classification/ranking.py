@@ -205,7 +205,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if batch is None:
             return
         if self._exact:
-            self._store(*batch, borrow=_cpu_path.enabled(device))
+            if torch.compiler.is_compiling():
+                self._store_outside_the_graph(*batch, borrow=False)
+            else:
+                self._store(*batch, borrow=_cpu_path.enabled(device))
             return
         classes, bins = self._problem.num_classes, self._bins.count
         scores, labels, weight = batch
@@ -240,7 +243,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
             source = torch.ones((), dtype=torch.int64, device=device).expand(index.shape)
         else:
             source = weight
-        self._histogram.scatter_add(index, source)
+        self._histogram.add_at(index.reshape(-1), source.reshape(-1))
 
     def _store(self, scores: Tensor, labels: Tensor, weight: Tensor | None, borrow: bool) -> None:
         """Keep one checked batch as float64 scores and int8 labels, both ``(M, C)``.
@@ -276,6 +279,15 @@ class RankingMetric(ScreenedMetric[Tensor]):
         else:
             self._samples.append(scores=scores.to(torch.float64), labels=kinds)
         self._metric_freshness.stale()
+
+    # Compiled, the checks above stay in the graph and the rows are stored here, eagerly: a
+    # graph that appended to the store's growing list would be recompiled on every call.
+    _store_outside_the_graph = torch.compiler.disable(  # type: ignore[no-untyped-call]
+        _store,
+        reason="an exact ranking metric (exact=True) appends every batch's rows to a growing "
+        "list, which a compiled graph cannot hold; compile without fullgraph=True (the rows "
+        "are stored outside the graph) or use the binned metric (the default)",
+    )
 
     def _cpu_counts(self, scores: Tensor, target: Tensor) -> Tensor:
         """The histogram of one checked batch by ``bincount`` (CPU path).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import screen_invalid
+from sidestream._validation import expected_text, screen_invalid
 from sidestream.state import MetricAccumulator
 
 __all__: list[str] = []
@@ -66,7 +66,10 @@ def token_weights(
     """
     counted, bad = token_masks(target, vocab, ignore_index)
     keep = screen_invalid(
-        bad, rejected, "target", f"token ids in [0, {vocab}) or ignore_index={ignore_index}"
+        bad,
+        rejected,
+        "target",
+        expected_text("token ids in [0, {}) or ignore_index={}", vocab, ignore_index),
     )
     weights = counted.to(torch.float64)
     if keep is not None:

@@ -13,6 +13,7 @@ from sidestream._validation import (
     check_broadcastable,
     check_floating,
     checks_stay_on_device,
+    expected_text,
     screen_invalid,
 )
 from sidestream.metric import Metric
@@ -126,7 +127,9 @@ class PerplexityMetric(Metric[Tensor]):
             (tokens == torch.inf) | ~torch.isfinite(nll),
             self._rejected,
             "target/logits",
-            f"token ids in [0, {vocab}) or ignore_index={ignore}, and {_FINITE_LOGITS}",
+            expected_text(
+                "token ids in [0, {}) or ignore_index={}, and {}", vocab, ignore, _FINITE_LOGITS
+            ),
         )
         assert keep is not None  # the device path always returns the keep flag
         # where, not a product with keep: a dropped batch's NaN or inf loss must not leak.

@@ -1,0 +1,54 @@
+"""What a custom metric hands its states: inputs that require grad, and bad histogram indices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from sidestream import Metric, MetricAccumulator, ReduceOp
+
+
+class _Squares(Metric[Tensor]):
+    def __init__(self) -> None:
+        self._total = MetricAccumulator(torch.zeros((), dtype=torch.float64))
+        self._largest = MetricAccumulator(-torch.inf, ReduceOp.MAX, dtype=torch.float64)
+        self._bins = MetricAccumulator(torch.zeros(4, dtype=torch.float64))
+        self._moments = MetricAccumulator(torch.zeros(2, dtype=torch.float64))
+
+    def update(self, values: Tensor) -> None:
+        squares = values.double() ** 2
+        self._total.accumulate(squares.sum())
+        self._largest.accumulate(squares.max())
+        self._bins.scatter_add(torch.zeros_like(squares, dtype=torch.int64), squares)
+        self._moments.add_product(torch.stack([squares, squares]), torch.ones_like(squares))
+
+    def compute(self) -> Tensor:
+        return self._total.value
+
+
+def test_inputs_that_require_grad_leave_the_state_out_of_autograd() -> None:
+    weights = torch.tensor([1.0, 2.0], requires_grad=True)
+    metric = _Squares()
+    for _ in range(2):
+        outputs = weights * 3.0  # a model's output: part of the graph
+        metric.update(outputs)
+        outputs.sum().backward()  # the training step's backward is unaffected
+    for name, state in metric.named_accumulators():
+        assert not state.local.requires_grad and state.local.grad_fn is None, name
+    assert not metric.compute().requires_grad
+    assert float(metric.compute()) == 2 * (3.0**2 + 6.0**2)
+    metric.reset()
+    assert metric.state_dict()["total"].item() == 0.0  # saving works after a reset too
+
+
+def test_scatter_add_refuses_bad_indices_before_changing_the_state() -> None:
+    state = MetricAccumulator(torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    for index in (torch.tensor([1, 2, 9]), torch.tensor([1, -1, 2])):
+        with pytest.raises(ValueError, match=r"index: expected values in \[0, 4\)"):
+            state.scatter_add(index, torch.ones(3))
+    with pytest.raises(ValueError, match=r"source: expected index's shape \(3,\)"):
+        state.scatter_add(torch.tensor([0, 1, 2]), torch.ones(2))
+    assert state.local.tolist() == [1.0, 1.0, 0.0, 0.0]
+    state.scatter_add(torch.tensor([3, 3, 0]), torch.tensor([1.0, 2.0, 5.0]))
+    assert state.local.tolist() == [6.0, 1.0, 0.0, 3.0]
