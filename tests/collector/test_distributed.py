@@ -221,3 +221,54 @@ def test_windows_of_two_collectors_in_different_orders_fail_instead_of_mixing(
     for rank, outcome in enumerate(outcomes):
         assert "paired different calls" in outcome, (rank, outcome)
         assert "collector prefix hash" in outcome or "prefix 'train'" in outcome, outcome
+
+
+def _skip_a_window_with_an_exact_metric() -> str:
+    """A tree with an exact AUROC syncs on the slow path; rank 1 skips step 2's window."""
+    from sidestream import ComposeMetric
+    from sidestream.metrics.classification import BinaryAUROCMetric
+
+    metric = ComposeMetric({"auroc": BinaryAUROCMetric(exact=True), "mean": MeanMetric()})
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    outcome = "no error"
+    try:
+        for step in range(1, 5):
+            scores = torch.rand(8, generator=generator)
+            metric["auroc"].update(scores, (scores > 0.5).long())
+            metric["mean"].update(scores)
+            if not (dist.get_rank() == 1 and step == 2):
+                collector.schedule_collection(step)
+        collector.collect_results(timeout=60)
+    except RankMismatchError as error:
+        outcome = str(error)
+    collector.close(timeout=30)
+    return outcome
+
+
+def test_a_skipped_window_of_an_exact_metric_fails_every_rank(dist_pool: RankPool) -> None:
+    # The slow path numbered its syncs per metric, so a skip shifted every rank's count alike
+    # and the windows of different steps paired silently; they carry the window's step now.
+    outcomes = dist_pool.run(_skip_a_window_with_an_exact_metric, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert "paired different calls" in outcome and "window #" in outcome, (rank, outcome)
+
+
+def _exact_metric_with_rank_dependent_classes() -> str:
+    from sidestream.metrics.classification import MulticlassAUROCMetric
+
+    classes = 4 + dist.get_rank()
+    metric = MulticlassAUROCMetric(classes, exact=True)
+    metric.update(torch.rand(6, classes).softmax(-1), torch.arange(6) % classes)
+    try:
+        metric.sync()
+    except RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_exact_rows_of_different_shapes_raise_instead_of_aborting(dist_pool: RankPool) -> None:
+    # The rows' gather had no check: rows of 4 and 5 columns aborted the process inside gloo.
+    outcomes = dist_pool.run(_exact_metric_with_rank_dependent_classes, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert "sample rows of different shapes" in outcome, (rank, outcome)

@@ -6,15 +6,20 @@ ranking). Memory grows with every update and is only returned by ``reset``.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sidestream._distributed import Group, group_size, resolve_group, retain_work
+from sidestream._distributed import Group, group_rank, group_size, resolve_group, retain_work
+from sidestream.sync import CallFingerprint, RankMismatchError, describe_call
 
 __all__ = ["SampleStore", "SavedRows"]
+
+_ANY_SYNC = CallFingerprint("sync", 0)
+"""The fingerprint of a gather whose caller has none of its own."""
 
 
 class SavedRows:
@@ -142,13 +147,17 @@ class SampleStore:
             return self._gathered
         return self.local()
 
-    def gather(self, group: Group) -> None:
+    def gather(self, group: Group, fingerprint: CallFingerprint = _ANY_SYNC) -> None:
         """Concatenate every rank's rows in rank order (blocking collectives on ``group``).
 
         Ranks may hold any number of rows, none included: the row counts are gathered first,
-        then every field padded to the largest count.
+        with ``fingerprint`` and the fields' row layout, then every field padded to the
+        largest count.
+
+        Raises:
+            RankMismatchError: If ranks paired different calls or lay out rows differently.
         """
-        self._gathered = gather_rows(self.local(), resolve_group(group))
+        self._gathered = gather_rows(self.local(), resolve_group(group), fingerprint)
 
     def clear(self) -> None:
         """Drop every row, local and gathered."""
@@ -201,16 +210,39 @@ class SampleStore:
         self._borrowed = [(t, version) for t, version in self._borrowed if id(t) in kept]
 
 
-def gather_rows(rows: dict[str, Tensor], group: dist.ProcessGroup | None) -> dict[str, Tensor]:
-    """Every rank's ``rows`` concatenated in rank order; ``rows`` itself on a single rank."""
+def gather_rows(
+    rows: dict[str, Tensor],
+    group: dist.ProcessGroup | None,
+    fingerprint: CallFingerprint = _ANY_SYNC,
+) -> dict[str, Tensor]:
+    """Every rank's ``rows`` concatenated in rank order; ``rows`` itself on a single rank.
+
+    The row counts travel first, with ``fingerprint`` and the rows' layout (field names, dtypes
+    and row shapes), so ranks that paired different calls, or hold rows of another shape,
+    raise before the rows' gather, which would otherwise mix them or abort the process.
+
+    Raises:
+        RankMismatchError: If ranks paired different calls or lay out rows differently.
+    """
     world = group_size(group)
     if world == 1:
         return rows
     first = next(iter(rows.values()))
-    count = torch.tensor([first.shape[0]], dtype=torch.int64, device=first.device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    _gather(counts, count, group)
-    sizes = [int(c) for c in torch.cat(counts).tolist()]
+    header = torch.tensor(
+        [first.shape[0], *fingerprint.words(_layout(rows))], dtype=torch.int64, device=first.device
+    )
+    headers = [torch.empty_like(header) for _ in range(world)]
+    _gather(headers, header, group)
+    table: list[list[int]] = torch.stack(headers).tolist()
+    calls = [row[1:] for row in table]
+    if calls.count(calls[0]) != world:
+        seen = "; ".join(f"rank {r}: {describe_call(words)}" for r, words in enumerate(calls))
+        raise RankMismatchError(
+            "sync: ranks of the group paired different calls, or hold sample rows of different "
+            f"shapes (seen from rank {group_rank(group)}): {seen}. Every rank must call sync, "
+            "state_dict and schedule_collection in the same order, with the same metric"
+        )
+    sizes = [row[0] for row in table]
     largest = max(sizes)
     out: dict[str, Tensor] = {}
     for name, tensor in rows.items():
@@ -220,6 +252,13 @@ def gather_rows(rows: dict[str, Tensor], group: dist.ProcessGroup | None) -> dic
         _gather(parts, padded, group)
         out[name] = torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
     return out
+
+
+def _layout(rows: dict[str, Tensor]) -> int:
+    """The rows' field names, dtypes and row shapes as a signed int64, equal in every process."""
+    text = ";".join(f"{name}:{t.dtype}:{tuple(t.shape[1:])}" for name, t in rows.items())
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def _gather(parts: list[Tensor], tensor: Tensor, group: dist.ProcessGroup | None) -> None:

@@ -329,16 +329,32 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 process group is initialized (the sync would silently reduce nothing).
         """
         check_process_group("sync")
+        self._sync_as(group, CallFingerprint("sync", self.call_counter.next()))
+
+    def sync_as(self, group: Group, fingerprint: CallFingerprint) -> None:
+        """``sync`` under the caller's ``fingerprint`` (a collector's window), blocking.
+
+        For trees with metrics of their own sync or sample stores (``has_own_sync``), which
+        cannot be replayed: the tree's states and every sample gather carry ``fingerprint``,
+        so ranks that pair different windows raise ``RankMismatchError``. A metric whose class
+        overrides ``sync`` has that called, with its own fingerprints.
+        """
+        if type(self).sync is not Metric.sync:
+            self.sync(group)
+        else:
+            self._sync_as(group, fingerprint)
+
+    def _sync_as(self, group: Group, fingerprint: CallFingerprint) -> None:
         if self._sync_group is not group:  # __setattr__ costs an isinstance of Metric per sync
             self._sync_group = group
         self.verify_sync()
         prepared = self.prepare_sync(group)
-        handle = prepared.batched.start(CallFingerprint("sync", self.call_counter.next()))
+        handle = prepared.batched.start(fingerprint)
         object.__setattr__(self, "_unverified_sync", handle if handle._event is not None else None)
         for metric in prepared.own_sync:
-            metric.sync(group)
+            metric.sync_as(group, fingerprint)
         for store in self._sample_stores():
-            store.gather(group)
+            store.gather(group, fingerprint)
         self._mark_fresh(True)
 
     def start_sync(
@@ -511,7 +527,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
         group = resolve_group(self._sync_group)
         for prefix, store in self.named_sample_stores():
             # Every rank's rows, in rank order: the same global data on every rank.
-            for field_name, rows in gather_rows(store.local(), group).items():
+            for field_name, rows in gather_rows(store.local(), group, fingerprint).items():
                 saved[prefix + field_name] = SavedRows(rows.clone())
         return saved
 

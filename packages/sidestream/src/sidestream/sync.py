@@ -123,7 +123,7 @@ class CallFingerprint:
 
     def described(self, structure: int) -> str:
         """This fingerprint in words, naming its stream."""
-        text = _describe_words(self.words(structure))
+        text = describe_call(self.words(structure))
         return f"{text} of the collector with prefix {self.stream!r}" if self.stream else text
 
 
@@ -139,7 +139,8 @@ def _stream_word(stream: str) -> int:
 _ANY_CALL = CallFingerprint("sync", 0)
 
 
-def _describe_words(words: list[int]) -> str:
+def describe_call(words: list[int]) -> str:
+    """A fingerprint's words (``CallFingerprint.words``) in words, for error messages."""
     kind, sequence, structure, stream = words
     name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
     text = f"{name} #{sequence} (structure {structure & _WORD_MASK:016x}"
@@ -394,7 +395,7 @@ class _GatherCheck:
         rows: list[list[int]] = self._host.tolist()
         if rows.count(rows[0]) == len(rows):  # every rank's row equals rank 0's
             return
-        seen = "; ".join(f"rank {r}: {_describe_words(row)}" for r, row in enumerate(rows))
+        seen = "; ".join(f"rank {r}: {describe_call(row)}" for r, row in enumerate(rows))
         raise RankMismatchError(
             f"sync: ranks of the group paired different calls (seen from rank {self._rank}): "
             f"{seen}. {_SAME_ORDER}"

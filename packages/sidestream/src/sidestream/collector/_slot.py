@@ -159,7 +159,8 @@ class Slot:
             return self.metric.start_sync(
                 self._group, CallFingerprint("window", step, self._stream)
             )
-        self.metric.sync(self._group)  # the slow path: the metric's own sync, blocking
+        # The slow path: the metric's own sync, blocking, under the window's fingerprint.
+        self.metric.sync_as(self._group, CallFingerprint("window", step, self._stream))
         return SyncHandle(async_op=False)
 
     def copy_to_host(self, leaves: tuple[Any, ...]) -> list[Any]:
