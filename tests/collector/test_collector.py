@@ -234,3 +234,25 @@ def test_close_reports_a_sink_that_cannot_deliver_in_time(
     (kept,) = [m for m in messages if "not delivered" in m]
     assert "2 report(s)" in kept and str(tmp_path / "spool") in kept
     assert len((tmp_path / "good.jsonl").read_text().splitlines()) == 2
+
+
+def test_nan_counts_are_reported_with_their_window() -> None:
+    # "ignore" leaves NaN out and counts it; the count is part of the window's report, as
+    # metrics.md says ("read nan_count with the result"), and only when it is not zero.
+    from sidestream import ComposeMetric
+    from tests.collector.helpers import RecordingSink
+
+    metric = ComposeMetric(
+        {"loss": MeanMetric(nan_strategy="ignore"), "plain": MeanMetric(nan_strategy="disable")}
+    )
+    sink = RecordingSink()
+    with AsyncMetricCollector(metric, sinks=[sink], prefix="train").bind("cpu") as collector:
+        metric["loss"].update(torch.tensor([1.0, float("nan"), 3.0, float("nan")]))
+        metric["plain"].update(torch.tensor([1.0]))
+        collector.schedule_collection(1)
+        metric["loss"].update(torch.tensor([5.0]))
+        metric["plain"].update(torch.tensor([2.0]))
+        collector.schedule_collection(2)
+    first, second = (report.values for report in sink.reports)
+    assert first == {"train/loss": 2.0, "train/plain": 1.0, "train/loss/nan_count": 2.0}
+    assert second == {"train/loss": 5.0, "train/plain": 2.0}

@@ -7,9 +7,11 @@ concatenated data of every rank.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -50,13 +52,44 @@ class SampleMedian(Metric[Tensor]):
         return data.median() if data.numel() else torch.tensor(float("nan"))
 
 
+class DequeMedian(SampleMedian):
+    """The same, its samples a deque of numpy arrays (staged by a copy too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples = collections.deque()  # type: ignore[assignment]
+
+    def update(self, values: Tensor) -> None:
+        self.samples.append(values.double().numpy().copy())  # type: ignore[attr-defined]
+        self.gathered = None
+        self._count.accumulate(torch.tensor(values.numel()))
+
+    def reset(self) -> None:
+        super().reset()
+        self.samples = collections.deque()  # type: ignore[assignment]
+
+    def sync(self, group: Any = None) -> None:
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, list(self.samples), group=group)
+        self.gathered = torch.from_numpy(np.concatenate([a for part in parts for a in part]))
+        Metric.sync(self, group)
+
+    def compute(self) -> Tensor:
+        if self.gathered is None:
+            local = list(self.samples)  # type: ignore[call-overload]
+            data = torch.from_numpy(np.concatenate(local)) if local else torch.empty(0)
+        else:
+            data = self.gathered
+        return data.median() if data.numel() else torch.tensor(float("nan"))
+
+
 def _data(rank: int, step: int) -> Tensor:
     size = 3 + 2 * rank + step  # uneven across ranks and windows
     return torch.from_numpy(np.random.default_rng([rank, step]).normal(size=size))
 
 
-def _collect(composed: bool) -> tuple[list[Any], list[int]]:
-    median = SampleMedian()
+def _collect(composed: bool, kind: type[SampleMedian]) -> tuple[list[Any], list[int]]:
+    median = kind()
     metric: Metric[Any] = ComposeMetric({"median": median, "mean": MeanMetric()})
     if not composed:
         metric = median
@@ -69,14 +102,17 @@ def _collect(composed: bool) -> tuple[list[Any], list[int]]:
                 metric["mean"].update(values)  # type: ignore[index]
             collector.schedule_collection(step)
             results.append(collector.collect_results(timeout=60))
-            left.append(int(median.samples.numel()))
+            left.append(len(median.samples))
     return results, left
 
 
-def test_own_sync_data_is_staged_and_reset_by_the_collector(dist_pool: RankPool) -> None:
+@pytest.mark.parametrize("kind", [SampleMedian, DequeMedian], ids=["tensor", "deque"])
+def test_own_sync_data_is_staged_and_reset_by_the_collector(
+    dist_pool: RankPool, kind: type[SampleMedian]
+) -> None:
     world = dist_pool.world_size
     for composed in (False, True):
-        outcomes = dist_pool.run(_collect, composed, timeout=120)
+        outcomes = dist_pool.run(_collect, composed, kind, timeout=120)
         for step, *per_rank in zip(STEPS, *(results for results, _ in outcomes), strict=True):
             data = torch.cat([_data(rank, step) for rank in range(world)]).numpy()
             # torch's median of an even count is the lower middle value, not numpy's mean of two.

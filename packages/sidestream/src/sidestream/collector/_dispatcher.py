@@ -208,8 +208,9 @@ class Dispatcher:
                 for i, name in layout.histograms
             }
             if any(rejected):
-                # Batches dropped on the device for bad values (CUDA): reported with the window
-                # they were dropped from, only when there were some.
+                # Batches dropped on the device for bad values (CUDA) and NaN elements left out
+                # or replaced: reported with the window they came from, only when there were
+                # some.
                 names = rejected_names(window.slot.metric, self._prefix)
                 values.update((n, float(c)) for n, c in zip(names, rejected, strict=True) if c)
             report = Report(

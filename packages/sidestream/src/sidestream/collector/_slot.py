@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import copy
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -190,15 +192,18 @@ _NOT_COPIED = object()
 
 
 def _staged_copy(value: Any) -> Any:
-    """A window's copy of a metric's own data: tensors and plain containers, not other objects.
+    """A window's copy of a metric's own data: tensors, arrays and containers, not other objects.
 
     Numbers, strings and ``None`` are shared (immutable); other objects (settings, helpers)
     were copied with the metric at ``bind`` and are left as they are.
     """
     if isinstance(value, Tensor):
         return value.detach().clone()
-    if isinstance(value, list | tuple | dict | set):
+    if isinstance(value, list | tuple | dict | set | collections.deque):
         return copy.deepcopy(value)
+    numpy = sys.modules.get("numpy")  # not a dependency: an array means numpy is imported
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return value.copy()
     if value is None or isinstance(value, bool | int | float | str):
         return value
     return _NOT_COPIED

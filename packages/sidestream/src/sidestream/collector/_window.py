@@ -17,8 +17,9 @@ from sidestream.sync import SyncHandle
 
 __all__ = ["Window", "rejected_names", "rejected_on_host", "rejected_to_host"]
 
-#: The name a metric's count of dropped batches gets in a report, after the metric's path.
-REJECTED = "rejected_updates"
+#: The counts a report carries, when not zero, named after the metric's path: batches dropped
+#: for bad values (CUDA), and NaN elements left out or replaced (``nan_strategy``).
+COUNTS = ("rejected_updates", "nan_count")
 
 
 @dataclass
@@ -41,20 +42,24 @@ class Window:
 
 
 # Found once per staging copy: walking the metric tree per window would cost the training thread.
-_COUNTERS: weakref.WeakKeyDictionary[Metric[Any], list[tuple[str, Metric[Any]]]] = (
+_COUNTERS: weakref.WeakKeyDictionary[Metric[Any], list[tuple[str, Metric[Any], str]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _walk(metric: Metric[Any], path: str) -> Iterator[tuple[str, Metric[Any]]]:
+def _walk(metric: Metric[Any], path: str) -> Iterator[tuple[str, Metric[Any], str]]:
     if isinstance(metric, ComposeMetric):
         for name, child in metric.items():
             yield from _walk(child, "/".join(part for part in (path, name) if part))
-    elif isinstance(getattr(type(metric), REJECTED, None), property):
-        yield path, metric
+        return
+    for attribute in COUNTS:
+        # A metric whose nan_strategy counts nothing has a nan_count of None.
+        counted = isinstance(getattr(type(metric), attribute, None), property)
+        if counted and getattr(metric, attribute) is not None:
+            yield path, metric, attribute
 
 
-def _counters(metric: Metric[Any]) -> list[tuple[str, Metric[Any]]]:
+def _counters(metric: Metric[Any]) -> list[tuple[str, Metric[Any], str]]:
     counters = _COUNTERS.get(metric)
     if counters is None:
         counters = _COUNTERS[metric] = list(_walk(metric, ""))
@@ -62,12 +67,14 @@ def _counters(metric: Metric[Any]) -> list[tuple[str, Metric[Any]]]:
 
 
 def rejected_names(metric: Metric[Any], prefix: str) -> list[str]:
-    """Report names of the metric's dropped-batch counts: ``[prefix/][path/]rejected_updates``."""
-    return ["/".join(p for p in (prefix, path, REJECTED) if p) for path, _ in _counters(metric)]
+    """Report names of the metric's counts: ``[prefix/][path/]rejected_updates`` (or nan_count)."""
+    return ["/".join(p for p in (prefix, path, count) if p) for path, _, count in _counters(metric)]
 
 
 def _stacked(metric: Metric[Any]) -> Tensor | None:
-    counts = [child.rejected_updates.reshape(()) for _, child in _counters(metric)]  # type: ignore[attr-defined]
+    counts = [
+        getattr(child, count).reshape(()).to(torch.int64) for _, child, count in _counters(metric)
+    ]
     return torch.stack(counts) if counts else None
 
 

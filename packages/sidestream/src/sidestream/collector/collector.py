@@ -343,8 +343,9 @@ class AsyncMetricCollector(Generic[T]):
             self._slot_wait_logged = True
             logger.warning(
                 "schedule_collection: all %d staging slots are in use (windows are scheduled "
-                "faster than they are reduced and computed); waiting for the oldest window. "
-                "Schedule less often or raise max_slots (logged once; see slot_wait_s)",
+                "faster than they are reduced and computed, or another rank stopped scheduling "
+                "them); waiting for the oldest window. Schedule less often or raise max_slots "
+                "(logged once; see slot_wait_s)",
                 self._max_slots,
             )
         start = time.monotonic()
