@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,18 @@ def test_rank0_jsonl_matches_numpy_and_sinks_are_isolated(
     assert rank0["sink_states"]["jsonl"]["last_steps"][""] == _steps()[-1]
 
 
+def _mismatch_of(steps: Callable[[], object], *collectors: AsyncMetricCollector) -> str:
+    """The text of the ``RankMismatchError`` that ``steps`` raised, else "no error"."""
+    outcome = "no error"
+    try:
+        steps()
+    except RankMismatchError as error:
+        outcome = str(error)
+    for collector in collectors:
+        collector.close(timeout=60)
+    return outcome
+
+
 def _change_structure_on_rank0() -> str:
     metric = MeanMetric()
     collector = AsyncMetricCollector(metric).bind("cpu")
@@ -144,14 +157,12 @@ def _change_structure_on_rank0() -> str:
     collector.collect_results()
     if dist.get_rank() == 0:
         metric.to("cpu")  # a new state arena: the structure bound is gone
-    outcome = "no error"
-    try:
+
+    def steps() -> None:
         collector.schedule_collection(2)
         collector.collect_results(timeout=60)
-    except RankMismatchError as error:
-        outcome = str(error)
-    collector.close(timeout=60)
-    return outcome
+
+    return _mismatch_of(steps, collector)
 
 
 def test_a_metric_changed_after_bind_fails_the_window_on_every_rank(dist_pool: RankPool) -> None:
@@ -200,16 +211,14 @@ def _schedule_two_collectors_in_rank_order() -> str:
     train_metric.update(torch.tensor([1.0]))
     val_metric.update(torch.tensor([100.0]))
     order = [train, val] if dist.get_rank() == 0 else [val, train]
-    outcome = "no error"
-    try:
+
+    def steps() -> None:
         for collector in order:
             collector.schedule_collection(10)
-        outcome = f"train={train.collect_results(timeout=60)} val={val.collect_results(timeout=60)}"
-    except RankMismatchError as error:
-        outcome = str(error)
-    for collector in order:
-        collector.close(timeout=30)
-    return outcome
+        train.collect_results(timeout=60)
+        val.collect_results(timeout=60)
+
+    return _mismatch_of(steps, train, val)
 
 
 def test_windows_of_two_collectors_in_different_orders_fail_instead_of_mixing(
@@ -231,8 +240,8 @@ def _skip_a_window_with_an_exact_metric() -> str:
     metric = ComposeMetric({"auroc": BinaryAUROCMetric(exact=True), "mean": MeanMetric()})
     collector = AsyncMetricCollector(metric).bind("cpu")
     generator = torch.Generator().manual_seed(dist.get_rank())
-    outcome = "no error"
-    try:
+
+    def steps() -> None:
         for step in range(1, 5):
             scores = torch.rand(8, generator=generator)
             metric["auroc"].update(scores, (scores > 0.5).long())
@@ -240,10 +249,8 @@ def _skip_a_window_with_an_exact_metric() -> str:
             if not (dist.get_rank() == 1 and step == 2):
                 collector.schedule_collection(step)
         collector.collect_results(timeout=60)
-    except RankMismatchError as error:
-        outcome = str(error)
-    collector.close(timeout=30)
-    return outcome
+
+    return _mismatch_of(steps, collector)
 
 
 def test_a_skipped_window_of_an_exact_metric_fails_every_rank(dist_pool: RankPool) -> None:
