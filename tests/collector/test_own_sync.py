@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sidestream import ComposeMetric, MeanMetric, Metric, MetricAccumulator
+from sidestream import ComposeMetric, MeanMetric, Metric, MetricAccumulator, SumMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.testing import RankPool
 
@@ -125,3 +125,34 @@ def test_own_sync_data_is_staged_and_reset_by_the_collector(
                     assert result == expected
         for _, left in outcomes:
             assert left == [0, 0, 0], "the live buffer is reset with the window"
+
+
+class LoggedCompose(ComposeMetric):
+    """A composition that overrides sync (to count its syncs): its children dict is structure."""
+
+    syncs = 0
+
+    def sync(self, group: Any = None) -> None:
+        type(self).syncs += 1
+        super().sync(group)
+
+
+def _compose_with_own_sync() -> list[Any]:
+    metric = LoggedCompose({"n": SumMetric()})
+    results = []
+    with AsyncMetricCollector(metric).bind("cpu") as collector:
+        for step in (1, 2):
+            metric["n"].update(torch.tensor([float(dist.get_rank() + 1)]))
+            collector.schedule_collection(step)
+            results.append(collector.collect_results(timeout=60)["n"])
+    return results
+
+
+def test_a_composition_that_overrides_sync_reports_the_reduced_children(
+    dist_pool: RankPool,
+) -> None:
+    # Its private dict of children was taken for data and copied from the live metric every
+    # window, so compute read the live, unreduced children.
+    expected = float(sum(rank + 1 for rank in range(dist_pool.world_size)))
+    for results in dist_pool.run(_compose_with_own_sync, timeout=120):
+        assert results == [expected, expected]

@@ -24,7 +24,10 @@ def test_log_of_cuda_tensors_has_no_host_sync_and_delivers_each_value() -> None:
     try:
         for step, value in enumerate(inputs, start=1):
             doubled = value * 2  # made on the current stream just before the call
-            run.log(step, {"x": doubled, "int": torch.tensor(step, device="cuda"), "lr": 0.5})
+            # A fill, not torch.tensor(step, device="cuda"): that copies from pageable memory,
+            # a host sync that sync debug mode reports.
+            count = torch.full((), step, dtype=torch.int64, device="cuda")
+            run.log(step, {"x": doubled, "int": count, "lr": 0.5})
             del doubled  # its memory may be reused at once: the copy must still read it right
     finally:
         torch.cuda.set_sync_debug_mode(0)

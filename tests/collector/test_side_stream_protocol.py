@@ -50,7 +50,8 @@ class _Stream:
         self._log.append(("wait_stream", self.label, 0))
 
 
-def test_side_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> tuple[Log, _Stream]:
+    """Recording streams and events in place of CUDA's; returns the log and the side stream."""
     log: Log = []
     current, side = _Stream("current", log), _Stream("side", log)
     empty = torch.empty
@@ -59,7 +60,11 @@ def test_side_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    return log, side
 
+
+def test_side_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    log, side = _stand_ins(monkeypatch)
     metric, sink = make_metric(), RecordingSink()
     collector = AsyncMetricCollector(metric, sinks=[sink]).bind("cpu")
     collector._side = side  # take the CUDA branch from here on
@@ -110,3 +115,33 @@ def test_side_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
         assert log.index(("synchronize", "host", event)) < log.index(
             ("wait_event", "current", event)
         )
+
+
+def test_a_failed_window_still_records_its_done_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The slot is released either way: the next staging into it must wait for what the failed
+    # window queued on the side stream, not for the window before it.
+    log, side = _stand_ins(monkeypatch)
+    metric = make_metric()
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    collector._side = side
+    compose_compute = ComposeMetric.compute
+    calls = []
+
+    def compute(self: ComposeMetric) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("compute failed")
+        return compose_compute(self)
+
+    monkeypatch.setattr(ComposeMetric, "compute", compute)
+    feed(metric, window_data(4, 0, 0))
+    collector.schedule_collection(1)
+    with pytest.raises(RuntimeError, match="latest window failed"):
+        collector.collect_results()
+    side_records = [event for kind, stream, event in log if kind == "record" and stream == "side"]
+    assert len(side_records) == 1, "the failed window recorded its done event"
+    slots = [collector._free_slots.get_nowait() for _ in range(collector._slot_count)]
+    assert [slot.done.id for slot in slots if slot.done is not None] == side_records
+    for slot in slots:
+        collector._free_slots.put(slot)
+    collector.close()

@@ -52,3 +52,9 @@ def test_scatter_add_refuses_bad_indices_before_changing_the_state() -> None:
     assert state.local.tolist() == [1.0, 1.0, 0.0, 0.0]
     state.scatter_add(torch.tensor([3, 3, 0]), torch.tensor([1.0, 2.0, 5.0]))
     assert state.local.tolist() == [6.0, 1.0, 0.0, 3.0]
+
+
+def test_load_local_detaches_too() -> None:
+    state = MetricAccumulator(torch.zeros(2, dtype=torch.float64))
+    state.load_local(torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True) * 2)
+    assert not state.local.requires_grad and state.local.tolist() == [2.0, 4.0]

@@ -14,8 +14,9 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
-from sidestream import ComposeMetric, MaxMetric, MeanMetric, WeightedMeanMetric
+from sidestream import ComposeMetric, MaxMetric, MeanMetric, SumMetric, WeightedMeanMetric
 from sidestream.metrics.classification import BinaryAUROCMetric
+from sidestream.testing import RankPool
 
 
 def _tree() -> ComposeMetric:
@@ -85,3 +86,33 @@ def test_pickling_an_exact_metric_whose_input_changed_raises() -> None:
     scores.mul_(0.5)
     with pytest.raises(RuntimeError, match="modified in place"):
         pickle.dumps(metric)
+
+
+def _synced_then_copied() -> dict[str, float]:
+    import torch.distributed as dist
+
+    metric = ComposeMetric({"sum": SumMetric(), "auroc": BinaryAUROCMetric(exact=True)})
+    rank = dist.get_rank()
+    metric["sum"].update(torch.tensor([float(rank + 1)]))
+    metric["auroc"].update(torch.tensor([0.2, 0.9]) + 0.02 * rank, torch.tensor([rank % 2, 1]))
+    metric.sync()
+    out = {}
+    loaded = pickle.loads(pickle.dumps(metric))
+    loaded.state_dict()  # builds the arena the pickle left out
+    out["pickled sum"] = float(loaded.compute()["sum"])
+    out["pickled auroc"] = float(loaded.compute()["auroc"])
+    metric.to("cpu")  # a new arena on the same device
+    out["moved sum"] = float(metric.compute()["sum"])
+    return out
+
+
+def test_synced_state_survives_a_pickle_and_a_move(dist_pool: RankPool) -> None:
+    # A rebuilt arena used to start with zeroed synced buffers and stale flags, so compute
+    # fell back to this rank's local values after a pickle (or to()) of a synced metric.
+    world = dist_pool.world_size
+    scores = np.concatenate([np.array([0.2, 0.9]) + 0.02 * rank for rank in range(world)])
+    labels = np.concatenate([np.array([rank % 2, 1]) for rank in range(world)])
+    expected_auroc = roc_auc_score(labels, scores.astype(np.float32).astype(np.float64))
+    for out in dist_pool.run(_synced_then_copied, timeout=120):
+        assert out["pickled sum"] == out["moved sum"] == sum(range(1, world + 1))
+        assert out["pickled auroc"] == pytest.approx(expected_auroc, abs=1e-12)

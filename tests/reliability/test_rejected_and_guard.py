@@ -42,7 +42,8 @@ def test_rejected_updates_are_reported_with_their_window() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_rejected_updates_on_cuda_reach_the_report_without_host_sync() -> None:
-    metric = WeightedMeanMetric()
+    # "error": a NaN value is bad input (the default "disable" would let it through).
+    metric = WeightedMeanMetric(nan_strategy="error")
     sink = RecordingSink()
     collector = AsyncMetricCollector(metric, sinks=[sink], prefix="loss")
     collector.bind("cuda")

@@ -88,7 +88,7 @@ class Arena:
             total = sum(state.local.numel() for _, state in members)
             local = torch.empty(total, dtype=dtype, device=where)
             initial = torch.empty(total, dtype=dtype, device=where)
-            synced = torch.zeros(total, dtype=dtype, device=where)
+            synced = torch.empty(total, dtype=dtype, device=where)
             offset = 0
             bounds: list[tuple[ReduceOp, int, int, list[tuple[str, tuple[int, ...]]]]] = []
             for name, state in members:
@@ -96,6 +96,9 @@ class Arena:
                 part = slice(offset, offset + n)
                 local[part].copy_(state.local.reshape(-1))
                 initial[part].copy_(state.initial.reshape(-1))
+                # The synchronized values too: a metric current before (to, a copy, a pickle)
+                # stays current with them.
+                synced[part].copy_(state._synced.reshape(-1))
                 previous = state._arena
                 if isinstance(previous, Arena) and previous is not self:
                     previous.alive = False

@@ -249,13 +249,19 @@ class Metric(Stateful, Generic[T], abc.ABC):
         """Give the tree's states their freshness flags; yield each flag once.
 
         A metric shares one flag with everything below it (it may update its children), except
-        that the children of a composition are independent metrics with flags of their own.
+        that the children of a composition are independent metrics with flags of their own. A
+        new flag takes over the metric's old one's value: the arena keeps the synced state.
         """
-        flag = flag or Freshness()
+        if flag is None:
+            flag = Freshness()
+            previous: Freshness | None = self.__dict__.get("_freshness_flag")
+            flag.current = previous is not None and previous.current
         object.__setattr__(self, "_freshness_flag", flag)
         yield flag
         for _, value in self._declared_items():
             if isinstance(value, MetricAccumulator):
+                if not value._freshness.current:
+                    flag.current = False  # a state new to the tree has no synced value yet
                 value._freshness = flag
             elif self._independent_children:
                 yield from value._assign_freshness()
@@ -629,9 +635,24 @@ def own_data(metric: Metric[Any]) -> Iterator[tuple[str, Any]]:
     """
     declared = metric._declared_ids()
     for attribute, value in vars(metric).items():
-        if attribute in _BOOKKEEPING or id(value) in declared or isinstance(value, SampleStore):
+        if attribute in _BOOKKEEPING or isinstance(value, SampleStore):
             continue
-        yield attribute, value
+        if not _reaches_the_tree(value, declared):
+            yield attribute, value
+
+
+def _reaches_the_tree(value: Any, declared: set[int]) -> bool:
+    """Whether ``value`` is, or is a container holding, a state or metric of the tree.
+
+    Such a container (a composition's dict of children, a list of declared states) is part of
+    the tree's structure, not data: a copy of it would stand in for the copy's own states.
+    """
+    if id(value) in declared or isinstance(value, MetricAccumulator | Metric):
+        return True
+    if isinstance(value, _CONTAINERS):
+        items = value.values() if isinstance(value, dict) else value
+        return any(_reaches_the_tree(item, declared) for item in items)
+    return False
 
 
 def has_own_sync(metric: Metric[Any]) -> bool:

@@ -322,7 +322,7 @@ class MetricAccumulator:
                 f"state_dict: expected a tensor of shape {tuple(self._local.shape)}, "
                 f"got {tuple(value.shape)}"
             )
-        self._local.copy_(value)
+        self._local.copy_(value.detach())
         self._freshness.current = False
 
     def __repr__(self) -> str:

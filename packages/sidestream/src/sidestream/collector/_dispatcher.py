@@ -302,13 +302,16 @@ def _finish_on_side_stream(window: Window) -> tuple[FlatTree, list[Any]]:
     slot, side = window.slot, window.side
     assert side is not None and window.batch is not None
     with torch.cuda.stream(side):
-        tree = flatten_tree(slot.metric.compute())
-        host = slot.copy_to_host(tree.leaves)
-        window.rejected = rejected_to_host(slot.metric)
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record(side)
-    # Before the slot is released: the next staging into it waits for this event on the GPU.
-    window.done = slot.done = done
+        try:
+            tree = flatten_tree(slot.metric.compute())
+            host = slot.copy_to_host(tree.leaves)
+            window.rejected = rejected_to_host(slot.metric)
+        finally:
+            # Recorded even if compute failed, and before the slot is released: the next
+            # staging into the slot waits (on the GPU) for all this window queued on the side.
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(side)
+            window.done = slot.done = done
     _wait_event(done)
     window.batch.verify()  # the fingerprints, on the host now that done passed
     return tree, host
