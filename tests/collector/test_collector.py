@@ -256,3 +256,30 @@ def test_nan_counts_are_reported_with_their_window() -> None:
     first, second = (report.values for report in sink.reports)
     assert first == {"train/loss": 2.0, "train/plain": 1.0, "train/loss/nan_count": 2.0}
     assert second == {"train/loss": 5.0, "train/plain": 2.0}
+
+
+def test_a_metric_with_a_nan_count_of_its_own_is_not_taken_for_a_counter() -> None:
+    from sidestream import Metric, MetricAccumulator
+
+    class ColumnMeans(Metric[torch.Tensor]):
+        def __init__(self) -> None:
+            self._sums = MetricAccumulator(torch.zeros(3, dtype=torch.float64))
+            self._counts = MetricAccumulator(torch.zeros(3, dtype=torch.float64))
+
+        @property
+        def nan_count(self) -> torch.Tensor:  # per column: not the library's counter
+            return self._counts.value
+
+        def update(self, rows: torch.Tensor) -> None:
+            kept = ~rows.isnan()
+            self._sums.accumulate(torch.where(kept, rows, 0.0).sum(0))
+            self._counts.accumulate(kept.sum(0).double())
+
+        def compute(self) -> torch.Tensor:
+            return self._sums.value / self._counts.value
+
+    metric = ColumnMeans()
+    with AsyncMetricCollector(metric).bind("cpu") as collector:
+        metric.update(torch.tensor([[1.0, float("nan"), 3.0], [3.0, 2.0, float("nan")]]))
+        collector.schedule_collection(1)
+        assert collector.collect_results(timeout=30) == [2.0, 2.0, 3.0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -116,3 +117,48 @@ def test_synced_state_survives_a_pickle_and_a_move(dist_pool: RankPool) -> None:
     for out in dist_pool.run(_synced_then_copied, timeout=120):
         assert out["pickled sum"] == out["moved sum"] == sum(range(1, world + 1))
         assert out["pickled auroc"] == pytest.approx(expected_auroc, abs=1e-12)
+
+
+class _KeepsItsDict(MeanMetric):
+    """A subclass with the usual __getstate__ idiom (a copy of __dict__, arena included)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def test_a_pickled_arena_comes_back_dead_and_is_rebuilt() -> None:
+    metric = _KeepsItsDict()
+    metric.update(torch.tensor([5.0]))
+    loaded = pickle.loads(pickle.dumps(metric))
+    loaded.reset()
+    loaded.update(torch.tensor([1.0]))
+    assert float(loaded.compute()) == 1.0
+
+
+def test_an_unpickled_metric_has_its_arena_and_compiles_across_a_reset() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    metric = pickle.loads(pickle.dumps(ComposeMetric({"max": MaxMetric(), "sum": SumMetric()})))
+    assert metric.__dict__.get("_state_arena") is not None
+    step = torch.compile(metric["sum"].update, fullgraph=True, backend="aot_eager")
+    step(torch.arange(5.0))
+    metric.reset()
+    step(torch.arange(7.0))
+    assert float(metric["sum"].compute()) == 21.0
+
+
+def _pickled_after_a_group_sync() -> float:
+    import torch.distributed as dist
+
+    metric = MeanMetric()
+    metric.update(torch.tensor([float(dist.get_rank())]))
+    metric.sync(dist.new_group(list(range(dist.get_world_size()))))
+    return float(pickle.loads(pickle.dumps(metric)).compute())
+
+
+def test_a_metric_synced_over_a_group_pickles(dist_pool: RankPool) -> None:
+    # A process group cannot be pickled: the copy leaves it out (and syncs over the default).
+    world = dist_pool.world_size
+    for value in dist_pool.run(_pickled_after_a_group_sync, timeout=120):
+        assert value == pytest.approx(sum(range(world)) / world)

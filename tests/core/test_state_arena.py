@@ -419,3 +419,62 @@ def test_reset_calls_each_child_override_once() -> None:
         assert int(metric._count.local) == 0
     compose.reset()
     assert [m.resets for m in (plain, nested, nested._inner)] == [2, 2, 2]
+
+
+def test_reset_then_save_a_tree_with_a_deep_reset_override() -> None:
+    # The reset's cache of overriding children is bookkeeping, not a hidden container.
+    inner = ComposeMetric({"buffered": _Buffered(), "mean": MeanMetric()})
+    outer = ComposeMetric({"inner": inner})
+    inner["buffered"].update(torch.tensor([1.0]))
+    outer.reset()
+    assert sorted(outer.state_dict()) == [
+        "inner.buffered.count",
+        "inner.mean.count",
+        "inner.mean.total",
+    ]
+    outer.to("cpu")
+
+
+def test_a_list_of_a_childs_states_is_allowed() -> None:
+    class Watching(Metric[Tensor]):
+        def __init__(self) -> None:
+            self._child = SumMetric()
+            self.watched = [self._child._total]  # a state of the tree, listed again
+
+        def update(self, values: Tensor) -> None:
+            self._child.update(values)
+
+        def compute(self) -> Tensor:
+            return self.watched[0].value
+
+    metric = Watching()
+    metric.update(torch.tensor([2.0, 3.0]))
+    assert float(metric.compute()) == 5.0
+    assert list(metric.state_dict()) == ["child.total"]
+
+
+class _Named:
+    """A plain mixin first in the bases: the inherited __init__ is its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.label = "named"
+        super().__init__(*args, **kwargs)
+
+
+def test_the_arena_is_built_at_init_behind_a_mixin() -> None:
+    class NamedSum(_Named, SumMetric):
+        pass
+
+    metric = NamedSum()
+    assert metric.__dict__.get("_state_arena") is not None and metric.label == "named"
+    metric.update(torch.tensor([1.0, 2.0]))
+    assert float(metric.compute()) == 3.0
+
+
+def test_a_float32_checkpoint_loads_into_a_float64_state() -> None:
+    # Python-float states are float64 now; checkpoints saved with the float32 ones still load.
+    metric = SumMetric(dtype=torch.float64)
+    metric.load_state_dict({"total": torch.tensor(2.5, dtype=torch.float32)})
+    assert metric.compute().dtype == torch.float64 and float(metric.compute()) == 2.5
+    with pytest.raises(ValueError, match=r"expected dtype torch\.float64"):
+        metric.load_state_dict({"total": torch.tensor(2, dtype=torch.int64)})

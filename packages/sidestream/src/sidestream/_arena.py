@@ -10,7 +10,7 @@ from torch import Tensor
 
 from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore
-from sidestream.state import Freshness, MetricAccumulator
+from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views
 
 __all__ = ["Arena", "ArenaSegment"]
 
@@ -120,6 +120,16 @@ class Arena:
                     self.segments.append(
                         ArenaSegment(local[start:stop], synced[start:stop], op, tuple(parts))
                     )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled with a metric whose own __getstate__ keeps it: the states come back with
+        # views of their own (MetricAccumulator.__setstate__), so this copy holds nothing of
+        # theirs and must be built again.
+        return {**self.__dict__, "alive": False}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Arena:
+        copied: Arena = copy_keeping_views(self, memo)  # deepcopy keeps the views: alive
+        return copied
 
     def reset(self) -> None:
         """Every state back to its initial value (one batched copy) and every flag stale."""

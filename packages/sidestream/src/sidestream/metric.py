@@ -91,18 +91,24 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is not None:
+        # Every subclass gets a wrapper, also around an __init__ it inherits: with a plain
+        # mixin first in the bases, the inherited __init__ is the mixin's.
+        init = cls.__dict__.get("__init__", cls.__init__)
+        if init is not object.__init__:
             cls.__init__ = _building_the_arena(init)  # type: ignore[method-assign]
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled (multiprocessing, Ray, a file) the arena's buffers would come back apart
         # from the states' views (see MetricAccumulator.__getstate__): leave the arena and the
-        # sync layouts built on it out, and let the tree build them again on first use.
-        return {key: value for key, value in self.__dict__.items() if key not in _ARENA_BOUND}
+        # sync layouts built on it out, and build them again on load. A process group cannot
+        # be pickled (nor used in another process): the copy syncs over the default group.
+        return {key: value for key, value in self.__dict__.items() if key not in _NOT_PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # As at the end of __init__ (children come back first, then each parent's arena
+        # replaces theirs): a compiled update never sees the states move later.
+        self._own_arena()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         copied: Self = copy_keeping_views(self, memo)
@@ -141,11 +147,21 @@ class Metric(Stateful, Generic[T], abc.ABC):
             if not self._holds_declared(value):
                 self._declare(attribute.lstrip("_"), value, attribute)
         elif isinstance(value, _CONTAINERS):
-            _refuse_hidden(attribute, value, self._declared_ids())
+            _refuse_hidden(attribute, value, self._tree_ids())
         object.__setattr__(self, attribute, value)
 
     def _declared_ids(self) -> set[int]:
         return {id(value) for _, value in self._declared_items()}
+
+    def _tree_ids(self) -> set[int]:
+        """The ids of every metric and state of this tree.
+
+        Any of them may be listed again elsewhere in it (a list of a child's states, say): only
+        others are hidden.
+        """
+        ids = {id(metric) for metric in self._walk_metrics()}
+        ids.update(id(state) for _, state in self.named_accumulators())
+        return ids
 
     def _refuse_hidden_in_tree(self) -> None:
         """Raise ``TypeError`` if a container attribute holds an undeclared state or metric.
@@ -154,10 +170,10 @@ class Metric(Stateful, Generic[T], abc.ABC):
         an attribute is assigned: a container filled later (``self.sums = []``, then
         ``append``) would otherwise leave its states out of sync, reset and checkpoints.
         """
+        declared = self._tree_ids()
         for metric in self._walk_metrics():
-            declared = metric._declared_ids()
             for attribute, value in vars(metric).items():
-                if isinstance(value, _CONTAINERS):
+                if attribute not in _BOOKKEEPING and isinstance(value, _CONTAINERS):
                     _refuse_hidden(attribute, value, declared)
 
     def _holds_declared(self, value: Any) -> bool:
@@ -569,7 +585,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
                     f"state_dict[{name!r}]: expected shape {tuple(state.local.shape)}, "
                     f"got {tuple(tensor.shape)}"
                 )
-            if tensor.dtype != state.local.dtype:
+            if tensor.dtype != state.local.dtype and not _widens(tensor.dtype, state.local.dtype):
                 raise ValueError(
                     f"state_dict[{name!r}]: expected dtype {state.local.dtype}, got "
                     f"{tensor.dtype} (a checkpoint of a different metric or configuration)"
@@ -609,8 +625,11 @@ def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:
     return build_after
 
 
-_ARENA_BOUND = frozenset({"_state_arena", "_sync_layouts", "_unverified_sync", "_reset_children"})
-"""A metric's attributes that hold the arena's buffers: not pickled (built again on use)."""
+_NOT_PICKLED = frozenset(
+    {"_state_arena", "_sync_layouts", "_unverified_sync", "_reset_children", "_sync_group"}
+)
+"""A metric's attributes left out of a pickle: the arena and what is built on it (made again
+on load), and the process group."""
 
 _BOOKKEEPING = frozenset(
     {
@@ -653,6 +672,16 @@ def _reaches_the_tree(value: Any, declared: set[int]) -> bool:
         items = value.values() if isinstance(value, dict) else value
         return any(_reaches_the_tree(item, declared) for item in items)
     return False
+
+
+def _widens(saved: torch.dtype, state: torch.dtype) -> bool:
+    """Whether a saved float loads exactly into a wider float state (float32 into float64)."""
+    return (
+        saved.is_floating_point
+        and state.is_floating_point
+        and torch.finfo(saved).bits < torch.finfo(state).bits
+        and torch.promote_types(saved, state) == state
+    )
 
 
 def has_own_sync(metric: Metric[Any]) -> bool:

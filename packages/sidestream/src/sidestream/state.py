@@ -77,8 +77,10 @@ class MetricAccumulator:
     ) -> None:
         if not isinstance(op, ReduceOp):
             raise TypeError(f"op: expected a sidestream.state.ReduceOp, got {op!r}")
-        if dtype is None and isinstance(initial, float):
-            dtype = torch.float64  # a sum kept in float32 drifts: Python floats are float64
+        if dtype is None and isinstance(initial, float | list | tuple):
+            # A sum kept in float32 drifts: Python floats (and lists of them) are float64.
+            probe = torch.as_tensor(initial)
+            dtype = torch.float64 if probe.is_floating_point() else None
         initial_tensor = torch.as_tensor(initial, dtype=dtype).detach()
         if initial_tensor.is_complex():
             raise TypeError(

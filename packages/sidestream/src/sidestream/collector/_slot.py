@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import logging
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,8 @@ from sidestream.metric import Metric, has_own_sync, own_data
 from sidestream.sync import CallFingerprint, RankMismatchError, SyncBatch, SyncHandle, SyncProgram
 
 __all__ = ["Slot", "clone_metric"]
+
+logger = logging.getLogger("sidestream.collector")
 
 
 class Slot:
@@ -74,6 +77,8 @@ class Slot:
             for source, target in zip(live._walk_metrics(), metric._walk_metrics(), strict=True)
             if type(source).sync is not Metric.sync
         ]
+        if check:
+            _warn_of_unstaged(self._own_sync_pairs)
         self._direct: SyncProgram | None = None
         self._marked = False
         if direct and self._replayable:
@@ -104,9 +109,8 @@ class Slot:
         self._arena.copy_from(live)
         for source, target in self._own_sync_pairs:
             for attribute, value in own_data(source):
-                copied = _staged_copy(value)
-                if copied is not _NOT_COPIED:
-                    object.__setattr__(target, attribute, copied)
+                if _stageable(value):
+                    object.__setattr__(target, attribute, _staged_copy(value))
 
     def _lay_out_direct(self, check: bool) -> SyncProgram:
         """The slot's sync with the live arena's segments as sources and its own as results.
@@ -188,25 +192,41 @@ class Slot:
         return out
 
 
-_NOT_COPIED = object()
+def _warn_of_unstaged(pairs: list[tuple[Metric[Any], Metric[Any]]]) -> None:
+    """Name, once per collector, own-sync data that windows do not stage (kept from bind)."""
+    for source, _ in pairs:
+        kept = [attribute for attribute, value in own_data(source) if not _stageable(value)]
+        if kept:
+            logger.warning(
+                "%s overrides sync; its attributes %s are not tensors, arrays, numbers or "
+                "plain containers, so every window's copy keeps their value from bind. Keep "
+                "data its sync gathers in tensors or lists",
+                type(source).__name__,
+                kept,
+            )
+
+
+def _stageable(value: Any) -> bool:
+    """Whether a metric's own data is staged per window: tensors, arrays, numbers, containers.
+
+    Other objects (settings, helpers) were copied with the metric at ``bind`` and are left as
+    they are.
+    """
+    if isinstance(value, Tensor | list | tuple | dict | set | collections.deque):
+        return True
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    numpy = sys.modules.get("numpy")  # not a dependency: an array means numpy is imported
+    return numpy is not None and isinstance(value, numpy.ndarray)
 
 
 def _staged_copy(value: Any) -> Any:
-    """A window's copy of a metric's own data: tensors, arrays and containers, not other objects.
-
-    Numbers, strings and ``None`` are shared (immutable); other objects (settings, helpers)
-    were copied with the metric at ``bind`` and are left as they are.
-    """
+    """A window's copy of a stageable value (numbers, strings and ``None`` are immutable)."""
     if isinstance(value, Tensor):
         return value.detach().clone()
-    if isinstance(value, list | tuple | dict | set | collections.deque):
-        return copy.deepcopy(value)
-    numpy = sys.modules.get("numpy")  # not a dependency: an array means numpy is imported
-    if numpy is not None and isinstance(value, numpy.ndarray):
-        return value.copy()
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    return _NOT_COPIED
+    return copy.deepcopy(value)
 
 
 def clone_metric(metric: Metric[Any]) -> Metric[Any]:

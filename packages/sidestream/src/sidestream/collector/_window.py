@@ -12,6 +12,7 @@ from torch import Tensor
 
 from sidestream.collector._slot import Slot
 from sidestream.metric import Metric
+from sidestream.metrics._screened import NanScreenedMetric, ScreenedMetric
 from sidestream.metrics.compose import ComposeMetric
 from sidestream.sync import SyncHandle
 
@@ -41,6 +42,12 @@ class Window:
     rejected: Tensor | None = None
 
 
+_COUNTERS_OF_THE_LIBRARY = (
+    ScreenedMetric.rejected_updates,
+    NanScreenedMetric.rejected_updates,
+    NanScreenedMetric.nan_count,
+)
+
 # Found once per staging copy: walking the metric tree per window would cost the training thread.
 _COUNTERS: weakref.WeakKeyDictionary[Metric[Any], list[tuple[str, Metric[Any], str]]] = (
     weakref.WeakKeyDictionary()
@@ -53,8 +60,9 @@ def _walk(metric: Metric[Any], path: str) -> Iterator[tuple[str, Metric[Any], st
             yield from _walk(child, "/".join(part for part in (path, name) if part))
         return
     for attribute in COUNTS:
-        # A metric whose nan_strategy counts nothing has a nan_count of None.
-        counted = isinstance(getattr(type(metric), attribute, None), property)
+        # The library's counters only: a metric of one's own may have a property of that name
+        # that is something else. A nan_strategy that counts nothing gives a nan_count of None.
+        counted = getattr(type(metric), attribute, None) in _COUNTERS_OF_THE_LIBRARY
         if counted and getattr(metric, attribute) is not None:
             yield path, metric, attribute
 
