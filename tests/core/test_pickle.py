@@ -162,3 +162,24 @@ def test_a_metric_synced_over_a_group_pickles(dist_pool: RankPool) -> None:
     world = dist_pool.world_size
     for value in dist_pool.run(_pickled_after_a_group_sync, timeout=120):
         assert value == pytest.approx(sum(range(world)) / world)
+
+
+class _Slotted(SumMetric):
+    __slots__ = ("factor",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 5
+
+
+@pytest.mark.parametrize("how", ["pickle", "copy", "deepcopy"])
+def test_copies_keep_a_subclass_slots(how: str) -> None:
+    metric = _Slotted()
+    metric.update(torch.tensor([2.0]))
+    copies = {
+        "pickle": lambda: pickle.loads(pickle.dumps(metric)),
+        "copy": lambda: copy.copy(metric),
+        "deepcopy": lambda: copy.deepcopy(metric),
+    }
+    copied = copies[how]()
+    assert copied.factor == 5 and float(copied.compute()) == 2.0

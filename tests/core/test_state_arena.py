@@ -478,3 +478,25 @@ def test_a_float32_checkpoint_loads_into_a_float64_state() -> None:
     assert metric.compute().dtype == torch.float64 and float(metric.compute()) == 2.5
     with pytest.raises(ValueError, match=r"expected dtype torch\.float64"):
         metric.load_state_dict({"total": torch.tensor(2, dtype=torch.int64)})
+
+
+def test_a_dataclass_metric_keeps_its_generated_init() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass(eq=False)
+    class Scaled(Metric[Tensor]):
+        scale: float = 1.0
+
+        def __post_init__(self) -> None:
+            self.total = MetricAccumulator(0.0)
+
+        def update(self, values: Tensor) -> None:
+            self.total.accumulate((values * self.scale).sum())
+
+        def compute(self) -> Tensor:
+            return self.total.value
+
+    metric = Scaled(scale=3.0)
+    metric.update(torch.tensor([1.0, 2.0]))
+    assert metric.scale == 3.0 and float(metric.compute()) == 9.0
+    assert list(metric.state_dict()) == ["total"]

@@ -91,21 +91,27 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # Every subclass gets a wrapper, also around an __init__ it inherits: with a plain
-        # mixin first in the bases, the inherited __init__ is the mixin's.
-        init = cls.__dict__.get("__init__", cls.__init__)
-        if init is not object.__init__:
+        # Only an __init__ of the class's own: one written into a class it merely inherits
+        # would stop @dataclass (and the like) from generating one.
+        init = cls.__dict__.get("__init__")
+        if init is not None:
             cls.__init__ = _building_the_arena(init)  # type: ignore[method-assign]
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> Any:
         # Pickled (multiprocessing, Ray, a file) the arena's buffers would come back apart
         # from the states' views (see MetricAccumulator.__getstate__): leave the arena and the
         # sync layouts built on it out, and build them again on load. A process group cannot
         # be pickled (nor used in another process): the copy syncs over the default group.
-        return {key: value for key, value in self.__dict__.items() if key not in _NOT_PICKLED}
+        state = super().__getstate__()  # the __dict__, with a subclass's __slots__ if any
+        attributes, slots = state if isinstance(state, tuple) else (state, None)
+        kept = {key: value for key, value in attributes.items() if key not in _NOT_PICKLED}
+        return kept if slots is None else (kept, slots)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+    def __setstate__(self, state: Any) -> None:
+        attributes, slots = state if isinstance(state, tuple) else (state, None)
+        for key, value in (slots or {}).items():
+            object.__setattr__(self, key, value)
+        self.__dict__.update(attributes)
         # As at the end of __init__ (children come back first, then each parent's arena
         # replaces theirs): a compiled update never sees the states move later.
         self._own_arena()
@@ -613,13 +619,25 @@ def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:
     Built at construction, not at the first ``to``, ``reset`` or sync: a compiled update then
     never sees the states' layout change under it (after such a change, torch 2.13 fails to
     recompile an update with automatic dynamic shapes: "sources must not be empty for symbol").
-    A parent's arena replaces its children's when the parent's ``__init__`` ends.
+    A parent's arena replaces its children's when the parent's ``__init__`` ends. A class whose
+    ``__init__`` does not reach a metric ``__init__`` (a ``@dataclass``) gets its arena at its
+    first ``to``, ``reset`` or sync.
     """
 
     @functools.wraps(init)
     def build_after(self: Metric[Any], *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        if type(self).__init__ is build_after:  # the most derived class's __init__ ended
+        # Counted, not compared with type(self).__init__: behind a plain mixin (first in the
+        # bases) the outermost __init__ is the mixin's, which no wrapper sees.
+        depth: int = self.__dict__.get("_init_depth", 0)
+        object.__setattr__(self, "_init_depth", depth + 1)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if depth:
+                object.__setattr__(self, "_init_depth", depth)
+            else:
+                del self.__dict__["_init_depth"]
+        if not depth:  # the outermost metric __init__ ended
             self._own_arena()
 
     return build_after

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import copyreg
 from typing import Any
 
 import torch
@@ -350,4 +351,7 @@ def copy_keeping_views(obj: Any, memo: dict[int, Any]) -> Any:
     memo[id(obj)] = new
     for key, value in obj.__dict__.items():
         object.__setattr__(new, key, copy.deepcopy(value, memo))
+    for key in copyreg._slotnames(type(obj)):  # type: ignore[attr-defined]
+        if key not in ("__dict__", "__weakref__") and hasattr(obj, key):
+            object.__setattr__(new, key, copy.deepcopy(getattr(obj, key), memo))
     return new
