@@ -183,3 +183,29 @@ def test_copies_keep_a_subclass_slots(how: str) -> None:
     }
     copied = copies[how]()
     assert copied.factor == 5 and float(copied.compute()) == 2.0
+
+
+def test_a_state_added_after_a_sync_is_not_read_from_the_synced_buffers() -> None:
+    metric = SumMetric()
+    metric.update(torch.tensor([3.0]))
+    metric.sync()  # single process: the synced copy is the local state, and current
+    added = metric.add_state("extra", torch.zeros(3))
+    added.accumulate(torch.full((3,), 7.0))
+    assert added.value.tolist() == [7.0, 7.0, 7.0]
+    metric.to("cpu")
+    assert added.value.tolist() == [7.0, 7.0, 7.0] and float(metric.compute()) == 3.0
+
+
+def _shallow_and_deep_copies_keep_the_group() -> list[bool]:
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    metric = MeanMetric()
+    metric.update(torch.tensor([1.0]))
+    metric.sync(group)
+    return [copy.copy(metric).sync_group is group, copy.deepcopy(metric).sync_group is group]
+
+
+def test_copies_keep_the_process_group(dist_pool: RankPool) -> None:
+    for kept in dist_pool.run(_shallow_and_deep_copies_keep_the_group, timeout=120):
+        assert kept == [True, True]

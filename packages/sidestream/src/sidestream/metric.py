@@ -16,7 +16,7 @@ from sidestream._arena import Arena
 from sidestream._distributed import Group, check_process_group, group_rank, resolve_group
 from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore, SavedRows, gather_rows
-from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views
+from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views, copy_sharing
 from sidestream.sync import CallFingerprint, SyncBatch, SyncHandle, SyncProgram
 
 __all__ = ["CallCounter", "Metric", "has_own_sync"]
@@ -117,7 +117,16 @@ class Metric(Stateful, Generic[T], abc.ABC):
         self._own_arena()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        group = self.__dict__.get("_sync_group")
+        if group is not None:
+            memo.setdefault(id(group), group)  # shared: a process group cannot be copied
         copied: Self = copy_keeping_views(self, memo)
+        return copied
+
+    def __copy__(self) -> Self:
+        # Shares everything, as a shallow copy does: not __getstate__'s pickling copy, which
+        # leaves the process group out and builds an arena of its own.
+        copied: Self = copy_sharing(self)
         return copied
 
     # ------------------------------------------------------------------ declaration
@@ -203,6 +212,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
         if isinstance(value, MetricAccumulator):
             value._owned = True
             value._freshness = self._metric_freshness
+            # A new state has no synchronized value: the metric computes from local state
+            # until its next sync, never from a synced buffer this state was not part of.
+            value._freshness.stale()
         registry[name] = (attribute, value)
         arena = self.__dict__.get("_state_arena")
         if arena is not None:

@@ -150,6 +150,10 @@ class MetricAccumulator:
         copied: MetricAccumulator = copy_keeping_views(self, memo)
         return copied
 
+    def __copy__(self) -> MetricAccumulator:
+        copied: MetricAccumulator = copy_sharing(self)  # the same tensors, as before pickling
+        return copied
+
     @property
     def op(self) -> ReduceOp:
         """The reduction this state uses."""
@@ -341,6 +345,21 @@ _VIEWS = frozenset(
 """What ``MetricAccumulator._bind`` derives: left out of a pickle and made again on load."""
 
 
+def copy_sharing(obj: Any) -> Any:
+    """``copy.copy``'s own copy of ``obj``: a new object sharing every attribute's value."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    for key in _slot_names(obj):
+        object.__setattr__(new, key, getattr(obj, key))
+    return new
+
+
+def _slot_names(obj: Any) -> list[str]:
+    """The ``__slots__`` of ``obj``'s class (and bases) that ``obj`` has a value in."""
+    names = copyreg._slotnames(type(obj))  # type: ignore[attr-defined]
+    return [n for n in names if n not in ("__dict__", "__weakref__") and hasattr(obj, n)]
+
+
 def copy_keeping_views(obj: Any, memo: dict[int, Any]) -> Any:
     """``copy.deepcopy``'s own copy of ``obj`` (attribute by attribute, views kept as views).
 
@@ -351,7 +370,6 @@ def copy_keeping_views(obj: Any, memo: dict[int, Any]) -> Any:
     memo[id(obj)] = new
     for key, value in obj.__dict__.items():
         object.__setattr__(new, key, copy.deepcopy(value, memo))
-    for key in copyreg._slotnames(type(obj)):  # type: ignore[attr-defined]
-        if key not in ("__dict__", "__weakref__") and hasattr(obj, key):
-            object.__setattr__(new, key, copy.deepcopy(getattr(obj, key), memo))
+    for key in _slot_names(obj):
+        object.__setattr__(new, key, copy.deepcopy(getattr(obj, key), memo))
     return new
