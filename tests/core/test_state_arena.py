@@ -8,6 +8,7 @@ DCP resharding (``tests/core/test_checkpoint_resharding.py`` checks it there) an
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -500,3 +501,22 @@ def test_a_dataclass_metric_keeps_its_generated_init() -> None:
     metric.update(torch.tensor([1.0, 2.0]))
     assert metric.scale == 3.0 and float(metric.compute()) == 9.0
     assert list(metric.state_dict()) == ["total"]
+
+
+def test_a_child_of_one_tree_cannot_join_another() -> None:
+    # Its states live in the first tree's arena: a second tree would take them over (on one
+    # rank, that desynchronizes the first tree's syncs across ranks).
+    tree = ComposeMetric({"mean": MeanMetric(), "sum": SumMetric()})
+    with pytest.raises(ValueError, match="already part of the metric tree of a ComposeMetric"):
+        ComposeMetric({"loss": tree["mean"]})
+    outer = ComposeMetric({"tree": tree})  # a whole tree joins another: fine
+    assert sorted(outer.state_dict()) == ["tree.mean.count", "tree.mean.total", "tree.sum.total"]
+
+
+def test_a_deep_copy_of_a_child_is_a_metric_of_its_own() -> None:
+    tree = ComposeMetric({"mean": MeanMetric(), "sum": SumMetric()})
+    tree["mean"].update(torch.tensor([1.0, 3.0]))
+    copied = copy.deepcopy(tree["mean"])
+    assert copied.__dict__["_state_arena"].root is copied
+    copied.update(torch.tensor([5.0]))
+    assert float(copied.compute()) == 3.0 and float(tree["mean"].compute()) == 2.0

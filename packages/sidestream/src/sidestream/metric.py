@@ -120,7 +120,15 @@ class Metric(Stateful, Generic[T], abc.ABC):
         group = self.__dict__.get("_sync_group")
         if group is not None:
             memo.setdefault(id(group), group)  # shared: a process group cannot be copied
+        arena: Arena | None = self.__dict__.get("_state_arena")
+        alone = arena is not None and arena.root is not self and id(arena.root) not in memo
+        if alone:
+            # A child copied without its tree: not a copy of the whole tree's arena (and
+            # through its root, the tree), but a metric with an arena of its own.
+            memo[id(arena)] = None
         copied: Self = copy_keeping_views(self, memo)
+        if alone:
+            copied._own_arena()
         return copied
 
     def __copy__(self) -> Self:
@@ -209,6 +217,14 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 f"{type(self).__name__}: the state name {name!r} is declared twice "
                 f"(attribute {existing[0] or 'add_state'!r} and {attribute or 'add_state'!r})"
             )
+        if isinstance(value, Metric):
+            home: Arena | None = value.__dict__.get("_state_arena")
+            if home is not None and home.alive and home.root not in (value, self):
+                raise ValueError(
+                    f"{name}: this {type(value).__name__} is already part of the metric tree of "
+                    f"a {type(home.root).__name__}; a metric belongs to one tree (its states "
+                    "live in that tree's arena): make a new metric, or use the whole tree"
+                )
         if isinstance(value, MetricAccumulator):
             value._owned = True
             value._freshness = self._metric_freshness

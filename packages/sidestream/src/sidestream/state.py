@@ -78,10 +78,8 @@ class MetricAccumulator:
     ) -> None:
         if not isinstance(op, ReduceOp):
             raise TypeError(f"op: expected a sidestream.state.ReduceOp, got {op!r}")
-        if dtype is None and isinstance(initial, float | list | tuple):
-            # A sum kept in float32 drifts: Python floats (and lists of them) are float64.
-            probe = torch.as_tensor(initial)
-            dtype = torch.float64 if probe.is_floating_point() else None
+        if dtype is None and _python_floats(initial):
+            dtype = torch.float64  # a sum kept in float32 drifts
         initial_tensor = torch.as_tensor(initial, dtype=dtype).detach()
         if initial_tensor.is_complex():
             raise TypeError(
@@ -343,6 +341,19 @@ _VIEWS = frozenset(
     {"_local", "_initial", "_synced", "_target", "_flat", "_buffer", "_start", "_stop", "_shape"}
 )
 """What ``MetricAccumulator._bind`` derives: left out of a pickle and made again on load."""
+
+
+def _python_floats(initial: object) -> bool:
+    """Whether ``initial`` is a Python float, or (nested) lists or tuples with one among numbers."""
+    leaves = _leaves(initial)
+    numbers = all(isinstance(leaf, int | float) and not isinstance(leaf, bool) for leaf in leaves)
+    return numbers and any(isinstance(leaf, float) for leaf in leaves)
+
+
+def _leaves(value: object) -> list[object]:
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
 
 
 def copy_sharing(obj: Any) -> Any:
