@@ -92,7 +92,10 @@ def _measure(copies: int) -> dict[str, float]:
     # right after the same updates as a window (the step's work leaves caches cold, which makes
     # the collective itself cost more), and in a tight loop, alternately.
     segments = metric.__dict__["_state_arena"].segments
-    packed = sum(-(-s.local.numel() * s.local.element_size() // 8) * 8 for s in segments) + 24
+    packed = (
+        sum(-(-s.local.numel() * s.local.element_size() // 8) * 8 for s in segments)
+        + sync_module.FINGERPRINT_BYTES
+    )
     send = torch.zeros(packed, dtype=torch.uint8)
     gathered = torch.empty(packed * dist.get_world_size(), dtype=torch.uint8)
     bare: list[float] = []

@@ -206,7 +206,10 @@ def _measure() -> dict[str, Any]:
 
     # A bare all_gather of exactly the bytes one sync sends (its state and fingerprint).
     ours.prepare_sync(None)
-    packed = sum(s.local.numel() * s.local.element_size() for s in _arena_segments(ours)) + 24
+    packed = (
+        sum(s.local.numel() * s.local.element_size() for s in _arena_segments(ours))
+        + sync_module.FINGERPRINT_BYTES
+    )
     send = torch.zeros(packed, dtype=torch.uint8)
     gathered = torch.empty(packed * dist.get_world_size(), dtype=torch.uint8)
 

@@ -49,12 +49,14 @@ from sidestream._reduce_op import ReduceOp
 
 __all__ = [
     "GATHER_LIMIT_BYTES",
+    "FINGERPRINT_BYTES",
     "CallFingerprint",
     "RankMismatchError",
     "Reducible",
     "SyncBatch",
     "SyncHandle",
     "SyncProgram",
+    "describe_call",
 ]
 
 GATHER_LIMIT_BYTES = 1 << 20
@@ -67,6 +69,8 @@ _KINDS = ("sync", "state_dict", "window", "changed", "record")
 _CHUNK_BITS = 16  # all_reduce fingerprints travel as 16-bit chunks: exact in float64 sums
 _FINGERPRINT_WORDS = 4  # kind, sequence, structure, stream (int64 each, on the gather path)
 _FINGERPRINT_CHUNKS = 1 + 3 * (64 // _CHUNK_BITS)
+FINGERPRINT_BYTES = 8 * _FINGERPRINT_WORDS
+"""Bytes a call fingerprint adds to each rank's payload on the gather path."""
 _KIND_INDEX = {kind: index for index, kind in enumerate(_KINDS)}
 _WORD_MASK = (1 << 64) - 1
 
