@@ -279,3 +279,22 @@ def test_exact_rows_of_different_shapes_raise_instead_of_aborting(dist_pool: Ran
     outcomes = dist_pool.run(_exact_metric_with_rank_dependent_classes, timeout=120)
     for rank, outcome in enumerate(outcomes):
         assert "sample rows of different shapes" in outcome, (rank, outcome)
+
+
+def _window_mode_by_rank() -> str:
+    metric = MeanMetric()
+    collector = AsyncMetricCollector(metric, reset_each_window=dist.get_rank() == 0).bind("cpu")
+    metric.update(torch.tensor([1.0]))
+
+    def steps() -> None:
+        collector.schedule_collection(1)
+        collector.collect_results(timeout=60)
+
+    return _mismatch_of(steps, collector)
+
+
+def test_window_and_cumulative_collectors_paired_across_ranks_fail(dist_pool: RankPool) -> None:
+    # One rank resetting each window and another accumulating would mix window values with
+    # running totals: the mode is part of the window's fingerprint.
+    for rank, outcome in enumerate(dist_pool.run(_window_mode_by_rank, timeout=120)):
+        assert "paired different calls" in outcome, (rank, outcome)

@@ -156,6 +156,9 @@ class AsyncMetricCollector(Generic[T]):
         self._group = group
         self._reset_each_window = reset_each_window
         self._prefix = prefix.strip("/")
+        # What every window's call fingerprint names: the prefix, and the mode, since a window
+        # paired with a cumulative one on another rank would mix the two.
+        self._stream = self._prefix if reset_each_window else f"{self._prefix} (cumulative)"
         self._histograms = frozenset(path.strip("/") for path in histogram_paths)
         self._device: torch.device | None = None
         self._side: torch.cuda.Stream | None = None
@@ -366,14 +369,14 @@ class AsyncMetricCollector(Generic[T]):
         copied = clone_metric(self._metric)
         if self._side is None:
             return Slot(
-                copied, self._metric, self._group, check=check, direct=True, stream=self._prefix
+                copied, self._metric, self._group, check=check, direct=True, stream=self._stream
             )
         # Its sync buffers are made on the side stream, the only stream that uses them. Allocate
         # the pinned buffers now too (shapes from a compute on the copied state), and let the next
         # staging wait for this compute like for any window's.
         self._side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._side):
-            slot = Slot(copied, self._metric, self._group, check=check, stream=self._prefix)
+            slot = Slot(copied, self._metric, self._group, check=check, stream=self._stream)
             slot.copy_to_host(flatten_tree(slot.metric.compute()).leaves)
             slot.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             slot.done.record(self._side)
