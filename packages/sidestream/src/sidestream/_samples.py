@@ -6,7 +6,6 @@ ranking). Memory grows with every update and is only returned by ``reset``.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sidestream._distributed import Group, group_rank, group_size, resolve_group, retain_work
-from sidestream.sync import CallFingerprint, RankMismatchError, describe_call
+from sidestream.sync import CallFingerprint, check_calls, stable_hash
 
 __all__ = ["SampleStore", "SavedRows"]
 
@@ -234,14 +233,11 @@ def gather_rows(
     headers = [torch.empty_like(header) for _ in range(world)]
     _gather(headers, header, group)
     table: list[list[int]] = torch.stack(headers).tolist()
-    calls = [row[1:] for row in table]
-    if calls.count(calls[0]) != world:
-        seen = "; ".join(f"rank {r}: {describe_call(words)}" for r, words in enumerate(calls))
-        raise RankMismatchError(
-            "sync: ranks of the group paired different calls, or hold sample rows of different "
-            f"shapes (seen from rank {group_rank(group)}): {seen}. Every rank must call sync, "
-            "state_dict and schedule_collection in the same order, with the same metric"
-        )
+    check_calls(
+        [row[1:] for row in table],
+        group_rank(group),
+        also=", or hold sample rows of different shapes",
+    )
     sizes = [row[0] for row in table]
     largest = max(sizes)
     out: dict[str, Tensor] = {}
@@ -256,9 +252,7 @@ def gather_rows(
 
 def _layout(rows: dict[str, Tensor]) -> int:
     """The rows' field names, dtypes and row shapes as a signed int64, equal in every process."""
-    text = ";".join(f"{name}:{t.dtype}:{tuple(t.shape[1:])}" for name, t in rows.items())
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
+    return stable_hash(";".join(f"{n}:{t.dtype}:{tuple(t.shape[1:])}" for n, t in rows.items()))
 
 
 def _gather(parts: list[Tensor], tensor: Tensor, group: dist.ProcessGroup | None) -> None:

@@ -170,11 +170,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
             if not self._holds_declared(value):
                 self._declare(attribute.lstrip("_"), value, attribute)
         elif isinstance(value, _CONTAINERS):
-            _refuse_hidden(attribute, value, self._tree_ids())
+            self._refuse_hidden(attribute, value)
         object.__setattr__(self, attribute, value)
-
-    def _declared_ids(self) -> set[int]:
-        return {id(value) for _, value in self._declared_items()}
 
     def _tree_ids(self) -> set[int]:
         """The ids of every metric and state of this tree.
@@ -193,11 +190,25 @@ class Metric(Stateful, Generic[T], abc.ABC):
         an attribute is assigned: a container filled later (``self.sums = []``, then
         ``append``) would otherwise leave its states out of sync, reset and checkpoints.
         """
-        declared = self._tree_ids()
         for metric in self._walk_metrics():
             for attribute, value in vars(metric).items():
                 if attribute not in _BOOKKEEPING and isinstance(value, _CONTAINERS):
-                    _refuse_hidden(attribute, value, declared)
+                    self._refuse_hidden(attribute, value)
+
+    def _refuse_hidden(self, attribute: str, container: Any) -> None:
+        """Raise ``TypeError`` for a state or metric in ``container`` that is not of this tree."""
+        found = list(_tree_objects(container))
+        if not found:  # plain data: no walk over the tree
+            return
+        ours = self._tree_ids()
+        for item, holder in found:
+            if id(item) not in ours:
+                raise TypeError(
+                    f"{attribute}: a {type(item).__name__} inside a {type(holder).__name__} "
+                    "would be left out of sync, reset and checkpoints; declare each state with "
+                    "add_state or its own attribute (child metrics: their own attribute, or a "
+                    "ComposeMetric)"
+                )
 
     def _holds_declared(self, value: Any) -> bool:
         registry: dict[str, tuple[str | None, _Child]] = self.__dict__.get("_declarations", {})
@@ -671,53 +682,43 @@ def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:
     return build_after
 
 
-_NOT_PICKLED = frozenset(
-    {"_state_arena", "_sync_layouts", "_unverified_sync", "_reset_children", "_sync_group"}
+_BUILT_ON_THE_ARENA = frozenset(
+    {"_state_arena", "_sync_layouts", "_unverified_sync", "_reset_children"}
 )
-"""A metric's attributes left out of a pickle: the arena and what is built on it (made again
-on load), and the process group."""
+"""A metric's attributes that hold or depend on its tree's arena (made again when it is)."""
 
-_BOOKKEEPING = frozenset(
-    {
-        "_declarations",
-        "_state_arena",
-        "_freshness_flag",
-        "_call_counter",
-        "_sync_group",
-        "_sync_layouts",
-        "_unverified_sync",
-        "_reset_children",
-    }
-)
+_NOT_PICKLED = _BUILT_ON_THE_ARENA | {"_sync_group"}
+"""Left out of a pickle: what is built on the arena (made again on load), and the process
+group, which cannot be pickled."""
+
+_BOOKKEEPING = _NOT_PICKLED | {"_declarations", "_freshness_flag", "_call_counter"}
 """Attributes the library keeps on every metric (not a metric's own data)."""
 
 
 def own_data(metric: Metric[Any]) -> Iterator[tuple[str, Any]]:
     """``(attribute, value)`` of what ``metric`` keeps besides its declared states and children.
 
-    Library bookkeeping and sample stores (part of the state arena) are left out: what is
-    left is, for a metric that overrides ``sync``, the data its own sync gathers.
+    Library bookkeeping and sample stores (part of the state arena) are left out, and so are
+    containers that hold states or metrics (a composition's dict of children, a list of
+    declared states: structure, not data; a copy would stand in for the copy's own states).
+    What is left is, for a metric that overrides ``sync``, the data its own sync gathers.
     """
-    declared = metric._declared_ids()
     for attribute, value in vars(metric).items():
-        if attribute in _BOOKKEEPING or isinstance(value, SampleStore):
+        if attribute in _BOOKKEEPING or isinstance(value, SampleStore | MetricAccumulator | Metric):
             continue
-        if not _reaches_the_tree(value, declared):
+        if not any(True for _ in _tree_objects(value)):
             yield attribute, value
 
 
-def _reaches_the_tree(value: Any, declared: set[int]) -> bool:
-    """Whether ``value`` is, or is a container holding, a state or metric of the tree.
-
-    Such a container (a composition's dict of children, a list of declared states) is part of
-    the tree's structure, not data: a copy of it would stand in for the copy's own states.
-    """
-    if id(value) in declared or isinstance(value, MetricAccumulator | Metric):
-        return True
-    if isinstance(value, _CONTAINERS):
-        items = value.values() if isinstance(value, dict) else value
-        return any(_reaches_the_tree(item, declared) for item in items)
-    return False
+def _tree_objects(value: Any) -> Iterator[tuple[MetricAccumulator | Metric[Any], Any]]:
+    """``(state or metric, the container holding it)`` for each one inside a container value."""
+    if not isinstance(value, _CONTAINERS):
+        return
+    for item in value.values() if isinstance(value, dict) else value:
+        if isinstance(item, MetricAccumulator | Metric):
+            yield item, value
+        else:
+            yield from _tree_objects(item)
 
 
 def _widens(saved: torch.dtype, state: torch.dtype) -> bool:
@@ -736,17 +737,3 @@ def has_own_sync(metric: Metric[Any]) -> bool:
 
 
 _CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
-
-
-def _refuse_hidden(attribute: str, value: Any, declared: set[int]) -> None:
-    """Raise ``TypeError`` for a state or metric in ``value`` that is not one of ``declared``."""
-    items = value.values() if isinstance(value, dict) else value
-    for item in items:
-        if isinstance(item, MetricAccumulator | Metric) and id(item) not in declared:
-            raise TypeError(
-                f"{attribute}: a {type(item).__name__} inside a {type(value).__name__} would be "
-                "left out of sync, reset and checkpoints; declare each state with add_state or "
-                "its own attribute (child metrics: their own attribute, or a ComposeMetric)"
-            )
-        if isinstance(item, _CONTAINERS):
-            _refuse_hidden(attribute, item, declared)

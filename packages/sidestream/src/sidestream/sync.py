@@ -56,7 +56,8 @@ __all__ = [
     "SyncBatch",
     "SyncHandle",
     "SyncProgram",
-    "describe_call",
+    "check_calls",
+    "stable_hash",
 ]
 
 GATHER_LIMIT_BYTES = 1 << 20
@@ -127,24 +128,37 @@ class CallFingerprint:
 
     def described(self, structure: int) -> str:
         """This fingerprint in words, naming its stream."""
-        text = describe_call(self.words(structure))
+        text = _describe_call(self.words(structure))
         return f"{text} of the collector with prefix {self.stream!r}" if self.stream else text
 
 
 @functools.lru_cache(maxsize=256)
 def _stream_word(stream: str) -> int:
     """A stream name as a signed int64, the same in every process (0 for none)."""
-    if not stream:
-        return 0
-    digest = hashlib.blake2b(stream.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
+    return stable_hash(stream) if stream else 0
 
 
 _ANY_CALL = CallFingerprint("sync", 0)
 
 
-def describe_call(words: list[int]) -> str:
-    """A fingerprint's words (``CallFingerprint.words``) in words, for error messages."""
+def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
+    """Raise ``RankMismatchError`` unless every rank's fingerprint words in ``rows`` are equal.
+
+    Args:
+        rows: Each rank's ``CallFingerprint.words``, in rank order (as gathered).
+        rank: This process's rank in the group (named in the message).
+        also: What else a difference may mean here, for the message.
+    """
+    if rows.count(rows[0]) == len(rows):  # every rank's row equals rank 0's
+        return
+    seen = "; ".join(f"rank {r}: {_describe_call(row)}" for r, row in enumerate(rows))
+    raise RankMismatchError(
+        f"sync: ranks of the group paired different calls{also} (seen from rank {rank}): "
+        f"{seen}. {_SAME_ORDER}"
+    )
+
+
+def _describe_call(words: list[int]) -> str:
     kind, sequence, structure, stream = words
     name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
     text = f"{name} #{sequence} (structure {structure & _WORD_MASK:016x}"
@@ -396,14 +410,7 @@ class _GatherCheck:
 
     def check(self) -> None:
         assert self._host is not None
-        rows: list[list[int]] = self._host.tolist()
-        if rows.count(rows[0]) == len(rows):  # every rank's row equals rank 0's
-            return
-        seen = "; ".join(f"rank {r}: {describe_call(row)}" for r, row in enumerate(rows))
-        raise RankMismatchError(
-            f"sync: ranks of the group paired different calls (seen from rank {self._rank}): "
-            f"{seen}. {_SAME_ORDER}"
-        )
+        check_calls(self._host.tolist(), self._rank)
 
 
 class _ReduceCheck:
@@ -807,9 +814,14 @@ def _describe(slot: _GroupEntries) -> _Structure:
     return tuple(item for entry in slot.entries for item in entry.described())
 
 
-def _hash(structure: _Structure) -> int:
-    digest = hashlib.blake2b(repr(structure).encode(), digest_size=8).digest()
+def stable_hash(text: str) -> int:
+    """``text`` as a signed int64, the same in every process (unlike ``hash``)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+def _hash(structure: _Structure) -> int:
+    return stable_hash(repr(structure))
 
 
 def _check_structure(slot: _GroupEntries, structure: _Structure) -> None:
