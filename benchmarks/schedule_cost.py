@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.sync_cost import sidestream_collection
+from benchmarks.sync_cost import NUM_CLASSES, sidestream_collection
 from sidestream import ComposeMetric
 from sidestream import sync as sync_module
 from sidestream.collector import AsyncMetricCollector
@@ -44,8 +44,8 @@ def _update(parts: list[ComposeMetric], step: int, device: str = "cpu") -> None:
     """Touch every metric, so each window stages fresh data (made on ``device``)."""
     generator = torch.Generator(device=device).manual_seed(step)
     values = torch.rand(64, generator=generator, device=device)
-    logits = torch.randn(64, 10, generator=generator, device=device)
-    labels = torch.randint(0, 10, (64,), generator=generator, device=device)
+    logits = torch.randn(64, NUM_CLASSES, generator=generator, device=device)
+    labels = torch.randint(0, NUM_CLASSES, (64,), generator=generator, device=device)
     hits = (values > 0.5).long()
     for part in parts:
         for name in ("mean", "sum", "max"):

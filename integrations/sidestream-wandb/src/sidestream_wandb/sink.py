@@ -326,7 +326,7 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
             ) from None
         problems = []
         for key, entry in zip(keys, entries, strict=True):
-            hint = difflib.get_close_matches(key, type(wandb.Settings()).model_fields, n=1)
+            hint = difflib.get_close_matches(key, wandb.Settings.model_fields, n=1)
             problems.append(
                 f"{key!r}: {entry.get('msg')}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
             )

@@ -179,13 +179,14 @@ class TrackerSink(Sink):
         """The name a report's value ``name`` has in the backend (itself by default)."""
         return name
 
-    def _past_backend(self, reports: Sequence[Report]) -> list[Report]:
-        """``reports`` less the values the backend already holds.
+    def _past_backend(self, reports: Sequence[Report]) -> tuple[list[Report], set[str]]:
+        """``reports`` less the values the backend already holds, and the names they pass.
 
-        A report left empty counts as sent. A name is forgotten once a report passes it, so a
-        finished resume costs nothing.
+        A report left empty counts as sent. The caller forgets the names passed once its send
+        succeeded (a failed send is retried with the same batch), so a finished resume costs
+        nothing.
         """
-        steps, kept = self._backend_steps, []
+        steps, kept, passed = self._backend_steps, [], set()
         for report in reports:
             fresh: list[dict[str, Any]] = [{}, {}]
             for index, entries in enumerate((report.values, report.histograms)):
@@ -195,14 +196,14 @@ class TrackerSink(Sink):
                     if last is None or report.step > last:
                         fresh[index][key] = value
                         if last is not None:
-                            del steps[name]
+                            passed.add(name)
             if not fresh[0] and not fresh[1]:
                 self.mark_sent(report)
             elif len(fresh[0]) + len(fresh[1]) == len(report.values) + len(report.histograms):
                 kept.append(report)
             else:
                 kept.append(dataclasses.replace(report, values=fresh[0], histograms=fresh[1]))
-        return kept
+        return kept, passed
 
     def mark_sent(self, report: Report) -> None:
         """Count ``report`` as sent.
@@ -222,11 +223,14 @@ class TrackerSink(Sink):
     def write_batch(self, reports: Sequence[Report]) -> None:
         """Send the reports not delivered yet, in one ``send``."""
         fresh = [report for report in reports if not self.is_delivered(report)]
+        passed: set[str] = set()
         if self._backend_steps:
-            fresh = self._past_backend(fresh)
+            fresh, passed = self._past_backend(fresh)
         if not fresh:
             return
         self.send(fresh)
+        for name in passed:
+            del self._backend_steps[name]
         for report in fresh:
             self.mark_sent(report)
 

@@ -79,8 +79,10 @@ def count_indices(index: Tensor, size: int, weight: Tensor | None = None) -> Ten
     flat = index.reshape(-1)
     if bincount_enabled(index.device):
         if weight is None:
-            # Sliced: the output's size is the largest index + 1 as far as a compiler knows.
-            return torch.bincount(flat, minlength=size)[:size]
+            counts = torch.bincount(flat, minlength=size)
+            # Sliced when compiling: the output's size is the largest index + 1 as far as a
+            # compiler knows. Eager, it is exactly size already (indices are in range).
+            return counts[:size] if torch.compiler.is_compiling() else counts
         flat = torch.where(weight.reshape(-1).bool(), flat, size)
         return torch.bincount(flat, minlength=size + 1)[:size]
     source = torch.ones_like(flat) if weight is None else weight.reshape(-1).to(torch.int64)
