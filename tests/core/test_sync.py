@@ -409,6 +409,39 @@ def _mismatches(token: str) -> dict[str, Any]:
     return out
 
 
+@on_rank_device
+def _mismatch_after_an_earlier_check(token: str) -> dict[str, Any]:
+    """Every rank checked a structure; then one rank syncs it again in a new metric, another not."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = ((3,), torch.int64, ReduceOp.SUM)
+    first = ComposeMetric({f"seen_{token}": _Shaped(*spec)})
+    first.sync()
+    shape = ((4,), torch.int64, ReduceOp.SUM) if rank == world - 1 else spec
+    second = ComposeMetric({f"seen_{token}": _Shaped(*shape)})
+    out: dict[str, Any] = {}
+    try:
+        second.sync()
+        out["second"] = "no error"
+    except RankMismatchError as error:
+        out["second"] = str(error)
+    healthy = SumMetric()
+    healthy.update(torch.tensor([float(rank + 1)]))
+    healthy.sync()
+    out["after"] = float(healthy.compute())
+    return out
+
+
+def test_a_structure_checked_before_is_checked_again_in_a_new_metric(dist_pool: RankPool) -> None:
+    # A cache of verified structures let the ranks that had seen one skip the check while the
+    # odd rank ran it: the check then met a data collective and both hung until the timeout.
+    world = dist_pool.world_size
+    token = uuid.uuid4().hex[:6]
+    per_rank = dist_pool.run(_mismatch_after_an_earlier_check, token, timeout=60)
+    for result in per_rank:
+        assert f"has shape (4,) on rank {world - 1} but (3,) on rank 0" in result["second"]
+        assert result["after"] == world * (world + 1) / 2
+
+
 def test_rank_mismatch_raises_on_every_rank(dist_pool: RankPool) -> None:
     world = dist_pool.world_size
     odd = world - 1

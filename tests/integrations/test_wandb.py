@@ -125,6 +125,9 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
     )
     sink.write(Report(step=5, values={"loss": 9.0}, time=time.time()))  # already delivered
     sink.write(Report(step=4, values={"loss": 9.0}, time=time.time()))  # backwards
+    # Logged, not yet in the .wandb file: delivered only once wandb's periodic write has run.
+    assert sink.state_dict()["last_steps"] == {}
+    assert sink.flush(timeout=30)
     state = sink.state_dict()
     run_dir = sink.run_dir
     assert sink.close(timeout=60)
@@ -148,8 +151,9 @@ sink = WandbSink(project="sidestream-it", mode="offline", dir=sys.argv[1])
 sink.open(RunInfo(name="crash"))
 for step in range(5):
     sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+assert sink.make_durable(timeout=30)  # as a checkpoint does: steps 0 to 4 in the file
 with open(sys.argv[2], "w") as out:
-    json.dump(sink.state_dict(), out)  # the checkpoint: steps 0 to 4 delivered
+    json.dump(sink.state_dict(), out)
 for step in range(5, 10):
     sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
 time.sleep(1)
@@ -158,8 +162,9 @@ os._exit(1)  # killed: the run never finishes
 
 
 def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path: Path) -> None:
-    """wandb holds rows in memory until finish: a crash loses them, so the resumed job must
-    log the steps after the checkpoint again (the progress file claimed them delivered)."""
+    """A checkpoint's steps are in the crashed run's .wandb file (make_durable waited for
+    wandb's periodic write); the steps after it may be lost, so the resumed job logs them again
+    (no progress file claims them: it is written at finish only)."""
     import json
     import os
     import subprocess
@@ -180,6 +185,11 @@ def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path:
     assert done.returncode == 1, done.stderr[-3000:]
     checkpoint = json.loads(saved.read_text())
     assert checkpoint["last_steps"] == {"": 4}
+    crashed = [
+        (row.items["step"], row.items["loss"])
+        for row in _history(_data_file(checkpoint["run_dir"]))
+    ]
+    assert crashed[:5] == [(step, float(step)) for step in range(5)]
 
     resumed = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
     resumed.load_state_dict(checkpoint)

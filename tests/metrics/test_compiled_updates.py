@@ -26,6 +26,7 @@ from sidestream.metrics.classification import (
     BinaryAUROCMetric,
     BinaryAveragePrecisionMetric,
     BinaryCalibrationErrorMetric,
+    BinaryConfusionMatrixMetric,
     BinaryMatthewsCorrCoefMetric,
     CohenKappaMetric,
     MatthewsCorrCoefMetric,
@@ -70,6 +71,16 @@ def _multiclass(g: torch.Generator) -> tuple[Any, ...]:
 def _multiclass_ignored(g: torch.Generator) -> tuple[Any, ...]:
     scores, labels = _multiclass(g)
     return scores, torch.where(torch.rand(N, generator=g) < 0.2, -100, labels)
+
+
+def _binary_ignored(g: torch.Generator) -> tuple[Any, ...]:
+    scores, labels = _binary(g)
+    return scores, torch.where(torch.rand(N, generator=g) < 0.2, -100, labels)
+
+
+def _multilabel_ignored(g: torch.Generator) -> tuple[Any, ...]:
+    scores, labels = _multilabel(g)
+    return scores, torch.where(torch.rand(N, C, generator=g) < 0.2, -100, labels)
 
 
 def _multiclass_large(g: torch.Generator) -> tuple[Any, ...]:
@@ -167,6 +178,24 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
     "multiclass_auroc_few_bins": (
         lambda: MulticlassAUROCMetric(C, 4, ignore_index=-100),
         _multiclass,
+    ),
+    # Binary and multilabel targets with ignore_index: the target check's message once held a
+    # symbolic int under dynamic=True, which Dynamo cannot format.
+    "binary_f1_ignore_index": (
+        lambda: confusion_count_metric(ignore_index=-100).binary().with_f1().build(),
+        _binary_ignored,
+    ),
+    "binary_matrix_ignore_index": (
+        lambda: BinaryConfusionMatrixMetric(ignore_index=-100),
+        _binary_ignored,
+    ),
+    "binary_mcc_ignore_index": (
+        lambda: BinaryMatthewsCorrCoefMetric(ignore_index=-100),
+        _binary_ignored,
+    ),
+    "multilabel_matrix_ignore_index": (
+        lambda: MultilabelConfusionMatrixMetric(C, ignore_index=-100),
+        _multilabel_ignored,
     ),
     "mean_nan_ignore": (lambda: MeanMetric(nan_strategy="ignore"), _values),
     "weighted_mean_nan_fill": (lambda: WeightedMeanMetric(nan_strategy=0.0), _weighted),

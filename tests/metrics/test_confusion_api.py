@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from sklearn.metrics import confusion_matrix
@@ -174,6 +176,40 @@ def test_zero_division_policy() -> None:
     nan_metric = confusion_count_metric(zero_division=float("nan")).binary().with_recall().build()
     nan_metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 0]))
     assert torch.isnan(nan_metric.compute())
+
+
+def test_weighted_nan_zero_division_matches_sklearn_when_no_class_with_support_is_defined() -> None:
+    """With zero_division=NaN scikit-learn leaves undefined classes out of a weighted mean; when
+    that leaves only classes without support, it takes their plain mean instead of NaN."""
+    from sklearn.metrics import f1_score, precision_score, recall_score
+
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(300):
+        size = int(rng.integers(1, 4))
+        target, preds = rng.integers(0, 4, size), rng.integers(0, 4, size)
+        scores = torch.nn.functional.one_hot(torch.as_tensor(preds), 4).double()
+        for method, reference in (
+            ("with_precision", precision_score),
+            ("with_recall", recall_score),
+            ("with_f1", f1_score),
+        ):
+            builder = confusion_count_metric(zero_division=float("nan")).multiclass(4)
+            metric = getattr(builder, method)().weighted().build()
+            metric.update(scores, torch.as_tensor(target))
+            expected = reference(
+                target, preds, labels=range(4), average="weighted", zero_division=np.nan
+            )
+            ours = float(metric.compute())
+            assert (math.isnan(ours) and math.isnan(expected)) or ours == pytest.approx(expected), (
+                method,
+                target,
+                preds,
+                ours,
+                expected,
+            )
+            checked += 1
+    assert checked == 900
 
 
 def test_reset_and_state_dict_round_trip() -> None:

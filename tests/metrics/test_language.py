@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -148,3 +149,9 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
         perplexity.update(logits, losses=torch.ones(3))
     assert torch.isnan(perplexity.compute()) and torch.isnan(accuracy.compute())
     assert perplexity.state_dict()["tokens"].item() == 0
+
+
+@pytest.mark.parametrize("vocab_size", [0, -3, 2.5, True])
+def test_vocab_size_is_checked_when_the_metric_is_made(vocab_size: Any) -> None:
+    with pytest.raises(ValueError, match="vocab_size: expected an int >= 1 or None"):
+        PerplexityMetric(vocab_size=vocab_size)

@@ -159,3 +159,40 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
         R2ScoreMetric(num_outputs=2, shift=[1.0, 2.0, 3.0])
     assert all(float(t.abs().sum()) == 0 for t in metric.state_dict().values())
     assert torch.isnan(metric.compute())
+
+
+@pytest.mark.parametrize("kind", [R2ScoreMetric, PearsonCorrelationMetric])
+def test_checkpoint_keeps_its_shift(kind: Any) -> None:
+    # The sums are of values minus the shift: a checkpoint taken with another shift would give
+    # wrong numbers (R2 of -1.42 came out as 0.73), so loading it raises naming the shift.
+    first, second = _shard(11, 300, 1, offset=3.0), _shard(12, 200, 1, offset=3.0)
+    saved_with = kind(shift=2.0)
+    saved_with.update(torch.as_tensor(first["preds"]), torch.as_tensor(first["target"]))
+    saved = saved_with.state_dict()
+    with pytest.raises(ValueError, match=r"state_dict\['shift'\]: saved with shift=\[2.0\]"):
+        kind(shift=5.0).load_state_dict(saved)
+    resumed = kind(shift=2.0)
+    resumed.load_state_dict(saved)
+    resumed.update(torch.as_tensor(second["preds"]), torch.as_tensor(second["target"]))
+    preds = np.concatenate([first["preds"], second["preds"]]).astype(np.float64)
+    target = np.concatenate([first["target"], second["target"]]).astype(np.float64)
+    expected = r2_score(target, preds) if kind is R2ScoreMetric else pearsonr(preds, target)[0]
+    assert resumed.compute().item() == pytest.approx(expected, rel=1e-9)
+    # A checkpoint from before the shift was saved loads as one taken with this metric's shift.
+    older = {key: value for key, value in saved.items() if "shift" not in key}
+    again = kind(shift=2.0)
+    again.load_state_dict(older)
+    assert again.compute().item() == pytest.approx(saved_with.compute().item(), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: R2ScoreMetric(shift=float("nan")),
+        lambda: PearsonCorrelationMetric(shift=float("inf")),
+        lambda: PearsonCorrelationMetric(target_shift=[float("nan")]),
+    ],
+)
+def test_a_shift_must_be_finite(make: Any) -> None:
+    with pytest.raises(ValueError, match="shift: expected finite values"):
+        make()

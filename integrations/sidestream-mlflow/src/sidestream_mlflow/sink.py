@@ -88,6 +88,16 @@ class MlflowSink(TrackerSink):
         http_max_retries: int | None = 0,
     ) -> None:
         super().__init__()
+        for option, value in (
+            ("http_timeout", http_timeout),
+            ("http_max_retries", http_max_retries),
+        ):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
+                raise TypeError(f"{option}: expected an int >= 0 or None, got {value!r}")
+        if tags is not None and not isinstance(tags, Mapping):
+            raise TypeError(f"tags: expected a mapping of str to str, got {type(tags).__name__}")
         self._tracking_uri = tracking_uri
         self._experiment = experiment
         self._run_name = run_name
@@ -104,8 +114,10 @@ class MlflowSink(TrackerSink):
         self._chunk_uncertain = False
         # Tags the run this sink creates, so a retry after a lost create_run reply finds it
         # instead of creating a second run.
+        # Tags the run this sink creates: an open that finds no run id (a first open whose
+        # create_run reply was lost, a child process restarted mid-open, a checkpoint taken
+        # while the server was down) looks for it before creating one. Kept in the state.
         self._run_key = uuid.uuid4().hex
-        self._create_attempted = False
 
     @classmethod
     def check_available(cls) -> None:
@@ -189,8 +201,10 @@ class MlflowSink(TrackerSink):
             raise failure  # outside the handler: the original is not chained as its context
 
     def _open_run(self, run: RunInfo) -> None:
+        created = False
         if self._run_id is None:
-            self._run_id = self._create_run(run)
+            self._run_id, created = self._find_or_create_run(run)
+        if created:
             existing_params: Mapping[str, str] = {}
         else:
             existing = self._client.get_run(self._run_id)
@@ -200,7 +214,8 @@ class MlflowSink(TrackerSink):
             self.found_values_in_backend(self._server_last_steps(existing))
         self._log_params(run, existing_params)
 
-    def _create_run(self, run: RunInfo) -> str:
+    def _find_or_create_run(self, run: RunInfo) -> tuple[str, bool]:
+        """The id of the run tagged with this sink's run key, and whether it was just created."""
         experiment_id = None
         if self._experiment is not None:
             found = self._client.get_experiment_by_name(self._experiment)
@@ -217,23 +232,32 @@ class MlflowSink(TrackerSink):
                 experiment_id = found.experiment_id
         else:
             experiment_id = "0"
-        if self._create_attempted:
-            # The last create_run may have reached the server with its reply lost.
-            found = self._client.search_runs(
-                [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self._run_key}'"
-            )
-            if found:
-                return str(found[0].info.run_id)
+        # An earlier create_run of this sink (or of the job it resumes) may have reached the
+        # server without this process learning the run id.
+        found = self._client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self._run_key}'"
+        )
+        if found:
+            return str(found[0].info.run_id), False
         tags = {**dict(run.tags), **self._tags}
         name = self._run_name if self._run_name is not None else run.name
         run_tags = {_key(str(k)): shorten(str(v), MAX_TAG_VALUE_LENGTH) for k, v in tags.items()}
-        self._create_attempted = True
         created = self._client.create_run(
             experiment_id,
             run_name=shorten(name, MAX_RUN_NAME_LENGTH) if name else None,
             tags={**run_tags, RUN_KEY_TAG: self._run_key},
         )
-        return str(created.info.run_id)
+        return str(created.info.run_id), True
+
+    def extra_state(self) -> dict[str, Any]:
+        """The run key, so a resumed job finds a run whose id this job never learned."""
+        return {"run_key": self._run_key}
+
+    def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Take the saved run key (a state from before run keys keeps this sink's own)."""
+        run_key = state_dict.get("run_key")
+        if isinstance(run_key, str) and run_key.isalnum():  # it goes into a search filter
+            self._run_key = run_key
 
     def _log_params(self, run: RunInfo, existing: Mapping[str, str]) -> None:
         from mlflow.entities import Param

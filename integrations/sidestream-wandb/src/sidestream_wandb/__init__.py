@@ -2,8 +2,8 @@
 
 from importlib.metadata import version
 
-from sidestream_wandb.sink import WandbSink
+from sidestream_wandb.sink import FLUSH_INTERVAL_S, WandbSink
 
-__all__ = ["WandbSink", "__version__"]
+__all__ = ["FLUSH_INTERVAL_S", "WandbSink", "__version__"]
 
 __version__ = version("sidestream-wandb")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,13 +14,19 @@ from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, i
 from sidestream.sinks.support import flatten_config, histogram_edges, redact, secrets_in, shorten
 from sidestream.sinks.tracker import signature_options
 
-__all__ = ["WandbSink", "step_metric"]
+__all__ = ["FLUSH_INTERVAL_S", "WandbSink", "step_metric"]
 
 _SECRET_ENV = ("WANDB_API_KEY",)
 _MAX_TAG_LENGTH = 64  # W&B rejects longer tags
 _MAX_HISTOGRAM_BINS = 512  # wandb.Histogram's limit
 #: Each stream's last logged step, in the run's local directory (outside the uploaded files/).
 PROGRESS_FILE = "sidestream-steps.json"
+#: wandb's setting for how often it writes buffered run data to the run's ``.wandb`` file.
+FLUSH_SETTING = "x_transaction_log_flush_interval"
+#: The sink's value for it unless the settings give one (wandb's own default is 15 s).
+FLUSH_INTERVAL_S = 1.0
+# How long a logged row may take to reach wandb's writer before its next periodic write.
+_FLUSH_MARGIN_S = 0.5
 INSTALL = (
     'pip install "sidestream[wandb]" (from a checkout: pip install ./integrations/sidestream-wandb)'
 )
@@ -47,10 +54,17 @@ class WandbSink(TrackerSink):
     order to join them. Steps delivered after the checkpoint was taken are skipped either way:
     the sink keeps each stream's last logged step in ``sidestream-steps.json`` in the run's
     directory (outside ``files/``, so it is not uploaded), written once ``finish`` returned,
-    and reads it back on resume. wandb holds logged rows in memory until ``finish`` (or until
-    its write buffer fills), so a job that crashes loses its unfinished run's rows in W&B,
-    those before its last checkpoint included; the resumed job logs every step after the
-    checkpoint again.
+    and reads it back on resume.
+
+    Delivered: wandb has no call that writes logged rows out and confirms it. From wandb 0.31
+    its service writes buffered rows to the run's ``.wandb`` file every
+    ``x_transaction_log_flush_interval`` seconds, which the sink sets to
+    ``FLUSH_INTERVAL_S`` (1 s) unless ``settings`` give it. A row counts as delivered (in
+    ``state_dict``) once ``persist`` has waited that interval plus a margin after it was logged,
+    or once ``finish`` returned; ``flush`` and a checkpoint's ``make_durable`` wait for that.
+    Older wandb clients write rows only when a 32 KiB buffer fills or the run finishes: there
+    rows count as delivered when ``run.log`` returns, and a crashed job loses those wandb had
+    not written.
 
     Args:
         project: W&B project.
@@ -84,6 +98,11 @@ class WandbSink(TrackerSink):
         self._defined: set[str] = set()  # names given a step metric with define_metric
         self._logged: dict[str, int] = {}  # last step per stream handed to W&B by this sink
         self._previous_dir: str | None = None  # the run directory of the checkpointed job
+        # Seconds between wandb's writes of buffered rows to the .wandb file, once opened;
+        # None: a client without them (rows are written when a buffer fills or at finish).
+        self._flush_interval: float | None = None
+        self._last_log = 0.0  # time.monotonic() when the last row was handed to wandb
+        self._finished = False
 
     @classmethod
     def check_available(cls) -> None:
@@ -158,6 +177,8 @@ class WandbSink(TrackerSink):
             kwargs["id"] = self._run_id
             kwargs.setdefault("resume", "allow")
         kwargs.setdefault("reinit", "create_new")
+        settings, self._flush_interval = _with_flush_interval(wandb, kwargs.get("settings"))
+        kwargs["settings"] = settings
         failure: RuntimeError | None = None
         try:
             self._run = wandb.init(config=config, tags=tags or None, **kwargs)
@@ -166,6 +187,7 @@ class WandbSink(TrackerSink):
         if failure is not None:
             raise failure  # outside the handler: the original is not chained as its context
         self._run_id = str(self._run.id)
+        self._finished = False
         self._defined.clear()
         if self.resumed:
             # Steps logged after the checkpoint was taken: in the last job's progress file,
@@ -212,8 +234,35 @@ class WandbSink(TrackerSink):
                 failure = self._failure(f"log at {key}={report.step}", error)
             if failure is not None:
                 raise failure  # outside the handler: the original is not chained as context
+            self._last_log = time.monotonic()
             self.mark_sent(report)
             self._logged[report.stream] = report.step
+
+    @property
+    def durable_on_send(self) -> bool:  # type: ignore[override]
+        """Whether ``run.log`` returning counts as delivered.
+
+        Only on clients without a periodic write of the ``.wandb`` file (before wandb 0.31).
+        """
+        return self._flush_interval is None and not self._finished
+
+    def persist(self, timeout: float | None) -> bool:
+        """Wait until wandb's periodic write has put every logged row in the ``.wandb`` file.
+
+        That is ``x_transaction_log_flush_interval`` plus a margin after the last ``run.log``;
+        False if ``timeout`` is shorter, or if the interval is 0 (wandb then writes rows only
+        when a buffer fills or at ``finish``).
+        """
+        if self._finished or self._flush_interval is None:
+            return True
+        if self._flush_interval <= 0:
+            return False
+        wait = self._last_log + self._flush_interval + _FLUSH_MARGIN_S - time.monotonic()
+        if wait > 0:
+            if timeout is not None and wait > timeout:
+                return False
+            time.sleep(wait)
+        return True
 
     def _write_progress(self, run_dir: str) -> None:
         """Record each stream's last logged step next to the run (read back on resume).
@@ -277,8 +326,31 @@ class WandbSink(TrackerSink):
         run_dir = str(active.dir).removesuffix("/files")
         finished = self.within(active.finish, timeout, "finish")
         if finished:
+            self._finished = True
+            self.flush(0.0)  # every row logged is in the file now: all of them count
             self._write_progress(run_dir)  # the rows are written now: a resume may skip them
         return finished
+
+
+def _with_flush_interval(wandb: Any, settings: Any) -> tuple[Any, float | None]:
+    """``settings`` with wandb's periodic write every ``FLUSH_INTERVAL_S`` unless they set it.
+
+    Returns:
+        The settings to pass to ``wandb.init`` and the interval in effect, ``None`` for a
+        client without the setting (then ``settings`` are returned as given).
+    """
+    if FLUSH_SETTING not in getattr(wandb.Settings, "model_fields", {}):
+        return settings, None
+    if settings is None:
+        return {FLUSH_SETTING: FLUSH_INTERVAL_S}, FLUSH_INTERVAL_S
+    if isinstance(settings, Mapping):
+        chosen = dict(settings)
+        chosen.setdefault(FLUSH_SETTING, FLUSH_INTERVAL_S)
+        return chosen, float(chosen[FLUSH_SETTING])
+    if FLUSH_SETTING not in getattr(settings, "model_fields_set", set()):
+        settings = settings.model_copy()
+        setattr(settings, FLUSH_SETTING, FLUSH_INTERVAL_S)
+    return settings, float(getattr(settings, FLUSH_SETTING))
 
 
 def _read_progress(run_dir: str | None) -> dict[str, int]:

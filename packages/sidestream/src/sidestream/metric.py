@@ -603,7 +603,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
         The group's first rank takes the saved global state (sample stores: every saved row);
         the others start from the initial value (empty stores), so the next sync counts the
-        saved data exactly once.
+        saved data exactly once. Every rank must call it: it uses no communication, but counts
+        as a call, so the next ``sync`` or ``state_dict`` raises ``RankMismatchError`` on every
+        rank if one rank skipped it.
 
         Raises:
             KeyError: If ``state_dict`` lacks a state of this metric or has an unknown one.
@@ -650,6 +652,10 @@ class Metric(Stateful, Generic[T], abc.ABC):
             else:
                 store.clear()
         self._mark_fresh(False)
+        # A load counts as a call: only the group's first rank takes the saved numbers, so a
+        # rank that skipped it (rank 0: the checkpoint lost) fails the next sync or state_dict
+        # on every rank with RankMismatchError instead of reducing without it.
+        self.call_counter.next()
 
 
 def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:

@@ -99,6 +99,9 @@ class MetricAccumulator:
         self._local = local
         self._initial = initial
         self._synced = synced
+        # Groups this stand-alone state's structure was checked over (by id): its first sync
+        # over a group checks, later ones do not (every rank makes the same calls).
+        self._checked_groups: frozenset[int] = frozenset()
         # Updates write through a 1-D view: torch 2.13 loses in-place updates of 0-dim tensors
         # (and 0-dim views) inside compiled graphs on CPU; shape (1,) is safe.
         self._target = local.view(1) if local.dim() == 0 else local
@@ -298,7 +301,9 @@ class MetricAccumulator:
             )
         batch = SyncBatch()
         batch.add(self, group, self._synced, name="state")
-        batch.start()
+        checked = id(group) in self._checked_groups
+        batch.program(check=not checked).start()
+        self._checked_groups |= {id(group)}
         self._freshness.current = True
 
     def reset(self) -> None:
@@ -338,7 +343,18 @@ class MetricAccumulator:
 
 
 _VIEWS = frozenset(
-    {"_local", "_initial", "_synced", "_target", "_flat", "_buffer", "_start", "_stop", "_shape"}
+    {
+        "_local",
+        "_initial",
+        "_synced",
+        "_target",
+        "_flat",
+        "_buffer",
+        "_start",
+        "_stop",
+        "_shape",
+        "_checked_groups",
+    }
 )
 """What ``MetricAccumulator._bind`` derives: left out of a pickle and made again on load."""
 

@@ -23,10 +23,12 @@ skipped a window, or checkpointed alone) the fingerprints differ, and ``SyncHand
 CUDA) or ``SyncHandle.verify`` raises ``RankMismatchError`` on every rank instead of returning
 numbers mixed from different calls.
 
-The first sync of a given state structure over a group also exchanges a fixed-size structure
-check first (one extra, blocking all_reduce of two int64), so ranks holding different states fail
-with a message naming the difference instead of hanging in collectives of different sizes.
-Verified structures are cached, so later syncs pay nothing.
+Laying a sync out (``SyncBatch.program``, once per metric and group) also exchanges a
+fixed-size structure check first (one extra, blocking all_reduce of two int64), so ranks holding
+different states fail with a message naming the difference instead of hanging in collectives of
+different sizes. A program is started again and again without it, so later syncs pay nothing.
+The check is never skipped from a cache of structures verified before: a rank that skipped it
+while another ran it would pair the check with a data collective and hang.
 
 ``SyncProgram`` is a batch laid out once (buffers and views included) that can be started again
 and again with a handful of tensor calls; metrics and the collector keep one per group.
@@ -65,7 +67,6 @@ GATHER_LIMIT_BYTES = 1 << 20
 
 _ALIGN = 8  # every staged state starts at a multiple of the widest element size
 _LOW_BITS = 0xFFFFFFFF
-_MAX_CACHED_STRUCTURES = 4096
 _KINDS = ("sync", "state_dict", "window", "changed", "record")
 _CHUNK_BITS = 16  # all_reduce fingerprints travel as 16-bit chunks: exact in float64 sums
 _FINGERPRINT_WORDS = 4  # kind, sequence, structure, stream (int64 each, on the gather path)
@@ -77,8 +78,8 @@ _WORD_MASK = (1 << 64) - 1
 
 
 _SAME_ORDER = (
-    "Every rank must call sync, state_dict and schedule_collection (of every collector) in the "
-    "same order, with the same metric structure"
+    "Every rank must call sync, state_dict, load_state_dict and schedule_collection (of every "
+    "collector) in the same order, with the same metric structure"
 )
 
 
@@ -619,9 +620,9 @@ class SyncBatch:
         """Lay the batch out as a ``SyncProgram`` (buffers and views made once).
 
         Args:
-            check: Run the blocking structure check for structures not yet verified on their
-                group (every rank must then do the same). ``False`` is for code that lays out,
-                on one rank alone, a copy of a structure it already checked.
+            check: Run the blocking structure check (every rank must then do the same).
+                ``False`` is for code that lays out, on one rank alone, a copy of a structure
+                it already checked.
 
         Raises:
             RankMismatchError: If ranks of a group hold different states.
@@ -649,7 +650,7 @@ class SyncBatch:
         return SyncProgram(_CopyPlan(copies), plans)
 
     def check(self) -> None:
-        """Only run the structure check (blocking, once per structure), reducing nothing."""
+        """Only run the structure check (blocking, a collective), reducing nothing."""
         for slot in self._groups.values():
             _check_structure(slot, _describe(slot))
 
@@ -807,7 +808,6 @@ def _all_gather_single(
 
 
 _Structure = tuple[tuple[str, tuple[int, ...], str, str], ...]
-_verified: set[tuple[int, int, _Structure]] = set()
 
 
 def _describe(slot: _GroupEntries) -> _Structure:
@@ -825,15 +825,12 @@ def _hash(structure: _Structure) -> int:
 
 
 def _check_structure(slot: _GroupEntries, structure: _Structure) -> None:
-    """Check once per structure that every rank of the group syncs the same states.
+    """Check that every rank of the group syncs the same states (blocking, a collective).
 
     A fixed-size fingerprint (its hash and the bitwise complement, reduced with MAX) tells
     every rank whether all hashes are equal; only on a mismatch are the descriptions exchanged,
     so the error can name the difference on every rank.
     """
-    key = (id(slot.group), slot.size, structure)
-    if key in _verified:
-        return
     fingerprint = _hash(structure)
     device = slot.entries[0].state.local.device
     check = torch.tensor([fingerprint, ~fingerprint], dtype=torch.int64, device=device)
@@ -844,9 +841,6 @@ def _check_structure(slot: _GroupEntries, structure: _Structure) -> None:
         work.wait()
     largest, smallest_inverted = check.tolist()  # one host sync per new structure
     if largest == ~smallest_inverted:
-        if len(_verified) >= _MAX_CACHED_STRUCTURES:
-            _verified.clear()
-        _verified.add(key)
         return
     everyone: list[Any] = [None] * slot.size
     dist.all_gather_object(everyone, structure, group=slot.group)

@@ -64,9 +64,9 @@ class Sink(abc.ABC):
     ``Report.stream``; reports of different streams arrive in the order they finished. A
     report counts as delivered once ``write`` returns, so ``write`` returns only when the
     backend has it. ``write`` may raise: the pipeline retries transient errors with backoff and
-    keeps the report until it is delivered; permanent ones (``ImportError``, ``TypeError``,
-    ``ValueError``, an HTTP 4xx other than 408/429) mark the sink failed. Sinks are never
-    opened on other ranks. Tracker sinks that keep a run derive from
+    keeps the report until it is delivered; permanent ones (``is_permanent``: ``ImportError``,
+    ``TypeError``, ``ValueError``, an HTTP 4xx other than 408/429, ...) mark the sink failed.
+    Sinks are never opened on other ranks. Tracker sinks that keep a run derive from
     ``sidestream.sinks.TrackerSink``, which does the per-stream resume bookkeeping.
     """
 

@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.status import PermanentSinkError, is_permanent
 
 __all__ = ["ProcessSink", "SinkProcessError"]
 
@@ -40,8 +41,12 @@ def _reply(conn: Connection, *message: Any) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
-def _failure(error: BaseException) -> tuple[str, str]:
-    return f"{type(error).__name__}: {error}", traceback.format_exc()
+class _PermanentSinkProcessError(SinkProcessError, PermanentSinkError):
+    """The sink in the child raised an error that retrying cannot fix (``is_permanent``)."""
+
+
+def _failure(error: BaseException) -> tuple[str, str, bool]:
+    return f"{type(error).__name__}: {error}", traceback.format_exc(), is_permanent(error)
 
 
 def _serve(
@@ -231,6 +236,7 @@ class ProcessSink(Sink):
         # The sink's thread writes while a checkpoint calls make_durable from the training
         # thread: one call on the pipe at a time.
         self._pipe_lock = threading.RLock()
+        self._closed: bool | None = None  # what a finished close returned
         self.restarts = 0
 
     # ------------------------------------------------------------------ the Sink contract
@@ -309,12 +315,19 @@ class ProcessSink(Sink):
             self._pipe_lock.release()
 
     def close(self, timeout: float | None = None) -> bool:
-        """Close the sink in the child and stop the child."""
+        """Close the sink in the child and stop the child.
+
+        A child that died since its last call is started again first (resumed, and given the
+        reports since the last flush), so that the backend's run is closed all the same: a W&B
+        run that is never finished stays open, and an MLflow run stays RUNNING.
+        """
         with self._pipe_lock:
+            if self._closed is not None:
+                return self._closed
+            if self._run is None:  # never opened: no child, no run to close
+                self._closed = True
+                return True
             if not self._alive():
-                if not self._unflushed:
-                    self._stop()
-                    return True
                 self._restart()
             try:
                 done = bool(self._call("close", timeout, timeout))
@@ -322,6 +335,7 @@ class ProcessSink(Sink):
                 self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
             if done:
                 self._unflushed.clear()
+            self._closed = done
             return done
 
     def state_dict(self) -> dict[str, Any]:
@@ -405,8 +419,9 @@ class ProcessSink(Sink):
                 f"sink {self.name!r}: the child process died during {operation}"
             ) from error
         if status == _ERROR:
-            message, child_traceback = payload
-            raise SinkProcessError(f"{message} (in the child process)", child_traceback)
+            message, child_traceback, permanent = payload
+            kind = _PermanentSinkProcessError if permanent else SinkProcessError
+            raise kind(f"{message} (in the child process)", child_traceback)
         result, state = payload
         self._state = dict(state)
         return result

@@ -91,6 +91,7 @@ class SinkRunner:
         self._failed_attempts = 0
         self._status = SinkStatus("healthy", None)
         self._state: dict[str, Any] = {}
+        self._sink_closed = False  # the sink's final flush and close both succeeded
         self._thread = threading.Thread(
             target=self._work, name=f"sidestream-sink-{self.key}", daemon=True
         )
@@ -213,15 +214,20 @@ class SinkRunner:
         that is kept on disk (JSON lines, oldest first; ``replay_spool`` delivers them later),
         a warning names it, and ``False`` is returned. Never raises: a file that cannot be
         written is logged with the count of reports lost. Also ``False`` when reports were
-        dropped (see ``dropped``).
+        dropped (see ``dropped``), when the sink failed, and when its final ``close`` raised or
+        returned ``False`` (its backend may not have everything).
         """
         self.begin_close(timeout)
+        if self._thread.ident is None:  # never started: nothing was opened or delivered
+            with self._cond:
+                self._spool.discard()
+                return self._submitted == 0
         self._thread.join(self._remaining())
         if not self._thread.is_alive():
             with self._cond:
                 self._spool.discard()
                 self._log_dropped()
-                return self._delivered == self._submitted
+                return self._delivered == self._submitted and self._sink_closed
         self._abandon.set()
         with self._cond:
             undelivered = [*self._in_flight, *self._queue]
@@ -297,7 +303,8 @@ class SinkRunner:
                 last_flush = time.monotonic()
             if stop:
                 break
-        self._once("close", lambda: self.sink.close(self._remaining()))
+        # close() flushes too: an idle flush that failed earlier is covered by it.
+        self._sink_closed = self._once("close", lambda: self.sink.close(self._remaining()))
 
     def _open(self) -> None:
         if self._resume_state is not None:
@@ -418,13 +425,19 @@ class SinkRunner:
             reason,
         )
 
-    def _once(self, what: str, action: Callable[[], object]) -> None:
+    def _once(self, what: str, action: Callable[[], object]) -> bool:
+        """Run a sink's ``flush`` or ``close``; whether it neither raised nor returned False."""
         try:
-            action()
+            done = action()
         except Exception as error:
             logger.warning(
                 "sink %r: %s failed: %s: %s", self.key, what, type(error).__name__, error
             )
+            return False
+        if done is False:
+            logger.warning("sink %r: %s did not finish (it returned False)", self.key, what)
+            return False
+        return True
 
     def _snapshot_state(self) -> None:
         try:

@@ -36,16 +36,34 @@ class PermanentSinkError(RuntimeError):
 # HTTP statuses that a retry may fix: request timeout and too many requests.
 _TRANSIENT_4XX = {408, 429}
 
+# Errors of the sink's code or its options, not of the backend's availability: the same call
+# raises them again on every retry (a path that is a directory, a stream without write()).
+_PERMANENT_ERRORS = (
+    PermanentSinkError,
+    ImportError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    KeyError,
+    NameError,
+    NotImplementedError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+
 
 def is_permanent(error: BaseException) -> bool:
     """Whether retrying the call that raised ``error`` cannot help.
 
     Permanent: ``PermanentSinkError``, ``ImportError`` (a client not installed), ``TypeError``
-    and ``ValueError`` (bad arguments), and HTTP errors with a 4xx status other than 408/429
-    (read from ``status_code``, ``response.status_code`` or ``get_http_status_code()``).
-    Everything else (connection errors, timeouts, 5xx) is transient.
+    and ``ValueError`` (bad arguments), errors of the sink's own code (``AttributeError``,
+    ``KeyError``, ``NameError``, ``NotImplementedError``), a path that is a directory where a
+    file is wanted or the reverse (``IsADirectoryError``, ``NotADirectoryError``), and HTTP
+    errors with a 4xx status other than 408/429 (read from ``status_code``,
+    ``response.status_code`` or ``get_http_status_code()``). Everything else (connection
+    errors, timeouts, 5xx, a full disk) is transient.
     """
-    if isinstance(error, PermanentSinkError | ImportError | TypeError | ValueError):
+    if isinstance(error, _PERMANENT_ERRORS):
         return True
     status = _http_status(error)
     return status is not None and 400 <= status < 500 and status not in _TRANSIENT_4XX

@@ -34,19 +34,33 @@ def divide(numerator: Tensor, denominator: Tensor, zero_division: float) -> Tens
 
 
 def mean_over_classes(
-    per_class: Tensor, weights: Tensor, zero_division: float = math.nan
+    per_class: Tensor,
+    weights: Tensor,
+    zero_division: float = math.nan,
+    *,
+    support_weighted: bool = False,
 ) -> Tensor:
     """The ``weights``-weighted mean of ``per_class`` over its last dimension.
 
     ``zero_division`` where no weight is > 0. Classes whose value is NaN (undefined) are left
     out when ``zero_division`` is NaN.
+
+    With ``support_weighted`` (``average="weighted"``) and ``zero_division`` NaN, a mean whose
+    classes with support are all left out is the plain mean of the classes left (those without
+    support), as scikit-learn's: NaN only when every class is undefined.
     """
     # Not math.isnan: compiled with dynamic=True a float setting may be a symbolic float.
-    if zero_division != zero_division:  # NaN
+    undefined = zero_division != zero_division  # NaN
+    if undefined:
         weights = torch.where(per_class.isnan(), 0.0, weights)
     total = weights.sum(-1)
     weighted = torch.where(weights > 0, per_class, 0.0).mul(weights).sum(-1)
-    return torch.where(total > 0, weighted / total.clamp_min(1e-300), zero_division)
+    if undefined and support_weighted:
+        defined = ~per_class.isnan()
+        fallback = torch.where(defined, per_class, 0.0).sum(-1) / defined.sum(-1)  # 0/0: NaN
+    else:
+        fallback = torch.full_like(weighted, zero_division)
+    return torch.where(total > 0, weighted / total.clamp_min(1e-300), fallback)
 
 
 def average_statistic(
@@ -73,5 +87,6 @@ def average_statistic(
     if average == "none":
         return per_class
     tp, _, fn, _ = counts
-    weights = tp + fn if average == "weighted" else macro_weights
-    return mean_over_classes(per_class, weights, zero_division)
+    weighted = average == "weighted"
+    weights = tp + fn if weighted else macro_weights
+    return mean_over_classes(per_class, weights, zero_division, support_weighted=weighted)

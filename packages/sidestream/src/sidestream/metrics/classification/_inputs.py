@@ -467,7 +467,7 @@ def label_flags(
         if problem.ignore_index is not None:
             weight = target != problem.ignore_index
             checked = torch.where(weight, target, 0)
-            expected += f" or ignore_index={problem.ignore_index}"
+            expected += expected_text(" or ignore_index={}", problem.ignore_index)
         checks.append((outside(checked, 0, 1), "target", expected))
     keep = screen(checks, rejected)
     if keep is not None:

@@ -53,6 +53,10 @@ class PerplexityMetric(Metric[Tensor]):
 
     def __init__(self, ignore_index: int | None = -100, vocab_size: int | None = None) -> None:
         check_ignore_index(ignore_index)
+        if vocab_size is not None and (
+            isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
+        ):
+            raise ValueError(f"vocab_size: expected an int >= 1 or None, got {vocab_size!r}")
         self._ignore_index = ignore_index
         self._vocab_size = vocab_size
         self._nll = MetricAccumulator(0.0, dtype=torch.float64)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from sidestream._reduce_op import ReduceOp
 from sidestream._validation import (
     as_tensor,
     check_floating,
@@ -104,3 +106,51 @@ def spread(squares: Tensor, sums: Tensor, count: Tensor) -> Tensor:
     """
     value = squares - sums.square() / count
     return torch.where(value > count * _EPS * squares, value, torch.nan)
+
+
+def shift_vector(argument: str, shift: float | Sequence[float], outputs: int) -> Tensor:
+    """``shift`` as a float64 ``(outputs,)`` vector; raises naming ``argument`` on a bad value."""
+    try:
+        vector = torch.as_tensor(shift, dtype=torch.float64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(
+            f"{argument}: expected a number or a sequence of numbers, got {shift!r}"
+        ) from error
+    if not bool(torch.isfinite(vector).all()):
+        raise ValueError(f"{argument}: expected finite values, got {vector.tolist()}")
+    if vector.numel() == 1:
+        return vector.expand(outputs).clone()
+    if vector.numel() != outputs:
+        raise ValueError(
+            f"{argument}: expected a scalar or {outputs} values (num_outputs), got {vector.numel()}"
+        )
+    return vector
+
+
+def shift_state(argument: str, shift: float | Sequence[float], outputs: int) -> MetricAccumulator:
+    """A shift as a state: constant (the MAX of equal values), and saved with the sums.
+
+    The sums are of values minus the shift, so they mean something only with that shift;
+    ``check_saved_shift`` refuses a checkpoint taken with another one.
+    """
+    return MetricAccumulator(shift_vector(argument, shift, outputs), ReduceOp.MAX)
+
+
+def check_saved_shift(state_dict: dict[str, Any], key: str, shift: MetricAccumulator) -> None:
+    """Raise ``ValueError`` if ``state_dict[key]`` is not ``shift``'s value.
+
+    A checkpoint from before shifts were saved gets this metric's shift (assumed the same).
+    """
+    own = shift.initial
+    if key not in state_dict:
+        state_dict[key] = own.clone()
+        return
+    saved = torch.as_tensor(state_dict[key])
+    same = saved.shape == own.shape and torch.equal(saved.to(own), own)
+    if not same:
+        argument = key.rsplit(".", 1)[-1]
+        raise ValueError(
+            f"state_dict[{key!r}]: saved with {argument}={saved.tolist()}, this metric has "
+            f"{argument}={own.tolist()}; the saved sums are of values minus {argument}, so "
+            "load them into a metric with the same one"
+        )

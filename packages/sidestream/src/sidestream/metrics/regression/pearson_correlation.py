@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from sidestream.metrics.regression._paired import MultiOutput, PairedRegressionMetric, spread
-from sidestream.metrics.regression.r2_score import shift_vector
+from sidestream.metrics.regression._paired import (
+    MultiOutput,
+    PairedRegressionMetric,
+    check_saved_shift,
+    shift_state,
+    spread,
+)
 
 __all__ = ["PearsonCorrelationMetric"]
 
@@ -46,11 +52,9 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         target_shift: float | Sequence[float] | None = None,
     ) -> None:
         super().__init__(num_outputs, multioutput)
-        self._shift = shift_vector("shift", shift, num_outputs)
-        self._target_shift = (
-            self._shift
-            if target_shift is None
-            else shift_vector("target_shift", target_shift, num_outputs)
+        self._shift = shift_state("shift", shift, num_outputs)
+        self._target_shift = shift_state(
+            "target_shift", shift if target_shift is None else target_shift, num_outputs
         )
         self._preds_sum = self._sum_state()
         self._target_sum = self._sum_state()
@@ -67,7 +71,7 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
                 batch and counts it in ``rejected_updates``.
         """
         preds_64, target_64, keep = self._pairs(preds, target)
-        x, y = preds_64 - self._shift, target_64 - self._target_shift
+        x, y = preds_64 - self._shift.local, target_64 - self._target_shift.local
         if keep is not None:
             x, y = torch.where(keep, x, 0.0), torch.where(keep, y, 0.0)
         self._preds_sum.accumulate(x.sum(0))
@@ -76,9 +80,9 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         self._target_squares.accumulate(y.square().sum(0))
         self._products.accumulate((x * y).sum(0))
 
-    def _move_extras(self, device: torch.device) -> None:
-        self._shift = self._shift.to(device)
-        self._target_shift = self._target_shift.to(device)
+    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
+        check_saved_shift(state_dict, prefix + "shift", self._shift)
+        check_saved_shift(state_dict, prefix + "target_shift", self._target_shift)
 
     def compute(self) -> Tensor:
         """Pearson's r per output then averaged; NaN when undefined."""

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from sidestream.metrics.regression._paired import PairedRegressionMetric, spread
+from sidestream.metrics.regression._paired import (
+    PairedRegressionMetric,
+    check_saved_shift,
+    shift_state,
+    spread,
+)
 
 __all__ = ["R2ScoreMetric"]
 
@@ -66,7 +71,7 @@ class R2ScoreMetric(PairedRegressionMetric):
             raise ValueError(f"adjusted: expected an int >= 0 (regressors), got {adjusted!r}")
         self._variance_weighted = weighted
         self._adjusted = adjusted
-        self._shift = shift_vector("shift", shift, num_outputs)
+        self._shift = shift_state("shift", shift, num_outputs)
         self._squared_error = self._sum_state()
         self._target_sum = self._sum_state()
         self._target_squares = self._sum_state()
@@ -80,15 +85,15 @@ class R2ScoreMetric(PairedRegressionMetric):
                 batch and counts it in ``rejected_updates``.
         """
         preds_64, target_64, keep = self._pairs(preds, target)
-        shifted = target_64 - self._shift
+        shifted = target_64 - self._shift.local
         if keep is not None:
             shifted = torch.where(keep, shifted, 0.0)
         self._squared_error.accumulate((preds_64 - target_64).square().sum(0))
         self._target_sum.accumulate(shifted.sum(0))
         self._target_squares.accumulate(shifted.square().sum(0))
 
-    def _move_extras(self, device: torch.device) -> None:
-        self._shift = self._shift.to(device)
+    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
+        check_saved_shift(state_dict, prefix + "shift", self._shift)
 
     def compute(self) -> Tensor:
         """R² per output then averaged; NaN over no data or for a constant target."""
@@ -105,15 +110,3 @@ class R2ScoreMetric(PairedRegressionMetric):
             weights = torch.where(varies, total, 0.0)
             return torch.where(varies, r2 * weights, 0.0).sum() / weights.sum()
         return self._finish(r2)
-
-
-def shift_vector(argument: str, shift: float | Sequence[float], outputs: int) -> Tensor:
-    """``shift`` as a float64 ``(outputs,)`` vector; raises naming ``argument`` on a bad size."""
-    vector = torch.as_tensor(shift, dtype=torch.float64).reshape(-1)
-    if vector.numel() == 1:
-        return vector.expand(outputs).clone()
-    if vector.numel() != outputs:
-        raise ValueError(
-            f"{argument}: expected a scalar or {outputs} values (num_outputs), got {vector.numel()}"
-        )
-    return vector
