@@ -113,3 +113,39 @@ class SlowOpenSink(JsonlSink):
             opens.write(f"{os.getpid()}\n")
         time.sleep(self._seconds)
         super().open(run)
+
+
+class BuggySink(Sink):
+    """A sink whose ``write`` has a bug: retrying it cannot help."""
+
+    name = "buggy"
+
+    def open(self, run: RunInfo) -> None:
+        pass
+
+    def write(self, report: Report) -> None:
+        raise AttributeError("'NoneType' object has no attribute 'log'")
+
+
+class CloseMarkerSink(Sink):
+    """Appends ``open <pid>`` and ``close <pid>`` lines to ``path``, like a run opened and
+    finished on a backend."""
+
+    name = "close_marker"
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def _mark(self, what: str) -> None:
+        with open(self._path, "a") as file:
+            file.write(f"{what} {os.getpid()}\n")
+
+    def open(self, run: RunInfo) -> None:
+        self._mark("open")
+
+    def write(self, report: Report) -> None:
+        pass
+
+    def close(self, timeout: float | None = None) -> bool:
+        self._mark("close")
+        return True

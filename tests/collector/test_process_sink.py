@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -19,10 +20,14 @@ from sidestream.sinks import (
     Report,
     RunInfo,
     SinkProcessError,
+    SinkRunner,
+    is_permanent,
     sinks_from_config,
 )
 from tests.collector.child_sinks import (
     BatchSizesSink,
+    BuggySink,
+    CloseMarkerSink,
     DurableCountSink,
     FailingOpenSink,
     SlowOpenSink,
@@ -209,3 +214,38 @@ def test_a_checkpoint_during_the_childs_open_waits_for_it_instead_of_killing_it(
     assert len(Path(f"{path}.opens").read_text().split()) == 1  # one child opened it
     assert sink.restarts == 0
     assert [line["step"] for line in _lines(path)] == [1]
+
+
+def test_a_bug_in_the_childs_sink_is_permanent() -> None:
+    # An AttributeError is the sink's own bug: the pipeline must not retry it forever.
+    sink = ProcessSink(BuggySink())
+    sink.open(RunInfo())
+    with pytest.raises(SinkProcessError, match="AttributeError") as caught:
+        sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    assert is_permanent(caught.value)
+    assert sink.close(30.0)
+
+
+def test_close_after_the_child_died_still_closes_the_backend_run(tmp_path: Path) -> None:
+    # A W&B run that is never finished stays open: a dead child is started again to close it.
+    marks = tmp_path / "marks.txt"
+    sink = ProcessSink(CloseMarkerSink(marks))
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    assert sink.flush(30.0)
+    first = sink._process
+    assert first is not None and first.pid is not None
+    os.kill(first.pid, signal.SIGKILL)
+    first.join(30.0)
+    assert sink.close(60.0)
+    lines = marks.read_text().split()
+    assert lines[0::2] == ["open", "open", "close"]
+    assert lines[1] != lines[3] == lines[5]  # the second child opened and closed the run
+    assert sink.restarts == 1
+    assert sink.close(1.0)  # closed already: nothing starts again
+    assert marks.read_text().count("close") == 1
+
+
+def test_a_runner_that_never_started_closes_quietly() -> None:
+    runner = SinkRunner(BuggySink())
+    assert runner.close(1.0)

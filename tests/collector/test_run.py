@@ -336,3 +336,26 @@ def test_a_checkpoint_waits_at_most_its_timeout_in_all() -> None:
         began = time.monotonic()
         run.state_dict(timeout=1.0)
         assert time.monotonic() - began < 1.6
+
+
+def test_a_collector_the_loaded_state_lacks_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """dcp.load into a run made without its collectors loads none of their state: the
+    collectors made afterwards say so instead of silently starting from zero."""
+    import torch.distributed.checkpoint as dcp
+
+    with Run([RecordingSink()]) as first:
+        train = first.collector(SumMetric(), prefix="train")
+        train.metric.update(torch.tensor([5.0]))
+        dcp.save({"run": first}, checkpoint_id=tmp_path / "ckpt")
+    with Run([RecordingSink()]) as too_early:
+        dcp.load({"run": too_early}, checkpoint_id=tmp_path / "ckpt")
+        with caplog.at_level("WARNING", logger="sidestream.run"):
+            lost = too_early.collector(SumMetric(), prefix="train")
+        assert float(lost.metric.compute()) == 0.0
+    assert "run.collector(prefix='train')" in caplog.text and "dcp.load" in caplog.text
+    with Run([RecordingSink()]) as in_order:
+        kept = in_order.collector(SumMetric(), prefix="train")
+        dcp.load({"run": in_order}, checkpoint_id=tmp_path / "ckpt")
+        assert float(kept.metric.compute()) == 5.0

@@ -164,3 +164,39 @@ def test_a_collector_metric_changed_after_bind_raises_on_every_rank(pair: RankPo
     for rank, result in enumerate(pair.run(_collector_structure_changed, timeout=90)):
         assert result["outcome"].startswith("RankMismatchError"), (rank, result)
         assert result["elapsed"] < BOUND_S
+
+
+def _load_skipped_by(skipper: int) -> dict[str, Any]:
+    # Only the group's first rank takes the saved numbers: rank 0 skipping the load lost the
+    # checkpoint without a word (a sum of 2.0 instead of 12.0).
+    rank = dist.get_rank()
+    group = _subgroup()
+    saved_from = ComposeMetric({"total": MeanMetric()})
+    saved_from["total"].update(torch.tensor([5.0]))
+    saved_from.sync(group)
+    checkpoint = saved_from.state_dict()
+    metric = ComposeMetric({"total": MeanMetric()})
+    metric.sync(group)  # the group the load's first rank is taken from
+    if rank != skipper:
+        metric.load_state_dict(checkpoint)
+    metric["total"].update(torch.tensor([1.0]))
+    out = {"metric": _outcome(lambda: metric.sync(group))}
+    saved_metric = _metric()
+    _update(saved_metric, 4.0)
+    metric_checkpoint = saved_metric.state_dict()  # every rank: a collective
+    collector = AsyncMetricCollector(_metric(), group=_subgroup())
+    if rank != skipper:
+        collector.load_state_dict({"metric": metric_checkpoint, "sinks": {}})
+    collector.bind("cpu")
+    _update(collector.metric, 1.0)
+    collector.schedule_collection(1)
+    out["collector"] = _outcome(lambda: collector.collect_results(timeout=BOUND_S))
+    collector.close(timeout=10)
+    return out
+
+
+@pytest.mark.parametrize("skipper", [0, 1])
+def test_a_load_skipped_by_one_rank_raises_on_every_rank(pair: RankPool, skipper: int) -> None:
+    for rank, result in enumerate(pair.run(_load_skipped_by, skipper, timeout=90)):
+        for where in ("metric", "collector"):
+            assert result[where].startswith("RankMismatchError"), (rank, where, result)

@@ -295,7 +295,8 @@ def main() -> int:
         "written to a spool file that is kept, and the warning names it; "
         "`sidestream.sinks.replay_spool(path, sink)` or "
         "`python -m sidestream.sinks.replay PATH --sink jsonl --option path=out.jsonl` "
-        "delivers them later.",
+        "delivers them later (and renames the file `PATH.replayed`, so it is not replayed "
+        "twice).",
         "- **Staging slots**: at most `max_slots` (8 by default) copies of the metric, one per "
         "window still being reduced; they also bound the windows waiting for the dispatcher. "
         "With none free, `schedule_collection` waits for the oldest window (logged once, timed "

@@ -326,7 +326,7 @@ def hang_at_close(tmp: Path, windows: int = 50) -> Iterator[Row]:
     release.set()
     kept = list(spool.iterdir())
     replayed = JsonlSink(tmp / "replayed.jsonl")
-    count = sum(replay_spool(path, replayed) for path in kept)
+    count = sum(replay_spool(path, replayed).written for path in kept)
     steps, _values = _jsonl_steps(tmp / "replayed.jsonl")
     time.sleep(0.2)  # the abandoned thread finishes the write it was stuck in
     both = sorted(sink.steps + steps)

@@ -17,6 +17,7 @@ import torch
 from sidestream import AsyncMetricCollector, MeanMetric
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.sinks import JsonlSink, Report, SinkRunner, read_spool, replay_spool
+from sidestream.sinks._spool_format import encode_report
 from tests.collector.helpers import RecordingSink
 from tests.reliability.faults import GatedSink, tally
 
@@ -162,7 +163,7 @@ def test_kept_spool_is_private_readable_json_and_replays(tmp_path: Path) -> None
     assert [r.values["a"] for r in back] == [step * 0.1 for step in range(1, 8)]
     assert torch.equal(back[2].histograms["h"], hist * 3)
     out = tmp_path / "replayed.jsonl"
-    assert replay_spool(kept, JsonlSink(out)) == 7
+    assert replay_spool(kept, JsonlSink(out)).written == 7
     assert [json.loads(x)["step"] for x in out.read_text().splitlines()] == list(range(1, 8))
     cli = subprocess.run(
         [
@@ -180,8 +181,50 @@ def test_kept_spool_is_private_readable_json_and_replays(tmp_path: Path) -> None
         timeout=60,
     )
     assert cli.returncode == 0, cli.stderr
-    assert "replayed 7 report(s)" in cli.stdout
+    assert "delivered 7 report(s)" in cli.stdout
     assert len((tmp_path / "cli.jsonl").read_text().splitlines()) == 7
+    # Renamed once delivered: a second run cannot append every report again.
+    assert not kept.exists() and Path(f"{kept}.replayed").exists()
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sidestream.sinks.replay",
+            str(kept),
+            "--sink",
+            "jsonl",
+            "--option",
+            f"path={tmp_path / 'cli.jsonl'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode != 0 and "it was replayed already" in again.stderr
+    assert len((tmp_path / "cli.jsonl").read_text().splitlines()) == 7
+
+
+def test_replay_skips_damaged_lines_when_asked_and_counts_steps_the_sink_has(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sidestream.sinks.replay import main
+
+    spool = tmp_path / "kept.spool.jsonl"
+    good = [encode_report(Report(step=s, values={"x": float(s)}, time=0.0)) for s in range(1, 6)]
+    spool.write_bytes(b"".join(good[:2]) + b'{"step": 3, "val\n' + b"".join(good[3:]))
+    out = tmp_path / "out.jsonl"
+    arguments = [str(spool), "--sink", "jsonl", "--option", f"path={out}"]
+    assert main(arguments) == 1  # stops at the damaged line 3, says how to go on
+    assert "--skip-damaged" in capsys.readouterr().err
+    assert [json.loads(x)["step"] for x in out.read_text().splitlines()] == [1, 2]
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"path": str(out), "last_steps": {"": 2}}))
+    assert main([*arguments, "--skip-damaged", "--resume-state", str(state)]) == 0
+    printed = capsys.readouterr()
+    assert "line 3" in printed.err
+    assert "delivered 2 report(s)" in printed.out
+    assert "2 the sink already had, 1 damaged line(s) skipped" in printed.out
+    assert [json.loads(x)["step"] for x in out.read_text().splitlines()] == [1, 2, 4, 5]
 
 
 @pytest.mark.parametrize(

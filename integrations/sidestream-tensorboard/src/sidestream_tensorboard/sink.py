@@ -9,7 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, TrackerSink
-from sidestream.sinks.support import flatten_config, histogram_edges
+from sidestream.sinks.support import (
+    checked_histogram_edges,
+    flatten_config,
+    histogram_edges,
+    refuse_unknown_options,
+)
 from sidestream.sinks.tracker import signature_options
 
 __all__ = ["TensorBoardSink"]
@@ -60,8 +65,13 @@ class TensorBoardSink(TrackerSink):
         **writer_kwargs: Any,
     ) -> None:
         super().__init__()
+        try:
+            accepted = type(self).option_names()
+        except ImportError:
+            accepted = None  # no client to ask: open says how to install it
+        refuse_unknown_options(type(self).__name__, writer_kwargs, accepted)
         self._log_dir = None if log_dir is None else os.fspath(log_dir)
-        self._histogram_edges = dict(histogram_edges or {})
+        self._histogram_edges = checked_histogram_edges(histogram_edges)
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
         # Progress through the report being written: its stream and step, entries sent.

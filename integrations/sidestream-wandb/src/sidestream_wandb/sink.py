@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
-from sidestream.sinks.support import flatten_config, histogram_edges, redact, secrets_in, shorten
+from sidestream.sinks.support import (
+    checked_histogram_edges,
+    flatten_config,
+    histogram_edges,
+    redact,
+    refuse_unknown_options,
+    secrets_in,
+    shorten,
+)
 from sidestream.sinks.tracker import signature_options
 
 __all__ = ["FLUSH_INTERVAL_S", "WandbSink", "step_metric"]
@@ -91,7 +99,12 @@ class WandbSink(TrackerSink):
         self._init_kwargs = dict(init_kwargs)
         if project is not None:
             self._init_kwargs["project"] = project
-        self._histogram_edges = dict(histogram_edges or {})
+        try:
+            accepted = type(self).option_names()
+        except ImportError:
+            accepted = None  # no client to ask: open says how to install it
+        refuse_unknown_options(type(self).__name__, init_kwargs, accepted)
+        self._histogram_edges = checked_histogram_edges(histogram_edges)
         _check_settings(self._init_kwargs)
         self._run: Any = None
         self._run_id: str | None = self._init_kwargs.pop("id", None)

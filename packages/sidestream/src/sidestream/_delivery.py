@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -74,7 +75,8 @@ class Delivery:
 
     Raises:
         TypeError: If an item of ``sinks`` is not a ``Sink``.
-        ValueError: If a sink already belongs to another live run.
+        ValueError: If a sink already belongs to another live run, or two sinks of one kind
+            write the same place (one JSONL file, one TensorBoard directory).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Delivery:
                 raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")
         if info is not None and not isinstance(info, RunInfo):
             raise TypeError(f"info: expected a sidestream.sinks.RunInfo, got {info!r}")
+        _refuse_shared_targets(sink_list)
         _claim(sink_list, self)
         self.sinks = _keyed(sink_list)
         self.info = info or RunInfo()
@@ -309,3 +312,21 @@ def _keyed(sinks: list[Sink]) -> dict[str, Sink]:
             key = f"{sink.name}-{n}"
         keyed[key] = sink
     return keyed
+
+
+def _refuse_shared_targets(sinks: list[Sink]) -> None:
+    """Two sinks of one kind that write one file or directory would interleave or repeat it."""
+    seen: dict[tuple[type, str], int] = {}
+    for index, sink in enumerate(sinks):
+        if not isinstance(sink, TrackerSink) or sink.identity_key not in ("path", "log_dir"):
+            continue  # a run id is not known before open; other sinks write no named place
+        identity = sink.identity
+        if identity is None:
+            continue
+        place = (type(sink), os.path.realpath(identity))
+        if place in seen:
+            raise ValueError(
+                f"sinks[{index}]: {type(sink).__name__} writes {identity!r}, as sinks"
+                f"[{seen[place]}] does; give each sink its own {sink.identity_key}"
+            )
+        seen[place] = index

@@ -92,6 +92,7 @@ class Run:
         self._delivery.on_start = functools.partial(_register_close_at_exit, weakref.ref(self))
         self._collectors: list[AsyncMetricCollector[Any]] = []
         self._metric_states: dict[str, Any] = {}
+        self._loaded = False  # load_state_dict was called
         self._warned_unclaimed = False
         self._log_pipe: LogPipe | None = None
         self._log_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -181,6 +182,14 @@ class Run:
         )
         if stream in self._metric_states:
             collector.load_metric_state(self._metric_states.pop(stream))
+        elif self._loaded:
+            logger.warning(
+                "run.collector(prefix=%r): the state given to run.load_state_dict has no "
+                "metric state for it, so it starts from zero (a checkpoint from before this "
+                "collector existed? With torch.distributed.checkpoint, make every collector "
+                "before dcp.load: it loads only the keys the run's state_dict() has then)",
+                stream,
+            )
         self._collectors.append(collector)
         return collector
 
@@ -398,6 +407,7 @@ class Run:
             if collector.prefix in collectors:
                 collector.load_metric_state(collectors.pop(collector.prefix))
         self._metric_states = collectors
+        self._loaded = True
         self._delivery.load_sink_states(sinks)
 
 

@@ -13,7 +13,7 @@ from typing import Any, Generic, Self, TypeVar
 import torch
 
 from sidestream._delivery import Delivery, DeliveryOptions
-from sidestream._distributed import Group, check_process_group
+from sidestream._distributed import Group, check_process_group, group_size, resolve_group
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
@@ -244,6 +244,10 @@ class AsyncMetricCollector(Generic[T]):
         # check (or hangs on mismatched collectives) later.
         for index in range(min(_INITIAL_SLOTS, self._max_slots)):
             self._free_slots.put(self._new_slot(check=index == 0))
+        # The live metric's own sync (state_dict's) has the structure just checked: laid out
+        # here, on every rank, so a state_dict never runs the check where another rank may be
+        # reducing a window instead (the check would meet the window's collective and hang).
+        self._metric.prepare_sync(self._group, check=False)
         runners = self._delivery.start("bind")
         self._dispatcher = Dispatcher(
             [self._delivery] if runners else [],
@@ -346,12 +350,13 @@ class AsyncMetricCollector(Generic[T]):
         assert self._dispatcher is not None
         if not self._slot_wait_logged:
             self._slot_wait_logged = True
+            ranks = group_size(resolve_group(self._group))
             logger.warning(
                 "schedule_collection: all %d staging slots are in use (windows are scheduled "
-                "faster than they are reduced and computed, or another rank stopped scheduling "
-                "them); waiting for the oldest window. Schedule less often or raise max_slots "
-                "(logged once; see slot_wait_s)",
+                "faster than they are reduced and computed%s); waiting for the oldest window. "
+                "Schedule less often or raise max_slots (logged once; see slot_wait_s)",
                 self._max_slots,
+                ", or another rank stopped scheduling them" if ranks > 1 else "",
             )
         start = time.monotonic()
         try:

@@ -1,6 +1,6 @@
 """Sinks: where finished metric values go."""
 
-from sidestream.sinks._spool_format import read_spool, replay_spool
+from sidestream.sinks._spool_format import ReplayResult, read_spool, replay_spool
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.config import available_sinks, sinks_from_config
 from sidestream.sinks.console import ConsoleSink
@@ -25,6 +25,7 @@ __all__ = [
     "available_sinks",
     "is_permanent",
     "read_jsonl",
+    "ReplayResult",
     "read_spool",
     "replay_spool",
     "sinks_from_config",

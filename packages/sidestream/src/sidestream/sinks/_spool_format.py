@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.tracker import TrackerSink
 
-__all__ = ["decode_report", "encode_report", "read_spool", "replay_spool"]
+__all__ = ["ReplayResult", "decode_report", "encode_report", "read_spool", "replay_spool"]
 
 # Standard JSON has no NaN or infinity: they are written as these strings.
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -89,20 +90,49 @@ def decode_report(line: bytes | str) -> Report:
         raise ValueError(f"not a spooled report: {type(error).__name__}: {error}") from error
 
 
-def read_spool(path: str | os.PathLike[str]) -> Iterator[Report]:
+def read_spool(
+    path: str | os.PathLike[str], *, damaged: list[str] | None = None
+) -> Iterator[Report]:
     """The reports in a spool file, oldest first, reading one line at a time.
 
+    Args:
+        path: The spool file.
+        damaged: If given, a damaged line is skipped and described here (its number and
+            what is wrong) instead of raising.
+
     Raises:
-        ValueError: At a damaged line, naming its number (the reports before it were yielded).
+        ValueError: At a damaged line, naming its number (the reports before it were yielded),
+            unless ``damaged`` is given.
     """
     with open(path, "rb") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
             try:
-                yield decode_report(line)
+                report = decode_report(line)
             except ValueError as error:
-                raise ValueError(f"{os.fspath(path)}, line {number}: {error}") from None
+                message = f"{os.fspath(path)}, line {number}: {error}"
+                if damaged is None:
+                    raise ValueError(message) from None
+                damaged.append(message)
+                continue
+            yield report
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    """What ``replay_spool`` did with a spool file.
+
+    Attributes:
+        written: Reports handed to the sink that it did not have yet.
+        skipped: Reports whose step the sink already had (a tracker sink resumed from the
+            checkpoint's state, or a spool replayed before), not sent again.
+        damaged: The damaged lines skipped (with ``skip_damaged``), each described.
+    """
+
+    written: int = 0
+    skipped: int = 0
+    damaged: list[str] = dataclasses.field(default_factory=list)
 
 
 def replay_spool(
@@ -112,13 +142,14 @@ def replay_spool(
     *,
     resume_state: Mapping[str, Any] | None = None,
     timeout: float | None = 60.0,
-) -> int:
+    skip_damaged: bool = False,
+) -> ReplayResult:
     """Deliver a kept spool file into ``sink``: load its state, open, write each report, close.
 
     Use it after a job warned that reports were "kept in" a spool file, with the sink the job
     used and, for a tracker, the sink state from the job's checkpoint (``resume_state``) so
     the reports land in the same run. Steps the sink already has are skipped by sinks that
-    resume (JSONL, TensorBoard, MLflow, W&B).
+    resume (JSONL, TensorBoard, MLflow, W&B), and counted in ``skipped``.
 
     Args:
         path: The spool file.
@@ -126,21 +157,28 @@ def replay_spool(
         run: Given to ``sink.open``.
         resume_state: Given to ``sink.load_state_dict`` before ``open``, if not ``None``.
         timeout: Given to ``sink.close``.
+        skip_damaged: Skip damaged lines (listed in the result) and deliver the rest, instead
+            of raising at the first one.
 
     Returns:
-        How many reports were written.
+        How many reports were written and skipped, and the damaged lines passed over.
 
     Raises:
-        ValueError: At a damaged line (the reports before it were delivered).
+        ValueError: At a damaged line without ``skip_damaged`` (the reports before it were
+            delivered).
     """
     if resume_state is not None:
         sink.load_state_dict(resume_state)
     sink.open(run or RunInfo())
-    written = 0
+    result = ReplayResult()
+    tracker = sink if isinstance(sink, TrackerSink) else None
     try:
-        for report in read_spool(path):
+        for report in read_spool(path, damaged=result.damaged if skip_damaged else None):
+            if tracker is not None and tracker.is_delivered(report):
+                result.skipped += 1
+                continue
             sink.write(report)
-            written += 1
+            result.written += 1
     finally:
         sink.close(timeout)
-    return written
+    return result

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
@@ -10,6 +9,7 @@ from typing import Any
 
 from sidestream.sinks.base import Sink
 from sidestream.sinks.process import ProcessSink
+from sidestream.sinks.support import refuse_unknown_options
 
 __all__ = ["ENTRY_POINT_GROUP", "available_sinks", "install_hint", "sinks_from_config"]
 
@@ -160,14 +160,6 @@ def _check_options(name: str, factory: Any, options: Mapping[str, Any]) -> None:
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
             return
         accepted = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
-    if accepted is None:
-        return
-    valid = sorted(accepted | {"child_process"})
-    for option in options:
-        if option not in accepted:
-            nearest = difflib.get_close_matches(option, valid, n=1)
-            hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
-            raise TypeError(
-                f"sinks_from_config: sink {name!r} has no option {option!r}{hint} "
-                f"(valid options: {', '.join(valid)})"
-            )
+    if accepted is not None:
+        accepted = accepted | {"child_process"}
+    refuse_unknown_options(f"sinks_from_config: sink {name!r}", options, accepted)

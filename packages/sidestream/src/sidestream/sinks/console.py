@@ -43,10 +43,22 @@ class ConsoleSink(Sink):
         digits: int = 4,
         live: bool | None = None,
     ) -> None:
-        if every < 1:
-            raise ValueError(f"every: expected >= 1, got {every}")
-        if max_values < 1:
-            raise ValueError(f"max_values: expected >= 1, got {max_values}")
+        for option, value, low in (
+            ("every", every, 1),
+            ("max_values", max_values, 1),
+            ("digits", digits, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{option}: expected an int >= {low}, got {value!r}")
+            if value < low:
+                raise ValueError(f"{option}: expected >= {low}, got {value}")
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            raise TypeError(
+                f"stream: expected a text stream with write() (sys.stdout, an open file) or None, "
+                f"got {stream!r}"
+            )
+        if live is not None and not isinstance(live, bool):
+            raise TypeError(f"live: expected True, False or None, got {live!r}")
         self._stream = stream
         self._every = every
         self._max_values = max_values

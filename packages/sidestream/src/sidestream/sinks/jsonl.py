@@ -70,6 +70,8 @@ class JsonlSink(TrackerSink):
             # A config's "yes" or "false" would otherwise read as true.
             raise TypeError(f"fsync: expected True or False, got {fsync!r}")
         self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"path: expected a file, got the directory {str(self.path)!r}")
         self.max_batch = flush_every
         self._fsync = fsync
         # Unbuffered: what write() returned for is in the file, nothing waits in a buffer.
@@ -97,6 +99,13 @@ class JsonlSink(TrackerSink):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         regular = self._regular = _is_regular(self.path)
         same_file = self._saved_path is None or _same_path(Path(self._saved_path), self.path)
+        if regular and not self.resumed and self.path.is_file() and self.path.stat().st_size:
+            logger.warning(
+                "JsonlSink: %s already holds lines of an earlier run; this run appends after "
+                "them, so its steps may repeat earlier ones (give each job its own path, or "
+                "resume from the earlier job's checkpoint)",
+                self.path,
+            )
         if regular and self.resumed and same_file:
             self.found_in_backend(_steps_after(self.path, self._resume_offset))
         elif self.resumed and not same_file:

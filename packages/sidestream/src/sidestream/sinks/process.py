@@ -236,6 +236,7 @@ class ProcessSink(Sink):
         # The sink's thread writes while a checkpoint calls make_durable from the training
         # thread: one call on the pipe at a time.
         self._pipe_lock = threading.RLock()
+        self._opened = False  # a child opened the sink once
         self._closed: bool | None = None  # what a finished close returned
         self.restarts = 0
 
@@ -253,6 +254,7 @@ class ProcessSink(Sink):
         with self._pipe_lock:
             self._run = run
             self._start(self._resume)
+            self._opened = True
             self._flushed_state = dict(self._state)
 
     def write(self, report: Report) -> None:
@@ -324,7 +326,7 @@ class ProcessSink(Sink):
         with self._pipe_lock:
             if self._closed is not None:
                 return self._closed
-            if self._run is None:  # never opened: no child, no run to close
+            if not self._opened:  # no child ever opened the sink: no run to close
                 self._closed = True
                 return True
             if not self._alive():

@@ -36,10 +36,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--resume-state", help="a JSON file with the sink's state_dict from the checkpoint"
     )
+    parser.add_argument(
+        "--skip-damaged",
+        action="store_true",
+        help="skip damaged lines (each is named) and deliver the rest",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the spool file as it is (by default it is renamed SPOOL.replayed once "
+        "every report was delivered, so it is not replayed twice)",
+    )
     parser.add_argument("--print", action="store_true", help="print the reports, write nothing")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.spool):
-        parser.error(f"{args.spool}: no such file")
+        done = (
+            f" (it was replayed already: {args.spool}{_REPLAYED})"
+            if os.path.isfile(args.spool + _REPLAYED)
+            else ""
+        )
+        parser.error(f"{args.spool}: no such file{done}")
     if args.print:
         for report in read_spool(args.spool):
             print(report)
@@ -67,9 +83,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 state = json.load(file)
         except (OSError, ValueError) as error:
             parser.error(f"--resume-state: {error}")
-    count = replay_spool(args.spool, sink, resume_state=state)
-    print(f"replayed {count} report(s) from {args.spool} into {args.sink}")
+    try:
+        result = replay_spool(args.spool, sink, resume_state=state, skip_damaged=args.skip_damaged)
+    except ValueError as error:
+        print(
+            f"stopped at a damaged line: {error}; the reports before it were delivered. Run "
+            "again with --skip-damaged to deliver the rest (steps the sink has are skipped)",
+            file=sys.stderr,
+        )
+        return 1
+    for line in result.damaged:
+        print(f"skipped a damaged line: {line}", file=sys.stderr)
+    print(
+        f"delivered {result.written} report(s) from {args.spool} into {args.sink}; "
+        f"{result.skipped} the sink already had, {len(result.damaged)} damaged line(s) skipped"
+    )
+    if not args.keep:
+        os.replace(args.spool, args.spool + _REPLAYED)
+        print(f"renamed the spool to {args.spool}{_REPLAYED}")
     return 0
+
+
+_REPLAYED = ".replayed"
 
 
 if __name__ == "__main__":

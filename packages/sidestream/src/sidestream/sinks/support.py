@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import itertools
 import os
@@ -13,10 +14,12 @@ from urllib.parse import urlsplit
 
 __all__ = [
     "call_within",
+    "checked_histogram_edges",
     "flatten_config",
     "parse_resume_state",
     "histogram_edges",
     "redact",
+    "refuse_unknown_options",
     "secrets_in",
     "shorten",
     "uri_without_password",
@@ -118,6 +121,52 @@ def histogram_edges(num_bins: int, edges: Iterable[float] | None) -> list[float]
             f"got {len(result)}"
         )
     return result
+
+
+def checked_histogram_edges(
+    edges: Mapping[str, Iterable[float]] | None,
+) -> dict[str, list[float]]:
+    """A sink's ``histogram_edges`` option, checked when the sink is made.
+
+    Raises:
+        TypeError: If it is not a mapping of names to sequences of numbers.
+        ValueError: If a sequence has fewer than two values or does not increase.
+    """
+    if edges is None:
+        return {}
+    if not isinstance(edges, Mapping):
+        raise TypeError(f"histogram_edges: expected a mapping of name to edges, got {edges!r}")
+    checked: dict[str, list[float]] = {}
+    for name, values in edges.items():
+        try:
+            result = [float(edge) for edge in values]
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"histogram_edges[{name!r}]: expected a sequence of numbers, got {values!r}"
+            ) from error
+        if len(result) < 2 or any(b <= a for a, b in itertools.pairwise(result)):
+            raise ValueError(
+                f"histogram_edges[{name!r}]: expected at least 2 increasing edges, got {result}"
+            )
+        checked[str(name)] = result
+    return checked
+
+
+def refuse_unknown_options(owner: str, options: Iterable[str], accepted: set[str] | None) -> None:
+    """Raise ``TypeError`` for an option not in ``accepted``, naming the nearest one.
+
+    ``accepted`` ``None`` (a client that takes any keyword) accepts everything.
+    """
+    if accepted is None:
+        return
+    valid = sorted(accepted)
+    for option in options:
+        if option not in accepted:
+            nearest = difflib.get_close_matches(option, valid, n=1)
+            hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+            raise TypeError(
+                f"{owner} has no option {option!r}{hint} (valid options: {', '.join(valid)})"
+            )
 
 
 def parse_resume_state(

@@ -1,0 +1,186 @@
+"""Sink options checked when the sink is made, errors sorted into permanent and transient,
+and what a close that failed reports (defects a fault probe found on landed code)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidestream import Run
+from sidestream.sinks import JsonlSink, Report, RunInfo, Sink, SinkRunner, is_permanent
+from sidestream.sinks.console import ConsoleSink
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda d: JsonlSink(d), ValueError, "path: expected a file, got the directory"),
+        (lambda d: ConsoleSink(stream="stdout"), TypeError, "stream: expected a text stream"),
+        (lambda d: ConsoleSink(every="2"), TypeError, "every: expected an int >= 1"),
+        (
+            lambda d: _tensorboard()(logdir=str(d)),
+            TypeError,
+            "TensorBoardSink has no option 'logdir'; did you mean 'log_dir'?",
+        ),
+        (
+            lambda d: _tensorboard()(str(d), histogram_edges={"h": [1.0, 0.5]}),
+            ValueError,
+            r"histogram_edges\['h'\]: expected at least 2 increasing edges",
+        ),
+        (
+            lambda d: _wandb()(project="p", mode="offline", bogus_opt=1),
+            TypeError,
+            "WandbSink has no option 'bogus_opt'",
+        ),
+        (lambda d: _mlflow()(http_timeout="10"), TypeError, "http_timeout: expected an int"),
+        (
+            lambda d: Run([JsonlSink(d / "a.jsonl"), JsonlSink(d / "." / "a.jsonl")]),
+            ValueError,
+            r"sinks\[1\]: JsonlSink writes .* as sinks\[0\] does",
+        ),
+    ],
+)
+def test_a_bad_option_fails_when_the_sink_is_made(
+    tmp_path: Path, make: Callable[[Path], Any], error: type[Exception], message: str
+) -> None:
+    # Not on rank 0's sink thread once training runs, where other ranks never see it.
+    with pytest.raises(error, match=message):
+        make(tmp_path)
+
+
+def _tensorboard() -> Any:
+    from sidestream_tensorboard import TensorBoardSink
+
+    return TensorBoardSink
+
+
+def _wandb() -> Any:
+    from sidestream_wandb import WandbSink
+
+    return WandbSink
+
+
+def _mlflow() -> Any:
+    from sidestream_mlflow import MlflowSink
+
+    return MlflowSink
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        AttributeError("'str' object has no attribute 'write'"),
+        KeyError("values"),
+        NameError("name 'wandb' is not defined"),
+        IsADirectoryError(21, "Is a directory"),
+    ],
+)
+def test_errors_of_the_sinks_own_code_are_permanent(error: Exception) -> None:
+    assert is_permanent(error)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ConnectionError("refused"), TimeoutError(), OSError(28, "No space left on device")],
+)
+def test_errors_a_retry_can_fix_are_transient(error: Exception) -> None:
+    assert not is_permanent(error)
+
+
+class _BuggyWrite(Sink):
+    name = "buggy"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def open(self, run: RunInfo) -> None:
+        pass
+
+    def write(self, report: Report) -> None:
+        self.calls += 1
+        raise AttributeError("'NoneType' object has no attribute 'log'")
+
+
+def test_a_sink_bug_fails_the_sink_instead_of_retrying_forever(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sink = _BuggyWrite()
+    runner = SinkRunner(sink, retry_initial_s=0.01, retry_max_s=0.01)
+    runner.start()
+    runner.submit(Report(step=1, values={"x": 1.0}, time=time.time()))
+    with caplog.at_level(logging.ERROR, logger="sidestream"):
+        assert not runner.close(10.0)
+    assert runner.status.state == "failed" and sink.calls == 1
+    assert "failed permanently" in caplog.text
+
+
+class _CloseFails(Sink):
+    name = "close_fails"
+
+    def __init__(self, result: bool | None) -> None:
+        self._result = result
+        self.lines: list[str] = []
+
+    def open(self, run: RunInfo) -> None:
+        pass
+
+    def write(self, report: Report) -> None:
+        self.lines.append(str(report.step))
+
+    def close(self, timeout: float | None = None) -> bool:
+        if self._result is None:
+            raise OSError("upload of the last file failed")
+        return self._result
+
+
+@pytest.mark.parametrize("result", [None, False])
+def test_a_close_that_failed_makes_close_false(result: bool | None) -> None:
+    # Everything was written, but the final flush or upload did not happen.
+    sink = _CloseFails(result)
+    runner = SinkRunner(sink)
+    runner.start()
+    runner.submit(Report(step=1, values={"x": 1.0}, time=time.time()))
+    assert not runner.close(10.0)
+    assert sink.lines == ["1"]
+
+
+def test_a_working_sink_still_closes_true() -> None:
+    stream = io.StringIO()
+    runner = SinkRunner(ConsoleSink(stream=stream))
+    runner.start()
+    runner.submit(Report(step=1, values={"x": 1.0}, time=time.time()))
+    assert runner.close(10.0)
+    assert "x" in stream.getvalue()
+
+
+def test_mlflow_finds_its_run_by_the_run_key_of_a_checkpoint(tmp_path: Path) -> None:
+    # A checkpoint taken while the server was down holds no run id; the job that resumes from
+    # it must find the run the first job created later, not make a second one.
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = _mlflow()(tracking_uri=uri, experiment="keyed")
+    checkpoint = first.state_dict()
+    assert checkpoint["run_id"] is None
+    first.open(RunInfo(name="job"))
+    first.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
+    assert first.close(30.0)
+    resumed = _mlflow()(tracking_uri=uri, experiment="keyed")
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="job"))
+    resumed.write(Report(step=1, values={"loss": 9.0}, time=time.time()))  # already there
+    resumed.write(Report(step=2, values={"loss": 2.0}, time=time.time()))
+    assert resumed.close(30.0)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("keyed")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert [run.info.run_id for run in runs] == [first.run_id] == [resumed.run_id]
+    history = client.get_metric_history(first.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0)]
