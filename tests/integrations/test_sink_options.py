@@ -184,3 +184,31 @@ def test_mlflow_finds_its_run_by_the_run_key_of_a_checkpoint(tmp_path: Path) -> 
     assert [run.info.run_id for run in runs] == [first.run_id] == [resumed.run_id]
     history = client.get_metric_history(first.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0)]
+
+
+def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A crashed job's spool holds reports never delivered: the next job says where they are.
+    import subprocess
+    import sys
+
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(ended.stdout)
+    left = tmp_path / f"sidestream-console@{pid}-abc123.spool.jsonl"
+    left.write_text("")
+    other_sink = tmp_path / f"sidestream-jsonl@{pid}-abc123.spool.jsonl"
+    other_sink.write_text("")
+    replayed = tmp_path / f"sidestream-console@{pid}-def456.spool.jsonl.replayed"
+    replayed.write_text("")
+    runner = SinkRunner(ConsoleSink(stream=io.StringIO()), spool_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        runner.start()
+        assert runner.close(10.0)
+    assert str(left) in caplog.text and "sidestream.sinks.replay" in caplog.text
+    assert str(other_sink) not in caplog.text and str(replayed) not in caplog.text

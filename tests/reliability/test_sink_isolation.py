@@ -22,6 +22,17 @@ from tests.collector.helpers import RecordingSink
 from tests.reliability.faults import GatedSink, tally
 
 
+def _replay_command(spool: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m sidestream.sinks.replay`` of ``spool`` into the JSONL file ``out``."""
+    arguments = [str(spool), "--sink", "jsonl", "--option", f"path={out}"]
+    return subprocess.run(
+        [sys.executable, "-m", "sidestream.sinks.replay", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def _report(step: int) -> Report:
     return Report(step=step, values={"loss": step / 4, "nan": float("nan")}, time=float(step))
 
@@ -165,41 +176,13 @@ def test_kept_spool_is_private_readable_json_and_replays(tmp_path: Path) -> None
     out = tmp_path / "replayed.jsonl"
     assert replay_spool(kept, JsonlSink(out)).written == 7
     assert [json.loads(x)["step"] for x in out.read_text().splitlines()] == list(range(1, 8))
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sidestream.sinks.replay",
-            str(kept),
-            "--sink",
-            "jsonl",
-            "--option",
-            f"path={tmp_path / 'cli.jsonl'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    cli = _replay_command(kept, tmp_path / "cli.jsonl")
     assert cli.returncode == 0, cli.stderr
     assert "delivered 7 report(s)" in cli.stdout
     assert len((tmp_path / "cli.jsonl").read_text().splitlines()) == 7
     # Renamed once delivered: a second run cannot append every report again.
     assert not kept.exists() and Path(f"{kept}.replayed").exists()
-    again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sidestream.sinks.replay",
-            str(kept),
-            "--sink",
-            "jsonl",
-            "--option",
-            f"path={tmp_path / 'cli.jsonl'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    again = _replay_command(kept, tmp_path / "cli.jsonl")
     assert again.returncode != 0 and "it was replayed already" in again.stderr
     assert len((tmp_path / "cli.jsonl").read_text().splitlines()) == 7
 

@@ -324,7 +324,7 @@ def _refuse_shared_targets(sinks: list[Sink]) -> None:
         if identity is None:
             continue
         place = (type(sink), os.path.realpath(identity))
-        if place in seen:
+        if place in seen and sinks[seen[place]] is not sink:  # the same object: _claim says so
             raise ValueError(
                 f"sinks[{index}]: {type(sink).__name__} writes {identity!r}, as sinks"
                 f"[{seen[place]}] does; give each sink its own {sink.identity_key}"

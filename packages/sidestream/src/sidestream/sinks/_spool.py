@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from collections import deque
 from typing import IO
@@ -11,7 +12,7 @@ from typing import IO
 from sidestream.sinks._spool_format import decode_report, encode_report
 from sidestream.sinks.base import Report
 
-__all__ = ["DEFAULT_SPOOL_MAX_BYTES", "Spool"]
+__all__ = ["DEFAULT_SPOOL_MAX_BYTES", "Spool", "leftover_spools"]
 
 #: Default cap on the bytes one sink's spool file holds (256 MiB).
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
@@ -72,8 +73,11 @@ class Spool:
         if self._directory is not None:
             os.makedirs(self._directory, mode=0o700, exist_ok=True)
         # mkstemp creates the file with mode 0600: reports may hold what the job logs.
+        # The process id in the name tells a later job whose file it finds (leftover_spools).
         handle, path = tempfile.mkstemp(
-            prefix=f"sidestream-{self._label}-", suffix=".spool.jsonl", dir=self._directory
+            prefix=f"sidestream-{self._label}@{os.getpid()}-",
+            suffix=_SUFFIX,
+            dir=self._directory,
         )
         return os.fdopen(handle, "w+b"), path
 
@@ -206,3 +210,41 @@ class Spool:
             self._path = None
         self._lines.clear()
         self._read_offset = self._end = 0
+
+
+_SUFFIX = ".spool.jsonl"
+_NAME = re.compile(r"sidestream-(?P<label>.+)@(?P<pid>\d+)-[^/]*" + re.escape(_SUFFIX))
+
+
+def leftover_spools(directory: str | None, label: str) -> list[str]:
+    """Spool files of sink ``label`` in ``directory`` whose process has ended.
+
+    A job that crashed leaves its spool behind, and a close that timed out keeps one on
+    purpose; neither was delivered (a replayed file is renamed, so it is not listed).
+    Never raises: an unreadable directory lists nothing.
+    """
+    folder = directory if directory is not None else tempfile.gettempdir()
+    found = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    for entry in entries:
+        match = _NAME.fullmatch(entry.name)
+        if match is None or match["label"] != label or not entry.is_file():
+            continue
+        if not _alive(int(match["pid"])):
+            found.append(entry.path)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True

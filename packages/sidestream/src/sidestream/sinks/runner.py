@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool
+from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool, leftover_spools
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import SinkStatus, is_permanent
 
@@ -78,6 +78,7 @@ class SinkRunner:
         self._max_batch = max(1, int(getattr(sink, "max_batch", 1)))
         self._cond = threading.Condition()
         self._queue: deque[Report] = deque()
+        self._spool_dir = spool_dir
         self._spool = Spool(spool_dir, label=self.key, max_bytes=spool_max_bytes)
         self._in_flight: list[Report] = []
         self._submitted = 0
@@ -99,7 +100,22 @@ class SinkRunner:
     # ------------------------------------------------------------------ caller side
 
     def start(self) -> None:
-        """Start the thread; it opens the sink, then delivers."""
+        """Start the thread; it opens the sink, then delivers.
+
+        Spool files this sink's earlier jobs left behind (a crash, or a close that timed out)
+        hold reports never delivered: a warning names them, with how to replay them.
+        """
+        left = leftover_spools(self._spool_dir, self.key)
+        if left:
+            logger.warning(
+                "sink %r: %d spool file(s) of earlier jobs hold reports that were never "
+                "delivered: %s. Deliver them with python -m sidestream.sinks.replay FILE --sink "
+                "NAME (with --resume-state and the sink's state from that job's checkpoint), "
+                "or delete them",
+                self.key,
+                len(left),
+                ", ".join(left),
+            )
         self._thread.start()
 
     def submit(self, report: Report) -> None:
