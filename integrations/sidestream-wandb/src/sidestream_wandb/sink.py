@@ -116,6 +116,7 @@ class WandbSink(TrackerSink):
         self._flush_interval: float | None = None
         self._last_log = 0.0  # time.monotonic() when the last row was handed to wandb
         self._finished = False
+        self._disabled = False  # mode="disabled": nothing is kept anywhere
 
     @classmethod
     def check_available(cls) -> None:
@@ -201,6 +202,8 @@ class WandbSink(TrackerSink):
             raise failure  # outside the handler: the original is not chained as its context
         self._run_id = str(self._run.id)
         self._finished = False
+        # mode="disabled": wandb keeps nothing, so there is no write to wait for or record.
+        self._disabled = getattr(getattr(self._run, "settings", None), "mode", None) == "disabled"
         self._defined.clear()
         if self.resumed:
             # Steps logged after the checkpoint was taken: in the last job's progress file,
@@ -266,7 +269,7 @@ class WandbSink(TrackerSink):
         False if ``timeout`` is shorter, or if the interval is 0 (wandb then writes rows only
         when a buffer fills or at ``finish``).
         """
-        if self._finished or self._flush_interval is None:
+        if self._finished or self._flush_interval is None or self._disabled:
             return True
         if self._flush_interval <= 0:
             return False
@@ -341,7 +344,8 @@ class WandbSink(TrackerSink):
         if finished:
             self._finished = True
             self.flush(0.0)  # every row logged is in the file now: all of them count
-            self._write_progress(run_dir)  # the rows are written now: a resume may skip them
+            if not self._disabled:
+                self._write_progress(run_dir)  # the rows are written: a resume may skip them
         return finished
 
 
