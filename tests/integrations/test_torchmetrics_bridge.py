@@ -190,6 +190,51 @@ def test_unsupported_states_are_refused_by_name(metric: Any, message: str) -> No
         wrap(np.zeros(3))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torchmetrics.wrappers.Running(torchmetrics.SumMetric(), window=3),
+        lambda: torchmetrics.wrappers.MultioutputWrapper(torchmetrics.MeanSquaredError(), 2),
+        lambda: torchmetrics.wrappers.MinMaxMetric(BinaryAccuracy()),
+        lambda: torchmetrics.wrappers.ClasswiseWrapper(
+            torchmetrics.classification.MulticlassAccuracy(3, average=None)
+        ),
+        lambda: BinaryAccuracy() + torchmetrics.classification.BinaryRecall(),
+    ],
+)
+def test_a_metric_whose_state_is_in_inner_metrics_is_refused(make: Any) -> None:
+    # Its inner metrics synced through torchmetrics in compute (Running counted every rank
+    # W times), its checkpoint was empty and the collector reported NaN: refuse instead.
+    with pytest.raises(UnsupportedStateError, match="keeps its state in the torchmetrics"):
+        wrap(make())
+
+
+def test_torchmetrics_own_process_group_is_refused() -> None:
+    # Ignored, it summed over every rank instead of the group's.
+    metric = torchmetrics.SumMetric(process_group=object())
+    with pytest.raises(ValueError, match=r"SumMetric\(process_group=\.\.\.\).*collector's group"):
+        wrap(metric)
+
+
+def test_collection_keys_with_slashes_and_dict_results() -> None:
+    def collection() -> torchmetrics.MetricCollection:
+        return torchmetrics.MetricCollection(
+            {"val/acc": BinaryAccuracy(), "val/mean": torchmetrics.MeanMetric()}, prefix="x_"
+        )
+
+    preds, target = torch.tensor([0.9, 0.1, 0.8]), torch.tensor([1, 0, 0])
+    plain, wrapped = collection(), wrap(collection())
+    plain.update(preds=preds, target=target, value=preds)
+    wrapped.update(preds=preds, target=target, value=preds)
+    expected, got = plain.compute(), wrapped.compute()
+    assert sorted(got) == sorted(expected) == ["x_val/acc", "x_val/mean"]
+    for name, value in expected.items():
+        assert got[name].item() == pytest.approx(value.item())
+    assert wrapped["val/acc"] is wrapped["val_acc"]
+    with pytest.raises(ValueError, match="collide"):
+        wrap(torchmetrics.MetricCollection({"a/b": BinaryAccuracy(), "a_b": BinaryAccuracy()}))
+
+
 def test_an_updated_metric_is_refused_not_emptied() -> None:
     """Wrapping drops torchmetrics' state: an updated metric raises instead of reading 0."""
     used = torchmetrics.SumMetric()

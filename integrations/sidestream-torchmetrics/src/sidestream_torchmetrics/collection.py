@@ -6,6 +6,7 @@ from typing import Any
 
 from torchmetrics import MetricCollection
 
+from sidestream.metric import Metric
 from sidestream.metrics import ComposeMetric
 from sidestream_torchmetrics.metric import TorchmetricsMetric
 
@@ -28,8 +29,22 @@ class TorchmetricsCollection(ComposeMetric):
         if not isinstance(collection, MetricCollection):
             raise TypeError(f"collection: expected a MetricCollection, got {type(collection)}")
         members = dict(collection.items(keep_base=True, copy_state=False))
-        super().__init__({name: TorchmetricsMetric(metric) for name, metric in members.items()})
+        # torchmetrics keys may hold "/" or "." ("val/acc"), which sidestream names refuse: the
+        # members get plain names inside, and compute() gives back the collection's keys.
+        self._keys = {_plain_name(name): name for name in members}
+        if len(self._keys) != len(members):
+            raise ValueError(
+                f"collection: keys {sorted(members)} collide once '/' and '.' become '_'; "
+                "rename one of them"
+            )
+        super().__init__(
+            {plain: TorchmetricsMetric(members[key]) for plain, key in self._keys.items()}
+        )
         self._collection = collection
+
+    def __getitem__(self, name: str) -> Metric[Any]:
+        """The wrapped member under its collection key (``"val/acc"``) or its plain name."""
+        return super().__getitem__(_plain_name(name))
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Update every member with the same arguments. No communication.
@@ -42,5 +57,20 @@ class TorchmetricsCollection(ComposeMetric):
             child.update(*args, **child.torchmetrics._filter_kwargs(**kwargs))
 
     def compute(self) -> dict[str, Any]:
-        """``{name: value}``, names with the collection's prefix and postfix."""
-        return {self._collection._set_name(name): child.compute() for name, child in self.items()}
+        """``{name: value}``, names with the collection's prefix and postfix.
+
+        A member whose ``compute`` returns a dict adds its entries under their own keys, as
+        ``MetricCollection.compute`` flattens them.
+        """
+        flat: dict[str, Any] = {}
+        for plain, child in self.items():
+            value = child.compute()
+            if isinstance(value, dict):
+                flat.update(value)
+            else:
+                flat[self._keys[plain]] = value
+        return {self._collection._set_name(name): value for name, value in flat.items()}
+
+
+def _plain_name(key: str) -> str:
+    return key.replace("/", "_").replace(".", "_")

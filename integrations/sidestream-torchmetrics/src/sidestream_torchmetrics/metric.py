@@ -61,6 +61,40 @@ def _state_op(metric: TorchmetricsBase, name: str) -> ReduceOp:
     return _OPS[reduction]
 
 
+def _refuse_inner_metrics(metric: TorchmetricsBase) -> None:
+    """Refuse a metric that keeps its state in torchmetrics metrics inside it.
+
+    A wrapper (``Running``, ``MultioutputWrapper``, ``MinMaxMetric``, ``BootStrapper``,
+    ``ClasswiseWrapper``...) or a compositional metric (``a + b``) has no state of its own: the
+    bridge would sync nothing, checkpoint nothing, and its ``compute`` would run the inner
+    metrics' own torchmetrics syncs (counted twice, or collectives from a background thread).
+    """
+    inner = [
+        name
+        for name, module in metric.named_modules()
+        if module is not metric and isinstance(module, TorchmetricsBase)
+    ]
+    if inner:
+        shown = ", ".join(inner[:4]) + (", ..." if len(inner) > 4 else "")
+        raise UnsupportedStateError(
+            f"{type(metric).__name__} keeps its state in the torchmetrics metrics inside it "
+            f"({shown}): a wrapper or a compositional metric, which the bridge cannot sync or "
+            "checkpoint; wrap the inner metrics (in a MetricCollection), or use the sidestream "
+            "metric that computes the same value"
+        )
+
+
+def _refuse_own_distribution(metric: TorchmetricsBase) -> None:
+    """Refuse torchmetrics' own process group or gather function: sidestream's group rules."""
+    for option in ("process_group", "dist_sync_fn"):
+        if getattr(metric, option, None) is not None:
+            raise ValueError(
+                f"{type(metric).__name__}({option}=...): the bridge reduces over the group of "
+                "sidestream's sync (metric.sync(group), or the collector's group=), never "
+                f"torchmetrics' own; leave {option} unset and pass the group there"
+            )
+
+
 class TorchmetricsMetric(Metric[Any]):
     """A torchmetrics ``Metric`` whose states are sidestream accumulators.
 
@@ -81,14 +115,18 @@ class TorchmetricsMetric(Metric[Any]):
     Raises:
         UnsupportedStateError: (a ``ValueError``) naming the first state that concatenates,
             averages, is not reduced, or uses a callable reduction, with the sidestream metric
-            to use instead where there is one.
+            to use instead where there is one; or for a wrapper or compositional metric, whose
+            state lives in the torchmetrics metrics inside it.
         TypeError: If ``metric`` is not a torchmetrics ``Metric``.
-        ValueError: If ``metric`` was already updated (its state would be dropped).
+        ValueError: If ``metric`` was already updated (its state would be dropped), or sets
+            torchmetrics' own ``process_group`` or ``dist_sync_fn``.
     """
 
     def __init__(self, metric: TorchmetricsBase) -> None:
         if not isinstance(metric, TorchmetricsBase):
             raise TypeError(f"metric: expected a torchmetrics Metric, got {type(metric)}")
+        _refuse_inner_metrics(metric)
+        _refuse_own_distribution(metric)
         if metric._update_count:
             # Its accumulated state would be dropped: the wrapper starts from the defaults.
             raise ValueError(
