@@ -156,7 +156,8 @@ def _change_structure_on_rank0() -> str:
     collector.schedule_collection(1)
     collector.collect_results()
     if dist.get_rank() == 0:
-        metric.to("cpu")  # a new state arena: the structure bound is gone
+        # A new state arena (what moving to another device does): the layout bound is gone.
+        metric._own_arena(torch.device("cpu"))
 
     def steps() -> None:
         collector.schedule_collection(2)

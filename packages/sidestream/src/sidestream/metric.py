@@ -537,14 +537,37 @@ class Metric(Stateful, Generic[T], abc.ABC):
         """Move every state of the tree to ``device`` (into a new arena) and return ``self``.
 
         Each metric of the tree, children included, also moves its own non-state tensors
-        through ``_move_extras``.
+        through ``_move_extras``. A tree whose arena already holds it on ``device`` keeps that
+        arena (so ``to`` the same device after a collector's ``bind`` changes nothing).
         """
         target = torch.device(device)
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
         self._refuse_hidden_in_tree()  # before anything moves
         for metric in self._walk_metrics():
             metric._move_extras(target)
-        self._own_arena(target)
+        if not self._arena_holds_tree_on(target):
+            self._own_arena(target)
         return self
+
+    def _arena_holds_tree_on(self, device: torch.device) -> bool:
+        """Whether this tree's live arena already holds every state of the tree on ``device``.
+
+        Then ``to`` keeps it: a new arena would be a new layout, which a bound collector takes
+        for a metric that changed its states after ``bind``.
+        """
+        arena: Arena | None = self.__dict__.get("_state_arena")
+        if arena is None or not arena.alive or arena.root is not self or arena.device != device:
+            return False
+        held = [state for _, state in arena.states]
+        current = [state for _, state in self.named_accumulators()]
+        stores = [store for _, store in self.named_sample_stores()]
+        return (
+            len(held) == len(current)
+            and all(a is b for a, b in zip(held, current, strict=True))
+            and len(stores) == len(arena.stores)
+            and all(a is b for a, b in zip(stores, arena.stores, strict=True))
+        )
 
     def _move_extras(self, device: torch.device) -> None:
         """Move tensors the metric holds besides its states (constants such as bin edges).

@@ -30,6 +30,7 @@ __all__ = ["Dispatcher"]
 logger = logging.getLogger("sidestream.collector")
 
 _STOP = object()
+_STEPS_NAMED = 8  # failed windows' steps a collect_results error lists
 
 
 class ReportTarget(Protocol):
@@ -69,6 +70,9 @@ class Dispatcher:
         self._processed = 0
         self._latest: tuple[int, Any] | None = None
         self._latest_error: BaseException | None = None
+        # Failed since latest() last ran: the first few (step, error), and how many in all.
+        self._unreported: list[tuple[int, BaseException]] = []
+        self._unreported_count = 0
         self._errors = 0
         self._mismatch: RankMismatchError | None = None
         self._layouts: dict[Any, _Layout] = {}
@@ -110,9 +114,20 @@ class Dispatcher:
         """``(step, result)`` of the last processed window.
 
         Raises:
-            RuntimeError: If that window failed (the cause is chained), or none was processed.
+            RuntimeError: If a window failed since the last call (naming their steps, the
+                first failure chained), if the last window failed, or if none was processed.
         """
         with self._cond:
+            unreported, self._unreported = self._unreported, []
+            count, self._unreported_count = self._unreported_count, 0
+            if unreported:
+                steps = ", ".join(str(step) for step, _ in unreported)
+                more = ", ..." if count > len(unreported) else ""
+                first = unreported[0][1]
+                raise RuntimeError(
+                    f"{count} window(s) failed since the last collect_results (steps "
+                    f"{steps}{more}); the first: {type(first).__name__}: {first}"
+                ) from first
             if self._latest_error is not None:
                 raise RuntimeError("the latest window failed") from self._latest_error
             if self._latest is None:
@@ -167,6 +182,9 @@ class Dispatcher:
                     )
                 with self._cond:
                     self._latest_error = error
+                    self._unreported_count += 1
+                    if len(self._unreported) < _STEPS_NAMED:
+                        self._unreported.append((window.step, error))
                     if isinstance(error, RankMismatchError) and self._mismatch is None:
                         self._mismatch = error
                     self._processed += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,9 @@ class FlatTree:
         A scalar leaf is named by its path; a vector's elements are ``path/class_i``; higher
         dimensional leaves get ``path/i_j``. ``prefix`` goes in front (``"train"`` gives
         ``"train/loss"``); a bare tensor result is named ``prefix`` or ``"value"``.
+
+        Raises:
+            ValueError: If two values would get the same name.
         """
         names: list[str] = []
         for path, leaf in zip(self.paths, self.leaves, strict=True):
@@ -54,6 +58,13 @@ class FlatTree:
             else:
                 for index in itertools.product(*(range(n) for n in shape)):
                     names.append(f"{base}/" + "_".join(str(i) for i in index))
+        if len(set(names)) != len(names):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise ValueError(
+                f"compute() result: the names {twice} are given to more than one value (a key "
+                "with '/' next to a nested one, a vector next to a '<name>/class_<i>' key, or "
+                "keys 1 and '1'); rename the keys so each value has its own name"
+            )
         return names
 
     def rebuild(self, leaves: list[Any]) -> Any:
@@ -78,6 +89,10 @@ def flatten_tree(tree: Any) -> FlatTree:
 def _flatten(tree: Any, path: str, leaves: list[Any], paths: list[str]) -> _Node:
     if isinstance(tree, Tensor | int | float):  # bool is an int
         leaves.append(tree)
+        paths.append(path)
+        return _Node("leaf")
+    if isinstance(tree, numbers.Real) and hasattr(tree, "item"):  # a numpy scalar
+        leaves.append(tree.item())
         paths.append(path)
         return _Node("leaf")
     if isinstance(tree, Mapping):

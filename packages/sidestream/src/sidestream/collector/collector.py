@@ -6,11 +6,13 @@ import atexit
 import logging
 import queue
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from sidestream._delivery import Delivery, DeliveryOptions
 from sidestream._distributed import Group, check_process_group, group_size, resolve_group
@@ -35,6 +37,9 @@ logger = logging.getLogger("sidestream.collector")
 # on demand, up to max_slots, if the dispatcher falls further behind.
 _INITIAL_SLOTS = 3
 _RESUMED = " (loaded from a checkpoint)"
+
+# The collector each bound metric belongs to (by id: the collector keeps the metric alive).
+_BOUND: weakref.WeakValueDictionary[int, AsyncMetricCollector[Any]] = weakref.WeakValueDictionary()
 DEFAULT_MAX_SLOTS = 8
 
 
@@ -222,9 +227,18 @@ class AsyncMetricCollector(Generic[T]):
             RuntimeError: If already bound or closed; if ``device`` is CUDA and CUDA is not
                 available; if the environment (``WORLD_SIZE``/``RANK``) says the job has
                 several processes but no process group is initialized.
+            ValueError: If the metric is bound to another collector that is not closed, or the
+                collector has sinks and its group leaves out global rank 0 (their writer).
         """
         if self._dispatcher is not None or self._closed:
             raise RuntimeError("bind: the collector is already bound (or closed)")
+        owner = _BOUND.get(id(self._metric))
+        if owner is not None and owner is not self and not owner._closed:
+            raise ValueError(
+                f"bind: this metric is bound to another collector (prefix {owner.prefix!r}) "
+                "that is not closed; a metric belongs to one collector, whose windows stage and "
+                "reset it: give each collector its own metric"
+            )
         target = torch.device(device) if device is not None else self._metric.device
         if target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(
@@ -233,6 +247,7 @@ class AsyncMetricCollector(Generic[T]):
                 "bind('cpu') or run on a machine with a GPU and a CUDA build of torch"
             )
         check_process_group("bind")
+        self._refuse_group_without_writer()
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
         self._metric.to(target)
@@ -255,9 +270,24 @@ class AsyncMetricCollector(Generic[T]):
             self._prefix,
             self._histograms,
         )
+        _BOUND[id(self._metric)] = self
         if self._owns_delivery:
             atexit.register(self._close_at_exit)
         return self
+
+    def _refuse_group_without_writer(self) -> None:
+        """Sinks are written by global rank 0: a group without it would deliver nothing."""
+        process_group = resolve_group(self._group)
+        if process_group is None or not self._delivery.sinks:
+            return
+        ranks = dist.get_process_group_ranks(process_group)
+        if 0 not in ranks:
+            raise ValueError(
+                f"group: the collector's group holds global ranks {ranks}, but the sinks are "
+                "written by global rank 0, which is not in it, so no window would reach them; "
+                "reduce over a group with rank 0 (or gather the value to rank 0's group), or "
+                "use a collector without sinks and read collect_results on these ranks"
+            )
 
     def schedule_collection(self, step: int) -> None:
         """Start collecting the window that ends now, logged at ``step``; returns at once.
@@ -282,18 +312,26 @@ class AsyncMetricCollector(Generic[T]):
         self._last_step = step
         slot = self._take_slot()
         window = Window(step=step, time=time.time(), slot=slot)
-        if self._side is None:
-            window.batch = slot.start_from_live(step)
-            if self._reset_each_window:
-                # The live state was copied out; start_from_live checked that its arena is the
-                # one bound, so unless a subclass resets differently, reset that arena at once
-                # (one copy per dtype).
-                if self._plain_reset:
-                    slot.live_arena.reset()
-                else:
-                    self._metric.reset()
-        else:
-            self._schedule_on_side_stream(window)
+        try:
+            if self._side is None:
+                window.batch = slot.start_from_live(step)
+                if self._reset_each_window:
+                    # The live state was copied out; start_from_live checked that its arena is
+                    # the one bound, so unless a subclass resets differently, reset that arena
+                    # at once (one copy per dtype).
+                    if self._plain_reset:
+                        slot.live_arena.reset()
+                    else:
+                        self._metric.reset()
+            else:
+                self._schedule_on_side_stream(window)
+        except BaseException:
+            # The slot must come back, or the pool runs dry and a later call waits forever.
+            if window.batch is None:
+                self._free_slots.put(slot)  # no collective writes into its buffers
+            else:
+                self._dispatcher.submit(window)  # in flight: the dispatcher hands it back
+            raise
         self._dispatcher.submit(window)
 
     def _schedule_on_side_stream(self, window: Window) -> None:
@@ -342,7 +380,10 @@ class AsyncMetricCollector(Generic[T]):
         if self._slot_count > _INITIAL_SLOTS and self._dispatcher.unprocessed == 0:
             # The backlog has drained, so every slot is free: keep the first few only.
             while self._slot_count > _INITIAL_SLOTS:
-                self._free_slots.get_nowait()
+                try:
+                    self._free_slots.get_nowait()
+                except queue.Empty:  # a slot is still out: shrink later
+                    break
                 self._slot_count -= 1
         return slot
 
@@ -398,8 +439,8 @@ class AsyncMetricCollector(Generic[T]):
         Raises:
             RankMismatchError: As soon as a window found that ranks paired different calls (a
                 rank skipped one), without waiting for the windows left with no partner.
-            RuntimeError: If nothing was scheduled, the latest window failed, or ``timeout``
-                passed first.
+            RuntimeError: If nothing was scheduled, a window failed since the last call (or the
+                latest window failed), or ``timeout`` passed first.
         """
         if self._dispatcher is None or self._dispatcher.scheduled == 0:
             raise RuntimeError("collect_results: no window scheduled; call schedule_collection")

@@ -1,0 +1,111 @@
+"""A collector after a failed call: its slots come back, failures reach collect_results, and
+misuse that broke it later is refused at bind (defects a probe found on landed code)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from sidestream import Metric, MetricAccumulator, SumMetric
+from sidestream.collector import AsyncMetricCollector
+from sidestream.collector._slot import Slot
+
+
+def test_a_failed_schedule_gives_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It kept the slot: after max_slots failures the pool ran dry and a call waited forever.
+    metric = SumMetric()
+    collector = AsyncMetricCollector(metric, max_slots=2).bind("cpu")
+    real = Slot.start_from_live
+    failures = {"left": 5}
+
+    def flaky(self: Slot, step: int) -> Any:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("staging failed")
+        return real(self, step)
+
+    monkeypatch.setattr(Slot, "start_from_live", flaky)
+    for step in range(1, 6):
+        with pytest.raises(RuntimeError, match="staging failed"):
+            collector.schedule_collection(step)
+    for step in range(6, 16):
+        metric.update(torch.tensor([float(step)]))
+        collector.schedule_collection(step)
+    assert collector.collect_results(timeout=30) == 15.0
+    assert collector.close(timeout=30)
+
+
+def test_to_the_same_device_after_bind_changes_nothing() -> None:
+    metric = SumMetric()
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    metric.update(torch.tensor([2.0]))
+    metric.to("cpu")  # rebuilt the arena: every later window failed as "changed its states"
+    collector.schedule_collection(1)
+    assert collector.collect_results(timeout=30) == 2.0
+    assert collector.close(timeout=30)
+
+
+def test_one_metric_belongs_to_one_open_collector() -> None:
+    metric = SumMetric()
+    first = AsyncMetricCollector(metric, prefix="window").bind("cpu")
+    second = AsyncMetricCollector(metric, prefix="total", reset_each_window=False)
+    with pytest.raises(ValueError, match=r"bound to another collector \(prefix 'window'\)"):
+        second.bind("cpu")
+    assert first.close(timeout=30)
+    again = AsyncMetricCollector(metric).bind("cpu")  # closed: the metric is free again
+    assert again.close(timeout=30)
+
+
+_COMPUTED = [0]  # shared by the collector's copies of the metric
+
+
+class _FailsOnce(Metric[torch.Tensor]):
+    def __init__(self) -> None:
+        self._total = MetricAccumulator(0.0)
+
+    def update(self, value: float) -> None:
+        self._total.accumulate(torch.tensor(value, dtype=torch.float64))
+
+    def compute(self) -> torch.Tensor:
+        _COMPUTED[0] += 1
+        if _COMPUTED[0] == 1:
+            raise ValueError("first window's compute failed")
+        return self._total.value
+
+
+def test_collect_results_raises_for_a_failure_followed_by_good_windows() -> None:
+    _COMPUTED[0] = 0
+    metric = _FailsOnce()
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    for step in (1, 2, 3):
+        metric.update(float(step))
+        collector.schedule_collection(step)
+    with pytest.raises(RuntimeError, match=r"1 window\(s\) failed .* \(steps 1\)") as caught:
+        collector.collect_results(timeout=30)
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert collector.collect_results(timeout=30) == 3.0  # reported once
+    assert not collector.close(timeout=30)
+
+
+class _Colliding(Metric[dict[str, Any]]):
+    def __init__(self) -> None:
+        self._total = MetricAccumulator(0.0)
+
+    def update(self, value: float) -> None:
+        self._total.accumulate(torch.tensor(value, dtype=torch.float64))
+
+    def compute(self) -> dict[str, Any]:
+        return {"a/b": self._total.value, "a": {"b": self._total.value * 10}}
+
+
+def test_two_values_with_one_name_fail_the_window_instead_of_overwriting() -> None:
+    metric = _Colliding()
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    metric.update(1.0)
+    collector.schedule_collection(1)
+    with pytest.raises(RuntimeError, match="failed") as caught:
+        collector.collect_results(timeout=30)
+    assert "['a/b'] are given to more than one value" in str(caught.value.__cause__)
+    assert not collector.close(timeout=30)
