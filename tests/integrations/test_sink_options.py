@@ -212,3 +212,72 @@ def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
         assert runner.close(10.0)
     assert str(left) in caplog.text and "sidestream.sinks.replay" in caplog.text
     assert str(other_sink) not in caplog.text and str(replayed) not in caplog.text
+
+
+def test_a_child_process_sink_writing_the_same_file_is_refused(tmp_path: Path) -> None:
+    from sidestream.sinks import sinks_from_config
+
+    sinks = sinks_from_config(
+        [
+            {"type": "jsonl", "path": str(tmp_path / "a.jsonl")},
+            {"type": "jsonl", "path": str(tmp_path / "a.jsonl"), "child_process": True},
+        ]
+    )
+    with pytest.raises(ValueError, match=r"sinks\[1\]: JsonlSink writes .* child process"):
+        Run(sinks)
+
+
+def test_mlflow_timeout_zero_is_refused() -> None:
+    # requests refuses a connect timeout of 0: every request would fail, retried forever.
+    with pytest.raises(TypeError, match="http_timeout: expected an int >= 1"):
+        _mlflow()(http_timeout=0)
+
+
+def test_wandb_service_gone_fails_the_sink_for_good(tmp_path: Path) -> None:
+    # run.log talks only to wandb's local service: a broken connection cannot heal.
+    sink = _wandb()(project="p", mode="offline", dir=str(tmp_path))
+    sink.open(RunInfo())
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    real_log = sink._run.log
+    sink._run.log = broken
+    with pytest.raises(Exception, match="service process is gone") as caught:
+        sink.write(Report(step=1, values={"x": 1.0}, time=time.time()))
+    assert is_permanent(caught.value)
+    sink._run.log = real_log
+    assert sink.close(60.0)
+
+
+class _HoldsReports(Sink):
+    """Takes reports without making them durable, and cannot close (a dead child's sink)."""
+
+    name = "holds"
+
+    def __init__(self) -> None:
+        self.taken: list[Report] = []
+
+    def open(self, run: RunInfo) -> None:
+        pass
+
+    def write(self, report: Report) -> None:
+        self.taken.append(report)
+
+    def pending_reports(self) -> list[Report]:
+        return list(self.taken)
+
+    def close(self, timeout: float | None = None) -> bool:
+        raise ConnectionError("the child process died during close")
+
+
+def test_reports_a_sink_held_when_its_close_failed_are_spooled(tmp_path: Path) -> None:
+    from sidestream.sinks import read_spool
+
+    runner = SinkRunner(_HoldsReports(), spool_dir=str(tmp_path))
+    runner.start()
+    for step in (1, 2, 3):
+        runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
+    assert not runner.close(10.0)
+    (kept,) = tmp_path.iterdir()
+    assert [report.step for report in read_spool(kept)] == [1, 2, 3]

@@ -303,3 +303,28 @@ def test_spool_file_on_disk_stays_bounded_under_steady_overflow(tmp_path: Path) 
     kept = list(read_spool(spool.keep([])))
     assert [r.step for r in kept] == sorted(r.step for r in kept)
     assert kept[-1].step == 29_999 and len(kept) == len(set(r.step for r in kept))
+
+
+def test_replay_that_cannot_rename_the_spool_says_so_and_print_skips_damaged_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sidestream.sinks import replay
+
+    spool = tmp_path / "kept.spool.jsonl"
+    good = [encode_report(Report(step=s, values={"x": float(s)}, time=0.0)) for s in (1, 2, 3)]
+    spool.write_bytes(good[0] + b"not json\n" + good[2])
+    assert replay.main([str(spool), "--print"]) == 1  # no traceback: a message and the fix
+    assert "--skip-damaged" in capsys.readouterr().err
+    assert replay.main([str(spool), "--print", "--skip-damaged"]) == 0
+    printed = capsys.readouterr()
+    assert "line 2" in printed.err and printed.out.count("Report(") == 2
+
+    def refuse(source: str, target: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(replay.os, "replace", refuse)
+    out = tmp_path / "out.jsonl"
+    arguments = [str(spool), "--sink", "jsonl", "--option", f"path={out}", "--skip-damaged"]
+    assert replay.main(arguments) == 1
+    assert "could not be renamed" in capsys.readouterr().err
+    assert spool.exists() and len(out.read_text().splitlines()) == 2

@@ -88,14 +88,15 @@ class MlflowSink(TrackerSink):
         http_max_retries: int | None = 0,
     ) -> None:
         super().__init__()
-        for option, value in (
-            ("http_timeout", http_timeout),
-            ("http_max_retries", http_max_retries),
+        # A timeout of 0 would fail every request (requests refuses it): at least 1 s.
+        for option, value, low in (
+            ("http_timeout", http_timeout, 1),
+            ("http_max_retries", http_max_retries, 0),
         ):
             if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 0
+                not isinstance(value, int) or isinstance(value, bool) or value < low
             ):
-                raise TypeError(f"{option}: expected an int >= 0 or None, got {value!r}")
+                raise TypeError(f"{option}: expected an int >= {low} or None, got {value!r}")
         if tags is not None and not isinstance(tags, Mapping):
             raise TypeError(f"tags: expected a mapping of str to str, got {type(tags).__name__}")
         self._tracking_uri = tracking_uri

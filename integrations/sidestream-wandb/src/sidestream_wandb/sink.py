@@ -246,6 +246,15 @@ class WandbSink(TrackerSink):
                 self._define(report.stream, key, row)
                 row[key] = report.step
                 self._run.log(row, commit=True)
+            except ConnectionError as error:
+                # run.log only talks to wandb's local service process: a broken connection
+                # means that process is gone, and this run object can take no more rows.
+                failure = PermanentSinkError(
+                    f"WandbSink: log at {key}={report.step} failed: wandb's service process "
+                    f"is gone ({self.describe_error(error)}), so this run takes no more rows; "
+                    "resume the job from its last checkpoint (the steps after it are logged "
+                    "again)"
+                )
             except Exception as error:
                 failure = self._failure(f"log at {key}={report.step}", error)
             if failure is not None:

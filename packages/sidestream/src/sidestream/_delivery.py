@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -18,7 +17,7 @@ from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
-from sidestream.sinks.tracker import TrackerSink
+from sidestream.sinks.tracker import TrackerSink, written_place
 
 __all__ = ["Delivery", "DeliveryOptions"]
 
@@ -316,17 +315,15 @@ def _keyed(sinks: list[Sink]) -> dict[str, Sink]:
 
 def _refuse_shared_targets(sinks: list[Sink]) -> None:
     """Two sinks of one kind that write one file or directory would interleave or repeat it."""
-    seen: dict[tuple[type, str], int] = {}
+    seen: dict[tuple[type, str, str], int] = {}
     for index, sink in enumerate(sinks):
-        if not isinstance(sink, TrackerSink) or sink.identity_key not in ("path", "log_dir"):
-            continue  # a run id is not known before open; other sinks write no named place
-        identity = sink.identity
-        if identity is None:
+        place = sink.wrapped_place if isinstance(sink, ProcessSink) else written_place(sink)
+        if place is None:
             continue
-        place = (type(sink), os.path.realpath(identity))
         if place in seen and sinks[seen[place]] is not sink:  # the same object: _claim says so
+            kind, key, path = place
             raise ValueError(
-                f"sinks[{index}]: {type(sink).__name__} writes {identity!r}, as sinks"
-                f"[{seen[place]}] does; give each sink its own {sink.identity_key}"
+                f"sinks[{index}]: {kind.__name__} writes {path!r}, as sinks[{seen[place]}] "
+                f"does (in this process or a child process); give each sink its own {key}"
             )
         seen[place] = index

@@ -231,6 +231,8 @@ class Run:
                     raise ValueError(
                         f"values[{name!r}]: expected a 0-dim tensor, got shape {tuple(value.shape)}"
                     )
+                if value.is_complex():
+                    raise TypeError(f"values[{name!r}]: expected a real tensor, got {value.dtype}")
                 if value.is_cuda:
                     on_gpu.append((name, value))
                 else:

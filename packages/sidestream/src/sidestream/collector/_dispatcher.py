@@ -31,6 +31,7 @@ logger = logging.getLogger("sidestream.collector")
 
 _STOP = object()
 _STEPS_NAMED = 8  # failed windows' steps a collect_results error lists
+_IDLE_STOP_S = 1.0  # how long an idle dispatcher thread may take to see the stop
 
 
 class ReportTarget(Protocol):
@@ -135,8 +136,15 @@ class Dispatcher:
             return self._latest
 
     def stop(self, timeout: float | None) -> bool:
-        """Process what was submitted, then end the thread; whether it ended within timeout."""
+        """Process what was submitted, then end the thread; whether it ended within timeout.
+
+        With every window processed the thread only has to see the stop: it gets a moment
+        for that even when ``timeout`` is 0, so a close after ``collect_results`` succeeds.
+        """
+        idle = self.unprocessed == 0
         self._windows.put(_STOP)
+        if idle and timeout is not None:
+            timeout = max(timeout, _IDLE_STOP_S)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

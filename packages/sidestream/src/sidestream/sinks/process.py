@@ -19,6 +19,7 @@ from typing import Any
 
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import PermanentSinkError, is_permanent
+from sidestream.sinks.tracker import written_place
 
 __all__ = ["ProcessSink", "SinkProcessError"]
 
@@ -223,6 +224,8 @@ class ProcessSink(Sink):
             ) from error
         self.name = sink.name
         self.max_batch = sink.max_batch
+        #: The file or folder the wrapped sink writes, if it names one (see ``written_place``).
+        self.wrapped_place = written_place(sink)
         self._call_timeout_s = call_timeout_s
         self._start_timeout_s = start_timeout_s
         self._flush_every = flush_every
@@ -339,6 +342,14 @@ class ProcessSink(Sink):
                 self._unflushed.clear()
             self._closed = done
             return done
+
+    def pending_reports(self) -> list[Report]:
+        """Reports written since the child's last flush: it may have died with them.
+
+        A runner whose close runs out of time (or whose close failed) keeps these in its spool
+        with the rest, so a child that died just before close loses nothing.
+        """
+        return list(self._unflushed)
 
     def state_dict(self) -> dict[str, Any]:
         """The child sink's ``state_dict`` as of its last answered call."""

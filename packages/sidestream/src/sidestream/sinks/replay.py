@@ -57,8 +57,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         parser.error(f"{args.spool}: no such file{done}")
     if args.print:
-        for report in read_spool(args.spool):
-            print(report)
+        damaged: list[str] | None = [] if args.skip_damaged else None
+        try:
+            for report in read_spool(args.spool, damaged=damaged):
+                print(report)
+        except ValueError as error:
+            print(f"{error} (--skip-damaged prints the rest)", file=sys.stderr)
+            return 1
+        for line in damaged or []:
+            print(f"skipped a damaged line: {line}", file=sys.stderr)
         return 0
     if not args.sink:
         parser.error("--sink is required unless --print is given")
@@ -88,9 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(
             f"stopped at a damaged line: {error}; the reports before it were delivered. Run "
-            "again with --skip-damaged to deliver the rest (steps the sink has are skipped)",
+            "again with --skip-damaged to deliver the rest, and with --resume-state (the "
+            "sink's state from the job's checkpoint, which a resuming sink uses to skip steps "
+            "it has): without it the reports before the damaged line are delivered again",
             file=sys.stderr,
         )
+        return 1
+    except Exception as error:  # the sink could not open or write: its message says why
+        print(f"replay failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     for line in result.damaged:
         print(f"skipped a damaged line: {line}", file=sys.stderr)
@@ -99,7 +111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{result.skipped} the sink already had, {len(result.damaged)} damaged line(s) skipped"
     )
     if not args.keep:
-        os.replace(args.spool, args.spool + _REPLAYED)
+        try:
+            os.replace(args.spool, args.spool + _REPLAYED)
+        except OSError as error:
+            print(
+                f"every report was delivered, but {args.spool} could not be renamed ({error}): "
+                "move or delete it, or a second replay delivers its reports again",
+                file=sys.stderr,
+            )
+            return 1
         print(f"renamed the spool to {args.spool}{_REPLAYED}")
     return 0
 

@@ -19,6 +19,8 @@ __all__ = ["SinkRunner"]
 
 logger = logging.getLogger("sidestream.sinks")
 
+_LEFTOVERS_NAMED = 5  # leftover spool files a warning names (the rest are counted)
+
 
 class SinkRunner:
     """Delivers reports to one sink, in step order, from a thread of its own.
@@ -106,6 +108,7 @@ class SinkRunner:
         hold reports never delivered: a warning names them, with how to replay them.
         """
         left = leftover_spools(self._spool_dir, self.key)
+        more = len(left) - _LEFTOVERS_NAMED
         if left:
             logger.warning(
                 "sink %r: %d spool file(s) of earlier jobs hold reports that were never "
@@ -114,7 +117,7 @@ class SinkRunner:
                 "or delete them",
                 self.key,
                 len(left),
-                ", ".join(left),
+                ", ".join(left[:_LEFTOVERS_NAMED]) + (f" and {more} more" if more > 0 else ""),
             )
         self._thread.start()
 
@@ -239,14 +242,17 @@ class SinkRunner:
                 self._spool.discard()
                 return self._submitted == 0
         self._thread.join(self._remaining())
-        if not self._thread.is_alive():
+        held = self._held_by_sink()
+        if not self._thread.is_alive() and (self._sink_closed or not held):
             with self._cond:
                 self._spool.discard()
                 self._log_dropped()
                 return self._delivered == self._submitted and self._sink_closed
         self._abandon.set()
         with self._cond:
-            undelivered = [*self._in_flight, *self._queue]
+            # Reports the sink took but did not make durable (a ProcessSink whose child died)
+            # are older than those still queued here: they go first.
+            undelivered = [*held, *self._in_flight, *self._queue]
             self._queue.clear()
             count = len(undelivered) + len(self._spool)
             if count == 0:
@@ -285,6 +291,22 @@ class SinkRunner:
             path,
         )
         return False
+
+    def _held_by_sink(self) -> list[Report]:
+        """Reports the sink took but may not have made durable, if it can say.
+
+        A ``ProcessSink``'s are those sent to a child since its last flush. Empty once the
+        sink's close succeeded.
+        """
+        if self._sink_closed:
+            return []
+        pending = getattr(self.sink, "pending_reports", None)
+        if not callable(pending):
+            return []
+        try:
+            return list(pending())
+        except Exception:  # a broken sink must not stop the spool
+            return []
 
     def _log_dropped(self) -> None:
         if self._dropped:

@@ -6,6 +6,7 @@ import abc
 import dataclasses
 import inspect
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 from sidestream.sinks.base import Report, Sink
 from sidestream.sinks.support import call_within
 
-__all__ = ["TrackerSink", "parse_tracker_state", "signature_options"]
+__all__ = ["TrackerSink", "parse_tracker_state", "signature_options", "written_place"]
 
 logger = logging.getLogger("sidestream.sinks")
 
@@ -354,3 +355,17 @@ def parse_tracker_state(
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def written_place(sink: Sink) -> tuple[type, str, str] | None:
+    """``(sink class, identity key, real path)`` of a sink that writes a named file or folder.
+
+    ``None`` for sinks that write no named place (a tracker's run id is not known before
+    ``open``). Two sinks of one run with the same place would interleave or repeat it.
+    """
+    if not isinstance(sink, TrackerSink) or sink.identity_key not in ("path", "log_dir"):
+        return None
+    identity = sink.identity
+    if identity is None:
+        return None
+    return type(sink), sink.identity_key, os.path.realpath(identity)
