@@ -13,7 +13,6 @@ from sidestream.sinks.support import (
     checked_histogram_edges,
     flatten_config,
     histogram_edges,
-    refuse_unknown_options,
 )
 from sidestream.sinks.tracker import signature_options
 
@@ -65,11 +64,7 @@ class TensorBoardSink(TrackerSink):
         **writer_kwargs: Any,
     ) -> None:
         super().__init__()
-        try:
-            accepted = type(self).option_names()
-        except ImportError:
-            accepted = None  # no client to ask: open says how to install it
-        refuse_unknown_options(type(self).__name__, writer_kwargs, accepted)
+        self.refuse_unknown_options(writer_kwargs)
         self._log_dir = None if log_dir is None else os.fspath(log_dir)
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         self._writer_kwargs = writer_kwargs

@@ -16,7 +16,6 @@ from sidestream.sinks.support import (
     flatten_config,
     histogram_edges,
     redact,
-    refuse_unknown_options,
     secrets_in,
     shorten,
 )
@@ -70,9 +69,9 @@ class WandbSink(TrackerSink):
     ``FLUSH_INTERVAL_S`` (1 s) unless ``settings`` give it. A row counts as delivered (in
     ``state_dict``) once ``persist`` has waited that interval plus a margin after it was logged,
     or once ``finish`` returned; ``flush`` and a checkpoint's ``make_durable`` wait for that.
-    Older wandb clients write rows only when a 32 KiB buffer fills or the run finishes: there
-    rows count as delivered when ``run.log`` returns, and a crashed job loses those wandb had
-    not written.
+    Older wandb clients write rows only when a 32 KiB buffer fills or the run finishes and
+    cannot say when: there rows count as delivered at the next ``flush`` after ``run.log``,
+    and a crashed job loses those wandb had not written.
 
     Args:
         project: W&B project.
@@ -87,6 +86,7 @@ class WandbSink(TrackerSink):
     """
 
     name = "wandb"
+    durable_on_send = False  # rows count once persist says wandb wrote them (see above)
 
     def __init__(
         self,
@@ -99,11 +99,7 @@ class WandbSink(TrackerSink):
         self._init_kwargs = dict(init_kwargs)
         if project is not None:
             self._init_kwargs["project"] = project
-        try:
-            accepted = type(self).option_names()
-        except ImportError:
-            accepted = None  # no client to ask: open says how to install it
-        refuse_unknown_options(type(self).__name__, init_kwargs, accepted)
+        self.refuse_unknown_options(init_kwargs)
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         _check_settings(self._init_kwargs)
         self._run: Any = None
@@ -263,14 +259,6 @@ class WandbSink(TrackerSink):
             self.mark_sent(report)
             self._logged[report.stream] = report.step
 
-    @property
-    def durable_on_send(self) -> bool:  # type: ignore[override]
-        """Whether ``run.log`` returning counts as delivered.
-
-        Only on clients without a periodic write of the ``.wandb`` file (before wandb 0.31).
-        """
-        return self._flush_interval is None and not self._finished
-
     def persist(self, timeout: float | None) -> bool:
         """Wait until wandb's periodic write has put every logged row in the ``.wandb`` file.
 
@@ -279,7 +267,7 @@ class WandbSink(TrackerSink):
         when a buffer fills or at ``finish``).
         """
         if self._finished or self._flush_interval is None or self._disabled:
-            return True
+            return True  # finished, a client that cannot say (before 0.31), or nothing kept
         if self._flush_interval <= 0:
             return False
         wait = self._last_log + self._flush_interval + _FLUSH_MARGIN_S - time.monotonic()

@@ -17,7 +17,7 @@ from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
-from sidestream.sinks.tracker import TrackerSink, written_place
+from sidestream.sinks.tracker import TrackerSink
 
 __all__ = ["Delivery", "DeliveryOptions"]
 
@@ -317,7 +317,7 @@ def _refuse_shared_targets(sinks: list[Sink]) -> None:
     """Two sinks of one kind that write one file or directory would interleave or repeat it."""
     seen: dict[tuple[type, str, str], int] = {}
     for index, sink in enumerate(sinks):
-        place = sink.wrapped_place if isinstance(sink, ProcessSink) else written_place(sink)
+        place = sink.written_place()
         if place is None:
             continue
         if place in seen and sinks[seen[place]] is not sink:  # the same object: _claim says so

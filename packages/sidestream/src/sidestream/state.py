@@ -303,7 +303,8 @@ class MetricAccumulator:
         batch.add(self, group, self._synced, name="state")
         checked = id(group) in self._checked_groups
         batch.program(check=not checked).start()
-        self._checked_groups |= {id(group)}
+        if not checked:
+            self._checked_groups |= {id(group)}
         self._freshness.current = True
 
     def reset(self) -> None:

@@ -36,7 +36,6 @@ logger = logging.getLogger("sidestream.collector")
 # A few slots let new windows stage while older ones are still being published; more are made
 # on demand, up to max_slots, if the dispatcher falls further behind.
 _INITIAL_SLOTS = 3
-_RESUMED = " (loaded from a checkpoint)"
 
 # The collector each bound metric belongs to (by id: the collector keeps the metric alive).
 _BOUND: weakref.WeakValueDictionary[int, AsyncMetricCollector[Any]] = weakref.WeakValueDictionary()
@@ -165,7 +164,6 @@ class AsyncMetricCollector(Generic[T]):
         # What every window's call fingerprint names: the prefix, and the mode, since a window
         # paired with a cumulative one on another rank would mix the two.
         self._stream = self._prefix if reset_each_window else f"{self._prefix} (cumulative)"
-        # and whether the metric was loaded from a checkpoint (see _load_metric).
         self._histograms = frozenset(path.strip("/") for path in histogram_paths)
         self._device: torch.device | None = None
         self._side: torch.cuda.Stream | None = None
@@ -252,6 +250,12 @@ class AsyncMetricCollector(Generic[T]):
             target = torch.device("cuda", torch.cuda.current_device())
         self._metric.to(target)
         self._device = target
+        # And the metric's count of collective calls so far, a load_state_dict included: a rank
+        # that skipped one (rank 0 skipping the load loses the checkpoint, since only the
+        # group's first rank takes the saved numbers) fails the first window on every rank.
+        calls = self._metric.call_counter.count
+        if calls:
+            self._stream += f" after {calls} call(s)"
         if target.type == "cuda":
             self._side = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
         # Making the first slot is the one blocking collective: it checks that every rank holds
@@ -551,7 +555,7 @@ class AsyncMetricCollector(Generic[T]):
         metric_state = state_dict["metric"]
         if self._owns_delivery:
             self._delivery.load_sink_states(state_dict.get("sinks", {}))
-        self._load_metric(metric_state)
+        self._metric.load_state_dict(metric_state)
 
     def load_metric_state(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the metric's part of a checkpoint (``Run.load_state_dict`` calls it).
@@ -561,12 +565,4 @@ class AsyncMetricCollector(Generic[T]):
         """
         if self._dispatcher is not None:
             raise RuntimeError("load_state_dict: call it before bind")
-        self._load_metric(dict(state_dict))
-
-    def _load_metric(self, state_dict: dict[str, Any]) -> None:
-        self._metric.load_state_dict(state_dict)
-        # Only the group's first rank takes the saved numbers: a rank that skipped the load
-        # must not pair its windows with those of ranks that made it (rank 0 skipping would
-        # lose the checkpoint without a word). The windows' fingerprints tell them apart.
-        if not self._stream.endswith(_RESUMED):
-            self._stream += _RESUMED
+        self._metric.load_state_dict(dict(state_dict))

@@ -103,6 +103,22 @@ class Sink(abc.ABC):
         """Flush and release the backend; return whether it finished within ``timeout``."""
         return self.flush(timeout)
 
+    def pending_reports(self) -> list[Report]:
+        """Reports ``write`` took that the backend may not hold yet (none by default).
+
+        A runner whose close fails or runs out of time keeps them in its spool with the reports
+        it still queues (a ``ProcessSink``: those sent to a child since its last flush).
+        """
+        return []
+
+    def written_place(self) -> tuple[type, str, str] | None:
+        """``(sink class, option name, real path)`` of the file or folder this sink writes.
+
+        ``None`` (the default) for a sink that writes no named place. Two sinks of one run with
+        the same place would interleave or repeat it, so a run refuses them.
+        """
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """What a resumed job needs to continue the same run (run id, last delivered step)."""
         return {}

@@ -19,7 +19,6 @@ from typing import Any
 
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import PermanentSinkError, is_permanent
-from sidestream.sinks.tracker import written_place
 
 __all__ = ["ProcessSink", "SinkProcessError"]
 
@@ -224,8 +223,7 @@ class ProcessSink(Sink):
             ) from error
         self.name = sink.name
         self.max_batch = sink.max_batch
-        #: The file or folder the wrapped sink writes, if it names one (see ``written_place``).
-        self.wrapped_place = written_place(sink)
+        self._place = sink.written_place()
         self._call_timeout_s = call_timeout_s
         self._start_timeout_s = start_timeout_s
         self._flush_every = flush_every
@@ -342,6 +340,10 @@ class ProcessSink(Sink):
                 self._unflushed.clear()
             self._closed = done
             return done
+
+    def written_place(self) -> tuple[type, str, str] | None:
+        """The file or folder the wrapped sink writes (checked against the run's other sinks)."""
+        return self._place
 
     def pending_reports(self) -> list[Report]:
         """Reports written since the child's last flush: it may have died with them.

@@ -300,11 +300,8 @@ class SinkRunner:
         """
         if self._sink_closed:
             return []
-        pending = getattr(self.sink, "pending_reports", None)
-        if not callable(pending):
-            return []
         try:
-            return list(pending())
+            return list(self.sink.pending_reports())
         except Exception:  # a broken sink must not stop the spool
             return []
 

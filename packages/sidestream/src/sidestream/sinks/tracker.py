@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from sidestream.sinks.base import Report, Sink
-from sidestream.sinks.support import call_within
+from sidestream.sinks.support import call_within, refuse_unknown_options
 
-__all__ = ["TrackerSink", "parse_tracker_state", "signature_options", "written_place"]
+__all__ = ["TrackerSink", "parse_tracker_state", "signature_options"]
 
 logger = logging.getLogger("sidestream.sinks")
 
@@ -88,6 +88,20 @@ class TrackerSink(Sink):
         """
         return signature_options(cls)
 
+    @classmethod
+    def refuse_unknown_options(cls, options: Mapping[str, Any]) -> None:
+        """Raise ``TypeError`` for a keyword the sink and its client do not take (a typo).
+
+        For constructors that forward ``**kwargs`` to their client; called when the sink is
+        made, not at ``open`` on rank 0's sink thread. Without the client installed nothing is
+        checked (``open`` says how to install it).
+        """
+        try:
+            accepted = cls.option_names()
+        except ImportError:
+            return
+        refuse_unknown_options(cls.__name__, options, accepted)
+
     @abc.abstractmethod
     def send(self, reports: Sequence[Report]) -> None:
         """Deliver ``reports`` (none of them delivered before) to the backend; raise on failure.
@@ -117,6 +131,16 @@ class TrackerSink(Sink):
     @identity.setter
     def identity(self, value: str | None) -> None:
         del value
+
+    def written_place(self) -> tuple[type, str, str] | None:
+        """The file or folder this sink's identity names, if it is one.
+
+        JSONL's path, TensorBoard's log_dir; ``None`` for a run id (not known before ``open``).
+        """
+        identity = self.identity
+        if self.identity_key not in ("path", "log_dir") or identity is None:
+            return None
+        return type(self), self.identity_key, os.path.realpath(identity)
 
     def extra_state(self) -> dict[str, Any]:
         """More state for ``state_dict`` (JSON-able); none by default."""
@@ -355,17 +379,3 @@ def parse_tracker_state(
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def written_place(sink: Sink) -> tuple[type, str, str] | None:
-    """``(sink class, identity key, real path)`` of a sink that writes a named file or folder.
-
-    ``None`` for sinks that write no named place (a tracker's run id is not known before
-    ``open``). Two sinks of one run with the same place would interleave or repeat it.
-    """
-    if not isinstance(sink, TrackerSink) or sink.identity_key not in ("path", "log_dir"):
-        return None
-    identity = sink.identity
-    if identity is None:
-        return None
-    return type(sink), sink.identity_key, os.path.realpath(identity)
