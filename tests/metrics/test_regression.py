@@ -182,7 +182,9 @@ def test_checkpoint_keeps_its_shift(kind: Any) -> None:
     older = {key: value for key, value in saved.items() if "shift" not in key}
     again = kind(shift=2.0)
     again.load_state_dict(older)
-    assert again.compute().item() == pytest.approx(saved_with.compute().item(), rel=1e-12)
+    p1, t1 = first["preds"].astype(np.float64), first["target"].astype(np.float64)
+    before = r2_score(t1, p1) if kind is R2ScoreMetric else pearsonr(p1, t1)[0]
+    assert again.compute().item() == pytest.approx(before, rel=1e-9)
 
 
 @pytest.mark.parametrize(
