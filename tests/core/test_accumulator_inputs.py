@@ -58,3 +58,50 @@ def test_load_local_detaches_too() -> None:
     state = MetricAccumulator(torch.zeros(2, dtype=torch.float64))
     state.load_local(torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True) * 2)
     assert not state.local.requires_grad and state.local.tolist() == [2.0, 4.0]
+
+
+class _Counted(Metric[Tensor]):
+    """Counts as d9d's accumulators did: ``update(labels.numel())``, a Python number."""
+
+    def __init__(self) -> None:
+        self._count = MetricAccumulator(torch.zeros((), dtype=torch.int64))
+        self._largest = MetricAccumulator(-torch.inf, ReduceOp.MAX, dtype=torch.float64)
+
+    def update(self, labels: Tensor, score: float) -> None:
+        self._count.accumulate(labels.numel())
+        self._largest.accumulate(score)
+
+    def compute(self) -> Tensor:
+        return self._count.value
+
+
+def test_python_numbers_accumulate_like_tensors_and_wrong_kinds_name_the_argument() -> None:
+    metric = _Counted()
+    metric.update(torch.zeros(3), 0.25)
+    metric.update(torch.zeros(4), -1.0)
+    assert int(metric.compute()) == 7
+    assert float(metric.state_dict()["largest"]) == 0.25
+    count = metric._count
+    count.accumulate(True)  # a bool is an int
+    assert int(count.value) == 8
+    for bad, message in ((2.5, "float .*int64 state"), ("3", "got str"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=f"accumulate: update: .*{message}"):
+            count.accumulate(bad)  # type: ignore[arg-type]
+        assert int(count.value) == 8  # nothing changed
+
+
+@pytest.mark.parametrize("group", [object(), "world", 0])
+def test_a_group_of_another_type_is_refused_in_one_process_too(group: object) -> None:
+    from sidestream import MeanMetric
+    from sidestream.collector import AsyncMetricCollector
+
+    metric = MeanMetric()
+    metric.update(torch.ones(2))
+    for call in (
+        lambda: metric.sync(group),  # type: ignore[arg-type]
+        lambda: setattr(metric, "sync_group", group),
+        lambda: AsyncMetricCollector(metric, group=group),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TypeError, match=r"group: expected a torch\.distributed ProcessGroup"):
+            call()
+    assert float(metric.compute()) == 1.0

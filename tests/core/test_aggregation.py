@@ -86,8 +86,13 @@ def test_weighted_mean_seed_usage() -> None:
         metric.update(values=loss, weights=num_tokens)
     metric.sync()
     assert metric.compute().item() == pytest.approx((2 * 3 + 4 * 1) / 4)
+    weight = metric.accumulated_weight  # d9d's name for the total weight
+    assert weight.item() == 4.0
+    weight.add_(1.0)  # a copy: the metric keeps its state
+    assert metric.accumulated_weight.item() == 4.0
     metric.reset()
     assert math.isnan(metric.compute().item())
+    assert metric.accumulated_weight.item() == 0.0
 
 
 def test_nan_values_propagate() -> None:

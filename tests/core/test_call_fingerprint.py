@@ -20,7 +20,7 @@ from sidestream import ComposeMetric, MaxMetric, MeanMetric, MetricAccumulator
 from sidestream import sync as sync_module
 from sidestream.collector import AsyncMetricCollector
 from sidestream.sync import RankMismatchError
-from sidestream.testing import DistributedPool, RankPool
+from sidestream.testing import DistributedError, DistributedPool, RankPool
 
 pytestmark = pytest.mark.distributed
 
@@ -200,3 +200,28 @@ def test_a_load_skipped_by_one_rank_raises_on_every_rank(pair: RankPool, skipper
     for rank, result in enumerate(pair.run(_load_skipped_by, skipper, timeout=90)):
         for where in ("metric", "collector"):
             assert result[where].startswith("RankMismatchError"), (rank, where, result)
+
+
+def _new_layout_against_a_laid_out_one() -> str:
+    rank = dist.get_rank()
+    laid_out = MeanMetric()
+    laid_out.update(torch.ones(3))
+    laid_out.sync()
+    new = ComposeMetric({"mean": MeanMetric(), "max": MaxMetric()})
+    (laid_out if rank == 0 else new).sync()  # rank 1 lays a new sync out: a structure check
+    return "no error"
+
+
+def test_a_structure_check_paired_with_a_data_collective_fails_at_once() -> None:
+    # The check used to be an all_reduce: paired with rank 0's data all_gather, both ranks hung
+    # until the process group's timeout. Now gloo refuses the sizes at once; one rank may die.
+    begin = time.monotonic()
+    with (
+        DistributedPool(2, collective_timeout_s=60.0) as pool,
+        pytest.raises(DistributedError) as raised,
+    ):
+        pool.run(_new_layout_against_a_laid_out_one, timeout=90)
+    assert time.monotonic() - begin < 45
+    failures = str(raised.value)
+    assert "no error" not in failures
+    assert "RankMismatchError" in failures or "size doesn't match" in failures, failures

@@ -233,8 +233,8 @@ def test_collectives_per_sync_never_grow_with_metrics(dist_pool: RankPool) -> No
                 continue
             first, steady, values = outcome
             path, name, count = key.split()
-            # The first sync of a new structure adds exactly one fingerprint all_reduce.
-            assert first == ["all_reduce", *steady], key
+            # The first sync of a new structure adds exactly one structure check (an all_gather).
+            assert first == [GATHER, *steady], key
             if path == "gather":
                 assert steady == [GATHER], key
             elif name == "metric":
@@ -295,7 +295,8 @@ def test_device_mesh_dimension_does_not_count_replicas_twice(
                     assert math.isnan(values[name])
                 else:
                     assert values[name] == pytest.approx(expected, rel=1e-9, abs=1e-9), name
-            assert calls.count(GATHER) == 2, calls
+            # One structure check (the first sync of a new layout), then one gather per sync.
+            assert calls == [GATHER] * 3, calls
         assert result["dp mesh state_dict"] == per_rank[0]["dp mesh state_dict"]
         assert result["world sum"] == pytest.approx(2 * CASES["sum"].reference(everything))
 
@@ -466,5 +467,5 @@ def test_rank_mismatch_raises_on_every_rank(dist_pool: RankPool) -> None:
         assert f"seen from rank {rank}" in shape
         assert result["after"] == world
         assert result["check_only untouched"]
-        assert result["check_only calls"] == (["all_reduce"], [GATHER], world)
+        assert result["check_only calls"] == ([GATHER], [GATHER], world)
         assert f"has shape (4,) on rank {odd}" in result["check_only mismatch"]

@@ -118,7 +118,7 @@ def test_recorded_programs_match_numpy_and_direct_sync(dist_pool: RankPool) -> N
     for rank, result in enumerate(dist_pool.run(_programs, token, timeout=120)):
         for mode, collective in (("gather", [GATHER]), ("all_reduce", None)):
             # Recording issues only the structure checks of the two new structures.
-            assert result[f"{mode} record"] == ["all_reduce", "all_reduce"], mode
+            assert result[f"{mode} record"] == [GATHER, GATHER], mode
             for seed in SEEDS:
                 outcome = result[f"{mode} {seed}"]
                 if collective is not None:

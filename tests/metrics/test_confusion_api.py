@@ -140,7 +140,9 @@ LABEL_BAD = [
     ("binary", torch.tensor([0, 2]), torch.tensor([0, 1]), ValueError, "preds: expected 0/1"),
     ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0, 2]), ValueError, "target: expected 0/1"),
     ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0, 1, 1]), ValueError, "target: .*shape"),
-    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0.0, 1.0]), TypeError, "target"),
+    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0.5, 1.0]), ValueError, "target: .*0/1"),
+    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([float("nan"), 1.0]), ValueError, "target"),
+    ("binary", torch.tensor([0.2, 0.9]), torch.tensor([0j, 1]), TypeError, "target"),
     # One score column per sample is not a one-class multiclass batch: the shapes differ.
     ("binary", torch.tensor([[0.9], [0.1]]), torch.tensor([0, 0]), ValueError, "target: .*shape"),
     ("multilabel", torch.rand(3, 4), torch.randint(0, 2, (3, 4)), ValueError, "num_labels = 3"),
@@ -262,6 +264,35 @@ def test_small_and_large_batches_count_alike() -> None:
     expected = {"tp": tp, "fp": fp, "fn": fn, "tn": 300 - tp - fp - fn}
     for name, value in expected.items():
         assert torch.equal(pieces.counts()[name], value.to(torch.int64)), name
+
+
+@pytest.mark.parametrize("kind", ["binary", "multilabel"])
+def test_float_zero_one_targets_count_as_labels(kind: str) -> None:
+    """d9d and torchmetrics users pass float 0/1 targets; they count as the integer ones do."""
+    from sklearn.metrics import multilabel_confusion_matrix
+
+    generator = torch.Generator().manual_seed(4)
+    shape = (60,) if kind == "binary" else (20, 3)
+    scores = torch.rand(shape, generator=generator)
+    labels = torch.randint(0, 2, shape, generator=generator)
+    labels.view(-1)[:4] = -1  # ignored positions
+    counts = []
+    for target in (labels, labels.float(), labels.double(), labels.half()):
+        builder = confusion_count_metric(ignore_index=-1)
+        builder = builder.binary() if kind == "binary" else builder.multilabel(3)
+        metric = builder.with_accuracy().build()
+        metric.update(scores, target)
+        counts.append(metric.counts())
+    kept = (labels != -1).reshape(-1, 1 if kind == "binary" else 3)
+    flat_scores, flat_labels = scores.reshape(kept.shape), labels.reshape(kept.shape)
+    for column in range(kept.shape[1]):
+        rows = kept[:, column]
+        matrix = multilabel_confusion_matrix(
+            flat_labels[rows, column].numpy(), (flat_scores[rows, column] >= 0.5).int().numpy()
+        )[1]  # [[tn, fp], [fn, tp]] of the positive class
+        tn, fp, fn, tp = (int(v) for v in matrix.ravel())
+        for got in counts:
+            assert [int(got[k][column]) for k in ("tp", "fp", "fn", "tn")] == [tp, fp, fn, tn]
 
 
 def test_target_encodings_agree() -> None:
@@ -398,8 +429,10 @@ def test_old_names_point_to_the_new_ones() -> None:
         confusion_matrix_metric,
     )
 
-    with pytest.warns(DeprecationWarning, match="confusion_count_metric"):
+    with pytest.warns(DeprecationWarning, match="confusion_count_metric") as warned:
         builder = confusion_matrix_metric(ignore_index=-100)
+    # d9d's name, with d9d's numbers changed: the warning says how.
+    assert "per-class accuracy is recall" in str(warned[0].message)
     assert builder == confusion_count_metric(ignore_index=-100)
     generator = torch.Generator().manual_seed(2)
     preds, target = torch.randint(0, 3, (40,), generator=generator), torch.randint(0, 3, (40,))

@@ -32,16 +32,22 @@ def resolve_group(group: Group) -> dist.ProcessGroup | None:
         The process group to pass to collectives, or ``None`` for the default group.
 
     Raises:
+        TypeError: If ``group`` is none of these (for example d9d's ``DistributedContext``).
         ValueError: If ``group`` is a device mesh with more than one dimension.
     """
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(
-                f"group: expected a 1-D DeviceMesh (for example mesh['dp']), got {group.ndim} "
-                f"dimensions {group.mesh_dim_names}"
-            )
-        return group.get_group()
-    return group
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if not isinstance(group, DeviceMesh):
+        raise TypeError(
+            "group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or None (the "
+            f"default group), got {type(group).__name__}"
+        )
+    if group.ndim != 1:
+        raise ValueError(
+            f"group: expected a 1-D DeviceMesh (for example mesh['dp']), got {group.ndim} "
+            f"dimensions {group.mesh_dim_names}"
+        )
+    return group.get_group()
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -366,6 +366,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
     @sync_group.setter
     def sync_group(self, group: Group) -> None:
+        resolve_group(group)  # a wrong type fails here, not at the first collective
         self._sync_group = group
 
     @property

@@ -190,13 +190,19 @@ class MetricAccumulator:
         """The state's dtype."""
         return self._dtype
 
-    def accumulate(self, update: Tensor) -> None:
+    def accumulate(self, update: Tensor | float) -> None:
         """Combine ``update`` into the local state with this accumulator's op, in place.
 
         Args:
-            update: A tensor broadcastable to the state's shape, on the state's device. A tensor
+            update: A tensor broadcastable to the state's shape, on the state's device, or a
+                Python number (a ``bool``, or a ``float`` for a floating-point state). A tensor
                 that requires grad is detached: metric state never joins the autograd graph.
+
+        Raises:
+            TypeError: If ``update`` is neither, or a float for an integer state.
         """
+        if not isinstance(update, Tensor):
+            update = self._number(update)
         if update.requires_grad:
             update = update.detach()
         if self._sums:
@@ -219,6 +225,22 @@ class MetricAccumulator:
         else:
             torch.minimum(self._target, update, out=self._target)
         self._freshness.stale()
+
+    def _number(self, update: object) -> Tensor:
+        # d9d's accumulator took Python numbers too (``update(labels.numel())``). A fill, not a
+        # copy from host memory, so a CUDA state gets no host-to-device transfer.
+        state = self._target
+        if isinstance(update, float) and not (state.is_floating_point() or state.is_complex()):
+            raise TypeError(
+                f"accumulate: update: a float ({update}) for a {state.dtype} state; pass an int "
+                "or a tensor"
+            )
+        if not isinstance(update, int | float):  # bool is an int
+            raise TypeError(
+                "accumulate: update: expected a tensor or a Python number, got "
+                f"{type(update).__name__}"
+            )
+        return torch.full((), update, dtype=state.dtype, device=state.device)
 
     def scatter_add(self, index: Tensor, source: Tensor) -> None:
         """Add ``source`` into a one-dimensional SUM state at ``index`` (histograms, counts).

@@ -24,11 +24,13 @@ CUDA) or ``SyncHandle.verify`` raises ``RankMismatchError`` on every rank instea
 numbers mixed from different calls.
 
 Laying a sync out (``SyncBatch.program``, once per metric and group) also exchanges a
-fixed-size structure check first (one extra, blocking all_reduce of two int64), so ranks holding
-different states fail with a message naming the difference instead of hanging in collectives of
-different sizes. A program is started again and again without it, so later syncs pay nothing.
-The check is never skipped from a cache of structures verified before: a rank that skipped it
-while another ran it would pair the check with a data collective and hang.
+fixed-size structure check first (one extra, blocking all_gather of each rank's structure hash),
+so ranks holding different states fail with a message naming the difference instead of hanging
+in collectives of different sizes. A program is started again and again without it, so later
+syncs pay nothing. The check is never skipped from a cache of structures verified before: a rank
+that skipped it while another ran it would pair the check with a data collective. The check is
+9 bytes a rank, a size no data payload has, so such a pairing fails on the size in gloo at once
+instead of hanging.
 
 ``SyncProgram`` is a batch laid out once (buffers and views included) that can be started again
 and again with a handful of tensor calls; metrics and the collector keep one per group.
@@ -824,23 +826,30 @@ def _hash(structure: _Structure) -> int:
     return stable_hash(repr(structure))
 
 
+# An odd number of bytes, while every data payload is a whole number of 8-byte words: a check
+# paired with another rank's data collective (that rank syncs a metric laid out before, this one
+# a new one) then fails in the backend on the size (gloo: "Received data size doesn't match
+# expected size") and the data side on its fingerprint, instead of both hanging in collectives
+# of different kinds until the process group's timeout.
+_CHECK_BYTES = 9
+
+
 def _check_structure(slot: _GroupEntries, structure: _Structure) -> None:
     """Check that every rank of the group syncs the same states (blocking, a collective).
 
-    A fixed-size fingerprint (its hash and the bitwise complement, reduced with MAX) tells
-    every rank whether all hashes are equal; only on a mismatch are the descriptions exchanged,
-    so the error can name the difference on every rank.
+    A fixed-size all_gather of each rank's structure hash tells every rank whether all are
+    equal; only on a mismatch are the descriptions exchanged, so the error can name the
+    difference on every rank.
     """
-    fingerprint = _hash(structure)
     device = slot.entries[0].state.local.device
-    check = torch.tensor([fingerprint, ~fingerprint], dtype=torch.int64, device=device)
-    work = retain_work(
-        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=slot.group, async_op=True)
-    )
+    own = torch.zeros(_CHECK_BYTES, dtype=torch.uint8)
+    own[:8] = torch.tensor([_hash(structure)], dtype=torch.int64).view(torch.uint8)
+    gathered = torch.empty(slot.size * _CHECK_BYTES, dtype=torch.uint8, device=device)
+    work = retain_work(_all_gather_single(gathered, own.to(device), slot.group))
     if work is not None:
         work.wait()
-    largest, smallest_inverted = check.tolist()  # one host sync per new structure
-    if largest == ~smallest_inverted:
+    rows = gathered.view(slot.size, _CHECK_BYTES).cpu()  # one host sync per new structure
+    if bool((rows == rows[0]).all()):
         return
     everyone: list[Any] = [None] * slot.size
     dist.all_gather_object(everyone, structure, group=slot.group)

@@ -158,6 +158,7 @@ class AsyncMetricCollector(Generic[T]):
                 raise TypeError("sinks: a collector of a Run delivers to the run's sinks")
             self._owns_delivery = False
         self._delivery = _delivery
+        resolve_group(group)  # a wrong type fails here, not at bind
         self._group = group
         self._reset_each_window = reset_each_window
         self._prefix = prefix.strip("/")

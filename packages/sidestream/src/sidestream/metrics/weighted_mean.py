@@ -116,6 +116,11 @@ class WeightedMeanMetric(NanScreenedMetric):
         self._weighted_sum.accumulate(weighted)
         self._weight.accumulate(total)
 
+    @property
+    def accumulated_weight(self) -> Tensor:
+        """The total weight (a copy): over every rank after a sync, until the next update."""
+        return self._weight.value.clone()
+
     def compute(self) -> Tensor:
         """The weighted mean; NaN when the total weight is zero."""
         return self._weighted_sum.value / self._weight.value

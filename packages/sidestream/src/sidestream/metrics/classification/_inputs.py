@@ -456,8 +456,8 @@ def label_flags(
             f"got {tuple(preds.shape)}"
         )
     check_same_shape(preds, target)
-    if target.is_floating_point() or target.is_complex():
-        raise TypeError(f"target: expected integer or bool 0/1 targets, got dtype {target.dtype}")
+    if target.is_complex():
+        raise TypeError(f"target: expected 0/1 targets, got dtype {target.dtype}")
     positive, checks = _positives(problem, preds)
     truth = target if target.dtype == torch.bool else target == 1
     weight: Tensor | None = None
@@ -468,7 +468,9 @@ def label_flags(
             weight = target != problem.ignore_index
             checked = torch.where(weight, target, 0)
             expected += expected_text(" or ignore_index={}", problem.ignore_index)
-        checks.append((outside(checked, 0, 1), "target", expected))
+        # A float target must be exactly 0 or 1 (0.5 is not a label), as the ranking metrics'.
+        bad = not_binary(checked) if checked.is_floating_point() else outside(checked, 0, 1)
+        checks.append((bad, "target", expected))
     keep = screen(checks, rejected)
     if keep is not None:
         weight = keep.expand(target.shape) if weight is None else weight & keep

@@ -224,7 +224,10 @@ def confusion_matrix_metric(
     """
     warnings.warn(
         "confusion_matrix_metric() is now confusion_count_metric(); the C x C matrix is "
-        "MulticlassConfusionMatrixMetric",
+        "MulticlassConfusionMatrixMetric. Its statistics follow scikit-learn, not d9d's builder: "
+        "per-class accuracy is recall, zero_division defaults to 0.0 (d9d: NaN), top_k averages "
+        "macro unless .micro(), and the threshold compares with >= (see 'Coming from d9d' in "
+        "the docs)",
         DeprecationWarning,
         stacklevel=2,
     )

@@ -106,8 +106,8 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
                 predictions, any shape. Multiclass: scores ``(N, ..., C)`` (logits or
                 probabilities) or class indices ``(N, ...)``. Multilabel: ``(N, ..., L)``
                 probabilities/logits or 0/1 predictions. Floating dtypes bf16/fp16/fp32/fp64.
-            target: Binary and multilabel: 0/1 (or ``ignore_index``) integers or bools, the
-                shape of ``preds``. Multiclass: class indices ``(N, ...)`` in ``[0, C)`` or
+            target: Binary and multilabel: 0/1 (or ``ignore_index``) integers, bools or floats,
+                the shape of ``preds``. Multiclass: class indices ``(N, ...)`` in ``[0, C)`` or
                 ``ignore_index``, or one-hot ``(N, ..., C)``.
 
         Raises:
