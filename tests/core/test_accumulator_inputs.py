@@ -84,6 +84,14 @@ def test_python_numbers_accumulate_like_tensors_and_wrong_kinds_name_the_argumen
     count = metric._count
     count.accumulate(True)  # a bool is an int
     assert int(count.value) == 8
+    import numpy as np
+
+    count.accumulate(np.int64(2))  # numpy scalars, as run.log takes them
+    metric._largest.accumulate(np.float32(0.5))
+    assert int(count.value) == 10 and float(metric.state_dict()["largest"]) == 0.5
+    with pytest.raises(ValueError, match=r"accumulate: update: .* does not fit a torch\.int64"):
+        count.accumulate(2**63)
+    count.accumulate(-2)
     for bad, message in ((2.5, "float .*int64 state"), ("3", "got str"), (None, "NoneType")):
         with pytest.raises(TypeError, match=f"accumulate: update: .*{message}"):
             count.accumulate(bad)  # type: ignore[arg-type]

@@ -85,3 +85,26 @@ def test_nan_error_rides_on_the_sum_and_still_names_values_first(size: int) -> N
     weights[-1] = -1.0
     with pytest.raises(ValueError, match="weights"):
         metric.update(values, weights)
+
+
+@pytest.mark.parametrize("strategy", ["ignore", 0.5])
+@pytest.mark.parametrize("size", [2, weighted_mean._CHUNK * 2 + 5])
+def test_a_refused_batch_leaves_nan_count_alone_eager_and_compiled(
+    strategy: str | float, size: int
+) -> None:
+    # The NaN policy counted the batch's NaNs before the weights were checked: a refused batch
+    # (CPU: raised; compiled: dropped) still moved nan_count.
+    values, weights = torch.ones(size), torch.ones(size)
+    values[0] = float("nan")
+    weights[-1] = -1.0
+    eager = WeightedMeanMetric(nan_strategy=strategy)  # type: ignore[arg-type]
+    eager.update(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 1.0]))
+    with pytest.raises(ValueError, match="weights"):
+        eager.update(values, weights)
+    assert int(eager.nan_count) == 1 and int(eager.rejected_updates) == 0
+    compiled_metric = WeightedMeanMetric(nan_strategy=strategy)  # type: ignore[arg-type]
+    update = torch.compile(compiled_metric.update, fullgraph=True, backend="aot_eager")
+    update(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 1.0]))
+    update(values, weights)  # dropped on the device path, and counted as rejected
+    assert int(compiled_metric.nan_count) == 1 and int(compiled_metric.rejected_updates) == 1
+    assert float(compiled_metric.compute()) == float(eager.compute())

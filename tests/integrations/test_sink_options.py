@@ -21,6 +21,12 @@ from sidestream.sinks.console import ConsoleSink
     ("make", "error", "message"),
     [
         (lambda d: JsonlSink(d), ValueError, "path: expected a file, got the directory"),
+        (
+            lambda d: JsonlSink(_file(d) / "sub" / "m.jsonl"),
+            ValueError,
+            "path: '.*afile' is a file, not a directory",
+        ),
+        (lambda d: _tensorboard()(_file(d)), ValueError, "log_dir: '.*afile' is a file"),
         (lambda d: ConsoleSink(stream="stdout"), TypeError, "stream: expected a text stream"),
         (lambda d: ConsoleSink(every="2"), TypeError, "every: expected an int >= 1"),
         (
@@ -54,6 +60,13 @@ def test_a_bad_option_fails_when_the_sink_is_made(
         make(tmp_path)
 
 
+def _file(directory: Path) -> Path:
+    """A regular file where a sink option wants a directory."""
+    path = directory / "afile"
+    path.write_text("")
+    return path
+
+
 def _tensorboard() -> Any:
     from sidestream_tensorboard import TensorBoardSink
 
@@ -79,6 +92,7 @@ def _mlflow() -> Any:
         KeyError("values"),
         NameError("name 'wandb' is not defined"),
         IsADirectoryError(21, "Is a directory"),
+        FileExistsError(17, "File exists"),  # mkdir(exist_ok=True) where a file is
     ],
 )
 def test_errors_of_the_sinks_own_code_are_permanent(error: Exception) -> None:
@@ -281,3 +295,20 @@ def test_reports_a_sink_held_when_its_close_failed_are_spooled(tmp_path: Path) -
     assert not runner.close(10.0)
     (kept,) = tmp_path.iterdir()
     assert [report.step for report in read_spool(kept)] == [1, 2, 3]
+
+
+def test_two_live_runs_writing_one_file_or_directory_are_refused(tmp_path: Path) -> None:
+    # Each run's JSONL file held every step twice, with different values; TensorBoard had two
+    # event files of the same steps. One sink object in two runs was refused already.
+    import gc
+
+    first = Run([JsonlSink(tmp_path / "m.jsonl"), _tensorboard()(tmp_path / "tb")])
+    with pytest.raises(ValueError, match=r"sinks\[0\]: JsonlSink writes .*m\.jsonl.* not closed"):
+        Run([JsonlSink(tmp_path / "." / "m.jsonl")])
+    with pytest.raises(ValueError, match=r"sinks\[1\]: TensorBoardSink writes .*tb"):
+        Run([JsonlSink(tmp_path / "other.jsonl"), _tensorboard()(tmp_path / "tb")])
+    assert first.close(timeout=10)
+    second = Run([JsonlSink(tmp_path / "m.jsonl")])  # the first run is closed: its file is free
+    del second
+    gc.collect()
+    assert Run([JsonlSink(tmp_path / "m.jsonl")]).close(timeout=10)  # a run that is gone, too

@@ -384,3 +384,26 @@ def test_exact_ranking_compiles_with_its_rows_stored_outside_the_graph() -> None
         torch.compile(BinaryAUROCMetric(exact=True).update, fullgraph=True, backend="aot_eager")(
             batch, target
         )
+
+
+@pytest.mark.parametrize(
+    ("values", "weights", "message"),
+    [
+        (torch.ones(3), torch.ones(2), r"weights: expected a scalar or a shape broadcastable"),
+        (torch.ones(3), torch.ones(2, 3), r"weights: expected a scalar or a shape broadcastable"),
+        (torch.ones(3, dtype=torch.int64), torch.ones(3), "values"),
+    ],
+)
+def test_compiled_metadata_errors_carry_sidestreams_message(
+    values: torch.Tensor, weights: torch.Tensor, message: str
+) -> None:
+    # A try/except around torch.broadcast_shapes cannot be traced: compiled, the weights check
+    # raised torch's own broadcast error instead of naming the argument.
+    metric = WeightedMeanMetric()
+    with pytest.raises((ValueError, TypeError), match=message):
+        metric.update(values, weights)
+    torch._dynamo.reset()
+    compiled = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=message):
+        compiled(values, weights)
+    assert int(metric.state_dict()["weight"]) == 0

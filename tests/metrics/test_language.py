@@ -155,3 +155,31 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
 def test_vocab_size_is_checked_when_the_metric_is_made(vocab_size: Any) -> None:
     with pytest.raises(ValueError, match="vocab_size: expected an int >= 1 or None"):
         PerplexityMetric(vocab_size=vocab_size)
+
+
+def test_nan_logits_of_padding_are_not_read_and_a_doubly_bad_batch_is_one_rejection() -> None:
+    # TokenAccuracy refused a batch whose NaN rows were all padding (perplexity took it), and
+    # counted a batch with NaN logits and an out-of-vocabulary target twice when compiled.
+    logits = torch.randn(1, 4, VOCAB, generator=torch.Generator().manual_seed(1))
+    target = torch.tensor([[3, 5, -100, -100]])
+    padded = logits.clone()
+    padded[0, 2:] = float("nan")  # padding rows: masked out before the model's loss too
+    expected = float((logits[0, :2].argmax(-1) == target[0, :2]).double().mean())
+    for compile_it in (False, True):
+        metric = TokenAccuracyMetric()
+        update = (
+            torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+            if compile_it
+            else metric.update
+        )
+        update(padded, target)
+        assert float(metric.compute()) == expected, compile_it
+        assert int(metric.rejected_updates) == 0
+    doubly_bad = padded.clone()
+    doubly_bad[0, 0, 0] = float("nan")  # a counted token
+    with pytest.raises(ValueError, match="logits: expected no NaN scores at counted tokens"):
+        TokenAccuracyMetric().update(doubly_bad, torch.tensor([[3, VOCAB, -100, -100]]))
+    metric = TokenAccuracyMetric()
+    update = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+    update(doubly_bad, torch.tensor([[3, VOCAB, -100, -100]]))
+    assert int(metric.rejected_updates) == 1 and int(metric.state_dict()["tokens"]) == 0

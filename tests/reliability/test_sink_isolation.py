@@ -286,6 +286,64 @@ def test_disk_full_while_spooling_drops_counts_and_goes_on(tmp_path: Path) -> No
     assert delivered == sorted(delivered) and delivered[:2] == [1, 2]
 
 
+_KEEP_ON_A_FULL_DISK = r"""
+import resource, signal, sys, time
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+from sidestream.sinks import Report, SinkRunner
+from tests.reliability.faults import GatedSink
+sink = GatedSink()
+runner = SinkRunner(sink, capacity=3, spool_dir=sys.argv[1])
+runner.start()
+for step in range(1, 101):
+    runner.submit(Report(step=step, values={"loss": float(step)}, time=0.0))
+time.sleep(0.2)  # the sink thread holds one report in its write
+# The spool file fits; a copy of it with the queued reports in front would not.
+resource.setrlimit(resource.RLIMIT_FSIZE, (runner._spool.nbytes + 40, resource.RLIM_INFINITY))
+print(runner.close(0.3), runner.dropped)
+"""
+
+
+def test_reports_spooled_before_close_stay_on_disk_when_the_disk_is_full_at_close(
+    tmp_path: Path,
+) -> None:
+    # Keeping the undelivered reports copied the spool into a new file, which needs its size
+    # again: on a full disk the copy failed and the spool file, holding them, was deleted too.
+    result = subprocess.run(
+        [sys.executable, "-c", _KEEP_ON_A_FULL_DISK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "0"], result.stderr
+    # The warning names the file of the reports held in memory, then the spool file itself.
+    named = result.stderr.split("kept in ", 1)[1].split(" (one JSON", 1)[0].split(" and ")
+    assert sorted(named) == sorted(str(path) for path in tmp_path.iterdir())
+    assert len(named) == 2, named
+    steps = [report.step for path in named for report in read_spool(path)]
+    assert steps == list(range(1, 101))  # every report once, oldest first
+
+
+def test_a_full_spool_is_logged_once_while_it_stays_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Reports of two sizes: a small one often fits where a large one was dropped, which ended
+    # the streak and logged it again (894 warnings for 3,960 drops).
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=4, spool_dir=str(tmp_path), spool_max_bytes=4096)
+    runner.start()
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        for step in range(1, 501):
+            runner.submit(Report(step=step, values={"loss": 0.5}, time=0.0, stream="train"))
+            runner.submit(Report(step=step, values={"a_much_longer_name/x": 1.0}, time=0.0))
+        assert runner.dropped > 500
+        full = [r for r in caplog.records if "spool full" in r.getMessage()]
+        assert len(full) == 1, len(full)
+        sink.gate.set()
+        runner.close(timeout=20)
+
+
 def test_spool_file_on_disk_stays_bounded_under_steady_overflow(tmp_path: Path) -> None:
     from sidestream.sinks._spool import _CHUNK, Spool
 
@@ -300,7 +358,9 @@ def test_spool_file_on_disk_stays_bounded_under_steady_overflow(tmp_path: Path) 
     assert spool.nbytes <= 4096
     # Dropped lines stay in the file until the dead prefix outgrows the live part and a chunk.
     assert biggest <= 4096 + _CHUNK + 200
-    kept = list(read_spool(spool.keep([])))
+    (path,), lost, _ = spool.keep([])
+    assert lost == 0
+    kept = list(read_spool(path))
     assert [r.step for r in kept] == sorted(r.step for r in kept)
     assert kept[-1].step == 29_999 and len(kept) == len(set(r.step for r in kept))
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from sidestream.sinks import Report, RunInfo, TrackerSink
 from sidestream.sinks.support import (
+    check_directory_path,
     checked_histogram_edges,
     flatten_config,
     histogram_edges,
@@ -66,6 +67,8 @@ class TensorBoardSink(TrackerSink):
         super().__init__()
         self.refuse_unknown_options(writer_kwargs)
         self._log_dir = None if log_dir is None else os.fspath(log_dir)
+        if self._log_dir is not None:
+            check_directory_path("log_dir", self._log_dir)
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None

@@ -27,6 +27,9 @@ logger = logging.getLogger("sidestream.sinks")
 # run: a sink is one tracker run, so two runs (or two collectors with runs of their own) sharing
 # it would interleave or drop each other's steps. A run that is closed or gone frees its sinks.
 _CLAIMED: dict[int, tuple[weakref.ref[Sink], weakref.ref[Delivery]]] = {}
+# The file or folder each sink of a live run writes (``Sink.written_place``), process-wide: two
+# runs writing one JSONL file or TensorBoard directory would interleave or repeat its steps.
+_PLACES: dict[tuple[type, str, str], tuple[weakref.ref[Sink], weakref.ref[Delivery]]] = {}
 _CLAIM_LOCK = threading.Lock()
 
 
@@ -290,8 +293,22 @@ def _claim(sinks: list[Sink], owner: Delivery) -> None:
                     "sidestream.Run(sinks) and making every collector with run.collector(...)"
                 )
             seen.add(id(sink))
+        for index, sink in enumerate(sinks):
+            place = sink.written_place()
+            holder = None if place is None else _PLACES.get(place)
+            if holder is not None and holder[1]() is not None and holder[0]() is not None:
+                kind, key, path = place  # type: ignore[misc]
+                raise ValueError(
+                    f"sinks[{index}]: {kind.__name__} writes {path!r}, as a sink of another run "
+                    "of this process does that is not closed yet (a sidestream.Run or a "
+                    "collector with sinks); close that run first, or give this sink its own "
+                    f"{key}"
+                )
         for sink in sinks:
             _CLAIMED[id(sink)] = (weakref.ref(sink), weakref.ref(owner))
+            place = sink.written_place()
+            if place is not None:
+                _PLACES[place] = (weakref.ref(sink), weakref.ref(owner))
 
 
 def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
@@ -299,6 +316,9 @@ def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
         for sink in sinks:
             if _owner(sink) is owner:
                 del _CLAIMED[id(sink)]
+        for place, (_, held_by) in list(_PLACES.items()):
+            if held_by() in (owner, None):
+                del _PLACES[place]
 
 
 def _keyed(sinks: list[Sink]) -> dict[str, Sink]:

@@ -80,11 +80,13 @@ def check_same_shape(preds: Tensor, target: Tensor) -> None:
 
 def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_name: str) -> None:
     """Raise ``ValueError`` unless ``tensor`` broadcasts to ``target``'s shape exactly."""
-    try:
-        shape = torch.broadcast_shapes(tensor.shape, target.shape)  # type: ignore[no-untyped-call]
-    except RuntimeError:
-        shape = None
-    if shape != target.shape:
+    # Compared by hand, not by catching torch.broadcast_shapes' error: torch.compile cannot
+    # trace a try/except, and would raise torch's message instead of this one.
+    own, wanted = tuple(tensor.shape), tuple(target.shape)
+    fits = len(own) <= len(wanted) and all(
+        size in (1, goal) for size, goal in zip(reversed(own), reversed(wanted), strict=False)
+    )
+    if not fits:
         raise ValueError(
             f"{argument}: expected a scalar or a shape broadcastable to {target_name}'s shape "
             f"{tuple(target.shape)}, got {tuple(tensor.shape)}"

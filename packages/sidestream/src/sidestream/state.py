@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
+import numbers
 from typing import Any
 
 import torch
@@ -195,11 +196,12 @@ class MetricAccumulator:
 
         Args:
             update: A tensor broadcastable to the state's shape, on the state's device, or a
-                Python number (a ``bool``, or a ``float`` for a floating-point state). A tensor
+                number (Python or numpy; a float only for a floating-point state). A tensor
                 that requires grad is detached: metric state never joins the autograd graph.
 
         Raises:
             TypeError: If ``update`` is neither, or a float for an integer state.
+            ValueError: If a Python int does not fit the state's dtype.
         """
         if not isinstance(update, Tensor):
             update = self._number(update)
@@ -230,17 +232,24 @@ class MetricAccumulator:
         # d9d's accumulator took Python numbers too (``update(labels.numel())``). A fill, not a
         # copy from host memory, so a CUDA state gets no host-to-device transfer.
         state = self._target
-        if isinstance(update, float) and not (state.is_floating_point() or state.is_complex()):
-            raise TypeError(
-                f"accumulate: update: a float ({update}) for a {state.dtype} state; pass an int "
-                "or a tensor"
-            )
-        if not isinstance(update, int | float):  # bool is an int
+        if not isinstance(update, numbers.Real):  # int, float, bool and numpy's scalars
             raise TypeError(
                 "accumulate: update: expected a tensor or a Python number, got "
                 f"{type(update).__name__}"
             )
-        return torch.full((), update, dtype=state.dtype, device=state.device)
+        integral = not (state.is_floating_point() or state.is_complex())
+        if integral and not isinstance(update, numbers.Integral):
+            raise TypeError(
+                f"accumulate: update: a float ({update}) for a {state.dtype} state; pass an int "
+                "or a tensor"
+            )
+        value = int(update) if isinstance(update, numbers.Integral) else float(update)
+        try:
+            return torch.full((), value, dtype=state.dtype, device=state.device)
+        except RuntimeError as error:  # an int too large for the state's dtype
+            raise ValueError(
+                f"accumulate: update: {update} does not fit a {state.dtype} state"
+            ) from error
 
     def scatter_add(self, index: Tensor, source: Tensor) -> None:
         """Add ``source`` into a one-dimensional SUM state at ``index`` (histograms, counts).

@@ -92,7 +92,19 @@ class NanPolicy:
                 values = torch.where(keep, values, 0.0)
             return Screened(values, None, keep)
         assert nan_count is not None
-        nan_count.accumulate(nan.sum())
+        screened, count = self._replaced(values, nan)
+        nan_count.accumulate(count)
+        return screened
+
+    def apply_uncounted(self, values: Tensor) -> tuple[Screened, Tensor]:
+        """``apply`` for ``"ignore"`` or a fill value, returning the batch's NaN count instead.
+
+        For a metric that checks more of the batch afterwards: it adds the count to
+        ``nan_count`` only for a batch it keeps, so a refused batch changes no state.
+        """
+        return self._replaced(values, torch.isnan(values))
+
+    def _replaced(self, values: Tensor, nan: Tensor) -> tuple[Screened, Tensor]:
         if self._fill is not None:
-            return Screened(torch.where(nan, self._fill, values), None, None)
-        return Screened(torch.where(nan, 0.0, values), ~nan, None)
+            return Screened(torch.where(nan, self._fill, values), None, None), nan.sum()
+        return Screened(torch.where(nan, 0.0, values), ~nan, None), nan.sum()

@@ -83,8 +83,9 @@ class WeightedMeanMetric(NanScreenedMetric):
         # NaN for every weight), so the NaN pass runs only for a NaN sum or a bad weight, and
         # raises (naming values, first, as before) before the state changes.
         rides = self._nan.checks and not on_device
+        nan_seen: Tensor | None = None  # counted once the weights passed their checks
         if not self._nan.disabled and not self._nan.checks:
-            values_t, kept, _ = self._nan.apply(values_t, self._rejected, self._nan_count)
+            (values_t, kept, _), nan_seen = self._nan.apply_uncounted(values_t)
             if kept is not None:  # nan_strategy="ignore": a NaN value's weight becomes 0
                 weights_t = torch.where(kept, weights_t.to(dtype), 0.0)
         if not on_device:
@@ -113,8 +114,13 @@ class WeightedMeanMetric(NanScreenedMetric):
             # where, not multiply: 0 * inf would still be NaN.
             weighted = torch.where(keep, weighted, 0.0)
             total = torch.where(keep, total, 0.0)
+            if nan_seen is not None:
+                nan_seen = torch.where(keep, nan_seen, 0)
         self._weighted_sum.accumulate(weighted)
         self._weight.accumulate(total)
+        if nan_seen is not None:
+            assert self._nan_count is not None  # "ignore" and fill values count NaNs
+            self._nan_count.accumulate(nan_seen)
 
     @property
     def accumulated_weight(self) -> Tensor:

@@ -165,21 +165,46 @@ class Spool:
         file.flush()
         self._end, self._read_offset = target, 0
 
-    def keep(self, reports: list[Report]) -> str:
-        """Write ``reports`` then what is spooled to a file left on disk; empty the spool.
+    def keep(self, reports: list[Report]) -> tuple[list[str], int, Exception | None]:
+        """Leave ``reports`` (older) and what is spooled on disk, oldest first; empty the spool.
+
+        Both go to one new file when the disk has room for it. When it has not (the spool may
+        be most of a full disk, and the new file needs its size again), the spool file itself is
+        kept, its delivered prefix cut off in place, and ``reports`` go to a file of their own;
+        only what fits in neither is lost.
 
         Returns:
-            The path of the file: one JSON report per line, oldest first.
-
-        Raises:
-            OSError: If the file cannot be written.
+            The paths of the files left (one JSON report per line, oldest first; a file of
+            ``reports`` comes before the spool file it was written with), the number of
+            reports lost, and the first error met (``None`` when one file held everything).
         """
+        try:
+            return [self._write_new(reports, with_spooled=True)], 0, None
+        except Exception as error:  # never raises: close reports what it could not keep
+            first_error = error
+        paths: list[str] = []
+        lost = 0
+        if reports:
+            try:
+                paths.append(self._write_new(reports, with_spooled=False))
+            except Exception:
+                lost += len(reports)
+        if self._lines:
+            spooled = len(self._lines)
+            try:
+                paths.append(self._keep_file())
+            except Exception:
+                lost += spooled
+        self.discard()
+        return paths, lost, first_error
+
+    def _write_new(self, reports: list[Report], *, with_spooled: bool) -> str:
         out, path = self._new_file()
         try:
             with out:
                 for report in reports:
                     out.write(encode_report(report))
-                if self._file is not None:
+                if with_spooled and self._file is not None:
                     source = self._read_offset
                     while source < self._end:
                         self._file.seek(source)
@@ -195,7 +220,21 @@ class Spool:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
-        self.discard()
+        if with_spooled:
+            self.discard()
+        return path
+
+    def _keep_file(self) -> str:
+        """Leave the spool file itself on disk, its read prefix cut off (no extra space)."""
+        assert self._file is not None and self._path is not None
+        if not os.path.exists(self._path):  # moved or deleted: a path that names nothing
+            raise FileNotFoundError(self._path)
+        if self._read_offset:
+            self._compact(self._file)  # overwrites and truncates: needs no new blocks
+        os.fsync(self._file.fileno())
+        path = self._path
+        self._file.close()
+        self._file = self._path = None  # discard must not delete it now
         return path
 
     def discard(self) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sidestream.sinks.base import Report, RunInfo
+from sidestream.sinks.support import check_directory_path
 from sidestream.sinks.tracker import TrackerSink
 
 __all__ = ["JsonlSink", "read_jsonl"]
@@ -72,6 +73,7 @@ class JsonlSink(TrackerSink):
         self.path = Path(path)
         if self.path.is_dir():
             raise ValueError(f"path: expected a file, got the directory {str(self.path)!r}")
+        check_directory_path("path", self.path.parent)
         self.max_batch = flush_every
         self._fsync = fsync
         # Unbuffered: what write() returned for is in the file, nothing waits in a buffer.

@@ -30,11 +30,11 @@ class SinkRunner:
     are read back in order. The spool holds at most ``spool_max_bytes``; past that the oldest
     spooled reports are dropped. A report that cannot be spooled (unusable directory, full
     disk) or read back (damaged file) is dropped too. Every drop is counted in ``dropped`` and
-    logged (the first of a streak, and the total at ``close``), and ``close`` then returns
-    ``False``: a failing spool affects this sink only. A ``write`` that raises is retried with
-    exponential backoff until it succeeds; a sink with ``max_batch > 1`` gets a backlog in
-    ``write_batch`` calls of up to that many reports, retried whole. The first failure of a
-    streak is logged (logger
+    logged (the first of a streak, which ends once a report is spooled into a spool at most
+    half full, and the total at ``close``), and ``close`` then returns ``False``: a failing
+    spool affects this sink only. A ``write`` that raises is retried with exponential backoff
+    until it succeeds; a sink with ``max_batch > 1`` gets a backlog in ``write_batch`` calls of
+    up to that many reports, retried whole. The first failure of a streak is logged (logger
     ``sidestream.sinks``) and so is the recovery, never each attempt. Every sink method runs on
     this thread, so a slow or failing sink delays nothing else.
 
@@ -82,6 +82,7 @@ class SinkRunner:
         self._queue: deque[Report] = deque()
         self._spool_dir = spool_dir
         self._spool = Spool(spool_dir, label=self.key, max_bytes=spool_max_bytes)
+        self._spool_max_bytes = spool_max_bytes
         self._in_flight: list[Report] = []
         self._submitted = 0
         self._delivered = 0
@@ -142,7 +143,9 @@ class SinkRunner:
                 else:
                     if dropped:
                         self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
-                    else:
+                    elif self._spool.nbytes <= self._spool_max_bytes // 2:
+                        # Room again, not a lucky fit: a small report after a large one fits
+                        # in a full spool, and the streak would be logged again and again.
                         self._dropping = False
             else:
                 self._queue.append(report)
@@ -155,7 +158,7 @@ class SinkRunner:
             self._dropping = True
             logger.warning(
                 "sink %r: %s; dropped %d report(s) (counted in SinkRunner.dropped, %d so far; "
-                "not logged again until spooling works)",
+                "not logged again until the spool works and is at most half full)",
                 self.key,
                 reason,
                 count,
@@ -264,32 +267,30 @@ class SinkRunner:
                 )
                 self._log_dropped()
                 return False
-            try:
-                path = self._spool.keep(undelivered)
-            except Exception as error:
-                self._spool.discard()
-                self._dropped += count
+            paths, lost, error = self._spool.keep(undelivered)
+            self._dropped += lost
+            if lost:
                 logger.error(
-                    "sink %r: %d report(s) not delivered within %.1f s of close, and they "
-                    "could not be kept in a spool file (%s): they are lost",
+                    "sink %r: %d of %d report(s) not delivered within %.1f s of close could not "
+                    "be kept in a spool file (%s): they are lost",
                     self.key,
+                    lost,
                     count,
                     timeout or 0.0,
-                    _describe(error),
+                    _describe(error) if error is not None else "unknown error",
                 )
-                self._log_dropped()
-                return False
             self._log_dropped()
             self._cond.notify_all()
-        logger.warning(
-            "sink %r: %d report(s) not delivered within %.1f s of close; kept in %s "
-            "(one JSON report per line, oldest first; deliver them later with "
-            "sidestream.sinks.replay_spool or python -m sidestream.sinks.replay)",
-            self.key,
-            count,
-            timeout or 0.0,
-            path,
-        )
+        if paths:
+            logger.warning(
+                "sink %r: %d report(s) not delivered within %.1f s of close; kept in %s "
+                "(one JSON report per line, oldest first; deliver them later with "
+                "sidestream.sinks.replay_spool or python -m sidestream.sinks.replay)",
+                self.key,
+                count - lost,
+                timeout or 0.0,
+                " and ".join(paths),
+            )
         return False
 
     def _held_by_sink(self) -> list[Report]:

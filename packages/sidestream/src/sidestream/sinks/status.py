@@ -49,6 +49,7 @@ _PERMANENT_ERRORS = (
     NotImplementedError,
     IsADirectoryError,
     NotADirectoryError,
+    FileExistsError,  # a file where a directory is made (mkdir with exist_ok)
 )
 
 
@@ -58,7 +59,8 @@ def is_permanent(error: BaseException) -> bool:
     Permanent: ``PermanentSinkError``, ``ImportError`` (a client not installed), ``TypeError``
     and ``ValueError`` (bad arguments), errors of the sink's own code (``AttributeError``,
     ``KeyError``, ``NameError``, ``NotImplementedError``), a path that is a directory where a
-    file is wanted or the reverse (``IsADirectoryError``, ``NotADirectoryError``), and HTTP
+    file is wanted or the reverse (``IsADirectoryError``, ``NotADirectoryError``,
+    ``FileExistsError``), and HTTP
     errors with a 4xx status other than 408/429 (read from ``status_code``,
     ``response.status_code`` or ``get_http_status_code()``). Everything else (connection
     errors, timeouts, 5xx, a full disk) is transient.

@@ -9,11 +9,13 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = [
     "call_within",
+    "check_directory_path",
     "checked_histogram_edges",
     "flatten_config",
     "parse_resume_state",
@@ -150,6 +152,22 @@ def checked_histogram_edges(
             )
         checked[str(name)] = result
     return checked
+
+
+def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
+    """Raise ``ValueError`` if ``directory``, or a folder above it, exists as something else.
+
+    Making the directory later would fail for good (``FileExistsError``) on every retry, so a
+    sink option naming one is refused when the sink is made.
+    """
+    path = Path(directory)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise ValueError(
+                    f"{name}: {str(place)!r} is a file, not a directory (in {str(path)!r})"
+                )
+            return
 
 
 def refuse_unknown_options(owner: str, options: Iterable[str], accepted: set[str] | None) -> None:

@@ -5,9 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import expected_text, screen_invalid
-from sidestream.state import MetricAccumulator
-
 __all__: list[str] = []
 
 _BOOL = torch.bool
@@ -53,26 +50,3 @@ def token_masks(target: Tensor, vocab: int, ignore_index: int | None) -> tuple[T
         return in_vocab, ~in_vocab
     kept = target != ignore_index
     return in_vocab & kept, ~in_vocab & kept
-
-
-def token_weights(
-    target: Tensor, vocab: int, ignore_index: int | None, rejected: MetricAccumulator
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Safe token ids, 0/1 float64 weights and the CUDA keep flag for a batch of targets.
-
-    A target outside ``[0, vocab)`` that is not ``ignore_index`` is bad input (CPU raises,
-    CUDA drops the batch); ``ignore_index`` tokens get weight 0. Safe ids replace every
-    uncounted id by 0 so that gathers never index out of bounds on the device.
-    """
-    counted, bad = token_masks(target, vocab, ignore_index)
-    keep = screen_invalid(
-        bad,
-        rejected,
-        "target",
-        expected_text("token ids in [0, {}) or ignore_index={}", vocab, ignore_index),
-    )
-    weights = counted.to(torch.float64)
-    if keep is not None:
-        weights = weights * keep.to(torch.float64)
-    safe = torch.where(counted, target, 0).to(torch.int64)
-    return safe, weights, keep

@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, screen_invalid
+from sidestream._validation import (
+    as_tensor,
+    checks_stay_on_device,
+    expected_text,
+    screen_invalid,
+)
 from sidestream.metric import Metric
-from sidestream.metrics.language._tokens import check_ignore_index, check_logits, token_weights
+from sidestream.metrics.language._tokens import check_ignore_index, check_logits, token_masks
 from sidestream.state import MetricAccumulator
 
 __all__ = ["TokenAccuracyMetric"]
@@ -53,22 +58,34 @@ class TokenAccuracyMetric(Metric[Tensor]):
         Raises:
             TypeError: On a wrong dtype.
             ValueError: On a shape or vocabulary mismatch, or (CPU) a target id outside
-                ``[0, V)`` other than ``ignore_index`` or a NaN in ``logits`` (CUDA drops such
-                a batch and counts it in ``rejected_updates``).
+                ``[0, V)`` other than ``ignore_index`` or a NaN in the logits of a counted
+                token (CUDA drops such a batch and counts it in ``rejected_updates`` once;
+                the logits of ``ignore_index`` tokens are not read).
         """
         logits_t = as_tensor("logits", logits, self.device)
         target_t = as_tensor("target", target, self.device)
         check_logits(logits_t, target_t, self._vocab_size)
-        # A NaN score has no arg max: bad input, as an out-of-vocabulary target is.
-        keep = screen_invalid(logits_t.isnan().any(), self._rejected, "logits", "no NaN scores")
         vocab = logits_t.shape[-1]
-        safe, weights, _ = token_weights(target_t, vocab, self._ignore_index, self._rejected)
-        counted = weights.to(torch.int64)
-        if keep is not None:
-            counted = counted * keep.to(torch.int64)
-        correct = (logits_t.argmax(dim=-1) == safe).to(torch.int64) * counted
+        counted, bad_target = token_masks(target_t, vocab, self._ignore_index)
+        # A NaN score has no arg max: bad input at a counted token, as an out-of-vocabulary
+        # target is. Padding rows are not read, so they may hold anything (as in perplexity).
+        nan_scores = logits_t.isnan().any(dim=-1) & counted
+        expected_target = expected_text(
+            "token ids in [0, {}) or ignore_index={}", vocab, self._ignore_index
+        )
+        if checks_stay_on_device(logits_t.device):
+            # One verdict, so a batch bad in both ways is one rejected update.
+            keep = screen_invalid(nan_scores | bad_target, self._rejected, "logits", "")
+            assert keep is not None  # the device path always returns the keep flag
+            counted = counted & keep
+        else:  # raises naming the argument, before the state changes
+            screen_invalid(nan_scores, self._rejected, "logits", "no NaN scores at counted tokens")
+            screen_invalid(bad_target, self._rejected, "target", expected_target)
+        safe = torch.where(counted, target_t, 0).to(torch.int64)
+        tally = counted.to(torch.int64)
+        correct = (logits_t.argmax(dim=-1) == safe).to(torch.int64) * tally
         self._correct.accumulate(correct.sum())
-        self._tokens.accumulate(counted.sum())
+        self._tokens.accumulate(tally.sum())
 
     def compute(self) -> Tensor:
         """Correct / counted tokens; NaN when no token was counted."""
