@@ -204,44 +204,6 @@ def test_a_rank_skipping_a_window_fails_both_ranks_before_the_collective_timeout
         assert elapsed < 6, (rank, elapsed)
 
 
-def _skip_the_last_window_on_rank1(close_on_rank1: bool) -> dict[str, object]:
-    """Rank 1 skips only the last window (or its close); then the job's own collective."""
-    metric = MeanMetric()
-    collector = AsyncMetricCollector(metric, prefix="train").bind("cpu")
-    rank = dist.get_rank()
-    for step in range(1, 4):
-        metric.update(torch.tensor([float(step)]))
-        if not (rank == 1 and step == 3):
-            collector.schedule_collection(step)
-    start = time.monotonic()
-    closed = collector.close(timeout=8) if close_on_rank1 or rank == 0 else None
-    elapsed = time.monotonic() - start
-    everyone = torch.ones(1)
-    if close_on_rank1:
-        dist.all_reduce(everyone)  # hung until the process group's timeout before
-    return {"closed": closed, "elapsed": elapsed, "sum": float(everyone)}
-
-
-def test_a_rank_skipping_only_the_last_window_fails_at_close_on_every_rank(
-    dist_pool: RankPool,
-) -> None:
-    # Rank 1 closed True at once; rank 0's close waited out its timeout for the window no rank
-    # paired, and the job's next collective hung until the process group's timeout. Each
-    # close now exchanges one more payload: rank 1's pairs with rank 0's last window.
-    for rank, outcome in enumerate(dist_pool.run(_skip_the_last_window_on_rank1, True)):
-        assert outcome["closed"] is False, (rank, outcome)
-        assert outcome["elapsed"] < 4, (rank, outcome)
-        assert outcome["sum"] == dist_pool.world_size, (rank, outcome)
-
-
-def test_a_close_on_one_rank_alone_says_the_others_did_not_close() -> None:
-    from sidestream.testing import DistributedPool
-
-    with DistributedPool(2, collective_timeout_s=20) as pool:  # its own: a collective dangles
-        outcomes = pool.run(_skip_the_last_window_on_rank1, False, timeout=120)
-    assert outcomes[0]["closed"] is False and 7 < float(outcomes[0]["elapsed"]) < 12  # type: ignore[arg-type]
-
-
 def _schedule_two_collectors_in_rank_order() -> str:
     """Two same-shaped collectors; rank 1 schedules them the other way round at one step."""
     train_metric, val_metric = MeanMetric(), MeanMetric()

@@ -50,3 +50,19 @@ def test_degenerate_values_follow_sklearn() -> None:
 def test_cohen_kappa_rejects_unknown_weighting() -> None:
     with pytest.raises(ValueError, match="weights"):
         MulticlassCohenKappaMetric(3, weights="cubic")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_perfect_prediction_gives_exactly_one(seed: int) -> None:
+    # The two square roots round separately: 1.0000000000000002 came out of a perfect prediction.
+    generator = torch.Generator().manual_seed(seed)
+    classes = int(torch.randint(2, 9, (1,), generator=generator))
+    labels = torch.randint(0, classes, (int(torch.randint(2, 300, (1,), generator=generator)),))
+    metric = MulticlassMatthewsCorrCoefMetric(classes)
+    metric.update(labels, labels)
+    expected = matthews_corrcoef(labels.numpy(), labels.numpy())
+    assert float(metric.compute()) == expected
+    inverted = MulticlassMatthewsCorrCoefMetric(2)
+    binary = labels % 2
+    inverted.update(1 - binary, binary)
+    assert -1.0 <= float(inverted.compute()) <= 1.0

@@ -293,14 +293,13 @@ class Run:
     def close(self, timeout: float | None = 30.0) -> bool:
         """Finish every collector's windows and the logged values, then close each sink once.
 
-        Blocking, bounded by ``timeout`` seconds overall; every rank calls it (each collector's
-        close checks with the other ranks that all scheduled the same windows). Idempotent: a
-        later call returns what the first returned.
+        Blocking, bounded by ``timeout`` seconds overall. Idempotent: a later call returns what
+        the first returned.
 
         Returns:
             Whether everything was delivered: ``False`` if windows were still running or
-            failed, ranks scheduled different windows, a sink could not take its reports in
-            time (they are kept in a spool file a warning names) or a sink failed for good.
+            failed, a sink could not take its reports in time (they are kept in a spool
+            file a warning names) or a sink failed for good.
         """
         if self._closed:
             return self._close_result

@@ -69,7 +69,7 @@ GATHER_LIMIT_BYTES = 1 << 20
 
 _ALIGN = 8  # every staged state starts at a multiple of the widest element size
 _LOW_BITS = 0xFFFFFFFF
-_KINDS = ("sync", "state_dict", "window", "changed", "record", "close")
+_KINDS = ("sync", "state_dict", "window", "changed", "record")
 _CHUNK_BITS = 16  # all_reduce fingerprints travel as 16-bit chunks: exact in float64 sums
 _FINGERPRINT_WORDS = 4  # kind, sequence, structure, stream (int64 each, on the gather path)
 _FINGERPRINT_CHUNKS = 1 + 3 * (64 // _CHUNK_BITS)
@@ -107,8 +107,7 @@ class CallFingerprint:
 
     Attributes:
         kind: ``"sync"``, ``"state_dict"``, ``"window"``, ``"changed"`` (sent by a rank whose
-            metric structure changed since its last sync), ``"record"`` or ``"close"`` (a
-            collector's last exchange, after its last window).
+            metric structure changed since its last sync) or ``"record"``.
         sequence: The window's step, or the how-many-th call of this kind on the metric.
         stream: Which of several same-shaped callers this is: a collector's prefix (its stream
             in a run), so that two collectors' windows at one step are not taken for each

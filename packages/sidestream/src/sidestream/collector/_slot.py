@@ -159,21 +159,6 @@ class Slot:
             self._marked = True
         return handle
 
-    def start_closing(self, last_step: int) -> SyncHandle | None:
-        """Send a window's payload once more under a ``"close"`` fingerprint (``async_op``).
-
-        Paired with another rank's close it changes nothing; paired with a window that rank
-        still runs (this rank skipped it), both fingerprints differ and both ranks fail. The
-        slot must be free. ``None`` for a tree with a sync of its own, which cannot be replayed
-        without blocking.
-        """
-        fingerprint = CallFingerprint("close", last_step, self._stream)
-        if self._direct is not None:
-            return self._direct.start(fingerprint, async_op=True)
-        if not self._replayable:
-            return None
-        return self.metric.start_sync(self._group, fingerprint)
-
     def start_sync(self, step: int) -> SyncHandle:
         """Start the reduction of the staged state (``async_op``); ``wait`` on the handle."""
         if self._replayable:

@@ -42,9 +42,6 @@ _BOUND: weakref.WeakValueDictionary[int, AsyncMetricCollector[Any]] = weakref.We
 DEFAULT_MAX_SLOTS = 8
 
 
-_CLOSE_GRACE_S = 1.0  # the least time close's last exchange gets, even for close(0)
-
-
 class AsyncMetricCollector(Generic[T]):
     """Reduce, compute and log a metric every window without stalling the training thread.
 
@@ -172,7 +169,6 @@ class AsyncMetricCollector(Generic[T]):
         self._device: torch.device | None = None
         self._side: torch.cuda.Stream | None = None
         self._free_slots: queue.SimpleQueue[Slot] = queue.SimpleQueue()
-        self._paired_wrongly = False  # a RankMismatchError was raised on this thread
         self._max_slots = max_slots
         self._slot_count = 0
         self._slot_wait_s = 0.0
@@ -334,9 +330,7 @@ class AsyncMetricCollector(Generic[T]):
                         self._metric.reset()
             else:
                 self._schedule_on_side_stream(window)
-        except BaseException as error:
-            if isinstance(error, RankMismatchError):
-                self._paired_wrongly = True
+        except BaseException:
             # The slot must come back, or the pool runs dry and a later call waits forever.
             if window.batch is None:
                 self._free_slots.put(slot)  # no collective writes into its buffers
@@ -465,18 +459,14 @@ class AsyncMetricCollector(Generic[T]):
         """Finish every scheduled window and stop the threads (and the sinks of its own run).
 
         With a run of its own it also delivers to and closes every sink. Blocking, bounded by
-        ``timeout`` seconds overall. On several ranks every rank of the group calls it: one
-        last exchange checks that all scheduled the same windows (a rank that skipped the last
-        one would leave the others' window to hang the job's next collective). Idempotent: a
-        later call returns what the first returned (so ``run.close`` reports a collector closed
-        before it). A collector of a shared ``Run`` leaves the sinks open (``run.close`` closes
-        them).
+        ``timeout`` seconds overall. Idempotent: a later call returns what the first returned
+        (so ``run.close`` reports a collector closed before it). A collector of a shared ``Run``
+        leaves the sinks open (``run.close`` closes them).
 
         Returns:
             Whether everything finished and was delivered: ``False`` if windows were still
-            running or failed, if ranks scheduled different windows, if a sink could not take
-            its reports in time (they are kept in a spool file a warning names) or if a sink
-            failed for good.
+            running or failed, if a sink could not take its reports in time (they are kept
+            in a spool file a warning names) or if a sink failed for good.
         """
         if self._closed:
             return self._close_result
@@ -501,67 +491,10 @@ class AsyncMetricCollector(Generic[T]):
                     self._prefix,
                 )
                 complete = False
-            # Every rank takes part, finished or not (a rank that skipped it would leave the
-            # others' exchange to hang the job's next collective), except one whose calls were
-            # found paired wrongly (by a window, or raised on this thread): each such pairing
-            # used up one collective of every rank alike, and the others know it too.
-            paired_wrongly = self._paired_wrongly or self._dispatcher.mismatch is not None
-            if not paired_wrongly and not self._agree_at_close(deadline):
-                complete = False
         if self._owns_delivery and not self._delivery.close(deadline):
             complete = False
         self._close_result = complete
         return complete
-
-    def _agree_at_close(self, deadline: float | None) -> bool:
-        """Exchange one more payload with every rank's close; whether they all agree.
-
-        A rank that skipped the last ``schedule_collection`` would otherwise close at once and
-        leave the other ranks' window waiting, to hang the job's next collective. Its close
-        pairs with that window instead: both fingerprints differ, both ranks say so, and every
-        rank has issued the same collectives again.
-        """
-        if not (dist.is_available() and dist.is_initialized()):
-            return True  # a single process, or the group was destroyed before close
-        try:
-            slot = self._free_slots.get_nowait()
-        except queue.Empty:  # every slot still holds an unfinished window
-            slot = self._new_slot(check=False)
-        # As the dispatcher's stop, a moment even for close(0): the other ranks' closes, right
-        # after the same collect_results, arrive within it.
-        if deadline is not None:
-            deadline = max(deadline, time.monotonic() + _CLOSE_GRACE_S)
-        try:
-            handle = slot.start_closing(self._last_step or 0)
-            if handle is None:
-                return True
-            while not all(work.is_completed() for work in handle.works):
-                if deadline is not None and time.monotonic() > deadline:
-                    logger.warning(
-                        "close: the other ranks of the collector with prefix %r did not close "
-                        "it within the timeout; every rank must call close (or run.close), "
-                        "closing its collectors in the same order",
-                        self._prefix,
-                    )
-                    return False
-                time.sleep(0.001)
-            handle.wait()
-            handle.verify()
-        except RankMismatchError as error:
-            logger.error(
-                "close: ranks paired different calls when closing the collector with prefix "
-                "%r (a rank skipped or added a schedule_collection before close, or closes its "
-                "collectors in another order): %s",
-                self._prefix,
-                error,
-            )
-            return False
-        except Exception as error:  # a peer that exited already: its connection is gone
-            logger.warning("close: could not check the other ranks' windows: %s", error)
-            return False
-        finally:
-            self._free_slots.put(slot)
-        return True
 
     def wait_windows(self, timeout: float | None) -> bool:
         """Block until every scheduled window was handed to the sinks; whether in time."""
@@ -597,11 +530,7 @@ class AsyncMetricCollector(Generic[T]):
         (``run.state_dict()`` holds them).
         """
         self._raise_mismatch()
-        try:
-            metric_state = self._metric.state_dict()
-        except RankMismatchError:
-            self._paired_wrongly = True
-            raise
+        metric_state = self._metric.state_dict()
         sink_states: dict[str, Any] = {}
         if self._owns_delivery and self.is_writer:
             deadline = None if timeout is None else time.monotonic() + timeout

@@ -29,10 +29,15 @@ def matthews_corrcoef(matrix: Tensor) -> Tensor:
     covariance = counts.trace() * samples - true_counts @ predicted_counts
     spread_predicted = samples * samples - predicted_counts @ predicted_counts
     spread_true = samples * samples - true_counts @ true_counts
-    # Rooted one at a time: the product of the spreads overflows float64 past ~1e77 samples².
-    denominator = spread_predicted.sqrt() * spread_true.sqrt()
+    # One root of the product, as scikit-learn (a perfect prediction is then exactly 1: two
+    # roots rounded apart gave 1.0000000000000002); one at a time only where the product
+    # overflows float64 (past ~1e77 samples²).
+    product = spread_predicted * spread_true
+    denominator = torch.where(
+        torch.isfinite(product), product.sqrt(), spread_predicted.sqrt() * spread_true.sqrt()
+    )
     safe = torch.where(denominator == 0, 1.0, denominator)
-    return torch.where(denominator == 0, 0.0, covariance / safe)
+    return torch.where(denominator == 0, 0.0, covariance / safe).clamp(-1.0, 1.0)
 
 
 class MatthewsCorrCoefMetric(ConfusionMatrixMetric):
