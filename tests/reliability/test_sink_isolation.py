@@ -268,15 +268,21 @@ print(runner.close(20), runner.dropped, ",".join(map(str, sink.steps)))
 """
 
 
-def test_disk_full_while_spooling_drops_counts_and_goes_on(tmp_path: Path) -> None:
+def _run_with_file_size_limit(script: str, directory: Path) -> subprocess.CompletedProcess[str]:
+    """``script`` (which sets RLIMIT_FSIZE itself) in a process of its own; it must succeed."""
     result = subprocess.run(
-        [sys.executable, "-c", _DISK_FULL, str(tmp_path)],
+        [sys.executable, "-c", script, str(directory)],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=Path(__file__).resolve().parents[2],
     )
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_disk_full_while_spooling_drops_counts_and_goes_on(tmp_path: Path) -> None:
+    result = _run_with_file_size_limit(_DISK_FULL, tmp_path)
     complete, dropped, steps = result.stdout.split()
     delivered = [int(s) for s in steps.split(",")]
     assert complete == "False" and int(dropped) > 0
@@ -308,14 +314,7 @@ def test_reports_spooled_before_close_stay_on_disk_when_the_disk_is_full_at_clos
 ) -> None:
     # Keeping the undelivered reports copied the spool into a new file, which needs its size
     # again: on a full disk the copy failed and the spool file, holding them, was deleted too.
-    result = subprocess.run(
-        [sys.executable, "-c", _KEEP_ON_A_FULL_DISK, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run_with_file_size_limit(_KEEP_ON_A_FULL_DISK, tmp_path)
     assert result.stdout.split() == ["False", "0"], result.stderr
     # The warning names the file of the reports held in memory, then the spool file itself.
     named = result.stderr.split("kept in ", 1)[1].split(" (one JSON", 1)[0].split(" and ")
