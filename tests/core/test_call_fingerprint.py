@@ -222,6 +222,7 @@ def test_a_structure_check_paired_with_a_data_collective_fails_at_once() -> None
     ):
         pool.run(_new_layout_against_a_laid_out_one, timeout=90)
     assert time.monotonic() - begin < 45
-    failures = str(raised.value)
-    assert "no error" not in failures
-    assert "RankMismatchError" in failures or "size doesn't match" in failures, failures
+    # Which rank sees what depends on timing: the one gloo aborts, the other a fingerprint
+    # mismatch or the lost connection. What matters is that no rank goes on as if synced.
+    assert "no error" not in str(raised.value)
+    assert len(raised.value.failures) == 2, raised.value

@@ -132,8 +132,8 @@ class WeightedMeanMetric(NanScreenedMetric):
         return self._weighted_sum.value / self._weight.value
 
 
-_CHUNK = 1 << 15
-"""Elements per chunk of a large CPU batch: the chunk buffers (768 KiB in float64) stay in
+_CHUNK = 1 << 17
+"""Elements per chunk of a large CPU batch: the two float64 chunk buffers (1 MiB each) stay in
 cache, instead of batch-sized float64 copies paged in on every update."""
 
 _buffers = threading.local()
@@ -143,21 +143,17 @@ them, which is slower than the arithmetic. Per thread, so two threads never shar
 
 
 def _chunk_buffers(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """This thread's chunk buffers of ``dtype``: a ``(2, _CHUNK)`` matrix and a weights chunk.
-
-    The matrix's first row takes a values chunk; its second row is all ones, written once, so
-    one ``addmv_`` with the weights chunk adds both ``sum(values * weights)`` and ``sum(weights)``
-    (one pass over the chunk instead of a ``dot`` and a ``sum``).
-    """
+    """This thread's two chunk buffers of ``dtype`` (values and weights)."""
     cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] | None
     cache = getattr(_buffers, "cache", None)
     if cache is None:
         cache = _buffers.cache = {}
     pair = cache.get((device, dtype))
     if pair is None:
-        matrix = torch.empty(2, _CHUNK, dtype=dtype, device=device)
-        matrix[1].fill_(1)
-        pair = cache[(device, dtype)] = (matrix, torch.empty(_CHUNK, dtype=dtype, device=device))
+        pair = cache[(device, dtype)] = (
+            torch.empty(_CHUNK, dtype=dtype, device=device),
+            torch.empty(_CHUNK, dtype=dtype, device=device),
+        )
     return pair
 
 
@@ -198,27 +194,26 @@ def _chunked_sums(
 
     Each chunk is cast into this thread's buffers (``copy_`` converts in one pass), so the
     products are exact in float64 (two float32 factors need 48 bits) with no batch-sized
-    float64 copy of either input. Per chunk: two conversions, one ``addmv_`` for both sums, and
-    the smallest weight read from the input chunk while it is in cache (narrower than the
-    converted one, and its sign and NaN are the same).
+    float64 copy of either input. Per chunk: two conversions, a ``dot`` and a ``sum`` (faster
+    than one ``addmv_`` for both), each written into the chunk's slot of a small result tensor
+    (no accumulating op), and the smallest weight read from the input chunk while it is in cache
+    (narrower than the converted one, and its sign and NaN are the same).
     """
-    matrix, weights_buffer = _chunk_buffers(values.device, dtype)
-    values_buffer = matrix[0]  # one view for every full chunk, not one select per chunk
-    # Both sums accumulate in place (addmv_) and each chunk's minimum is written into its slot:
-    # no list of fresh results to stack afterwards.
-    sums = torch.zeros(2, dtype=dtype, device=values.device)
-    lows = torch.empty(-(-values.numel() // _CHUNK), dtype=weights.dtype, device=values.device)
+    values_buffer, weights_buffer = _chunk_buffers(values.device, dtype)
+    count = -(-values.numel() // _CHUNK)
+    dots = torch.empty(count, dtype=dtype, device=values.device)
+    totals = torch.empty(count, dtype=dtype, device=values.device)
+    lows = torch.empty(count, dtype=weights.dtype, device=values.device)
     # split: every chunk's view from one call, instead of two slicing calls per chunk.
     chunks = zip(torch.split(values, _CHUNK), torch.split(weights, _CHUNK), strict=True)
     for index, (chunk_values, chunk_weights) in enumerate(chunks):
         length = chunk_values.numel()
-        rows, values_row, weights_row = matrix, values_buffer, weights_buffer
+        values_row, weights_row = values_buffer, weights_buffer
         if length < _CHUNK:
-            rows, weights_row = matrix[:, :length], weights_buffer[:length]
-            values_row = rows[0]
+            values_row, weights_row = values_buffer[:length], weights_buffer[:length]
         values_row.copy_(chunk_values)
         weights_row.copy_(chunk_weights)
-        sums.addmv_(rows, weights_row)
+        torch.dot(values_row, weights_row, out=dots[index])
+        torch.sum(weights_row, 0, out=totals[index])
         torch.amin(chunk_weights, 0, out=lows[index])
-    weighted, total = sums
-    return weighted, total, lows.amin()
+    return dots.sum(), totals.sum(), lows.amin()
