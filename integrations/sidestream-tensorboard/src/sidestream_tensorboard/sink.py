@@ -55,6 +55,7 @@ class TensorBoardSink(TrackerSink):
 
     name = "tensorboard"
     identity_key = "log_dir"
+    identity_is_path = True
     durable_on_send = False  # the writer buffers events until it flushes
 
     def __init__(

@@ -90,7 +90,6 @@ class Delivery:
                 raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")
         if info is not None and not isinstance(info, RunInfo):
             raise TypeError(f"info: expected a sidestream.sinks.RunInfo, got {info!r}")
-        _refuse_shared_targets(sink_list)
         _claim(sink_list, self)
         self.sinks = _keyed(sink_list)
         self.info = info or RunInfo()
@@ -278,9 +277,17 @@ def _owner(sink: Sink) -> Delivery | None:
 
 
 def _claim(sinks: list[Sink], owner: Delivery) -> None:
+    """Make ``owner`` the run of each sink and of the file or folder each writes, or raise.
+
+    Refused: a sink object given twice or already in a live run, and two sinks of one kind that
+    write one place (``Sink.written_place``), in this run or in another live run of this
+    process: they would interleave or repeat its steps.
+    """
     with _CLAIM_LOCK:
         seen: set[int] = set()
-        for sink in sinks:
+        places = [sink.written_place() for sink in sinks]  # a realpath each: computed once
+        writers: dict[tuple[type, str, str], int] = {}
+        for index, (sink, place) in enumerate(zip(sinks, places, strict=True)):
             if id(sink) in seen:
                 raise ValueError(
                     f"sinks: {sink!r} is given twice; pass each sink object once (for two "
@@ -293,20 +300,25 @@ def _claim(sinks: list[Sink], owner: Delivery) -> None:
                     "sidestream.Run(sinks) and making every collector with run.collector(...)"
                 )
             seen.add(id(sink))
-        for index, sink in enumerate(sinks):
-            place = sink.written_place()
-            holder = None if place is None else _PLACES.get(place)
+            if place is None:
+                continue
+            kind, key, path = place
+            if place in writers:
+                raise ValueError(
+                    f"sinks[{index}]: {kind.__name__} writes {path!r}, as sinks[{writers[place]}] "
+                    f"does (in this process or a child process); give each sink its own {key}"
+                )
+            holder = _PLACES.get(place)
             if holder is not None and holder[1]() is not None and holder[0]() is not None:
-                kind, key, path = place  # type: ignore[misc]
                 raise ValueError(
                     f"sinks[{index}]: {kind.__name__} writes {path!r}, as a sink of another run "
                     "of this process does that is not closed yet (a sidestream.Run or a "
                     "collector with sinks); close that run first, or give this sink its own "
                     f"{key}"
                 )
-        for sink in sinks:
+            writers[place] = index
+        for sink, place in zip(sinks, places, strict=True):
             _CLAIMED[id(sink)] = (weakref.ref(sink), weakref.ref(owner))
-            place = sink.written_place()
             if place is not None:
                 _PLACES[place] = (weakref.ref(sink), weakref.ref(owner))
 
@@ -331,19 +343,3 @@ def _keyed(sinks: list[Sink]) -> dict[str, Sink]:
             key = f"{sink.name}-{n}"
         keyed[key] = sink
     return keyed
-
-
-def _refuse_shared_targets(sinks: list[Sink]) -> None:
-    """Two sinks of one kind that write one file or directory would interleave or repeat it."""
-    seen: dict[tuple[type, str, str], int] = {}
-    for index, sink in enumerate(sinks):
-        place = sink.written_place()
-        if place is None:
-            continue
-        if place in seen and sinks[seen[place]] is not sink:  # the same object: _claim says so
-            kind, key, path = place
-            raise ValueError(
-                f"sinks[{index}]: {kind.__name__} writes {path!r}, as sinks[{seen[place]}] "
-                f"does (in this process or a child process); give each sink its own {key}"
-            )
-        seen[place] = index

@@ -13,6 +13,7 @@ from torch.compiler import is_compiling
 from sidestream.state import MetricAccumulator
 
 __all__ = [
+    "check_int",
     "expected_text",
     "as_tensor",
     "check_broadcastable",
@@ -76,6 +77,14 @@ def check_same_shape(preds: Tensor, target: Tensor) -> None:
         raise ValueError(
             f"target: expected the shape of preds {tuple(preds.shape)}, got {tuple(target.shape)}"
         )
+
+
+def check_int(argument: str, value: object, minimum: int) -> None:
+    """Raise naming ``argument`` unless ``value`` is an int ``>= minimum`` (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{argument}: expected an int >= {minimum}, got {type(value)}")
+    if value < minimum:
+        raise ValueError(f"{argument}: expected an int >= {minimum}, got {value}")
 
 
 def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_name: str) -> None:

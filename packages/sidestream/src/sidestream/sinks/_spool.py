@@ -65,6 +65,15 @@ class Spool:
         return self._end - self._read_offset
 
     @property
+    def max_bytes(self) -> int:
+        """The most bytes of reports held (the cap)."""
+        return self._max_bytes
+
+    def leftovers(self) -> list[str]:
+        """Spool files of this spool's label in its directory whose process has ended."""
+        return leftover_spools(self._directory, self._label)
+
+    @property
     def path(self) -> str | None:
         """The spool file, once created."""
         return self._path

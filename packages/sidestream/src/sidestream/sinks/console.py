@@ -8,6 +8,7 @@ import sys
 import time
 from typing import TextIO
 
+from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import PermanentSinkError
 
@@ -43,15 +44,9 @@ class ConsoleSink(Sink):
         digits: int = 4,
         live: bool | None = None,
     ) -> None:
-        for option, value, low in (
-            ("every", every, 1),
-            ("max_values", max_values, 1),
-            ("digits", digits, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{option}: expected an int >= {low}, got {value!r}")
-            if value < low:
-                raise ValueError(f"{option}: expected >= {low}, got {value}")
+        check_int("every", every, 1)
+        check_int("max_values", max_values, 1)
+        check_int("digits", digits, 0)
         if stream is not None and not callable(getattr(stream, "write", None)):
             raise TypeError(
                 f"stream: expected a text stream with write() (sys.stdout, an open file) or None, "

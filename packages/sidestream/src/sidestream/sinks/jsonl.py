@@ -59,6 +59,7 @@ class JsonlSink(TrackerSink):
 
     name = "jsonl"
     identity_key = "path"
+    identity_is_path = True
     _own_locks = ("_lock", "_file_lock")
 
     def __init__(self, path: str | os.PathLike[str], flush_every: int = 64, fsync: bool = False):

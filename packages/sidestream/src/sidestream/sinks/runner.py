@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool, leftover_spools
+from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import SinkStatus, is_permanent
 
@@ -80,9 +80,7 @@ class SinkRunner:
         self._max_batch = max(1, int(getattr(sink, "max_batch", 1)))
         self._cond = threading.Condition()
         self._queue: deque[Report] = deque()
-        self._spool_dir = spool_dir
         self._spool = Spool(spool_dir, label=self.key, max_bytes=spool_max_bytes)
-        self._spool_max_bytes = spool_max_bytes
         self._in_flight: list[Report] = []
         self._submitted = 0
         self._delivered = 0
@@ -108,7 +106,7 @@ class SinkRunner:
         Spool files this sink's earlier jobs left behind (a crash, or a close that timed out)
         hold reports never delivered: a warning names them, with how to replay them.
         """
-        left = leftover_spools(self._spool_dir, self.key)
+        left = self._spool.leftovers()
         more = len(left) - _LEFTOVERS_NAMED
         if left:
             logger.warning(
@@ -143,7 +141,7 @@ class SinkRunner:
                 else:
                     if dropped:
                         self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
-                    elif self._spool.nbytes <= self._spool_max_bytes // 2:
+                    elif self._spool.nbytes <= self._spool.max_bytes // 2:
                         # Room again, not a lucky fit: a small report after a large one fits
                         # in a full spool, and the streak would be logged again and again.
                         self._dropping = False
@@ -246,7 +244,7 @@ class SinkRunner:
                 return self._submitted == 0
         self._thread.join(self._remaining())
         held = self._held_by_sink()
-        if not self._thread.is_alive() and (self._sink_closed or not held):
+        if not self._thread.is_alive() and not held:  # held is empty once the sink closed
             with self._cond:
                 self._spool.discard()
                 self._log_dropped()

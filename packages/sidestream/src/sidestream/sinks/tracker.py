@@ -38,10 +38,13 @@ class TrackerSink(Sink):
 
     Attributes:
         identity_key: The name of the run identity in the state (``"run_id"``, ``"log_dir"``).
+        identity_is_path: Whether the identity names a file or folder this sink writes (then
+            ``written_place`` gives it, and two sinks may not share it).
         durable_on_send: Whether ``send`` returning means the backend has the reports.
     """
 
     identity_key: ClassVar[str] = "run_id"
+    identity_is_path: ClassVar[bool] = False
     durable_on_send: ClassVar[bool] = True
     _own_locks: ClassVar[tuple[str, ...]] = ("_lock",)
 
@@ -138,7 +141,7 @@ class TrackerSink(Sink):
         JSONL's path, TensorBoard's log_dir; ``None`` for a run id (not known before ``open``).
         """
         identity = self.identity
-        if self.identity_key not in ("path", "log_dir") or identity is None:
+        if not self.identity_is_path or identity is None:
             return None
         return type(self), self.identity_key, os.path.realpath(identity)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from sidestream._validation import check_int
+
 __all__ = ["Problem", "ProblemKind", "check_ignore_index", "check_int", "check_problem"]
 
 
@@ -14,14 +16,6 @@ class ProblemKind(enum.Enum):
     BINARY = "binary"
     MULTICLASS = "multiclass"
     MULTILABEL = "multilabel"
-
-
-def check_int(argument: str, value: object, minimum: int) -> None:
-    """Raise naming ``argument`` unless ``value`` is an int ``>= minimum`` (bools refused)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{argument}: expected an int >= {minimum}, got {type(value)}")
-    if value < minimum:
-        raise ValueError(f"{argument}: expected an int >= {minimum}, got {value}")
 
 
 def check_ignore_index(ignore_index: object) -> None:

@@ -70,9 +70,6 @@ class TokenAccuracyMetric(Metric[Tensor]):
         # A NaN score has no arg max: bad input at a counted token, as an out-of-vocabulary
         # target is. Padding rows are not read, so they may hold anything (as in perplexity).
         nan_scores = logits_t.isnan().any(dim=-1) & counted
-        expected_target = expected_text(
-            "token ids in [0, {}) or ignore_index={}", vocab, self._ignore_index
-        )
         if checks_stay_on_device(logits_t.device):
             # One verdict, so a batch bad in both ways is one rejected update.
             keep = screen_invalid(nan_scores | bad_target, self._rejected, "logits", "")
@@ -80,7 +77,10 @@ class TokenAccuracyMetric(Metric[Tensor]):
             counted = counted & keep
         else:  # raises naming the argument, before the state changes
             screen_invalid(nan_scores, self._rejected, "logits", "no NaN scores at counted tokens")
-            screen_invalid(bad_target, self._rejected, "target", expected_target)
+            expected = expected_text(
+                "token ids in [0, {}) or ignore_index={}", vocab, self._ignore_index
+            )
+            screen_invalid(bad_target, self._rejected, "target", expected)
         safe = torch.where(counted, target_t, 0).to(torch.int64)
         tally = counted.to(torch.int64)
         correct = (logits_t.argmax(dim=-1) == safe).to(torch.int64) * tally
