@@ -108,3 +108,6 @@ def test_a_refused_batch_leaves_nan_count_alone_eager_and_compiled(
     update(values, weights)  # dropped on the device path, and counted as rejected
     assert int(compiled_metric.nan_count) == 1 and int(compiled_metric.rejected_updates) == 1
     assert float(compiled_metric.compute()) == float(eager.compute())
+    # By hand: only the first batch counts, its NaN ignored (weight 0) or filled with 0.5.
+    expected = 1.0 if strategy == "ignore" else (1.0 + 0.5) / 2
+    assert float(eager.compute()) == expected
