@@ -71,6 +71,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
 
     # Raw state: shape (1,), not 0-dim (compiled in-place updates of 0-dim float64 are lost).
     pair = torch.zeros(2, dtype=F64, device=device)
+    pair_32 = torch.zeros(2, device=device)
     top = torch.full((1,), -torch.inf, dtype=F64, device=device)
     matrix = torch.zeros(CLASSES * CLASSES, dtype=torch.int64, device=device)
     histogram = torch.zeros(2 * BINS, dtype=torch.int64, device=device)
@@ -80,6 +81,10 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
         w64 = w.to(F64)
         pair[0:1].add_((v.to(F64) * w64).sum())
         pair[1:2].add_(w64.sum())
+
+    def raw_weighted_32(v: torch.Tensor, w: torch.Tensor) -> None:
+        pair_32[0:1].add_((v * w).sum())
+        pair_32[1:2].add_(w.sum())
 
     def raw_mean(v: torch.Tensor) -> None:
         pair[0:1].add_(v.sum(dtype=F64))
@@ -111,16 +116,26 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
     tm_max, tm_perplexity = TmMax(nan_strategy="disable"), Perplexity()
     for peer in (tm_f1, tm_auroc, tm_exact, tm_weighted, tm_mean, tm_max, tm_perplexity):
         peer.to(device)
+    tm_weighted_32 = TmMean(nan_strategy="disable").to(device)
     weighted, mean, largest = WeightedMeanMetric(), MeanMetric(), MaxMetric()
+    weighted_32 = WeightedMeanMetric(dtype=torch.float32).to(device)
     auroc, perplexity = BinaryAUROCMetric(BINS), PerplexityMetric()
     exact = BinaryAUROCMetric(exact=True).to(device)
     return {
-        "WeightedMean": Case(
+        "WeightedMean (float64 sums; torchmetrics float32)": Case(
             lambda: raw_weighted(values, weights),
             weighted.to(device).update,
             (values, weights),
             lambda: tm_weighted.update(values, weights),
             compiled={"raw": raw_weighted},  # type: ignore[dict-item]
+        ),
+        # Like for like: both sum in float32 (torchmetrics' default, sidestream's dtype=).
+        "WeightedMean (dtype=float32, as torchmetrics)": Case(
+            lambda: raw_weighted_32(values, weights),
+            weighted_32.update,
+            (values, weights),
+            lambda: tm_weighted_32.update(values, weights),
+            compiled={"raw": raw_weighted_32},  # type: ignore[dict-item]
         ),
         "Mean": Case(
             lambda: raw_mean(values),

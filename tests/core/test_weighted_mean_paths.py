@@ -63,6 +63,26 @@ def test_chunked_batches_of_different_lengths_reuse_the_buffers_exactly() -> Non
     assert float(metric._weight.local) == pytest.approx(expected_weight, rel=1e-13)
 
 
+@pytest.mark.parametrize(("dtype", "rel"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_inputs_already_in_the_accumulation_dtype_are_summed_in_place(
+    dtype: torch.dtype, rel: float
+) -> None:
+    # Inputs of the accumulation dtype skip the chunk buffers: the same sums, the same check.
+    rng = np.random.default_rng(11)
+    size = weighted_mean._CHUNK * 2 + 7
+    values, weights = rng.normal(size=size) + 3.0, rng.random(size)
+    metric = WeightedMeanMetric(dtype=dtype)
+    metric.update(torch.from_numpy(values).to(dtype), torch.from_numpy(weights).to(dtype))
+    expected = (values * weights).sum() / weights.sum()  # numpy, float64
+    assert float(metric.compute()) == pytest.approx(expected, rel=rel)
+    assert float(metric.accumulated_weight) == pytest.approx(weights.sum(), rel=rel)
+    bad = torch.from_numpy(weights).to(dtype)
+    bad[-1] = -1.0  # in the last chunk
+    with pytest.raises(ValueError, match="weights: expected finite values >= 0"):
+        metric.update(torch.from_numpy(values).to(dtype), bad)
+    assert float(metric.compute()) == pytest.approx(expected, rel=rel)
+
+
 @pytest.mark.parametrize("size", [5, weighted_mean._CHUNK * 2 + 5])
 def test_nan_error_rides_on_the_sum_and_still_names_values_first(size: int) -> None:
     # CPU nan_strategy="error" checks NaN only when the weighted sum is NaN or a weight is

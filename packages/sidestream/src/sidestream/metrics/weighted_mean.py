@@ -199,6 +199,8 @@ def _chunked_sums(
     (no accumulating op), and the smallest weight read from the input chunk while it is in cache
     (narrower than the converted one, and its sign and NaN are the same).
     """
+    # Inputs already of the accumulation dtype are read in place: a copy would convert nothing.
+    same = values.dtype == dtype and weights.dtype == dtype
     values_buffer, weights_buffer = _chunk_buffers(values.device, dtype)
     count = -(-values.numel() // _CHUNK)
     dots = torch.empty(count, dtype=dtype, device=values.device)
@@ -207,12 +209,15 @@ def _chunked_sums(
     # split: every chunk's view from one call, instead of two slicing calls per chunk.
     chunks = zip(torch.split(values, _CHUNK), torch.split(weights, _CHUNK), strict=True)
     for index, (chunk_values, chunk_weights) in enumerate(chunks):
-        length = chunk_values.numel()
-        values_row, weights_row = values_buffer, weights_buffer
-        if length < _CHUNK:
-            values_row, weights_row = values_buffer[:length], weights_buffer[:length]
-        values_row.copy_(chunk_values)
-        weights_row.copy_(chunk_weights)
+        if same:
+            values_row, weights_row = chunk_values, chunk_weights
+        else:
+            length = chunk_values.numel()
+            values_row, weights_row = values_buffer, weights_buffer
+            if length < _CHUNK:
+                values_row, weights_row = values_buffer[:length], weights_buffer[:length]
+            values_row.copy_(chunk_values)
+            weights_row.copy_(chunk_weights)
         torch.dot(values_row, weights_row, out=dots[index])
         torch.sum(weights_row, 0, out=totals[index])
         torch.amin(chunk_weights, 0, out=lows[index])
