@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -226,6 +227,41 @@ def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
         assert runner.close(10.0)
     assert str(left) in caplog.text and "sidestream.sinks.replay" in caplog.text
     assert str(other_sink) not in caplog.text and str(replayed) not in caplog.text
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/stat"), reason="needs /proc")
+def test_a_spool_of_an_ended_process_whose_id_was_reused_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A restarted container often gives the new job's process the crashed one's id: the start
+    # time in the name tells the two apart. Here the id is this very process's.
+    with open(f"/proc/{os.getpid()}/stat", "rb") as stat:
+        text = stat.read()
+    started = int(text[text.rfind(b")") + 2 :].split()[19])
+    reused = tmp_path / f"sidestream-console@{os.getpid()}.{started - 1}-abc.spool.jsonl"
+    reused.write_text("")
+    own = tmp_path / f"sidestream-console@{os.getpid()}.{started}-def.spool.jsonl"
+    own.write_text("")
+    runner = SinkRunner(ConsoleSink(stream=io.StringIO()), spool_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        runner.start()
+        assert runner.close(10.0)
+    assert str(reused) in caplog.text
+    assert str(own) not in caplog.text  # this process's own (a live job's) spool
+
+
+def test_a_spool_file_is_named_with_its_process_and_start_time(tmp_path: Path) -> None:
+    from sidestream.sinks._spool import Spool
+
+    spool = Spool(str(tmp_path), "console")
+    spool.append(Report(step=1, time=0.0, values={"a": 1.0}))
+    assert spool.path is not None
+    name = os.path.basename(spool.path)
+    assert name.startswith(f"sidestream-console@{os.getpid()}")
+    if os.path.exists("/proc/self/stat"):
+        assert name.split("@")[1].split("-")[0].count(".") == 1, name
+    assert spool.leftovers() == []  # its own process runs
+    spool.discard()
 
 
 def test_a_child_process_sink_writing_the_same_file_is_refused(tmp_path: Path) -> None:

@@ -82,9 +82,10 @@ class Spool:
         if self._directory is not None:
             os.makedirs(self._directory, mode=0o700, exist_ok=True)
         # mkstemp creates the file with mode 0600: reports may hold what the job logs.
-        # The process id in the name tells a later job whose file it finds (leftover_spools).
+        # The process id (and its start time, where the system gives it) in the name tells a
+        # later job whose file it finds (leftover_spools).
         handle, path = tempfile.mkstemp(
-            prefix=f"sidestream-{self._label}@{os.getpid()}-",
+            prefix=f"sidestream-{self._label}@{_process_mark(os.getpid())}-",
             suffix=_SUFFIX,
             dir=self._directory,
         )
@@ -261,7 +262,9 @@ class Spool:
 
 
 _SUFFIX = ".spool.jsonl"
-_NAME = re.compile(r"sidestream-(?P<label>.+)@(?P<pid>\d+)-[^/]*" + re.escape(_SUFFIX))
+_NAME = re.compile(
+    r"sidestream-(?P<label>.+)@(?P<pid>\d+)(?:\.(?P<start>\d+))?-[^/]*" + re.escape(_SUFFIX)
+)
 
 
 def leftover_spools(directory: str | None, label: str) -> list[str]:
@@ -281,12 +284,40 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
         match = _NAME.fullmatch(entry.name)
         if match is None or match["label"] != label or not entry.is_file():
             continue
-        if not _alive(int(match["pid"])):
+        if not _alive(int(match["pid"]), match["start"]):
             found.append(entry.path)
     return sorted(found)
 
 
-def _alive(pid: int) -> bool:
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (Linux: clock ticks since boot), or ``None`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) is in parentheses and may hold spaces.
+    fields = text[text.rfind(b")") + 2 :].split()
+    return fields[19].decode() if len(fields) > 19 else None
+
+
+def _process_mark(pid: int) -> str:
+    """``pid``, or ``pid.start`` where the start time is known (see ``_alive``)."""
+    start = _start_time(pid)
+    return str(pid) if start is None else f"{pid}.{start}"
+
+
+def _alive(pid: int, start: str | None = None) -> bool:
+    """Whether the process that wrote a spool file named with ``pid`` (and ``start``) runs.
+
+    Process ids are reused: a restarted container often gives the new job's process the very
+    id of the crashed one. With the start time in the name, a live process of that id counts
+    only if it started then.
+    """
+    if start is not None:
+        now = _start_time(pid)
+        if now is not None:
+            return now == start
     if pid == os.getpid():
         return True
     try:
