@@ -338,6 +338,40 @@ def test_a_checkpoint_waits_at_most_its_timeout_in_all() -> None:
         assert time.monotonic() - began < 1.6
 
 
+def test_a_checkpoint_takes_what_a_tracker_delivered_even_when_make_durable_fell_short() -> None:
+    """A tracker whose make_durable could not make everything durable in time may still have
+    counted part of it (wandb's rows already written): the checkpoint takes the tracker's own
+    state, which holds delivered steps only, not the copy from its last send."""
+    from sidestream.sinks import TrackerSink
+
+    class Partial(TrackerSink):
+        name = "partial"
+        durable_on_send = False  # steps count only once the backend confirms them
+
+        def open(self, run: RunInfo) -> None:
+            del run
+
+        def send(self, reports: object) -> None:
+            pass
+
+        def persist(self, timeout: float | None) -> bool:
+            return False  # never all of it in time
+
+        def make_durable(self, timeout: float | None = None) -> bool:
+            self.count_delivered({"": 2})  # the backend confirmed steps up to 2 meanwhile
+            return False
+
+    sink = Partial()
+    with Run([sink]) as run:
+        for step in (1, 2, 3):
+            run.log(step, {"x": float(step)})
+        saved = run.state_dict(timeout=5.0)
+        assert sink.last_steps() == {"": 2}
+    assert saved["sinks"]["partial"]["last_steps"] == {"": 2}
+    sink.count_delivered({"": 99, "val": 5})  # never past what was sent, nor a stream unsent
+    assert sink.last_steps() == {"": 3}
+
+
 def test_a_collector_the_loaded_state_lacks_is_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -204,6 +204,65 @@ def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path:
     ]
 
 
+_BACKLOG_JOB = """
+import json, os, sys, time
+from sidestream.sinks import Report, RunInfo
+from sidestream_wandb import WandbSink
+
+sink = WandbSink(project="sidestream-it", mode="offline", dir=sys.argv[1])
+sink.open(RunInfo(name="backlog"))
+step = 0
+def log_for(seconds):
+    global step
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:  # a steady backlog: never a quiet interval
+        sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+        step += 1
+        time.sleep(0.05)
+log_for(4.0)
+# A checkpoint under the backlog: no time to wait for a quiet interval.
+sink.make_durable(timeout=0.1)
+with open(sys.argv[2], "w") as out:
+    json.dump({**sink.state_dict(), "logged": step}, out)
+log_for(2.0)
+os._exit(1)  # killed: the run never finishes
+"""
+
+
+def test_a_checkpoint_under_a_steady_backlog_records_the_rows_already_written(
+    tmp_path: Path,
+) -> None:
+    """Rows logged an interval (plus margin) before the checkpoint are in the .wandb file, so
+    they count as delivered although the sink never waited for a quiet interval."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script, saved = tmp_path / "job.py", tmp_path / "checkpoint.json"
+    script.write_text(_BACKLOG_JOB)
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(saved)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    checkpoint = json.loads(saved.read_text())
+    recorded = checkpoint["last_steps"].get("")
+    # Rows logged before (checkpoint - 1.5 s), of about 4 s of rows: most of them, not all.
+    assert recorded is not None and 0 < recorded < checkpoint["logged"] - 1, checkpoint
+    # What the checkpoint claims is in the crashed run's file (wandb's own records).
+    crashed = [
+        (row.items["step"], row.items["loss"])
+        for row in _history(_data_file(checkpoint["run_dir"]))
+    ]
+    assert crashed[: recorded + 1] == [(step, float(step)) for step in range(recorded + 1)]
+
+
 def test_a_mode_wandb_rejects_fails_when_the_sink_is_built() -> None:
     """Not at open on rank 0 after training started, where it fails the sink for the job."""
     from sidestream.sinks import sinks_from_config

@@ -5,7 +5,9 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,7 +70,8 @@ class WandbSink(TrackerSink):
     ``x_transaction_log_flush_interval`` seconds, which the sink sets to
     ``FLUSH_INTERVAL_S`` (1 s) unless ``settings`` give it. A row counts as delivered (in
     ``state_dict``) once ``persist`` has waited that interval plus a margin after it was logged,
-    or once ``finish`` returned; ``flush`` and a checkpoint's ``make_durable`` wait for that.
+    or once ``finish`` returned; ``flush`` and a checkpoint's ``make_durable`` wait for that
+    (given less time, they still count the rows logged that long ago).
     Older wandb clients write rows only when a 32 KiB buffer fills or the run finishes and
     cannot say when: there rows count as delivered at the next ``flush`` after ``run.log``,
     and a crashed job loses those wandb had not written.
@@ -87,6 +90,7 @@ class WandbSink(TrackerSink):
 
     name = "wandb"
     durable_on_send = False  # rows count once persist says wandb wrote them (see above)
+    _own_locks = ("_lock", "_unwritten_lock")
 
     def __init__(
         self,
@@ -111,6 +115,11 @@ class WandbSink(TrackerSink):
         # None: a client without them (rows are written when a buffer fills or at finish).
         self._flush_interval: float | None = None
         self._last_log = 0.0  # time.monotonic() when the last row was handed to wandb
+        # (time.monotonic(), stream, step) of each row logged and not counted as written yet,
+        # oldest first: under a steady backlog persist never sees a quiet interval, but a row
+        # logged an interval (plus the margin) ago is in the file by then.
+        self._unwritten: deque[tuple[float, str, int]] = deque()
+        self._unwritten_lock = threading.Lock()
         self._finished = False
         self._disabled = False  # mode="disabled": nothing is kept anywhere
 
@@ -258,6 +267,28 @@ class WandbSink(TrackerSink):
             self._last_log = time.monotonic()
             self.mark_sent(report)
             self._logged[report.stream] = report.step
+            with self._unwritten_lock:
+                self._unwritten.append((self._last_log, report.stream, report.step))
+        self._count_written()
+
+    def _count_written(self) -> None:
+        """Count rows logged at least one periodic write (plus the margin) ago as delivered."""
+        if self._flush_interval is None or self._flush_interval <= 0 or self._disabled:
+            return  # no periodic write: only persist at finish can say
+        written: dict[str, int] = {}
+        cutoff = time.monotonic() - self._flush_interval - _FLUSH_MARGIN_S
+        with self._unwritten_lock:
+            while self._unwritten and self._unwritten[0][0] <= cutoff:
+                _, stream, step = self._unwritten.popleft()
+                written[stream] = step  # steps of a stream are logged in increasing order
+        if written:
+            self.count_delivered(written)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """``persist``; if it cannot wait long enough, the rows already written still count."""
+        done = super().flush(timeout)
+        self._count_written()  # also drains the rows a whole persist counted already
+        return done
 
     def persist(self, timeout: float | None) -> bool:
         """Wait until wandb's periodic write has put every logged row in the ``.wandb`` file.

@@ -213,7 +213,9 @@ class Delivery:
         if isinstance(sink, TrackerSink | ProcessSink) and runner.status.state != "failed":
             # Thread-safe by contract: make what was sent durable, then read what counts.
             try:
-                if sink.make_durable(timeout):
+                if sink.make_durable(timeout) or isinstance(sink, TrackerSink):
+                    # A tracker's state holds delivered steps only, so it is right either way,
+                    # and fresher than the runner's copy when part of it was written by now.
                     return sink.state_dict()
             except Exception as error:
                 logger.warning("state_dict: sink %r: make_durable failed: %s", runner.key, error)

@@ -191,6 +191,22 @@ class TrackerSink(Sink):
                 if delivered is None or step > delivered:
                     self._delivered[stream] = step
 
+    def count_delivered(self, last_steps: Mapping[str, int]) -> None:
+        """Count each stream's steps up to ``last_steps[stream]`` as delivered.
+
+        For a sink that learns that part of what it sent reached the backend without a whole
+        ``persist`` (wandb's periodic write): steps never sent are not counted.
+        """
+        with self._lock:
+            for stream, step in last_steps.items():
+                sent = self._sent.get(stream, self._sent_default)
+                if sent is None:
+                    continue
+                delivered = self._delivered.get(stream, self._delivered_default)
+                reached = min(step, sent)
+                if delivered is None or reached > delivered:
+                    self._delivered[stream] = reached
+
     def found_values_in_backend(self, last_steps: Mapping[str, int]) -> None:
         """The last step of each value the backend holds, by its name there (found on resume).
 
