@@ -364,6 +364,26 @@ def test_resume_skips_steps_delivered_after_the_checkpoint(shm_path: Path) -> No
     assert got == [(s, float(s)) for s in range(7)] + [(7, 107.0), (8, 108.0)]
 
 
+def test_resuming_a_run_deleted_on_the_server_fails_for_good_saying_how_to_go_on(
+    shm_path: Path,
+) -> None:
+    from sidestream.sinks import is_permanent
+
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    first = MlflowSink(tracking_uri=uri, experiment="deleted")
+    first.open(RunInfo(name="deleted"))
+    first.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
+    checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    MlflowClient(tracking_uri=uri).delete_run(checkpoint["run_id"])
+    resumed = MlflowSink(tracking_uri=uri, experiment="deleted")
+    resumed.load_state_dict(checkpoint)
+    with pytest.raises(RuntimeError, match="was deleted on the server") as raised:
+        resumed.open(RunInfo(name="deleted"))
+    assert is_permanent(raised.value)  # retrying cannot help
+    assert f"mlflow runs restore --run-id {checkpoint['run_id']}" in str(raised.value)
+
+
 def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_name(
     shm_path: Path,
 ) -> None:

@@ -209,6 +209,12 @@ class MlflowSink(TrackerSink):
             existing_params: Mapping[str, str] = {}
         else:
             existing = self._client.get_run(self._run_id)
+            if existing.info.lifecycle_stage == "deleted":
+                raise PermanentSinkError(
+                    f"the run {self._run_id} this job resumes was deleted on the server; "
+                    f"restore it (mlflow runs restore --run-id {self._run_id}) and start the "
+                    "job again, or start it without this sink's checkpointed state for a new run"
+                )
             if existing.info.status != "RUNNING":
                 self._client.update_run(self._run_id, status="RUNNING")
             existing_params = existing.data.params
