@@ -302,3 +302,35 @@ def test_state_dict_round_trip_continues_the_same_numbers() -> None:
     _feed(restored, second)
     assert _results(restored) == _results(metrics)
     _check(_results(restored), _concat([first, second]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_score_of_one_stays_in_its_row_with_a_million_bins(dtype: torch.dtype) -> None:
+    """From about 2**20 bins the edge nudge is a whole bin: 1.0 must still land in the last
+    bin of its own row on the CPU bincount path (a batch of at least 2 * (bins + 1) scores),
+    not in the next row (negatives counted as positives) or past the end."""
+    bins = 2**20
+    rng = np.random.default_rng(0)
+    size = 2 * (bins + 1)
+    target = rng.integers(0, 2, size)
+    scores = (rng.random(size) * 0.5 + 0.25 * target).astype(np.float64)
+    scores[:1000], target[:1000] = 1.0, 0  # negatives at exactly 1.0
+    scores[1000:1500], target[1000:1500] = 1.0, 1  # and positives
+    auroc, ap = BinaryAUROCMetric(num_bins=bins), BinaryAveragePrecisionMetric(num_bins=bins)
+    for metric in (auroc, ap):
+        metric.update(torch.from_numpy(scores).to(dtype), torch.from_numpy(target))
+    negatives, positives = auroc.histograms()
+    assert int(negatives[0, -1]) >= 1000 and int(positives[0, -1]) >= 500
+    assert int(negatives.sum()) + int(positives.sum()) == size
+    stored = torch.from_numpy(scores).to(dtype).double().numpy()
+    for metric, reference in ((auroc, roc_auc_score), (ap, average_precision_score)):
+        error = abs(float(metric.compute()) - reference(target, stored))
+        assert error <= float(metric.error_bound()) + 1e-12, metric
+
+
+def test_a_confidence_of_one_is_binned_with_a_million_bins() -> None:
+    bins = 1_015_808  # float32 rounding makes 1.0 spill from here on
+    metric = BinaryCalibrationErrorMetric(num_bins=bins)
+    metric.update(torch.tensor([1.0, 0.2]), torch.tensor([0, 0]))
+    # Predicted classes 1 (confidence 1.0, wrong) and 0 (confidence 0.8, right): gaps 1 and 0.2.
+    assert float(metric.compute()) == pytest.approx((1.0 + 0.2) / 2, abs=1e-6)

@@ -109,7 +109,17 @@ def score_bins(scores: Tensor, num_bins: int, rows: int) -> Tensor:
     work = scores if scores.dtype == torch.float64 else scores.float()
     dtype = torch.int32 if rows * (num_bins + 1) <= _INT32_LIMIT else torch.int64
     # The same float product and truncation as the device path's bin index.
-    return (work * bin_scale(num_bins)).to(dtype)
+    index = (work * bin_scale(num_bins)).to(dtype)
+    if num_bins >= _SPILL_FROM:
+        # The nudge is a whole bin or more here (float32 rounding gets there a little before
+        # 2**20 bins): 1.0 would land past the extra slot, in the next row.
+        index.clamp_max_(num_bins)
+    return index
+
+
+_SPILL_FROM = 2**19
+"""Bin counts from which ``score_bins`` clamps: below, ``1.0 * bin_scale(num_bins)`` is less
+than ``num_bins + 1`` in float32 and float64 alike, so every index is at most ``num_bins``."""
 
 
 def bin_scale(num_bins: int) -> float:
