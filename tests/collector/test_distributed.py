@@ -134,7 +134,7 @@ def test_rank0_jsonl_matches_numpy_and_sinks_are_isolated(
     recoveries = [m for m in rank0["messages"] if "'flaky'" in m and "recovered" in m]
     assert len(failures) == 1 and "ConnectionError" in failures[0]
     assert len(recoveries) == 1
-    assert rank0["sink_states"]["jsonl"]["last_steps"][""] == _steps()[-1]
+    assert dict(rank0["sink_states"]["jsonl"]["last_steps"])[""] == _steps()[-1]
 
 
 def _mismatch_of(steps: Callable[[], object], *collectors: AsyncMetricCollector) -> str:

@@ -197,7 +197,7 @@ def test_jsonl_counts_a_step_only_once_it_is_in_the_file(tmp_path: Path) -> None
     assert steps == list(range(1, len(steps) + 1)), "each step once, in order"
     assert result["closed"] is False, "undelivered steps make close() False"
     # The state never claims a step the file lacks (lines of a failed batch may be there).
-    assert result["state"]["last_steps"][""] <= steps[-1]
+    assert dict(result["state"]["last_steps"])[""] <= steps[-1]
     # Resumed with room on the disk: every step exactly once.
     resumed = JsonlSink(path)
     resumed.load_state_dict(result["state"])
@@ -239,7 +239,7 @@ def test_jsonl_on_a_character_device_does_not_read_it(tmp_path: Path) -> None:
     sink.open(RunInfo())  # no tail read of an endless device
     sink.write(Report(step=4, values={"x": 1.0}, time=0.0))
     assert sink.close()
-    assert sink.state_dict()["last_steps"] == {"": 4}
+    assert sink.state_dict()["last_steps"] == [["", 4]]
     json.dumps(sink.state_dict())
 
 
@@ -254,7 +254,7 @@ def test_close_is_false_when_the_final_flush_of_a_buffering_sink_fails() -> None
     run = Run([sink])
     run.log(1, {"lr": 0.1})
     assert run.close(timeout=30) is False
-    assert sink.sent == [1] and sink.state_dict()["last_steps"] == {}
+    assert sink.sent == [1] and sink.state_dict()["last_steps"] == []
 
 
 class TrackerSinkForTests(TrackerSink):

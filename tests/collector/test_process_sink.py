@@ -63,7 +63,7 @@ def test_delivers_from_another_process(tmp_path: Path) -> None:
     assert [line["step"] for line in lines] == STEPS
     assert [line["values"] for line in lines] == [{"value": value} for value in expected]
     assert sink.state_dict()["pid"] != os.getpid()
-    assert sink.state_dict()["last_steps"] == {"": STEPS[-1]}
+    assert sink.state_dict()["last_steps"] == [["", STEPS[-1]]]
     assert sink.restarts == 0
 
 
@@ -189,7 +189,7 @@ def test_a_checkpoint_makes_the_child_sinks_writes_durable(tmp_path: Path) -> No
         (saved,) = collector.state_dict()["sinks"].values()
         # Saved as delivered only once on disk: the child flushed (and fsynced) first.
         assert saved["durable_calls"] == 1
-        assert saved["last_steps"] == {"": 3}
+        assert saved["last_steps"] == [["", 3]]
         assert [line["step"] for line in _lines(path)] == [1, 2, 3]
 
 

@@ -258,7 +258,7 @@ def test_checkpoint_makes_the_jsonl_lines_durable(
     monkeypatch.setattr(os, "fsync", fsync)
     state = run.state_dict()
     assert synced, "the checkpoint fsyncs the file before reporting its steps"
-    assert state["sinks"]["jsonl"]["last_steps"] == {"": 1}
+    assert state["sinks"]["jsonl"]["last_steps"] == [["", 1]]
     assert run.close()
 
 
@@ -367,9 +367,50 @@ def test_a_checkpoint_takes_what_a_tracker_delivered_even_when_make_durable_fell
             run.log(step, {"x": float(step)})
         saved = run.state_dict(timeout=5.0)
         assert sink.last_steps() == {"": 2}
-    assert saved["sinks"]["partial"]["last_steps"] == {"": 2}
+    assert saved["sinks"]["partial"]["last_steps"] == [["", 2]]
     sink.count_delivered({"": 99, "val": 5})  # never past what was sent, nor a stream unsent
     assert sink.last_steps() == {"": 3}
+
+
+@pytest.mark.parametrize("checkpoint", ["run.state_dict", "dcp"])
+def test_a_resumed_job_repeating_a_step_logs_it_once_whatever_the_checkpoint(
+    tmp_path: Path, checkpoint: str
+) -> None:
+    """dcp.load fills only the keys the resumed run's state has at load time: each sink's
+    delivered steps must be one value (a list of pairs), not keys a fresh sink lacks."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "run.jsonl"
+    with Run([JsonlSink(path)]) as first:
+        train = first.collector(MeanMetric(), prefix="train").bind("cpu")
+        first.log(1, {"lr": 0.1})
+        train.metric.update(torch.tensor([1.0, 2.0]))
+        train.schedule_collection(1)
+        train.metric.update(torch.tensor([3.0]))  # mid-window at the checkpoint
+        if checkpoint == "dcp":
+            dcp.save({"run": first}, checkpoint_id=tmp_path / "ckpt")
+        else:
+            saved = first.state_dict()
+    with Run([JsonlSink(path)]) as resumed:
+        train = resumed.collector(MeanMetric(), prefix="train")  # made before the load
+        if checkpoint == "dcp":
+            dcp.load({"run": resumed}, checkpoint_id=tmp_path / "ckpt")
+        else:
+            resumed.load_state_dict(saved)
+        train.bind("cpu")
+        resumed.log(1, {"lr": 0.1})  # the job repeats step 1 of both streams
+        train.metric.update(torch.tensor([5.0]))
+        train.schedule_collection(1)
+        train.metric.update(torch.tensor([7.0]))
+        train.schedule_collection(2)
+        resumed.log(2, {"lr": 0.2})
+    rows = sorted((r["stream"], r["step"], r["values"]) for r in read_jsonl(path))
+    assert rows == [
+        ("", 1, {"lr": 0.1}),
+        ("", 2, {"lr": 0.2}),
+        ("train", 1, {"train": 1.5}),
+        ("train", 2, {"train": 7.0}),  # the repeated step 1 (3 and 5) is not logged again
+    ]
 
 
 def test_a_collector_the_loaded_state_lacks_is_named(

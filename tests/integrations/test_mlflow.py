@@ -66,7 +66,7 @@ def _check_ranks(results: list[dict[str, Any]]) -> None:
     assert [r["closed"] for r in results] == [True, True]
     (state,) = results[1]["sink_states"]
     assert state.pop("run_key").isalnum()  # the key of a run this sink would create
-    assert state == {"run_id": None, "last_steps": {}}
+    assert state == {"run_id": None, "last_steps": []}
 
 
 def _check_run_details(client: Any, run_id: str) -> None:
@@ -92,7 +92,7 @@ def test_two_ranks_every_window_once_sqlite(shm_path: Path, pool2: RankPool) -> 
     run_id = _check_run(client, "dist", range(STEPS))  # one run: rank 1 created none
     _check_run_details(client, run_id)
     assert _keyless(results[0]["sink_states"]) == [
-        {"run_id": run_id, "last_steps": {"": STEPS - 1}}
+        {"run_id": run_id, "last_steps": [["", STEPS - 1]]}
     ]
     # Very generous: in-process SQLite writes compete for the GIL on a loaded machine.
     assert max(results[0]["schedule_seconds"]) < 1.0
@@ -166,7 +166,7 @@ def test_server_down_from_step_50_to_120_delivers_all_once_in_order(
     client = MlflowClient(tracking_uri=mlflow_server.uri)
     run_id = _check_run(client, "fault", range(STEPS))  # one run: rank 1 created none
     _check_run_details(client, run_id)
-    assert _keyless(rank0["sink_states"]) == [{"run_id": run_id, "last_steps": {"": STEPS - 1}}]
+    assert _keyless(rank0["sink_states"]) == [{"run_id": run_id, "last_steps": [["", STEPS - 1]]}]
     # Generous: the training thread never waits for the tracker, down or not.
     assert max(rank0["schedule_seconds"]) < 0.5
     print(f"\nserver down 50..120, training thread in schedule_collection: {_timing(rank0)}")
@@ -181,11 +181,11 @@ def test_resume_from_collector_checkpoint_continues_the_same_run(
     _check_ranks(first)
     checkpoint = first[0]["checkpoint"]
     saved = checkpoint["sinks"]["mlflow"]
-    assert saved["last_steps"] == {"": 99}
+    assert saved["last_steps"] == [["", 99]]
     second = pool2.run(train, config, range(100, STEPS), checkpoint, timeout=280)
     _check_ranks(second)
     assert second[0]["sink_states"] == [
-        {"run_id": saved["run_id"], "last_steps": {"": STEPS - 1}, "run_key": saved["run_key"]}
+        {"run_id": saved["run_id"], "last_steps": [["", STEPS - 1]], "run_key": saved["run_key"]}
     ]
     client = MlflowClient(tracking_uri=config["mlflow"]["tracking_uri"])
     assert _check_run(client, "resume", range(STEPS)) == saved["run_id"]

@@ -34,4 +34,4 @@ def test_bad_resume_state_names_the_key(index: int) -> None:
     with pytest.raises(ValueError, match="last_steps"):
         sink.load_state_dict({id_key: "x", "last_steps": {"train": "7"}})  # type: ignore[attr-defined]
     sink.load_state_dict({id_key: "x", "last_steps": {"train": 7, "": 3}})  # type: ignore[attr-defined]
-    assert sink.state_dict()["last_steps"] == {"train": 7, "": 3}  # type: ignore[attr-defined]
+    assert sink.state_dict()["last_steps"] == [["", 3], ["train", 7]]  # type: ignore[attr-defined]

@@ -130,7 +130,7 @@ def test_checkpoint_restart_resume_every_step_once_in_the_same_runs(
     first = pool2.run(job, str(tmp_path), uri, range(1, 81), checkpoint_at=75, timeout=300)
     _check_ranks(first)
     state = first[0]["checkpoint"]
-    assert state["sinks"]["jsonl"]["last_steps"] == {"train": 70, "val": 50, "": 70}
+    assert state["sinks"]["jsonl"]["last_steps"] == [["", 70], ["train", 70], ["val", 50]]
     second = pool2.run(job, str(tmp_path), uri, range(76, LAST_STEP + 1), state, timeout=300)
     _check_ranks(second)
     _check_trackers(tmp_path, uri, jobs=2)

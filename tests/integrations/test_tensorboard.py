@@ -69,7 +69,7 @@ def test_two_ranks_every_window_once(tmp_path: Path, pool2: RankPool) -> None:
     assert [r["closed"] for r in results] == [True, True]
     assert results[0]["delivered"] == [STEPS]
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # rank 1 wrote nothing
-    assert results[1]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": {}}]
+    assert results[1]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": []}]
     accumulator = _load(log_dir)
     _check(accumulator, range(STEPS))
     content = accumulator.PluginTagToContent("hparams")
@@ -78,7 +78,7 @@ def test_two_ranks_every_window_once(tmp_path: Path, pool2: RankPool) -> None:
     )
     assert start.hparams["optimizer.lr"].number_value == 3e-4
     assert start.hparams["optimizer.betas"].string_value == "[0.9, 0.95]"
-    assert results[0]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": {"": STEPS - 1}}]
+    assert results[0]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": [["", STEPS - 1]]}]
 
 
 def test_from_a_child_process(tmp_path: Path, pool2: RankPool) -> None:
@@ -89,7 +89,7 @@ def test_from_a_child_process(tmp_path: Path, pool2: RankPool) -> None:
     results = pool2.run(train, config, range(50), timeout=240)
     assert results[0]["delivered"] == [50]
     assert [r["closed"] for r in results] == [True, True]
-    assert results[0]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": {"": 49}}]
+    assert results[0]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": [["", 49]]}]
     _check(_load(log_dir), range(50))
 
 
@@ -100,11 +100,11 @@ def test_resume_from_collector_checkpoint_appends_to_the_same_directory(
     # Stop after step 100's update with a checkpoint; step 100 is not logged yet.
     first = pool2.run(train, _config(log_dir), range(101), checkpoint_at=100, timeout=240)
     checkpoint = first[0]["checkpoint"]
-    assert checkpoint["sinks"]["tensorboard"] == {"log_dir": str(log_dir), "last_steps": {"": 99}}
+    assert checkpoint["sinks"]["tensorboard"] == {"log_dir": str(log_dir), "last_steps": [["", 99]]}
     # The restarted job names no directory: the checkpoint's is used.
     second = pool2.run(train, _config(None), range(100, STEPS), checkpoint, timeout=240)
     assert [r["closed"] for r in first + second] == [True] * 4
-    assert second[0]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": {"": STEPS - 1}}]
+    assert second[0]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": [["", STEPS - 1]]}]
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 2
     _check(_load(log_dir), range(STEPS))
 

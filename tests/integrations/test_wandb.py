@@ -76,10 +76,10 @@ def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: RankPool) ->
     assert [r["sink_threads"] for r in results] == [1, 0]
     assert [r["closed"] for r in results] == [True, True]
     assert results[0]["delivered"] == [STEPS]
-    assert results[1]["sink_states"] == [{"run_id": None, "last_steps": {}, "run_dir": None}]
+    assert results[1]["sink_states"] == [{"run_id": None, "last_steps": [], "run_dir": None}]
     (data,) = _data_files(tmp_path)  # rank 1 created no run
     state = results[0]["sink_states"][0]
-    assert run_id_of(data) == state["run_id"] and state["last_steps"] == {"": STEPS - 1}
+    assert run_id_of(data) == state["run_id"] and state["last_steps"] == [["", STEPS - 1]]
     _check_rows(_history(data), range(STEPS))
 
 
@@ -89,13 +89,13 @@ def test_resume_from_collector_checkpoint_keeps_the_run_id_and_never_repeats_a_s
     # Stop after step 100's update with a checkpoint; step 100 is not logged yet.
     first = pool2.run(train, _config(tmp_path), range(101), checkpoint_at=100, timeout=240)
     saved = first[0]["checkpoint"]["sinks"]["wandb"]
-    assert saved["last_steps"] == {"": 99}
+    assert saved["last_steps"] == [["", 99]]
     second = pool2.run(
         train, _config(tmp_path), range(100, STEPS), first[0]["checkpoint"], timeout=240
     )
     assert [r["closed"] for r in first + second] == [True] * 4
     (resumed,) = second[0]["sink_states"]
-    assert resumed["run_id"] == saved["run_id"] and resumed["last_steps"] == {"": STEPS - 1}
+    assert resumed["run_id"] == saved["run_id"] and resumed["last_steps"] == [["", STEPS - 1]]
     # Offline, W&B writes the continuation to a second directory of the same run id (joined by
     # `wandb sync`); together they hold every step once.
     files = _data_files(tmp_path)
@@ -126,7 +126,7 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
     sink.write(Report(step=5, values={"loss": 9.0}, time=time.time()))  # already delivered
     sink.write(Report(step=4, values={"loss": 9.0}, time=time.time()))  # backwards
     # Logged, not yet in the .wandb file: delivered only once wandb's periodic write has run.
-    assert sink.state_dict()["last_steps"] == {}
+    assert sink.state_dict()["last_steps"] == []
     assert sink.flush(timeout=30)
     state = sink.state_dict()
     run_dir = sink.run_dir
@@ -136,7 +136,7 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
     assert [(row.items["step"], row.items["loss"]) for row in rows] == [(5, 0.5)]
     assert rows[0].items["ok"]["values"] == [1.0, 2.0] and "bad" not in rows[0].items
     assert "bad" in caplog.text
-    assert state == {"run_id": state["run_id"], "last_steps": {"": 5}, "run_dir": run_dir}
+    assert state == {"run_id": state["run_id"], "last_steps": [["", 5]], "run_dir": run_dir}
     written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]
     assert all(key.encode() not in content for content in written)
     assert key not in repr(state) + repr(sink) + caplog.text
@@ -184,7 +184,7 @@ def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path:
     )
     assert done.returncode == 1, done.stderr[-3000:]
     checkpoint = json.loads(saved.read_text())
-    assert checkpoint["last_steps"] == {"": 4}
+    assert checkpoint["last_steps"] == [["", 4]]
     crashed = [
         (row.items["step"], row.items["loss"])
         for row in _history(_data_file(checkpoint["run_dir"]))
@@ -252,7 +252,7 @@ def test_a_checkpoint_under_a_steady_backlog_records_the_rows_already_written(
     )
     assert done.returncode == 1, done.stderr[-3000:]
     checkpoint = json.loads(saved.read_text())
-    recorded = checkpoint["last_steps"].get("")
+    recorded = dict(checkpoint["last_steps"]).get("")
     # Rows logged before (checkpoint - 1.5 s), of about 4 s of rows: most of them, not all.
     assert recorded is not None and 0 < recorded < checkpoint["logged"] - 1, checkpoint
     # What the checkpoint claims is in the crashed run's file (wandb's own records).

@@ -120,7 +120,12 @@ class Sink(abc.ABC):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed job needs to continue the same run (run id, last delivered step)."""
+        """What a resumed job needs to continue the same run (run id, last delivered step).
+
+        Keep the keys the same before ``open`` as after, and hold values whose keys vary
+        (streams) in lists, not mappings: ``torch.distributed.checkpoint`` loads only the keys
+        the state has at load time, before the sink opens.
+        """
         return {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

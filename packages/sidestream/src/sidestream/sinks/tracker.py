@@ -33,8 +33,11 @@ class TrackerSink(Sink):
     once; otherwise only after a ``persist`` that succeeded. ``state_dict`` holds delivered
     steps only.
 
-    State: ``{identity_key: ..., "last_steps": {stream: step}}`` plus what the subclass adds
-    with ``extra_state``. An older ``{"last_step": n}`` state is read as ``n`` for every stream.
+    State: ``{identity_key: ..., "last_steps": [[stream, step], ...]}`` plus what the subclass
+    adds with ``extra_state``. ``last_steps`` is a list of pairs, not a mapping, so that
+    ``torch.distributed.checkpoint`` keeps it whole: it loads only the keys the state has at
+    load time, and a sink that has not opened yet has no streams. A mapping (older
+    checkpoints) is read too, and an older ``{"last_step": n}`` as ``n`` for every stream.
 
     Attributes:
         identity_key: The name of the run identity in the state (``"run_id"``, ``"log_dir"``).
@@ -297,7 +300,8 @@ class TrackerSink(Sink):
         with self._lock:
             steps = dict(self._delivered)
             default = self._delivered_default
-        state: dict[str, Any] = {self.identity_key: self.identity, "last_steps": steps}
+        pairs = [[stream, step] for stream, step in sorted(steps.items())]
+        state: dict[str, Any] = {self.identity_key: self.identity, "last_steps": pairs}
         if default is not None:
             state["last_step"] = default
         state.update(self.extra_state())
@@ -385,15 +389,20 @@ def parse_tracker_state(
     default = state_dict.get("last_step")
     if default is not None and not _is_int(default):
         raise ValueError(f"state_dict['last_step']: expected an int or None, got {default!r}")
-    steps = state_dict.get("last_steps") or {}
-    if not isinstance(steps, Mapping) or not all(
-        isinstance(stream, str) and _is_int(step) for stream, step in steps.items()
+    steps = state_dict.get("last_steps") or []
+    pairs = list(steps.items()) if isinstance(steps, Mapping) else steps
+    if not isinstance(pairs, list | tuple) or not all(
+        isinstance(pair, list | tuple)
+        and len(pair) == 2
+        and isinstance(pair[0], str)
+        and _is_int(pair[1])
+        for pair in pairs
     ):
         raise ValueError(
-            f"state_dict['last_steps']: expected a mapping of stream (str) to step (int), "
-            f"got {steps!r}"
+            f"state_dict['last_steps']: expected [stream (str), step (int)] pairs (or a "
+            f"mapping of stream to step), got {steps!r}"
         )
-    return identity, dict(steps), default
+    return identity, {stream: step for stream, step in pairs}, default
 
 
 def _is_int(value: Any) -> bool:
