@@ -384,6 +384,34 @@ def test_resuming_a_run_deleted_on_the_server_fails_for_good_saying_how_to_go_on
     assert f"mlflow runs restore --run-id {checkpoint['run_id']}" in str(raised.value)
 
 
+def test_replay_counts_what_the_server_holds_as_skipped_not_delivered(shm_path: Path) -> None:
+    """Values at or below the largest step the server holds of them are not sent (how a
+    resumed job avoids duplicates); replay must count such reports as skipped."""
+    from sidestream.sinks import replay_spool
+    from sidestream.sinks._spool_format import encode_report
+
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    first = MlflowSink(tracking_uri=uri, experiment="replay")
+    first.open(RunInfo(name="replay"))
+    for step in range(1, 9):
+        first.write(Report(step=step, values={"loss": float(step)}, time=0.0, stream="train"))
+        if step == 3:
+            checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    spool = shm_path / "kept.spool.jsonl"
+    reports = [
+        Report(step=step, values={"loss": 100.0 + step}, time=0.0, stream="train")
+        for step in range(4, 11)
+    ]
+    spool.write_bytes(b"".join(encode_report(report) for report in reports))
+    sink = MlflowSink(tracking_uri=uri, experiment="replay")
+    result = replay_spool(spool, sink, resume_state=checkpoint)
+    assert (result.written, result.skipped) == (2, 5)  # 9 and 10 are new; 4 to 8 on the server
+    history = MlflowClient(tracking_uri=uri).get_metric_history(checkpoint["run_id"], "loss")
+    got = sorted((m.step, m.value) for m in history)
+    assert got == [(s, float(s)) for s in range(1, 9)] + [(9, 109.0), (10, 110.0)]
+
+
 def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_name(
     shm_path: Path,
 ) -> None:

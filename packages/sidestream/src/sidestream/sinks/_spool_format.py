@@ -149,7 +149,10 @@ def replay_spool(
     Use it after a job warned that reports were "kept in" a spool file, with the sink the job
     used and, for a tracker, the sink state from the job's checkpoint (``resume_state``) so
     the reports land in the same run. Steps the sink already has are skipped by sinks that
-    resume (JSONL, TensorBoard, MLflow, W&B), and counted in ``skipped``.
+    resume (JSONL, TensorBoard, MLflow, W&B), and counted in ``skipped``; so are reports whose
+    every value the backend holds at that step or later (MLflow, TensorBoard: a value is
+    never logged below the largest step the backend has of it, so replay a kept file before
+    a resumed job delivers past its steps).
 
     Args:
         path: The spool file.
@@ -174,7 +177,7 @@ def replay_spool(
     tracker = sink if isinstance(sink, TrackerSink) else None
     try:
         for report in read_spool(path, damaged=result.damaged if skip_damaged else None):
-            if tracker is not None and tracker.is_delivered(report):
+            if tracker is not None and tracker.holds(report):
                 result.skipped += 1
                 continue
             sink.write(report)

@@ -113,7 +113,8 @@ class SinkRunner:
                 "sink %r: %d spool file(s) of earlier jobs hold reports that were never "
                 "delivered: %s. Deliver them with python -m sidestream.sinks.replay FILE --sink "
                 "NAME (with --resume-state and the sink's state from that job's checkpoint), "
-                "or delete them",
+                "or delete them. Replay before a job logs past their steps: MLflow and "
+                "TensorBoard never log a value below the largest step they hold of it",
                 self.key,
                 len(left),
                 ", ".join(left[:_LEFTOVERS_NAMED]) + (f" and {more} more" if more > 0 else ""),

@@ -183,6 +183,17 @@ class TrackerSink(Sink):
         last = self._sent.get(report.stream, self._sent_default)
         return last is not None and report.step <= last
 
+    def holds(self, report: Report) -> bool:
+        """Whether ``write`` would send nothing of ``report``: its stream's step was sent, or
+        the backend already holds each of its values at that step or later (found on resume)."""
+        if self.is_delivered(report):
+            return True
+        steps = self._backend_steps
+        names = [*report.values, *report.histograms]
+        return bool(steps) and all(
+            steps.get(self.backend_name(name), report.step - 1) >= report.step for name in names
+        )
+
     def found_in_backend(self, last_steps: Mapping[str, int]) -> None:
         """Count steps that the backend already holds (found on resume) as delivered."""
         with self._lock:
