@@ -184,8 +184,11 @@ class TrackerSink(Sink):
         return last is not None and report.step <= last
 
     def holds(self, report: Report) -> bool:
-        """Whether ``write`` would send nothing of ``report``: its stream's step was sent, or
-        the backend already holds each of its values at that step or later (found on resume)."""
+        """Whether ``write`` would send nothing of ``report``.
+
+        That is: its stream's step was sent, or the backend already holds each of its values
+        at that step or later (found on resume).
+        """
         if self.is_delivered(report):
             return True
         steps = self._backend_steps
