@@ -201,6 +201,14 @@ def test_mlflow_finds_its_run_by_the_run_key_of_a_checkpoint(tmp_path: Path) -> 
     assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0)]
 
 
+def _start_a_console_sink(spool_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Start and close a console sink spooling to ``spool_dir``, its warnings in ``caplog``."""
+    runner = SinkRunner(ConsoleSink(stream=io.StringIO()), spool_dir=str(spool_dir))
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        runner.start()
+        assert runner.close(10.0)
+
+
 def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -221,10 +229,7 @@ def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
     other_sink.write_text("")
     replayed = tmp_path / f"sidestream-console@{pid}-def456.spool.jsonl.replayed"
     replayed.write_text("")
-    runner = SinkRunner(ConsoleSink(stream=io.StringIO()), spool_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="sidestream"):
-        runner.start()
-        assert runner.close(10.0)
+    _start_a_console_sink(tmp_path, caplog)
     assert str(left) in caplog.text and "sidestream.sinks.replay" in caplog.text
     assert str(other_sink) not in caplog.text and str(replayed) not in caplog.text
 
@@ -242,10 +247,7 @@ def test_a_spool_of_an_ended_process_whose_id_was_reused_is_named(
     reused.write_text("")
     own = tmp_path / f"sidestream-console@{os.getpid()}.{started}-def.spool.jsonl"
     own.write_text("")
-    runner = SinkRunner(ConsoleSink(stream=io.StringIO()), spool_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="sidestream"):
-        runner.start()
-        assert runner.close(10.0)
+    _start_a_console_sink(tmp_path, caplog)
     assert str(reused) in caplog.text
     assert str(own) not in caplog.text  # this process's own (a live job's) spool
 

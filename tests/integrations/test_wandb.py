@@ -161,17 +161,15 @@ os._exit(1)  # killed: the run never finishes
 """
 
 
-def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path: Path) -> None:
-    """A checkpoint's steps are in the crashed run's .wandb file (make_durable waited for
-    wandb's periodic write); the steps after it may be lost, so the resumed job logs them again
-    (no progress file claims them: it is written at finish only)."""
+def _crash(job: str, tmp_path: Path) -> dict[str, Any]:
+    """Run ``job`` (which checkpoints its sink, then dies), return the checkpoint it wrote."""
     import json
     import os
     import subprocess
     import sys
 
     script, saved = tmp_path / "job.py", tmp_path / "checkpoint.json"
-    script.write_text(_CRASHING_JOB)
+    script.write_text(job)
     # Its own wandb service (not this process's, named in WANDB_SERVICE), as a real job has.
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
@@ -183,7 +181,15 @@ def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path:
         timeout=120,
     )
     assert done.returncode == 1, done.stderr[-3000:]
-    checkpoint = json.loads(saved.read_text())
+    checkpoint: dict[str, Any] = json.loads(saved.read_text())
+    return checkpoint
+
+
+def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint's steps are in the crashed run's .wandb file (make_durable waited for
+    wandb's periodic write); the steps after it may be lost, so the resumed job logs them again
+    (no progress file claims them: it is written at finish only)."""
+    checkpoint = _crash(_CRASHING_JOB, tmp_path)
     assert checkpoint["last_steps"] == [["", 4]]
     crashed = [
         (row.items["step"], row.items["loss"])
@@ -234,24 +240,7 @@ def test_a_checkpoint_under_a_steady_backlog_records_the_rows_already_written(
 ) -> None:
     """Rows logged an interval (plus margin) before the checkpoint are in the .wandb file, so
     they count as delivered although the sink never waited for a quiet interval."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    script, saved = tmp_path / "job.py", tmp_path / "checkpoint.json"
-    script.write_text(_BACKLOG_JOB)
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(saved)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 1, done.stderr[-3000:]
-    checkpoint = json.loads(saved.read_text())
+    checkpoint = _crash(_BACKLOG_JOB, tmp_path)
     recorded = dict(checkpoint["last_steps"]).get("")
     # Rows logged before (checkpoint - 1.5 s), of about 4 s of rows: most of them, not all.
     assert recorded is not None and 0 < recorded < checkpoint["logged"] - 1, checkpoint
