@@ -372,28 +372,35 @@ def test_a_checkpoint_takes_what_a_tracker_delivered_even_when_make_durable_fell
     assert sink.last_steps() == {"": 3}
 
 
-@pytest.mark.parametrize("checkpoint", ["run.state_dict", "dcp"])
+@pytest.mark.parametrize("checkpoint", ["run.state_dict", "dcp", "dcp, child process"])
 def test_a_resumed_job_repeating_a_step_logs_it_once_whatever_the_checkpoint(
     tmp_path: Path, checkpoint: str
 ) -> None:
     """dcp.load fills only the keys the resumed run's state has at load time: each sink's
-    delivered steps must be one value (a list of pairs), not keys a fresh sink lacks."""
+    delivered steps must be one value (a list of pairs), not keys a fresh sink lacks, and a
+    sink in a child process must have its keys before its child starts."""
     import torch.distributed.checkpoint as dcp
 
+    from sidestream.sinks import ProcessSink
+
     path = tmp_path / "run.jsonl"
-    with Run([JsonlSink(path)]) as first:
+
+    def sink() -> JsonlSink | ProcessSink:
+        return ProcessSink(JsonlSink(path)) if "child" in checkpoint else JsonlSink(path)
+
+    with Run([sink()]) as first:
         train = first.collector(MeanMetric(), prefix="train").bind("cpu")
         first.log(1, {"lr": 0.1})
         train.metric.update(torch.tensor([1.0, 2.0]))
         train.schedule_collection(1)
         train.metric.update(torch.tensor([3.0]))  # mid-window at the checkpoint
-        if checkpoint == "dcp":
+        if checkpoint.startswith("dcp"):
             dcp.save({"run": first}, checkpoint_id=tmp_path / "ckpt")
         else:
             saved = first.state_dict()
-    with Run([JsonlSink(path)]) as resumed:
+    with Run([sink()]) as resumed:
         train = resumed.collector(MeanMetric(), prefix="train")  # made before the load
-        if checkpoint == "dcp":
+        if checkpoint.startswith("dcp"):
             dcp.load({"run": resumed}, checkpoint_id=tmp_path / "ckpt")
         else:
             resumed.load_state_dict(saved)
@@ -411,6 +418,18 @@ def test_a_resumed_job_repeating_a_step_logs_it_once_whatever_the_checkpoint(
         ("train", 1, {"train": 1.5}),
         ("train", 2, {"train": 7.0}),  # the repeated step 1 (3 and 5) is not logged again
     ]
+
+
+def test_an_older_state_loaded_and_saved_again_before_the_sinks_open_is_in_pairs(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint in the older layout (last_steps a mapping), loaded and saved again before
+    any sink opened, is written in the current one: DCP could not load it otherwise."""
+    with Run([JsonlSink(tmp_path / "run.jsonl")]) as run:
+        run.load_state_dict(
+            {"collectors": {}, "sinks": {"jsonl": {"path": "x", "last_steps": {"train": 5}}}}
+        )
+        assert run.state_dict()["sinks"]["jsonl"]["last_steps"] == [["train", 5]]
 
 
 def test_a_collector_the_loaded_state_lacks_is_named(

@@ -382,13 +382,30 @@ def test_resuming_a_run_deleted_on_the_server_fails_for_good_saying_how_to_go_on
         resumed.open(RunInfo(name="deleted"))
     assert is_permanent(raised.value)  # retrying cannot help
     assert f"mlflow runs restore --run-id {checkpoint['run_id']}" in str(raised.value)
+    # Purged for good (mlflow gc): the run is not there at all.
+    import subprocess
+    import sys
+
+    gc = [sys.executable, "-m", "mlflow", "gc", "--backend-store-uri", uri, "--tracking-uri", uri]
+    subprocess.run(gc, check=True, capture_output=True, timeout=120)
+    purged = MlflowSink(tracking_uri=uri, experiment="deleted")
+    purged.load_state_dict(checkpoint)
+    with pytest.raises(RuntimeError, match="is not on the server") as raised:
+        purged.open(RunInfo(name="deleted"))
+    assert is_permanent(raised.value)
 
 
-def test_replay_counts_what_the_server_holds_as_skipped_not_delivered(shm_path: Path) -> None:
-    """Values at or below the largest step the server holds of them are not sent (how a
-    resumed job avoids duplicates); replay must count such reports as skipped."""
+def test_replay_counts_values_the_server_holds_at_later_steps_and_keeps_the_file(
+    shm_path: Path,
+) -> None:
+    """A value at or below the largest step the server holds of it is not sent (how a resumed
+    job avoids duplicates), even where the server lacks that very step: replay counts such
+    reports as held, and the command keeps the file instead of marking it replayed."""
+    import json
+
     from sidestream.sinks import replay_spool
     from sidestream.sinks._spool_format import encode_report
+    from sidestream.sinks.replay import main
 
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"
     first = MlflowSink(tracking_uri=uri, experiment="replay")
@@ -398,18 +415,31 @@ def test_replay_counts_what_the_server_holds_as_skipped_not_delivered(shm_path: 
         if step == 3:
             checkpoint = first.state_dict()
     assert first.close(timeout=30)
+
+    def report(step: int, **values: float) -> Report:
+        return Report(step=step, values=values, time=0.0, stream="train")
+
+    reports = [report(step, loss=100.0 + step) for step in range(4, 8)]
+    reports += [report(8, loss=108.0, extra=1.0)]  # extra is new, loss is held
+    reports += [report(step, loss=100.0 + step) for step in (9, 10)]
     spool = shm_path / "kept.spool.jsonl"
-    reports = [
-        Report(step=step, values={"loss": 100.0 + step}, time=0.0, stream="train")
-        for step in range(4, 11)
-    ]
-    spool.write_bytes(b"".join(encode_report(report) for report in reports))
-    sink = MlflowSink(tracking_uri=uri, experiment="replay")
-    result = replay_spool(spool, sink, resume_state=checkpoint)
-    assert (result.written, result.skipped) == (2, 5)  # 9 and 10 are new; 4 to 8 on the server
-    history = MlflowClient(tracking_uri=uri).get_metric_history(checkpoint["run_id"], "loss")
-    got = sorted((m.step, m.value) for m in history)
+    spool.write_bytes(b"".join(encode_report(r) for r in reports))
+    result = replay_spool(
+        spool, MlflowSink(tracking_uri=uri, experiment="replay"), resume_state=checkpoint
+    )
+    assert (result.written, result.skipped, result.held) == (3, 0, 5)
+    client = MlflowClient(tracking_uri=uri)
+    got = sorted((m.step, m.value) for m in client.get_metric_history(checkpoint["run_id"], "loss"))
     assert got == [(s, float(s)) for s in range(1, 9)] + [(9, 109.0), (10, 110.0)]
+    assert [
+        (m.step, m.value) for m in client.get_metric_history(checkpoint["run_id"], "extra")
+    ] == [(8, 1.0)]
+    state = shm_path / "state.json"
+    state.write_text(json.dumps(checkpoint))
+    options = ["--option", f"tracking_uri={uri}", "--option", "experiment=replay"]
+    arguments = [str(spool), "--sink", "mlflow", *options, "--resume-state", str(state)]
+    assert main(arguments) == 1  # every report is held now: nothing sent, the file kept
+    assert spool.exists()
 
 
 def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_name(

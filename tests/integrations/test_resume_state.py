@@ -35,3 +35,8 @@ def test_bad_resume_state_names_the_key(index: int) -> None:
         sink.load_state_dict({id_key: "x", "last_steps": {"train": "7"}})  # type: ignore[attr-defined]
     sink.load_state_dict({id_key: "x", "last_steps": {"train": 7, "": 3}})  # type: ignore[attr-defined]
     assert sink.state_dict()["last_steps"] == [["", 3], ["train", 7]]  # type: ignore[attr-defined]
+    for bad in (0, False, "", b"", [["train", 9], ["train", 3]], [["train"]], [[3, 1]]):
+        with pytest.raises(ValueError, match="last_steps"):
+            sink.load_state_dict({id_key: "x", "last_steps": bad})  # type: ignore[attr-defined]
+    sink.load_state_dict({id_key: "x", "last_steps": [["train", 9], ["", 2]]})  # type: ignore[attr-defined]
+    assert sink.state_dict()["last_steps"] == [["", 2], ["train", 9]]  # type: ignore[attr-defined]

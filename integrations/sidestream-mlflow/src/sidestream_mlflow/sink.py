@@ -208,7 +208,7 @@ class MlflowSink(TrackerSink):
         if created:
             existing_params: Mapping[str, str] = {}
         else:
-            existing = self._client.get_run(self._run_id)
+            existing = self._resumed_run()
             if existing.info.lifecycle_stage == "deleted":
                 raise PermanentSinkError(
                     f"the run {self._run_id} this job resumes was deleted on the server; "
@@ -220,6 +220,21 @@ class MlflowSink(TrackerSink):
             existing_params = existing.data.params
             self.found_values_in_backend(self._server_last_steps(existing))
         self._log_params(run, existing_params)
+
+    def _resumed_run(self) -> Any:
+        """The run this job resumes, from the server."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self._client.get_run(self._run_id)
+        except MlflowException as error:
+            if getattr(error, "error_code", None) != "RESOURCE_DOES_NOT_EXIST":
+                raise
+        raise PermanentSinkError(
+            f"the run {self._run_id} this job resumes is not on the server (deleted and "
+            "purged, or another server); start the job without this sink's checkpointed "
+            "state for a new run"
+        )
 
     def _find_or_create_run(self, run: RunInfo) -> tuple[str, bool]:
         """The id of the run tagged with this sink's run key, and whether it was just created."""

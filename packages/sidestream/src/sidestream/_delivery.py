@@ -17,7 +17,7 @@ from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
-from sidestream.sinks.tracker import TrackerSink
+from sidestream.sinks.tracker import TrackerSink, steps_as_pairs
 
 __all__ = ["Delivery", "DeliveryOptions"]
 
@@ -232,7 +232,7 @@ class Delivery:
                 "load_state_dict: call it before the first bind or log (sinks resume their "
                 "run when they open)"
             )
-        self.resume_states = dict(states)
+        self.resume_states = {key: steps_as_pairs(state) for key, state in states.items()}
 
     def close(self, deadline: float | None) -> bool:
         """Close every runner once (delivering what is pending); whether all was delivered."""

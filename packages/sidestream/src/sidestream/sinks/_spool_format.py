@@ -127,11 +127,15 @@ class ReplayResult:
         written: Reports handed to the sink that it did not have yet.
         skipped: Reports whose step the sink already had (a tracker sink resumed from the
             checkpoint's state, or a spool replayed before), not sent again.
+        held: Reports with values a tracker left out because the backend holds those values
+            at later steps (``TrackerSink.held_values``): not sent at all, or sent in part.
+            They may be missing from the backend; the command keeps the file then.
         damaged: The damaged lines skipped (with ``skip_damaged``), each described.
     """
 
     written: int = 0
     skipped: int = 0
+    held: int = 0
     damaged: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -149,10 +153,10 @@ def replay_spool(
     Use it after a job warned that reports were "kept in" a spool file, with the sink the job
     used and, for a tracker, the sink state from the job's checkpoint (``resume_state``) so
     the reports land in the same run. Steps the sink already has are skipped by sinks that
-    resume (JSONL, TensorBoard, MLflow, W&B), and counted in ``skipped``; so are reports whose
-    every value the backend holds at that step or later (MLflow, TensorBoard: a value is
-    never logged below the largest step the backend has of it, so replay a kept file before
-    a resumed job delivers past its steps).
+    resume (JSONL, TensorBoard, MLflow, W&B), and counted in ``skipped``. Values the backend
+    holds at later steps are left out (MLflow, TensorBoard: a value is never logged below the
+    largest step the backend has of it) and their reports counted in ``held``: replay a kept
+    file before a resumed job delivers past its steps.
 
     Args:
         path: The spool file.
@@ -177,9 +181,13 @@ def replay_spool(
     tracker = sink if isinstance(sink, TrackerSink) else None
     try:
         for report in read_spool(path, damaged=result.damaged if skip_damaged else None):
-            if tracker is not None and tracker.holds(report):
+            if tracker is not None and tracker.is_delivered(report):
                 result.skipped += 1
                 continue
+            held = tracker.held_values(report) if tracker is not None else []
+            result.held += bool(held)
+            if held and len(held) == len(report.values) + len(report.histograms):
+                continue  # nothing of it would be sent
             sink.write(report)
             result.written += 1
     finally:

@@ -230,6 +230,9 @@ class ProcessSink(Sink):
         self._run: RunInfo | None = None
         self._resume: dict[str, Any] | None = None
         self._state: dict[str, Any] = {}
+        # The wrapped sink's state before it opens: state_dict's keys until the child reports
+        # one (torch.distributed.checkpoint loads only keys that exist at load time).
+        self._fresh_state = dict(sink.state_dict())
         self._flushed_state: dict[str, Any] | None = None
         self._unflushed: list[Report] = []
         self._process: BaseProcess | None = None
@@ -354,8 +357,11 @@ class ProcessSink(Sink):
         return list(self._unflushed)
 
     def state_dict(self) -> dict[str, Any]:
-        """The child sink's ``state_dict`` as of its last answered call."""
-        return dict(self._state)
+        """The child sink's ``state_dict`` as of its last answered call (or a loaded one).
+
+        Before either, the wrapped sink's own state before it opens, so the keys are there.
+        """
+        return dict(self._state or self._fresh_state)
 
     # ------------------------------------------------------------------ the child
 

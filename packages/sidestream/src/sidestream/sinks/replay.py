@@ -110,6 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"delivered {result.written} report(s) from {args.spool} into {args.sink}; "
         f"{result.skipped} the sink already had, {len(result.damaged)} damaged line(s) skipped"
     )
+    if result.held:
+        print(
+            f"{result.held} report(s) had values the backend holds at later steps, which a "
+            "tracker never logs below its largest step, so they were not sent and may be "
+            f"missing there; {args.spool} is kept (replay a kept file before resuming the job)",
+            file=sys.stderr,
+        )
+        return 1
     if not args.keep:
         try:
             os.replace(args.spool, args.spool + _REPLAYED)

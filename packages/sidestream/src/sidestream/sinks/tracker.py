@@ -183,19 +183,19 @@ class TrackerSink(Sink):
         last = self._sent.get(report.stream, self._sent_default)
         return last is not None and report.step <= last
 
-    def holds(self, report: Report) -> bool:
-        """Whether ``write`` would send nothing of ``report``.
+    def held_values(self, report: Report) -> list[str]:
+        """The names of ``report``'s values that ``write`` leaves out.
 
-        That is: its stream's step was sent, or the backend already holds each of its values
-        at that step or later (found on resume).
+        Those the backend already holds at the report's step or later (found on resume): a
+        value is never logged below the largest step the backend has of it, which is how a
+        resumed job avoids duplicates, so such a value is not sent even if the backend lacks
+        it at exactly this step.
         """
-        if self.is_delivered(report):
-            return True
         steps = self._backend_steps
+        if not steps:
+            return []
         names = [*report.values, *report.histograms]
-        return bool(steps) and all(
-            steps.get(self.backend_name(name), report.step - 1) >= report.step for name in names
-        )
+        return [n for n in names if steps.get(self.backend_name(n), report.step - 1) >= report.step]
 
     def found_in_backend(self, last_steps: Mapping[str, int]) -> None:
         """Count steps that the backend already holds (found on resume) as delivered."""
@@ -311,6 +311,10 @@ class TrackerSink(Sink):
 
     def state_dict(self) -> dict[str, Any]:
         """The run identity and the last delivered step per stream. Never credentials."""
+        # The extras first: a position in the backend (JSONL's offset) read before the steps
+        # never runs ahead of them, so a resumed job never finds a step it must not repeat
+        # below that position.
+        extra = self.extra_state()
         with self._lock:
             steps = dict(self._delivered)
             default = self._delivered_default
@@ -318,7 +322,7 @@ class TrackerSink(Sink):
         state: dict[str, Any] = {self.identity_key: self.identity, "last_steps": pairs}
         if default is not None:
             state["last_step"] = default
-        state.update(self.extra_state())
+        state.update(extra)
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -403,8 +407,8 @@ def parse_tracker_state(
     default = state_dict.get("last_step")
     if default is not None and not _is_int(default):
         raise ValueError(f"state_dict['last_step']: expected an int or None, got {default!r}")
-    steps = state_dict.get("last_steps") or []
-    pairs = list(steps.items()) if isinstance(steps, Mapping) else steps
+    steps = state_dict.get("last_steps")
+    pairs = [] if steps is None else list(steps.items()) if isinstance(steps, Mapping) else steps
     if not isinstance(pairs, list | tuple) or not all(
         isinstance(pair, list | tuple)
         and len(pair) == 2
@@ -416,7 +420,23 @@ def parse_tracker_state(
             f"state_dict['last_steps']: expected [stream (str), step (int)] pairs (or a "
             f"mapping of stream to step), got {steps!r}"
         )
-    return identity, {stream: step for stream, step in pairs}, default
+    by_stream = {stream: step for stream, step in pairs}
+    if len(by_stream) != len(pairs):
+        raise ValueError(f"state_dict['last_steps']: expected one pair per stream, got {steps!r}")
+    return identity, by_stream, default
+
+
+def steps_as_pairs(state: Any) -> Any:
+    """``state`` with a mapping ``last_steps`` (older states) as pairs; anything else as is.
+
+    A pure data change (nothing is checked: a bad state still fails where it is loaded), so a
+    state loaded from an older checkpoint and saved again before its sink opens is written in
+    the current layout.
+    """
+    if isinstance(state, Mapping) and isinstance(state.get("last_steps"), Mapping):
+        steps = state["last_steps"]
+        return {**state, "last_steps": [[stream, step] for stream, step in steps.items()]}
+    return state
 
 
 def _is_int(value: Any) -> bool:
