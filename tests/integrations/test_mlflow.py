@@ -297,6 +297,28 @@ def test_lost_create_run_reply_does_not_make_a_second_run(
     assert runs[0].data.metrics == {"loss": 0.5}
 
 
+@pytest.mark.parametrize("lands", [True, False])
+def test_a_lost_reply_to_the_final_set_terminated_is_checked_with_the_server(
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch, lands: bool
+) -> None:
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    original = MlflowClient.set_terminated
+
+    def reply_lost(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if lands:
+            original(self, *args, **kwargs)  # the run is FINISHED on the server...
+        raise ConnectionError("reply lost")  # ...but the sink never hears of it
+
+    sink = MlflowSink(tracking_uri=uri, experiment="finish")
+    sink.open(RunInfo(name="finish"))
+    sink.write(Report(step=0, values={"loss": 0.5}, time=time.time()))
+    run_id = sink.run_id
+    monkeypatch.setattr(MlflowClient, "set_terminated", reply_lost)
+    assert sink.close(timeout=30) is lands
+    status = MlflowClient(tracking_uri=uri).get_run(run_id).info.status
+    assert status == ("FINISHED" if lands else "RUNNING")
+
+
 def test_long_names_and_odd_config_values_are_kept_within_limits(shm_path: Path) -> None:
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"
     long_key = "k" * 400

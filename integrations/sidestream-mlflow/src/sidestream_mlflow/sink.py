@@ -374,11 +374,23 @@ class MlflowSink(TrackerSink):
             return True
         client, run_id = self._client, self._run_id
         self._client = None
-        return self.within(
-            lambda: self._call(lambda: client.set_terminated(run_id, status="FINISHED")),
-            timeout,
-            "close",
-        )
+
+        def finish() -> None:
+            try:
+                client.set_terminated(run_id, status="FINISHED")
+            except Exception:
+                # The reply may be lost after the server finished the run: ask it once.
+                if not _finished_on_server(client, run_id):
+                    raise
+
+        return self.within(lambda: self._call(finish), timeout, "close")
+
+
+def _finished_on_server(client: Any, run_id: str) -> bool:
+    try:
+        return bool(client.get_run(run_id).info.status == "FINISHED")
+    except Exception:
+        return False
 
 
 def _key(name: str) -> str:
