@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from sidestream._distributed import check_process_group
+from sidestream._validation import check_int
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
@@ -27,9 +28,10 @@ logger = logging.getLogger("sidestream.sinks")
 # run: a sink is one tracker run, so two runs (or two collectors with runs of their own) sharing
 # it would interleave or drop each other's steps. A run that is closed or gone frees its sinks.
 _CLAIMED: dict[int, tuple[weakref.ref[Sink], weakref.ref[Delivery]]] = {}
-# The file or folder each sink of a live run writes (``Sink.written_place``), process-wide: two
+# The sink that writes each file or folder (``Sink.written_place``), process-wide: two live
 # runs writing one JSONL file or TensorBoard directory would interleave or repeat its steps.
-_PLACES: dict[tuple[type, str, str], tuple[weakref.ref[Sink], weakref.ref[Delivery]]] = {}
+# A place is taken while its sink is claimed (``_owner``).
+_PLACES: dict[tuple[type, str, str], weakref.ref[Sink]] = {}
 _CLAIM_LOCK = threading.Lock()
 
 
@@ -45,10 +47,7 @@ class DeliveryOptions:
         exit_timeout: float = 30.0,
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
     ) -> None:
-        if isinstance(sink_capacity, bool) or not isinstance(sink_capacity, int):
-            raise TypeError(f"sink_capacity: expected an int, got {sink_capacity!r}")
-        if sink_capacity < 1:
-            raise ValueError(f"sink_capacity: expected >= 1, got {sink_capacity}")
+        check_int("sink_capacity", sink_capacity, 1)
         if not 0 < sink_retry_initial_s <= sink_retry_max_s:
             raise ValueError(
                 "sink_retry_initial_s, sink_retry_max_s: expected 0 < initial <= max, got "
@@ -56,10 +55,7 @@ class DeliveryOptions:
             )
         if exit_timeout < 0:
             raise ValueError(f"exit_timeout: expected >= 0, got {exit_timeout}")
-        if isinstance(spool_max_bytes, bool) or not isinstance(spool_max_bytes, int):
-            raise TypeError(f"spool_max_bytes: expected an int, got {spool_max_bytes!r}")
-        if spool_max_bytes < 1:
-            raise ValueError(f"spool_max_bytes: expected >= 1, got {spool_max_bytes}")
+        check_int("spool_max_bytes", spool_max_bytes, 1)
         self.spool_max_bytes = spool_max_bytes
         self.sink_capacity = sink_capacity
         self.retry = (sink_retry_initial_s, sink_retry_max_s)
@@ -311,7 +307,7 @@ def _claim(sinks: list[Sink], owner: Delivery) -> None:
                     f"does (in this process or a child process); give each sink its own {key}"
                 )
             holder = _PLACES.get(place)
-            if holder is not None and holder[1]() is not None and holder[0]() is not None:
+            if holder is not None and (other := holder()) is not None and _owner(other):
                 raise ValueError(
                     f"sinks[{index}]: {kind.__name__} writes {path!r}, as a sink of another run "
                     "of this process does that is not closed yet (a sidestream.Run or a "
@@ -322,7 +318,7 @@ def _claim(sinks: list[Sink], owner: Delivery) -> None:
         for sink, place in zip(sinks, places, strict=True):
             _CLAIMED[id(sink)] = (weakref.ref(sink), weakref.ref(owner))
             if place is not None:
-                _PLACES[place] = (weakref.ref(sink), weakref.ref(owner))
+                _PLACES[place] = weakref.ref(sink)
 
 
 def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
@@ -330,8 +326,8 @@ def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
         for sink in sinks:
             if _owner(sink) is owner:
                 del _CLAIMED[id(sink)]
-        for place, (_, held_by) in list(_PLACES.items()):
-            if held_by() in (owner, None):
+        for place, held in list(_PLACES.items()):
+            if (other := held()) is None or _owner(other) is None:
                 del _PLACES[place]
 
 

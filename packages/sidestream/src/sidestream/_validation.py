@@ -82,7 +82,9 @@ def check_same_shape(preds: Tensor, target: Tensor) -> None:
 def check_int(argument: str, value: object, minimum: int) -> None:
     """Raise naming ``argument`` unless ``value`` is an int ``>= minimum`` (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{argument}: expected an int >= {minimum}, got {type(value)}")
+        raise TypeError(
+            f"{argument}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})"
+        )
     if value < minimum:
         raise ValueError(f"{argument}: expected an int >= {minimum}, got {value}")
 

@@ -232,18 +232,22 @@ class MetricAccumulator:
         # d9d's accumulator took Python numbers too (``update(labels.numel())``). A fill, not a
         # copy from host memory, so a CUDA state gets no host-to-device transfer.
         state = self._target
-        if not isinstance(update, numbers.Real):  # int, float, bool and numpy's scalars
+        if type(update) is int or type(update) is float:  # the common case: no ABC checks
+            integral_value = type(update) is int
+        elif isinstance(update, numbers.Real):  # bool and numpy's scalars
+            integral_value = isinstance(update, numbers.Integral)
+        else:
             raise TypeError(
                 "accumulate: update: expected a tensor or a Python number, got "
                 f"{type(update).__name__}"
             )
         integral = not (state.is_floating_point() or state.is_complex())
-        if integral and not isinstance(update, numbers.Integral):
+        if integral and not integral_value:
             raise TypeError(
                 f"accumulate: update: a float ({update}) for a {state.dtype} state; pass an int "
                 "or a tensor"
             )
-        value = int(update) if isinstance(update, numbers.Integral) else float(update)
+        value = int(update) if integral_value else float(update)  # type: ignore[arg-type]
         try:
             return torch.full((), value, dtype=state.dtype, device=state.device)
         except RuntimeError as error:  # an int too large for the state's dtype

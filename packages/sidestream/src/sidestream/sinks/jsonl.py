@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo
 from sidestream.sinks.support import check_directory_path
 from sidestream.sinks.tracker import TrackerSink
@@ -64,10 +65,7 @@ class JsonlSink(TrackerSink):
 
     def __init__(self, path: str | os.PathLike[str], flush_every: int = 64, fsync: bool = False):
         super().__init__()
-        if isinstance(flush_every, bool) or not isinstance(flush_every, int):
-            raise TypeError(f"flush_every: expected an int >= 1, got {flush_every!r}")
-        if flush_every < 1:
-            raise ValueError(f"flush_every: expected >= 1, got {flush_every}")
+        check_int("flush_every", flush_every, 1)
         if not isinstance(fsync, bool):
             # A config's "yes" or "false" would otherwise read as true.
             raise TypeError(f"fsync: expected True or False, got {fsync!r}")

@@ -204,9 +204,7 @@ class TrackerSink(Sink):
                 sent = self._sent.get(stream, self._sent_default)
                 if sent is None or step > sent:
                     self._sent[stream] = step
-                delivered = self._delivered.get(stream, self._delivered_default)
-                if delivered is None or step > delivered:
-                    self._delivered[stream] = step
+        self.count_delivered(last_steps)
 
     def count_delivered(self, last_steps: Mapping[str, int]) -> None:
         """Count each stream's steps up to ``last_steps[stream]`` as delivered.
@@ -301,8 +299,7 @@ class TrackerSink(Sink):
             sent = dict(self._sent)
         if not self.persist(timeout):
             return False
-        with self._lock:
-            self._delivered.update(sent)
+        self.count_delivered(sent)
         return True
 
     def close(self, timeout: float | None = None) -> bool:
@@ -318,8 +315,7 @@ class TrackerSink(Sink):
         with self._lock:
             steps = dict(self._delivered)
             default = self._delivered_default
-        pairs = [[stream, step] for stream, step in sorted(steps.items())]
-        state: dict[str, Any] = {self.identity_key: self.identity, "last_steps": pairs}
+        state: dict[str, Any] = {self.identity_key: self.identity, "last_steps": _pairs(steps)}
         if default is not None:
             state["last_step"] = default
         state.update(extra)
@@ -434,9 +430,16 @@ def steps_as_pairs(state: Any) -> Any:
     the current layout.
     """
     if isinstance(state, Mapping) and isinstance(state.get("last_steps"), Mapping):
-        steps = state["last_steps"]
-        return {**state, "last_steps": [[stream, step] for stream, step in steps.items()]}
+        return {**state, "last_steps": _pairs(state["last_steps"])}
     return state
+
+
+def _pairs(steps: Mapping[str, Any]) -> list[list[Any]]:
+    """``{stream: step}`` as ``[[stream, step], ...]`` by stream: the saved layout.
+
+    Sorted by the streams' text, so an unchecked older state with odd keys cannot fail here.
+    """
+    return [[stream, step] for stream, step in sorted(steps.items(), key=lambda i: str(i[0]))]
 
 
 def _is_int(value: Any) -> bool:
