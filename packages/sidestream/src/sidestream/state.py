@@ -301,6 +301,13 @@ class MetricAccumulator:
         self._target.index_add_(0, index, source.to(self._dtype))
         self._freshness.stale()
 
+    def mark_changed(self) -> None:
+        """Record that ``local`` was changed in place by other means (a numpy view of it).
+
+        As every update does: the synchronized value is no longer current.
+        """
+        self._freshness.stale()
+
     def add_product(self, matrix: Tensor, vector: Tensor) -> None:
         """Add ``matrix @ vector`` into a SUM state, flattened (row-major), in place.
 

@@ -31,6 +31,7 @@ from sidestream.metrics.classification._curves import (
     partial_auroc_from_histograms,
 )
 from sidestream.metrics.classification._exact import SKIPPED, tie_histograms
+from sidestream.metrics.classification._host_counts import BinaryHostCounter
 from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
 from sidestream.metrics.classification._scores import score_batch
 from sidestream.state import MetricAccumulator
@@ -148,6 +149,8 @@ class RankingMetric(ScreenedMetric[Tensor]):
         self._average = average
         self._max_fpr = max_fpr
         self._exact = exact
+        # Small binary CPU batches, counted through numpy (see _host_counts).
+        self._host_counter: BinaryHostCounter | None = None
         classes = problem.num_classes
         if exact:
             self._samples = SampleStore(
@@ -159,6 +162,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
         self._histogram = MetricAccumulator(
             torch.zeros(2 * classes * self._bins.count, dtype=torch.int64)
         )
+        plain_binary = problem.kind is ProblemKind.BINARY and problem.ignore_index is None
+        uniform = self._bins.uniform
+        if plain_binary and not problem.logits and uniform and BinaryHostCounter.available():
+            self._host_counter = BinaryHostCounter(self._bins.count)
 
     @property
     def exact(self) -> bool:
@@ -200,6 +207,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
         """
         # The counter's device is the metric's: cheaper than Metric.device before the state
         # arena is built (a fresh metric), which small batches notice.
+        host = self._host_counter
+        if host is not None and host.count(self._histogram, preds, target, self._rejected):
+            return
         device = self._rejected.device
         batch = score_batch(self._problem, preds, target, device, self._rejected, exact=self._exact)
         if batch is None:

@@ -1,0 +1,141 @@
+"""Small binary ranking batches counted with numpy on the CPU path.
+
+A batch of a few thousand scores costs a torch update about a dozen operator dispatches (checks,
+bin index, offsets, ``index_add_``), each of which costs more than its arithmetic. The same
+steps through numpy views of the tensors (no copies: CPU tensors share their memory) cost a
+fraction of that, and ``np.add.at`` (fast since numpy 1.25) adds the counts straight into the
+histogram state. The bins and checks are those of the torch path: the same float product and
+truncation (``_binning.bin_index``), the same messages, raised before the state changes.
+
+Only on the CPU path (``_cpu_path.enabled``) and only when numpy 1.25 or later is installed;
+otherwise, and for any input this path does not take, the caller uses the torch path.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from sidestream._validation import screen_invalid
+from sidestream.metrics.classification import _cpu_path
+from sidestream.state import MetricAccumulator
+
+__all__ = ["BinaryHostCounter"]
+
+PROBABILITIES = "probabilities in [0, 1] (pass logits=True for logits)"
+"""What ``preds`` of a binary ranking metric without ``logits`` must hold (the torch path's
+message too)."""
+
+MAX_ELEMENTS = 1 << 16
+"""The largest batch taken here: above it the torch path's chunked ``bincount`` is faster per
+element than ``np.add.at``, and the dispatch cost this path saves no longer matters."""
+
+_SCORES = frozenset({torch.float32, torch.float64})
+_TARGETS = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+def _numpy() -> ModuleType | None:
+    """The numpy module if installed with the fast ``ufunc.at`` (1.25 or later), else ``None``."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    if numpy.lib.NumpyVersion(numpy.__version__) < "1.25.0":
+        return None
+    return numpy
+
+
+_np = _numpy()
+_UNSIGNED = {} if _np is None else {1: _np.uint8, 2: _np.uint16, 4: _np.uint32, 8: _np.uint64}
+
+
+class BinaryHostCounter:
+    """Counts a small CPU batch of binary probabilities into a ``(2 * num_bins,)`` histogram.
+
+    Layout as the torch path's: negatives in ``[0, num_bins)``, positives after them.
+
+    Args:
+        num_bins: Uniform bins over ``[0, 1]``.
+    """
+
+    def __init__(self, num_bins: int) -> None:
+        self._last_bin = num_bins - 1
+        self._scale = _cpu_path.bin_scale(num_bins)
+        self._positive_offset = num_bins
+
+    @staticmethod
+    def available() -> bool:
+        """Whether numpy (1.25 or later) is installed."""
+        return _np is not None
+
+    def count(
+        self,
+        histogram: MetricAccumulator,
+        preds: object,
+        target: object,
+        rejected: MetricAccumulator,
+    ) -> bool:
+        """Check and count one batch, or return ``False`` (nothing done) if it is not for here.
+
+        Taken: plain CPU tensors of the same shape, float32/float64 ``preds`` and bool or
+        integer ``target``, at most ``MAX_ELEMENTS`` elements, on the CPU path. Anything else
+        (another device, shape or dtype, an empty batch, compiling) is left to the torch path,
+        which checks it in full.
+
+        Raises:
+            ValueError: If a score is outside ``[0, 1]`` or NaN, or a target is not 0 or 1,
+                before the state changes (the torch path's messages).
+        """
+        np = _np
+        if (
+            np is None
+            or type(preds) is not Tensor
+            or type(target) is not Tensor
+            or preds.dtype not in _SCORES
+            or target.dtype not in _TARGETS
+            or preds.shape != target.shape
+            or not 0 < preds.numel() <= MAX_ELEMENTS
+            or preds.device.type != "cpu"
+            or target.device.type != "cpu"
+            or not _cpu_path.enabled(histogram.device)
+        ):
+            return False
+        scores = (preds.detach() if preds.requires_grad else preds).numpy()
+        labels = target.numpy()
+        if scores.ndim != 1:
+            scores, labels = scores.reshape(-1), labels.reshape(-1)
+        # One reduction per argument, over the bits as unsigned integers: for floats >= 0 the
+        # order of the bits is the order of the values, and a negative number (sign bit) or
+        # NaN has bits above 1.0's. Only -0.0 (valid) lands there too: the exact check decides.
+        # A negative integer target has bits above 1 as well.
+        top = scores.view(_UNSIGNED[scores.dtype.itemsize]).max()
+        if top > _ONE_BITS[scores.dtype.itemsize]:
+            # NaN compares false: outside, as on the torch path.
+            if not (scores.min() >= 0 and scores.max() <= 1):
+                screen_invalid(True, rejected, "preds", PROBABILITIES)
+            top = _ONE_BITS[scores.dtype.itemsize]  # only -0.0 got here: clamp, to be safe
+        if labels.dtype != np.bool_ and labels.view(_UNSIGNED[labels.dtype.itemsize]).max() > 1:
+            screen_invalid(True, rejected, "target", "0 or 1")
+        # The torch path's bin: float product in the scores' dtype (a Python float scales a
+        # float32 array in float32, as it scales a float32 tensor), truncated, then clamped;
+        # below 0.99 no score reaches the last bin's upper edge, so no clamp is needed.
+        index = (scores * self._scale).astype(np.intp)
+        if top >= _CLAMP_FROM_BITS[scores.dtype.itemsize]:
+            np.minimum(index, self._last_bin, out=index)
+        index += labels * np.intp(self._positive_offset)
+        np.add.at(histogram.local.numpy(), index, 1)
+        histogram.mark_changed()
+        return True
+
+
+def _bits(value: float, dtype: torch.dtype) -> int:
+    """The bits of ``value`` in ``dtype`` as an unsigned integer."""
+    unsigned = torch.int32 if dtype == torch.float32 else torch.int64
+    bits = int(torch.tensor(value, dtype=dtype).view(unsigned).item())
+    return bits % (1 << (8 * dtype.itemsize))
+
+
+_ONE_BITS = {4: _bits(1.0, torch.float32), 8: _bits(1.0, torch.float64)}
+_CLAMP_FROM_BITS = {4: _bits(0.99, torch.float32), 8: _bits(0.99, torch.float64)}

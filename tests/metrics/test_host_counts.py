@@ -1,0 +1,203 @@
+"""Small binary ranking batches counted through numpy (``_host_counts``) on the CPU path.
+
+The numpy path must give the torch path's counts exactly (the same bins, also on edges) and
+raise its errors before the state changes; the counts are checked against ``np.bincount`` of
+the documented bin rule and the value against scikit-learn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import average_precision_score, roc_auc_score
+
+from sidestream.metrics.classification import (
+    BinaryAUROCMetric,
+    BinaryAveragePrecisionMetric,
+    _cpu_path,
+    _host_counts,
+)
+from sidestream.metrics.classification._host_counts import BinaryHostCounter
+
+
+def _without_host_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(BinaryHostCounter, "count", lambda *args: False)
+
+
+def _expected_counts(scores: torch.Tensor, target: torch.Tensor, bins: int) -> np.ndarray:
+    """``np.bincount`` of the documented rule: ``floor(score * bins * (1 + 2**-20))``, clamped."""
+    wide = scores.double() if scores.dtype == torch.float64 else scores.float()
+    # float32 scores scale in float32, as the metric's float product does.
+    product = wide * (bins * (1 + 2**-20))
+    index = np.minimum(product.to(torch.int64).numpy().reshape(-1), bins - 1)
+    positive = target.numpy().reshape(-1).astype(bool)
+    return np.concatenate(
+        [
+            np.bincount(index[~positive], minlength=bins),
+            np.bincount(index[positive], minlength=bins),
+        ]
+    )
+
+
+def _edge_scores(bins: int, dtype: torch.dtype) -> torch.Tensor:
+    edges = np.arange(bins + 1) / bins
+    below = np.nextafter(edges[1:], 0)
+    values = np.concatenate([edges, below, [0.0, -0.0, 1.0, 0.99, 0.995, np.nextafter(1.0, 0)]])
+    return torch.tensor(values).to(dtype)
+
+
+@pytest.mark.parametrize("bins", [2, 7, 100, 10_000, 2**19 + 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "target_dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+)
+def test_edge_scores_count_as_on_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, bins: int, dtype: torch.dtype, target_dtype: torch.dtype
+) -> None:
+    scores = _edge_scores(bins, dtype)
+    target = (torch.arange(scores.numel()) % 3 == 1).to(target_dtype)
+    fast = BinaryAUROCMetric(bins)
+    assert fast._host_counter is not None
+    fast.update(scores, target)
+    counts = torch.cat(fast.histograms(), dim=1)[0].numpy()
+    assert counts.tolist() == _expected_counts(scores, target, bins).tolist()
+    with monkeypatch.context() as patch:
+        _without_host_counts(patch)
+        torch_path = BinaryAUROCMetric(bins)
+        torch_path.update(scores, target)
+    assert torch.equal(torch.cat(torch_path.histograms(), 1), torch.cat(fast.histograms(), 1))
+
+
+def test_values_match_sklearn_over_many_batches_and_shapes() -> None:
+    """Uneven batches (2-D, non-contiguous, requiring grad, large ones on the torch path)."""
+    generator = torch.Generator().manual_seed(11)
+    auroc, precision = BinaryAUROCMetric(), BinaryAveragePrecisionMetric(1000)
+    seen_scores, seen_target = [], []
+    for size in [1, 5, 64, 1024, 3000, 70_000, 17]:
+        # k / 1000 for k < 1000: every distinct score has a bin of its own (1000 bins or more,
+        # the documented edge rule), so the binned values are exact.
+        scores = torch.randint(0, 1000, (size,), generator=generator) / 1000
+        target = torch.randint(0, 2, (size,), generator=generator)
+        if size == 64:
+            scores, target = scores.reshape(8, 8).t(), target.reshape(8, 8).t()  # strided
+        if size == 1024:
+            scores = scores.clone().requires_grad_()
+        for metric in (auroc, precision):
+            metric.update(scores, target.bool() if size == 5 else target)
+        seen_scores.append(scores.detach().reshape(-1))
+        seen_target.append(target.reshape(-1))
+    every_score = torch.cat(seen_scores).double().numpy()
+    every_target = torch.cat(seen_target).numpy()
+    assert auroc.compute().item() == pytest.approx(
+        roc_auc_score(every_target, every_score), abs=1e-12
+    )
+    assert precision.compute().item() == pytest.approx(
+        average_precision_score(every_target, every_score), abs=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    ("preds", "target", "argument"),
+    [
+        ([0.2, float("nan")], [0, 1], "preds"),
+        ([0.2, -float("nan")], [0, 1], "preds"),
+        ([0.2, 1.0000001], [0, 1], "preds"),
+        ([-1e-30, 0.5], [0, 1], "preds"),
+        ([0.2, float("inf")], [0, 1], "preds"),
+        ([0.2, 0.5], [0, 2], "target"),
+        ([0.2, 0.5], [-1, 1], "target"),
+    ],
+)
+@pytest.mark.parametrize("target_dtype", [torch.int8, torch.uint8, torch.int64])
+def test_bad_values_raise_the_torch_path_error_before_counting(
+    monkeypatch: pytest.MonkeyPatch,
+    preds: list[float],
+    target: list[int],
+    argument: str,
+    target_dtype: torch.dtype,
+) -> None:
+    if target_dtype == torch.uint8 and min(target) < 0:
+        return  # no negative uint8
+    messages = []
+    for numpy_path in (True, False):
+        with monkeypatch.context() as patch:
+            if not numpy_path:
+                _without_host_counts(patch)
+            metric = BinaryAUROCMetric(16)
+            metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 1]))
+            before = torch.cat(metric.histograms(), 1).clone()
+            with pytest.raises(ValueError, match=f"^{argument}: ") as raised:
+                metric.update(torch.tensor(preds), torch.tensor(target, dtype=target_dtype))
+            assert torch.equal(torch.cat(metric.histograms(), 1), before)
+            messages.append(str(raised.value))
+    assert messages[0] == messages[1]
+
+
+def test_negative_zero_is_a_valid_score() -> None:
+    metric = BinaryAUROCMetric(4)
+    metric.update(torch.tensor([-0.0, 1.0]), torch.tensor([0, 1]))
+    assert metric.histograms()[0][0].tolist() == [1, 0, 0, 0]
+    assert metric.histograms()[1][0].tolist() == [0, 0, 0, 1]
+
+
+def test_other_inputs_take_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float or bfloat16 inputs, float targets, large or empty batches, logits, thresholds."""
+    taken: list[bool] = []
+    original = BinaryHostCounter.count
+
+    def spy(self: BinaryHostCounter, *args: object) -> bool:
+        taken.append(original(self, *args))
+        return taken[-1]
+
+    monkeypatch.setattr(BinaryHostCounter, "count", spy)
+    metric = BinaryAUROCMetric(16)
+    scores, target = torch.tensor([0.25, 0.75]), torch.tensor([0, 1])
+    metric.update(scores, target)
+    metric.update(scores.bfloat16(), target)
+    metric.update(scores, target.float())
+    large = _host_counts.MAX_ELEMENTS + 1
+    metric.update(torch.rand(large), torch.zeros(large, dtype=torch.int64))
+    metric.update(torch.zeros(0), torch.zeros(0, dtype=torch.int64))
+    with monkeypatch.context() as patch:
+        patch.setattr(_cpu_path, "enabled", lambda device: False)
+        metric.update(scores, target)
+    assert taken == [True, False, False, False, False, False]
+    assert BinaryAUROCMetric(16, logits=True)._host_counter is None
+    assert BinaryAUROCMetric(thresholds=[0.5])._host_counter is None
+    assert BinaryAUROCMetric(16, ignore_index=-1)._host_counter is None
+    assert BinaryAUROCMetric(exact=True)._host_counter is None
+
+
+def test_counts_after_a_sync_make_the_synced_value_stale() -> None:
+    metric = BinaryAUROCMetric(100)
+    metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 1]))
+    metric.sync()  # one process: the synced state is the local one
+    assert metric.compute().item() == 1.0
+    metric.update(torch.tensor([0.95]), torch.tensor([0]))
+    assert metric.compute().item() == 0.5  # the new count is seen
+
+
+def test_a_copy_counts_into_its_own_state() -> None:
+    import copy
+    import pickle
+
+    metric = BinaryAUROCMetric(4)
+    metric.update(torch.tensor([0.1]), torch.tensor([0]))
+    for twin in (copy.deepcopy(metric), pickle.loads(pickle.dumps(metric))):
+        twin.update(torch.tensor([0.9]), torch.tensor([1]))
+        assert int(torch.cat(twin.histograms(), 1).sum()) == 2
+    assert int(torch.cat(metric.histograms(), 1).sum()) == 1
+
+
+def test_without_a_recent_numpy_the_torch_path_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy
+
+    monkeypatch.setattr(numpy, "__version__", "1.24.4")  # no fast ufunc.at yet
+    assert _host_counts._numpy() is None
+    monkeypatch.setattr(_host_counts, "_np", None)
+    metric = BinaryAUROCMetric(4)
+    assert metric._host_counter is None
+    metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 1]))
+    assert metric.histograms()[0][0].tolist() == [1, 0, 0, 0]
+    assert metric.histograms()[1][0].tolist() == [0, 0, 0, 1]
