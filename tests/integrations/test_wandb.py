@@ -187,8 +187,8 @@ def _crash(job: str, tmp_path: Path) -> dict[str, Any]:
 
 def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path: Path) -> None:
     """A checkpoint's steps are in the crashed run's .wandb file (make_durable waited for
-    wandb's periodic write); the steps after it may be lost, so the resumed job logs them again
-    (no progress file claims them: it is written at finish only)."""
+    wandb's periodic write); the steps logged after it less than an interval before the crash
+    may be lost, so the resumed job logs them again (the progress file does not claim them)."""
     checkpoint = _crash(_CRASHING_JOB, tmp_path)
     assert checkpoint["last_steps"] == [["", 4]]
     crashed = [
@@ -208,6 +208,53 @@ def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path:
     assert [(row.items["step"], row.items["loss"]) for row in rows] == [
         (step, float(step)) for step in range(5, 12)
     ]
+
+
+_LATE_CRASH_JOB = """
+import json, os, sys, time
+from sidestream.sinks import Report, RunInfo
+from sidestream_wandb import WandbSink
+
+sink = WandbSink(project="sidestream-it", mode="offline", dir=sys.argv[1])
+sink.open(RunInfo(name="late"))
+for step in range(5):
+    sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+assert sink.make_durable(timeout=30)
+with open(sys.argv[2], "w") as out:
+    json.dump(sink.state_dict(), out)
+for step in range(5, 10):
+    sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+time.sleep(2.5)  # wandb's periodic write (1 s) has put steps 5 to 9 in the file
+sink.write(Report(step=10, values={"loss": 10.0}, time=time.time()))  # counts them
+os._exit(1)  # killed: the run never finishes
+"""
+
+
+def test_a_job_resumed_after_a_late_crash_skips_the_steps_in_the_crashed_file(
+    tmp_path: Path,
+) -> None:
+    """Steps counted as delivered after the checkpoint (in the .wandb file by wandb's periodic
+    write) are in the progress file the resumed job reads: each step is in one file only, and
+    every step is in one."""
+    checkpoint = _crash(_LATE_CRASH_JOB, tmp_path)
+    assert checkpoint["last_steps"] == [["", 4]]
+    crashed = [
+        (row.items["step"], row.items["loss"])
+        for row in _history(_data_file(checkpoint["run_dir"]))
+    ]
+    assert crashed[:10] == [(step, float(step)) for step in range(10)]
+
+    resumed = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="late"))
+    for step in range(5, 13):  # the job repeats steps 5 to 10 from its checkpoint
+        resumed.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+    run_dir = resumed.run_dir
+    assert resumed.close(timeout=60) and run_dir is not None
+    rows = [(row.items["step"], row.items["loss"]) for row in _history(_data_file(run_dir))]
+    # Step 10 was logged just before the crash, not counted: logged again (it may or may
+    # not be in the crashed file as well).
+    assert rows == [(step, float(step)) for step in range(10, 13)]
 
 
 _BACKLOG_JOB = """

@@ -120,6 +120,7 @@ class WandbSink(TrackerSink):
         # logged an interval (plus the margin) ago is in the file by then.
         self._unwritten: deque[tuple[float, str, int]] = deque()
         self._unwritten_lock = threading.Lock()
+        self._progress_lock = threading.Lock()
         self._finished = False
         self._disabled = False  # mode="disabled": nothing is kept anywhere
 
@@ -283,6 +284,11 @@ class WandbSink(TrackerSink):
                 written[stream] = step  # steps of a stream are logged in increasing order
         if written:
             self.count_delivered(written)
+            run_dir = self.run_dir
+            if run_dir is not None:
+                # What counts as delivered is in the .wandb file: a job that crashes from here
+                # on resumes past it (the rows logged since may be lost, so they are not in it).
+                self._write_progress(run_dir, self.last_steps())
 
     def flush(self, timeout: float | None = None) -> bool:
         """``persist``; if it cannot wait long enough, the rows already written still count."""
@@ -308,21 +314,22 @@ class WandbSink(TrackerSink):
             time.sleep(wait)
         return True
 
-    def _write_progress(self, run_dir: str) -> None:
-        """Record each stream's last logged step next to the run (read back on resume).
+    def _write_progress(self, run_dir: str, last_steps: Mapping[str, int]) -> None:
+        """Record each stream's last step in the ``.wandb`` file next to the run (for resume).
 
-        Written once ``finish`` has returned, never from ``send``: wandb keeps logged rows in
-        memory until its write buffer fills or the run finishes (wandb 0.31 offline writes no
-        row of a short run before ``finish``), so a crashed job's rows are lost, and a progress
-        file written at ``send`` would make the resumed job skip the steps it could log again.
+        Written with the steps that count as delivered (wandb's periodic write has put them in
+        the file, see ``_count_written``) and once ``finish`` has returned, never with steps
+        only handed to ``run.log``: wandb keeps those in memory until its next write, so a
+        crashed job loses them, and a resumed job that skipped them would never log them.
         """
         path = Path(run_dir) / PROGRESS_FILE
-        try:
-            temporary = path.with_suffix(".tmp")
-            temporary.write_text(json.dumps(self._logged))
-            os.replace(temporary, path)
-        except OSError as error:
-            self.warn_once("progress", f"WandbSink: cannot write {path}: {error}")
+        with self._progress_lock:  # send and flush may count at once
+            try:
+                temporary = path.with_suffix(".tmp")
+                temporary.write_text(json.dumps(dict(last_steps)))
+                os.replace(temporary, path)
+            except OSError as error:
+                self.warn_once("progress", f"WandbSink: cannot write {path}: {error}")
 
     def extra_state(self) -> dict[str, Any]:
         """The run's local directory (where the progress file is)."""
@@ -373,7 +380,8 @@ class WandbSink(TrackerSink):
             self._finished = True
             self.flush(0.0)  # every row logged is in the file now: all of them count
             if not self._disabled:
-                self._write_progress(run_dir)  # the rows are written: a resume may skip them
+                # Every row is written: a resume may skip them all.
+                self._write_progress(run_dir, self._logged)
         return finished
 
 
