@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -145,6 +146,14 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
         perplexity.update(losses=torch.ones(3), weights=torch.tensor([1.0, -1.0, 1.0]))
     with pytest.raises(ValueError, match="losses"):
         perplexity.update(losses=torch.tensor([1.0, float("nan")]))
+    # Log-probabilities passed as losses: an NLL is never negative (perplexity would be < 1).
+    with pytest.raises(ValueError, match=r"^losses: expected finite values >= 0"):
+        perplexity.update(losses=torch.tensor([1.0, -2.0]), weights=torch.tensor([1, 1]))
+    compiled = PerplexityMetric()  # the device path (as on CUDA): dropped and counted
+    update = torch.compile(compiled.update, fullgraph=True, backend="aot_eager")
+    update(losses=torch.tensor([1.0, -2.0]), weights=torch.tensor([1, 1]))
+    update(losses=torch.tensor([2.0]), weights=torch.tensor([1]))
+    assert int(compiled.rejected_updates) == 1 and float(compiled.compute()) == math.exp(2.0)
     with pytest.raises(TypeError, match="either"):
         perplexity.update(logits, losses=torch.ones(3))
     assert torch.isnan(perplexity.compute()) and torch.isnan(accuracy.compute())
@@ -183,3 +192,14 @@ def test_nan_logits_of_padding_are_not_read_and_a_doubly_bad_batch_is_one_reject
     update = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
     update(doubly_bad, torch.tensor([[3, VOCAB, -100, -100]]))
     assert int(metric.rejected_updates) == 1 and int(metric.state_dict()["tokens"]) == 0
+
+
+def test_messages_show_the_expected_shape_and_range_as_they_are() -> None:
+    with pytest.raises(ValueError, match=re.escape("= (1, 2, vocab), got (1, 3, 11)")):
+        TokenAccuracyMetric().update(torch.randn(1, 3, 11), torch.tensor([[1, 2]]))
+    for metric in (PerplexityMetric(ignore_index=None), TokenAccuracyMetric(ignore_index=None)):
+        with pytest.raises(ValueError, match=r"^target: expected token ids in \[0, 4\);"):
+            metric.update(torch.randn(1, 2, 4), torch.tensor([[1, -100]]))
+    padded = r"^target: expected token ids in \[0, 4\) or ignore_index=-1;"
+    with pytest.raises(ValueError, match=padded):
+        PerplexityMetric(ignore_index=-1).update(torch.randn(1, 2, 4), torch.tensor([[1, 7]]))

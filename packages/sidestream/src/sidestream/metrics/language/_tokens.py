@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sidestream._validation import expected_text
+
 __all__: list[str] = []
 
 _BOOL = torch.bool
@@ -29,7 +31,8 @@ def check_logits(logits: Tensor, target: Tensor, vocab_size: int | None) -> None
         raise TypeError(f"target: expected integer token ids, got dtype {target.dtype}")
     if logits.ndim < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
-            f"logits: expected shape target.shape + (vocab,) = {(*target.shape, 'V')}, "
+            f"logits: expected shape target.shape + (vocab,) = "
+            f"({', '.join([*(str(size) for size in target.shape), 'vocab'])}), "
             f"got {tuple(logits.shape)}"
         )
     if vocab_size is not None and logits.shape[-1] != vocab_size:
@@ -50,3 +53,10 @@ def token_masks(target: Tensor, vocab: int, ignore_index: int | None) -> tuple[T
         return in_vocab, ~in_vocab
     kept = target != ignore_index
     return in_vocab & kept, ~in_vocab & kept
+
+
+def token_range(vocab: int, ignore_index: int | None) -> str:
+    """What a target id must be, for an error message: in ``[0, vocab)`` or ``ignore_index``."""
+    if ignore_index is None:
+        return expected_text("token ids in [0, {})", vocab)
+    return expected_text("token ids in [0, {}) or ignore_index={}", vocab, ignore_index)

@@ -13,11 +13,15 @@ from sidestream._validation import (
     check_broadcastable,
     check_floating,
     checks_stay_on_device,
-    expected_text,
     screen_invalid,
 )
 from sidestream.metric import Metric
-from sidestream.metrics.language._tokens import check_ignore_index, check_logits, token_masks
+from sidestream.metrics.language._tokens import (
+    check_ignore_index,
+    check_logits,
+    token_masks,
+    token_range,
+)
 from sidestream.state import MetricAccumulator
 
 __all__ = ["PerplexityMetric"]
@@ -36,8 +40,8 @@ class PerplexityMetric(Metric[Tensor]):
 
     Bad input: a shape or vocabulary mismatch raises at once. A target id outside
     ``[0, V)`` other than ``ignore_index``, logits that make a counted token's loss non-finite
-    (NaN or +inf, or -inf at the target id), or a negative / non-finite weight or non-finite
-    loss, raises on CPU before the state changes; on CUDA the batch is dropped and counted in
+    (NaN or +inf, or -inf at the target id), or a negative / non-finite weight or loss,
+    raises on CPU before the state changes; on CUDA the batch is dropped and counted in
     ``rejected_updates``.
 
     Args:
@@ -131,9 +135,7 @@ class PerplexityMetric(Metric[Tensor]):
             (tokens == torch.inf) | ~torch.isfinite(nll),
             self._rejected,
             "target/logits",
-            expected_text(
-                "token ids in [0, {}) or ignore_index={}, and {}", vocab, ignore, _FINITE_LOGITS
-            ),
+            f"{token_range(vocab, ignore)}, and {_FINITE_LOGITS}",
         )
         assert keep is not None  # the device path always returns the keep flag
         # where, not a product with keep: a dropped batch's NaN or inf loss must not leak.
@@ -159,7 +161,7 @@ class PerplexityMetric(Metric[Tensor]):
                     bool(bad.any()),
                     self._rejected,
                     "target",
-                    f"token ids in [0, {vocab}) or ignore_index={ignore}",
+                    token_range(vocab, ignore),
                 )
                 ignored = flat.numel() - int(counted.sum())
         scores = logits.reshape(-1, vocab)
@@ -194,7 +196,14 @@ class PerplexityMetric(Metric[Tensor]):
             # A Python weight is filled on the device: no host-to-device copy (a CUDA sync).
             weights_64 = torch.full_like(losses_64, float(weights))
         if not checks_stay_on_device(self.device):
-            screen_invalid(~torch.isfinite(losses_64), self._rejected, "losses", "finite values")
+            # An NLL is never negative: a negative loss (log-probabilities passed as losses)
+            # would give a perplexity below 1.
+            screen_invalid(
+                (losses_64 < 0) | ~torch.isfinite(losses_64),
+                self._rejected,
+                "losses",
+                "finite values >= 0 (per-token NLL)",
+            )
             screen_invalid(
                 (weights_64 < 0) | ~torch.isfinite(weights_64),
                 self._rejected,
@@ -202,8 +211,9 @@ class PerplexityMetric(Metric[Tensor]):
                 "finite values >= 0",
             )
         else:
-            invalid = ~torch.isfinite(losses_64) | (weights_64 < 0) | ~torch.isfinite(weights_64)
-            keep = screen_invalid(invalid, self._rejected, "losses/weights", "finite, weights >= 0")
+            bad_losses = (losses_64 < 0) | ~torch.isfinite(losses_64)
+            invalid = bad_losses | (weights_64 < 0) | ~torch.isfinite(weights_64)
+            keep = screen_invalid(invalid, self._rejected, "losses/weights", "finite values >= 0")
             assert keep is not None  # CUDA always returns the keep flag
             losses_64 = torch.where(keep, losses_64, 0.0)
             weights_64 = torch.where(keep, weights_64, 0.0)

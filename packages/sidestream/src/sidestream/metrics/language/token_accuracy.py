@@ -8,11 +8,15 @@ from torch import Tensor
 from sidestream._validation import (
     as_tensor,
     checks_stay_on_device,
-    expected_text,
     screen_invalid,
 )
 from sidestream.metric import Metric
-from sidestream.metrics.language._tokens import check_ignore_index, check_logits, token_masks
+from sidestream.metrics.language._tokens import (
+    check_ignore_index,
+    check_logits,
+    token_masks,
+    token_range,
+)
 from sidestream.state import MetricAccumulator
 
 __all__ = ["TokenAccuracyMetric"]
@@ -77,9 +81,7 @@ class TokenAccuracyMetric(Metric[Tensor]):
             counted = counted & keep
         else:  # raises naming the argument, before the state changes
             screen_invalid(nan_scores, self._rejected, "logits", "no NaN scores at counted tokens")
-            expected = expected_text(
-                "token ids in [0, {}) or ignore_index={}", vocab, self._ignore_index
-            )
+            expected = token_range(vocab, self._ignore_index)
             screen_invalid(bad_target, self._rejected, "target", expected)
         safe = torch.where(counted, target_t, 0).to(torch.int64)
         tally = counted.to(torch.int64)
