@@ -68,6 +68,12 @@ def _multiclass(g: torch.Generator) -> tuple[Any, ...]:
     return torch.randn(N, C, generator=g).softmax(-1), torch.randint(0, C, (N,), generator=g)
 
 
+def _multiclass_positions(g: torch.Generator) -> tuple[Any, ...]:
+    # Samples with positions (a sequence of 4 per sample), as samplewise statistics need.
+    scores = torch.randn(N // 4, 4, C, generator=g).softmax(-1)
+    return scores, torch.randint(0, C, (N // 4, 4), generator=g)
+
+
 def _multiclass_ignored(g: torch.Generator) -> tuple[Any, ...]:
     scores, labels = _multiclass(g)
     return scores, torch.where(torch.rand(N, generator=g) < 0.2, -100, labels)
@@ -171,7 +177,7 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
         lambda: (
             confusion_count_metric(multidim_average="samplewise").multiclass(C).with_f1().build()
         ),
-        _multiclass,
+        _multiclass_positions,
     ),
     # Few bins: a batch of at least 2 * classes * bins elements is counted by bincount on CPU.
     "binary_auroc_few_bins": (lambda: BinaryAUROCMetric(16), _binary),

@@ -446,3 +446,34 @@ def test_old_names_point_to_the_new_ones() -> None:
         assert torch.equal(short.compute(), full.compute())
         with pytest.raises(TypeError, match=thin.__name__):
             generic("three")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("zero_division", [0.0, 1.0, float("nan")])
+def test_weighted_multilabel_mean_with_no_positive_target_matches_sklearn(
+    zero_division: float,
+) -> None:
+    """No label has a positive target (zero total support): scikit-learn's weighted mean is the
+    plain mean of the per-label values, for every zero_division."""
+    from sklearn.metrics import f1_score, precision_score, recall_score
+
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        rows = int(rng.integers(1, 5))
+        preds = rng.integers(0, 2, (rows, 4))
+        target = np.zeros((rows, 4), dtype=np.int64)
+        for method, reference in (
+            ("with_precision", precision_score),
+            ("with_recall", recall_score),
+            ("with_f1", f1_score),
+        ):
+            builder = confusion_count_metric(zero_division=zero_division).multilabel(4)
+            metric = getattr(builder, method)().weighted().build()
+            metric.update(torch.as_tensor(preds).double(), torch.as_tensor(target))
+            expected = reference(target, preds, average="weighted", zero_division=zero_division)
+            ours = float(metric.compute())
+            assert (math.isnan(ours) and math.isnan(expected)) or ours == pytest.approx(expected), (
+                method,
+                preds.tolist(),
+                ours,
+                expected,
+            )

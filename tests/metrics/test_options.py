@@ -529,3 +529,36 @@ def test_samplewise_per_class_and_several_statistics() -> None:
         ).double()
         assert values[name].shape == (C,)
         assert torch.allclose(values[name], expected.mean(0), atol=1e-6), name
+
+
+def test_samplewise_refuses_samples_without_positions_and_takes_multilabel_rows() -> None:
+    """One element per sample (binary (N,), multiclass (N, C) scores or (N,) indices) is refused,
+    as torchmetrics does; multilabel (N, L) is scikit-learn's average="samples"."""
+    from sklearn.metrics import f1_score
+
+    def samplewise() -> Any:
+        return confusion_count_metric(multidim_average="samplewise")
+
+    cases = [
+        (samplewise().binary(), torch.rand(6), torch.randint(0, 2, (6,)), r"\(N, X, \.\.\.\)"),
+        (samplewise().multiclass(C), torch.rand(6, C), torch.randint(0, C, (6,)), "scores"),
+        (samplewise().multiclass(C), torch.randint(0, C, (6,)), torch.randint(0, C, (6,)), "ind"),
+    ]
+    for builder, preds, target, what in cases:
+        metric = builder.with_f1().build()
+        with pytest.raises(ValueError, match=rf"^preds: expected .*{what}.*got \(6"):
+            metric.update(preds, target)
+    rows = np.random.default_rng(2).integers(0, 2, (2, 6, 4))
+    metric = samplewise().multilabel(4).with_f1().micro().build()
+    metric.update(torch.as_tensor(rows[0]).double(), torch.as_tensor(rows[1]))
+    expected = f1_score(rows[1], rows[0], average="samples", zero_division=0)
+    assert metric.compute().item() == pytest.approx(expected)
+
+
+def test_multilabel_refuses_a_one_dimensional_batch() -> None:
+    for metric in (
+        confusion_count_metric().multilabel(3).with_accuracy().build(),
+        MultilabelConfusionMatrixMetric(3),
+    ):
+        with pytest.raises(ValueError, match=r"^preds: expected shape \(N, \.\.\., L\)"):
+            metric.update(torch.tensor([0.9, 0.2, 0.7]), torch.tensor([1, 0, 0]))

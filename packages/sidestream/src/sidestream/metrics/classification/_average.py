@@ -45,9 +45,9 @@ def mean_over_classes(
     ``zero_division`` where no weight is > 0. Classes whose value is NaN (undefined) are left
     out when ``zero_division`` is NaN.
 
-    With ``support_weighted`` (``average="weighted"``) and ``zero_division`` NaN, a mean whose
-    classes with support are all left out is the plain mean of the classes left (those without
-    support), as scikit-learn's: NaN only when every class is undefined.
+    With ``support_weighted`` (``average="weighted"``) a mean with zero total weight (no class
+    has support, or with ``zero_division`` NaN every class with support is left out) is the
+    plain mean of the classes left, as scikit-learn's: NaN only when every class is undefined.
     """
     # Not math.isnan: compiled with dynamic=True a float setting may be a symbolic float.
     undefined = zero_division != zero_division  # NaN
@@ -55,7 +55,7 @@ def mean_over_classes(
         weights = torch.where(per_class.isnan(), 0.0, weights)
     total = weights.sum(-1)
     weighted = torch.where(weights > 0, per_class, 0.0).mul(weights).sum(-1)
-    if undefined and support_weighted:
+    if support_weighted:
         defined = ~per_class.isnan()
         fallback = torch.where(defined, per_class, 0.0).sum(-1) / defined.sum(-1)  # 0/0: NaN
     else:

@@ -450,7 +450,9 @@ def label_flags(
     counts (no ``ignore_index`` hit, and off CUDA, where a bad batch raised instead).
     """
     labels = problem.num_classes
-    if problem.kind is ProblemKind.MULTILABEL and (preds.ndim < 1 or preds.shape[-1] != labels):
+    # Two dimensions at least: a 1-D (L,) batch is far more likely L binary scores passed by
+    # mistake than one sample without its sample dimension.
+    if problem.kind is ProblemKind.MULTILABEL and (preds.ndim < 2 or preds.shape[-1] != labels):
         raise ValueError(
             f"preds: expected shape (N, ..., L) with L = num_labels = {labels}, "
             f"got {tuple(preds.shape)}"

@@ -61,7 +61,8 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         device = self._sums.device
         preds_t = check_tensor("preds", preds, device)
         target_t = check_tensor("target", target, device)
-        if preds_t.ndim and preds_t.shape[0] == 0:
+        _check_positions(self._problem, preds_t)
+        if preds_t.shape[0] == 0:
             return  # no samples (shapes are still checked by a non-empty batch)
         before = self._rejected.local.clone()
         counts = sample_counts(self._problem, preds_t, target_t, self._rejected)
@@ -90,3 +91,27 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         if len(values) == 1:
             return next(iter(values.values()))
         return values
+
+
+def _check_positions(problem: Problem, preds: Tensor) -> None:
+    """Raise unless each sample has positions of its own past the first dimension.
+
+    Inputs with none (binary ``(N,)``, multiclass scores ``(N, C)``) give every sample one
+    element, whose per-sample statistics are 1, 0 or ``zero_division``: most likely the global
+    metric was meant (torchmetrics refuses them too). Multilabel ``(N, L)`` is fine: a sample's
+    positions are its labels (scikit-learn's ``average="samples"``).
+    """
+    if problem.kind is ProblemKind.MULTICLASS and preds.is_floating_point():
+        expected, least = "scores (N, X, ..., C)", 3
+    elif problem.kind is ProblemKind.MULTICLASS:
+        expected, least = "class indices (N, X, ...)", 2
+    elif problem.kind is ProblemKind.BINARY:
+        expected, least = "(N, X, ...)", 2
+    else:
+        return  # (N, ..., L): label_flags checks the shape
+    if preds.ndim < least:
+        raise ValueError(
+            f"preds: expected {expected} for multidim_average='samplewise' (a sample's counts "
+            f"run over its positions X, ...), got {tuple(preds.shape)}; for one element per "
+            "sample use the global metric (multidim_average='global')"
+        )
