@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -453,3 +454,79 @@ def test_a_collector_the_loaded_state_lacks_is_named(
         kept = in_order.collector(SumMetric(), prefix="train")
         dcp.load({"run": in_order}, checkpoint_id=tmp_path / "ckpt")
         assert float(kept.metric.compute()) == 5.0
+
+
+def test_a_sink_whose_state_gains_places_at_open_is_named_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch.distributed.checkpoint restores only the places a fresh run's sink state has: a
+    custom sink that adds a key (or grows a mapping) at open is warned about, the built-in
+    sinks are not."""
+    import logging
+
+    from sidestream.sinks import Report, Sink, sinks_from_config
+
+    class Growing(Sink):
+        def __init__(self) -> None:
+            self.state: dict[str, object] = {"run_id": None}
+
+        def open(self, run: RunInfo) -> None:
+            self.state = {"run_id": "r1", "steps": {"train": 0}}
+
+        def write(self, report: Report) -> None:
+            assert isinstance(self.state["steps"], dict)
+            self.state["steps"][report.stream] = report.step
+
+        def state_dict(self) -> dict[str, object]:
+            return dict(self.state)
+
+    caplog.set_level(logging.WARNING, logger="sidestream.sinks")
+    config = [
+        {"type": "jsonl", "path": str(tmp_path / "m.jsonl")},
+        {"type": "jsonl", "path": str(tmp_path / "c.jsonl"), "child_process": True},
+        "console",
+    ]
+    with Run(sinks=sinks_from_config(config)) as steady:
+        steady.log(1, {"lr": 0.1})
+        steady.state_dict()
+    assert "places" not in caplog.text
+    with Run(sinks=[Growing()]) as run:
+        run.log(1, {"lr": 0.1})
+        run.state_dict()
+        run.state_dict()
+    warnings = [r.getMessage() for r in caplog.records if "places" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "'steps.train'" in warnings[0] and "torch.distributed.checkpoint" in warnings[0]
+
+
+def test_a_checkpoint_keeps_the_state_of_a_sink_that_never_opened(tmp_path: Path) -> None:
+    """A sink that fails for good at open (or has delivered nothing yet) keeps the state it
+    resumed from in the next checkpoint, not {}: the run id and steps are not lost."""
+    from sidestream.sinks import PermanentSinkError, Report, Sink
+
+    class Unreachable(Sink):
+        def __init__(self) -> None:
+            self.run_id: str | None = None
+
+        def open(self, run: RunInfo) -> None:
+            raise PermanentSinkError("backend refuses this run")
+
+        def write(self, report: Report) -> None:
+            raise AssertionError("never opened")
+
+        def state_dict(self) -> dict[str, object]:
+            return {"run_id": self.run_id, "last_steps": []}
+
+        def load_state_dict(self, state_dict: Any) -> None:
+            self.run_id = state_dict["run_id"]
+
+    saved = {"run_id": "r1", "last_steps": [["", 5]]}
+    run = Run(sinks=[Unreachable()])
+    run.load_state_dict({"collectors": {}, "sinks": {"sink": saved}})
+    run.log(6, {"lr": 0.1})
+    assert run.state_dict(timeout=5)["sinks"]["sink"] == saved
+    assert run.close(timeout=5) is False
+    fresh = Run(sinks=[Unreachable()])
+    fresh.log(1, {"lr": 0.1})
+    assert fresh.state_dict(timeout=5)["sinks"]["sink"] == {"run_id": None, "last_steps": []}
+    fresh.close(timeout=5)

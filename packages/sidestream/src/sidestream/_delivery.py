@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from sidestream._distributed import check_process_group
@@ -98,6 +99,10 @@ class Delivery:
         self._lock = threading.Lock()
         self._closed = False
         self._failed_submits: set[str] = set()
+        # The places each sink's state has before it opens: the template a fresh run gives
+        # torch.distributed.checkpoint, which loads only those (see _check_places).
+        self._fresh_places = {key: _state_places(sink) for key, sink in self.sinks.items()}
+        self._place_warned: set[str] = set()
 
     @property
     def started(self) -> bool:
@@ -201,7 +206,32 @@ class Delivery:
             # What is left of the overall timeout, not the wait's share again.
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             states[runner.key] = self._durable_state(runner, left)
+            self._check_places(runner.key, states[runner.key])
         return states
+
+    def _check_places(self, key: str, state: Any) -> None:
+        """Warn once if a sink's state has other places than before it opened.
+
+        ``torch.distributed.checkpoint`` loads a checkpoint into the state a fresh run gives
+        (sinks not open yet) and only into places it has: a key added at ``open`` (or a mapping
+        that grows) would be dropped silently, and the resumed sink would repeat its steps.
+        """
+        fresh = self._fresh_places.get(key)
+        if fresh is None or key in self._place_warned:
+            return
+        now = _places(state)
+        if now != fresh:
+            self._place_warned.add(key)
+            logger.warning(
+                "state_dict: sink %r: its state has places it had not before open (%s) or lacks "
+                "some it had (%s): torch.distributed.checkpoint restores only the places of "
+                "a fresh run's state, so a checkpoint saved with it would lose them. Keep a "
+                "sink's state keys the same before and after open, and hold parts that vary "
+                "(per stream, per name) in lists of pairs",
+                key,
+                sorted(now - fresh),
+                sorted(fresh - now),
+            )
 
     @staticmethod
     def _durable_state(runner: SinkRunner, timeout: float | None) -> Any:
@@ -260,6 +290,36 @@ class Delivery:
                 complete = False
         _release(self.sinks.values(), self)
         return complete
+
+
+def _state_places(sink: Sink) -> frozenset[str] | None:
+    """The places of ``sink``'s state now, or ``None`` if it cannot say before it opens."""
+    try:
+        return _places(sink.state_dict())
+    except Exception:  # a custom sink whose state needs an open backend: not checked
+        return None
+
+
+def _places(state: Any, path: tuple[str, ...] = ()) -> frozenset[str]:
+    """The dotted paths torch.distributed.checkpoint stores ``state`` under.
+
+    As its traversal: mappings are entered, and so are lists that hold tensors, mappings or
+    such lists (their items become places); any other value, a list of plain values
+    included, is one place.
+    """
+    if isinstance(state, Mapping):
+        return frozenset().union(*(_places(v, (*path, str(k))) for k, v in state.items()))
+    if isinstance(state, list) and not _one_place(state):
+        return frozenset().union(*(_places(v, (*path, str(i))) for i, v in enumerate(state)))
+    return frozenset({".".join(path)})
+
+
+def _one_place(items: list[Any]) -> bool:
+    return not any(
+        isinstance(item, torch.Tensor | Mapping)
+        or (isinstance(item, list) and not _one_place(item))
+        for item in items
+    )
 
 
 def _owner(sink: Sink) -> Delivery | None:

@@ -92,7 +92,12 @@ class SinkRunner:
         self._failing = False
         self._failed_attempts = 0
         self._status = SinkStatus("healthy", None)
-        self._state: dict[str, Any] = {}
+        # Until the sink delivers (or if it never opens): the state it resumes from, else its
+        # state before open, so a checkpoint taken meanwhile keeps them and the keys a fresh
+        # run's sink has (torch.distributed.checkpoint loads into those).
+        self._state: dict[str, Any] = (
+            dict(resume_state) if resume_state is not None else _state_before_open(sink, self.key)
+        )
         self._sink_closed = False  # the sink's final flush and close both succeeded
         self._thread = threading.Thread(
             target=self._work, name=f"sidestream-sink-{self.key}", daemon=True
@@ -491,3 +496,11 @@ class SinkRunner:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def _state_before_open(sink: Sink, key: str) -> dict[str, Any]:
+    try:
+        return dict(sink.state_dict())
+    except Exception as error:  # a broken state_dict must not stop delivery
+        logger.warning("sink %r: state_dict failed: %s", key, error)
+        return {}
