@@ -86,6 +86,31 @@ def test_a_skipped_window_raises_on_every_rank(pair: RankPool) -> None:
         assert "rank 1: window #3" in result["outcome"], result
 
 
+def _skipped_sync(with_steps: bool) -> dict[str, Any]:
+    rank = dist.get_rank()
+    metric, group = _metric(), _subgroup()
+    steps = [1, 2, 3] if rank == 0 else [2, 3]  # rank 1 skips the sync of step 1
+    values = []
+    outcome = "no error"
+    for step in steps:
+        _update(metric, 10.0 * rank + step)
+        try:
+            metric.sync(group, step=step if with_steps else None)
+        except RankMismatchError as error:
+            outcome = f"RankMismatchError: {error}"
+            break
+        values.append(float(metric["loss"].compute()))
+    return {"outcome": outcome, "values": values}
+
+
+def test_a_skipped_sync_with_steps_raises_at_that_sync_on_every_rank(pair: RankPool) -> None:
+    for rank, result in enumerate(pair.run(_skipped_sync, True, timeout=90)):
+        assert result["outcome"].startswith("RankMismatchError"), (rank, result)
+        assert "rank 0: sync #1" in result["outcome"], result
+        assert "rank 1: sync #2" in result["outcome"], result
+        assert result["values"] == [], result  # no mixed value was ever returned
+
+
 def _state_dict_alone(limit: int) -> dict[str, Any]:
     rank = dist.get_rank()
     sync_module.GATHER_LIMIT_BYTES = limit  # this rank process only; restored below

@@ -378,7 +378,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
             object.__setattr__(self, "_call_counter", counter)
         return counter
 
-    def sync(self, group: Group = None) -> None:
+    def sync(self, group: Group = None, *, step: int | None = None) -> None:
         """Reduce the state over ``group`` with a coalesced, fixed number of collectives.
 
         A no-op when torch.distributed is not initialized or the group has one rank. Every rank
@@ -390,14 +390,23 @@ class Metric(Stateful, Generic[T], abc.ABC):
         Args:
             group: A process group, a 1-D device mesh (for example the data-parallel dimension),
                 or ``None`` for the default group. Remembered for ``state_dict``.
+            step: Where the loop is (a step or an epoch, the same on every rank), sent in the
+                fingerprint instead of this metric's sync count: a rank that skipped a sync
+                then pairs another step and every rank raises at that sync. Without it a
+                skipped sync followed by more syncs pairs each rank's n-th sync with the
+                others' n-th, which no fingerprint can tell from a correct loop.
 
         Raises:
             RankMismatchError: If ranks hold different state, or paired different calls.
             RuntimeError: If ``WORLD_SIZE``/``RANK`` say the job has several processes but no
                 process group is initialized (the sync would silently reduce nothing).
+            TypeError: If ``step`` is not an int.
         """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step: expected an int or None, got {step!r}")
         check_process_group("sync")
-        self._sync_as(group, CallFingerprint("sync", self.call_counter.next()))
+        sequence = self.call_counter.next() if step is None else step
+        self._sync_as(group, CallFingerprint("sync", sequence))
 
     def sync_as(self, group: Group, fingerprint: CallFingerprint) -> None:
         """``sync`` under the caller's ``fingerprint`` (a collector's window), blocking.
