@@ -46,6 +46,18 @@ from sidestream.sinks.console import ConsoleSink
             "WandbSink has no option 'bogus_opt'",
         ),
         (lambda d: _mlflow()(http_timeout="10"), TypeError, "http_timeout: expected an int"),
+        # Options forwarded to the tracker's client: their type too, not only their name.
+        (
+            lambda d: _tensorboard()(str(d), flush_secs="30"),
+            TypeError,
+            r"TensorBoardSink: flush_secs: expected int or float \(or None\), got '30' \(str\)",
+        ),
+        (lambda d: _tensorboard()(str(d), max_queue=True), TypeError, "max_queue: expected int"),
+        (lambda d: _tensorboard()(str(d), purge_step="3"), TypeError, "purge_step: expected"),
+        (lambda d: _mlflow()(tracking_uri=5), TypeError, "MlflowSink: tracking_uri: expected str"),
+        (lambda d: _mlflow()(experiment=5), TypeError, "MlflowSink: experiment: expected str"),
+        (lambda d: _wandb()(project=5, mode="offline"), TypeError, "WandbSink: project: expected"),
+        (lambda d: _wandb()(dir=3, mode="offline"), TypeError, "WandbSink: dir: expected str"),
         (
             lambda d: Run([JsonlSink(d / "a.jsonl"), JsonlSink(d / "." / "a.jsonl")]),
             ValueError,

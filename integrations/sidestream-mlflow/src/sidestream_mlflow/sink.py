@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
 from sidestream.sinks.support import (
+    check_option_types,
     flatten_config,
     redact,
     secrets_in,
@@ -97,6 +98,11 @@ class MlflowSink(TrackerSink):
                 not isinstance(value, int) or isinstance(value, bool) or value < low
             ):
                 raise TypeError(f"{option}: expected an int >= {low} or None, got {value!r}")
+        check_option_types(
+            "MlflowSink",
+            {"tracking_uri": tracking_uri, "experiment": experiment, "run_name": run_name},
+            {"tracking_uri": (str,), "experiment": (str,), "run_name": (str,)},
+        )
         if tags is not None and not isinstance(tags, Mapping):
             raise TypeError(f"tags: expected a mapping of str to str, got {type(tags).__name__}")
         self._tracking_uri = tracking_uri

@@ -11,6 +11,7 @@ from typing import Any
 from sidestream.sinks import Report, RunInfo, TrackerSink
 from sidestream.sinks.support import (
     check_directory_path,
+    check_option_types,
     checked_histogram_edges,
     flatten_config,
     histogram_edges,
@@ -20,6 +21,15 @@ from sidestream.sinks.tracker import signature_options
 __all__ = ["TensorBoardSink"]
 
 _HPARAM_TYPES = (bool, int, float, str)
+_WRITER_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "comment": (str,),
+    "purge_step": (int,),
+    "max_queue": (int,),
+    "flush_secs": (int, float),
+    "filename_suffix": (str,),
+}
+"""``SummaryWriter``'s options, checked when the sink is made (a str ``flush_secs`` would only
+fail in its writer thread, after training started)."""
 INSTALL = (
     'pip install "sidestream[tensorboard]" (from a checkout: pip install '
     "./integrations/sidestream-tensorboard)"
@@ -67,6 +77,7 @@ class TensorBoardSink(TrackerSink):
     ) -> None:
         super().__init__()
         self.refuse_unknown_options(writer_kwargs)
+        check_option_types("TensorBoardSink", writer_kwargs, _WRITER_OPTION_TYPES)
         self._log_dir = None if log_dir is None else os.fspath(log_dir)
         if self._log_dir is not None:
             check_directory_path("log_dir", self._log_dir)

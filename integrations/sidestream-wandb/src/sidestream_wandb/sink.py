@@ -14,6 +14,7 @@ from typing import Any
 
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
 from sidestream.sinks.support import (
+    check_option_types,
     checked_histogram_edges,
     flatten_config,
     histogram_edges,
@@ -26,6 +27,12 @@ from sidestream.sinks.tracker import signature_options
 __all__ = ["FLUSH_INTERVAL_S", "WandbSink", "step_metric"]
 
 _SECRET_ENV = ("WANDB_API_KEY",)
+_INIT_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("project", "entity", "name", "notes", "group", "job_type", "id"), (str,)),
+    "dir": (str, os.PathLike),
+}
+"""``wandb.init``'s options, checked when the sink is made (``project=5`` would only fail when
+rank 0 opens the sink, after training started)."""
 _MAX_TAG_LENGTH = 64  # W&B rejects longer tags
 _MAX_HISTOGRAM_BINS = 512  # wandb.Histogram's limit
 #: Each stream's last logged step, in the run's local directory (outside the uploaded files/).
@@ -104,6 +111,7 @@ class WandbSink(TrackerSink):
         if project is not None:
             self._init_kwargs["project"] = project
         self.refuse_unknown_options(init_kwargs)
+        check_option_types("WandbSink", self._init_kwargs, _INIT_OPTION_TYPES)
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         _check_settings(self._init_kwargs)
         self._run: Any = None

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 __all__ = [
     "call_within",
     "check_directory_path",
+    "check_option_types",
     "checked_histogram_edges",
     "flatten_config",
     "parse_resume_state",
@@ -168,6 +169,26 @@ def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
                     f"{name}: {str(place)!r} is a file, not a directory (in {str(path)!r})"
                 )
             return
+
+
+def check_option_types(
+    owner: str, options: Mapping[str, Any], expected: Mapping[str, tuple[type, ...]]
+) -> None:
+    """Raise ``TypeError`` naming the option unless each given one is ``None`` or of its types.
+
+    For options a sink forwards to its tracker's client, which would only fail when rank 0
+    opens the sink, after training started (``bool`` counts as ``int`` only where listed).
+    """
+    for option, types in expected.items():
+        value = options.get(option)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = " or ".join(kind.__name__ for kind in types)
+            raise TypeError(
+                f"{owner}: {option}: expected {names} (or None), got {value!r} "
+                f"({type(value).__name__})"
+            )
 
 
 def refuse_unknown_options(owner: str, options: Iterable[str], accepted: set[str] | None) -> None:
