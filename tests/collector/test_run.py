@@ -530,3 +530,36 @@ def test_a_checkpoint_keeps_the_state_of_a_sink_that_never_opened(tmp_path: Path
     fresh.log(1, {"lr": 0.1})
     assert fresh.state_dict(timeout=5)["sinks"]["sink"] == {"run_id": None, "last_steps": []}
     fresh.close(timeout=5)
+
+
+def test_a_name_two_streams_report_is_named_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trackers keep values by name: a run.log name equal to a collector's value name, or
+    nested prefixes that meet, would merge two series; the run says so once per name."""
+    import logging
+
+    from sidestream import ComposeMetric
+
+    caplog.set_level(logging.WARNING, logger="sidestream.sinks")
+    with Run([JsonlSink(tmp_path / "ok.jsonl")]) as run:
+        collector = run.collector(ComposeMetric({"loss": MeanMetric()}), prefix="train")
+        collector.bind("cpu")
+        for step in (1, 2):
+            collector.metric["loss"].update(torch.tensor([1.0]))
+            collector.schedule_collection(step)
+            run.log(step, {"lr": 0.1, "train_lr": 0.2})
+    assert "two streams" not in caplog.text
+    with Run([JsonlSink(tmp_path / "clash.jsonl")]) as run:
+        collector = run.collector(ComposeMetric({"loss": MeanMetric()}), prefix="train")
+        nested = run.collector(MeanMetric(), prefix="train/loss").bind("cpu")
+        collector.bind("cpu")
+        for step in (1, 2, 3):
+            collector.metric["loss"].update(torch.tensor([1.0]))
+            nested.metric.update(torch.tensor([2.0]))
+            collector.schedule_collection(step)
+            nested.schedule_collection(step)
+            run.log(step, {"train/loss": 99.0})
+    warnings = [r.getMessage() for r in caplog.records if "two streams" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("'train/loss' is reported by two streams of this run")

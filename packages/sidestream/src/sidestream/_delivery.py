@@ -103,6 +103,8 @@ class Delivery:
         # torch.distributed.checkpoint, which loads only those (see _check_places).
         self._fresh_places = {key: _state_places(sink) for key, sink in self.sinks.items()}
         self._place_warned: set[str] = set()
+        self._name_streams: dict[str, str] = {}  # value name -> the stream that reported it
+        self._name_warned: set[str] = set()
 
     @property
     def started(self) -> bool:
@@ -153,6 +155,8 @@ class Delivery:
 
     def submit(self, report: Report) -> None:
         """Hand ``report`` to every runner (rank 0, once started); one failing stays its own."""
+        if self.runners:
+            self._check_names(report)
         for runner in self.runners or ():
             if runner.status.state != "failed":  # it takes nothing more: keep no backlog
                 try:
@@ -167,6 +171,30 @@ class Delivery:
                             type(error).__name__,
                             error,
                         )
+
+    def _check_names(self, report: Report) -> None:
+        """Warn once per name that two streams of the run both report.
+
+        Trackers keep values by name alone (a TensorBoard tag, an MLflow key, a W&B column):
+        ``run.log(step, {"train/loss": ...})`` next to a ``"train"`` collector's ``loss``, or
+        prefixes ``"a"`` (value ``b``) and ``"a/b"``, would put two series into one, with two
+        values per step.
+        """
+        owners = self._name_streams
+        for names in (report.values, report.histograms):
+            for name in names:
+                owner = owners.setdefault(name, report.stream)  # atomic: several threads submit
+                if owner != report.stream and name not in self._name_warned:
+                    self._name_warned.add(name)
+                    logger.warning(
+                        "%r is reported by two streams of this run, %r and %r: trackers keep "
+                        "values by name, so they would show one series with the values of "
+                        "both; give one of them another name (a collector's prefix, or the "
+                        "name passed to run.log)",
+                        name,
+                        _stream_text(owner),
+                        _stream_text(report.stream),
+                    )
 
     def status(self) -> dict[str, SinkStatus]:
         """Each sink's status by key (``healthy`` before the sinks start, and off rank 0)."""
@@ -290,6 +318,10 @@ class Delivery:
                 complete = False
         _release(self.sinks.values(), self)
         return complete
+
+
+def _stream_text(stream: str) -> str:
+    return stream or "run.log"
 
 
 def _state_places(sink: Sink) -> frozenset[str] | None:
