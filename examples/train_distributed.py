@@ -16,6 +16,7 @@ import argparse
 import importlib.util
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -77,7 +78,9 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     if rank == 0:
-        out.unlink(missing_ok=True)  # a fresh log per demo run (the sink appends)
+        # A fresh log per demo run: the sinks append to what they find (steps would repeat).
+        out.unlink(missing_ok=True)
+        shutil.rmtree(out.parent / "tensorboard", ignore_errors=True)
     # Every rank builds the same run and collectors; only rank 0 opens and writes the sinks.
     run = Run(sinks_from_config(sink_config(out)), info=RunInfo(name="demo", config=vars(args)))
     train_metrics = ComposeMetric(

@@ -165,3 +165,29 @@ def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_nam
         "train": [2, 4, 6, 8, 10],
         "val@ema/loss": [3, 6, 9],
     }
+
+
+def test_a_new_run_in_a_directory_with_event_files_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job started again without its checkpoint writes its steps next to the earlier run's:
+    TensorBoard would show both in one chart. Warned, as the JSONL sink warns; not on resume."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="sidestream.sinks")
+    first = TensorBoardSink(tmp_path)
+    first.open(RunInfo())
+    first.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
+    assert first.close()
+    assert "earlier run" not in caplog.text
+    resumed = TensorBoardSink(tmp_path)
+    resumed.load_state_dict(first.state_dict())
+    resumed.open(RunInfo())
+    assert resumed.close()
+    assert "earlier run" not in caplog.text
+    again = TensorBoardSink(tmp_path)
+    again.open(RunInfo())
+    assert again.close()
+    assert f"TensorBoardSink: {tmp_path} already holds 2 event file(s) of an earlier run" in (
+        caplog.text
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from sidestream.sinks.support import (
 from sidestream.sinks.tracker import signature_options
 
 __all__ = ["TensorBoardSink"]
+
+logger = logging.getLogger("sidestream.sinks")
 
 _HPARAM_TYPES = (bool, int, float, str)
 _WRITER_OPTION_TYPES: dict[str, tuple[type, ...]] = {
@@ -125,6 +128,17 @@ class TensorBoardSink(TrackerSink):
         """Create the writer; for a new run, record hyper-parameters and tags."""
         from torch.utils.tensorboard import SummaryWriter
 
+        if not self.resumed and self._log_dir is not None:
+            earlier = sorted(Path(self._log_dir).glob("*tfevents*"))
+            if earlier:
+                logger.warning(
+                    "TensorBoardSink: %s already holds %d event file(s) of an earlier run; "
+                    "TensorBoard shows their points and this run's in the same charts, so its "
+                    "steps may repeat earlier ones (give each job its own log_dir, or resume "
+                    "from the earlier job's checkpoint)",
+                    self._log_dir,
+                    len(earlier),
+                )
         self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
         self._log_dir = str(self._writer.log_dir)
         if self.resumed:
