@@ -113,6 +113,25 @@ def test_console_line() -> None:
     ]
 
 
+def test_console_writes_each_line_with_its_newline_at_once() -> None:
+    """A print of the training thread between a line and its newline split the line."""
+
+    class Writes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return super().write(text)
+
+    stream = Writes()
+    sink = ConsoleSink(stream=stream, live=False)
+    sink.open(RunInfo(name="demo"))
+    sink.write(_report(1, loss=0.5))
+    assert stream.calls == ["run demo\n", "step 1 | loss 0.5\n"]
+
+
 def test_sinks_from_config_by_entry_point(tmp_path: Path) -> None:
     assert {"jsonl", "console"} <= set(available_sinks())
     built = sinks_from_config({"jsonl": {"path": tmp_path / "a.jsonl"}, "console": None})

@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 
 from sidestream import Run
-from sidestream.sinks import JsonlSink, Report, RunInfo, Sink, SinkRunner, is_permanent
+from sidestream.sinks import (
+    JsonlSink,
+    Report,
+    RunInfo,
+    Sink,
+    SinkRunner,
+    SinkStatus,
+    is_permanent,
+)
 from sidestream.sinks.console import ConsoleSink
 
 
@@ -175,6 +183,14 @@ def test_a_close_that_failed_makes_close_false(result: bool | None) -> None:
     runner.submit(Report(step=1, values={"x": 1.0}, time=time.time()))
     assert not runner.close(10.0)
     assert sink.lines == ["1"]
+    # The status names what went wrong (it stayed "healthy" with no error): a close that
+    # raised fails the sink, one that returned False keeps its state with the reason.
+    if result is None:
+        assert runner.status == SinkStatus(
+            "failed", "close failed: OSError: upload of the last file failed"
+        )
+    else:
+        assert runner.status == SinkStatus("healthy", "close did not finish (it returned False)")
 
 
 def test_a_working_sink_still_closes_true() -> None:

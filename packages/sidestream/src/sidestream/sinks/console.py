@@ -77,7 +77,7 @@ class ConsoleSink(Sink):
         else:
             self._live = self._live_option
         if run.name:
-            print(f"run {run.name}", file=self._stream, flush=True)
+            self._print(f"run {run.name}")
 
     def write(self, report: Report) -> None:
         """Redraw the live line, or print one line (one in ``every`` reports).
@@ -102,7 +102,14 @@ class ConsoleSink(Sink):
         self._seen += 1
         if (self._seen - 1) % self._every:
             return
-        print(self.format(report), file=self._stream, flush=True)
+        self._print(self.format(report))
+
+    def _print(self, line: str) -> None:
+        # One write with its newline: print() writes the text and the newline apart, and a
+        # print of the training thread could land between them.
+        assert self._stream is not None
+        self._stream.write(line + "\n")
+        self._stream.flush()
 
     def format(self, report: Report) -> str:
         """The plain line printed for ``report``."""

@@ -470,14 +470,23 @@ class SinkRunner:
         try:
             done = action()
         except Exception as error:
-            logger.warning(
-                "sink %r: %s failed: %s: %s", self.key, what, type(error).__name__, error
-            )
+            reason = f"{what} failed: {type(error).__name__}: {error}"
+            logger.warning("sink %r: %s", self.key, reason)
+            # A close that raised ends the sink with an error: its status says so (a flush
+            # that raised is covered by later ones and the close, so only its error is kept).
+            self._note(reason, failed=what == "close")
             return False
         if done is False:
-            logger.warning("sink %r: %s did not finish (it returned False)", self.key, what)
+            reason = f"{what} did not finish (it returned False)"
+            logger.warning("sink %r: %s", self.key, reason)
+            self._note(reason, failed=False)
             return False
         return True
+
+    def _note(self, reason: str, *, failed: bool) -> None:
+        with self._cond:
+            state = "failed" if failed else self._status.state
+            self._status = SinkStatus(state, reason)
 
     def _snapshot_state(self) -> None:
         try:
