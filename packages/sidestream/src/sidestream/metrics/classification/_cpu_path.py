@@ -9,6 +9,9 @@ there. ``enabled`` is the single switch; tests turn it off to run the device pat
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 from torch import Tensor
 
@@ -21,6 +24,7 @@ __all__ = [
     "enabled",
     "outside",
     "score_bins",
+    "scratch_tensor",
 ]
 
 _INT32_LIMIT = 2**31 - 1
@@ -90,7 +94,7 @@ def count_indices(index: Tensor, size: int, weight: Tensor | None = None) -> Ten
     return counts.index_add_(0, flat, source)
 
 
-def score_bins(scores: Tensor, num_bins: int, rows: int) -> Tensor:
+def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = False) -> Tensor:
     """CPU path: uniform-bin indices of validated scores in ``[0, 1]``, laid out for rows.
 
     The index of a score is ``bin + row_offset`` with rows of ``num_bins + 1`` slots: the extra
@@ -102,14 +106,21 @@ def score_bins(scores: Tensor, num_bins: int, rows: int) -> Tensor:
         scores: Probabilities in ``[0, 1]`` (already checked).
         num_bins: Bins over ``[0, 1]``.
         rows: The number of rows the caller will offset into (for the dtype choice).
+        scratch: Return this thread's scratch tensor (see ``scratch``), valid until the next
+            call that takes it: for a chunk loop, which then allocates nothing per chunk.
 
     Returns:
         Integer bin indices of ``scores``' shape, in ``[0, num_bins]``.
     """
     work = scores if scores.dtype == torch.float64 else scores.float()
     dtype = torch.int32 if rows * (num_bins + 1) <= _INT32_LIMIT else torch.int64
-    # The same float product and truncation as the device path's bin index.
-    index = (work * bin_scale(num_bins)).to(dtype)
+    # The same float product and truncation as the device path's bin index (copy_ converts
+    # as .to does).
+    if scratch and work.numel() <= SCRATCH_ELEMENTS:
+        product = torch.mul(work, bin_scale(num_bins), out=scratch_tensor(work.dtype, work.shape))
+        index = scratch_tensor(dtype, work.shape, 1).copy_(product)
+    else:
+        index = (work * bin_scale(num_bins)).to(dtype)
     if num_bins >= _SPILL_FROM:
         # The nudge is a whole bin or more here (float32 rounding gets there a little before
         # 2**20 bins): 1.0 would land past the extra slot, in the next row.
@@ -120,6 +131,33 @@ def score_bins(scores: Tensor, num_bins: int, rows: int) -> Tensor:
 _SPILL_FROM = 2**19
 """Bin counts from which ``score_bins`` clamps: below, ``1.0 * bin_scale(num_bins)`` is less
 than ``num_bins + 1`` in float32 and float64 alike, so every index is at most ``num_bins``."""
+
+
+SCRATCH_ELEMENTS = 4 * CHUNK_ELEMENTS
+"""The largest scratch tensor kept per thread and dtype: a chunk of a large batch (more when
+the histogram itself is larger; those chunks allocate as before)."""
+
+_scratch = threading.local()
+
+
+def scratch_tensor(
+    dtype: torch.dtype, shape: tuple[int, ...] | torch.Size, slot: int = 0
+) -> Tensor:
+    """This thread's reusable CPU tensor of ``shape`` (contents undefined), one per slot.
+
+    A chunk loop over a large batch would otherwise allocate its temporaries per chunk: above
+    the C allocator's mmap threshold each one comes back as fresh pages the kernel zeroes,
+    which costs more than the arithmetic on them. Per thread, so two threads never share one.
+    At most ``SCRATCH_ELEMENTS`` elements.
+    """
+    cache: dict[tuple[torch.dtype, int], Tensor] | None = getattr(_scratch, "cache", None)
+    if cache is None:
+        cache = _scratch.cache = {}
+    numel = math.prod(shape)
+    kept = cache.get((dtype, slot))
+    if kept is None or kept.numel() < numel:
+        kept = cache[(dtype, slot)] = torch.empty(max(numel, CHUNK_ELEMENTS), dtype=dtype)
+    return kept[:numel].view(shape)
 
 
 def bin_scale(num_bins: int) -> float:

@@ -319,7 +319,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
     def _chunk_counts(self, scores: Tensor, target: Tensor, slots: int) -> Tensor:
         classes, bins = self._problem.num_classes, self._bins.count
         stride = bins + 1
-        index = _cpu_path.score_bins(scores, bins, 2 * classes)
+        index = _cpu_path.score_bins(scores, bins, 2 * classes, scratch=True)
         if classes > 1:
             index += torch.arange(
                 0, classes * stride, stride, dtype=index.dtype, device=index.device
@@ -328,8 +328,12 @@ class RankingMetric(ScreenedMetric[Tensor]):
             # One offset per sample at its true class, not an (N, C) comparison.
             samples = torch.arange(index.shape[0], device=index.device)
             index[samples, target.long()] += classes * stride
+        elif target.dtype == index.dtype:
+            index.add_(target, alpha=classes * stride)
         else:
-            index.add_(target.to(index.dtype), alpha=classes * stride)
+            # Converted first (into scratch): add_ of another integer dtype takes a slow path.
+            flags = _cpu_path.scratch_tensor(index.dtype, target.shape, 2).copy_(target)
+            index.add_(flags, alpha=classes * stride)
         return torch.bincount(index.reshape(-1), minlength=slots)
 
     def histograms(self) -> tuple[Tensor, Tensor]:
