@@ -230,7 +230,7 @@ def test_windows_of_two_collectors_in_different_orders_fail_instead_of_mixing(
     outcomes = dist_pool.run(_schedule_two_collectors_in_rank_order, timeout=120)
     for rank, outcome in enumerate(outcomes):
         assert "paired different calls" in outcome, (rank, outcome)
-        assert "collector prefix hash" in outcome or "prefix 'train'" in outcome, outcome
+        assert "collector hash" in outcome or "prefix 'train'" in outcome, outcome
 
 
 def _skip_a_window_with_an_exact_metric() -> str:

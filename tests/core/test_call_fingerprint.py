@@ -225,6 +225,8 @@ def test_a_load_skipped_by_one_rank_raises_on_every_rank(pair: RankPool, skipper
     for rank, result in enumerate(pair.run(_load_skipped_by, skipper, timeout=90)):
         for where in ("metric", "collector"):
             assert result[where].startswith("RankMismatchError"), (rank, where, result)
+        # Window and step agree: the message says what the differing collector hash covers.
+        assert "did a rank skip it?" in result["collector"], result
 
 
 def _new_layout_against_a_laid_out_one() -> str:

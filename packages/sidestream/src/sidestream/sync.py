@@ -155,9 +155,17 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
     if rows.count(rows[0]) == len(rows):  # every rank's row equals rank 0's
         return
     seen = "; ".join(f"rank {r}: {_describe_call(row)}" for r, row in enumerate(rows))
+    hint = ""
+    if all(row[:3] == rows[0][:3] for row in rows):
+        # Only the stream word differs: same call, step and structure.
+        hint = (
+            " Only the collector hash differs: it covers the collector's prefix, whether it "
+            "is cumulative, and how many collective calls its metric made before bind (a "
+            "load_state_dict counts one: did a rank skip it?)."
+        )
     raise RankMismatchError(
         f"sync: ranks of the group paired different calls{also} (seen from rank {rank}): "
-        f"{seen}. {_SAME_ORDER}"
+        f"{seen}.{hint} {_SAME_ORDER}"
     )
 
 
@@ -166,7 +174,7 @@ def _describe_call(words: list[int]) -> str:
     name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
     text = f"{name} #{sequence} (structure {structure & _WORD_MASK:016x}"
     # A stream travels as a hash of the collector's prefix: other ranks' names are not known.
-    return text + (f", collector prefix hash {stream & _WORD_MASK:016x})" if stream else ")")
+    return text + (f", collector hash {stream & _WORD_MASK:016x})" if stream else ")")
 
 
 @dataclass
