@@ -109,3 +109,20 @@ def test_two_values_with_one_name_fail_the_window_instead_of_overwriting() -> No
         collector.collect_results(timeout=30)
     assert "['a/b'] are given to more than one value" in str(caught.value.__cause__)
     assert not collector.close(timeout=30)
+
+
+def test_collect_results_that_times_out_says_what_may_hold_the_window() -> None:
+    class SlowSum(SumMetric):
+        def compute(self) -> torch.Tensor:
+            import time
+
+            time.sleep(0.5)
+            return super().compute()
+
+    collector = AsyncMetricCollector(SlowSum()).bind("cpu")
+    collector.metric.update(torch.tensor([1.0]))
+    collector.schedule_collection(1)
+    with pytest.raises(RuntimeError, match=r"1 window\(s\) still running after 0.01 s: .* rank"):
+        collector.collect_results(timeout=0.01)
+    assert collector.collect_results(timeout=30) == 1.0
+    assert collector.close(timeout=30)

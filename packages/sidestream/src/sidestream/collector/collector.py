@@ -452,7 +452,12 @@ class AsyncMetricCollector(Generic[T]):
         idle = self._dispatcher.wait_idle(timeout, until_mismatch=True)
         self._raise_mismatch()  # at once: a mismatch leaves windows waiting for no partner
         if not idle:
-            raise RuntimeError(f"collect_results: windows still running after {timeout} s")
+            raise RuntimeError(
+                f"collect_results: {self._dispatcher.unprocessed} window(s) still running after "
+                f"{timeout} s: a window's collective waits until every rank of the group has "
+                "scheduled it (is a rank behind, or did one skip a schedule_collection?), or "
+                "compute is slow; call it again with a longer timeout, or close()"
+            )
         return self._dispatcher.latest()[1]
 
     def close(self, timeout: float | None = 30.0) -> bool:
