@@ -64,6 +64,7 @@ def test_ranking_memory_reports_accuracy_within_its_bound(
         "CHUNK": 2_000,
         "SMALL_BATCH": 64,
         "SMALL_REPEATS": 2,
+        "BINNED_REPEATS": 1,
         "BINS": 100,
         "ROUNDS": 1,
         "SMALL_ROUNDS": 1,
