@@ -201,3 +201,13 @@ def test_without_a_recent_numpy_the_torch_path_counts(monkeypatch: pytest.Monkey
     metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 1]))
     assert metric.histograms()[0][0].tolist() == [1, 0, 0, 0]
     assert metric.histograms()[1][0].tolist() == [0, 0, 0, 1]
+
+
+def test_a_sparse_batch_is_refused_naming_the_argument() -> None:
+    dense_scores, dense_target = torch.tensor([0.1, 0.9]), torch.tensor([0, 1])
+    for preds, target, argument in (
+        (dense_scores.to_sparse(), dense_target, "preds"),
+        (dense_scores, dense_target.to_sparse(), "target"),
+    ):
+        with pytest.raises(TypeError, match=f"^{argument}: expected a dense tensor"):
+            BinaryAUROCMetric(4).update(preds, target)

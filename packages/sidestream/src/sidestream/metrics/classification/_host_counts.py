@@ -79,7 +79,7 @@ class BinaryHostCounter:
     ) -> bool:
         """Check and count one batch, or return ``False`` (nothing done) if it is not for here.
 
-        Taken: plain CPU tensors of the same shape, float32/float64 ``preds`` and bool or
+        Taken: plain (dense) CPU tensors of the same shape, float32/float64 ``preds`` and bool or
         integer ``target``, at most ``MAX_ELEMENTS`` elements, on the CPU path. Anything else
         (another device, shape or dtype, an empty batch, compiling) is left to the torch path,
         which checks it in full.
@@ -96,6 +96,8 @@ class BinaryHostCounter:
             or preds.dtype not in _SCORES
             or target.dtype not in _TARGETS
             or preds.shape != target.shape
+            or preds.layout is not torch.strided
+            or target.layout is not torch.strided
             or not 0 < preds.numel() <= MAX_ELEMENTS
             or preds.device.type != "cpu"
             or target.device.type != "cpu"

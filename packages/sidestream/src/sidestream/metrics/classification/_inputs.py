@@ -70,11 +70,13 @@ def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
     """Return ``value`` detached, after checking it is a tensor on ``device``.
 
     Raises:
-        TypeError: If ``value`` is not a tensor.
+        TypeError: If ``value`` is not a dense tensor (sparse layouts are refused).
         ValueError: If it lives on another device than the metric (``as_tensor``'s check).
     """
     if not isinstance(value, Tensor):
         raise TypeError(f"{argument}: expected a torch.Tensor, got {type(value)}")
+    if value.layout is not torch.strided:
+        raise TypeError(f"{argument}: expected a dense tensor, got layout {value.layout}")
     return as_tensor(argument, value, device)
 
 
