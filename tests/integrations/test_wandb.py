@@ -191,23 +191,27 @@ def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path:
     may be lost, so the resumed job logs them again (the progress file does not claim them)."""
     checkpoint = _crash(_CRASHING_JOB, tmp_path)
     assert checkpoint["last_steps"] == [["", 4]]
-    crashed = [
-        (row.items["step"], row.items["loss"])
-        for row in _history(_data_file(checkpoint["run_dir"]))
-    ]
-    assert crashed[:5] == [(step, float(step)) for step in range(5)]
+    assert _losses(checkpoint["run_dir"])[:5] == [(step, float(step)) for step in range(5)]
+    # The job repeats steps 3 to 9 from its checkpoint.
+    rows = _resume(checkpoint, tmp_path, range(3, 12))
+    assert rows == [(step, float(step)) for step in range(5, 12)]
 
+
+def _losses(run_dir: str) -> list[tuple[Any, Any]]:
+    """(step, loss) of every row of the run's .wandb file, as wandb recorded them."""
+    return [(row.items["step"], row.items["loss"]) for row in _history(_data_file(run_dir))]
+
+
+def _resume(checkpoint: dict[str, Any], tmp_path: Path, steps: range) -> list[tuple[Any, Any]]:
+    """Resume the crashed run from ``checkpoint``, write ``steps``, close: the rows written."""
     resumed = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
     resumed.load_state_dict(checkpoint)
-    resumed.open(RunInfo(name="crash"))
-    for step in range(3, 12):  # the job repeats steps 3 to 9 from its checkpoint
+    resumed.open(RunInfo(name="resumed"))
+    for step in steps:
         resumed.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
     run_dir = resumed.run_dir
     assert resumed.close(timeout=60) and run_dir is not None
-    rows = _history(_data_file(run_dir))
-    assert [(row.items["step"], row.items["loss"]) for row in rows] == [
-        (step, float(step)) for step in range(5, 12)
-    ]
+    return _losses(run_dir)
 
 
 _LATE_CRASH_JOB = """
@@ -238,20 +242,9 @@ def test_a_job_resumed_after_a_late_crash_skips_the_steps_in_the_crashed_file(
     every step is in one."""
     checkpoint = _crash(_LATE_CRASH_JOB, tmp_path)
     assert checkpoint["last_steps"] == [["", 4]]
-    crashed = [
-        (row.items["step"], row.items["loss"])
-        for row in _history(_data_file(checkpoint["run_dir"]))
-    ]
-    assert crashed[:10] == [(step, float(step)) for step in range(10)]
-
-    resumed = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
-    resumed.load_state_dict(checkpoint)
-    resumed.open(RunInfo(name="late"))
-    for step in range(5, 13):  # the job repeats steps 5 to 10 from its checkpoint
-        resumed.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
-    run_dir = resumed.run_dir
-    assert resumed.close(timeout=60) and run_dir is not None
-    rows = [(row.items["step"], row.items["loss"]) for row in _history(_data_file(run_dir))]
+    assert _losses(checkpoint["run_dir"])[:10] == [(step, float(step)) for step in range(10)]
+    # The job repeats steps 5 to 10 from its checkpoint.
+    rows = _resume(checkpoint, tmp_path, range(5, 13))
     # Step 10 was logged just before the crash, not counted: logged again (it may or may
     # not be in the crashed file as well).
     assert rows == [(step, float(step)) for step in range(10, 13)]
