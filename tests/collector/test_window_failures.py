@@ -111,18 +111,30 @@ def test_two_values_with_one_name_fail_the_window_instead_of_overwriting() -> No
     assert not collector.close(timeout=30)
 
 
+class _SlowSum(SumMetric):
+    def compute(self) -> torch.Tensor:
+        import time
+
+        time.sleep(0.5)
+        return super().compute()
+
+
 def test_collect_results_that_times_out_says_what_may_hold_the_window() -> None:
-    class SlowSum(SumMetric):
-        def compute(self) -> torch.Tensor:
-            import time
-
-            time.sleep(0.5)
-            return super().compute()
-
-    collector = AsyncMetricCollector(SlowSum()).bind("cpu")
+    collector = AsyncMetricCollector(_SlowSum()).bind("cpu")
     collector.metric.update(torch.tensor([1.0]))
     collector.schedule_collection(1)
     with pytest.raises(RuntimeError, match=r"1 window\(s\) still running after 0.01 s: .* rank"):
         collector.collect_results(timeout=0.01)
     assert collector.collect_results(timeout=30) == 1.0
     assert collector.close(timeout=30)
+
+
+def test_a_close_that_times_out_says_what_may_hold_the_window(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    collector = AsyncMetricCollector(_SlowSum()).bind("cpu")
+    collector.metric.update(torch.tensor([1.0]))
+    collector.schedule_collection(1)
+    assert collector.close(timeout=0.05) is False
+    assert "1 window(s) not finished within 0.05 s" in caplog.text
+    assert "did a rank skip the last schedule_collection" in caplog.text

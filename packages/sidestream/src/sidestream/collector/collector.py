@@ -484,8 +484,9 @@ class AsyncMetricCollector(Generic[T]):
             complete = self._dispatcher.stop(timeout)
             if not complete:
                 logger.warning(
-                    "close: %d window(s) not finished within %s s (a collective may be "
-                    "stuck); they are not reported",
+                    "close: %d window(s) not finished within %s s; they are not reported. A "
+                    "window's collective waits for every rank of the group: did a rank skip "
+                    "the last schedule_collection, stop early, or close before scheduling it?",
                     self._dispatcher.unprocessed,
                     timeout,
                 )
