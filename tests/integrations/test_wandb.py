@@ -309,3 +309,19 @@ def test_a_settings_key_wandb_rejects_fails_when_the_sink_is_built() -> None:
     with pytest.raises(ValueError, match=r"settings: .*'silnt'.*did you mean 'silent'"):
         sinks_from_config({"wandb": {"mode": "offline", "settings": {"silnt": True}}})
     assert WandbSink(mode="offline", settings={"silent": True}).run_id is None
+
+
+def test_the_sink_runs_in_a_child_process(tmp_path: Path) -> None:
+    """Its locks are made anew in the child (one was not, so it could not be pickled)."""
+    from sidestream import Run
+    from sidestream.sinks import ProcessSink, sinks_from_config
+
+    options = {"type": "wandb", "project": "sidestream-it", "mode": "offline"}
+    (sink,) = sinks_from_config([{**options, "dir": str(tmp_path), "child_process": True}])
+    assert isinstance(sink, ProcessSink)
+    with Run([sink], spool_dir=str(tmp_path)) as run:
+        for step in (1, 2, 3):
+            run.log(step, {"loss": float(step)})
+        checkpoint = run.state_dict(timeout=60)["sinks"]["wandb"]
+    assert run.close() is True
+    assert _losses(checkpoint["run_dir"]) == [(step, float(step)) for step in (1, 2, 3)]

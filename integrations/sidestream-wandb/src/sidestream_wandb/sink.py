@@ -97,7 +97,7 @@ class WandbSink(TrackerSink):
 
     name = "wandb"
     durable_on_send = False  # rows count once persist says wandb wrote them (see above)
-    _own_locks = ("_lock", "_unwritten_lock")
+    _own_locks = ("_lock", "_unwritten_lock", "_progress_lock")
 
     def __init__(
         self,
