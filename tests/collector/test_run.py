@@ -563,3 +563,27 @@ def test_a_name_two_streams_report_is_named_once(
     warnings = [r.getMessage() for r in caplog.records if "two streams" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("'train/loss' is reported by two streams of this run")
+
+
+def test_a_checkpoint_while_a_resumed_sink_opens_keeps_its_resume_state(tmp_path: Path) -> None:
+    """Before its open finished a resumed JSONL sink had no offset yet: the checkpoint took its
+    live state and lost the offset the next resume reads the file from."""
+    import time
+
+    class SlowOpen(JsonlSink):  # a slow mount, say
+        def open(self, run: RunInfo) -> None:
+            time.sleep(1.5)
+            super().open(run)
+
+    path = tmp_path / "m.jsonl"
+    with Run([JsonlSink(path)]) as first:
+        for step in (1, 2, 3):
+            first.log(step, {"lr": 1.0})
+        saved = first.state_dict()["sinks"]["jsonl"]
+    assert isinstance(saved["offset"], int) and saved["offset"] > 0
+    resumed = Run([SlowOpen(path)])
+    resumed.load_state_dict({"collectors": {}, "sinks": {"jsonl": saved}})
+    resumed.log(4, {"lr": 1.0})
+    assert resumed.state_dict(timeout=0.2)["sinks"]["jsonl"] == saved
+    assert resumed.close(timeout=30)
+    assert [record["step"] for record in read_jsonl(path)] == [1, 2, 3, 4]

@@ -264,7 +264,10 @@ class Delivery:
     @staticmethod
     def _durable_state(runner: SinkRunner, timeout: float | None) -> Any:
         sink = runner.sink
-        if isinstance(sink, TrackerSink | ProcessSink) and runner.status.state != "failed":
+        # Before its open succeeded a sink's own state is not ready (a resumed JSONL sink has
+        # no offset yet): the runner's copy, the state it resumes from, is the one to keep.
+        ready = runner.opened and runner.status.state != "failed"
+        if ready and isinstance(sink, TrackerSink | ProcessSink):
             # Thread-safe by contract: make what was sent durable, then read what counts.
             try:
                 if sink.make_durable(timeout) or isinstance(sink, TrackerSink):

@@ -99,6 +99,7 @@ class SinkRunner:
             dict(resume_state) if resume_state is not None else _state_before_open(sink, self.key)
         )
         self._sink_closed = False  # the sink's final flush and close both succeeded
+        self._opened = False  # set by the sink thread once open succeeded
         self._thread = threading.Thread(
             target=self._work, name=f"sidestream-sink-{self.key}", daemon=True
         )
@@ -204,6 +205,11 @@ class SinkRunner:
         """Whether the sink is healthy, retrying a transient failure, or failed for good."""
         with self._cond:
             return self._status
+
+    @property
+    def opened(self) -> bool:
+        """Whether the sink's ``open`` has succeeded (its own ``state_dict`` is then live)."""
+        return self._opened
 
     def sink_state(self) -> dict[str, Any]:
         """``sink.state_dict()`` as of the last delivered report, taken on the sink's thread."""
@@ -325,6 +331,7 @@ class SinkRunner:
         if not self._retry("open", self._open):
             return
         self._snapshot_state()
+        self._opened = True
         dirty = False
         last_flush = time.monotonic()
         while True:
