@@ -106,9 +106,31 @@ def _skipped_sync(with_steps: bool) -> dict[str, Any]:
 def test_a_skipped_sync_with_steps_raises_at_that_sync_on_every_rank(pair: RankPool) -> None:
     for rank, result in enumerate(pair.run(_skipped_sync, True, timeout=90)):
         assert result["outcome"].startswith("RankMismatchError"), (rank, result)
-        assert "rank 0: sync #1" in result["outcome"], result
-        assert "rank 1: sync #2" in result["outcome"], result
+        assert "rank 0: sync at step 1" in result["outcome"], result
+        assert "rank 1: sync at step 2" in result["outcome"], result
         assert result["values"] == [], result  # no mixed value was ever returned
+
+
+def _step_against_count() -> str:
+    """Rank 0 syncs at step 1, rank 1 with its count (also 1): they must not pair."""
+    metric, group = _metric(), _subgroup()
+    _update(metric, float(dist.get_rank()))
+    step = 1 if dist.get_rank() == 0 else None
+    return _outcome(lambda: metric.sync(group, step=step))
+
+
+def test_a_sync_at_a_step_never_pairs_with_a_counted_sync(pair: RankPool) -> None:
+    for rank, outcome in enumerate(pair.run(_step_against_count, timeout=90)):
+        assert outcome.startswith("RankMismatchError"), (rank, outcome)
+        assert "rank 0: sync at step 1" in outcome and "rank 1: sync #1" in outcome, outcome
+
+
+@pytest.mark.parametrize(
+    ("step", "error"), [(-1, ValueError), (2**63, ValueError), (1.0, TypeError)]
+)
+def test_a_sync_step_out_of_range_is_refused(step: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=r"^step: expected an int"):
+        MeanMetric().sync(step=step)
 
 
 def _state_dict_alone(limit: int) -> dict[str, Any]:

@@ -401,12 +401,17 @@ class Metric(Stateful, Generic[T], abc.ABC):
             RuntimeError: If ``WORLD_SIZE``/``RANK`` say the job has several processes but no
                 process group is initialized (the sync would silently reduce nothing).
             TypeError: If ``step`` is not an int.
+            ValueError: If ``step`` is negative or 2**63 or more (it travels as an int64).
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise TypeError(f"step: expected an int or None, got {step!r}")
+        if step is not None and not 0 <= step < 2**63:
+            raise ValueError(f"step: expected an int in [0, 2**63), got {step}")
         check_process_group("sync")
-        sequence = self.call_counter.next() if step is None else step
-        self._sync_as(group, CallFingerprint("sync", sequence))
+        if step is None:
+            self._sync_as(group, CallFingerprint("sync", self.call_counter.next()))
+        else:
+            self._sync_as(group, CallFingerprint("sync at step", step))
 
     def sync_as(self, group: Group, fingerprint: CallFingerprint) -> None:
         """``sync`` under the caller's ``fingerprint`` (a collector's window), blocking.

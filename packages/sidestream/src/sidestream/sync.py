@@ -69,7 +69,8 @@ GATHER_LIMIT_BYTES = 1 << 20
 
 _ALIGN = 8  # every staged state starts at a multiple of the widest element size
 _LOW_BITS = 0xFFFFFFFF
-_KINDS = ("sync", "state_dict", "window", "changed", "record")
+# Appended only: a kind travels as its index here.
+_KINDS = ("sync", "state_dict", "window", "changed", "record", "sync at step")
 _CHUNK_BITS = 16  # all_reduce fingerprints travel as 16-bit chunks: exact in float64 sums
 _FINGERPRINT_WORDS = 4  # kind, sequence, structure, stream (int64 each, on the gather path)
 _FINGERPRINT_CHUNKS = 1 + 3 * (64 // _CHUNK_BITS)
@@ -107,8 +108,11 @@ class CallFingerprint:
 
     Attributes:
         kind: ``"sync"``, ``"state_dict"``, ``"window"``, ``"changed"`` (sent by a rank whose
-            metric structure changed since its last sync) or ``"record"``.
-        sequence: The window's step, or the how-many-th call of this kind on the metric.
+            metric structure changed since its last sync), ``"record"`` or ``"sync at step"``
+            (``Metric.sync(step=...)``: a kind of its own, so it never pairs with a counted
+            sync whose number happens to equal the step).
+        sequence: The window's or sync's step, or the how-many-th call of this kind on the
+            metric.
         stream: Which of several same-shaped callers this is: a collector's prefix (its stream
             in a run), so that two collectors' windows at one step are not taken for each
             other; ``""`` for a metric's own calls.
@@ -172,7 +176,8 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
 def _describe_call(words: list[int]) -> str:
     kind, sequence, structure, stream = words
     name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
-    text = f"{name} #{sequence} (structure {structure & _WORD_MASK:016x}"
+    number = f"{name} {sequence}" if name == "sync at step" else f"{name} #{sequence}"
+    text = f"{number} (structure {structure & _WORD_MASK:016x}"
     # A stream travels as a hash of the collector's prefix: other ranks' names are not known.
     return text + (f", collector hash {stream & _WORD_MASK:016x})" if stream else ")")
 
