@@ -211,3 +211,15 @@ def test_a_sparse_batch_is_refused_naming_the_argument() -> None:
     ):
         with pytest.raises(TypeError, match=f"^{argument}: expected a dense tensor"):
             BinaryAUROCMetric(4).update(preds, target)
+
+
+def test_a_lazily_negated_view_counts_as_its_values() -> None:
+    """``complex(0, -p).conj().imag`` equals ``p`` but is a view with torch's negative bit,
+    which numpy() refuses: such inputs take the torch path."""
+    scores = torch.tensor([0.1, 0.4, 0.35, 0.8])
+    target = torch.tensor([0, 0, 1, 1])
+    view = torch.complex(torch.zeros(4), -scores).conj().imag
+    assert view.is_neg() and torch.equal(view, scores)
+    metric = BinaryAUROCMetric()
+    metric.update(view, target)
+    assert metric.compute().item() == pytest.approx(roc_auc_score(target, scores))

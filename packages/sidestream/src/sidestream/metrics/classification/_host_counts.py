@@ -98,6 +98,8 @@ class BinaryHostCounter:
             or preds.shape != target.shape
             or preds.layout is not torch.strided
             or target.layout is not torch.strided
+            or preds.is_neg()  # a lazily negated view (.conj().imag): numpy() refuses it
+            or target.is_neg()
             or not 0 < preds.numel() <= MAX_ELEMENTS
             or preds.device.type != "cpu"
             or target.device.type != "cpu"
