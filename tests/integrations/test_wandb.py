@@ -250,6 +250,41 @@ def test_a_job_resumed_after_a_late_crash_skips_the_steps_in_the_crashed_file(
     assert rows == [(step, float(step)) for step in range(10, 13)]
 
 
+_RESUMED_CRASH_JOB = """
+import json, os, sys, time
+from sidestream.sinks import Report, RunInfo
+from sidestream_wandb import WandbSink
+
+sink = WandbSink(project="sidestream-it", mode="offline", dir=sys.argv[1])
+with open(sys.argv[2]) as saved:
+    sink.load_state_dict(json.load(saved))
+sink.open(RunInfo(name="late"))
+for step in range(5, 16):  # the job repeats steps 5 to 9 from the checkpoint: skipped
+    sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+time.sleep(2.5)
+sink.write(Report(step=16, values={"loss": 16.0}, time=time.time()))  # counts 10 to 15
+os._exit(1)  # killed again, before a checkpoint of its own
+"""
+
+
+def test_a_second_crash_before_a_new_checkpoint_is_resumed_past_both_jobs(
+    tmp_path: Path,
+) -> None:
+    """The second job's steps are found through the checkpointed job's directory (the only one
+    the checkpoint names), so the third job does not log them again."""
+    checkpoint = _crash(_LATE_CRASH_JOB, tmp_path)
+    assert _crash(_RESUMED_CRASH_JOB, tmp_path) == checkpoint  # it wrote no checkpoint
+    second = [
+        path
+        for path in (tmp_path / "wandb").glob("offline-run-*")
+        if str(path) != checkpoint["run_dir"]
+    ]
+    assert len(second) == 1
+    assert _losses(str(second[0]))[:6] == [(step, float(step)) for step in range(10, 16)]
+    rows = _resume(checkpoint, tmp_path, range(5, 19))
+    assert rows == [(step, float(step)) for step in range(16, 19)]
+
+
 _BACKLOG_JOB = """
 import json, os, sys, time
 from sidestream.sinks import Report, RunInfo

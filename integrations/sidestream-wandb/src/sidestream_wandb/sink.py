@@ -329,15 +329,26 @@ class WandbSink(TrackerSink):
         the file, see ``_count_written``) and once ``finish`` has returned, never with steps
         only handed to ``run.log``: wandb keeps those in memory until its next write, so a
         crashed job loses them, and a resumed job that skipped them would never log them.
+
+        Also written into the checkpointed job's run directory when this job resumed from it:
+        a job that crashes before its own first checkpoint is resumed from that same
+        checkpoint, which names only that directory, so the steps this job delivered are
+        found there too.
         """
-        path = Path(run_dir) / PROGRESS_FILE
+        directories = [run_dir]
+        previous = self._previous_dir
+        if previous is not None and previous != run_dir and Path(previous).is_dir():
+            directories.append(previous)
+        text = json.dumps(dict(last_steps))
         with self._progress_lock:  # send and flush may count at once
-            try:
-                temporary = path.with_suffix(".tmp")
-                temporary.write_text(json.dumps(dict(last_steps)))
-                os.replace(temporary, path)
-            except OSError as error:
-                self.warn_once("progress", f"WandbSink: cannot write {path}: {error}")
+            for directory in directories:
+                path = Path(directory) / PROGRESS_FILE
+                try:
+                    temporary = path.with_suffix(".tmp")
+                    temporary.write_text(text)
+                    os.replace(temporary, path)
+                except OSError as error:
+                    self.warn_once("progress", f"WandbSink: cannot write {path}: {error}")
 
     def extra_state(self) -> dict[str, Any]:
         """The run's local directory (where the progress file is)."""
