@@ -14,7 +14,7 @@ import torchmetrics
 from torchmetrics.classification import BinaryAccuracy, MulticlassF1Score
 
 from sidestream.testing import RankPool, count_collectives, on_rank_device
-from sidestream_torchmetrics import UnsupportedStateError, wrap
+from sidestream_torchmetrics import TorchmetricsMetric, UnsupportedStateError, wrap
 from tests.conftest import Pools
 
 CLASSES = 5
@@ -299,3 +299,100 @@ def test_async_collector_reports_each_window_as_torchmetrics() -> None:
         reported = collector.collect_results()
         assert reported == pytest.approx(expected[-1], rel=1e-6), step
     assert collector.close()
+
+
+def test_collection_dict_results_with_the_same_keys_are_named_as_torchmetrics_names_them() -> None:
+    """Two members returning dicts with the same keys: torchmetrics puts each member's name in
+    front of every dict entry; the bridge kept one value per key (the other one lost)."""
+    from torchmetrics.classification import BinaryFairness
+
+    def collections() -> list[torchmetrics.MetricCollection]:
+        return [
+            torchmetrics.MetricCollection(
+                {"fair": BinaryFairness(2), "fair_low": BinaryFairness(2, threshold=0.2)}
+            ),
+            torchmetrics.MetricCollection(
+                {
+                    "inner": torchmetrics.MetricCollection(
+                        {"fair": BinaryFairness(2)}, prefix="in_", postfix="_x"
+                    ),
+                    "acc": BinaryAccuracy(),
+                },
+                prefix="val_",
+            ),
+        ]
+
+    generator = torch.Generator().manual_seed(4)
+    preds = torch.rand(40, generator=generator)
+    target = torch.randint(0, 2, (40,), generator=generator)
+    groups = torch.randint(0, 2, (40,), generator=generator)
+    for plain, source in zip(collections(), collections(), strict=True):
+        wrapped = wrap(source)
+        plain.update(preds=preds, target=target, groups=groups)
+        wrapped.update(preds=preds, target=target, groups=groups)
+        expected, got = plain.compute(), wrapped.compute()
+        assert sorted(got) == sorted(expected)
+        for name, value in expected.items():
+            assert got[name].item() == pytest.approx(value.item()), name
+
+
+def test_set_dtype_after_wrap_is_refused_and_before_wrap_carried() -> None:
+    """After wrap() the states are sidestream's: a later set_dtype was silently undone (float32
+    results for float64 input)."""
+    values = torch.tensor([1e8 + 1, 1e8 + 3], dtype=torch.float64)
+    late = wrap(torchmetrics.MeanMetric())
+    assert isinstance(late, TorchmetricsMetric)
+    late.torchmetrics.set_dtype(torch.float64)
+    with pytest.raises(RuntimeError, match=r"dtype changed from torch.float32 to torch.float64"):
+        late.update(values)
+    early = torchmetrics.MeanMetric()
+    early.set_dtype(torch.float64)
+    wrapped = wrap(early)
+    wrapped.update(values)
+    assert wrapped.compute().item() == 1e8 + 2
+
+
+def test_state_names_are_torchmetrics_names_whatever_they_are() -> None:
+    """States were attributes named "_<state>": "sync_group" or "state_arena" replaced the
+    metric's own internals (AttributeError later), and "_hidden" was saved as "hidden"."""
+    names = ["sync_group", "state_arena", "declarations", "torchmetrics", "_hidden"]
+
+    class Custom(torchmetrics.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            for name in names:
+                self.add_state(name, torch.tensor(0.0), dist_reduce_fx="sum")
+
+        def update(self, x: torch.Tensor) -> None:
+            for index, name in enumerate(names):
+                setattr(self, name, getattr(self, name) + (index + 1) * x.sum())
+
+        def compute(self) -> torch.Tensor:
+            return torch.stack([getattr(self, name) for name in names])
+
+    wrapped = wrap(Custom())
+    wrapped.update(torch.tensor([1.0, 2.0]))
+    wrapped.sync()
+    assert wrapped.compute().tolist() == [3.0, 6.0, 9.0, 12.0, 15.0]
+    saved = wrapped.state_dict()
+    assert sorted(saved) == sorted(names)
+    again = wrap(Custom())
+    again.load_state_dict(saved)
+    assert again.compute().tolist() == [3.0, 6.0, 9.0, 12.0, 15.0]
+
+
+def test_a_state_that_changes_shape_in_update_is_named() -> None:
+    class Growing(torchmetrics.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("buf", torch.zeros(0), dist_reduce_fx="sum")
+
+        def update(self, x: torch.Tensor) -> None:
+            self.buf = torch.cat([self.buf, x])
+
+        def compute(self) -> torch.Tensor:
+            return self.buf.sum()
+
+    wrapped = wrap(Growing())
+    with pytest.raises(UnsupportedStateError, match=r"Growing.update changed state 'buf' from"):
+        wrapped.update(torch.tensor([1.0]))

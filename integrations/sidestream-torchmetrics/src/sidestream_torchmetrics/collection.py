@@ -60,15 +60,33 @@ class TorchmetricsCollection(ComposeMetric):
         """``{name: value}``, names with the collection's prefix and postfix.
 
         A member whose ``compute`` returns a dict adds its entries under their own keys, as
-        ``MetricCollection.compute`` flattens them.
+        ``MetricCollection.compute`` flattens them: when a key would come twice, every dict
+        entry is named after its member too (``"<member>_<key>"``), as torchmetrics does.
         """
+        results: dict[str, Any] = {}
+        for plain, child in self.items():
+            results[self._keys[plain]] = child.compute()
+        seen: set[str] = set()
+        duplicates = False
+        for key, value in results.items():
+            for name in value if isinstance(value, dict) else (key,):
+                duplicates = duplicates or name in seen
+                seen.add(name)
         flat: dict[str, Any] = {}
         for plain, child in self.items():
-            value = child.compute()
-            if isinstance(value, dict):
-                flat.update(value)
-            else:
-                flat[self._keys[plain]] = value
+            key, value = self._keys[plain], results[self._keys[plain]]
+            if not isinstance(value, dict):
+                flat[key] = value
+                continue
+            member = child.torchmetrics
+            for name, entry in value.items():
+                if duplicates:
+                    own = key.replace(getattr(member, "prefix", None) or "", "")
+                    own = own.replace(getattr(member, "postfix", None) or "", "")
+                    name = f"{own}_{name}"
+                if getattr(member, "_from_collection", None):
+                    name = f"{member.prefix or ''}{name}{member.postfix or ''}"
+                flat[name] = entry
         return {self._collection._set_name(name): value for name, value in flat.items()}
 
 

@@ -23,7 +23,6 @@ from sidestream_torchmetrics._equivalents import suggestion
 __all__ = ["TorchmetricsMetric", "UnsupportedStateError"]
 
 _OPS = {dim_zero_sum: ReduceOp.SUM, dim_zero_max: ReduceOp.MAX, dim_zero_min: ReduceOp.MIN}
-_OWN_FIELDS = ("torchmetrics", "state_names")
 
 
 class UnsupportedStateError(ValueError):
@@ -56,8 +55,6 @@ def _state_op(metric: TorchmetricsBase, name: str) -> ReduceOp:
             f"{where} uses a callable reduction ({getattr(reduction, '__name__', reduction)}); "
             f"only 'sum', 'max' and 'min' map to sidestream state; {hint}"
         )
-    if name in _OWN_FIELDS:
-        raise UnsupportedStateError(f"{where}: the name is reserved by the wrapper")
     return _OPS[reduction]
 
 
@@ -141,11 +138,15 @@ class TorchmetricsMetric(Metric[Any]):
         metric.dist_sync_on_step = False
         metric._to_sync = False
         self._torchmetrics = metric
-        self._state_names = tuple(ops)
+        self._torchmetrics_dtype = metric.dtype  # set_dtype later would be lost: refused
+        # Declared by their torchmetrics names (add_state, not attributes named after them: a
+        # state called "sync_group" would have replaced the metric's own _sync_group).
+        states: list[tuple[str, MetricAccumulator]] = []
         for name, op in ops.items():
             default = metric._defaults[name]
             assert isinstance(default, Tensor)  # list states were refused above
-            setattr(self, f"_{name}", MetricAccumulator(default.detach().clone(), op=op))
+            states.append((name, self.add_state(name, default.detach().clone(), op)))
+        self._bridged = states
 
     @property
     def torchmetrics(self) -> TorchmetricsBase:
@@ -153,7 +154,7 @@ class TorchmetricsMetric(Metric[Any]):
         return self._torchmetrics
 
     def _accumulators(self) -> list[tuple[str, MetricAccumulator]]:
-        return [(name, getattr(self, f"_{name}")) for name in self._state_names]
+        return self._bridged
 
     def _point_states(self, synced: bool) -> None:
         for name, accumulator in self._accumulators():
@@ -165,6 +166,13 @@ class TorchmetricsMetric(Metric[Any]):
         Host syncs are torchmetrics': its argument validation reads values on CUDA, so pass
         ``validate_args=False`` to the torchmetrics constructor where it has one.
         """
+        if self._torchmetrics.dtype != self._torchmetrics_dtype:
+            raise RuntimeError(
+                f"update: the wrapped {type(self._torchmetrics).__name__}'s dtype changed from "
+                f"{self._torchmetrics_dtype} to {self._torchmetrics.dtype} after wrap() (set_dtype"
+                ", double(), half()...): its states are sidestream's now and keep their dtype. "
+                "Call set_dtype on the torchmetrics metric before wrap()"
+            )
         self._point_states(synced=False)
         self._torchmetrics.update(*args, **kwargs)
         for name, accumulator in self._accumulators():
@@ -173,6 +181,13 @@ class TorchmetricsMetric(Metric[Any]):
                 raise TypeError(
                     f"{type(self._torchmetrics).__name__}.update left state {name!r} as "
                     f"{type(value)}, not a tensor"
+                )
+            if value.shape != accumulator.local.shape:
+                raise UnsupportedStateError(
+                    f"{type(self._torchmetrics).__name__}.update changed state {name!r} from "
+                    f"shape {tuple(accumulator.local.shape)} to {tuple(value.shape)}: wrapped "
+                    "states must keep their shape (one that grows with the data is a 'cat' "
+                    "state, which sidestream cannot sync in fixed size)"
                 )
             # In place or rebound, the result becomes the local state (and any sync is stale).
             accumulator.load_local(value.to(accumulator.local.dtype))
