@@ -7,6 +7,7 @@ recompute each window directly with numpy on the concatenated data of all ranks.
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,9 @@ def train(
         sink_capacity=sink_capacity,
         sink_retry_initial_s=0.05,
         sink_retry_max_s=0.5,
+        # A directory of its own: the system temp dir may hold other jobs' spool files, which
+        # the sinks would name in a warning this job's checks would count.
+        spool_dir=tempfile.mkdtemp(prefix="sidestream-it-spool-"),
     )
     if state is not None:
         collector.load_state_dict(state)

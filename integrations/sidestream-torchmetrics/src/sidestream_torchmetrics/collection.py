@@ -78,6 +78,7 @@ class TorchmetricsCollection(ComposeMetric):
             if not isinstance(value, dict):
                 flat[key] = value
                 continue
+            assert isinstance(child, TorchmetricsMetric)
             member = child.torchmetrics
             for name, entry in value.items():
                 if duplicates:

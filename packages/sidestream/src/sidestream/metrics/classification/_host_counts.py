@@ -91,6 +91,8 @@ class BinaryHostCounter:
         np = _np
         if (
             np is None
+            # First: compiling, the checks below (is_neg) would break the graph.
+            or not _cpu_path.enabled(histogram.device)
             or type(preds) is not Tensor
             or type(target) is not Tensor
             or preds.dtype not in _SCORES
@@ -103,7 +105,6 @@ class BinaryHostCounter:
             or not 0 < preds.numel() <= MAX_ELEMENTS
             or preds.device.type != "cpu"
             or target.device.type != "cpu"
-            or not _cpu_path.enabled(histogram.device)
         ):
             return False
         scores = (preds.detach() if preds.requires_grad else preds).numpy()
