@@ -587,3 +587,32 @@ def test_a_checkpoint_while_a_resumed_sink_opens_keeps_its_resume_state(tmp_path
     assert resumed.state_dict(timeout=0.2)["sinks"]["jsonl"] == saved
     assert resumed.close(timeout=30)
     assert [record["step"] for record in read_jsonl(path)] == [1, 2, 3, 4]
+
+
+def test_checkpoints_share_no_lists_and_carry_the_state_of_a_sink_left_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Checkpoints before the sinks deliver again were views of one resume state (an edit of
+    one changed the next); a sink left out of this job's config lost its state silently."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="sidestream.sinks")
+    with Run([JsonlSink(tmp_path / "a.jsonl"), JsonlSink(tmp_path / "b.jsonl")]) as first:
+        first.log(1, {"lr": 1.0})
+        saved = first.state_dict()
+    assert sorted(saved["sinks"]) == ["jsonl", "jsonl-2"]
+    resumed = Run([JsonlSink(tmp_path / "a.jsonl")])
+    resumed.load_state_dict(saved)
+    assert "sink(s) ['jsonl-2'], which this run does not have" in caplog.text
+    before_start = resumed.state_dict()
+    before_start["sinks"]["jsonl"]["last_steps"][0][1] = 999
+    saved["sinks"]["jsonl"]["last_steps"][0][1] = 998
+    assert resumed.state_dict()["sinks"] == {
+        "jsonl": {**before_start["sinks"]["jsonl"], "last_steps": [["", 1]]},
+        "jsonl-2": saved["sinks"]["jsonl-2"],
+    }
+    resumed.log(2, {"lr": 1.0})
+    assert resumed.close(timeout=30)
+    after = resumed.state_dict()["sinks"]
+    assert after["jsonl"]["last_steps"] == [["", 2]]
+    assert after["jsonl-2"] == saved["sinks"]["jsonl-2"]

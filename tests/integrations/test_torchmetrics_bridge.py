@@ -396,3 +396,20 @@ def test_a_state_that_changes_shape_in_update_is_named() -> None:
     wrapped = wrap(Growing())
     with pytest.raises(UnsupportedStateError, match=r"Growing.update changed state 'buf' from"):
         wrapped.update(torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("name", ["a.b", "a/b"])
+def test_a_state_name_sidestream_cannot_key_is_refused_naming_it(name: str) -> None:
+    class Dotted(torchmetrics.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state(name, torch.tensor(0.0), dist_reduce_fx="sum")
+
+        def update(self, x: torch.Tensor) -> None:
+            pass
+
+        def compute(self) -> torch.Tensor:
+            return torch.tensor(0.0)
+
+    with pytest.raises(UnsupportedStateError, match=rf"Dotted: state '{name}': a name with"):
+        wrap(Dotted())

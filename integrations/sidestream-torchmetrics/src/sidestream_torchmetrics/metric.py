@@ -35,6 +35,11 @@ def _state_op(metric: TorchmetricsBase, name: str) -> ReduceOp:
     reduction = metric._reductions[name]
     where = f"{type(metric).__name__}: state {name!r}"
     hint = suggestion(type(metric).__name__)
+    if "." in name or "/" in name:
+        raise UnsupportedStateError(
+            f"{where}: a name with '.' or '/' cannot be a sidestream state name (checkpoint "
+            "keys of nested metrics are joined with '.')"
+        )
     if isinstance(default, list) or reduction is dim_zero_cat:
         raise UnsupportedStateError(
             f"{where} concatenates samples (dist_reduce_fx='cat' or a list state), so it grows "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -92,6 +93,7 @@ class Delivery:
         self.info = info or RunInfo()
         self.options = options
         self.resume_states: dict[str, Any] = {}
+        self.unclaimed_states: dict[str, Any] = {}
         self.runners: list[SinkRunner] | None = None
         # Called once when the sinks start, whoever starts them (a collector's bind or
         # Run.log): the owner registers its close at interpreter exit there.
@@ -212,11 +214,16 @@ class Delivery:
             if not self.is_writer:
                 return {}
             return {
-                key: self.resume_states.get(key, sink.state_dict())
-                for key, sink in self.sinks.items()
+                **copy.deepcopy(self.unclaimed_states),
+                **{
+                    key: copy.deepcopy(self.resume_states[key])
+                    if key in self.resume_states
+                    else sink.state_dict()
+                    for key, sink in self.sinks.items()
+                },
             }
         deadline = None if timeout is None else time.monotonic() + timeout
-        states: dict[str, Any] = {}
+        states: dict[str, Any] = copy.deepcopy(self.unclaimed_states)
         for runner in self.runners:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             began = time.monotonic()
@@ -289,7 +296,20 @@ class Delivery:
                 "load_state_dict: call it before the first bind or log (sinks resume their "
                 "run when they open)"
             )
-        self.resume_states = {key: steps_as_pairs(state) for key, state in states.items()}
+        # Copies: the caller's checkpoint dict must not change with what the sinks do.
+        loaded = {key: copy.deepcopy(steps_as_pairs(state)) for key, state in states.items()}
+        self.resume_states = {key: state for key, state in loaded.items() if key in self.sinks}
+        # A sink this run does not have (left out of the config for this job): its state is
+        # carried on into this run's checkpoints, as unclaimed collector states are.
+        self.unclaimed_states = {k: v for k, v in loaded.items() if k not in self.sinks}
+        if self.unclaimed_states:
+            logger.warning(
+                "load_state_dict: the checkpoint holds the state of sink(s) %s, which this run "
+                "does not have (its sinks: %s); it is kept in this run's checkpoints, so a later "
+                "job with that sink resumes it",
+                sorted(self.unclaimed_states),
+                sorted(self.sinks),
+            )
 
     def close(self, deadline: float | None) -> bool:
         """Close every runner once (delivering what is pending); whether all was delivered."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import threading
@@ -96,7 +97,9 @@ class SinkRunner:
         # state before open, so a checkpoint taken meanwhile keeps them and the keys a fresh
         # run's sink has (torch.distributed.checkpoint loads into those).
         self._state: dict[str, Any] = (
-            dict(resume_state) if resume_state is not None else _state_before_open(sink, self.key)
+            copy.deepcopy(dict(resume_state))
+            if resume_state is not None
+            else _state_before_open(sink, self.key)
         )
         self._sink_closed = False  # the sink's final flush and close both succeeded
         self._opened = False  # set by the sink thread once open succeeded
@@ -212,9 +215,13 @@ class SinkRunner:
         return self._opened
 
     def sink_state(self) -> dict[str, Any]:
-        """``sink.state_dict()`` as of the last delivered report, taken on the sink's thread."""
+        """``sink.state_dict()`` as of the last delivered report, taken on the sink's thread.
+
+        A copy throughout: checkpoints taken before the sink delivers again must not share
+        lists (``last_steps``) with each other or with the state it resumed from.
+        """
         with self._cond:
-            return dict(self._state)
+            return copy.deepcopy(self._state)
 
     def wait_delivered(self, timeout: float | None = None) -> bool:
         """Block until every submitted report is delivered; whether that happened in time."""
