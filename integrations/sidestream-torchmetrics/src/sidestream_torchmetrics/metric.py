@@ -180,8 +180,11 @@ class TorchmetricsMetric(Metric[Any]):
             )
         self._point_states(synced=False)
         self._torchmetrics.update(*args, **kwargs)
-        for name, accumulator in self._accumulators():
-            value = getattr(self._torchmetrics, name)
+        results = [
+            (name, accumulator, getattr(self._torchmetrics, name))
+            for name, accumulator in self._accumulators()
+        ]
+        for name, accumulator, value in results:  # every state checked before any is stored
             if not isinstance(value, Tensor):
                 raise TypeError(
                     f"{type(self._torchmetrics).__name__}.update left state {name!r} as "
@@ -194,6 +197,7 @@ class TorchmetricsMetric(Metric[Any]):
                     "states must keep their shape (one that grows with the data is a 'cat' "
                     "state, which sidestream cannot sync in fixed size)"
                 )
+        for _, accumulator, value in results:
             # In place or rebound, the result becomes the local state (and any sync is stale).
             accumulator.load_local(value.to(accumulator.local.dtype))
 
