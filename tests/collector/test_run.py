@@ -521,15 +521,14 @@ def test_a_checkpoint_keeps_the_state_of_a_sink_that_never_opened(tmp_path: Path
             self.run_id = state_dict["run_id"]
 
     saved = {"run_id": "r1", "last_steps": [["", 5]]}
-    run = Run(sinks=[Unreachable()])
-    run.load_state_dict({"collectors": {}, "sinks": {"sink": saved}})
-    run.log(6, {"lr": 0.1})
-    assert run.state_dict(timeout=5)["sinks"]["sink"] == saved
-    assert run.close(timeout=5) is False
-    fresh = Run(sinks=[Unreachable()])
-    fresh.log(1, {"lr": 0.1})
-    assert fresh.state_dict(timeout=5)["sinks"]["sink"] == {"run_id": None, "last_steps": []}
-    fresh.close(timeout=5)
+    with Run(sinks=[Unreachable()]) as run:
+        run.load_state_dict({"collectors": {}, "sinks": {"sink": saved}})
+        run.log(6, {"lr": 0.1})
+        assert run.state_dict(timeout=5)["sinks"]["sink"] == saved
+    assert run.close(timeout=5) is False  # the first close's result, kept
+    with Run(sinks=[Unreachable()]) as fresh:
+        fresh.log(1, {"lr": 0.1})
+        assert fresh.state_dict(timeout=5)["sinks"]["sink"] == {"run_id": None, "last_steps": []}
 
 
 def test_a_name_two_streams_report_is_named_once(
@@ -568,11 +567,14 @@ def test_a_name_two_streams_report_is_named_once(
 def test_a_checkpoint_while_a_resumed_sink_opens_keeps_its_resume_state(tmp_path: Path) -> None:
     """Before its open finished a resumed JSONL sink had no offset yet: the checkpoint took its
     live state and lost the offset the next resume reads the file from."""
-    import time
+    import copy
+    import threading
 
-    class SlowOpen(JsonlSink):  # a slow mount, say
+    may_open = threading.Event()
+
+    class SlowOpen(JsonlSink):  # a slow mount, say: opens once the test lets it
         def open(self, run: RunInfo) -> None:
-            time.sleep(1.5)
+            may_open.wait(30)
             super().open(run)
 
     path = tmp_path / "m.jsonl"
@@ -582,10 +584,13 @@ def test_a_checkpoint_while_a_resumed_sink_opens_keeps_its_resume_state(tmp_path
         saved = first.state_dict()["sinks"]["jsonl"]
     assert isinstance(saved["offset"], int) and saved["offset"] > 0
     resumed = Run([SlowOpen(path)])
-    resumed.load_state_dict({"collectors": {}, "sinks": {"jsonl": saved}})
-    resumed.log(4, {"lr": 1.0})
-    assert resumed.state_dict(timeout=0.2)["sinks"]["jsonl"] == saved
-    assert resumed.close(timeout=30)
+    try:
+        resumed.load_state_dict({"collectors": {}, "sinks": {"jsonl": copy.deepcopy(saved)}})
+        resumed.log(4, {"lr": 1.0})
+        assert resumed.state_dict(timeout=0.2)["sinks"]["jsonl"] == saved
+    finally:
+        may_open.set()
+        assert resumed.close(timeout=30)
     assert [record["step"] for record in read_jsonl(path)] == [1, 2, 3, 4]
 
 
@@ -594,6 +599,7 @@ def test_checkpoints_share_no_lists_and_carry_the_state_of_a_sink_left_out(
 ) -> None:
     """Checkpoints before the sinks deliver again were views of one resume state (an edit of
     one changed the next); a sink left out of this job's config lost its state silently."""
+    import copy
     import logging
 
     caplog.set_level(logging.WARNING, logger="sidestream.sinks")
@@ -601,18 +607,15 @@ def test_checkpoints_share_no_lists_and_carry_the_state_of_a_sink_left_out(
         first.log(1, {"lr": 1.0})
         saved = first.state_dict()
     assert sorted(saved["sinks"]) == ["jsonl", "jsonl-2"]
-    resumed = Run([JsonlSink(tmp_path / "a.jsonl")])
-    resumed.load_state_dict(saved)
-    assert "sink(s) ['jsonl-2'], which this run does not have" in caplog.text
-    before_start = resumed.state_dict()
-    before_start["sinks"]["jsonl"]["last_steps"][0][1] = 999
-    saved["sinks"]["jsonl"]["last_steps"][0][1] = 998
-    assert resumed.state_dict()["sinks"] == {
-        "jsonl": {**before_start["sinks"]["jsonl"], "last_steps": [["", 1]]},
-        "jsonl-2": saved["sinks"]["jsonl-2"],
-    }
-    resumed.log(2, {"lr": 1.0})
-    assert resumed.close(timeout=30)
+    want = copy.deepcopy(saved["sinks"])  # what was saved, before anything is edited
+    with Run([JsonlSink(tmp_path / "a.jsonl")]) as resumed:
+        resumed.load_state_dict(saved)
+        assert "sink(s) ['jsonl-2'], which this run does not have" in caplog.text
+        before_start = resumed.state_dict()
+        before_start["sinks"]["jsonl"]["last_steps"][0][1] = 999
+        saved["sinks"]["jsonl"]["last_steps"][0][1] = 998
+        assert resumed.state_dict()["sinks"] == want
+        resumed.log(2, {"lr": 1.0})
     after = resumed.state_dict()["sinks"]
     assert after["jsonl"]["last_steps"] == [["", 2]]
-    assert after["jsonl-2"] == saved["sinks"]["jsonl-2"]
+    assert after["jsonl-2"] == want["jsonl-2"]

@@ -469,3 +469,12 @@ def test_rank_mismatch_raises_on_every_rank(dist_pool: RankPool) -> None:
         assert result["check_only untouched"]
         assert result["check_only calls"] == ([GATHER], [GATHER], world)
         assert f"has shape (4,) on rank {odd}" in result["check_only mismatch"]
+
+
+@pytest.mark.parametrize(
+    ("step", "error"),
+    [(-1, ValueError), (2**63, ValueError), (1.0, TypeError), (True, TypeError)],
+)
+def test_a_sync_step_out_of_range_is_refused(step: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=r"^step: expected an int"):
+        MeanMetric().sync(step=step)

@@ -7,6 +7,7 @@ recompute each window directly with numpy on the concatenated data of all ranks.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -164,6 +165,7 @@ def train(
     logging.getLogger("sidestream.sinks").addHandler(warnings)
     metric = make_metric()
     sinks = sinks_from_config(config)
+    spool_dir = tempfile.mkdtemp(prefix="sidestream-it-spool-")
     collector = AsyncMetricCollector(
         metric,
         sinks=sinks,
@@ -174,7 +176,7 @@ def train(
         sink_retry_max_s=0.5,
         # A directory of its own: the system temp dir may hold other jobs' spool files, which
         # the sinks would name in a warning this job's checks would count.
-        spool_dir=tempfile.mkdtemp(prefix="sidestream-it-spool-"),
+        spool_dir=spool_dir,
     )
     if state is not None:
         collector.load_state_dict(state)
@@ -200,6 +202,7 @@ def train(
             _signal(signals, f"step_{step}", wait=True)
         time.sleep(step_seconds)
     closed = collector.close(timeout=240.0)
+    shutil.rmtree(spool_dir, ignore_errors=True)  # what close kept was counted above
     logging.getLogger("sidestream.sinks").removeHandler(warnings)
     return {
         "rank": rank,

@@ -418,7 +418,7 @@ def test_resuming_a_run_deleted_on_the_server_fails_for_good_saying_how_to_go_on
 
 
 def test_replay_counts_values_the_server_holds_at_later_steps_and_keeps_the_file(
-    shm_path: Path,
+    shm_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A value at or below the largest step the server holds of it is not sent (how a resumed
     job avoids duplicates), even where the server lacks that very step: replay counts such
@@ -460,8 +460,12 @@ def test_replay_counts_values_the_server_holds_at_later_steps_and_keeps_the_file
     state.write_text(json.dumps(checkpoint))
     options = ["--option", f"tracking_uri={uri}", "--option", "experiment=replay"]
     arguments = [str(spool), "--sink", "mlflow", *options, "--resume-state", str(state)]
+    capsys.readouterr()
     assert main(arguments) == 1  # every report is held now: nothing sent, the file kept
     assert spool.exists()
+    printed = capsys.readouterr()  # exit 1 for this reason, not a failed replay
+    assert "delivered 0 report(s)" in printed.out
+    assert "7 report(s) had values the backend holds at later steps" in printed.err
 
 
 def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_name(

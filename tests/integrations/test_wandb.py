@@ -174,7 +174,7 @@ def _crash(job: str, tmp_path: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(saved)],
+        [sys.executable, str(script), str(tmp_path), str(saved), str(Path(__file__).parent)],
         env=env,
         capture_output=True,
         text=True,
@@ -214,13 +214,42 @@ def _resume(checkpoint: dict[str, Any], tmp_path: Path, steps: range) -> list[tu
     return _losses(run_dir)
 
 
-_LATE_CRASH_JOB = """
+_WAIT_WRITTEN = """
+sys.path.insert(0, sys.argv[3])  # tests/integrations, for the independent .wandb reader
+from wandb_reader import read_history
+
+
+def wait_written(step, since):
+    # Until the .wandb file holds step (wandb's periodic write) and the sink's rule (logged
+    # at least 1.5 s ago) counts it: then the next write records it as delivered.
+    path = next(Path(sink.run_dir).glob("*.wandb"))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if any(row.items.get("step") == step for row in read_history(path)):
+                break
+        except Exception:
+            pass  # a block being written
+        if time.monotonic() > deadline:
+            raise SystemExit(f"wandb did not write step {step} within 60 s")
+        time.sleep(0.1)
+    time.sleep(max(0.0, since + 1.6 - time.monotonic()))
+"""
+"""Job-script code: ``wait_written(step, since)`` (the sink must be open as ``sink``)."""
+
+
+_LATE_CRASH_JOB = (
+    """
 import json, os, sys, time
+from pathlib import Path
 from sidestream.sinks import Report, RunInfo
 from sidestream_wandb import WandbSink
 
 sink = WandbSink(project="sidestream-it", mode="offline", dir=sys.argv[1])
 sink.open(RunInfo(name="late"))
+"""
+    + _WAIT_WRITTEN
+    + """
 for step in range(5):
     sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
 assert sink.make_durable(timeout=30)
@@ -228,10 +257,11 @@ with open(sys.argv[2], "w") as out:
     json.dump(sink.state_dict(), out)
 for step in range(5, 10):
     sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
-time.sleep(2.5)  # wandb's periodic write (1 s) has put steps 5 to 9 in the file
-sink.write(Report(step=10, values={"loss": 10.0}, time=time.time()))  # counts them
+wait_written(9, time.monotonic())
+sink.write(Report(step=10, values={"loss": 10.0}, time=time.time()))  # counts 5 to 9
 os._exit(1)  # killed: the run never finishes
 """
+)
 
 
 def test_a_job_resumed_after_a_late_crash_skips_the_steps_in_the_crashed_file(
@@ -250,8 +280,10 @@ def test_a_job_resumed_after_a_late_crash_skips_the_steps_in_the_crashed_file(
     assert rows == [(step, float(step)) for step in range(10, 13)]
 
 
-_RESUMED_CRASH_JOB = """
+_RESUMED_CRASH_JOB = (
+    """
 import json, os, sys, time
+from pathlib import Path
 from sidestream.sinks import Report, RunInfo
 from sidestream_wandb import WandbSink
 
@@ -259,12 +291,16 @@ sink = WandbSink(project="sidestream-it", mode="offline", dir=sys.argv[1])
 with open(sys.argv[2]) as saved:
     sink.load_state_dict(json.load(saved))
 sink.open(RunInfo(name="late"))
+"""
+    + _WAIT_WRITTEN
+    + """
 for step in range(5, 16):  # the job repeats steps 5 to 9 from the checkpoint: skipped
     sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
-time.sleep(2.5)
+wait_written(15, time.monotonic())
 sink.write(Report(step=16, values={"loss": 16.0}, time=time.time()))  # counts 10 to 15
 os._exit(1)  # killed again, before a checkpoint of its own
 """
+)
 
 
 def test_a_second_crash_before_a_new_checkpoint_is_resumed_past_both_jobs(
@@ -272,8 +308,12 @@ def test_a_second_crash_before_a_new_checkpoint_is_resumed_past_both_jobs(
 ) -> None:
     """The second job's steps are found through the checkpointed job's directory (the only one
     the checkpoint names), so the third job does not log them again."""
+    import json
+
     checkpoint = _crash(_LATE_CRASH_JOB, tmp_path)
-    assert _crash(_RESUMED_CRASH_JOB, tmp_path) == checkpoint  # it wrote no checkpoint
+    _crash(_RESUMED_CRASH_JOB, tmp_path)  # writes no checkpoint of its own
+    progress = Path(checkpoint["run_dir"]) / "sidestream-steps.json"
+    assert json.loads(progress.read_text()) == {"": 15}  # the second job's steps, found here
     second = [
         path
         for path in (tmp_path / "wandb").glob("offline-run-*")

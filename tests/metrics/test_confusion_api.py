@@ -146,6 +146,14 @@ LABEL_BAD = [
     # One score column per sample is not a one-class multiclass batch: the shapes differ.
     ("binary", torch.tensor([[0.9], [0.1]]), torch.tensor([0, 0]), ValueError, "target: .*shape"),
     ("multilabel", torch.rand(3, 4), torch.randint(0, 2, (3, 4)), ValueError, "num_labels = 3"),
+    # A 1-D (L,) batch: far more likely L binary scores than one sample without its dimension.
+    (
+        "multilabel",
+        torch.tensor([0.9, 0.2, 0.7]),
+        torch.tensor([1, 0, 0]),
+        ValueError,
+        r"^preds: expected shape \(N, \.\.\., L\)",
+    ),
 ]
 
 

@@ -40,8 +40,31 @@ def _expected_counts(scores: torch.Tensor, target: torch.Tensor, bins: int) -> n
     )
 
 
+def _recording(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """What each ``BinaryHostCounter.count`` call did: True (counted), False, or the error."""
+    calls: list[object] = []
+    original = BinaryHostCounter.count
+
+    def spy(self: BinaryHostCounter, *args: object) -> bool:
+        try:
+            calls.append(original(self, *args))
+        except ValueError as error:
+            calls.append(error)
+            raise
+        return bool(calls[-1])
+
+    monkeypatch.setattr(BinaryHostCounter, "count", spy)
+    return calls
+
+
 def _edge_scores(bins: int, dtype: torch.dtype) -> torch.Tensor:
-    edges = np.arange(bins + 1) / bins
+    """Every bin edge (for many bins, the first and last 10,000 and 10,000 spread between:
+    the numpy path takes batches up to MAX_ELEMENTS), the values just below them, and more."""
+    if bins <= 20_000:
+        edges = np.arange(bins + 1) / bins
+    else:
+        picked = np.r_[0:10_000, bins - 10_000 : bins + 1, np.linspace(0, bins, 10_000)]
+        edges = np.unique(picked.astype(np.int64)) / bins
     below = np.nextafter(edges[1:], 0)
     values = np.concatenate([edges, below, [0.0, -0.0, 1.0, 0.99, 0.995, np.nextafter(1.0, 0)]])
     return torch.tensor(values).to(dtype)
@@ -56,10 +79,13 @@ def test_edge_scores_count_as_on_the_torch_path(
     monkeypatch: pytest.MonkeyPatch, bins: int, dtype: torch.dtype, target_dtype: torch.dtype
 ) -> None:
     scores = _edge_scores(bins, dtype)
+    assert scores.numel() <= _host_counts.MAX_ELEMENTS
     target = (torch.arange(scores.numel()) % 3 == 1).to(target_dtype)
     fast = BinaryAUROCMetric(bins)
-    assert fast._host_counter is not None
-    fast.update(scores, target)
+    with monkeypatch.context() as patch:
+        calls = _recording(patch)
+        fast.update(scores, target)
+    assert calls == [True]  # counted by the numpy path
     counts = torch.cat(fast.histograms(), dim=1)[0].numpy()
     assert counts.tolist() == _expected_counts(scores, target, bins).tolist()
     with monkeypatch.context() as patch:
@@ -118,11 +144,13 @@ def test_bad_values_raise_the_torch_path_error_before_counting(
     target_dtype: torch.dtype,
 ) -> None:
     if target_dtype == torch.uint8 and min(target) < 0:
-        return  # no negative uint8
+        pytest.skip("uint8 holds no negative target")
     messages = []
     for numpy_path in (True, False):
         with monkeypatch.context() as patch:
-            if not numpy_path:
+            if numpy_path:
+                calls = _recording(patch)
+            else:
                 _without_host_counts(patch)
             metric = BinaryAUROCMetric(16)
             metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 1]))
@@ -131,6 +159,8 @@ def test_bad_values_raise_the_torch_path_error_before_counting(
                 metric.update(torch.tensor(preds), torch.tensor(target, dtype=target_dtype))
             assert torch.equal(torch.cat(metric.histograms(), 1), before)
             messages.append(str(raised.value))
+            if numpy_path:
+                assert calls[0] is True and calls[1] is raised.value  # raised by numpy's path
     assert messages[0] == messages[1]
 
 
@@ -143,14 +173,7 @@ def test_negative_zero_is_a_valid_score() -> None:
 
 def test_other_inputs_take_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Float or bfloat16 inputs, float targets, large or empty batches, logits, thresholds."""
-    taken: list[bool] = []
-    original = BinaryHostCounter.count
-
-    def spy(self: BinaryHostCounter, *args: object) -> bool:
-        taken.append(original(self, *args))
-        return taken[-1]
-
-    monkeypatch.setattr(BinaryHostCounter, "count", spy)
+    taken = _recording(monkeypatch)
     metric = BinaryAUROCMetric(16)
     scores, target = torch.tensor([0.25, 0.75]), torch.tensor([0, 1])
     metric.update(scores, target)

@@ -158,11 +158,8 @@ class TorchmetricsMetric(Metric[Any]):
         """The wrapped torchmetrics metric (its states are only current inside calls)."""
         return self._torchmetrics
 
-    def _accumulators(self) -> list[tuple[str, MetricAccumulator]]:
-        return self._bridged
-
     def _point_states(self, synced: bool) -> None:
-        for name, accumulator in self._accumulators():
+        for name, accumulator in self._bridged:
             setattr(self._torchmetrics, name, accumulator.value if synced else accumulator.local)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
@@ -182,7 +179,7 @@ class TorchmetricsMetric(Metric[Any]):
         self._torchmetrics.update(*args, **kwargs)
         results = [
             (name, accumulator, getattr(self._torchmetrics, name))
-            for name, accumulator in self._accumulators()
+            for name, accumulator in self._bridged
         ]
         for name, accumulator, value in results:  # every state checked before any is stored
             if not isinstance(value, Tensor):

@@ -10,7 +10,6 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from sidestream._distributed import check_process_group
@@ -355,26 +354,13 @@ def _state_places(sink: Sink) -> frozenset[str] | None:
         return None
 
 
-def _places(state: Any, path: tuple[str, ...] = ()) -> frozenset[str]:
-    """The dotted paths torch.distributed.checkpoint stores ``state`` under.
+def _places(state: dict[str, Any]) -> frozenset[str]:
+    """The dotted paths torch.distributed.checkpoint stores ``state`` under (its own walk)."""
+    from torch.distributed.checkpoint._traverse import traverse_state_dict
 
-    As its traversal: mappings are entered, and so are lists that hold tensors, mappings or
-    such lists (their items become places); any other value, a list of plain values
-    included, is one place.
-    """
-    if isinstance(state, Mapping):
-        return frozenset().union(*(_places(v, (*path, str(k))) for k, v in state.items()))
-    if isinstance(state, list) and not _one_place(state):
-        return frozenset().union(*(_places(v, (*path, str(i))) for i, v in enumerate(state)))
-    return frozenset({".".join(path)})
-
-
-def _one_place(items: list[Any]) -> bool:
-    return not any(
-        isinstance(item, torch.Tensor | Mapping)
-        or (isinstance(item, list) and not _one_place(item))
-        for item in items
-    )
+    found: set[str] = set()
+    traverse_state_dict(state, lambda path, _: found.add(".".join(map(str, path))))
+    return frozenset(found)
 
 
 def _owner(sink: Sink) -> Delivery | None:

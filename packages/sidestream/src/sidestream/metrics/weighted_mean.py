@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 from torch import Tensor
 
+from sidestream._scratch import scratch
 from sidestream._validation import (
     as_tensor,
     check_broadcastable,
@@ -136,26 +136,6 @@ _CHUNK = 1 << 17
 """Elements per chunk of a large CPU batch: the two float64 chunk buffers (1 MiB each) stay in
 cache, instead of batch-sized float64 copies paged in on every update."""
 
-_buffers = threading.local()
-"""This thread's chunk buffers by (device, dtype), reused by every update: a fresh float64 chunk
-per step costs an allocation, and pages zeroed by the kernel when the allocator has returned
-them, which is slower than the arithmetic. Per thread, so two threads never share one."""
-
-
-def _chunk_buffers(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """This thread's two chunk buffers of ``dtype`` (values and weights)."""
-    cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] | None
-    cache = getattr(_buffers, "cache", None)
-    if cache is None:
-        cache = _buffers.cache = {}
-    pair = cache.get((device, dtype))
-    if pair is None:
-        pair = cache[(device, dtype)] = (
-            torch.empty(_CHUNK, dtype=dtype, device=device),
-            torch.empty(_CHUNK, dtype=dtype, device=device),
-        )
-    return pair
-
 
 def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``sum(values * weights)`` and ``sum(weights)`` off CUDA, eager, weights checked first.
@@ -201,7 +181,10 @@ def _chunked_sums(
     """
     # Inputs already of the accumulation dtype are read in place: a copy would convert nothing.
     same = values.dtype == dtype and weights.dtype == dtype
-    values_buffer, weights_buffer = _chunk_buffers(values.device, dtype)
+    # This thread's chunk buffers, reused by every update: a fresh float64 chunk per step costs
+    # an allocation, and pages zeroed by the kernel, which is slower than the arithmetic.
+    values_buffer = scratch("weighted_mean.values", dtype, (_CHUNK,), values.device)
+    weights_buffer = scratch("weighted_mean.weights", dtype, (_CHUNK,), values.device)
     count = -(-values.numel() // _CHUNK)
     dots = torch.empty(count, dtype=dtype, device=values.device)
     totals = torch.empty(count, dtype=dtype, device=values.device)

@@ -9,11 +9,10 @@ there. ``enabled`` is the single switch; tests turn it off to run the device pat
 
 from __future__ import annotations
 
-import math
-import threading
-
 import torch
 from torch import Tensor
+
+from sidestream import _scratch
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -24,7 +23,6 @@ __all__ = [
     "enabled",
     "outside",
     "score_bins",
-    "scratch_tensor",
 ]
 
 _INT32_LIMIT = 2**31 - 1
@@ -106,8 +104,9 @@ def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = Fals
         scores: Probabilities in ``[0, 1]`` (already checked).
         num_bins: Bins over ``[0, 1]``.
         rows: The number of rows the caller will offset into (for the dtype choice).
-        scratch: Return this thread's scratch tensor (see ``scratch``), valid until the next
-            call that takes it: for a chunk loop, which then allocates nothing per chunk.
+        scratch: Return this thread's scratch tensor (``sidestream._scratch``), valid until
+            the next call that takes it: for a chunk loop, which then allocates nothing per
+            chunk.
 
     Returns:
         Integer bin indices of ``scores``' shape, in ``[0, num_bins]``.
@@ -117,8 +116,10 @@ def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = Fals
     # The same float product and truncation as the device path's bin index (copy_ converts
     # as .to does).
     if scratch and work.numel() <= SCRATCH_ELEMENTS:
-        product = torch.mul(work, bin_scale(num_bins), out=scratch_tensor(work.dtype, work.shape))
-        index = scratch_tensor(dtype, work.shape, 1).copy_(product)
+        product = _scratch.scratch("score_bins.product", work.dtype, work.shape, work.device)
+        torch.mul(work, bin_scale(num_bins), out=product)
+        index = _scratch.scratch("score_bins.index", dtype, work.shape, work.device)
+        index.copy_(product)
     else:
         index = (work * bin_scale(num_bins)).to(dtype)
     if num_bins >= _SPILL_FROM:
@@ -134,30 +135,8 @@ than ``num_bins + 1`` in float32 and float64 alike, so every index is at most ``
 
 
 SCRATCH_ELEMENTS = 4 * CHUNK_ELEMENTS
-"""The largest scratch tensor kept per thread and dtype: a chunk of a large batch (more when
-the histogram itself is larger; those chunks allocate as before)."""
-
-_scratch = threading.local()
-
-
-def scratch_tensor(
-    dtype: torch.dtype, shape: tuple[int, ...] | torch.Size, slot: int = 0
-) -> Tensor:
-    """This thread's reusable CPU tensor of ``shape`` (contents undefined), one per slot.
-
-    A chunk loop over a large batch would otherwise allocate its temporaries per chunk: above
-    the C allocator's mmap threshold each one comes back as fresh pages the kernel zeroes,
-    which costs more than the arithmetic on them. Per thread, so two threads never share one.
-    At most ``SCRATCH_ELEMENTS`` elements.
-    """
-    cache: dict[tuple[torch.dtype, int], Tensor] | None = getattr(_scratch, "cache", None)
-    if cache is None:
-        cache = _scratch.cache = {}
-    numel = math.prod(shape)
-    kept = cache.get((dtype, slot))
-    if kept is None or kept.numel() < numel:
-        kept = cache[(dtype, slot)] = torch.empty(max(numel, CHUNK_ELEMENTS), dtype=dtype)
-    return kept[:numel].view(shape)
+"""The largest chunk ``score_bins`` bins into scratch tensors (a chunk of a large batch; when
+the histogram itself is larger, chunks are larger and allocate as before)."""
 
 
 def bin_scale(num_bins: int) -> float:

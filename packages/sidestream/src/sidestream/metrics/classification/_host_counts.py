@@ -20,13 +20,10 @@ from torch import Tensor
 
 from sidestream._validation import screen_invalid
 from sidestream.metrics.classification import _cpu_path
+from sidestream.metrics.classification._inputs import PROBABILITIES
 from sidestream.state import MetricAccumulator
 
 __all__ = ["BinaryHostCounter"]
-
-PROBABILITIES = "probabilities in [0, 1] (pass logits=True for logits)"
-"""What ``preds`` of a binary ranking metric without ``logits`` must hold (the torch path's
-message too)."""
 
 MAX_ELEMENTS = 1 << 16
 """The largest batch taken here: above it the torch path's chunked ``bincount`` is faster per

@@ -30,6 +30,7 @@ from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.state import MetricAccumulator
 
 __all__ = [
+    "PROBABILITIES",
     "Check",
     "batch_cells",
     "check_tensor",
@@ -45,6 +46,9 @@ __all__ = [
     "sample_counts",
     "screen",
 ]
+
+PROBABILITIES = "probabilities in [0, 1] (pass logits=True for logits)"
+"""What ``preds`` without ``logits=True`` must hold, for the error messages of every metric."""
 
 _SMALL_MATRIX_CLASSES = 64
 
@@ -420,13 +424,7 @@ def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
             # sigmoid(NaN) >= threshold is false: a NaN would be counted as a negative.
             checks = [(has_nan(scores), "preds", "logits without NaN")]
             return torch.sigmoid(scores) >= problem.threshold, checks
-        checks = [
-            (
-                outside(scores, 0, 1),
-                "preds",
-                "probabilities in [0, 1] (pass logits=True for logits)",
-            )
-        ]
+        checks = [(outside(scores, 0, 1), "preds", PROBABILITIES)]
         return scores >= problem.threshold, checks
     if preds.dtype == torch.bool:
         return preds, []

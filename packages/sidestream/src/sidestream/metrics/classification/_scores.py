@@ -15,6 +15,7 @@ from sidestream._validation import (
 )
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._inputs import (
+    PROBABILITIES,
     Check,
     check_tensor,
     not_binary,
@@ -121,7 +122,7 @@ def score_batch(
             multiclass = problem.kind is ProblemKind.MULTICLASS
             scores = work.softmax(-1) if multiclass else work.sigmoid()
     else:
-        expected = "probabilities in [0, 1] (pass logits=True for logits)"
+        expected = PROBABILITIES
     weight: Tensor | None = None
     checked = labels
     ignore = problem.ignore_index
@@ -168,7 +169,7 @@ def _host_binary(
     if preds.numel() == 0:
         return None
     if _cpu_path.outside(preds, 0, 1):
-        expected = "probabilities in [0, 1] (pass logits=True for logits)"
+        expected = PROBABILITIES
         screen_invalid(True, rejected, "preds", expected)
     if target.is_floating_point():
         screen_invalid(not_binary(target), rejected, "target", "0 or 1")

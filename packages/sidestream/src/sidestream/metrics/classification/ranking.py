@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from sidestream._samples import SampleStore
+from sidestream._scratch import scratch
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._average import check_average, mean_over_classes
@@ -332,7 +333,8 @@ class RankingMetric(ScreenedMetric[Tensor]):
             index.add_(target, alpha=classes * stride)
         else:
             # Converted first (into scratch): add_ of another integer dtype takes a slow path.
-            flags = _cpu_path.scratch_tensor(index.dtype, target.shape, 2).copy_(target)
+            flags = scratch("ranking.flags", index.dtype, target.shape, index.device)
+            flags.copy_(target)
             index.add_(flags, alpha=classes * stride)
         return torch.bincount(index.reshape(-1), minlength=slots)
 
