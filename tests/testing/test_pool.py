@@ -67,3 +67,27 @@ def test_dead_rank_reported() -> None:
 def test_rejects_bad_world_size() -> None:
     with pytest.raises(ValueError, match="world_size"):
         DistributedPool(0)
+
+
+def test_rank_dying_while_starting_is_named() -> None:
+    # An unknown backend fails init_process_group in every rank, as an unguarded script does.
+    with pytest.raises(DistributedError) as caught:
+        run_distributed(dist.get_rank, 2, backend="no-such-backend", timeout=60)
+    for failure in caught.value.failures:
+        assert "while starting, before its process group was up" in failure.reason
+        assert '__name__ == "__main__"' in failure.reason
+
+
+def test_rank_dying_in_a_task_is_not_blamed_on_starting() -> None:
+    with pytest.raises(DistributedError) as caught:
+        run_distributed(_rank_one_dies, 2, timeout=60)
+    (died,) = [f for f in caught.value.failures if f.rank == 1]
+    assert "exit code 3" in died.reason and "while starting" not in died.reason
+
+
+def test_close_after_a_start_that_failed_halfway() -> None:
+    pool = DistributedPool(2)
+    context = pool._context  # processes made but never started, as when start() raised
+    pool._processes = [context.Process(target=print) for _ in range(2)]
+    pool._stop()
+    assert pool._processes == []

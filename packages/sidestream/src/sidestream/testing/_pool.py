@@ -22,6 +22,7 @@ from sidestream.testing._results import DistributedError, RankFailure, dumps_on_
 __all__ = ["DistributedPool", "run_distributed"]
 
 _STOP = "stop"
+_READY = "ready"  # a rank's first message: its process group is up
 _GRACE_S = 5.0  # after one rank fails, how long the others get to report their own view
 
 
@@ -181,6 +182,7 @@ def _worker(
         world_size=world_size,
         timeout=timedelta(seconds=collective_timeout_s),
     )
+    results.put((_READY, rank, b""))
     try:
         while True:
             task = tasks.get()
@@ -222,8 +224,10 @@ class DistributedPool(RankPool):
         self._tasks: list[Any] = []
         self._results: Any = None
         self._store_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._ready: set[int] = set()
 
     def _start(self) -> None:
+        self._ready = set()
         self._store_dir = tempfile.TemporaryDirectory(prefix="sidestream-pg-")
         store_path = os.path.join(self._store_dir.name, "store")
         self._results = self._context.Queue()
@@ -259,6 +263,9 @@ class DistributedPool(RankPool):
             got_id, rank, outcome = self._results.get(timeout=wait_s)
         except queue.Empty:
             return []
+        if got_id == _READY:
+            self._ready.add(rank)
+            return []
         return [(rank, outcome)] if got_id == task_id and rank in waiting else []
 
     def _any_dead(self) -> bool:
@@ -268,16 +275,26 @@ class DistributedPool(RankPool):
         return self._processes[rank].is_alive()
 
     def _death_reason(self, rank: int) -> str:
-        return f"process died with exit code {self._processes[rank].exitcode}"
+        reason = f"process died with exit code {self._processes[rank].exitcode}"
+        if rank in self._ready:
+            return reason
+        # Spawned ranks import the main script again; unguarded code there runs in every rank.
+        return (
+            f"{reason} while starting, before its process group was up (its traceback is on "
+            'stderr; a script that makes the pool outside `if __name__ == "__main__":` '
+            "fails this way)"
+        )
 
     def _stop(self) -> None:
         for task_queue in self._tasks:
             with contextlib.suppress(Exception):
                 task_queue.put(_STOP)
         deadline = time.monotonic() + 5.0
-        for process in self._processes:
+        # A start that failed halfway leaves processes that never ran (join would assert).
+        started = [process for process in self._processes if process.pid is not None]
+        for process in started:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for process in self._processes:
+        for process in started:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5.0)
