@@ -23,7 +23,8 @@ Log = list[tuple[str, str, int]]
 class _Event:
     count = 0
 
-    def __init__(self, log: Log) -> None:
+    def __init__(self, log: Log, blocking: bool = False) -> None:
+        self.blocking = blocking
         _Event.count += 1
         self.id = _Event.count
         self._log = log
@@ -32,6 +33,8 @@ class _Event:
         self._log.append(("record", stream.label, self.id))
 
     def synchronize(self) -> None:
+        # A default event's synchronize spins a CPU core for as long as the window takes.
+        assert self.blocking, "the host waits on an event made without blocking=True"
         self._log.append(("synchronize", "host", self.id))
 
     def query(self) -> bool:
@@ -55,7 +58,7 @@ def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> tuple[Log, _Stream]:
     log: Log = []
     current, side = _Stream("current", log), _Stream("side", log)
     empty = torch.empty
-    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(log))
+    monkeypatch.setattr(torch.cuda, "Event", lambda blocking=False: _Event(log, blocking))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)

@@ -267,3 +267,60 @@ def test_a_structure_check_paired_with_a_data_collective_fails_at_once() -> None
     # mismatch or the lost connection. What matters is that no rank goes on as if synced.
     assert "no error" not in str(raised.value)
     assert len(raised.value.failures) == 2, raised.value
+
+
+class _DeviceEvent:
+    """A CUDA event stand-in: the "device" passes it when ``passed`` is set; ``synchronize``
+    (a host wait) is logged."""
+
+    passed = False
+    waits = 0
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return _DeviceEvent.passed
+
+    def synchronize(self) -> None:
+        _DeviceEvent.waits += 1
+
+
+def _cuda_syncs_checked_later() -> dict[str, Any]:
+    """The CUDA branch of ``Metric.sync`` on gloo: fingerprints checked once the device passed
+    them, without a host wait while it has not, each against its own sync's rows."""
+    original = (sync_module._plan_device, sync_module.host_event)
+    sync_module._plan_device = lambda plan: torch.device("cuda")  # type: ignore[assignment]
+    sync_module.host_event = _DeviceEvent  # type: ignore[assignment]
+    _DeviceEvent.passed, _DeviceEvent.waits = False, 0
+    rank, out = dist.get_rank(), {}
+    try:
+        metric, group = _metric(), _subgroup()
+        _update(metric, 1.0)
+        metric.sync(group, step=10 + rank)  # mismatched: found only once the device passed it
+        metric.sync(group, step=20)  # matched, started while the first is unchecked
+        out["waits while behind"] = _DeviceEvent.waits
+        _DeviceEvent.passed = True
+        out["next sync"] = _outcome(lambda: metric.sync(group, step=30))
+        out["after"] = _outcome(lambda: metric.sync(group, step=40))
+        metric.verify_sync()  # passed: checks the rest with no wait
+        _DeviceEvent.passed = False
+        for step in range(50, 55):  # a fifth unchecked sync waits for the oldest
+            metric.sync(group, step=step)
+        out["waits beyond the cap"] = _DeviceEvent.waits
+        out["state_dict"] = _outcome(metric.state_dict)
+        out["waits for state_dict"] = _DeviceEvent.waits
+    finally:
+        sync_module._plan_device, sync_module.host_event = original  # type: ignore[assignment]
+    return out
+
+
+def test_cuda_syncs_are_checked_once_the_device_passed_them(pair: RankPool) -> None:
+    for rank, out in enumerate(pair.run(_cuda_syncs_checked_later, timeout=60)):
+        assert out["waits while behind"] == 0
+        assert out["next sync"].startswith("RankMismatchError"), out
+        assert f"sync at step {10 + rank}" in out["next sync"]
+        assert out["after"] == "no error"
+        assert out["waits beyond the cap"] == 1
+        assert out["state_dict"] == "no error"
+        assert out["waits for state_dict"] == 6  # the four left, then state_dict's own

@@ -424,6 +424,24 @@ def test_device_path_drops_a_bad_batch_as_skipped_rows(monkeypatch: pytest.Monke
         _close(metric.compute(), float(reference.compute()))
 
 
+def test_device_path_copies_float64_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path stores a copy: a float64 batch the caller reuses does not change it."""
+    monkeypatch.setattr(_inputs, "checks_stay_on_device", lambda device: True)
+    monkeypatch.setattr(_validation, "checks_stay_on_device", lambda device: True)
+    monkeypatch.setattr(_cpu_path, "enabled", lambda device: False)
+    rng = np.random.default_rng(5)
+    batches = [(rng.random(64), rng.integers(0, 2, 64)) for _ in range(3)]
+    metric = BinaryAUROCMetric(exact=True)
+    buffer = torch.empty(64, dtype=torch.float64)  # one input buffer, refilled per batch
+    for scores, target in batches:
+        buffer.copy_(torch.from_numpy(scores))
+        metric.update(buffer, torch.from_numpy(target))
+    expected = roc_auc_score(
+        np.concatenate([t for _, t in batches]), np.concatenate([s for s, _ in batches])
+    )
+    assert float(metric.compute()) == pytest.approx(expected, rel=1e-12)
+
+
 def test_cpu_updates_keep_the_inputs_without_a_copy_and_widen_them_later() -> None:
     """float32 scores are borrowed as given (a copy into fresh memory costs more than the
     rest of an update) and become float64 rows when concatenated: the same rows, checkpoint

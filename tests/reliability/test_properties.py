@@ -14,16 +14,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 
 from sidestream import MaxMetric, MeanMetric, Metric, MinMetric, SumMetric, WeightedMeanMetric
 from sidestream.metrics.classification import MulticlassConfusionMatrixMetric
 from sidestream.metrics.regression import MeanSquaredErrorMetric
 from tests.conftest import Pools
+
+# The GPU machine's interpreter has no hypothesis: skip there instead of failing collection.
+pytest.importorskip("hypothesis")
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, given, settings
 
 Batch = dict[str, list[Any]]
 CLASSES = 4

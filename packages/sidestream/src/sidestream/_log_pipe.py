@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sidestream._host_events import wait_on_host
 from sidestream.sinks.base import Report
 
 __all__ = ["LogEntry", "LogPipe"]
@@ -106,15 +106,6 @@ class LogPipe:
 def _report(entry: LogEntry) -> Report:
     values = dict(entry.numbers)
     if entry.host is not None and entry.done is not None:
-        _wait_event(entry.done)
+        wait_on_host(entry.done)
         values.update(zip(entry.device_names, entry.host.tolist(), strict=True))
     return Report(step=entry.step, values=values, time=entry.time, stream="")
-
-
-def _wait_event(event: torch.cuda.Event) -> None:
-    if torch.cuda.get_sync_debug_mode() == 0:
-        event.synchronize()  # releases the GIL while it waits
-        return
-    # Sync debug mode watches for host syncs of the training thread; poll instead of reporting.
-    while not event.query():  # type: ignore[no-untyped-call]
-        time.sleep(0.0002)

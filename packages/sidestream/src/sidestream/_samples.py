@@ -90,7 +90,7 @@ class SampleStore:
         return next(iter(self._templates.values())).device
 
     def append(self, **rows: Tensor) -> None:
-        """Keep one batch of rows per field (no copy, no host sync)."""
+        """Keep one batch of rows per field as given (no copy, no host sync): rows no one writes."""
         for name, chunks in self._chunks.items():
             chunks.append(rows[name])
 

@@ -429,10 +429,14 @@ class Metric(Stateful, Generic[T], abc.ABC):
     def _sync_as(self, group: Group, fingerprint: CallFingerprint) -> None:
         if self._sync_group is not group:  # __setattr__ costs an isinstance of Metric per sync
             self._sync_group = group
-        self.verify_sync()
+        self.verify_sync(block=False)
         prepared = self.prepare_sync(group)
         handle = prepared.batched.start(fingerprint)
-        object.__setattr__(self, "_unverified_sync", handle if handle._event is not None else None)
+        if handle.deferred:
+            pending = self.__dict__.setdefault("_unverified_syncs", [])
+            pending.append(handle)
+            if len(pending) > _MAX_UNVERIFIED_SYNCS:
+                pending.pop(0).verify()  # the device is that far behind: wait for the oldest
         for metric in prepared.own_sync:
             metric.sync_as(group, fingerprint)
         for store in self._sample_stores():
@@ -452,16 +456,25 @@ class Metric(Stateful, Generic[T], abc.ABC):
         self._mark_fresh(True)
         return handle
 
-    def verify_sync(self) -> None:
-        """Check the fingerprints of this metric's last CUDA sync (done by now, so no wait).
+    def verify_sync(self, *, block: bool = True) -> None:
+        """Check the fingerprints of this metric's CUDA syncs not checked yet.
+
+        On CUDA a sync's fingerprints reach the host after the device ran it, so each ``sync``
+        checks the earlier ones the device has passed, with no wait, and raises a mismatch
+        found there; ``state_dict`` checks them all. At most ``_MAX_UNVERIFIED_SYNCS`` stay
+        unchecked (a sync beyond that waits for the oldest). Off CUDA every sync checks its own
+        at once.
+
+        Args:
+            block: Also wait for syncs the device has not reached yet (a host sync).
 
         Raises:
-            RankMismatchError: If ranks paired different calls in that sync.
+            RankMismatchError: If ranks paired different calls in one of those syncs.
         """
-        pending: SyncHandle | None = self.__dict__.get("_unverified_sync")
-        if pending is not None:
-            object.__setattr__(self, "_unverified_sync", None)
-            pending.verify()
+        pending: list[SyncHandle] = self.__dict__.get("_unverified_syncs", [])
+        # In stream order: once one is not reached yet, neither are the later ones.
+        while pending and (block or pending[0].ready()):
+            pending.pop(0).verify()
 
     def prepare_sync(self, group: Group, *, check: bool = True) -> _Prepared:
         """This metric's sync over ``group``, laid out once and kept while the tree is unchanged.
@@ -726,8 +739,10 @@ def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:
     return build_after
 
 
+# Unchecked CUDA syncs a metric keeps before a sync waits for the oldest (``verify_sync``).
+_MAX_UNVERIFIED_SYNCS = 4
 _BUILT_ON_THE_ARENA = frozenset(
-    {"_state_arena", "_sync_layouts", "_unverified_sync", "_reset_children"}
+    {"_state_arena", "_sync_layouts", "_unverified_syncs", "_reset_children"}
 )
 """A metric's attributes that hold or depend on its tree's arena (made again when it is)."""
 

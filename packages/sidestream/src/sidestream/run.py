@@ -17,6 +17,7 @@ from torch import Tensor
 
 from sidestream._delivery import Delivery, DeliveryOptions
 from sidestream._distributed import Group
+from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream.collector.collector import AsyncMetricCollector
 from sidestream.metric import Metric
@@ -279,7 +280,7 @@ class Run:
             flat = torch.stack([tensor.detach().to(torch.float64) for _, tensor in tensors])
             host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
             host.copy_(flat, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done = host_event()
             done.record(side)
         for _, tensor in tensors:
             # Made on the caller's stream, read on ``side``: keep the allocator from reusing it

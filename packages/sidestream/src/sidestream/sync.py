@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sidestream._distributed import Group, group_rank, group_size, resolve_group, retain_work
+from sidestream._host_events import host_event
 from sidestream._reduce_op import ReduceOp
 
 __all__ = [
@@ -287,8 +288,8 @@ class _GatherPlan:
         rows = self._gathered.view(size, packed)
         self._fingerprint = _FingerprintWriter(self._send[data:].view(torch.int64))
         self._gathered_fingerprints = rows[:, data:].view(torch.int64)
-        # One check object for every start: a start's check is done (in wait or verify) before
-        # the program may start again, so its host copy is never overwritten while needed.
+        # One check object for every start; each start's ``queue`` returns a check holding its
+        # own host copy, so on CUDA a start may begin before the previous one is verified.
         self._check = _GatherCheck(self._gathered_fingerprints, self._rank)
         self._sources: list[Tensor] = []
         self._staging: list[Tensor] = []
@@ -416,17 +417,17 @@ class _GatherCheck:
     def __init__(self, gathered: Tensor, rank: int) -> None:
         self._gathered = gathered
         self._rank = rank
-        self._host: Tensor | None = None
 
-    def queue(self) -> None:
-        # Off CUDA the gathered rows are read in place: the check runs before the program may
-        # start again (wait, or verify before the next start), so no copy is needed.
-        cpu = self._gathered.device.type == "cpu"
-        self._host = self._gathered if cpu else _to_host(self._gathered)
+    def queue(self, deferred: bool) -> Callable[[], None]:
+        """This start's check: reads a host copy if ``deferred`` (checked after the stream)."""
+        # Checked at once (off CUDA), the gathered rows are read in place: the program cannot
+        # start again before, so no copy is needed.
+        host = _to_host(self._gathered) if deferred else self._gathered
+        return functools.partial(_check_rows, host, self._rank)
 
-    def check(self) -> None:
-        assert self._host is not None
-        check_calls(self._host.tolist(), self._rank)
+
+def _check_rows(host: Tensor, rank: int) -> None:
+    check_calls(host.tolist(), rank)
 
 
 class _ReduceCheck:
@@ -446,14 +447,13 @@ class _ReduceCheck:
         # Described only on a mismatch: formatting it every start would cost the caller.
         self._fingerprint = fingerprint
         self._structure = structure
-        self._host: Tensor | None = None
 
-    def queue(self) -> None:
-        self._host = _to_host(self._reduced)
+    def queue(self, deferred: bool) -> Callable[[], None]:
+        """This start's check (one object per start, so ``deferred`` needs nothing more)."""
+        return functools.partial(self._check, _to_host(self._reduced))
 
-    def check(self) -> None:
-        assert self._host is not None
-        values = [int(v) for v in self._host.tolist()]
+    def _check(self, host: Tensor) -> None:
+        values = [int(v) for v in host.tolist()]
         first, second = values[:_FINGERPRINT_CHUNKS], values[_FINGERPRINT_CHUNKS:]
         if self._carrier == "sum":
             agree = all(self._size * s == f * f for f, s in zip(first, second, strict=True))
@@ -536,6 +536,7 @@ class SyncHandle:
         self.works: list[dist.Work] = []
         self._finishers: list[Callable[[], None]] = []
         self._checks: list[_GatherCheck | _ReduceCheck] = []
+        self._queued: list[Callable[[], None]] = []
         self._event: torch.cuda.Event | None = None
         self._cuda = False
 
@@ -555,13 +556,22 @@ class SyncHandle:
         finishers, self._finishers = self._finishers, []
         for finish in finishers:
             finish()
-        for check in self._checks:
-            check.queue()
-        if self._cuda and self._checks:
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        checks, self._checks = self._checks, []
+        self._queued += [check.queue(deferred=self._cuda) for check in checks]
+        if self._cuda and self._queued:
+            self._event = host_event()
             self._event.record()
         else:
             self.verify()
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the fingerprint check waits for ``verify`` (CUDA, after ``wait``)."""
+        return self._event is not None
+
+    def ready(self) -> bool:
+        """Whether ``verify`` would return without waiting for the device."""
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
 
     def verify(self) -> None:
         """Check that every rank sent the same fingerprint (blocks until ``wait``'s point on CUDA).
@@ -575,9 +585,9 @@ class SyncHandle:
             if not self._event.query():  # type: ignore[no-untyped-call]
                 self._event.synchronize()
             self._event = None
-        checks, self._checks = self._checks, []
-        for check in checks:
-            check.check()
+        queued, self._queued = self._queued, []
+        for check in queued:
+            check()
 
     def _start(self, work: dist.Work | None) -> None:
         if work is not None:

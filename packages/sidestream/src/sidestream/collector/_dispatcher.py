@@ -6,7 +6,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -14,6 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from sidestream._host_events import host_event, wait_on_host
 from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
 from sidestream.collector._window import (
@@ -335,19 +335,9 @@ def _finish_on_side_stream(window: Window) -> tuple[FlatTree, list[Any]]:
         finally:
             # Recorded even if compute failed, and before the slot is released: the next
             # staging into the slot waits (on the GPU) for all this window queued on the side.
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done = host_event()
             done.record(side)
             window.done = slot.done = done
-    _wait_event(done)
+    wait_on_host(done)
     window.batch.verify()  # the fingerprints, on the host now that done passed
     return tree, host
-
-
-def _wait_event(event: torch.cuda.Event) -> None:
-    if torch.cuda.get_sync_debug_mode() == 0:
-        event.synchronize()  # releases the GIL while it waits
-        return
-    # A job debugging host syncs on its training thread should not see this thread's wait
-    # reported, so poll instead of synchronizing while sync debug mode is on.
-    while not event.query():  # type: ignore[no-untyped-call]
-        time.sleep(0.0002)

@@ -240,7 +240,7 @@ def clone_metric(metric: Metric[Any]) -> Metric[Any]:
         memo[id(group)] = group
     for inner in metric._walk_metrics():
         memo[id(inner.call_counter)] = inner.call_counter
-        for private in ("_sync_layouts", "_unverified_sync"):
+        for private in ("_sync_layouts", "_unverified_syncs"):
             value = inner.__dict__.get(private)
             if value is not None:
                 memo[id(value)] = {} if private == "_sync_layouts" else None

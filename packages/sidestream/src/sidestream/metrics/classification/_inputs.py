@@ -390,7 +390,8 @@ def count_operands(count_map: Tensor, cell: Tensor) -> tuple[Tensor, Tensor]:
 @functools.cache
 def _ones(rows: int) -> Tensor:
     """A CPU int64 vector of ``rows`` ones, cached (``rows <= 16 * 16``); never written to."""
-    return torch.ones(rows, dtype=torch.int64)
+    # device=: a default device set by the caller (torch.set_default_device) must not leak in.
+    return torch.ones(rows, dtype=torch.int64, device="cpu")
 
 
 @functools.cache
@@ -402,7 +403,7 @@ def count_map(classes: int) -> Tensor:
     is and a true negative when neither is. Cached per class count (64 KiB at most); never
     written to.
     """
-    index = torch.arange(classes)
+    index = torch.arange(classes, device="cpu")  # a CPU map under any default device
     target = index.repeat_interleave(classes)  # the row of each cell
     predicted = index.repeat(classes)  # its column
     is_target = target == index.unsqueeze(1)  # (C, C*C): is cell's target class c

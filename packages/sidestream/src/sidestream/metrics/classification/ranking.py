@@ -288,7 +288,8 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if borrow:
             self._samples.borrow(scores=scores, labels=kinds)
         else:
-            self._samples.append(scores=scores.to(torch.float64), labels=kinds)
+            # A copy even when already float64: the caller may refill its input buffer.
+            self._samples.append(scores=scores.to(torch.float64, copy=True), labels=kinds)
         self._metric_freshness.stale()
 
     # Compiled, the checks above stay in the graph and the rows are stored here, eagerly: a

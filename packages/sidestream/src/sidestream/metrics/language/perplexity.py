@@ -181,7 +181,9 @@ class PerplexityMetric(Metric[Tensor]):
             )
         self._nll.accumulate(total)
         # full, not torch.tensor: a fill, without parsing a Python object into a tensor.
-        counted = torch.full((), float(flat.numel() - ignored), dtype=torch.float64)
+        counted = torch.full(
+            (), float(flat.numel() - ignored), dtype=torch.float64, device=total.device
+        )
         self._tokens.accumulate(counted)
 
     def _update_losses(self, losses: Tensor, weights: Tensor | float) -> None:
