@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -212,7 +213,7 @@ def test_runner_keeps_undeliverable_reports_and_warns_once(
     assert len(retry_warnings) == 1, "a failure streak is reported once, not per attempt"
     kept = [r for r in caplog.records if "not delivered" in r.getMessage()]
     assert len(kept) == 1 and "5 report(s)" in kept[0].getMessage()
-    (spool,) = tmp_path.iterdir()
+    (spool,) = tmp_path.glob("*.spool.jsonl")  # and its .state.json beside
     reports = list(read_spool(spool))
     assert [r.step for r in reports] == [1, 2, 3, 4, 5]
 
@@ -246,6 +247,36 @@ def test_jsonl_cut_by_a_failed_write_is_cut_back_before_the_retry(tmp_path: Path
     sink.close()
     lines = path.read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+class _FillingFile:
+    """A file on a disk that fills up: the first write takes part of the data, then fails."""
+
+    def __init__(self, file: Any, room: int) -> None:
+        self._file, self._room = file, room
+
+    def write(self, data: Any) -> int:
+        if self._room <= 0:
+            raise OSError(28, "No space left on device")
+        taken = self._file.write(bytes(data[: self._room]))
+        self._room -= taken
+        return taken
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+def test_jsonl_closed_on_a_full_disk_leaves_whole_lines_only(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    sink = JsonlSink(path)
+    sink.open(RunInfo())
+    sink.write(_report(1))
+    sink._file = _FillingFile(sink._file, room=7)  # type: ignore[assignment]
+    with pytest.raises(OSError, match="No space"):
+        sink.write(_report(2))  # the disk stays full: no retry gets through before close
+    sink.close()
+    assert path.read_bytes().endswith(b"\n")
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
 
 
 def test_jsonl_checkpoint_of_another_file_gives_no_offset_into_this_one(

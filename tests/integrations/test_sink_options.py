@@ -359,7 +359,7 @@ def test_reports_a_sink_held_when_its_close_failed_are_spooled(tmp_path: Path) -
     for step in (1, 2, 3):
         runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
     assert not runner.close(10.0)
-    (kept,) = tmp_path.iterdir()
+    (kept,) = tmp_path.glob("*.spool.jsonl")
     assert [report.step for report in read_spool(kept)] == [1, 2, 3]
 
 

@@ -191,3 +191,45 @@ def test_a_new_run_in_a_directory_with_event_files_is_warned_about(
     assert f"TensorBoardSink: {tmp_path} already holds 2 event file(s) of an earlier run" in (
         caplog.text
     )
+
+
+def test_a_full_disk_that_frees_again_loses_and_repeats_no_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorBoard's event writer stops for good at its first write error; the sink makes a
+    new one when it retries, with the steps the old one had not written."""
+    import errno
+
+    from tensorboard.summary.writer import record_writer
+
+    from sidestream import Run
+
+    disk_full = False
+    write = record_writer.RecordWriter.write
+
+    def full_disk_write(self: Any, data: bytes) -> None:
+        if disk_full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, data)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full_disk_write)
+    log_dir = tmp_path / "tb"
+    run = Run(
+        [TensorBoardSink(log_dir, flush_secs=1)],
+        spool_dir=str(tmp_path / "spool"),
+        sink_retry_max_s=0.2,
+    )
+    for step in range(1, 31):
+        if step == 11:
+            assert run.state_dict(timeout=10)["sinks"]["tensorboard"]["last_steps"]
+            disk_full = True
+        if step == 21:
+            deadline = time.monotonic() + 10
+            while run.sink_status["tensorboard"].last_error is None:  # a flush failed
+                assert time.monotonic() < deadline, "the full disk was never noticed"
+                time.sleep(0.05)
+            disk_full = False
+        run.log(step, {"x": float(step)})
+    assert run.close(timeout=30)
+    events = _load(log_dir).Scalars("x")
+    assert [(e.step, e.value) for e in events] == [(s, float(s)) for s in range(1, 31)]

@@ -324,7 +324,7 @@ def hang_at_close(tmp: Path, windows: int = 50) -> Iterator[Row]:
     spool = tmp / "close-spool"
     _collector, complete, blocked = _drive([sink], windows, close_timeout=1.0, spool_dir=str(spool))
     release.set()
-    kept = list(spool.iterdir())
+    kept = list(spool.glob("*.spool.jsonl"))
     replayed = JsonlSink(tmp / "replayed.jsonl")
     count = sum(replay_spool(path, replayed).written for path in kept)
     steps, _values = _jsonl_steps(tmp / "replayed.jsonl")
@@ -438,7 +438,7 @@ def damaged_spool(tmp: Path, windows: int = 60) -> Iterator[Row]:
         metric.update(torch.tensor([float(step)]))
         collector.schedule_collection(step)
     collector.collect_results(30)
-    (path,) = (tmp / "damaged").iterdir()
+    (path,) = (tmp / "damaged").glob("*.spool.jsonl")
     data = bytearray(path.read_bytes())
     for target in (b'"step":20,', b'"step":40,'):
         index = data.index(target)
@@ -505,7 +505,7 @@ def disk_full(tmp: Path, windows: int = 200) -> Iterator[Row]:
         return
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     steps, values = _jsonl_steps(out)
-    kept = [r.step for p in (tmp / "full-spool").glob("*") for r in read_spool(p)]
+    kept = [r.step for p in (tmp / "full-spool").glob("*.spool.jsonl") for r in read_spool(p)]
     last = summary["state"].get("last_step")
     row = _row(
         "disk full (RLIMIT_FSIZE 3000 B) under the JSONL file and the spool",

@@ -160,7 +160,7 @@ def test_kept_spool_is_private_readable_json_and_replays(tmp_path: Path) -> None
             Report(step=step, values={"a": step * 0.1}, time=1.0, histograms={"h": hist * step})
         )
     assert runner.close(timeout=0.3) is False, "the gate is shut: nothing delivered"
-    (kept,) = (tmp_path / "spool").iterdir()
+    (kept,) = (tmp_path / "spool").glob("*.spool.jsonl")  # with its .state.json beside
     assert stat.S_IMODE(kept.stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "spool").stat().st_mode) == 0o700
     lines = [json.loads(line) for line in kept.read_text().splitlines()]  # standard JSON
@@ -318,7 +318,7 @@ def test_reports_spooled_before_close_stay_on_disk_when_the_disk_is_full_at_clos
     assert result.stdout.split() == ["False", "0"], result.stderr
     # The warning names the file of the reports held in memory, then the spool file itself.
     named = result.stderr.split("kept in ", 1)[1].split(" (one JSON", 1)[0].split(" and ")
-    assert sorted(named) == sorted(str(path) for path in tmp_path.iterdir())
+    assert sorted(named) == sorted(str(path) for path in tmp_path.glob("*.spool.jsonl"))
     assert len(named) == 2, named
     steps = [report.step for path in named for report in read_spool(path)]
     assert steps == list(range(1, 101))  # every report once, oldest first

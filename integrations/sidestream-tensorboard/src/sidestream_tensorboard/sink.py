@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, TrackerSink
 from sidestream.sinks.support import (
+    call_within,
     check_directory_path,
     check_option_types,
     checked_histogram_edges,
@@ -70,6 +74,7 @@ class TensorBoardSink(TrackerSink):
     identity_key = "log_dir"
     identity_is_path = True
     durable_on_send = False  # the writer buffers events until it flushes
+    _own_locks = ("_lock", "_writer_lock")
 
     def __init__(
         self,
@@ -87,6 +92,10 @@ class TensorBoardSink(TrackerSink):
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
+        # A checkpoint's flush (another thread) may replace a failed writer too.
+        self._writer_lock = threading.Lock()
+        self._opened = False
+        self._earlier_files_warned = False
         # Progress through the report being written: its stream and step, entries sent.
         self._pending: tuple[str, int] | None = None
         self._entries_done = 0
@@ -128,7 +137,12 @@ class TensorBoardSink(TrackerSink):
         """Create the writer; for a new run, record hyper-parameters and tags."""
         from torch.utils.tensorboard import SummaryWriter
 
-        if not self.resumed and self._log_dir is not None:
+        if self._writer is not None:  # an earlier attempt that failed: end its writer
+            self._drop_writer()
+        warn = not self.resumed and not self._earlier_files_warned and self._log_dir is not None
+        if warn:
+            assert self._log_dir is not None
+            self._earlier_files_warned = True  # once: a retried open finds its own first file
             earlier = sorted(Path(self._log_dir).glob("*tfevents*"))
             if earlier:
                 logger.warning(
@@ -141,6 +155,7 @@ class TensorBoardSink(TrackerSink):
                 )
         self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
         self._log_dir = str(self._writer.log_dir)
+        self._opened = True
         if self.resumed:
             # Reports delivered after the checkpoint was taken are already in the directory.
             self.found_values_in_backend(_last_steps_on_disk(self._log_dir))
@@ -170,11 +185,53 @@ class TensorBoardSink(TrackerSink):
             RuntimeError: If the sink is not open. Entries written before a failure are not
                 written again when the same report is retried.
         """
-        if self._writer is None:
+        if not self._opened:
             raise RuntimeError("TensorBoardSink.write: call open() first")
-        for report in reports:
-            self._send_one(report)
-            self.mark_sent(report)
+        try:
+            self._ready_writer()
+            for report in reports:
+                # After a new writer: the values the old one got to disk are not written again.
+                self._send_one(self._without_held(report))
+                self.mark_sent(report)
+        except Exception:
+            self._drop_writer()  # a failed event writer keeps failing: the retry makes a new one
+            raise
+
+    def _ready_writer(self) -> None:
+        """After a failed writer: a new one (a new event file), given the unconfirmed reports.
+
+        TensorBoard's event writer stops for good at its first error (a full disk) and raises it
+        on every later call, so the sink drops it and makes a new one once the retry comes.
+        What the old writer got to disk is read back and not written again; the rest of the
+        reports sent since the last confirmed flush are written into the new file.
+        """
+        with self._writer_lock:
+            if self._writer is not None:
+                return
+            from torch.utils.tensorboard import SummaryWriter
+
+            assert self._log_dir is not None
+            self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
+            self.found_values_in_backend(_last_steps_on_disk(self._log_dir))
+            self._pending = None
+            for report in self.pending_reports():
+                self._send_one(self._without_held(report))
+
+    def _without_held(self, report: Report) -> Report:
+        """``report`` less the values its tags' event files hold at its step or later."""
+        held = set(self.held_values(report))
+        if not held:
+            return report
+        values = {k: v for k, v in report.values.items() if k not in held}
+        histograms = {k: v for k, v in report.histograms.items() if k not in held}
+        return dataclasses.replace(report, values=values, histograms=histograms)
+
+    def _drop_writer(self) -> None:
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()
 
     def _send_one(self, report: Report) -> None:
         if self._pending != (report.stream, report.step):
@@ -232,16 +289,33 @@ class TensorBoardSink(TrackerSink):
         Thread-safe (the writer's queue takes events from any thread), so a checkpoint may
         call it while the sink's thread writes.
         """
-        writer = self._writer
-        if writer is None:
+        if not self._opened:
             return True
-        return self.within(writer.flush, timeout, "flush")
+        try:
+            self._ready_writer()
+        except Exception:
+            self._drop_writer()  # a failed event writer keeps failing: the retry makes a new one
+            raise
+        finished, error = call_within(self._writer.flush, timeout, f"sidestream-{self.name}-flush")
+        if error is not None:
+            self._drop_writer()  # the next write, flush or close makes a new one
+            logger.warning("TensorBoardSink: flush failed: %s", self.describe_error(error))
+            return False
+        if not finished:
+            logger.warning("TensorBoardSink: flush did not end within %s s", timeout)
+        return finished
 
     def close(self, timeout: float | None = None) -> bool:
         """Flush and close the event file; return whether that ended within ``timeout`` s."""
-        if self._writer is None:
+        if not self._opened:
             return True
+        try:
+            self._ready_writer()
+        except Exception:
+            self._drop_writer()
+            raise
         writer, self._writer = self._writer, None
+        self._opened = False
         if not self.within(writer.close, timeout, "close"):
             return False
         return self.flush(0)  # the writer is gone: what was sent is on disk now

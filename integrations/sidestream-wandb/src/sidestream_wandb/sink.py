@@ -266,8 +266,8 @@ class WandbSink(TrackerSink):
                 failure = PermanentSinkError(
                     f"WandbSink: log at {key}={report.step} failed: wandb's service process "
                     f"is gone ({self.describe_error(error)}), so this run takes no more rows; "
-                    "resume the job from its last checkpoint (the steps after it are logged "
-                    "again)"
+                    "resume the job from its last checkpoint (it holds the rows not written "
+                    "yet, and the steps after it are logged again)"
                 )
             except Exception as error:
                 failure = self._failure(f"log at {key}={report.step}", error)

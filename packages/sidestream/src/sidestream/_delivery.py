@@ -93,6 +93,9 @@ class Delivery:
         self.options = options
         self.resume_states: dict[str, Any] = {}
         self.unclaimed_states: dict[str, Any] = {}
+        # A checkpoint's undelivered reports per sink (spool lines): delivered first at start.
+        self.backlogs: dict[str, str] = {}
+        self.unclaimed_backlogs: dict[str, str] = {}
         self.runners: list[SinkRunner] | None = None
         # Called once when the sinks start, whoever starts them (a collector's bind or
         # Run.log): the owner registers its close at interpreter exit there.
@@ -147,6 +150,7 @@ class Delivery:
                         retry_initial_s=self.options.retry[0],
                         retry_max_s=self.options.retry[1],
                     )
+                    runner.submit_backlog(self.backlogs.pop(key, "").encode())
                     runner.start()
                     runners.append(runner)
             self.runners = runners
@@ -158,20 +162,21 @@ class Delivery:
         """Hand ``report`` to every runner (rank 0, once started); one failing stays its own."""
         if self.runners:
             self._check_names(report)
+        # A failed sink's runner keeps its reports too (queue, then its capped spool): a
+        # checkpoint holds them and a job resumed from it delivers them.
         for runner in self.runners or ():
-            if runner.status.state != "failed":  # it takes nothing more: keep no backlog
-                try:
-                    runner.submit(report)
-                except Exception as error:
-                    if runner.key not in self._failed_submits:
-                        self._failed_submits.add(runner.key)
-                        logger.error(
-                            "sink %r: submit failed: %s: %s; the other sinks are unaffected "
-                            "(later failures of this sink are not logged)",
-                            runner.key,
-                            type(error).__name__,
-                            error,
-                        )
+            try:
+                runner.submit(report)
+            except Exception as error:
+                if runner.key not in self._failed_submits:
+                    self._failed_submits.add(runner.key)
+                    logger.error(
+                        "sink %r: submit failed: %s: %s; the other sinks are unaffected "
+                        "(later failures of this sink are not logged)",
+                        runner.key,
+                        type(error).__name__,
+                        error,
+                    )
 
     def _check_names(self, report: Report) -> None:
         """Warn once per name that two streams of the run both report.
@@ -203,16 +208,21 @@ class Delivery:
             return {key: SinkStatus("healthy", None) for key in self.sinks}
         return {runner.key: runner.status for runner in self.runners}
 
-    def sink_states(self, timeout: float | None) -> dict[str, Any]:
-        """Every sink's state as of its last delivered report, made durable first.
+    def sink_states(self, timeout: float | None) -> tuple[dict[str, Any], dict[str, str]]:
+        """Every sink's state (made durable first) and its undelivered reports.
 
-        Waits up to ``timeout`` seconds in all for pending reports to be delivered; a sink
-        still behind then gives its state as of its last delivered report (warned).
+        The state is as of the sink's last delivered report; the reports are spool lines,
+        oldest first (``""`` for none). Waits up to ``timeout`` seconds in all for pending
+        reports to be delivered; a sink still behind then gives its state as of its last
+        delivered report (warned), and its undelivered reports go into the checkpoint, so a
+        job resumed from it delivers them. They are read before the state: a report delivered
+        in between is in both, and the resumed sink skips it (it never sends a step its state
+        holds).
         """
         if self.runners is None:
             if not self.is_writer:
-                return {}
-            return {
+                return {}, {}
+            before = {
                 **copy.deepcopy(self.unclaimed_states),
                 **{
                     key: copy.deepcopy(self.resume_states[key])
@@ -221,8 +231,11 @@ class Delivery:
                     for key, sink in self.sinks.items()
                 },
             }
+            backlogs = {key: self.backlogs.get(key, "") for key in self.sinks}
+            return before, {**self.unclaimed_backlogs, **backlogs}
         deadline = None if timeout is None else time.monotonic() + timeout
         states: dict[str, Any] = copy.deepcopy(self.unclaimed_states)
+        undelivered: dict[str, str] = dict(self.unclaimed_backlogs)
         for runner in self.runners:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             began = time.monotonic()
@@ -230,18 +243,20 @@ class Delivery:
                 failed = runner.status.state == "failed"
                 logger.warning(
                     "state_dict: sink %r still has %d undelivered report(s) %s; its state is "
-                    "as of its last delivered step",
+                    "as of its last delivered step, and the checkpoint holds those reports "
+                    "(a job resumed from it delivers them first)",
                     runner.key,
                     runner.pending,
                     "(it failed for good: see its status)"
                     if failed
                     else f"after waiting {time.monotonic() - began:.1f} s",
                 )
+            undelivered[runner.key] = runner.undelivered().decode()
             # What is left of the overall timeout, not the wait's share again.
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             states[runner.key] = self._durable_state(runner, left)
             self._check_places(runner.key, states[runner.key])
-        return states
+        return states, undelivered
 
     def _check_places(self, key: str, state: Any) -> None:
         """Warn once if a sink's state has other places than before it opened.
@@ -284,8 +299,10 @@ class Delivery:
                 logger.warning("state_dict: sink %r: make_durable failed: %s", runner.key, error)
         return runner.sink_state()
 
-    def load_sink_states(self, states: Mapping[str, Any]) -> None:
-        """Give each sink its saved state when it starts.
+    def load_sink_states(
+        self, states: Mapping[str, Any], undelivered: Mapping[str, str] | None = None
+    ) -> None:
+        """Give each sink its saved state, and its undelivered reports, when it starts.
 
         Raises:
             RuntimeError: If the sinks already started.
@@ -301,6 +318,9 @@ class Delivery:
         # A sink this run does not have (left out of the config for this job): its state is
         # carried on into this run's checkpoints, as unclaimed collector states are.
         self.unclaimed_states = {k: v for k, v in loaded.items() if k not in self.sinks}
+        backlogs = _backlogs(undelivered or {})
+        self.backlogs = {key: text for key, text in backlogs.items() if key in self.sinks}
+        self.unclaimed_backlogs = {k: v for k, v in backlogs.items() if k not in self.sinks}
         if self.unclaimed_states:
             logger.warning(
                 "load_state_dict: the checkpoint holds the state of sink(s) %s, which this run "
@@ -442,3 +462,23 @@ def _keyed(sinks: list[Sink]) -> dict[str, Sink]:
             key = f"{sink.name}-{n}"
         keyed[key] = sink
     return keyed
+
+
+def _backlogs(undelivered: Mapping[str, Any]) -> dict[str, str]:
+    """A checkpoint's ``"undelivered"`` part, checked: spool lines per sink key."""
+    if not isinstance(undelivered, Mapping):
+        raise TypeError(
+            f"state_dict['undelivered']: expected a mapping of sink key to text, got "
+            f"{type(undelivered).__name__}"
+        )
+    out = {}
+    for key, text in undelivered.items():
+        if isinstance(text, bytes):
+            text = text.decode()
+        if not isinstance(text, str):
+            raise TypeError(
+                f"state_dict['undelivered'][{key!r}]: expected text (spool lines), got "
+                f"{type(text).__name__}"
+            )
+        out[str(key)] = text
+    return out

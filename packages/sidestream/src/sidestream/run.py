@@ -359,8 +359,9 @@ class Run:
         (so the sinks' last steps match the metric states) and makes each sink's delivered
         data durable (``fsync`` for files). A sink still behind after ``timeout`` gives its
         state as of its last delivered step, with a warning; the reports it has not
-        delivered yet are still delivered by this job, but a job resumed from this
-        checkpoint will not log them again.
+        delivered (queued, spooled, or taken by its backend without confirmation) are in
+        ``"undelivered"``, so a job resumed from this checkpoint delivers them first (the
+        sink skips those its backend has by then).
 
         Raises:
             RankMismatchError: If a collector's window was paired with another call on some
@@ -376,13 +377,14 @@ class Run:
             collectors = {**self._metric_states, **collectors}
         deadline = None if timeout is None else time.monotonic() + timeout
         sinks: dict[str, Any] = {}
+        undelivered: dict[str, str] = {}
         if self.is_writer:
             for collector in self._collectors:
                 collector.wait_windows(_left(deadline))
             if self._log_pipe is not None:
                 self._log_pipe.wait_idle(_left(deadline))
-            sinks = self._delivery.sink_states(_left(deadline))
-        return {"collectors": collectors, "sinks": sinks}
+            sinks, undelivered = self._delivery.sink_states(_left(deadline))
+        return {"collectors": collectors, "sinks": sinks, "undelivered": undelivered}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a ``state_dict`` (any world size) before the first bind or log.
@@ -411,7 +413,7 @@ class Run:
                 collector.load_metric_state(collectors.pop(collector.prefix))
         self._metric_states = collectors
         self._loaded = True
-        self._delivery.load_sink_states(sinks)
+        self._delivery.load_sink_states(sinks, state_dict.get("undelivered"))
 
 
 def _register_close_at_exit(run: weakref.ref[Run]) -> None:

@@ -530,20 +530,21 @@ class AsyncMetricCollector(Generic[T]):
         Blocking. Every rank must call it. On rank 0 it then waits at most ``timeout``
         seconds in all until every scheduled window is delivered (so the sinks' last steps
         match the metric state) and makes the sinks' data durable. A sink still behind after
-        ``timeout`` gives its state as of its last delivered step (a warning says so): this
-        job still delivers the rest, but a job resumed from this checkpoint will not log
-        those steps again. A collector of a shared ``Run`` has no sink states
+        ``timeout`` gives its state as of its last delivered step (a warning says so), and its
+        undelivered reports go into ``"undelivered"``: a job resumed from this checkpoint
+        delivers them first. A collector of a shared ``Run`` has no sink states
         (``run.state_dict()`` holds them).
         """
         self._raise_mismatch()
         metric_state = self._metric.state_dict()
         sink_states: dict[str, Any] = {}
+        undelivered: dict[str, str] = {}
         if self._owns_delivery and self.is_writer:
             deadline = None if timeout is None else time.monotonic() + timeout
             self.wait_windows(timeout)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            sink_states = self._delivery.sink_states(left)
-        return {"metric": metric_state, "sinks": sink_states}
+            sink_states, undelivered = self._delivery.sink_states(left)
+        return {"metric": metric_state, "sinks": sink_states, "undelivered": undelivered}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a ``state_dict`` (any world size). Call before ``bind``.
@@ -561,7 +562,9 @@ class AsyncMetricCollector(Generic[T]):
             )
         metric_state = state_dict["metric"]
         if self._owns_delivery:
-            self._delivery.load_sink_states(state_dict.get("sinks", {}))
+            self._delivery.load_sink_states(
+                state_dict.get("sinks", {}), state_dict.get("undelivered")
+            )
         self._metric.load_state_dict(metric_state)
 
     def load_metric_state(self, state_dict: Mapping[str, Any]) -> None:

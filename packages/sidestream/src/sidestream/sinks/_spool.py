@@ -175,6 +175,20 @@ class Spool:
         file.flush()
         self._end, self._read_offset = target, 0
 
+    def live_bytes(self) -> bytes:
+        """The spooled reports' lines as they are in the file, oldest first (a copy).
+
+        Raises:
+            OSError: If the file cannot be read.
+        """
+        if self._file is None or not self._lines:
+            return b""
+        self._file.seek(self._read_offset)
+        data = self._file.read(self._end - self._read_offset)
+        if len(data) != self._end - self._read_offset:
+            raise OSError(f"spool {self._path}: read {len(data)} of {self.nbytes} bytes")
+        return data
+
     def keep(self, reports: list[Report]) -> tuple[list[str], int, Exception | None]:
         """Leave ``reports`` (older) and what is spooled on disk, oldest first; empty the spool.
 

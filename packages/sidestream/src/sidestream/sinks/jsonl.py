@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -144,13 +145,24 @@ class JsonlSink(TrackerSink):
                     data = b"\n" + data  # cannot cut a pipe: close the line instead
             self._cut = True
             view = memoryview(data)
-            while view:
-                view = view[file.write(view) or 0 :]
+            try:
+                while view:
+                    view = view[file.write(view) or 0 :]
+            except OSError:
+                self._cut_back(file)  # at once: the disk may stay full until close
+                raise
             if self._fsync:
                 os.fsync(file.fileno())
             self._cut = False
             if self._offset is not None:
                 self._offset = file.tell()
+
+    def _cut_back(self, file: IO[bytes]) -> None:
+        """Cut a failed write's part of a line off (lock held), if the file allows it."""
+        if self._regular and self._offset is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(file.fileno(), self._offset)  # needs no free space
+                self._cut = False
 
     def make_durable(self, timeout: float | None = None) -> bool:
         """``fsync`` the file, so delivered lines survive a machine crash. Thread-safe."""
@@ -164,6 +176,8 @@ class JsonlSink(TrackerSink):
         """Close the file (every delivered line is already in it)."""
         with self._file_lock:
             file, self._file = self._file, None
+            if file is not None and self._cut:
+                self._cut_back(file)  # every line left in the file stays whole JSON
         if file is not None:
             file.close()
         return True

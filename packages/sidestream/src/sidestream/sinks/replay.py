@@ -12,9 +12,11 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from sidestream.sinks._spool_format import read_spool, replay_spool
 from sidestream.sinks.config import sinks_from_config
+from sidestream.sinks.runner import STATE_SUFFIX
 
 __all__ = ["main"]
 
@@ -34,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a sink option; VALUE is read as JSON when it parses, else as a string",
     )
     parser.add_argument(
-        "--resume-state", help="a JSON file with the sink's state_dict from the checkpoint"
+        "--resume-state",
+        help="a JSON file with the sink's state_dict from the checkpoint (default: the "
+        f"SPOOL{STATE_SUFFIX} file a close wrote beside it, if there is one)",
     )
     parser.add_argument(
         "--skip-damaged",
@@ -84,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The message names the sink, the option and the fix: no traceback to read past.
         parser.error(f"--sink {args.sink}: {error}")
     state = None
+    if not args.resume_state and os.path.isfile(args.spool + STATE_SUFFIX):
+        state = _state_kept_beside(args.spool + STATE_SUFFIX, args.sink)
     if args.resume_state:
         try:
             with open(args.resume_state) as file:
@@ -130,6 +136,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"renamed the spool to {args.spool}{_REPLAYED}")
     return 0
+
+
+def _state_kept_beside(path: str, sink: str) -> Any:
+    """The state a close wrote beside the spool, if it is of the sink ``sink`` (else None)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            kept = json.load(file)
+        written_by, state = kept["sink"], kept["state"]
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        print(f"not resuming from {path}: {error}", file=sys.stderr)
+        return None
+    if written_by != sink:
+        print(f"not resuming from {path}: it holds the state of sink {written_by!r}")
+        return None
+    print(f"resuming the sink's run from {path}")
+    return state
 
 
 _REPLAYED = ".replayed"

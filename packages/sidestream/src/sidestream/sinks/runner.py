@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import random
 import threading
@@ -13,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool
+from sidestream.sinks._spool_format import decode_report, encode_report
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import SinkStatus, is_permanent
 
@@ -21,6 +23,9 @@ __all__ = ["SinkRunner"]
 logger = logging.getLogger("sidestream.sinks")
 
 _LEFTOVERS_NAMED = 5  # leftover spool files a warning names (the rest are counted)
+#: Beside a spool file kept at close: ``{"sink": name, "state": state_dict}`` as JSON, the
+#: sink's state then (run id, delivered steps).
+STATE_SUFFIX = ".state.json"
 
 
 class SinkRunner:
@@ -223,6 +228,46 @@ class SinkRunner:
         with self._cond:
             return copy.deepcopy(self._state)
 
+    def undelivered(self) -> bytes:
+        """Every report not delivered yet, oldest first, as spool lines (JSON, one per line).
+
+        Those the sink took without its backend confirming them (``Sink.pending_reports``),
+        the batch being written, the queue and the spool. A checkpoint holds them, so a job
+        resumed from it delivers them first (the sink skips what its backend already has).
+        A spool that cannot be read is left out, with a warning.
+        """
+        held = self._held_by_sink()
+        with self._cond:
+            lines = [encode_report(report) for report in (*held, *self._in_flight, *self._queue)]
+            try:
+                lines.append(self._spool.live_bytes())
+            except OSError as error:
+                logger.warning(
+                    "sink %r: the spool could not be read for the checkpoint (%s): its %d "
+                    "report(s) are delivered by this job but missing from the checkpoint",
+                    self.key,
+                    _describe(error),
+                    len(self._spool),
+                )
+        return b"".join(lines)
+
+    def submit_backlog(self, lines: bytes) -> None:
+        """Queue a checkpoint's undelivered reports (``undelivered``) before anything else.
+
+        Call before ``start``. A damaged line is counted in ``dropped`` and warned about.
+        """
+        for line in lines.splitlines():
+            if not line.strip():
+                continue
+            try:
+                report = decode_report(line)
+            except ValueError as error:
+                with self._cond:
+                    self._submitted += 1
+                    self._drop(1, f"damaged undelivered report in the checkpoint: {error}")
+                continue
+            self.submit(report)
+
     def wait_delivered(self, timeout: float | None = None) -> bool:
         """Block until every submitted report is delivered; whether that happened in time."""
         with self._cond:
@@ -263,7 +308,8 @@ class SinkRunner:
                 return self._submitted == 0
         self._thread.join(self._remaining())
         held = self._held_by_sink()
-        if not self._thread.is_alive() and not held:  # held is empty once the sink closed
+        failed = self.status.state == "failed"
+        if not self._thread.is_alive() and not held and not failed:  # held: [] once closed
             with self._cond:
                 self._spool.discard()
                 self._log_dropped()
@@ -275,6 +321,9 @@ class SinkRunner:
             undelivered = [*held, *self._in_flight, *self._queue]
             self._queue.clear()
             count = len(undelivered) + len(self._spool)
+            if count == 0 and failed:  # its failure was logged at ERROR already
+                self._log_dropped()
+                return False
             if count == 0:
                 logger.warning(
                     "sink %r: every report was delivered, but flushing and closing the sink "
@@ -299,14 +348,21 @@ class SinkRunner:
             self._log_dropped()
             self._cond.notify_all()
         if paths:
+            state_file = None
+            if self._opened or self._resume_state is not None:  # a run to resume: its state
+                # Named by the sink's kind: replay resumes only the same kind of sink from it.
+                state = {"sink": self.sink.name, "state": self.sink_state()}
+                state_file = [_write_state_beside(path, state) for path in paths][-1]
+            why = "the sink failed" if failed else f"not delivered within {timeout or 0.0:.1f} s"
             logger.warning(
-                "sink %r: %d report(s) not delivered within %.1f s of close; kept in %s "
-                "(one JSON report per line, oldest first; deliver them later with "
-                "sidestream.sinks.replay_spool or python -m sidestream.sinks.replay)",
+                "sink %r: %d report(s) undelivered (%s); kept in %s (one JSON report per "
+                "line, oldest first; deliver them later with sidestream.sinks.replay_spool or "
+                "python -m sidestream.sinks.replay, which resumes the sink's run from %s)",
                 self.key,
                 count - lost,
-                timeout or 0.0,
+                why,
                 " and ".join(paths),
+                state_file or "--resume-state: the sink's state from this job's checkpoint",
             )
         return False
 
@@ -471,9 +527,10 @@ class SinkRunner:
             self._cond.notify_all()
         self._abandon.set()
         logger.error(
-            "sink %r: %s failed permanently: %s. Not retried: this sink gets no more reports "
-            "and close() returns False. Fix the sink's options or install its client, then "
-            "resume from the last checkpoint",
+            "sink %r: %s failed permanently: %s. Not retried: nothing more is sent to this "
+            "sink and close() returns False; its reports are kept (queue, then spool) for a "
+            "checkpoint and for close to leave in a spool file. Fix the sink's options or "
+            "install its client, then resume from the last checkpoint",
             self.key,
             what,
             reason,
@@ -519,6 +576,18 @@ class SinkRunner:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def _write_state_beside(spool_path: str, state: dict[str, Any]) -> str | None:
+    """Write the sink's state as JSON next to a kept spool file (``replay`` reads it)."""
+    path = spool_path + STATE_SUFFIX
+    try:
+        text = json.dumps(state)
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(text)
+    except (OSError, TypeError, ValueError):  # not JSON, or no room: replay needs --resume-state
+        return None
+    return path
 
 
 def _state_before_open(sink: Sink, key: str) -> dict[str, Any]:

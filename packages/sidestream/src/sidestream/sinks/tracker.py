@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import inspect
 import logging
@@ -17,6 +18,10 @@ from sidestream.sinks.support import call_within, refuse_unknown_options
 __all__ = ["TrackerSink", "parse_tracker_state", "signature_options"]
 
 logger = logging.getLogger("sidestream.sinks")
+
+# Reports sent and not confirmed that a sink keeps to resend (a backend that never confirms
+# must not grow memory without bound).
+_MAX_UNCONFIRMED = 65_536
 
 
 class TrackerSink(Sink):
@@ -58,6 +63,10 @@ class TrackerSink(Sink):
         # A state from before streams: one last step for all of them.
         self._sent_default: int | None = None
         self._delivered_default: int | None = None
+        # Sent and not counted as delivered yet (durable_on_send False): a checkpoint or a
+        # close that times out keeps them, so a backend that lost them gets them again.
+        self._unconfirmed: collections.deque[Report] = collections.deque()
+        self._unconfirmed_warned = False
         self._resumed = False
         self._warned: set[str] = set()
         # Found on resume: the last step the backend holds of each value name (backend_name).
@@ -221,6 +230,7 @@ class TrackerSink(Sink):
                 reached = min(step, sent)
                 if delivered is None or reached > delivered:
                     self._delivered[stream] = reached
+            self._forget_confirmed()
 
     def found_values_in_backend(self, last_steps: Mapping[str, int]) -> None:
         """The last step of each value the backend holds, by its name there (found on resume).
@@ -271,9 +281,40 @@ class TrackerSink(Sink):
         later in the same call skips it.
         """
         with self._lock:
+            if self._sent.get(report.stream) == report.step:
+                return  # marked by send already
             self._sent[report.stream] = report.step
             if self.durable_on_send:
                 self._delivered[report.stream] = report.step
+                return
+            self._unconfirmed.append(report)
+            if len(self._unconfirmed) > _MAX_UNCONFIRMED:
+                self._unconfirmed.popleft()
+                if not self._unconfirmed_warned:
+                    self._unconfirmed_warned = True
+                    logger.warning(
+                        "sink %r: more than %d reports sent and not confirmed by the backend; "
+                        "the oldest are no longer kept for a checkpoint or close to resend",
+                        self.name,
+                        _MAX_UNCONFIRMED,
+                    )
+
+    def pending_reports(self) -> list[Report]:
+        """Reports sent that the backend has not confirmed yet (``durable_on_send`` False)."""
+        with self._lock:
+            self._forget_confirmed()
+            return list(self._unconfirmed)
+
+    def _forget_confirmed(self) -> None:
+        """Drop confirmed reports from ``_unconfirmed`` (lock held)."""
+        delivered, default = self._delivered, self._delivered_default
+        kept = [
+            report
+            for report in self._unconfirmed
+            if report.step > _or_below(delivered.get(report.stream, default))
+        ]
+        if len(kept) != len(self._unconfirmed):
+            self._unconfirmed = collections.deque(kept)
 
     def write(self, report: Report) -> None:
         """Send ``report`` unless its step of its stream was delivered already."""
@@ -444,3 +485,8 @@ def _pairs(steps: Mapping[str, Any]) -> list[list[Any]]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _or_below(step: int | None) -> int | float:
+    """A delivered step, or below every step when none was delivered."""
+    return float("-inf") if step is None else step

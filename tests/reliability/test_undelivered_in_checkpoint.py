@@ -1,0 +1,212 @@
+"""A checkpoint holds what the sinks had not delivered, so a job resumed from it loses nothing.
+
+The job's steps up to the checkpoint are not logged again by the resumed job (it continues
+after them): reports a tracker had not taken by then (down, failed for good, or sent and not
+confirmed) must travel in the checkpoint and be delivered first by the resumed job. Each
+test "crashes" the first job (its sinks never deliver the rest and no spool file is left, as
+after kill -9), resumes from the checkpoint and reads the backend back by hand.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from sidestream import Run
+from sidestream.sinks import JsonlSink, PermanentSinkError, Report, RunInfo, TrackerSink
+
+
+def _rows(path: Path) -> list[tuple[str, int, float]]:
+    """(stream, step, value) of every line of the JSONL file, read with json alone."""
+    rows = []
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            record = json.loads(line)
+            for value in record["values"].values():
+                rows.append((record["stream"], record["step"], value))
+    return rows
+
+
+class _Outage:
+    """Makes every JsonlSink's send fail (transiently, or for good) while switched on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.error: Exception | None = None
+        send = JsonlSink.send
+
+        def failing_send(sink: JsonlSink, reports: Sequence[Report]) -> None:
+            if self.error is not None:
+                raise self.error
+            send(sink, reports)
+
+        monkeypatch.setattr(JsonlSink, "send", failing_send)
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path) -> Iterator[Path]:
+    folder = tmp_path / "spool"
+    yield folder
+    for leftover in glob.glob(str(folder / "*")):
+        os.unlink(leftover)
+
+
+def _crash(run: Run, spool_dir: Path) -> None:
+    """End the first job as kill -9 would: nothing more delivered, no spool file left."""
+    run.close(timeout=0.2)
+    for leftover in glob.glob(str(spool_dir / "*")):
+        os.unlink(leftover)
+
+
+def _log(run: Run, steps: range) -> None:
+    for step in steps:
+        run.log(step, {"x": float(step)})
+
+
+@pytest.mark.parametrize("checkpoint", ["run.state_dict", "dcp"])
+@pytest.mark.parametrize("failure", ["down", "failed for good"])
+def test_reports_undelivered_at_a_checkpoint_reach_the_backend_after_resume(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    spool_dir: Path,
+    checkpoint: str,
+    failure: str,
+) -> None:
+    path, outage = tmp_path / "metrics.jsonl", _Outage(monkeypatch)
+    options: dict[str, Any] = {"spool_dir": str(spool_dir), "sink_capacity": 4}
+    first = Run([JsonlSink(path, flush_every=1)], **options)
+    _log(first, range(1, 11))
+    assert first.state_dict(timeout=10)["sinks"]  # 1..10 delivered
+    if failure == "down":
+        outage.error = ConnectionError("tracker down")
+    else:
+        outage.error = PermanentSinkError("tracker refused the run")
+    _log(first, range(11, 21))  # beyond the in-memory capacity: some are spooled
+    if checkpoint == "dcp":
+        dcp.save({"run": first}, checkpoint_id=tmp_path / "ckpt")
+    else:
+        saved = first.state_dict(timeout=0.5)
+        assert saved["sinks"]["jsonl"]["last_steps"] == [["", 10]]
+    _crash(first, spool_dir)
+    outage.error = None
+
+    resumed = Run([JsonlSink(path, flush_every=1)], **options)
+    if checkpoint == "dcp":
+        dcp.load({"run": resumed}, checkpoint_id=tmp_path / "ckpt")
+    else:
+        resumed.load_state_dict(saved)
+    _log(resumed, range(21, 26))  # the job continues after its checkpoint's step 20
+    assert resumed.close(timeout=30)
+    assert _rows(path) == [("", step, float(step)) for step in range(1, 26)]
+
+
+def test_a_failed_sink_keeps_its_reports_for_close_and_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spool_dir: Path
+) -> None:
+    path, outage = tmp_path / "metrics.jsonl", _Outage(monkeypatch)
+    run = Run([JsonlSink(path, flush_every=1)], spool_dir=str(spool_dir), sink_capacity=2)
+    outage.error = PermanentSinkError("bad project")
+    _log(run, range(1, 6))
+    saved = run.state_dict(timeout=0.5)
+    lines = saved["undelivered"]["jsonl"].splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5]
+    assert not run.close(timeout=1)
+    (kept,) = glob.glob(str(spool_dir / "*.spool.jsonl"))  # left for replay, named in a warning
+    with open(kept, encoding="utf-8") as file:
+        assert [json.loads(line)["step"] for line in file] == [1, 2, 3, 4, 5]
+
+
+class _Backend:
+    """A tracker's store: rows arrive buffered and are kept only once flushed."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[str, int]] = []
+        self.buffered: list[tuple[str, int]] = []
+        self.up = True
+
+
+class _BufferingSink(TrackerSink):
+    """A tracker whose sends are buffered (``durable_on_send`` False) until ``persist``."""
+
+    name = "buffering"
+    durable_on_send = False
+
+    def __init__(self, backend: _Backend) -> None:
+        super().__init__()
+        self._backend = backend
+        self.identity = "run-1"
+
+    def open(self, run: RunInfo) -> None:
+        del run
+        if self._backend.kept:
+            last = max(step for _, step in self._backend.kept)
+            self.found_in_backend({"": last})
+
+    def send(self, reports: Sequence[Report]) -> None:
+        self._backend.buffered += [(r.stream, r.step) for r in reports]
+
+    def persist(self, timeout: float | None) -> bool:
+        del timeout
+        if not self._backend.up:
+            return False
+        self._backend.kept += self._backend.buffered
+        self._backend.buffered = []
+        return True
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        return self.flush(timeout)  # persist, then count what it confirmed
+
+
+def test_reports_sent_and_not_confirmed_at_a_checkpoint_are_sent_again(
+    spool_dir: Path,
+) -> None:
+    backend = _Backend()
+    first = Run([_BufferingSink(backend)], spool_dir=str(spool_dir))
+    _log(first, range(1, 6))
+    first.state_dict(timeout=10)  # persisted: 1..5 kept
+    backend.up = False
+    _log(first, range(6, 11))  # sent into the buffer, never confirmed
+    saved = first.state_dict(timeout=1.0)
+    assert saved["sinks"]["buffering"]["last_steps"] == [["", 5]]
+    _crash(first, spool_dir)
+    backend.buffered = []  # the tracker's process died with its buffer
+    backend.up = True
+
+    resumed = Run([_BufferingSink(backend)], spool_dir=str(spool_dir))
+    resumed.load_state_dict(saved)
+    _log(resumed, range(11, 13))
+    assert resumed.close(timeout=30)
+    assert backend.kept == [("", step) for step in range(1, 13)]
+
+
+def test_a_spool_kept_at_close_replays_into_the_same_run(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    spool_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The sink's state at close is written beside the kept spool; replay resumes from it."""
+    from sidestream.sinks.replay import main as replay
+
+    path, outage = tmp_path / "metrics.jsonl", _Outage(monkeypatch)
+    run = Run([JsonlSink(path, flush_every=1)], spool_dir=str(spool_dir))
+    _log(run, range(1, 6))
+    run.state_dict(timeout=10)
+    outage.error = ConnectionError("tracker down")
+    _log(run, range(6, 11))
+    assert not run.close(timeout=0.5)
+    (kept,) = glob.glob(str(spool_dir / "*.spool.jsonl"))
+    with open(kept + ".state.json", encoding="utf-8") as file:
+        beside = json.load(file)
+    assert beside["sink"] == "jsonl"
+    assert beside["state"]["last_steps"] == [["", 5]] and beside["state"]["path"] == str(path)
+    outage.error = None
+    assert replay([kept, "--sink", "jsonl", "--option", f"path={path}"]) == 0
+    assert "resuming the sink's run from" in capsys.readouterr().out
+    assert _rows(path) == [("", step, float(step)) for step in range(1, 11)]
