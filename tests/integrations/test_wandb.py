@@ -400,3 +400,36 @@ def test_the_sink_runs_in_a_child_process(tmp_path: Path) -> None:
         checkpoint = run.state_dict(timeout=60)["sinks"]["wandb"]
     assert run.close() is True
     assert _losses(checkpoint["run_dir"]) == [(step, float(step)) for step in (1, 2, 3)]
+
+
+_SERVICE_KILLED_JOB = """
+import json, os, signal, sys, time
+from sidestream.sinks import Report, RunInfo
+from sidestream_wandb import WandbSink
+from sidestream_wandb.sink import _service_process
+
+sink = WandbSink(project="sidestream-it", mode="offline", dir=sys.argv[1])
+sink.open(RunInfo(name="service killed"))
+for step in range(5):
+    sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+assert sink.make_durable(timeout=30)  # steps 0 to 4 in the file
+for step in range(5, 8):
+    sink.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+os.kill(_service_process(), signal.SIGKILL)  # before its next periodic write
+flushed = sink.flush(timeout=30)  # waits as long as a periodic write takes
+with open(sys.argv[2], "w") as out:
+    json.dump({"flushed": flushed, "state": sink.state_dict(),
+               "pending": [r.step for r in sink.pending_reports()]}, out)
+os._exit(1)
+"""
+
+
+def test_rows_are_not_counted_when_the_service_died_before_writing_them(
+    tmp_path: Path,
+) -> None:
+    """Rows count by time since they were logged only while wandb's service lives: killed
+    before its periodic write, they stay unconfirmed (a checkpoint and close keep them)."""
+    outcome = _crash(_SERVICE_KILLED_JOB, tmp_path)
+    assert outcome["flushed"] is False
+    assert outcome["state"]["last_steps"] == [["", 4]]
+    assert outcome["pending"] == [5, 6, 7]

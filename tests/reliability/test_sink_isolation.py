@@ -387,3 +387,21 @@ def test_replay_that_cannot_rename_the_spool_says_so_and_print_skips_damaged_lin
     assert replay.main(arguments) == 1
     assert "could not be renamed" in capsys.readouterr().err
     assert spool.exists() and len(out.read_text().splitlines()) == 2
+
+
+def test_a_small_spool_file_stays_within_about_twice_its_cap(tmp_path: Path) -> None:
+    """The read prefix is cut off once larger than the live part, also for caps under 1 MiB."""
+    from sidestream.sinks._spool import Spool
+
+    cap = 4096
+    spool = Spool(str(tmp_path), label="small", max_bytes=cap)
+    line = len(encode_report(Report(step=0, values={"x": 0.0}, time=0.0)))
+    largest = 0
+    for step in range(2000):
+        spool.append(Report(step=step, values={"x": float(step)}, time=0.0))
+        if step % 3:
+            spool.pop_oldest()  # a slow reader: the live part stays near the cap
+        assert spool.path is not None
+        largest = max(largest, os.path.getsize(spool.path))
+    assert largest <= 2 * cap + 2 * line, largest
+    spool.discard()

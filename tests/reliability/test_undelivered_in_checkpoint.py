@@ -202,6 +202,7 @@ def test_a_spool_kept_at_close_replays_into_the_same_run(
     _log(run, range(6, 11))
     assert not run.close(timeout=0.5)
     (kept,) = glob.glob(str(spool_dir / "*.spool.jsonl"))
+    assert os.stat(kept + ".state.json").st_mode & 0o777 == 0o600  # as private as the spool
     with open(kept + ".state.json", encoding="utf-8") as file:
         beside = json.load(file)
     assert beside["sink"] == "jsonl"

@@ -131,6 +131,7 @@ class WandbSink(TrackerSink):
         self._progress_lock = threading.Lock()
         self._finished = False
         self._disabled = False  # mode="disabled": nothing is kept anywhere
+        self._service_pid: int | None = None  # wandb-core, found at open
 
     @classmethod
     def check_available(cls) -> None:
@@ -215,6 +216,7 @@ class WandbSink(TrackerSink):
         if failure is not None:
             raise failure  # outside the handler: the original is not chained as its context
         self._run_id = str(self._run.id)
+        self._service_pid = _service_process()
         self._finished = False
         # mode="disabled": wandb keeps nothing, so there is no write to wait for or record.
         self._disabled = getattr(getattr(self._run, "settings", None), "mode", None) == "disabled"
@@ -284,6 +286,8 @@ class WandbSink(TrackerSink):
         """Count rows logged at least one periodic write (plus the margin) ago as delivered."""
         if self._flush_interval is None or self._flush_interval <= 0 or self._disabled:
             return  # no periodic write: only persist at finish can say
+        if not self._service_alive():
+            return  # it may have died before its periodic write: the rows stay unconfirmed
         written: dict[str, int] = {}
         cutoff = time.monotonic() - self._flush_interval - _FLUSH_MARGIN_S
         with self._unwritten_lock:
@@ -320,7 +324,15 @@ class WandbSink(TrackerSink):
             if timeout is not None and wait > timeout:
                 return False
             time.sleep(wait)
-        return True
+        return self._service_alive()  # a dead service wrote nothing more
+
+    def _service_alive(self) -> bool:
+        """Whether wandb's service process (if this process started it) is still running.
+
+        Rows count by time since they were logged; that holds only while the service that
+        writes them lives. Unknown (not found at open, or not Linux) counts as alive.
+        """
+        return self._service_pid is None or _process_running(self._service_pid)
 
     def _write_progress(self, run_dir: str, last_steps: Mapping[str, int]) -> None:
         """Record each stream's last step in the ``.wandb`` file next to the run (for resume).
@@ -423,6 +435,37 @@ def _with_flush_interval(wandb: Any, settings: Any) -> tuple[Any, float | None]:
         settings = settings.model_copy()
         setattr(settings, FLUSH_SETTING, FLUSH_INTERVAL_S)
     return settings, float(getattr(settings, FLUSH_SETTING))
+
+
+def _service_process() -> int | None:
+    """The pid of the ``wandb-core`` child of this process (Linux ``/proc``), or ``None``."""
+    me = os.getpid()
+    try:
+        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        stat = _proc_stat(int(entry))
+        if stat is not None and stat[2] == me and "wandb-core" in stat[0]:
+            return int(entry)
+    return None
+
+
+def _process_running(pid: int) -> bool:
+    stat = _proc_stat(pid)
+    return stat is not None and stat[1] not in ("Z", "X")  # a zombie is dead, not yet reaped
+
+
+def _proc_stat(pid: int) -> tuple[str, str, int] | None:
+    """``(name, state, parent pid)`` of process ``pid`` from ``/proc``, or ``None``."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as file:
+            text = file.read()
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        state, parent = text[text.rindex(")") + 2 :].split()[:2]
+        return name, state, int(parent)
+    except (OSError, ValueError):
+        return None
 
 
 def _read_progress(run_dir: str | None) -> dict[str, int]:

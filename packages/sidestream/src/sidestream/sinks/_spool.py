@@ -112,7 +112,9 @@ class Spool:
             dropped += 1
         self.dropped += dropped
         file = self._open()
-        if self._read_offset > max(self.nbytes, _CHUNK):
+        # The dead prefix is cut once larger than the live part (and than a chunk, or the cap
+        # when that is smaller), so the file stays within about twice the cap.
+        if self._read_offset > max(self.nbytes, min(_CHUNK, self._max_bytes)):
             self._compact(file)
         try:
             file.seek(self._end)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -124,11 +125,12 @@ class SinkRunner:
         more = len(left) - _LEFTOVERS_NAMED
         if left:
             logger.warning(
-                "sink %r: %d spool file(s) of earlier jobs hold reports that were never "
-                "delivered: %s. Deliver them with python -m sidestream.sinks.replay FILE --sink "
-                "NAME (with --resume-state and the sink's state from that job's checkpoint), "
-                "or delete them. Replay before a job logs past their steps: MLflow and "
-                "TensorBoard never log a value below the largest step they hold of it",
+                "sink %r: %d spool file(s) of earlier jobs hold reports they had not delivered "
+                "when they ended: %s. If this job resumed that job from its checkpoint, delete "
+                "them: the checkpoint holds the reports undelivered at that point and this job "
+                "logs the later steps again (a replay would deliver later steps first, and "
+                "MLflow and TensorBoard then skip the earlier ones). For a job that is not "
+                "resumed, deliver them with python -m sidestream.sinks.replay FILE --sink NAME",
                 self.key,
                 len(left),
                 ", ".join(left[:_LEFTOVERS_NAMED]) + (f" and {more} more" if more > 0 else ""),
@@ -583,7 +585,8 @@ def _write_state_beside(spool_path: str, state: dict[str, Any]) -> str | None:
     path = spool_path + STATE_SUFFIX
     try:
         text = json.dumps(state)
-        with open(path, "w", encoding="utf-8") as file:
+        # Owner-only, like the spool file beside it (a run id, a path, delivered steps).
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
             file.write(text)
     except (OSError, TypeError, ValueError):  # not JSON, or no room: replay needs --resume-state
         return None
