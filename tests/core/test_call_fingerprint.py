@@ -324,3 +324,14 @@ def test_cuda_syncs_are_checked_once_the_device_passed_them(pair: RankPool) -> N
         assert out["waits beyond the cap"] == 1
         assert out["state_dict"] == "no error"
         assert out["waits for state_dict"] == 6  # the four left, then state_dict's own
+
+
+def test_a_slot_copy_starts_with_no_unchecked_syncs() -> None:
+    """A copy must not share (or lose) the list of unchecked CUDA syncs of its source."""
+    from sidestream.collector._slot import clone_metric
+
+    metric = MeanMetric()
+    metric.__dict__["_unverified_syncs"] = []  # what a CUDA sync leaves once checked
+    copy = clone_metric(metric)
+    pending = copy.__dict__["_unverified_syncs"]
+    assert pending == [] and pending is not metric.__dict__["_unverified_syncs"]

@@ -233,3 +233,44 @@ def test_a_full_disk_that_frees_again_loses_and_repeats_no_step(
     assert run.close(timeout=30)
     events = _load(log_dir).Scalars("x")
     assert [(e.step, e.value) for e in events] == [(s, float(s)) for s in range(1, 31)]
+
+
+def test_a_checkpoint_flush_failing_while_the_sink_writes_does_not_break_the_sink(
+    tmp_path: Path,
+) -> None:
+    """The writer is dropped only between writes: a write in progress keeps its writer."""
+    import threading
+
+    from sidestream.sinks.status import is_permanent
+
+    sink = TensorBoardSink(log_dir=tmp_path)
+    sink.open(RunInfo())
+    real, writing = sink._writer, threading.Event()
+
+    class FullDiskWriter:
+        def add_scalar(self, *args: Any, **kwargs: Any) -> None:
+            writing.set()
+            time.sleep(0.05)
+
+        def flush(self) -> None:
+            raise OSError(28, "No space left on device")
+
+        def close(self) -> None:
+            pass
+
+    sink._writer = FullDiskWriter()
+    errors: list[Exception] = []
+
+    def write() -> None:
+        try:
+            sink.write(Report(step=1, values={f"v{i}": 1.0 for i in range(10)}, time=0.0))
+        except Exception as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    writing.wait()
+    assert not sink.flush(timeout=5)  # the checkpoint's flush, on another thread
+    thread.join()
+    real.close()
+    assert not [error for error in errors if is_permanent(error)], errors

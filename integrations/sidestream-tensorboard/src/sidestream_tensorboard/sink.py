@@ -138,7 +138,7 @@ class TensorBoardSink(TrackerSink):
         from torch.utils.tensorboard import SummaryWriter
 
         if self._writer is not None:  # an earlier attempt that failed: end its writer
-            self._drop_writer()
+            self._discard_writer()
         warn = not self.resumed and not self._earlier_files_warned and self._log_dir is not None
         if warn:
             assert self._log_dir is not None
@@ -187,15 +187,18 @@ class TensorBoardSink(TrackerSink):
         """
         if not self._opened:
             raise RuntimeError("TensorBoardSink.write: call open() first")
-        try:
-            self._ready_writer()
-            for report in reports:
-                # After a new writer: the values the old one got to disk are not written again.
-                self._send_one(self._without_held(report))
-                self.mark_sent(report)
-        except Exception:
-            self._drop_writer()  # a failed event writer keeps failing: the retry makes a new one
-            raise
+        # Held throughout: a checkpoint's flush (another thread) must not drop the writer
+        # while this one writes to it.
+        with self._writer_lock:
+            try:
+                self._ready_writer()
+                for report in reports:
+                    # After a new writer: what the old one got to disk is not written again.
+                    self._send_one(self._without_held(report))
+                    self.mark_sent(report)
+            except Exception:
+                self._discard_writer()  # it keeps failing: the retry makes a new one
+                raise
 
     def _ready_writer(self) -> None:
         """After a failed writer: a new one (a new event file), given the unconfirmed reports.
@@ -203,19 +206,26 @@ class TensorBoardSink(TrackerSink):
         TensorBoard's event writer stops for good at its first error (a full disk) and raises it
         on every later call, so the sink drops it and makes a new one once the retry comes.
         What the old writer got to disk is read back and not written again; the rest of the
-        reports sent since the last confirmed flush are written into the new file.
+        reports sent since the last confirmed flush are written into the new file. Called
+        with ``_writer_lock`` held, by the sink's thread only (``send``, ``close``).
         """
-        with self._writer_lock:
-            if self._writer is not None:
-                return
-            from torch.utils.tensorboard import SummaryWriter
+        if self._writer is not None:
+            return
+        from torch.utils.tensorboard import SummaryWriter
 
-            assert self._log_dir is not None
-            self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
-            self.found_values_in_backend(_last_steps_on_disk(self._log_dir))
-            self._pending = None
-            for report in self.pending_reports():
-                self._send_one(self._without_held(report))
+        assert self._log_dir is not None
+        self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
+        self.found_values_in_backend(_last_steps_on_disk(self._log_dir))
+        self._pending = None
+        for report in self.pending_reports():
+            self._send_one(self._without_held(report))
+
+    def _discard_writer(self) -> None:
+        """Close a failed writer quietly (it re-raises its first error); lock held."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()
 
     def _without_held(self, report: Report) -> Report:
         """``report`` less the values its tags' event files hold at its step or later."""
@@ -225,13 +235,6 @@ class TensorBoardSink(TrackerSink):
         values = {k: v for k, v in report.values.items() if k not in held}
         histograms = {k: v for k, v in report.histograms.items() if k not in held}
         return dataclasses.replace(report, values=values, histograms=histograms)
-
-    def _drop_writer(self) -> None:
-        with self._writer_lock:
-            writer, self._writer = self._writer, None
-        if writer is not None:
-            with contextlib.suppress(Exception):
-                writer.close()
 
     def _send_one(self, report: Report) -> None:
         if self._pending != (report.stream, report.step):
@@ -287,18 +290,18 @@ class TensorBoardSink(TrackerSink):
         """Write pending events to disk; return whether that ended within ``timeout`` s.
 
         Thread-safe (the writer's queue takes events from any thread), so a checkpoint may
-        call it while the sink's thread writes.
+        call it while the sink's thread writes. A writer that failed is replaced by the next
+        ``write`` or ``close`` (the sink's thread), not here: False until then.
         """
-        if not self._opened:
-            return True
-        try:
-            self._ready_writer()
-        except Exception:
-            self._drop_writer()  # a failed event writer keeps failing: the retry makes a new one
-            raise
-        finished, error = call_within(self._writer.flush, timeout, f"sidestream-{self.name}-flush")
+        with self._writer_lock:
+            writer = self._writer
+        if writer is None:
+            return not self._opened  # opened: a failed writer not replaced yet
+        finished, error = call_within(writer.flush, timeout, f"sidestream-{self.name}-flush")
         if error is not None:
-            self._drop_writer()  # the next write, flush or close makes a new one
+            with self._writer_lock:
+                if self._writer is writer:  # not replaced meanwhile: the next write replaces it
+                    self._discard_writer()
             logger.warning("TensorBoardSink: flush failed: %s", self.describe_error(error))
             return False
         if not finished:
@@ -307,15 +310,16 @@ class TensorBoardSink(TrackerSink):
 
     def close(self, timeout: float | None = None) -> bool:
         """Flush and close the event file; return whether that ended within ``timeout`` s."""
-        if not self._opened:
-            return True
-        try:
-            self._ready_writer()
-        except Exception:
-            self._drop_writer()
-            raise
-        writer, self._writer = self._writer, None
-        self._opened = False
+        with self._writer_lock:
+            if not self._opened:
+                return True
+            try:
+                self._ready_writer()
+            except Exception:
+                self._discard_writer()
+                raise
+            writer, self._writer = self._writer, None
+            self._opened = False
         if not self.within(writer.close, timeout, "close"):
             return False
         return self.flush(0)  # the writer is gone: what was sent is on disk now

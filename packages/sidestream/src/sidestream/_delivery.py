@@ -137,6 +137,8 @@ class Delivery:
             if self.runners is not None:
                 return self.runners
             runners: list[SinkRunner] = []
+            if not self.is_writer:
+                self.backlogs = {}  # only rank 0 delivers: do not hold them for the whole job
             if self.is_writer:
                 for key, sink in self.sinks.items():
                     runner = SinkRunner(

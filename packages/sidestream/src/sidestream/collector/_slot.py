@@ -243,7 +243,7 @@ def clone_metric(metric: Metric[Any]) -> Metric[Any]:
         for private in ("_sync_layouts", "_unverified_syncs"):
             value = inner.__dict__.get(private)
             if value is not None:
-                memo[id(value)] = {} if private == "_sync_layouts" else None
+                memo[id(value)] = {} if private == "_sync_layouts" else []  # none pending
     return copy.deepcopy(metric, memo)
 
 

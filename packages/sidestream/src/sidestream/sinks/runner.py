@@ -238,11 +238,12 @@ class SinkRunner:
         resumed from it delivers them first (the sink skips what its backend already has).
         A spool that cannot be read is left out, with a warning.
         """
-        held = self._held_by_sink()
         with self._cond:
-            lines = [encode_report(report) for report in (*held, *self._in_flight, *self._queue)]
+            # Ours first, the sink's after: a write ending in between moves its reports from
+            # in-flight to the sink's pending ones, so they are in one list or both, never none.
+            ours = [encode_report(report) for report in (*self._in_flight, *self._queue)]
             try:
-                lines.append(self._spool.live_bytes())
+                ours.append(self._spool.live_bytes())
             except OSError as error:
                 logger.warning(
                     "sink %r: the spool could not be read for the checkpoint (%s): its %d "
@@ -251,7 +252,8 @@ class SinkRunner:
                     _describe(error),
                     len(self._spool),
                 )
-        return b"".join(lines)
+        held = [encode_report(report) for report in self._held_by_sink()]  # the oldest
+        return b"".join([*held, *ours])
 
     def submit_backlog(self, lines: bytes) -> None:
         """Queue a checkpoint's undelivered reports (``undelivered``) before anything else.
@@ -323,6 +325,8 @@ class SinkRunner:
             undelivered = [*held, *self._in_flight, *self._queue]
             self._queue.clear()
             count = len(undelivered) + len(self._spool)
+            if count == 0:
+                self._spool.discard()  # an emptied spool file: nothing for a later job
             if count == 0 and failed:  # its failure was logged at ERROR already
                 self._log_dropped()
                 return False

@@ -281,8 +281,9 @@ class TrackerSink(Sink):
         later in the same call skips it.
         """
         with self._lock:
-            if self._sent.get(report.stream) == report.step:
-                return  # marked by send already
+            last = self._sent.get(report.stream)
+            if last is not None and report.step <= last:
+                return  # marked by send already (a stream's steps only grow)
             self._sent[report.stream] = report.step
             if self.durable_on_send:
                 self._delivered[report.stream] = report.step
