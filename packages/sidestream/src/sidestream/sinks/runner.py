@@ -327,16 +327,13 @@ class SinkRunner:
             count = len(undelivered) + len(self._spool)
             if count == 0:
                 self._spool.discard()  # an emptied spool file: nothing for a later job
-            if count == 0 and failed:  # its failure was logged at ERROR already
-                self._log_dropped()
-                return False
-            if count == 0:
-                logger.warning(
-                    "sink %r: every report was delivered, but flushing and closing the sink "
-                    "did not finish within %.1f s of close",
-                    self.key,
-                    timeout or 0.0,
-                )
+                if not failed:  # a failure was logged at ERROR already
+                    logger.warning(
+                        "sink %r: every report was delivered, but flushing and closing the "
+                        "sink did not finish within %.1f s of close",
+                        self.key,
+                        timeout or 0.0,
+                    )
                 self._log_dropped()
                 return False
             paths, lost, error = self._spool.keep(undelivered)
@@ -358,7 +355,8 @@ class SinkRunner:
             if self._opened or self._resume_state is not None:  # a run to resume: its state
                 # Named by the sink's kind: replay resumes only the same kind of sink from it.
                 state = {"sink": self.sink.name, "state": self.sink_state()}
-                state_file = [_write_state_beside(path, state) for path in paths][-1]
+                for path in paths:
+                    state_file = _write_state_beside(path, state)
             why = "the sink failed" if failed else f"not delivered within {timeout or 0.0:.1f} s"
             logger.warning(
                 "sink %r: %d report(s) undelivered (%s); kept in %s (one JSON report per "

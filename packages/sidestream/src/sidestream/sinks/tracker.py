@@ -66,7 +66,6 @@ class TrackerSink(Sink):
         # Sent and not counted as delivered yet (durable_on_send False): a checkpoint or a
         # close that times out keeps them, so a backend that lost them gets them again.
         self._unconfirmed: collections.deque[Report] = collections.deque()
-        self._unconfirmed_warned = False
         self._resumed = False
         self._warned: set[str] = set()
         # Found on resume: the last step the backend holds of each value name (backend_name).
@@ -291,31 +290,31 @@ class TrackerSink(Sink):
             self._unconfirmed.append(report)
             if len(self._unconfirmed) > _MAX_UNCONFIRMED:
                 self._unconfirmed.popleft()
-                if not self._unconfirmed_warned:
-                    self._unconfirmed_warned = True
-                    logger.warning(
-                        "sink %r: more than %d reports sent and not confirmed by the backend; "
-                        "the oldest are no longer kept for a checkpoint or close to resend",
-                        self.name,
-                        _MAX_UNCONFIRMED,
-                    )
+                self.warn_once(
+                    "unconfirmed",
+                    f"sink {self.name!r}: more than {_MAX_UNCONFIRMED} reports sent and not "
+                    "confirmed by the backend; the oldest are no longer kept for a checkpoint "
+                    "or close to resend",
+                )
 
     def pending_reports(self) -> list[Report]:
         """Reports sent that the backend has not confirmed yet (``durable_on_send`` False)."""
         with self._lock:
-            self._forget_confirmed()
-            return list(self._unconfirmed)
+            return [report for report in self._unconfirmed if not self._confirmed(report)]
+
+    def _confirmed(self, report: Report) -> bool:
+        """Whether ``report``'s step of its stream counts as delivered (lock held)."""
+        delivered = self._delivered.get(report.stream, self._delivered_default)
+        return delivered is not None and report.step <= delivered
 
     def _forget_confirmed(self) -> None:
-        """Drop confirmed reports from ``_unconfirmed`` (lock held)."""
-        delivered, default = self._delivered, self._delivered_default
-        kept = [
-            report
-            for report in self._unconfirmed
-            if report.step > _or_below(delivered.get(report.stream, default))
-        ]
-        if len(kept) != len(self._unconfirmed):
-            self._unconfirmed = collections.deque(kept)
+        """Drop the oldest reports while confirmed (lock held): O(1) per report over time.
+
+        One stream's report left at the front keeps other streams' confirmed ones behind it
+        until it is confirmed too; ``pending_reports`` leaves those out.
+        """
+        while self._unconfirmed and self._confirmed(self._unconfirmed[0]):
+            self._unconfirmed.popleft()
 
     def write(self, report: Report) -> None:
         """Send ``report`` unless its step of its stream was delivered already."""
@@ -486,8 +485,3 @@ def _pairs(steps: Mapping[str, Any]) -> list[list[Any]]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _or_below(step: int | None) -> int | float:
-    """A delivered step, or below every step when none was delivered."""
-    return float("-inf") if step is None else step
