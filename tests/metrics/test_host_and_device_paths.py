@@ -241,6 +241,10 @@ def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.Mon
             lambda: BinaryAUROCMetric(32),
             [(nan[:, 1], matrix[:, 0]), (scores[:, 0] + 1, matrix[:, 0]), (scores[:, 0], labels)],
         ),
+        "exact": (
+            lambda: BinaryAUROCMetric(exact=True),
+            [(nan[:, 1], matrix[:, 0]), (scores[:, 0] + 1, matrix[:, 0]), (scores[:, 0], labels)],
+        ),
         "multiclass": (
             lambda: MulticlassAUROCMetric(3, 32),
             [(nan, labels), (probs, labels + 1), (probs * 2, labels)],
@@ -260,6 +264,7 @@ def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.Mon
     }
     good = {
         "auroc": (scores[:, 0], matrix[:, 0]),
+        "exact": (scores[:, 0], matrix[:, 0]),
         "multiclass": (probs, labels),
         "multilabel": (scores, matrix),
         "ece": (scores[:, 0], matrix[:, 0]),
@@ -283,6 +288,8 @@ def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.Mon
         ):
             if expected.local.ndim:  # the state, not the rejected counter
                 assert torch.allclose(actual.local, expected.local, rtol=1e-12, atol=0), name
+        # The exact metric's samples are not accumulators: its value shows what it kept.
+        assert torch.allclose(metric.compute(), reference.compute(), rtol=1e-12, atol=0), name
 
 
 @pytest.mark.parametrize("classes", [2, 10, 16, 17])

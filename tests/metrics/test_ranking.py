@@ -304,6 +304,43 @@ def test_state_dict_round_trip_continues_the_same_numbers() -> None:
     _check(_results(restored), _concat([first, second]))
 
 
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ({"thresholds": [0.0, 0.5, 1.0]}, {"thresholds": [0.0, 0.05, 1.0]}),
+        ({"thresholds": [0.0, 0.5, 1.0]}, {"num_bins": 4}),  # the same histogram shape
+        ({"num_bins": 4}, {"thresholds": [0.25, 0.5, 0.75]}),
+    ],
+)
+def test_a_checkpoint_of_other_bins_is_refused(
+    saved: dict[str, Any], loaded: dict[str, Any]
+) -> None:
+    """Counts per bin added into other bins give a value of neither: refused, state unchanged."""
+    scores, target = torch.rand(200), torch.randint(0, 2, (200,))
+    for make in (BinaryAUROCMetric, BinaryAveragePrecisionMetric):
+        source = make(**saved)
+        source.update(scores, target)
+        state = source.state_dict()
+        metric = make(**loaded)
+        metric.update(scores[:50], target[:50])
+        before = metric.compute()
+        with pytest.raises(ValueError, match=r"bin_layout.*saved with .*same bins"):
+            metric.load_state_dict(state)
+        assert torch.equal(metric.compute(), before)
+        twin = make(**saved)
+        twin.load_state_dict(state)  # the same bins load
+        assert torch.equal(twin.compute(), source.compute())
+        older = {key: value for key, value in state.items() if key != "bin_layout"}
+        twin = make(**saved)
+        twin.load_state_dict(older)  # saved before the bins were: loads as is
+        assert torch.equal(twin.compute(), source.compute())
+
+
+def test_empty_thresholds_are_named_as_empty() -> None:
+    with pytest.raises(ValueError, match="thresholds: expected at least one value"):
+        BinaryAUROCMetric(thresholds=[])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_score_of_one_stays_in_its_row_with_a_million_bins(dtype: torch.dtype) -> None:
     """From about 2**20 bins the edge nudge is a whole bin: 1.0 must still land in the last

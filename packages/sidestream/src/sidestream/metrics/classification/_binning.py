@@ -46,12 +46,23 @@ class Bins:
             self.count = num_bins
             return
         values = torch.as_tensor(edges, dtype=torch.float64).reshape(-1).cpu()
-        if values.numel() == 0 or not bool(((values >= 0) & (values <= 1)).all()):
+        if values.numel() == 0:
+            raise ValueError("thresholds: expected at least one value in [0, 1], got none")
+        if not bool(((values >= 0) & (values <= 1)).all()):
             raise ValueError(f"thresholds: expected values in [0, 1], got {values.tolist()}")
         if values.numel() > 1 and not bool((values[1:] > values[:-1]).all()):
             raise ValueError("thresholds: expected strictly increasing values")
         self._edges = values
         self.count = values.numel() + 1
+
+    def layout(self) -> Tensor:
+        """What the bins are, as float64: ``[num_bins]`` when uniform, else the edges.
+
+        The two never look alike: a uniform count is at least 2, edges are in ``[0, 1]``.
+        """
+        if self._edges is None:
+            return torch.tensor([float(self.count)], dtype=torch.float64)
+        return self._edges.cpu().clone()
 
     @property
     def uniform(self) -> bool:

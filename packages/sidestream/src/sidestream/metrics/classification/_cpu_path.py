@@ -19,6 +19,7 @@ __all__ = [
     "bin_scale",
     "bincount_enabled",
     "count_indices",
+    "count_valid_indices",
     "fold_bins",
     "enabled",
     "outside",
@@ -90,6 +91,35 @@ def count_indices(index: Tensor, size: int, weight: Tensor | None = None) -> Ten
     source = torch.ones_like(flat) if weight is None else weight.reshape(-1).to(torch.int64)
     counts = torch.zeros(size, dtype=torch.int64, device=index.device)
     return counts.index_add_(0, flat, source)
+
+
+def count_valid_indices(
+    index: Tensor, size: int, weight: Tensor | None, valid: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``count_indices`` of a batch checked per element, and whether any element failed.
+
+    One ``bincount`` counts the batch and its invalid elements together (in a slot past the
+    counts, weight-0 elements in one more), so a compiled graph checks the batch in the pass
+    that makes the index instead of in a reduction of its own. Where ``bincount_enabled``.
+
+    Args:
+        index: Integer indices; those of valid weight-1 elements must lie in ``[0, size)``.
+        size: The number of counts.
+        weight: 0/1 weights broadcastable to ``index`` (integer or bool), or ``None``.
+        valid: Bools broadcastable to ``index``: false where an element failed a check.
+
+    Returns:
+        ``(counts, invalid)``: the ``(size,)`` int64 counts of the valid elements, and a
+        ``(1,)`` bool, true if any element was not valid (the caller drops the batch then).
+    """
+    if weight is not None:
+        index = torch.where(weight.bool(), index, size)
+    index = torch.where(valid, index, size + 1).reshape(-1)
+    counts = torch.bincount(index, minlength=size + 2)
+    # Every index is below minlength, so this holds; compiled, the length is otherwise
+    # data-dependent and slicing past ``size`` cannot be traced.
+    torch._check(counts.shape[0] == size + 2)  # type: ignore[no-untyped-call]
+    return counts[:size], counts[size + 1 :] > 0
 
 
 def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = False) -> Tensor:

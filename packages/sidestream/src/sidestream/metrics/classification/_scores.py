@@ -10,6 +10,7 @@ from torch import Tensor
 from sidestream._validation import (
     check_floating,
     check_same_shape,
+    checks_stay_on_device,
     expected_text,
     screen_invalid,
 )
@@ -25,7 +26,7 @@ from sidestream.metrics.classification._inputs import (
 from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.state import MetricAccumulator
 
-__all__ = ["ScoreBatch", "score_batch"]
+__all__ = ["ScoreBatch", "score_batch", "screen_elements"]
 
 
 class ScoreBatch(NamedTuple):
@@ -35,13 +36,23 @@ class ScoreBatch(NamedTuple):
         scores: ``(M, C)`` probabilities in ``[0, 1]`` (C = 1 for binary).
         target: ``(M,)`` class indices (multiclass) or ``(M, C)`` 0/1 values; ignored and
             dropped elements hold a valid placeholder.
-        weight: ``(M,)`` (multiclass) or ``(M, C)`` 0/1 int64 weights, or ``None`` when every
-            element counts (no ``ignore_index``, and off CUDA, where a bad batch raised).
+        weight: ``(M,)`` (multiclass) or ``(M, C)`` 0/1 int64 weights of ``ignore_index``
+            (a dropped batch's zero folded in), or ``None`` when every element counts.
+        keep: Without ``ignore_index``, where the checks stay on the device: a 0-dim bool,
+            false when the whole batch is dropped. One flag, not a batch-sized weight: counts
+            are scaled by it once (a compiled CPU update would otherwise fill and select a
+            weight per element). ``None`` when nothing is dropped (off CUDA a bad batch raised).
+        valid: With ``per_element`` where the checks stay on the device, instead of ``keep``:
+            a bool per element, broadcastable to ``scores``, false where a value fails a check
+            (``ignore_index`` elements pass). Nothing was counted: pass whether any is false to
+            ``screen_elements``, and drop the whole batch if so.
     """
 
     scores: Tensor
     target: Tensor
     weight: Tensor | None
+    keep: Tensor | None = None
+    valid: Tensor | None = None
 
 
 def _rows(problem: Problem, preds: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
@@ -75,6 +86,7 @@ def score_batch(
     rejected: MetricAccumulator,
     *,
     exact: bool = False,
+    per_element: bool = False,
 ) -> ScoreBatch | None:
     """Check and flatten one update's ``(preds, target)``; ``None`` for an empty batch.
 
@@ -89,6 +101,11 @@ def score_batch(
     sigmoid rounds every logit above about 17 to 1.0, which would tie samples the logits order
     (the sigmoid is monotone, so the logits rank alike, and widening them to float64 later
     keeps that order). A multiclass softmax runs in float64.
+
+    With ``per_element``, where the checks stay on the device (CUDA, compiling), they are not
+    reduced here: the batch carries ``valid`` per element, for a caller that folds it into a
+    pass it makes anyway (a compiled CPU histogram counts invalid elements in a slot of its
+    own, so its graph reads the batch once, not once for the checks and again for the bins).
 
     Raises:
         TypeError: On a non-tensor or a wrong dtype.
@@ -136,6 +153,12 @@ def score_batch(
         checks: list[Check] = [(outside(scores, 0, 1), "preds", expected)]
     else:
         checks = [(outside(scores, -torch.inf, torch.inf), "preds", expected)]  # NaN only
+    if per_element and checks_stay_on_device(device):
+        if problem.kind is ProblemKind.MULTICLASS:
+            labels = labels.clamp(0, problem.num_classes - 1)  # invalid ones index nothing
+        final = scores if ranked is None else ranked
+        valid = _valid_elements(problem, final, checked, nan_only=ranked is not None)
+        return ScoreBatch(final, labels, weight, valid=valid)
     suffix = "" if ignore is None else expected_text(" or ignore_index={}", ignore)
     if problem.kind is ProblemKind.MULTICLASS:
         classes = problem.num_classes
@@ -145,12 +168,40 @@ def score_batch(
         checks.append((not_binary(checked), "target", f"0 or 1{suffix}"))
     keep = screen(checks, rejected)
     if keep is not None:
-        base = torch.ones_like(labels, dtype=torch.int64) if weight is None else weight
-        weight = base * keep
+        if weight is not None:
+            weight, keep = weight * keep, None
         # Dropped batches may hold anything: keep indices in range.
         if problem.kind is ProblemKind.MULTICLASS:
             labels = labels.clamp(0, problem.num_classes - 1)
-    return ScoreBatch(scores if ranked is None else ranked, labels, weight)
+    return ScoreBatch(scores if ranked is None else ranked, labels, weight, keep)
+
+
+def _valid_elements(problem: Problem, scores: Tensor, target: Tensor, nan_only: bool) -> Tensor:
+    """``score_batch``'s checks per element: true where the score and its target pass.
+
+    A NaN score fails both comparisons, as it fails ``outside``. Multiclass targets are
+    ``(M,)`` and come back as a column, broadcast over the classes.
+    """
+    valid = ~torch.isnan(scores) if nan_only else (scores >= 0) & (scores <= 1)
+    if problem.kind is ProblemKind.MULTICLASS:
+        in_range = (target >= 0) & (target < problem.num_classes)
+        return valid & in_range.unsqueeze(1)
+    if target.dtype == torch.bool:
+        return valid
+    return valid & ((target == 0) | (target == 1))
+
+
+def screen_elements(invalid: Tensor, rejected: MetricAccumulator) -> Tensor | None:
+    """``screen`` for a batch checked with ``per_element``: the same count and message.
+
+    Args:
+        invalid: True (any element) where some element of the batch failed a check.
+        rejected: The metric's rejected-updates counter.
+
+    Returns:
+        The keep flag (``screen_invalid``'s).
+    """
+    return screen_invalid(invalid, rejected, "preds/target", "valid values")
 
 
 def _host_binary(

@@ -86,7 +86,9 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
         batch = score_batch(self._problem, preds, target, self.device, self._rejected)
         if batch is None:
             return
-        scores, labels, weight = batch
+        scores, labels, weight, keep, _ = batch  # valid: only with per_element
+        if keep is not None:  # a whole batch dropped on the device: a zero weight for each
+            weight = keep.expand(labels.shape)
         if self._problem.kind is ProblemKind.MULTICLASS:
             confidence, predicted = scores.max(dim=1)
             accuracy = predicted == labels

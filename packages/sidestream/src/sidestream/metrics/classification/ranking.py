@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
+from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore
 from sidestream._scratch import scratch
 from sidestream.metrics._screened import ScreenedMetric
@@ -34,7 +35,7 @@ from sidestream.metrics.classification._curves import (
 from sidestream.metrics.classification._exact import SKIPPED, tie_histograms
 from sidestream.metrics.classification._host_counts import BinaryHostCounter
 from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
-from sidestream.metrics.classification._scores import score_batch
+from sidestream.metrics.classification._scores import score_batch, screen_elements
 from sidestream.state import MetricAccumulator
 
 __all__ = [
@@ -69,6 +70,14 @@ def _int8_labels(labels: Tensor) -> Tensor:
     if labels.dtype in (torch.bool, torch.uint8):
         return labels.view(torch.int8)  # the same bytes: 0 and 1
     return labels.to(torch.int8)
+
+
+def _describe_bins(layout: Tensor) -> str:
+    """``Bins.layout`` in the words of the constructor's arguments."""
+    values = layout.tolist()
+    if len(values) == 1 and values[0] > 1:
+        return f"num_bins={int(values[0])}"
+    return f"thresholds={values}"
 
 
 class Estimate(NamedTuple):
@@ -163,6 +172,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
         self._histogram = MetricAccumulator(
             torch.zeros(2 * classes * self._bins.count, dtype=torch.int64)
         )
+        # Saved with the counts, which mean something only over these bins: a checkpoint of
+        # other bins is refused (_upgrade_state_dict), not added into the wrong ones. A
+        # constant, reduced as the MAX of equal values.
+        self._bin_layout = MetricAccumulator(self._bins.layout(), ReduceOp.MAX)
         plain_binary = problem.kind is ProblemKind.BINARY and problem.ignore_index is None
         uniform = self._bins.uniform
         if plain_binary and not problem.logits and uniform and BinaryHostCounter.available():
@@ -186,6 +199,28 @@ class RankingMetric(ScreenedMetric[Tensor]):
     def _refuse_exact(self, what: str) -> None:
         if self._exact:
             raise ValueError(f"{what}: an exact-mode metric (exact=True) has no bins")
+
+    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
+        """Refuse a checkpoint of other bins; one saved before the bins were saved loads as is.
+
+        Raises:
+            ValueError: If ``state_dict`` was saved with other ``thresholds`` or ``num_bins``
+                (a different count of bins fails the histogram's shape check too).
+        """
+        if self._exact:
+            return
+        key = prefix + "bin_layout"
+        own = self._bin_layout.initial
+        if key not in state_dict:
+            state_dict[key] = own.clone()
+            return
+        saved = torch.as_tensor(state_dict[key]).detach().to("cpu", torch.float64)
+        if saved.shape != own.shape or not torch.equal(saved, own.cpu()):
+            raise ValueError(
+                f"state_dict[{key!r}]: saved with {_describe_bins(saved)}, this metric has "
+                f"{_describe_bins(own.cpu())}; its counts are per bin, so load them into a "
+                "metric with the same bins"
+            )
 
     def _move_extras(self, device: torch.device) -> None:
         self._bins.to(device)  # the threshold edges
@@ -212,19 +247,36 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if host is not None and host.count(self._histogram, preds, target, self._rejected):
             return
         device = self._rejected.device
-        batch = score_batch(self._problem, preds, target, device, self._rejected, exact=self._exact)
+        # Compiled for CPU the histogram counts with bincount, which can count invalid
+        # elements in a slot of their own: the checks then cost no pass of their own.
+        per_element = not self._exact and _cpu_path.bincount_enabled(device)
+        batch = score_batch(
+            self._problem,
+            preds,
+            target,
+            device,
+            self._rejected,
+            exact=self._exact,
+            per_element=per_element,
+        )
         if batch is None:
             return
+        scores, labels, weight, keep, valid = batch
+        if keep is not None:
+            # Dropped as a whole (device checks, no ignore_index): the same as a zero weight
+            # per element, for the rows an exact metric stores.
+            weight = keep.expand(labels.shape) if self._exact else weight
         if self._exact:
             if torch.compiler.is_compiling():
-                self._store_outside_the_graph(*batch, borrow=False)
+                self._store_outside_the_graph(scores, labels, weight, borrow=False)
             else:
-                self._store(*batch, borrow=_cpu_path.enabled(device))
+                self._store(scores, labels, weight, borrow=_cpu_path.enabled(device))
             return
         classes, bins = self._problem.num_classes, self._bins.count
-        scores, labels, weight = batch
         # bincount's O(slots) pass pays off once the batch is at least that large.
-        cpu_path = weight is None and self._bins.uniform and _cpu_path.enabled(device)
+        cpu_path = (
+            weight is None and keep is None and self._bins.uniform and _cpu_path.enabled(device)
+        )
         if cpu_path and scores.numel() >= 2 * classes * (bins + 1):
             self._histogram.accumulate(self._cpu_counts(scores, labels))
             return
@@ -248,12 +300,21 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if index.numel() >= slots and _cpu_path.bincount_enabled(device):
             # Compiled for CPU, with ignore_index, or with threshold edges: bincount's pass over
             # the slots pays off once the batch is at least that large.
-            self._histogram.accumulate(_cpu_path.count_indices(index, slots, weight))
+            if valid is None:
+                self._histogram.accumulate(_cpu_path.count_indices(index, slots, weight))
+                return
+            counts, invalid = _cpu_path.count_valid_indices(index, slots, weight, valid)
+            keep = screen_elements(invalid, self._rejected)
+            self._histogram.accumulate(counts if keep is None else counts * keep)
             return
-        if weight is None:
-            source = torch.ones((), dtype=torch.int64, device=device).expand(index.shape)
+        if valid is not None:
+            keep = screen_elements(~valid, self._rejected)
+        if keep is not None:
+            weight = keep.to(torch.int64) if weight is None else weight * keep
+        if weight is not None:
+            source = weight.expand(index.shape)
         else:
-            source = weight
+            source = torch.ones((), dtype=torch.int64, device=device).expand(index.shape)
         self._histogram.add_at(index.reshape(-1), source.reshape(-1))
 
     def _store(self, scores: Tensor, labels: Tensor, weight: Tensor | None, borrow: bool) -> None:
