@@ -12,15 +12,25 @@ from __future__ import annotations
 import glob
 import json
 import os
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 from sidestream import Run
-from sidestream.sinks import JsonlSink, PermanentSinkError, Report, RunInfo, TrackerSink
+from sidestream.sinks import (
+    JsonlSink,
+    PermanentSinkError,
+    Report,
+    RunInfo,
+    TrackerSink,
+    read_kept_state,
+    replay_spool,
+)
 
 
 def _rows(path: Path) -> list[tuple[str, int, float]]:
@@ -209,5 +219,58 @@ def test_a_spool_kept_at_close_replays_into_the_same_run(
     assert beside["state"]["last_steps"] == [["", 5]] and beside["state"]["path"] == str(path)
     outage.error = None
     assert replay([kept, "--sink", "jsonl", "--option", f"path={path}"]) == 0
-    assert "resuming the sink's run from" in capsys.readouterr().out
+    assert "resumed the sink's run from" in capsys.readouterr().out
     assert _rows(path) == [("", step, float(step)) for step in range(1, 11)]
+    assert not os.path.exists(kept + ".state.json")  # renamed with its spool
+    assert os.path.exists(kept + ".replayed.state.json")
+
+
+class _KeyedSink(TrackerSink):
+    """A tracker that finds its run by a key in its state (MLflow's run key); down: no open."""
+
+    name = "keyed"
+
+    def __init__(self, backend: _Backend) -> None:
+        super().__init__()
+        self._backend = backend
+        self.key = uuid.uuid4().hex
+        self.opened: list[tuple[str, RunInfo]] = []
+
+    def open(self, run: RunInfo) -> None:
+        if not self._backend.up:
+            raise ConnectionError("tracker down")
+        self.opened.append((self.key, run))
+
+    def send(self, reports: Sequence[Report]) -> None:
+        self._backend.kept += [(r.stream, r.step) for r in reports]
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"key": self.key}
+
+    def load_extra_state(self, state_dict: Any) -> None:
+        self.key = state_dict.get("key", self.key)
+
+
+def test_a_spool_kept_by_a_sink_that_never_opened_replays_into_the_jobs_run(
+    spool_dir: Path,
+) -> None:
+    """Down for the whole job: the replay opens the run the job would have (its key, name,
+    config and tags), not an anonymous one."""
+    backend = _Backend()
+    backend.up = False
+    sink = _KeyedSink(backend)
+    info = RunInfo("job-7", {"lr": 0.1, "dtype": torch.float32}, {"team": "a"})
+    run = Run([sink], info=info, spool_dir=str(spool_dir))
+    _log(run, range(1, 6))
+    assert not run.close(timeout=0.5)
+    (kept,) = glob.glob(str(spool_dir / "*.spool.jsonl"))
+    backend.up = True
+    fresh = _KeyedSink(backend)
+    result = replay_spool(kept, fresh)
+    assert result.resumed_from == kept + ".state.json" and result.written == 5
+    # The config value JSON cannot hold is kept as its str, as trackers log it.
+    expected = RunInfo("job-7", {"lr": 0.1, "dtype": "torch.float32"}, {"team": "a"})
+    assert fresh.opened == [(sink.key, expected)]
+    assert backend.kept == [("", step) for step in range(1, 6)]
+    kept_state = read_kept_state(kept)
+    assert kept_state is not None and kept_state.sink == "keyed" and kept_state.run == expected

@@ -1,6 +1,12 @@
 """Sinks: where finished metric values go."""
 
-from sidestream.sinks._spool_format import ReplayResult, read_spool, replay_spool
+from sidestream.sinks._spool_format import (
+    KeptState,
+    ReplayResult,
+    read_kept_state,
+    read_spool,
+    replay_spool,
+)
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.config import available_sinks, sinks_from_config
 from sidestream.sinks.console import ConsoleSink
@@ -13,6 +19,7 @@ from sidestream.sinks.tracker import TrackerSink
 __all__ = [
     "ConsoleSink",
     "JsonlSink",
+    "KeptState",
     "PermanentSinkError",
     "ProcessSink",
     "Report",
@@ -25,6 +32,7 @@ __all__ = [
     "available_sinks",
     "is_permanent",
     "read_jsonl",
+    "read_kept_state",
     "ReplayResult",
     "read_spool",
     "replay_spool",

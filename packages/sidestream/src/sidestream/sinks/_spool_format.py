@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -15,7 +16,19 @@ from torch import Tensor
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.tracker import TrackerSink
 
-__all__ = ["ReplayResult", "decode_report", "encode_report", "read_spool", "replay_spool"]
+logger = logging.getLogger("sidestream.sinks")
+
+__all__ = [
+    "STATE_SUFFIX",
+    "KeptState",
+    "ReplayResult",
+    "decode_report",
+    "encode_report",
+    "read_kept_state",
+    "read_spool",
+    "replay_spool",
+    "write_kept_state",
+]
 
 # Standard JSON has no NaN or infinity: they are written as these strings.
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -119,6 +132,80 @@ def read_spool(
             yield report
 
 
+STATE_SUFFIX = ".state.json"
+"""Beside a kept spool file (``PATH`` + this): the sink's state and the job's run at close."""
+
+
+@dataclasses.dataclass
+class KeptState:
+    """What a close wrote beside the spool file it kept (``read_kept_state``).
+
+    Attributes:
+        path: The state file.
+        sink: The entry-point name of the sink that kept the spool (``"mlflow"``).
+        state: Its ``state_dict`` then (run id, run key, delivered steps), or ``None`` if it
+            was not JSON.
+        run: The job's ``RunInfo`` (name, config, tags), so a replay names the run as the job
+            did; ``None`` in files written before it was kept.
+    """
+
+    path: str
+    sink: str
+    state: dict[str, Any] | None
+    run: RunInfo | None
+
+
+def write_kept_state(
+    spool_path: str, sink: str, state: Mapping[str, Any], run: RunInfo
+) -> str | None:
+    """Write ``KeptState`` beside ``spool_path``, owner-only; its path, or ``None`` if it failed.
+
+    Config values JSON cannot hold are kept as their ``str`` (how the trackers log them).
+    """
+    path = spool_path + STATE_SUFFIX
+    # Through JSON and back: config values JSON cannot hold become their str.
+    kept_run = json.loads(
+        json.dumps(
+            {"name": run.name, "config": dict(run.config), "tags": dict(run.tags)}, default=str
+        )
+    )
+    try:
+        text = json.dumps({"sink": sink, "state": dict(state), "run": kept_run})
+    except (TypeError, ValueError):  # a state that is not JSON: the run is still worth keeping
+        text = json.dumps({"sink": sink, "state": None, "run": kept_run})
+    try:
+        # Owner-only, like the spool file beside it (a run id, a path, delivered steps).
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
+            file.write(text)
+    except OSError:  # no room: a replay then needs --resume-state
+        return None
+    return path
+
+
+def read_kept_state(spool_path: str | os.PathLike[str]) -> KeptState | None:
+    """The ``KeptState`` beside ``spool_path``, or ``None`` if there is none.
+
+    Raises:
+        ValueError: If the file is there but is not a kept state.
+    """
+    path = os.fspath(spool_path) + STATE_SUFFIX
+    try:
+        with open(path, encoding="utf-8") as file:
+            kept = json.load(file)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from error
+    try:
+        sink, state, run = kept["sink"], kept["state"], kept.get("run")
+        if not isinstance(sink, str) or not isinstance(state, dict | None):
+            raise TypeError("expected a sink name and a state")
+        info = None if run is None else RunInfo(run["name"], run["config"], run["tags"])
+    except (TypeError, KeyError, AttributeError) as error:
+        raise ValueError(f"{path}: not a kept sink state ({error})") from error
+    return KeptState(path, sink, state, info)
+
+
 @dataclasses.dataclass
 class ReplayResult:
     """What ``replay_spool`` did with a spool file.
@@ -131,12 +218,14 @@ class ReplayResult:
             at later steps (``TrackerSink.held_values``): not sent at all, or sent in part.
             They may be missing from the backend; the command keeps the file then.
         damaged: The damaged lines skipped (with ``skip_damaged``), each described.
+        resumed_from: The kept state file the sink resumed from, if it did.
     """
 
     written: int = 0
     skipped: int = 0
     held: int = 0
     damaged: list[str] = dataclasses.field(default_factory=list)
+    resumed_from: str | None = None
 
 
 def replay_spool(
@@ -158,11 +247,16 @@ def replay_spool(
     largest step the backend has of it) and their reports counted in ``held``: replay a kept
     file before a resumed job delivers past its steps.
 
+    A close that kept the file wrote the sink's state and the job's run beside it
+    (``PATH.state.json``, see ``read_kept_state``): what is not given is taken from there, so
+    the reports land in the job's run, named as the job named it.
+
     Args:
         path: The spool file.
         sink: Where the reports go.
-        run: Given to ``sink.open``.
-        resume_state: Given to ``sink.load_state_dict`` before ``open``, if not ``None``.
+        run: Given to ``sink.open``; ``None``: the kept run, if any, else an empty one.
+        resume_state: Given to ``sink.load_state_dict`` before ``open``; ``None``: the kept
+            state, if the same kind of sink kept it.
         timeout: Given to ``sink.close``.
         skip_damaged: Skip damaged lines (listed in the result) and deliver the rest, instead
             of raising at the first one.
@@ -174,10 +268,20 @@ def replay_spool(
         ValueError: At a damaged line without ``skip_damaged`` (the reports before it were
             delivered).
     """
+    result = ReplayResult()
+    kept = _kept_beside(path) if run is None or resume_state is None else None
+    if kept is not None:
+        run = run if run is not None else kept.run
+        if resume_state is None and kept.state is not None:
+            if kept.sink == sink.name:
+                resume_state, result.resumed_from = kept.state, kept.path
+            else:
+                logger.warning(
+                    "not resuming from %s: it holds the state of sink %r", kept.path, kept.sink
+                )
     if resume_state is not None:
         sink.load_state_dict(resume_state)
     sink.open(run or RunInfo())
-    result = ReplayResult()
     tracker = sink if isinstance(sink, TrackerSink) else None
     try:
         for report in read_spool(path, damaged=result.damaged if skip_damaged else None):
@@ -193,3 +297,11 @@ def replay_spool(
     finally:
         sink.close(timeout)
     return result
+
+
+def _kept_beside(path: str | os.PathLike[str]) -> KeptState | None:
+    try:
+        return read_kept_state(path)
+    except ValueError as error:  # a damaged state file must not stop the replay
+        logger.warning("not resuming from the state kept beside the spool: %s", error)
+        return None

@@ -12,11 +12,9 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-from sidestream.sinks._spool_format import read_spool, replay_spool
+from sidestream.sinks._spool_format import STATE_SUFFIX, read_spool, replay_spool
 from sidestream.sinks.config import sinks_from_config
-from sidestream.sinks.runner import STATE_SUFFIX
 
 __all__ = ["main"]
 
@@ -87,9 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (LookupError, TypeError, ValueError, ImportError) as error:
         # The message names the sink, the option and the fix: no traceback to read past.
         parser.error(f"--sink {args.sink}: {error}")
-    state = None
-    if not args.resume_state and os.path.isfile(args.spool + STATE_SUFFIX):
-        state = _state_kept_beside(args.spool + STATE_SUFFIX, args.sink)
+    state = None  # replay_spool takes the kept state beside the spool, if any
     if args.resume_state:
         try:
             with open(args.resume_state) as file:
@@ -110,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # the sink could not open or write: its message says why
         print(f"replay failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
+    if result.resumed_from is not None:
+        print(f"resumed the sink's run from {result.resumed_from}")
     for line in result.damaged:
         print(f"skipped a damaged line: {line}", file=sys.stderr)
     print(
@@ -135,23 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 1
         print(f"renamed the spool to {args.spool}{_REPLAYED}")
+        try:  # the kept state goes with its spool
+            os.replace(args.spool + STATE_SUFFIX, args.spool + _REPLAYED + STATE_SUFFIX)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            print(f"{args.spool}{STATE_SUFFIX} could not be renamed ({error})", file=sys.stderr)
     return 0
-
-
-def _state_kept_beside(path: str, sink: str) -> Any:
-    """The state a close wrote beside the spool, if it is of the sink ``sink`` (else None)."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            kept = json.load(file)
-        written_by, state = kept["sink"], kept["state"]
-    except (OSError, ValueError, TypeError, KeyError) as error:
-        print(f"not resuming from {path}: {error}", file=sys.stderr)
-        return None
-    if written_by != sink:
-        print(f"not resuming from {path}: it holds the state of sink {written_by!r}")
-        return None
-    print(f"resuming the sink's run from {path}")
-    return state
 
 
 _REPLAYED = ".replayed"

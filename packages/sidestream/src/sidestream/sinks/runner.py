@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
 import random
 import threading
 import time
@@ -15,7 +13,11 @@ from functools import partial
 from typing import Any
 
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool
-from sidestream.sinks._spool_format import decode_report, encode_report
+from sidestream.sinks._spool_format import (
+    decode_report,
+    encode_report,
+    write_kept_state,
+)
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import SinkStatus, is_permanent
 
@@ -24,9 +26,6 @@ __all__ = ["SinkRunner"]
 logger = logging.getLogger("sidestream.sinks")
 
 _LEFTOVERS_NAMED = 5  # leftover spool files a warning names (the rest are counted)
-#: Beside a spool file kept at close: ``{"sink": name, "state": state_dict}`` as JSON, the
-#: sink's state then (run id, delivered steps).
-STATE_SUFFIX = ".state.json"
 
 
 class SinkRunner:
@@ -352,11 +351,11 @@ class SinkRunner:
             self._cond.notify_all()
         if paths:
             state_file = None
-            if self._opened or self._resume_state is not None:  # a run to resume: its state
-                # Named by the sink's kind: replay resumes only the same kind of sink from it.
-                state = {"sink": self.sink.name, "state": self.sink_state()}
-                for path in paths:
-                    state_file = _write_state_beside(path, state)
+            # Even if the sink never opened: its state names the run it would have made (the
+            # MLflow run key), and the job's run (name, config) is kept for the replay to use.
+            state = self.sink_state()
+            for path in paths:
+                state_file = write_kept_state(path, self.sink.name, state, self._run)
             why = "the sink failed" if failed else f"not delivered within {timeout or 0.0:.1f} s"
             logger.warning(
                 "sink %r: %d report(s) undelivered (%s); kept in %s (one JSON report per "
@@ -580,19 +579,6 @@ class SinkRunner:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-def _write_state_beside(spool_path: str, state: dict[str, Any]) -> str | None:
-    """Write the sink's state as JSON next to a kept spool file (``replay`` reads it)."""
-    path = spool_path + STATE_SUFFIX
-    try:
-        text = json.dumps(state)
-        # Owner-only, like the spool file beside it (a run id, a path, delivered steps).
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
-            file.write(text)
-    except (OSError, TypeError, ValueError):  # not JSON, or no room: replay needs --resume-state
-        return None
-    return path
 
 
 def _state_before_open(sink: Sink, key: str) -> dict[str, Any]:

@@ -19,7 +19,8 @@ class SinkStatus:
             or ``"failed"`` (a permanent error: nothing more is delivered to this sink, and
             ``close`` returns ``False``; also when the sink's own ``close`` raised).
         last_error: The last failure as text (credentials removed by the sink), if any; a
-            flush or close that raised or returned ``False`` is named here too.
+            flush or close that raised or returned ``False`` is named here too. It stays
+            after the sink recovers (``state`` is then ``"healthy"`` again).
     """
 
     state: Literal["healthy", "retrying", "failed"]
