@@ -260,6 +260,30 @@ def test_nan_counts_are_reported_with_their_window() -> None:
     assert second == {"train/loss": 5.0, "train/plain": 2.0}
 
 
+def test_counts_of_metrics_inside_a_metric_of_ones_own_are_reported() -> None:
+    """A library metric held by a user's metric reports its counts under its path too."""
+    from sidestream import ComposeMetric, Metric
+    from tests.collector.helpers import RecordingSink
+
+    class Wrapped(Metric[torch.Tensor]):
+        def __init__(self) -> None:
+            self.loss = MeanMetric(nan_strategy="ignore")
+
+        def update(self, values: torch.Tensor) -> None:
+            self.loss.update(values)
+
+        def compute(self) -> torch.Tensor:
+            return self.loss.compute()
+
+    metric = ComposeMetric({"wrap": Wrapped()})
+    sink = RecordingSink()
+    with AsyncMetricCollector(metric, sinks=[sink], prefix="t").bind("cpu") as collector:
+        metric["wrap"].update(torch.tensor([1.0, float("nan"), 3.0]))
+        collector.schedule_collection(1)
+    (report,) = sink.reports
+    assert report.values == {"t/wrap": 2.0, "t/wrap/loss/nan_count": 1.0}
+
+
 def test_a_metric_with_a_nan_count_of_its_own_is_not_taken_for_a_counter() -> None:
     from sidestream import Metric, MetricAccumulator
 

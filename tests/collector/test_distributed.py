@@ -262,6 +262,44 @@ def test_a_skipped_window_of_an_exact_metric_fails_every_rank(dist_pool: RankPoo
         assert "paired different calls" in outcome and "window #" in outcome, (rank, outcome)
 
 
+class _MeanWithOwnSync(MeanMetric):
+    """A metric overriding sync (as users do to gather data of their own): its collectives
+    carry none of the collector's window fingerprints."""
+
+    def sync(self, group: Any = None, *, step: int | None = None) -> None:
+        super().sync(group, step=step)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, self.compute().item(), group=group)
+
+
+def _skip_a_window_of_a_metric_with_its_own_sync(layout: str) -> str:
+    from sidestream import ComposeMetric
+
+    own = _MeanWithOwnSync()
+    metric = own if layout == "root" else ComposeMetric({"own": own})
+    collector = AsyncMetricCollector(metric).bind("cpu")
+
+    def steps() -> None:
+        for step in range(1, 5):
+            own.update(torch.tensor([float(100 * dist.get_rank() + step)]))
+            if not (dist.get_rank() == 1 and step == 2):
+                collector.schedule_collection(step)
+            collector.collect_results(timeout=60)
+
+    return _mismatch_of(steps, collector)
+
+
+@pytest.mark.parametrize("layout", ["root", "alone in a composition"])
+def test_a_skipped_window_of_a_metric_with_its_own_sync_fails_every_rank(
+    dist_pool: RankPool, layout: str
+) -> None:
+    # Its sync sent fingerprints of its own (or none): ranks reduced windows 2 and 3 together
+    # and reported mixed values with no error. The window's fingerprint now goes first.
+    outcomes = dist_pool.run(_skip_a_window_of_a_metric_with_its_own_sync, layout, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert "paired different calls" in outcome and "window #2" in outcome, (rank, outcome)
+
+
 def _exact_metric_with_rank_dependent_classes() -> str:
     from sidestream.metrics.classification import MulticlassAUROCMetric
 

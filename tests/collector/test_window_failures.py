@@ -58,6 +58,40 @@ def test_one_metric_belongs_to_one_open_collector() -> None:
     assert again.close(timeout=30)
 
 
+class _Holder(Metric[torch.Tensor]):
+    def __init__(self) -> None:
+        self.total = SumMetric()
+
+    def update(self, values: torch.Tensor) -> None:
+        self.total.update(values)
+
+    def compute(self) -> torch.Tensor:
+        return self.total.compute()
+
+
+def test_a_metric_inside_a_bound_metric_belongs_to_its_collector() -> None:
+    # The child's bind went through and took its states out of the parent's arena; the
+    # parent's collector then failed every window as "changed its states after bind".
+    from sidestream import ComposeMetric
+
+    parent = _Holder()
+    first = AsyncMetricCollector(parent, prefix="parent").bind("cpu")
+    with pytest.raises(ValueError, match=r"the _Holder this metric is part of is bound"):
+        AsyncMetricCollector(parent.total).bind("cpu")
+    parent.update(torch.tensor([3.0]))
+    first.schedule_collection(1)
+    assert first.collect_results(timeout=30) == 3.0
+    assert first.close(timeout=30)
+    other = _Holder()
+    child = AsyncMetricCollector(other.total, prefix="child").bind("cpu")
+    with pytest.raises(ValueError, match=r"a SumMetric inside this metric is bound"):
+        AsyncMetricCollector(other).bind("cpu")
+    assert child.close(timeout=30)
+    pair = ComposeMetric({"a": SumMetric(), "b": SumMetric()})
+    siblings = [AsyncMetricCollector(pair[name], prefix=name).bind("cpu") for name in "ab"]
+    assert all(collector.close(timeout=30) for collector in siblings)  # siblings may
+
+
 _COMPUTED = [0]  # shared by the collector's copies of the metric
 
 
@@ -138,3 +172,16 @@ def test_a_close_that_times_out_says_what_may_hold_the_window(
     assert collector.close(timeout=0.05) is False
     assert "1 window(s) not finished within 0.05 s" in caplog.text
     assert "did a rank skip the last schedule_collection" in caplog.text
+
+
+def test_bad_collector_arguments_name_themselves() -> None:
+    with pytest.raises(TypeError, match="prefix: expected a str"):
+        AsyncMetricCollector(SumMetric(), prefix=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="reset_each_window: expected a bool"):
+        AsyncMetricCollector(SumMetric(), reset_each_window="no")  # type: ignore[arg-type]
+    collector = AsyncMetricCollector(SumMetric()).bind("cpu")
+    for step in (-5, 2**70):  # a window's step travels as an int64, as sync(step=)'s does
+        with pytest.raises(ValueError, match=r"step: expected an int in \[0, 2\*\*63\)"):
+            collector.schedule_collection(step)
+    collector.schedule_collection(0)
+    assert collector.close(timeout=30)

@@ -43,7 +43,8 @@ def test_inputs_that_require_grad_leave_the_state_out_of_autograd() -> None:
 
 
 def test_scatter_add_refuses_bad_indices_before_changing_the_state() -> None:
-    state = MetricAccumulator(torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    state = MetricAccumulator(torch.zeros(4))
+    state.accumulate(torch.tensor([1.0, 1.0, 0.0, 0.0]))
     for index in (torch.tensor([1, 2, 9]), torch.tensor([1, -1, 2])):
         with pytest.raises(ValueError, match=r"index: expected values in \[0, 4\)"):
             state.scatter_add(index, torch.ones(3))
@@ -113,3 +114,60 @@ def test_a_group_of_another_type_is_refused_in_one_process_too(group: object) ->
         with pytest.raises(TypeError, match=r"group: expected a torch\.distributed ProcessGroup"):
             call()
     assert float(metric.compute()) == 1.0
+
+
+@pytest.mark.parametrize("op", [ReduceOp.MAX, ReduceOp.MIN])
+def test_a_float_update_into_an_integer_extremum_is_refused_not_truncated(op: ReduceOp) -> None:
+    # 2.7 became a max of 2 and -2.7 a min of -2 (above the true minimum), with no error; a SUM
+    # state refuses the same update (add_ will not cast float into int).
+    state = MetricAccumulator(torch.tensor([0, 0]), op)
+    for update in (torch.tensor(2.7), torch.tensor([-2.7, 1.5], dtype=torch.float64)):
+        with pytest.raises(TypeError, match=rf"update: .* into this torch.int64 {op.name} state"):
+            state.accumulate(update)
+    assert state.local.tolist() == [0, 0]
+    state.accumulate(torch.tensor([3, -4], dtype=torch.int32))  # integers still widen
+    assert state.local.tolist() == ([3, 0] if op is ReduceOp.MAX else [0, -4])
+
+
+def test_a_non_contiguous_initial_value_makes_a_state() -> None:
+    state = MetricAccumulator(torch.zeros(3, 4).t())  # a transposed view crashed in _bind
+    state.accumulate(torch.ones(4, 3))
+    assert state.local.shape == (4, 3) and float(state.local.sum()) == 12.0
+
+
+def test_a_sum_state_must_start_at_zero() -> None:
+    # Every rank adds its initial value into the sum: a sync counted it once per rank.
+    with pytest.raises(ValueError, match="initial: a SUM state starts at 0"):
+        MetricAccumulator(torch.tensor([0.0, 1.0]))
+    MetricAccumulator(torch.tensor(-torch.inf), ReduceOp.MAX)  # any start for a max or min
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"initial": None}, "initial: expected a tensor or a number"),
+        ({"initial": "zero"}, "initial: expected a tensor or a number"),
+        ({"initial": 0.0, "dtype": "float32"}, "dtype: expected a torch.dtype or None"),
+    ],
+)
+def test_bad_declarations_name_their_argument(kwargs: dict[str, object], message: str) -> None:
+    metric = _Squares()
+    with pytest.raises(TypeError, match=message):
+        metric.add_state("extra", **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_metric_cannot_hold_itself() -> None:
+    outer, inner = _Squares(), _Squares()
+    outer.inner = inner
+    with pytest.raises(ValueError, match="a metric tree cannot hold itself"):
+        inner.outer = outer  # a cycle: RecursionError in every walk of the tree
+    with pytest.raises(ValueError, match="a metric tree cannot hold itself"):
+        outer.again = outer
+
+
+@pytest.mark.parametrize("value", [None, "0.0"])
+def test_a_saved_value_that_is_not_a_tensor_is_named(value: object) -> None:
+    metric = _Squares()
+    saved = {**metric.state_dict(), "total": value}
+    with pytest.raises(TypeError, match=r"state_dict\['total'\]: expected a tensor"):
+        metric.load_state_dict(saved)

@@ -112,7 +112,7 @@ def test_duplicate_names_raise_at_declaration() -> None:
 def test_states_hidden_in_containers_raise(container: type) -> None:
     class Hidden(Metric[Tensor]):
         def __init__(self) -> None:
-            states = [MetricAccumulator(0.0), MetricAccumulator(1.0)]
+            states = [MetricAccumulator(0.0), MetricAccumulator(0.0)]
             self._states = dict(enumerate(states)) if container is dict else container(states)
 
         def update(self) -> None: ...
@@ -353,6 +353,41 @@ def test_own_sync_child_takes_the_slow_path_and_sees_new_states() -> None:
     assert float(child.compute()) == 3.0
     assert all(s.synced is not None for _, s in tree.named_accumulators())
     assert len(list(tree.named_accumulators())) == 4
+
+
+class _Parent(Metric[Tensor]):
+    """A metric of one's own holding two library metrics and a state of its own."""
+
+    def __init__(self, own_sync_child: bool = False) -> None:
+        self.mean = _OwnSync() if own_sync_child else MeanMetric()
+        self.top = MaxMetric()
+        self._batches = MetricAccumulator(0, dtype=torch.int64)
+
+    def update(self, values: Tensor) -> None:
+        self.mean.update(values)
+        self.top.update(values)
+        self._batches.accumulate(1)
+
+    def compute(self) -> Tensor:
+        return torch.stack([self.mean.compute(), self.top.compute(), self._batches.value.double()])
+
+
+@pytest.mark.parametrize("own_sync_child", [False, True])
+def test_a_child_sharing_its_parents_state_cannot_sync_alone(own_sync_child: bool) -> None:
+    # It marked the parent's one freshness flag: the parent then read synchronized buffers no
+    # sync had written (garbage for its own counter, a stale value for the other child).
+    parent = _Parent(own_sync_child)
+    parent.update(torch.tensor([1.0, 3.0]))
+    for child in (parent.mean, parent.top):
+        with pytest.raises(RuntimeError, match=r"sync: this \w+ is part of a _Parent"):
+            child.sync()
+    assert parent.compute().tolist() == [2.0, 3.0, 1.0]
+    parent.sync()  # the whole tree (an own-sync child's sync is part of it)
+    assert parent.compute().tolist() == [2.0, 3.0, 1.0]
+    tree = ComposeMetric({"mean": MeanMetric(), "sum": SumMetric()})
+    tree["mean"].update(torch.tensor([4.0]))
+    tree["mean"].sync()  # a composition's children are metrics of their own
+    assert float(tree["mean"].compute()) == 4.0
 
 
 def test_a_composition_moves_its_childrens_constants() -> None:

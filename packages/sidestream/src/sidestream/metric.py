@@ -17,7 +17,13 @@ from sidestream._distributed import Group, check_process_group, group_rank, reso
 from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore, SavedRows, gather_rows
 from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views, copy_sharing
-from sidestream.sync import CallFingerprint, SyncBatch, SyncHandle, SyncProgram
+from sidestream.sync import (
+    CallFingerprint,
+    SyncBatch,
+    SyncHandle,
+    SyncProgram,
+    check_same_call,
+)
 
 __all__ = ["CallCounter", "Metric", "has_own_sync"]
 
@@ -152,14 +158,16 @@ class Metric(Stateful, Generic[T], abc.ABC):
         Args:
             name: The state's key in ``state_dict`` and sync error messages: unique in this
                 metric, without ``.`` or ``/``.
-            initial: The identity value (0 for sums, -inf for a max); its shape is the state's,
-                and its dtype unless ``dtype`` is given (a Python float gives float64, an int
-                int64).
+            initial: Where every rank starts (0 for sums, -inf for a max); its shape is the
+                state's, and its dtype unless ``dtype`` is given (a Python float gives float64,
+                an int int64).
             op: How updates and ranks combine.
             dtype: Optional dtype for ``initial``.
 
         Raises:
-            ValueError: If ``name`` is empty, has ``.`` or ``/``, or is already declared.
+            ValueError: If ``name`` is empty, has ``.`` or ``/``, or is already declared; if a
+                SUM state's ``initial`` is not 0 (each rank would add it into the sum).
+            TypeError: If ``initial`` is not a tensor or a number, or ``dtype`` not a dtype.
         """
         state = MetricAccumulator(initial, op, dtype=dtype)
         self._declare(name, state, None)
@@ -229,6 +237,12 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 f"(attribute {existing[0] or 'add_state'!r} and {attribute or 'add_state'!r})"
             )
         if isinstance(value, Metric):
+            if any(inner is self for inner in value._walk_metrics()):
+                raise ValueError(
+                    f"{name}: this {type(value).__name__} holds this "
+                    f"{type(self).__name__} already (itself or as a child); a metric tree "
+                    "cannot hold itself"
+                )
             home: Arena | None = value.__dict__.get("_state_arena")
             if home is not None and home.alive and home.root not in (value, self):
                 raise ValueError(
@@ -407,11 +421,41 @@ class Metric(Stateful, Generic[T], abc.ABC):
             raise TypeError(f"step: expected an int or None, got {step!r}")
         if step is not None and not 0 <= step < 2**63:
             raise ValueError(f"step: expected an int in [0, 2**63), got {step}")
+        if not self.__dict__.get("_synced_by_parent", False):
+            self._refuse_partial_sync()
         check_process_group("sync")
         if step is None:
             self._sync_as(group, CallFingerprint("sync", self.call_counter.next()))
         else:
             self._sync_as(group, CallFingerprint("sync at step", step))
+
+    def _refuse_partial_sync(self) -> None:
+        """Raise if this metric shares its freshness with metrics above it in a tree.
+
+        A child of a metric (not of a ``ComposeMetric``) shares one flag with its parent, whose
+        ``compute`` reads synchronized values of the whole tree once it is set: a sync of the
+        child alone would set it with the rest of the tree never synchronized.
+
+        Raises:
+            RuntimeError: Naming the tree's root.
+        """
+        home: Arena | None = self.__dict__.get("_state_arena")
+        if home is None or not home.alive or home.root is self:
+            return
+        flag = self.__dict__.get("_freshness_flag")
+        inside = {id(metric) for metric in self._walk_metrics()}
+        shared = any(
+            metric.__dict__.get("_freshness_flag") is flag
+            for metric in home.root._walk_metrics()
+            if id(metric) not in inside
+        )
+        if shared:
+            raise RuntimeError(
+                f"sync: this {type(self).__name__} is part of a "
+                f"{type(home.root).__name__}, whose values read its children's synchronized "
+                "state once any part is synchronized; sync the whole metric instead (or hold "
+                "independent metrics in a ComposeMetric, whose children sync on their own)"
+            )
 
     def sync_as(self, group: Group, fingerprint: CallFingerprint) -> None:
         """``sync`` under the caller's ``fingerprint`` (a collector's window), blocking.
@@ -422,6 +466,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
         overrides ``sync`` has that called, with its own fingerprints.
         """
         if type(self).sync is not Metric.sync:
+            # The override sends fingerprints of its own, or none: the caller's goes first, so
+            # ranks at different windows fail here instead of reducing each other's data.
+            check_same_call(group, fingerprint, self.device)
             self.sync(group)
         else:
             self._sync_as(group, fingerprint)
@@ -438,7 +485,12 @@ class Metric(Stateful, Generic[T], abc.ABC):
             if len(pending) > _MAX_UNVERIFIED_SYNCS:
                 pending.pop(0).verify()  # the device is that far behind: wait for the oldest
         for metric in prepared.own_sync:
-            metric.sync_as(group, fingerprint)
+            # Its sync (an override calls Metric.sync) is part of this one: not refused.
+            object.__setattr__(metric, "_synced_by_parent", True)
+            try:
+                metric.sync_as(group, fingerprint)
+            finally:
+                object.__setattr__(metric, "_synced_by_parent", False)
         for store in self._sample_stores():
             store.gather(group, fingerprint)
         self._mark_fresh(True)
@@ -660,6 +712,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
         Raises:
             KeyError: If ``state_dict`` lacks a state of this metric or has an unknown one.
+            TypeError: If a saved value is not a tensor (or numbers).
             ValueError: If a saved tensor's shape or dtype differs from the state's.
         """
         state_dict = dict(state_dict)
@@ -677,7 +730,12 @@ class Metric(Stateful, Generic[T], abc.ABC):
             )
         saved: dict[str, torch.Tensor] = {}
         for name, state in states.items():
-            tensor = torch.as_tensor(state_dict[name])
+            try:
+                tensor = torch.as_tensor(state_dict[name])
+            except (TypeError, ValueError, RuntimeError) as error:
+                raise TypeError(
+                    f"state_dict[{name!r}]: expected a tensor, got {state_dict[name]!r}"
+                ) from error
             if tuple(tensor.shape) != tuple(state.local.shape):
                 raise ValueError(
                     f"state_dict[{name!r}]: expected shape {tuple(state.local.shape)}, "

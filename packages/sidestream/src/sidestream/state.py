@@ -57,11 +57,16 @@ class MetricAccumulator:
     cost one copy per dtype, not one per state.
 
     Args:
-        initial: The identity value of the state (0 for sums, -inf for a max, ...). Its shape and
+        initial: Where every rank starts: 0 for a sum (a non-zero start would be added once
+            per rank), the identity or a floor for a max or min (-inf, ...). Its shape and
             dtype are the state's shape and dtype; a Python float gives a float64 state, an
             int an int64 one.
         op: How updates and ranks are combined.
         dtype: Optional dtype to convert ``initial`` to.
+
+    Raises:
+        TypeError: If ``op``, ``initial`` or ``dtype`` is of the wrong type, or complex.
+        ValueError: If a SUM state's ``initial`` is not 0.
 
     Example:
         >>> acc = MetricAccumulator(torch.zeros(3))
@@ -79,12 +84,27 @@ class MetricAccumulator:
     ) -> None:
         if not isinstance(op, ReduceOp):
             raise TypeError(f"op: expected a sidestream.state.ReduceOp, got {op!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype or None, got {dtype!r}")
         if dtype is None and _python_floats(initial):
             dtype = torch.float64  # a sum kept in float32 drifts
-        initial_tensor = torch.as_tensor(initial, dtype=dtype).detach()
+        try:
+            initial_tensor = torch.as_tensor(initial, dtype=dtype).detach()
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(
+                f"initial: expected a tensor or a number (the state's starting value), got "
+                f"{initial!r}"
+            ) from error
         if initial_tensor.is_complex():
             raise TypeError(
                 f"initial: complex states are not supported, got {initial_tensor.dtype}"
+            )
+        if op is ReduceOp.SUM and bool(initial_tensor.ne(0).any()):
+            # Every rank starts from it, so a sync (and a resharded load) would add it once per
+            # rank: the world size would change the result.
+            raise ValueError(
+                "initial: a SUM state starts at 0 (every rank adds its initial value into the "
+                f"sum, so it would count once per rank); got {initial_tensor.tolist()}"
             )
         self._op = op
         # A bool, not the enum: under torch.compile the same ReduceOp member reached through two
@@ -93,7 +113,14 @@ class MetricAccumulator:
         self._freshness = Freshness()
         self._owned = False
         self._arena: Any = None  # the state arena holding this state's views (or None)
-        self._bind(initial_tensor.clone(), initial_tensor.clone(), torch.empty_like(initial_tensor))
+        # Contiguous copies whatever the layout given (a transposed initial value): the state's
+        # flat views need one.
+        initial_tensor = initial_tensor.clone(memory_format=torch.contiguous_format)
+        self._bind(
+            initial_tensor.clone(),
+            initial_tensor.clone(),
+            torch.empty_like(initial_tensor),
+        )
 
     def _bind(self, local: Tensor, initial: Tensor, synced: Tensor) -> None:
         """Point the state at new tensors (its own, or views into an arena)."""
@@ -200,7 +227,8 @@ class MetricAccumulator:
                 that requires grad is detached: metric state never joins the autograd graph.
 
         Raises:
-            TypeError: If ``update`` is neither, or a float for an integer state.
+            TypeError: If ``update`` is neither, or a float (number or tensor) for an
+                integer state.
             ValueError: If a Python int does not fit the state's dtype.
         """
         if not isinstance(update, Tensor):
@@ -218,6 +246,13 @@ class MetricAccumulator:
             update.dtype != self._target.dtype
             and torch.promote_types(update.dtype, self._target.dtype) != self._target.dtype
         ):
+            if update.is_floating_point() and not self._target.is_floating_point():
+                # As add_ refuses it for a SUM: 2.7 would become a max of 2, -2.7 a min of -2.
+                raise TypeError(
+                    f"update: a {update.dtype} update into this {self._target.dtype} "
+                    f"{self._op.name} state would be truncated; round it (ceil for a max, "
+                    "floor for a min) and convert it first, or declare a floating-point state"
+                )
             # out= may not narrow a type. A narrower update (float32 into a float64 state)
             # needs no copy: maximum/minimum promote it exactly as .to() would.
             self.accumulate(update.to(self._target.dtype))

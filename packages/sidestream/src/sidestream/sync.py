@@ -62,6 +62,7 @@ __all__ = [
     "SyncHandle",
     "SyncProgram",
     "check_calls",
+    "check_same_call",
     "stable_hash",
 ]
 
@@ -172,6 +173,33 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
         f"sync: ranks of the group paired different calls{also} (seen from rank {rank}): "
         f"{seen}.{hint} {_SAME_ORDER}"
     )
+
+
+def check_same_call(group: Group, fingerprint: CallFingerprint, device: torch.device) -> None:
+    """Raise ``RankMismatchError`` on every rank unless all of ``group`` sent ``fingerprint``.
+
+    One small blocking ``all_gather`` of the fingerprint alone, for a sync that carries none
+    of the caller's (a metric's own ``sync`` under a collector's window): ranks at different
+    windows then fail before that sync reduces one window's data with another's. A no-op for
+    a group of one.
+
+    Args:
+        group: The group the sync runs over.
+        fingerprint: The caller's call; its structure word is 0 (no layout is sent).
+        device: Where the metric's state lives (a CUDA device under NCCL).
+    """
+    resolved = resolve_group(group)
+    size = group_size(resolved)
+    if size <= 1:
+        return
+    if device.type == "cpu" and dist.get_backend(resolved) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    words = torch.tensor(fingerprint.words(0), dtype=torch.int64, device=device)
+    gathered = torch.empty(size * words.numel(), dtype=torch.int64, device=device)
+    work = _all_gather_single(gathered, words, resolved)
+    if work is not None:
+        work.wait()
+    check_calls(gathered.view(size, -1).tolist(), group_rank(resolved))
 
 
 def _describe_call(words: list[int]) -> str:

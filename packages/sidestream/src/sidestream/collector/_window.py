@@ -65,6 +65,11 @@ def _walk(metric: Metric[Any], path: str) -> Iterator[tuple[str, Metric[Any], st
         counted = getattr(type(metric), attribute, None) in _COUNTERS_OF_THE_LIBRARY
         if counted and getattr(metric, attribute) is not None:
             yield path, metric, attribute
+    # A metric of one's own may hold library metrics (a loss mean with a nan_strategy): their
+    # counts are reported under its path too.
+    for name, value in metric._declared_items():
+        if isinstance(value, Metric):
+            yield from _walk(value, "/".join(part for part in (path, name) if part))
 
 
 def _counters(metric: Metric[Any]) -> list[tuple[str, Metric[Any], str]]:

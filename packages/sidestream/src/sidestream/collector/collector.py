@@ -7,7 +7,7 @@ import logging
 import queue
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
@@ -126,6 +126,10 @@ class AsyncMetricCollector(Generic[T]):
             raise TypeError(f"metric: expected a sidestream Metric, got {type(metric)}")
         if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots: expected an int >= 1, got {max_slots!r}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: expected a str, got {prefix!r}")
+        if not isinstance(reset_each_window, bool):
+            raise TypeError(f"reset_each_window: expected a bool, got {reset_each_window!r}")
         if run is not None and not isinstance(run, RunInfo):
             if callable(getattr(run, "collector", None)):
                 raise TypeError(
@@ -231,13 +235,15 @@ class AsyncMetricCollector(Generic[T]):
         """
         if self._dispatcher is not None or self._closed:
             raise RuntimeError("bind: the collector is already bound (or closed)")
-        owner = _BOUND.get(id(self._metric))
-        if owner is not None and owner is not self and not owner._closed:
-            raise ValueError(
-                f"bind: this metric is bound to another collector (prefix {owner.prefix!r}) "
-                "that is not closed; a metric belongs to one collector, whose windows stage and "
-                "reset it: give each collector its own metric"
-            )
+        for other, relation in self._related_metrics():
+            owner = _BOUND.get(id(other))
+            if owner is not None and owner is not self and not owner._closed:
+                raise ValueError(
+                    f"bind: {relation} is bound to another collector (prefix "
+                    f"{owner.prefix!r}) that is not closed; a metric belongs to one collector, "
+                    "whose windows stage and reset it (its children included): give each "
+                    "collector its own metric"
+                )
         target = torch.device(device) if device is not None else self._metric.device
         if target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(
@@ -302,12 +308,15 @@ class AsyncMetricCollector(Generic[T]):
 
         Raises:
             RuntimeError: If not bound, or closed.
-            ValueError: If ``step`` is not larger than the previous window's step.
+            ValueError: If ``step`` is not larger than the previous window's step, or not in
+                ``[0, 2**63)`` (it travels as an int64).
         """
         if self._dispatcher is None or self._closed:
             raise RuntimeError("schedule_collection: call bind(device) first (and not after close)")
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        if not 0 <= step < 2**63:  # it travels as an int64, as sync(step=) does
+            raise ValueError(f"step: expected an int in [0, 2**63), got {step}")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
                 f"step: expected > the previous window's {self._last_step}, got {step}"
@@ -338,6 +347,23 @@ class AsyncMetricCollector(Generic[T]):
                 self._dispatcher.submit(window)  # in flight: the dispatcher hands it back
             raise
         self._dispatcher.submit(window)
+
+    def _related_metrics(self) -> Iterator[tuple[Metric[Any], str]]:
+        """The metric, the metrics inside it and those it is inside, each described.
+
+        A collector stages and resets its metric's whole tree, so none of these may belong to
+        another collector (siblings in a composition may).
+        """
+        metric = self._metric
+        yield metric, "this metric"
+        for inner in metric._walk_metrics():
+            if inner is not metric:
+                yield inner, f"a {type(inner).__name__} inside this metric"
+        home = metric.__dict__.get("_state_arena")
+        if home is not None and home.alive and home.root is not metric:
+            for outer in home.root._walk_metrics():
+                if outer is not metric and any(m is metric for m in outer._walk_metrics()):
+                    yield outer, f"the {type(outer).__name__} this metric is part of"
 
     def _schedule_on_side_stream(self, window: Window) -> None:
         assert self._side is not None
