@@ -429,6 +429,14 @@ class Metric(Stateful, Generic[T], abc.ABC):
         else:
             self._sync_as(group, CallFingerprint("sync at step", step))
 
+    def _track(self, handle: SyncHandle) -> None:
+        """Keep a CUDA sync whose fingerprint check is deferred, for ``verify_sync``."""
+        if handle.deferred:
+            pending = self.__dict__.setdefault("_unverified_syncs", [])
+            pending.append(handle)
+            if len(pending) > _MAX_UNVERIFIED_SYNCS:
+                pending.pop(0).verify()  # the device is that far behind: wait for the oldest
+
     def _refuse_partial_sync(self) -> None:
         """Raise if this metric shares its freshness with metrics above it in a tree.
 
@@ -463,12 +471,14 @@ class Metric(Stateful, Generic[T], abc.ABC):
         For trees with metrics of their own sync or sample stores (``has_own_sync``), which
         cannot be replayed: the tree's states and every sample gather carry ``fingerprint``,
         so ranks that pair different windows raise ``RankMismatchError``. A metric whose class
-        overrides ``sync`` has that called, with its own fingerprints.
+        overrides ``sync`` has that called, with its own fingerprints, after one small gather
+        of ``fingerprint`` (``sync.check_same_call``; on CUDA checked later, without a host
+        wait, like a sync's).
         """
         if type(self).sync is not Metric.sync:
             # The override sends fingerprints of its own, or none: the caller's goes first, so
             # ranks at different windows fail here instead of reducing each other's data.
-            check_same_call(group, fingerprint, self.device)
+            self._track(check_same_call(group, fingerprint, self.device))
             self.sync(group)
         else:
             self._sync_as(group, fingerprint)
@@ -478,12 +488,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
             self._sync_group = group
         self.verify_sync(block=False)
         prepared = self.prepare_sync(group)
-        handle = prepared.batched.start(fingerprint)
-        if handle.deferred:
-            pending = self.__dict__.setdefault("_unverified_syncs", [])
-            pending.append(handle)
-            if len(pending) > _MAX_UNVERIFIED_SYNCS:
-                pending.pop(0).verify()  # the device is that far behind: wait for the oldest
+        self._track(prepared.batched.start(fingerprint))
         for metric in prepared.own_sync:
             # Its sync (an override calls Metric.sync) is part of this one: not refused.
             object.__setattr__(metric, "_synced_by_parent", True)

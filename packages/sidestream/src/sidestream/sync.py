@@ -175,31 +175,41 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
     )
 
 
-def check_same_call(group: Group, fingerprint: CallFingerprint, device: torch.device) -> None:
-    """Raise ``RankMismatchError`` on every rank unless all of ``group`` sent ``fingerprint``.
+def check_same_call(group: Group, fingerprint: CallFingerprint, device: torch.device) -> SyncHandle:
+    """Check that every rank of ``group`` sent ``fingerprint``: one small ``all_gather``.
 
-    One small blocking ``all_gather`` of the fingerprint alone, for a sync that carries none
-    of the caller's (a metric's own ``sync`` under a collector's window): ranks at different
-    windows then fail before that sync reduces one window's data with another's. A no-op for
-    a group of one.
+    For a sync that carries none of the caller's fingerprint (a metric's own ``sync`` under a
+    collector's window): ranks at different windows then fail before that sync reduces one
+    window's data with another's. Off CUDA the check is done on return; on CUDA it is queued
+    like a sync's (``SyncHandle.verify``), so the host does not wait for the device. A group
+    of one sends nothing.
 
     Args:
         group: The group the sync runs over.
         fingerprint: The caller's call; its structure word is 0 (no layout is sent).
         device: Where the metric's state lives (a CUDA device under NCCL).
+
+    Returns:
+        The handle, waited on; on CUDA its check may still be pending (``deferred``).
+
+    Raises:
+        RankMismatchError: Off CUDA, if ranks sent different fingerprints.
     """
+    handle = SyncHandle(async_op=False)
     resolved = resolve_group(group)
     size = group_size(resolved)
     if size <= 1:
-        return
+        return handle
     if device.type == "cpu" and dist.get_backend(resolved) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    words = torch.tensor(fingerprint.words(0), dtype=torch.int64, device=device)
-    gathered = torch.empty(size * words.numel(), dtype=torch.int64, device=device)
-    work = _all_gather_single(gathered, words, resolved)
-    if work is not None:
-        work.wait()
-    check_calls(gathered.view(size, -1).tolist(), group_rank(resolved))
+    words = torch.empty(_FINGERPRINT_WORDS, dtype=torch.int64, device=device)
+    _FingerprintWriter(words).write(fingerprint.words(0))  # no host-to-device copy
+    gathered = torch.empty(size * _FINGERPRINT_WORDS, dtype=torch.int64, device=device)
+    handle._cuda = device.type == "cuda"
+    handle._start(_all_gather_single(gathered, words, resolved))
+    handle._checks.append(_GatherCheck(gathered.view(size, -1), group_rank(resolved)))
+    handle.wait()
+    return handle
 
 
 def _describe_call(words: list[int]) -> str:

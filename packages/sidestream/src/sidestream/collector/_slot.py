@@ -66,10 +66,10 @@ class Slot:
         #: The live metric's arena this slot stages from (checked unchanged every window).
         self.live_arena = live_arena
         self._arena: Arena = arena
-        # A tree whose metrics all use the library's sync is reduced by one laid-out program
-        # per slot, replayed every window. A metric with its own sync (or sample stores, which
-        # sync by gathering) keeps calling it.
-        self._replayable = not any(has_own_sync(m) for m in metric._walk_metrics())
+        #: A tree whose metrics all use the library's sync is reduced by one laid-out program
+        #: per slot, replayed every window. A metric with its own sync (or sample stores, which
+        #: sync by gathering) keeps calling it: the slow path.
+        self.replayable = not any(has_own_sync(m) for m in metric._walk_metrics())
         # A metric with its own sync keeps data besides its states (a sample buffer, say) that
         # its sync gathers: staged by a copy too, or this slot's sync would see bind time's.
         self._own_sync_pairs = [
@@ -81,7 +81,7 @@ class Slot:
             _warn_of_unstaged(self._own_sync_pairs)
         self._direct: SyncProgram | None = None
         self._marked = False
-        if direct and self._replayable:
+        if direct and self.replayable:
             self._direct = self._lay_out_direct(check)
         else:
             metric.prepare_sync(group, check=check)
@@ -161,7 +161,7 @@ class Slot:
 
     def start_sync(self, step: int) -> SyncHandle:
         """Start the reduction of the staged state (``async_op``); ``wait`` on the handle."""
-        if self._replayable:
+        if self.replayable:
             return self.metric.start_sync(
                 self._group, CallFingerprint("window", step, self._stream)
             )
