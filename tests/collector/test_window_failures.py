@@ -11,6 +11,7 @@ import torch
 from sidestream import Metric, MetricAccumulator, SumMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.collector._slot import Slot
+from sidestream.sync import RankMismatchError
 
 
 def test_a_failed_schedule_gives_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +90,13 @@ def test_a_metric_inside_a_bound_metric_belongs_to_its_collector() -> None:
     assert child.close(timeout=30)
     pair = ComposeMetric({"a": SumMetric(), "b": SumMetric()})
     siblings = [AsyncMetricCollector(pair[name], prefix=name).bind("cpu") for name in "ab"]
-    assert all(collector.close(timeout=30) for collector in siblings)  # siblings may
+    for step, collector in enumerate(siblings, start=1):  # siblings may
+        collector.schedule_collection(step)
+    pair.reset()  # the whole composition again: it takes its children's states back
+    with pytest.raises(RankMismatchError, match="is part of a ComposeMetric, which was synced"):
+        siblings[0].schedule_collection(3)
+    for collector in siblings:
+        collector.close(timeout=30)
 
 
 _COMPUTED = [0]  # shared by the collector's copies of the metric

@@ -372,22 +372,39 @@ class _Parent(Metric[Tensor]):
         return torch.stack([self.mean.compute(), self.top.compute(), self._batches.value.double()])
 
 
-@pytest.mark.parametrize("own_sync_child", [False, True])
-def test_a_child_sharing_its_parents_state_cannot_sync_alone(own_sync_child: bool) -> None:
-    # It marked the parent's one freshness flag: the parent then read synchronized buffers no
-    # sync had written (garbage for its own counter, a stale value for the other child).
-    parent = _Parent(own_sync_child)
-    parent.update(torch.tensor([1.0, 3.0]))
-    for child in (parent.mean, parent.top):
-        with pytest.raises(RuntimeError, match=r"sync: this \w+ is part of a _Parent"):
-            child.sync()
-    assert parent.compute().tolist() == [2.0, 3.0, 1.0]
-    parent.sync()  # the whole tree (an own-sync child's sync is part of it)
-    assert parent.compute().tolist() == [2.0, 3.0, 1.0]
-    tree = ComposeMetric({"mean": MeanMetric(), "sum": SumMetric()})
-    tree["mean"].update(torch.tensor([4.0]))
-    tree["mean"].sync()  # a composition's children are metrics of their own
-    assert float(tree["mean"].compute()) == 4.0
+class _SyncsChildFirst(_Parent):
+    """A metric whose own sync syncs a child first, then the whole tree."""
+
+    def sync(self, group: Any = None, *, step: int | None = None) -> None:
+        self.mean.sync(group)
+        super().sync(group, step=step)
+
+
+@on_rank_device
+def _sync_a_child_alone(kind: str) -> dict[str, list[float]]:
+    rank = dist.get_rank()
+    parent = _SyncsChildFirst() if kind == "child first" else _Parent(kind == "own sync child")
+    parent.update(torch.tensor([1.0 + rank, 3.0 + rank]))
+    if kind != "child first":
+        parent.mean.sync()  # a part alone
+    after_part = parent.compute().tolist()
+    parent.sync()
+    return {"after_part": after_part, "after_tree": parent.compute().tolist()}
+
+
+@pytest.mark.parametrize("kind", ["plain child", "own sync child", "child first"])
+def test_a_child_synced_alone_leaves_its_tree_local(dist_pool: RankPool, kind: str) -> None:
+    # The child's sync set the freshness flag it shares with its parent, whose compute then
+    # read synchronized buffers no sync had written (garbage for its own counter, a stale
+    # value for the other child). Now the tree reads local state until it syncs as a whole,
+    # and a parent whose own sync syncs a child first works.
+    world = dist_pool.world_size
+    values = [v + r for r in range(world) for v in (1.0, 3.0)]
+    for rank, result in enumerate(dist_pool.run(_sync_a_child_alone, kind)):
+        local = [2.0 + rank, 3.0 + rank, 1.0]
+        if kind != "child first":
+            assert result["after_part"] == local, (rank, result)
+        assert result["after_tree"] == [sum(values) / len(values), max(values), world]
 
 
 def test_a_composition_moves_its_childrens_constants() -> None:

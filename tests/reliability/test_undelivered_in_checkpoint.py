@@ -274,3 +274,17 @@ def test_a_spool_kept_by_a_sink_that_never_opened_replays_into_the_jobs_run(
     assert backend.kept == [("", step) for step in range(1, 6)]
     kept_state = read_kept_state(kept)
     assert kept_state is not None and kept_state.sink == "keyed" and kept_state.run == expected
+
+
+def test_a_run_config_json_cannot_hold_is_kept_as_text(tmp_path: Path) -> None:
+    # Tuple keys made json.dumps raise inside SinkRunner.close (default=str covers values only).
+    from sidestream.sinks._spool_format import write_kept_state
+
+    spool = str(tmp_path / "a.spool.jsonl")
+    info = RunInfo("job", {(1, 2): 3, "dtype": torch.float32, "nested": {4: [float("inf")]}})
+    assert write_kept_state(spool, "jsonl", {"not json": torch.zeros(1)}, info) is not None
+    kept = read_kept_state(spool)
+    assert kept is not None and kept.state is None  # the state was not JSON: left out
+    assert kept.run == RunInfo(
+        "job", {"(1, 2)": 3, "dtype": "torch.float32", "nested": {"4": ["inf"]}}
+    )

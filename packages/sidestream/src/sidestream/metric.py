@@ -362,9 +362,14 @@ class Metric(Stateful, Generic[T], abc.ABC):
         arena = self._own_arena()
         if arena is not None:
             arena.mark(current)
-        else:
-            for metric in self._walk_metrics():
-                metric._metric_freshness.current = current
+            return
+        if current and self._shares_freshness_above():
+            # Synchronized alone (a parent's own sync may do that first): the flag is also its
+            # parent's, whose other states no sync wrote. Left unset, everything reads local
+            # state until the whole tree syncs, never a mix (or unwritten buffers).
+            return
+        for metric in self._walk_metrics():
+            metric._metric_freshness.current = current
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -421,8 +426,6 @@ class Metric(Stateful, Generic[T], abc.ABC):
             raise TypeError(f"step: expected an int or None, got {step!r}")
         if step is not None and not 0 <= step < 2**63:
             raise ValueError(f"step: expected an int in [0, 2**63), got {step}")
-        if not self.__dict__.get("_synced_by_parent", False):
-            self._refuse_partial_sync()
         check_process_group("sync")
         if step is None:
             self._sync_as(group, CallFingerprint("sync", self.call_counter.next()))
@@ -437,33 +440,22 @@ class Metric(Stateful, Generic[T], abc.ABC):
             if len(pending) > _MAX_UNVERIFIED_SYNCS:
                 pending.pop(0).verify()  # the device is that far behind: wait for the oldest
 
-    def _refuse_partial_sync(self) -> None:
-        """Raise if this metric shares its freshness with metrics above it in a tree.
+    def _shares_freshness_above(self) -> bool:
+        """Whether this metric shares its freshness flag with metrics above it in a tree.
 
         A child of a metric (not of a ``ComposeMetric``) shares one flag with its parent, whose
-        ``compute`` reads synchronized values of the whole tree once it is set: a sync of the
-        child alone would set it with the rest of the tree never synchronized.
-
-        Raises:
-            RuntimeError: Naming the tree's root.
+        ``compute`` reads synchronized values of the whole tree once it is set.
         """
         home: Arena | None = self.__dict__.get("_state_arena")
         if home is None or not home.alive or home.root is self:
-            return
+            return False
         flag = self.__dict__.get("_freshness_flag")
         inside = {id(metric) for metric in self._walk_metrics()}
-        shared = any(
+        return any(
             metric.__dict__.get("_freshness_flag") is flag
             for metric in home.root._walk_metrics()
             if id(metric) not in inside
         )
-        if shared:
-            raise RuntimeError(
-                f"sync: this {type(self).__name__} is part of a "
-                f"{type(home.root).__name__}, whose values read its children's synchronized "
-                "state once any part is synchronized; sync the whole metric instead (or hold "
-                "independent metrics in a ComposeMetric, whose children sync on their own)"
-            )
 
     def sync_as(self, group: Group, fingerprint: CallFingerprint) -> None:
         """``sync`` under the caller's ``fingerprint`` (a collector's window), blocking.
@@ -490,12 +482,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
         prepared = self.prepare_sync(group)
         self._track(prepared.batched.start(fingerprint))
         for metric in prepared.own_sync:
-            # Its sync (an override calls Metric.sync) is part of this one: not refused.
-            object.__setattr__(metric, "_synced_by_parent", True)
-            try:
-                metric.sync_as(group, fingerprint)
-            finally:
-                object.__setattr__(metric, "_synced_by_parent", False)
+            metric.sync_as(group, fingerprint)
         for store in self._sample_stores():
             store.gather(group, fingerprint)
         self._mark_fresh(True)

@@ -102,10 +102,7 @@ class Slot:
                 self._group, CallFingerprint("changed", step, self._stream), async_op=False
             )
             handle.verify()
-            raise RankMismatchError(
-                "schedule_collection: the collector's metric changed its states after bind; "
-                "make a new collector for a new metric structure"
-            )
+            raise RankMismatchError(_changed_after_bind(self._live))
         self._arena.copy_from(live)
         for source, target in self._own_sync_pairs:
             for attribute, value in own_data(source):
@@ -147,10 +144,7 @@ class Slot:
         if not unchanged and self._live._own_arena() is not live:
             # Tells the other ranks, whose window at this step then fails too.
             self._direct.start(CallFingerprint("changed", step, self._stream))
-            raise RankMismatchError(
-                "schedule_collection: the collector's metric changed its states after bind; "
-                "make a new collector for a new metric structure"
-            )
+            raise RankMismatchError(_changed_after_bind(self._live))
         handle = self._direct.start(CallFingerprint("window", step, self._stream), async_op=True)
         if not self._marked:
             # Nothing updates, resets or loads a staging copy, so its flags stay current once
@@ -190,6 +184,23 @@ class Slot:
             else:
                 out.append(leaf)
         return out
+
+
+def _changed_after_bind(live: Metric[Any]) -> str:
+    """Why a window found the collector's metric with other states than at bind."""
+    home = live.__dict__.get("_state_arena")
+    if home is not None and home.alive and home.root is not live:
+        # Its states were laid out again as part of a tree that holds it.
+        return (
+            "schedule_collection: the collector's metric is part of a "
+            f"{type(home.root).__name__}, which was synced, reset, moved or checkpointed as a "
+            "whole after bind and took the metric's states into its own arena; bind the "
+            f"collector to that {type(home.root).__name__}, or keep this metric out of it"
+        )
+    return (
+        "schedule_collection: the collector's metric changed its states after bind; make a "
+        "new collector for a new metric structure"
+    )
 
 
 def _warn_of_unstaged(pairs: list[tuple[Metric[Any], Metric[Any]]]) -> None:

@@ -160,15 +160,18 @@ def write_kept_state(
 ) -> str | None:
     """Write ``KeptState`` beside ``spool_path``, owner-only; its path, or ``None`` if it failed.
 
-    Config values JSON cannot hold are kept as their ``str`` (how the trackers log them).
+    Config keys and values JSON cannot hold are kept as their ``str`` (how trackers log them).
     """
     path = spool_path + STATE_SUFFIX
-    # Through JSON and back: config values JSON cannot hold become their str.
-    kept_run = json.loads(
-        json.dumps(
-            {"name": run.name, "config": dict(run.config), "tags": dict(run.tags)}, default=str
-        )
-    )
+    kept_run: dict[str, Any] | None
+    try:
+        kept_run = {
+            "name": _plain(run.name),
+            "config": _plain(run.config),
+            "tags": _plain(run.tags),
+        }
+    except Exception:  # a config that cannot even be walked: keep the state without it
+        kept_run = None
     try:
         text = json.dumps({"sink": sink, "state": dict(state), "run": kept_run})
     except (TypeError, ValueError):  # a state that is not JSON: the run is still worth keeping
@@ -180,6 +183,22 @@ def write_kept_state(
     except OSError:  # no room: a replay then needs --resume-state
         return None
     return path
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can hold it: keys and unknown objects as their ``str``.
+
+    As trackers log them; containers are walked.
+    """
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return str(value)
 
 
 def read_kept_state(spool_path: str | os.PathLike[str]) -> KeptState | None:

@@ -215,7 +215,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
             state_dict[key] = own.clone()
             return
         saved = torch.as_tensor(state_dict[key]).detach().to("cpu", torch.float64)
-        if saved.shape != own.shape or not torch.equal(saved, own.cpu()):
+        # Compared as float32, as float32 scores are binned: thresholds given as a float32
+        # linspace and as Python floats are the same bins.
+        if saved.shape != own.shape or not torch.equal(saved.float(), own.cpu().float()):
             raise ValueError(
                 f"state_dict[{key!r}]: saved with {_describe_bins(saved)}, this metric has "
                 f"{_describe_bins(own.cpu())}; its counts are per bin, so load them into a "
