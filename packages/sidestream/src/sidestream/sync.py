@@ -216,9 +216,11 @@ def _describe_call(words: list[int]) -> str:
     kind, sequence, structure, stream = words
     name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
     number = f"{name} {sequence}" if name == "sync at step" else f"{name} #{sequence}"
-    text = f"{number} (structure {structure & _WORD_MASK:016x}"
-    # A stream travels as a hash of the collector's prefix: other ranks' names are not known.
-    return text + (f", collector hash {stream & _WORD_MASK:016x})" if stream else ")")
+    # 0: no layout was sent (check_same_call), only the call.
+    details = [f"structure {structure & _WORD_MASK:016x}"] if structure else []
+    if stream:  # a hash of the collector's prefix: other ranks' names are not known
+        details.append(f"collector hash {stream & _WORD_MASK:016x}")
+    return f"{number} ({', '.join(details)})" if details else number
 
 
 @dataclass
