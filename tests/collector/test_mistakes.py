@@ -126,7 +126,12 @@ def test_permanent_failure_is_reported_once_and_healthy_sinks_get_everything(
 ) -> None:
     broken = FailingSink(error, at_open=at_open, fail_writes=0 if at_open else 1)
     path = tmp_path / "m.jsonl"
-    run = Run([JsonlSink(path), broken], sink_retry_initial_s=0.01, sink_retry_max_s=0.02)
+    run = Run(
+        [JsonlSink(path), broken],
+        sink_retry_initial_s=0.01,
+        sink_retry_max_s=0.02,
+        spool_dir=str(tmp_path),  # the failed sink's kept spool stays out of the shared /tmp
+    )
     train = run.collector(SumMetric(), prefix="train").bind("cpu")
     with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
         for step in range(1, 21):
@@ -150,7 +155,7 @@ def test_permanent_failure_is_reported_once_and_healthy_sinks_get_everything(
 
 def test_transient_http_failure_is_retried_and_recovers(tmp_path: Path) -> None:
     flaky = FailingSink(HttpError(429), at_open=False, fail_writes=3)
-    run = Run([flaky], sink_retry_initial_s=0.01, sink_retry_max_s=0.02)
+    run = Run([flaky], sink_retry_initial_s=0.01, sink_retry_max_s=0.02, spool_dir=str(tmp_path))
     run.log(1, {"lr": 0.5})
     assert run.close(timeout=30) is True
     assert flaky.steps == [1] and flaky.attempts == 4
@@ -243,7 +248,7 @@ def test_jsonl_on_a_character_device_does_not_read_it(tmp_path: Path) -> None:
     json.dumps(sink.state_dict())
 
 
-def test_close_is_false_when_the_final_flush_of_a_buffering_sink_fails() -> None:
+def test_close_is_false_when_the_final_flush_of_a_buffering_sink_fails(tmp_path: Path) -> None:
     class Buffering(TrackerSinkForTests):
         durable_on_send = False
 
@@ -251,10 +256,11 @@ def test_close_is_false_when_the_final_flush_of_a_buffering_sink_fails() -> None
             return False  # the backend never confirms
 
     sink = Buffering()
-    run = Run([sink])
+    run = Run([sink], spool_dir=str(tmp_path))  # its kept spool stays out of the shared /tmp
     run.log(1, {"lr": 0.1})
     assert run.close(timeout=30) is False
     assert sink.sent == [1] and sink.state_dict()["last_steps"] == []
+    assert len(list(tmp_path.glob("*.spool.jsonl"))) == 1  # the unconfirmed report, kept
 
 
 class TrackerSinkForTests(TrackerSink):
