@@ -88,3 +88,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if {"dist_pool", "pools"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture(autouse=True)
+def _private_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Each test's default temporary folder is its own: spool files a test's sinks keep (the
+    default spool_dir is tempfile.gettempdir()) never land in the machine's shared /tmp."""
+    import tempfile
+
+    previous = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tempdir"))
+    yield
+    tempfile.tempdir = previous
