@@ -264,11 +264,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if batch is None:
             return
         scores, labels, weight, keep, valid = batch
-        if keep is not None:
-            # Dropped as a whole (device checks, no ignore_index): the same as a zero weight
-            # per element, for the rows an exact metric stores.
-            weight = keep.expand(labels.shape) if self._exact else weight
         if self._exact:
+            if keep is not None:
+                # Dropped as a whole (device checks, no ignore_index): a zero weight per row.
+                weight = keep.expand(labels.shape)
             if torch.compiler.is_compiling():
                 self._store_outside_the_graph(scores, labels, weight, borrow=False)
             else:
