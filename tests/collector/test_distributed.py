@@ -321,6 +321,65 @@ def test_exact_rows_of_different_shapes_raise_instead_of_aborting(dist_pool: Ran
         assert "sample rows of different shapes" in outcome, (rank, outcome)
 
 
+def _configuration_by_rank(where: str) -> dict[str, str]:
+    from sidestream.metrics.classification import BinaryAUROCMetric
+    from sidestream.metrics.regression import PearsonCorrelationMetric, R2ScoreMetric
+
+    rank = dist.get_rank()
+    other = rank == dist.get_world_size() - 1
+    metrics = {
+        # The same number of bins, other edges: counts per bin added into other bins.
+        "bins": BinaryAUROCMetric(thresholds=[0.0, 0.2 if other else 0.5, 1.0]),
+        "pearson shift": PearsonCorrelationMetric(shift=5.0 if other else 0.0),
+        "r2 shift": R2ScoreMetric(shift=5.0 if other else 0.0),
+        # Equal bins given as a float32 linspace and as Python floats are the same layout.
+        "equal bins": BinaryAUROCMetric(
+            thresholds=torch.linspace(0, 1, 5) if other else [0.0, 0.25, 0.5, 0.75, 1.0]
+        ),
+    }
+    out = {}
+    for name, metric in metrics.items():
+        if name == "bins" or name == "equal bins":
+            metric.update(torch.tensor([0.1, 0.3, 0.7, 0.9]), torch.tensor([0, 1, 0, 1]))
+        else:
+            metric.update(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 4.0]))
+        if where == "sync":
+            out[name] = _mismatch_of(metric.sync)
+            continue
+        collector = AsyncMetricCollector(metric)
+
+        def steps(collector: AsyncMetricCollector = collector) -> None:
+            collector.bind("cpu")  # lays the sync out: the structure check runs here
+            collector.schedule_collection(1)
+            collector.collect_results(timeout=60)
+
+        out[name] = _mismatch_of(steps, collector)
+    return out
+
+
+@pytest.mark.parametrize("where", ["sync", "collector"])
+def test_ranks_configured_with_other_bins_or_shifts_fail_every_rank(
+    dist_pool: RankPool, where: str
+) -> None:
+    # Bins and shifts were reduced as the MAX of (supposedly) equal values: ranks with other
+    # edges of the same count, or another shift, gave a value of neither (AUROC 0.625, a
+    # correlation of 0.9867 where the pooled data give 0.9820) with no error.
+    odd = dist_pool.world_size - 1
+    outcomes = dist_pool.run(_configuration_by_rank, where, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert (
+            f"'bin_layout' has value [0.0, 0.2, 1.0] on rank {odd} but [0.0, 0.5, 1.0]"
+            in (outcome["bins"])
+        ), (rank, outcome)
+        assert (
+            f"'shift' has value [5.0] on rank {odd} but [0.0] on rank 0"
+            in (outcome["pearson shift"])
+        )
+        assert f"'target_shift' has value [5.0] on rank {odd}" in outcome["pearson shift"]
+        assert f"'shift' has value [5.0] on rank {odd}" in outcome["r2 shift"]
+        assert outcome["equal bins"] == "no error"
+
+
 def _window_mode_by_rank() -> str:
     metric = MeanMetric()
     collector = AsyncMetricCollector(metric, reset_each_window=dist.get_rank() == 0).bind("cpu")

@@ -478,3 +478,34 @@ def test_rank_mismatch_raises_on_every_rank(dist_pool: RankPool) -> None:
 def test_a_sync_step_out_of_range_is_refused(step: Any, error: type[Exception]) -> None:
     with pytest.raises(error, match=r"^step: expected an int"):
         MeanMetric().sync(step=step)
+
+
+def _constants_by_rank() -> dict[str, str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    other = rank == world - 1
+    out = {}
+    short = MetricAccumulator.constant(torch.tensor([1.0, 3.0 if other else 2.0]))
+    long = MetricAccumulator.constant(torch.arange(100.0) + (0.5 if other else 0.0))
+    same = MetricAccumulator.constant(torch.arange(100.0))
+    for name, state in (("short", short), ("long", long), ("same", same)):
+        try:
+            state.sync()
+            out[name] = f"no error: {state.value.tolist()[:2]}"
+        except RankMismatchError as error:
+            out[name] = str(error)
+    return out
+
+
+def test_a_constant_held_with_other_values_fails_every_rank(dist_pool: RankPool) -> None:
+    # A constant is reduced as the MAX of equal values: unequal ones were reduced silently.
+    odd = dist_pool.world_size - 1
+    for outcome in dist_pool.run(_constants_by_rank, timeout=60):
+        assert (
+            f"'state' has value [1.0, 3.0] on rank {odd} but [1.0, 2.0] on rank 0"
+            in (outcome["short"])
+        )
+        # Long values are named by their ends, count and a hash that differs with any value.
+        long = outcome["long"]
+        assert "has value 100 values [0.5, 1.5, ..., 99.5] (hash " in long
+        assert "but 100 values [0.0, 1.0, ..., 99.0] (hash " in long
+        assert outcome["same"] == "no error: [0.0, 1.0]"

@@ -11,6 +11,7 @@ from torch import Tensor
 from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore
 from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views
+from sidestream.sync import StatePart
 
 __all__ = ["Arena", "ArenaSegment"]
 
@@ -29,7 +30,7 @@ class ArenaSegment:
         local: Tensor,
         synced: Tensor,
         op: ReduceOp,
-        parts: tuple[tuple[str, tuple[int, ...]], ...],
+        parts: tuple[StatePart, ...],
     ) -> None:
         self.local = local
         self.synced = synced
@@ -90,7 +91,7 @@ class Arena:
             initial = torch.empty(total, dtype=dtype, device=where)
             synced = torch.empty(total, dtype=dtype, device=where)
             offset = 0
-            bounds: list[tuple[ReduceOp, int, int, list[tuple[str, tuple[int, ...]]]]] = []
+            bounds: list[tuple[ReduceOp, int, int, list[StatePart]]] = []
             for name, state in members:
                 n, shape = state.local.numel(), state.local.shape
                 part = slice(offset, offset + n)
@@ -109,7 +110,7 @@ class Arena:
                 if not bounds or bounds[-1][0] is not state.op:
                     bounds.append((state.op, offset, offset, []))
                 op, start, _, parts = bounds[-1]
-                parts.append((name, tuple(shape)))
+                parts.append((name, tuple(shape), state._constant))
                 bounds[-1] = (op, start, offset + n, parts)
                 offset += n
             self.locals.append(local)

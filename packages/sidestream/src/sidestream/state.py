@@ -13,7 +13,7 @@ from torch.compiler import is_compiling
 
 from sidestream._distributed import Group
 from sidestream._reduce_op import ReduceOp
-from sidestream.sync import SyncBatch
+from sidestream.sync import SyncBatch, stable_hash
 
 __all__ = ["Freshness", "MetricAccumulator", "ReduceOp"]
 
@@ -113,6 +113,9 @@ class MetricAccumulator:
         self._freshness = Freshness()
         self._owned = False
         self._arena: Any = None  # the state arena holding this state's views (or None)
+        # A constant's value in words ("" for other states): compared across ranks by the
+        # structure check (see ``constant``).
+        self._constant = ""
         # Contiguous copies whatever the layout given (a transposed initial value): the state's
         # flat views need one.
         initial_tensor = initial_tensor.clone(memory_format=torch.contiguous_format)
@@ -121,6 +124,32 @@ class MetricAccumulator:
             initial_tensor.clone(),
             torch.empty_like(initial_tensor),
         )
+
+    @classmethod
+    def constant(
+        cls, value: Tensor | float | int, *, dtype: torch.dtype | None = None
+    ) -> MetricAccumulator:
+        """A configuration value kept with a metric's state and checked to agree on every rank.
+
+        For what the other states mean something only with: histogram bins, a shift subtracted
+        before summing. It is saved in ``state_dict`` with them (a metric can refuse a
+        checkpoint of another value in ``_upgrade_state_dict``), reduced as the MAX of equal
+        values, and the first sync of its structure over a group (a blocking check that runs
+        anyway) raises ``RankMismatchError`` on every rank if ranks hold different values,
+        instead of reducing counts of different bins into one.
+
+        Args:
+            value: The constant; its shape and dtype are the state's.
+            dtype: Optional dtype to convert ``value`` to.
+
+        Example:
+            >>> edges = MetricAccumulator.constant(torch.tensor([0.0, 0.5, 1.0]))
+            >>> edges.op
+            <ReduceOp.MAX: 'max'>
+        """
+        state = cls(value, ReduceOp.MAX, dtype=dtype)
+        state._constant = _describe_constant(state._initial)
+        return state
 
     def _bind(self, local: Tensor, initial: Tensor, synced: Tensor) -> None:
         """Point the state at new tensors (its own, or views into an arena)."""
@@ -172,6 +201,7 @@ class MetricAccumulator:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_constant", "")  # pickled before constants were described
         self.__dict__.update(state)
         self._bind(state["_local"], state["_initial"], state["_synced"])
 
@@ -377,7 +407,8 @@ class MetricAccumulator:
                 "MetricAccumulator.sync: this state belongs to a metric; call the metric's sync"
             )
         batch = SyncBatch()
-        batch.add(self, group, self._synced, name="state")
+        part = ("state", tuple(self._local.shape), self._constant)
+        batch.add(self, group, self._synced, name="state", parts=(part,))
         checked = id(group) in self._checked_groups
         batch.program(check=not checked).start()
         if not checked:
@@ -435,6 +466,16 @@ _VIEWS = frozenset(
     }
 )
 """What ``MetricAccumulator._bind`` derives: left out of a pickle and made again on load."""
+
+
+def _describe_constant(value: Tensor) -> str:
+    """A constant's value in words: short ones whole, long ones by ends, count and hash."""
+    values = value.detach().cpu().reshape(-1).tolist()
+    if len(values) <= 6:
+        return repr(values)
+    digest = stable_hash(repr(values)) & (2**64 - 1)
+    ends = f"[{values[0]}, {values[1]}, ..., {values[-1]}]"
+    return f"{len(values)} values {ends} (hash {digest:016x})"
 
 
 def _python_floats(initial: object) -> bool:

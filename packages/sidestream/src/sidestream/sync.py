@@ -60,6 +60,7 @@ __all__ = [
     "Reducible",
     "SyncBatch",
     "SyncHandle",
+    "StatePart",
     "SyncProgram",
     "check_calls",
     "check_same_call",
@@ -223,18 +224,23 @@ def _describe_call(words: list[int]) -> str:
     return f"{number} ({', '.join(details)})" if details else number
 
 
+StatePart = tuple[str, tuple[int, ...], str]
+"""One state inside a synced buffer: its name, its shape, and for a constant (a configuration
+value every rank must hold, such as histogram bins) its value in words, ``""`` otherwise."""
+
+
 @dataclass
 class _Entry:
     name: str
     state: Reducible
     out: Tensor
-    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    parts: tuple[StatePart, ...]
 
-    def described(self) -> list[tuple[str, tuple[int, ...], str, str]]:
+    def described(self) -> list[tuple[str, tuple[int, ...], str, str, str]]:
         local = self.state.local
         dtype = str(local.dtype).removeprefix("torch.")
-        parts = self.parts or ((self.name, tuple(local.shape)),)
-        return [(name, shape, dtype, self.state.op.name) for name, shape in parts]
+        parts = self.parts or ((self.name, tuple(local.shape), ""),)
+        return [(name, shape, dtype, self.state.op.name, value) for name, shape, value in parts]
 
 
 @dataclass
@@ -656,7 +662,7 @@ class SyncBatch:
         out: Tensor,
         *,
         name: str = "",
-        parts: tuple[tuple[str, tuple[int, ...]], ...] = (),
+        parts: tuple[StatePart, ...] = (),
     ) -> None:
         """Reduce ``state`` over ``group`` into ``out`` (its shape and dtype).
 
@@ -665,8 +671,9 @@ class SyncBatch:
             group: A process group, a 1-D device mesh, or ``None`` for the default group.
             out: Receives the reduced state once the sync's handle was waited on.
             name: Names the state in the structure check's error message.
-            parts: For a flat buffer of several states: each one's ``(name, shape)``, so the
-                structure check and its message describe the states, not the buffer.
+            parts: For a flat buffer of several states: each one's ``StatePart``, so the
+                structure check and its message describe the states, not the buffer (and
+                compare the value of constants).
         """
         resolved = self._resolved.get(id(group))
         if resolved is None or resolved[0] is not group:
@@ -872,7 +879,7 @@ def _all_gather_single(
     return work
 
 
-_Structure = tuple[tuple[str, tuple[int, ...], str, str], ...]
+_Structure = tuple[tuple[str, tuple[int, ...], str, str, str], ...]
 
 
 def _describe(slot: _GroupEntries) -> _Structure:
@@ -930,7 +937,7 @@ def _mismatch_message(structures: list[Any], own_rank: int) -> str:
         for name in by_name.keys() - by_name_reference.keys():
             problems.append(f"state {name!r} exists on rank {rank} but not on rank 0")
         for name in by_name_reference.keys() & by_name.keys():
-            for label, index in (("shape", 1), ("dtype", 2), ("op", 3)):
+            for label, index in (("shape", 1), ("dtype", 2), ("op", 3), ("value", 4)):
                 ours, theirs = by_name_reference[name][index], by_name[name][index]
                 if ours != theirs:
                     problems.append(
@@ -940,6 +947,6 @@ def _mismatch_message(structures: list[Any], own_rank: int) -> str:
             problems.append(f"rank {rank} syncs the same states in a different order than rank 0")
     return (
         f"sync: ranks of the group hold different metric state (seen from rank {own_rank}); "
-        "every rank must sync the same metrics with the same shapes, dtypes and ops: "
-        + "; ".join(sorted(set(problems)))
+        "every rank must sync the same metrics with the same shapes, dtypes, ops and "
+        "configuration (constants such as bins): " + "; ".join(sorted(set(problems)))
     )

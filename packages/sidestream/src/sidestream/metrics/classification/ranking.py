@@ -20,7 +20,6 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore
 from sidestream._scratch import scratch
 from sidestream.metrics._screened import ScreenedMetric
@@ -175,7 +174,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
         # Saved with the counts, which mean something only over these bins: a checkpoint of
         # other bins is refused (_upgrade_state_dict), not added into the wrong ones. A
         # constant, reduced as the MAX of equal values.
-        self._bin_layout = MetricAccumulator(self._bins.layout(), ReduceOp.MAX)
+        self._bin_layout = MetricAccumulator.constant(self._bins.layout())
         plain_binary = problem.kind is ProblemKind.BINARY and problem.ignore_index is None
         uniform = self._bins.uniform
         if plain_binary and not problem.logits and uniform and BinaryHostCounter.available():

@@ -8,7 +8,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from sidestream._reduce_op import ReduceOp
 from sidestream._validation import (
     as_tensor,
     check_floating,
@@ -133,7 +132,7 @@ def shift_state(argument: str, shift: float | Sequence[float], outputs: int) -> 
     The sums are of values minus the shift, so they mean something only with that shift;
     ``check_saved_shift`` refuses a checkpoint taken with another one.
     """
-    return MetricAccumulator(shift_vector(argument, shift, outputs), ReduceOp.MAX)
+    return MetricAccumulator.constant(shift_vector(argument, shift, outputs))
 
 
 def check_saved_shift(state_dict: dict[str, Any], key: str, shift: MetricAccumulator) -> None:
