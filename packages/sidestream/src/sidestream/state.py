@@ -110,6 +110,7 @@ class MetricAccumulator:
         # A bool, not the enum: under torch.compile the same ReduceOp member reached through two
         # states costs an identity guard (evaluated in Python) on every call.
         self._sums = op is ReduceOp.SUM
+        self._maxes = op is ReduceOp.MAX  # as _sums, for accumulate
         self._freshness = Freshness()
         self._owned = False
         self._arena: Any = None  # the state arena holding this state's views (or None)
@@ -201,7 +202,9 @@ class MetricAccumulator:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("_constant", "")  # pickled before constants were described
+        # Pickled by an earlier version, without these.
+        state.setdefault("_constant", "")
+        state.setdefault("_maxes", state["_op"] is ReduceOp.MAX)
         self.__dict__.update(state)
         self._bind(state["_local"], state["_initial"], state["_synced"])
 
@@ -287,7 +290,7 @@ class MetricAccumulator:
             # needs no copy: maximum/minimum promote it exactly as .to() would.
             self.accumulate(update.to(self._target.dtype))
             return
-        elif self._op is ReduceOp.MAX:
+        elif self._maxes:
             torch.maximum(self._target, update, out=self._target)  # NaN propagates
         else:
             torch.minimum(self._target, update, out=self._target)

@@ -17,11 +17,14 @@ __all__ = ["MaxMetric", "MinMetric"]
 
 class _ExtremumMetric(NanScreenedMetric):
     _op: ReduceOp
+    # The op as a bool for update: under torch.compile the ReduceOp member, reached both here
+    # and through the state's op, costs an identity guard evaluated in Python on every call.
+    _maxes: bool
 
     def __init__(
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
-        identity = -math.inf if self._op is ReduceOp.MAX else math.inf
+        identity = -math.inf if self._maxes else math.inf
         # Named after the op, so a MaxMetric checkpoint cannot load into a MinMetric.
         self._extremum = self.add_state(self._op.value, identity, self._op, dtype=dtype)
         super().__init__(nan_strategy)
@@ -31,13 +34,14 @@ class _ExtremumMetric(NanScreenedMetric):
         tensor = as_tensor("values", values, self.device, floating=True)
         check_floating("values", tensor)
         if tensor.numel() == 0:  # metadata only; amax of nothing is an error
+            self._metric_freshness.stale()  # an update all the same: compute reads local state
             return
-        reduce = torch.amax if self._op is ReduceOp.MAX else torch.amin
+        reduce = torch.amax if self._maxes else torch.amin
         if self._nan.disabled:  # the default: nothing to screen, skip the policy's bookkeeping
             self._extremum.accumulate(reduce(tensor))
             return
         tensor, kept, keep = self._nan.apply(tensor, self._rejected, self._nan_count)
-        identity = -math.inf if self._op is ReduceOp.MAX else math.inf
+        identity = -math.inf if self._maxes else math.inf
         if kept is not None:
             tensor = torch.where(kept, tensor, identity)
         extremum = reduce(tensor)
@@ -62,6 +66,7 @@ class MaxMetric(_ExtremumMetric):
     """
 
     _op = ReduceOp.MAX
+    _maxes = True
 
 
 class MinMetric(_ExtremumMetric):
@@ -76,3 +81,4 @@ class MinMetric(_ExtremumMetric):
     """
 
     _op = ReduceOp.MIN
+    _maxes = False

@@ -84,7 +84,8 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
                 ``rejected_updates``.
         """
         batch = score_batch(self._problem, preds, target, self.device, self._rejected)
-        if batch is None:
+        if batch is None:  # empty: an update all the same, so compute reads local state
+            self._metric_freshness.stale()
             return
         scores, labels, weight, keep, _ = batch  # valid: only with per_element
         if keep is not None:  # a whole batch dropped on the device: a zero weight for each

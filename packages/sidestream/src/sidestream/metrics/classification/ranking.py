@@ -260,7 +260,8 @@ class RankingMetric(ScreenedMetric[Tensor]):
             exact=self._exact,
             per_element=per_element,
         )
-        if batch is None:
+        if batch is None:  # empty: an update all the same, so compute reads local state
+            self._metric_freshness.stale()
             return
         scores, labels, weight, keep, valid = batch
         if self._exact:

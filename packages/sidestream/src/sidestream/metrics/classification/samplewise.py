@@ -63,7 +63,10 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         target_t = check_tensor("target", target, device)
         _check_positions(self._problem, preds_t)
         if preds_t.shape[0] == 0:
-            return  # no samples (shapes are still checked by a non-empty batch)
+            # No samples (shapes are still checked by a non-empty batch); an update all the
+            # same: compute reads local state.
+            self._metric_freshness.stale()
+            return
         before = self._rejected.local.clone()
         counts = sample_counts(self._problem, preds_t, target_t, self._rejected)
         float_counts = Counts(*(count.to(torch.float64) for count in counts))
