@@ -380,6 +380,55 @@ def test_ranks_configured_with_other_bins_or_shifts_fail_every_rank(
         assert outcome["equal bins"] == "no error"
 
 
+def _sinks_by_rank(tmp: str, layout: str) -> str:
+    from sidestream import Run
+
+    rank = dist.get_rank()
+    last = rank == dist.get_world_size() - 1
+    sinks: list[Any] = []
+    if layout == "only on the last rank" and last:
+        sinks = [JsonlSink(f"{tmp}/only.jsonl")]
+    elif layout == "an extra sink on the last rank":
+        sinks = [JsonlSink(f"{tmp}/all.jsonl")]
+        if last:
+            sinks.append(JsonlSink(f"{tmp}/extra.jsonl"))
+    elif layout == "the same":
+        sinks = [JsonlSink(f"{tmp}/same.jsonl")]
+    run = Run(sinks, spool_dir=tmp)
+    collector = run.collector(MeanMetric(), prefix="train")
+    collector.metric.update(torch.tensor([1.0]))
+
+    def steps() -> None:
+        collector.bind("cpu")
+        collector.schedule_collection(1)
+        collector.collect_results(timeout=60)
+
+    outcome = _mismatch_of(steps)
+    run.close(timeout=30)
+    return outcome
+
+
+@pytest.mark.parametrize(
+    "layout", ["only on the last rank", "an extra sink on the last rank", "the same"]
+)
+def test_sinks_configured_differently_by_rank_fail_at_bind(
+    dist_pool: RankPool, tmp_path: Path, layout: str
+) -> None:
+    # Only rank 0 writes: a sink built on another rank alone was dropped, its status
+    # "healthy" and close() True, with no message.
+    odd = dist_pool.world_size - 1
+    outcomes = dist_pool.run(_sinks_by_rank, str(tmp_path), layout, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        if layout == "the same":
+            assert outcome == "no error", (rank, outcome)
+            continue
+        assert "ranks of the group hold different sinks" in outcome, (rank, outcome)
+        expected = "[jsonl]" if layout == "only on the last rank" else "[jsonl, jsonl-2]"
+        assert f"rank 0: [{'none' if layout == 'only on the last rank' else 'jsonl'}]" in outcome
+        assert f"rank {odd}: {expected}" in outcome
+    assert not (tmp_path / "only.jsonl").exists()
+
+
 def _window_mode_by_rank() -> str:
     metric = MeanMetric()
     collector = AsyncMetricCollector(metric, reset_each_window=dist.get_rank() == 0).bind("cpu")

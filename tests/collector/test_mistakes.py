@@ -275,3 +275,20 @@ class TrackerSinkForTests(TrackerSink):
 
     def send(self, reports: Sequence[Report]) -> None:
         self.sent += [report.step for report in reports]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tags": ["x", "y"]}, r"tags: expected a mapping of tag names .*\['x', 'y'\]"),
+        ({"tags": {1: "a"}}, r"tags: expected a mapping of tag names"),
+        ({"config": "lr=3"}, r"config: expected a mapping of hyper-parameters .*'lr=3'"),
+        ({"name": 5}, r"name: expected a str or None, got 5"),
+    ],
+)
+def test_run_info_of_wrong_types_fails_when_made(fields: dict[str, object], message: str) -> None:
+    # Accepted as made, they failed on rank 0's sink thread at open, after training started
+    # (TensorBoard: 'list' object has no attribute 'items').
+    with pytest.raises(TypeError, match=message):
+        RunInfo(**fields)  # type: ignore[arg-type]
+    assert RunInfo(name="a", config={"lr": {"x": 1}}, tags={"team": ""}).tags == {"team": ""}

@@ -109,6 +109,33 @@ def test_resume_from_collector_checkpoint_appends_to_the_same_directory(
     _check(_load(log_dir), range(STEPS))
 
 
+def test_a_checkpoint_taken_before_the_default_directory_opened_resumes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no log_dir the directory was known only once SummaryWriter made it: a checkpoint
+    # taken while it could not open named none, and the resumed job wrote every step again
+    # into a second directory.
+    monkeypatch.chdir(tmp_path)
+    first = TensorBoardSink()
+    checkpoint = first.state_dict()
+    log_dir = Path(checkpoint["log_dir"])
+    assert log_dir.is_absolute() and log_dir.parent == tmp_path / "runs"
+    first.open(RunInfo())
+    for step in range(5):
+        first.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+    assert first.close(30.0)
+    monkeypatch.chdir(tmp_path / "runs")  # restarted from elsewhere: the path still holds
+    resumed = TensorBoardSink()
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo())
+    for step in range(8):  # the job repeats steps 0 to 4 from its checkpoint
+        resumed.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+    assert resumed.close(30.0)
+    assert [path.name for path in (tmp_path / "runs").iterdir()] == [log_dir.name]
+    events = _load(log_dir).Scalars("loss")
+    assert [(e.step, e.value) for e in events] == [(step, float(step)) for step in range(8)]
+
+
 def test_retry_after_failure_midway_writes_each_value_once(tmp_path: Path) -> None:
     sink = TensorBoardSink(log_dir=tmp_path)
     sink.open(RunInfo())

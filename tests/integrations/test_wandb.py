@@ -76,7 +76,8 @@ def test_two_ranks_every_window_once_offline(tmp_path: Path, pool2: RankPool) ->
     assert [r["sink_threads"] for r in results] == [1, 0]
     assert [r["closed"] for r in results] == [True, True]
     assert results[0]["delivered"] == [STEPS]
-    assert results[1]["sink_states"] == [{"run_id": None, "last_steps": [], "run_dir": None}]
+    (idle,) = results[1]["sink_states"]  # rank 1's sink never opened: its own id, no steps
+    assert idle["last_steps"] == [] and idle["run_dir"] is None
     (data,) = _data_files(tmp_path)  # rank 1 created no run
     state = results[0]["sink_states"][0]
     assert run_id_of(data) == state["run_id"] and state["last_steps"] == [["", STEPS - 1]]
@@ -375,7 +376,7 @@ def test_a_mode_wandb_rejects_fails_when_the_sink_is_built() -> None:
         WandbSink(project="sidestream-it", mode="ofline")
     with pytest.raises(ValueError, match=r"mode: wandb does not take 'ofline'"):
         sinks_from_config({"wandb": {"project": "sidestream-it", "mode": "ofline"}})
-    assert WandbSink(project="sidestream-it", mode="offline").run_id is None
+    assert len(WandbSink(project="sidestream-it", mode="offline").run_id) == 8
 
 
 def test_a_settings_key_wandb_rejects_fails_when_the_sink_is_built() -> None:
@@ -383,7 +384,46 @@ def test_a_settings_key_wandb_rejects_fails_when_the_sink_is_built() -> None:
 
     with pytest.raises(ValueError, match=r"settings: .*'silnt'.*did you mean 'silent'"):
         sinks_from_config({"wandb": {"mode": "offline", "settings": {"silnt": True}}})
-    assert WandbSink(mode="offline", settings={"silent": True}).run_id is None
+    assert len(WandbSink(mode="offline", settings={"silent": True}).run_id) == 8
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"tags": "baseline"}, TypeError, r"tags: expected a list of str .*'baseline'"),
+        ({"tags": ["a", 3]}, TypeError, r"tags: expected a list of str"),
+        ({"config": [1, 2]}, TypeError, r"config: expected a mapping"),
+        ({"resume": "sometimes"}, ValueError, r"resume: expected one of .*'sometimes'"),
+        ({"id": "a/b"}, ValueError, r"id: W&B run ids cannot hold '/'"),
+        ({"id": " a"}, ValueError, r"id: expected a run id without surrounding spaces"),
+    ],
+)
+def test_run_options_wandb_would_refuse_or_misread_fail_when_the_sink_is_built(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    # They failed at open on rank 0 after training started (a str of tags became one tag per
+    # letter without any error).
+    with pytest.raises(error, match=message):
+        WandbSink(project="sidestream-it", mode="offline", **options)
+    WandbSink(project="p", mode="offline", tags=["a", "b"], config={"x": 1}, resume="must")
+
+
+def test_a_checkpoint_taken_before_the_sink_opened_resumes_the_same_run(tmp_path: Path) -> None:
+    # W&B unreachable at the first checkpoint: the state named no run and no directory, so the
+    # resumed job started a second run and logged the steps the first job delivered again.
+    first = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    checkpoint = first.state_dict()
+    assert checkpoint["run_id"] == first.run_id and checkpoint["run_dir"] is None
+    first.open(RunInfo(name="job"))
+    for step in range(5):
+        first.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+    first_dir = first.run_dir
+    assert first.close(timeout=60) and first_dir is not None  # progress file: steps 0 to 4
+    rows = _resume(checkpoint, tmp_path, range(8))  # the job repeats steps 0 to 4
+    assert rows == [(step, float(step)) for step in range(5, 8)]
+    files = _data_files(tmp_path)
+    assert [run_id_of(f) for f in files] == [first.run_id] * 2  # one run, two directories
+    assert _losses(first_dir) == [(step, float(step)) for step in range(5)]
 
 
 def test_the_sink_runs_in_a_child_process(tmp_path: Path) -> None:

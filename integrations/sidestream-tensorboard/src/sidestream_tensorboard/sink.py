@@ -60,7 +60,8 @@ class TensorBoardSink(TrackerSink):
 
     Args:
         log_dir: The run's directory; ``None`` takes the saved one on resume, else
-            SummaryWriter's default (``runs/<date>_<host>``).
+            SummaryWriter's default (``runs/<date>_<host><comment>``), made absolute when the
+            sink is built, so a checkpoint taken before the sink could open names it too.
         histogram_edges: Bin edges per histogram name (``num_bins + 1`` values); bins without
             edges span ``[i, i + 1)``.
         **writer_kwargs: Passed to ``SummaryWriter`` under its own names (``flush_secs``,
@@ -86,8 +87,12 @@ class TensorBoardSink(TrackerSink):
         super().__init__()
         self.refuse_unknown_options(writer_kwargs)
         check_option_types("TensorBoardSink", writer_kwargs, _WRITER_OPTION_TYPES)
-        self._log_dir = None if log_dir is None else os.fspath(log_dir)
-        if self._log_dir is not None:
+        # A resumed job's saved directory replaces only a default one (see identity).
+        self._log_dir_given = log_dir is not None
+        if log_dir is None:
+            self._log_dir = _default_log_dir(writer_kwargs.get("comment", ""))
+        else:
+            self._log_dir = os.fspath(log_dir)
             check_directory_path("log_dir", self._log_dir)
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         self._writer_kwargs = writer_kwargs
@@ -119,8 +124,8 @@ class TensorBoardSink(TrackerSink):
         return signature_options(cls, SummaryWriter)
 
     @property
-    def log_dir(self) -> str | None:
-        """The run's directory (known once opened, given, or loaded from a state dict)."""
+    def log_dir(self) -> str:
+        """The run's directory: given, loaded from a state dict, or the default one."""
         return self._log_dir
 
     @property
@@ -130,7 +135,7 @@ class TensorBoardSink(TrackerSink):
 
     @identity.setter
     def identity(self, value: str | None) -> None:
-        if self._log_dir is None:  # a directory given to the constructor wins
+        if value is not None and not self._log_dir_given:  # a given directory wins
             self._log_dir = value
 
     def open(self, run: RunInfo) -> None:
@@ -139,9 +144,7 @@ class TensorBoardSink(TrackerSink):
 
         if self._writer is not None:  # an earlier attempt that failed: end its writer
             self._discard_writer()
-        warn = not self.resumed and not self._earlier_files_warned and self._log_dir is not None
-        if warn:
-            assert self._log_dir is not None
+        if not self.resumed and not self._earlier_files_warned:
             self._earlier_files_warned = True  # once: a retried open finds its own first file
             earlier = sorted(Path(self._log_dir).glob("*tfevents*"))
             if earlier:
@@ -323,6 +326,15 @@ class TensorBoardSink(TrackerSink):
         if not self.within(writer.close, timeout, "close"):
             return False
         return self.flush(0)  # the writer is gone: what was sent is on disk now
+
+
+def _default_log_dir(comment: str) -> str:
+    """SummaryWriter's default directory, ``runs/<date>_<host><comment>``, as an absolute path."""
+    import socket
+    from datetime import datetime
+
+    name = datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname() + comment
+    return os.path.abspath(os.path.join("runs", name))
 
 
 def _last_steps_on_disk(log_dir: str) -> dict[str, int]:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import glob
 import json
 import os
+import secrets
+import string
 import threading
 import time
 from collections import deque
@@ -114,8 +117,11 @@ class WandbSink(TrackerSink):
         check_option_types("WandbSink", self._init_kwargs, _INIT_OPTION_TYPES)
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         _check_settings(self._init_kwargs)
+        _check_run_options(self._init_kwargs)
         self._run: Any = None
-        self._run_id: str | None = self._init_kwargs.pop("id", None)
+        # Made here, not by wandb.init: a checkpoint taken before the sink could open (W&B
+        # unreachable) still names the run, so the resumed job continues it, not a second one.
+        self._run_id: str = self._init_kwargs.pop("id", None) or _new_run_id()
         self._defined: set[str] = set()  # names given a step metric with define_metric
         self._logged: dict[str, int] = {}  # last step per stream handed to W&B by this sink
         self._previous_dir: str | None = None  # the run directory of the checkpointed job
@@ -155,8 +161,8 @@ class WandbSink(TrackerSink):
         )
 
     @property
-    def run_id(self) -> str | None:
-        """The W&B run id once opened (or given / loaded from a state dict)."""
+    def run_id(self) -> str:
+        """The W&B run id: given (``id=``), loaded from a state dict, or made by the sink."""
         return self._run_id
 
     @property
@@ -166,7 +172,8 @@ class WandbSink(TrackerSink):
 
     @identity.setter
     def identity(self, value: str | None) -> None:
-        self._run_id = value
+        if value is not None:  # a state saved before ids were made here may have none
+            self._run_id = value
 
     @property
     def run_dir(self) -> str | None:
@@ -202,9 +209,8 @@ class WandbSink(TrackerSink):
         config.update(flatten_config(kwargs.pop("config", None) or {}))
         tags = [shorten(f"{k}:{v}" if v else str(k), _MAX_TAG_LENGTH) for k, v in run.tags.items()]
         tags += list(kwargs.pop("tags", None) or [])
-        if self._run_id is not None:
-            kwargs["id"] = self._run_id
-            kwargs.setdefault("resume", "allow")
+        kwargs["id"] = self._run_id
+        kwargs.setdefault("resume", "allow")
         kwargs.setdefault("reinit", "create_new")
         settings, self._flush_interval = _with_flush_interval(wandb, kwargs.get("settings"))
         kwargs["settings"] = settings
@@ -222,9 +228,12 @@ class WandbSink(TrackerSink):
         self._disabled = getattr(getattr(self._run, "settings", None), "mode", None) == "disabled"
         self._defined.clear()
         if self.resumed:
-            # Steps logged after the checkpoint was taken: in the last job's progress file,
+            # Steps logged after the checkpoint was taken: in the progress files of the earlier
+            # jobs of this run (the checkpointed one, and any other directory of this run id
+            # beside this one: a checkpoint taken before the sink opened names no directory),
             # and online also in the run's summary.
-            self.found_in_backend(_read_progress(self._previous_dir))
+            for directory in {self._previous_dir, *_earlier_run_dirs(self.run_dir, self._run_id)}:
+                self.found_in_backend(_read_progress(directory))
             self.found_in_backend(self._steps_in_summary())
         self._logged = self.last_steps()
 
@@ -468,6 +477,23 @@ def _proc_stat(pid: int) -> tuple[str, str, int] | None:
         return None
 
 
+def _new_run_id() -> str:
+    """A new W&B run id: 8 random lowercase letters and digits, as wandb makes them."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def _earlier_run_dirs(run_dir: str | None, run_id: str) -> list[str]:
+    """The other local directories of run ``run_id`` next to ``run_dir`` (``*-<run id>``)."""
+    if run_dir is None:
+        return []
+    here = Path(run_dir)
+    try:
+        return [str(path) for path in here.parent.glob(f"*-{glob.escape(run_id)}") if path != here]
+    except OSError:
+        return []
+
+
 def _read_progress(run_dir: str | None) -> dict[str, int]:
     if run_dir is None:
         return {}
@@ -519,6 +545,46 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
             )
         detail = "; ".join(problems) or str(error).splitlines()[0]
         raise ValueError(f"settings: wandb.Settings does not take {detail}") from None
+
+
+_RESUME_VALUES = (True, False, "allow", "must", "never", "auto")
+_RESERVED_ID_CHARACTERS = ":;,#?/'"  # wandb's own list (wandb_settings.validate_run_id)
+
+
+def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``tags``, ``config``, ``resume`` or ``id`` values ``open`` would misread.
+
+    Checked when the sink is built: ``open`` runs on rank 0 only, once training has started,
+    and would fail there (or split a str of tags into one tag per letter).
+    """
+    tags = init_kwargs.get("tags")
+    if tags is not None and (
+        isinstance(tags, str)
+        or not isinstance(tags, Sequence | set | frozenset)
+        or not all(isinstance(tag, str) for tag in tags)
+    ):
+        raise TypeError(f"tags: expected a list of str (W&B tags), got {tags!r}")
+    config = init_kwargs.get("config")
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(
+            f"config: expected a mapping of hyper-parameters (nested dicts allowed), got {config!r}"
+        )
+    resume = init_kwargs.get("resume")
+    if resume is not None and not any(resume is v or resume == v for v in _RESUME_VALUES):
+        raise ValueError(
+            f"resume: expected one of {', '.join(map(repr, _RESUME_VALUES))} or None, got "
+            f"{resume!r}"
+        )
+    run_id = init_kwargs.get("id")
+    if run_id is not None:
+        if not run_id.strip() or run_id != run_id.strip():
+            raise ValueError(f"id: expected a run id without surrounding spaces, got {run_id!r}")
+        reserved = sorted(set(run_id) & set(_RESERVED_ID_CHARACTERS))
+        if reserved:
+            raise ValueError(
+                f"id: W&B run ids cannot hold {''.join(reserved)!r} (reserved: "
+                f"{_RESERVED_ID_CHARACTERS!r}), got {run_id!r}"
+            )
 
 
 def step_metric(stream: str) -> str:

@@ -64,6 +64,7 @@ __all__ = [
     "SyncProgram",
     "check_calls",
     "check_same_call",
+    "check_same_setting",
     "stable_hash",
 ]
 
@@ -912,18 +913,57 @@ def _check_structure(slot: _GroupEntries, structure: _Structure) -> None:
     difference on every rank.
     """
     device = slot.entries[0].state.local.device
+    everyone = _differing(slot.group, slot.size, device, structure, _hash(structure))
+    if everyone is not None:
+        raise RankMismatchError(_mismatch_message(everyone, group_rank(slot.group)))
+
+
+def _differing(
+    group: dist.ProcessGroup | None, size: int, device: torch.device, value: Any, digest: int
+) -> list[Any] | None:
+    """Every rank's ``value`` if some rank's ``digest`` differs, else ``None`` (a collective)."""
     own = torch.zeros(_CHECK_BYTES, dtype=torch.uint8)
-    own[:8] = torch.tensor([_hash(structure)], dtype=torch.int64).view(torch.uint8)
-    gathered = torch.empty(slot.size * _CHECK_BYTES, dtype=torch.uint8, device=device)
-    work = retain_work(_all_gather_single(gathered, own.to(device), slot.group))
+    own[:8] = torch.tensor([digest], dtype=torch.int64).view(torch.uint8)
+    gathered = torch.empty(size * _CHECK_BYTES, dtype=torch.uint8, device=device)
+    work = retain_work(_all_gather_single(gathered, own.to(device), group))
     if work is not None:
         work.wait()
-    rows = gathered.view(slot.size, _CHECK_BYTES).cpu()  # one host sync per new structure
+    rows = gathered.view(size, _CHECK_BYTES).cpu()  # one host sync per check
     if bool((rows == rows[0]).all()):
+        return None
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+def check_same_setting(group: Group, device: torch.device, what: str, setting: str) -> None:
+    """Raise on every rank of ``group`` unless all hold the same ``setting`` (a collective).
+
+    For configuration every rank must share beyond the metric states (a collector's sinks, say),
+    checked where the ranks already meet for a blocking check: one small all_gather of a hash,
+    and the settings themselves only when they differ. Nothing in a one-rank group.
+
+    Args:
+        group: A process group, a 1-D device mesh, or ``None`` for the default group.
+        device: Where the backend takes tensors (the group's device: CUDA for NCCL).
+        what: Names the setting in the message (``"sinks"``).
+        setting: This rank's setting, as text.
+
+    Raises:
+        RankMismatchError: If some rank holds another setting; the message lists each rank's.
+    """
+    process_group = resolve_group(group)
+    size = group_size(process_group)
+    if size == 1:
         return
-    everyone: list[Any] = [None] * slot.size
-    dist.all_gather_object(everyone, structure, group=slot.group)
-    raise RankMismatchError(_mismatch_message(everyone, group_rank(slot.group)))
+    everyone = _differing(process_group, size, device, setting, stable_hash(setting))
+    if everyone is None:
+        return
+    held = "; ".join(f"rank {rank}: {value}" for rank, value in enumerate(everyone))
+    raise RankMismatchError(
+        f"ranks of the group hold different {what} (seen from rank "
+        f"{group_rank(process_group)}); every rank must configure the same {what}: {held}"
+    )
 
 
 def _mismatch_message(structures: list[Any], own_rank: int) -> str:

@@ -25,7 +25,7 @@ from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
-from sidestream.sync import RankMismatchError
+from sidestream.sync import RankMismatchError, check_same_setting
 
 __all__ = ["AsyncMetricCollector"]
 
@@ -223,10 +223,13 @@ class AsyncMetricCollector(Generic[T]):
         resumes (``load_state_dict``) and opens it. Registers ``close`` to run at exit.
 
         Blocking and a collective on multi-rank jobs: every rank calls it, and it checks once
-        that all ranks hold the same metric structure (raising ``RankMismatchError`` naming the
-        difference otherwise), so later windows never block on that check.
+        that all ranks hold the same metric structure and the same sinks (raising
+        ``RankMismatchError`` naming the difference otherwise), so later windows never block on
+        that check.
 
         Raises:
+            RankMismatchError: If ranks hold different metric states or different sinks (only
+                rank 0 writes: a sink built on another rank alone would be dropped silently).
             RuntimeError: If already bound or closed; if ``device`` is CUDA and CUDA is not
                 available; if the environment (``WORLD_SIZE``/``RANK``) says the job has
                 several processes but no process group is initialized.
@@ -274,6 +277,9 @@ class AsyncMetricCollector(Generic[T]):
         # here, on every rank, so a state_dict never runs the check where another rank may be
         # reducing a window instead (the check would meet the window's collective and hang).
         self._metric.prepare_sync(self._group, check=False)
+        # Only rank 0 writes: sinks configured on another rank alone would be dropped silently.
+        sinks = ", ".join(self._delivery.sinks) or "none"
+        check_same_setting(self._group, target, "sinks", f"[{sinks}]")
         runners = self._delivery.start("bind")
         self._dispatcher = Dispatcher(
             [self._delivery] if runners else [],

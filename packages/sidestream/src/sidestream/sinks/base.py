@@ -44,15 +44,39 @@ class Report:
 class RunInfo:
     """What a sink needs to open (or resume) its run.
 
+    Checked when made: a wrong type would otherwise fail only when rank 0 opens its sinks,
+    after training started.
+
     Attributes:
         name: Human-readable run name, if any.
         config: Hyper-parameters; nested dicts allowed (sinks flatten them for their backend).
-        tags: String tags.
+        tags: Tags as a mapping of names to values (``{"team": "vision"}``; a value ``""``
+            for a tag that is only a name).
+
+    Raises:
+        TypeError: If ``name`` is not a str or None, ``config`` not a mapping, or ``tags``
+            not a mapping with str keys (a list of tag names included: give
+            ``dict.fromkeys(names, "")``).
     """
 
     name: str | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
     tags: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"name: expected a str or None, got {self.name!r}")
+        if not isinstance(self.config, Mapping):
+            raise TypeError(
+                f"config: expected a mapping of hyper-parameters (nested dicts allowed), got "
+                f"{self.config!r}"
+            )
+        if not isinstance(self.tags, Mapping) or not all(isinstance(k, str) for k in self.tags):
+            raise TypeError(
+                "tags: expected a mapping of tag names (str) to values, such as "
+                f"{{'team': 'vision'}} (for bare names: dict.fromkeys(names, '')), got "
+                f"{self.tags!r}"
+            )
 
 
 class Sink(abc.ABC):
