@@ -322,7 +322,7 @@ def test_exact_rows_of_different_shapes_raise_instead_of_aborting(dist_pool: Ran
 
 
 def _configuration_by_rank(where: str) -> dict[str, str]:
-    from sidestream.metrics.classification import BinaryAUROCMetric
+    from sidestream.metrics.classification import BinaryAUROCMetric, confusion_count_metric
     from sidestream.metrics.regression import PearsonCorrelationMetric, R2ScoreMetric
 
     rank = dist.get_rank()
@@ -336,11 +336,24 @@ def _configuration_by_rank(where: str) -> dict[str, str]:
         "equal bins": BinaryAUROCMetric(
             thresholds=torch.linspace(0, 1, 5) if other else [0.0, 0.25, 0.5, 0.75, 1.0]
         ),
+        # Counts of another threshold (or kind) mean something else.
+        "threshold": confusion_count_metric().binary(0.9 if other else 0.5).with_f1().build(),
+        "kind": (
+            confusion_count_metric().multilabel(3)
+            if other
+            else confusion_count_metric().multiclass(3)
+        )
+        .with_recall()
+        .micro()
+        .build(),
     }
     out = {}
     for name, metric in metrics.items():
-        if name == "bins" or name == "equal bins":
+        if name in ("bins", "equal bins", "threshold"):
             metric.update(torch.tensor([0.1, 0.3, 0.7, 0.9]), torch.tensor([0, 1, 0, 1]))
+        elif name == "kind":
+            target = torch.tensor([[1, 0, 1]]) if other else torch.tensor([0])
+            metric.update(torch.tensor([[0.9, 0.1, 0.8]]), target)
         else:
             metric.update(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 4.0]))
         if where == "sync":
@@ -368,16 +381,25 @@ def test_ranks_configured_with_other_bins_or_shifts_fail_every_rank(
     outcomes = dist_pool.run(_configuration_by_rank, where, timeout=120)
     for rank, outcome in enumerate(outcomes):
         assert (
-            f"'bin_layout' has value [0.0, 0.2, 1.0] on rank {odd} but [0.0, 0.5, 1.0]"
+            f"'bin_layout' has configuration [0.0, 0.2, 1.0] on rank {odd} but [0.0, 0.5, 1.0]"
             in (outcome["bins"])
         ), (rank, outcome)
         assert (
-            f"'shift' has value [5.0] on rank {odd} but [0.0] on rank 0"
+            f"'shift' has configuration [5.0] on rank {odd} but [0.0] on rank 0"
             in (outcome["pearson shift"])
         )
-        assert f"'target_shift' has value [5.0] on rank {odd}" in outcome["pearson shift"]
-        assert f"'shift' has value [5.0] on rank {odd}" in outcome["r2 shift"]
+        assert f"'target_shift' has configuration [5.0] on rank {odd}" in outcome["pearson shift"]
+        assert f"'shift' has configuration [5.0] on rank {odd}" in outcome["r2 shift"]
         assert outcome["equal bins"] == "no error"
+        assert (
+            "'counts' has configuration binary num_classes=1 threshold=0.9 "
+            in (outcome["threshold"])
+        )
+        assert "but binary num_classes=1 threshold=0.5 " in outcome["threshold"]
+        assert (
+            "multilabel num_labels=3 threshold=0.5 logits=False top_k=1 ignore_index=None on "
+            f"rank {odd}" in outcome["kind"]
+        )
 
 
 def _sinks_by_rank(tmp: str, layout: str) -> str:

@@ -501,11 +501,11 @@ def test_a_constant_held_with_other_values_fails_every_rank(dist_pool: RankPool)
     odd = dist_pool.world_size - 1
     for outcome in dist_pool.run(_constants_by_rank, timeout=60):
         assert (
-            f"'state' has value [1.0, 3.0] on rank {odd} but [1.0, 2.0] on rank 0"
+            f"'state' has configuration [1.0, 3.0] on rank {odd} but [1.0, 2.0] on rank 0"
             in (outcome["short"])
         )
         # Long values are named by their ends, count and a hash that differs with any value.
         long = outcome["long"]
-        assert "has value 100 values [0.5, 1.5, ..., 99.5] (hash " in long
+        assert "has configuration 100 values [0.5, 1.5, ..., 99.5] (hash " in long
         assert "but 100 values [0.0, 1.0, ..., 99.0] (hash " in long
         assert outcome["same"] == "no error: [0.0, 1.0]"

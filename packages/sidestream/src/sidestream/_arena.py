@@ -110,7 +110,7 @@ class Arena:
                 if not bounds or bounds[-1][0] is not state.op:
                     bounds.append((state.op, offset, offset, []))
                 op, start, _, parts = bounds[-1]
-                parts.append((name, tuple(shape), state._constant))
+                parts.append((name, tuple(shape), state._configuration))
                 bounds[-1] = (op, start, offset + n, parts)
                 offset += n
             self.locals.append(local)

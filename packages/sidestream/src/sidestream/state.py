@@ -114,9 +114,10 @@ class MetricAccumulator:
         self._freshness = Freshness()
         self._owned = False
         self._arena: Any = None  # the state arena holding this state's views (or None)
-        # A constant's value in words ("" for other states): compared across ranks by the
-        # structure check (see ``constant``).
-        self._constant = ""
+        # What this state's values mean something only with, in words ("" for nothing): a
+        # constant's value (see ``constant``), a classification problem. The structure check
+        # compares it across ranks.
+        self._configuration = ""
         # Contiguous copies whatever the layout given (a transposed initial value): the state's
         # flat views need one.
         initial_tensor = initial_tensor.clone(memory_format=torch.contiguous_format)
@@ -149,7 +150,7 @@ class MetricAccumulator:
             <ReduceOp.MAX: 'max'>
         """
         state = cls(value, ReduceOp.MAX, dtype=dtype)
-        state._constant = _describe_constant(state._initial)
+        state._configuration = _describe_constant(state._initial)
         return state
 
     def _bind(self, local: Tensor, initial: Tensor, synced: Tensor) -> None:
@@ -203,7 +204,7 @@ class MetricAccumulator:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Pickled by an earlier version, without these.
-        state.setdefault("_constant", "")
+        state.setdefault("_configuration", "")
         state.setdefault("_maxes", state["_op"] is ReduceOp.MAX)
         self.__dict__.update(state)
         self._bind(state["_local"], state["_initial"], state["_synced"])
@@ -410,7 +411,7 @@ class MetricAccumulator:
                 "MetricAccumulator.sync: this state belongs to a metric; call the metric's sync"
             )
         batch = SyncBatch()
-        part = ("state", tuple(self._local.shape), self._constant)
+        part = ("state", tuple(self._local.shape), self._configuration)
         batch.add(self, group, self._synced, name="state", parts=(part,))
         checked = id(group) in self._checked_groups
         batch.program(check=not checked).start()

@@ -226,8 +226,9 @@ def _describe_call(words: list[int]) -> str:
 
 
 StatePart = tuple[str, tuple[int, ...], str]
-"""One state inside a synced buffer: its name, its shape, and for a constant (a configuration
-value every rank must hold, such as histogram bins) its value in words, ``""`` otherwise."""
+"""One state inside a synced buffer: its name, its shape, and the configuration its values mean
+something only with, in words (a constant's value such as histogram bins, a classification
+problem), ``""`` for none. Every rank must hold the same."""
 
 
 @dataclass
@@ -674,7 +675,7 @@ class SyncBatch:
             name: Names the state in the structure check's error message.
             parts: For a flat buffer of several states: each one's ``StatePart``, so the
                 structure check and its message describe the states, not the buffer (and
-                compare the value of constants).
+                compare their configuration).
         """
         resolved = self._resolved.get(id(group))
         if resolved is None or resolved[0] is not group:
@@ -977,7 +978,7 @@ def _mismatch_message(structures: list[Any], own_rank: int) -> str:
         for name in by_name.keys() - by_name_reference.keys():
             problems.append(f"state {name!r} exists on rank {rank} but not on rank 0")
         for name in by_name_reference.keys() & by_name.keys():
-            for label, index in (("shape", 1), ("dtype", 2), ("op", 3), ("value", 4)):
+            for label, index in (("shape", 1), ("dtype", 2), ("op", 3), ("configuration", 4)):
                 ours, theirs = by_name_reference[name][index], by_name[name][index]
                 if ours != theirs:
                     problems.append(

@@ -6,8 +6,16 @@ import enum
 from dataclasses import dataclass
 
 from sidestream._validation import check_int
+from sidestream.state import MetricAccumulator
 
-__all__ = ["Problem", "ProblemKind", "check_ignore_index", "check_int", "check_problem"]
+__all__ = [
+    "Problem",
+    "ProblemKind",
+    "check_ignore_index",
+    "check_int",
+    "check_problem",
+    "configure_states",
+]
 
 
 class ProblemKind(enum.Enum):
@@ -65,6 +73,23 @@ class Problem:
     def size_name(self) -> str:
         """``num_classes`` or ``num_labels``, for error messages."""
         return "num_labels" if self.kind is ProblemKind.MULTILABEL else "num_classes"
+
+
+def configure_states(problem: Problem, *states: MetricAccumulator, more: str = "") -> None:
+    """Record that ``states`` count under ``problem``, for the structure check across ranks.
+
+    Counts of another threshold, kind, top-k or ignore_index mean something else: ranks
+    configured otherwise then fail their first sync (``RankMismatchError`` naming both
+    problems) instead of adding them together. Costs nothing per sync. ``more`` adds what else
+    the states depend on (the statistics a samplewise metric sums).
+    """
+    text = (
+        f"{problem.kind.value} {problem.size_name}={problem.num_classes} "
+        f"threshold={problem.threshold} logits={problem.logits} top_k={problem.top_k} "
+        f"ignore_index={problem.ignore_index}" + (f" {more}" if more else "")
+    )
+    for state in states:
+        state._configuration = text
 
 
 def check_problem(problem: object, family: str) -> Problem:

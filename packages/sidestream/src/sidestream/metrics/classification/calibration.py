@@ -15,6 +15,7 @@ from sidestream.metrics.classification._problem import (
     ProblemKind,
     check_int,
     check_problem,
+    configure_states,
 )
 from sidestream.metrics.classification._scores import score_batch
 from sidestream.state import MetricAccumulator
@@ -67,6 +68,7 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
         self._count = MetricAccumulator(torch.zeros(num_bins, dtype=torch.float64))
         self._confidence = MetricAccumulator(torch.zeros(num_bins, dtype=torch.float64))
         self._accuracy = MetricAccumulator(torch.zeros(num_bins, dtype=torch.float64))
+        configure_states(problem, self._count)
 
     def update(self, preds: Tensor, target: Tensor) -> None:
         """Add a batch. No communication and no host sync on CUDA.

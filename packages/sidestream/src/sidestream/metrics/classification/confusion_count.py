@@ -18,7 +18,7 @@ from sidestream.metrics.classification._inputs import (
     count_operands,
     host_cells_apply,
 )
-from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.metrics.classification._problem import Problem, ProblemKind, configure_states
 from sidestream.metrics.classification.statistics import Counts, Statistic
 from sidestream.state import MetricAccumulator
 
@@ -83,6 +83,7 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
         self._zero_division = zero_division
         classes = problem.num_classes
         self._counts = MetricAccumulator(torch.zeros(4, classes, dtype=torch.int64))
+        configure_states(problem, self._counts)
         # Whether the problem can take the small CPU path, decided here, not on every update
         # (a bool, not the map: compiled updates guard every tensor they read).
         self._host_cells = host_cells_apply(problem)

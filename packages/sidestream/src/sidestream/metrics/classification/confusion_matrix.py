@@ -10,7 +10,12 @@ from torch import Tensor
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._inputs import check_tensor, label_flags, multiclass_labels
-from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
+from sidestream.metrics.classification._problem import (
+    Problem,
+    ProblemKind,
+    check_problem,
+    configure_states,
+)
 from sidestream.state import MetricAccumulator
 
 __all__ = [
@@ -50,6 +55,7 @@ class ConfusionMatrixMetric(ScreenedMetric[Tensor]):
         self._problem = problem
         self._normalize = normalize
         self._matrix = MetricAccumulator(torch.zeros(self._cells(), dtype=torch.int64))
+        configure_states(problem, self._matrix)
 
     def _cells(self) -> int:
         classes = self._problem.num_classes

@@ -33,7 +33,12 @@ from sidestream.metrics.classification._curves import (
 )
 from sidestream.metrics.classification._exact import SKIPPED, tie_histograms
 from sidestream.metrics.classification._host_counts import BinaryHostCounter
-from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
+from sidestream.metrics.classification._problem import (
+    Problem,
+    ProblemKind,
+    check_problem,
+    configure_states,
+)
 from sidestream.metrics.classification._scores import score_batch, screen_elements
 from sidestream.state import MetricAccumulator
 
@@ -175,6 +180,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
         # other bins is refused (_upgrade_state_dict), not added into the wrong ones. A
         # constant, reduced as the MAX of equal values.
         self._bin_layout = MetricAccumulator.constant(self._bins.layout())
+        configure_states(problem, self._histogram)
         plain_binary = problem.kind is ProblemKind.BINARY and problem.ignore_index is None
         uniform = self._bins.uniform
         if plain_binary and not problem.logits and uniform and BinaryHostCounter.available():

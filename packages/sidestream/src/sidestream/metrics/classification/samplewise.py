@@ -10,7 +10,7 @@ from torch import Tensor
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification._average import Average, average_statistic, check_average
 from sidestream.metrics.classification._inputs import check_tensor, sample_counts
-from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.metrics.classification._problem import Problem, ProblemKind, configure_states
 from sidestream.metrics.classification.confusion_count import macro_weights
 from sidestream.metrics.classification.statistics import Counts, Statistic
 from sidestream.state import MetricAccumulator
@@ -55,6 +55,9 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
             torch.zeros(len(self._statistics), width, dtype=torch.float64)
         )
         self._samples = MetricAccumulator(0.0, dtype=torch.float64)
+        names = ",".join(type(statistic).__name__ for statistic in self._statistics)
+        more = f"statistics={names} average={self._average} zero_division={zero_division}"
+        configure_states(problem, self._sums, more=more)
 
     def update(self, preds: Tensor, target: Tensor) -> None:
         """Add a batch of ``N`` samples; inputs as ``ConfusionCountMetric.update``."""
