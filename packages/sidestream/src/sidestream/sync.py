@@ -937,7 +937,9 @@ def _differing(
     return everyone
 
 
-def check_same_setting(group: Group, device: torch.device, what: str, setting: str) -> None:
+def check_same_setting(
+    group: Group, device: torch.device, what: str, setting: str, hint: str = ""
+) -> None:
     """Raise on every rank of ``group`` unless all hold the same ``setting`` (a collective).
 
     For configuration every rank must share beyond the metric states (a collector's sinks, say),
@@ -949,6 +951,7 @@ def check_same_setting(group: Group, device: torch.device, what: str, setting: s
         device: Where the backend takes tensors (the group's device: CUDA for NCCL).
         what: Names the setting in the message (``"sinks"``).
         setting: This rank's setting, as text.
+        hint: Ends the message (how to fix it).
 
     Raises:
         RankMismatchError: If some rank holds another setting; the message lists each rank's.
@@ -964,6 +967,7 @@ def check_same_setting(group: Group, device: torch.device, what: str, setting: s
     raise RankMismatchError(
         f"ranks of the group hold different {what} (seen from rank "
         f"{group_rank(process_group)}); every rank must configure the same {what}: {held}"
+        + (f" ({hint})" if hint else "")
     )
 
 

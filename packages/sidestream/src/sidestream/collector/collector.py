@@ -279,7 +279,14 @@ class AsyncMetricCollector(Generic[T]):
         self._metric.prepare_sync(self._group, check=False)
         # Only rank 0 writes: sinks configured on another rank alone would be dropped silently.
         sinks = ", ".join(self._delivery.sinks) or "none"
-        check_same_setting(self._group, target, "sinks", f"[{sinks}]")
+        check_same_setting(
+            self._group,
+            target,
+            "sinks",
+            f"[{sinks}]",
+            "build the same sinks on every rank: building one opens nothing, and only rank 0 "
+            "opens and writes them",
+        )
         runners = self._delivery.start("bind")
         self._dispatcher = Dispatcher(
             [self._delivery] if runners else [],
