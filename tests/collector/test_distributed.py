@@ -451,6 +451,52 @@ def test_sinks_configured_differently_by_rank_fail_at_bind(
     assert not (tmp_path / "only.jsonl").exists()
 
 
+def _checkpoint_of_collectors_made_in_another_order(tmp: str, extra: bool) -> Any:
+    from sidestream import Run
+
+    rank = dist.get_rank()
+    run = Run([JsonlSink(f"{tmp}/run.jsonl")], spool_dir=tmp)
+    names = ["train", "val"] if rank == 0 else ["val", "train"]
+    if extra and rank == 0:
+        names.append("test")  # made on rank 0 alone, never bound
+    collectors = {name: run.collector(MeanMetric(), prefix=name) for name in names}
+    for name in ("train", "val"):
+        collectors[name].bind("cpu")
+    collectors["train"].metric.update(torch.tensor([100.0 + rank]))
+    collectors["val"].metric.update(torch.tensor([float(rank)]))
+    try:
+        saved = run.state_dict(timeout=30)
+        outcome: Any = {
+            name: (float(state["total"]), float(state["count"]))
+            for name, state in saved["collectors"].items()
+        }
+    except RankMismatchError as error:
+        outcome = str(error)
+    run.close(timeout=30)
+    return outcome
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["other order", "an extra collector"])
+def test_a_checkpoint_of_collectors_made_in_another_order_by_rank(
+    dist_pool: RankPool, tmp_path: Path, extra: bool
+) -> None:
+    # run.state_dict reduced the collectors in the order each rank made them: train's state
+    # against val's (both ranks saved train=(101, 2) and val=(101, 2)); an extra collector on
+    # one rank paired with the other rank's next collective and aborted the process in gloo.
+    world = dist_pool.world_size
+    outcomes = dist_pool.run(
+        _checkpoint_of_collectors_made_in_another_order, str(tmp_path), extra, timeout=120
+    )
+    for rank, outcome in enumerate(outcomes):
+        if extra:
+            assert "ranks of the group hold different collectors" in outcome, (rank, outcome)
+            assert "rank 0: ['test', 'train', 'val']; rank 1: ['train', 'val']" in outcome
+            continue
+        train = sum(100.0 + r for r in range(world))
+        val = sum(float(r) for r in range(world))
+        assert outcome == {"train": (train, world), "val": (val, world)}, (rank, outcome)
+
+
 def _window_mode_by_rank() -> str:
     metric = MeanMetric()
     collector = AsyncMetricCollector(metric, reset_each_window=dist.get_rank() == 0).bind("cpu")

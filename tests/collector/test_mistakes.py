@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -292,3 +293,79 @@ def test_run_info_of_wrong_types_fails_when_made(fields: dict[str, object], mess
     with pytest.raises(TypeError, match=message):
         RunInfo(**fields)  # type: ignore[arg-type]
     assert RunInfo(name="a", config={"lr": {"x": 1}}, tags={"team": ""}).tags == {"team": ""}
+
+
+def test_a_refused_collector_checkpoint_leaves_the_sinks_unresumed(tmp_path: Path) -> None:
+    # The sinks' states were loaded before the metric refused the checkpoint: a job that
+    # caught the error and started fresh skipped every step up to the checkpoint's.
+    source = AsyncMetricCollector(MeanMetric(), sinks=[JsonlSink(tmp_path / "a.jsonl")])
+    source.bind("cpu")
+    source.metric.update(torch.tensor([1.0]))
+    source.schedule_collection(3)
+    source.collect_results(timeout=30)
+    saved = source.state_dict()
+    source.close()
+    sink = JsonlSink(tmp_path / "b.jsonl")
+    other = AsyncMetricCollector(SumMetric(), sinks=[sink])
+    with pytest.raises(KeyError):
+        other.load_state_dict(saved)
+    with pytest.raises(KeyError, match=r"collector.state_dict\(\)'s keys .*run.load_state_dict"):
+        other.load_state_dict({"collectors": {}, "sinks": {}})
+    other.bind("cpu")  # started fresh
+    other.metric.update(torch.tensor([2.0]))
+    other.schedule_collection(2)
+    assert other.close(timeout=30)
+    assert [line["step"] for line in read_jsonl(tmp_path / "b.jsonl")] == [2]
+
+
+def test_a_metric_of_a_bound_collector_refuses_a_checkpoint() -> None:
+    # Loaded on some ranks only after bind, the checkpoint was dropped silently (only the
+    # group's first rank takes saved numbers) and the windows mixed it in on rank 0 alone.
+    metric = MeanMetric()
+    saved = MeanMetric()
+    saved.update(torch.tensor([5.0]))
+    state = saved.state_dict()
+    collector = AsyncMetricCollector(metric, prefix="train").bind("cpu")
+    with pytest.raises(RuntimeError, match=r"bound collector \(prefix 'train'\).*before bind"):
+        metric.load_state_dict(state)
+    copied = copy.deepcopy(metric)  # a copy belongs to no collector
+    copied.load_state_dict(state)
+    assert float(copied.compute()) == 5.0
+    collector.close()
+    metric.load_state_dict(state)  # closed: the metric is the user's again
+    assert float(metric.compute()) == 5.0
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"spool_dir": 123}, TypeError, r"spool_dir: expected a path"),
+        ({"exit_timeout": "10"}, TypeError, r"exit_timeout: expected a number of seconds"),
+        ({"exit_timeout": float("nan")}, ValueError, r"exit_timeout: .*NaN"),
+        ({"sink_retry_max_s": "x"}, TypeError, r"sink_retry_max_s: expected a number"),
+    ],
+)
+def test_run_options_of_the_wrong_type_are_named(
+    options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    # spool_dir=123 was taken, then 17 of 20 reports were dropped at run time.
+    with pytest.raises(error, match=message):
+        Run([], **options)  # type: ignore[arg-type]
+
+
+def test_run_log_refuses_what_a_tracker_cannot_take(tmp_path: Path) -> None:
+    # A step of -3 or 2**63 + 5 was taken, then failed TensorBoard for the whole run.
+    run = Run([JsonlSink(tmp_path / "run.jsonl")])
+    with pytest.raises(ValueError, match=r"step: expected an int in \[0, 2\*\*63\), got -3"):
+        run.log(-3, {"x": 1.0})
+    with pytest.raises(ValueError, match=r"step: expected an int in \[0, 2\*\*63\)"):
+        run.log(2**63 + 5, {"x": 1.0})
+    with pytest.raises(ValueError, match=r"values\['x'\]: too large for a float"):
+        run.log(1, {"x": 10**400})
+    with pytest.raises(TypeError, match=r"sinks: expected a list of sinks, got one sink"):
+        Run(JsonlSink(tmp_path / "other.jsonl"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"path: expected a file path"):
+        JsonlSink(123)  # type: ignore[arg-type]
+    run.log(1, {"x": 1.0})
+    assert run.close(timeout=30)
+    assert [line["step"] for line in read_jsonl(tmp_path / "run.jsonl")] == [1]

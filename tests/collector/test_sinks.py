@@ -114,6 +114,23 @@ def test_console_line() -> None:
     ]
 
 
+def test_console_every_counts_each_stream_apart() -> None:
+    # One count across streams: a train window and a run.log per step with every=2 printed
+    # only the train lines, and lr never.
+    stream = io.StringIO()
+    sink = ConsoleSink(stream=stream, every=2, live=False)
+    sink.open(RunInfo())
+    for step in (1, 2, 3):
+        sink.write(Report(step=step, values={"train/loss": 1.0}, time=0.0, stream="train"))
+        sink.write(Report(step=step, values={"lr": 0.5}, time=0.0))
+    assert stream.getvalue().splitlines() == [
+        "step 1 | train/loss 1",
+        "step 1 | lr 0.5",
+        "step 3 | train/loss 1",
+        "step 3 | lr 0.5",
+    ]
+
+
 def test_console_writes_each_line_with_its_newline_at_once() -> None:
     """A print of the training thread between a line and its newline split the line."""
 
@@ -348,3 +365,23 @@ def test_console_output_closed_by_its_reader_fails_for_good_at_once() -> None:
     sink.open(RunInfo())
     with pytest.raises(PermanentSinkError, match="output was closed"):
         sink.write(_report(1))
+
+
+def test_jsonl_to_a_pipe_with_fsync_writes_each_line_once(tmp_path: Path) -> None:
+    # fsync fails on a pipe (EINVAL): the write was retried as transient, and each retry wrote
+    # a newline and the line again, forever (invalid JSONL, close() False).
+    import os
+    import threading
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: lines.extend(fifo.open("rb").read().splitlines()))
+    reader.start()
+    runner = SinkRunner(JsonlSink(fifo, fsync=True))
+    runner.start()
+    for step in (1, 2):
+        runner.submit(Report(step=step, values={"x": float(step)}, time=time.time()))
+    assert runner.close(10.0)
+    reader.join(10.0)
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from sidestream._cli import run_command
 from sidestream.sinks.jsonl import read_jsonl
 
 __all__ = ["main"]
@@ -118,4 +119,4 @@ def _plot(history: History, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from numbers import Real
 from typing import Any
 
 import torch.distributed as dist
@@ -49,6 +52,16 @@ class DeliveryOptions:
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
     ) -> None:
         check_int("sink_capacity", sink_capacity, 1)
+        for name, seconds in (
+            ("sink_retry_initial_s", sink_retry_initial_s),
+            ("sink_retry_max_s", sink_retry_max_s),
+            ("exit_timeout", exit_timeout),
+        ):
+            _check_seconds(name, seconds)
+        if spool_dir is not None and not isinstance(spool_dir, str | os.PathLike):
+            raise TypeError(
+                f"spool_dir: expected a path (str or os.PathLike) or None, got {spool_dir!r}"
+            )
         if not 0 < sink_retry_initial_s <= sink_retry_max_s:
             raise ValueError(
                 "sink_retry_initial_s, sink_retry_max_s: expected 0 < initial <= max, got "
@@ -81,6 +94,8 @@ class Delivery:
     def __init__(
         self, sinks: Iterable[Sink], info: RunInfo | None, options: DeliveryOptions
     ) -> None:
+        if isinstance(sinks, Sink):
+            raise TypeError(f"sinks: expected a list of sinks, got one sink: pass [{sinks!r}]")
         sink_list = list(sinks)
         for index, sink in enumerate(sink_list):
             if not isinstance(sink, Sink):
@@ -452,6 +467,14 @@ def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
         for place, held in list(_PLACES.items()):
             if (other := held()) is None or _owner(other) is None:
                 del _PLACES[place]
+
+
+def _check_seconds(name: str, seconds: object) -> None:
+    """Raise naming ``name`` unless ``seconds`` is a real, non-NaN number of seconds."""
+    if isinstance(seconds, bool) or not isinstance(seconds, Real):
+        raise TypeError(f"{name}: expected a number of seconds, got {seconds!r}")
+    if math.isnan(seconds):
+        raise ValueError(f"{name}: expected a number of seconds, got NaN")
 
 
 def _keyed(sinks: list[Sink]) -> dict[str, Sink]:

@@ -133,6 +133,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
             # through its root, the tree), but a metric with an arena of its own.
             memo[id(arena)] = None
         copied: Self = copy_keeping_views(self, memo)
+        copied.__dict__.pop("_bound_prefix", None)  # a copy belongs to no collector
         if alone:
             copied._own_arena()
         return copied
@@ -675,11 +676,20 @@ class Metric(Stateful, Generic[T], abc.ABC):
             RuntimeError: If ``WORLD_SIZE``/``RANK`` say the job has several processes but no
                 process group is initialized (each rank would save only its own data).
         """
+        return self._reduced_state()
+
+    def _reduced_state(self, stream: str = "") -> dict[str, Any]:
+        """``state_dict``, with ``stream`` (a collector's prefix) in the call's fingerprint.
+
+        A collector's checkpoint sends its stream: ranks that reduce different collectors'
+        states against each other (same structure, other order) then fail on every rank
+        instead of saving each other's numbers.
+        """
         self._refuse_hidden_in_tree()
         check_process_group("state_dict")
         self.verify_sync()
         prepared = self.prepare_sync(self._sync_group)
-        fingerprint = CallFingerprint("state_dict", self.call_counter.next())
+        fingerprint = CallFingerprint("state_dict", self.call_counter.next(), stream)
         prepared.every_state.start(fingerprint).verify()
         # The synced views now hold the global state of this moment, which is what they held
         # already if the last sync is current; the freshness flags stay as they were.
@@ -706,7 +716,16 @@ class Metric(Stateful, Generic[T], abc.ABC):
             KeyError: If ``state_dict`` lacks a state of this metric or has an unknown one.
             TypeError: If a saved value is not a tensor (or numbers).
             ValueError: If a saved tensor's shape or dtype differs from the state's.
+            RuntimeError: If the metric is bound to an open collector (load before ``bind``:
+                ``collector.load_state_dict`` or ``run.load_state_dict``).
         """
+        prefix = self.__dict__.get("_bound_prefix")
+        if prefix is not None:
+            raise RuntimeError(
+                f"load_state_dict: this {type(self).__name__} belongs to a bound collector "
+                f"(prefix {prefix!r}), whose windows already stage it; load the checkpoint "
+                "before bind, with collector.load_state_dict or run.load_state_dict"
+            )
         state_dict = dict(state_dict)
         for prefix, metric in self._named_metrics():
             metric._upgrade_state_dict(prefix, state_dict)
@@ -795,10 +814,9 @@ _BUILT_ON_THE_ARENA = frozenset(
     {"_state_arena", "_sync_layouts", "_unverified_syncs", "_reset_children"}
 )
 """A metric's attributes that hold or depend on its tree's arena (made again when it is)."""
-
-_NOT_PICKLED = _BUILT_ON_THE_ARENA | {"_sync_group"}
-"""Left out of a pickle: what is built on the arena (made again on load), and the process
-group, which cannot be pickled."""
+_NOT_PICKLED = _BUILT_ON_THE_ARENA | {"_sync_group", "_bound_prefix"}
+"""Left out of a pickle: what is built on the arena (made again on load), the process group,
+which cannot be pickled, and the collector that holds the metric (a copy belongs to none)."""
 
 _BOOKKEEPING = _NOT_PICKLED | {"_declarations", "_freshness_flag", "_call_counter"}
 """Attributes the library keeps on every metric (not a metric's own data)."""

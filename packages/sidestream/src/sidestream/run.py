@@ -19,12 +19,13 @@ from sidestream._delivery import Delivery, DeliveryOptions
 from sidestream._distributed import Group
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
-from sidestream.collector.collector import AsyncMetricCollector
+from sidestream.collector.collector import DEFAULT_MAX_SLOTS, AsyncMetricCollector
 from sidestream.metric import Metric
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
+from sidestream.sync import check_same_setting
 
 __all__ = ["Run"]
 
@@ -143,6 +144,7 @@ class Run:
         group: Group = None,
         reset_each_window: bool = True,
         histograms: Iterable[str] = (),
+        max_slots: int = DEFAULT_MAX_SLOTS,
     ) -> AsyncMetricCollector[T]:
         """A collector whose windows go to this run's sinks, as the stream ``prefix``.
 
@@ -155,6 +157,8 @@ class Run:
             group: The process group / 1-D device mesh to reduce over (default: the world).
             reset_each_window: Start every window from an empty state.
             histograms: Result leaves delivered as histograms (see ``AsyncMetricCollector``).
+            max_slots: Most windows in flight, each with a staging copy of the metric (see
+                ``AsyncMetricCollector``); more makes ``schedule_collection`` wait.
 
         Raises:
             RuntimeError: If the run is closed.
@@ -179,6 +183,7 @@ class Run:
             reset_each_window=reset_each_window,
             prefix=stream,
             histograms=histograms,
+            max_slots=max_slots,
             _delivery=self._delivery,
         )
         if stream in self._metric_states:
@@ -210,11 +215,14 @@ class Run:
 
         Raises:
             TypeError: If ``step`` is not an int, or a name or value has the wrong type.
-            ValueError: If ``step`` does not increase, or a tensor is not 0-dim.
+            ValueError: If ``step`` does not increase or is outside [0, 2**63), or a tensor is
+                not 0-dim.
             RuntimeError: If the run is closed, or the job's process group is missing.
         """
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        if not 0 <= step < 2**63:  # as schedule_collection: trackers take int64 steps
+            raise ValueError(f"step: expected an int in [0, 2**63), got {step}")
         if self._last_log_step is not None and step <= self._last_log_step:
             raise ValueError(
                 f"step: expected > the previous log call's {self._last_log_step}, got {step} "
@@ -241,7 +249,12 @@ class Run:
                     numbers[name] = float(value.detach())
             elif isinstance(value, Real) and not isinstance(value, bool):
                 # numbers.Real: Python numbers and numpy scalars (np.float32 is no float).
-                numbers[name] = float(value)
+                try:
+                    numbers[name] = float(value)
+                except OverflowError:
+                    raise ValueError(
+                        f"values[{name!r}]: too large for a float (trackers keep float64)"
+                    ) from None
             else:
                 raise TypeError(
                     f"values[{name!r}]: expected a number or a 0-dim tensor, got "
@@ -369,7 +382,19 @@ class Run:
         """
         # The collector's own state_dict first raises a rank mismatch its windows found (as
         # it does when called directly); a collector of this run holds no sink states.
-        collectors = {c.prefix: c.state_dict(timeout)["metric"] for c in self._collectors}
+        # In an order every rank agrees on, after checking every rank holds the same streams:
+        # ranks that made their collectors in another order (or one rank an extra one) would
+        # otherwise reduce one collector's state against another's.
+        ordered = sorted(self._collectors, key=lambda c: c.prefix)
+        prefixes = ", ".join(repr(c.prefix) for c in ordered)
+        check_same_setting(
+            None,
+            torch.device("cpu"),
+            "collectors",
+            f"[{prefixes}]",
+            "make the same collectors (prefixes) on every rank before a checkpoint",
+        )
+        collectors = {c.prefix: c.state_dict(timeout)["metric"] for c in ordered}
         if self._metric_states:
             # Loaded and not claimed by any collector yet (made later, or a renamed prefix):
             # carried on, so this checkpoint does not lose them.

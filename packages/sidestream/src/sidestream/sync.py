@@ -948,7 +948,8 @@ def check_same_setting(
 
     Args:
         group: A process group, a 1-D device mesh, or ``None`` for the default group.
-        device: Where the backend takes tensors (the group's device: CUDA for NCCL).
+        device: Where the backend takes tensors (CPU becomes the current CUDA device under
+            NCCL).
         what: Names the setting in the message (``"sinks"``).
         setting: This rank's setting, as text.
         hint: Ends the message (how to fix it).
@@ -960,6 +961,8 @@ def check_same_setting(
     size = group_size(process_group)
     if size == 1:
         return
+    if device.type == "cpu" and dist.get_backend(process_group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
     everyone = _differing(process_group, size, device, setting, stable_hash(setting))
     if everyone is None:
         return

@@ -295,6 +295,10 @@ class AsyncMetricCollector(Generic[T]):
             self._histograms,
         )
         _BOUND[id(self._metric)] = self
+        # Loading a checkpoint into a bound metric on some ranks only would drop it silently
+        # (only the group's first rank takes saved numbers): Metric.load_state_dict refuses.
+        for metric in self._metric._walk_metrics():
+            metric.__dict__["_bound_prefix"] = self._prefix
         if self._owns_delivery:
             atexit.register(self._close_at_exit)
         return self
@@ -515,6 +519,8 @@ class AsyncMetricCollector(Generic[T]):
         if self._closed:
             return self._close_result
         self._closed = True
+        for metric in self._metric._walk_metrics():
+            metric.__dict__.pop("_bound_prefix", None)
         if self._owns_delivery:
             atexit.unregister(self._close_at_exit)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -575,7 +581,7 @@ class AsyncMetricCollector(Generic[T]):
         (``run.state_dict()`` holds them).
         """
         self._raise_mismatch()
-        metric_state = self._metric.state_dict()
+        metric_state = self._metric._reduced_state(self._prefix or "(no prefix)")
         sink_states: dict[str, Any] = {}
         undelivered: dict[str, str] = {}
         if self._owns_delivery and self.is_writer:
@@ -599,12 +605,19 @@ class AsyncMetricCollector(Generic[T]):
             raise RuntimeError(
                 "load_state_dict: call it before bind (sinks resume their run when they open)"
             )
-        metric_state = state_dict["metric"]
+        if not isinstance(state_dict, Mapping) or "metric" not in state_dict:
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)
+            raise KeyError(
+                f"state_dict: expected collector.state_dict()'s keys ['metric', 'sinks', "
+                f"'undelivered'], got {keys} (a Run's state_dict() goes to run.load_state_dict)"
+            )
+        # The metric first: a checkpoint it refuses (another metric's) then leaves the sinks
+        # unresumed too, so a job that catches the error and starts fresh skips no step.
+        self._metric.load_state_dict(state_dict["metric"])
         if self._owns_delivery:
             self._delivery.load_sink_states(
                 state_dict.get("sinks", {}), state_dict.get("undelivered")
             )
-        self._metric.load_state_dict(metric_state)
 
     def load_metric_state(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the metric's part of a checkpoint (``Run.load_state_dict`` calls it).

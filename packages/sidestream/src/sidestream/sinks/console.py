@@ -26,8 +26,8 @@ class ConsoleSink(Sink):
 
     Args:
         stream: Where to print (``sys.stdout`` by default, looked up when the sink opens).
-        every: Print one report in ``every`` (the latest values; the others are skipped, as a
-            progress display would). Plain lines only.
+        every: Print one report in ``every`` of each stream (the latest values; the others
+            are skipped, as a progress display would). Plain lines only.
         max_values: Show at most this many values per line, then ``... (+N more)``.
         digits: Significant digits per value.
         live: Redraw one line (``True``), print a line per report (``False``), or decide by
@@ -60,7 +60,9 @@ class ConsoleSink(Sink):
         self._digits = digits
         self._live_option = live
         self._live = False
-        self._seen = 0
+        # Reports seen per stream: one in every ``every`` of each stream prints, so a stream
+        # that reports as often as another (a run.log per train window) is not always skipped.
+        self._seen: dict[str, int] = {}
         self._latest: dict[str, float] = {}
         self._step: int | None = None
         self._first: tuple[int, float] | None = None  # (step, time) of the first report
@@ -99,8 +101,8 @@ class ConsoleSink(Sink):
             self._update(report, time.monotonic())
             self._draw()
             return
-        self._seen += 1
-        if (self._seen - 1) % self._every:
+        seen = self._seen[report.stream] = self._seen.get(report.stream, 0) + 1
+        if (seen - 1) % self._every:
             return
         self._print(self.format(report))
 

@@ -51,7 +51,8 @@ class JsonlSink(TrackerSink):
     truncated back to its last complete line, before appending: every line stays valid JSON.
     A checkpoint of another file (its path differs) gives no offset into this one: a warning
     says so and only its steps count. A path that is not a regular file (``/dev/stdout``, a
-    pipe) is only appended to (a cut line there is closed with a newline).
+    pipe) is only appended to (a cut line there is closed with a newline) and never
+    ``fsync``-ed (a pipe holds nothing to sync: ``fsync`` fails there).
 
     Args:
         path: The file; parent directories are created.
@@ -70,6 +71,8 @@ class JsonlSink(TrackerSink):
         if not isinstance(fsync, bool):
             # A config's "yes" or "false" would otherwise read as true.
             raise TypeError(f"fsync: expected True or False, got {fsync!r}")
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(f"path: expected a file path (str or os.PathLike), got {path!r}")
         self.path = Path(path)
         if self.path.is_dir():
             raise ValueError(f"path: expected a file, got the directory {str(self.path)!r}")
@@ -151,7 +154,7 @@ class JsonlSink(TrackerSink):
             except OSError:
                 self._cut_back(file)  # at once: the disk may stay full until close
                 raise
-            if self._fsync:
+            if self._fsync and self._regular:  # a pipe or terminal holds nothing to sync
                 os.fsync(file.fileno())
             self._cut = False
             if self._offset is not None:
@@ -168,7 +171,7 @@ class JsonlSink(TrackerSink):
         """``fsync`` the file, so delivered lines survive a machine crash. Thread-safe."""
         del timeout
         with self._file_lock:
-            if self._file is not None:
+            if self._file is not None and self._regular:
                 os.fsync(self._file.fileno())
         return True
 

@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from sidestream._cli import run_command
 from sidestream.sinks._spool_format import STATE_SUFFIX, read_spool, replay_spool
 from sidestream.sinks.config import sinks_from_config
 
@@ -146,4 +147,4 @@ _REPLAYED = ".replayed"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)
