@@ -334,8 +334,15 @@ def _configuration_by_rank(where: str) -> dict[str, str]:
         "r2 shift": R2ScoreMetric(shift=5.0 if other else 0.0),
         # Equal bins given as a float32 linspace and as Python floats are the same layout.
         "equal bins": BinaryAUROCMetric(
-            thresholds=torch.linspace(0, 1, 5) if other else [0.0, 0.25, 0.5, 0.75, 1.0]
+            thresholds=torch.linspace(0, 1, 11) if other else [i / 10 for i in range(11)]
         ),
+        # The same threshold written as an int and as a float.
+        "equal threshold": confusion_count_metric().binary(1 if other else 1.0).with_f1().build(),
+        # Per-sample F-scores of another beta mean something else.
+        "beta": confusion_count_metric(multidim_average="samplewise")
+        .multiclass(3)
+        .with_fbeta(2.0 if other else 0.5)
+        .build(),
         # Counts of another threshold (or kind) mean something else.
         "threshold": confusion_count_metric().binary(0.9 if other else 0.5).with_f1().build(),
         "kind": (
@@ -349,8 +356,10 @@ def _configuration_by_rank(where: str) -> dict[str, str]:
     }
     out = {}
     for name, metric in metrics.items():
-        if name in ("bins", "equal bins", "threshold"):
+        if name in ("bins", "equal bins", "threshold", "equal threshold"):
             metric.update(torch.tensor([0.1, 0.3, 0.7, 0.9]), torch.tensor([0, 1, 0, 1]))
+        elif name == "beta":
+            metric.update(torch.tensor([[[0.9, 0.1, 0.8]]]), torch.tensor([[0]]))
         elif name == "kind":
             target = torch.tensor([[1, 0, 1]]) if other else torch.tensor([0])
             metric.update(torch.tensor([[0.9, 0.1, 0.8]]), target)
@@ -391,6 +400,8 @@ def test_ranks_configured_with_other_bins_or_shifts_fail_every_rank(
         assert f"'target_shift' has configuration [5.0] on rank {odd}" in outcome["pearson shift"]
         assert f"'shift' has configuration [5.0] on rank {odd}" in outcome["r2 shift"]
         assert outcome["equal bins"] == "no error"
+        assert outcome["equal threshold"] == "no error"
+        assert "statistics=f2" in outcome["beta"] and "statistics=f0.5" in outcome["beta"]
         assert (
             "'counts' has configuration binary num_classes=1 threshold=0.9 "
             in (outcome["threshold"])
@@ -514,3 +525,30 @@ def test_window_and_cumulative_collectors_paired_across_ranks_fail(dist_pool: Ra
     # running totals: the mode is part of the window's fingerprint.
     for rank, outcome in enumerate(dist_pool.run(_window_mode_by_rank, timeout=120)):
         assert "paired different calls" in outcome, (rank, outcome)
+
+
+def _checkpoint_with_a_collector_over_a_subgroup(tmp: str) -> Any:
+    from sidestream import Run
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pair = dist.new_group([0, 1]) if world > 2 else None  # every rank makes the group
+    run = Run([JsonlSink(f"{tmp}/run.jsonl")], spool_dir=tmp)
+    train = run.collector(MeanMetric(), prefix="train").bind("cpu")
+    train.metric.update(torch.tensor([float(rank)]))
+    if rank in (0, 1):  # "val" exists on the pair alone
+        val = run.collector(MeanMetric(), prefix="val", group=pair).bind("cpu")
+        val.metric.update(torch.tensor([10.0 + rank]))
+    saved = run.state_dict(timeout=30)
+    run.close(timeout=30)
+    return {name: float(state["total"]) for name, state in saved["collectors"].items()}
+
+
+def test_a_checkpoint_with_a_collector_over_a_subgroup(dist_pool: RankPool, tmp_path: Path) -> None:
+    # The check that every rank holds the same collectors ran over the whole world: a
+    # collector over a subgroup (on its ranks alone) made every checkpoint fail.
+    world = dist_pool.world_size
+    outcomes = dist_pool.run(
+        _checkpoint_with_a_collector_over_a_subgroup, str(tmp_path), timeout=120
+    )
+    train = sum(float(r) for r in range(world))
+    assert outcomes[0] == {"train": train, "val": 21.0}, outcomes  # val: 10 + 11 over the pair

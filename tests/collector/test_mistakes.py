@@ -369,3 +369,13 @@ def test_run_log_refuses_what_a_tracker_cannot_take(tmp_path: Path) -> None:
     run.log(1, {"x": 1.0})
     assert run.close(timeout=30)
     assert [line["step"] for line in read_jsonl(tmp_path / "run.jsonl")] == [1]
+
+
+def test_closing_a_collector_that_never_bound_keeps_the_guard_of_the_one_that_did() -> None:
+    metric = MeanMetric()
+    idle = AsyncMetricCollector(metric, prefix="idle")
+    bound = AsyncMetricCollector(metric, prefix="train").bind("cpu")
+    idle.close()
+    with pytest.raises(RuntimeError, match=r"bound collector \(prefix 'train'\)"):
+        metric.load_state_dict(MeanMetric().state_dict())
+    bound.close()

@@ -473,3 +473,36 @@ def test_rows_are_not_counted_when_the_service_died_before_writing_them(
     assert outcome["flushed"] is False
     assert outcome["state"]["last_steps"] == [["", 4]]
     assert outcome["pending"] == [5, 6, 7]
+
+
+def test_wandb_picks_the_run_where_the_user_asked_it_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sink's own id (with resume="allow") overrode WANDB_RUN_ID (a requeued job started a
+    # new run each time), and made fork_from / resume_from fail at open.
+    monkeypatch.setenv("WANDB_RUN_ID", "requeued1")
+    assert WandbSink(project="p", mode="offline").run_id == "requeued1"
+    monkeypatch.delenv("WANDB_RUN_ID")
+    assert WandbSink(project="p", mode="offline", resume="auto").run_id is None
+    forked = WandbSink(project="p", mode="offline", dir=str(tmp_path), fork_from="abc?_step=1")
+    assert forked.run_id is None
+    assert len(WandbSink(project="p", mode="offline").run_id or "") == 8
+
+
+def test_a_resumed_run_reads_only_its_own_directories(tmp_path: Path) -> None:
+    # Every "*-<id>" directory was read: run "1" took another run's "offline-run-...-exp-1"
+    # progress for its own and skipped those steps.
+    from sidestream_wandb.sink import _earlier_run_dirs
+
+    wandb_dir = tmp_path / "wandb"
+    names = [
+        "offline-run-20261202_101010-1",
+        "run-20261202_111111-1",
+        "offline-run-20261202_121212-exp-1",
+    ]
+    for name in names:
+        (wandb_dir / name).mkdir(parents=True)
+    here = wandb_dir / "offline-run-20261202_131313-1"
+    here.mkdir()
+    found = sorted(Path(path).name for path in _earlier_run_dirs(str(here), "1"))
+    assert found == names[:2]

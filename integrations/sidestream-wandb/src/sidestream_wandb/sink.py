@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import difflib
-import glob
 import json
 import os
+import re
 import secrets
 import string
 import threading
@@ -121,7 +121,11 @@ class WandbSink(TrackerSink):
         self._run: Any = None
         # Made here, not by wandb.init: a checkpoint taken before the sink could open (W&B
         # unreachable) still names the run, so the resumed job continues it, not a second one.
-        self._run_id: str = self._init_kwargs.pop("id", None) or _new_run_id()
+        # Unless wandb is to pick the run itself: WANDB_RUN_ID (a requeued job), resume="auto",
+        # or a fork / rewind of another run (which wandb refuses together with an id).
+        self._run_id: str | None = self._init_kwargs.pop("id", None) or _initial_run_id(
+            self._init_kwargs
+        )
         self._defined: set[str] = set()  # names given a step metric with define_metric
         self._logged: dict[str, int] = {}  # last step per stream handed to W&B by this sink
         self._previous_dir: str | None = None  # the run directory of the checkpointed job
@@ -161,8 +165,12 @@ class WandbSink(TrackerSink):
         )
 
     @property
-    def run_id(self) -> str:
-        """The W&B run id: given (``id=``), loaded from a state dict, or made by the sink."""
+    def run_id(self) -> str | None:
+        """The W&B run id: given, loaded from a state dict, or made by the sink.
+
+        Given: ``id=`` or ``WANDB_RUN_ID``. ``None`` until ``open`` when wandb picks it
+        (``resume="auto"``, ``fork_from``, ``resume_from``).
+        """
         return self._run_id
 
     @property
@@ -209,8 +217,9 @@ class WandbSink(TrackerSink):
         config.update(flatten_config(kwargs.pop("config", None) or {}))
         tags = [shorten(f"{k}:{v}" if v else str(k), _MAX_TAG_LENGTH) for k, v in run.tags.items()]
         tags += list(kwargs.pop("tags", None) or [])
-        kwargs["id"] = self._run_id
-        kwargs.setdefault("resume", "allow")
+        if self._run_id is not None:
+            kwargs["id"] = self._run_id
+            kwargs.setdefault("resume", "allow")
         kwargs.setdefault("reinit", "create_new")
         settings, self._flush_interval = _with_flush_interval(wandb, kwargs.get("settings"))
         kwargs["settings"] = settings
@@ -232,7 +241,8 @@ class WandbSink(TrackerSink):
             # jobs of this run (the checkpointed one, and any other directory of this run id
             # beside this one: a checkpoint taken before the sink opened names no directory),
             # and online also in the run's summary.
-            for directory in {self._previous_dir, *_earlier_run_dirs(self.run_dir, self._run_id)}:
+            earlier = _earlier_run_dirs(self.run_dir, self._run_id)
+            for directory in {self._previous_dir, *earlier}:
                 self.found_in_backend(_read_progress(directory))
             self.found_in_backend(self._steps_in_summary())
         self._logged = self.last_steps()
@@ -477,19 +487,38 @@ def _proc_stat(pid: int) -> tuple[str, str, int] | None:
         return None
 
 
-def _new_run_id() -> str:
-    """A new W&B run id: 8 random lowercase letters and digits, as wandb makes them."""
+def _initial_run_id(init_kwargs: Mapping[str, Any]) -> str | None:
+    """The id to start with: ``WANDB_RUN_ID``, none if wandb is to pick it, else a new one.
+
+    A new one is 8 random lowercase letters and digits, as wandb makes them.
+    """
+    from_env = os.environ.get("WANDB_RUN_ID")
+    if from_env:
+        return from_env
+    if init_kwargs.get("resume") in ("auto", True) or {"fork_from", "resume_from"} & set(
+        init_kwargs
+    ):
+        return None
     alphabet = string.ascii_lowercase + string.digits
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
-def _earlier_run_dirs(run_dir: str | None, run_id: str) -> list[str]:
-    """The other local directories of run ``run_id`` next to ``run_dir`` (``*-<run id>``)."""
-    if run_dir is None:
+def _earlier_run_dirs(run_dir: str | None, run_id: str | None) -> list[str]:
+    """The other local directories of run ``run_id`` next to ``run_dir``.
+
+    wandb names them ``run-<date>_<time>-<id>`` (``offline-run-...`` offline); matched whole,
+    so run ``1`` does not take ``offline-run-..._...-exp-1`` for one of its own.
+    """
+    if run_dir is None or run_id is None:
         return []
     here = Path(run_dir)
+    name = re.compile(rf"(offline-)?run-\d{{8}}_\d{{6}}-{re.escape(run_id)}")
     try:
-        return [str(path) for path in here.parent.glob(f"*-{glob.escape(run_id)}") if path != here]
+        return [
+            str(path)
+            for path in here.parent.iterdir()
+            if path != here and path.is_dir() and name.fullmatch(path.name)
+        ]
     except OSError:
         return []
 

@@ -382,19 +382,26 @@ class Run:
         """
         # The collector's own state_dict first raises a rank mismatch its windows found (as
         # it does when called directly); a collector of this run holds no sink states.
-        # In an order every rank agrees on, after checking every rank holds the same streams:
-        # ranks that made their collectors in another order (or one rank an extra one) would
-        # otherwise reduce one collector's state against another's.
+        # In an order every rank agrees on, after checking that the ranks of each collector's
+        # group hold the same collectors over it: ranks that made their collectors in another
+        # order (or one rank an extra one) would otherwise reduce one collector's state against
+        # another's.
         ordered = sorted(self._collectors, key=lambda c: c.prefix)
-        prefixes = ", ".join(repr(c.prefix) for c in ordered)
-        check_same_setting(
-            None,
-            torch.device("cpu"),
-            "collectors",
-            f"[{prefixes}]",
-            "make the same collectors (prefixes) on every rank before a checkpoint",
-        )
-        collectors = {c.prefix: c.state_dict(timeout)["metric"] for c in ordered}
+        collectors: dict[str, Any] = {}
+        checked: set[int] = set()
+        for collector in ordered:
+            group, device = collector._checkpoint_scope()
+            if id(group) not in checked:
+                checked.add(id(group))
+                peers = [c.prefix for c in ordered if c._checkpoint_scope()[0] is group]
+                check_same_setting(
+                    group,
+                    device,
+                    "collectors",
+                    repr(peers),
+                    "make the same collectors (prefixes) on every rank before a checkpoint",
+                )
+            collectors[collector.prefix] = collector.state_dict(timeout)["metric"]
         if self._metric_states:
             # Loaded and not claimed by any collector yet (made later, or a renamed prefix):
             # carried on, so this checkpoint does not lose them.

@@ -129,7 +129,11 @@ class MetricAccumulator:
 
     @classmethod
     def constant(
-        cls, value: Tensor | float | int, *, dtype: torch.dtype | None = None
+        cls,
+        value: Tensor | float | int,
+        *,
+        dtype: torch.dtype | None = None,
+        compared_as: torch.dtype | None = None,
     ) -> MetricAccumulator:
         """A configuration value kept with a metric's state and checked to agree on every rank.
 
@@ -143,6 +147,8 @@ class MetricAccumulator:
         Args:
             value: The constant; its shape and dtype are the state's.
             dtype: Optional dtype to convert ``value`` to.
+            compared_as: The dtype ranks compare it in, if coarser than the state's (bin edges
+                that float32 scores are binned by: float32).
 
         Example:
             >>> edges = MetricAccumulator.constant(torch.tensor([0.0, 0.5, 1.0]))
@@ -150,7 +156,8 @@ class MetricAccumulator:
             <ReduceOp.MAX: 'max'>
         """
         state = cls(value, ReduceOp.MAX, dtype=dtype)
-        state._configuration = _describe_constant(state._initial)
+        compared = state._initial if compared_as is None else state._initial.to(compared_as)
+        state._configuration = _describe_constant(compared)
         return state
 
     def _bind(self, local: Tensor, initial: Tensor, synced: Tensor) -> None:
@@ -474,12 +481,25 @@ _VIEWS = frozenset(
 
 def _describe_constant(value: Tensor) -> str:
     """A constant's value in words: short ones whole, long ones by ends, count and hash."""
-    values = value.detach().cpu().reshape(-1).tolist()
+    flat = value.detach().cpu().reshape(-1)
+    values = flat.tolist()
+    shown = [_shortest(v, flat.dtype) for v in (values if len(values) <= 6 else values[:2])]
     if len(values) <= 6:
-        return repr(values)
+        return repr(shown)
     digest = stable_hash(repr(values)) & (2**64 - 1)
-    ends = f"[{values[0]}, {values[1]}, ..., {values[-1]}]"
+    ends = f"[{shown[0]}, {shown[1]}, ..., {_shortest(values[-1], flat.dtype)}]"
     return f"{len(values)} values {ends} (hash {digest:016x})"
+
+
+def _shortest(value: object, dtype: torch.dtype) -> object:
+    """A float32 value as the shortest decimal that is the same float32 (0.2, not 0.2000000029)."""
+    if dtype != torch.float32 or not isinstance(value, float):
+        return value
+    for digits in range(6, 10):
+        short = float(f"{value:.{digits}g}")
+        if torch.tensor(short, dtype=torch.float32).item() == value:
+            return short
+    return value
 
 
 def _python_floats(initial: object) -> bool:

@@ -914,17 +914,31 @@ def _check_structure(slot: _GroupEntries, structure: _Structure) -> None:
     difference on every rank.
     """
     device = slot.entries[0].state.local.device
-    everyone = _differing(slot.group, slot.size, device, structure, _hash(structure))
+    everyone = _differing(slot.group, slot.size, device, structure, _hash(structure), 0)
     if everyone is not None:
         raise RankMismatchError(_mismatch_message(everyone, group_rank(slot.group)))
 
 
+_CHECK_KINDS = ("a structure check (a first sync or bind)", "a setting check (bind, a checkpoint)")
+
+
 def _differing(
-    group: dist.ProcessGroup | None, size: int, device: torch.device, value: Any, digest: int
+    group: dist.ProcessGroup | None,
+    size: int,
+    device: torch.device,
+    value: Any,
+    digest: int,
+    kind: int,
 ) -> list[Any] | None:
-    """Every rank's ``value`` if some rank's ``digest`` differs, else ``None`` (a collective)."""
+    """Every rank's ``value`` if some rank's ``digest`` differs, else ``None`` (a collective).
+
+    The ninth byte says which check this is (an index into ``_CHECK_KINDS``): ranks that
+    paired two different checks raise at once, on every rank, instead of reading each other's
+    values as their own kind.
+    """
     own = torch.zeros(_CHECK_BYTES, dtype=torch.uint8)
     own[:8] = torch.tensor([digest], dtype=torch.int64).view(torch.uint8)
+    own[8] = kind
     gathered = torch.empty(size * _CHECK_BYTES, dtype=torch.uint8, device=device)
     work = retain_work(_all_gather_single(gathered, own.to(device), group))
     if work is not None:
@@ -932,6 +946,16 @@ def _differing(
     rows = gathered.view(size, _CHECK_BYTES).cpu()  # one host sync per check
     if bool((rows == rows[0]).all()):
         return None
+    kinds = rows[:, 8].tolist()
+    if len(set(kinds)) > 1:
+        paired = "; ".join(
+            f"rank {rank}: {_CHECK_KINDS[k] if k < len(_CHECK_KINDS) else k}"
+            for rank, k in enumerate(kinds)
+        )
+        raise RankMismatchError(
+            f"ranks of the group paired different calls (seen from rank {group_rank(group)}): "
+            f"{paired}; every rank must bind, sync and checkpoint in the same order"
+        )
     everyone: list[Any] = [None] * size
     dist.all_gather_object(everyone, value, group=group)
     return everyone
@@ -963,7 +987,7 @@ def check_same_setting(
         return
     if device.type == "cpu" and dist.get_backend(process_group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    everyone = _differing(process_group, size, device, setting, stable_hash(setting))
+    everyone = _differing(process_group, size, device, setting, stable_hash(setting), 1)
     if everyone is None:
         return
     held = "; ".join(f"rank {rank}: {value}" for rank, value in enumerate(everyone))

@@ -199,6 +199,11 @@ class AsyncMetricCollector(Generic[T]):
         """The prefix of every value name: the collector's stream in its run."""
         return self._prefix
 
+    def _checkpoint_scope(self) -> tuple[dist.ProcessGroup | None, torch.device]:
+        """The process group ``state_dict`` reduces over, and the device its collectives use."""
+        device = self._device if self._device is not None else self._metric.device
+        return resolve_group(self._group), device
+
     @property
     def is_writer(self) -> bool:
         """Whether this process opens and writes the sinks (global rank 0)."""
@@ -519,8 +524,9 @@ class AsyncMetricCollector(Generic[T]):
         if self._closed:
             return self._close_result
         self._closed = True
-        for metric in self._metric._walk_metrics():
-            metric.__dict__.pop("_bound_prefix", None)
+        if _BOUND.get(id(self._metric)) is self:  # this collector bound it (not another one)
+            for metric in self._metric._walk_metrics():
+                metric.__dict__.pop("_bound_prefix", None)
         if self._owns_delivery:
             atexit.unregister(self._close_at_exit)
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -84,9 +84,12 @@ def configure_states(problem: Problem, *states: MetricAccumulator, more: str = "
     the states depend on (the statistics a samplewise metric sums).
     """
     text = (
-        f"{problem.kind.value} {problem.size_name}={problem.num_classes} "
-        f"threshold={problem.threshold} logits={problem.logits} top_k={problem.top_k} "
-        f"ignore_index={problem.ignore_index}" + (f" {more}" if more else "")
+        # Normalized values (a threshold given as 1, 1.0 or a 0-dim tensor on any device is
+        # the same problem), in full precision.
+        f"{problem.kind.value} {problem.size_name}={int(problem.num_classes)} "
+        f"threshold={float(problem.threshold)!r} logits={problem.logits} "
+        f"top_k={int(problem.top_k)} ignore_index={problem.ignore_index}"
+        + (f" {more}" if more else "")
     )
     for state in states:
         state._configuration = text

@@ -179,7 +179,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
         # Saved with the counts, which mean something only over these bins: a checkpoint of
         # other bins is refused (_upgrade_state_dict), not added into the wrong ones. A
         # constant, reduced as the MAX of equal values.
-        self._bin_layout = MetricAccumulator.constant(self._bins.layout())
+        # Compared across ranks as float32, as checkpoints are (_upgrade_state_dict).
+        self._bin_layout = MetricAccumulator.constant(
+            self._bins.layout(), compared_as=torch.float32
+        )
         configure_states(problem, self._histogram)
         plain_binary = problem.kind is ProblemKind.BINARY and problem.ignore_index is None
         uniform = self._bins.uniform

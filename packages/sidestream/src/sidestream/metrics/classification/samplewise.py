@@ -55,8 +55,8 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
             torch.zeros(len(self._statistics), width, dtype=torch.float64)
         )
         self._samples = MetricAccumulator(0.0, dtype=torch.float64)
-        names = ",".join(type(statistic).__name__ for statistic in self._statistics)
-        more = f"statistics={names} average={self._average} zero_division={zero_division}"
+        names = ",".join(statistic.name for statistic in self._statistics)  # f0.5, not FBeta
+        more = f"statistics={names} average={self._average} zero_division={self._zero_division!r}"
         configure_states(problem, self._sums, more=more)
 
     def update(self, preds: Tensor, target: Tensor) -> None:
