@@ -387,13 +387,13 @@ class Run:
         # order (or one rank an extra one) would otherwise reduce one collector's state against
         # another's.
         ordered = sorted(self._collectors, key=lambda c: c.prefix)
+        scopes = [c._checkpoint_scope() for c in ordered]
         collectors: dict[str, Any] = {}
         checked: set[int] = set()
-        for collector in ordered:
-            group, device = collector._checkpoint_scope()
+        for collector, (group, device) in zip(ordered, scopes, strict=True):
             if id(group) not in checked:
                 checked.add(id(group))
-                peers = [c.prefix for c in ordered if c._checkpoint_scope()[0] is group]
+                peers = [c.prefix for c, (g, _) in zip(ordered, scopes, strict=True) if g is group]
                 check_same_setting(
                     group,
                     device,

@@ -483,12 +483,11 @@ def _describe_constant(value: Tensor) -> str:
     """A constant's value in words: short ones whole, long ones by ends, count and hash."""
     flat = value.detach().cpu().reshape(-1)
     values = flat.tolist()
-    shown = [_shortest(v, flat.dtype) for v in (values if len(values) <= 6 else values[:2])]
     if len(values) <= 6:
-        return repr(shown)
+        return repr([_shortest(v, flat.dtype) for v in values])
+    first, second, last = (_shortest(values[i], flat.dtype) for i in (0, 1, -1))
     digest = stable_hash(repr(values)) & (2**64 - 1)
-    ends = f"[{shown[0]}, {shown[1]}, ..., {_shortest(values[-1], flat.dtype)}]"
-    return f"{len(values)} values {ends} (hash {digest:016x})"
+    return f"{len(values)} values [{first}, {second}, ..., {last}] (hash {digest:016x})"
 
 
 def _shortest(value: object, dtype: torch.dtype) -> object:

@@ -202,8 +202,7 @@ def check_same_call(group: Group, fingerprint: CallFingerprint, device: torch.de
     size = group_size(resolved)
     if size <= 1:
         return handle
-    if device.type == "cpu" and dist.get_backend(resolved) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _collective_device(resolved, device)
     words = torch.empty(_FINGERPRINT_WORDS, dtype=torch.int64, device=device)
     _FingerprintWriter(words).write(fingerprint.words(0))  # no host-to-device copy
     gathered = torch.empty(size * _FINGERPRINT_WORDS, dtype=torch.int64, device=device)
@@ -872,6 +871,13 @@ def _row_reducer(per_rank: Tensor, op: ReduceOp, out: Tensor) -> Callable[[], ob
     return lambda: out.copy_(extreme(per_rank, dim=0))
 
 
+def _collective_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """``device``, or the current CUDA device where it is the CPU and ``group`` is NCCL's."""
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _all_gather_single(
     output: Tensor, staged: Tensor, group: dist.ProcessGroup | None
 ) -> dist.Work | None:
@@ -985,8 +991,7 @@ def check_same_setting(
     size = group_size(process_group)
     if size == 1:
         return
-    if device.type == "cpu" and dist.get_backend(process_group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _collective_device(process_group, device)
     everyone = _differing(process_group, size, device, setting, stable_hash(setting), 1)
     if everyone is None:
         return
