@@ -239,10 +239,13 @@ def test_state_is_one_count_table_and_old_checkpoints_load() -> None:
     metric = _multiclass()
     metric.update(torch.randn(9, 4), torch.randint(0, 4, (9,)))
     saved = metric.state_dict()
-    assert sorted(saved) == ["counts", "rejected"] and saved["counts"].shape == (4, 4)
+    assert sorted(saved) == ["configuration", "counts", "rejected"] and saved["counts"].shape == (
+        4,
+        4,
+    )
     counts = metric.counts()
     old = {name: counts[name].clone() for name in ("tp", "fp", "fn", "tn")}
-    old["rejected"] = saved["rejected"]
+    old["rejected"] = saved["rejected"]  # and no configuration: saved before there was one
     fresh = _multiclass()
     fresh.load_state_dict(old)
     assert torch.equal(fresh.state_dict()["counts"], saved["counts"])

@@ -243,7 +243,7 @@ def test_bad_input_raises_before_state_changes() -> None:
 def test_binned_mode_is_unchanged() -> None:
     binned = BinaryAUROCMetric(num_bins=1000)
     assert binned.num_bins == 1000 and not has_own_sync(binned)
-    assert set(binned.state_dict()) == {"histogram", "bin_layout", "rejected"}
+    assert set(binned.state_dict()) == {"histogram", "bin_layout", "configuration", "rejected"}
     exact = BinaryAUROCMetric(exact=True)
     assert has_own_sync(exact)  # its samples are gathered: the slow sync path
     assert set(exact.state_dict()) == {"rejected", "scores", "labels"}

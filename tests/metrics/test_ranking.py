@@ -324,7 +324,7 @@ def test_a_checkpoint_of_other_bins_is_refused(
         metric = make(**loaded)
         metric.update(scores[:50], target[:50])
         before = metric.compute()
-        with pytest.raises(ValueError, match=r"bin_layout.*saved with .*same bins"):
+        with pytest.raises(ValueError, match=r"bin_layout.*saved with .*configured the same"):
             metric.load_state_dict(state)
         assert torch.equal(metric.compute(), before)
         twin = make(**saved)

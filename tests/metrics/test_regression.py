@@ -169,7 +169,9 @@ def test_checkpoint_keeps_its_shift(kind: Any) -> None:
     saved_with = kind(shift=2.0)
     saved_with.update(torch.as_tensor(first["preds"]), torch.as_tensor(first["target"]))
     saved = saved_with.state_dict()
-    with pytest.raises(ValueError, match=r"state_dict\['shift'\]: saved with shift=\[2.0\]"):
+    with pytest.raises(
+        ValueError, match=r"state_dict\['shift'\]: saved with \[2.0\], this metric has \[5.0\]"
+    ):
         kind(shift=5.0).load_state_dict(saved)
     resumed = kind(shift=2.0)
     resumed.load_state_dict(saved)

@@ -23,6 +23,7 @@ from sidestream.sync import (
     SyncHandle,
     SyncProgram,
     check_same_call,
+    stable_hash,
 )
 
 __all__ = ["CallCounter", "Metric", "has_own_sync"]
@@ -297,6 +298,27 @@ class Metric(Stateful, Generic[T], abc.ABC):
         states) before checking keys, so a metric that changes its states can keep loading
         older checkpoints wherever it sits in a tree. The default changes nothing.
         """
+
+    def _configurations(self) -> Iterator[tuple[str, str]]:
+        """Yield ``(checkpoint key, text)`` for the tree's metrics whose counts need a setting.
+
+        A classification metric's counts mean something only under its problem (threshold,
+        top-k, ...), which no state holds: ``state_dict`` saves a hash of it under
+        ``prefix + "configuration"`` (an int64 tensor, so a checkpoint stays all tensors), and
+        ``load_state_dict`` refuses counts saved under another one.
+        """
+        for prefix, metric in self._named_metrics():
+            texts = sorted(
+                {
+                    value._configuration
+                    for _, value in metric._declared_items()
+                    if isinstance(value, MetricAccumulator)
+                    and value._configuration
+                    and value._compared_as is None  # a constant is saved as itself
+                }
+            )
+            if texts:
+                yield prefix + "configuration", "; ".join(texts)
 
     def _walk_metrics(self) -> Iterator[Metric[Any]]:
         for _, metric in self._named_metrics():
@@ -665,7 +687,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
         A sample store's fields (``SampleStore``) are saved under ``prefix + field`` as
         ``SavedRows`` (its ``rows`` tensor: every rank's rows, concatenated in rank order), an
         object ``torch.distributed.checkpoint`` saves whole, since their row count is unknown
-        to the metric it loads into.
+        to the metric it loads into. A classification metric adds a hash of its problem under
+        ``prefix + "configuration"`` (an int64 tensor; see ``load_state_dict``).
 
         On a multi-rank job this is a blocking collective over the group of the last ``sync``
         (the default group if there was none): every rank must call it, and every rank gets the
@@ -696,6 +719,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
         saved: dict[str, Any] = {
             name: state._synced.clone() for name, state in self.named_accumulators()
         }
+        for key, configuration in self._configurations():
+            saved[key] = torch.tensor(stable_hash(configuration))
         group = resolve_group(self._sync_group)
         for prefix, store in self.named_sample_stores():
             # Every rank's rows, in rank order: the same global data on every rank.
@@ -715,7 +740,10 @@ class Metric(Stateful, Generic[T], abc.ABC):
         Raises:
             KeyError: If ``state_dict`` lacks a state of this metric or has an unknown one.
             TypeError: If a saved value is not a tensor (or numbers).
-            ValueError: If a saved tensor's shape or dtype differs from the state's.
+            ValueError: If a saved tensor's shape or dtype differs from the state's, or the
+                checkpoint was saved with another constant (``MetricAccumulator.constant``:
+                bins, a shift) or another classification configuration (threshold, top-k,
+                ...). A checkpoint saved before the metric kept either loads as it is.
             RuntimeError: If the metric is bound to an open collector (load before ``bind``:
                 ``collector.load_state_dict`` or ``run.load_state_dict``).
         """
@@ -730,6 +758,12 @@ class Metric(Stateful, Generic[T], abc.ABC):
         for prefix, metric in self._named_metrics():
             metric._upgrade_state_dict(prefix, state_dict)
         states = dict(self.named_accumulators())
+        for name, state in states.items():
+            if state._compared_as is not None and name not in state_dict:
+                # Saved before the metric kept this constant: taken as this metric's own.
+                state_dict[name] = state.initial.clone()
+        for key, configuration in self._configurations():
+            _check_saved_configuration(key, state_dict.pop(key, None), configuration)
         stores = list(self.named_sample_stores())
         store_keys = {prefix + name for prefix, store in stores for name in store.fields}
         missing = sorted((set(states) | store_keys) - set(state_dict))
@@ -740,13 +774,17 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 f"for {type(self).__name__}"
             )
         saved: dict[str, torch.Tensor] = {}
-        for name, state in states.items():
+        # Constants first: a checkpoint of other bins is told as such, not as a histogram of
+        # another shape.
+        for name, state in sorted(states.items(), key=lambda item: item[1]._compared_as is None):
             try:
                 tensor = torch.as_tensor(state_dict[name])
             except (TypeError, ValueError, RuntimeError) as error:
                 raise TypeError(
                     f"state_dict[{name!r}]: expected a tensor, got {state_dict[name]!r}"
                 ) from error
+            if state._compared_as is not None:
+                state._check_saved_constant(name, tensor)
             if tuple(tensor.shape) != tuple(state.local.shape):
                 raise ValueError(
                     f"state_dict[{name!r}]: expected shape {tuple(state.local.shape)}, "
@@ -776,6 +814,25 @@ class Metric(Stateful, Generic[T], abc.ABC):
         # rank that skipped it (rank 0: the checkpoint lost) fails the next sync or state_dict
         # on every rank with RankMismatchError instead of reducing without it.
         self.call_counter.next()
+
+
+def _check_saved_configuration(key: str, saved: object, configuration: str) -> None:
+    """Raise if a checkpoint's configuration hash (None: saved before it was) is another's."""
+    if saved is None:
+        return
+    try:
+        value = int(torch.as_tensor(saved).item())
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(
+            f"state_dict[{key!r}]: expected a configuration hash (an int64 tensor), got {saved!r}"
+        ) from error
+    if value != stable_hash(configuration):
+        raise ValueError(
+            f"state_dict[{key!r}]: saved by a metric configured otherwise; this one counts "
+            f"under {configuration!r}, and counts of another problem (threshold, top-k, "
+            "classes, ...) mean something else, so load the checkpoint into a metric "
+            "configured as the one that saved it"
+        )
 
 
 def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:

@@ -118,6 +118,8 @@ class MetricAccumulator:
         # constant's value (see ``constant``), a classification problem. The structure check
         # compares it across ranks.
         self._configuration = ""
+        # The dtype a constant is compared in (see ``constant``); None for a state that counts.
+        self._compared_as: torch.dtype | None = None
         # Contiguous copies whatever the layout given (a transposed initial value): the state's
         # flat views need one.
         initial_tensor = initial_tensor.clone(memory_format=torch.contiguous_format)
@@ -156,9 +158,24 @@ class MetricAccumulator:
             <ReduceOp.MAX: 'max'>
         """
         state = cls(value, ReduceOp.MAX, dtype=dtype)
-        compared = state._initial if compared_as is None else state._initial.to(compared_as)
-        state._configuration = _describe_constant(compared)
+        state._compared_as = state.dtype if compared_as is None else compared_as
+        state._configuration = _describe_constant(state._initial.to(state._compared_as))
         return state
+
+    def _check_saved_constant(self, key: str, saved: Tensor) -> None:
+        """Raise ``ValueError`` if ``saved`` is not this constant's value (or shape).
+
+        Compared in the constant's ``compared_as`` dtype, as ranks compare it.
+        """
+        assert self._compared_as is not None  # called for constants only
+        own = self._initial.detach().cpu().to(self._compared_as)
+        theirs = saved.detach().cpu().to(self._compared_as)
+        if not torch.equal(theirs, own):
+            raise ValueError(
+                f"state_dict[{key!r}]: saved with {_describe_constant(theirs)}, this metric has "
+                f"{_describe_constant(own)}; the other states mean something only with their "
+                "own value, so load the checkpoint into a metric configured the same"
+            )
 
     def _bind(self, local: Tensor, initial: Tensor, synced: Tensor) -> None:
         """Point the state at new tensors (its own, or views into an arena)."""
@@ -212,6 +229,7 @@ class MetricAccumulator:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Pickled by an earlier version, without these.
         state.setdefault("_configuration", "")
+        state.setdefault("_compared_as", None)
         state.setdefault("_maxes", state["_op"] is ReduceOp.MAX)
         self.__dict__.update(state)
         self._bind(state["_local"], state["_initial"], state["_synced"])

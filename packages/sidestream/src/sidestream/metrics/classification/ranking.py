@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -74,14 +74,6 @@ def _int8_labels(labels: Tensor) -> Tensor:
     if labels.dtype in (torch.bool, torch.uint8):
         return labels.view(torch.int8)  # the same bytes: 0 and 1
     return labels.to(torch.int8)
-
-
-def _describe_bins(layout: Tensor) -> str:
-    """``Bins.layout`` in the words of the constructor's arguments."""
-    values = layout.tolist()
-    if len(values) == 1 and values[0] > 1:
-        return f"num_bins={int(values[0])}"
-    return f"thresholds={values}"
 
 
 class Estimate(NamedTuple):
@@ -177,9 +169,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
             torch.zeros(2 * classes * self._bins.count, dtype=torch.int64)
         )
         # Saved with the counts, which mean something only over these bins: a checkpoint of
-        # other bins is refused (_upgrade_state_dict), not added into the wrong ones. A
-        # constant, reduced as the MAX of equal values.
-        # Compared across ranks as float32, as checkpoints are (_upgrade_state_dict).
+        # other bins is refused (Metric.load_state_dict), not added into the wrong ones, and so
+        # are ranks of other bins. Compared as float32, as float32 scores are binned:
+        # thresholds given as a float32 linspace and as Python floats are the same bins.
         self._bin_layout = MetricAccumulator.constant(
             self._bins.layout(), compared_as=torch.float32
         )
@@ -207,30 +199,6 @@ class RankingMetric(ScreenedMetric[Tensor]):
     def _refuse_exact(self, what: str) -> None:
         if self._exact:
             raise ValueError(f"{what}: an exact-mode metric (exact=True) has no bins")
-
-    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
-        """Refuse a checkpoint of other bins; one saved before the bins were saved loads as is.
-
-        Raises:
-            ValueError: If ``state_dict`` was saved with other ``thresholds`` or ``num_bins``
-                (a different count of bins fails the histogram's shape check too).
-        """
-        if self._exact:
-            return
-        key = prefix + "bin_layout"
-        own = self._bin_layout.initial
-        if key not in state_dict:
-            state_dict[key] = own.clone()
-            return
-        saved = torch.as_tensor(state_dict[key]).detach().to("cpu", torch.float64)
-        # Compared as float32, as float32 scores are binned: thresholds given as a float32
-        # linspace and as Python floats are the same bins.
-        if saved.shape != own.shape or not torch.equal(saved.float(), own.cpu().float()):
-            raise ValueError(
-                f"state_dict[{key!r}]: saved with {_describe_bins(saved)}, this metric has "
-                f"{_describe_bins(own.cpu())}; its counts are per bin, so load them into a "
-                "metric with the same bins"
-            )
 
     def _move_extras(self, device: torch.device) -> None:
         self._bins.to(device)  # the threshold edges

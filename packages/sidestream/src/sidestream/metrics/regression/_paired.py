@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -130,26 +130,6 @@ def shift_state(argument: str, shift: float | Sequence[float], outputs: int) -> 
     """A shift as a state: constant (the MAX of equal values), and saved with the sums.
 
     The sums are of values minus the shift, so they mean something only with that shift;
-    ``check_saved_shift`` refuses a checkpoint taken with another one.
+    ``Metric.load_state_dict`` refuses a checkpoint taken with another one.
     """
     return MetricAccumulator.constant(shift_vector(argument, shift, outputs))
-
-
-def check_saved_shift(state_dict: dict[str, Any], key: str, shift: MetricAccumulator) -> None:
-    """Raise ``ValueError`` if ``state_dict[key]`` is not ``shift``'s value.
-
-    A checkpoint from before shifts were saved gets this metric's shift (assumed the same).
-    """
-    own = shift.initial
-    if key not in state_dict:
-        state_dict[key] = own.clone()
-        return
-    saved = torch.as_tensor(state_dict[key])
-    same = saved.shape == own.shape and torch.equal(saved.to(own), own)
-    if not same:
-        argument = key.rsplit(".", 1)[-1]
-        raise ValueError(
-            f"state_dict[{key!r}]: saved with {argument}={saved.tolist()}, this metric has "
-            f"{argument}={own.tolist()}; the saved sums are of values minus {argument}, so "
-            "load them into a metric with the same one"
-        )

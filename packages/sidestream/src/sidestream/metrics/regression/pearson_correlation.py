@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -11,7 +10,6 @@ from torch import Tensor
 from sidestream.metrics.regression._paired import (
     MultiOutput,
     PairedRegressionMetric,
-    check_saved_shift,
     shift_state,
     spread,
 )
@@ -79,10 +77,6 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         self._preds_squares.accumulate(x.square().sum(0))
         self._target_squares.accumulate(y.square().sum(0))
         self._products.accumulate((x * y).sum(0))
-
-    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
-        check_saved_shift(state_dict, prefix + "shift", self._shift)
-        check_saved_shift(state_dict, prefix + "target_shift", self._target_shift)
 
     def compute(self) -> Tensor:
         """Pearson's r per output then averaged; NaN when undefined."""

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from sidestream.metrics.regression._paired import (
     PairedRegressionMetric,
-    check_saved_shift,
     shift_state,
     spread,
 )
@@ -91,9 +90,6 @@ class R2ScoreMetric(PairedRegressionMetric):
         self._squared_error.accumulate((preds_64 - target_64).square().sum(0))
         self._target_sum.accumulate(shifted.sum(0))
         self._target_squares.accumulate(shifted.square().sum(0))
-
-    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
-        check_saved_shift(state_dict, prefix + "shift", self._shift)
 
     def compute(self) -> Tensor:
         """R² per output then averaged; NaN over no data or for a constant target."""
