@@ -165,3 +165,31 @@ def test_run_load_state_dict_of_a_collector_checkpoint_names_the_expected_keys(
     ):
         resumed.load_state_dict(saved)
     assert resumed.close()
+
+
+def test_bad_timeouts_and_devices_are_named_before_anything_happens(tmp_path: Path) -> None:
+    """A timeout of "30" or -1, or bind(3.5), is a typo: named at the call, not deep inside
+    a wait (a str timeout failed as "unsupported operand", a negative one waited 0 s)."""
+    from sidestream import AsyncMetricCollector
+
+    collector = AsyncMetricCollector(MeanMetric())
+    with pytest.raises(TypeError, match=r"^bind: device: expected a torch.device, a str or None"):
+        collector.bind(3.5)  # type: ignore[arg-type]
+    collector.bind()
+    collector.metric.update(torch.tensor([2.0]))
+    collector.schedule_collection(step=1)
+    for call in (collector.collect_results, collector.state_dict, collector.close):
+        name = call.__name__
+        with pytest.raises(TypeError, match=rf"^{name}: timeout: expected a number of seconds"):
+            call("30")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=rf"^{name}: timeout: expected .* >= 0 or None"):
+            call(-1)
+    assert collector.collect_results(10) == 2.0  # nothing changed: the window is still there
+    assert collector.close(10)
+    run = Run([JsonlSink(tmp_path / "log.jsonl")])
+    for call in (run.state_dict, run.close):
+        with pytest.raises(ValueError, match=rf"^{call.__name__}: timeout: .*got NaN"):
+            call(float("nan"))
+    run.log(1, {"lr": 0.1})
+    assert run.close(10)
+    assert [r["values"] for r in read_jsonl(tmp_path / "log.jsonl")] == [{"lr": 0.1}]

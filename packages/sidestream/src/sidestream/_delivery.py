@@ -469,6 +469,16 @@ def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
                 del _PLACES[place]
 
 
+def check_timeout(name: str, timeout: object) -> None:
+    """Raise naming ``name`` unless ``timeout`` is ``None`` or a number of seconds >= 0."""
+    if timeout is None:
+        return
+    _check_seconds(name, timeout)
+    assert isinstance(timeout, Real)
+    if timeout < 0:
+        raise ValueError(f"{name}: expected a number of seconds >= 0 or None, got {timeout!r}")
+
+
 def _check_seconds(name: str, seconds: object) -> None:
     """Raise naming ``name`` unless ``seconds`` is a real, non-NaN number of seconds."""
     if isinstance(seconds, bool) or not isinstance(seconds, Real):
