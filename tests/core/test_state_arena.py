@@ -572,3 +572,15 @@ def test_a_deep_copy_of_a_child_is_a_metric_of_its_own() -> None:
     assert copied.__dict__["_state_arena"].root is copied
     copied.update(torch.tensor([5.0]))
     assert float(copied.compute()) == 3.0 and float(tree["mean"].compute()) == 2.0
+
+
+@pytest.mark.parametrize("device", [torch.float32, None, True, 1.5])
+def test_to_names_its_argument_for_anything_but_a_device(device: Any) -> None:
+    """``to(torch.float32)`` failed in torch.device with a message naming no argument."""
+    from sidestream.metrics import MeanMetric
+
+    metric = MeanMetric()
+    metric.update(torch.tensor([1.0, 3.0]))
+    with pytest.raises(TypeError, match=r"^to: device: expected a torch.device, a str .*CUDA"):
+        metric.to(device)
+    assert metric.to("cpu").compute().item() == 2.0  # unchanged, and a str still works

@@ -160,10 +160,24 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
     assert perplexity.state_dict()["tokens"].item() == 0
 
 
-@pytest.mark.parametrize("vocab_size", [0, -3, 2.5, True])
-def test_vocab_size_is_checked_when_the_metric_is_made(vocab_size: Any) -> None:
+@pytest.mark.parametrize("vocab_size", [0, -3, 2.5, True, "10"])
+@pytest.mark.parametrize("kind", [PerplexityMetric, TokenAccuracyMetric])
+def test_vocab_size_is_checked_when_the_metric_is_made(kind: Any, vocab_size: Any) -> None:
     with pytest.raises(ValueError, match="vocab_size: expected an int >= 1 or None"):
-        PerplexityMetric(vocab_size=vocab_size)
+        kind(vocab_size=vocab_size)
+
+
+def test_weights_with_logits_are_refused_not_dropped() -> None:
+    """``weights`` belongs to the losses form: with logits it was ignored, and a padding mask
+    passed as weights gave the unweighted perplexity with no error."""
+    logits, target = torch.randn(4, 6, generator=torch.Generator().manual_seed(3)), torch.arange(4)
+    metric = PerplexityMetric()
+    with pytest.raises(TypeError, match=r"^weights: only with losses=.*ignore_index"):
+        metric.update(logits, target, weights=torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    assert metric.state_dict()["tokens"].item() == 0  # refused before any state changed
+    metric.update(logits, torch.tensor([0, 1, -100, -100]))  # the padding, said the right way
+    losses = torch.nn.functional.cross_entropy(logits[:2].double(), target[:2], reduction="mean")
+    assert metric.compute().item() == pytest.approx(math.exp(losses.item()))
 
 
 def test_nan_logits_of_padding_are_not_read_and_a_doubly_bad_batch_is_one_rejection() -> None:

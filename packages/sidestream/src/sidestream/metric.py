@@ -628,13 +628,23 @@ class Metric(Stateful, Generic[T], abc.ABC):
                     found.extend(child._overriding_children())
         return found
 
-    def to(self, device: torch.device | str) -> Self:
+    def to(self, device: torch.device | str | int) -> Self:
         """Move every state of the tree to ``device`` (into a new arena) and return ``self``.
 
         Each metric of the tree, children included, also moves its own non-state tensors
         through ``_move_extras``. A tree whose arena already holds it on ``device`` keeps that
         arena (so ``to`` the same device after a collector's ``bind`` changes nothing).
+
+        Raises:
+            TypeError: If ``device`` is not a ``torch.device``, a str or an int (a dtype, say).
         """
+        if isinstance(device, bool) or not isinstance(device, torch.device | str | int):
+            # torch.device(torch.float32) names no argument: say what `to` takes.
+            raise TypeError(
+                "to: device: expected a torch.device, a str such as 'cuda:0' or a CUDA index, "
+                f"got {device!r} "
+                "(a metric keeps its states' dtypes; it moves between devices only)"
+            )
         target = torch.device(device)
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())

@@ -23,6 +23,14 @@ def check_ignore_index(ignore_index: int | None) -> None:
         raise TypeError(f"ignore_index: expected an int or None, got {ignore_index!r}")
 
 
+def check_vocab_size(vocab_size: int | None) -> None:
+    """Raise ``ValueError`` unless ``vocab_size`` is ``None`` or an int >= 1."""
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
+    ):
+        raise ValueError(f"vocab_size: expected an int >= 1 or None, got {vocab_size!r}")
+
+
 def check_logits(logits: Tensor, target: Tensor, vocab_size: int | None) -> None:
     """Raise naming the argument unless logits are ``(..., V)`` floats and target ``(...)`` ints."""
     if not logits.is_floating_point():

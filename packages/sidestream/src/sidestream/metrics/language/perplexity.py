@@ -19,6 +19,7 @@ from sidestream.metric import Metric
 from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,
+    check_vocab_size,
     token_masks,
     token_range,
 )
@@ -57,10 +58,7 @@ class PerplexityMetric(Metric[Tensor]):
 
     def __init__(self, ignore_index: int | None = -100, vocab_size: int | None = None) -> None:
         check_ignore_index(ignore_index)
-        if vocab_size is not None and (
-            isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
-        ):
-            raise ValueError(f"vocab_size: expected an int >= 1 or None, got {vocab_size!r}")
+        check_vocab_size(vocab_size)
         self._ignore_index = ignore_index
         self._vocab_size = vocab_size
         self._nll = MetricAccumulator(0.0, dtype=torch.float64)
@@ -78,7 +76,7 @@ class PerplexityMetric(Metric[Tensor]):
         target: Tensor | None = None,
         *,
         losses: Tensor | None = None,
-        weights: Tensor | float = 1.0,
+        weights: Tensor | float | None = None,
     ) -> None:
         """Add a batch: ``update(logits, target)`` or ``update(losses=..., weights=...)``.
 
@@ -86,10 +84,12 @@ class PerplexityMetric(Metric[Tensor]):
             logits: ``(..., V)`` unnormalized scores (any float dtype).
             target: ``(...)`` integer token ids, ``ignore_index`` for padding.
             losses: Per-token NLL, any shape, instead of logits and target.
-            weights: With ``losses``: a scalar or a tensor broadcastable to ``losses``.
+            weights: With ``losses`` only: a scalar or a tensor broadcastable to ``losses``
+                (1 by default). With ``logits``, mark padding with ``ignore_index`` instead.
 
         Raises:
-            TypeError: If neither or both input forms are given, or on a wrong dtype.
+            TypeError: If neither or both input forms are given, ``weights`` comes with
+                ``logits``, or on a wrong dtype.
             ValueError: See the class docstring.
         """
         if (logits is None) == (losses is None) or (logits is None) != (target is None):
@@ -97,9 +97,15 @@ class PerplexityMetric(Metric[Tensor]):
                 "update: pass either logits and target, or losses (with optional weights)"
             )
         if logits is not None and target is not None:
+            if weights is not None:
+                # It would be dropped: the logits path weights every counted token by 1.
+                raise TypeError(
+                    "weights: only with losses=...; with logits and target, leave padding "
+                    "out with ignore_index (or pass losses= and weights=)"
+                )
             self._update_logits(logits, target)
         elif losses is not None:
-            self._update_losses(losses, weights)
+            self._update_losses(losses, 1.0 if weights is None else weights)
 
     def _update_logits(self, logits: Tensor, target: Tensor) -> None:
         logits_t = as_tensor("logits", logits, self.device)

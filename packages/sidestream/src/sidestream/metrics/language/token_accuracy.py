@@ -14,6 +14,7 @@ from sidestream.metric import Metric
 from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,
+    check_vocab_size,
     token_masks,
     token_range,
 )
@@ -45,6 +46,7 @@ class TokenAccuracyMetric(Metric[Tensor]):
 
     def __init__(self, ignore_index: int | None = -100, vocab_size: int | None = None) -> None:
         check_ignore_index(ignore_index)
+        check_vocab_size(vocab_size)
         self._ignore_index = ignore_index
         self._vocab_size = vocab_size
         self._correct = MetricAccumulator(0, dtype=torch.int64)
