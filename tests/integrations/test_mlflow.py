@@ -491,3 +491,40 @@ def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_nam
         "train": [2, 4, 6, 8, 10],
         "val_ema/loss": [3, 6, 9],
     }
+
+
+def test_names_mlflow_refuses_or_that_clean_alike_are_logged_apart(shm_path: Path) -> None:
+    """``/lr``, ``lr/``, ``opt//lr``, ``opt/./lr`` are not MLflow paths: one of them failed the
+    sink for the rest of the job (HTTP 400, taken as permanent). ``acc@1`` and ``acc#1`` both
+    became ``acc_1``: one series with two values per step. Each is now its own valid key, the
+    same after a resume (its steps are not logged twice)."""
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    names = ["/lr", "lr/", "opt//lr", "opt/./lr", "..x", "acc@1", "acc#1", "acc_1", "loss"]
+
+    def values(step: int) -> dict[str, float]:
+        return {name: step + index / 10 for index, name in enumerate(names)}
+
+    first = MlflowSink(tracking_uri=uri, experiment="names")
+    first.open(RunInfo(name="names"))
+    for step in range(1, 5):
+        first.write(Report(step=step, values=values(step), time=time.time()))
+        if step == 2:
+            checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    resumed = MlflowSink(tracking_uri=uri, experiment="names")
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="names"))
+    for step in range(3, 7):  # 3 and 4 again, as a job resumed from step 2 recomputes them
+        resumed.write(Report(step=step, values=values(step), time=time.time()))
+    assert resumed.close(timeout=30) and resumed.run_id == first.run_id
+    client = MlflowClient(tracking_uri=uri)
+    keys = sorted(client.get_run(first.run_id).data.metrics)
+    assert len(keys) == len(names) and {"acc_1", "loss"} <= set(keys)
+    by_value: dict[float, list[tuple[int, float]]] = {}
+    for key in keys:
+        history = sorted((m.step, m.value) for m in client.get_metric_history(first.run_id, key))
+        assert [step for step, _ in history] == list(range(1, 7)), key  # each step once
+        offset = round(history[0][1] - 1, 1)
+        assert all(value == pytest.approx(step + offset) for step, value in history), key
+        by_value[offset] = history
+    assert sorted(by_value) == [index / 10 for index in range(len(names))]  # none merged

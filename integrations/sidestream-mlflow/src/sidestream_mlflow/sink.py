@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import uuid
@@ -400,4 +401,18 @@ def _finished_on_server(client: Any, run_id: str) -> bool:
 
 
 def _key(name: str) -> str:
-    return shorten(_NOT_ALLOWED_IN_KEY.sub("_", name), MAX_KEY_LENGTH)
+    """The MLflow key of ``name``: itself if MLflow takes it, else a valid key of its own.
+
+    MLflow refuses characters outside its set and names that are not normal relative paths
+    (``/lr``, ``lr/``, ``a//b``, ``a/./b``, ``..x``): one such value would fail every request
+    it rides in. A changed name gets a digest of the original, so two names that clean to the
+    same text (``acc@1``, ``acc#1``) stay two series instead of one with two values per step.
+    """
+    cleaned = _NOT_ALLOWED_IN_KEY.sub("_", name)
+    segments = ["_" if part in ("", ".", "..") else part for part in cleaned.split("/")]
+    cleaned = "/".join(segments)
+    if cleaned.startswith(".."):
+        cleaned = "_" + cleaned[1:]
+    if cleaned != name:
+        cleaned = f"{cleaned}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    return shorten(cleaned, MAX_KEY_LENGTH)
