@@ -379,3 +379,33 @@ def test_closing_a_collector_that_never_bound_keeps_the_guard_of_the_one_that_di
     with pytest.raises(RuntimeError, match=r"bound collector \(prefix 'train'\)"):
         metric.load_state_dict(MeanMetric().state_dict())
     bound.close()
+
+
+@pytest.mark.parametrize("through_run", [True, False])
+def test_a_malformed_sink_state_fails_at_load_before_anything_is_restored(
+    through_run: bool, tmp_path: Path
+) -> None:
+    """It was taken as given and failed on rank 0's sink thread at open (training going on
+    with the sink failed, ``close`` False); now the load raises, on every rank, naming the
+    sink, and neither the metric nor the sink is resumed."""
+    bad = {"run_id": 5, "last_steps": "x"}
+    saved_metric = {"total": torch.tensor(6.0).double(), "count": torch.tensor(2.0).double()}
+    sink = TrackerSinkForTests()
+    if through_run:
+        run = Run([sink], spool_dir=str(tmp_path))
+        collector = run.collector(MeanMetric(), prefix="train")
+        with pytest.raises(ValueError, match=r"sink 'buffering' refuses its saved state: .*"):
+            run.load_state_dict(
+                {"collectors": {"train": saved_metric}, "sinks": {"buffering": bad}}
+            )
+    else:
+        collector = AsyncMetricCollector(MeanMetric(), sinks=[sink], spool_dir=str(tmp_path))
+        with pytest.raises(ValueError, match=r"sink 'buffering' refuses its saved state: .*"):
+            collector.load_state_dict({"metric": saved_metric, "sinks": {"buffering": bad}})
+    assert collector.metric.state_dict()["count"].item() == 0  # the metric was not restored
+    assert sink.state_dict()["last_steps"] == []  # nor the sink
+    collector.bind()
+    collector.metric.update(torch.tensor([3.0]))
+    collector.schedule_collection(step=1)
+    assert collector.close(timeout=30)
+    assert sink.sent == [1]  # a fresh start delivers its first step

@@ -316,6 +316,30 @@ class Delivery:
                 logger.warning("state_dict: sink %r: make_durable failed: %s", runner.key, error)
         return runner.sink_state()
 
+    def check_sink_states(self, states: Mapping[str, Any]) -> None:
+        """Raise now if a sink of this run refuses its saved state in ``states``.
+
+        Each is loaded into a shallow copy of its sink (the sink itself takes it only when it
+        starts, on rank 0), so a malformed state fails in the caller, on every rank, before
+        anything is restored, instead of on rank 0's sink thread at open while training goes
+        on without that sink.
+
+        Raises:
+            ValueError: Naming the sink, with the sink's own message.
+        """
+        if not isinstance(states, Mapping):
+            raise TypeError(f"state_dict['sinks']: expected a mapping, got {states!r}")
+        for key, state in states.items():
+            if key not in self.sinks:
+                continue
+            trial = copy.copy(self.sinks[key])
+            try:
+                trial.load_state_dict(copy.deepcopy(steps_as_pairs(state)))
+            except (TypeError, ValueError, KeyError, AttributeError) as error:
+                raise ValueError(
+                    f"load_state_dict: sink {key!r} refuses its saved state: {error}"
+                ) from error
+
     def load_sink_states(
         self, states: Mapping[str, Any], undelivered: Mapping[str, str] | None = None
     ) -> None:
@@ -323,6 +347,7 @@ class Delivery:
 
         Raises:
             RuntimeError: If the sinks already started.
+            ValueError: If a sink refuses its saved state (``check_sink_states``).
         """
         if self.runners is not None:
             raise RuntimeError(
@@ -331,6 +356,7 @@ class Delivery:
             )
         # Copies: the caller's checkpoint dict must not change with what the sinks do.
         loaded = {key: copy.deepcopy(steps_as_pairs(state)) for key, state in states.items()}
+        self.check_sink_states(loaded)
         self.resume_states = {key: state for key, state in loaded.items() if key in self.sinks}
         # A sink this run does not have (left out of the config for this job): its state is
         # carried on into this run's checkpoints, as unclaimed collector states are.

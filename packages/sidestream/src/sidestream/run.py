@@ -428,6 +428,8 @@ class Run:
         Raises:
             RuntimeError: If a collector is bound or values were logged already.
             KeyError: If ``state_dict`` lacks ``"collectors"`` or ``"sinks"``.
+            ValueError: If a sink refuses its saved state (the sink named), before anything is
+                restored.
         """
         if self._delivery.started:
             raise RuntimeError(
@@ -442,6 +444,7 @@ class Run:
             )
         collectors = dict(state_dict["collectors"])
         sinks = state_dict["sinks"]
+        self._delivery.check_sink_states(sinks)  # before anything is restored
         for collector in self._collectors:
             if collector.prefix in collectors:
                 collector.load_metric_state(collectors.pop(collector.prefix))

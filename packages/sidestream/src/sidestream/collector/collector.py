@@ -612,6 +612,7 @@ class AsyncMetricCollector(Generic[T]):
         Raises:
             RuntimeError: If the collector is already bound.
             KeyError: If ``state_dict`` lacks ``"metric"``.
+            ValueError: If a sink refuses its saved state, before anything is restored.
         """
         if self._dispatcher is not None:
             raise RuntimeError(
@@ -623,8 +624,10 @@ class AsyncMetricCollector(Generic[T]):
                 f"state_dict: expected collector.state_dict()'s keys ['metric', 'sinks', "
                 f"'undelivered'], got {keys} (a Run's state_dict() goes to run.load_state_dict)"
             )
-        # The metric first: a checkpoint it refuses (another metric's) then leaves the sinks
-        # unresumed too, so a job that catches the error and starts fresh skips no step.
+        # Nothing is restored unless everything loads: a job that catches the error and starts
+        # fresh then skips no step (resumed sinks) and counts nothing twice (a loaded metric).
+        if self._owns_delivery:
+            self._delivery.check_sink_states(state_dict.get("sinks", {}))
         self._metric.load_state_dict(state_dict["metric"])
         if self._owns_delivery:
             self._delivery.load_sink_states(
