@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -10,6 +11,7 @@ from torch import Tensor
 from sidestream.metrics.regression._paired import (
     MultiOutput,
     PairedRegressionMetric,
+    fill_saved_updates,
     shift_state,
     spread,
 )
@@ -25,7 +27,9 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
     cancellation when the means are far from 0 relative to the spread (relative error about
     ``1e-16 * (mean - shift)^2 / var``). Fewer than two samples, a constant input, or a variance
     lost to that rounding give NaN. The variances are rooted one at a time, so the result
-    holds at any scale whose squares are finite in float64, and it is clamped to ``[-1, 1]``.
+    holds at any scale whose sums of squares are normal, finite float64 numbers (below that
+    the squares underflow: NaN once their loss may exceed what is left), and it is clamped to
+    ``[-1, 1]``.
 
     Args:
         num_outputs: 1, or ``D`` for ``(N, D)`` inputs (one correlation per column).
@@ -59,6 +63,7 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         self._preds_squares = self._sum_state()
         self._target_squares = self._sum_state()
         self._products = self._sum_state()
+        self._updates = self._update_counter()
 
     def update(self, preds: Tensor | float, target: Tensor | float) -> None:
         """Add predictions and targets of the same shape (``(N, D)`` with ``D`` outputs).
@@ -77,14 +82,19 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         self._preds_squares.accumulate(x.square().sum(0))
         self._target_squares.accumulate(y.square().sum(0))
         self._products.accumulate((x * y).sum(0))
+        self._updates.accumulate(1)
+
+    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
+        fill_saved_updates(state_dict, prefix)
 
     def compute(self) -> Tensor:
         """Pearson's r per output then averaged; NaN when undefined."""
         n = self._count.value
         sx, sy = self._preds_sum.value, self._target_sum.value
-        cov = self._products.value - sx * sy / n
-        var_x = spread(self._preds_squares.value, sx, n)  # NaN for a constant input
-        var_y = spread(self._target_squares.value, sy, n)
+        updates = self._updates.value.to(torch.float64)
+        cov = self._products.value - sx * (sy / n)  # sx * sy overflows sooner
+        var_x = spread(self._preds_squares.value, sx, n, updates)  # NaN for a constant input
+        var_y = spread(self._target_squares.value, sy, n, updates)
         # Each variance is rooted on its own: their product can underflow or overflow while
         # every stored sum is finite (x, y ~ 1e-100 or 1e100). Rounding can push |r| a hair
         # past 1, hence the clamp (NaN stays NaN).

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from sidestream.metrics.regression._paired import (
     PairedRegressionMetric,
+    fill_saved_updates,
     shift_state,
     spread,
 )
@@ -74,6 +75,7 @@ class R2ScoreMetric(PairedRegressionMetric):
         self._squared_error = self._sum_state()
         self._target_sum = self._sum_state()
         self._target_squares = self._sum_state()
+        self._updates = self._update_counter()
 
     def update(self, preds: Tensor | float, target: Tensor | float) -> None:
         """Add predictions and targets of the same shape (``(N, D)`` with ``D`` outputs).
@@ -90,11 +92,16 @@ class R2ScoreMetric(PairedRegressionMetric):
         self._squared_error.accumulate((preds_64 - target_64).square().sum(0))
         self._target_sum.accumulate(shifted.sum(0))
         self._target_squares.accumulate(shifted.square().sum(0))
+        self._updates.accumulate(1)
+
+    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
+        fill_saved_updates(state_dict, prefix)
 
     def compute(self) -> Tensor:
         """R² per output then averaged; NaN over no data or for a constant target."""
         count = self._count.value
-        total = spread(self._target_squares.value, self._target_sum.value, count)
+        updates = self._updates.value.to(torch.float64)
+        total = spread(self._target_squares.value, self._target_sum.value, count, updates)
         r2 = 1.0 - self._squared_error.value / total
         if self._adjusted:
             dof = count - self._adjusted - 1
