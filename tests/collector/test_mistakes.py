@@ -20,6 +20,7 @@ from sidestream.collector import AsyncMetricCollector
 from sidestream.sinks import (
     JsonlSink,
     PermanentSinkError,
+    ProcessSink,
     Report,
     RunInfo,
     SinkStatus,
@@ -379,6 +380,13 @@ def test_closing_a_collector_that_never_bound_keeps_the_guard_of_the_one_that_di
     with pytest.raises(RuntimeError, match=r"bound collector \(prefix 'train'\)"):
         metric.load_state_dict(MeanMetric().state_dict())
     bound.close()
+
+
+def test_a_child_process_sink_checks_its_state_at_load() -> None:
+    sink = ProcessSink(TrackerSinkForTests())
+    with pytest.raises(ValueError, match=r"run_id"):
+        sink.load_state_dict({"run_id": 5, "last_steps": "x"})
+    sink.load_state_dict({"run_id": None, "last_steps": [["", 3]]})
 
 
 @pytest.mark.parametrize("through_run", [True, False])

@@ -172,7 +172,7 @@ def test_config_option_wraps_the_sink(tmp_path: Path) -> None:
     assert isinstance(sink, ProcessSink) and sink.name == "jsonl"
     (plain,) = sinks_from_config([{"type": "jsonl", "path": str(path), "child_process": False}])
     assert isinstance(plain, JsonlSink)
-    with pytest.raises(TypeError, match="child_process must be true or false"):
+    with pytest.raises(TypeError, match="child_process must be true, false or a mapping"):
         sinks_from_config({"jsonl": {"path": str(path), "child_process": "yes"}})
 
 

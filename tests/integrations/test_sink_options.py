@@ -16,12 +16,15 @@ import pytest
 from sidestream import Run
 from sidestream.sinks import (
     JsonlSink,
+    ProcessSink,
     Report,
     RunInfo,
     Sink,
     SinkRunner,
     SinkStatus,
     is_permanent,
+    read_jsonl,
+    sinks_from_config,
 )
 from sidestream.sinks.console import ConsoleSink
 
@@ -378,3 +381,21 @@ def test_two_live_runs_writing_one_file_or_directory_are_refused(tmp_path: Path)
     del second
     gc.collect()
     assert Run([JsonlSink(tmp_path / "m.jsonl")]).close(timeout=10)  # a run that is gone, too
+
+
+def test_child_process_options_go_in_a_mapping_and_are_named_elsewhere(tmp_path: Path) -> None:
+    """``call_timeout_s`` beside ``child_process: True`` was refused as a sink option with a
+    suggestion of another client's option; it goes in ``child_process: {...}``."""
+    path = str(tmp_path / "a.jsonl")
+    with pytest.raises(TypeError, match=r"'call_timeout_s' is an option of the child process"):
+        sinks_from_config({"jsonl": {"path": path, "child_process": True, "call_timeout_s": 5}})
+    with pytest.raises(TypeError, match=r"child_process has no option 'call_timout_s'; did you"):
+        sinks_from_config({"jsonl": {"path": path, "child_process": {"call_timout_s": 5}}})
+    with pytest.raises(TypeError, match=r"child_process must be true, false or a mapping"):
+        sinks_from_config({"jsonl": {"path": path, "child_process": "yes"}})
+    (sink,) = sinks_from_config({"jsonl": {"path": path, "child_process": {"call_timeout_s": 5}}})
+    assert isinstance(sink, ProcessSink) and sink.name == "jsonl"
+    run = Run([sink])
+    run.log(1, {"lr": 0.5})
+    assert run.close(timeout=60)
+    assert [record["values"] for record in read_jsonl(path)] == [{"lr": 0.5}]

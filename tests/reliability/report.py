@@ -287,7 +287,8 @@ def main() -> int:
         "go to the sink's spool file.",
         "- **Spool file**: one JSON report per line, readable by its owner only (0600, in a "
         "0700 directory), at most `spool_max_bytes` (256 MiB by default). Full: the oldest "
-        "reports are dropped. Unusable (a bad directory, a full disk) or damaged: the report "
+        "spooled reports are dropped (the queue's, older still, are kept: what goes to the "
+        "backend first). Unusable (a bad directory, a full disk) or damaged: the report "
         "that cannot be written or read is dropped. Every drop is counted "
         "(`SinkRunner.dropped`), logged once per streak and in total at close, and makes "
         "`close()` return `False`. Only that sink is affected.",

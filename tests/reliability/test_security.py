@@ -83,6 +83,9 @@ def test_planted_secrets_never_leave_the_sinks(
 # Every place the library unpickles, with why its bytes cannot come from the network.
 REVIEWED_UNPICKLING = {
     ("sinks/process.py", "sink: Sink = pickle.loads(sink_bytes)"): "spawn's pipe, from the parent",
+    ("sinks/process.py", "trial: Sink = pickle.loads(self._sink_bytes)"): (
+        "bytes this ProcessSink pickled itself from the sink it was given"
+    ),
     ("sinks/process.py", "operation, argument = pickle.loads(conn.recv_bytes())"): (
         "multiprocessing Pipe (a socketpair) from the parent"
     ),

@@ -45,7 +45,9 @@ def sinks_from_config(config: SinkConfig) -> list[Sink]:
       ``["console", {"type": "jsonl", "path": "runs/a.jsonl"}]`` (the same type may repeat).
 
     The option ``"child_process": True`` runs that sink in a child process of its own
-    (``ProcessSink``), so its client's Python work never competes with training for the GIL.
+    (``ProcessSink``), so its client's Python work never competes with training for the GIL;
+    a mapping instead of ``True`` gives ``ProcessSink``'s options
+    (``"child_process": {"call_timeout_s": 60}``).
 
     Everything is checked here, on every rank, before anything opens: each option against the
     sink's constructor (and the client call it forwards options to), and that the tracker's
@@ -101,13 +103,34 @@ def _entries(config: SinkConfig) -> list[tuple[str, dict[str, Any]]]:
 
 def _build(name: str, options: dict[str, Any]) -> Sink:
     child_process = options.pop("child_process", False)
-    if not isinstance(child_process, bool):
+    process_options: dict[str, Any] = {}
+    if isinstance(child_process, Mapping):
+        process_options, child_process = dict(child_process), True
+        refuse_unknown_options(
+            f"sinks_from_config: sink {name!r}: child_process", process_options, _PROCESS_OPTIONS
+        )
+    elif not isinstance(child_process, bool):
         raise TypeError(
-            f"sinks_from_config: sink {name!r}: child_process must be true or false, "
-            f"got {child_process!r}"
+            f"sinks_from_config: sink {name!r}: child_process must be true, false or a mapping "
+            f"of ProcessSink options, got {child_process!r}"
+        )
+    misplaced = sorted(_PROCESS_OPTIONS & options.keys())
+    if misplaced:
+        raise TypeError(
+            f"sinks_from_config: sink {name!r}: {', '.join(map(repr, misplaced))} is an option "
+            f"of the child process, not of the sink: give it as child_process: "
+            f"{{{misplaced[0]!r}: ...}}"
         )
     sink = _make(name, options)
-    return ProcessSink(sink) if child_process else sink
+    return ProcessSink(sink, **process_options) if child_process else sink
+
+
+_PROCESS_OPTIONS = {
+    name
+    for name, parameter in inspect.signature(ProcessSink).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+}
+"""``ProcessSink``'s own options (``call_timeout_s``, ...), given in ``child_process``."""
 
 
 def _make(name: str, options: dict[str, Any]) -> Sink:

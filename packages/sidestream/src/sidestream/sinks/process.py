@@ -247,7 +247,13 @@ class ProcessSink(Sink):
     # ------------------------------------------------------------------ the Sink contract
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Keep the state for the child's ``load_state_dict`` before it opens."""
+        """Keep the state for the child's ``load_state_dict`` before it opens.
+
+        A copy of the wrapped sink takes it first, here, so a state it refuses raises now
+        (as the sink's own ``load_state_dict`` would) instead of in the child at open.
+        """
+        trial: Sink = pickle.loads(self._sink_bytes)
+        trial.load_state_dict(dict(state_dict))
         self._resume = dict(state_dict)
         self._state = dict(state_dict)
 
