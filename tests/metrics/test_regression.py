@@ -254,3 +254,16 @@ def test_pearson_below_the_normal_range_is_nan_not_a_wrong_value() -> None:
     metric.update(torch.from_numpy(x * 1e-162), torch.from_numpy(y * 1e-162))
     value = metric.compute().item()
     assert np.isnan(value) or value == pytest.approx(pearsonr(x, y)[0], rel=1e-3)
+
+
+@pytest.mark.parametrize(("batch", "updates"), [(1, 4000), (7, 1000), (2_000_000, 3)])
+def test_a_constant_target_is_nan_however_it_is_fed(batch: int, updates: int) -> None:
+    """The rounding bound must still call a constant target's leftover noise what it is."""
+    for constant in (0.1, 1 / 3, 30_000 + 1 / 7):
+        r2, pearson = R2ScoreMetric(), PearsonCorrelationMetric()
+        target = torch.full((batch,), constant, dtype=torch.float64)
+        preds = torch.randn(batch, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        for _ in range(updates):
+            r2.update(preds, target)
+            pearson.update(preds, target)
+        assert torch.isnan(r2.compute()) and torch.isnan(pearson.compute()), constant

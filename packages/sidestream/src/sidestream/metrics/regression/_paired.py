@@ -107,16 +107,18 @@ def spread(squares: Tensor, sums: Tensor, count: Tensor, updates: Tensor) -> Ten
     the sums (a constant input, or a mean too far from the ``shift``). That is reported as NaN,
     not as the noise left over, which would make an R² of -1e15 or a correlation of +-1.
 
-    The bound is the worst case of how the sums were made: each addition into a state (one per
-    update, ``updates`` counted over every rank, which also covers the sync's) and the
-    log-depth sums inside a batch cost at most ``eps`` of ``squares`` each, three times over
-    (the squares, and twice through the squared sum); squares below float64's normal range
-    (inputs under 1e-154) lose up to one subnormal step each. Sized by updates, not samples, so
-    a long run of large batches keeps its variance (``count * eps`` made 4e8 samples of a
+    The bound is the worst case of how the sums were made: each addition in a row costs at
+    most ``eps`` of ``squares``, three times over (the squares, and twice through the squared
+    sum). In a row are one addition per update into the state (``updates``, counted over every
+    rank, which also covers the sync's) and those inside a batch's sum: a reduction adds at
+    most about ``sqrt(batch)`` elements in a row (a CPU cascade far fewer, a CUDA thread its
+    share of the batch), so ``sqrt(count)`` bounds them. Squares below float64's normal range
+    (inputs under 1e-154) lose up to one subnormal step each. Sized by updates, not samples,
+    so a long run of large batches keeps its variance (``count * eps`` made 4e8 samples of a
     mean 4000 standard deviations out NaN).
     """
     value = squares - sums * (sums / count)  # sums**2 / count overflows sooner
-    steps = updates + 2.0 * torch.log2(count + 2.0) + 32.0
+    steps = updates + count.sqrt() + 32.0
     noise = 3.0 * steps * _EPS * squares + count * _SUBNORMAL_STEP
     return torch.where(value > noise, value, torch.nan)
 
