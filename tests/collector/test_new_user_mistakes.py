@@ -173,8 +173,11 @@ def test_bad_timeouts_and_devices_are_named_before_anything_happens(tmp_path: Pa
     from sidestream import AsyncMetricCollector
 
     collector = AsyncMetricCollector(MeanMetric())
-    with pytest.raises(TypeError, match=r"^bind: device: expected a torch.device, a str or None"):
+    with pytest.raises(TypeError, match=r"^bind: device: expected a torch.device, a str, a CUDA"):
         collector.bind(3.5)  # type: ignore[arg-type]
+    if not torch.cuda.is_available():  # a CUDA index is a device (bind(local_rank))
+        with pytest.raises(RuntimeError, match=r"CUDA|accelerator"):
+            collector.bind(0)
     collector.bind()
     collector.metric.update(torch.tensor([2.0]))
     collector.schedule_collection(step=1)
@@ -185,7 +188,8 @@ def test_bad_timeouts_and_devices_are_named_before_anything_happens(tmp_path: Pa
         with pytest.raises(ValueError, match=rf"^{name}: timeout: expected .* >= 0 or None"):
             call(-1)
     assert collector.collect_results(10) == 2.0  # nothing changed: the window is still there
-    assert collector.close(10)
+    assert collector.collect_results(float("inf")) == 2.0  # no limit, as None
+    assert collector.close(float("inf"))
     run = Run([JsonlSink(tmp_path / "log.jsonl")])
     for call in (run.state_dict, run.close):
         with pytest.raises(ValueError, match=rf"^{call.__name__}: timeout: .*got NaN"):

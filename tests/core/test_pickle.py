@@ -209,3 +209,22 @@ def _shallow_and_deep_copies_keep_the_group() -> list[bool]:
 def test_copies_keep_the_process_group(dist_pool: RankPool) -> None:
     for kept in dist_pool.run(_shallow_and_deep_copies_keep_the_group, timeout=120):
         assert kept == [True, True]
+
+
+def test_a_constant_pickled_before_constants_were_compared_is_still_one() -> None:
+    """An earlier version's pickle has no ``_compared_as``: its constant (a MAX state with a
+    configuration text) must not turn into a classification configuration."""
+    from sidestream import MetricAccumulator
+
+    constant = MetricAccumulator.constant(torch.tensor([0.0, 0.5, 1.0]))
+    older = constant.__getstate__()
+    del older["_compared_as"]
+    restored = object.__new__(MetricAccumulator)
+    restored.__setstate__(older)
+    assert restored._compared_as == torch.float32
+    counts = MetricAccumulator(torch.zeros(3))
+    older = counts.__getstate__()
+    del older["_compared_as"]
+    restored = object.__new__(MetricAccumulator)
+    restored.__setstate__(older)
+    assert restored._compared_as is None

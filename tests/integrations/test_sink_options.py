@@ -393,7 +393,11 @@ def test_child_process_options_go_in_a_mapping_and_are_named_elsewhere(tmp_path:
         sinks_from_config({"jsonl": {"path": path, "child_process": {"call_timout_s": 5}}})
     with pytest.raises(TypeError, match=r"child_process must be true, false or a mapping"):
         sinks_from_config({"jsonl": {"path": path, "child_process": "yes"}})
-    (sink,) = sinks_from_config({"jsonl": {"path": path, "child_process": {"call_timeout_s": 5}}})
+    (own,) = sinks_from_config({"jsonl": {"path": path, "flush_every": 10}})  # JsonlSink's own
+    assert isinstance(own, JsonlSink)
+    (sink,) = sinks_from_config(
+        {"jsonl": {"path": path, "flush_every": 1, "child_process": {"flush_every": 4}}}
+    )
     assert isinstance(sink, ProcessSink) and sink.name == "jsonl"
     run = Run([sink])
     run.log(1, {"lr": 0.5})

@@ -175,7 +175,7 @@ def test_weights_with_logits_are_refused_not_dropped() -> None:
     with pytest.raises(TypeError, match=r"^weights: only with losses=.*ignore_index"):
         metric.update(logits, target, weights=torch.tensor([1.0, 1.0, 0.0, 0.0]))
     assert metric.state_dict()["tokens"].item() == 0  # refused before any state changed
-    metric.update(logits, torch.tensor([0, 1, -100, -100]))  # the padding, said the right way
+    metric.update(logits, torch.tensor([0, 1, -100, -100]), weights=1.0)  # the default: fine
     losses = torch.nn.functional.cross_entropy(logits[:2].double(), target[:2], reduction="mean")
     assert metric.compute().item() == pytest.approx(math.exp(losses.item()))
 

@@ -495,14 +495,18 @@ def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
                 del _PLACES[place]
 
 
-def check_timeout(name: str, timeout: object) -> None:
-    """Raise naming ``name`` unless ``timeout`` is ``None`` or a number of seconds >= 0."""
+def check_timeout(name: str, timeout: object) -> float | None:
+    """``timeout`` as waits take it; raise naming ``name`` unless it is ``None`` or seconds >= 0.
+
+    Infinity is ``None`` (no limit): ``threading``'s waits overflow on it.
+    """
     if timeout is None:
-        return
+        return None
     _check_seconds(name, timeout)
     assert isinstance(timeout, Real)
     if timeout < 0:
         raise ValueError(f"{name}: expected a number of seconds >= 0 or None, got {timeout!r}")
+    return None if math.isinf(timeout) else float(timeout)
 
 
 def _check_seconds(name: str, seconds: object) -> None:

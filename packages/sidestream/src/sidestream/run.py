@@ -315,7 +315,7 @@ class Run:
             failed, a sink could not take its reports in time (they are kept in a spool
             file a warning names) or a sink failed for good.
         """
-        check_timeout("close: timeout", timeout)
+        timeout = check_timeout("close: timeout", timeout)
         if self._closed:
             return self._close_result
         self._closed = True
@@ -387,7 +387,7 @@ class Run:
         # group hold the same collectors over it: ranks that made their collectors in another
         # order (or one rank an extra one) would otherwise reduce one collector's state against
         # another's.
-        check_timeout("state_dict: timeout", timeout)
+        timeout = check_timeout("state_dict: timeout", timeout)
         ordered = sorted(self._collectors, key=lambda c: c.prefix)
         scopes = [c._checkpoint_scope() for c in ordered]
         collectors: dict[str, Any] = {}

@@ -229,7 +229,9 @@ class MetricAccumulator:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Pickled by an earlier version, without these.
         state.setdefault("_configuration", "")
-        state.setdefault("_compared_as", None)
+        # A constant of an earlier version: the MAX state with a configuration text.
+        constant = state["_op"] is ReduceOp.MAX and bool(state["_configuration"])
+        state.setdefault("_compared_as", state["_initial"].dtype if constant else None)
         state.setdefault("_maxes", state["_op"] is ReduceOp.MAX)
         self.__dict__.update(state)
         self._bind(state["_local"], state["_initial"], state["_synced"])

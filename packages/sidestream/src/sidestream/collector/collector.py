@@ -221,7 +221,7 @@ class AsyncMetricCollector(Generic[T]):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def bind(self, device: torch.device | str | None = None) -> Self:
+    def bind(self, device: torch.device | str | int | None = None) -> Self:
         """Move the metric to ``device`` (its current device by default) and start the threads.
 
         On CUDA this creates the side stream. On rank 0 it starts one thread per sink, which
@@ -241,8 +241,11 @@ class AsyncMetricCollector(Generic[T]):
             ValueError: If the metric is bound to another collector that is not closed, or the
                 collector has sinks and its group leaves out global rank 0 (their writer).
         """
-        if device is not None and not isinstance(device, torch.device | str):
-            raise TypeError(f"bind: device: expected a torch.device, a str or None, got {device!r}")
+        if isinstance(device, bool) or not isinstance(device, torch.device | str | int | None):
+            raise TypeError(
+                "bind: device: expected a torch.device, a str, a CUDA index or None, "
+                f"got {device!r}"
+            )
         if self._dispatcher is not None or self._closed:
             raise RuntimeError("bind: the collector is already bound (or closed)")
         for other, relation in self._related_metrics():
@@ -497,7 +500,7 @@ class AsyncMetricCollector(Generic[T]):
             RuntimeError: If nothing was scheduled, a window failed since the last call (or the
                 latest window failed), or ``timeout`` passed first.
         """
-        check_timeout("collect_results: timeout", timeout)
+        timeout = check_timeout("collect_results: timeout", timeout)
         if self._dispatcher is None or self._dispatcher.scheduled == 0:
             raise RuntimeError("collect_results: no window scheduled; call schedule_collection")
         idle = self._dispatcher.wait_idle(timeout, until_mismatch=True)
@@ -524,7 +527,7 @@ class AsyncMetricCollector(Generic[T]):
             running or failed, if a sink could not take its reports in time (they are kept
             in a spool file a warning names) or if a sink failed for good.
         """
-        check_timeout("close: timeout", timeout)
+        timeout = check_timeout("close: timeout", timeout)
         if self._closed:
             return self._close_result
         self._closed = True
@@ -559,7 +562,7 @@ class AsyncMetricCollector(Generic[T]):
 
     def wait_windows(self, timeout: float | None) -> bool:
         """Block until every scheduled window was handed to the sinks; whether in time."""
-        check_timeout("wait_windows: timeout", timeout)
+        timeout = check_timeout("wait_windows: timeout", timeout)
         return self._dispatcher is None or self._dispatcher.wait_idle(timeout)
 
     def _close_at_exit(self) -> None:
@@ -591,7 +594,7 @@ class AsyncMetricCollector(Generic[T]):
         delivers them first. A collector of a shared ``Run`` has no sink states
         (``run.state_dict()`` holds them).
         """
-        check_timeout("state_dict: timeout", timeout)
+        timeout = check_timeout("state_dict: timeout", timeout)
         self._raise_mismatch()
         metric_state = self._metric._reduced_state(self._prefix or "(no prefix)")
         sink_states: dict[str, Any] = {}

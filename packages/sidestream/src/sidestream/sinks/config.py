@@ -114,14 +114,21 @@ def _build(name: str, options: dict[str, Any]) -> Sink:
             f"sinks_from_config: sink {name!r}: child_process must be true, false or a mapping "
             f"of ProcessSink options, got {child_process!r}"
         )
-    misplaced = sorted(_PROCESS_OPTIONS & options.keys())
-    if misplaced:
+    try:
+        sink = _make(name, options)
+    except TypeError as error:
+        # Only an option the sink refused: JsonlSink has a flush_every of its own.
+        misplaced = [
+            option
+            for option in sorted(_PROCESS_OPTIONS & options.keys())
+            if f"no option {option!r}" in str(error)
+        ]
+        if not misplaced:
+            raise
         raise TypeError(
-            f"sinks_from_config: sink {name!r}: {', '.join(map(repr, misplaced))} is an option "
-            f"of the child process, not of the sink: give it as child_process: "
-            f"{{{misplaced[0]!r}: ...}}"
-        )
-    sink = _make(name, options)
+            f"sinks_from_config: sink {name!r}: {misplaced[0]!r} is an option of the child "
+            f"process, not of the sink: give it as child_process: {{{misplaced[0]!r}: ...}}"
+        ) from error
     return ProcessSink(sink, **process_options) if child_process else sink
 
 

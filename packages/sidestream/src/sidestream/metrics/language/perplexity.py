@@ -97,8 +97,9 @@ class PerplexityMetric(Metric[Tensor]):
                 "update: pass either logits and target, or losses (with optional weights)"
             )
         if logits is not None and target is not None:
-            if weights is not None:
-                # It would be dropped: the logits path weights every counted token by 1.
+            if weights is not None and not (type(weights) in (int, float) and weights == 1):
+                # It would be dropped: the logits path weights every counted token by 1 (the
+                # default, which passed explicitly means nothing else).
                 raise TypeError(
                     "weights: only with losses=...; with logits and target, leave padding "
                     "out with ignore_index (or pass losses= and weights=)"

@@ -21,7 +21,9 @@ from sidestream.state import MetricAccumulator
 __all__: list[str] = []
 
 _EPS = torch.finfo(torch.float64).eps
-_SUBNORMAL_STEP = 2.0**-1074  # the spacing of float64's subnormal numbers
+# What a square's underflow may take from the sums, with room to spare: a variance that is
+# not a million times more has lost digits to it (r off in its third digit at 8e-162).
+_UNDERFLOW_LOSS = 2.0**-1074 * 2.0**20  # float64's subnormal spacing, times 2**20
 
 MultiOutput = Literal["uniform_average", "raw_values"]
 _MULTIOUTPUT = ("uniform_average", "raw_values")
@@ -53,6 +55,18 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
     def _update_counter(self) -> MetricAccumulator:
         """Updates over every rank, for the rounding bound of ``spread`` (R², Pearson)."""
         return MetricAccumulator(0, dtype=torch.int64)
+
+    def _count_update(self) -> None:
+        updates: MetricAccumulator | None = getattr(self, "_updates", None)
+        if updates is not None:  # None: unpickled from a release that did not keep it
+            updates.accumulate(1)
+
+    def _updates_so_far(self) -> Tensor:
+        """The updates in the state, as float64 (``ceil(count / 3)`` if it does not keep them)."""
+        updates: MetricAccumulator | None = getattr(self, "_updates", None)
+        if updates is None:
+            return torch.ceil(self._count.value / 3.0)
+        return updates.value.to(torch.float64)
 
     def _sum_state(self) -> MetricAccumulator:
         return MetricAccumulator(torch.zeros(self._num_outputs, dtype=torch.float64))
@@ -113,25 +127,35 @@ def spread(squares: Tensor, sums: Tensor, count: Tensor, updates: Tensor) -> Ten
     rank, which also covers the sync's) and those inside a batch's sum: a reduction adds at
     most about ``sqrt(batch)`` elements in a row (a CPU cascade far fewer, a CUDA thread its
     share of the batch), so ``sqrt(count)`` bounds them. Squares below float64's normal range
-    (inputs under 1e-154) lose up to one subnormal step each. Sized by updates, not samples,
+    (inputs under 1e-154) lose up to one subnormal step each: a variance not a million times
+    that loss is NaN too. Sized by updates, not samples,
     so a long run of large batches keeps its variance (``count * eps`` made 4e8 samples of a
     mean 4000 standard deviations out NaN).
     """
     value = squares - sums * (sums / count)  # sums**2 / count overflows sooner
     steps = updates + count.sqrt() + 32.0
-    noise = 3.0 * steps * _EPS * squares + count * _SUBNORMAL_STEP
+    noise = 3.0 * steps * _EPS * squares + count * _UNDERFLOW_LOSS
     return torch.where(value > noise, value, torch.nan)
 
 
 def fill_saved_updates(state_dict: dict[str, Any], prefix: str) -> None:
-    """Give a checkpoint saved before ``updates`` was kept its sample count as the count.
+    """Give a checkpoint with no count of updates ``ceil(count / 3)`` as the count.
 
-    One update per sample bounds any history: ``spread`` then judges the loaded sums as
-    strictly as it did when they were saved.
+    Saved before ``updates`` was kept, or loaded by ``torch.distributed.checkpoint``'s partial
+    load (which leaves a fresh metric's 0 beside the saved sums): ``spread``'s bound is then
+    at least the ``count * eps`` one the sums were saved under.
     """
     key, count = prefix + "updates", state_dict.get(prefix + "count")
-    if key not in state_dict and count is not None:
-        state_dict[key] = torch.as_tensor(count).to(torch.int64)
+    if count is None:
+        return
+    count_t = torch.as_tensor(count).detach().cpu().to(torch.float64)
+    saved = state_dict.get(key)
+    saved_t = None if saved is None else torch.as_tensor(saved)
+    unknown = saved_t is None or (
+        saved_t.numel() == 1 and int(saved_t.reshape(())) == 0 and float(count_t.sum()) > 0
+    )
+    if unknown:
+        state_dict[key] = torch.ceil(count_t / 3.0).to(torch.int64)
 
 
 def shift_vector(argument: str, shift: float | Sequence[float], outputs: int) -> Tensor:

@@ -82,7 +82,7 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         self._preds_squares.accumulate(x.square().sum(0))
         self._target_squares.accumulate(y.square().sum(0))
         self._products.accumulate((x * y).sum(0))
-        self._updates.accumulate(1)
+        self._count_update()
 
     def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
         fill_saved_updates(state_dict, prefix)
@@ -91,7 +91,7 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         """Pearson's r per output then averaged; NaN when undefined."""
         n = self._count.value
         sx, sy = self._preds_sum.value, self._target_sum.value
-        updates = self._updates.value.to(torch.float64)
+        updates = self._updates_so_far()
         cov = self._products.value - sx * (sy / n)  # sx * sy overflows sooner
         var_x = spread(self._preds_squares.value, sx, n, updates)  # NaN for a constant input
         var_y = spread(self._target_squares.value, sy, n, updates)

@@ -92,7 +92,7 @@ class R2ScoreMetric(PairedRegressionMetric):
         self._squared_error.accumulate((preds_64 - target_64).square().sum(0))
         self._target_sum.accumulate(shifted.sum(0))
         self._target_squares.accumulate(shifted.square().sum(0))
-        self._updates.accumulate(1)
+        self._count_update()
 
     def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
         fill_saved_updates(state_dict, prefix)
@@ -100,7 +100,7 @@ class R2ScoreMetric(PairedRegressionMetric):
     def compute(self) -> Tensor:
         """R² per output then averaged; NaN over no data or for a constant target."""
         count = self._count.value
-        updates = self._updates.value.to(torch.float64)
+        updates = self._updates_so_far()
         total = spread(self._target_squares.value, self._target_sum.value, count, updates)
         r2 = 1.0 - self._squared_error.value / total
         if self._adjusted:
