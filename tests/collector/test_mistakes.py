@@ -11,6 +11,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -416,4 +417,31 @@ def test_a_malformed_sink_state_fails_at_load_before_anything_is_restored(
     collector.metric.update(torch.tensor([3.0]))
     collector.schedule_collection(step=1)
     assert collector.close(timeout=30)
+    if through_run:
+        assert run.close(timeout=30)  # a run's sinks deliver until the run closes
     assert sink.sent == [1]  # a fresh start delivers its first step
+
+
+def test_a_run_restores_no_collector_when_one_refuses_its_checkpoint(tmp_path: Path) -> None:
+    """Collectors loaded one by one: ``a`` was restored before ``b`` refused a checkpoint of
+    another threshold, so a job that caught the error and started fresh counted ``a`` twice."""
+    from sidestream.metrics.classification import confusion_count_metric
+
+    def f1(threshold: float) -> Any:
+        return confusion_count_metric().binary(threshold).with_f1().build()
+
+    saved_mean, saved_f1 = MeanMetric(), f1(0.9)
+    saved_mean.update(torch.tensor([4.0]))
+    saved_f1.update(torch.tensor([0.95, 0.2]), torch.tensor([1, 0]))
+    checkpoint = {
+        "collectors": {"a": saved_mean.state_dict(), "b": saved_f1.state_dict()},
+        "sinks": {},
+    }
+    run = Run([JsonlSink(tmp_path / "log.jsonl")])
+    first = run.collector(MeanMetric(), prefix="a")
+    second = run.collector(f1(0.5), prefix="b")
+    with pytest.raises(ValueError, match=r"state_dict\['configuration'\]"):
+        run.load_state_dict(checkpoint)
+    assert first.metric.state_dict()["count"].item() == 0  # not restored either
+    assert second.metric.state_dict()["counts"].sum().item() == 0
+    assert run.close(timeout=30)

@@ -171,6 +171,17 @@ class SampleStore:
             KeyError: If a field is missing.
             ValueError: If a row shape or dtype differs from the field's.
         """
+        checked = self.checked_rows(rows)
+        self.clear()
+        self.append(**checked)
+
+    def checked_rows(self, rows: dict[str, Tensor | SavedRows]) -> dict[str, Tensor]:
+        """``rows`` as ``load`` takes them (tensors on the store's device), checked; no change.
+
+        Raises:
+            KeyError: If a field is missing.
+            ValueError: If a row shape or dtype differs from the field's.
+        """
         checked: dict[str, Tensor] = {}
         for name, template in self._templates.items():
             value = rows[name]
@@ -186,8 +197,7 @@ class SampleStore:
                     f"state_dict[{name!r}]: expected dtype {template.dtype}, got {tensor.dtype}"
                 )
             checked[name] = tensor.to(template.device)
-        self.clear()
-        self.append(**checked)
+        return checked
 
     def copy_from(self, other: SampleStore) -> None:
         """Take ``other``'s local rows (shared, not copied: stored rows are never mutated)."""

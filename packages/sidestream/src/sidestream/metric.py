@@ -757,6 +757,17 @@ class Metric(Stateful, Generic[T], abc.ABC):
             RuntimeError: If the metric is bound to an open collector (load before ``bind``:
                 ``collector.load_state_dict`` or ``run.load_state_dict``).
         """
+        self._prepare_load(state_dict)()
+
+    def _prepare_load(self, state_dict: dict[str, Any]) -> Callable[[], None]:
+        """Check ``state_dict`` as ``load_state_dict`` does; return the call that restores it.
+
+        Nothing changes until that call, which raises nothing: a ``Run`` checks every
+        collector's checkpoint before it restores any, so a refused one leaves none restored.
+
+        Raises:
+            The errors of ``load_state_dict``.
+        """
         prefix = self.__dict__.get("_bound_prefix")
         if prefix is not None:
             raise RuntimeError(
@@ -807,23 +818,32 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 )
             saved[name] = tensor
         owner = group_rank(resolve_group(self._sync_group)) == 0
+        rows = [
+            store.checked_rows({name: state_dict[prefix + name] for name in store.fields})
+            if owner
+            else None
+            for prefix, store in stores
+        ]
         targets = [state.local for state in states.values()]
         if owner:
             sources = [saved[name].to(state.device) for name, state in states.items()]
         else:
             sources = [state.initial for state in states.values()]
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        for prefix, store in stores:
-            if owner:
-                store.load({name: state_dict[prefix + name] for name in store.fields})
-            else:
+
+        def restore() -> None:
+            if targets:
+                torch._foreach_copy_(targets, sources)
+            for (_, store), checked in zip(stores, rows, strict=True):
                 store.clear()
-        self._mark_fresh(False)
-        # A load counts as a call: only the group's first rank takes the saved numbers, so a
-        # rank that skipped it (rank 0: the checkpoint lost) fails the next sync or state_dict
-        # on every rank with RankMismatchError instead of reducing without it.
-        self.call_counter.next()
+                if checked is not None:
+                    store.append(**checked)
+            self._mark_fresh(False)
+            # A load counts as a call: only the group's first rank takes the saved numbers, so
+            # a rank that skipped it (rank 0: the checkpoint lost) fails the next sync or
+            # state_dict on every rank with RankMismatchError instead of reducing without it.
+            self.call_counter.next()
+
+        return restore
 
 
 def _check_saved_configuration(key: str, saved: object, configuration: str) -> None:

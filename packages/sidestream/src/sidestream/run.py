@@ -445,9 +445,15 @@ class Run:
         collectors = dict(state_dict["collectors"])
         sinks = state_dict["sinks"]
         self._delivery.check_sink_states(sinks)  # before anything is restored
-        for collector in self._collectors:
-            if collector.prefix in collectors:
-                collector.load_metric_state(collectors.pop(collector.prefix))
+        # Every collector's checkpoint is checked before any is restored: a job that catches a
+        # refusal and starts fresh then counts no collector's saved numbers twice.
+        restores = [
+            collector.prepare_metric_load(collectors.pop(collector.prefix))
+            for collector in self._collectors
+            if collector.prefix in collectors
+        ]
+        for restore in restores:
+            restore()
         self._metric_states = collectors
         self._loaded = True
         self._delivery.load_sink_states(sinks, state_dict.get("undelivered"))

@@ -7,7 +7,7 @@ import logging
 import queue
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
@@ -631,18 +631,28 @@ class AsyncMetricCollector(Generic[T]):
         # fresh then skips no step (resumed sinks) and counts nothing twice (a loaded metric).
         if self._owns_delivery:
             self._delivery.check_sink_states(state_dict.get("sinks", {}))
-        self._metric.load_state_dict(state_dict["metric"])
+        self.prepare_metric_load(state_dict["metric"])()
         if self._owns_delivery:
             self._delivery.load_sink_states(
                 state_dict.get("sinks", {}), state_dict.get("undelivered")
             )
 
     def load_metric_state(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the metric's part of a checkpoint (``Run.load_state_dict`` calls it).
+        """Restore the metric's part of a checkpoint (``Run.collector`` calls it).
+
+        Raises:
+            RuntimeError: If the collector is already bound.
+        """
+        self.prepare_metric_load(state_dict)()
+
+    def prepare_metric_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
+        """Check the metric's part of a checkpoint; return the call that restores it.
+
+        ``Run.load_state_dict`` checks every collector's before it restores any.
 
         Raises:
             RuntimeError: If the collector is already bound.
         """
         if self._dispatcher is not None:
             raise RuntimeError("load_state_dict: call it before bind")
-        self._metric.load_state_dict(dict(state_dict))
+        return self._metric._prepare_load(dict(state_dict))
