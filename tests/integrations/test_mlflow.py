@@ -489,7 +489,7 @@ def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_nam
         "lr": list(range(1, 11)),
         "train/grad_norm": list(range(1, 11)),
         "train": [2, 4, 6, 8, 10],
-        "val_ema/loss": [3, 6, 9],
+        "val_ema/loss-0457e96a": [3, 6, 9],  # a valid key, with sha1 of the name: its own
     }
 
 

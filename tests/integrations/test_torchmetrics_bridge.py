@@ -375,7 +375,7 @@ def test_state_names_are_torchmetrics_names_whatever_they_are() -> None:
     wrapped.sync()
     assert wrapped.compute().tolist() == [3.0, 6.0, 9.0, 12.0, 15.0]
     saved = wrapped.state_dict()
-    assert sorted(saved) == sorted(names)
+    assert sorted(saved) == sorted([*names, "configuration"])  # and the settings' hash
     again = wrap(Custom())
     again.load_state_dict(saved)
     assert again.compute().tolist() == [3.0, 6.0, 9.0, 12.0, 15.0]
@@ -413,3 +413,53 @@ def test_a_state_name_sidestream_cannot_key_is_refused_naming_it(name: str) -> N
 
     with pytest.raises(UnsupportedStateError, match=rf"Dotted: state '{name}': a name with"):
         wrap(Dotted())
+
+
+def test_float64_inputs_that_widen_a_state_are_refused_not_rounded() -> None:
+    """R2Score rebinds its sums: float64 inputs made them float64, which the float32 states
+    rounded (R² 0.0 where scikit-learn gives 0.91). Refused, naming set_dtype; with it, exact."""
+    from sklearn.metrics import r2_score
+
+    rng = np.random.default_rng(4)
+    target = torch.from_numpy(1e4 + rng.normal(size=1000))
+    preds = target + 0.3 * torch.from_numpy(rng.normal(size=1000))
+    wrapped = wrap(torchmetrics.R2Score())
+    with pytest.raises(TypeError, match=r"turned state .* into torch.float64 .*set_dtype"):
+        wrapped.update(preds, target)
+    assert all(
+        float(value.abs().sum()) == 0
+        for key, value in wrapped.state_dict().items()
+        if key != "configuration"
+    )  # nothing stored
+    double = wrap(torchmetrics.R2Score().set_dtype(torch.float64))
+    for start in range(0, 1000, 100):
+        double.update(preds[start : start + 100], target[start : start + 100])
+    assert double.compute().item() == pytest.approx(r2_score(target, preds), rel=1e-6)
+
+
+def _thresholds_differ() -> str:
+    metric = wrap(BinaryAccuracy(threshold=0.5 if dist.get_rank() == 0 else 0.9))
+    metric.update(torch.tensor([0.7, 0.2]), torch.tensor([1, 0]))
+    try:
+        metric.sync()
+    except Exception as error:  # the test reads the type and the text
+        return f"{type(error).__name__}: {error}"
+    return f"no error: {metric.compute().item()}"
+
+
+def test_ranks_of_other_settings_are_refused(dist_pool: RankPool) -> None:
+    """Rank 0 at threshold 0.5 and rank 1 at 0.9 reported 0.5556, a value of neither."""
+    for outcome in dist_pool.run(_thresholds_differ):
+        assert outcome.startswith("RankMismatchError") and "threshold=0.9" in outcome, outcome
+
+
+def test_a_checkpoint_of_other_settings_is_refused() -> None:
+    saved_from = wrap(BinaryAccuracy(threshold=0.5))
+    saved_from.update(torch.tensor([0.7, 0.2, 0.6]), torch.tensor([1, 0, 0]))
+    saved = saved_from.state_dict()
+    for other in (BinaryAccuracy(threshold=0.9), torchmetrics.classification.BinaryF1Score()):
+        with pytest.raises(ValueError, match=r"state_dict\['configuration'\]: saved by a metric"):
+            wrap(other).load_state_dict(saved)
+    same = wrap(BinaryAccuracy(threshold=0.5))
+    same.load_state_dict(saved)
+    assert same.compute().item() == pytest.approx(saved_from.compute().item())

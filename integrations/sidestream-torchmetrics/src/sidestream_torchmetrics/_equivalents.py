@@ -32,6 +32,12 @@ def suggestion(class_name: str) -> str:
     hints = []
     if class_name in _EQUIVALENTS:
         hints.append(f"use {_EQUIVALENTS[class_name]} (fixed-size state)")
+        if class_name == "PearsonCorrCoef":
+            # torchmetrics gives one r per output; sidestream averages them by default.
+            hints.append(
+                "for num_outputs=D give it num_outputs=D, multioutput='raw_values' (one r per "
+                "output, as torchmetrics)"
+            )
         if any(class_name.endswith(curve) for curve in _EXACT):
             hints.append(
                 f"or {_EQUIVALENTS[class_name]}(exact=True) for the exact value (it stores every "

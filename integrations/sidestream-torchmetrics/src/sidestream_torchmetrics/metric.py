@@ -18,6 +18,7 @@ from torchmetrics.utilities.data import (
 
 from sidestream.metric import Metric
 from sidestream.state import MetricAccumulator, ReduceOp
+from sidestream.sync import stable_hash
 from sidestream_torchmetrics._equivalents import suggestion
 
 __all__ = ["TorchmetricsMetric", "UnsupportedStateError"]
@@ -152,6 +153,12 @@ class TorchmetricsMetric(Metric[Any]):
             assert isinstance(default, Tensor)  # list states were refused above
             states.append((name, self.add_state(name, default.detach().clone(), op)))
         self._bridged = states
+        if "configuration" not in ops:  # that key is the configuration's in checkpoints
+            # Ranks of another threshold (or class) then fail their first sync instead of
+            # adding counts of two problems, and a checkpoint of another one is refused.
+            text = _configuration_text(metric)
+            for _, accumulator in states:
+                accumulator._configuration = text
 
     @property
     def torchmetrics(self) -> TorchmetricsBase:
@@ -194,6 +201,16 @@ class TorchmetricsMetric(Metric[Any]):
                     "states must keep their shape (one that grows with the data is a 'cat' "
                     "state, which sidestream cannot sync in fixed size)"
                 )
+        for name, accumulator, value in results:
+            if torch.promote_types(value.dtype, accumulator.local.dtype) != accumulator.local.dtype:
+                # float64 inputs make some updates (R2Score's rebinding sums) float64: stored
+                # back into the float32 state they would be rounded, silently.
+                raise TypeError(
+                    f"{type(self._torchmetrics).__name__}.update turned state {name!r} into "
+                    f"{value.dtype} (inputs of that dtype?), wider than its {accumulator.dtype} "
+                    "state, which would round it; call set_dtype("
+                    f"{value.dtype}) on the torchmetrics metric before wrap()"
+                )
         for _, accumulator, value in results:
             # In place or rebound, the result becomes the local state (and any sync is stale).
             accumulator.load_local(value.to(accumulator.local.dtype))
@@ -219,3 +236,45 @@ class TorchmetricsMetric(Metric[Any]):
 
     def _move_extras(self, device: torch.device) -> None:
         self._torchmetrics.to(device)  # its non-state buffers; the states live in the arena
+
+
+# Settings of torchmetrics' Metric and nn.Module that say nothing of what the states mean.
+_NOT_CONFIGURATION = frozenset(
+    {
+        "training",
+        "compute_on_cpu",
+        "dist_sync_on_step",
+        "process_group",
+        "dist_sync_fn",
+        "distributed_available_fn",
+        "sync_on_compute",
+        "compute_with_cache",
+        "validate_args",
+    }
+)
+
+
+def _configuration_text(metric: TorchmetricsBase) -> str:
+    """``metric``'s class and settings (threshold, num_classes, average, its buffers) in words.
+
+    Its public attributes of plain values: torchmetrics keeps its constructor's arguments so.
+    """
+    parts = []
+    for key, value in sorted(vars(metric).items()):
+        if key.startswith("_") or key in _NOT_CONFIGURATION or key in metric._defaults:
+            continue
+        if _plain(value):
+            parts.append(f"{key}={value!r}")
+    for key, buffer in sorted(metric._buffers.items()):
+        if buffer is not None and key not in metric._defaults:
+            values = buffer.detach().cpu().reshape(-1).tolist()
+            parts.append(
+                f"{key}=<{buffer.dtype} {tuple(buffer.shape)} {stable_hash(repr(values))}>"
+            )
+    return f"{type(metric).__module__}.{type(metric).__qualname__}({', '.join(parts)})"
+
+
+def _plain(value: object) -> bool:
+    if isinstance(value, bool | int | float | str | None):
+        return True
+    return isinstance(value, tuple | list) and all(_plain(item) for item in value)
