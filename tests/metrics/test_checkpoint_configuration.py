@@ -178,3 +178,35 @@ def test_a_custom_metric_refuses_a_checkpoint_of_another_constant() -> None:
     resumed = _Scaled([1.0, 2.0])
     resumed.load_state_dict({"total": saved["total"]})  # saved before the constant: its own
     assert torch.equal(resumed.compute(), torch.tensor([3.0, 6.0]))
+
+
+class _Thresholded(Metric[torch.Tensor]):
+    """A custom count under a threshold no state holds: its states say it in words."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self._threshold = threshold
+        self._hits = MetricAccumulator(0, dtype=torch.int64)
+        self._hits.set_configuration(f"threshold={threshold!r}")
+
+    def update(self, scores: torch.Tensor) -> None:
+        self._hits.accumulate((scores >= self._threshold).sum())
+
+    def compute(self) -> torch.Tensor:
+        return self._hits.value
+
+
+def test_a_custom_metric_says_its_configuration_and_a_constant_cannot() -> None:
+    scores = torch.tensor([0.1, 0.4, 0.6, 0.95])
+    source = _Thresholded(0.5)
+    source.update(scores)
+    saved = source.state_dict()
+    assert set(saved) == {"hits", "configuration"}
+    with pytest.raises(ValueError, match=r"state_dict\['configuration'\].*threshold=0\.9"):
+        _Thresholded(0.9).load_state_dict(saved)
+    resumed = _Thresholded(0.5)
+    resumed.load_state_dict(saved)
+    resumed.update(scores)
+    assert resumed.compute().item() == 2 * int((scores >= 0.5).sum())  # counted by hand: 4
+    with pytest.raises(ValueError, match="a constant's configuration is its value"):
+        MetricAccumulator.constant(1.0).set_configuration("x")

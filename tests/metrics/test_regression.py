@@ -231,6 +231,7 @@ def test_a_checkpoint_without_the_update_count_loads_with_the_strict_bound() -> 
     resumed.load_state_dict(older)  # saved before the count was kept: a third of its samples
     assert resumed.state_dict()["updates"].item() == 1  # 3 * (1 + ...) * eps >= count * eps
     assert resumed.compute().item() == pytest.approx(metric.compute().item())
+    assert resumed.compute().item() == pytest.approx(r2_score([1.0, 2.5, 3.5], [1.0, 2.0, 4.0]))
     # torch.distributed.checkpoint's partial load leaves the fresh metric's 0 beside the sums.
     partial = R2ScoreMetric()
     partial.load_state_dict({**older, "updates": torch.tensor(0)})

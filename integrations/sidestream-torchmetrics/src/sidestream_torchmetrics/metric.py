@@ -158,7 +158,7 @@ class TorchmetricsMetric(Metric[Any]):
             # adding counts of two problems, and a checkpoint of another one is refused.
             text = _configuration_text(metric)
             for _, accumulator in states:
-                accumulator._configuration = text
+                accumulator.set_configuration(text)
 
     @property
     def torchmetrics(self) -> TorchmetricsBase:

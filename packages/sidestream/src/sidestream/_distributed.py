@@ -7,11 +7,13 @@ import collections
 import os
 from typing import TypeAlias
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "Group",
+    "check_device",
     "check_process_group",
     "group_rank",
     "group_size",
@@ -20,6 +22,24 @@ __all__ = [
 ]
 
 Group: TypeAlias = "dist.ProcessGroup | DeviceMesh | None"
+
+
+def check_device(where: str, device: object, *, allow_none: bool = False) -> None:
+    """Raise ``TypeError`` naming ``where``'s ``device`` unless ``torch.device`` can take it.
+
+    ``torch.device(torch.float32)`` (a dtype passed by mistake) fails naming no argument.
+    """
+    allowed = torch.device | str | int | None if allow_none else torch.device | str | int
+    if isinstance(device, bool) or not isinstance(device, allowed):
+        kinds = (
+            "a torch.device, a str, a CUDA index or None"
+            if allow_none
+            else "a torch.device, a str or a CUDA index"
+        )
+        raise TypeError(
+            f"{where}: device: expected {kinds} (such as 'cuda:0' or 0), got {device!r}; "
+            "a metric keeps its states' dtypes, it moves between devices only"
+        )
 
 
 def resolve_group(group: Group) -> dist.ProcessGroup | None:

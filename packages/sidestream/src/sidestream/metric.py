@@ -13,7 +13,13 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sidestream._arena import Arena
-from sidestream._distributed import Group, check_process_group, group_rank, resolve_group
+from sidestream._distributed import (
+    Group,
+    check_device,
+    check_process_group,
+    group_rank,
+    resolve_group,
+)
 from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore, SavedRows, gather_rows
 from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views, copy_sharing
@@ -638,13 +644,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
         Raises:
             TypeError: If ``device`` is not a ``torch.device``, a str or an int (a dtype, say).
         """
-        if isinstance(device, bool) or not isinstance(device, torch.device | str | int):
-            # torch.device(torch.float32) names no argument: say what `to` takes.
-            raise TypeError(
-                "to: device: expected a torch.device, a str such as 'cuda:0' or a CUDA index, "
-                f"got {device!r} "
-                "(a metric keeps its states' dtypes; it moves between devices only)"
-            )
+        check_device("to", device)
         target = torch.device(device)
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())

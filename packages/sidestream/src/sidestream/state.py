@@ -162,6 +162,18 @@ class MetricAccumulator:
         state._configuration = _describe_constant(state._initial.to(state._compared_as))
         return state
 
+    def set_configuration(self, text: str) -> None:
+        """Say, in words, what this state's values mean something only with.
+
+        A classification problem (threshold, top-k...), a wrapped metric's settings. The
+        structure check compares it across ranks (``RankMismatchError`` naming both), and the
+        metric's ``state_dict`` saves a hash of it as ``configuration``, which
+        ``load_state_dict`` compares. Not for constants, whose value says it already.
+        """
+        if self._compared_as is not None:
+            raise ValueError("set_configuration: a constant's configuration is its value")
+        self._configuration = text
+
     def _check_saved_constant(self, key: str, saved: Tensor) -> None:
         """Raise ``ValueError`` if ``saved`` is not this constant's value (or shape).
 

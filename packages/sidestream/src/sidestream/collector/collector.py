@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from sidestream._delivery import Delivery, DeliveryOptions, check_timeout
-from sidestream._distributed import Group, check_process_group, group_size, resolve_group
+from sidestream._distributed import (
+    Group,
+    check_device,
+    check_process_group,
+    group_size,
+    resolve_group,
+)
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
@@ -241,11 +247,7 @@ class AsyncMetricCollector(Generic[T]):
             ValueError: If the metric is bound to another collector that is not closed, or the
                 collector has sinks and its group leaves out global rank 0 (their writer).
         """
-        if isinstance(device, bool) or not isinstance(device, torch.device | str | int | None):
-            raise TypeError(
-                "bind: device: expected a torch.device, a str, a CUDA index or None, "
-                f"got {device!r}"
-            )
+        check_device("bind", device, allow_none=True)
         if self._dispatcher is not None or self._closed:
             raise RuntimeError("bind: the collector is already bound (or closed)")
         for other, relation in self._related_metrics():

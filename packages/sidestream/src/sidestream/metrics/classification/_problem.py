@@ -92,7 +92,7 @@ def configure_states(problem: Problem, *states: MetricAccumulator, more: str = "
         + (f" {more}" if more else "")
     )
     for state in states:
-        state._configuration = text
+        state.set_configuration(text)
 
 
 def check_problem(problem: object, family: str) -> Problem:
