@@ -32,13 +32,34 @@ def _config(log_dir: Path | None) -> dict[str, Any]:
     return {"tensorboard": options}
 
 
+class _ByStep:
+    """An ``EventAccumulator``'s events in step order (a repeated step stays repeated).
+
+    TensorBoard reads a directory's event files in name order, and two files made in the same
+    second sort by a per-process counter compared as text ("...10" before "...9"), so a
+    resumed run's file can come first.
+    """
+
+    def __init__(self, accumulator: Any) -> None:
+        self._accumulator = accumulator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accumulator, name)
+
+    def Scalars(self, tag: str) -> list[Any]:  # EventAccumulator's names
+        return sorted(self._accumulator.Scalars(tag), key=lambda event: event.step)
+
+    def Histograms(self, tag: str) -> list[Any]:
+        return sorted(self._accumulator.Histograms(tag), key=lambda event: event.step)
+
+
 def _load(log_dir: Path) -> Any:
     # No sampling, and no purging on restarts: a repeated step would show up as a duplicate.
     guidance = dict.fromkeys(event_accumulator.DEFAULT_SIZE_GUIDANCE, 0)
     accumulator = event_accumulator.EventAccumulator(
         str(log_dir), size_guidance=guidance, purge_orphaned_data=False
     )
-    return accumulator.Reload()
+    return _ByStep(accumulator.Reload())
 
 
 def _check(accumulator: Any, steps: range) -> None:
