@@ -252,6 +252,31 @@ def test_jsonl_resume_skips_steps_logged_after_the_checkpoint_and_heals_cut_line
     assert [json.loads(line)["step"] for line in lines] == [1, 4, 5]
 
 
+def test_jsonl_relative_path_resumes_the_same_file_from_another_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for folder in "ab":
+        (tmp_path / folder).mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    first = JsonlSink("m.jsonl")
+    first.open(RunInfo())
+    for step in (1, 2, 3):
+        first.write(_report(step))
+        if step == 2:
+            checkpoint = first.state_dict()
+    first.close()
+    monkeypatch.chdir(tmp_path / "b")  # the requeued job starts elsewhere
+    (tmp_path / "b" / "m.jsonl").write_text('{"step": 9, "time": 0, "values": {}}\n')
+    resumed = JsonlSink(tmp_path / "a" / "m.jsonl")
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo())
+    for step in (3, 4):
+        resumed.write(_report(step))
+    resumed.close()
+    lines = (tmp_path / "a" / "m.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+
+
 def test_jsonl_cut_by_a_failed_write_is_cut_back_before_the_retry(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     sink = JsonlSink(path)

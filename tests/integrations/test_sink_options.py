@@ -64,7 +64,7 @@ from sidestream.sinks.console import ConsoleSink
             r"TensorBoardSink: flush_secs: expected int or float \(or None\), got '30' \(str\)",
         ),
         (lambda d: _tensorboard()(str(d), max_queue=True), TypeError, "max_queue: expected int"),
-        (lambda d: _tensorboard()(str(d), purge_step="3"), TypeError, "purge_step: expected"),
+        (lambda d: _tensorboard()(str(d), purge_step=3), TypeError, "purge_step is not supported"),
         (lambda d: _mlflow()(tracking_uri=5), TypeError, "MlflowSink: tracking_uri: expected str"),
         (lambda d: _mlflow()(experiment=5), TypeError, "MlflowSink: experiment: expected str"),
         (lambda d: _wandb()(project=5, mode="offline"), TypeError, "WandbSink: project: expected"),
@@ -393,6 +393,13 @@ def test_child_process_options_go_in_a_mapping_and_are_named_elsewhere(tmp_path:
         sinks_from_config({"jsonl": {"path": path, "child_process": {"call_timout_s": 5}}})
     with pytest.raises(TypeError, match=r"child_process must be true, false or a mapping"):
         sinks_from_config({"jsonl": {"path": path, "child_process": "yes"}})
+    for option, value, expected in (
+        ("call_timeout_s", "30", "call_timeout_s: expected a number of seconds, got '30'"),
+        ("start_timeout_s", None, "start_timeout_s: expected a number of seconds, got None"),
+        ("flush_every", "256", "flush_every: expected an int >= 1, got '256'"),
+    ):
+        with pytest.raises(TypeError, match=expected):  # from a YAML config, say
+            sinks_from_config({"jsonl": {"path": path, "child_process": {option: value}}})
     (own,) = sinks_from_config({"jsonl": {"path": path, "flush_every": 10}})  # JsonlSink's own
     assert isinstance(own, JsonlSink)
     (sink,) = sinks_from_config(

@@ -215,6 +215,37 @@ def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_nam
     }
 
 
+def test_a_relative_log_dir_resumes_in_the_same_directory_from_another_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    first = TensorBoardSink(log_dir="runs/job")
+    first.open(RunInfo())
+    for step in range(1, 6):
+        first.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+        if step == 3:
+            assert first.flush(30)
+            checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    monkeypatch.chdir(tmp_path / "b")  # the requeued job starts elsewhere
+    resumed = TensorBoardSink()
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo())
+    for step in range(4, 8):
+        resumed.write(Report(step=step, values={"loss": float(step)}, time=time.time()))
+    assert resumed.close(timeout=30)
+    assert not (tmp_path / "b" / "runs").exists()
+    events = _load(tmp_path / "a" / "runs" / "job").Scalars("loss")
+    assert [e.step for e in events] == list(range(1, 8))
+
+
+def test_purge_step_is_refused_since_tensorboard_would_hide_kept_steps(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="purge_step is not supported"):
+        TensorBoardSink(log_dir=tmp_path, purge_step=6)
+
+
 def test_a_new_run_in_a_directory_with_event_files_is_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

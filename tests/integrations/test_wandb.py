@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -141,6 +143,69 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
     written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]
     assert all(key.encode() not in content for content in written)
     assert key not in repr(state) + repr(sink) + caplog.text
+
+
+def test_values_named_like_the_step_or_a_wandb_column_keep_their_own_columns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    values = {"step": 123.0, "_step": 7.0, "_runtime": 9.0, "_timestamp": 8.0, "loss": 0.5}
+    sink = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    sink.open(RunInfo(name="names"))
+    for step in (1, 2):
+        sink.write(Report(step=step, values=values, time=time.time()))
+    collector_like = {"train/step": 5.0, "train/loss": 0.25}
+    sink.write(Report(step=3, values=collector_like, time=time.time(), stream="train"))
+    run_dir = sink.run_dir
+    assert sink.close(timeout=60) and run_dir is not None
+    rows = _history(_data_file(run_dir))
+    assert [row.items.get("step") for row in rows] == [1, 2, None]
+    assert [row.items.get("train/step") for row in rows] == [None, None, 3]
+    for row in rows[:2]:
+        # W&B's own columns are W&B's: its step counts rows, the runtime is not 9.
+        assert row.items["_step"] != 7.0 and row.items["_runtime"] != 9.0
+        assert row.items["_timestamp"] != 8.0
+        own = {key: value for key, value in row.items.items() if "-" in key}
+        assert sorted(own.values()) == [7.0, 8.0, 9.0, 123.0], row.items
+        assert {key.split("-")[0] for key in own} == {"step", "runtime", "timestamp"}
+        assert row.items["loss"] == 0.5
+    renamed = [key for key in rows[2].items if key.startswith("train/step-")]
+    assert len(renamed) == 1 and rows[2].items[renamed[0]] == 5.0
+    for name in ("'step'", "'_step'", "'_runtime'", "'_timestamp'", "'train/step'"):
+        assert f"{name} is logged as" in caplog.text
+
+
+def test_rows_a_stalled_service_has_not_written_do_not_count_as_delivered(
+    tmp_path: Path,
+) -> None:
+    """Rows count by time since they were logged only while the file grows: a service that
+    is alive but stalled (here stopped; a blocked disk alike) writes nothing."""
+    from sidestream_wandb.sink import _service_process
+
+    sink = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    sink.open(RunInfo(name="stall"))
+    for step in range(1, 4):
+        sink.write(Report(step=step, values={"x": float(step)}, time=time.time()))
+    assert sink.flush(timeout=30)
+    assert sink.state_dict()["last_steps"] == [["", 3]]
+    service = _service_process()
+    assert service is not None, "wandb-core is not a child of this process"
+    os.kill(service, signal.SIGSTOP)
+    try:
+        for step in range(4, 7):
+            sink.write(Report(step=step, values={"x": float(step)}, time=time.time()))
+        assert not sink.flush(timeout=5)  # waits past the periodic write: nothing came
+        state = sink.state_dict()
+        run_dir = sink.run_dir
+        assert run_dir is not None
+        in_file = [row.items["step"] for row in read_history(_data_file(run_dir))]
+    finally:
+        os.kill(service, signal.SIGCONT)
+    assert in_file == [1, 2, 3]
+    assert state["last_steps"] == [["", 3]]
+    assert sink.flush(timeout=30)  # running again: the periodic write wrote them
+    assert sink.state_dict()["last_steps"] == [["", 6]]
+    assert sink.close(timeout=60)
+    assert [row.items["step"] for row in _history(_data_file(run_dir))] == list(range(1, 7))
 
 
 _CRASHING_JOB = """

@@ -30,7 +30,6 @@ logger = logging.getLogger("sidestream.sinks")
 _HPARAM_TYPES = (bool, int, float, str)
 _WRITER_OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "comment": (str,),
-    "purge_step": (int,),
     "max_queue": (int,),
     "flush_secs": (int, float),
     "filename_suffix": (str,),
@@ -59,13 +58,14 @@ class TensorBoardSink(TrackerSink):
     already in the directory, if later), so TensorBoard never sees a step twice.
 
     Args:
-        log_dir: The run's directory; ``None`` takes the saved one on resume, else
-            SummaryWriter's default (``runs/<date>_<host><comment>``), made absolute when the
-            sink is built, so a checkpoint taken before the sink could open names it too.
+        log_dir: The run's directory, made absolute when the sink is built (a checkpoint names
+            it for a job resumed from another working directory); ``None`` takes the saved one
+            on resume, else SummaryWriter's default (``runs/<date>_<host><comment>``).
         histogram_edges: Bin edges per histogram name (``num_bins + 1`` values); bins without
             edges span ``[i, i + 1)``.
         **writer_kwargs: Passed to ``SummaryWriter`` under its own names (``flush_secs``,
-            ``max_queue``, ``filename_suffix``).
+            ``max_queue``, ``filename_suffix``, ``comment``); not ``purge_step``, which would
+            make TensorBoard hide steps the sink keeps on resume (``TypeError``).
 
     Example:
         >>> sink = TensorBoardSink(log_dir="runs/demo")
@@ -86,13 +86,22 @@ class TensorBoardSink(TrackerSink):
     ) -> None:
         super().__init__()
         self.refuse_unknown_options(writer_kwargs)
+        if "purge_step" in writer_kwargs:
+            # TensorBoard's reader would hide the earlier files' events at or after that step,
+            # among them the steps this sink keeps on disk and does not write again.
+            raise TypeError(
+                "TensorBoardSink: purge_step is not supported: the sink resumes by itself "
+                "(load_state_dict), keeping each step already on disk and skipping it, and "
+                "purge_step would make TensorBoard hide those steps"
+            )
         check_option_types("TensorBoardSink", writer_kwargs, _WRITER_OPTION_TYPES)
         # A resumed job's saved directory replaces only a default one (see identity).
         self._log_dir_given = log_dir is not None
         if log_dir is None:
             self._log_dir = _default_log_dir(writer_kwargs.get("comment", ""))
         else:
-            self._log_dir = os.fspath(log_dir)
+            # Absolute: a checkpoint names this directory for a job resumed from anywhere.
+            self._log_dir = os.path.abspath(os.fspath(log_dir))
             check_directory_path("log_dir", self._log_dir)
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         self._writer_kwargs = writer_kwargs

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import re
 import secrets
 import string
+import sys
 import threading
 import time
 from collections import deque
@@ -46,6 +48,8 @@ FLUSH_SETTING = "x_transaction_log_flush_interval"
 FLUSH_INTERVAL_S = 1.0
 # How long a logged row may take to reach wandb's writer before its next periodic write.
 _FLUSH_MARGIN_S = 0.5
+# How often a flush looks again whether a stalled service has written the rows.
+_GROWTH_POLL_S = 0.05
 INSTALL = (
     'pip install "sidestream[wandb]" (from a checkout: pip install ./integrations/sidestream-wandb)'
 )
@@ -79,8 +83,9 @@ class WandbSink(TrackerSink):
     its service writes buffered rows to the run's ``.wandb`` file every
     ``x_transaction_log_flush_interval`` seconds, which the sink sets to
     ``FLUSH_INTERVAL_S`` (1 s) unless ``settings`` give it. A row counts as delivered (in
-    ``state_dict``) once ``persist`` has waited that interval plus a margin after it was logged,
-    or once ``finish`` returned; ``flush`` and a checkpoint's ``make_durable`` wait for that
+    ``state_dict``) once ``persist`` has waited that interval plus a margin after it was logged
+    and the file has grown since (a stalled service writes nothing), or once ``finish``
+    returned; ``flush`` and a checkpoint's ``make_durable`` wait for that
     (given less time, they still count the rows logged that long ago).
     Older wandb clients write rows only when a 32 KiB buffer fills or the run finishes and
     cannot say when: there rows count as delivered at the next ``flush`` after ``run.log``,
@@ -133,10 +138,13 @@ class WandbSink(TrackerSink):
         # None: a client without them (rows are written when a buffer fills or at finish).
         self._flush_interval: float | None = None
         self._last_log = 0.0  # time.monotonic() when the last row was handed to wandb
-        # (time.monotonic(), stream, step) of each row logged and not counted as written yet,
-        # oldest first: under a steady backlog persist never sees a quiet interval, but a row
-        # logged an interval (plus the margin) ago is in the file by then.
-        self._unwritten: deque[tuple[float, str, int]] = deque()
+        # (time.monotonic(), .wandb file size before the row, stream, step) of each row logged
+        # and not counted as written yet, oldest first: under a steady backlog persist never
+        # sees a quiet interval, but a row logged an interval (plus the margin) ago is in the
+        # file by then, if the file grew since (a stalled service writes nothing).
+        self._unwritten: deque[tuple[float, int, str, int]] = deque()
+        self._data_file: str | None = None  # the run's .wandb file, found at open
+        self._size_before_last_log = -1
         self._unwritten_lock = threading.Lock()
         self._progress_lock = threading.Lock()
         self._finished = False
@@ -232,6 +240,7 @@ class WandbSink(TrackerSink):
             raise failure  # outside the handler: the original is not chained as its context
         self._run_id = str(self._run.id)
         self._service_pid = _service_process()
+        self._data_file = _data_file_of(self._run)
         self._finished = False
         # mode="disabled": wandb keeps nothing, so there is no write to wait for or record.
         self._disabled = getattr(getattr(self._run, "settings", None), "mode", None) == "disabled"
@@ -271,15 +280,16 @@ class WandbSink(TrackerSink):
 
         for report in reports:
             key = step_metric(report.stream)
-            row: dict[str, Any] = dict(report.values)
+            row: dict[str, Any] = {self._column(n, key): v for n, v in report.values.items()}
             for name, counts in report.histograms.items():
                 histogram = self._histogram(wandb, name, counts)
                 if histogram is not None:
-                    row[name] = histogram
+                    row[self._column(name, key)] = histogram
             failure: RuntimeError | None = None
             try:
                 self._define(report.stream, key, row)
                 row[key] = report.step
+                size_before = self._data_size()
                 self._run.log(row, commit=True)
             except ConnectionError as error:
                 # run.log only talks to wandb's local service process: a broken connection
@@ -295,10 +305,11 @@ class WandbSink(TrackerSink):
             if failure is not None:
                 raise failure  # outside the handler: the original is not chained as context
             self._last_log = time.monotonic()
+            self._size_before_last_log = size_before
             self.mark_sent(report)
             self._logged[report.stream] = report.step
             with self._unwritten_lock:
-                self._unwritten.append((self._last_log, report.stream, report.step))
+                self._unwritten.append((self._last_log, size_before, report.stream, report.step))
         self._count_written()
 
     def _count_written(self) -> None:
@@ -309,9 +320,12 @@ class WandbSink(TrackerSink):
             return  # it may have died before its periodic write: the rows stay unconfirmed
         written: dict[str, int] = {}
         cutoff = time.monotonic() - self._flush_interval - _FLUSH_MARGIN_S
+        size = self._data_size()
         with self._unwritten_lock:
             while self._unwritten and self._unwritten[0][0] <= cutoff:
-                _, stream, step = self._unwritten.popleft()
+                if size <= self._unwritten[0][1]:
+                    break  # nothing written since it was logged: a stalled service or disk
+                _, _, stream, step = self._unwritten.popleft()
                 written[stream] = step  # steps of a stream are logged in increasing order
         if written:
             self.count_delivered(written)
@@ -330,20 +344,38 @@ class WandbSink(TrackerSink):
     def persist(self, timeout: float | None) -> bool:
         """Wait until wandb's periodic write has put every logged row in the ``.wandb`` file.
 
-        That is ``x_transaction_log_flush_interval`` plus a margin after the last ``run.log``;
-        False if ``timeout`` is shorter, or if the interval is 0 (wandb then writes rows only
-        when a buffer fills or at ``finish``).
+        That is ``x_transaction_log_flush_interval`` plus a margin after the last ``run.log``,
+        and the file grown since then; False if ``timeout`` is shorter, if the service died, or
+        if the interval is 0 (wandb then writes rows only when a buffer fills or at ``finish``).
         """
         if self._finished or self._flush_interval is None or self._disabled:
             return True  # finished, a client that cannot say (before 0.31), or nothing kept
         if self._flush_interval <= 0:
             return False
+        deadline = None if timeout is None else time.monotonic() + timeout
         wait = self._last_log + self._flush_interval + _FLUSH_MARGIN_S - time.monotonic()
         if wait > 0:
             if timeout is not None and wait > timeout:
                 return False
             time.sleep(wait)
-        return self._service_alive()  # a dead service wrote nothing more
+        # A dead service wrote nothing more; a stalled one (a blocked disk, a stopped process)
+        # leaves the file as it was before the last row until it goes on.
+        while self._service_alive():
+            if self._data_size() > self._size_before_last_log:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(_GROWTH_POLL_S)
+        return False
+
+    def _data_size(self) -> int:
+        """The size of the run's ``.wandb`` file; larger than any row's (unknown: no check)."""
+        if self._data_file is None:
+            return sys.maxsize
+        try:
+            return os.stat(self._data_file).st_size
+        except OSError:
+            return -1  # not there (yet): nothing counts as written
 
     def _service_alive(self) -> bool:
         """Whether wandb's service process (if this process started it) is still running.
@@ -402,6 +434,29 @@ class WandbSink(TrackerSink):
             for name in row.keys() - self._defined:
                 self._run.define_metric(name, step_metric=key)
                 self._defined.add(name)
+
+    def _column(self, name: str, step_key: str) -> str:
+        """The W&B column of a value: its name, unless W&B or the stream's step owns that name.
+
+        W&B keeps names starting with ``_`` for itself (``_step``, ``_runtime``, ``_timestamp``)
+        and the row's step metric is written under ``step_key``: a value of such a name would
+        overwrite one or be overwritten. It gets a column of its own, with a digest of the
+        name, like MLflow's sink does for names MLflow refuses; warned once per name.
+        """
+        if name != step_key and not name.startswith("_"):
+            return name
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        column = f"{name.lstrip('_') or 'value'}-{digest}"
+        self.warn_once(
+            f"column:{name}",
+            f"WandbSink: {name!r} is logged as {column!r}: "
+            + (
+                f"the stream's step is logged under {step_key!r}"
+                if name == step_key
+                else "W&B keeps names starting with '_' for itself"
+            ),
+        )
+        return column
 
     def _histogram(self, wandb: Any, name: str, counts: Any) -> Any:
         flat = counts.detach().reshape(-1).double().cpu().numpy()
@@ -468,6 +523,15 @@ def _service_process() -> int | None:
         if stat is not None and stat[2] == me and "wandb-core" in stat[0]:
             return int(entry)
     return None
+
+
+def _data_file_of(run: Any) -> str | None:
+    """The run's ``.wandb`` transaction log (``settings.sync_file``), or None if unknown."""
+    try:
+        path = run.settings.sync_file
+    except Exception:  # an older client, or mode="disabled"
+        return None
+    return path if isinstance(path, str) else None
 
 
 def _process_running(pid: int) -> bool:

@@ -22,6 +22,7 @@ from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
+from sidestream.sinks.support import check_seconds
 from sidestream.sinks.tracker import TrackerSink, steps_as_pairs
 
 __all__ = ["Delivery", "DeliveryOptions"]
@@ -57,7 +58,7 @@ class DeliveryOptions:
             ("sink_retry_max_s", sink_retry_max_s),
             ("exit_timeout", exit_timeout),
         ):
-            _check_seconds(name, seconds)
+            check_seconds(name, seconds)
         if spool_dir is not None and not isinstance(spool_dir, str | os.PathLike):
             raise TypeError(
                 f"spool_dir: expected a path (str or os.PathLike) or None, got {spool_dir!r}"
@@ -501,19 +502,11 @@ def check_timeout(name: str, timeout: object) -> float | None:
     """
     if timeout is None:
         return None
-    _check_seconds(name, timeout)
+    check_seconds(name, timeout)
     assert isinstance(timeout, Real)
     if timeout < 0:
         raise ValueError(f"{name}: expected a number of seconds >= 0 or None, got {timeout!r}")
     return None if math.isinf(timeout) else float(timeout)
-
-
-def _check_seconds(name: str, seconds: object) -> None:
-    """Raise naming ``name`` unless ``seconds`` is a real, non-NaN number of seconds."""
-    if isinstance(seconds, bool) or not isinstance(seconds, Real):
-        raise TypeError(f"{name}: expected a number of seconds, got {seconds!r}")
-    if math.isnan(seconds):
-        raise ValueError(f"{name}: expected a number of seconds, got NaN")
 
 
 def _keyed(sinks: list[Sink]) -> dict[str, Sink]:

@@ -55,7 +55,8 @@ class JsonlSink(TrackerSink):
     ``fsync``-ed (a pipe holds nothing to sync: ``fsync`` fails there).
 
     Args:
-        path: The file; parent directories are created.
+        path: The file, made absolute when the sink is built (a checkpoint names it for a job
+            resumed from another working directory); parent directories are created.
         flush_every: Most reports written per flush when a backlog is delivered at once.
         fsync: Also ``os.fsync`` after every write (survives a machine crash, costs a disk sync).
     """
@@ -73,7 +74,8 @@ class JsonlSink(TrackerSink):
             raise TypeError(f"fsync: expected True or False, got {fsync!r}")
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"path: expected a file path (str or os.PathLike), got {path!r}")
-        self.path = Path(path)
+        # Absolute: a checkpoint names this file for a job resumed from anywhere.
+        self.path = Path(path).absolute()
         if self.path.is_dir():
             raise ValueError(f"path: expected a file, got the directory {str(self.path)!r}")
         check_directory_path("path", self.path.parent)

@@ -17,8 +17,10 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
+from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import PermanentSinkError, is_permanent
+from sidestream.sinks.support import check_seconds
 
 __all__ = ["ProcessSink", "SinkProcessError"]
 
@@ -207,12 +209,16 @@ class ProcessSink(Sink):
             raise TypeError(f"sink: expected a sidestream.sinks.Sink, got {type(sink)}")
         if isinstance(sink, ProcessSink):
             raise TypeError("sink: already a ProcessSink")
-        if call_timeout_s is not None and call_timeout_s <= 0:
-            raise ValueError(f"call_timeout_s: expected seconds > 0 or None, got {call_timeout_s}")
+        if call_timeout_s is not None:
+            check_seconds("call_timeout_s", call_timeout_s)
+            if call_timeout_s <= 0:
+                raise ValueError(
+                    f"call_timeout_s: expected seconds > 0 or None, got {call_timeout_s}"
+                )
+        check_seconds("start_timeout_s", start_timeout_s)
         if start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s: expected seconds > 0, got {start_timeout_s}")
-        if flush_every < 1:
-            raise ValueError(f"flush_every: expected >= 1, got {flush_every}")
+        check_int("flush_every", flush_every, 1)
         _check_main_guard(sink.name)
         try:
             self._sink_bytes = pickle.dumps(sink)

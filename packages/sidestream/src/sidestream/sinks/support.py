@@ -5,10 +5,12 @@ from __future__ import annotations
 import difflib
 import hashlib
 import itertools
+import math
 import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from numbers import Real
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,6 +19,7 @@ __all__ = [
     "call_within",
     "check_directory_path",
     "check_option_types",
+    "check_seconds",
     "checked_histogram_edges",
     "flatten_config",
     "parse_resume_state",
@@ -169,6 +172,14 @@ def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
                     f"{name}: {str(place)!r} is a file, not a directory (in {str(path)!r})"
                 )
             return
+
+
+def check_seconds(name: str, seconds: object) -> None:
+    """Raise naming ``name`` unless ``seconds`` is a real, non-NaN number of seconds."""
+    if isinstance(seconds, bool) or not isinstance(seconds, Real):
+        raise TypeError(f"{name}: expected a number of seconds, got {seconds!r}")
+    if math.isnan(seconds):
+        raise ValueError(f"{name}: expected a number of seconds, got NaN")
 
 
 def check_option_types(
