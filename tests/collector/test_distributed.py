@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sidestream import MeanMetric
+from sidestream import MeanMetric, Metric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.sinks import JsonlSink
 from sidestream.sync import RankMismatchError
@@ -301,12 +301,31 @@ def test_a_skipped_window_of_a_metric_with_its_own_sync_fails_every_rank(
         assert "(structure" not in outcome  # no layout travels with that check: none named
 
 
-def _exact_metric_with_rank_dependent_classes() -> str:
+class _StoredRows(Metric[torch.Tensor]):
+    """Rows of a width of its own, and nothing that says what they mean (no configuration)."""
+
+    def __init__(self, width: int) -> None:
+        from sidestream._samples import SampleStore
+
+        self._samples = SampleStore(rows=torch.zeros((0, width)))
+
+    def update(self, rows: torch.Tensor) -> None:
+        self._samples.append(rows=rows)
+
+    def compute(self) -> torch.Tensor:
+        return torch.zeros(())
+
+
+def _exact_metric_with_rank_dependent_classes(kind: str) -> str:
     from sidestream.metrics.classification import MulticlassAUROCMetric
 
     classes = 4 + dist.get_rank()
-    metric = MulticlassAUROCMetric(classes, exact=True)
-    metric.update(torch.rand(6, classes).softmax(-1), torch.arange(6) % classes)
+    if kind == "built-in":
+        metric: Metric[Any] = MulticlassAUROCMetric(classes, exact=True)
+        metric.update(torch.rand(6, classes).softmax(-1), torch.arange(6) % classes)
+    else:
+        metric = _StoredRows(classes)
+        metric.update(torch.rand(6, classes))
     try:
         metric.sync()
     except RankMismatchError as error:
@@ -314,11 +333,17 @@ def _exact_metric_with_rank_dependent_classes() -> str:
     return "no error"
 
 
-def test_exact_rows_of_different_shapes_raise_instead_of_aborting(dist_pool: RankPool) -> None:
+@pytest.mark.parametrize("kind", ["built-in", "custom"])
+def test_exact_rows_of_different_shapes_raise_instead_of_aborting(
+    dist_pool: RankPool, kind: str
+) -> None:
     # The rows' gather had no check: rows of 4 and 5 columns aborted the process inside gloo.
-    outcomes = dist_pool.run(_exact_metric_with_rank_dependent_classes, timeout=120)
+    outcomes = dist_pool.run(_exact_metric_with_rank_dependent_classes, kind, timeout=120)
     for rank, outcome in enumerate(outcomes):
-        assert "sample rows of different shapes" in outcome, (rank, outcome)
+        if kind == "built-in":  # its problem says so, at the structure check
+            assert "multiclass num_classes=5 " in outcome, (rank, outcome)
+        else:
+            assert "sample rows of different shapes" in outcome, (rank, outcome)
 
 
 def _configuration_by_rank(where: str) -> dict[str, str]:
@@ -330,6 +355,8 @@ def _configuration_by_rank(where: str) -> dict[str, str]:
     metrics = {
         # The same number of bins, other edges: counts per bin added into other bins.
         "bins": BinaryAUROCMetric(thresholds=[0.0, 0.2 if other else 0.5, 1.0]),
+        # Stored scores of another scale: logits ranked among probabilities.
+        "exact logits": BinaryAUROCMetric(exact=True, logits=other),
         "pearson shift": PearsonCorrelationMetric(shift=5.0 if other else 0.0),
         "r2 shift": R2ScoreMetric(shift=5.0 if other else 0.0),
         # Equal bins given as a float32 linspace and as Python floats are the same layout.
@@ -356,7 +383,7 @@ def _configuration_by_rank(where: str) -> dict[str, str]:
     }
     out = {}
     for name, metric in metrics.items():
-        if name in ("bins", "equal bins", "threshold", "equal threshold"):
+        if name in ("bins", "exact logits", "equal bins", "threshold", "equal threshold"):
             metric.update(torch.tensor([0.1, 0.3, 0.7, 0.9]), torch.tensor([0, 1, 0, 1]))
         elif name == "beta":
             metric.update(torch.tensor([[[0.9, 0.1, 0.8]]]), torch.tensor([[0]]))
@@ -399,6 +426,10 @@ def test_ranks_configured_with_other_bins_or_shifts_fail_every_rank(
         )
         assert f"'target_shift' has configuration [5.0] on rank {odd}" in outcome["pearson shift"]
         assert f"'shift' has configuration [5.0] on rank {odd}" in outcome["r2 shift"]
+        assert (
+            "'rejected' has configuration binary num_classes=1 threshold=0.5 logits=True "
+            in outcome["exact logits"]
+        ), (rank, outcome)
         assert outcome["equal bins"] == "no error"
         assert outcome["equal threshold"] == "no error"
         assert "statistics=f2" in outcome["beta"] and "statistics=f0.5" in outcome["beta"]

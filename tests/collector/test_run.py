@@ -242,6 +242,32 @@ def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
     assert table[1:] == ["(log)   1     loss  2"]  # a bool is no number to show
 
 
+def test_show_skips_lines_that_are_not_utf8_and_names_bad_plot_paths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "mixed.jsonl"
+    good = json.dumps({"step": 3, "stream": "", "time": 0, "values": {"loss": 1.5}})
+    path.write_bytes(b'{"step": 1, "values": {"\xff": 1.0}}\n' + good.encode() + b"\n")
+    assert [record["step"] for record in read_jsonl(path)] == [3]
+    assert cli(["show", str(path), "--plot", str(tmp_path / "curves")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split() == ["(log)", "3", "loss", "1.5"]
+    # matplotlib adds .png to a name without a suffix: the message names the file written.
+    assert out.splitlines()[-1] == f"plot written to {tmp_path / 'curves.png'}"
+    assert (tmp_path / "curves.png").is_file()
+    assert cli(["show", str(path), "--plot", str(tmp_path / "p.xyz")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: --plot ") and "'xyz' is not supported" in error
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["show", str(path), "--plot", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "is a directory" in capsys.readouterr().err
+    only_text = tmp_path / "text.jsonl"
+    only_text.write_text(json.dumps({"step": 1, "values": {"note": "abc-not-a-number"}}) + "\n")
+    assert cli(["show", str(only_text)]) == 1
+    assert "no records with numeric values" in capsys.readouterr().err
+
+
 def test_checkpoint_makes_the_jsonl_lines_durable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -188,3 +188,30 @@ def test_load_state_dict_rejects_wrong_keys_and_shapes() -> None:
 def test_to_moves_state() -> None:
     metric = ComposeMetric({"a": MeanMetric(), "b": MaxMetric()}).to("meta")
     assert all(acc.device.type == "meta" for _, acc in metric.named_accumulators())
+
+
+@pytest.mark.parametrize("make", [SumMetric, MeanMetric, WeightedMeanMetric, MaxMetric, MinMetric])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, "float64"])
+def test_an_accumulation_dtype_that_is_not_floating_point_is_refused(
+    make: type, dtype: object
+) -> None:
+    # An integer sum truncated each value: Sum of [0.5, 0.7, 1.9] gave 1, Mean 0.33 for 1.03.
+    with pytest.raises(TypeError, match=r"dtype: expected a floating-point torch.dtype"):
+        make(dtype=dtype)
+
+
+def test_numpy_and_other_real_scalars_are_numbers() -> None:
+    # numpy.float32 was refused as "not a number" (only numpy.float64, a float subclass, passed).
+    from fractions import Fraction
+
+    values = [np.float32(1.5), np.int64(2), np.float16(0.25), Fraction(1, 2)]
+    metric = MeanMetric()
+    for value in values:
+        metric.update(value)
+    assert float(metric.compute()) == pytest.approx(np.mean([float(v) for v in values]))
+    weighted = WeightedMeanMetric()
+    weighted.update(np.float32(3.0), weights=np.float32(2.0))
+    weighted.update(1.0, weights=np.int64(2))
+    assert float(weighted.compute()) == pytest.approx(2.0)
+    with pytest.raises(TypeError, match=r"values: expected a torch\.Tensor or a number"):
+        MeanMetric().update(np.bool_(True))

@@ -15,12 +15,14 @@ import torch
 from sklearn.metrics import f1_score
 
 from sidestream import Metric, MetricAccumulator
+from sidestream._samples import SavedRows
 from sidestream.metrics import ComposeMetric
 from sidestream.metrics.classification import (
     BinaryAUROCMetric,
     BinaryCalibrationErrorMetric,
     BinaryConfusionMatrixMetric,
     MulticlassConfusionMatrixMetric,
+    MultilabelAUROCMetric,
     MultilabelConfusionMatrixMetric,
     confusion_count_metric,
 )
@@ -87,11 +89,29 @@ _PAIRS: dict[str, tuple[Callable[[], Metric[Any]], Callable[[], Metric[Any]], An
         lambda: BinaryAUROCMetric(ignore_index=-1),
         _BINARY,
     ),
+    # Stored scores of another scale: logits ranked among probabilities.
+    "exact ranking logits": (
+        lambda: BinaryAUROCMetric(exact=True, logits=True),
+        lambda: BinaryAUROCMetric(exact=True),
+        _BINARY,
+    ),
+    "exact ranking kind": (
+        lambda: MultilabelAUROCMetric(4, exact=True),
+        lambda: MultilabelAUROCMetric(4, exact=True, ignore_index=-1),
+        _MULTILABEL,
+    ),
 }
 
 
 def _states(metric: Metric[Any]) -> dict[str, torch.Tensor]:
-    return {name: state.local.clone() for name, state in metric.named_accumulators()}
+    states = {name: state.local.clone() for name, state in metric.named_accumulators()}
+    for prefix, store in metric.named_sample_stores():
+        states.update({prefix + name: rows.clone() for name, rows in store.local().items()})
+    return states
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    return value.rows if isinstance(value, SavedRows) else value
 
 
 @pytest.mark.parametrize("pair", list(_PAIRS))
@@ -111,7 +131,8 @@ def test_a_checkpoint_of_another_configuration_is_refused(pair: str) -> None:
 
     twin = make_saving()
     twin.load_state_dict(saved)  # the same configuration loads
-    assert all(torch.equal(twin.state_dict()[key], value) for key, value in saved.items())
+    resaved = twin.state_dict()
+    assert all(torch.equal(_tensor(resaved[key]), _tensor(value)) for key, value in saved.items())
     older = {key: value for key, value in saved.items() if key != "configuration"}
     twin = make_saving()
     twin.load_state_dict(older)  # saved before the configuration was: loads as it is

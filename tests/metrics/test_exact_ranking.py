@@ -246,7 +246,7 @@ def test_binned_mode_is_unchanged() -> None:
     assert set(binned.state_dict()) == {"histogram", "bin_layout", "configuration", "rejected"}
     exact = BinaryAUROCMetric(exact=True)
     assert has_own_sync(exact)  # its samples are gathered: the slow sync path
-    assert set(exact.state_dict()) == {"rejected", "scores", "labels"}
+    assert set(exact.state_dict()) == {"configuration", "rejected", "scores", "labels"}
     preds, target = torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])
     binned.update(preds, target)
     exact.update(preds, target)
@@ -264,6 +264,10 @@ def test_state_dict_reset_sync_and_to() -> None:
     restored = BinaryAveragePrecisionMetric(exact=True)
     restored.load_state_dict(saved)
     _close(restored.compute(), expected)
+    saved_scores = saved["scores"].rows.clone()
+    saved["scores"].rows.fill_(0.5)  # the caller reuses its state_dict: the metric's own rows
+    _close(restored.compute(), expected)
+    saved["scores"].rows.copy_(saved_scores)
     restored.sync()  # a single process: the gathered rows are the local ones
     _close(restored.compute(), expected)
     restored.to("cpu")
@@ -276,6 +280,17 @@ def test_state_dict_reset_sync_and_to() -> None:
         restored.load_state_dict({**saved, "scores": saved["scores"].rows.float()})
     with pytest.raises(KeyError, match="labels"):
         restored.load_state_dict({"rejected": saved["rejected"], "scores": saved["scores"]})
+
+
+def test_start_sync_refuses_a_tree_whose_rows_it_would_not_gather() -> None:
+    # It marked the tree synced without gathering the rows: each rank computed its own AUROC.
+    from sidestream.sync import CallFingerprint
+
+    tree = ComposeMetric({"auroc": BinaryAUROCMetric(exact=True), "count": SumMetric()})
+    for metric in (tree, BinaryAUROCMetric(exact=True)):
+        with pytest.raises(TypeError, match=r"start_sync: .* call sync\(\) instead"):
+            metric.start_sync(None, CallFingerprint("sync", 1))
+    tree["count"].start_sync(None, CallFingerprint("sync", 1)).wait()  # its states only: fine
 
 
 def test_inside_a_compose_metric() -> None:

@@ -34,14 +34,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.path.is_file():
         parser.error(f"{args.path}: no such file")
+    out = args.plot
+    if out is not None:
+        if out.is_dir():
+            parser.error(f"--plot: {out} is a directory; expected an image file such as out.png")
+        if not out.suffix:
+            out = out.with_suffix(".png")  # what matplotlib would write, and is said below
     history = _history(args.path)
-    if not history:
-        print(f"{args.path}: no records", file=sys.stderr)
+    if not any(history.values()):
+        print(f"{args.path}: no records with numeric values", file=sys.stderr)
         return 1
     print(_table(history))
-    if args.plot is not None:
+    if out is not None:
         try:
-            _plot(history, args.plot)
+            _plot(history, out)
         except ImportError:
             print(
                 'error: --plot needs matplotlib: pip install "sidestream[plot]" (or pip install '
@@ -49,7 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        print(f"plot written to {args.plot}")
+        except (ValueError, OSError) as error:  # a format matplotlib lacks, an unwritable path
+            print(f"error: --plot {out}: {error}", file=sys.stderr)
+            return 2
+        print(f"plot written to {out}")
     return 0
 
 
@@ -96,7 +105,7 @@ def _plot(history: History, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    streams = sorted(history)
+    streams = sorted(stream for stream, names in history.items() if names)
     figure, axes = plt.subplots(
         len(streams), 1, figsize=(8, 3 * len(streams)), squeeze=False, constrained_layout=True
     )

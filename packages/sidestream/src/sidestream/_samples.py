@@ -176,7 +176,7 @@ class SampleStore:
         self.append(**checked)
 
     def checked_rows(self, rows: dict[str, Tensor | SavedRows]) -> dict[str, Tensor]:
-        """``rows`` as ``load`` takes them (tensors on the store's device), checked; no change.
+        """``rows`` as ``load`` takes them (copies on the store's device), checked; no change.
 
         Raises:
             KeyError: If a field is missing.
@@ -196,7 +196,8 @@ class SampleStore:
                 raise ValueError(
                     f"state_dict[{name!r}]: expected dtype {template.dtype}, got {tensor.dtype}"
                 )
-            checked[name] = tensor.to(template.device)
+            # A copy: the rows must not change when the caller reuses its state_dict later.
+            checked[name] = tensor.to(template.device, copy=True)
         return checked
 
     def copy_from(self, other: SampleStore) -> None:

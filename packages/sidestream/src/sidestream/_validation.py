@@ -6,6 +6,8 @@ must not add a host sync on CUDA, so they take the policy of ``screen_invalid``.
 
 from __future__ import annotations
 
+from numbers import Integral, Real
+
 import torch
 from torch import Tensor
 from torch.compiler import is_compiling
@@ -60,9 +62,24 @@ def as_tensor(
         # detach() makes a new tensor object: skip it when there is no graph to cut.
         return value.detach() if value.requires_grad else value
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{argument}: expected a torch.Tensor or a number, got {type(value)}")
+        if isinstance(value, bool) or not isinstance(value, Real):
+            raise TypeError(f"{argument}: expected a torch.Tensor or a number, got {type(value)}")
+        # Another real number (numpy.float32, numpy.int64, Fraction) as the Python one.
+        value = int(value) if isinstance(value, Integral) else float(value)
     # A fill kernel, not a host-to-device copy from pageable memory (which would sync on CUDA).
     return torch.full((), float(value) if floating else value, device=device)
+
+
+def check_floating_dtype(argument: str, dtype: object) -> None:
+    """Raise ``TypeError`` naming ``argument`` unless ``dtype`` is a floating ``torch.dtype``.
+
+    For a state's accumulation dtype: an integer one would truncate every float value.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"{argument}: expected a floating-point torch.dtype (torch.float64, torch.float32, "
+            f"...), got {dtype!r}"
+        )
 
 
 def check_floating(argument: str, tensor: Tensor) -> None:

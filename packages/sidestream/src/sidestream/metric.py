@@ -64,6 +64,8 @@ class _Prepared:
     every_state: SyncProgram
     batched: SyncProgram
     own_sync: list[Metric[Any]] = field(default_factory=list)
+    #: No metric of the tree has its own ``sync`` or sample stores: ``start_sync`` covers it.
+    arena_only: bool = True
 
 
 class Metric(Stateful, Generic[T], abc.ABC):
@@ -521,11 +523,21 @@ class Metric(Stateful, Generic[T], abc.ABC):
     ) -> SyncHandle:
         """Start the reduction of every state with ``fingerprint`` (the collector's windows).
 
-        Bypasses metrics' own ``sync`` methods and sample-store gathers: use it only for trees
-        without them (``has_own_sync``). The state counts as synchronized once the handle was
-        waited on.
+        For trees whose metrics have no ``sync`` of their own and no sample stores (see
+        ``has_own_sync``): those need ``sync``. The state counts as synchronized once the
+        handle was waited on.
+
+        Raises:
+            TypeError: If a metric of the tree has its own ``sync`` or sample stores, which
+                this would skip (each rank would then compute from its own data alone).
         """
-        handle = self.prepare_sync(group).every_state.start(fingerprint, async_op=async_op)
+        prepared = self.prepare_sync(group)
+        if not prepared.arena_only:
+            raise TypeError(
+                f"start_sync: {type(self).__name__} has metrics with their own sync or stored "
+                "samples (exact mode), which start_sync does not reduce; call sync() instead"
+            )
+        handle = prepared.every_state.start(fingerprint, async_op=async_op)
         self._mark_fresh(True)
         return handle
 
@@ -590,13 +602,13 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 everything.add(state, group, state._synced, name=name)
         every_state = everything.program(check=check)
         if not own_sync:
-            return _Prepared(group, home, every_state, every_state)
+            return _Prepared(group, home, every_state, every_state, [], not has_own_sync(self))
         skipped = {id(s) for m in own_sync for _, s in m.named_accumulators()}
         batched = SyncBatch()
         for name, state in self.named_accumulators():
             if id(state) not in skipped:
                 batched.add(state, group, state._synced, name=name)
-        return _Prepared(group, home, every_state, batched.program(check=check), own_sync)
+        return _Prepared(group, home, every_state, batched.program(check=check), own_sync, False)
 
     def reset(self) -> None:
         """Return every state to its initial value (no communication).

@@ -98,10 +98,8 @@ class Slot:
         """
         live = self._live._own_arena()
         if live is not self._live_arena:
-            handle = self.metric.start_sync(
-                self._group, CallFingerprint("changed", step, self._stream), async_op=False
-            )
-            handle.verify()
+            changed = CallFingerprint("changed", step, self._stream)
+            self.metric.prepare_sync(self._group).every_state.start(changed).verify()
             raise RankMismatchError(_changed_after_bind(self._live))
         self._arena.copy_from(live)
         for source, target in self._own_sync_pairs:

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating
+from sidestream._validation import as_tensor, check_floating, check_floating_dtype
 from sidestream.metrics._nan_strategy import NanStrategy
 from sidestream.metrics._screened import NanScreenedMetric
 from sidestream.state import ReduceOp
@@ -24,6 +24,7 @@ class _ExtremumMetric(NanScreenedMetric):
     def __init__(
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
+        check_floating_dtype("dtype", dtype)
         identity = -math.inf if self._maxes else math.inf
         # Named after the op, so a MaxMetric checkpoint cannot load into a MinMetric.
         self._extremum = self.add_state(self._op.value, identity, self._op, dtype=dtype)
@@ -60,7 +61,7 @@ class MaxMetric(_ExtremumMetric):
     NaN propagates (a NaN value makes the result NaN) unless ``nan_strategy`` says otherwise.
 
     Args:
-        dtype: The state dtype (float64 by default).
+        dtype: The floating-point state dtype (float64 by default; ``TypeError`` otherwise).
         nan_strategy: ``"disable"``, ``"error"``, ``"ignore"`` or a fill value; see
             ``sidestream.metrics.NanPolicy``.
     """
@@ -75,7 +76,7 @@ class MinMetric(_ExtremumMetric):
     NaN propagates (a NaN value makes the result NaN) unless ``nan_strategy`` says otherwise.
 
     Args:
-        dtype: The state dtype (float64 by default).
+        dtype: The floating-point state dtype (float64 by default; ``TypeError`` otherwise).
         nan_strategy: ``"disable"``, ``"error"``, ``"ignore"`` or a fill value; see
             ``sidestream.metrics.NanPolicy``.
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating
+from sidestream._validation import as_tensor, check_floating, check_floating_dtype
 from sidestream.metrics._nan_strategy import NanStrategy
 from sidestream.metrics._screened import NanScreenedMetric
 from sidestream.state import MetricAccumulator
@@ -19,7 +19,8 @@ class MeanMetric(NanScreenedMetric):
     A mean over no data is NaN (0 / 0), on purpose: it is not a zero loss.
 
     Args:
-        dtype: The accumulation dtype of the sum and the count (float64 by default).
+        dtype: The floating-point accumulation dtype of the sum and the count (float64 by
+            default; an integer one would truncate the values: ``TypeError``).
         nan_strategy: ``"disable"`` (NaN propagates), ``"error"``, ``"ignore"`` or a fill
             value; see ``sidestream.metrics.NanPolicy``.
     """
@@ -27,6 +28,7 @@ class MeanMetric(NanScreenedMetric):
     def __init__(
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
+        check_floating_dtype("dtype", dtype)
         self._total = MetricAccumulator(0.0, dtype=dtype)
         self._count = MetricAccumulator(0.0, dtype=dtype)
         super().__init__(nan_strategy)

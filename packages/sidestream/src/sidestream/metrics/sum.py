@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating
+from sidestream._validation import as_tensor, check_floating, check_floating_dtype
 from sidestream.metrics._nan_strategy import NanStrategy
 from sidestream.metrics._screened import NanScreenedMetric
 from sidestream.state import MetricAccumulator
@@ -17,7 +17,8 @@ class SumMetric(NanScreenedMetric):
     """The sum of every value passed to ``update``, over all ranks after ``sync``.
 
     Args:
-        dtype: The accumulation dtype; float64 by default so long runs do not lose precision.
+        dtype: The floating-point accumulation dtype; float64 by default so long runs do not
+            lose precision (an integer one would truncate the values: ``TypeError``).
         nan_strategy: ``"disable"`` (NaN propagates), ``"error"``, ``"ignore"`` or a fill
             value; see ``sidestream.metrics.NanPolicy``.
 
@@ -31,6 +32,7 @@ class SumMetric(NanScreenedMetric):
     def __init__(
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
+        check_floating_dtype("dtype", dtype)
         self._total = MetricAccumulator(0.0, dtype=dtype)
         super().__init__(nan_strategy)
 

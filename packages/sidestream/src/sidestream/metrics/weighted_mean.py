@@ -12,6 +12,7 @@ from sidestream._validation import (
     as_tensor,
     check_broadcastable,
     check_floating,
+    check_floating_dtype,
     checks_stay_on_device,
     screen_invalid,
 )
@@ -33,7 +34,8 @@ class WeightedMeanMetric(NanScreenedMetric):
     A mean with zero total weight (no data) is NaN.
 
     Args:
-        dtype: The accumulation dtype (float64 by default).
+        dtype: The floating-point accumulation dtype (float64 by default; an integer one would
+            truncate the values: ``TypeError``).
         nan_strategy: What a NaN value does: ``"disable"`` (it propagates), ``"error"`` (bad
             input, like a bad weight), ``"ignore"`` (its weight becomes 0) or a fill value; see
             ``sidestream.metrics.NanPolicy``.
@@ -50,6 +52,7 @@ class WeightedMeanMetric(NanScreenedMetric):
     def __init__(
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
+        check_floating_dtype("dtype", dtype)
         self._weighted_sum = MetricAccumulator(0.0, dtype=dtype)
         self._weight = MetricAccumulator(0.0, dtype=dtype)
         # Read by update as a plain attribute: a compiled call guards a property's getter too.

@@ -200,9 +200,9 @@ class JsonlSink(TrackerSink):
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """The records of a ``JsonlSink`` file, non-finite values read back as floats.
 
-    Lines that do not parse (one cut short by a crash) are skipped.
+    Lines that do not parse (one cut short by a crash, bytes that are not UTF-8) are skipped.
     """
-    with Path(path).open(encoding="utf-8") as file:
+    with Path(path).open("rb") as file:  # each line decoded alone: one bad line is skipped
         for line in file:
             record = _parse(line)
             if record is not None:

@@ -163,6 +163,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
                 scores=torch.zeros((0, classes), dtype=torch.float64),
                 labels=torch.zeros((0, classes), dtype=torch.int8),
             )
+            # The rows are raw scores (logits or probabilities) of one problem: rows of another
+            # are refused by the first sync and by load_state_dict, not ranked together. Only
+            # the rejected counter is an accumulator here, so it carries the problem.
+            configure_states(problem, self._rejected)
             return
         # Layout (is_positive, class, bin), flattened so one index_add_ fills it.
         self._histogram = MetricAccumulator(
