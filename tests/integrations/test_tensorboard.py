@@ -244,6 +244,9 @@ def test_a_relative_log_dir_resumes_in_the_same_directory_from_another_working_d
 def test_purge_step_is_refused_since_tensorboard_would_hide_kept_steps(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="purge_step is not supported"):
         TensorBoardSink(log_dir=tmp_path, purge_step=6)
+    assert TensorBoardSink(log_dir=tmp_path, purge_step=None).log_dir == str(tmp_path)  # default
+    # A URL goes to TensorBoard's file layer as it is, not under the working directory.
+    assert TensorBoardSink(log_dir="s3://bucket/runs/a").log_dir == "s3://bucket/runs/a"
 
 
 def test_a_new_run_in_a_directory_with_event_files_is_warned_about(

@@ -148,7 +148,14 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
 def test_values_named_like_the_step_or_a_wandb_column_keep_their_own_columns(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    values = {"step": 123.0, "_step": 7.0, "_runtime": 9.0, "_timestamp": 8.0, "loss": 0.5}
+    values = {
+        "step": 123.0,
+        "_step": 7.0,
+        "_runtime": 9.0,
+        "_timestamp": 8.0,
+        "eval/step": 4.0,  # the step column a stream eval would have
+        "loss": 0.5,
+    }
     sink = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
     sink.open(RunInfo(name="names"))
     for step in (1, 2):
@@ -159,18 +166,18 @@ def test_values_named_like_the_step_or_a_wandb_column_keep_their_own_columns(
     assert sink.close(timeout=60) and run_dir is not None
     rows = _history(_data_file(run_dir))
     assert [row.items.get("step") for row in rows] == [1, 2, None]
-    assert [row.items.get("train/step") for row in rows] == [None, None, 3]
+    assert [row.items.get("train/step") for row in rows] == [None, None, 3]  # only its own
     for row in rows[:2]:
         # W&B's own columns are W&B's: its step counts rows, the runtime is not 9.
         assert row.items["_step"] != 7.0 and row.items["_runtime"] != 9.0
         assert row.items["_timestamp"] != 8.0
         own = {key: value for key, value in row.items.items() if "-" in key}
-        assert sorted(own.values()) == [7.0, 8.0, 9.0, 123.0], row.items
-        assert {key.split("-")[0] for key in own} == {"step", "runtime", "timestamp"}
+        assert sorted(own.values()) == [4.0, 7.0, 8.0, 9.0, 123.0], row.items
+        assert {key.split("-")[0] for key in own} == {"step", "runtime", "timestamp", "eval/step"}
         assert row.items["loss"] == 0.5
     renamed = [key for key in rows[2].items if key.startswith("train/step-")]
     assert len(renamed) == 1 and rows[2].items[renamed[0]] == 5.0
-    for name in ("'step'", "'_step'", "'_runtime'", "'_timestamp'", "'train/step'"):
+    for name in ("'step'", "'_step'", "'_runtime'", "'_timestamp'", "'eval/step'", "'train/step'"):
         assert f"{name} is logged as" in caplog.text
 
 
@@ -206,6 +213,24 @@ def test_rows_a_stalled_service_has_not_written_do_not_count_as_delivered(
     assert sink.state_dict()["last_steps"] == [["", 6]]
     assert sink.close(timeout=60)
     assert [row.items["step"] for row in _history(_data_file(run_dir))] == list(range(1, 7))
+
+
+def test_a_relative_dir_keeps_counting_rows_after_the_script_changes_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    sink = WandbSink(project="sidestream-it", mode="offline", dir="relative")
+    sink.open(RunInfo(name="chdir"))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for step in (1, 2):
+        sink.write(Report(step=step, values={"x": float(step)}, time=time.time()))
+    assert sink.flush(timeout=30)
+    assert sink.state_dict()["last_steps"] == [["", 2]]
+    run_dir = sink.run_dir
+    assert run_dir is not None and run_dir.startswith(str(tmp_path / "relative"))
+    assert sink.close(timeout=60)
+    assert (Path(run_dir) / "sidestream-steps.json").is_file()  # the progress file too
 
 
 _CRASHING_JOB = """

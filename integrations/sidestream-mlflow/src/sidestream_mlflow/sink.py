@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import uuid
@@ -13,6 +12,7 @@ from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, i
 from sidestream.sinks.support import (
     check_option_types,
     flatten_config,
+    name_digest,
     redact,
     secrets_in,
     shorten,
@@ -414,5 +414,5 @@ def _key(name: str) -> str:
     if cleaned.startswith(".."):
         cleaned = "_" + cleaned[1:]
     if cleaned != name:
-        cleaned = f"{cleaned}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+        cleaned = f"{cleaned}-{name_digest(name)}"
     return shorten(cleaned, MAX_KEY_LENGTH)

@@ -59,7 +59,8 @@ class TensorBoardSink(TrackerSink):
 
     Args:
         log_dir: The run's directory, made absolute when the sink is built (a checkpoint names
-            it for a job resumed from another working directory); ``None`` takes the saved one
+            it for a job resumed from another working directory; a URL such as ``s3://...`` is
+            kept as it is); ``None`` takes the saved one
             on resume, else SummaryWriter's default (``runs/<date>_<host><comment>``).
         histogram_edges: Bin edges per histogram name (``num_bins + 1`` values); bins without
             edges span ``[i, i + 1)``.
@@ -86,7 +87,7 @@ class TensorBoardSink(TrackerSink):
     ) -> None:
         super().__init__()
         self.refuse_unknown_options(writer_kwargs)
-        if "purge_step" in writer_kwargs:
+        if writer_kwargs.get("purge_step") is not None:
             # TensorBoard's reader would hide the earlier files' events at or after that step,
             # among them the steps this sink keeps on disk and does not write again.
             raise TypeError(
@@ -94,14 +95,17 @@ class TensorBoardSink(TrackerSink):
                 "(load_state_dict), keeping each step already on disk and skipping it, and "
                 "purge_step would make TensorBoard hide those steps"
             )
+        writer_kwargs.pop("purge_step", None)  # None: SummaryWriter's default
         check_option_types("TensorBoardSink", writer_kwargs, _WRITER_OPTION_TYPES)
         # A resumed job's saved directory replaces only a default one (see identity).
         self._log_dir_given = log_dir is not None
         if log_dir is None:
             self._log_dir = _default_log_dir(writer_kwargs.get("comment", ""))
         else:
-            # Absolute: a checkpoint names this directory for a job resumed from anywhere.
-            self._log_dir = os.path.abspath(os.fspath(log_dir))
+            self._log_dir = os.fspath(log_dir)
+            if "://" not in self._log_dir:  # not a URL (s3://...): TensorBoard's own file layer
+                # Absolute: a checkpoint names this directory for a job resumed from anywhere.
+                self._log_dir = os.path.abspath(self._log_dir)
             check_directory_path("log_dir", self._log_dir)
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         self._writer_kwargs = writer_kwargs

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import os
 import re
 import secrets
 import string
-import sys
 import threading
 import time
 from collections import deque
@@ -23,6 +21,7 @@ from sidestream.sinks.support import (
     checked_histogram_edges,
     flatten_config,
     histogram_edges,
+    name_digest,
     redact,
     secrets_in,
     shorten,
@@ -142,9 +141,10 @@ class WandbSink(TrackerSink):
         # and not counted as written yet, oldest first: under a steady backlog persist never
         # sees a quiet interval, but a row logged an interval (plus the margin) ago is in the
         # file by then, if the file grew since (a stalled service writes nothing).
-        self._unwritten: deque[tuple[float, int, str, int]] = deque()
-        self._data_file: str | None = None  # the run's .wandb file, found at open
-        self._size_before_last_log = -1
+        self._unwritten: deque[tuple[float, int | None, str, int]] = deque()
+        self._data_file: str | None = None  # the run's .wandb file (absolute), found at open
+        self._local_dir = ""  # the open run's directory (absolute), set at open
+        self._size_before_last_log: int | None = None
         self._unwritten_lock = threading.Lock()
         self._progress_lock = threading.Lock()
         self._finished = False
@@ -194,7 +194,7 @@ class WandbSink(TrackerSink):
     @property
     def run_dir(self) -> str | None:
         """The local directory of the open run (where an offline run's ``.wandb`` file is)."""
-        return None if self._run is None else str(self._run.dir).removesuffix("/files")
+        return None if self._run is None else self._local_dir
 
     def describe_error(self, error: BaseException) -> str:
         """``error`` as text with the API key removed."""
@@ -240,7 +240,12 @@ class WandbSink(TrackerSink):
             raise failure  # outside the handler: the original is not chained as its context
         self._run_id = str(self._run.id)
         self._service_pid = _service_process()
+        # Absolute, as both paths are taken now: the script may change its working directory.
+        self._local_dir = os.path.abspath(str(self._run.dir).removesuffix("/files"))
         self._data_file = _data_file_of(self._run)
+        with self._unwritten_lock:  # rows of an earlier run of this sink were in its own file
+            self._unwritten.clear()
+        self._last_log, self._size_before_last_log = 0.0, None
         self._finished = False
         # mode="disabled": wandb keeps nothing, so there is no write to wait for or record.
         self._disabled = getattr(getattr(self._run, "settings", None), "mode", None) == "disabled"
@@ -280,11 +285,11 @@ class WandbSink(TrackerSink):
 
         for report in reports:
             key = step_metric(report.stream)
-            row: dict[str, Any] = {self._column(n, key): v for n, v in report.values.items()}
+            row: dict[str, Any] = {self._column(n): v for n, v in report.values.items()}
             for name, counts in report.histograms.items():
                 histogram = self._histogram(wandb, name, counts)
                 if histogram is not None:
-                    row[self._column(name, key)] = histogram
+                    row[self._column(name)] = histogram
             failure: RuntimeError | None = None
             try:
                 self._define(report.stream, key, row)
@@ -323,7 +328,7 @@ class WandbSink(TrackerSink):
         size = self._data_size()
         with self._unwritten_lock:
             while self._unwritten and self._unwritten[0][0] <= cutoff:
-                if size <= self._unwritten[0][1]:
+                if not _grown(size, self._unwritten[0][1]):
                     break  # nothing written since it was logged: a stalled service or disk
                 _, _, stream, step = self._unwritten.popleft()
                 written[stream] = step  # steps of a stream are logged in increasing order
@@ -345,37 +350,51 @@ class WandbSink(TrackerSink):
         """Wait until wandb's periodic write has put every logged row in the ``.wandb`` file.
 
         That is ``x_transaction_log_flush_interval`` plus a margin after the last ``run.log``,
-        and the file grown since then; False if ``timeout`` is shorter, if the service died, or
-        if the interval is 0 (wandb then writes rows only when a buffer fills or at ``finish``).
+        and the file grown since then, which a stalled service gets one more interval for;
+        False if ``timeout`` is shorter, if the service died or stalled, or if the interval is
+        0 (wandb then writes rows only when a buffer fills or at ``finish``).
         """
         if self._finished or self._flush_interval is None or self._disabled:
             return True  # finished, a client that cannot say (before 0.31), or nothing kept
         if self._flush_interval <= 0:
             return False
-        deadline = None if timeout is None else time.monotonic() + timeout
-        wait = self._last_log + self._flush_interval + _FLUSH_MARGIN_S - time.monotonic()
+        # The rows logged by now; later ones are the next flush's.
+        period = self._flush_interval + _FLUSH_MARGIN_S
+        last_log, size_before = self._last_log, self._size_before_last_log
+        start = time.monotonic()
+        wait = last_log + period - start
         if wait > 0:
             if timeout is not None and wait > timeout:
                 return False
             time.sleep(wait)
         # A dead service wrote nothing more; a stalled one (a blocked disk, a stopped process)
-        # leaves the file as it was before the last row until it goes on.
+        # leaves the file as it was before the last row: given one more periodic write, the
+        # rows stay unconfirmed (a checkpoint keeps them) instead of the caller waiting on.
+        deadline = time.monotonic() + period
+        if timeout is not None:
+            deadline = min(deadline, start + timeout)
         while self._service_alive():
-            if self._data_size() > self._size_before_last_log:
+            if _grown(self._data_size(), size_before):
                 return True
-            if deadline is not None and time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
+                self.warn_once(
+                    "stalled",
+                    f"WandbSink: the run's .wandb file did not grow within {period:.1f} s of "
+                    "the last row's periodic write: wandb's service seems stalled; those rows "
+                    "do not count as delivered yet",
+                )
                 return False
             time.sleep(_GROWTH_POLL_S)
         return False
 
-    def _data_size(self) -> int:
-        """The size of the run's ``.wandb`` file; larger than any row's (unknown: no check)."""
+    def _data_size(self) -> int | None:
+        """The size of the run's ``.wandb`` file; None without one to look at (no check)."""
         if self._data_file is None:
-            return sys.maxsize
+            return None
         try:
             return os.stat(self._data_file).st_size
         except OSError:
-            return -1  # not there (yet): nothing counts as written
+            return -1  # gone since open: nothing counts as written
 
     def _service_alive(self) -> bool:
         """Whether wandb's service process (if this process started it) is still running.
@@ -435,27 +454,25 @@ class WandbSink(TrackerSink):
                 self._run.define_metric(name, step_metric=key)
                 self._defined.add(name)
 
-    def _column(self, name: str, step_key: str) -> str:
-        """The W&B column of a value: its name, unless W&B or the stream's step owns that name.
+    def _column(self, name: str) -> str:
+        """The W&B column of a value: its name, unless W&B or a stream's step owns that name.
 
-        W&B keeps names starting with ``_`` for itself (``_step``, ``_runtime``, ``_timestamp``)
-        and the row's step metric is written under ``step_key``: a value of such a name would
-        overwrite one or be overwritten. It gets a column of its own, with a digest of the
-        name, like MLflow's sink does for names MLflow refuses; warned once per name.
+        W&B keeps top-level names starting with ``_`` for itself (``_step``, ``_runtime``,
+        ``_timestamp``), and each stream's step is written under ``step`` or
+        ``<stream>/step``: a value of such a name would overwrite one or be overwritten. It
+        gets a column of its own, with a digest of the name, like MLflow's sink does for names
+        MLflow refuses; warned once per name.
         """
-        if name != step_key and not name.startswith("_"):
+        is_step = name == "step" or name.endswith("/step")
+        if not is_step and not (name.startswith("_") and "/" not in name):
             return name
-        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
-        column = f"{name.lstrip('_') or 'value'}-{digest}"
-        self.warn_once(
-            f"column:{name}",
-            f"WandbSink: {name!r} is logged as {column!r}: "
-            + (
-                f"the stream's step is logged under {step_key!r}"
-                if name == step_key
-                else "W&B keeps names starting with '_' for itself"
-            ),
+        column = f"{name.lstrip('_') or 'value'}-{name_digest(name)}"
+        why = (
+            "W&B columns named 'step' or '<stream>/step' hold the streams' steps"
+            if is_step
+            else "W&B keeps names starting with '_' for itself"
         )
+        self.warn_once(f"column:{name}", f"WandbSink: {name!r} is logged as {column!r}: {why}")
         return column
 
     def _histogram(self, wandb: Any, name: str, counts: Any) -> Any:
@@ -479,7 +496,7 @@ class WandbSink(TrackerSink):
         if self._run is None:
             return True
         active, self._run = self._run, None
-        run_dir = str(active.dir).removesuffix("/files")
+        run_dir = self._local_dir
         finished = self.within(active.finish, timeout, "finish")
         if finished:
             self._finished = True
@@ -526,12 +543,26 @@ def _service_process() -> int | None:
 
 
 def _data_file_of(run: Any) -> str | None:
-    """The run's ``.wandb`` transaction log (``settings.sync_file``), or None if unknown."""
+    """The run's ``.wandb`` transaction log as an absolute path, or None if there is none.
+
+    None for an older client, ``mode="disabled"``, ``x_skip_transaction_log`` or a file that
+    ``wandb.init`` did not create: rows then count by time alone.
+    """
     try:
-        path = run.settings.sync_file
-    except Exception:  # an older client, or mode="disabled"
+        settings = run.settings
+        path = settings.sync_file
+        skipped = bool(getattr(settings, "x_skip_transaction_log", False))
+    except Exception:
         return None
-    return path if isinstance(path, str) else None
+    if skipped or not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    # Absolute: the training script may change its working directory later.
+    return os.path.abspath(path)
+
+
+def _grown(size: int | None, before: int | None) -> bool:
+    """Whether the file grew from ``before`` to ``size`` (either unknown: no check)."""
+    return size is None or before is None or size > before
 
 
 def _process_running(pid: int) -> bool:

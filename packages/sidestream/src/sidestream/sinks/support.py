@@ -22,6 +22,7 @@ __all__ = [
     "check_seconds",
     "checked_histogram_edges",
     "flatten_config",
+    "name_digest",
     "parse_resume_state",
     "histogram_edges",
     "redact",
@@ -63,6 +64,14 @@ def flatten_config(
     return flat
 
 
+def name_digest(name: str) -> str:
+    """8 hex digits of ``name``'s SHA-1: what a sink appends to a name it had to change.
+
+    Two names that change into the same text (``acc@1`` and ``acc#1``) stay two.
+    """
+    return hashlib.sha1(name.encode()).hexdigest()[:8]
+
+
 def shorten(text: str, limit: int) -> str:
     """``text`` if it fits in ``limit`` characters, else a prefix plus a digest of the whole.
 
@@ -70,7 +79,7 @@ def shorten(text: str, limit: int) -> str:
     """
     if len(text) <= limit:
         return text
-    digest = hashlib.sha1(text.encode()).hexdigest()[:8]
+    digest = name_digest(text)
     if limit < 16:
         return digest[:limit]
     return f"{text[: limit - 9]}-{digest}"
