@@ -390,27 +390,36 @@ def test_a_child_process_sink_checks_its_state_at_load() -> None:
     sink.load_state_dict({"run_id": None, "last_steps": [["", 3]]})
 
 
+@pytest.mark.parametrize("bad_part", ["sink state", "undelivered"])
 @pytest.mark.parametrize("through_run", [True, False])
 def test_a_malformed_sink_state_fails_at_load_before_anything_is_restored(
-    through_run: bool, tmp_path: Path
+    through_run: bool, bad_part: str, tmp_path: Path
 ) -> None:
     """It was taken as given and failed on rank 0's sink thread at open (training going on
     with the sink failed, ``close`` False); now the load raises, on every rank, naming the
-    sink, and neither the metric nor the sink is resumed."""
-    bad = {"run_id": 5, "last_steps": "x"}
+    sink, and neither the metric nor the sink is resumed. A malformed ``undelivered`` part
+    raised only after the metric and the sinks had taken their states."""
     saved_metric = {"total": torch.tensor(6.0).double(), "count": torch.tensor(2.0).double()}
+    good = {"run_id": "r", "last_steps": [["train", 7]]}
+    if bad_part == "sink state":
+        sinks, undelivered, error = {"buffering": {"run_id": 5, "last_steps": "x"}}, {}, ValueError
+        message = r"sink 'buffering' refuses its saved state: .*"
+    else:
+        sinks, undelivered, error = {"buffering": good}, {"buffering": 5}, TypeError
+        message = r"state_dict\['undelivered'\]\['buffering'\]: expected text"
     sink = TrackerSinkForTests()
     if through_run:
         run = Run([sink], spool_dir=str(tmp_path))
         collector = run.collector(MeanMetric(), prefix="train")
-        with pytest.raises(ValueError, match=r"sink 'buffering' refuses its saved state: .*"):
-            run.load_state_dict(
-                {"collectors": {"train": saved_metric}, "sinks": {"buffering": bad}}
-            )
+        checkpoint = {"collectors": {"train": saved_metric}, "sinks": sinks}
+        with pytest.raises(error, match=message):
+            run.load_state_dict({**checkpoint, "undelivered": undelivered})
     else:
         collector = AsyncMetricCollector(MeanMetric(), sinks=[sink], spool_dir=str(tmp_path))
-        with pytest.raises(ValueError, match=r"sink 'buffering' refuses its saved state: .*"):
-            collector.load_state_dict({"metric": saved_metric, "sinks": {"buffering": bad}})
+        with pytest.raises(error, match=message):
+            collector.load_state_dict(
+                {"metric": saved_metric, "sinks": sinks, "undelivered": undelivered}
+            )
     assert collector.metric.state_dict()["count"].item() == 0  # the metric was not restored
     assert sink.state_dict()["last_steps"] == []  # nor the sink
     collector.bind()
@@ -445,3 +454,21 @@ def test_a_run_restores_no_collector_when_one_refuses_its_checkpoint(tmp_path: P
     assert first.metric.state_dict()["count"].item() == 0  # not restored either
     assert second.metric.state_dict()["counts"].sum().item() == 0
     assert run.close(timeout=30)
+
+
+def test_a_second_bound_collector_of_the_same_prefix_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Windows are paired across ranks by prefix and step: two collectors of one prefix,
+    scheduled in another order on one rank, logged each other's numbers with no error."""
+    # A prefix of its own: collectors other tests left bound do not count.
+    loss = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")
+    other = AsyncMetricCollector(MeanMetric(), prefix="twin-other").bind("cpu")
+    assert "another collector with the prefix" not in caplog.text
+    accuracy = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")
+    assert "another collector with the prefix 'twin' is bound and not closed" in caplog.text
+    for collector in (loss, other, accuracy):
+        assert collector.close(timeout=30)
+    caplog.clear()
+    AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu").close(timeout=30)  # closed
+    assert "another collector with the prefix" not in caplog.text

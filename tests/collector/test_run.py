@@ -645,3 +645,34 @@ def test_checkpoints_share_no_lists_and_carry_the_state_of_a_sink_left_out(
     after = resumed.state_dict()["sinks"]
     assert after["jsonl"]["last_steps"] == [["", 2]]
     assert after["jsonl-2"] == want["jsonl-2"]
+
+
+class _SlowMean(MeanMetric):
+    def compute(self) -> torch.Tensor:
+        import time
+
+        time.sleep(0.4)
+        return super().compute()
+
+
+def test_a_checkpoint_that_times_out_on_computing_windows_says_they_are_not_in_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The windows were staged and reset, so the checkpoint lacked them with no word: a job
+    resumed from it after a crash logged steps 1, 5, 6 and nothing in between."""
+    run = Run([JsonlSink(tmp_path / "m.jsonl")])
+    collector = run.collector(_SlowMean(), prefix="t").bind("cpu")
+    for step in (1, 2, 3):
+        collector.metric.update(torch.tensor([float(step)]))
+        collector.schedule_collection(step)
+    run.state_dict(timeout=0.2)
+    assert "window(s) of the collector 't' were still being computed" in caplog.text
+    caplog.clear()
+    assert run.close(timeout=30)
+    run = Run([JsonlSink(tmp_path / "n.jsonl")])
+    collector = run.collector(_SlowMean(), prefix="t").bind("cpu")
+    collector.metric.update(torch.tensor([1.0]))
+    collector.schedule_collection(1)
+    run.state_dict(timeout=30)  # time enough: no warning
+    assert "still being computed" not in caplog.text
+    assert run.close(timeout=30)

@@ -410,3 +410,29 @@ def test_jsonl_to_a_pipe_with_fsync_writes_each_line_once(tmp_path: Path) -> Non
     assert runner.close(10.0)
     reader.join(10.0)
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_a_sink_raising_a_base_exception_fails_for_good_and_keeps_its_reports(
+    tmp_path: Path,
+) -> None:
+    """SystemExit from a tracker client ended the sink's thread: status healthy, close False
+    with no warning, the spool file deleted, 36 of 40 reports gone without a count."""
+    from sidestream import Run
+    from sidestream.sinks import read_spool
+
+    class Exiting(RecordingSink):
+        def write(self, report: Report) -> None:
+            if report.step >= 3:
+                raise SystemExit("the client called sys.exit")
+            super().write(report)
+
+    sink = Exiting(name="exiting")
+    run = Run([sink], spool_dir=str(tmp_path))
+    for step in range(1, 9):
+        run.log(step, {"x": float(step)})
+    assert not run.close(timeout=30)
+    status = run.sink_status["exiting"]
+    assert status.state == "failed" and "SystemExit" in (status.last_error or "")
+    assert [report.step for report in sink.reports] == [1, 2]
+    (kept,) = tmp_path.glob("*.spool.jsonl")
+    assert [report.step for report in read_spool(kept)] == list(range(3, 9))

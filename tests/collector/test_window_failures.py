@@ -192,3 +192,29 @@ def test_bad_collector_arguments_name_themselves() -> None:
             collector.schedule_collection(step)
     collector.schedule_collection(0)
     assert collector.close(timeout=30)
+
+
+class _CancelledAtStep3(SumMetric):
+    def compute(self) -> torch.Tensor:
+        import asyncio
+
+        if float(self._total.value) == 6.0:  # the window of step 3 (1 + 2 + 3)
+            raise asyncio.CancelledError("compute cancelled")
+        return super().compute()
+
+
+def test_a_base_exception_in_compute_fails_its_window_instead_of_the_dispatcher() -> None:
+    """asyncio.CancelledError (a BaseException) ended the dispatcher thread: collect_results
+    waited for good, and close returned True with windows 3 to 10 never logged."""
+    from tests.collector.helpers import RecordingSink
+
+    sink = RecordingSink()
+    collector = AsyncMetricCollector(_CancelledAtStep3(), sinks=[sink], reset_each_window=False)
+    collector.bind("cpu")
+    for step in (1, 2, 3, 4):
+        collector.metric.update(torch.tensor([float(step)]))
+        collector.schedule_collection(step)
+    with pytest.raises(RuntimeError, match=r"steps 3\b.*CancelledError.*compute cancelled"):
+        collector.collect_results(timeout=30)
+    assert not collector.close(timeout=30)  # a window failed
+    assert [report.step for report in sink.reports] == [1, 2, 4]

@@ -324,6 +324,42 @@ def test_reports_spooled_before_close_stay_on_disk_when_the_disk_is_full_at_clos
     assert steps == list(range(1, 101))  # every report once, oldest first
 
 
+_FULL_SPOOL_ON_A_FULL_DISK = r"""
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+from sidestream.sinks import Report
+from sidestream.sinks._spool import Spool
+spool = Spool(sys.argv[1], label="full", max_bytes=3000)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4000, resource.RLIM_INFINITY))
+failed = []
+for step in range(1, 121):
+    try:
+        spool.append(Report(step=step, values={"loss": float(step)}, time=0.0))
+    except OSError:
+        failed.append(step)
+held = []
+while len(spool):
+    held.append(spool.pop_oldest().step)
+print(";".join([",".join(map(str, failed)), ",".join(map(str, held)), str(spool.dropped)]))
+"""
+
+
+def test_a_full_spool_on_a_full_disk_counts_every_report_and_stays_usable(
+    tmp_path: Path,
+) -> None:
+    """The oldest reports were dropped to make room before the write that then failed, and
+    not counted; and the bytes the buffered file could not write were tried again by every
+    later call, so the spool failed from then on (32 of 37 reports lost at close). Now the
+    room is made for real (the file compacted) and the write tried once more."""
+    result = _run_with_file_size_limit(_FULL_SPOOL_ON_A_FULL_DISK, tmp_path)
+    failed_text, held_text, dropped = result.stdout.strip().split(";")
+    failed = [int(s) for s in failed_text.split(",") if s]
+    held = [int(s) for s in held_text.split(",")]
+    assert len(failed) + len(held) + int(dropped) == 120  # every report counted once
+    assert held == sorted(held) and held[-1] == 120  # the spool still takes reports
+    assert not set(failed) & set(held)
+
+
 def test_a_full_spool_is_logged_once_while_it_stays_full(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

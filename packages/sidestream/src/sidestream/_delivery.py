@@ -317,7 +317,9 @@ class Delivery:
                 logger.warning("state_dict: sink %r: make_durable failed: %s", runner.key, error)
         return runner.sink_state()
 
-    def check_sink_states(self, states: Mapping[str, Any]) -> None:
+    def check_sink_states(
+        self, states: Mapping[str, Any], undelivered: Mapping[str, Any] | None = None
+    ) -> None:
         """Raise now if a sink of this run refuses its saved state in ``states``.
 
         Each is loaded into a shallow copy of its sink (the sink itself takes it only when it
@@ -325,11 +327,15 @@ class Delivery:
         anything is restored, instead of on rank 0's sink thread at open while training goes
         on without that sink.
 
+        ``undelivered`` (the checkpoint's undelivered reports) is checked as well.
+
         Raises:
             ValueError: Naming the sink, with the sink's own message.
+            TypeError: If ``states`` or ``undelivered`` is not a mapping of the right types.
         """
         if not isinstance(states, Mapping):
             raise TypeError(f"state_dict['sinks']: expected a mapping, got {states!r}")
+        _backlogs(undelivered or {})
         for key, state in states.items():
             if key not in self.sinks:
                 continue

@@ -414,7 +414,7 @@ class Run:
         undelivered: dict[str, str] = {}
         if self.is_writer:
             for collector in self._collectors:
-                collector.wait_windows(_left(deadline))
+                collector.wait_windows_for_checkpoint(_left(deadline))
             if self._log_pipe is not None:
                 self._log_pipe.wait_idle(_left(deadline))
             sinks, undelivered = self._delivery.sink_states(_left(deadline))
@@ -444,7 +444,8 @@ class Run:
             )
         collectors = dict(state_dict["collectors"])
         sinks = state_dict["sinks"]
-        self._delivery.check_sink_states(sinks)  # before anything is restored
+        # Before anything is restored.
+        self._delivery.check_sink_states(sinks, state_dict.get("undelivered"))
         # Every collector's checkpoint is checked before any is restored: a job that catches a
         # refusal and starts fresh then counts no collector's saved numbers twice.
         restores = [

@@ -177,7 +177,10 @@ class Dispatcher:
                 return
             try:
                 step, result = self._process(window)
-            except Exception as error:
+            except BaseException as caught:
+                # A BaseException (SystemExit, CancelledError from a compute) would end this
+                # thread: collect_results would wait for good and close would say all is done.
+                error = caught if isinstance(caught, Exception) else _wrapped(caught)
                 with self._cond:
                     self._errors += 1
                 if self._errors == 1:
@@ -346,3 +349,10 @@ def _finish_on_side_stream(window: Window) -> tuple[FlatTree, list[Any]]:
         for metric in slot.metric._walk_metrics():
             metric.verify_sync()
     return tree, host
+
+
+def _wrapped(caught: BaseException) -> RuntimeError:
+    """``caught`` as an error ``collect_results`` may raise in the training thread."""
+    error = RuntimeError(f"{type(caught).__name__} in the window: {caught}")
+    error.__cause__ = caught
+    return error

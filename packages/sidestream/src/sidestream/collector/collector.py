@@ -259,6 +259,7 @@ class AsyncMetricCollector(Generic[T]):
                     "whose windows stage and reset it (its children included): give each "
                     "collector its own metric"
                 )
+        self._warn_of_a_twin()
         target = torch.device(device) if device is not None else self._metric.device
         if target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(
@@ -314,6 +315,28 @@ class AsyncMetricCollector(Generic[T]):
         if self._owns_delivery:
             atexit.register(self._close_at_exit)
         return self
+
+    def _warn_of_a_twin(self) -> None:
+        """Warn if a bound collector of this process has this one's prefix, mode and group.
+
+        Windows are paired across ranks by prefix, mode and step: ranks that schedule the
+        two in another order would reduce one's window with the other's, with no error.
+        """
+        for other in list(_BOUND.values()):
+            twin = (other._prefix, other._reset_each_window, other._group) == (
+                self._prefix,
+                self._reset_each_window,
+                self._group,
+            )
+            if other is not self and not other._closed and twin:
+                logger.warning(
+                    "bind: another collector with the prefix %r is bound and not closed; "
+                    "windows are paired across ranks by prefix and step, so ranks scheduling "
+                    "the two in another order would reduce one's window with the other's: give "
+                    "each collector its own prefix",
+                    self._prefix,
+                )
+                return
 
     def _refuse_group_without_writer(self) -> None:
         """Sinks are written by global rank 0: a group without it would deliver nothing."""
@@ -567,6 +590,23 @@ class AsyncMetricCollector(Generic[T]):
         timeout = check_timeout("wait_windows: timeout", timeout)
         return self._dispatcher is None or self._dispatcher.wait_idle(timeout)
 
+    def wait_windows_for_checkpoint(self, timeout: float | None) -> None:
+        """``wait_windows``, warning if windows are left out of the checkpoint being taken.
+
+        Their states were staged and reset, so the checkpoint's metric state does not hold
+        them, and their reports reach the sinks only after it: a job that crashes before they
+        are delivered and resumes from it does not log them.
+        """
+        if not self.wait_windows(timeout) and self._dispatcher is not None:
+            logger.warning(
+                "state_dict: %d window(s) of the collector %r were still being computed when "
+                "the checkpoint's timeout (%s s) ran out; they are not in this checkpoint, so "
+                "a job resumed from it would not log them (give state_dict a longer timeout)",
+                self._dispatcher.unprocessed,
+                self._prefix,
+                timeout,
+            )
+
     def _close_at_exit(self) -> None:
         self.close(self._delivery.options.exit_timeout)
 
@@ -603,7 +643,7 @@ class AsyncMetricCollector(Generic[T]):
         undelivered: dict[str, str] = {}
         if self._owns_delivery and self.is_writer:
             deadline = None if timeout is None else time.monotonic() + timeout
-            self.wait_windows(timeout)
+            self.wait_windows_for_checkpoint(timeout)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             sink_states, undelivered = self._delivery.sink_states(left)
         return {"metric": metric_state, "sinks": sink_states, "undelivered": undelivered}
@@ -632,7 +672,9 @@ class AsyncMetricCollector(Generic[T]):
         # Nothing is restored unless everything loads: a job that catches the error and starts
         # fresh then skips no step (resumed sinks) and counts nothing twice (a loaded metric).
         if self._owns_delivery:
-            self._delivery.check_sink_states(state_dict.get("sinks", {}))
+            self._delivery.check_sink_states(
+                state_dict.get("sinks", {}), state_dict.get("undelivered")
+            )
         self.prepare_metric_load(state_dict["metric"])()
         if self._owns_delivery:
             self._delivery.load_sink_states(

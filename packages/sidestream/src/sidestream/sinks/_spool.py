@@ -12,13 +12,21 @@ from typing import IO
 from sidestream.sinks._spool_format import decode_report, encode_report
 from sidestream.sinks.base import Report
 
-__all__ = ["DEFAULT_SPOOL_MAX_BYTES", "Spool", "leftover_spools"]
+__all__ = ["DEFAULT_SPOOL_MAX_BYTES", "Spool", "SpoolWriteError", "leftover_spools"]
 
 #: Default cap on the bytes one sink's spool file holds (256 MiB).
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 
 # Bytes moved per read when the file is compacted or copied: bounded memory.
 _CHUNK = 1 << 20
+
+
+class SpoolWriteError(OSError):
+    """A report not spooled although the oldest reports were dropped to make room for it."""
+
+    def __init__(self, error: OSError, dropped: int) -> None:
+        super().__init__(error.errno, f"{error.strerror} ({dropped} older report(s) dropped)")
+        self.dropped = dropped
 
 
 class Spool:
@@ -101,33 +109,71 @@ class Spool:
 
         Raises:
             OSError: If the file cannot be created or written (the spool is left as it was).
+            SpoolWriteError: If it could not be written even after the oldest reports were
+                dropped to make room (``dropped`` of them).
         """
         line = encode_report(report)
         if len(line) > self._max_bytes:
             self.dropped += 1  # larger than the whole cap: it can never be kept
             return 1
-        dropped = 0
-        while self._lines and self.nbytes + len(line) > self._max_bytes:
-            self._read_offset += self._lines.popleft()
+        # The oldest reports that make room, dropped only once the new one is written: a
+        # failed write leaves the spool as it was.
+        dropped, freed = 0, 0
+        while dropped < len(self._lines) and self.nbytes - freed + len(line) > self._max_bytes:
+            freed += self._lines[dropped]
             dropped += 1
-        self.dropped += dropped
-        file = self._open()
         # The dead prefix is cut once larger than the live part (and than a chunk, or the cap
         # when that is smaller), so the file stays within about twice the cap.
         if self._read_offset > max(self.nbytes, min(_CHUNK, self._max_bytes)):
-            self._compact(file)
+            self._compact(self._open())
+        try:
+            self._write_at_end(line)
+        except OSError:
+            if not dropped:
+                raise
+            # Out of space: make the room for real (the oldest reports go, counted, and the
+            # file is compacted) and try once more.
+            self._drop_oldest(dropped)
+            try:
+                self._compact(self._open())
+                self._write_at_end(line)
+            except OSError as error:
+                raise SpoolWriteError(error, dropped) from error
+        else:
+            self._drop_oldest(dropped)
+        self._end += len(line)
+        self._lines.append(len(line))
+        return dropped
+
+    def _drop_oldest(self, count: int) -> None:
+        for _ in range(count):
+            self._read_offset += self._lines.popleft()
+        self.dropped += count
+
+    def _write_at_end(self, line: bytes) -> None:
+        """Write ``line`` after the last one; on failure the file is as it was (``OSError``)."""
+        file = self._open()
         try:
             file.seek(self._end)
             file.write(line)
             file.flush()
         except OSError:
-            # A full disk may have taken part of the line: cut it so the file stays readable.
-            with contextlib.suppress(OSError):
-                file.truncate(self._end)
+            self._reopen_at_end()
             raise
-        self._end += len(line)
-        self._lines.append(len(line))
-        return dropped
+
+    def _reopen_at_end(self) -> None:
+        """After a failed write: the file cut back to its last whole line, with a new buffer.
+
+        The buffered file keeps the bytes it could not write and tries them again on every
+        later seek, read or flush, so one full disk would make the spool unusable for good;
+        closing it drops them. A full disk may also have taken part of the line: it is cut.
+        """
+        assert self._file is not None and self._path is not None
+        with contextlib.suppress(OSError):
+            self._file.close()  # its flush fails again; the bytes it held are dropped
+        self._file = open(self._path, "r+b")  # noqa: SIM115 - kept open, closed by close()
+        with contextlib.suppress(OSError):
+            self._file.truncate(self._end)
 
     def pop_oldest(self) -> Report:
         """Remove and return the oldest report.

@@ -187,7 +187,8 @@ class ProcessSink(Sink):
         restarts: How many times a child was started again after dying or hanging.
 
     Raises:
-        TypeError: If ``sink`` is not a ``Sink`` or cannot be pickled.
+        TypeError: If ``sink`` is not a ``Sink`` or cannot be pickled, or an option is not a
+            number (``"30"`` from a config file).
         ValueError: If a timeout is not positive or ``flush_every`` < 1.
         SinkProcessError: If the main script creates it (or later opens it) from top-level
             code outside ``if __name__ == "__main__":``, where the spawned child would run the

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool
+from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool, SpoolWriteError
 from sidestream.sinks._spool_format import (
     decode_report,
     encode_report,
@@ -153,7 +153,9 @@ class SinkRunner:
                 try:
                     dropped = self._spool.append(report)
                 except Exception as error:
-                    self._drop(1, f"could not spool step {report.step}: {_describe(error)}")
+                    # And the older reports dropped for room before the write failed.
+                    lost = 1 + (error.dropped if isinstance(error, SpoolWriteError) else 0)
+                    self._drop(lost, f"could not spool step {report.step}: {_describe(error)}")
                 else:
                     if dropped:
                         self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
@@ -490,10 +492,13 @@ class SinkRunner:
         while True:
             try:
                 action()
-            except Exception as error:
+            except BaseException as error:
                 self._failed_attempts += 1
                 reason = f"{type(error).__name__}: {error}"
-                if is_permanent(error):
+                # A BaseException (SystemExit from a client, CancelledError) would end this
+                # thread and lose its reports silently: the sink fails for good instead, and
+                # its reports are kept as a failed sink's are.
+                if is_permanent(error) or not isinstance(error, Exception):
                     self._fail(what, reason)
                     return False
                 with self._cond:
