@@ -39,6 +39,22 @@ def test_sync_and_state_dict_under_a_launcher_without_a_process_group_raise(
     assert metrics.state_dict()["loss.total"].item() == 4.0
 
 
+def test_run_state_dict_under_a_launcher_without_a_process_group_raises(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A run with plain values only reduces nothing, so no metric's check caught it: every rank
+    # returned its own sink states as rank 0's, for a checkpoint that resumes every tracker.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    run = Run([JsonlSink(tmp_path / "m.jsonl")])
+    with pytest.raises(RuntimeError, match=r"^state_dict: .*RANK=1.*init_process_group"):
+        run.state_dict()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert set(run.state_dict()) == {"collectors", "sinks", "undelivered"}
+    assert run.close(timeout=10)
+
+
 def test_one_sink_given_twice_to_one_run_says_so(tmp_path: Path) -> None:
     sink = JsonlSink(tmp_path / "m.jsonl")
     with pytest.raises(ValueError, match=r"is given twice; pass each sink object once"):

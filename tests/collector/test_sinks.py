@@ -91,8 +91,9 @@ def test_console_live_line_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> Non
     assert all(frame.endswith("\x1b[K") for frame in frames[:-1])
     assert frames[0] == "step 10 | train/loss 0.5\x1b[K"
     assert frames[1] == "step 20 | 5 steps/s | train/loss 0.25\x1b[K"
-    # The latest values of every stream; the step stays the latest one.
-    assert frames[2] == "step 20 | 5 steps/s | train/loss 0.25 | val/f1 0.75\x1b[K\n"
+    # The latest values of every stream; the step stays the latest one, and an older value
+    # says its own step.
+    assert frames[2] == "step 20 | 5 steps/s | train/loss 0.25 | val/f1 0.75 @10\x1b[K\n"
     # Off a terminal: plain lines.
     plain = io.StringIO()
     sink = ConsoleSink(stream=plain)

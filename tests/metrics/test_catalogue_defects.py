@@ -130,7 +130,7 @@ def test_nan_multiclass_scores_are_not_counted_as_a_class(monkeypatch: pytest.Mo
         assert all(int(t.abs().sum()) == 0 for k, t in saved.items() if k != "configuration")
 
     def device_screen(checks: list, rejected):  # type: ignore[no-untyped-def]
-        bad = torch.stack([torch.as_tensor(flag).any() for flag, _, _ in checks]).any()
+        bad = torch.stack([torch.as_tensor(flag).any() for flag, *_ in checks]).any()
         rejected.accumulate(bad.to(torch.int64))
         return ~bad
 

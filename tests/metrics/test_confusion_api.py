@@ -367,7 +367,7 @@ def test_device_policy_drops_bad_batches_exactly(monkeypatch: pytest.MonkeyPatch
     ) -> torch.Tensor | None:
         if not checks:
             return None
-        any_invalid = torch.stack([invalid.any() for invalid, _, _ in checks]).any()
+        any_invalid = torch.stack([invalid.any() for invalid, *_ in checks]).any()
         rejected.accumulate(any_invalid.to(torch.int64))
         return ~any_invalid
 

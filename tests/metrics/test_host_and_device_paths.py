@@ -225,7 +225,7 @@ def test_device_policy_drops_bad_ranking_batches_exactly(monkeypatch: pytest.Mon
     from sidestream.metrics.classification import _scores
 
     def device_screen(checks: list[tuple[Any, str, str]], rejected: Any) -> torch.Tensor:
-        bad = torch.stack([torch.as_tensor(flag).any() for flag, _, _ in checks]).any()
+        bad = torch.stack([torch.as_tensor(flag).any() for flag, *_ in checks]).any()
         rejected.accumulate(bad.to(torch.int64))
         return ~bad
 

@@ -82,6 +82,9 @@ def test_error_raises_before_the_state_changes() -> None:
     for bad in ("warn", float("inf")):
         with pytest.raises(ValueError, match="nan_strategy"):
             MeanMetric(nan_strategy=bad)
+    # torchmetrics' "warn" has no counterpart here: the message says what to use instead.
+    with pytest.raises(ValueError, match=r'use "ignore" and read the metric\'s nan_count'):
+        MeanMetric(nan_strategy="warn")
 
 
 @on_rank_device

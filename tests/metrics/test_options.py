@@ -507,6 +507,95 @@ def test_bad_values_raise_before_the_state_changes() -> None:
     assert int(auroc.histograms()[0].sum() + auroc.histograms()[1].sum()) == 0
 
 
+@pytest.mark.parametrize(
+    "update, match",
+    [
+        # The multiclass host path (logits), and integer class indices through the checks list.
+        (
+            lambda: (
+                confusion_count_metric()
+                .multiclass(C)
+                .with_f1()
+                .macro()
+                .build()
+                .update(torch.rand(5, C), torch.tensor([0, 1, 9, 2, -3]))
+            ),
+            r"^target: expected class indices in \[0, 4\);.* \(found 9, -3: 2 of 5 elements\)$",
+        ),
+        (
+            lambda: (
+                confusion_count_metric()
+                .multiclass(C)
+                .with_f1()
+                .macro()
+                .build()
+                .update(torch.tensor([0, 7, 1]), torch.tensor([0, 1, 1]))
+            ),
+            r"^preds: expected class indices in \[0, 4\);.* \(found 7: 1 of 3 elements\)$",
+        ),
+        (
+            lambda: (
+                confusion_count_metric()
+                .binary()
+                .with_f1()
+                .build()
+                .update(torch.rand(4), torch.tensor([0.0, 1.0, 0.5, 1.0]))
+            ),
+            r"^target: expected 0/1 targets;.* \(found 0\.5: 1 of 4 elements\)$",
+        ),
+        (
+            lambda: BinaryAUROCMetric().update(
+                torch.tensor([0.1, 1.5, 2.0, 3.0, 4.0]), torch.ones(5, dtype=torch.long)
+            ),
+            r"^preds: expected probabilities.* \(found 1\.5, 2, 3, \.\.\.: 4 of 5 elements\)$",
+        ),
+        (
+            lambda: MulticlassAUROCMetric(C, ignore_index=IGNORE).update(
+                torch.rand(3, C), torch.tensor([IGNORE, 4, 0])
+            ),
+            r"^target: expected class indices in \[0, 4\) or ignore_index=-100;.* "
+            r"\(found 4: 1 of 3 elements\)$",
+        ),
+    ],
+    ids=["target index", "predicted index", "binary target", "probabilities", "ignore_index"],
+)
+def test_bad_values_are_shown_in_the_error(update: Any, match: str) -> None:
+    # The message says which values broke the check, not only that some did (ignored
+    # elements are not among them).
+    with pytest.raises(ValueError, match=match):
+        update()
+
+
+def test_scores_in_the_other_layout_say_how_to_move_the_class_axis() -> None:
+    # The confusion-count metrics take the class axis last, the ranking ones second (as
+    # torchmetrics does): each refusal names the movedim that fits, and that call then works.
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.rand(6, C, X, generator=generator)  # torchmetrics' (N, C, X)
+    target = torch.randint(0, C, (6, X), generator=generator)
+    f1 = confusion_count_metric().multiclass(C).with_f1().macro().build()
+    with pytest.raises(ValueError, match=r"\(N, C, \.\.\.\), as torchmetrics.*\.movedim\(1, -1\)"):
+        f1.update(scores, target)
+    f1.update(scores.movedim(1, -1), target)
+    expected = tmf.multiclass_f1_score(scores, target, num_classes=C, average="macro")
+    assert float(f1.compute()) == pytest.approx(float(expected))
+    auroc = MulticlassAUROCMetric(C, exact=True)
+    with pytest.raises(ValueError, match=r"C-last scores \(N, \.\.\., C\).*\.movedim\(-1, 1\)"):
+        auroc.update(scores.movedim(1, -1), target)
+    auroc.update(scores.movedim(1, -1).movedim(-1, 1), target)
+    expected = tmf.multiclass_auroc(scores, target, num_classes=C, average="macro")
+    assert float(auroc.compute()) == pytest.approx(float(expected))
+    labels = torch.randint(0, 2, (6, C, X), generator=generator)
+    multilabel = confusion_count_metric().multilabel(C).with_f1().macro().build()
+    with pytest.raises(ValueError, match=r"scores and 0/1 targets laid out \(N, L, \.\.\.\)"):
+        multilabel.update(scores, labels)
+    multilabel.update(scores.movedim(1, -1), labels.movedim(1, -1))
+    expected = tmf.multilabel_f1_score(scores, labels, num_labels=C, average="macro")
+    assert float(multilabel.compute()) == pytest.approx(float(expected))
+    # A shape of neither layout gets no hint.
+    with pytest.raises(ValueError, match=r"got \(6, 7, 9\)$"):
+        auroc.update(torch.rand(6, 7, 9), target)
+
+
 def test_samplewise_per_class_and_several_statistics() -> None:
     data = make_data(4, 50)
     logits = torch.as_tensor(data["mc_logits"], dtype=torch.float32)

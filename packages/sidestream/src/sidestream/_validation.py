@@ -17,6 +17,7 @@ from sidestream.state import MetricAccumulator
 __all__ = [
     "check_int",
     "expected_text",
+    "found_outside",
     "as_tensor",
     "check_broadcastable",
     "check_floating",
@@ -121,6 +122,24 @@ def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_na
         )
 
 
+def found_outside(values: Tensor, low: float, high: float, *, whole: bool = False) -> str:
+    """For a CPU error message: up to three values outside ``[low, high]`` and how many.
+
+    NaN counts as outside, and with ``whole`` so does a number with a fraction. Reads the
+    values on the host: call it only where the update raises anyway.
+    """
+    flat = values.detach().reshape(-1)
+    bad = ~((flat >= low) & (flat <= high))
+    if whole and flat.is_floating_point():
+        bad |= flat != flat.round()
+    count = int(bad.sum())
+    if not count:
+        return ""
+    shown = ", ".join(f"{value:g}" for value in flat[bad][:3].tolist())
+    more = ", ..." if count > 3 else ""
+    return f" (found {shown}{more}: {count} of {flat.numel()} elements)"
+
+
 def checks_stay_on_device(device: torch.device) -> bool:
     """Whether value checks on ``device`` must stay on the device (count and drop, no raise).
 
@@ -133,7 +152,11 @@ def checks_stay_on_device(device: torch.device) -> bool:
 
 
 def screen_invalid(
-    invalid: Tensor | bool, rejected: MetricAccumulator, argument: str, expected: str
+    invalid: Tensor | bool,
+    rejected: MetricAccumulator,
+    argument: str,
+    expected: str,
+    found: str = "",
 ) -> Tensor | None:
     """Apply the bad-value policy to a batch.
 
@@ -152,6 +175,7 @@ def screen_invalid(
         rejected: The metric's int64 SUM counter of rejected updates.
         argument: The argument name for the error message.
         expected: What valid values look like, for the error message.
+        found: What the batch held instead, for the error message (``found_outside``).
 
     Returns:
         ``None`` when the batch is valid on CPU; on CUDA a 0-dim bool tensor, true to keep the
@@ -159,11 +183,15 @@ def screen_invalid(
     """
     if isinstance(invalid, bool):
         if invalid:
-            raise ValueError(f"{argument}: expected {expected}; this batch has values that are not")
+            raise ValueError(
+                f"{argument}: expected {expected}; this batch has values that are not{found}"
+            )
         return None
     if not checks_stay_on_device(invalid.device):
         if bool(invalid.any()):
-            raise ValueError(f"{argument}: expected {expected}; this batch has values that are not")
+            raise ValueError(
+                f"{argument}: expected {expected}; this batch has values that are not{found}"
+            )
         return None
     bad = invalid.any()
     rejected.accumulate(bad)  # a bool adds as 0 or 1 (no cast: one guard less per compiled call)

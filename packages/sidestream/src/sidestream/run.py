@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from sidestream._delivery import Delivery, DeliveryOptions, check_timeout
-from sidestream._distributed import Group
+from sidestream._distributed import Group, check_process_group
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream.collector.collector import DEFAULT_MAX_SLOTS, AsyncMetricCollector
@@ -380,6 +380,9 @@ class Run:
         Raises:
             RankMismatchError: If a collector's window was paired with another call on some
                 rank (one rank skipped a ``schedule_collection``), as ``collector.state_dict``.
+            RuntimeError: If the environment says the job has several processes but no
+                process group is initialized (every rank would save its own sink states as
+                rank 0's).
         """
         # The collector's own state_dict first raises a rank mismatch its windows found (as
         # it does when called directly); a collector of this run holds no sink states.
@@ -388,6 +391,7 @@ class Run:
         # order (or one rank an extra one) would otherwise reduce one collector's state against
         # another's.
         timeout = check_timeout("state_dict: timeout", timeout)
+        check_process_group("state_dict")
         ordered = sorted(self._collectors, key=lambda c: c.prefix)
         scopes = [c._checkpoint_scope() for c in ordered]
         collectors: dict[str, Any] = {}

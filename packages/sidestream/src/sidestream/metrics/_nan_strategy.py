@@ -52,8 +52,15 @@ class NanPolicy:
         self._fill: float | None = None
         if isinstance(strategy, str):
             if strategy not in _NAMES:
+                hint = (
+                    ' (torchmetrics\' "warn" needs a host sync per update to know when to warn: '
+                    'use "ignore" and read the metric\'s nan_count with the result)'
+                    if strategy == "warn"  # type: ignore[comparison-overlap]
+                    else ""
+                )
                 raise ValueError(
-                    f"nan_strategy: expected one of {_NAMES} or a finite number, got {strategy!r}"
+                    f"nan_strategy: expected one of {_NAMES} or a finite number, got "
+                    f"{strategy!r}{hint}"
                 )
         elif isinstance(strategy, bool) or not isinstance(strategy, int | float):
             raise TypeError(f"nan_strategy: expected a string or a number, got {type(strategy)}")

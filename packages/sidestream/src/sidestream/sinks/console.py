@@ -19,8 +19,9 @@ class ConsoleSink(Sink):
     """Show reports on the console.
 
     On a terminal (``stream.isatty()``) one line is redrawn in place: the latest step, the
-    steps per second and the latest value of every name across all streams
-    (``step 120 | 4.1 steps/s | train/loss 0.4321 | val/f1 0.912 | lr 0.0003``). Elsewhere (a
+    steps per second and the latest value of every name across all streams, with its own step
+    when that is older than the line's
+    (``step 120 | 4.1 steps/s | train/loss 0.4321 | val/f1 0.912 @100 | lr 0.0003``). Elsewhere (a
     log file, a pipe, a notebook) every report prints a line of its own
     (``step 120 | train/loss 0.4321 | train/acc 0.912``).
 
@@ -63,7 +64,7 @@ class ConsoleSink(Sink):
         # Reports seen per stream: one in every ``every`` of each stream prints, so a stream
         # that reports as often as another (a run.log per train window) is not always skipped.
         self._seen: dict[str, int] = {}
-        self._latest: dict[str, float] = {}
+        self._latest: dict[str, tuple[float, int]] = {}  # name: (value, its step)
         self._step: int | None = None
         self._first: tuple[int, float] | None = None  # (step, time) of the first report
         self._rate: float | None = None
@@ -118,11 +119,17 @@ class ConsoleSink(Sink):
         return self._line([f"step {report.step}"], list(report.values.items()))
 
     def live_line(self) -> str:
-        """The live line as it stands: latest step, steps per second, latest values."""
+        """The live line as it stands: latest step, steps per second, latest values.
+
+        A value logged at an earlier step than the line's (a validation window, a stream that
+        logs less often) shows its step after it: ``val/f1 0.912 @100``.
+        """
         parts = [f"step {self._step}"]
         if self._rate is not None:
             parts.append(f"{self._rate:.3g} steps/s")
-        return self._line(parts, list(self._latest.items()))
+        items = [(name, value) for name, (value, _) in self._latest.items()]
+        steps = [step for _, step in self._latest.values()]
+        return self._line(parts, items, steps)
 
     def close(self, timeout: float | None = None) -> bool:
         """End the live line with a newline."""
@@ -135,7 +142,8 @@ class ConsoleSink(Sink):
         return True
 
     def _update(self, report: Report, now: float) -> None:
-        self._latest.update(report.values)
+        for name, value in report.values.items():
+            self._latest[name] = (value, report.step)
         if self._step is None or report.step > self._step:
             self._step = report.step
             if self._first is None:
@@ -154,9 +162,16 @@ class ConsoleSink(Sink):
         self._stream.flush()
         self._drawn = True
 
-    def _line(self, parts: list[str], items: list[tuple[str, float]]) -> str:
-        shown = items[: self._max_values]
-        parts = parts + [f"{name} {self._number(value)}" for name, value in shown]
+    def _line(
+        self, parts: list[str], items: list[tuple[str, float]], steps: list[int] | None = None
+    ) -> str:
+        """``parts``, then ``name value`` per item; ``@step`` after one older than the line."""
+        parts = list(parts)
+        for index, (name, value) in enumerate(items[: self._max_values]):
+            text = f"{name} {self._number(value)}"
+            if steps is not None and self._step is not None and steps[index] < self._step:
+                text += f" @{steps[index]}"
+            parts.append(text)
         if len(items) > self._max_values:
             parts.append(f"... (+{len(items) - self._max_values} more)")
         return " | ".join(parts)

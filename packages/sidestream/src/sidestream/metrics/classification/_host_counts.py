@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from sidestream._validation import screen_invalid
+from sidestream._validation import found_outside, screen_invalid
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._inputs import PROBABILITIES
 from sidestream.state import MetricAccumulator
@@ -116,10 +116,12 @@ class BinaryHostCounter:
         if top > _ONE_BITS[scores.dtype.itemsize]:
             # NaN compares false: outside, as on the torch path.
             if not (scores.min() >= 0 and scores.max() <= 1):
-                screen_invalid(True, rejected, "preds", PROBABILITIES)
+                found = found_outside(preds, 0, 1)
+                screen_invalid(True, rejected, "preds", PROBABILITIES, found)
             top = _ONE_BITS[scores.dtype.itemsize]  # only -0.0 got here: clamp, to be safe
         if labels.dtype != np.bool_ and labels.view(_UNSIGNED[labels.dtype.itemsize]).max() > 1:
-            screen_invalid(True, rejected, "target", "0 or 1")
+            found = found_outside(target, 0, 1, whole=True)
+            screen_invalid(True, rejected, "target", "0 or 1", found)
         # The torch path's bin: float product in the scores' dtype (a Python float scales a
         # float32 array in float32, as it scales a float32 tensor), truncated, then clamped;
         # below 0.99 no score reaches the last bin's upper edge, so no clamp is needed.

@@ -23,10 +23,11 @@ from sidestream._validation import (
     check_same_shape,
     checks_stay_on_device,
     expected_text,
+    found_outside,
     screen_invalid,
 )
 from sidestream.metrics.classification import _cpu_path
-from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.metrics.classification._problem import Problem, ProblemKind, class_axis_hint
 from sidestream.state import MetricAccumulator
 
 __all__ = [
@@ -64,10 +65,17 @@ _FUSED_MAX_ELEMENTS = 1 << 14
 """From this many scores, ``batch_cells`` takes predictions and the NaN check from one
 ``max(-1)`` pass."""
 
-Check = tuple[Tensor | bool, str, str]
-"""``(invalid elements, argument name, what valid values look like)`` for one value check.
+Found = tuple[Tensor, float, float, bool]
+"""``(values, low, high, whole)``: where a failed check's error message finds the values it
+names (``found_outside``)."""
+
+Check = tuple[Tensor | bool, str, str, Found | None]
+"""``(invalid elements, argument name, what valid values look like, where to find them)`` for
+one value check.
 
 The first item is a bool when the check was already read on the host (CPU fast path)."""
+
+_INF = float("inf")
 
 
 def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
@@ -96,18 +104,20 @@ def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
     """
     if not checks:
         return None
-    flags = [invalid for invalid, _, _ in checks]
+    flags = [check[0] for check in checks]
     if all(flag is False for flag in flags):
         return None  # every check already read on the host, and passed: the common case
     if any(isinstance(flag, bool) or not checks_stay_on_device(flag.device) for flag in flags):
-        for invalid, argument, expected in checks:
-            screen_invalid(invalid, rejected, argument, expected)
+        for invalid, argument, expected, source in checks:
+            failed = invalid if isinstance(invalid, bool) else bool(invalid.any())
+            found = found_outside(*source[:3], whole=source[3]) if failed and source else ""
+            screen_invalid(failed, rejected, argument, expected, found)
         return None
     device_flags = [flag for flag in flags if isinstance(flag, Tensor)]
     any_invalid = device_flags[0].any()
     for flag in device_flags[1:]:
         any_invalid = any_invalid | flag.any()
-    names = "/".join(argument for _, argument, _ in checks)
+    names = "/".join(argument for _, argument, _, _ in checks)
     return screen_invalid(any_invalid, rejected, names, "valid values")
 
 
@@ -146,7 +156,7 @@ def _target_labels(
         is_binary = (one_hot == 0) | (one_hot == 1)
         invalid = ~is_binary.all(-1) | (one_hot.sum(-1) != 1)
         labels = one_hot.argmax(-1).reshape(-1)
-        return labels, None, [(invalid, "target", "one-hot rows: one 1, zeros elsewhere")]
+        return labels, None, [(invalid, "target", "one-hot rows: one 1, zeros elsewhere", None)]
     if target.shape != sample_shape:
         raise ValueError(
             f"target: expected class indices of shape {tuple(sample_shape)} or one-hot targets "
@@ -163,7 +173,8 @@ def _target_labels(
         weight = kept.to(torch.int64)
         checked = torch.where(kept, labels, 0)
         expected += expected_text(" or ignore_index={}", ignore_index)
-    checks = [(outside(checked, 0, num_classes - 1), "target", expected)]
+    found = (checked, 0.0, num_classes - 1.0, False)
+    checks: list[Check] = [(outside(checked, 0, num_classes - 1), "target", expected, found)]
     return _in_range(labels, num_classes, all_checked=ignore_index is None), weight, checks
 
 
@@ -210,11 +221,14 @@ def multiclass_labels(
                 f"preds: expected scores of shape (N, ..., C) with C = num_classes = "
                 f"{num_classes}, or integer class indices (N, ...), got "
                 f"{preds.dtype} of shape {tuple(preds.shape)}"
+                + class_axis_hint(preds.shape, num_classes, last=True, labels=False)
             )
         sample_shape = preds.shape[:-1]
         scores = preds.reshape(-1, num_classes)
         # argmax / topk rank NaN as the highest score: a NaN row would be counted as a class.
-        checks.append((has_nan(scores), "preds", "scores without NaN"))
+        checks.append(
+            (has_nan(scores), "preds", "scores without NaN", (scores, -_INF, _INF, False))
+        )
         if top_k == 1:
             predicted = scores.argmax(-1, keepdim=True)
         else:
@@ -229,6 +243,7 @@ def multiclass_labels(
                 outside(flat, 0, num_classes - 1),
                 "preds",
                 expected_text("class indices in [0, {})", num_classes),
+                (flat, 0.0, num_classes - 1.0, False),
             )
         )
         predicted = _in_range(flat, num_classes, all_checked=True)
@@ -362,11 +377,13 @@ def batch_cells(
     else:
         predicted, largest = None, scores.amax().item()
     if largest != largest:
-        screen_invalid(True, rejected, "preds", "scores without NaN")
+        found = found_outside(scores, -_INF, _INF)
+        screen_invalid(True, rejected, "preds", "scores without NaN", found)
     labels = target if target.ndim == 1 else target.reshape(-1)
     low, high = torch.aminmax(labels)
     if not (low.item() >= 0 and high.item() <= classes - 1):
-        screen_invalid(True, rejected, "target", f"class indices in [0, {classes})")
+        found = found_outside(labels, 0, classes - 1)
+        screen_invalid(True, rejected, "target", f"class indices in [0, {classes})", found)
     if predicted is None:
         predicted = scores.argmax(-1)
     return torch.add(predicted, labels, alpha=classes)
@@ -423,14 +440,20 @@ def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
         scores = preds if preds.dtype in (torch.float32, torch.float64) else preds.float()
         if problem.logits:
             # sigmoid(NaN) >= threshold is false: a NaN would be counted as a negative.
-            checks = [(has_nan(scores), "preds", "logits without NaN")]
-            return torch.sigmoid(scores) >= problem.threshold, checks
-        checks = [(outside(scores, 0, 1), "preds", PROBABILITIES)]
-        return scores >= problem.threshold, checks
+            nan: Check = (
+                has_nan(scores),
+                "preds",
+                "logits without NaN",
+                (scores, -_INF, _INF, False),
+            )
+            return torch.sigmoid(scores) >= problem.threshold, [nan]
+        bad: Check = (outside(scores, 0, 1), "preds", PROBABILITIES, (scores, 0.0, 1.0, False))
+        return scores >= problem.threshold, [bad]
     if preds.dtype == torch.bool:
         return preds, []
     if _integer(preds):
-        return preds == 1, [(outside(preds, 0, 1), "preds", "0/1 predictions")]
+        found = (preds, 0.0, 1.0, False)
+        return preds == 1, [(outside(preds, 0, 1), "preds", "0/1 predictions", found)]
     raise TypeError(f"preds: expected probabilities, logits or 0/1 predictions, got {preds.dtype}")
 
 
@@ -457,6 +480,7 @@ def label_flags(
         raise ValueError(
             f"preds: expected shape (N, ..., L) with L = num_labels = {labels}, "
             f"got {tuple(preds.shape)}"
+            + class_axis_hint(preds.shape, labels, last=True, labels=True)
         )
     check_same_shape(preds, target)
     if target.is_complex():
@@ -473,7 +497,7 @@ def label_flags(
             expected += expected_text(" or ignore_index={}", problem.ignore_index)
         # A float target must be exactly 0 or 1 (0.5 is not a label), as the ranking metrics'.
         bad = not_binary(checked) if checked.is_floating_point() else outside(checked, 0, 1)
-        checks.append((bad, "target", expected))
+        checks.append((bad, "target", expected, (checked, 0.0, 1.0, True)))
     keep = screen(checks, rejected)
     if keep is not None:
         weight = keep.expand(target.shape) if weight is None else weight & keep

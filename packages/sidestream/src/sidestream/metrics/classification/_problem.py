@@ -75,6 +75,37 @@ class Problem:
         return "num_labels" if self.kind is ProblemKind.MULTILABEL else "num_classes"
 
 
+def class_axis_hint(shape: tuple[int, ...], size: int, *, last: bool, labels: bool) -> str:
+    """A hint for scores whose class (or label) axis is where the other layout keeps it.
+
+    The confusion-count metrics take it last, ``(N, ..., C)``; the ranking and calibration
+    metrics take it second, ``(N, C, ...)``, as torchmetrics does. ``""`` when the shape does
+    not look like the other layout.
+
+    Args:
+        shape: The refused ``preds`` shape.
+        size: ``num_classes`` or ``num_labels``.
+        last: Whether the refusing metric wants the axis last.
+        labels: Multilabel (the axis is ``L``, and the 0/1 targets share the layout).
+    """
+    if len(shape) < 3:
+        return ""
+    axis, what = ("L", "scores and 0/1 targets") if labels else ("C", "scores")
+    if last and shape[1] == size:
+        moved = (shape[0], *shape[2:], shape[1])
+        return (
+            f"; {what} laid out (N, {axis}, ...), as torchmetrics takes them, go in as "
+            f".movedim(1, -1), a view of shape {moved}"
+        )
+    if not last and shape[-1] == size:
+        moved = (shape[0], shape[-1], *shape[1:-1])
+        return (
+            f"; {axis}-last {what} (N, ..., {axis}) go in as .movedim(-1, 1), a view of shape "
+            f"{moved}"
+        )
+    return ""
+
+
 def configure_states(problem: Problem, *states: MetricAccumulator, more: str = "") -> None:
     """Record that ``states`` count under ``problem``, for the structure check across ranks.
 

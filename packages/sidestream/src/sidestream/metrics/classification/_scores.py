@@ -12,6 +12,7 @@ from sidestream._validation import (
     check_same_shape,
     checks_stay_on_device,
     expected_text,
+    found_outside,
     screen_invalid,
 )
 from sidestream.metrics.classification import _cpu_path
@@ -23,7 +24,7 @@ from sidestream.metrics.classification._inputs import (
     outside,
     screen,
 )
-from sidestream.metrics.classification._problem import Problem, ProblemKind
+from sidestream.metrics.classification._problem import Problem, ProblemKind, class_axis_hint
 from sidestream.state import MetricAccumulator
 
 __all__ = ["ScoreBatch", "score_batch", "screen_elements"]
@@ -66,6 +67,12 @@ def _rows(problem: Problem, preds: Tensor, target: Tensor) -> tuple[Tensor, Tens
         raise ValueError(
             f"preds: expected shape (N, {classes}, ...) for {name}={classes}, "
             f"got {tuple(preds.shape)}"
+            + class_axis_hint(
+                preds.shape,
+                classes,
+                last=False,
+                labels=problem.kind is ProblemKind.MULTILABEL,
+            )
         )
     if problem.kind is ProblemKind.MULTICLASS:
         expected = (preds.shape[0], *preds.shape[2:])
@@ -150,9 +157,10 @@ def score_batch(
         labels = torch.where(kept, labels, 0)
         checked = labels
     if ranked is None:
-        checks: list[Check] = [(outside(scores, 0, 1), "preds", expected)]
+        checks: list[Check] = [(outside(scores, 0, 1), "preds", expected, (scores, 0, 1, False))]
     else:
-        checks = [(outside(scores, -torch.inf, torch.inf), "preds", expected)]  # NaN only
+        inf = torch.inf  # NaN only
+        checks = [(outside(scores, -inf, inf), "preds", expected, (scores, -inf, inf, False))]
     if per_element and checks_stay_on_device(device):
         if problem.kind is ProblemKind.MULTICLASS:
             labels = labels.clamp(0, problem.num_classes - 1)  # invalid ones index nothing
@@ -163,9 +171,10 @@ def score_batch(
     if problem.kind is ProblemKind.MULTICLASS:
         classes = problem.num_classes
         in_range = expected_text("class indices in [0, {})", classes) + suffix
-        checks.append((outside(checked, 0, classes - 1), "target", in_range))
+        found = (checked, 0.0, classes - 1.0, False)
+        checks.append((outside(checked, 0, classes - 1), "target", in_range, found))
     else:
-        checks.append((not_binary(checked), "target", f"0 or 1{suffix}"))
+        checks.append((not_binary(checked), "target", f"0 or 1{suffix}", (checked, 0, 1, True)))
     keep = screen(checks, rejected)
     if keep is not None:
         if weight is not None:
@@ -220,19 +229,24 @@ def _host_binary(
     if preds.numel() == 0:
         return None
     if _cpu_path.outside(preds, 0, 1):
-        expected = PROBABILITIES
-        screen_invalid(True, rejected, "preds", expected)
+        screen_invalid(True, rejected, "preds", PROBABILITIES, found_outside(preds, 0, 1))
     if target.is_floating_point():
-        screen_invalid(not_binary(target), rejected, "target", "0 or 1")
+        if not_binary(target):
+            _not_binary_target(target, rejected)
     elif exact and target.element_size() > 1 and target.numel() > _TARGET_CHUNK:
         converted = _checked_int8(target)
         if converted is None:
-            screen_invalid(True, rejected, "target", "0 or 1")
+            _not_binary_target(target, rejected)
         else:
             target = converted
     elif target.dtype != torch.bool and _cpu_path.outside(target, 0, 1):
-        screen_invalid(True, rejected, "target", "0 or 1")
+        _not_binary_target(target, rejected)
     return ScoreBatch(preds.reshape(-1, 1), target.reshape(-1, 1), None)
+
+
+def _not_binary_target(target: Tensor, rejected: MetricAccumulator) -> None:
+    """Raise for a binary target that holds something else than 0 and 1 (CPU path)."""
+    screen_invalid(True, rejected, "target", "0 or 1", found_outside(target, 0, 1, whole=True))
 
 
 _TARGET_CHUNK = 1 << 17
