@@ -422,7 +422,8 @@ def test_replay_counts_values_the_server_holds_at_later_steps_and_keeps_the_file
 ) -> None:
     """A value at or below the largest step the server holds of it is not sent (how a resumed
     job avoids duplicates), even where the server lacks that very step: replay counts such
-    reports as held, and the command keeps the file instead of marking it replayed."""
+    reports as held, and the command keeps the file instead of marking it replayed. Reports
+    the server holds at their very steps count as had."""
     import json
 
     from sidestream.sinks import replay_spool
@@ -432,7 +433,7 @@ def test_replay_counts_values_the_server_holds_at_later_steps_and_keeps_the_file
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"
     first = MlflowSink(tracking_uri=uri, experiment="replay")
     first.open(RunInfo(name="replay"))
-    for step in range(1, 9):
+    for step in (1, 2, 3, 4, 7, 8):  # 5 and 6 never reach the server
         first.write(Report(step=step, values={"loss": float(step)}, time=0.0, stream="train"))
         if step == 3:
             checkpoint = first.state_dict()
@@ -449,10 +450,12 @@ def test_replay_counts_values_the_server_holds_at_later_steps_and_keeps_the_file
     result = replay_spool(
         spool, MlflowSink(tracking_uri=uri, experiment="replay"), resume_state=checkpoint
     )
-    assert (result.written, result.skipped, result.held) == (3, 0, 5)
+    # The server has loss up to 8: at 4 and 7 it is there (had), at 5 and 6 it is not (held);
+    # step 8's loss is there at step 8, so only extra goes; 9 and 10 are new.
+    assert (result.written, result.skipped, result.held) == (3, 2, 2)
     client = MlflowClient(tracking_uri=uri)
     got = sorted((m.step, m.value) for m in client.get_metric_history(checkpoint["run_id"], "loss"))
-    assert got == [(s, float(s)) for s in range(1, 9)] + [(9, 109.0), (10, 110.0)]
+    assert got == [(s, float(s)) for s in (1, 2, 3, 4, 7, 8)] + [(9, 109.0), (10, 110.0)]
     assert [
         (m.step, m.value) for m in client.get_metric_history(checkpoint["run_id"], "extra")
     ] == [(8, 1.0)]
@@ -461,11 +464,44 @@ def test_replay_counts_values_the_server_holds_at_later_steps_and_keeps_the_file
     options = ["--option", f"tracking_uri={uri}", "--option", "experiment=replay"]
     arguments = [str(spool), "--sink", "mlflow", *options, "--resume-state", str(state)]
     capsys.readouterr()
-    assert main(arguments) == 1  # every report is held now: nothing sent, the file kept
+    assert main(arguments) == 1  # nothing is sent, and steps 5 and 6 are held: the file is kept
     assert spool.exists()
     printed = capsys.readouterr()  # exit 1 for this reason, not a failed replay
     assert "delivered 0 report(s)" in printed.out
-    assert "7 report(s) had values the backend holds at later steps" in printed.err
+    assert "5 the sink already had" in printed.out  # 4, 7, 8, 9 and 10 are all there
+    assert "2 report(s) had values the backend holds at later steps" in printed.err
+
+
+def test_replay_of_reports_that_landed_after_all_counts_them_as_had(shm_path: Path) -> None:
+    """A batch in flight at close may land after all: its reports are in the kept spool, and
+    the server holds them at their very steps. Replay counted them as held ("may be missing")
+    and kept the file, although the server had every value."""
+    import json
+
+    from sidestream.sinks._spool_format import encode_report
+    from sidestream.sinks.replay import main
+
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    sink = MlflowSink(tracking_uri=uri, experiment="landed")
+    sink.open(RunInfo(name="landed"))
+    reports = [
+        Report(step=step, values={"loss": float(step)}, time=0.0, stream="train")
+        for step in range(1, 6)
+    ]
+    sink.write(reports[0])
+    sink.write(reports[1])
+    state = sink.state_dict()  # what a close that timed out now keeps beside the spool
+    sink.write_batch(reports[2:])  # landed, but the job never learned it
+    assert sink.close(timeout=30)
+    spool = shm_path / "landed.spool.jsonl"
+    spool.write_bytes(b"".join(encode_report(r) for r in reports[2:]))
+    (shm_path / "state.json").write_text(json.dumps(state))
+    options = ["--option", f"tracking_uri={uri}", "--option", "experiment=landed"]
+    arguments = [str(spool), "--sink", "mlflow", *options]
+    assert main([*arguments, "--resume-state", str(shm_path / "state.json")]) == 0
+    assert not spool.exists()  # replayed: renamed, not kept
+    history = MlflowClient(tracking_uri=uri).get_metric_history(state["run_id"], "loss")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 6)]
 
 
 def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_name(
@@ -491,6 +527,35 @@ def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_nam
         "train": [2, 4, 6, 8, 10],
         "val_ema/loss-0457e96a": [3, 6, 9],  # a valid key, with sha1 of the name: its own
     }
+
+
+def test_a_database_uri_sqlalchemy_cannot_read_fails_early_and_for_good(shm_path: Path) -> None:
+    # sqlite:/path (one slash) failed only at open, on the sink's thread, and was retried for
+    # the whole job while reports piled up.
+    from sidestream.sinks import is_permanent
+
+    with pytest.raises(ValueError, match=r"tracking_uri: 'sqlite:/tmp/x.db' is not a database"):
+        MlflowSink(tracking_uri="sqlite:/tmp/x.db")
+    with pytest.raises(ValueError, match=r"'postgresql://\*\*\*@h:notaport/db' is not") as raised:
+        MlflowSink(tracking_uri="postgresql://u:secret@h:notaport/db")
+    assert "secret" not in str(raised.value)
+    # The same refusal met at open (a URI from MLFLOW_TRACKING_URI) fails the sink for good.
+    from sqlalchemy.exc import ArgumentError
+
+    sink = MlflowSink(tracking_uri=f"sqlite:///{shm_path / 'mlflow.db'}")
+    failure = sink._failure("open", ArgumentError("Could not parse SQLAlchemy URL"))
+    assert is_permanent(failure)
+
+
+def test_names_of_any_script_keep_their_names(shm_path: Path) -> None:
+    # MLflow takes word characters of any script; they were renamed as if refused.
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    sink = MlflowSink(tracking_uri=uri, experiment="unicode")
+    sink.open(RunInfo(name="unicode"))
+    sink.write(Report(step=1, values={"损失": 0.5, "loss_é": 0.25, "acc@1": 1.0}, time=0.0))
+    assert sink.close(timeout=30)
+    keys = set(MlflowClient(tracking_uri=uri).get_run(sink.run_id).data.metrics)
+    assert {"损失", "loss_é"} <= keys and "acc@1" not in keys, keys
 
 
 def test_names_mlflow_refuses_or_that_clean_alike_are_logged_apart(shm_path: Path) -> None:

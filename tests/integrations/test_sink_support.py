@@ -27,6 +27,20 @@ def test_flatten_config_joins_keys_and_stringifies_what_the_backend_cannot_take(
     }
 
 
+def test_two_config_entries_of_one_flattened_name_are_refused_when_the_run_is_made() -> None:
+    # {"opt.lr": 0.1, "opt": {"lr": 0.2}} became one parameter opt.lr = 0.2: 0.1 was lost with
+    # no word, on rank 0's sink thread.
+    from sidestream.sinks import RunInfo
+
+    config = {"opt.lr": 0.1, "opt": {"lr": 0.2}}
+    message = r"config\['opt.lr'\] and config\['opt'\]\['lr'\] both become 'opt.lr'"
+    with pytest.raises(ValueError, match=message):
+        flatten_config(config)
+    with pytest.raises(ValueError, match=message):
+        RunInfo(config=config)
+    RunInfo(config={"opt": {"lr": 0.2}, "opt.wd": 0.1})  # distinct names are fine
+
+
 def test_shorten_keeps_the_limit_and_keeps_long_names_distinct() -> None:
     assert shorten("short", 250) == "short"
     a, b = shorten("x" * 300 + "a", 250), shorten("x" * 300 + "b", 250)
@@ -44,6 +58,11 @@ def test_credentials_are_removed_from_uris_and_messages(monkeypatch: pytest.Monk
     cleaned = redact(message, secrets)
     for secret in ("s3cret-pass", "tok-123456", "abcdef"):
         assert secret not in cleaned
+    # A URI that does not parse (a port that is not a number) is redacted too: the message
+    # that says it is wrong used to fail with urllib's own error instead.
+    broken = "postgresql://bob:p@ss-word@db.example.com:notaport/runs"
+    assert uri_without_password(broken) == "postgresql://***@db.example.com:notaport/runs"
+    assert {"p@ss-word"} <= set(secrets_in([], [broken]))
 
 
 def test_histogram_edges_default_to_unit_bins_and_check_given_ones() -> None:

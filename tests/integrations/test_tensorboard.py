@@ -356,3 +356,26 @@ def test_a_checkpoint_flush_failing_while_the_sink_writes_does_not_break_the_sin
     thread.join()
     real.close()
     assert not [error for error in errors if is_permanent(error)], errors
+
+
+def test_replay_counts_tags_the_event_files_hold_at_their_steps_as_had(tmp_path: Path) -> None:
+    """Reports the event files hold at their very steps (written after the state was taken)
+    are counted as had; a step missing below a tag's largest one is counted as held."""
+    from sidestream.sinks import replay_spool
+    from sidestream.sinks._spool_format import encode_report
+
+    def report(step: int) -> Report:
+        return Report(step=step, values={"loss": float(step)}, time=0.0, stream="train")
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.open(RunInfo())
+    sink.write(report(1))
+    state = sink.state_dict()
+    for step in (2, 3, 5):  # step 4 never reached the files
+        sink.write(report(step))
+    assert sink.close(timeout=30)
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(b"".join(encode_report(report(step)) for step in (2, 3, 4, 5)))
+    result = replay_spool(spool, TensorBoardSink(tmp_path / "tb"), resume_state=state)
+    # 2 and 3 are there below the largest step 5, and 5 itself; 4 is not: held.
+    assert (result.written, result.skipped, result.held) == (0, 3, 1)

@@ -190,6 +190,40 @@ def test_unsupported_states_are_refused_by_name(metric: Any, message: str) -> No
         wrap(np.zeros(3))  # type: ignore[arg-type]
 
 
+def test_states_sized_by_the_first_batch_are_refused_saying_why() -> None:
+    # R2Score of (N, 2) inputs: torchmetrics sizes its scalar sums from the first batch. The
+    # refusal spoke of 'cat' states and named no replacement.
+    preds, target = torch.randn(8, 2), torch.randn(8, 2)
+    metric = wrap(torchmetrics.R2Score(multioutput="raw_values"))
+    with pytest.raises(
+        UnsupportedStateError,
+        match=r"from shape \(\) to \(2,\).*sized it from the first batch.*"
+        r"R2ScoreMetric .*num_outputs=D",
+    ):
+        metric.update(preds, target)
+    metric.update(preds[:, 0], target[:, 0])  # nothing was stored: one output still works
+    expected = torchmetrics.R2Score()(preds[:, 0], target[:, 0])
+    assert float(metric.compute()) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_a_sum_state_with_a_default_other_than_zero_is_refused_by_name() -> None:
+    # Each rank would add the default into the sum again; the core's message named neither
+    # the metric nor the state.
+    class Offset(torchmetrics.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("total", torch.tensor(1.0), dist_reduce_fx="sum")
+
+        def update(self, values: torch.Tensor) -> None:
+            self.total += values.sum()
+
+        def compute(self) -> torch.Tensor:
+            return self.total
+
+    with pytest.raises(UnsupportedStateError, match=r"Offset: state 'total' is summed .* not 0"):
+        wrap(Offset())
+
+
 @pytest.mark.parametrize(
     "make",
     [

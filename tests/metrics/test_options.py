@@ -596,6 +596,19 @@ def test_scores_in_the_other_layout_say_how_to_move_the_class_axis() -> None:
         auroc.update(torch.rand(6, 7, 9), target)
 
 
+def test_a_column_of_class_indices_says_to_squeeze_it() -> None:
+    # d9d takes (N, 1) class indices; here they are (N,), and the refusal says how to get them.
+    scores, column = torch.rand(4, C), torch.tensor([[0], [1], [2], [1]])
+    f1 = confusion_count_metric().multiclass(C).with_f1().macro().build()
+    with pytest.raises(ValueError, match=r"got \(4, 1\); for a column of class indices pass"):
+        f1.update(scores, column)
+    with pytest.raises(ValueError, match=r"got \(4, 1\); for a column of class indices pass"):
+        MulticlassAUROCMetric(C).update(scores, column)
+    f1.update(scores, column.squeeze(-1))
+    expected = tmf.multiclass_f1_score(scores, column.squeeze(-1), num_classes=C, average="macro")
+    assert float(f1.compute()) == pytest.approx(float(expected))
+
+
 def test_samplewise_per_class_and_several_statistics() -> None:
     data = make_data(4, 50)
     logits = torch.as_tensor(data["mc_logits"], dtype=torch.float32)

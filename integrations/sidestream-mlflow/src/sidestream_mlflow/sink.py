@@ -36,7 +36,8 @@ MAX_TAG_VALUE_LENGTH = 8000
 MAX_RUN_NAME_LENGTH = 250
 
 # Characters MLflow allows in metric, param and tag names; others become "_".
-_NOT_ALLOWED_IN_KEY = re.compile(r"[^A-Za-z0-9_\-. :/]")
+# MLflow's own rule (mlflow.utils.validation): word characters of any script, - . space : /.
+_NOT_ALLOWED_IN_KEY = re.compile(r"[^\w\-. :/]")
 INSTALL = (
     'pip install "sidestream[mlflow]" (from a checkout: pip install '
     "./integrations/sidestream-mlflow)"
@@ -106,6 +107,8 @@ class MlflowSink(TrackerSink):
         )
         if tags is not None and not isinstance(tags, Mapping):
             raise TypeError(f"tags: expected a mapping of str to str, got {type(tags).__name__}")
+        if tracking_uri is not None:
+            _check_database_uri(tracking_uri)
         self._tracking_uri = tracking_uri
         self._experiment = experiment
         self._run_name = run_name
@@ -120,6 +123,9 @@ class MlflowSink(TrackerSink):
         self._pending_steps: tuple[tuple[str, int], ...] | None = None
         self._chunks_done = 0
         self._chunk_uncertain = False
+        # Steps of each metric the server held below its largest, by key, asked for when a
+        # replayed report's value is held (backend_has_step); reset at open.
+        self._history_steps: dict[str, frozenset[int]] = {}
         # Tags the run this sink creates, so a retry after a lost create_run reply finds it
         # instead of creating a second run.
         # Tags the run this sink creates: an open that finds no run id (a first open whose
@@ -167,7 +173,8 @@ class MlflowSink(TrackerSink):
         # a request header, so only a redacted message leaves the sink, raised unchained; its
         # kind (permanent or worth a retry) survives in the class.
         uri = uri_without_password(self._tracking_uri)
-        kind = PermanentSinkError if is_permanent(error) else RuntimeError
+        permanent = is_permanent(error) or _unreadable_database_uri(error)
+        kind = PermanentSinkError if permanent else RuntimeError
         return kind(f"MlflowSink ({uri}): {what} failed: {self.describe_error(error)}")
 
     def _call(self, action: Callable[[], _T]) -> _T:
@@ -226,6 +233,7 @@ class MlflowSink(TrackerSink):
                 self._client.update_run(self._run_id, status="RUNNING")
             existing_params = existing.data.params
             self.found_values_in_backend(self._server_last_steps(existing))
+        self._history_steps = {}
         self._log_params(run, existing_params)
 
     def _resumed_run(self) -> Any:
@@ -322,6 +330,25 @@ class MlflowSink(TrackerSink):
         """The MLflow key of a value name (characters MLflow refuses replaced, shortened)."""
         return _key(name)
 
+    def backend_has_step(self, name: str, step: int) -> bool:
+        """Whether the run holds value ``name`` at ``step``: its metric history, once per key.
+
+        ``False`` if the server cannot be asked: the value then counts as possibly missing.
+        Nothing this sink sends goes below a key's largest step, so a key's steps below it stay
+        as they were asked.
+        """
+        if self._client is None or self._run_id is None:
+            return False
+        key = _key(name)
+        steps = self._history_steps.get(key)
+        if steps is None:
+            try:
+                history = self._client.get_metric_history(self._run_id, key)
+            except Exception:
+                return False
+            steps = self._history_steps[key] = frozenset(int(m.step) for m in history)
+        return step in steps
+
     def send(self, reports: Sequence[Report]) -> None:
         """Log reports in as few ``log_batch`` requests as MLflow allows.
 
@@ -391,6 +418,38 @@ class MlflowSink(TrackerSink):
                     raise
 
         return self.within(lambda: self._call(finish), timeout, "close")
+
+
+_DATABASE_SCHEMES = frozenset({"sqlite", "postgresql", "mysql", "mssql"})
+
+
+def _check_database_uri(uri: str) -> None:
+    """Raise ``ValueError`` naming ``tracking_uri`` if SQLAlchemy cannot read a database URI.
+
+    MLflow opens such a URI only at the first request, where the error would come on the
+    sink's thread, after the job started. Other URIs (``http://``, a path) are left to MLflow.
+    """
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme not in _DATABASE_SCHEMES:
+        return
+    try:
+        from sqlalchemy.engine import make_url
+    except ImportError:  # MLflow is not installed: open says so
+        return
+    try:
+        make_url(uri)
+    except Exception:
+        raise ValueError(
+            f"tracking_uri: {uri_without_password(uri)!r} is not a database URL SQLAlchemy can "
+            "read; a file is sqlite:///relative/path.db or sqlite:////absolute/path.db (three "
+            "slashes before the path, four for an absolute one)"
+        ) from None
+
+
+def _unreadable_database_uri(error: BaseException) -> bool:
+    """Whether ``error`` is SQLAlchemy refusing the URL itself: retrying cannot help."""
+    kind = type(error)
+    return kind.__module__.startswith("sqlalchemy") and kind.__name__ == "ArgumentError"
 
 
 def _finished_on_server(client: Any, run_id: str) -> bool:

@@ -8,7 +8,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,9 @@ class TensorBoardSink(TrackerSink):
         self._writer_lock = threading.Lock()
         self._opened = False
         self._earlier_files_warned = False
+        # Each tag's steps in the event files, read when a replayed report's value is held
+        # (backend_has_step); reset at open.
+        self._steps_on_disk: dict[str, frozenset[int]] | None = None
         # Progress through the report being written: its stream and step, entries sent.
         self._pending: tuple[str, int] | None = None
         self._entries_done = 0
@@ -172,6 +175,7 @@ class TensorBoardSink(TrackerSink):
         self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
         self._log_dir = str(self._writer.log_dir)
         self._opened = True
+        self._steps_on_disk = None
         if self.resumed:
             # Reports delivered after the checkpoint was taken are already in the directory.
             self.found_values_in_backend(_last_steps_on_disk(self._log_dir))
@@ -243,9 +247,21 @@ class TensorBoardSink(TrackerSink):
             with contextlib.suppress(Exception):
                 writer.close()
 
+    def backend_has_step(self, name: str, step: int) -> bool:
+        """Whether the event files hold tag ``name`` at ``step`` (read once, when first asked).
+
+        ``False`` if they cannot be read: the value then counts as possibly missing.
+        """
+        if self._steps_on_disk is None:
+            try:
+                self._steps_on_disk = _steps_on_disk(self._log_dir)
+            except Exception:
+                return False
+        return step in self._steps_on_disk.get(name, frozenset())
+
     def _without_held(self, report: Report) -> Report:
         """``report`` less the values its tags' event files hold at its step or later."""
-        held = set(self.held_values(report))
+        held = set(self.values_in_backend(report))
         if not held:
             return report
         values = {k: v for k, v in report.values.items() if k not in held}
@@ -352,14 +368,28 @@ def _default_log_dir(comment: str) -> str:
 
 def _last_steps_on_disk(log_dir: str) -> dict[str, int]:
     """The largest step of each scalar and histogram tag in the event files of ``log_dir``."""
+    last: dict[str, int] = {}
+    for tag, step in _points_on_disk(log_dir):
+        if step > last.get(tag, -1):
+            last[tag] = step
+    return last
+
+
+def _steps_on_disk(log_dir: str) -> dict[str, frozenset[int]]:
+    """Every step of each scalar and histogram tag in the event files of ``log_dir``."""
+    steps: dict[str, set[int]] = {}
+    for tag, step in _points_on_disk(log_dir):
+        steps.setdefault(tag, set()).add(step)
+    return {tag: frozenset(found) for tag, found in steps.items()}
+
+
+def _points_on_disk(log_dir: str) -> Iterator[tuple[str, int]]:
+    """``(tag, step)`` of each scalar and histogram in the event files of ``log_dir``."""
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
-    last: dict[str, int] = {}
     for path in sorted(Path(log_dir).glob("*tfevents*")):
         for event in LegacyEventFileLoader(str(path)).Load():
             # Only what write() adds counts, not the hparams / text summaries of open().
             for value in event.summary.value:
-                written = value.HasField("simple_value") or value.HasField("histo")
-                if written and event.step > last.get(value.tag, -1):
-                    last[value.tag] = int(event.step)
-    return last
+                if value.HasField("simple_value") or value.HasField("histo"):
+                    yield value.tag, int(event.step)

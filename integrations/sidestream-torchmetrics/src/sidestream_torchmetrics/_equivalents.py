@@ -38,6 +38,8 @@ def suggestion(class_name: str) -> str:
                 "for num_outputs=D give it num_outputs=D, multioutput='raw_values' (one r per "
                 "output, as torchmetrics)"
             )
+        if class_name == "R2Score":
+            hints.append("for D outputs per sample give it num_outputs=D (and multioutput=)")
         if any(class_name.endswith(curve) for curve in _EXACT):
             hints.append(
                 f"or {_EQUIVALENTS[class_name]}(exact=True) for the exact value (it stores every "

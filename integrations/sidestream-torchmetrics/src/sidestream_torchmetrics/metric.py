@@ -61,6 +61,12 @@ def _state_op(metric: TorchmetricsBase, name: str) -> ReduceOp:
             f"{where} uses a callable reduction ({getattr(reduction, '__name__', reduction)}); "
             f"only 'sum', 'max' and 'min' map to sidestream state; {hint}"
         )
+    if reduction is dim_zero_sum and isinstance(default, Tensor) and bool(default.any()):
+        raise UnsupportedStateError(
+            f"{where} is summed across ranks from a default that is not 0 "
+            f"({default.tolist()}): every rank would add it again, so the sum would count it "
+            "once per rank; start the state at 0 and add the offset in compute"
+        )
     return _OPS[reduction]
 
 
@@ -96,6 +102,27 @@ def _refuse_own_distribution(metric: TorchmetricsBase) -> None:
                 "sidestream's sync (metric.sync(group), or the collector's group=), never "
                 f"torchmetrics' own; leave {option} unset and pass the group there"
             )
+
+
+def _changed_shape(
+    metric: TorchmetricsBase, name: str, state: Tensor, value: Tensor
+) -> UnsupportedStateError:
+    """The refusal of a state that ``update`` gave another shape, saying why it happens."""
+    kind = type(metric).__name__
+    if state.dim() == 0 and value.dim() > 0:
+        # torchmetrics 1.x makes R2Score's and ExplainedVariance's sums scalars and sizes
+        # them from the first batch: (N, D) inputs make them (D,).
+        why = (
+            "torchmetrics made this one a scalar and sized it from the first batch (several "
+            "outputs per sample, say)"
+        )
+    else:
+        why = "one that grows with the data is a 'cat' state, which cannot sync in fixed size"
+    return UnsupportedStateError(
+        f"{kind}.update changed state {name!r} from shape {tuple(state.shape)} to "
+        f"{tuple(value.shape)}, but wrapped states keep the shape they had when wrapped: {why}; "
+        f"{suggestion(kind)}"
+    )
 
 
 class TorchmetricsMetric(Metric[Any]):
@@ -195,12 +222,7 @@ class TorchmetricsMetric(Metric[Any]):
                     f"{type(value)}, not a tensor"
                 )
             if value.shape != accumulator.local.shape:
-                raise UnsupportedStateError(
-                    f"{type(self._torchmetrics).__name__}.update changed state {name!r} from "
-                    f"shape {tuple(accumulator.local.shape)} to {tuple(value.shape)}: wrapped "
-                    "states must keep their shape (one that grows with the data is a 'cat' "
-                    "state, which sidestream cannot sync in fixed size)"
-                )
+                raise _changed_shape(self._torchmetrics, name, accumulator.local, value)
         for name, accumulator, value in results:
             if torch.promote_types(value.dtype, accumulator.local.dtype) != accumulator.local.dtype:
                 # float64 inputs make some updates (R2Score's rebinding sums) float64: stored

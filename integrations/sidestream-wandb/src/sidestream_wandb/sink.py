@@ -693,6 +693,8 @@ def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
         raise TypeError(
             f"config: expected a mapping of hyper-parameters (nested dicts allowed), got {config!r}"
         )
+    if config is not None:
+        flatten_config(config)  # two entries of one flattened name: refused now, not at open
     resume = init_kwargs.get("resume")
     if resume is not None and not any(resume is v or resume == v for v in _RESUME_VALUES):
         raise ValueError(

@@ -232,10 +232,11 @@ class ReplayResult:
     Attributes:
         written: Reports handed to the sink that it did not have yet.
         skipped: Reports whose step the sink already had (a tracker sink resumed from the
-            checkpoint's state, or a spool replayed before), not sent again.
+            checkpoint's state, a spool replayed before, or a backend that holds every value
+            of the report at its step), not sent again.
         held: Reports with values a tracker left out because the backend holds those values
-            at later steps (``TrackerSink.held_values``): not sent at all, or sent in part.
-            They may be missing from the backend; the command keeps the file then.
+            at later steps only (``TrackerSink.held_values``): not sent at all, or sent in
+            part. They may be missing from the backend; the command keeps the file then.
         damaged: The damaged lines skipped (with ``skip_damaged``), each described.
         resumed_from: The kept state file the sink resumed from, if it did.
     """
@@ -261,10 +262,11 @@ def replay_spool(
     Use it after a job warned that reports were "kept in" a spool file, with the sink the job
     used and, for a tracker, the sink state from the job's checkpoint (``resume_state``) so
     the reports land in the same run. Steps the sink already has are skipped by sinks that
-    resume (JSONL, TensorBoard, MLflow, W&B), and counted in ``skipped``. Values the backend
-    holds at later steps are left out (MLflow, TensorBoard: a value is never logged below the
-    largest step the backend has of it) and their reports counted in ``held``: replay a kept
-    file before a resumed job delivers past its steps.
+    resume (JSONL, TensorBoard, MLflow, W&B), and counted in ``skipped``, as are reports whose
+    every value the backend holds at the report's step. Values the backend holds at later
+    steps only are left out (MLflow, TensorBoard: a value is never logged below the largest
+    step the backend has of it) and their reports counted in ``held``: replay a kept file
+    before a resumed job delivers past its steps.
 
     A close that kept the file wrote the sink's state and the job's run beside it
     (``PATH.state.json``, see ``read_kept_state``): what is not given is taken from there, so
@@ -307,10 +309,14 @@ def replay_spool(
             if tracker is not None and tracker.is_delivered(report):
                 result.skipped += 1
                 continue
-            held = tracker.held_values(report) if tracker is not None else []
-            result.held += bool(held)
-            if held and len(held) == len(report.values) + len(report.histograms):
-                continue  # nothing of it would be sent
+            there = tracker.values_in_backend(report) if tracker is not None else []
+            held = tracker is not None and bool(tracker.held_values(report))
+            result.held += held
+            if there and len(there) == len(report.values) + len(report.histograms):
+                # Nothing of it would be sent: the backend has all of it at this step (the
+                # sink already had it), or some of it only at later steps (held).
+                result.skipped += not held
+                continue
             sink.write(report)
             result.written += 1
     finally:

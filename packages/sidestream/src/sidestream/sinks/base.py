@@ -57,6 +57,8 @@ class RunInfo:
         TypeError: If ``name`` is not a str or None, ``config`` not a mapping, or ``tags``
             not a mapping with str keys (a list of tag names included: give
             ``dict.fromkeys(names, "")``).
+        ValueError: If two entries of ``config`` flatten to one name (``{"opt.lr": 0.1,
+            "opt": {"lr": 0.2}}``): a tracker would keep only one of them.
     """
 
     name: str | None = None
@@ -71,6 +73,9 @@ class RunInfo:
                 f"config: expected a mapping of hyper-parameters (nested dicts allowed), got "
                 f"{self.config!r}"
             )
+        from sidestream.sinks.support import flatten_config
+
+        flatten_config(self.config)  # two names for one parameter: refused here, not at open
         if not isinstance(self.tags, Mapping) or not all(isinstance(k, str) for k in self.tags):
             raise TypeError(
                 "tags: expected a mapping of tag names (str) to values, such as "

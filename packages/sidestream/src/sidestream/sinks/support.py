@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 __all__ = [
     "call_within",
@@ -47,20 +46,30 @@ def flatten_config(
         separator: Joins the keys of nested levels.
         plain_types: Value types the backend takes as they are; anything else (lists, tensors,
             objects, ``None``) is stored as ``str(value)``.
+
+    Raises:
+        ValueError: If two entries flatten to one name (``{"opt.lr": 0.1, "opt": {"lr": 0.2}}``
+            both become ``opt.lr``): a tracker would keep only one of them.
     """
     flat: dict[str, Any] = {}
+    paths: dict[str, str] = {}  # flattened name: where it came from, for the message
 
-    def visit(prefix: str, value: Any) -> None:
+    def visit(prefix: str, path: str, value: Any) -> None:
         if isinstance(value, Mapping):
             for key, child in value.items():
-                visit(f"{prefix}{separator}{key}" if prefix else str(key), child)
-        elif isinstance(value, plain_types):
-            flat[prefix] = value
-        else:
-            flat[prefix] = str(value)
+                name = f"{prefix}{separator}{key}" if prefix else str(key)
+                visit(name, f"{path}[{key!r}]", child)
+            return
+        if prefix in flat:
+            raise ValueError(
+                f"{paths[prefix]} and {path} both become {prefix!r} once flattened (the name a "
+                "tracker keeps a hyper-parameter under), so one would be lost; rename one"
+            )
+        paths[prefix] = path
+        flat[prefix] = value if isinstance(value, plain_types) else str(value)
 
     for key, value in config.items():
-        visit(str(key), value)
+        visit(str(key), f"config[{key!r}]", value)
     return flat
 
 
@@ -86,16 +95,22 @@ def shorten(text: str, limit: int) -> str:
 
 
 def uri_without_password(uri: str | None) -> str | None:
-    """``uri`` with any ``user:password@`` user information replaced by ``***@``."""
+    """``uri`` with any ``user:password@`` user information replaced by ``***@``.
+
+    Read from the text, not parsed: a URI that does not parse (a port that is not a number)
+    is redacted all the same, for the message that says it is wrong.
+    """
     if uri is None:
         return None
-    parts = urlsplit(uri)
-    if parts.password is None and parts.username is None:
+    authority = _AUTHORITY.match(uri)
+    if authority is None or "@" not in authority.group(1):
         return uri
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return parts._replace(netloc=f"***@{host}").geturl()
+    host = authority.group(1).rpartition("@")[2]  # a password may hold "@" itself
+    return f"{uri[: authority.start(1)]}***@{host}{uri[authority.end(1) :]}"
+
+
+_AUTHORITY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.\-]*:)?//([^/?#]*)")
+"""The authority part of a URI (``user:password@host:port``), after the scheme's ``//``."""
 
 
 def secrets_in(env_names: Iterable[str], uris: Iterable[str | None] = ()) -> list[str]:
@@ -105,9 +120,10 @@ def secrets_in(env_names: Iterable[str], uris: Iterable[str | None] = ()) -> lis
     """
     found = [os.environ.get(name, "") for name in env_names]
     for uri in uris:
-        if uri:
-            parts = urlsplit(uri)
-            found += [parts.password or "", parts.username or ""]
+        authority = _AUTHORITY.match(uri) if uri else None
+        if authority is not None and "@" in authority.group(1):
+            username, _, password = authority.group(1).rpartition("@")[0].partition(":")
+            found += [password, username]
     return sorted({secret for secret in found if len(secret) >= 4}, key=len, reverse=True)
 
 

@@ -191,19 +191,42 @@ class TrackerSink(Sink):
         last = self._sent.get(report.stream, self._sent_default)
         return last is not None and report.step <= last
 
-    def held_values(self, report: Report) -> list[str]:
+    def values_in_backend(self, report: Report) -> list[str]:
         """The names of ``report``'s values that ``write`` leaves out.
 
         Those the backend already holds at the report's step or later (found on resume): a
         value is never logged below the largest step the backend has of it, which is how a
         resumed job avoids duplicates, so such a value is not sent even if the backend lacks
-        it at exactly this step.
+        it at exactly this step (``held_values``).
         """
+        return self._at_or_past(report, 0)
+
+    def held_values(self, report: Report) -> list[str]:
+        """The names of ``report``'s values left out that the backend may lack at its step.
+
+        Those the backend holds at later steps: its largest step of the value is past the
+        report's, so ``write`` leaves the value out, unless ``backend_has_step`` finds it at
+        this very step. A value whose largest step is the report's is there.
+        """
+        later = self._at_or_past(report, 1)
+        return [name for name in later if not self.backend_has_step(name, report.step)]
+
+    def backend_has_step(self, name: str, step: int) -> bool:
+        """Whether the backend holds value ``name`` at ``step``; ``False`` if it cannot tell.
+
+        Asked only of values the backend holds at later steps (``held_values``: replaying a
+        kept spool), so it may be slow. Override where the backend can answer.
+        """
+        return False
+
+    def _at_or_past(self, report: Report, beyond: int) -> list[str]:
+        """Names whose largest step in the backend is at least ``report.step + beyond``."""
         steps = self._backend_steps
         if not steps:
             return []
+        least = report.step + beyond
         names = [*report.values, *report.histograms]
-        return [n for n in names if steps.get(self.backend_name(n), report.step - 1) >= report.step]
+        return [n for n in names if steps.get(self.backend_name(n), least - 1) >= least]
 
     def found_in_backend(self, last_steps: Mapping[str, int]) -> None:
         """Count steps that the backend already holds (found on resume) as delivered."""

@@ -158,9 +158,11 @@ def _target_labels(
         labels = one_hot.argmax(-1).reshape(-1)
         return labels, None, [(invalid, "target", "one-hot rows: one 1, zeros elsewhere", None)]
     if target.shape != sample_shape:
+        column = target.shape == (*sample_shape, 1)
         raise ValueError(
             f"target: expected class indices of shape {tuple(sample_shape)} or one-hot targets "
             f"of shape {(*sample_shape, num_classes)} to match preds, got {tuple(target.shape)}"
+            + ("; for a column of class indices pass target.squeeze(-1)" if column else "")
         )
     if not _integer(target):
         raise TypeError(f"target: expected integer class indices, got dtype {target.dtype}")

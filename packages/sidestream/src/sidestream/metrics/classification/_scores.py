@@ -79,7 +79,11 @@ def _rows(problem: Problem, preds: Tensor, target: Tensor) -> tuple[Tensor, Tens
         if target.is_floating_point() or target.dtype == torch.bool:
             raise TypeError(f"target: expected integer class indices, got dtype {target.dtype}")
         if tuple(target.shape) != expected:
-            raise ValueError(f"target: expected shape {expected}, got {tuple(target.shape)}")
+            column = tuple(target.shape) == (*expected, 1)
+            raise ValueError(
+                f"target: expected shape {expected}, got {tuple(target.shape)}"
+                + ("; for a column of class indices pass target.squeeze(-1)" if column else "")
+            )
         return preds.movedim(1, -1).reshape(-1, classes), target.reshape(-1)
     check_same_shape(preds, target)
     return preds.movedim(1, -1).reshape(-1, classes), target.movedim(1, -1).reshape(-1, classes)
