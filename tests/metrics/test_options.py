@@ -507,30 +507,20 @@ def test_bad_values_raise_before_the_state_changes() -> None:
     assert int(auroc.histograms()[0].sum() + auroc.histograms()[1].sum()) == 0
 
 
+def _macro_f1() -> Any:
+    return confusion_count_metric().multiclass(C).with_f1().macro().build()
+
+
 @pytest.mark.parametrize(
     "update, match",
     [
         # The multiclass host path (logits), and integer class indices through the checks list.
         (
-            lambda: (
-                confusion_count_metric()
-                .multiclass(C)
-                .with_f1()
-                .macro()
-                .build()
-                .update(torch.rand(5, C), torch.tensor([0, 1, 9, 2, -3]))
-            ),
+            lambda: _macro_f1().update(torch.rand(5, C), torch.tensor([0, 1, 9, 2, -3])),
             r"^target: expected class indices in \[0, 4\);.* \(found 9, -3: 2 of 5 elements\)$",
         ),
         (
-            lambda: (
-                confusion_count_metric()
-                .multiclass(C)
-                .with_f1()
-                .macro()
-                .build()
-                .update(torch.tensor([0, 7, 1]), torch.tensor([0, 1, 1]))
-            ),
+            lambda: _macro_f1().update(torch.tensor([0, 7, 1]), torch.tensor([0, 1, 1])),
             r"^preds: expected class indices in \[0, 4\);.* \(found 7: 1 of 3 elements\)$",
         ),
         (
@@ -572,7 +562,7 @@ def test_scores_in_the_other_layout_say_how_to_move_the_class_axis() -> None:
     generator = torch.Generator().manual_seed(3)
     scores = torch.rand(6, C, X, generator=generator)  # torchmetrics' (N, C, X)
     target = torch.randint(0, C, (6, X), generator=generator)
-    f1 = confusion_count_metric().multiclass(C).with_f1().macro().build()
+    f1 = _macro_f1()
     with pytest.raises(ValueError, match=r"\(N, C, \.\.\.\), as torchmetrics.*\.movedim\(1, -1\)"):
         f1.update(scores, target)
     f1.update(scores.movedim(1, -1), target)
@@ -599,7 +589,7 @@ def test_scores_in_the_other_layout_say_how_to_move_the_class_axis() -> None:
 def test_a_column_of_class_indices_says_to_squeeze_it() -> None:
     # d9d takes (N, 1) class indices; here they are (N,), and the refusal says how to get them.
     scores, column = torch.rand(4, C), torch.tensor([[0], [1], [2], [1]])
-    f1 = confusion_count_metric().multiclass(C).with_f1().macro().build()
+    f1 = _macro_f1()
     with pytest.raises(ValueError, match=r"got \(4, 1\); for a column of class indices pass"):
         f1.update(scores, column)
     with pytest.raises(ValueError, match=r"got \(4, 1\); for a column of class indices pass"):
