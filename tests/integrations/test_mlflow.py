@@ -56,8 +56,8 @@ def _timing(result: dict[str, Any]) -> str:
 
 
 def _keyless(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Sink states without their run key (a random id each sink makes)."""
-    return [{k: v for k, v in state.items() if k != "run_key"} for state in states]
+    """Sink states without their run key (a random id each sink makes) and experiment."""
+    return [{k: v for k, v in s.items() if k not in ("run_key", "experiment")} for s in states]
 
 
 def _check_ranks(results: list[dict[str, Any]]) -> None:
@@ -66,6 +66,7 @@ def _check_ranks(results: list[dict[str, Any]]) -> None:
     assert [r["closed"] for r in results] == [True, True]
     (state,) = results[1]["sink_states"]
     assert state.pop("run_key").isalnum()  # the key of a run this sink would create
+    assert isinstance(state.pop("experiment"), str)  # where it would create it
     assert state == {"run_id": None, "last_steps": []}
 
 
@@ -185,7 +186,12 @@ def test_resume_from_collector_checkpoint_continues_the_same_run(
     second = pool2.run(train, config, range(100, STEPS), checkpoint, timeout=280)
     _check_ranks(second)
     assert second[0]["sink_states"] == [
-        {"run_id": saved["run_id"], "last_steps": [["", STEPS - 1]], "run_key": saved["run_key"]}
+        {
+            "run_id": saved["run_id"],
+            "last_steps": [["", STEPS - 1]],
+            "run_key": saved["run_key"],
+            "experiment": "resume",
+        }
     ]
     client = MlflowClient(tracking_uri=config["mlflow"]["tracking_uri"])
     assert _check_run(client, "resume", range(STEPS)) == saved["run_id"]
@@ -502,6 +508,38 @@ def test_replay_of_reports_that_landed_after_all_counts_them_as_had(shm_path: Pa
     assert not spool.exists()  # replayed: renamed, not kept
     history = MlflowClient(tracking_uri=uri).get_metric_history(state["run_id"], "loss")
     assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 6)]
+
+
+def test_a_spool_of_a_job_whose_tracker_was_down_replays_into_its_experiment(
+    shm_path: Path,
+) -> None:
+    """The job's server was down for the whole job: its kept state named the run key but not
+    the experiment, so a replay with the tracking URI alone made the run in "Default"."""
+    import glob
+    import socket
+
+    from sidestream import Run
+    from sidestream.sinks.replay import main
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    down = MlflowSink(tracking_uri=f"http://127.0.0.1:{port}", experiment="spooled", http_timeout=1)
+    spools = shm_path / "spools"
+    run = Run([down], info=RunInfo(name="job"), spool_dir=str(spools))
+    for step in range(1, 4):
+        run.log(step, {"lr": 0.1 * step})
+    assert not run.close(timeout=1.0)
+    (kept,) = glob.glob(str(spools / "*.spool.jsonl"))
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    assert main([kept, "--sink", "mlflow", "--option", f"tracking_uri={uri}"]) == 0
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("spooled")
+    assert experiment is not None
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.run_name == "job"
+    history = client.get_metric_history(found.info.run_id, "lr")
+    assert sorted(m.step for m in history) == [1, 2, 3]
 
 
 def test_resume_skips_each_value_delivered_after_the_checkpoint_whatever_its_name(

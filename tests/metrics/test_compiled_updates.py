@@ -290,6 +290,48 @@ def test_compiled_histograms_drop_bad_batches() -> None:
     assert positives.reshape(-1).tolist() == [0, 0, 2, 2]
 
 
+_TWO_CLASS_COUNTS = """
+import torch
+from sidestream.metrics.classification import (
+    BinaryConfusionMatrixMetric, MulticlassCohenKappaMetric, MulticlassConfusionMatrixMetric,
+)
+torch.manual_seed(0)
+for first, second in [
+    (BinaryConfusionMatrixMetric, lambda: MulticlassConfusionMatrixMetric(5)),
+    (lambda: MulticlassConfusionMatrixMetric(5), lambda: MulticlassConfusionMatrixMetric(7)),
+    (lambda: MulticlassCohenKappaMetric(5), lambda: MulticlassCohenKappaMetric(7)),
+]:
+    torch._dynamo.reset()
+    for make in (first, second):
+        metric, eager = make(), make()
+        classes = getattr(metric, "num_classes", 2)
+        preds = torch.randn(40, classes) if classes > 2 else torch.rand(40)
+        target = torch.randint(0, classes, (40,))
+        torch.compile(metric.update, fullgraph=True, backend="aot_eager")(preds, target)
+        eager.update(preds, target)
+        assert torch.equal(
+            torch.as_tensor(metric.compute()), torch.as_tensor(eager.compute())
+        ), type(metric).__name__
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("seed", ["0", "3"])
+def test_two_class_counts_of_one_metric_class_compile_in_one_process(seed: str) -> None:
+    # A train and a val metric of 5 and 7 classes: the second compile recompiled the shared
+    # update with dynamic sizes and failed in torch ("sources must not be empty for symbol"),
+    # because index_add_ wrote through a view made outside the graph. Whether it failed
+    # depended on the hash seed, so the case runs in processes of two failing seeds.
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    done = subprocess.run(
+        [sys.executable, "-c", _TWO_CLASS_COUNTS], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_zero_dim_float64_state_survives_compiled_updates() -> None:
     # The torch 2.13 CPU pitfall: add_ on a 0-dim float64 tensor inside a graph was lost.
     metric = SumMetric(dtype=torch.float64).to("cpu")

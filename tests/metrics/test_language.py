@@ -109,6 +109,36 @@ def test_ignore_index_inside_the_vocabulary_and_none() -> None:
     )
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_uint8_ids_are_never_taken_for_a_negative_ignore_index(compiled: bool) -> None:
+    # torch compares -100 in uint8 as 156: ids 156 were dropped as padding (compiled and on
+    # CUDA for perplexity, everywhere for token accuracy), and an id 156 past the vocabulary
+    # was taken for padding instead of refused.
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 200, generator=generator)
+    ids = torch.tensor([156, 3, 156, 7, 10, 156])
+    perplexity, accuracy = PerplexityMetric(), TokenAccuracyMetric()
+    for metric in (perplexity, accuracy):
+        update = metric.update
+        if compiled:
+            update = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+        update(logits, ids.to(torch.uint8))
+    expected = math.exp(F.cross_entropy(logits.double(), ids).item())
+    assert perplexity.compute().item() == pytest.approx(expected, rel=1e-6)  # float32 losses
+    assert accuracy.compute().item() == pytest.approx(
+        (logits.argmax(-1) == ids).double().mean().item(), abs=1e-15
+    )
+    small = TokenAccuracyMetric(vocab_size=100)
+    if compiled:
+        torch.compile(small.update, fullgraph=True, backend="aot_eager")(
+            logits[:, :100], ids.to(torch.uint8)
+        )
+        assert int(small.rejected_updates) == 1  # dropped and counted, not taken as padding
+    else:
+        with pytest.raises(ValueError, match=r"^target: expected token ids in \[0, 100\)"):
+            small.update(logits[:, :100], ids.to(torch.uint8))
+
+
 @on_rank_device
 def _synced(seeds: list[int]) -> list[dict[str, float]]:
     return [

@@ -586,6 +586,34 @@ def test_scores_in_the_other_layout_say_how_to_move_the_class_axis() -> None:
         auroc.update(torch.rand(6, 7, 9), target)
 
 
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: BinaryConfusionMatrixMetric(ignore_index=IGNORE), (3,)),
+        (lambda: BinaryAUROCMetric(ignore_index=IGNORE), (3,)),
+        (lambda: MulticlassConfusionMatrixMetric(C, ignore_index=IGNORE), (3, C)),
+        (
+            lambda: confusion_count_metric(ignore_index=IGNORE).multilabel(1).with_f1().build(),
+            (3, 1),
+        ),
+    ],
+    ids=["binary matrix", "binary auroc", "multiclass matrix", "multilabel"],
+)
+def test_uint8_targets_are_never_taken_for_a_negative_ignore_index(
+    make: Any, shape: tuple[int, ...]
+) -> None:
+    # -100 compared in uint8 is 156: a target 156 was skipped as ignored instead of refused.
+    preds = torch.rand(shape)
+    target = torch.tensor([156, 0, 1], dtype=torch.uint8)
+    if len(shape) == 2 and shape[1] == 1:
+        target = target.reshape(shape)  # multilabel: one label per sample
+    with pytest.raises(ValueError, match=r"^target: .*\(found 156: 1 of 3 elements\)$"):
+        make().update(preds, target)
+    compiled = make()
+    torch.compile(compiled.update, fullgraph=True, backend="aot_eager")(preds, target)
+    assert int(compiled.rejected_updates) == 1  # dropped and counted, not half counted
+
+
 def test_a_column_of_class_indices_says_to_squeeze_it() -> None:
     # d9d takes (N, 1) class indices; here they are (N,), and the refusal says how to get them.
     scores, column = torch.rand(4, C), torch.tensor([[0], [1], [2], [1]])

@@ -287,14 +287,26 @@ class MlflowSink(TrackerSink):
         return str(created.info.run_id), True
 
     def extra_state(self) -> dict[str, Any]:
-        """The run key, so a resumed job finds a run whose id this job never learned."""
-        return {"run_key": self._run_key}
+        """The run key and experiment: where a resumed job (or a replay) finds its run.
+
+        A run whose id this job never learned is found by its key, in the experiment it was to
+        be made in.
+        """
+        return {"run_key": self._run_key, "experiment": self._experiment}
 
     def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
-        """Take the saved run key (a state from before run keys keeps this sink's own)."""
+        """Take the saved run key (a state from before run keys keeps this sink's own).
+
+        A sink made without ``experiment`` takes the saved one: a replay of a kept spool built
+        from the command line then makes the job's run in the job's experiment, not in
+        MLflow's default one.
+        """
         run_key = state_dict.get("run_key")
         if isinstance(run_key, str) and run_key.isalnum():  # it goes into a search filter
             self._run_key = run_key
+        experiment = state_dict.get("experiment")
+        if self._experiment is None and isinstance(experiment, str):
+            self._experiment = experiment
 
     def _log_params(self, run: RunInfo, existing: Mapping[str, str]) -> None:
         from mlflow.entities import Param

@@ -18,6 +18,7 @@ __all__ = [
     "check_int",
     "expected_text",
     "found_outside",
+    "ignore_index_of",
     "as_tensor",
     "check_broadcastable",
     "check_floating",
@@ -138,6 +139,19 @@ def found_outside(values: Tensor, low: float, high: float, *, whole: bool = Fals
     shown = ", ".join(f"{value:g}" for value in flat[bad][:3].tolist())
     more = ", ..." if count > 3 else ""
     return f" (found {shown}{more}: {count} of {flat.numel()} elements)"
+
+
+def ignore_index_of(target: Tensor, ignore_index: int | None) -> int | None:
+    """``ignore_index`` as it applies to ``target``: ``None`` where its dtype cannot hold it.
+
+    torch compares a Python int in the tensor's own integer dtype, so ``-100`` against uint8
+    ids is ``156``, and id 156 would be taken for padding. An index the dtype cannot hold
+    matches no element: nothing is ignored.
+    """
+    if ignore_index is None or target.is_floating_point() or target.dtype == torch.bool:
+        return ignore_index  # floats hold it; bools compare as integers
+    limits = torch.iinfo(target.dtype)
+    return ignore_index if limits.min <= ignore_index <= limits.max else None
 
 
 def checks_stay_on_device(device: torch.device) -> bool:

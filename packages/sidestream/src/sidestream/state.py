@@ -309,7 +309,7 @@ class MetricAccumulator:
         if update.requires_grad:
             update = update.detach()
         if self._sums:
-            if is_compiling():
+            if is_compiling():  # _span inlined: the hot path of small compiled updates
                 span = self._buffer[self._start : self._stop]
                 span = span if self._shape is None else span.view(self._shape)
                 span.add_(update)
@@ -331,10 +331,22 @@ class MetricAccumulator:
             self.accumulate(update.to(self._target.dtype))
             return
         elif self._maxes:
-            torch.maximum(self._target, update, out=self._target)  # NaN propagates
+            target = self._span() if is_compiling() else self._target
+            torch.maximum(target, update, out=target)  # NaN propagates
         else:
-            torch.minimum(self._target, update, out=self._target)
+            target = self._span() if is_compiling() else self._target
+            torch.minimum(target, update, out=target)
         self._freshness.stale()
+
+    def _span(self) -> Tensor:
+        """The state as a slice of its buffer, shaped: where a compiled update writes.
+
+        Not ``_target``: a view made outside the graph becomes a graph input of its own, and
+        on a recompile with dynamic sizes (a second metric of another class count) torch gives
+        its base's size a symbol it cannot trace back to any input, and fails.
+        """
+        span = self._buffer[self._start : self._stop]
+        return span if self._shape is None else span.view(self._shape)
 
     def _number(self, update: object) -> Tensor:
         # d9d's accumulator took Python numbers too (``update(labels.numel())``). A fill, not a
@@ -406,7 +418,8 @@ class MetricAccumulator:
         """
         if source.requires_grad:
             source = source.detach()
-        self._target.index_add_(0, index, source.to(self._dtype))
+        target = self._span() if is_compiling() else self._target
+        target.index_add_(0, index, source.to(self._dtype))
         self._freshness.stale()
 
     def mark_changed(self) -> None:
@@ -430,7 +443,8 @@ class MetricAccumulator:
             raise ValueError(f"add_product needs a SUM accumulator, this one is {self._op.name}")
         if matrix.requires_grad or vector.requires_grad:
             matrix, vector = matrix.detach(), vector.detach()
-        self._flat.addmv_(matrix, vector)
+        flat = self._buffer[self._start : self._stop] if is_compiling() else self._flat
+        flat.addmv_(matrix, vector)
         self._freshness.stale()
 
     def sync(self, group: Group = None) -> None:

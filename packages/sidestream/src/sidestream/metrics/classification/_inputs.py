@@ -24,6 +24,7 @@ from sidestream._validation import (
     checks_stay_on_device,
     expected_text,
     found_outside,
+    ignore_index_of,
     screen_invalid,
 )
 from sidestream.metrics.classification import _cpu_path
@@ -170,6 +171,7 @@ def _target_labels(
     weight = None
     expected = expected_text("class indices in [0, {})", num_classes)
     checked = labels
+    ignore_index = ignore_index_of(labels, ignore_index)
     if ignore_index is not None:
         kept = labels != ignore_index
         weight = kept.to(torch.int64)
@@ -493,10 +495,11 @@ def label_flags(
     if target.dtype != torch.bool:
         expected = "0/1 targets"
         checked = target
-        if problem.ignore_index is not None:
-            weight = target != problem.ignore_index
+        ignore = ignore_index_of(target, problem.ignore_index)
+        if ignore is not None:
+            weight = target != ignore
             checked = torch.where(weight, target, 0)
-            expected += expected_text(" or ignore_index={}", problem.ignore_index)
+            expected += expected_text(" or ignore_index={}", ignore)
         # A float target must be exactly 0 or 1 (0.5 is not a label), as the ranking metrics'.
         bad = not_binary(checked) if checked.is_floating_point() else outside(checked, 0, 1)
         checks.append((bad, "target", expected, (checked, 0.0, 1.0, True)))

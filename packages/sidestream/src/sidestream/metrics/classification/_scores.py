@@ -13,6 +13,7 @@ from sidestream._validation import (
     checks_stay_on_device,
     expected_text,
     found_outside,
+    ignore_index_of,
     screen_invalid,
 )
 from sidestream.metrics.classification import _cpu_path
@@ -153,7 +154,7 @@ def score_batch(
         expected = PROBABILITIES
     weight: Tensor | None = None
     checked = labels
-    ignore = problem.ignore_index
+    ignore = ignore_index_of(labels, problem.ignore_index)
     if ignore is not None:
         kept = labels != ignore
         weight = kept.to(torch.int64)

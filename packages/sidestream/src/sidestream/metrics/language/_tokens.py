@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import expected_text
+from sidestream._validation import expected_text, ignore_index_of
 
 __all__: list[str] = []
 
@@ -57,6 +57,7 @@ def token_masks(target: Tensor, vocab: int, ignore_index: int | None) -> tuple[T
     not ``ignore_index`` either.
     """
     in_vocab = (target >= 0) & (target < vocab)
+    ignore_index = ignore_index_of(target, ignore_index)
     if ignore_index is None:
         return in_vocab, ~in_vocab
     kept = target != ignore_index
