@@ -585,6 +585,23 @@ def test_a_database_uri_sqlalchemy_cannot_read_fails_early_and_for_good(shm_path
     assert is_permanent(failure)
 
 
+def test_a_history_the_server_cannot_give_is_asked_once_per_key(shm_path: Path) -> None:
+    # During a replay each held value asks the server; an unreachable one was asked again for
+    # every report, each time with MLflow's own retries instead of the sink's.
+    calls: list[str] = []
+
+    class Unreachable:
+        def get_metric_history(self, run_id: str, key: str) -> Any:
+            calls.append(key)
+            raise ConnectionError("refused")
+
+    sink = MlflowSink(tracking_uri=f"sqlite:///{shm_path / 'mlflow.db'}")
+    sink._client, sink._run_id = Unreachable(), "run"
+    assert not sink.backend_has_step("loss", 3)
+    assert not sink.backend_has_step("loss", 4)
+    assert calls == ["loss"]
+
+
 def test_names_of_any_script_keep_their_names(shm_path: Path) -> None:
     # MLflow takes word characters of any script; they were renamed as if refused.
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"

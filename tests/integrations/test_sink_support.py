@@ -63,6 +63,13 @@ def test_credentials_are_removed_from_uris_and_messages(monkeypatch: pytest.Monk
     broken = "postgresql://bob:p@ss-word@db.example.com:notaport/runs"
     assert uri_without_password(broken) == "postgresql://***@db.example.com:notaport/runs"
     assert {"p@ss-word"} <= set(secrets_in([], [broken]))
+    # SQLAlchemy takes a password with "/" or "#" unencoded: no "@" before them, yet secret.
+    slashed = "postgresql://bob:pa/ss#word@db.example.com/runs"
+    assert uri_without_password(slashed) == "postgresql://***@db.example.com/runs"
+    assert {"pa/ss#word"} <= set(secrets_in([], [slashed]))
+    for plain in ("http://host:5000/a@b", "file:///a@b", "http://h/x?u=a:b@c"):
+        assert uri_without_password(plain) == plain  # an "@" in the path or query
+    assert uri_without_password("http://alice@Host/a@b") == "http://***@Host/a@b"
 
 
 def test_histogram_edges_default_to_unit_bins_and_check_given_ones() -> None:

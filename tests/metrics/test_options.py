@@ -540,6 +540,15 @@ def _macro_f1() -> Any:
             r"^preds: expected probabilities.* \(found 1\.5, 2, 3, \.\.\.: 4 of 5 elements\)$",
         ),
         (
+            # Just past 1 (rounding upstream): shown as it is, not rounded back to "1".
+            lambda: BinaryAUROCMetric().update(torch.tensor([0.5, 1.0000001]), torch.ones(2)),
+            r"^preds: expected probabilities.* \(found 1\.0000001: 1 of 2 elements\)$",
+        ),
+        (
+            lambda: _macro_f1().update(torch.tensor([0, 1234567]), torch.tensor([0, 1])),
+            r"^preds: expected class indices.* \(found 1234567: 1 of 2 elements\)$",
+        ),
+        (
             lambda: MulticlassAUROCMetric(C, ignore_index=IGNORE).update(
                 torch.rand(3, C), torch.tensor([IGNORE, 4, 0])
             ),
@@ -547,7 +556,15 @@ def _macro_f1() -> Any:
             r"\(found 4: 1 of 3 elements\)$",
         ),
     ],
-    ids=["target index", "predicted index", "binary target", "probabilities", "ignore_index"],
+    ids=[
+        "target index",
+        "predicted index",
+        "binary target",
+        "probabilities",
+        "just past 1",
+        "large index",
+        "ignore_index",
+    ],
 )
 def test_bad_values_are_shown_in_the_error(update: Any, match: str) -> None:
     # The message says which values broke the check, not only that some did (ignored

@@ -288,3 +288,23 @@ def test_a_run_config_json_cannot_hold_is_kept_as_text(tmp_path: Path) -> None:
     assert kept.run == RunInfo(
         "job", {"(1, 2)": 3, "dtype": "torch.float32", "nested": {"4": ["inf"]}}
     )
+
+
+def test_a_kept_state_whose_config_is_refused_now_still_resumes_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Kept before RunInfo refused two config entries of one flattened name: the whole kept
+    # state was dropped, and the replay opened a new run instead of the job's.
+    spool = str(tmp_path / "old.spool.jsonl")
+    kept = {
+        "sink": "keyed",
+        "state": {"key": "job-key", "last_steps": []},
+        "run": {"name": "job", "config": {"opt.lr": 0.1, "opt": {"lr": 0.2}}, "tags": {}},
+    }
+    with open(spool + ".state.json", "w", encoding="utf-8") as file:
+        json.dump(kept, file)
+    with caplog.at_level("WARNING", logger="sidestream.sinks"):
+        state = read_kept_state(spool)
+    assert state is not None and state.state == kept["state"]
+    assert state.run == RunInfo("job", {}, {})
+    assert "the kept run config is left out" in caplog.text and spool in caplog.text

@@ -345,20 +345,23 @@ class MlflowSink(TrackerSink):
     def backend_has_step(self, name: str, step: int) -> bool:
         """Whether the run holds value ``name`` at ``step``: its metric history, once per key.
 
-        ``False`` if the server cannot be asked: the value then counts as possibly missing.
-        Nothing this sink sends goes below a key's largest step, so a key's steps below it stay
-        as they were asked.
+        Asked with the sink's ``http_timeout`` and ``http_max_retries``. ``False`` if the server
+        cannot answer (not asked again for that key): the value then counts as possibly
+        missing. Nothing this sink sends goes below a key's largest step, so a key's steps
+        below it stay as they were asked.
         """
-        if self._client is None or self._run_id is None:
+        client, run_id = self._client, self._run_id
+        if client is None or run_id is None:
             return False
         key = _key(name)
         steps = self._history_steps.get(key)
         if steps is None:
             try:
-                history = self._client.get_metric_history(self._run_id, key)
+                history = self._call(lambda: client.get_metric_history(run_id, key))
+                steps = frozenset(int(metric.step) for metric in history)
             except Exception:
-                return False
-            steps = self._history_steps[key] = frozenset(int(m.step) for m in history)
+                steps = frozenset()
+            self._history_steps[key] = steps
         return step in steps
 
     def send(self, reports: Sequence[Report]) -> None:

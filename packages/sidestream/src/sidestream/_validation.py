@@ -136,7 +136,10 @@ def found_outside(values: Tensor, low: float, high: float, *, whole: bool = Fals
     count = int(bad.sum())
     if not count:
         return ""
-    shown = ", ".join(f"{value:g}" for value in flat[bad][:3].tolist())
+    # Integers in full (a class index of 1234567), floats to float32's precision (1.0000001).
+    shown = ", ".join(
+        str(value) if isinstance(value, int) else f"{value:.8g}" for value in flat[bad][:3].tolist()
+    )
     more = ", ..." if count > 3 else ""
     return f" (found {shown}{more}: {count} of {flat.numel()} elements)"
 
@@ -148,9 +151,12 @@ def ignore_index_of(target: Tensor, ignore_index: int | None) -> int | None:
     ids is ``156``, and id 156 would be taken for padding. An index the dtype cannot hold
     matches no element: nothing is ignored.
     """
-    if ignore_index is None or target.is_floating_point() or target.dtype == torch.bool:
-        return ignore_index  # floats hold it; bools compare as integers
-    limits = torch.iinfo(target.dtype)
+    dtype = target.dtype
+    if ignore_index is None or dtype is torch.int64 or dtype.is_floating_point:
+        return ignore_index  # int64 and floats hold any index given (checked as an int)
+    if dtype is torch.bool:
+        return ignore_index  # bools compare as integers
+    limits = torch.iinfo(dtype)
     return ignore_index if limits.min <= ignore_index <= limits.max else None
 
 

@@ -219,10 +219,23 @@ def read_kept_state(spool_path: str | os.PathLike[str]) -> KeptState | None:
         sink, state, run = kept["sink"], kept["state"], kept.get("run")
         if not isinstance(sink, str) or not isinstance(state, dict | None):
             raise TypeError("expected a sink name and a state")
-        info = None if run is None else RunInfo(run["name"], run["config"], run["tags"])
+        info = None if run is None else _kept_run(path, run)
     except (TypeError, KeyError, AttributeError) as error:
         raise ValueError(f"{path}: not a kept sink state ({error})") from error
     return KeptState(path, sink, state, info)
+
+
+def _kept_run(path: str, run: Mapping[str, Any]) -> RunInfo:
+    """The job's ``RunInfo`` as kept; its config dropped (with a warning) if it is refused now.
+
+    A file kept before ``RunInfo`` refused two config entries of one flattened name still
+    holds the sink's state: the replay must land in the job's run all the same.
+    """
+    try:
+        return RunInfo(run["name"], run["config"], run["tags"])
+    except ValueError as error:
+        logger.warning("%s: the kept run config is left out (%s)", path, error)
+        return RunInfo(run["name"], {}, run["tags"])
 
 
 @dataclasses.dataclass

@@ -75,7 +75,8 @@ class RunInfo:
             )
         from sidestream.sinks.support import flatten_config
 
-        flatten_config(self.config)  # two names for one parameter: refused here, not at open
+        # Two names for one parameter: refused here, not at open (leaves kept as they are).
+        flatten_config(self.config, plain_types=(object,))
         if not isinstance(self.tags, Mapping) or not all(isinstance(k, str) for k in self.tags):
             raise TypeError(
                 "tags: expected a mapping of tag names (str) to values, such as "

@@ -97,20 +97,16 @@ def shorten(text: str, limit: int) -> str:
 def uri_without_password(uri: str | None) -> str | None:
     """``uri`` with any ``user:password@`` user information replaced by ``***@``.
 
-    Read from the text, not parsed: a URI that does not parse (a port that is not a number)
-    is redacted all the same, for the message that says it is wrong.
+    Read from the text, not parsed: a URI that does not parse (a port that is not a number, a
+    password with ``/`` in it, which SQLAlchemy takes) is redacted all the same, for the
+    message that says it is wrong.
     """
     if uri is None:
         return None
-    authority = _AUTHORITY.match(uri)
-    if authority is None or "@" not in authority.group(1):
+    span = _user_information(uri)
+    if span is None:
         return uri
-    host = authority.group(1).rpartition("@")[2]  # a password may hold "@" itself
-    return f"{uri[: authority.start(1)]}***@{host}{uri[authority.end(1) :]}"
-
-
-_AUTHORITY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.\-]*:)?//([^/?#]*)")
-"""The authority part of a URI (``user:password@host:port``), after the scheme's ``//``."""
+    return f"{uri[: span[0]]}***{uri[span[1] :]}"
 
 
 def secrets_in(env_names: Iterable[str], uris: Iterable[str | None] = ()) -> list[str]:
@@ -120,11 +116,44 @@ def secrets_in(env_names: Iterable[str], uris: Iterable[str | None] = ()) -> lis
     """
     found = [os.environ.get(name, "") for name in env_names]
     for uri in uris:
-        authority = _AUTHORITY.match(uri) if uri else None
-        if authority is not None and "@" in authority.group(1):
-            username, _, password = authority.group(1).rpartition("@")[0].partition(":")
+        span = _user_information(uri) if uri else None
+        if uri and span is not None:
+            username, _, password = uri[span[0] : span[1]].partition(":")
             found += [password, username]
     return sorted({secret for secret in found if len(secret) >= 4}, key=len, reverse=True)
+
+
+_AFTER_SCHEME = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.\-]*:)?//")
+
+
+def _user_information(uri: str) -> tuple[int, int] | None:
+    """Where ``user:password`` is in ``uri`` (before the ``@``), or ``None`` if it has none.
+
+    Usually up to the last ``@`` of the authority (a password may hold ``@``). A password may
+    also hold ``/``, ``?`` or ``#``, which SQLAlchemy takes unencoded; such a URI has no ``@``
+    before them, so the last ``@`` of the whole URI counts when what comes before its first
+    ``/`` is ``user:password``, not ``host:port``.
+    """
+    scheme = _AFTER_SCHEME.match(uri)
+    if scheme is None:
+        return None
+    start = scheme.end()
+    authority = _AUTHORITY_END.search(uri, start)
+    stop = len(uri) if authority is None else authority.start()
+    at = uri.rfind("@", start, stop)
+    if at != -1:
+        return start, at
+    at = uri.rfind("@", start)
+    if at == -1:
+        return None
+    head = _AUTHORITY_END.split(uri[start:at], maxsplit=1)[0]
+    _, colon, password = head.partition(":")
+    if not colon or not password or password.isdigit():
+        return None  # host:port, or no password: the "@" is in the path or the query
+    return start, at
+
+
+_AUTHORITY_END = re.compile(r"[/?#]")
 
 
 def redact(text: str, secrets: Iterable[str]) -> str:

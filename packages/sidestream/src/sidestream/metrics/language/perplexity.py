@@ -13,6 +13,7 @@ from sidestream._validation import (
     check_broadcastable,
     check_floating,
     checks_stay_on_device,
+    ignore_index_of,
     screen_invalid,
 )
 from sidestream.metric import Metric
@@ -142,7 +143,7 @@ class PerplexityMetric(Metric[Tensor]):
             (tokens == torch.inf) | ~torch.isfinite(nll),
             self._rejected,
             "target/logits",
-            f"{token_range(vocab, ignore)}, and {_FINITE_LOGITS}",
+            f"{token_range(vocab, ignore_index_of(target, ignore))}, and {_FINITE_LOGITS}",
         )
         assert keep is not None  # the device path always returns the keep flag
         # where, not a product with keep: a dropped batch's NaN or inf loss must not leak.
@@ -168,7 +169,7 @@ class PerplexityMetric(Metric[Tensor]):
                     bool(bad.any()),
                     self._rejected,
                     "target",
-                    token_range(vocab, ignore),
+                    token_range(vocab, ignore_index_of(flat, ignore)),
                 )
                 ignored = flat.numel() - int(counted.sum())
         scores = logits.reshape(-1, vocab)

@@ -8,6 +8,7 @@ from torch import Tensor
 from sidestream._validation import (
     as_tensor,
     checks_stay_on_device,
+    ignore_index_of,
     screen_invalid,
 )
 from sidestream.metric import Metric
@@ -83,7 +84,7 @@ class TokenAccuracyMetric(Metric[Tensor]):
             counted = counted & keep
         else:  # raises naming the argument, before the state changes
             screen_invalid(nan_scores, self._rejected, "logits", "no NaN scores at counted tokens")
-            expected = token_range(vocab, self._ignore_index)
+            expected = token_range(vocab, ignore_index_of(target_t, self._ignore_index))
             screen_invalid(bad_target, self._rejected, "target", expected)
         safe = torch.where(counted, target_t, 0).to(torch.int64)
         tally = counted.to(torch.int64)
