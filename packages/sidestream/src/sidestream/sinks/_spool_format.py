@@ -323,7 +323,8 @@ def replay_spool(
                 result.skipped += 1
                 continue
             there = tracker.values_in_backend(report) if tracker is not None else []
-            held = tracker is not None and bool(tracker.held_values(report))
+            # Held values are among those left out: no second scan when none is.
+            held = bool(there) and tracker is not None and bool(tracker.held_values(report))
             result.held += held
             if there and len(there) == len(report.values) + len(report.histograms):
                 # Nothing of it would be sent: the backend has all of it at this step (the
