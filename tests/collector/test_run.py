@@ -337,6 +337,22 @@ def test_saved_metric_states_no_collector_claims_are_kept_and_named(
         assert float(train.metric.compute()) == 5.0
 
 
+def test_a_saved_state_a_collector_refused_stays_in_the_next_checkpoint() -> None:
+    """A collector made with another metric than the saved one is refused; the saved state
+    is not consumed by the refusal, so the right collector (or the next checkpoint) has it."""
+    with Run([RecordingSink()]) as first:
+        first.collector(SumMetric(), prefix="train").metric.update(torch.tensor([5.0]))
+        saved = first.state_dict()
+    with Run([RecordingSink()]) as resumed:
+        resumed.load_state_dict(saved)
+        with pytest.raises(KeyError):
+            resumed.collector(MeanMetric(), prefix="train")
+        again = resumed.state_dict()
+        assert set(again["collectors"]) == {"train"}
+        retried = resumed.collector(SumMetric(), prefix="train")
+        assert float(retried.metric.compute()) == 5.0
+
+
 def test_a_checkpoint_waits_at_most_its_timeout_in_all() -> None:
     """A sink still sending when the wait ends gets what is left of the timeout to make its
     data durable, not the timeout again."""

@@ -533,6 +533,53 @@ def test_a_float32_checkpoint_loads_into_a_float64_state() -> None:
         metric.load_state_dict({"total": torch.tensor(2, dtype=torch.int64)})
 
 
+def test_a_saved_tensor_that_requires_grad_leaves_the_tree_usable() -> None:
+    # A loaded tensor with autograd history had pulled the shared buffer into the graph: every
+    # later update, reset or copy of any metric of the tree raised.
+    composed = ComposeMetric({"mean": MeanMetric(), "sum": SumMetric()})
+    composed.load_state_dict(
+        {
+            "mean.total": torch.tensor(6.0, dtype=torch.float64, requires_grad=True),
+            "mean.count": torch.tensor(2.0, dtype=torch.float64),
+            "sum.total": torch.tensor(1.0, dtype=torch.float64),
+        }
+    )
+    assert composed["sum"].compute().grad_fn is None
+    composed["mean"].update(torch.tensor([3.0]))
+    assert float(composed["mean"].compute()) == 3.0
+    assert all(t.grad_fn is None for t in composed.state_dict().values())
+    assert float(copy.deepcopy(composed)["mean"].compute()) == 3.0
+
+
+def test_narrower_integers_and_python_numbers_load_exactly() -> None:
+    class Counts(Metric[Tensor]):
+        def __init__(self) -> None:
+            self.hits = MetricAccumulator(0, dtype=torch.int32)
+            self.share = MetricAccumulator(0.0, dtype=torch.float32)
+
+        def update(self, values: Tensor) -> None:
+            self.hits.accumulate(values.numel())
+
+        def compute(self) -> Tensor:
+            return self.hits.value
+
+    metric = Counts()
+    metric.load_state_dict({"hits": torch.tensor(7, dtype=torch.int16), "share": 0.1})
+    assert metric.hits.value.dtype == torch.int32 and int(metric.compute()) == 7
+    assert float(metric.share.value) == float(torch.tensor(0.1, dtype=torch.float32))
+    metric.load_state_dict({"hits": 5, "share": 0.0})
+    assert int(metric.compute()) == 5
+    with pytest.raises(ValueError, match=r"state_dict\['hits'\]: expected dtype torch\.int32"):
+        metric.load_state_dict({"hits": 2**40, "share": 0.0})  # not held by int32
+    with pytest.raises(ValueError, match=r"state_dict\['hits'\]: expected dtype torch\.int32"):
+        metric.load_state_dict({"hits": torch.tensor(7, dtype=torch.int64), "share": 0.0})
+    with pytest.raises(ValueError, match=r"state_dict\['hits'\]: a meta tensor"):
+        metric.load_state_dict(
+            {"hits": torch.empty((), dtype=torch.int32, device="meta"), "share": 0.0}
+        )
+    assert int(metric.compute()) == 5  # each refused load left the state as it was
+
+
 def test_a_dataclass_metric_keeps_its_generated_init() -> None:
     import dataclasses
 

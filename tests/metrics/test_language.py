@@ -147,6 +147,22 @@ def _synced(seeds: list[int]) -> list[dict[str, float]]:
     ]
 
 
+@pytest.mark.parametrize("kind", [PerplexityMetric, TokenAccuracyMetric])
+def test_a_checkpoint_counted_under_another_ignore_index_is_refused(kind: Any) -> None:
+    logits = torch.randn(1, 4, 5, generator=torch.Generator().manual_seed(0))
+    target = torch.tensor([[0, 1, 0, 3]])
+    saved = kind(ignore_index=0)
+    saved.update(logits, target)  # two tokens counted: id 0 is padding here
+    other = kind(ignore_index=-100)
+    before = other.state_dict()
+    with pytest.raises(ValueError, match=r"state_dict\['configuration'\].*ignore_index=-100"):
+        other.load_state_dict(saved.state_dict())
+    assert all(torch.equal(before[key], other.state_dict()[key]) for key in before)
+    same = kind(ignore_index=0)
+    same.load_state_dict(saved.state_dict())
+    assert torch.equal(same.compute(), saved.compute())
+
+
 def test_distributed_matches_cross_entropy_on_all_shards(dist_pool: RankPool) -> None:
     seeds = [8, 9, 10]
     per_rank = dist_pool.run(_synced, seeds)

@@ -186,7 +186,8 @@ class SampleStore:
         for name, template in self._templates.items():
             value = rows[name]
             # A bare tensor: a checkpoint from before SavedRows, or one made by hand.
-            tensor = torch.as_tensor(value.rows if isinstance(value, SavedRows) else value)
+            # Detached: rows that require grad would carry autograd history into the store.
+            tensor = torch.as_tensor(value.rows if isinstance(value, SavedRows) else value).detach()
             if tuple(tensor.shape[1:]) != tuple(template.shape[1:]) or tensor.ndim == 0:
                 raise ValueError(
                     f"state_dict[{name!r}]: expected rows of shape {tuple(template.shape[1:])}, "

@@ -810,12 +810,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
         # Constants first: a checkpoint of other bins is told as such, not as a histogram of
         # another shape.
         for name, state in sorted(states.items(), key=lambda item: item[1]._compared_as is None):
-            try:
-                tensor = torch.as_tensor(state_dict[name])
-            except (TypeError, ValueError, RuntimeError) as error:
-                raise TypeError(
-                    f"state_dict[{name!r}]: expected a tensor, got {state_dict[name]!r}"
-                ) from error
+            tensor = _saved_tensor(name, state_dict[name], state.local.dtype)
             if state._compared_as is not None:
                 state._check_saved_constant(name, tensor)
             if tuple(tensor.shape) != tuple(state.local.shape):
@@ -947,14 +942,47 @@ def _tree_objects(value: Any) -> Iterator[tuple[MetricAccumulator | Metric[Any],
             yield from _tree_objects(item)
 
 
+def _saved_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``state_dict[name]`` as a tensor with no autograd history, checked for a readable kind.
+
+    A Python float takes a floating state's dtype, and a Python int any state's dtype that
+    holds it exactly (``5`` for an int32 count).
+
+    Raises:
+        TypeError: If ``value`` is neither a tensor nor a number.
+        ValueError: If it is a meta tensor (no values to load).
+    """
+    try:
+        tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"state_dict[{name!r}]: expected a tensor, got {value!r}") from error
+    if tensor.is_meta:
+        raise ValueError(
+            f"state_dict[{name!r}]: a meta tensor holds no values (load the checkpoint's "
+            "tensors, for example with torch.load or dcp.load into this metric's state_dict())"
+        )
+    if isinstance(value, float) and dtype.is_floating_point:
+        tensor = torch.as_tensor(value, dtype=dtype)
+    elif isinstance(value, int) and not isinstance(value, bool) and dtype is not torch.bool:
+        try:
+            exact = torch.as_tensor(value, dtype=dtype)
+        except RuntimeError:  # out of the dtype's range: refused below, as a saved int64
+            exact = tensor
+        if exact.item() == value:
+            tensor = exact
+    # Detached: a saved tensor that requires grad would pull the state buffer into autograd,
+    # and every later in-place update of the metric tree would raise.
+    return tensor.detach()
+
+
 def _widens(saved: torch.dtype, state: torch.dtype) -> bool:
-    """Whether a saved float loads exactly into a wider float state (float32 into float64)."""
-    return (
-        saved.is_floating_point
-        and state.is_floating_point
-        and torch.finfo(saved).bits < torch.finfo(state).bits
-        and torch.promote_types(saved, state) == state
-    )
+    """Whether a saved value loads exactly in a wider state (float32 in float64, int8 in int32)."""
+    if saved.is_floating_point != state.is_floating_point or torch.bool in (saved, state):
+        return False
+    if saved.is_complex or state.is_complex:
+        return False
+    info = torch.finfo if saved.is_floating_point else torch.iinfo
+    return info(saved).bits < info(state).bits and torch.promote_types(saved, state) == state
 
 
 def has_own_sync(metric: Metric[Any]) -> bool:

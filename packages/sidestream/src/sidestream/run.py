@@ -187,7 +187,10 @@ class Run:
             _delivery=self._delivery,
         )
         if stream in self._metric_states:
-            collector.load_metric_state(self._metric_states.pop(stream))
+            # Dropped only once it loaded: a refused state (another metric) stays saved, and
+            # goes on to the next checkpoint if no collector claims it.
+            collector.load_metric_state(self._metric_states[stream])
+            del self._metric_states[stream]
         elif self._loaded:
             logger.warning(
                 "run.collector(prefix=%r): the state given to run.load_state_dict has no "

@@ -65,6 +65,10 @@ class PerplexityMetric(Metric[Tensor]):
         self._nll = MetricAccumulator(0.0, dtype=torch.float64)
         self._tokens = MetricAccumulator(0.0, dtype=torch.float64)
         self._rejected = MetricAccumulator(0, dtype=torch.int64)
+        # Which tokens count depends on ignore_index: a checkpoint (and a peer rank) counted
+        # under another one is refused instead of mixed in.
+        for state in (self._nll, self._tokens):
+            state.set_configuration(f"ignore_index={ignore_index}")
 
     @property
     def rejected_updates(self) -> Tensor:
