@@ -12,7 +12,12 @@ import pytest
 from sidestream.sinks import Report, RunInfo
 from sidestream.testing import RankPool
 from tests.integrations._workload import HISTOGRAM_EDGES, expected, train
-from tests.integrations.wandb_reader import HistoryRow, read_history, run_id_of
+from tests.integrations.wandb_reader import (
+    HistoryRow,
+    read_history,
+    read_step_metrics,
+    run_id_of,
+)
 
 pytest.importorskip("wandb")
 from sidestream_wandb import WandbSink
@@ -179,6 +184,39 @@ def test_values_named_like_the_step_or_a_wandb_column_keep_their_own_columns(
     assert len(renamed) == 1 and rows[2].items[renamed[0]] == 5.0
     for name in ("'step'", "'_step'", "'_runtime'", "'_timestamp'", "'eval/step'", "'train/step'"):
         assert f"{name} is logged as" in caplog.text
+
+
+def test_each_value_is_charted_against_its_own_streams_step(tmp_path: Path) -> None:
+    """Nested prefixes, a value named as its stream, and names holding ``*``: each value is
+    declared against its own stream's step, and no row gets another stream's step."""
+    reports = [
+        Report(step=100, values={"val/loss": 1.0}, time=time.time(), stream="val"),
+        Report(step=150, values={"val/ood/loss": 2.0}, time=time.time(), stream="val/ood"),
+        Report(step=5, values={"tokens": 3.0}, time=time.time(), stream="tokens"),
+        Report(step=1, values={"lr*warmup": 4.0}, time=time.time()),
+        Report(step=2, values={"s*/x": 5.0}, time=time.time(), stream="s*"),
+        Report(step=3, values={"lr": 6.0}, time=time.time()),
+    ]
+    sink = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    sink.open(RunInfo(name="streams"))
+    for report in reports:
+        sink.write(report)  # a '*' used to fail here, and every later write with it
+    run_dir = sink.run_dir
+    assert sink.close(timeout=60) and run_dir is not None
+    data = _data_file(run_dir)
+    rows = _history(data)
+    declared = read_step_metrics(data)
+    assert len(rows) == len(reports)
+    for report, row in zip(reports, rows, strict=True):
+        own = {key: value for key, value in row.items.items() if not key.startswith("_")}
+        steps = {key: value for key, value in own.items() if key.endswith("/step") or key == "step"}
+        assert list(steps.values()) == [report.step], own  # its own step, no other stream's
+        (step_key,) = steps
+        values = {key: value for key, value in own.items() if key != step_key}
+        assert list(values.values()) == list(report.values.values())
+        for column in values:
+            assert declared[column] == step_key, (column, declared)
+    assert not any("*" in name for name in declared)
 
 
 def test_rows_a_stalled_service_has_not_written_do_not_count_as_delivered(
@@ -486,6 +524,8 @@ def test_a_settings_key_wandb_rejects_fails_when_the_sink_is_built() -> None:
         ({"resume": "sometimes"}, ValueError, r"resume: expected one of .*'sometimes'"),
         ({"id": "a/b"}, ValueError, r"id: W&B run ids cannot hold '/'"),
         ({"id": " a"}, ValueError, r"id: expected a run id without surrounding spaces"),
+        ({"reinit": "return_previous"}, ValueError, r"reinit: .*'return_previous'"),
+        ({"reinit": True}, ValueError, r"reinit: the sink always starts its own run"),
     ],
 )
 def test_run_options_wandb_would_refuse_or_misread_fail_when_the_sink_is_built(
@@ -496,6 +536,7 @@ def test_run_options_wandb_would_refuse_or_misread_fail_when_the_sink_is_built(
     with pytest.raises(error, match=message):
         WandbSink(project="sidestream-it", mode="offline", **options)
     WandbSink(project="p", mode="offline", tags=["a", "b"], config={"x": 1}, resume="must")
+    WandbSink(project="p", mode="offline", reinit="create_new")
 
 
 def test_a_checkpoint_taken_before_the_sink_opened_resumes_the_same_run(tmp_path: Path) -> None:

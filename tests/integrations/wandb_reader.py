@@ -108,3 +108,16 @@ def run_id_of(path: Path) -> str:
         if record.WhichOneof("record_type") == "run":
             return str(record.run.run_id)
     raise ValueError(f"{path}: no run record")
+
+
+def read_step_metrics(path: Path) -> dict[str, str]:
+    """Each name declared with ``define_metric`` in ``path`` and its step metric (``""``: none).
+
+    Glob declarations (``train/*``) are keyed by their pattern.
+    """
+    declared: dict[str, str] = {}
+    for record in read_records(path):
+        if record.WhichOneof("record_type") == "metric":
+            metric = record.metric
+            declared[metric.name or metric.glob_name] = metric.step_metric
+    return declared

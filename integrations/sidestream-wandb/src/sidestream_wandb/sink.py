@@ -292,7 +292,7 @@ class WandbSink(TrackerSink):
                     row[self._column(name)] = histogram
             failure: RuntimeError | None = None
             try:
-                self._define(report.stream, key, row)
+                self._define(key, row)
                 row[key] = report.step
                 size_before = self._data_size()
                 self._run.log(row, commit=True)
@@ -441,37 +441,42 @@ class WandbSink(TrackerSink):
         run_dir = state_dict.get("run_dir")
         self._previous_dir = run_dir if isinstance(run_dir, str) else None
 
-    def _define(self, stream: str, key: str, row: Mapping[str, Any]) -> None:
-        """Plot the row's names against the stream's step metric (declared once per name)."""
+    def _define(self, key: str, row: Mapping[str, Any]) -> None:
+        """Plot the row's names against the stream's step metric (declared once per name).
+
+        Each name is declared by itself, not with a ``<stream>/*`` glob: a glob also takes the
+        names of a nested stream (``val/*`` matches ``val/ood/loss``, which wandb then
+        charted, and filled, with ``val/step``), and misses a value named as its stream
+        (``train`` of a one-metric collector with prefix ``train``).
+        """
         if key not in self._defined:
             self._run.define_metric(key)
-            if stream:
-                self._run.define_metric(f"{stream}/*", step_metric=key)
             self._defined.add(key)
-        if not stream:
-            # Run.log's names have no common prefix to glob: declare each new one.
-            for name in row.keys() - self._defined:
-                self._run.define_metric(name, step_metric=key)
-                self._defined.add(name)
+        for name in row.keys() - self._defined:
+            self._run.define_metric(name, step_metric=key)
+            self._defined.add(name)
 
     def _column(self, name: str) -> str:
         """The W&B column of a value: its name, unless W&B or a stream's step owns that name.
 
         W&B keeps top-level names starting with ``_`` for itself (``_step``, ``_runtime``,
         ``_timestamp``), and each stream's step is written under ``step`` or
-        ``<stream>/step``: a value of such a name would overwrite one or be overwritten. It
-        gets a column of its own, with a digest of the name, like MLflow's sink does for names
-        MLflow refuses; warned once per name.
+        ``<stream>/step``: a value of such a name would overwrite one or be overwritten. A
+        ``*`` cannot be declared with ``define_metric``. Such a value gets a column of its own,
+        with a digest of the name (``*`` as ``_``), like MLflow's sink does for names MLflow
+        refuses; warned once per name.
         """
         is_step = name == "step" or name.endswith("/step")
-        if not is_step and not (name.startswith("_") and "/" not in name):
+        is_pattern = "*" in name
+        if not is_step and not is_pattern and not (name.startswith("_") and "/" not in name):
             return name
-        column = f"{name.lstrip('_') or 'value'}-{name_digest(name)}"
-        why = (
-            "W&B columns named 'step' or '<stream>/step' hold the streams' steps"
-            if is_step
-            else "W&B keeps names starting with '_' for itself"
-        )
+        column = f"{name.lstrip('_').replace('*', '_') or 'value'}-{name_digest(name)}"
+        if is_pattern:
+            why = "W&B's define_metric reads '*' as a pattern, and refuses it inside a name"
+        elif is_step:
+            why = "W&B columns named 'step' or '<stream>/step' hold the streams' steps"
+        else:
+            why = "W&B keeps names starting with '_' for itself"
         self.warn_once(f"column:{name}", f"WandbSink: {name!r} is logged as {column!r}: {why}")
         return column
 
@@ -676,7 +681,7 @@ _RESERVED_ID_CHARACTERS = ":;,#?/'"  # wandb's own list (wandb_settings.validate
 
 
 def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
-    """Refuse ``tags``, ``config``, ``resume`` or ``id`` values ``open`` would misread.
+    """Refuse ``tags``, ``config``, ``resume``, ``reinit`` or ``id`` values ``open`` would misread.
 
     Checked when the sink is built: ``open`` runs on rank 0 only, once training has started,
     and would fail there (or split a str of tags into one tag per letter).
@@ -701,6 +706,14 @@ def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
             f"resume: expected one of {', '.join(map(repr, _RESUME_VALUES))} or None, got "
             f"{resume!r}"
         )
+    reinit = init_kwargs.get("reinit", "create_new")
+    if reinit != "create_new":
+        # Any other value may hand the sink a run the user started (and its close would
+        # finish that run), or finish the user's run when the sink opens.
+        raise ValueError(
+            f"reinit: the sink always starts its own run (reinit='create_new'), so a run the "
+            f"user started with wandb.init is left alone; leave reinit out, got {reinit!r}"
+        )
     run_id = init_kwargs.get("id")
     if run_id is not None:
         if not run_id.strip() or run_id != run_id.strip():
@@ -714,7 +727,13 @@ def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
 
 
 def step_metric(stream: str) -> str:
-    """The W&B step metric of ``stream``: ``"<stream>/step"``, or ``"step"`` for ``""``."""
+    """The W&B step metric of ``stream``: ``"<stream>/step"``, or ``"step"`` for ``""``.
+
+    A ``*`` in the stream becomes ``_`` (with a digest of the stream, so two streams keep two
+    step metrics): W&B's ``define_metric`` reads it as a pattern and refuses it inside a name.
+    """
+    if "*" in stream:
+        return f"{stream.replace('*', '_')}-{name_digest(stream)}/step"
     return f"{stream}/step" if stream else "step"
 
 
