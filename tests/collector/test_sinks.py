@@ -172,6 +172,15 @@ def test_missing_integration_names_the_extra(name: str) -> None:
 def test_unknown_sink_and_bad_options() -> None:
     with pytest.raises(LookupError, match=r"'nosuch' is unknown; installed sinks: .*jsonl"):
         sinks_from_config(["nosuch"])
+    with pytest.raises(LookupError, match=r"'jsnol' is unknown \(did you mean 'jsonl'\?\)"):
+        sinks_from_config(["jsnol"])
+    with pytest.raises(LookupError) as unknown:
+        sinks_from_config(["nosuch"])
+    offered = str(unknown.value).partition("(optional: ")[2].partition(" via ")[0].split(", ")
+    missing = [
+        extra for extra in ("mlflow", "tensorboard", "wandb") if extra not in available_sinks()
+    ]
+    assert [extra for extra in offered if extra] == missing  # installed ones are not offered
     with pytest.raises(TypeError, match="sink 'jsonl'"):
         sinks_from_config({"jsonl": {"paht": "x"}})
     with pytest.raises(TypeError, match="options of 'console' must be a dict"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
@@ -145,9 +146,18 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
     if not matches:
         if name in _EXTRAS:
             raise LookupError(f"sink {name!r} is not installed: {install_hint(name)}")
+        installed = available_sinks()
+        missing = sorted(set(_EXTRAS) - set(installed))  # only extras not installed yet
+        nearest = difflib.get_close_matches(name, [*installed, *missing], n=1)
         raise LookupError(
-            f"sink {name!r} is unknown; installed sinks: {', '.join(available_sinks()) or 'none'} "
-            f'(optional: {", ".join(sorted(_EXTRAS))} via pip install "sidestream[NAME]")'
+            f"sink {name!r} is unknown"
+            + (f" (did you mean {nearest[0]!r}?)" if nearest else "")
+            + f"; installed sinks: {', '.join(installed) or 'none'}"
+            + (
+                f' (optional: {", ".join(missing)} via pip install "sidestream[NAME]")'
+                if missing
+                else ""
+            )
         )
     try:
         factory = matches[0].load()
