@@ -348,6 +348,7 @@ def test_exact_rows_of_different_shapes_raise_instead_of_aborting(
 
 def _configuration_by_rank(where: str) -> dict[str, str]:
     from sidestream.metrics.classification import BinaryAUROCMetric, confusion_count_metric
+    from sidestream.metrics.language import PerplexityMetric
     from sidestream.metrics.regression import PearsonCorrelationMetric, R2ScoreMetric
 
     rank = dist.get_rank()
@@ -370,6 +371,10 @@ def _configuration_by_rank(where: str) -> dict[str, str]:
         .multiclass(3)
         .with_fbeta(2.0 if other else 0.5)
         .build(),
+        # NaNs ignored on one rank and filled with 0 on another: a mean of neither policy.
+        "nan policy": MeanMetric(nan_strategy=0.0 if other else "ignore"),
+        # Tokens counted under another padding id.
+        "ignore_index": PerplexityMetric(ignore_index=0 if other else -100),
         # Counts of another threshold (or kind) mean something else.
         "threshold": confusion_count_metric().binary(0.9 if other else 0.5).with_f1().build(),
         "kind": (
@@ -387,6 +392,10 @@ def _configuration_by_rank(where: str) -> dict[str, str]:
             metric.update(torch.tensor([0.1, 0.3, 0.7, 0.9]), torch.tensor([0, 1, 0, 1]))
         elif name == "beta":
             metric.update(torch.tensor([[[0.9, 0.1, 0.8]]]), torch.tensor([[0]]))
+        elif name == "nan policy":
+            metric.update(torch.tensor([1.0, float("nan"), 3.0]))
+        elif name == "ignore_index":
+            metric.update(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]]))
         elif name == "kind":
             target = torch.tensor([[1, 0, 1]]) if other else torch.tensor([0])
             metric.update(torch.tensor([[0.9, 0.1, 0.8]]), target)
@@ -430,6 +439,12 @@ def test_ranks_configured_with_other_bins_or_shifts_fail_every_rank(
             "'rejected' has configuration binary num_classes=1 threshold=0.5 logits=True "
             in outcome["exact logits"]
         ), (rank, outcome)
+        assert (
+            f"'nan_count' has configuration nan_strategy=0.0 on rank {odd}"
+            in (outcome["nan policy"])
+        ), (rank, outcome)
+        assert "but nan_strategy=ignore on rank 0" in outcome["nan policy"]
+        assert f"configuration ignore_index=0 on rank {odd}" in outcome["ignore_index"]
         assert outcome["equal bins"] == "no error"
         assert outcome["equal threshold"] == "no error"
         assert "statistics=f2" in outcome["beta"] and "statistics=f0.5" in outcome["beta"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, MetricAccumulator
 from sidestream import sync as sync_module
 from sidestream.collector import AsyncMetricCollector
-from sidestream.sync import RankMismatchError
+from sidestream.sync import CallFingerprint, RankMismatchError, check_calls
 from sidestream.testing import DistributedError, DistributedPool, RankPool
 
 pytestmark = pytest.mark.distributed
@@ -335,3 +335,17 @@ def test_a_slot_copy_starts_with_no_unchecked_syncs() -> None:
     copy = clone_metric(metric)
     pending = copy.__dict__["_unverified_syncs"]
     assert pending == [] and pending is not metric.__dict__["_unverified_syncs"]
+
+
+def test_a_row_that_is_no_fingerprint_is_named_as_another_collective() -> None:
+    # A rank whose collective was another (a user's all_gather, a payload gloo cut short) sent
+    # bytes read as a fingerprint: they were described as "sync #177117687", a call never made.
+    window = CallFingerprint("window", 3, "train").words(12345)
+    with pytest.raises(RankMismatchError) as caught:
+        check_calls([window, [99, 177117687, 5, 6]], rank=0)
+    message = str(caught.value)
+    assert "rank 1: no call of sidestream's (unknown kind 99)" in message
+    assert "rank 0: window 3" in message or "rank 0: window #3" in message
+    assert "ran another collective at this point" in message
+    with pytest.raises(RankMismatchError, match="ran another collective at this point"):
+        check_calls([window, CallFingerprint("sync", 177117687).words(5)], rank=1)

@@ -555,6 +555,14 @@ def _macro_f1() -> Any:
             r"^target: expected class indices in \[0, 4\) or ignore_index=-100;.* "
             r"\(found 4: 1 of 3 elements\)$",
         ),
+        (
+            # The logits passed, not every element of the softmax rows one NaN makes NaN.
+            lambda: MulticlassAUROCMetric(C, logits=True).update(
+                torch.tensor([[0.1, float("nan"), 0.3, 0.0], [1.0, float("inf"), 3.0, 0.0]]),
+                torch.tensor([0, 1]),
+            ),
+            r"^preds: expected logits without NaN or \+inf.* \(found nan, inf: 2 of 8 elements\)$",
+        ),
     ],
     ids=[
         "target index",
@@ -564,6 +572,7 @@ def _macro_f1() -> Any:
         "just past 1",
         "large index",
         "ignore_index",
+        "multiclass logits",
     ],
 )
 def test_bad_values_are_shown_in_the_error(update: Any, match: str) -> None:

@@ -171,6 +171,14 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
             "is cumulative, and how many collective calls its metric made before bind (a "
             "load_state_dict counts one: did a rank skip it?)."
         )
+    if not hint:
+        # What another rank sent is read as a fingerprint whatever it was: a user's own
+        # collective, or one of another size that gloo cut short, reads as a call never made.
+        hint = (
+            " A call your loop never makes (an unknown kind, a number no loop reached) means "
+            "that rank ran another collective at this point (its own error, such as gloo's "
+            "'Received data size doesn't match', or its stack, names it)."
+        )
     raise RankMismatchError(
         f"sync: ranks of the group paired different calls{also} (seen from rank {rank}): "
         f"{seen}.{hint} {_SAME_ORDER}"
@@ -215,7 +223,9 @@ def check_same_call(group: Group, fingerprint: CallFingerprint, device: torch.de
 
 def _describe_call(words: list[int]) -> str:
     kind, sequence, structure, stream = words
-    name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
+    if not 0 <= kind < len(_KINDS):
+        return f"no call of sidestream's (unknown kind {kind})"
+    name = _KINDS[kind]
     number = f"{name} {sequence}" if name == "sync at step" else f"{name} #{sequence}"
     # 0: no layout was sent (check_same_call), only the call.
     details = [f"structure {structure & _WORD_MASK:016x}"] if structure else []

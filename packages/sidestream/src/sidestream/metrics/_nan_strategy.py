@@ -79,8 +79,17 @@ class NanPolicy:
         """Whether NaN elements are counted (``"ignore"`` or a fill value)."""
 
     def counter(self) -> MetricAccumulator | None:
-        """A fresh int64 ``nan_count`` state when the policy counts, else ``None``."""
-        return MetricAccumulator(0, dtype=torch.int64) if self.counts else None
+        """A fresh int64 ``nan_count`` state when the policy counts, else ``None``.
+
+        The state carries the policy as its configuration: ranks (or a checkpoint) whose NaNs
+        were ignored and filled, or filled with other values, are told apart instead of mixed.
+        """
+        if not self.counts:
+            return None
+        counter = MetricAccumulator(0, dtype=torch.int64)
+        policy = "ignore" if self._fill is None else repr(self._fill)
+        counter.set_configuration(f"nan_strategy={policy}")
+        return counter
 
     def apply(
         self,

@@ -134,6 +134,7 @@ def score_batch(
     if scores.numel() == 0:
         return None
     ranked: Tensor | None = None  # what an exact metric stores, if not the probabilities
+    found: tuple[Tensor, float, float, bool] | None = None  # where a CPU error finds values
     if problem.logits:
         if problem.kind is ProblemKind.MULTICLASS:
             expected = "logits without NaN or +inf (a softmax row with one is NaN)"
@@ -149,6 +150,10 @@ def score_batch(
             else:
                 work = scores if scores.dtype == torch.float64 else scores.float()
             multiclass = problem.kind is ProblemKind.MULTICLASS
+            if multiclass:
+                # A message names the logits passed (NaN or +inf), not every element of their
+                # softmax rows, which one bad logit makes NaN.
+                found = (scores, -torch.inf, torch.finfo(scores.dtype).max, False)
             scores = work.softmax(-1) if multiclass else work.sigmoid()
     else:
         expected = PROBABILITIES
@@ -162,7 +167,8 @@ def score_batch(
         labels = torch.where(kept, labels, 0)
         checked = labels
     if ranked is None:
-        checks: list[Check] = [(outside(scores, 0, 1), "preds", expected, (scores, 0, 1, False))]
+        found = found or (scores, 0, 1, False)
+        checks: list[Check] = [(outside(scores, 0, 1), "preds", expected, found)]
     else:
         inf = torch.inf  # NaN only
         checks = [(outside(scores, -inf, inf), "preds", expected, (scores, -inf, inf, False))]
