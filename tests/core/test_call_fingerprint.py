@@ -111,6 +111,31 @@ def test_a_skipped_sync_with_steps_raises_at_that_sync_on_every_rank(pair: RankP
         assert result["values"] == [], result  # no mixed value was ever returned
 
 
+def _children_in_other_orders(first_in_order: bool) -> dict[str, Any]:
+    """Two children of one shape synced alone, in another order on rank 1 (after one round in
+    the same order, when ``first_in_order``: the layouts are then checked and kept)."""
+    rank = dist.get_rank()
+    metric, group = ComposeMetric({"a": MeanMetric(), "b": MeanMetric()}), _subgroup()
+    metric["a"].update(torch.tensor([float(rank)]))
+    metric["b"].update(torch.tensor([10.0 + 100.0 * rank]))
+    if first_in_order:
+        metric["a"].sync(group, step=0)
+        metric["b"].sync(group, step=0)
+    order = ["a", "b"] if rank == 0 else ["b", "a"]
+    outcome = _outcome(lambda: [metric[name].sync(group, step=1) for name in order])
+    return {"outcome": outcome, "values": {k: float(v) for k, v in metric.compute().items()}}
+
+
+@pytest.mark.parametrize("first_in_order", [False, True])
+def test_children_of_one_shape_synced_in_other_orders_raise(
+    pair: RankPool, first_in_order: bool
+) -> None:
+    # Both are a MeanMetric: each rank got a = 5.5 and b = 55 (a mix of the two) with no error.
+    for rank, result in enumerate(pair.run(_children_in_other_orders, first_in_order, timeout=90)):
+        assert result["outcome"].startswith("RankMismatchError"), (rank, result)
+        assert "'a.total'" in result["outcome"] or "structure" in result["outcome"], result
+
+
 def _step_against_count() -> str:
     """Rank 0 syncs at step 1, rank 1 with its count (also 1): they must not pair."""
     metric, group = _metric(), _subgroup()

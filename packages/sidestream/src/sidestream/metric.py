@@ -598,8 +598,11 @@ class Metric(Stateful, Generic[T], abc.ABC):
                     segment, group, segment.synced, name=segment.parts[0][0], parts=segment.parts
                 )
         else:
+            # A child synced alone: its states are named by its place in the tree, so ranks
+            # that pair two children of one shape (a and b synced in other orders) differ.
+            place = _place_in_tree(self, home)
             for name, state in self.named_accumulators():
-                everything.add(state, group, state._synced, name=name)
+                everything.add(state, group, state._synced, name=place + name)
         every_state = everything.program(check=check)
         if not own_sync:
             return _Prepared(group, home, every_state, every_state, [], not has_own_sync(self))
@@ -940,6 +943,16 @@ def _tree_objects(value: Any) -> Iterator[tuple[MetricAccumulator | Metric[Any],
             yield item, value
         else:
             yield from _tree_objects(item)
+
+
+def _place_in_tree(metric: Metric[Any], home: Arena | None) -> str:
+    """The dotted prefix of ``metric``'s states in the tree whose arena holds them (``""``)."""
+    if home is None or home.root is metric:
+        return ""
+    for prefix, inner in home.root._named_metrics():
+        if inner is metric:
+            return str(prefix)
+    return ""
 
 
 def _saved_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
