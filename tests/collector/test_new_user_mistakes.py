@@ -13,7 +13,7 @@ import torch
 
 from sidestream import ComposeMetric, MeanMetric, Run
 from sidestream.sinks import JsonlSink, read_jsonl
-from sidestream.sync import RankMismatchError
+from sidestream.sync import CallFingerprint, RankMismatchError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +33,11 @@ def test_sync_and_state_dict_under_a_launcher_without_a_process_group_raise(
         metrics.state_dict()
     with pytest.raises(RuntimeError, match=r"^sync: .*init_process_group"):
         metrics["loss"].sync()
+    # The lower layer too: a collector-like caller would reduce nothing.
+    with pytest.raises(RuntimeError, match=r"^prepare_sync: .*init_process_group"):
+        metrics.prepare_sync(None)
+    with pytest.raises(RuntimeError, match=r"^start_sync: .*init_process_group"):
+        metrics.start_sync(None, CallFingerprint("sync", 1))
     monkeypatch.setenv("WORLD_SIZE", "1")  # a one-process job: sync is a no-op
     metrics.sync()
     assert metrics.compute()["loss"].item() == 2.0

@@ -530,7 +530,10 @@ class Metric(Stateful, Generic[T], abc.ABC):
         Raises:
             TypeError: If a metric of the tree has its own ``sync`` or sample stores, which
                 this would skip (each rank would then compute from its own data alone).
+            RuntimeError: If the launcher says the job has several processes but no process
+                group is initialized (as ``sync``).
         """
+        check_process_group("start_sync")
         prepared = self.prepare_sync(group)
         if not prepared.arena_only:
             raise TypeError(
@@ -570,7 +573,12 @@ class Metric(Stateful, Generic[T], abc.ABC):
         ``"changed"`` fingerprint, so other ranks that did not change fail with
         ``RankMismatchError`` instead of hanging in collectives of other sizes; when every rank
         changed together, the new layout is checked and used.
+
+        Raises:
+            RuntimeError: If the launcher says the job has several processes but no process
+                group is initialized (as ``sync``).
         """
+        check_process_group("prepare_sync")
         arena = self._own_arena()
         # The arena this tree's states live in: its own, or its parent tree's.
         home: Arena | None = self.__dict__.get("_state_arena")
