@@ -149,3 +149,16 @@ class CloseMarkerSink(Sink):
     def close(self, timeout: float | None = None) -> bool:
         self._mark("close")
         return True
+
+
+class FlushHangSink(JsonlSink):
+    """A JSONL sink whose ``flush`` (and so ``close``) hangs while ``<path>.hang`` exists."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._flag = Path(f"{path}.hang")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        while self._flag.exists():
+            time.sleep(0.05)
+        return super().flush(timeout)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing as mp
 import os
 import signal
 import threading
+import time
+from multiprocessing.queues import Queue
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,7 @@ from tests.collector.child_sinks import (
     CloseMarkerSink,
     DurableCountSink,
     FailingOpenSink,
+    FlushHangSink,
     SlowOpenSink,
     TroubleJsonlSink,
 )
@@ -82,6 +86,30 @@ def test_dead_or_hung_child_is_replaced_and_nothing_is_lost(
     assert sink.restarts == 1
     reason = "died during write" if trouble == "die_at" else "took longer than 3.0 s"
     assert any(reason in record.getMessage() for record in caplog.records), caplog.text
+
+
+def test_a_child_hung_in_an_idle_flush_is_replaced(tmp_path: Path) -> None:
+    # The pipeline's idle flush passes no timeout: call_timeout_s must bound it as a write's.
+    path = tmp_path / "m.jsonl"
+    hang = Path(f"{path}.hang")
+    sink = ProcessSink(FlushHangSink(path), call_timeout_s=1.0)
+    runner = SinkRunner(sink, flush_interval_s=0.1)
+    hang.touch()
+    try:
+        runner.start()
+        for step in (1, 2, 3):
+            runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
+        deadline = time.monotonic() + 30.0
+        while runner.status.last_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "flush took longer than 1.0 s" in str(runner.status.last_error)
+    finally:
+        hang.unlink()  # the old code's child hangs until it is gone
+    for step in (4, 5, 6):  # the next call replaces the child, which resends 1..3
+        runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
+    assert runner.close(60.0)
+    assert [line["step"] for line in _lines(path)] == [1, 2, 3, 4, 5, 6]
+    assert sink.restarts == 1
 
 
 def test_errors_in_the_child_are_retried_and_named(
@@ -224,6 +252,30 @@ def test_a_bug_in_the_childs_sink_is_permanent() -> None:
         sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
     assert is_permanent(caught.value)
     assert sink.close(30.0)
+
+
+def _deliver_from_a_daemon(path: str, out: Queue[tuple[str, str | None, bool]]) -> None:
+    runner = SinkRunner(ProcessSink(JsonlSink(path)), retry_initial_s=0.05)
+    runner.start()
+    runner.submit(Report(step=1, values={"x": 1.0}, time=0.0))
+    closed = runner.close(5.0)
+    out.put((runner.status.state, runner.status.last_error, closed))
+
+
+def test_a_daemonic_trainer_fails_the_sink_at_once(tmp_path: Path) -> None:
+    # A daemonic process can never start the child: retrying until close would only wait.
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    daemon = context.Process(
+        target=_deliver_from_a_daemon, args=(str(tmp_path / "m.jsonl"), out), daemon=True
+    )
+    daemon.start()
+    state, error, closed = out.get(timeout=60)
+    daemon.join(30)
+    assert state == "failed", error
+    assert "a daemonic process cannot start the child process" in str(error)
+    assert closed is False
+    assert not (tmp_path / "m.jsonl").exists()
 
 
 def test_close_after_the_child_died_still_closes_the_backend_run(tmp_path: Path) -> None:

@@ -72,6 +72,32 @@ def test_jsonl_writes_standard_json_and_resumes_without_duplicates(tmp_path: Pat
     assert list(frame["step"]) == [1, 2, 3] and frame["values"][0]["acc"] == "NaN"
 
 
+def test_jsonl_writes_non_finite_values_of_a_2d_histogram_and_reads_them_back(
+    tmp_path: Path,
+) -> None:
+    # A 2-D histogram is nested lists: non-finite values are text at any depth.
+    path = tmp_path / "m.jsonl"
+    hist = torch.tensor([[1.0, math.inf], [math.nan, -math.inf]], dtype=torch.float64)
+    sink = JsonlSink(path)
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"x": math.nan}, time=0.0, histograms={"h": hist}))
+    sink.write(Report(step=2, values={"x": 1.0}, time=0.0, histograms={"h": hist[:1, :1]}))
+    assert sink.close()
+
+    def strict(token: str) -> None:
+        raise ValueError(f"non-standard JSON token {token}")
+
+    lines = [json.loads(line, parse_constant=strict) for line in path.read_text().splitlines()]
+    assert lines[0]["histograms"] == {"h": [[1.0, "Infinity"], ["NaN", "-Infinity"]]}
+    assert lines[1]["histograms"] == {"h": [[1.0]]}
+    first, second = read_jsonl(path)
+    assert math.isnan(first["values"]["x"])
+    torch.testing.assert_close(
+        torch.tensor(first["histograms"]["h"], dtype=torch.float64), hist, equal_nan=True
+    )
+    assert second["histograms"] == {"h": [[1.0]]}
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -101,6 +101,28 @@ def test_process_sink_without_main_guard_says_so(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_process_sink_without_main_guard_is_a_permanent_error(tmp_path: Path) -> None:
+    # The script does not change between retries: the pipeline must fail the sink, not retry.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "from sidestream.sinks import JsonlSink, ProcessSink, SinkProcessError, is_permanent\n"
+        "try:\n"
+        "    ProcessSink(JsonlSink(sys.argv[1]))\n"
+        "except SinkProcessError as error:\n"
+        "    print('permanent' if is_permanent(error) else 'transient', error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "m.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.stdout.startswith("permanent "), result.stdout + result.stderr
+    assert f"top-level code of {script} (line 4)" in result.stdout
+
+
 def test_process_sink_with_main_guard_works(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     body = textwrap.indent(textwrap.dedent(_UNGUARDED).split("\n", 3)[3], "    ")

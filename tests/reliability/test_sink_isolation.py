@@ -441,3 +441,126 @@ def test_a_small_spool_file_stays_within_about_twice_its_cap(tmp_path: Path) -> 
         largest = max(largest, os.path.getsize(spool.path))
     assert largest <= 2 * cap + 2 * line, largest
     spool.discard()
+
+
+# Sink names that are no file name: a "/" (a directory that does not exist), one too long for
+# the file system, and names that differ only where they are made safe.
+_ODD_NAMES = ["team/tracker", "team_tracker", "../up", "x" * 300, "x" * 299 + "y"]
+
+_KEEP_UNDER_ODD_NAMES = r"""
+import json, sys
+from sidestream.sinks import Report, SinkRunner
+from tests.reliability.faults import GatedSink
+dropped = {}
+for name in json.loads(sys.argv[2]):
+    runner = SinkRunner(GatedSink(name), capacity=1, spool_dir=sys.argv[1])
+    runner.start()
+    for step in (1, 2, 3):
+        runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
+    runner.close(timeout=0.3)  # the gate stays shut: every report is kept
+    dropped[name] = runner.dropped
+print(json.dumps(dropped))
+"""
+
+
+def test_a_sink_name_that_is_no_file_name_still_spools_and_its_file_is_found_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sidestream.sinks import read_kept_state
+
+    spool_dir = tmp_path / "spool"
+    result = subprocess.run(
+        [sys.executable, "-c", _KEEP_UNDER_ODD_NAMES, str(spool_dir), json.dumps(_ODD_NAMES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == dict.fromkeys(_ODD_NAMES, 0), result.stderr
+    kept = {}
+    for path in spool_dir.glob("*.spool.jsonl"):  # in the spool folder, none outside it
+        state = read_kept_state(path)
+        assert state is not None
+        kept[state.sink] = path
+        assert [report.step for report in read_spool(path)] == [1, 2, 3]
+    assert sorted(kept) == sorted(_ODD_NAMES)
+    assert list(tmp_path.iterdir()) == [spool_dir]
+    # A later job's sink of each name is told of its own file only (that process has ended).
+    for name, path in kept.items():
+        caplog.clear()
+        runner = SinkRunner(GatedSink(name), spool_dir=str(spool_dir))
+        with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+            runner.start()
+        assert runner.close(5.0) is True
+        (warning,) = [r.getMessage() for r in caplog.records if "earlier jobs" in r.getMessage()]
+        assert "1 spool file(s)" in warning and str(path) in warning
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ([1, 2], "--resume-state: expected a JSON object (the sink's state_dict"),
+        ({"path": 3}, "--resume-state: state_dict: expected a mapping with 'path'"),
+    ],
+)
+def test_replay_refuses_a_resume_state_the_sink_cannot_load_as_a_wrong_argument(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], state: object, message: str
+) -> None:
+    # Valid JSON, but no state of the sink: not a damaged line of the spool.
+    from sidestream.sinks.replay import main
+
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(encode_report(Report(step=1, values={"x": 1.0}, time=0.0)))
+    resume = tmp_path / "state.json"
+    resume.write_text(json.dumps(state))
+    out = tmp_path / "out.jsonl"
+    arguments = [str(spool), "--sink", "jsonl", "--option", f"path={out}"]
+    with pytest.raises(SystemExit) as exited:
+        main([*arguments, "--resume-state", str(resume)])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and "damaged line" not in error and "Traceback" not in error
+    assert spool.exists() and not out.exists(), "nothing is delivered"
+
+
+@pytest.mark.parametrize(
+    ("good", "bad"),
+    [
+        ('"step":2', '"step":"sixty"'),
+        ('"step":2', '"step":true'),
+        ('"time":0.0', '"time":"noon"'),
+        ('"stream":"train"', '"stream":7'),
+        ('"values":{"x":2.0}', '"values":{"x":[2.0]}'),
+        ('"dtype":"float32"', '"dtype":"nn"'),
+    ],
+)
+def test_a_spool_line_with_a_field_of_the_wrong_type_is_a_damaged_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], good: str, bad: str
+) -> None:
+    from sidestream.sinks.replay import main
+
+    lines = [
+        encode_report(
+            Report(
+                step=step,
+                values={"x": float(step)},
+                time=0.0,
+                histograms={"h": torch.tensor([1.0, 2.0])},
+                stream="train",
+            )
+        )
+        for step in (1, 2, 3)
+    ]
+    assert good.encode() in lines[1]
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(lines[0] + lines[1].replace(good.encode(), bad.encode()) + lines[2])
+    stopped, skipped = tmp_path / "stopped.jsonl", tmp_path / "skipped.jsonl"
+    assert main([str(spool), "--sink", "jsonl", "--option", f"path={stopped}"]) == 1
+    error = capsys.readouterr().err
+    assert "stopped at a damaged line" in error and "line 2" in error, error
+    assert [json.loads(x)["step"] for x in stopped.read_text().splitlines()] == [1]
+    arguments = [str(spool), "--sink", "jsonl", "--option", f"path={skipped}", "--skip-damaged"]
+    assert main(arguments) == 0
+    assert "skipped a damaged line" in capsys.readouterr().err
+    assert [json.loads(x)["step"] for x in skipped.read_text().splitlines()] == [1, 3]

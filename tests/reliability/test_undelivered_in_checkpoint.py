@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -27,6 +29,7 @@ from sidestream.sinks import (
     PermanentSinkError,
     Report,
     RunInfo,
+    SinkRunner,
     TrackerSink,
     read_kept_state,
     replay_spool,
@@ -193,6 +196,46 @@ def test_reports_sent_and_not_confirmed_at_a_checkpoint_are_sent_again(
     _log(resumed, range(11, 13))
     assert resumed.close(timeout=30)
     assert backend.kept == [("", step) for step in range(1, 13)]
+
+
+class _DownAfter(_BufferingSink):
+    """Sends into the tracker's buffer up to step ``last``; the tracker is down after it."""
+
+    def __init__(self, backend: _Backend, last: int) -> None:
+        super().__init__(backend)
+        self._last = last
+
+    def send(self, reports: Sequence[Report]) -> None:
+        if reports[-1].step > self._last:
+            raise ConnectionError("tracker down")
+        super().send(reports)
+
+
+def test_close_counts_reports_sent_and_not_confirmed_apart_from_the_undelivered(
+    spool_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Steps 1 and 2 reached the tracker's buffer (never confirmed: it does not persist); 3..10
+    # never left this process. All ten are kept, but only eight are undelivered.
+    backend = _Backend()
+    backend.up = False
+    runner = SinkRunner(_DownAfter(backend, last=2), spool_dir=str(spool_dir), capacity=4)
+    for step in range(1, 11):
+        runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
+    runner.start()
+    deadline = time.monotonic() + 20.0
+    while len(backend.buffered) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        assert runner.close(timeout=1.0) is False
+    (warning,) = [r.getMessage() for r in caplog.records if "kept in" in r.getMessage()]
+    assert warning.startswith(
+        "sink 'buffering': 8 report(s) undelivered (not delivered within 1.0 s), and 2 the "
+        "sink took but its backend had not confirmed"
+    ), warning
+    assert "; 10 kept in " in warning
+    (kept,) = glob.glob(str(spool_dir / "*.spool.jsonl"))
+    with open(kept, encoding="utf-8") as file:
+        assert [json.loads(line)["step"] for line in file] == list(range(1, 11))
 
 
 def test_a_spool_kept_at_close_replays_into_the_same_run(

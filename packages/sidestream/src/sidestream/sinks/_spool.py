@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import tempfile
@@ -12,7 +13,13 @@ from typing import IO
 from sidestream.sinks._spool_format import decode_report, encode_report
 from sidestream.sinks.base import Report
 
-__all__ = ["DEFAULT_SPOOL_MAX_BYTES", "Spool", "SpoolWriteError", "leftover_spools"]
+__all__ = [
+    "DEFAULT_SPOOL_MAX_BYTES",
+    "Spool",
+    "SpoolWriteError",
+    "file_label",
+    "leftover_spools",
+]
 
 #: Default cap on the bytes one sink's spool file holds (256 MiB).
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
@@ -93,7 +100,7 @@ class Spool:
         # The process id (and its start time, where the system gives it) in the name tells a
         # later job whose file it finds (leftover_spools).
         handle, path = tempfile.mkstemp(
-            prefix=f"sidestream-{self._label}@{_process_mark(os.getpid())}-",
+            prefix=f"sidestream-{file_label(self._label)}@{_process_mark(os.getpid())}-",
             suffix=_SUFFIX,
             dir=self._directory,
         )
@@ -324,6 +331,29 @@ class Spool:
 
 
 _SUFFIX = ".spool.jsonl"
+# Characters a sink's label keeps in a file name; the others become "_".
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.+-]")
+# Most characters of a label in a file name: with the prefix, process mark, random part,
+# suffix and ".replayed.state.json" the name stays well within 255 bytes.
+_LABEL_MAX = 64
+
+
+def file_label(label: str) -> str:
+    """``label`` as it appears in spool file names: safe in one file name, distinct per label.
+
+    A sink's name is free text ("team/tracker", "../x", 300 characters): a "/" would name a
+    directory that does not exist and a long name exceeds the file system's limit, so every
+    spool write would fail. Characters other than letters, digits and ``_.+-`` become ``_``,
+    the label is cut to ``_LABEL_MAX`` characters, and a label changed either way gets a
+    short hash of itself, so that two labels do not share a name ("a/b" and "a_b").
+    """
+    safe = _UNSAFE.sub("_", label)[:_LABEL_MAX]
+    if safe == label:
+        return label
+    digest = hashlib.sha256(label.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{safe}~{digest}"
+
+
 _NAME = re.compile(
     r"sidestream-(?P<label>.+)@(?P<pid>\d+)(?:\.(?P<start>\d+))?-[^/]*" + re.escape(_SUFFIX)
 )
@@ -344,7 +374,7 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
         return []
     for entry in entries:
         match = _NAME.fullmatch(entry.name)
-        if match is None or match["label"] != label or not entry.is_file():
+        if match is None or match["label"] != file_label(label) or not entry.is_file():
             continue
         if not _alive(int(match["pid"]), match["start"]):
             found.append(entry.path)

@@ -20,6 +20,7 @@ logger = logging.getLogger("sidestream.sinks")
 
 __all__ = [
     "STATE_SUFFIX",
+    "DamagedLineError",
     "KeptState",
     "ReplayResult",
     "decode_report",
@@ -71,14 +72,47 @@ def _float(value: float | str) -> float:
         if value not in _NON_FINITE:
             raise ValueError(f"expected a number or one of {sorted(_NON_FINITE)}, got {value!r}")
         return _NON_FINITE[value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {value!r}")
     return float(value)
+
+
+def _histogram(item: Mapping[str, Any]) -> Tensor:
+    name = item["dtype"]
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch dtype name, got {name!r}")
+    if not isinstance(item["data"], list):
+        raise TypeError(f"data: expected a list, got {item['data']!r}")
+    data = [_float(x) if isinstance(x, str) else x for x in item["data"]]
+    return torch.tensor(data, dtype=dtype).reshape(item["shape"])
+
+
+# The fields Report does not check, with their types: a step that is text would otherwise fail
+# far from the file (comparing steps in the sink) instead of as a damaged line.
+_FIELD_TYPES = (
+    ("step", int, "an int"),
+    ("time", int | float, "a number"),
+    ("stream", str, "a str"),
+)
+
+
+def _check_fields(kwargs: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` for a field of the wrong type (a missing one: ``Report`` names it)."""
+    for name, types, text in _FIELD_TYPES:
+        if name not in kwargs:
+            continue
+        value = kwargs[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise TypeError(f"{name}: expected {text}, got {value!r}")
 
 
 def decode_report(line: bytes | str) -> Report:
     """The report that ``encode_report`` wrote as ``line``.
 
     Raises:
-        ValueError: If the line is not such a report (damaged or cut short).
+        ValueError: If the line is not such a report (damaged or cut short, or a field of the
+            wrong type).
     """
     try:
         data = json.loads(line)
@@ -90,17 +124,16 @@ def decode_report(line: bytes | str) -> Report:
             if name == "values":
                 value = {key: _float(number) for key, number in value.items()}
             elif name == "histograms":
-                value = {
-                    key: torch.tensor(
-                        [_float(x) if isinstance(x, str) else x for x in item["data"]],
-                        dtype=getattr(torch, item["dtype"]),
-                    ).reshape(item["shape"])
-                    for key, item in value.items()
-                }
+                value = {key: _histogram(item) for key, item in value.items()}
             kwargs[name] = value
+        _check_fields(kwargs)
         return Report(**kwargs)
     except (TypeError, KeyError, AttributeError, RuntimeError, json.JSONDecodeError) as error:
         raise ValueError(f"not a spooled report: {type(error).__name__}: {error}") from error
+
+
+class DamagedLineError(ValueError):
+    """A line of a spool file that is not a report (``read_spool`` names the file and line)."""
 
 
 def read_spool(
@@ -114,8 +147,8 @@ def read_spool(
             what is wrong) instead of raising.
 
     Raises:
-        ValueError: At a damaged line, naming its number (the reports before it were yielded),
-            unless ``damaged`` is given.
+        DamagedLineError: At a damaged line, naming its number (the reports before it were
+            yielded), unless ``damaged`` is given. A ``ValueError``.
     """
     with open(path, "rb") as file:
         for number, line in enumerate(file, start=1):
@@ -126,7 +159,7 @@ def read_spool(
             except ValueError as error:
                 message = f"{os.fspath(path)}, line {number}: {error}"
                 if damaged is None:
-                    raise ValueError(message) from None
+                    raise DamagedLineError(message) from None
                 damaged.append(message)
                 continue
             yield report
@@ -299,8 +332,9 @@ def replay_spool(
         How many reports were written and skipped, and the damaged lines passed over.
 
     Raises:
-        ValueError: At a damaged line without ``skip_damaged`` (the reports before it were
-            delivered).
+        DamagedLineError: At a damaged line without ``skip_damaged`` (the reports before it
+            were delivered). A ``ValueError``, as are the errors of a ``resume_state`` that
+            the sink refuses.
     """
     result = ReplayResult()
     kept = _kept_beside(path) if run is None or resume_state is None else None

@@ -34,10 +34,11 @@ class JsonlSink(TrackerSink):
 
         {"step": 120, "stream": "train", "time": 1700000000.0, "values": {"train/loss": 0.43}}
 
-    plus ``"histograms": {name: [numbers]}`` when a report has any. Non-finite values are
-    written as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (``float()`` reads
-    them back; ``read_jsonl`` does so). Lines are in delivery order: streams may interleave
-    out of step order (a validation window at step 50 after training windows up to 60).
+    plus ``"histograms": {name: [numbers]}`` when a report has any (nested lists for one of
+    several dimensions). Non-finite values, in histograms too, are written as the strings
+    ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (``float()`` reads them back; ``read_jsonl``
+    does so). Lines are in delivery order: streams may interleave out of step order (a
+    validation window at step 50 after training windows up to 60).
 
     Delivery: ``write`` returns once its lines are flushed to the file, so a step counts as
     delivered only when the operating system has it (a full disk fails the write, which the
@@ -198,7 +199,7 @@ class JsonlSink(TrackerSink):
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """The records of a ``JsonlSink`` file, non-finite values read back as floats.
+    """The records of a ``JsonlSink`` file, non-finite values (histograms' too) as floats.
 
     Lines that do not parse (one cut short by a crash, bytes that are not UTF-8) are skipped.
     """
@@ -223,16 +224,28 @@ def _line(report: Report) -> str:
     except ValueError:  # a non-finite value: rare, so only then walk the values
         record["values"] = {k: _finite_or_text(v) for k, v in record["values"].items()}
         if "histograms" in record:
-            record["histograms"] = {
-                k: [_finite_or_text(x) for x in v] for k, v in record["histograms"].items()
-            }
+            record["histograms"] = {k: _finite_or_text(v) for k, v in record["histograms"].items()}
         return json.dumps(record, allow_nan=False) + "\n"
 
 
 def _finite_or_text(value: Any) -> Any:
+    """``value`` with non-finite floats as text, inside lists too (a 2-D histogram nests)."""
+    if isinstance(value, list):
+        return [_finite_or_text(item) for item in value]
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else _NON_FINITE[value]
     return value
+
+
+def _text_to_float(value: Any) -> Any:
+    """``_finite_or_text`` undone: ``"NaN"`` and the infinities as floats, inside lists too.
+
+    Raises:
+        ValueError: For a string that is not one of them.
+    """
+    if isinstance(value, list):
+        return [_text_to_float(item) for item in value]
+    return float(value) if isinstance(value, str) else value
 
 
 def _parse(line: str | bytes) -> dict[str, Any] | None:
@@ -243,10 +256,13 @@ def _parse(line: str | bytes) -> dict[str, Any] | None:
     if not isinstance(record, dict) or not isinstance(record.get("step"), int):
         return None
     values = record.get("values", {})
-    if not isinstance(values, dict):
+    histograms = record.get("histograms", {})
+    if not isinstance(values, dict) or not isinstance(histograms, dict):
         return None  # not a line JsonlSink writes
     try:
-        record["values"] = {k: float(v) if isinstance(v, str) else v for k, v in values.items()}
+        record["values"] = {k: _text_to_float(v) for k, v in values.items()}
+        if "histograms" in record:
+            record["histograms"] = {k: _text_to_float(v) for k, v in histograms.items()}
     except ValueError:  # a string other than "NaN" / "Infinity" / "-Infinity"
         return None
     return record

@@ -44,7 +44,11 @@ def _reply(conn: Connection, *message: Any) -> None:
 
 
 class _PermanentSinkProcessError(SinkProcessError, PermanentSinkError):
-    """The sink in the child raised an error that retrying cannot fix (``is_permanent``)."""
+    """An error that retrying cannot fix.
+
+    The sink in the child raised one (``is_permanent``), or no child can be started from here
+    (a daemonic process, a main script without a guard).
+    """
 
 
 def _failure(error: BaseException) -> tuple[str, str, bool]:
@@ -145,15 +149,19 @@ def unguarded_main_line() -> tuple[str, int] | None:
 
 
 def _check_main_guard(name: str) -> None:
+    """Raise if a spawned child started now would run the main script's training code again.
+
+    Permanent: the script stays as it is however often the pipeline retries.
+    """
     if getattr(mp.current_process(), "_inheriting", False):
         # We are the spawned child, importing the main script again: it is unguarded.
-        raise SinkProcessError(
+        raise _PermanentSinkProcessError(
             f"sink {name!r}: ProcessSink was started while a child process imported the main "
             f"script; {_GUARD_HELP}"
         )
     where = unguarded_main_line()
     if where is not None:
-        raise SinkProcessError(
+        raise _PermanentSinkProcessError(
             f"sink {name!r}: ProcessSink used by top-level code of {where[0]} (line {where[1]}) "
             f'outside an `if __name__ == "__main__":` block; {_GUARD_HELP}'
         )
@@ -177,8 +185,10 @@ class ProcessSink(Sink):
     Args:
         sink: The sink to run in the child; it must be picklable before ``open`` (the built-in
             and tracker sinks are). It is copied: later changes to it are not seen.
-        call_timeout_s: How long a ``write`` may take in the child before the child is killed
-            and the call raises (a hung network call); ``None`` waits forever.
+        call_timeout_s: How long any call to the child (``write``, ``flush``, ``close``) may
+            take before the child is killed and the call raises (a hung network call); the
+            next call starts a fresh child. A ``flush`` or ``close`` given a shorter timeout
+            gets that. ``None``: only the caller's timeout bounds a call (none for ``write``).
         start_timeout_s: How long starting the child and opening the sink there may take.
         flush_every: Reports written before the child is asked to flush on its own, which
             bounds how many reports are held here for re-sending.
@@ -304,7 +314,10 @@ class ProcessSink(Sink):
                 if not self._unflushed:
                     return True
                 self._restart()  # they may have died with the child: deliver them again first
-            done = bool(self._call("flush", timeout, timeout))
+            # The pipeline's idle flushes pass no timeout: a child hung in flush must be
+            # stopped (and replaced by the next call) as one hung in write is.
+            limit = self._limit(timeout)
+            done = bool(self._call("flush", limit, limit))
             if done:
                 self._unflushed.clear()
                 self._flushed_state = dict(self._state)
@@ -323,7 +336,8 @@ class ProcessSink(Sink):
             if not self._alive():
                 return False
             try:
-                done = bool(self._call("make_durable", timeout, timeout))
+                limit = self._limit(timeout)
+                done = bool(self._call("make_durable", limit, limit))
             except SinkProcessError:
                 return False  # the pipeline's next write restarts the child and re-sends
             if done:
@@ -349,7 +363,8 @@ class ProcessSink(Sink):
             if not self._alive():
                 self._restart()
             try:
-                done = bool(self._call("close", timeout, timeout))
+                limit = self._limit(timeout)
+                done = bool(self._call("close", limit, limit))
             finally:
                 self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
             if done:
@@ -378,13 +393,22 @@ class ProcessSink(Sink):
 
     # ------------------------------------------------------------------ the child
 
+    def _limit(self, timeout: float | None) -> float | None:
+        """How long a call given ``timeout`` may take: the shorter of it and ``call_timeout_s``."""
+        if timeout is None:
+            return self._call_timeout_s
+        if self._call_timeout_s is None:
+            return timeout
+        return min(timeout, self._call_timeout_s)
+
     def _alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
 
     def _start(self, state: Mapping[str, Any] | None) -> None:
         assert self._run is not None
+        # Neither this nor a missing main guard changes on a retry: the sink fails at once.
         if mp.current_process().daemon:
-            raise SinkProcessError(
+            raise _PermanentSinkProcessError(
                 f"sink {self.name!r}: a daemonic process cannot start the child process; run "
                 "the trainer in a non-daemonic process (torchrun, mp.spawn) or drop child_process"
             )

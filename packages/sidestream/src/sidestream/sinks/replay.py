@@ -14,7 +14,13 @@ import sys
 from collections.abc import Sequence
 
 from sidestream._cli import run_command
-from sidestream.sinks._spool_format import STATE_SUFFIX, read_spool, replay_spool
+from sidestream.sinks._spool_format import (
+    STATE_SUFFIX,
+    DamagedLineError,
+    read_spool,
+    replay_spool,
+)
+from sidestream.sinks.base import Sink
 from sidestream.sinks.config import sinks_from_config
 
 __all__ = ["main"]
@@ -64,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for report in read_spool(args.spool, damaged=damaged):
                 print(report)
-        except ValueError as error:
+        except DamagedLineError as error:
             print(f"{error} (--skip-damaged prints the rest)", file=sys.stderr)
             return 1
         for line in damaged or []:
@@ -81,11 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    try:
-        (sink,) = sinks_from_config({args.sink: options})
-    except (LookupError, TypeError, ValueError, ImportError) as error:
-        # The message names the sink, the option and the fix: no traceback to read past.
-        parser.error(f"--sink {args.sink}: {error}")
+    sink = _sink(parser, args.sink, options)
     state = None  # replay_spool takes the kept state beside the spool, if any
     if args.resume_state:
         try:
@@ -93,9 +95,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 state = json.load(file)
         except (OSError, ValueError) as error:
             parser.error(f"--resume-state: {error}")
+        if not isinstance(state, dict):
+            parser.error(
+                f"--resume-state: expected a JSON object (the sink's state_dict from the "
+                f"checkpoint), got {type(state).__name__}"
+            )
+        # A copy of the sink takes it first: a state it refuses is a wrong argument, found
+        # before anything is delivered, not a failed replay.
+        try:
+            _sink(parser, args.sink, options).load_state_dict(state)
+        except (TypeError, ValueError, KeyError) as error:
+            parser.error(f"--resume-state: {error}")
     try:
         result = replay_spool(args.spool, sink, resume_state=state, skip_damaged=args.skip_damaged)
-    except ValueError as error:
+    except DamagedLineError as error:
         print(
             f"stopped at a damaged line: {error}; the reports before it were delivered. Run "
             "again with --skip-damaged to deliver the rest, and with --resume-state (the "
@@ -141,6 +154,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as error:
             print(f"{args.spool}{STATE_SUFFIX} could not be renamed ({error})", file=sys.stderr)
     return 0
+
+
+def _sink(parser: argparse.ArgumentParser, name: str, options: dict[str, object]) -> Sink:
+    try:
+        (sink,) = sinks_from_config({name: options})
+    except (LookupError, TypeError, ValueError, ImportError) as error:
+        # The message names the sink, the option and the fix: no traceback to read past.
+        parser.error(f"--sink {name}: {error}")
+    return sink
 
 
 _REPLAYED = ".replayed"

@@ -321,10 +321,15 @@ class SinkRunner:
                 return self._delivered == self._submitted and self._sink_closed
         self._abandon.set()
         with self._cond:
-            # Reports the sink took but did not make durable (a ProcessSink whose child died)
-            # are older than those still queued here: they go first.
-            undelivered = [*held, *self._in_flight, *self._queue]
+            # Ours first, the sink's after (as in undelivered): a write ending in between moves
+            # its reports from in-flight to the sink's, so they are in one list or both.
+            ours = [*self._in_flight, *self._queue]
             self._queue.clear()
+            held = self._held_by_sink()
+            taken = {id(report) for report in held}
+            # Reports the sink took but did not make durable (a ProcessSink whose child died)
+            # are older than those still queued here: they go first, each once.
+            undelivered = [*held, *(report for report in ours if id(report) not in taken)]
             count = len(undelivered) + len(self._spool)
             if count == 0:
                 self._spool.discard()  # an emptied spool file: nothing for a later job
@@ -359,13 +364,24 @@ class SinkRunner:
             for path in paths:
                 state_file = write_kept_state(path, self.sink.name, state, self._run)
             why = "the sink failed" if failed else f"not delivered within {timeout or 0.0:.1f} s"
+            # Those the sink took are delivered as far as this runner counts, but its backend
+            # had not confirmed them (a ProcessSink's child had not flushed): kept all the same,
+            # and not counted as undelivered.
+            unconfirmed = (
+                f", and {len(held)} the sink took but its backend had not confirmed (a replay "
+                "or resumed sink skips those the backend has)"
+                if held
+                else ""
+            )
             logger.warning(
-                "sink %r: %d report(s) undelivered (%s); kept in %s (one JSON report per "
+                "sink %r: %d report(s) undelivered (%s)%s; %d kept in %s (one JSON report per "
                 "line, oldest first; deliver them later with sidestream.sinks.replay_spool or "
                 "python -m sidestream.sinks.replay, which resumes the sink's run from %s)",
                 self.key,
-                count - lost,
+                count - len(held),
                 why,
+                unconfirmed,
+                count - lost,
                 " and ".join(paths),
                 state_file or "--resume-state: the sink's state from this job's checkpoint",
             )
