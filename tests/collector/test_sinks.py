@@ -288,6 +288,22 @@ def test_jsonl_resume_skips_steps_logged_after_the_checkpoint_and_heals_cut_line
     assert [json.loads(line)["step"] for line in lines] == [1, 4, 5]
 
 
+def test_jsonl_keeps_a_whole_last_line_that_lacks_its_newline(tmp_path: Path) -> None:
+    # A whole record with no newline (another tool wrote it, or a crash came just before the
+    # newline) was deleted as a cut line.
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "time": 0, "values": {}}\n{"step": 4, "time": 0, "values": {}}')
+    sink = JsonlSink(path)
+    sink.load_state_dict({"last_step": 1})
+    sink.open(RunInfo())
+    for step in (2, 4, 5):  # 4 is in the file already: skipped
+        sink.write(_report(step))
+    sink.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 4, 5]
+    assert path.read_text().endswith("\n")
+
+
 def test_jsonl_relative_path_resumes_the_same_file_from_another_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

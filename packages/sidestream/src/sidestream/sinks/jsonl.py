@@ -49,7 +49,8 @@ class JsonlSink(TrackerSink):
     ``open``) skips reports at or before each stream's last step in the checkpoint or in the
     lines written after it, so no step appears twice even when the job logged past its last
     checkpoint. A line cut short by a crash (or by a failed write) is cut off, the file
-    truncated back to its last complete line, before appending: every line stays valid JSON.
+    truncated back to its last complete line, before appending: every line stays valid JSON. A
+    last line that is a whole JSON object but lacks its newline is kept, and completed.
     A checkpoint of another file (its path differs) gives no offset into this one: a warning
     says so and only its steps count. A path that is not a regular file (``/dev/stdout``, a
     pipe) is only appended to (a cut line there is closed with a newline) and never
@@ -114,6 +115,8 @@ class JsonlSink(TrackerSink):
                 "resume from the earlier job's checkpoint)",
                 self.path,
             )
+        if regular and self.path.is_file():
+            _mend_last_line(self.path)
         if regular and self.resumed and same_file:
             self.found_in_backend(_steps_after(self.path, self._resume_offset))
         elif self.resumed and not same_file:
@@ -126,9 +129,6 @@ class JsonlSink(TrackerSink):
             )
         self._file = self.path.open("ab", buffering=0)
         if regular:
-            end = _last_line_end(self.path)
-            if end is not None:
-                os.ftruncate(self._file.fileno(), end)  # the bytes after it are a cut line
             self._offset = self._file.seek(0, os.SEEK_END)
 
     def send(self, reports: Sequence[Report]) -> None:
@@ -282,17 +282,32 @@ def _same_path(saved: Path, path: Path) -> bool:
         return str(saved) == str(path)
 
 
-def _last_line_end(path: Path) -> int | None:
-    """Where a cut last line of ``path`` starts (the end of its last whole line), else None."""
-    with path.open("rb") as file:
+def _mend_last_line(path: Path) -> None:
+    """End ``path`` with a whole line: a last line with no newline is completed or cut off.
+
+    A line cut short by a crash (or a failed write) is no JSON object, and is cut off, so
+    every line stays valid JSON. A last line that is one whole object (written by another
+    tool, or cut just before its newline) is kept and gets its newline.
+    """
+    with path.open("r+b") as file:
         size = file.seek(0, os.SEEK_END)
         if size == 0:
-            return None
+            return
         file.seek(size - 1)
         if file.read(1) == b"\n":
-            return None
+            return
         newline = _previous_newline(file, size)
-        return 0 if newline is None else newline + 1
+        start = 0 if newline is None else newline + 1
+        file.seek(start)
+        try:
+            whole = isinstance(json.loads(file.read(size - start)), dict)
+        except ValueError:  # cut JSON, or bytes that are not UTF-8
+            whole = False
+        if whole:
+            file.seek(size)
+            file.write(b"\n")
+        else:
+            file.truncate(start)
 
 
 def _steps_after(path: Path, offset: int | None) -> dict[str, int]:
