@@ -301,3 +301,19 @@ def test_close_after_the_child_died_still_closes_the_backend_run(tmp_path: Path)
 def test_a_runner_that_never_started_closes_quietly() -> None:
     runner = SinkRunner(BuggySink())
     assert runner.close(1.0)
+
+
+def test_a_write_before_open_or_after_close_raises_instead_of_starting_a_child(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "m.jsonl"
+    sink = ProcessSink(JsonlSink(path))
+    report = Report(step=1, values={"x": 1.0}, time=0.0)
+    with pytest.raises(RuntimeError, match="write: call open"):
+        sink.write(report)
+    sink.open(RunInfo())
+    sink.write(report)
+    assert sink.close(timeout=30)
+    with pytest.raises(RuntimeError, match="write: the sink is closed"):
+        sink.write(Report(step=2, values={"x": 2.0}, time=0.0))
+    assert [line["step"] for line in _lines(path)] == [1]  # no second child wrote step 2

@@ -290,6 +290,7 @@ class ProcessSink(Sink):
         Raises:
             SinkProcessError: If the child's ``write`` raised (the message names the original
                 error), or the child died or exceeded ``call_timeout_s``.
+            RuntimeError: Before ``open`` or after ``close``.
         """
         self.write_batch([report])
 
@@ -298,8 +299,12 @@ class ProcessSink(Sink):
 
         Raises:
             SinkProcessError: As ``write``.
+            RuntimeError: Before ``open`` or after ``close`` (a write would start a child).
         """
         with self._pipe_lock:
+            if not self._opened or self._closed is not None:
+                when = "call open() first" if not self._opened else "the sink is closed"
+                raise RuntimeError(f"ProcessSink {self.name!r}: write: {when}")
             if not self._alive():
                 self._restart()
             self._call("write_batch", list(reports), self._call_timeout_s)
