@@ -111,29 +111,55 @@ def test_a_skipped_sync_with_steps_raises_at_that_sync_on_every_rank(pair: RankP
         assert result["values"] == [], result  # no mixed value was ever returned
 
 
-def _children_in_other_orders(first_in_order: bool) -> dict[str, Any]:
+def _child(with_own_sync: bool) -> Any:
+    from sidestream.metrics.classification import BinaryAUROCMetric
+
+    if not with_own_sync:
+        return MeanMetric()
+    # Stored samples sync on their own, after the tree's other states.
+    return ComposeMetric({"mean": MeanMetric(), "auroc": BinaryAUROCMetric(exact=True)})
+
+
+def _mean_of(value: Any) -> float:
+    return float(value["mean"] if isinstance(value, dict) else value)
+
+
+def _children_in_other_orders(first_in_order: bool, with_own_sync: bool) -> dict[str, Any]:
     """Two children of one shape synced alone, in another order on rank 1 (after one round in
     the same order, when ``first_in_order``: the layouts are then checked and kept)."""
     rank = dist.get_rank()
-    metric, group = ComposeMetric({"a": MeanMetric(), "b": MeanMetric()}), _subgroup()
-    metric["a"].update(torch.tensor([float(rank)]))
-    metric["b"].update(torch.tensor([10.0 + 100.0 * rank]))
+    metric = ComposeMetric({"a": _child(with_own_sync), "b": _child(with_own_sync)})
+    group = _subgroup()
+    for name, value in (("a", float(rank)), ("b", 10.0 + 100.0 * rank)):
+        child = metric[name]
+        if with_own_sync:
+            child["mean"].update(torch.tensor([value]))
+            child["auroc"].update(torch.tensor([0.2, 0.8]), torch.tensor([0, 1]))
+        else:
+            child.update(torch.tensor([value]))
     if first_in_order:
         metric["a"].sync(group, step=0)
         metric["b"].sync(group, step=0)
     order = ["a", "b"] if rank == 0 else ["b", "a"]
     outcome = _outcome(lambda: [metric[name].sync(group, step=1) for name in order])
-    return {"outcome": outcome, "values": {k: float(v) for k, v in metric.compute().items()}}
+    return {"outcome": outcome, "values": {k: _mean_of(v) for k, v in metric.compute().items()}}
 
 
+@pytest.mark.parametrize("with_own_sync", [False, True])
 @pytest.mark.parametrize("first_in_order", [False, True])
 def test_children_of_one_shape_synced_in_other_orders_raise(
-    pair: RankPool, first_in_order: bool
+    pair: RankPool, first_in_order: bool, with_own_sync: bool
 ) -> None:
     # Both are a MeanMetric: each rank got a = 5.5 and b = 55 (a mix of the two) with no error.
-    for rank, result in enumerate(pair.run(_children_in_other_orders, first_in_order, timeout=90)):
+    outcomes = pair.run(_children_in_other_orders, first_in_order, with_own_sync, timeout=90)
+    for rank, result in enumerate(outcomes):
         assert result["outcome"].startswith("RankMismatchError"), (rank, result)
-        assert "'a.total'" in result["outcome"] or "structure" in result["outcome"], result
+        if not first_in_order:  # the first layout's check names the states
+            assert "'a." in result["outcome"], result
+        # After the error each child reads its own data or the true global value, never a mix
+        # of a and b (the synced buffers hold one after the failed sync).
+        assert result["values"]["a"] in (float(rank), 0.5), result
+        assert result["values"]["b"] in (10.0 + 100.0 * rank, 60.0), result
 
 
 def _step_against_count() -> str:
@@ -374,3 +400,8 @@ def test_a_row_that_is_no_fingerprint_is_named_as_another_collective() -> None:
     assert "ran another collective at this point" in message
     with pytest.raises(RankMismatchError, match="ran another collective at this point"):
         check_calls([window, CallFingerprint("sync", 177117687).words(5)], rank=1)
+    other_structure = CallFingerprint("window", 3, "train").words(999)
+    with pytest.raises(RankMismatchError) as caught:
+        check_calls([window, other_structure], rank=0)
+    assert "synced different metrics here" in str(caught.value)
+    assert "another collective" not in str(caught.value)

@@ -497,6 +497,23 @@ def test_a_sink_name_that_is_no_file_name_still_spools_and_its_file_is_found_lat
         assert "1 spool file(s)" in warning and str(path) in warning
 
 
+def test_a_spool_file_named_by_an_earlier_version_is_still_found(tmp_path: Path) -> None:
+    # Before names were made safe, "my sink" was used as it is; such files of ended jobs are
+    # still named in the warning.
+    from sidestream.sinks._spool import leftover_spools
+
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    old = tmp_path / f"sidestream-my sink@{int(ended.stdout)}-abc.spool.jsonl"
+    old.write_text("")
+    assert leftover_spools(str(tmp_path), "my sink") == [str(old)]
+    assert leftover_spools(str(tmp_path), "other") == []
+
+
 @pytest.mark.parametrize(
     ("state", "message"),
     [

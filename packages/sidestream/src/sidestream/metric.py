@@ -511,11 +511,18 @@ class Metric(Stateful, Generic[T], abc.ABC):
             self._sync_group = group
         self.verify_sync(block=False)
         prepared = self.prepare_sync(group)
-        self._track(prepared.batched.start(fingerprint))
-        for metric in prepared.own_sync:
-            metric.sync_as(group, fingerprint)
-        for store in self._sample_stores():
-            store.gather(group, fingerprint)
+        try:
+            self._track(prepared.batched.start(fingerprint))
+            for metric in prepared.own_sync:
+                metric.sync_as(group, fingerprint)
+            for store in self._sample_stores():
+                store.gather(group, fingerprint)
+        except BaseException:
+            # The results were written before the fingerprints were compared: a sync that
+            # raised leaves mixed numbers in the synced buffers, which a flag still set by an
+            # earlier sync would have compute read. Local state is what is left.
+            self._mark_fresh(False)
+            raise
         self._mark_fresh(True)
 
     def start_sync(
@@ -599,6 +606,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
         self, group: Group, arena: Arena | None, home: Arena | None, check: bool
     ) -> _Prepared:
         own_sync = [m for m in self._walk_metrics() if m is not self and has_own_sync(m)]
+        # A child synced alone: its states are named by its place in the tree, so ranks that
+        # pair two children of one shape (a and b synced in other orders) differ.
+        place = "" if arena is not None else _place_in_tree(self, home)
         everything = SyncBatch()
         if arena is not None:
             for segment in arena.segments:
@@ -606,9 +616,6 @@ class Metric(Stateful, Generic[T], abc.ABC):
                     segment, group, segment.synced, name=segment.parts[0][0], parts=segment.parts
                 )
         else:
-            # A child synced alone: its states are named by its place in the tree, so ranks
-            # that pair two children of one shape (a and b synced in other orders) differ.
-            place = _place_in_tree(self, home)
             for name, state in self.named_accumulators():
                 everything.add(state, group, state._synced, name=place + name)
         every_state = everything.program(check=check)
@@ -618,7 +625,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
         batched = SyncBatch()
         for name, state in self.named_accumulators():
             if id(state) not in skipped:
-                batched.add(state, group, state._synced, name=name)
+                batched.add(state, group, state._synced, name=place + name)
         return _Prepared(group, home, every_state, batched.program(check=check), own_sync, False)
 
     def reset(self) -> None:
@@ -1003,7 +1010,10 @@ def _widens(saved: torch.dtype, state: torch.dtype) -> bool:
     if saved.is_complex or state.is_complex:
         return False
     info = torch.finfo if saved.is_floating_point else torch.iinfo
-    return info(saved).bits < info(state).bits and torch.promote_types(saved, state) == state
+    try:
+        return info(saved).bits < info(state).bits and torch.promote_types(saved, state) == state
+    except (TypeError, RuntimeError):  # dtypes torch does not promote (uint32, float8)
+        return False
 
 
 def has_own_sync(metric: Metric[Any]) -> bool:

@@ -171,7 +171,12 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
             "is cumulative, and how many collective calls its metric made before bind (a "
             "load_state_dict counts one: did a rank skip it?)."
         )
-    if not hint:
+    elif all(row[:2] == rows[0][:2] for row in rows):
+        hint = (
+            " The same call with another structure: the ranks synced different metrics here "
+            "(or different children of one tree)."
+        )
+    else:
         # What another rank sent is read as a fingerprint whatever it was: a user's own
         # collective, or one of another size that gloo cut short, reads as a call never made.
         hint = (

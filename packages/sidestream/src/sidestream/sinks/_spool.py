@@ -374,7 +374,10 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
         return []
     for entry in entries:
         match = _NAME.fullmatch(entry.name)
-        if match is None or match["label"] != file_label(label) or not entry.is_file():
+        # The raw label too: a file an earlier version named with it ("my sink").
+        if match is None or match["label"] not in (file_label(label), label):
+            continue
+        if not entry.is_file():
             continue
         if not _alive(int(match["pid"]), match["start"]):
             found.append(entry.path)
