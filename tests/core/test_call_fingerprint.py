@@ -347,12 +347,14 @@ def _cuda_syncs_checked_later() -> dict[str, Any]:
     rank, out = dist.get_rank(), {}
     try:
         metric, group = _metric(), _subgroup()
-        _update(metric, 1.0)
+        _update(metric, 1.0 + rank)
         metric.sync(group, step=10 + rank)  # mismatched: found only once the device passed it
         metric.sync(group, step=20)  # matched, started while the first is unchecked
         out["waits while behind"] = _DeviceEvent.waits
         _DeviceEvent.passed = True
         out["next sync"] = _outcome(lambda: metric.sync(group, step=30))
+        # That mismatch may have left mixed numbers in the synced buffers: local state is read.
+        out["loss after the mismatch"] = float(metric["loss"].compute())
         out["after"] = _outcome(lambda: metric.sync(group, step=40))
         metric.verify_sync()  # passed: checks the rest with no wait
         _DeviceEvent.passed = False
@@ -371,6 +373,7 @@ def test_cuda_syncs_are_checked_once_the_device_passed_them(pair: RankPool) -> N
         assert out["waits while behind"] == 0
         assert out["next sync"].startswith("RankMismatchError"), out
         assert f"sync at step {10 + rank}" in out["next sync"]
+        assert out["loss after the mismatch"] == 1.0 + rank  # its own, not the mean 1.5
         assert out["after"] == "no error"
         assert out["waits beyond the cap"] == 1
         assert out["state_dict"] == "no error"

@@ -25,6 +25,7 @@ from sidestream._samples import SampleStore, SavedRows, gather_rows
 from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views, copy_sharing
 from sidestream.sync import (
     CallFingerprint,
+    RankMismatchError,
     SyncBatch,
     SyncHandle,
     SyncProgram,
@@ -569,7 +570,12 @@ class Metric(Stateful, Generic[T], abc.ABC):
         pending: list[SyncHandle] = self.__dict__.get("_unverified_syncs", [])
         # In stream order: once one is not reached yet, neither are the later ones.
         while pending and (block or pending[0].ready()):
-            pending.pop(0).verify()
+            try:
+                pending.pop(0).verify()
+            except RankMismatchError:
+                # That sync's mixed numbers may still be what the synced buffers hold.
+                self._mark_fresh(False)
+                raise
 
     def prepare_sync(self, group: Group, *, check: bool = True) -> _Prepared:
         """This metric's sync over ``group``, laid out once and kept while the tree is unchanged.
