@@ -972,7 +972,7 @@ def _place_in_tree(metric: Metric[Any], home: Arena | None) -> str:
         return ""
     for prefix, inner in home.root._named_metrics():
         if inner is metric:
-            return str(prefix)
+            return str(prefix)  # root is typed Any
     return ""
 
 
@@ -999,10 +999,10 @@ def _saved_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.as_tensor(value, dtype=dtype)
     elif isinstance(value, int) and not isinstance(value, bool) and dtype is not torch.bool:
         try:
-            exact = torch.as_tensor(value, dtype=dtype)
+            exact: torch.Tensor | None = torch.as_tensor(value, dtype=dtype)
         except RuntimeError:  # out of the dtype's range: refused below, as a saved int64
-            exact = tensor
-        if exact.item() == value:
+            exact = None
+        if exact is not None and exact.item() == value:
             tensor = exact
     # Detached: a saved tensor that requires grad would pull the state buffer into autograd,
     # and every later in-place update of the metric tree would raise.
@@ -1011,14 +1011,12 @@ def _saved_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def _widens(saved: torch.dtype, state: torch.dtype) -> bool:
     """Whether a saved value loads exactly in a wider state (float32 in float64, int8 in int32)."""
-    if saved.is_floating_point != state.is_floating_point or torch.bool in (saved, state):
-        return False
-    if saved.is_complex or state.is_complex:
+    if saved.is_floating_point != state.is_floating_point:
         return False
     info = torch.finfo if saved.is_floating_point else torch.iinfo
     try:
         return info(saved).bits < info(state).bits and torch.promote_types(saved, state) == state
-    except (TypeError, RuntimeError):  # dtypes torch does not promote (uint32, float8)
+    except (TypeError, RuntimeError):  # no iinfo (bool, complex), no promotion (uint32, float8)
         return False
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import expected_text, ignore_index_of
+from sidestream.state import MetricAccumulator
 
 __all__: list[str] = []
 
@@ -13,6 +14,16 @@ _BOOL = torch.bool
 """Read by ``check_logits`` instead of ``torch.bool``: a compiled update that reaches the torch
 module through this module's globals and another's pays an identity guard, run in Python, on
 every call."""
+
+
+def count_under(ignore_index: int | None, *states: MetricAccumulator) -> None:
+    """Mark ``states`` as counted under ``ignore_index`` (their configuration).
+
+    Which tokens count depends on it: a checkpoint (and a peer rank) counted under another one
+    is refused instead of mixed in.
+    """
+    for state in states:
+        state.set_configuration(f"ignore_index={ignore_index}")
 
 
 def check_ignore_index(ignore_index: int | None) -> None:

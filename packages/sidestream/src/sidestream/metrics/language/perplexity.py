@@ -21,6 +21,7 @@ from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,
     check_vocab_size,
+    count_under,
     token_masks,
     token_range,
 )
@@ -65,10 +66,7 @@ class PerplexityMetric(Metric[Tensor]):
         self._nll = MetricAccumulator(0.0, dtype=torch.float64)
         self._tokens = MetricAccumulator(0.0, dtype=torch.float64)
         self._rejected = MetricAccumulator(0, dtype=torch.int64)
-        # Which tokens count depends on ignore_index: a checkpoint (and a peer rank) counted
-        # under another one is refused instead of mixed in.
-        for state in (self._nll, self._tokens):
-            state.set_configuration(f"ignore_index={ignore_index}")
+        count_under(ignore_index, self._nll, self._tokens)
 
     @property
     def rejected_updates(self) -> Tensor:

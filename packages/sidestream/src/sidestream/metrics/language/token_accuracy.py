@@ -16,6 +16,7 @@ from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,
     check_vocab_size,
+    count_under,
     token_masks,
     token_range,
 )
@@ -53,10 +54,7 @@ class TokenAccuracyMetric(Metric[Tensor]):
         self._correct = MetricAccumulator(0, dtype=torch.int64)
         self._tokens = MetricAccumulator(0, dtype=torch.int64)
         self._rejected = MetricAccumulator(0, dtype=torch.int64)
-        # Which tokens count depends on ignore_index: a checkpoint (and a peer rank) counted
-        # under another one is refused instead of mixed in.
-        for state in (self._correct, self._tokens):
-            state.set_configuration(f"ignore_index={ignore_index}")
+        count_under(ignore_index, self._correct, self._tokens)
 
     @property
     def rejected_updates(self) -> Tensor:
