@@ -200,7 +200,9 @@ def test_config_option_wraps_the_sink(tmp_path: Path) -> None:
     assert isinstance(sink, ProcessSink) and sink.name == "jsonl"
     (plain,) = sinks_from_config([{"type": "jsonl", "path": str(path), "child_process": False}])
     assert isinstance(plain, JsonlSink)
-    with pytest.raises(TypeError, match="child_process must be true, false or a mapping"):
+    (unset,) = sinks_from_config({"jsonl": {"path": str(path), "child_process": None}})
+    assert isinstance(unset, JsonlSink)
+    with pytest.raises(TypeError, match=r"child_process must be true, false \(or null\) or a"):
         sinks_from_config({"jsonl": {"path": str(path), "child_process": "yes"}})
 
 

@@ -154,6 +154,26 @@ def test_log_reads_a_tensor_that_requires_grad_without_a_warning(tmp_path: Path)
     assert [r["values"] for r in read_jsonl(path)] == [{"loss": 3.0}]
 
 
+def test_numpy_integer_steps_are_taken_and_tensor_steps_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    with Run([JsonlSink(path)]) as run:
+        collector = run.collector(SumMetric(), prefix="train").bind("cpu")
+        for step in np.arange(1, 3, dtype=np.int64):
+            collector.metric.update(torch.tensor(2.0))
+            collector.schedule_collection(step)
+            run.log(np.uint32(step), {"lr": 0.5})
+        with pytest.raises(TypeError, match=r"step: expected an int, got Tensor .*host sync"):
+            run.log(torch.tensor(7), {"lr": 0.5})  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="step: expected an int, got Tensor"):
+            collector.schedule_collection(torch.tensor(7))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"step: expected an int in \[0, 2\*\*63\), got -1"):
+            run.log(np.int8(-1), {"lr": 0.5})
+    records = read_jsonl(path)
+    steps = sorted((r["stream"], r["step"]) for r in records)
+    assert steps == [("", 1), ("", 2), ("train", 1), ("train", 2)]
+    assert all(type(r["step"]) is int for r in records)
+
+
 def test_stream_names_and_log_arguments_are_checked() -> None:
     run = Run([RecordingSink()])
     run.collector(MeanMetric(), prefix="train")

@@ -480,6 +480,13 @@ def test_a_sync_step_out_of_range_is_refused(step: Any, error: type[Exception]) 
         MeanMetric().sync(step=step)
 
 
+def test_a_numpy_sync_step_is_taken() -> None:
+    metric = MeanMetric()
+    metric.update(torch.tensor([1.0, 3.0]))
+    metric.sync(step=np.int64(4))
+    assert metric.compute().item() == 2.0
+
+
 def _constants_by_rank() -> dict[str, str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     other = rank == world - 1

@@ -22,6 +22,7 @@ from sidestream._distributed import (
 )
 from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore, SavedRows, gather_rows
+from sidestream._step import training_step
 from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views, copy_sharing
 from sidestream.sync import (
     CallFingerprint,
@@ -451,13 +452,11 @@ class Metric(Stateful, Generic[T], abc.ABC):
             RankMismatchError: If ranks hold different state, or paired different calls.
             RuntimeError: If ``WORLD_SIZE``/``RANK`` say the job has several processes but no
                 process group is initialized (the sync would silently reduce nothing).
-            TypeError: If ``step`` is not an int.
+            TypeError: If ``step`` is not an integer (Python or numpy).
             ValueError: If ``step`` is negative or 2**63 or more (it travels as an int64).
         """
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-            raise TypeError(f"step: expected an int or None, got {step!r}")
-        if step is not None and not 0 <= step < 2**63:
-            raise ValueError(f"step: expected an int in [0, 2**63), got {step}")
+        if step is not None:
+            step = training_step(step)
         check_process_group("sync")
         if step is None:
             self._sync_as(group, CallFingerprint("sync", self.call_counter.next()))

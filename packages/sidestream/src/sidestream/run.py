@@ -19,6 +19,7 @@ from sidestream._delivery import Delivery, DeliveryOptions, check_timeout
 from sidestream._distributed import Group, check_process_group
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
+from sidestream._step import training_step
 from sidestream.collector.collector import DEFAULT_MAX_SLOTS, AsyncMetricCollector
 from sidestream.metric import Metric
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
@@ -217,15 +218,13 @@ class Run:
                 0-dim tensors.
 
         Raises:
-            TypeError: If ``step`` is not an int, or a name or value has the wrong type.
+            TypeError: If ``step`` is not an integer (Python or numpy), or a name or value has
+                the wrong type.
             ValueError: If ``step`` does not increase or is outside [0, 2**63), or a tensor is
                 not 0-dim.
             RuntimeError: If the run is closed, or the job's process group is missing.
         """
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step: expected an int, got {type(step).__name__}")
-        if not 0 <= step < 2**63:  # as schedule_collection: trackers take int64 steps
-            raise ValueError(f"step: expected an int in [0, 2**63), got {step}")
+        step = training_step(step)
         if self._last_log_step is not None and step <= self._last_log_step:
             raise ValueError(
                 f"step: expected > the previous log call's {self._last_log_step}, got {step} "

@@ -22,6 +22,7 @@ from sidestream._distributed import (
     group_size,
     resolve_group,
 )
+from sidestream._step import training_step
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
@@ -360,15 +361,13 @@ class AsyncMetricCollector(Generic[T]):
 
         Raises:
             RuntimeError: If not bound, or closed.
+            TypeError: If ``step`` is not an integer (Python or numpy).
             ValueError: If ``step`` is not larger than the previous window's step, or not in
                 ``[0, 2**63)`` (it travels as an int64).
         """
         if self._dispatcher is None or self._closed:
             raise RuntimeError("schedule_collection: call bind(device) first (and not after close)")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step: expected an int, got {type(step).__name__}")
-        if not 0 <= step < 2**63:  # it travels as an int64, as sync(step=) does
-            raise ValueError(f"step: expected an int in [0, 2**63), got {step}")
+        step = training_step(step)
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
                 f"step: expected > the previous window's {self._last_step}, got {step}"

@@ -103,7 +103,10 @@ def _entries(config: SinkConfig) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _build(name: str, options: dict[str, Any]) -> Sink:
-    child_process = options.pop("child_process", False)
+    # None (YAML's ``child_process: null`` or ``~``) is the default, like a missing key.
+    child_process = options.pop("child_process", None)
+    if child_process is None:
+        child_process = False
     process_options: dict[str, Any] = {}
     if isinstance(child_process, Mapping):
         process_options, child_process = dict(child_process), True
@@ -112,8 +115,8 @@ def _build(name: str, options: dict[str, Any]) -> Sink:
         )
     elif not isinstance(child_process, bool):
         raise TypeError(
-            f"sinks_from_config: sink {name!r}: child_process must be true, false or a mapping "
-            f"of ProcessSink options, got {child_process!r}"
+            f"sinks_from_config: sink {name!r}: child_process must be true, false (or null) or "
+            f"a mapping of ProcessSink options, got {child_process!r}"
         )
     try:
         sink = _make(name, options)
