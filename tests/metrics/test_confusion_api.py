@@ -59,6 +59,60 @@ def test_builder_is_immutable() -> None:
     assert macro.compute().item() == pytest.approx((1 + 1 + 0) / 3)
 
 
+class _Named:
+    """A custom statistic (recall under any name) with no equality of its own."""
+
+    def __init__(self, name: str, broadcast: bool = False) -> None:
+        self.name, self._broadcast = name, broadcast
+
+    def ratio(self, kind: Any, counts: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        numerator = counts.tp.sum().reshape(1) if self._broadcast else counts.tp
+        return numerator, counts.tp + counts.fn
+
+
+def test_statistic_names_are_exact_and_a_plain_custom_statistic_may_repeat() -> None:
+    metric = (
+        confusion_count_metric()
+        .multiclass(3)
+        .with_fbeta(2)
+        .with_fbeta(2.0000001)
+        .with_f1()
+        .with_fbeta(1.0)
+        .with_statistic(_Named("mine"))
+        .with_statistic(_Named("mine"))
+        .macro()
+        .build()
+    )
+    preds, target = torch.tensor([0, 1, 1, 2]), torch.tensor([0, 1, 2, 2])
+    metric.update(preds, target)
+    values = metric.compute()
+    assert isinstance(values, dict) and list(values) == ["f2", "f2.0000001", "f1", "mine"]
+    assert values["mine"].item() == pytest.approx((1 + 1 + 0.5) / 3)
+
+
+def test_a_ratio_of_another_shape_is_refused_naming_the_statistic() -> None:
+    preds, target = torch.tensor([0, 1]), torch.tensor([0, 2])
+    odd = _Named("odd", broadcast=True)
+    overall = confusion_count_metric().multiclass(3).with_statistic(odd).macro().build()
+    overall.update(preds, target)
+    with pytest.raises(
+        ValueError, match=r"statistic 'odd': ratio must return .*; got \(\(1,\), \(3,\)\)"
+    ):
+        overall.compute()
+    per_sample = (
+        confusion_count_metric(multidim_average="samplewise")
+        .multiclass(3)
+        .with_statistic(odd)
+        .macro()
+        .build()
+    )
+    before = per_sample.state_dict()
+    with pytest.raises(ValueError, match=r"statistic 'odd': ratio must return"):
+        per_sample.update(preds.reshape(1, 2), target.reshape(1, 2))
+    after = per_sample.state_dict()
+    assert all(torch.equal(before[key], after[key]) for key in before)
+
+
 @pytest.mark.parametrize(
     ("make", "error", "match"),
     [
@@ -81,6 +135,34 @@ def test_builder_is_immutable() -> None:
         (lambda: confusion_count_metric().multiclass(2.0), TypeError, "num_classes"),
         (lambda: confusion_count_metric().binary(1.5), ValueError, "threshold"),
         (lambda: _multiclass(zero_division=0.5), ValueError, "zero_division"),
+        (
+            lambda: confusion_count_metric(zero_division="warn"),  # type: ignore[arg-type]
+            ValueError,
+            r"zero_division: expected 0.0, 1.0 or NaN, got 'warn' \(scikit-learn's 'warn'",
+        ),
+        (
+            lambda: confusion_count_metric(zero_division=None),  # type: ignore[arg-type]
+            ValueError,
+            "zero_division: expected 0.0, 1.0 or NaN, got None",
+        ),
+        (
+            lambda: (
+                confusion_count_metric(multidim_average="samplewise", zero_division=2.0)
+                .multiclass(3)
+                .with_f1()
+                .build()
+            ),
+            ValueError,
+            "zero_division: expected 0.0, 1.0 or NaN, got 2.0",
+        ),
+        (lambda: confusion_count_metric().binary(True), TypeError, "threshold"),  # type: ignore[arg-type]
+        (
+            lambda: (
+                confusion_count_metric().multiclass(3).with_fbeta(2).with_statistic(_Named("f2"))
+            ),
+            ValueError,
+            r"statistic: the name 'f2' is taken by FBeta\(beta=2.0\)",
+        ),
         (lambda: _multiclass(ignore_index=1.0), TypeError, "ignore_index"),
         (lambda: MulticlassConfusionMatrixMetric(1), ValueError, "num_classes"),
     ],

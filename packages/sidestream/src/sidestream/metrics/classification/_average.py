@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from numbers import Real
 from typing import Literal
 
 import torch
@@ -13,6 +14,7 @@ __all__ = [
     "Average",
     "average_statistic",
     "check_average",
+    "check_zero_division",
     "divide",
     "mean_over_classes",
 ]
@@ -25,6 +27,22 @@ def check_average(average: str, allowed: tuple[str, ...] = AVERAGES) -> None:
     """Raise ``ValueError`` naming ``average`` unless it is one of ``allowed``."""
     if average not in allowed:
         raise ValueError(f"average: expected one of {allowed}, got {average!r}")
+
+
+def check_zero_division(zero_division: object) -> float:
+    """``zero_division`` as a float: 0.0, 1.0 or NaN.
+
+    Raises:
+        ValueError: Naming ``zero_division`` for anything else (scikit-learn's ``"warn"``
+            included: its value is 0.0, the default here).
+    """
+    if isinstance(zero_division, bool) or not isinstance(zero_division, Real):
+        hint = " (scikit-learn's 'warn' gives 0.0: pass 0.0)" if zero_division == "warn" else ""
+        raise ValueError(f"zero_division: expected 0.0, 1.0 or NaN, got {zero_division!r}{hint}")
+    value = float(zero_division)
+    if value not in (0.0, 1.0) and not math.isnan(value):
+        raise ValueError(f"zero_division: expected 0.0, 1.0 or NaN, got {zero_division!r}")
+    return value
 
 
 def divide(numerator: Tensor, denominator: Tensor, zero_division: float) -> Tensor:

@@ -58,6 +58,8 @@ class Problem:
     def __post_init__(self) -> None:
         name = "num_labels" if self.kind is ProblemKind.MULTILABEL else "num_classes"
         check_int(name, self.num_classes, 2 if self.kind is ProblemKind.MULTICLASS else 1)
+        if isinstance(self.threshold, bool):
+            raise TypeError(f"threshold: expected a probability in [0, 1], got {self.threshold}")
         if not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"threshold: expected a probability in [0, 1], got {self.threshold}")
         if not isinstance(self.logits, bool):

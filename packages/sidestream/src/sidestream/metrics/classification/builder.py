@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from sidestream.metrics.classification._average import Average
+from sidestream.metrics.classification._average import Average, check_zero_division
 from sidestream.metrics.classification._problem import Problem, ProblemKind, check_ignore_index
 from sidestream.metrics.classification.confusion_count import ConfusionCountMetric
 from sidestream.metrics.classification.samplewise import SamplewiseConfusionCountMetric
@@ -92,15 +92,23 @@ class ConfusionCountMetricBuilder:
         )
 
     def with_statistic(self, statistic: Statistic) -> ConfusionCountMetricBuilder:
-        """Add any ``Statistic`` (a built-in one or your own); a repeated name is ignored.
+        """Add any ``Statistic`` (a built-in one or your own); the same one again is ignored.
 
         Raises:
             TypeError: If ``statistic`` does not follow the ``Statistic`` protocol.
+            ValueError: If another statistic already has its name (one key per name).
         """
         if not isinstance(statistic, Statistic):
             raise TypeError(f"statistic: expected a Statistic (name and ratio), got {statistic!r}")
-        if any(chosen.name == statistic.name for chosen in self.statistics):
-            return self
+        for chosen in self.statistics:
+            if chosen.name != statistic.name:
+                continue
+            if _same_statistic(chosen, statistic):
+                return self
+            raise ValueError(
+                f"statistic: the name {statistic.name!r} is taken by {chosen!r}, so "
+                f"{statistic!r} would be dropped; give each statistic its own name"
+            )
         return dataclasses.replace(self, statistics=(*self.statistics, statistic))
 
     def with_accuracy(self) -> ConfusionCountMetricBuilder:
@@ -204,6 +212,7 @@ def confusion_count_metric(
         tensor(0.3333, dtype=torch.float64)
     """
     check_ignore_index(ignore_index)
+    check_zero_division(zero_division)
     if multidim_average not in ("global", "samplewise"):
         raise ValueError(
             f"multidim_average: expected 'global' or 'samplewise', got {multidim_average!r}"
@@ -232,3 +241,10 @@ def confusion_matrix_metric(
         stacklevel=2,
     )
     return confusion_count_metric(ignore_index=ignore_index, zero_division=zero_division)
+
+
+def _same_statistic(chosen: Statistic, statistic: Statistic) -> bool:
+    """Equal, or of one class that defines no equality (two instances of a plain class)."""
+    if type(chosen) is not type(statistic):
+        return False
+    return chosen == statistic or type(statistic).__eq__ is object.__eq__

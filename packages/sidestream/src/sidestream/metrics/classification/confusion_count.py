@@ -9,7 +9,12 @@ import torch
 from torch import Tensor
 
 from sidestream.metrics._screened import ScreenedMetric
-from sidestream.metrics.classification._average import Average, average_statistic, check_average
+from sidestream.metrics.classification._average import (
+    Average,
+    average_statistic,
+    check_average,
+    check_zero_division,
+)
 from sidestream.metrics.classification._inputs import (
     batch_cells,
     check_tensor,
@@ -19,7 +24,7 @@ from sidestream.metrics.classification._inputs import (
     host_cells_apply,
 )
 from sidestream.metrics.classification._problem import Problem, ProblemKind, configure_states
-from sidestream.metrics.classification.statistics import Counts, Statistic
+from sidestream.metrics.classification.statistics import Counts, Statistic, checked_ratio
 from sidestream.state import MetricAccumulator
 
 __all__ = ["ConfusionCountMetric", "macro_weights"]
@@ -74,9 +79,7 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
             if not isinstance(statistic, Statistic):
                 raise TypeError(f"statistics: expected Statistic objects, got {statistic!r}")
         check_average(average)
-        zero_division = float(zero_division)
-        if zero_division not in (0.0, 1.0) and zero_division == zero_division:
-            raise ValueError(f"zero_division: expected 0.0, 1.0 or NaN, got {zero_division}")
+        zero_division = check_zero_division(zero_division)
         self._problem = problem
         self._statistics = tuple(statistics)
         self._average = "micro" if problem.kind is ProblemKind.BINARY else average
@@ -160,7 +163,7 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
 
     def _value(self, statistic: Statistic, counts: Counts) -> Tensor:
         """One statistic, averaged over classes as configured, in float64."""
-        numerator, denominator = statistic.ratio(self._problem.kind, counts)
+        numerator, denominator = checked_ratio(statistic, self._problem.kind, counts)
         return average_statistic(
             numerator,
             denominator,

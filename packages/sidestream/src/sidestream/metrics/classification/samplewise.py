@@ -8,11 +8,16 @@ import torch
 from torch import Tensor
 
 from sidestream.metrics._screened import ScreenedMetric
-from sidestream.metrics.classification._average import Average, average_statistic, check_average
+from sidestream.metrics.classification._average import (
+    Average,
+    average_statistic,
+    check_average,
+    check_zero_division,
+)
 from sidestream.metrics.classification._inputs import check_tensor, sample_counts
 from sidestream.metrics.classification._problem import Problem, ProblemKind, configure_states
 from sidestream.metrics.classification.confusion_count import macro_weights
-from sidestream.metrics.classification.statistics import Counts, Statistic
+from sidestream.metrics.classification.statistics import Counts, Statistic, checked_ratio
 from sidestream.state import MetricAccumulator
 
 __all__ = ["SamplewiseConfusionCountMetric"]
@@ -49,7 +54,7 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         self._problem = problem
         self._statistics = tuple(statistics)
         self._average = "micro" if problem.kind is ProblemKind.BINARY else average
-        self._zero_division = float(zero_division)
+        self._zero_division = check_zero_division(zero_division)
         width = problem.num_classes if self._average == "none" else 1
         self._sums = MetricAccumulator(
             torch.zeros(len(self._statistics), width, dtype=torch.float64)
@@ -76,7 +81,7 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         weights = macro_weights(self._problem, float_counts)
         rows = []
         for statistic in self._statistics:
-            numerator, denominator = statistic.ratio(self._problem.kind, float_counts)
+            numerator, denominator = checked_ratio(statistic, self._problem.kind, float_counts)
             value = average_statistic(
                 numerator, denominator, float_counts, self._average, weights, self._zero_division
             )

@@ -126,10 +126,40 @@ class FBeta:
 
     @property
     def name(self) -> str:
-        """``f{beta:g}``: ``"f1"``, ``"f2"``, ``"f0.5"``."""
-        return f"f{self.beta:g}"
+        """``f{beta:g}``: ``"f1"``, ``"f2"``, ``"f0.5"``; every digit where ``g`` rounds."""
+        short = f"{self.beta:g}"
+        # Two betas must never share a name: "f2" for 2.0000001 would stand for beta 2.
+        return f"f{short}" if float(short) == self.beta else f"f{self.beta!r}"
 
     def ratio(self, kind: ProblemKind, counts: Counts) -> tuple[Tensor, Tensor]:
         """See the class docstring."""
         weight = 1.0 + self.beta**2
         return weight * counts.tp, weight * counts.tp + self.beta**2 * counts.fn + counts.fp
+
+
+def checked_ratio(statistic: Statistic, kind: ProblemKind, counts: Counts) -> tuple[Tensor, Tensor]:
+    """``statistic.ratio(kind, counts)``, refused unless both parts have the counts' shape.
+
+    A custom statistic's ``(1,)`` numerator over ``(C,)`` denominators would broadcast into
+    numbers that mean nothing.
+
+    Raises:
+        ValueError: If ``ratio`` returns anything but two tensors of the counts' shape.
+    """
+    parts = statistic.ratio(kind, counts)
+    shape = counts.tp.shape
+    if not (
+        isinstance(parts, tuple)
+        and len(parts) == 2
+        and all(isinstance(part, Tensor) and part.shape == shape for part in parts)
+    ):
+        found = parts if not isinstance(parts, tuple) else tuple(map(_shape_or_type, parts))
+        raise ValueError(
+            f"statistic {statistic.name!r}: ratio must return (numerator, denominator), two "
+            f"tensors of the counts' shape {tuple(shape)}; got {found}"
+        )
+    return parts
+
+
+def _shape_or_type(part: object) -> object:
+    return tuple(part.shape) if isinstance(part, Tensor) else type(part).__name__
