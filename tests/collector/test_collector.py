@@ -184,6 +184,13 @@ def test_histogram_leaves_go_to_report_histograms(tmp_path: Path) -> None:
         misnamed.collect_results()
     assert "['nosuch'] are not leaves" in str(failed.value.__cause__)
     misnamed.close()
+    # A scalar leaf is no histogram: every sink would skip it, so it was logged nowhere.
+    scalar = AsyncMetricCollector(make_metric(), histograms=["loss"]).bind("cpu")
+    scalar.schedule_collection(1)
+    with pytest.raises(RuntimeError, match=r"window\(s\) failed since") as failed:
+        scalar.collect_results()
+    assert "['loss'] are scalars, not bin counts" in str(failed.value.__cause__)
+    scalar.close()
 
 
 def test_interpreter_exit_flushes_what_was_scheduled(tmp_path: Path) -> None:

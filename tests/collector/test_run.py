@@ -258,8 +258,16 @@ def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert [record["step"] for record in read_jsonl(path)] == [1, 1, 2]  # two lines skipped
     assert cli(["show", str(path)]) == 0
-    table = capsys.readouterr().out.splitlines()
-    assert table[1:] == ["(log)   1     loss  2"]  # a bool is no number to show
+    shown = capsys.readouterr()
+    assert shown.out.splitlines()[1:] == ["(log)   1     loss  2"]  # a bool is no number
+    assert shown.err == (
+        f"warning: 2 line(s) of {path} are no JsonlSink records (cut short, or not written by "
+        "a JsonlSink); skipped\n"
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["show", str(tmp_path)])  # it exists, as no file: not "no such file"
+    assert exit_info.value.code == 2
+    assert f"{tmp_path}: not a regular file" in capsys.readouterr().err
 
 
 def test_show_skips_lines_that_are_not_utf8_and_names_bad_plot_paths(
@@ -276,7 +284,8 @@ def test_show_skips_lines_that_are_not_utf8_and_names_bad_plot_paths(
     assert out.splitlines()[-1] == f"plot written to {tmp_path / 'curves.png'}"
     assert (tmp_path / "curves.png").is_file()
     assert cli(["show", str(path), "--plot", str(tmp_path / "p.xyz")]) == 2
-    error = capsys.readouterr().err
+    warning, error = capsys.readouterr().err.splitlines()
+    assert warning.startswith("warning: 1 line(s) of ")
     assert error.startswith("error: --plot ") and "'xyz' is not supported" in error
     with pytest.raises(SystemExit) as exit_info:
         cli(["show", str(path), "--plot", str(tmp_path)])

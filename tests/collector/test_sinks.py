@@ -279,7 +279,7 @@ def test_jsonl_resume_skips_steps_logged_after_the_checkpoint_and_heals_cut_line
         '{"step": 1, "time": 0, "values": {}}\n{"step": 4, "time": 0, "values": {}}\n{"st'
     )
     sink = JsonlSink(path)
-    sink.load_state_dict({"last_step": 1})  # the checkpoint was taken at step 1
+    sink.load_state_dict({"path": str(path), "last_step": 1})  # the checkpoint: step 1
     sink.open(RunInfo())
     for step in (2, 4, 5):
         sink.write(_report(step))
@@ -294,7 +294,7 @@ def test_jsonl_keeps_a_whole_last_line_that_lacks_its_newline(tmp_path: Path) ->
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1, "time": 0, "values": {}}\n{"step": 4, "time": 0, "values": {}}')
     sink = JsonlSink(path)
-    sink.load_state_dict({"last_step": 1})
+    sink.load_state_dict({"path": str(path), "last_step": 1})
     sink.open(RunInfo())
     for step in (2, 4, 5):  # 4 is in the file already: skipped
         sink.write(_report(step))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -40,3 +42,42 @@ def test_bad_resume_state_names_the_key(index: int) -> None:
             sink.load_state_dict({id_key: "x", "last_steps": bad})  # type: ignore[attr-defined]
     sink.load_state_dict({id_key: "x", "last_steps": [["train", 9], ["", 2]]})  # type: ignore[attr-defined]
     assert sink.state_dict()["last_steps"] == [["", 2], ["train", 9]]  # type: ignore[attr-defined]
+
+
+def _written_states(tmp: str) -> dict[str, dict[str, object]]:
+    """What each sink's ``state_dict`` holds after a run (written by hand, as saved)."""
+    steps = [["train", 5]]
+    return {
+        "WandbSink": {"run_id": "abc", "last_steps": steps, "run_dir": f"{tmp}/wandb/run-abc"},
+        "MlflowSink": {"run_id": "abc", "last_steps": steps, "run_key": "k", "experiment": "e"},
+        "TensorBoardSink": {"log_dir": f"{tmp}/tb", "last_steps": steps},
+        "JsonlSink": {"path": f"{tmp}/m.jsonl", "last_steps": steps, "offset": 10},
+    }
+
+
+def test_another_sinks_state_is_refused(tmp_path: Any) -> None:
+    """A TensorBoard sink given W&B's state resumed in the current directory's ./runs and
+    skipped the steps W&B had; every pair of sinks now refuses the other's state."""
+    from sidestream import Run
+    from sidestream.sinks import JsonlSink
+
+    sinks = [sink for sink, _ in _sinks()] + [JsonlSink(tmp_path / "m.jsonl")]
+    states = _written_states(str(tmp_path))
+    for sink in sinks:
+        own = type(sink).__name__
+        sink.load_state_dict(states[own])  # type: ignore[attr-defined]
+        for other, state in states.items():
+            if other == own:
+                continue
+            with pytest.raises(ValueError, match=rf"{own}.state_dict|expected a mapping with"):
+                sink.load_state_dict(state)  # type: ignore[attr-defined]
+    # Through a Run, and through a sink in a child process: the same refusal, naming the sink.
+    from sidestream.sinks import ProcessSink
+    from sidestream_tensorboard import TensorBoardSink
+
+    run = Run([ProcessSink(TensorBoardSink(str(tmp_path / "tb")))])
+    try:
+        with pytest.raises(ValueError, match="tensorboard"):
+            run.load_state_dict({"collectors": {}, "sinks": {"tensorboard": states["WandbSink"]}})
+    finally:
+        run.close()

@@ -270,8 +270,18 @@ def test_a_new_run_in_a_directory_with_event_files_is_warned_about(
     again = TensorBoardSink(tmp_path)
     again.open(RunInfo())
     assert again.close()
-    assert f"TensorBoardSink: {tmp_path} already holds 2 event file(s) of an earlier run" in (
+    # The resumed run's file holds no event (it wrote none): only the first one counts.
+    assert f"TensorBoardSink: {tmp_path} already holds 1 event file(s) of an earlier run" in (
         caplog.text
+    )
+
+
+def _has_data(path: Path) -> bool:
+    """Whether tensorboard's own reader finds an event other than the file version."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return any(
+        event.WhichOneof("what") != "file_version" for event in EventFileLoader(str(path)).Load()
     )
 
 
@@ -282,19 +292,20 @@ def test_a_full_disk_that_frees_again_loses_and_repeats_no_step(
     new one when it retries, with the steps the old one had not written."""
     import errno
 
-    from tensorboard.summary.writer import record_writer
+    from tensorboard.compat.tensorflow_stub.io import gfile
 
     from sidestream import Run
 
     disk_full = False
-    write = record_writer.RecordWriter.write
+    write = gfile.LocalFileSystem._write
 
-    def full_disk_write(self: Any, data: bytes) -> None:
-        if disk_full:
+    def full_disk_write(self: Any, filename: str, content: bytes, mode: str) -> None:
+        if disk_full:  # as a full disk does: the file is opened (made), its write fails
+            open(filename, mode).close()
             raise OSError(errno.ENOSPC, "No space left on device")
-        write(self, data)
+        write(self, filename, content, mode)
 
-    monkeypatch.setattr(record_writer.RecordWriter, "write", full_disk_write)
+    monkeypatch.setattr(gfile.LocalFileSystem, "_write", full_disk_write)
     log_dir = tmp_path / "tb"
     run = Run(
         [TensorBoardSink(log_dir, flush_secs=1)],
@@ -312,9 +323,14 @@ def test_a_full_disk_that_frees_again_loses_and_repeats_no_step(
                 time.sleep(0.05)
             disk_full = False
         run.log(step, {"x": float(step)})
+        if disk_full:
+            time.sleep(0.15)  # retries while the disk is full, each with a new writer
     assert run.close(timeout=30)
     events = _load(log_dir).Scalars("x")
     assert [(e.step, e.value) for e in events] == [(s, float(s)) for s in range(1, 31)]
+    # Each retry's writer made an event file the full disk kept empty: none is left behind.
+    files = sorted(log_dir.glob("*tfevents*"))
+    assert files and all(_has_data(path) for path in files), [p.stat().st_size for p in files]
 
 
 def test_a_checkpoint_flush_failing_while_the_sink_writes_does_not_break_the_sink(

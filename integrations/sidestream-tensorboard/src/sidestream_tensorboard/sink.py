@@ -110,6 +110,7 @@ class TensorBoardSink(TrackerSink):
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
+        self._writer_file: Path | None = None  # the writer's event file, where it is known
         # A checkpoint's flush (another thread) may replace a failed writer too.
         self._writer_lock = threading.Lock()
         self._opened = False
@@ -162,7 +163,7 @@ class TensorBoardSink(TrackerSink):
             self._discard_writer()
         if not self.resumed and not self._earlier_files_warned:
             self._earlier_files_warned = True  # once: a retried open finds its own first file
-            earlier = sorted(Path(self._log_dir).glob("*tfevents*"))
+            earlier = [path for path in _event_files(self._log_dir) if not _holds_no_events(path)]
             if earlier:
                 logger.warning(
                     "TensorBoardSink: %s already holds %d event file(s) of an earlier run; "
@@ -172,7 +173,7 @@ class TensorBoardSink(TrackerSink):
                     self._log_dir,
                     len(earlier),
                 )
-        self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
+        self._new_writer(SummaryWriter)
         self._log_dir = str(self._writer.log_dir)
         self._opened = True
         self._steps_on_disk = None
@@ -234,18 +235,37 @@ class TensorBoardSink(TrackerSink):
         from torch.utils.tensorboard import SummaryWriter
 
         assert self._log_dir is not None
-        self._writer = SummaryWriter(log_dir=self._log_dir, **self._writer_kwargs)
+        self._new_writer(SummaryWriter)
         self.found_values_in_backend(_last_steps_on_disk(self._log_dir))
         self._pending = None
         for report in self.pending_reports():
             self._send_one(self._without_held(report))
 
+    def _new_writer(self, summary_writer: Any) -> None:
+        """A ``SummaryWriter`` on the log directory; its event file is noted for a discard."""
+        before = set(_event_files(self._log_dir))
+        try:
+            self._writer = summary_writer(log_dir=self._log_dir, **self._writer_kwargs)
+        except Exception:
+            # A full disk fails the file's first record: the file made for it stays empty.
+            for path in set(_event_files(self._log_dir)) - before:
+                _remove_if_empty(path)
+            raise
+        made = set(_event_files(self._log_dir)) - before
+        self._writer_file = made.pop() if len(made) == 1 else None
+
     def _discard_writer(self) -> None:
-        """Close a failed writer quietly (it re-raises its first error); lock held."""
+        """Close a failed writer quietly (it re-raises its first error); lock held.
+
+        Its event file goes too if it holds no event: a full disk would otherwise leave an
+        empty file per retry, and a later job would take them for an earlier run's.
+        """
         writer, self._writer = self._writer, None
         if writer is not None:
             with contextlib.suppress(Exception):
                 writer.close()
+            if self._writer_file is not None:
+                _remove_if_empty(self._writer_file)
 
     def backend_has_step(self, name: str, step: int) -> bool:
         """Whether the event files hold tag ``name`` at ``step`` (read once, when first asked).
@@ -383,11 +403,39 @@ def _steps_on_disk(log_dir: str) -> dict[str, frozenset[int]]:
     return {tag: frozenset(found) for tag, found in steps.items()}
 
 
+def _event_files(log_dir: str) -> list[Path]:
+    return sorted(Path(log_dir).glob("*tfevents*"))
+
+
+def _remove_if_empty(path: Path) -> None:
+    if _holds_no_events(path):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _holds_no_events(path: Path) -> bool:
+    """Whether the event file at ``path`` is empty or holds only its version record.
+
+    ``False`` where it cannot be read: a file that may hold data is never taken for empty.
+    """
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    try:
+        if path.stat().st_size == 0:
+            return True
+        return all(
+            event.WhichOneof("what") == "file_version"
+            for event in LegacyEventFileLoader(str(path)).Load()
+        )
+    except Exception:
+        return False
+
+
 def _points_on_disk(log_dir: str) -> Iterator[tuple[str, int]]:
     """``(tag, step)`` of each scalar and histogram in the event files of ``log_dir``."""
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
-    for path in sorted(Path(log_dir).glob("*tfevents*")):
+    for path in _event_files(log_dir):
         for event in LegacyEventFileLoader(str(path)).Load():
             # Only what write() adds counts, not the hparams / text summaries of open().
             for value in event.summary.value:

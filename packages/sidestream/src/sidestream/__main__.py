@@ -32,15 +32,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         '"sidestream[plot]")',
     )
     args = parser.parse_args(argv)
-    if not args.path.is_file():
+    if not args.path.exists():
         parser.error(f"{args.path}: no such file")
+    if not args.path.is_file():
+        parser.error(f"{args.path}: not a regular file; expected the .jsonl file a JsonlSink wrote")
     out = args.plot
     if out is not None:
         if out.is_dir():
             parser.error(f"--plot: {out} is a directory; expected an image file such as out.png")
         if not out.suffix:
             out = out.with_suffix(".png")  # what matplotlib would write, and is said below
-    history = _history(args.path)
+    history, records = _history(args.path)
+    damaged = _lines(args.path) - records
+    if damaged:
+        print(
+            f"warning: {damaged} line(s) of {args.path} are no JsonlSink records (cut short, or "
+            "not written by a JsonlSink); skipped",
+            file=sys.stderr,
+        )
     if not any(history.values()):
         print(f"{args.path}: no records with numeric values", file=sys.stderr)
         return 1
@@ -66,16 +75,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 History = dict[str, dict[str, list[tuple[int, float]]]]
 
 
-def _history(path: Path) -> History:
+def _history(path: Path) -> tuple[History, int]:
+    """Each stream's points, and how many records were read."""
     history: History = {}
+    records = 0
     for record in read_jsonl(path):
+        records += 1
         stream = str(record.get("stream", ""))
         names = history.setdefault(stream, {})
         values = record.get("values")
         for name, value in (values if isinstance(values, dict) else {}).items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 names.setdefault(name, []).append((int(record["step"]), float(value)))
-    return history
+    return history, records
+
+
+def _lines(path: Path) -> int:
+    """Lines that hold anything but white space."""
+    with path.open("rb") as file:
+        return sum(1 for line in file if line.strip())
 
 
 def _table(history: History) -> str:

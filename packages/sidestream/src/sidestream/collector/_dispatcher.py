@@ -288,12 +288,27 @@ class _Layout:
 
     @classmethod
     def of(cls, tree: FlatTree, prefix: str, histograms: frozenset[str]) -> _Layout:
-        """Split ``tree``'s leaves by path; raise ``ValueError`` for an unknown histogram path."""
+        """Split ``tree``'s leaves by path.
+
+        Raises:
+            ValueError: If a histogram path names no leaf, or a scalar one.
+        """
         missing = sorted(histograms - set(tree.paths))
         if missing:
             raise ValueError(
                 f"histograms: {missing} are not leaves of the compute() result; its leaves are "
                 f"{list(tree.paths)}"
+            )
+        scalars = sorted(
+            path
+            for path, leaf in zip(tree.paths, tree.leaves, strict=True)
+            if path in histograms and not (isinstance(leaf, Tensor) and leaf.dim() >= 1)
+        )
+        if scalars:
+            # A sink would skip it as no histogram, so the value would be logged nowhere.
+            raise ValueError(
+                f"histograms: {scalars} are scalars, not bin counts (tensors of at least one "
+                "dimension): leave them out of histograms= to log them as values"
             )
         names = tree.element_names(prefix)
         value_leaves: list[int] = []

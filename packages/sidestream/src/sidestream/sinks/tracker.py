@@ -9,7 +9,7 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 from sidestream.sinks.base import Report, Sink
@@ -391,8 +391,10 @@ class TrackerSink(Sink):
         Raises:
             ValueError: If the state lacks the identity or the steps, or has wrong types.
         """
+        # The keys this sink writes: another sink's state (W&B's run_dir in a TensorBoard
+        # sink) would resume the wrong place, or skip steps this backend never had.
         identity, steps, default = parse_tracker_state(
-            state_dict, self.identity_key, type(self).__name__
+            state_dict, self.identity_key, type(self).__name__, extra_keys=self.extra_state()
         )
         self.load_extra_state(state_dict)
         self.identity = identity
@@ -449,18 +451,40 @@ def signature_options(*functions: Callable[..., Any]) -> set[str] | None:
 
 
 def parse_tracker_state(
-    state_dict: Mapping[str, Any], identity_key: str, sink: str
+    state_dict: Mapping[str, Any],
+    identity_key: str,
+    sink: str,
+    *,
+    extra_keys: Collection[str] | None = None,
 ) -> tuple[str | None, dict[str, int], int | None]:
     """Validate a tracker sink's state: ``(identity, last step per stream, default step)``.
 
+    Args:
+        state_dict: What the sink's ``state_dict`` returned.
+        identity_key: The key of the run identity (``"run_id"``, ``"log_dir"``).
+        sink: The sink's name, for messages.
+        extra_keys: The other keys the sink writes. Given, any further key is refused: the
+            state is another sink's.
+
     Raises:
-        ValueError: Naming the key, if one is missing or has the wrong type.
+        ValueError: Naming the key, if one is missing, unknown, or has the wrong type.
     """
-    if not isinstance(state_dict, Mapping) or not {"last_steps", "last_step"} & set(state_dict):
+    if (
+        not isinstance(state_dict, Mapping)
+        or identity_key not in state_dict
+        or not {"last_steps", "last_step"} & set(state_dict)
+    ):
         raise ValueError(
             f"state_dict: expected a mapping with {identity_key!r} and 'last_steps' (from "
             f"{sink}.state_dict), got {state_dict!r}"
         )
+    if extra_keys is not None:
+        unknown = sorted(set(state_dict) - {identity_key, "last_steps", "last_step", *extra_keys})
+        if unknown:
+            raise ValueError(
+                f"state_dict: {sink}.state_dict writes no key {', '.join(map(repr, unknown))}: "
+                f"is this the state of another sink? (got {state_dict!r})"
+            )
     identity = state_dict.get(identity_key)
     if identity is not None and not isinstance(identity, str):
         raise ValueError(f"state_dict[{identity_key!r}]: expected a str or None, got {identity!r}")
