@@ -233,7 +233,8 @@ def test_jsonl_resume_finds_the_last_line_of_any_length(tmp_path: Path) -> None:
     sink.close()
     assert path.stat().st_size > 3 * 200_000
     resumed = JsonlSink(path)
-    resumed.load_state_dict({"last_step": 1})  # an old checkpoint: no offset, one stream
+    # An old checkpoint: no offset, one stream.
+    resumed.load_state_dict({"path": str(path), "last_step": 1})
     resumed.open(RunInfo())
     for step in (2, 3, 4):
         resumed.write(Report(step=step, values={"x": 2.0}, time=0.0))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import Tensor
 
-from sidestream import Metric, MetricAccumulator, ReduceOp
+from sidestream import Metric, MetricAccumulator, ReduceOp, SumMetric
 
 
 class _Squares(Metric[Tensor]):
@@ -129,10 +131,65 @@ def test_a_float_update_into_an_integer_extremum_is_refused_not_truncated(op: Re
     assert state.local.tolist() == ([3, 0] if op is ReduceOp.MAX else [0, -4])
 
 
+@pytest.mark.parametrize("op", [ReduceOp.MAX, ReduceOp.MIN])
+def test_a_wider_integer_update_into_an_integer_extremum_is_refused_not_wrapped(
+    op: ReduceOp,
+) -> None:
+    # int32 40000 became an int16 -25536 (and -40000 became 25536): neither a max nor a min
+    # was taken, with no error; a Python int of the same value was already refused.
+    state = MetricAccumulator(torch.tensor([0, 100], dtype=torch.int16), op)
+    update = torch.tensor([40000, -40000], dtype=torch.int32)
+    with pytest.raises(
+        TypeError, match=rf"torch.int32 update into this torch.int16 {op.name} state could wrap"
+    ):
+        state.accumulate(update)
+    assert state.local.tolist() == [0, 100]
+    state.accumulate(torch.tensor([7, 3], dtype=torch.int8))  # narrower: exact
+    assert state.local.tolist() == ([7, 100] if op is ReduceOp.MAX else [0, 3])
+
+
+def test_a_float_tensor_into_an_integer_sum_raises_type_error_as_documented() -> None:
+    state = MetricAccumulator(torch.tensor([0, 0]))
+    for update in (torch.tensor(2.7), torch.tensor([1.0, 2.0])):
+        with pytest.raises(
+            TypeError, match=r"update: a torch.float32 update into this torch.int64 SUM state"
+        ):
+            state.accumulate(update)
+    assert state.local.tolist() == [0, 0]
+    state.accumulate(torch.tensor([True, False]))  # bools and integers add as before
+    state.accumulate(torch.tensor([2, 3], dtype=torch.int32))
+    assert state.local.tolist() == [3, 3]
+
+
 def test_a_non_contiguous_initial_value_makes_a_state() -> None:
     state = MetricAccumulator(torch.zeros(3, 4).t())  # a transposed view crashed in _bind
     state.accumulate(torch.ones(4, 3))
     assert state.local.shape == (4, 3) and float(state.local.sum()) == 12.0
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_an_update_of_another_shape_names_the_states_shape(op: ReduceOp) -> None:
+    # torch named the 0-dim state's internal view: "output with shape [1] doesn't match".
+    for initial, update in ((0.0, torch.ones(3)), (torch.zeros(2, 3), torch.ones(3, 2))):
+        state = MetricAccumulator(initial, op)
+        shape = tuple(state.local.shape)
+        message = (
+            f"update: expected a tensor broadcastable to this state's shape {shape}, got shape "
+            f"{tuple(update.shape)}"
+        )
+        with pytest.raises(ValueError, match=re.escape(message)):
+            state.accumulate(update)
+        assert tuple(state.local.shape) == shape and not state.local.any()
+
+
+def test_an_empty_initial_value_is_refused() -> None:
+    # torchmetrics' add_state("preds", [], "cat") made a 0-element float32 state: synced and
+    # saved as nothing, with no error.
+    for initial in ([], torch.empty(0, 3)):
+        with pytest.raises(ValueError, match="initial: a state holds a fixed shape of values"):
+            MetricAccumulator(initial)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="override sync"):
+        SumMetric().add_state("preds", [], ReduceOp.SUM)  # type: ignore[arg-type]
 
 
 def test_a_sum_state_must_start_at_zero() -> None:

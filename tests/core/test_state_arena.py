@@ -108,6 +108,27 @@ def test_duplicate_names_raise_at_declaration() -> None:
         metric.add_state("total", 0.0)
 
 
+def test_the_checkpoint_key_configuration_is_no_state_name() -> None:
+    """A state named "configuration" was replaced in state_dict by the hash of a setting saved
+    under that key, and its checkpoint did not load into the same metric."""
+
+    class Configured(Metric[Tensor]):
+        def __init__(self) -> None:
+            self._configuration = MetricAccumulator(0.0)
+
+        def update(self) -> None: ...
+
+        def compute(self) -> Tensor:
+            return torch.zeros(())
+
+    with pytest.raises(ValueError, match="the state name 'configuration' is reserved"):
+        Configured()
+    with pytest.raises(ValueError, match="the state name 'configuration' is reserved"):
+        SumMetric().add_state("configuration", 0.0)
+    with pytest.raises(ValueError, match="the state name 'configuration' is reserved"):
+        ComposeMetric({"configuration": SumMetric()})
+
+
 @pytest.mark.parametrize("container", [list, tuple, dict])
 def test_states_hidden_in_containers_raise(container: type) -> None:
     class Hidden(Metric[Tensor]):

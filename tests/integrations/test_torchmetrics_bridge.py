@@ -497,3 +497,25 @@ def test_a_checkpoint_of_other_settings_is_refused() -> None:
     same = wrap(BinaryAccuracy(threshold=0.5))
     same.load_state_dict(saved)
     assert same.compute().item() == pytest.approx(saved_from.compute().item())
+
+
+def test_settings_kept_in_a_tokenizer_are_part_of_the_configuration() -> None:
+    """SacreBLEU's lowercase/tokenize and TER's options live in a tokenizer object: a
+    checkpoint of lowercase=False loaded silently into lowercase=True."""
+    from torchmetrics.text import SacreBLEUScore, TranslationEditRate
+
+    pairs = [
+        (lambda **o: SacreBLEUScore(**o), {"lowercase": False}, {"lowercase": True}),
+        (lambda **o: SacreBLEUScore(**o), {"tokenize": "13a"}, {"tokenize": "char"}),
+        (lambda **o: TranslationEditRate(**o), {"lowercase": True}, {"lowercase": False}),
+        (lambda **o: TranslationEditRate(**o), {}, {"asian_support": True}),
+    ]
+    for make, saved_with, loaded_with in pairs:
+        saved_from = wrap(make(**saved_with))
+        saved_from.update(["The Cat sat"], [["the cat sat"]])
+        saved = saved_from.state_dict()
+        with pytest.raises(ValueError, match=r"state_dict\['configuration'\]: saved by a metric"):
+            wrap(make(**loaded_with)).load_state_dict(saved)
+        same = wrap(make(**saved_with))
+        same.load_state_dict(saved)
+        assert same.compute().item() == pytest.approx(saved_from.compute().item())

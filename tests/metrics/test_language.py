@@ -260,6 +260,10 @@ def test_messages_show_the_expected_shape_and_range_as_they_are() -> None:
     for metric in (PerplexityMetric(ignore_index=None), TokenAccuracyMetric(ignore_index=None)):
         with pytest.raises(ValueError, match=r"^target: expected token ids in \[0, 4\);"):
             metric.update(torch.randn(1, 2, 4), torch.tensor([[1, -100]]))
+    for metric in (PerplexityMetric(), TokenAccuracyMetric()):  # a raw reshape/argmax error
+        empty_vocab = r"^logits: expected at least one entry .* \(1, 2, 0\)"
+        with pytest.raises(ValueError, match=empty_vocab):
+            metric.update(torch.randn(1, 2, 0), torch.tensor([[1, 0]]))
     padded = r"^target: expected token ids in \[0, 4\) or ignore_index=-1;"
     with pytest.raises(ValueError, match=padded):
         PerplexityMetric(ignore_index=-1).update(torch.randn(1, 2, 4), torch.tensor([[1, 7]]))

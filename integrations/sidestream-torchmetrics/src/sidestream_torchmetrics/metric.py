@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -287,6 +288,8 @@ def _configuration_text(metric: TorchmetricsBase) -> str:
             continue
         if _plain(value):
             parts.append(f"{key}={value!r}")
+        elif _holds_settings(value):
+            parts.append(f"{key}={_settings_text(value)}")
     for key, buffer in sorted(metric._buffers.items()):
         if buffer is not None and key not in metric._defaults:
             values = buffer.detach().cpu().reshape(-1).tolist()
@@ -294,6 +297,30 @@ def _configuration_text(metric: TorchmetricsBase) -> str:
                 f"{key}=<{buffer.dtype} {tuple(buffer.shape)} {stable_hash(repr(values))}>"
             )
     return f"{type(metric).__module__}.{type(metric).__qualname__}({', '.join(parts)})"
+
+
+def _holds_settings(value: object) -> bool:
+    """Whether ``value`` is a torchmetrics helper object that keeps settings (a tokenizer).
+
+    SacreBLEU's ``lowercase`` and ``tokenize`` live in its tokenizer, not in the metric.
+    """
+    return (
+        type(value).__module__.startswith("torchmetrics.")
+        and hasattr(value, "__dict__")
+        and not isinstance(value, torch.nn.Module | Tensor | type)
+        and not inspect.isroutine(value)
+    )
+
+
+def _settings_text(value: object) -> str:
+    """``Class(setting=value, ...)``: its plain attributes, and its functions by name."""
+    parts = []
+    for key, item in sorted(vars(value).items()):
+        if _plain(item):
+            parts.append(f"{key}={item!r}")
+        elif callable(item) and hasattr(item, "__qualname__"):
+            parts.append(f"{key}={item.__qualname__}")  # tokenize="13a": _tokenize_13a
+    return f"{type(value).__qualname__}({', '.join(parts)})"
 
 
 def _plain(value: object) -> bool:

@@ -62,6 +62,8 @@ class Run:
         ValueError: If a sink already belongs to another run, or an option is out of range.
 
     Example:
+        >>> from sidestream import MeanMetric
+        >>> from sidestream.sinks import JsonlSink, RunInfo
         >>> with Run([JsonlSink("runs/a.jsonl")], info=RunInfo(name="a")) as run:
         ...     train = run.collector(MeanMetric(), prefix="train").bind("cpu")
         ...     train.metric.update(torch.tensor([1.0, 2.0]))

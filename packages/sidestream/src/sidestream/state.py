@@ -66,7 +66,7 @@ class MetricAccumulator:
 
     Raises:
         TypeError: If ``op``, ``initial`` or ``dtype`` is of the wrong type, or complex.
-        ValueError: If a SUM state's ``initial`` is not 0.
+        ValueError: If ``initial`` is empty, or a SUM state's is not 0.
 
     Example:
         >>> acc = MetricAccumulator(torch.zeros(3))
@@ -95,6 +95,14 @@ class MetricAccumulator:
                 f"initial: expected a tensor or a number (the state's starting value), got "
                 f"{initial!r}"
             ) from error
+        if initial_tensor.numel() == 0:
+            # torchmetrics' list states (add_state("preds", [], "cat")) have no counterpart: a
+            # state has a fixed shape. An empty one would be synced and saved as nothing.
+            raise ValueError(
+                f"initial: a state holds a fixed shape of values, got an empty {initial!r}; to "
+                "keep samples, override sync (see 'A metric whose state cannot be reduced' in "
+                "docs/metrics.md)"
+            )
         if initial_tensor.is_complex():
             raise TypeError(
                 f"initial: complex states are not supported, got {initial_tensor.dtype}"
@@ -206,6 +214,7 @@ class MetricAccumulator:
         # update touches, and a 0-dim float one costs a host read per call (a NaN guard).
         self._dtype = local.dtype
         self._device = local.device
+        self._integral = not local.is_floating_point()
         # Compiled SUM updates add into a slice of the whole buffer (the arena's, shared by the
         # metric's states of this dtype): one graph input for all those states instead of one
         # each (every input costs a guard, an aliasing check and a size assert per call). Only
@@ -300,8 +309,9 @@ class MetricAccumulator:
                 that requires grad is detached: metric state never joins the autograd graph.
 
         Raises:
-            TypeError: If ``update`` is neither, or a float (number or tensor) for an
-                integer state.
+            TypeError: If ``update`` is neither, a float (number or tensor) for an integer
+                state, or (MAX and MIN) an integer tensor of a wider dtype than the state's
+                (a SUM adds it as torch's ``add_`` does, wrapping where the sum does not fit).
             ValueError: If a Python int does not fit the state's dtype.
         """
         if not isinstance(update, Tensor):
@@ -309,34 +319,71 @@ class MetricAccumulator:
         if update.requires_grad:
             update = update.detach()
         if self._sums:
+            if self._integral and update.is_floating_point():
+                # add_ would raise a RuntimeError about casting; say what to do instead.
+                raise TypeError(
+                    f"update: a {update.dtype} update into this {self._dtype} SUM state "
+                    "would be truncated; round and convert it first, or declare a "
+                    "floating-point state"
+                )
             if is_compiling():  # _span inlined: the hot path of small compiled updates
                 span = self._buffer[self._start : self._stop]
                 span = span if self._shape is None else span.view(self._shape)
                 span.add_(update)
             else:
-                self._target.add_(update)
+                try:
+                    self._target.add_(update)
+                except RuntimeError as error:
+                    raise self._update_error(update, error) from error
         elif (
             update.dtype != self._target.dtype
             and torch.promote_types(update.dtype, self._target.dtype) != self._target.dtype
         ):
             if update.is_floating_point() and not self._target.is_floating_point():
-                # As add_ refuses it for a SUM: 2.7 would become a max of 2, -2.7 a min of -2.
+                # As for a SUM: 2.7 would become a max of 2, -2.7 a min of -2.
                 raise TypeError(
                     f"update: a {update.dtype} update into this {self._target.dtype} "
                     f"{self._op.name} state would be truncated; round it (ceil for a max, "
                     "floor for a min) and convert it first, or declare a floating-point state"
                 )
+            if not update.is_floating_point():
+                # .to() would wrap: an int32 40000 becomes an int16 -25536, a max never taken.
+                raise TypeError(
+                    f"update: a {update.dtype} update into this {self._target.dtype} "
+                    f"{self._op.name} state could wrap around; convert it first where its "
+                    "values fit, or declare a wider state"
+                )
             # out= may not narrow a type. A narrower update (float32 into a float64 state)
             # needs no copy: maximum/minimum promote it exactly as .to() would.
             self.accumulate(update.to(self._target.dtype))
             return
-        elif self._maxes:
-            target = self._span() if is_compiling() else self._target
-            torch.maximum(target, update, out=target)  # NaN propagates
         else:
-            target = self._span() if is_compiling() else self._target
-            torch.minimum(target, update, out=target)
+            extremum = torch.maximum if self._maxes else torch.minimum  # NaN propagates
+            if is_compiling():
+                target = self._span()
+                extremum(target, update, out=target)
+            else:
+                try:
+                    extremum(self._target, update, out=self._target)
+                except RuntimeError as error:
+                    raise self._update_error(update, error) from error
         self._freshness.stale()
+
+    def _update_error(self, update: Tensor, error: RuntimeError) -> Exception:
+        """What an update torch refused raises: ``ValueError`` naming shapes where they differ.
+
+        torch names the state's internal 1-D view (``output with shape [1]``) for a 0-dim one.
+        """
+        shape, given = tuple(self._local.shape), tuple(update.shape)
+        fits = len(given) <= len(shape) and all(
+            size in (1, goal) for size, goal in zip(reversed(given), reversed(shape), strict=False)
+        )
+        if fits:
+            return error
+        return ValueError(
+            f"update: expected a tensor broadcastable to this state's shape {shape}, got shape "
+            f"{given}"
+        )
 
     def _span(self) -> Tensor:
         """The state as a slice of its buffer, shaped: where a compiled update writes.

@@ -760,10 +760,15 @@ class SyncProgram:
     entries' tensors must keep their shapes, dtypes and devices.
 
     Example:
+        >>> from sidestream import MetricAccumulator
+        >>> state, synced = MetricAccumulator(torch.zeros(1)), torch.empty(1)
+        >>> state.accumulate(torch.tensor([2.0]))
         >>> batch = SyncBatch()
         >>> batch.add(state, None, out=synced)
         >>> program = batch.program()
         >>> program.start(CallFingerprint("sync", 1)).wait()
+        >>> synced  # one process: the local value
+        tensor([2.])
     """
 
     def __init__(self, copies: _CopyPlan, plans: list[_Plan]) -> None:

@@ -101,13 +101,14 @@ class AsyncMetricCollector(Generic[T]):
         exit_timeout: Seconds ``close`` may take when called at interpreter exit.
 
     Example:
-        >>> collector = AsyncMetricCollector(MeanMetric(), sinks=[ConsoleSink()])
-        >>> collector.bind("cpu")
+        >>> from sidestream import MeanMetric
+        >>> collector = AsyncMetricCollector(MeanMetric()).bind("cpu")
         >>> collector.metric.update(torch.tensor([1.0, 2.0]))
         >>> collector.schedule_collection(step=1)
         >>> collector.collect_results()
         1.5
         >>> collector.close()
+        True
     """
 
     def __init__(

@@ -23,6 +23,7 @@ class ComposeMetric(Metric[dict[str, Any]]):
         metrics: Child metrics by name. Names may not contain ``.`` or ``/``.
 
     Example:
+        >>> from sidestream import MaxMetric, MeanMetric
         >>> metrics = ComposeMetric({"loss": MeanMetric(), "max_loss": MaxMetric()})
         >>> metrics["loss"].update(torch.tensor([1.0, 3.0]))
         >>> metrics.compute()["loss"]

@@ -54,6 +54,11 @@ def check_logits(logits: Tensor, target: Tensor, vocab_size: int | None) -> None
             f"({', '.join([*(str(size) for size in target.shape), 'vocab'])}), "
             f"got {tuple(logits.shape)}"
         )
+    if logits.shape[-1] == 0:
+        raise ValueError(
+            "logits: expected at least one entry (a token's score) in the last dimension, got "
+            f"shape {tuple(logits.shape)}"
+        )
     if vocab_size is not None and logits.shape[-1] != vocab_size:
         raise ValueError(
             f"logits: expected vocab_size={vocab_size} entries in the last dimension, "
