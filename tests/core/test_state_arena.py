@@ -590,8 +590,12 @@ def test_narrower_integers_and_python_numbers_load_exactly() -> None:
     assert float(metric.share.value) == float(torch.tensor(0.1, dtype=torch.float32))
     metric.load_state_dict({"hits": 5, "share": 0.0})
     assert int(metric.compute()) == 5
-    with pytest.raises(ValueError, match=r"state_dict\['hits'\]: expected dtype torch\.int32"):
-        metric.load_state_dict({"hits": 2**40, "share": 0.0})  # not held by int32
+    # The Python value is named, not the int64 / float32 tensor torch would make of it.
+    not_held = r"state_dict\['hits'\]: expected dtype torch\.int32, got {}, which torch\.int32"
+    with pytest.raises(ValueError, match=not_held.format(2**40)):
+        metric.load_state_dict({"hits": 2**40, "share": 0.0})
+    with pytest.raises(ValueError, match=not_held.format(r"2\.5")):
+        metric.load_state_dict({"hits": 2.5, "share": 0.0})
     with pytest.raises(ValueError, match=r"state_dict\['hits'\]: expected dtype torch\.int32"):
         metric.load_state_dict({"hits": torch.tensor(7, dtype=torch.int64), "share": 0.0})
     with pytest.raises(ValueError, match=r"state_dict\['hits'\]: a meta tensor"):

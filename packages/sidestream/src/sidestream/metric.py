@@ -848,9 +848,14 @@ class Metric(Stateful, Generic[T], abc.ABC):
                     f"got {tuple(tensor.shape)}"
                 )
             if tensor.dtype != state.local.dtype and not _widens(tensor.dtype, state.local.dtype):
+                found = (
+                    f"{state_dict[name]!r}, which {state.local.dtype} does not hold exactly"
+                    if isinstance(state_dict[name], int | float)
+                    else f"{tensor.dtype}"
+                )
                 raise ValueError(
-                    f"state_dict[{name!r}]: expected dtype {state.local.dtype}, got "
-                    f"{tensor.dtype} (a checkpoint of a different metric or configuration)"
+                    f"state_dict[{name!r}]: expected dtype {state.local.dtype}, got {found} (a "
+                    "checkpoint of a different metric or configuration)"
                 )
             saved[name] = tensor
         owner = group_rank(resolve_group(self._sync_group)) == 0
