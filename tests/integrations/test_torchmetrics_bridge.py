@@ -419,7 +419,7 @@ def test_a_state_that_changes_shape_in_update_is_named() -> None:
     class Growing(torchmetrics.Metric):
         def __init__(self) -> None:
             super().__init__()
-            self.add_state("buf", torch.zeros(0), dist_reduce_fx="sum")
+            self.add_state("buf", torch.zeros(1), dist_reduce_fx="sum")
 
         def update(self, x: torch.Tensor) -> None:
             self.buf = torch.cat([self.buf, x])
@@ -430,6 +430,23 @@ def test_a_state_that_changes_shape_in_update_is_named() -> None:
     wrapped = wrap(Growing())
     with pytest.raises(UnsupportedStateError, match=r"Growing.update changed state 'buf' from"):
         wrapped.update(torch.tensor([1.0]))
+
+
+def test_a_state_that_starts_empty_is_refused_when_wrapped() -> None:
+    class Empty(torchmetrics.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("buf", torch.zeros(0), dist_reduce_fx="sum")
+
+        def update(self, x: torch.Tensor) -> None:
+            self.buf = torch.cat([self.buf, x])
+
+        def compute(self) -> torch.Tensor:
+            return self.buf.sum()
+
+    empty = r"Empty: state 'buf' starts empty \(shape \(0,\)\)"
+    with pytest.raises(UnsupportedStateError, match=empty):
+        wrap(Empty())
 
 
 @pytest.mark.parametrize("name", ["a.b", "a/b"])

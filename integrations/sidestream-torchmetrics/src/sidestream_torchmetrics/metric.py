@@ -47,6 +47,11 @@ def _state_op(metric: TorchmetricsBase, name: str) -> ReduceOp:
             f"{where} concatenates samples (dist_reduce_fx='cat' or a list state), so it grows "
             f"with the data and cannot be a fixed-size sidestream state; {hint}"
         )
+    if isinstance(default, Tensor) and default.numel() == 0:
+        raise UnsupportedStateError(
+            f"{where} starts empty (shape {tuple(default.shape)}), so it can only grow with the "
+            f"data (concatenated samples) and cannot be a fixed-size sidestream state; {hint}"
+        )
     if reduction is dim_zero_mean:
         raise UnsupportedStateError(
             f"{where} is averaged across ranks (dist_reduce_fx='mean'), which is not linearly "
