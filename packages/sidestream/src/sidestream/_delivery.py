@@ -255,7 +255,7 @@ class Delivery:
         states: dict[str, Any] = copy.deepcopy(self.unclaimed_states)
         undelivered: dict[str, str] = dict(self.unclaimed_backlogs)
         for runner in self.runners:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = seconds_left(deadline)
             began = time.monotonic()
             if not runner.wait_delivered(left):
                 failed = runner.status.state == "failed"
@@ -271,7 +271,7 @@ class Delivery:
                 )
             undelivered[runner.key] = runner.undelivered().decode()
             # What is left of the overall timeout, not the wait's share again.
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = seconds_left(deadline)
             states[runner.key] = self._durable_state(runner, left)
             self._check_places(runner.key, states[runner.key])
         return states, undelivered
@@ -389,9 +389,9 @@ class Delivery:
         complete = True
         # Start every sink's close at once, so one slow sink does not use up the others' time.
         for runner in runners:
-            runner.begin_close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            runner.begin_close(seconds_left(deadline))
         for runner in runners:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = seconds_left(deadline)
             try:
                 closed = runner.close(left)
             except (
@@ -499,6 +499,11 @@ def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
         for place, held in list(_PLACES.items()):
             if (other := held()) is None or _owner(other) is None:
                 del _PLACES[place]
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (a ``time.monotonic`` time; never negative), ``None`` for none."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def check_timeout(name: str, timeout: object) -> float | None:

@@ -15,7 +15,7 @@ from typing import Any, Self, TypeVar
 import torch
 from torch import Tensor
 
-from sidestream._delivery import Delivery, DeliveryOptions, check_timeout
+from sidestream._delivery import Delivery, DeliveryOptions, check_timeout, seconds_left
 from sidestream._distributed import Group, check_process_group
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
@@ -329,9 +329,9 @@ class Run:
         deadline = None if timeout is None else time.monotonic() + timeout
         complete = True
         for collector in self._collectors:
-            if not collector.close(_left(deadline)):
+            if not collector.close(seconds_left(deadline)):
                 complete = False
-        if self._log_pipe is not None and not self._log_pipe.stop(_left(deadline)):
+        if self._log_pipe is not None and not self._log_pipe.stop(seconds_left(deadline)):
             complete = False
         if not self._delivery.close(deadline):
             complete = False
@@ -396,7 +396,10 @@ class Run:
         # another's.
         timeout = check_timeout("state_dict: timeout", timeout)
         check_process_group("state_dict")
+        deadline = None if timeout is None else time.monotonic() + timeout
         ordered = sorted(self._collectors, key=lambda c: c.prefix)
+        for collector in ordered:  # before this checkpoint's first collective (see there)
+            collector.settle_windows(seconds_left(deadline))
         scopes = [c._checkpoint_scope() for c in ordered]
         collectors: dict[str, Any] = {}
         checked: set[int] = set()
@@ -411,21 +414,20 @@ class Run:
                     repr(peers),
                     "make the same collectors (prefixes) on every rank before a checkpoint",
                 )
-            collectors[collector.prefix] = collector.state_dict(timeout)["metric"]
+            collectors[collector.prefix] = collector.state_dict(seconds_left(deadline))["metric"]
         if self._metric_states:
             # Loaded and not claimed by any collector yet (made later, or a renamed prefix):
             # carried on, so this checkpoint does not lose them.
             self._warn_unclaimed("state_dict")
             collectors = {**self._metric_states, **collectors}
-        deadline = None if timeout is None else time.monotonic() + timeout
         sinks: dict[str, Any] = {}
         undelivered: dict[str, str] = {}
         if self.is_writer:
             for collector in self._collectors:
-                collector.wait_windows_for_checkpoint(_left(deadline))
+                collector.wait_windows_for_checkpoint(seconds_left(deadline))
             if self._log_pipe is not None:
-                self._log_pipe.wait_idle(_left(deadline))
-            sinks, undelivered = self._delivery.sink_states(_left(deadline))
+                self._log_pipe.wait_idle(seconds_left(deadline))
+            sinks, undelivered = self._delivery.sink_states(seconds_left(deadline))
         return {"collectors": collectors, "sinks": sinks, "undelivered": undelivered}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -472,7 +474,3 @@ def _register_close_at_exit(run: weakref.ref[Run]) -> None:
     alive = run()
     if alive is not None:
         atexit.register(alive._close_at_exit)
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

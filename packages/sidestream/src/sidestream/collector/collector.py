@@ -14,7 +14,7 @@ from typing import Any, Generic, Self, TypeVar
 import torch
 import torch.distributed as dist
 
-from sidestream._delivery import Delivery, DeliveryOptions, check_timeout
+from sidestream._delivery import Delivery, DeliveryOptions, check_timeout, seconds_left
 from sidestream._distributed import (
     Group,
     check_device,
@@ -441,6 +441,23 @@ class AsyncMetricCollector(Generic[T]):
         if self._reset_each_window:
             self._metric.reset()  # one copy per dtype from the arena's initial values
 
+    def settle_windows(self, timeout: float | None) -> None:
+        """Wait at most ``timeout`` s for the scheduled windows; raise a mismatch one found.
+
+        Called before a checkpoint's own collective. A rank that skipped a window pairs its
+        peers' pending window with that collective: the peers see the mismatch only when that
+        window ends, and a collective they started first would wait for a partner that never
+        comes, until the process group's timeout. The wait ends as soon as a mismatch is
+        found; windows still computing after ``timeout`` are left to the checkpoint's own
+        wait (and its warning).
+
+        Raises:
+            RankMismatchError: If a window was paired with another call on some rank.
+        """
+        if self._dispatcher is not None:
+            self._dispatcher.wait_idle(timeout, until_mismatch=True)
+        self._raise_mismatch()
+
     def _raise_mismatch(self) -> None:
         # A window paired with another call on some rank: every rank fails the same way.
         error = None if self._dispatcher is None else self._dispatcher.mismatch
@@ -637,15 +654,14 @@ class AsyncMetricCollector(Generic[T]):
         (``run.state_dict()`` holds them).
         """
         timeout = check_timeout("state_dict: timeout", timeout)
-        self._raise_mismatch()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.settle_windows(timeout)
         metric_state = self._metric._reduced_state(self._prefix or "(no prefix)")
         sink_states: dict[str, Any] = {}
         undelivered: dict[str, str] = {}
         if self._owns_delivery and self.is_writer:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            self.wait_windows_for_checkpoint(timeout)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            sink_states, undelivered = self._delivery.sink_states(left)
+            self.wait_windows_for_checkpoint(seconds_left(deadline))
+            sink_states, undelivered = self._delivery.sink_states(seconds_left(deadline))
         return {"metric": metric_state, "sinks": sink_states, "undelivered": undelivered}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
