@@ -148,6 +148,23 @@ def test_a_wider_integer_update_into_an_integer_extremum_is_refused_not_wrapped(
     assert state.local.tolist() == ([7, 100] if op is ReduceOp.MAX else [0, 3])
 
 
+def test_updates_a_state_cannot_hold_raise_type_error_and_bool_extrema_take_ints() -> None:
+    # torch's own RuntimeError ("result type ... can't be cast") came through for a SUM.
+    cases = [
+        (MetricAccumulator(torch.tensor([False])), torch.tensor([1])),
+        (MetricAccumulator(torch.zeros(1)), torch.ones(1, dtype=torch.complex64)),
+        (MetricAccumulator(torch.zeros(1), ReduceOp.MAX), torch.ones(1, dtype=torch.complex64)),
+    ]
+    for state, update in cases:
+        with pytest.raises(TypeError, match="cannot be cast without losing values"):
+            state.accumulate(update)
+        assert not state.local.any()
+    # A bool MAX is an "any", a bool MIN an "all": an int update counts as nonzero, as before.
+    anything = MetricAccumulator(torch.tensor([False, False]), ReduceOp.MAX)
+    anything.accumulate(torch.tensor([0, 7]))
+    assert anything.local.tolist() == [False, True]
+
+
 def test_a_float_tensor_into_an_integer_sum_raises_type_error_as_documented() -> None:
     state = MetricAccumulator(torch.tensor([0, 0]))
     for update in (torch.tensor(2.7), torch.tensor([1.0, 2.0])):

@@ -108,25 +108,33 @@ def test_duplicate_names_raise_at_declaration() -> None:
         metric.add_state("total", 0.0)
 
 
-def test_the_checkpoint_key_configuration_is_no_state_name() -> None:
-    """A state named "configuration" was replaced in state_dict by the hash of a setting saved
-    under that key, and its checkpoint did not load into the same metric."""
+def test_a_state_named_configuration_next_to_configured_states_is_refused() -> None:
+    """A state named "configuration" was replaced in state_dict by the hash of the settings of
+    the same metric's configured states, and its checkpoint did not load."""
 
     class Configured(Metric[Tensor]):
-        def __init__(self) -> None:
+        def __init__(self, configured: bool) -> None:
             self._configuration = MetricAccumulator(0.0)
+            self._hits = MetricAccumulator(0.0)
+            if configured:
+                self._hits.set_configuration("threshold=0.5")
 
         def update(self) -> None: ...
 
         def compute(self) -> Tensor:
             return torch.zeros(())
 
-    with pytest.raises(ValueError, match="the state name 'configuration' is reserved"):
-        Configured()
-    with pytest.raises(ValueError, match="the state name 'configuration' is reserved"):
-        SumMetric().add_state("configuration", 0.0)
-    with pytest.raises(ValueError, match="the state name 'configuration' is reserved"):
-        ComposeMetric({"configuration": SumMetric()})
+    metric = Configured(configured=True)
+    with pytest.raises(ValueError, match="Configured: a state or child named 'configuration'"):
+        metric.state_dict()
+    # No settings of its own, or the name elsewhere in the tree: no collision, it round-trips.
+    for tree in (
+        Configured(configured=False),
+        ComposeMetric({"configuration": SumMetric(), "other": Configured(configured=False)}),
+    ):
+        saved = tree.state_dict()
+        assert any("configuration" in key for key in saved), sorted(saved)
+        tree.load_state_dict(saved)
 
 
 @pytest.mark.parametrize("container", [list, tuple, dict])

@@ -15,6 +15,9 @@ from sidestream import ComposeMetric
 from sidestream.metrics.classification import (
     ConfusionCountMetric,
     MulticlassConfusionMatrixMetric,
+    Problem,
+    ProblemKind,
+    SamplewiseConfusionCountMetric,
     confusion_count_metric,
 )
 
@@ -88,6 +91,15 @@ def test_statistic_names_are_exact_and_a_plain_custom_statistic_may_repeat() -> 
     values = metric.compute()
     assert isinstance(values, dict) and list(values) == ["f2", "f2.0000001", "f1", "mine"]
     assert values["mine"].item() == pytest.approx((1 + 1 + 0.5) / 3)
+
+
+def test_a_plain_custom_statistic_with_other_attributes_is_not_dropped() -> None:
+    with pytest.raises(ValueError, match=r"statistic: the name 'mine' is taken by"):
+        confusion_count_metric().multiclass(3).with_statistic(_Named("mine")).with_statistic(
+            _Named("mine", broadcast=True)
+        )
+    with pytest.raises(ValueError, match="statistics: select at least one"):
+        SamplewiseConfusionCountMetric(Problem(ProblemKind.MULTICLASS, 3), ())
 
 
 def test_a_ratio_of_another_shape_is_refused_naming_the_statistic() -> None:

@@ -248,11 +248,11 @@ class TensorBoardSink(TrackerSink):
             self._writer = summary_writer(log_dir=self._log_dir, **self._writer_kwargs)
         except Exception:
             # A full disk fails the file's first record: the file made for it stays empty.
-            for path in set(_event_files(self._log_dir)) - before:
+            for path in _own_new_files(self._log_dir, before):
                 _remove_if_empty(path)
             raise
-        made = set(_event_files(self._log_dir)) - before
-        self._writer_file = made.pop() if len(made) == 1 else None
+        made = _own_new_files(self._log_dir, before)
+        self._writer_file = made[0] if len(made) == 1 else None
 
     def _discard_writer(self) -> None:
         """Close a failed writer quietly (it re-raises its first error); lock held.
@@ -405,6 +405,15 @@ def _steps_on_disk(log_dir: str) -> dict[str, frozenset[int]]:
 
 def _event_files(log_dir: str) -> list[Path]:
     return sorted(Path(log_dir).glob("*tfevents*"))
+
+
+def _own_new_files(log_dir: str, before: set[Path]) -> list[Path]:
+    """Event files made since ``before`` by this process.
+
+    TensorBoard names each with the process id: another job's new files are never taken.
+    """
+    mark = f".{os.getpid()}."
+    return [path for path in _event_files(log_dir) if path not in before and mark in path.name]
 
 
 def _remove_if_empty(path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import inspect
 import warnings
 from typing import Any
@@ -312,7 +313,7 @@ def _holds_settings(value: object) -> bool:
     return (
         type(value).__module__.startswith("torchmetrics.")
         and hasattr(value, "__dict__")
-        and not isinstance(value, torch.nn.Module | Tensor | type)
+        and not isinstance(value, torch.nn.Module | Tensor | type | enum.Enum)
         and not inspect.isroutine(value)
     )
 
@@ -321,6 +322,8 @@ def _settings_text(value: object) -> str:
     """``Class(setting=value, ...)``: its plain attributes, and its functions by name."""
     parts = []
     for key, item in sorted(vars(value).items()):
+        if key.startswith("_"):
+            continue
         if _plain(item):
             parts.append(f"{key}={item!r}")
         elif callable(item) and hasattr(item, "__qualname__"):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from sidestream._cli import run_command
-from sidestream.sinks.jsonl import read_jsonl
+from sidestream.sinks.jsonl import parse_line
 
 __all__ = ["main"]
 
@@ -42,8 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--plot: {out} is a directory; expected an image file such as out.png")
         if not out.suffix:
             out = out.with_suffix(".png")  # what matplotlib would write, and is said below
-    history, records = _history(args.path)
-    damaged = _lines(args.path) - records
+    history, damaged = _history(args.path)
     if damaged:
         print(
             f"warning: {damaged} line(s) of {args.path} are no JsonlSink records (cut short, or "
@@ -76,24 +76,31 @@ History = dict[str, dict[str, list[tuple[int, float]]]]
 
 
 def _history(path: Path) -> tuple[History, int]:
-    """Each stream's points, and how many records were read."""
+    """Each stream's points, and how many lines were no record.
+
+    One pass: a second read of a live file would count lines appended meanwhile.
+    """
     history: History = {}
-    records = 0
-    for record in read_jsonl(path):
-        records += 1
+    damaged = 0
+    for record in _records(path):
+        if record is None:
+            damaged += 1
+            continue
         stream = str(record.get("stream", ""))
         names = history.setdefault(stream, {})
         values = record.get("values")
         for name, value in (values if isinstance(values, dict) else {}).items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 names.setdefault(name, []).append((int(record["step"]), float(value)))
-    return history, records
+    return history, damaged
 
 
-def _lines(path: Path) -> int:
-    """Lines that hold anything but white space."""
+def _records(path: Path) -> Iterator[dict[str, Any] | None]:
+    """``read_jsonl``'s records, with ``None`` for each line that is none (blank ones aside)."""
     with path.open("rb") as file:
-        return sum(1 for line in file if line.strip())
+        for line in file:
+            if line.strip():
+                yield parse_line(line)
 
 
 def _table(history: History) -> str:

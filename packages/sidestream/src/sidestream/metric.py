@@ -177,9 +177,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
             dtype: Optional dtype for ``initial``.
 
         Raises:
-            ValueError: If ``name`` is empty, has ``.`` or ``/``, is ``"configuration"`` (the
-                checkpoint key of a metric's settings) or is already declared; if ``initial``
-                is empty, or a SUM state's is not 0 (each rank would add it into the sum).
+            ValueError: If ``name`` is empty, has ``.`` or ``/``, or is already declared; if
+                ``initial`` is empty, or a SUM state's is not 0 (each rank would add it into
+                the sum).
             TypeError: If ``initial`` is not a tensor or a number, or ``dtype`` not a dtype.
         """
         state = MetricAccumulator(initial, op, dtype=dtype)
@@ -239,11 +239,6 @@ class Metric(Stateful, Generic[T], abc.ABC):
         if not isinstance(name, str) or not name or "." in name or "/" in name:
             raise ValueError(
                 f"state name: expected a non-empty str without '.' or '/', got {name!r}"
-            )
-        if name == "configuration":
-            raise ValueError(
-                f"{type(self).__name__}: the state name 'configuration' is reserved (checkpoints "
-                "save the metric's settings under it); choose another name"
             )
         registry: dict[str, tuple[str | None, _Child]] = self.__dict__.setdefault(
             "_declarations", {}
@@ -334,6 +329,13 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 }
             )
             if texts:
+                if "configuration" in metric.__dict__.get("_declarations", {}):
+                    # The settings' key would replace that state in checkpoints.
+                    raise ValueError(
+                        f"{type(metric).__name__}: a state or child named 'configuration' "
+                        "shares its checkpoint key with the settings of this metric's "
+                        "configured states; rename it"
+                    )
                 yield prefix + "configuration", "; ".join(texts)
 
     def _walk_metrics(self) -> Iterator[Metric[Any]]:

@@ -214,7 +214,8 @@ class MetricAccumulator:
         # update touches, and a 0-dim float one costs a host read per call (a NaN guard).
         self._dtype = local.dtype
         self._device = local.device
-        self._integral = not local.is_floating_point()
+        self._floating = local.is_floating_point()
+        self._kind = _kind(local.dtype)
         # Compiled SUM updates add into a slice of the whole buffer (the arena's, shared by the
         # metric's states of this dtype): one graph input for all those states instead of one
         # each (every input costs a guard, an aliasing check and a size assert per call). Only
@@ -309,9 +310,10 @@ class MetricAccumulator:
                 that requires grad is detached: metric state never joins the autograd graph.
 
         Raises:
-            TypeError: If ``update`` is neither, a float (number or tensor) for an integer
-                state, or (MAX and MIN) an integer tensor of a wider dtype than the state's
-                (a SUM adds it as torch's ``add_`` does, wrapping where the sum does not fit).
+            TypeError: If ``update`` is neither, of a dtype the state cannot take without
+                losing values (a float for an integer state, a complex one), or (MAX and MIN)
+                an integer tensor of a wider dtype than the state's (a SUM adds it as torch's
+                ``add_`` does, wrapping where the sum does not fit).
             ValueError: If a Python int does not fit the state's dtype.
         """
         if not isinstance(update, Tensor):
@@ -319,13 +321,8 @@ class MetricAccumulator:
         if update.requires_grad:
             update = update.detach()
         if self._sums:
-            if self._integral and update.is_floating_point():
-                # add_ would raise a RuntimeError about casting; say what to do instead.
-                raise TypeError(
-                    f"update: a {update.dtype} update into this {self._dtype} SUM state "
-                    "would be truncated; round and convert it first, or declare a "
-                    "floating-point state"
-                )
+            if update.dtype != self._dtype and _kind(update.dtype) > self._kind:
+                raise self._cast_error(update)  # add_'s own error is a RuntimeError
             if is_compiling():  # _span inlined: the hot path of small compiled updates
                 span = self._buffer[self._start : self._stop]
                 span = span if self._shape is None else span.view(self._shape)
@@ -336,26 +333,22 @@ class MetricAccumulator:
                 except RuntimeError as error:
                     raise self._update_error(update, error) from error
         elif (
-            update.dtype != self._target.dtype
-            and torch.promote_types(update.dtype, self._target.dtype) != self._target.dtype
+            update.dtype != self._dtype
+            and torch.promote_types(update.dtype, self._dtype) != self._dtype
         ):
-            if update.is_floating_point() and not self._target.is_floating_point():
-                # As for a SUM: 2.7 would become a max of 2, -2.7 a min of -2.
-                raise TypeError(
-                    f"update: a {update.dtype} update into this {self._target.dtype} "
-                    f"{self._op.name} state would be truncated; round it (ceil for a max, "
-                    "floor for a min) and convert it first, or declare a floating-point state"
-                )
-            if not update.is_floating_point():
+            if update.is_complex() or (update.is_floating_point() and not self._floating):
+                raise self._cast_error(update)
+            if not update.is_floating_point() and self._dtype != torch.bool:
                 # .to() would wrap: an int32 40000 becomes an int16 -25536, a max never taken.
                 raise TypeError(
-                    f"update: a {update.dtype} update into this {self._target.dtype} "
+                    f"update: a {update.dtype} update into this {self._dtype} "
                     f"{self._op.name} state could wrap around; convert it first where its "
                     "values fit, or declare a wider state"
                 )
-            # out= may not narrow a type. A narrower update (float32 into a float64 state)
-            # needs no copy: maximum/minimum promote it exactly as .to() would.
-            self.accumulate(update.to(self._target.dtype))
+            # out= may not narrow a type. A narrower update (float32 into a float64 state, an
+            # int into a bool one: any nonzero is true) needs no copy: maximum/minimum promote
+            # it exactly as .to() would.
+            self.accumulate(update.to(self._dtype))
             return
         else:
             extremum = torch.maximum if self._maxes else torch.minimum  # NaN propagates
@@ -368,6 +361,19 @@ class MetricAccumulator:
                 except RuntimeError as error:
                     raise self._update_error(update, error) from error
         self._freshness.stale()
+
+    def _cast_error(self, update: Tensor) -> TypeError:
+        """An update whose dtype this state cannot take without losing values."""
+        if update.is_floating_point() and not self._floating:
+            # 2.7 would become a sum or max of 2, -2.7 a min of -2.
+            how = "round it (ceil for a max, floor for a min) and convert it first"
+            loss = "would be truncated"
+        else:
+            how, loss = "convert it first", "cannot be cast without losing values"
+        return TypeError(
+            f"update: a {update.dtype} update into this {self._dtype} {self._op.name} state "
+            f"{loss}; {how}, or declare a state of a dtype that holds it"
+        )
 
     def _update_error(self, update: Tensor, error: RuntimeError) -> Exception:
         """What an update torch refused raises: ``ValueError`` naming shapes where they differ.
@@ -635,3 +641,16 @@ def copy_keeping_views(obj: Any, memo: dict[int, Any]) -> Any:
     for key in _slot_names(obj):
         object.__setattr__(new, key, copy.deepcopy(getattr(obj, key), memo))
     return new
+
+
+def _kind(dtype: torch.dtype) -> int:
+    """The kind of ``dtype``: 0 bool, 1 integer, 2 floating, 3 complex.
+
+    An update of a higher kind loses values in a state of a lower one: ``torch.can_cast``'s
+    rule, which torch.compile cannot trace.
+    """
+    if dtype == torch.bool:
+        return 0
+    if dtype.is_complex:
+        return 3
+    return 2 if dtype.is_floating_point else 1

@@ -42,7 +42,9 @@ class TrackerSink(Sink):
     adds with ``extra_state``. ``last_steps`` is a list of pairs, not a mapping, so that
     ``torch.distributed.checkpoint`` keeps it whole: it loads only the keys the state has at
     load time, and a sink that has not opened yet has no streams. A mapping (older
-    checkpoints) is read too, and an older ``{"last_step": n}`` as ``n`` for every stream.
+    checkpoints) is read too, and an older ``{identity_key: ..., "last_step": n}`` as ``n`` for
+    every stream. A state without the identity key, or with a key neither this class nor
+    ``extra_state`` writes, is refused: it is another sink's.
 
     Attributes:
         identity_key: The name of the run identity in the state (``"run_id"``, ``"log_dir"``).

@@ -244,7 +244,16 @@ def confusion_matrix_metric(
 
 
 def _same_statistic(chosen: Statistic, statistic: Statistic) -> bool:
-    """Equal, or of one class that defines no equality (two instances of a plain class)."""
+    """Whether ``statistic`` repeats ``chosen``: equal, or with equal attributes.
+
+    The attributes count for a class that defines no equality: ``TopK(1)`` is not ``TopK(3)``,
+    and two ``NegativePredictiveValue()`` are one.
+    """
     if type(chosen) is not type(statistic):
         return False
-    return chosen == statistic or type(statistic).__eq__ is object.__eq__
+    if type(statistic).__eq__ is not object.__eq__:
+        return bool(chosen == statistic)
+    try:
+        return bool(vars(chosen) == vars(statistic))
+    except (TypeError, RuntimeError):  # no __dict__, or attributes that do not compare
+        return chosen is statistic

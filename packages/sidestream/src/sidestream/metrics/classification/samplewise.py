@@ -50,6 +50,8 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         zero_division: float = 0.0,
     ) -> None:
         super().__init__()
+        if not statistics:
+            raise ValueError("statistics: select at least one, e.g. .with_accuracy()")
         check_average(average)
         self._problem = problem
         self._statistics = tuple(statistics)
