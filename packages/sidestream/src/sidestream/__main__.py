@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from sidestream._cli import run_command
-from sidestream.sinks.jsonl import parse_line
+from sidestream.sinks.jsonl import read_lines
 
 __all__ = ["main"]
 
@@ -82,7 +81,7 @@ def _history(path: Path) -> tuple[History, int]:
     """
     history: History = {}
     damaged = 0
-    for record in _records(path):
+    for record in read_lines(path):
         if record is None:
             damaged += 1
             continue
@@ -93,14 +92,6 @@ def _history(path: Path) -> tuple[History, int]:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 names.setdefault(name, []).append((int(record["step"]), float(value)))
     return history, damaged
-
-
-def _records(path: Path) -> Iterator[dict[str, Any] | None]:
-    """``read_jsonl``'s records, with ``None`` for each line that is none (blank ones aside)."""
-    with path.open("rb") as file:
-        for line in file:
-            if line.strip():
-                yield parse_line(line)
 
 
 def _table(history: History) -> str:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 
+from sidestream._shapes import broadcasts_to
 from sidestream.state import MetricAccumulator
 
 __all__ = [
@@ -110,13 +111,7 @@ def check_int(argument: str, value: object, minimum: int) -> None:
 
 def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_name: str) -> None:
     """Raise ``ValueError`` unless ``tensor`` broadcasts to ``target``'s shape exactly."""
-    # Compared by hand, not by catching torch.broadcast_shapes' error: torch.compile cannot
-    # trace a try/except, and would raise torch's message instead of this one.
-    own, wanted = tuple(tensor.shape), tuple(target.shape)
-    fits = len(own) <= len(wanted) and all(
-        size in (1, goal) for size, goal in zip(reversed(own), reversed(wanted), strict=False)
-    )
-    if not fits:
+    if not broadcasts_to(tuple(tensor.shape), tuple(target.shape)):
         raise ValueError(
             f"{argument}: expected a scalar or a shape broadcastable to {target_name}'s shape "
             f"{tuple(target.shape)}, got {tuple(tensor.shape)}"

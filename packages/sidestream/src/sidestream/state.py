@@ -13,6 +13,7 @@ from torch.compiler import is_compiling
 
 from sidestream._distributed import Group
 from sidestream._reduce_op import ReduceOp
+from sidestream._shapes import broadcasts_to
 from sidestream.sync import SyncBatch, stable_hash
 
 __all__ = ["Freshness", "MetricAccumulator", "ReduceOp"]
@@ -214,7 +215,6 @@ class MetricAccumulator:
         # update touches, and a 0-dim float one costs a host read per call (a NaN guard).
         self._dtype = local.dtype
         self._device = local.device
-        self._floating = local.is_floating_point()
         self._kind = _kind(local.dtype)
         # Compiled SUM updates add into a slice of the whole buffer (the arena's, shared by the
         # metric's states of this dtype): one graph input for all those states instead of one
@@ -336,9 +336,11 @@ class MetricAccumulator:
             update.dtype != self._dtype
             and torch.promote_types(update.dtype, self._dtype) != self._dtype
         ):
-            if update.is_complex() or (update.is_floating_point() and not self._floating):
+            kind = _kind(update.dtype)
+            # A bool max or min takes integers too: any nonzero is true.
+            if kind > max(self._kind, _INTEGER):
                 raise self._cast_error(update)
-            if not update.is_floating_point() and self._dtype != torch.bool:
+            if kind == self._kind == _INTEGER:
                 # .to() would wrap: an int32 40000 becomes an int16 -25536, a max never taken.
                 raise TypeError(
                     f"update: a {update.dtype} update into this {self._dtype} "
@@ -364,7 +366,7 @@ class MetricAccumulator:
 
     def _cast_error(self, update: Tensor) -> TypeError:
         """An update whose dtype this state cannot take without losing values."""
-        if update.is_floating_point() and not self._floating:
+        if update.is_floating_point() and self._kind < _FLOATING:
             # 2.7 would become a sum or max of 2, -2.7 a min of -2.
             how = "round it (ceil for a max, floor for a min) and convert it first"
             loss = "would be truncated"
@@ -381,10 +383,7 @@ class MetricAccumulator:
         torch names the state's internal 1-D view (``output with shape [1]``) for a 0-dim one.
         """
         shape, given = tuple(self._local.shape), tuple(update.shape)
-        fits = len(given) <= len(shape) and all(
-            size in (1, goal) for size, goal in zip(reversed(given), reversed(shape), strict=False)
-        )
-        if fits:
+        if broadcasts_to(given, shape):
             return error
         return ValueError(
             f"update: expected a tensor broadcastable to this state's shape {shape}, got shape "
@@ -643,14 +642,17 @@ def copy_keeping_views(obj: Any, memo: dict[int, Any]) -> Any:
     return new
 
 
+_BOOL, _INTEGER, _FLOATING, _COMPLEX = range(4)
+
+
 def _kind(dtype: torch.dtype) -> int:
-    """The kind of ``dtype``: 0 bool, 1 integer, 2 floating, 3 complex.
+    """The kind of ``dtype``, in order: bool, integer, floating, complex.
 
     An update of a higher kind loses values in a state of a lower one: ``torch.can_cast``'s
     rule, which torch.compile cannot trace.
     """
     if dtype == torch.bool:
-        return 0
+        return _BOOL
     if dtype.is_complex:
-        return 3
-    return 2 if dtype.is_floating_point else 1
+        return _COMPLEX
+    return _FLOATING if dtype.is_floating_point else _INTEGER

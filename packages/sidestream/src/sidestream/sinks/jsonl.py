@@ -18,7 +18,7 @@ from sidestream.sinks.base import Report, RunInfo
 from sidestream.sinks.support import check_directory_path
 from sidestream.sinks.tracker import TrackerSink
 
-__all__ = ["JsonlSink", "parse_line", "read_jsonl"]
+__all__ = ["JsonlSink", "read_jsonl", "read_lines"]
 
 logger = logging.getLogger("sidestream.sinks")
 
@@ -203,11 +203,15 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
 
     Lines that do not parse (one cut short by a crash, bytes that are not UTF-8) are skipped.
     """
+    return (record for record in read_lines(path) if record is not None)
+
+
+def read_lines(path: str | os.PathLike[str]) -> Iterator[dict[str, Any] | None]:
+    """Each non-blank line of a ``JsonlSink`` file as its record, ``None`` where it is none."""
     with Path(path).open("rb") as file:  # each line decoded alone: one bad line is skipped
         for line in file:
-            record = parse_line(line)
-            if record is not None:
-                yield record
+            if line.strip():
+                yield _parse(line)
 
 
 def _line(report: Report) -> str:
@@ -248,8 +252,7 @@ def _text_to_float(value: Any) -> Any:
     return float(value) if isinstance(value, str) else value
 
 
-def parse_line(line: str | bytes) -> dict[str, Any] | None:
-    """One line of a ``JsonlSink`` file as its record, or ``None`` if it is none."""
+def _parse(line: str | bytes) -> dict[str, Any] | None:
     try:
         record = json.loads(line)
     except ValueError:
@@ -322,7 +325,7 @@ def _steps_after(path: Path, offset: int | None) -> dict[str, int]:
         with path.open("rb") as file:
             file.seek(offset)
             for line in file:  # one line in memory at a time
-                _note(steps, parse_line(line) if line.endswith(b"\n") else None)
+                _note(steps, _parse(line) if line.endswith(b"\n") else None)
         return steps
     _note(steps, _last_record(path, size))
     return steps
@@ -344,7 +347,7 @@ def _last_record(path: Path, size: int) -> dict[str, Any] | None:
             start = _previous_newline(file, end)
             begin = 0 if start is None else start + 1
             file.seek(begin)
-            record = parse_line(file.read(end - begin))
+            record = _parse(file.read(end - begin))
             if record is not None:
                 return record
             end = start
