@@ -290,44 +290,68 @@ def test_compiled_histograms_drop_bad_batches() -> None:
     assert positives.reshape(-1).tolist() == [0, 0, 2, 2]
 
 
-_TWO_CLASS_COUNTS = """
+_TWO_SIZES = """
 import torch
 from sidestream.metrics.classification import (
-    BinaryConfusionMatrixMetric, MulticlassCohenKappaMetric, MulticlassConfusionMatrixMetric,
+    BinaryConfusionMatrixMetric, MulticlassAUROCMetric, MulticlassCohenKappaMetric,
+    MulticlassConfusionMatrixMetric,
 )
+from sidestream.metrics.regression import PearsonCorrelationMetric, R2ScoreMetric
 torch.manual_seed(0)
+
+def scores(classes):
+    return lambda n: (torch.randn(n, classes).softmax(-1), torch.randint(0, classes, (n,)))
+
+def binary(n):
+    return torch.rand(n), torch.randint(0, 2, (n,))
+
+def paired(outputs):
+    shape = lambda n: (n,) if outputs == 1 else (n, outputs)
+    return lambda n: (torch.randn(shape(n)), torch.randn(shape(n)))
+
 for first, second in [
-    (BinaryConfusionMatrixMetric, lambda: MulticlassConfusionMatrixMetric(5)),
-    (lambda: MulticlassConfusionMatrixMetric(5), lambda: MulticlassConfusionMatrixMetric(7)),
-    (lambda: MulticlassCohenKappaMetric(5), lambda: MulticlassCohenKappaMetric(7)),
+    ((BinaryConfusionMatrixMetric, binary),
+     (lambda: MulticlassConfusionMatrixMetric(5), scores(5))),
+    ((lambda: MulticlassConfusionMatrixMetric(5), scores(5)),
+     (lambda: MulticlassConfusionMatrixMetric(7), scores(7))),
+    ((lambda: MulticlassCohenKappaMetric(5), scores(5)),
+     (lambda: MulticlassCohenKappaMetric(7), scores(7))),
+    # States larger than the shared buffer's limit.
+    ((lambda: MulticlassAUROCMetric(5, 64), scores(5)),
+     (lambda: MulticlassAUROCMetric(7, 64), scores(7))),
+    # A shift state, read (not written) by the update.
+    ((R2ScoreMetric, paired(1)), (lambda: R2ScoreMetric(num_outputs=2), paired(2))),
+    ((PearsonCorrelationMetric, paired(1)),
+     (lambda: PearsonCorrelationMetric(num_outputs=3), paired(3))),
 ]:
     torch._dynamo.reset()
-    for make in (first, second):
+    for make, batch in (first, second):
         metric, eager = make(), make()
-        classes = getattr(metric, "num_classes", 2)
-        preds = torch.randn(40, classes) if classes > 2 else torch.rand(40)
-        target = torch.randint(0, classes, (40,))
-        torch.compile(metric.update, fullgraph=True, backend="aot_eager")(preds, target)
-        eager.update(preds, target)
-        assert torch.equal(
-            torch.as_tensor(metric.compute()), torch.as_tensor(eager.compute())
+        step = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+        for rows in (17, 5, 9):  # a new batch size recompiles with dynamic sizes
+            arguments = batch(rows)
+            step(*arguments)
+            eager.update(*arguments)
+        assert torch.allclose(
+            torch.as_tensor(metric.compute()), torch.as_tensor(eager.compute()), equal_nan=True
         ), type(metric).__name__
 print("ok")
 """
 
 
 @pytest.mark.parametrize("seed", ["0", "3"])
-def test_two_class_counts_of_one_metric_class_compile_in_one_process(seed: str) -> None:
-    # A train and a val metric of 5 and 7 classes: the second compile recompiled the shared
-    # update with dynamic sizes and failed in torch ("sources must not be empty for symbol"),
-    # because index_add_ wrote through a view made outside the graph. Whether it failed
-    # depended on the hash seed, so the case runs in processes of two failing seeds.
+def test_two_sizes_of_one_metric_class_compile_in_one_process(seed: str) -> None:
+    # A train and a val metric of 5 and 7 classes (or 1 and 2 outputs): the second compile
+    # recompiled the shared update with dynamic sizes and failed in torch ("sources must not
+    # be empty for symbol"), because the update wrote to (index_add_) or read (R2's shift) a
+    # view made outside the graph. Whether it failed depended on the hash seed, so the case
+    # runs in processes of two failing seeds.
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONHASHSEED": seed}
     done = subprocess.run(
-        [sys.executable, "-c", _TWO_CLASS_COUNTS], env=env, capture_output=True, text=True
+        [sys.executable, "-c", _TWO_SIZES], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 

@@ -233,6 +233,7 @@ class MetricAccumulator:
         self._stop = self._start + local.numel()
         # None for a 1-D state (the slice has its shape already): guarding a shape costs more.
         self._shape = None if self._target.dim() == 1 else tuple(self._target.shape)
+        self._local_shape = tuple(local.shape)
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickle copies each tensor on its own, so the views into one buffer (the arena's, and
@@ -279,6 +280,8 @@ class MetricAccumulator:
     @property
     def local(self) -> Tensor:
         """This rank's accumulated state (not reduced)."""
+        if is_compiling():  # a view made in the graph, as for writes: see _span
+            return self._span().view(self._local_shape)
         return self._local
 
     @property
@@ -395,7 +398,8 @@ class MetricAccumulator:
 
         Not ``_target``: a view made outside the graph becomes a graph input of its own, and
         on a recompile with dynamic sizes (a second metric of another class count) torch gives
-        its base's size a symbol it cannot trace back to any input, and fails.
+        its base's size a symbol it cannot trace back to any input, and fails. Reads of
+        ``local`` in a compiled update (a shift) take the same view for the same reason.
         """
         span = self._buffer[self._start : self._stop]
         return span if self._shape is None else span.view(self._shape)
@@ -571,6 +575,7 @@ _VIEWS = frozenset(
         "_start",
         "_stop",
         "_shape",
+        "_local_shape",
         "_checked_groups",
     }
 )
