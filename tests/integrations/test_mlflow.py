@@ -648,3 +648,74 @@ def test_names_mlflow_refuses_or_that_clean_alike_are_logged_apart(shm_path: Pat
         assert all(value == pytest.approx(step + offset) for step, value in history), key
         by_value[offset] = history
     assert sorted(by_value) == [index / 10 for index in range(len(names))]  # none merged
+
+
+def test_a_replay_given_no_tracking_uri_delivers_to_the_jobs_server(
+    mlflow_server: MlflowServer, shm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replay command the close warning names, given no tracking URI: it made a new run in
+    MLflow's default store (./mlflow.db), exited 0 and marked the spool replayed."""
+    import glob
+
+    from sidestream import Run
+    from sidestream.sinks.replay import main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(shm_path)
+    spools = shm_path / "spools"
+    mlflow_server.kill()
+    try:
+        sink = MlflowSink(tracking_uri=mlflow_server.uri, experiment="no-uri", http_timeout=1)
+        run = Run([sink], info=RunInfo(name="job"), spool_dir=str(spools))
+        for step in range(1, 4):
+            run.log(step, {"lr": 0.1 * step})
+        assert not run.close(timeout=1.0)
+    finally:
+        mlflow_server.start()
+    (kept,) = glob.glob(str(spools / "*.spool.jsonl"))
+    assert main([kept, "--sink", "mlflow"]) == 0
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    experiment = client.get_experiment_by_name("no-uri")
+    assert experiment is not None
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.run_name == "job"
+    history = client.get_metric_history(found.info.run_id, "lr")
+    assert sorted(m.step for m in history) == [1, 2, 3]
+    assert not list(shm_path.glob("mlflow.db")) and not list(shm_path.glob("mlruns"))
+
+
+def test_a_kept_uri_with_its_password_hidden_must_be_given_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    options = MlflowSink(tracking_uri="http://user:secret@127.0.0.1:1").replay_options()
+    assert options == {"tracking_uri": "http://***@127.0.0.1:1"}
+    with pytest.raises(ValueError, match=r"tracking_uri: .* a password was hidden"):
+        MlflowSink(**options)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:2")
+    assert MlflowSink().replay_options() == {"tracking_uri": "http://127.0.0.1:2"}
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("127.0.0.1:5000", r"tracking_uri: '127.0.0.1:5000' has no scheme; .*http://127"),
+        ("localhost:5000", r"has no scheme"),
+        ("htp://127.0.0.1:5000", r"tracking_uri: MLflow has no tracking store for the scheme"),
+        ("http//127.0.0.1:5000", None),  # a relative path to MLflow: its file store
+    ],
+)
+def test_a_tracking_uri_mlflow_has_no_store_for_fails_when_the_sink_is_built(
+    uri: str, message: str | None
+) -> None:
+    # Accepted, it failed on rank 0's sink thread after training started, saying the file
+    # store was "in maintenance mode" or that the model registry was unavailable.
+    if message is None:
+        MlflowSink(tracking_uri=uri)
+        return
+    with pytest.raises(ValueError, match=message):
+        MlflowSink(tracking_uri=uri)
+    from sidestream.sinks import sinks_from_config
+
+    with pytest.raises(ValueError, match=message):
+        sinks_from_config({"mlflow": {"tracking_uri": uri}})

@@ -108,6 +108,7 @@ class MlflowSink(TrackerSink):
         if tags is not None and not isinstance(tags, Mapping):
             raise TypeError(f"tags: expected a mapping of str to str, got {type(tags).__name__}")
         if tracking_uri is not None:
+            _check_uri_scheme(tracking_uri)
             _check_database_uri(tracking_uri)
         self._tracking_uri = tracking_uri
         self._experiment = experiment
@@ -308,6 +309,14 @@ class MlflowSink(TrackerSink):
         if self._experiment is None and isinstance(experiment, str):
             self._experiment = experiment
 
+    def replay_options(self) -> dict[str, Any]:
+        """The tracking URI (its password hidden), for a replay from the command line.
+
+        A replay given no URI then delivers to the job's server, not to MLflow's default store.
+        """
+        tracking_uri = self._tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+        return {} if tracking_uri is None else {"tracking_uri": uri_without_password(tracking_uri)}
+
     def _log_params(self, run: RunInfo, existing: Mapping[str, str]) -> None:
         from mlflow.entities import Param
 
@@ -436,6 +445,42 @@ class MlflowSink(TrackerSink):
 
 
 _DATABASE_SCHEMES = frozenset({"sqlite", "postgresql", "mysql", "mssql"})
+
+
+_MLFLOW_SCHEMES = frozenset({"http", "https", "file", "databricks", "databricks-uc", "uc"})
+
+
+def _check_uri_scheme(uri: str) -> None:
+    """Raise ``ValueError`` naming ``tracking_uri`` for a scheme MLflow has no store for.
+
+    MLflow finds out only at the first request, on rank 0's sink thread after the job started,
+    and then names another problem (a file store "in maintenance mode", a model registry).
+    """
+    if "://***@" in uri:
+        raise ValueError(
+            f"tracking_uri: {uri!r} holds '***' where a password was hidden (the URI a kept "
+            "spool's state names); give the URI with its password (a replay: --option "
+            "tracking_uri=URI)"
+        )
+    if "://" not in uri:
+        if re.fullmatch(r"[\w.-]+:\d+(/.*)?", uri):
+            raise ValueError(
+                f"tracking_uri: {uri_without_password(uri)!r} has no scheme; a tracking server "
+                f"is http://{uri} (or https://)"
+            )
+        return  # a local path: MLflow's file store
+    scheme = uri.split("://", 1)[0].lower()
+    if scheme in _MLFLOW_SCHEMES or scheme.split("+", 1)[0] in _DATABASE_SCHEMES:
+        return
+    from importlib.metadata import entry_points
+
+    if scheme in {entry.name for entry in entry_points(group="mlflow.tracking_store")}:
+        return  # a store a plugin adds
+    raise ValueError(
+        f"tracking_uri: MLflow has no tracking store for the scheme {scheme!r} of "
+        f"{uri_without_password(uri)!r}; expected http://host:port, https://..., "
+        "sqlite:///path.db (or another database URL), file:///path or databricks"
+    )
 
 
 def _check_database_uri(uri: str) -> None:

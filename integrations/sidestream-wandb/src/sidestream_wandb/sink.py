@@ -19,6 +19,7 @@ from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, i
 from sidestream.sinks.support import (
     check_option_types,
     checked_histogram_edges,
+    close_before_backends_exit,
     flatten_config,
     histogram_edges,
     name_digest,
@@ -27,6 +28,7 @@ from sidestream.sinks.support import (
     shorten,
 )
 from sidestream.sinks.tracker import signature_options
+from sidestream_wandb._transaction_log import TransactionLog
 
 __all__ = ["FLUSH_INTERVAL_S", "WandbSink", "step_metric"]
 
@@ -81,11 +83,13 @@ class WandbSink(TrackerSink):
     Delivered: wandb has no call that writes logged rows out and confirms it. From wandb 0.31
     its service writes buffered rows to the run's ``.wandb`` file every
     ``x_transaction_log_flush_interval`` seconds, which the sink sets to
-    ``FLUSH_INTERVAL_S`` (1 s) unless ``settings`` give it. A row counts as delivered (in
-    ``state_dict``) once ``persist`` has waited that interval plus a margin after it was logged
-    and the file has grown since (a stalled service writes nothing), or once ``finish``
-    returned; ``flush`` and a checkpoint's ``make_durable`` wait for that
-    (given less time, they still count the rows logged that long ago).
+    ``FLUSH_INTERVAL_S`` (1 s) unless ``settings`` give it. The sink reads the file back: a
+    row counts as delivered (in ``state_dict``) once its record is in the file whole, never
+    before, even after ``finish`` returned (a full disk, a deleted run directory: wandb only
+    logs the error); ``flush`` and a checkpoint's ``make_durable`` wait for the rows logged so
+    far (given less time, they still count the rows already written). Without a ``.wandb``
+    file (``x_skip_transaction_log``) a row counts once the interval plus a margin passed since
+    it was logged and the file grew.
     Older wandb clients write rows only when a 32 KiB buffer fills or the run finishes and
     cannot say when: there rows count as delivered at the next ``flush`` after ``run.log``,
     and a crashed job loses those wandb had not written.
@@ -150,6 +154,10 @@ class WandbSink(TrackerSink):
         self._finished = False
         self._disabled = False  # mode="disabled": nothing is kept anywhere
         self._service_pid: int | None = None  # wandb-core, found at open
+        # The rows wandb has written to the .wandb file, read back from it (wandb 0.31 on).
+        self._log: TransactionLog | None = None
+        self._handed: dict[str, int] = {}  # last step per stream given to run.log since open
+        self._progress: dict[str, int] = {}  # the steps last written to the progress file
 
     @classmethod
     def check_available(cls) -> None:
@@ -245,6 +253,15 @@ class WandbSink(TrackerSink):
         self._data_file = _data_file_of(self._run)
         with self._unwritten_lock:  # rows of an earlier run of this sink were in its own file
             self._unwritten.clear()
+            self._handed.clear()
+            self._log = (
+                None
+                if self._data_file is None or self._flush_interval is None
+                else TransactionLog(self._data_file)
+            )
+        # wandb.init registered the teardown of its service at exit: a Run closed at exit
+        # must still find it there.
+        close_before_backends_exit()
         self._last_log, self._size_before_last_log = 0.0, None
         self._finished = False
         # mode="disabled": wandb keeps nothing, so there is no write to wait for or record.
@@ -314,15 +331,62 @@ class WandbSink(TrackerSink):
             self.mark_sent(report)
             self._logged[report.stream] = report.step
             with self._unwritten_lock:
-                self._unwritten.append((self._last_log, size_before, report.stream, report.step))
+                self._handed[report.stream] = report.step
+                if self._log is None:
+                    self._unwritten.append(
+                        (self._last_log, size_before, report.stream, report.step)
+                    )
         self._count_written()
 
     def _count_written(self) -> None:
-        """Count rows logged at least one periodic write (plus the margin) ago as delivered."""
-        if self._flush_interval is None or self._flush_interval <= 0 or self._disabled:
-            return  # no periodic write: only persist at finish can say
+        """Count the rows in the ``.wandb`` file as delivered (without one: by time)."""
+        if self._disabled:
+            return
+        written = self._rows_in_file() if self._log is not None else self._rows_by_time()
+        if written:
+            self.count_delivered(written)
+            steps = self.last_steps()
+            if self._local_dir and steps != self._progress:
+                # What counts as delivered is in the .wandb file: a job that crashes from here
+                # on resumes past it (the rows logged since may be lost, so they are not in it).
+                self._progress = steps
+                self._write_progress(self._local_dir, steps)
+
+    def _rows_in_file(self) -> dict[str, int]:
+        """Each stream's last step whose row is in the ``.wandb`` file whole."""
+        assert self._log is not None
+        with self._unwritten_lock:
+            streams = list(self._handed)
+            try:
+                found = self._log.last_steps()
+            except OSError as error:
+                self.warn_once(
+                    "unreadable",
+                    f"WandbSink: cannot read the run's .wandb file ({error}); the rows logged "
+                    "since do not count as delivered (a checkpoint keeps them, close spools "
+                    "them)",
+                )
+                return {}
+            if self._log.damaged:
+                self.warn_once(
+                    "damaged",
+                    f"WandbSink: {self._log.path} has a damaged record (a failed write: a full "
+                    "disk?); the rows after it do not count as delivered (a checkpoint keeps "
+                    "them, close spools them)",
+                )
+        return {
+            stream: found[step_metric(stream)] for stream in streams if step_metric(stream) in found
+        }
+
+    def _rows_by_time(self) -> dict[str, int]:
+        """Rows logged at least one periodic write (plus the margin) ago, the file grown since.
+
+        For a run without a ``.wandb`` file to read (``x_skip_transaction_log``).
+        """
+        if self._flush_interval is None or self._flush_interval <= 0:
+            return {}  # no periodic write: only persist at finish can say
         if not self._service_alive():
-            return  # it may have died before its periodic write: the rows stay unconfirmed
+            return {}  # it may have died before its periodic write: the rows stay unconfirmed
         written: dict[str, int] = {}
         cutoff = time.monotonic() - self._flush_interval - _FLUSH_MARGIN_S
         size = self._data_size()
@@ -332,13 +396,7 @@ class WandbSink(TrackerSink):
                     break  # nothing written since it was logged: a stalled service or disk
                 _, _, stream, step = self._unwritten.popleft()
                 written[stream] = step  # steps of a stream are logged in increasing order
-        if written:
-            self.count_delivered(written)
-            run_dir = self.run_dir
-            if run_dir is not None:
-                # What counts as delivered is in the .wandb file: a job that crashes from here
-                # on resumes past it (the rows logged since may be lost, so they are not in it).
-                self._write_progress(run_dir, self.last_steps())
+        return written
 
     def flush(self, timeout: float | None = None) -> bool:
         """``persist``; if it cannot wait long enough, the rows already written still count."""
@@ -347,16 +405,72 @@ class WandbSink(TrackerSink):
         return done
 
     def persist(self, timeout: float | None) -> bool:
-        """Wait until wandb's periodic write has put every logged row in the ``.wandb`` file.
+        """Wait until every row logged so far is in the run's ``.wandb`` file.
 
-        That is ``x_transaction_log_flush_interval`` plus a margin after the last ``run.log``,
-        and the file grown since then, which a stalled service gets one more interval for;
-        False if ``timeout`` is shorter, if the service died or stalled, or if the interval is
-        0 (wandb then writes rows only when a buffer fills or at ``finish``).
+        wandb writes buffered rows there every ``x_transaction_log_flush_interval`` seconds;
+        the sink reads them back. A stalled service (a blocked disk, a stopped process) gets
+        one more interval, then the rows stay unconfirmed (a checkpoint keeps them) instead of
+        the caller waiting on. False if ``timeout`` is shorter, if the service died or stalled,
+        if the interval is 0 (wandb then writes rows only when a buffer fills or at
+        ``finish``), or if ``finish`` returned without writing them all (a full disk).
         """
-        if self._finished or self._flush_interval is None or self._disabled:
-            return True  # finished, a client that cannot say (before 0.31), or nothing kept
-        if self._flush_interval <= 0:
+        if self._flush_interval is None or self._disabled:
+            return True  # a client that cannot say (before 0.31), or nothing kept
+        if self._log is None:
+            return self._persist_by_time(timeout)
+        with self._unwritten_lock:
+            logged = dict(self._handed)  # later rows are the next flush's
+        if self._all_in_file(logged):
+            return True
+        if self._flush_interval <= 0 and not self._finished:
+            return False
+        period = max(self._flush_interval, 0.0) + _FLUSH_MARGIN_S
+        start = time.monotonic()
+        if self._finished:
+            # finish wrote them: its last block may reach the file a moment after it returned.
+            waited_enough = start + period
+        else:
+            # The rows' periodic write, and one more for a service slow to write them; at least
+            # one from now (a service stalled for a while may be writing again).
+            waited_enough = max(self._last_log + 2 * period, start + period)
+        deadline = waited_enough if timeout is None else min(waited_enough, start + timeout)
+        while time.monotonic() < deadline and (self._finished or self._service_alive()):
+            time.sleep(_GROWTH_POLL_S)
+            if self._all_in_file(logged):
+                return True
+        if time.monotonic() < waited_enough:
+            return False  # given less time than that: not a sign of trouble yet
+        if self._finished:
+            self.warn_once(
+                "lost",
+                f"WandbSink: wandb's finish returned, but {self._log.path} lacks rows logged "
+                "before it, or is gone (wandb's debug-internal.log says why: a full disk?); "
+                "they do not count as delivered",
+            )
+        else:
+            age = time.monotonic() - self._last_log
+            self.warn_once(
+                "stalled",
+                f"WandbSink: rows logged {age:.1f} s ago are not in {self._log.path}: "
+                "wandb's service seems stalled or gone; those rows do not count as delivered "
+                "yet",
+            )
+        return False
+
+    def _all_in_file(self, logged: Mapping[str, int]) -> bool:
+        """Whether the ``.wandb`` file holds each stream's row at ``logged[stream]``."""
+        written = self._rows_in_file()
+        return all(written.get(stream, step - 1) >= step for stream, step in logged.items())
+
+    def _persist_by_time(self, timeout: float | None) -> bool:
+        """``persist`` without a ``.wandb`` file to read: rows count by time and file growth.
+
+        That is the interval plus a margin after the last ``run.log``, and the file grown
+        since then, which a stalled service gets one more interval for.
+        """
+        if self._finished:
+            return True
+        if self._flush_interval is None or self._flush_interval <= 0:
             return False
         # The rows logged by now; later ones are the next flush's.
         period = self._flush_interval + _FLUSH_MARGIN_S
@@ -367,9 +481,6 @@ class WandbSink(TrackerSink):
             if timeout is not None and wait > timeout:
                 return False
             time.sleep(wait)
-        # A dead service wrote nothing more; a stalled one (a blocked disk, a stopped process)
-        # leaves the file as it was before the last row: given one more periodic write, the
-        # rows stay unconfirmed (a checkpoint keeps them) instead of the caller waiting on.
         deadline = time.monotonic() + period
         if timeout is not None:
             deadline = min(deadline, start + timeout)
@@ -436,6 +547,21 @@ class WandbSink(TrackerSink):
         """The run's local directory (where the progress file is)."""
         return {"run_dir": self.run_dir or self._previous_dir}
 
+    def replay_options(self) -> dict[str, Any]:
+        """Where the run is (project, entity, mode, group, job type, dir), for a replay.
+
+        A replay given only ``--sink wandb`` then continues the job's run in its project, not
+        a run of the same id in wandb's default project.
+        """
+        options = {
+            key: self._init_kwargs[key]
+            for key in ("project", "entity", "mode", "group", "job_type")
+            if isinstance(self._init_kwargs.get(key), str)
+        }
+        if self._init_kwargs.get("dir") is not None:
+            options["dir"] = os.path.abspath(os.fspath(self._init_kwargs["dir"]))
+        return options
+
     def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
         """Remember the saved run directory."""
         run_dir = state_dict.get("run_dir")
@@ -501,15 +627,18 @@ class WandbSink(TrackerSink):
         if self._run is None:
             return True
         active, self._run = self._run, None
-        run_dir = self._local_dir
+        deadline = None if timeout is None else time.monotonic() + timeout
         finished = self.within(active.finish, timeout, "finish")
-        if finished:
-            self._finished = True
-            self.flush(0.0)  # every row logged is in the file now: all of them count
-            if not self._disabled:
-                # Every row is written: a resume may skip them all.
-                self._write_progress(run_dir, self._logged)
-        return finished
+        if not finished:
+            self._count_written()  # what wandb wrote before it failed still counts
+            return False
+        self._finished = True
+        # Every row is in the file now, unless wandb failed to write it.
+        written = self.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._log is None and not self._disabled:
+            # Every row is written: a resume may skip them all.
+            self._write_progress(self._local_dir, self._logged)
+        return written
 
 
 def _with_flush_interval(wandb: Any, settings: Any) -> tuple[Any, float | None]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import time
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from sidestream._delivery import Delivery, DeliveryOptions, check_timeout, seconds_left
 from sidestream._distributed import Group, check_process_group
+from sidestream._exit import close_at_exit, forget_close_at_exit
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream._step import training_step
@@ -323,7 +323,7 @@ class Run:
         if self._closed:
             return self._close_result
         self._closed = True
-        atexit.unregister(self._close_at_exit)
+        forget_close_at_exit(self._close_at_exit)
         if self._metric_states:
             self._warn_unclaimed("close")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -473,4 +473,4 @@ class Run:
 def _register_close_at_exit(run: weakref.ref[Run]) -> None:
     alive = run()
     if alive is not None:
-        atexit.register(alive._close_at_exit)
+        close_at_exit(alive._close_at_exit)

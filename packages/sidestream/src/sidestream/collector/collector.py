@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import time
@@ -22,6 +21,7 @@ from sidestream._distributed import (
     group_size,
     resolve_group,
 )
+from sidestream._exit import close_at_exit, forget_close_at_exit
 from sidestream._step import training_step
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
@@ -315,7 +315,7 @@ class AsyncMetricCollector(Generic[T]):
         for metric in self._metric._walk_metrics():
             metric.__dict__["_bound_prefix"] = self._prefix
         if self._owns_delivery:
-            atexit.register(self._close_at_exit)
+            close_at_exit(self._close_at_exit)
         return self
 
     def _warn_of_a_twin(self) -> None:
@@ -577,7 +577,7 @@ class AsyncMetricCollector(Generic[T]):
             for metric in self._metric._walk_metrics():
                 metric.__dict__.pop("_bound_prefix", None)
         if self._owns_delivery:
-            atexit.unregister(self._close_at_exit)
+            forget_close_at_exit(self._close_at_exit)
         deadline = None if timeout is None else time.monotonic() + timeout
         complete = True
         if self._dispatcher is not None:

@@ -180,16 +180,23 @@ class KeptState:
             was not JSON.
         run: The job's ``RunInfo`` (name, config, tags), so a replay names the run as the job
             did; ``None`` in files written before it was kept.
+        options: The sink's ``replay_options`` (where its backend is), which the replay
+            command uses unless ``--option`` gives them; empty in files written before.
     """
 
     path: str
     sink: str
     state: dict[str, Any] | None
     run: RunInfo | None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def write_kept_state(
-    spool_path: str, sink: str, state: Mapping[str, Any], run: RunInfo
+    spool_path: str,
+    sink: str,
+    state: Mapping[str, Any],
+    run: RunInfo,
+    options: Mapping[str, Any] | None = None,
 ) -> str | None:
     """Write ``KeptState`` beside ``spool_path``, owner-only; its path, or ``None`` if it failed.
 
@@ -206,9 +213,15 @@ def write_kept_state(
     except Exception:  # a config that cannot even be walked: keep the state without it
         kept_run = None
     try:
-        text = json.dumps({"sink": sink, "state": dict(state), "run": kept_run})
+        kept_options = _plain(dict(options or {}))
+    except Exception:
+        kept_options = {}
+    try:
+        text = json.dumps(
+            {"sink": sink, "state": dict(state), "run": kept_run, "options": kept_options}
+        )
     except (TypeError, ValueError):  # a state that is not JSON: the run is still worth keeping
-        text = json.dumps({"sink": sink, "state": None, "run": kept_run})
+        text = json.dumps({"sink": sink, "state": None, "run": kept_run, "options": kept_options})
     try:
         # Owner-only, like the spool file beside it (a run id, a path, delivered steps).
         with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
@@ -250,12 +263,15 @@ def read_kept_state(spool_path: str | os.PathLike[str]) -> KeptState | None:
         raise ValueError(f"{path}: {error}") from error
     try:
         sink, state, run = kept["sink"], kept["state"], kept.get("run")
+        options = kept.get("options") or {}
         if not isinstance(sink, str) or not isinstance(state, dict | None):
             raise TypeError("expected a sink name and a state")
+        if not isinstance(options, dict):
+            raise TypeError(f"expected the sink's options as an object, got {options!r}")
         info = None if run is None else _kept_run(path, run)
     except (TypeError, KeyError, AttributeError) as error:
         raise ValueError(f"{path}: not a kept sink state ({error})") from error
-    return KeptState(path, sink, state, info)
+    return KeptState(path, sink, state, info, options)
 
 
 def _kept_run(path: str, run: Mapping[str, Any]) -> RunInfo:

@@ -149,6 +149,15 @@ class Sink(abc.ABC):
         """
         return None
 
+    def replay_options(self) -> dict[str, Any]:
+        """Options (as ``sinks_from_config`` takes them) that name this sink's backend.
+
+        Kept beside a spool file this sink's close keeps, so the replay command given only
+        ``--sink`` delivers where the job did (MLflow's tracking URI, W&B's project). Plain
+        JSON values, no secrets (a password hidden as ``***``). The default: none.
+        """
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """What a resumed job needs to continue the same run (run id, last delivered step).
 

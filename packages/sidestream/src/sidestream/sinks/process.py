@@ -241,6 +241,7 @@ class ProcessSink(Sink):
         self.name = sink.name
         self.max_batch = sink.max_batch
         self._place = sink.written_place()
+        self._replay_options = sink.replay_options()
         self._call_timeout_s = call_timeout_s
         self._start_timeout_s = start_timeout_s
         self._flush_every = flush_every
@@ -380,6 +381,10 @@ class ProcessSink(Sink):
     def written_place(self) -> tuple[type, str, str] | None:
         """The file or folder the wrapped sink writes (checked against the run's other sinks)."""
         return self._place
+
+    def replay_options(self) -> dict[str, Any]:
+        """The wrapped sink's ``replay_options``."""
+        return dict(self._replay_options)
 
     def pending_reports(self) -> list[Report]:
         """Reports written since the child's last flush: it may have died with them.

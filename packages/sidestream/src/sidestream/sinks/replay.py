@@ -17,6 +17,7 @@ from sidestream._cli import run_command
 from sidestream.sinks._spool_format import (
     STATE_SUFFIX,
     DamagedLineError,
+    read_kept_state,
     read_spool,
     replay_spool,
 )
@@ -32,13 +33,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m sidestream.sinks.replay", description="Deliver a kept spool file."
     )
     parser.add_argument("spool", help="the spool file a warning named")
-    parser.add_argument("--sink", help="entry-point name of the sink (jsonl, mlflow, ...)")
+    parser.add_argument(
+        "--sink",
+        help="entry-point name of the sink (jsonl, mlflow, ...); default: the one the "
+        f"SPOOL{STATE_SUFFIX} file names",
+    )
     parser.add_argument(
         "--option",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a sink option; VALUE is read as JSON when it parses, else as a string",
+        help="a sink option; VALUE is read as JSON when it parses, else as a string. Options "
+        f"the SPOOL{STATE_SUFFIX} file names (where the job's sink delivered: MLflow's "
+        "tracking_uri, W&B's project) are used unless given",
     )
     parser.add_argument(
         "--resume-state",
@@ -76,8 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in damaged or []:
             print(f"skipped a damaged line: {line}", file=sys.stderr)
         return 0
+    try:
+        kept = read_kept_state(args.spool)
+    except ValueError as error:
+        parser.error(str(error))
     if not args.sink:
-        parser.error("--sink is required unless --print is given")
+        if kept is None:
+            parser.error(f"--sink is required unless --print is given or {STATE_SUFFIX} names it")
+        args.sink = kept.sink
     options = {}
     for item in args.option:
         key, sep, value = item.partition("=")
@@ -87,6 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
+    if kept is not None and kept.sink == args.sink:
+        # Where the job's sink delivered (MLflow's tracking URI), unless given otherwise.
+        taken = {key: value for key, value in kept.options.items() if key not in options}
+        if taken:
+            named = ", ".join(f"{key}={value}" for key, value in sorted(taken.items()))
+            print(f"options from {kept.path}: {named}")
+            options = {**taken, **options}
     sink = _sink(parser, args.sink, options)
     state = None  # replay_spool takes the kept state beside the spool, if any
     if args.resume_state:

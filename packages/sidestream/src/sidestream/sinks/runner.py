@@ -361,8 +361,12 @@ class SinkRunner:
             # Even if the sink never opened: its state names the run it would have made (the
             # MLflow run key), and the job's run (name, config) is kept for the replay to use.
             state = self.sink_state()
+            try:
+                options = dict(self.sink.replay_options())
+            except Exception:  # a sink of one's own that fails here: the replay needs --option
+                options = {}
             for path in paths:
-                state_file = write_kept_state(path, self.sink.name, state, self._run)
+                state_file = write_kept_state(path, self.sink.name, state, self._run, options)
             why = "the sink failed" if failed else f"not delivered within {timeout or 0.0:.1f} s"
             # Those the sink took are delivered as far as this runner counts, but its backend
             # had not confirmed them (a ProcessSink's child had not flushed): kept all the same,

@@ -14,12 +14,15 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
+from sidestream._exit import close_before_backends_exit
+
 __all__ = [
     "call_within",
     "check_directory_path",
     "check_option_types",
     "check_seconds",
     "checked_histogram_edges",
+    "close_before_backends_exit",
     "flatten_config",
     "name_digest",
     "parse_resume_state",
