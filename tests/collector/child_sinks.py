@@ -162,3 +162,14 @@ class FlushHangSink(JsonlSink):
         while self._flag.exists():
             time.sleep(0.05)
         return super().flush(timeout)
+
+
+class ChildlessSink(JsonlSink):
+    """A sink that the parent can rebuild from its pickle but a child process cannot."""
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        import multiprocessing
+
+        if multiprocessing.parent_process() is not None:
+            raise RuntimeError("cannot construct in child")
+        self.__dict__.update(state)

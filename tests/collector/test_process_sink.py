@@ -30,6 +30,7 @@ from sidestream.sinks import (
 from tests.collector.child_sinks import (
     BatchSizesSink,
     BuggySink,
+    ChildlessSink,
     CloseMarkerSink,
     DurableCountSink,
     FailingOpenSink,
@@ -86,6 +87,8 @@ def test_dead_or_hung_child_is_replaced_and_nothing_is_lost(
     assert sink.restarts == 1
     reason = "died during write" if trouble == "die_at" else "took longer than 3.0 s"
     assert any(reason in record.getMessage() for record in caplog.records), caplog.text
+    # The replacement is said too (a child killed between calls was replaced unsaid).
+    assert "starting another (restart 1)" in caplog.text
 
 
 def test_a_child_hung_in_an_idle_flush_is_replaced(tmp_path: Path) -> None:
@@ -319,3 +322,28 @@ def test_a_write_before_open_or_after_close_raises_instead_of_starting_a_child(
     with pytest.raises(RuntimeError, match="write: the sink is closed"):
         sink.write(Report(step=2, values={"x": 2.0}, time=0.0))
     assert [line["step"] for line in _lines(path)] == [1]  # no second child wrote step 2
+
+
+def test_a_sink_the_child_cannot_rebuild_fails_for_good_naming_why(tmp_path: Path) -> None:
+    # The child raised while unpickling the sink, before it could answer: each retry started
+    # another child (importing torch again) and the error showed only as multiprocessing's
+    # traceback on stderr, as "the child process died during open".
+    runner = SinkRunner(ProcessSink(ChildlessSink(tmp_path / "m.jsonl")), retry_initial_s=0.05)
+    runner.start()
+    runner.submit(Report(step=1, values={"x": 1.0}, time=0.0))
+    assert not runner.close(30.0)
+    assert runner.status.state == "failed"
+    assert "could not be rebuilt in the child process" in str(runner.status.last_error)
+    assert "cannot construct in child" in str(runner.status.last_error)
+
+
+class _Unrebuildable(JsonlSink):
+    def __setstate__(self, state: dict[str, object]) -> None:
+        raise RuntimeError("cannot construct")
+
+
+def test_a_sink_that_cannot_be_rebuilt_from_its_pickle_fails_when_wrapped(tmp_path: Path) -> None:
+    with pytest.raises(
+        TypeError, match=r"sink: _Unrebuildable must be picklable .*cannot construct"
+    ):
+        ProcessSink(_Unrebuildable(tmp_path / "m.jsonl"))

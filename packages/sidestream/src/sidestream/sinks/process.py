@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -23,6 +24,8 @@ from sidestream.sinks.status import PermanentSinkError, is_permanent
 from sidestream.sinks.support import check_seconds
 
 __all__ = ["ProcessSink", "SinkProcessError"]
+
+logger = logging.getLogger("sidestream.sinks")
 
 _OK, _ERROR = "ok", "error"
 
@@ -59,7 +62,19 @@ def _serve(
     conn: Connection, sink_bytes: bytes, run: RunInfo, state: Mapping[str, Any] | None
 ) -> None:
     """The child: open the sink, then answer write / flush / close until told to stop."""
-    sink: Sink = pickle.loads(sink_bytes)
+    try:
+        sink: Sink = pickle.loads(sink_bytes)
+    except Exception as error:
+        # A sink that cannot be rebuilt here never will be: permanent, not retried.
+        message, child_traceback, _ = _failure(error)
+        _reply(
+            conn,
+            _ERROR,
+            f"the sink could not be rebuilt in the child process ({message})",
+            child_traceback,
+            True,
+        )
+        return
     try:
         if state is not None:
             sink.load_state_dict(state)
@@ -233,6 +248,8 @@ class ProcessSink(Sink):
         _check_main_guard(sink.name)
         try:
             self._sink_bytes = pickle.dumps(sink)
+            # The child rebuilds it from these bytes: one it cannot rebuild fails here, once.
+            pickle.loads(self._sink_bytes)
         except Exception as error:
             raise TypeError(
                 f"sink: {type(sink).__name__} must be picklable to run in a child process "
@@ -442,8 +459,17 @@ class ProcessSink(Sink):
 
     def _restart(self) -> None:
         """A fresh child resumed from the last flush, then the reports since, sent again."""
+        code = None if self._process is None else self._process.exitcode
         self._stop()
         self.restarts += 1
+        logger.warning(
+            "sink %r: its child process %s; starting another (restart %d), which resumes the "
+            "run from the last flush and is sent again the %d report(s) since",
+            self.name,
+            "was stopped" if code is None else f"ended (exit code {code})",
+            self.restarts,
+            len(self._unflushed),
+        )
         self._start(self._flushed_state or None)
         if self._unflushed:
             self._call("write_batch", self._unflushed, self._call_timeout_s)
