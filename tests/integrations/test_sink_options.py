@@ -69,6 +69,31 @@ from sidestream.sinks.console import ConsoleSink
         (lambda d: _mlflow()(experiment=5), TypeError, "MlflowSink: experiment: expected str"),
         (lambda d: _wandb()(project=5, mode="offline"), TypeError, "WandbSink: project: expected"),
         (lambda d: _wandb()(dir=3, mode="offline"), TypeError, "WandbSink: dir: expected str"),
+        # Accepted, these failed at open on rank 0 (an AttributeError naming no option; wandb's
+        # "Invalid project name").
+        (
+            lambda d: _wandb()(settings=5, mode="offline"),
+            TypeError,
+            "settings: expected a mapping of wandb settings or a wandb.Settings, got 5",
+        ),
+        (
+            lambda d: _wandb()(project="a/b#c", mode="offline"),
+            ValueError,
+            r"project: W&B project names cannot hold '#/'",
+        ),
+        # A config's errors name the sink, whatever their kind (ValueErrors did not).
+        (
+            lambda d: sinks_from_config({"jsonl": {"path": str(d / "m.jsonl"), "flush_every": 0}}),
+            ValueError,
+            r"^sinks_from_config: sink 'jsonl': flush_every: expected an int >= 1, got 0",
+        ),
+        (
+            lambda d: sinks_from_config(
+                {"jsonl": {"path": str(d / "m.jsonl"), "child_process": {"call_timeout_s": -1}}}
+            ),
+            ValueError,
+            r"^sinks_from_config: sink 'jsonl': child_process: call_timeout_s: expected seconds",
+        ),
         (
             lambda d: Run([JsonlSink(d / "a.jsonl"), JsonlSink(d / "." / "a.jsonl")]),
             ValueError,

@@ -775,6 +775,13 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
     fails the sink for the whole job; wandb's own ``Settings`` check costs nothing here.
     """
     settings = init_kwargs.get("settings")
+    if settings is not None and not isinstance(settings, Mapping):
+        settings_type = _settings_type()
+        if settings_type is not None and not isinstance(settings, settings_type):
+            raise TypeError(
+                f"settings: expected a mapping of wandb settings or a wandb.Settings, got "
+                f"{settings!r}"
+            )
     checked = dict(settings) if isinstance(settings, Mapping) else {}
     if "mode" in init_kwargs:
         checked["mode"] = init_kwargs["mode"]
@@ -807,6 +814,15 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
 
 _RESUME_VALUES = (True, False, "allow", "must", "never", "auto")
 _RESERVED_ID_CHARACTERS = ":;,#?/'"  # wandb's own list (wandb_settings.validate_run_id)
+_RESERVED_PROJECT_CHARACTERS = "/\\#?%:"  # wandb's own list (wandb_settings.validate_project)
+
+
+def _settings_type() -> type | None:
+    try:
+        import wandb
+    except ImportError:
+        return None  # reported by check_available / open, with the install command
+    return wandb.Settings
 
 
 def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
@@ -842,6 +858,13 @@ def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
         raise ValueError(
             f"reinit: the sink always starts its own run (reinit='create_new'), so a run the "
             f"user started with wandb.init is left alone; leave reinit out, got {reinit!r}"
+        )
+    project = init_kwargs.get("project")
+    refused = sorted(set(project) & set(_RESERVED_PROJECT_CHARACTERS)) if project else []
+    if refused:
+        raise ValueError(
+            f"project: W&B project names cannot hold {''.join(refused)!r} (reserved: "
+            f"{_RESERVED_PROJECT_CHARACTERS!r}), got {project!r}"
         )
     run_id = init_kwargs.get("id")
     if run_id is not None:

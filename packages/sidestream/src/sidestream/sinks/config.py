@@ -133,7 +133,13 @@ def _build(name: str, options: dict[str, Any]) -> Sink:
             f"sinks_from_config: sink {name!r}: {misplaced[0]!r} is an option of the child "
             f"process, not of the sink: give it as child_process: {{{misplaced[0]!r}: ...}}"
         ) from error
-    return ProcessSink(sink, **process_options) if child_process else sink
+    if not child_process:
+        return sink
+    try:
+        return ProcessSink(sink, **process_options)
+    except (TypeError, ValueError) as error:
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        raise kind(f"sinks_from_config: sink {name!r}: child_process: {error}") from error
 
 
 _PROCESS_OPTIONS = {
@@ -183,6 +189,8 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
         sink = factory(**options)
     except TypeError as error:
         raise TypeError(f"sinks_from_config: sink {name!r}: {error}") from error
+    except ValueError as error:  # a subclass (pydantic's) may not take a plain message
+        raise ValueError(f"sinks_from_config: sink {name!r}: {error}") from error
     if not isinstance(sink, Sink):
         raise TypeError(
             f"sinks_from_config: entry point {name!r} made a {type(sink).__name__}, not a Sink"
