@@ -337,8 +337,12 @@ def test_a_child_process_sink_writing_the_same_file_is_refused(tmp_path: Path) -
 
 def test_mlflow_timeout_zero_is_refused() -> None:
     # requests refuses a connect timeout of 0: every request would fail, retried forever.
-    with pytest.raises(TypeError, match="http_timeout: expected an int >= 1"):
+    with pytest.raises(ValueError, match="http_timeout: expected an int >= 1"):
         _mlflow()(http_timeout=0)
+    with pytest.raises(ValueError, match="http_max_retries: expected an int >= 0"):
+        _mlflow()(http_max_retries=-1)
+    with pytest.raises(TypeError, match=r"http_timeout: expected an int >= 1 or None, got 0\.5"):
+        _mlflow()(http_timeout=0.5)  # MLflow takes whole seconds
 
 
 def test_wandb_service_gone_fails_the_sink_for_good(tmp_path: Path) -> None:

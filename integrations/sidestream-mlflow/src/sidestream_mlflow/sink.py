@@ -96,10 +96,13 @@ class MlflowSink(TrackerSink):
             ("http_timeout", http_timeout, 1),
             ("http_max_retries", http_max_retries, 0),
         ):
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < low
-            ):
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                # MLflow takes whole seconds (MLFLOW_HTTP_REQUEST_TIMEOUT is an int).
                 raise TypeError(f"{option}: expected an int >= {low} or None, got {value!r}")
+            if value < low:
+                raise ValueError(f"{option}: expected an int >= {low} or None, got {value!r}")
         check_option_types(
             "MlflowSink",
             {"tracking_uri": tracking_uri, "experiment": experiment, "run_name": run_name},
