@@ -344,6 +344,6 @@ class _Unrebuildable(JsonlSink):
 
 def test_a_sink_that_cannot_be_rebuilt_from_its_pickle_fails_when_wrapped(tmp_path: Path) -> None:
     with pytest.raises(
-        TypeError, match=r"sink: _Unrebuildable must be picklable .*cannot construct"
+        TypeError, match=r"sink: _Unrebuildable must be picklable, and rebuilt .*cannot construct"
     ):
         ProcessSink(_Unrebuildable(tmp_path / "m.jsonl"))

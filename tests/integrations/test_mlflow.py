@@ -696,6 +696,22 @@ def test_a_kept_uri_with_its_password_hidden_must_be_given_again(
     assert MlflowSink().replay_options() == {"tracking_uri": "http://127.0.0.1:2"}
 
 
+def test_a_kept_local_store_is_named_by_its_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A replay from another directory wrote into a new store of the same relative name.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for given, kept in [
+        ("sqlite:///mlflow.db", f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        ("./mlruns", str(tmp_path / "mlruns")),
+        (None, mlflow.get_tracking_uri()),  # the default store, where the job ran
+    ]:
+        options = MlflowSink(tracking_uri=given).replay_options()
+        assert options == {"tracking_uri": kept}, given
+    assert str(tmp_path) in MlflowSink().replay_options()["tracking_uri"]
+
+
 @pytest.mark.parametrize(
     ("uri", "message"),
     [
@@ -703,6 +719,7 @@ def test_a_kept_uri_with_its_password_hidden_must_be_given_again(
         ("localhost:5000", r"has no scheme"),
         ("htp://127.0.0.1:5000", r"tracking_uri: MLflow has no tracking store for the scheme"),
         ("http//127.0.0.1:5000", None),  # a relative path to MLflow: its file store
+        ("uc:http://localhost:8080", None),  # MLflow's "uc" store, as MLflow parses it
     ],
 )
 def test_a_tracking_uri_mlflow_has_no_store_for_fails_when_the_sink_is_built(

@@ -439,3 +439,39 @@ def test_child_process_options_go_in_a_mapping_and_are_named_elsewhere(tmp_path:
     run.log(1, {"lr": 0.5})
     assert run.close(timeout=60)
     assert [record["values"] for record in read_jsonl(path)] == [{"lr": 0.5}]
+
+
+def test_only_spool_files_that_may_be_this_runs_are_named_when_the_sink_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every leftover of the sink's name in the directory was named, other jobs' kept files
+    # too (a shared /tmp): a new user was told to replay files of runs not theirs.
+    import subprocess
+    import sys
+
+    from sidestream.sinks._spool_format import write_kept_state
+
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(ended.stdout)
+    path = str(tmp_path / "m.jsonl")
+    ours, theirs, crashed = (
+        tmp_path / f"sidestream-jsonl@{pid}-{tag}.spool.jsonl" for tag in ("a1", "b2", "c3")
+    )
+    for spool in (ours, theirs, crashed):
+        spool.write_text("")
+    write_kept_state(str(ours), "jsonl", {"path": path, "last_steps": []}, RunInfo())
+    other = {"path": str(tmp_path / "other.jsonl"), "last_steps": []}
+    write_kept_state(str(theirs), "jsonl", other, RunInfo())  # crashed wrote none
+    runner = SinkRunner(JsonlSink(path), spool_dir=str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="sidestream"):
+        runner.start()
+        assert runner.close(10.0)
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert str(ours) in warned and str(crashed) in warned, warned
+    assert str(theirs) not in caplog.text
+    assert "1 spool file(s) in the spool directory were kept by other runs" in caplog.text

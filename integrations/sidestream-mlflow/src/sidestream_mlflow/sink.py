@@ -7,6 +7,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
 from sidestream.sinks.support import (
@@ -313,12 +314,20 @@ class MlflowSink(TrackerSink):
             self._experiment = experiment
 
     def replay_options(self) -> dict[str, Any]:
-        """The tracking URI (its password hidden), for a replay from the command line.
+        """The tracking URI (its password hidden, a local store's path absolute), for a replay.
 
-        A replay given no URI then delivers to the job's server, not to MLflow's default store.
+        A replay from the command line given no URI then delivers to the job's server or
+        store, not to MLflow's default store where the command runs.
         """
-        tracking_uri = self._tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
-        return {} if tracking_uri is None else {"tracking_uri": uri_without_password(tracking_uri)}
+        tracking_uri = self._tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not tracking_uri:
+            try:
+                import mlflow
+
+                tracking_uri = mlflow.get_tracking_uri()  # the default store this job used
+            except Exception:
+                return {}
+        return {"tracking_uri": uri_without_password(_absolute_store(tracking_uri))}
 
     def _log_params(self, run: RunInfo, existing: Mapping[str, str]) -> None:
         from mlflow.entities import Param
@@ -465,14 +474,14 @@ def _check_uri_scheme(uri: str) -> None:
             "spool's state names); give the URI with its password (a replay: --option "
             "tracking_uri=URI)"
         )
-    if "://" not in uri:
-        if re.fullmatch(r"[\w.-]+:\d+(/.*)?", uri):
-            raise ValueError(
-                f"tracking_uri: {uri_without_password(uri)!r} has no scheme; a tracking server "
-                f"is http://{uri} (or https://)"
-            )
-        return  # a local path: MLflow's file store
-    scheme = uri.split("://", 1)[0].lower()
+    if re.fullmatch(r"[\w.-]+:\d+(/.*)?", uri):
+        raise ValueError(
+            f"tracking_uri: {uri_without_password(uri)!r} has no scheme; a tracking server "
+            f"is http://{uri} (or https://)"
+        )
+    scheme = urlparse(uri).scheme.lower()  # as MLflow reads it: uc:http://... is "uc"
+    if len(scheme) <= 1:
+        return  # a local path (a Windows one has a drive letter): MLflow's file store
     if scheme in _MLFLOW_SCHEMES or scheme.split("+", 1)[0] in _DATABASE_SCHEMES:
         return
     from importlib.metadata import entry_points
@@ -484,6 +493,15 @@ def _check_uri_scheme(uri: str) -> None:
         f"{uri_without_password(uri)!r}; expected http://host:port, https://..., "
         "sqlite:///path.db (or another database URL), file:///path or databricks"
     )
+
+
+def _absolute_store(uri: str) -> str:
+    """``uri`` with a relative SQLite file or local store path made absolute."""
+    if uri.startswith("sqlite:///") and not uri.startswith(("sqlite:////", "sqlite:///:")):
+        return "sqlite:///" + os.path.abspath(uri.removeprefix("sqlite:///"))
+    if len(urlparse(uri).scheme) <= 1 and uri not in ("databricks", "databricks-uc"):
+        return os.path.abspath(uri)
+    return uri
 
 
 def _check_database_uri(uri: str) -> None:

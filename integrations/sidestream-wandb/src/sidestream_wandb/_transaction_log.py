@@ -48,6 +48,16 @@ class TransactionLog:
         """The file followed."""
         return self._path
 
+    @staticmethod
+    def readable(path: str) -> bool:
+        """Whether the file has this reader's header (or none yet): False for another layout."""
+        try:
+            with open(path, "rb") as file:
+                header = file.read(_HEADER.size)
+        except OSError:
+            return True  # nothing to judge by: reading it later says what is wrong
+        return len(header) < _HEADER.size or _HEADER.unpack(header) == _HEADER_VALUE
+
     @property
     def damaged(self) -> bool:
         """Whether a record failed its checksum (nothing after it is read)."""
@@ -85,17 +95,17 @@ class TransactionLog:
             if len(data) - offset < _RECORD.size:
                 break
             checksum, length, kind = _RECORD.unpack_from(data, offset)
-            if kind == 0 and length == 0:  # the rest of the block is zero padding
-                if len(data) - offset < left_in_block:
-                    break
-                offset += left_in_block
-                continue
+            if checksum == 0 and length == 0 and kind == 0:
+                break  # space not written yet (the writer pads only tails shorter than this)
             end = offset + _RECORD.size + length
             if end > len(data):
                 break  # not written whole yet
             payload = data[offset + _RECORD.size : end]
             if kind not in _TYPE_CRC or zlib.crc32(payload, _TYPE_CRC[kind]) != checksum:
-                self._damaged = True
+                # The last record of what was read may be a torn read of a write in progress
+                # (a network file system): read again later. Followed by more, it is damage.
+                if end < len(data):
+                    self._damaged = True
                 break
             offset = end
             if kind == _FULL:

@@ -88,8 +88,8 @@ class WandbSink(TrackerSink):
     before, even after ``finish`` returned (a full disk, a deleted run directory: wandb only
     logs the error); ``flush`` and a checkpoint's ``make_durable`` wait for the rows logged so
     far (given less time, they still count the rows already written). Without a ``.wandb``
-    file (``x_skip_transaction_log``) a row counts once the interval plus a margin passed since
-    it was logged and the file grew.
+    file to read (``x_skip_transaction_log``, a layout this reader does not know) a row counts
+    once the interval plus a margin passed since it was logged and wandb's service is alive.
     Older wandb clients write rows only when a 32 KiB buffer fills or the run finishes and
     cannot say when: there rows count as delivered at the next ``flush`` after ``run.log``,
     and a crashed job loses those wandb had not written.
@@ -157,6 +157,7 @@ class WandbSink(TrackerSink):
         # The rows wandb has written to the .wandb file, read back from it (wandb 0.31 on).
         self._log: TransactionLog | None = None
         self._handed: dict[str, int] = {}  # last step per stream given to run.log since open
+        self._where: dict[str, str] = {}  # project, entity and dir of the open run
         self._progress: dict[str, int] = {}  # the steps last written to the progress file
 
     @classmethod
@@ -254,11 +255,26 @@ class WandbSink(TrackerSink):
         with self._unwritten_lock:  # rows of an earlier run of this sink were in its own file
             self._unwritten.clear()
             self._handed.clear()
+            # A file of a layout this reader does not know (another wandb): rows count by time.
             self._log = (
                 None
-                if self._data_file is None or self._flush_interval is None
+                if self._data_file is None
+                or self._flush_interval is None
+                or not TransactionLog.readable(self._data_file)
                 else TransactionLog(self._data_file)
             )
+        with self._progress_lock:
+            self._progress = {}
+        # Where the run is, as wandb resolved it (WANDB_PROJECT, a relative dir), for a replay.
+        self._where = {
+            key: value
+            for key, value in (
+                ("project", getattr(self._run, "project", None)),
+                ("entity", getattr(self._run, "entity", None)),
+                ("dir", os.path.dirname(os.path.dirname(self._local_dir))),
+            )
+            if isinstance(value, str) and value
+        }
         # wandb.init registered the teardown of its service at exit: a Run closed at exit
         # must still find it there.
         close_before_backends_exit()
@@ -328,14 +344,16 @@ class WandbSink(TrackerSink):
                 raise failure  # outside the handler: the original is not chained as context
             self._last_log = time.monotonic()
             self._size_before_last_log = size_before
-            self.mark_sent(report)
-            self._logged[report.stream] = report.step
+            # Handed before sent: a flush from another thread that counts the row as sent
+            # then waits for it in the file too.
             with self._unwritten_lock:
                 self._handed[report.stream] = report.step
                 if self._log is None:
                     self._unwritten.append(
                         (self._last_log, size_before, report.stream, report.step)
                     )
+            self.mark_sent(report)
+            self._logged[report.stream] = report.step
         self._count_written()
 
     def _count_written(self) -> None:
@@ -345,12 +363,15 @@ class WandbSink(TrackerSink):
         written = self._rows_in_file() if self._log is not None else self._rows_by_time()
         if written:
             self.count_delivered(written)
-            steps = self.last_steps()
-            if self._local_dir and steps != self._progress:
-                # What counts as delivered is in the .wandb file: a job that crashes from here
-                # on resumes past it (the rows logged since may be lost, so they are not in it).
-                self._progress = steps
-                self._write_progress(self._local_dir, steps)
+            # Under the lock: send and a checkpoint's flush both count, and an older set of
+            # steps written last would stand.
+            with self._progress_lock:
+                steps = self.last_steps()
+                if self._local_dir and steps != self._progress:
+                    # What counts as delivered is in the .wandb file: a job that crashes from
+                    # here on resumes past it (the rows logged since may be lost).
+                    self._progress = steps
+                    self._write_progress(self._local_dir, steps)
 
     def _rows_in_file(self) -> dict[str, int]:
         """Each stream's last step whose row is in the ``.wandb`` file whole."""
@@ -526,22 +547,21 @@ class WandbSink(TrackerSink):
         Also written into the checkpointed job's run directory when this job resumed from it:
         a job that crashes before its own first checkpoint is resumed from that same
         checkpoint, which names only that directory, so the steps this job delivered are
-        found there too.
+        found there too. Called with ``_progress_lock`` held.
         """
         directories = [run_dir]
         previous = self._previous_dir
         if previous is not None and previous != run_dir and Path(previous).is_dir():
             directories.append(previous)
         text = json.dumps(dict(last_steps))
-        with self._progress_lock:  # send and flush may count at once
-            for directory in directories:
-                path = Path(directory) / PROGRESS_FILE
-                try:
-                    temporary = path.with_suffix(".tmp")
-                    temporary.write_text(text)
-                    os.replace(temporary, path)
-                except OSError as error:
-                    self.warn_once("progress", f"WandbSink: cannot write {path}: {error}")
+        for directory in directories:
+            path = Path(directory) / PROGRESS_FILE
+            try:
+                temporary = path.with_suffix(".tmp")
+                temporary.write_text(text)
+                os.replace(temporary, path)
+            except OSError as error:
+                self.warn_once("progress", f"WandbSink: cannot write {path}: {error}")
 
     def extra_state(self) -> dict[str, Any]:
         """The run's local directory (where the progress file is)."""
@@ -560,6 +580,7 @@ class WandbSink(TrackerSink):
         }
         if self._init_kwargs.get("dir") is not None:
             options["dir"] = os.path.abspath(os.fspath(self._init_kwargs["dir"]))
+        options.update(self._where)  # once opened: as wandb resolved them
         return options
 
     def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
@@ -623,7 +644,11 @@ class WandbSink(TrackerSink):
         return wandb.Histogram(np_histogram=(flat.tolist(), edges))
 
     def close(self, timeout: float | None = None) -> bool:
-        """``run.finish()``; return whether it finished within ``timeout`` seconds."""
+        """``run.finish()``; whether it finished within ``timeout`` s with every row written.
+
+        False too if ``finish`` returned but rows are missing from the ``.wandb`` file (a full
+        disk, a deleted run directory): they stay unconfirmed, and the pipeline keeps them.
+        """
         if self._run is None:
             return True
         active, self._run = self._run, None
@@ -637,7 +662,8 @@ class WandbSink(TrackerSink):
         written = self.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self._log is None and not self._disabled:
             # Every row is written: a resume may skip them all.
-            self._write_progress(self._local_dir, self._logged)
+            with self._progress_lock:
+                self._write_progress(self._local_dir, self._logged)
         return written
 
 
@@ -814,6 +840,7 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
 
 _RESUME_VALUES = (True, False, "allow", "must", "never", "auto")
 _RESERVED_ID_CHARACTERS = ":;,#?/'"  # wandb's own list (wandb_settings.validate_run_id)
+_MAX_PROJECT_LENGTH = 128  # wandb's own limit (wandb_settings.validate_project)
 _RESERVED_PROJECT_CHARACTERS = "/\\#?%:"  # wandb's own list (wandb_settings.validate_project)
 
 
@@ -865,6 +892,11 @@ def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
         raise ValueError(
             f"project: W&B project names cannot hold {''.join(refused)!r} (reserved: "
             f"{_RESERVED_PROJECT_CHARACTERS!r}), got {project!r}"
+        )
+    if project is not None and len(project) > _MAX_PROJECT_LENGTH:
+        raise ValueError(
+            f"project: W&B project names are at most {_MAX_PROJECT_LENGTH} characters, got "
+            f"{len(project)}"
         )
     run_id = init_kwargs.get("id")
     if run_id is not None:

@@ -2,28 +2,52 @@
 
 ``atexit`` runs the newest registration first. A run registers its close when it is made, but
 a tracker client registers its teardown (wandb stops its service process) when the sink opens,
-later, so at exit the client would be gone before the run's close delivers what is left. A sink
-whose backend registers such a teardown calls ``close_before_backends_exit`` once it has, and
-every close registered here moves in front of it again.
+later, so at exit the client would be gone before the run's close delivers what is left. So
+the closes run from one hook of their own, newest close first, and that hook moves in front of
+the others whenever a close is registered or a sink calls ``close_before_backends_exit`` after
+its client registered a teardown. Once exit has begun nothing moves: Python does not run a
+hook registered again while the hooks run.
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
+import traceback
 from collections.abc import Callable
 
 __all__ = ["close_at_exit", "close_before_backends_exit", "forget_close_at_exit"]
 
 _LOCK = threading.Lock()
-_CLOSES: list[Callable[[], object]] = []  # oldest first, as registered with atexit
+_CLOSES: list[Callable[[], object]] = []  # oldest first
+_exiting = False
+
+
+def _close_all() -> None:
+    global _exiting
+    with _LOCK:
+        _exiting = True
+        closes = list(reversed(_CLOSES))
+        _CLOSES.clear()
+    for close in closes:
+        try:
+            close()
+        except Exception:  # as atexit does: say so, and go on with the others
+            traceback.print_exc()
+
+
+def _move_to_front() -> None:
+    """Register the hook again, in front of every hook registered so far (lock held)."""
+    if not _exiting:
+        atexit.unregister(_close_all)
+        atexit.register(_close_all)
 
 
 def close_at_exit(close: Callable[[], object]) -> None:
-    """Run ``close`` at interpreter exit (before the teardowns of backends opened later)."""
+    """Run ``close`` at interpreter exit (newest first, before the hooks registered so far)."""
     with _LOCK:
         _CLOSES.append(close)
-        atexit.register(close)
+        _move_to_front()
 
 
 def forget_close_at_exit(close: Callable[[], object]) -> None:
@@ -31,17 +55,13 @@ def forget_close_at_exit(close: Callable[[], object]) -> None:
     with _LOCK:
         if close in _CLOSES:
             _CLOSES.remove(close)
-        atexit.unregister(close)
 
 
 def close_before_backends_exit() -> None:
-    """Move every registered close in front of the at-exit hooks registered so far.
+    """Run the registered closes before the at-exit hooks registered so far.
 
-    For sinks (``open``, after a client registered its own at-exit teardown). Keeps the order
-    among the closes.
+    For sinks: call it in ``open``, after the tracker's client registered its own at-exit
+    teardown. A no-op once exit has begun.
     """
     with _LOCK:
-        for close in _CLOSES:
-            atexit.unregister(close)
-        for close in _CLOSES:
-            atexit.register(close)
+        _move_to_front()

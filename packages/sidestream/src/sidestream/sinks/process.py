@@ -252,7 +252,8 @@ class ProcessSink(Sink):
             pickle.loads(self._sink_bytes)
         except Exception as error:
             raise TypeError(
-                f"sink: {type(sink).__name__} must be picklable to run in a child process "
+                f"sink: {type(sink).__name__} must be picklable, and rebuilt from its pickle, "
+                "to run in a child process "
                 f"({type(error).__name__}: {error})"
             ) from error
         self.name = sink.name

@@ -16,6 +16,7 @@ from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool, SpoolWriteEr
 from sidestream.sinks._spool_format import (
     decode_report,
     encode_report,
+    read_kept_state,
     write_kept_state,
 )
 from sidestream.sinks.base import Report, RunInfo, Sink
@@ -118,9 +119,18 @@ class SinkRunner:
         """Start the thread; it opens the sink, then delivers.
 
         Spool files this sink's earlier jobs left behind (a crash, or a close that timed out)
-        hold reports never delivered: a warning names them, with how to replay them.
+        hold reports never delivered: a warning names them, with how to replay them. Files
+        whose kept state names another run (a kept spool of another job in the same
+        directory) are only counted, at INFO.
         """
-        left = self._spool.leftovers()
+        left, others = _leftovers_of(self._spool.leftovers(), self._state)
+        if others:
+            logger.info(
+                "sink %r: %d spool file(s) in the spool directory were kept by other runs (their "
+                "state files say so); each was named when its job closed",
+                self.key,
+                len(others),
+            )
         more = len(left) - _LEFTOVERS_NAMED
         if left:
             logger.warning(
@@ -600,6 +610,30 @@ class SinkRunner:
         if self._close_deadline is None:
             return None
         return max(0.0, self._close_deadline - time.monotonic())
+
+
+_RUN_KEYS = ("path", "log_dir", "run_id", "run_key")
+"""State keys that name a sink's run (JSONL, TensorBoard, MLflow and W&B): a kept spool whose
+state names another run is another job's."""
+
+
+def _leftovers_of(paths: list[str], state: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """``paths`` split into those that may be this sink's run's and those of other runs.
+
+    A file without a readable kept state (a crashed job writes none) may be this run's.
+    """
+    mine: list[str] = []
+    others: list[str] = []
+    for path in paths:
+        try:
+            kept = read_kept_state(path)
+        except ValueError:
+            kept = None
+        theirs = None if kept is None else kept.state
+        named = [key for key in _RUN_KEYS if theirs and theirs.get(key) is not None]
+        same = any(theirs is not None and theirs.get(key) == state.get(key) for key in named)
+        (mine if not named or same else others).append(path)
+    return mine, others
 
 
 def _describe(error: BaseException) -> str:

@@ -1,0 +1,44 @@
+"""At exit, runs and collectors close before the teardowns of their trackers' clients."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = """
+import atexit
+from sidestream._exit import close_at_exit, close_before_backends_exit, forget_close_at_exit
+
+def say(text):
+    return lambda: print(text, flush=True)
+
+close_at_exit(say("first run closed"))
+atexit.register(say("client torn down"))  # a client registers its teardown at open...
+close_before_backends_exit()  # ...and its sink moves the closes in front of it
+forgotten = say("closed run closed again")
+close_at_exit(forgotten)
+forget_close_at_exit(forgotten)  # closed already: not again at exit
+
+def opening_late():
+    # A sink that opens while the interpreter exits: moving hooks now would drop them.
+    close_before_backends_exit()
+    print("second run closed", flush=True)
+
+close_at_exit(opening_late)
+"""
+
+
+def test_closes_run_newest_first_before_the_clients_teardown_and_none_is_lost() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [
+        "second run closed",
+        "first run closed",
+        "client torn down",
+    ], done.stderr
