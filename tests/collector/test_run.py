@@ -721,3 +721,43 @@ def test_a_checkpoint_that_times_out_on_computing_windows_says_they_are_not_in_i
     run.state_dict(timeout=30)  # time enough: no warning
     assert "still being computed" not in caplog.text
     assert run.close(timeout=30)
+
+
+@pytest.mark.parametrize("child", [False, True])
+def test_a_checkpoint_taken_before_the_sink_opened_resumes_without_repeating_a_stream(
+    tmp_path: Path, child: bool
+) -> None:
+    """The sink opened only after the checkpoint (a busy host, a slow child process): the
+    checkpoint named no offset into the file, so the resumed JSONL sink looked at the last line
+    alone and logged the other stream's steps again."""
+    from sidestream.sinks import ProcessSink
+    from tests.collector.child_sinks import SlowOpenSink
+
+    path = tmp_path / "run.jsonl"
+
+    def sink(seconds: float) -> JsonlSink | ProcessSink:
+        made = SlowOpenSink(path, seconds)
+        return ProcessSink(made) if child else made
+
+    with Run([sink(2.0)]) as first:
+        train = first.collector(MeanMetric(), prefix="train").bind("cpu")
+        first.log(1, {"lr": 0.1})
+        train.metric.update(torch.tensor([1.0, 2.0]))
+        train.schedule_collection(1)
+        saved = first.state_dict(timeout=0.2)  # before the sink opened
+    assert saved["sinks"]["jsonl"]["last_steps"] == []
+    with Run([sink(0.0)]) as resumed:
+        train = resumed.collector(MeanMetric(), prefix="train")
+        resumed.load_state_dict(saved)
+        train.bind("cpu")
+        resumed.log(1, {"lr": 0.1})  # the job repeats step 1 of both streams
+        train.metric.update(torch.tensor([5.0]))
+        train.schedule_collection(1)
+        train.metric.update(torch.tensor([7.0]))
+        train.schedule_collection(2)
+    rows = sorted((r["stream"], r["step"], r["values"]) for r in read_jsonl(path))
+    assert rows == [
+        ("", 1, {"lr": 0.1}),
+        ("train", 1, {"train": 1.5}),
+        ("train", 2, {"train": 7.0}),
+    ]

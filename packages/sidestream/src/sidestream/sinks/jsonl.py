@@ -89,6 +89,9 @@ class JsonlSink(TrackerSink):
         self._regular = True
         self._file_lock = threading.Lock()
         self._offset: int | None = None  # bytes of the file once the last write was flushed
+        # Where this sink's lines will start (it appends): a checkpoint taken before open
+        # names it, so a resumed job finds every line this one delivered after it.
+        self._size_at_start = _regular_file_size(self.path)
         self._resume_offset: int | None = None
         self._saved_path: str | None = None  # the file a loaded checkpoint was taken of
 
@@ -189,8 +192,11 @@ class JsonlSink(TrackerSink):
         return True
 
     def extra_state(self) -> dict[str, Any]:
-        """Where the file ended after the last delivered line (to find later lines on resume)."""
-        return {"offset": self._offset}
+        """Where the file ended after the last delivered line (to find later lines on resume).
+
+        Before ``open``: where it ended when the sink was made, where its lines will start.
+        """
+        return {"offset": self._offset if self._offset is not None else self._size_at_start}
 
     def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
         """Remember the saved end of file."""
@@ -312,6 +318,17 @@ def _mend_last_line(path: Path) -> None:
             file.write(b"\n")
         else:
             file.truncate(start)
+
+
+def _regular_file_size(path: Path) -> int | None:
+    """The size of ``path``: 0 if it does not exist, None if it is no regular file."""
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
 
 
 def _steps_after(path: Path, offset: int | None) -> dict[str, int]:
