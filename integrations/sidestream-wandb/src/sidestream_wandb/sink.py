@@ -271,6 +271,7 @@ class WandbSink(TrackerSink):
             for key, value in (
                 ("project", getattr(self._run, "project", None)),
                 ("entity", getattr(self._run, "entity", None)),
+                ("mode", getattr(getattr(self._run, "settings", None), "mode", None)),
                 ("dir", os.path.dirname(os.path.dirname(self._local_dir))),
             )
             if isinstance(value, str) and value
