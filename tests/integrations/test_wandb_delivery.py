@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from sidestream.sinks import Report, RunInfo
-from tests.integrations.wandb_reader import read_history
+from tests.integrations.wandb_reader import read_history, read_records
 
 pytest.importorskip("wandb")
 from sidestream_wandb import WandbSink
@@ -171,6 +171,10 @@ def test_a_script_that_never_closes_its_run_delivers_every_row_at_exit(
     assert [row.items["train/step"] for row in rows] == list(range(1, 11))
     np.testing.assert_allclose([row.items["train"] for row in rows], np.arange(1, 11))
     assert not list(spool_dir.glob("sidestream-*"))
+    # A crash is recorded as one (wandb marks a run with exit code 0 finished), as wandb's own
+    # exit hook would have: the Run's close at exit ran first and passed 0.
+    (ending_record,) = [r for r in read_records(data) if r.WhichOneof("record_type") == "exit"]
+    assert ending_record.exit.exit_code == (1 if ending == "raise" else 0)
 
 
 def test_a_replay_given_only_the_spool_continues_the_run_where_the_job_kept_it(

@@ -217,6 +217,10 @@ def test_replay_skips_damaged_lines_when_asked_and_counts_steps_the_sink_has(
         (["SPOOL", "--sink", "nosuch"], "--sink nosuch: sink 'nosuch' is unknown"),
         (["SPOOL", "--sink", "jsonl", "--option", "pth=x"], "did you mean 'path'"),
         (["SPOOL", "--sink", "console", "--resume-state", "MISSING"], "--resume-state: "),
+        # No sink named and no state file beside the spool (a crashed job writes none).
+        (["SPOOL"], "--sink is required: SPOOL.state.json, which names the sink, is not there"),
+        # A replayed file again: it opened the tracker's run again (an empty W&B directory).
+        (["SPOOL.replayed", "--sink", "jsonl"], "SPOOL.replayed: replayed already"),
     ],
 )
 def test_replay_command_errors_are_one_line_not_tracebacks(
@@ -226,12 +230,18 @@ def test_replay_command_errors_are_one_line_not_tracebacks(
 
     spool = tmp_path / "kept.jsonl"
     spool.write_text("")
-    paths = {"SPOOL": str(spool), "MISSING": str(tmp_path / "missing")}
+    (tmp_path / "kept.jsonl.replayed").write_text("")
+    paths = {
+        "SPOOL": str(spool),
+        "SPOOL.replayed": f"{spool}.replayed",
+        "MISSING": str(tmp_path / "missing"),
+    }
     with pytest.raises(SystemExit) as exited:
         main([paths.get(argument, argument) for argument in arguments])
     assert exited.value.code == 2
     error = capsys.readouterr().err
-    assert message.replace("MISSING", paths["MISSING"]) in error and "Traceback" not in error
+    expected = message.replace("MISSING", paths["MISSING"]).replace("SPOOL", str(spool))
+    assert expected in error and "Traceback" not in error
 
 
 def test_keep_failing_at_close_is_logged_not_raised(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from sidestream.sinks.support import (
     check_option_types,
     checked_histogram_edges,
     close_before_backends_exit,
+    failed_exit_code,
     flatten_config,
     histogram_edges,
     name_digest,
@@ -654,7 +656,9 @@ class WandbSink(TrackerSink):
             return True
         active, self._run = self._run, None
         deadline = None if timeout is None else time.monotonic() + timeout
-        finished = self.within(active.finish, timeout, "finish")
+        code = failed_exit_code()  # closed at exit after an uncaught exception: failed
+        finish = active.finish if code is None else functools.partial(active.finish, code)
+        finished = self.within(finish, timeout, "finish")
         if not finished:
             self._count_written()  # what wandb wrote before it failed still counts
             return False

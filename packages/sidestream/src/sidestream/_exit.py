@@ -12,15 +12,55 @@ hook registered again while the hooks run.
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import traceback
 from collections.abc import Callable
+from types import TracebackType
 
-__all__ = ["close_at_exit", "close_before_backends_exit", "forget_close_at_exit"]
+__all__ = [
+    "close_at_exit",
+    "close_before_backends_exit",
+    "failed_exit_code",
+    "forget_close_at_exit",
+]
 
 _LOCK = threading.Lock()
 _CLOSES: list[Callable[[], object]] = []  # oldest first
 _exiting = False
+_failed_code: int | None = None  # set by an uncaught exception on its way out
+_hooked = False
+
+
+def _record_failure(
+    kind: type[BaseException], value: BaseException, tb: TracebackType | None
+) -> None:
+    global _failed_code
+    # As wandb's own exit hooks count it: Ctrl-C is 255, any other exception 1.
+    _failed_code = 255 if issubclass(kind, KeyboardInterrupt) else 1
+    _previous_excepthook(kind, value, tb)
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _hook_exceptions() -> None:
+    """Note an uncaught exception (lock held): a close at exit tells the tracker the job failed."""
+    global _hooked, _previous_excepthook
+    if not _hooked:
+        _hooked = True
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _record_failure
+
+
+def failed_exit_code() -> int | None:
+    """The exit code of the uncaught exception the interpreter is exiting with, else None.
+
+    For sinks closed at exit: wandb marks a run finished with code 0 as successful, so a job
+    that crashed without closing its ``Run`` would show as finished (its own exit hook, which
+    knows better, runs after the closes).
+    """
+    return _failed_code
 
 
 def _close_all() -> None:
@@ -48,6 +88,7 @@ def close_at_exit(close: Callable[[], object]) -> None:
     with _LOCK:
         _CLOSES.append(close)
         _move_to_front()
+        _hook_exceptions()
 
 
 def forget_close_at_exit(close: Callable[[], object]) -> None:

@@ -65,6 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--print", action="store_true", help="print the reports, write nothing")
     args = parser.parse_args(argv)
+    if args.spool.endswith(_REPLAYED) and not args.print:
+        parser.error(
+            f"{args.spool}: replayed already (its reports were delivered); to deliver them "
+            f"again, rename it without {_REPLAYED}"
+        )
     if not os.path.isfile(args.spool):
         done = (
             f" (it was replayed already: {args.spool}{_REPLAYED})"
@@ -89,7 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     if not args.sink:
         if kept is None:
-            parser.error(f"--sink is required unless --print is given or {STATE_SUFFIX} names it")
+            parser.error(
+                f"--sink is required: {args.spool}{STATE_SUFFIX}, which names the sink, is not "
+                "there (a crashed job writes none)"
+            )
         args.sink = kept.sink
     options = {}
     for item in args.option:

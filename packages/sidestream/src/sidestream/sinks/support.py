@@ -14,7 +14,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from sidestream._exit import close_before_backends_exit
+from sidestream._exit import close_before_backends_exit, failed_exit_code
 
 __all__ = [
     "call_within",
@@ -23,6 +23,7 @@ __all__ = [
     "check_seconds",
     "checked_histogram_edges",
     "close_before_backends_exit",
+    "failed_exit_code",
     "flatten_config",
     "name_digest",
     "parse_resume_state",
