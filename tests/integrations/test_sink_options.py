@@ -265,10 +265,8 @@ def _start_a_console_sink(spool_dir: Path, caplog: pytest.LogCaptureFixture) -> 
         assert runner.close(10.0)
 
 
-def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # A crashed job's spool holds reports never delivered: the next job says where they are.
+def _ended_process_id() -> int:
+    """The id of a process that has ended (its spool files count as left behind)."""
     import subprocess
     import sys
 
@@ -278,7 +276,14 @@ def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
         text=True,
         check=True,
     )
-    pid = int(ended.stdout)
+    return int(ended.stdout)
+
+
+def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A crashed job's spool holds reports never delivered: the next job says where they are.
+    pid = _ended_process_id()
     left = tmp_path / f"sidestream-console@{pid}-abc123.spool.jsonl"
     left.write_text("")
     other_sink = tmp_path / f"sidestream-jsonl@{pid}-abc123.spool.jsonl"
@@ -446,18 +451,9 @@ def test_only_spool_files_that_may_be_this_runs_are_named_when_the_sink_starts(
 ) -> None:
     # Every leftover of the sink's name in the directory was named, other jobs' kept files
     # too (a shared /tmp): a new user was told to replay files of runs not theirs.
-    import subprocess
-    import sys
-
     from sidestream.sinks._spool_format import write_kept_state
 
-    ended = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    pid = int(ended.stdout)
+    pid = _ended_process_id()
     path = str(tmp_path / "m.jsonl")
     ours, theirs, crashed = (
         tmp_path / f"sidestream-jsonl@{pid}-{tag}.spool.jsonl" for tag in ("a1", "b2", "c3")
