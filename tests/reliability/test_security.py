@@ -86,6 +86,9 @@ REVIEWED_UNPICKLING = {
     ("sinks/process.py", "trial: Sink = pickle.loads(self._sink_bytes)"): (
         "bytes this ProcessSink pickled itself from the sink it was given"
     ),
+    ("sinks/process.py", "pickle.loads(self._sink_bytes)"): (
+        "bytes this ProcessSink pickled itself just before, from the sink it was given"
+    ),
     ("sinks/process.py", "operation, argument = pickle.loads(conn.recv_bytes())"): (
         "multiprocessing Pipe (a socketpair) from the parent"
     ),
