@@ -444,6 +444,14 @@ def test_a_checkpoint_takes_what_a_tracker_delivered_even_when_make_durable_fell
     assert sink.last_steps() == {"": 3}
 
 
+def _log_the_repeated_window_and_the_next(train: AsyncMetricCollector) -> None:
+    """Step 1 again (5.0, which the sink skips) and step 2 (7.0), as a resumed job logs them."""
+    train.metric.update(torch.tensor([5.0]))
+    train.schedule_collection(1)
+    train.metric.update(torch.tensor([7.0]))
+    train.schedule_collection(2)
+
+
 @pytest.mark.parametrize("checkpoint", ["run.state_dict", "dcp", "dcp, child process"])
 def test_a_resumed_job_repeating_a_step_logs_it_once_whatever_the_checkpoint(
     tmp_path: Path, checkpoint: str
@@ -478,10 +486,7 @@ def test_a_resumed_job_repeating_a_step_logs_it_once_whatever_the_checkpoint(
             resumed.load_state_dict(saved)
         train.bind("cpu")
         resumed.log(1, {"lr": 0.1})  # the job repeats step 1 of both streams
-        train.metric.update(torch.tensor([5.0]))
-        train.schedule_collection(1)
-        train.metric.update(torch.tensor([7.0]))
-        train.schedule_collection(2)
+        _log_the_repeated_window_and_the_next(train)
         resumed.log(2, {"lr": 0.2})
     rows = sorted((r["stream"], r["step"], r["values"]) for r in read_jsonl(path))
     assert rows == [
@@ -751,10 +756,7 @@ def test_a_checkpoint_taken_before_the_sink_opened_resumes_without_repeating_a_s
         resumed.load_state_dict(saved)
         train.bind("cpu")
         resumed.log(1, {"lr": 0.1})  # the job repeats step 1 of both streams
-        train.metric.update(torch.tensor([5.0]))
-        train.schedule_collection(1)
-        train.metric.update(torch.tensor([7.0]))
-        train.schedule_collection(2)
+        _log_the_repeated_window_and_the_next(train)
     rows = sorted((r["stream"], r["step"], r["values"]) for r in read_jsonl(path))
     assert rows == [
         ("", 1, {"lr": 0.1}),
