@@ -271,6 +271,51 @@ def test_runner_keeps_undeliverable_reports_and_warns_once(
     assert [r.step for r in reports] == [1, 2, 3, 4, 5]
 
 
+class _StalledFlushSink(RecordingSink):
+    """A backend that stalls: its flushes do not finish until ``stalled`` is cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stalled = True
+        self.flushes = 0
+
+    def flush(self, timeout: float | None = None) -> bool:
+        self.flushes += 1
+        return not self.stalled
+
+
+def test_a_stalled_flush_is_logged_once_per_streak_and_its_recovery_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sink = _StalledFlushSink()
+    runner = SinkRunner(sink, flush_interval_s=0.001)
+
+    def write_and_flush(step: int) -> None:
+        flushes = sink.flushes
+        runner.submit(_report(step))
+        deadline = time.monotonic() + 10
+        while sink.flushes == flushes and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sink.flushes > flushes, "each write is followed by an idle flush"
+
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        runner.start()
+        for step in range(1, 6):
+            write_and_flush(step)
+        sink.stalled = False
+        write_and_flush(6)
+        sink.stalled = True
+        write_and_flush(7)
+        sink.stalled = False
+        assert runner.close(10.0)
+    messages = [r.getMessage() for r in caplog.records]
+    stalls = [m for m in messages if "flush did not finish" in m]
+    recoveries = [m for m in messages if "flush finished again" in m]
+    assert len(stalls) == 2, messages  # one per streak, not one per flush
+    assert len(recoveries) == 1 and "after 5 failed" in recoveries[0], messages
+    assert sink.steps == [1, 2, 3, 4, 5, 6, 7]
+
+
 def test_jsonl_resume_skips_steps_logged_after_the_checkpoint_and_heals_cut_line(
     tmp_path: Path,
 ) -> None:

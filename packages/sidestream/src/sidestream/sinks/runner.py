@@ -98,6 +98,7 @@ class SinkRunner:
         self._abandon = threading.Event()
         self._failing = False
         self._failed_attempts = 0
+        self._flush_failures = 0  # in a row: only the first of a streak is logged
         self._status = SinkStatus("healthy", None)
         # Until the sink delivers (or if it never opens): the state it resumes from, else its
         # state before open, so a checkpoint taken meanwhile keeps them and the keys a fresh
@@ -443,7 +444,7 @@ class SinkRunner:
                 dirty = True
                 continue
             if dirty and flush_now:
-                self._once("flush", lambda: self.sink.flush(self._remaining()))
+                self._flush()
                 dirty = False
                 last_flush = time.monotonic()
             if stop:
@@ -574,23 +575,46 @@ class SinkRunner:
             reason,
         )
 
-    def _once(self, what: str, action: Callable[[], object]) -> bool:
-        """Run a sink's ``flush`` or ``close``; whether it neither raised nor returned False."""
+    def _flush(self) -> None:
+        """An idle flush, logged once per streak of failures.
+
+        A stalled backend fails one flush every interval: the first failure of a streak is
+        logged, then only the recovery, so the log is not flooded meanwhile.
+        """
+        streak = self._flush_failures
+        if not self._once("flush", lambda: self.sink.flush(self._remaining()), quiet=streak > 0):
+            self._flush_failures += 1
+            return
+        self._flush_failures = 0
+        if streak:
+            logger.warning(
+                "sink %r: flush finished again after %d failed flush(es)", self.key, streak
+            )
+
+    def _once(self, what: str, action: Callable[[], object], *, quiet: bool = False) -> bool:
+        """Run a sink's ``flush`` or ``close``; whether it neither raised nor returned False.
+
+        A failure is always kept in the status; ``quiet`` logs it at DEBUG, not WARNING.
+        """
+        raised = True
         try:
             done = action()
         except Exception as error:
             reason = f"{what} failed: {type(error).__name__}: {error}"
+        else:
+            if done is not False:
+                return True
+            raised, reason = False, f"{what} did not finish (it returned False)"
+        if quiet:
+            logger.debug("sink %r: %s", self.key, reason)
+        elif what == "flush":
+            logger.warning("sink %r: %s; not logged again until a flush finishes", self.key, reason)
+        else:
             logger.warning("sink %r: %s", self.key, reason)
-            # A close that raised ends the sink with an error: its status says so (a flush
-            # that raised is covered by later ones and the close, so only its error is kept).
-            self._note(reason, failed=what == "close")
-            return False
-        if done is False:
-            reason = f"{what} did not finish (it returned False)"
-            logger.warning("sink %r: %s", self.key, reason)
-            self._note(reason, failed=False)
-            return False
-        return True
+        # A close that raised ends the sink with an error: its status says so (a flush that
+        # raised is covered by later ones and the close, so only its error is kept).
+        self._note(reason, failed=raised and what == "close")
+        return False
 
     def _note(self, reason: str, *, failed: bool) -> None:
         with self._cond:
