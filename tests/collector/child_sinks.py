@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -173,3 +174,22 @@ class ChildlessSink(JsonlSink):
         if multiprocessing.parent_process() is not None:
             raise RuntimeError("cannot construct in child")
         self.__dict__.update(state)
+
+
+class TemporaryFolderSink(Sink):
+    """Holds a ``tempfile.TemporaryDirectory`` for the life of its process, as wandb does for
+    its media files, and names it in its state."""
+
+    name = "temporary_folder"
+
+    def __init__(self) -> None:
+        self._folder: tempfile.TemporaryDirectory[str] | None = None
+
+    def open(self, run: RunInfo) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="sidestream-child-")
+
+    def write(self, report: Report) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"folder": None if self._folder is None else self._folder.name}

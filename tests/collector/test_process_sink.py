@@ -36,6 +36,7 @@ from tests.collector.child_sinks import (
     FailingOpenSink,
     FlushHangSink,
     SlowOpenSink,
+    TemporaryFolderSink,
     TroubleJsonlSink,
 )
 
@@ -301,6 +302,17 @@ def test_close_after_the_child_died_still_closes_the_backend_run(tmp_path: Path)
     assert sink.restarts == 1
     assert sink.close(1.0)  # closed already: nothing starts again
     assert marks.read_text().count("close") == 1
+
+
+def test_a_closed_child_leaves_no_temporary_folders() -> None:
+    # wandb makes its media and artifact folders at import; a child ended without its
+    # interpreter's teardown left both behind after every job.
+    sink = ProcessSink(TemporaryFolderSink())
+    sink.open(RunInfo())
+    folder = sink.state_dict()["folder"]
+    assert folder is not None and os.path.isdir(folder)
+    assert sink.close(60.0)
+    assert not os.path.exists(folder)
 
 
 def test_a_runner_that_never_started_closes_quietly() -> None:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -105,11 +106,25 @@ def _serve(
         except Exception as error:
             _reply(conn, _ERROR, *_failure(error))
         if operation == "close":
-            # The sink is closed: skip the interpreter's teardown (tracker clients' exit hooks
-            # can take seconds), which would only delay the trainer's own shutdown.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            _exit_closed()
+
+
+def _exit_closed() -> None:
+    """End the child once its sink is closed, skipping the interpreter's teardown.
+
+    Tracker clients' exit hooks can take seconds, which would only delay the trainer's own
+    shutdown. Temporary directories (``tempfile``'s, such as wandb's media and artifact folders
+    made at import) are removed all the same: their finalizers run here, as at a normal exit.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # weakref.finalize's at-exit hook (what atexit would run for them); absent, nothing leaks
+    # but those folders.
+    run_finalizers = getattr(weakref.finalize, "_exitfunc", None)
+    if run_finalizers is not None:
+        with contextlib.suppress(Exception):
+            run_finalizers()
+    os._exit(0)
 
 
 _GUARD_HELP = (
