@@ -403,6 +403,10 @@ def test_a_row_that_is_no_fingerprint_is_named_as_another_collective() -> None:
     assert "ran another collective at this point" in message
     with pytest.raises(RankMismatchError, match="ran another collective at this point"):
         check_calls([window, CallFingerprint("sync", 177117687).words(5)], rank=1)
+    # Zeros (a zero-filled tensor of another collective) were read as kind 0, "sync #...".
+    with pytest.raises(RankMismatchError) as caught:
+        check_calls([window, [0, 6310622999, 0, 0]], rank=0)
+    assert "rank 1: no call of sidestream's (unknown kind 0)" in str(caught.value)
     other_structure = CallFingerprint("window", 3, "train").words(999)
     with pytest.raises(RankMismatchError) as caught:
         check_calls([window, other_structure], rank=0)

@@ -80,7 +80,10 @@ _FINGERPRINT_WORDS = 4  # kind, sequence, structure, stream (int64 each, on the 
 _FINGERPRINT_CHUNKS = 1 + 3 * (64 // _CHUNK_BITS)
 FINGERPRINT_BYTES = 8 * _FINGERPRINT_WORDS
 """Bytes a call fingerprint adds to each rank's payload on the gather path."""
-_KIND_INDEX = {kind: index for index, kind in enumerate(_KINDS)}
+_KIND_BASE = 0x5E00
+"""Added to a kind's index in its word: bytes of another collective (often zeros) then read as
+no kind at all, not as a "sync" with a meaningless number. Below 2**16: one all_reduce chunk."""
+_KIND_INDEX = {kind: _KIND_BASE + index for index, kind in enumerate(_KINDS)}
 _WORD_MASK = (1 << 64) - 1
 
 
@@ -228,9 +231,9 @@ def check_same_call(group: Group, fingerprint: CallFingerprint, device: torch.de
 
 def _describe_call(words: list[int]) -> str:
     kind, sequence, structure, stream = words
-    if not 0 <= kind < len(_KINDS):
+    if not 0 <= kind - _KIND_BASE < len(_KINDS):
         return f"no call of sidestream's (unknown kind {kind})"
-    name = _KINDS[kind]
+    name = _KINDS[kind - _KIND_BASE]
     number = f"{name} {sequence}" if name == "sync at step" else f"{name} #{sequence}"
     # 0: no layout was sent (check_same_call), only the call.
     details = [f"structure {structure & _WORD_MASK:016x}"] if structure else []
