@@ -203,3 +203,20 @@ def test_a_replay_given_only_the_spool_continues_the_run_where_the_job_kept_it(
     (data,) = (jobs / "wandb").glob(f"offline-run-*-{sink.run_id}/*.wandb")
     assert [row.items["step"] for row in read_history(data)] == [2, 3, 4]
     assert not list(elsewhere.iterdir())
+
+
+def test_a_replay_goes_to_the_jobs_own_wandb_server(tmp_path: Path) -> None:
+    # Only project, entity, mode and dir were kept: a job on a self-hosted server was replayed
+    # to W&B's cloud, in a project of the same name there.
+    own = WandbSink(
+        project="p",
+        mode="offline",
+        dir=str(tmp_path),
+        settings={"base_url": "http://user:secret@127.0.0.1:1"},
+    )
+    default = WandbSink(project="p", mode="offline", dir=str(tmp_path))
+    for sink in (own, default):
+        sink.open(RunInfo())
+        assert sink.close(30)
+    assert own.replay_options()["settings"] == {"base_url": "http://***@127.0.0.1:1"}
+    assert "settings" not in default.replay_options()

@@ -28,6 +28,7 @@ from sidestream.sinks.support import (
     redact,
     secrets_in,
     shorten,
+    uri_without_password,
 )
 from sidestream.sinks.tracker import signature_options
 from sidestream_wandb._transaction_log import TransactionLog
@@ -275,6 +276,7 @@ class WandbSink(TrackerSink):
                 ("entity", getattr(self._run, "entity", None)),
                 ("mode", getattr(getattr(self._run, "settings", None), "mode", None)),
                 ("dir", os.path.dirname(os.path.dirname(self._local_dir))),
+                ("base_url", _own_server(wandb, self._run)),
             )
             if isinstance(value, str) and value
         }
@@ -571,19 +573,26 @@ class WandbSink(TrackerSink):
         return {"run_dir": self.run_dir or self._previous_dir}
 
     def replay_options(self) -> dict[str, Any]:
-        """Where the run is (project, entity, mode, group, job type, dir), for a replay.
+        """Where the run is (project, entity, mode, group, job type, dir, server), for a replay.
 
-        A replay given only ``--sink wandb`` then continues the job's run in its project, not
-        a run of the same id in wandb's default project.
+        A replay given only ``--sink wandb`` then continues the job's run in its project on its
+        server, not a run of the same id in wandb's default project on W&B's cloud. The server
+        is kept as ``settings={"base_url": ...}`` when it is not wandb's default (a password
+        in it hidden as ``***``), and only once the run was opened (wandb resolves it from the
+        settings, ``WANDB_BASE_URL`` or ``wandb login --host``).
         """
-        options = {
+        options: dict[str, Any] = {
             key: self._init_kwargs[key]
             for key in ("project", "entity", "mode", "group", "job_type")
             if isinstance(self._init_kwargs.get(key), str)
         }
         if self._init_kwargs.get("dir") is not None:
             options["dir"] = os.path.abspath(os.fspath(self._init_kwargs["dir"]))
-        options.update(self._where)  # once opened: as wandb resolved them
+        where = dict(self._where)  # once opened: as wandb resolved them
+        base_url = where.pop("base_url", None)
+        options.update(where)
+        if base_url is not None:
+            options["settings"] = {"base_url": uri_without_password(base_url)}
         return options
 
     def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
@@ -670,6 +679,15 @@ class WandbSink(TrackerSink):
             with self._progress_lock:
                 self._write_progress(self._local_dir, self._logged)
         return written
+
+
+def _own_server(wandb: Any, run: Any) -> str | None:
+    """The run's W&B server as wandb resolved it, or ``None`` for wandb's default one."""
+    base_url = getattr(getattr(run, "settings", None), "base_url", None)
+    default = getattr(getattr(wandb, "Settings", None), "model_fields", {}).get("base_url")
+    if not isinstance(base_url, str) or base_url == getattr(default, "default", None):
+        return None
+    return base_url
 
 
 def _with_flush_interval(wandb: Any, settings: Any) -> tuple[Any, float | None]:
