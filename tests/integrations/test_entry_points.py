@@ -40,7 +40,11 @@ def test_sinks_from_config_builds_each_integration_without_opening_it(tmp_path: 
     run_id = sinks[0].run_id  # made by the sink: a checkpoint before open names the run
     assert repr(sinks[0]) == f"WandbSink(project='demo', mode='offline', run_id={run_id!r})"
     assert repr(sinks[1]) == f"MlflowSink(tracking_uri={uri!r}, experiment='demo', run_id=None)"
-    assert sinks[2].state_dict() == {"log_dir": str(tmp_path / "tb"), "last_steps": []}
+    assert sinks[2].state_dict() == {
+        "log_dir": str(tmp_path / "tb"),
+        "last_steps": [],
+        "earlier_files": [],
+    }
     # Building a sink opens nothing (every rank builds them; only rank 0's collector opens).
     assert list(tmp_path.iterdir()) == []
     # The list spelling, and options that do not fit name the sink.

@@ -49,7 +49,7 @@ from sidestream.sinks.console import ConsoleSink
         (
             lambda d: _tensorboard()(str(d), histogram_edges={"h": [1.0, 0.5]}),
             ValueError,
-            r"histogram_edges\['h'\]: expected at least 2 increasing edges",
+            r"histogram_edges\['h'\]: expected at least 2 finite increasing edges",
         ),
         (
             lambda d: _wandb()(project="p", mode="offline", bogus_opt=1),

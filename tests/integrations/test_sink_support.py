@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from sidestream.sinks.support import (
+    checked_histogram_edges,
     flatten_config,
     histogram_edges,
     redact,
@@ -75,7 +76,13 @@ def test_credentials_are_removed_from_uris_and_messages(monkeypatch: pytest.Monk
 def test_histogram_edges_default_to_unit_bins_and_check_given_ones() -> None:
     assert histogram_edges(3, None) == [0.0, 1.0, 2.0, 3.0]
     assert histogram_edges(2, [0, 0.5, 1]) == [0.0, 0.5, 1.0]
-    with pytest.raises(ValueError, match="expected 3 increasing edges"):
+    with pytest.raises(ValueError, match="expected 3 finite increasing edges"):
         histogram_edges(2, [0, 1])
     with pytest.raises(ValueError, match="increasing"):
         histogram_edges(2, [0, 1, 1])
+    # NaN compares false both ways: an order check alone let it through.
+    for edges in ([0, float("nan"), 2], [0, 1, float("inf")]):
+        with pytest.raises(ValueError, match="finite increasing"):
+            histogram_edges(2, edges)
+        with pytest.raises(ValueError, match=r"histogram_edges\['h'\]: .*finite increasing"):
+            checked_histogram_edges({"h": edges})

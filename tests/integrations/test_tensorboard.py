@@ -90,7 +90,12 @@ def test_two_ranks_every_window_once(tmp_path: Path, pool2: RankPool) -> None:
     assert [r["closed"] for r in results] == [True, True]
     assert results[0]["delivered"] == [STEPS]
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # rank 1 wrote nothing
-    assert results[1]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": []}]
+    # Rank 1 delivers nothing; its sink's earlier_files is read whenever it is asked.
+    (rank_1_state,) = results[1]["sink_states"]
+    assert {k: rank_1_state[k] for k in ("log_dir", "last_steps")} == {
+        "log_dir": str(log_dir),
+        "last_steps": [],
+    }
     accumulator = _load(log_dir)
     _check(accumulator, range(STEPS))
     content = accumulator.PluginTagToContent("hparams")
@@ -99,7 +104,9 @@ def test_two_ranks_every_window_once(tmp_path: Path, pool2: RankPool) -> None:
     )
     assert start.hparams["optimizer.lr"].number_value == 3e-4
     assert start.hparams["optimizer.betas"].string_value == "[0.9, 0.95]"
-    assert results[0]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": [["", STEPS - 1]]}]
+    assert results[0]["sink_states"] == [
+        {"log_dir": str(log_dir), "last_steps": [["", STEPS - 1]], "earlier_files": []}
+    ]
 
 
 def test_from_a_child_process(tmp_path: Path, pool2: RankPool) -> None:
@@ -110,7 +117,9 @@ def test_from_a_child_process(tmp_path: Path, pool2: RankPool) -> None:
     results = pool2.run(train, config, range(50), timeout=240)
     assert results[0]["delivered"] == [50]
     assert [r["closed"] for r in results] == [True, True]
-    assert results[0]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": [["", 49]]}]
+    assert results[0]["sink_states"] == [
+        {"log_dir": str(log_dir), "last_steps": [["", 49]], "earlier_files": []}
+    ]
     _check(_load(log_dir), range(50))
 
 
@@ -121,11 +130,17 @@ def test_resume_from_collector_checkpoint_appends_to_the_same_directory(
     # Stop after step 100's update with a checkpoint; step 100 is not logged yet.
     first = pool2.run(train, _config(log_dir), range(101), checkpoint_at=100, timeout=240)
     checkpoint = first[0]["checkpoint"]
-    assert checkpoint["sinks"]["tensorboard"] == {"log_dir": str(log_dir), "last_steps": [["", 99]]}
+    assert checkpoint["sinks"]["tensorboard"] == {
+        "log_dir": str(log_dir),
+        "last_steps": [["", 99]],
+        "earlier_files": [],
+    }
     # The restarted job names no directory: the checkpoint's is used.
     second = pool2.run(train, _config(None), range(100, STEPS), checkpoint, timeout=240)
     assert [r["closed"] for r in first + second] == [True] * 4
-    assert second[0]["sink_states"] == [{"log_dir": str(log_dir), "last_steps": [["", STEPS - 1]]}]
+    assert second[0]["sink_states"] == [
+        {"log_dir": str(log_dir), "last_steps": [["", STEPS - 1]], "earlier_files": []}
+    ]
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 2
     _check(_load(log_dir), range(STEPS))
 
@@ -395,3 +410,90 @@ def test_replay_counts_tags_the_event_files_hold_at_their_steps_as_had(tmp_path:
     result = replay_spool(spool, TensorBoardSink(tmp_path / "tb"), resume_state=state)
     # 2 and 3 are there below the largest step 5, and 5 itself; 4 is not: held.
     assert (result.written, result.skipped, result.held) == (0, 3, 1)
+
+
+def _steps_of(log_dir: Path, tag: str) -> list[int]:
+    return [event.step for event in _load(log_dir).Scalars(tag)]
+
+
+def test_a_new_run_in_a_used_directory_keeps_its_steps_when_its_writer_is_replaced(
+    tmp_path: Path,
+) -> None:
+    # The new run's replaced writer (a disk error, a restarted child) read the earlier run's
+    # steps as its own: its steps up to 40 counted as held, were dropped and counted delivered.
+    earlier = TensorBoardSink(tmp_path)
+    earlier.open(RunInfo())
+    for step in range(1, 41):
+        earlier.write(Report(step=step, values={"loss": 1.0}, time=time.time()))
+    assert earlier.close()
+    sink = TensorBoardSink(tmp_path)
+    sink.open(RunInfo())
+    for step in range(1, 11):
+        sink.write(Report(step=step, values={"loss": 2.0}, time=time.time()))
+    assert sink.flush(30)
+
+    def disk_error(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk error")
+
+    sink._writer.add_scalar = disk_error
+    failing = Report(step=11, values={"loss": 2.0}, time=time.time())
+    with pytest.raises(OSError):
+        sink.write(failing)
+    for step in range(11, 41):  # the retry of step 11 comes first, on a new writer
+        sink.write(Report(step=step, values={"loss": 2.0}, time=time.time()))
+    assert sink.close(30)
+    assert sink.state_dict()["last_steps"] == [["", 40]]
+    events = _load(tmp_path).Scalars("loss")
+    assert sorted(e.step for e in events if e.value == 2.0) == list(range(1, 41))
+    assert sorted(e.step for e in events if e.value == 1.0) == list(range(1, 41))
+    # A restart (a child process's, a resumed job's) tells the files apart the same way.
+    resumed = TensorBoardSink(tmp_path)
+    resumed.load_state_dict({**sink.state_dict(), "last_steps": [["", 10]]})
+    resumed.open(RunInfo())
+    resumed.write(Report(step=20, values={"loss": 3.0}, time=time.time()))
+    resumed.write(Report(step=41, values={"loss": 3.0}, time=time.time()))
+    assert resumed.close(30)
+    assert [e.step for e in _load(tmp_path).Scalars("loss") if e.value == 3.0] == [41]
+
+
+def test_a_resumed_run_that_never_wrote_records_its_hyper_parameters_and_name(
+    tmp_path: Path,
+) -> None:
+    # A checkpoint (or a kept spool) from before TensorBoard could open: the resumed sink
+    # skipped the run's hyper-parameters, tags and name, as if the earlier job had written them.
+    info = RunInfo(name="my-run", config={"lr": 0.1}, tags={"team": "a"})
+    never_opened = TensorBoardSink(tmp_path / "tb")
+    resumed = TensorBoardSink(tmp_path / "tb")
+    resumed.load_state_dict(never_opened.state_dict())
+    resumed.open(info)
+    resumed.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
+    assert resumed.close(30)
+    again = TensorBoardSink(tmp_path / "tb")  # this run wrote: nothing is recorded twice
+    again.load_state_dict(resumed.state_dict())
+    again.open(info)
+    assert again.close(30)
+    accumulator = _load(tmp_path / "tb")
+    assert "_hparams_/session_start_info" in accumulator.PluginTagToContent("hparams")
+    texts = accumulator.Tags()["tensors"]
+    assert sorted(texts) == ["run_name/text_summary", "tags/text_summary"]
+    assert len(accumulator.Tensors("run_name/text_summary")) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"flush_secs": 0}, "flush_secs: expected a finite number of seconds > 0"),
+        ({"flush_secs": -1}, "flush_secs: expected a finite number"),
+        ({"flush_secs": float("nan")}, "flush_secs: expected a finite number"),
+        ({"max_queue": 0}, "max_queue: expected an int >= 1"),
+        ({"log_dir": ""}, "log_dir: expected a directory path, got ''"),
+        ({"log_dir": "runs/a\0b"}, "log_dir: expected a directory path"),
+    ],
+)
+def test_writer_options_out_of_range_are_refused_when_built(
+    options: dict[str, Any], message: str
+) -> None:
+    # flush_secs <= 0 or NaN made TensorBoard's writer thread spin for the whole job; an empty
+    # log_dir became the working directory.
+    with pytest.raises(ValueError, match=message):
+        TensorBoardSink(**options)

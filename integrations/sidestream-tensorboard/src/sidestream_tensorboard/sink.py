@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -97,16 +98,17 @@ class TensorBoardSink(TrackerSink):
             )
         writer_kwargs.pop("purge_step", None)  # None: SummaryWriter's default
         check_option_types("TensorBoardSink", writer_kwargs, _WRITER_OPTION_TYPES)
+        _check_writer_ranges(writer_kwargs)
         # A resumed job's saved directory replaces only a default one (see identity).
         self._log_dir_given = log_dir is not None
         if log_dir is None:
             self._log_dir = _default_log_dir(writer_kwargs.get("comment", ""))
         else:
             self._log_dir = os.fspath(log_dir)
+            check_directory_path("log_dir", self._log_dir)  # "" before it becomes the cwd
             if "://" not in self._log_dir:  # not a URL (s3://...): TensorBoard's own file layer
                 # Absolute: a checkpoint names this directory for a job resumed from anywhere.
                 self._log_dir = os.path.abspath(self._log_dir)
-            check_directory_path("log_dir", self._log_dir)
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
@@ -115,6 +117,9 @@ class TensorBoardSink(TrackerSink):
         self._writer_lock = threading.Lock()
         self._opened = False
         self._earlier_files_warned = False
+        # Names of the event files other runs left in the directory before this run wrote:
+        # their steps are not this run's (None until first needed, before this run writes).
+        self._earlier: frozenset[str] | None = None
         # Each tag's steps in the event files, read when a replayed report's value is held
         # (backend_has_step); reset at open.
         self._steps_on_disk: dict[str, frozenset[int]] | None = None
@@ -161,9 +166,9 @@ class TensorBoardSink(TrackerSink):
 
         if self._writer is not None:  # an earlier attempt that failed: end its writer
             self._discard_writer()
+        earlier = self._earlier_runs_files()  # before this run's first file
         if not self.resumed and not self._earlier_files_warned:
-            self._earlier_files_warned = True  # once: a retried open finds its own first file
-            earlier = [path for path in _event_files(self._log_dir) if not _holds_no_events(path)]
+            self._earlier_files_warned = True
             if earlier:
                 logger.warning(
                     "TensorBoardSink: %s already holds %d event file(s) of an earlier run; "
@@ -179,8 +184,11 @@ class TensorBoardSink(TrackerSink):
         self._steps_on_disk = None
         if self.resumed:
             # Reports delivered after the checkpoint was taken are already in the directory.
-            self.found_values_in_backend(_last_steps_on_disk(self._log_dir))
-            return
+            self.found_values_in_backend(_last_steps_on_disk(self._log_dir, earlier))
+            if self._wrote_before(earlier):
+                return
+            # Nothing of this run reached the directory (it never opened before the checkpoint
+            # or the spool was kept): its hyper-parameters and name are written now.
         if run.config:
             self._write_hparams(flatten_config(run.config, plain_types=_HPARAM_TYPES))
         if run.tags:
@@ -188,6 +196,44 @@ class TensorBoardSink(TrackerSink):
             self._writer.add_text("tags", "\n".join(["| tag | value |", "|---|---|", *lines]), 0)
         if run.name:
             self._writer.add_text("run_name", run.name, 0)
+
+    def _earlier_runs_files(self) -> frozenset[str]:
+        """The event files of other runs in the directory, named before this run first writes.
+
+        Read once, at the first ``open`` or ``state_dict``, and kept in the state, so a resumed
+        job, a restarted child process and a replay tell them from this run's files. A state
+        without them (an older checkpoint) takes every file for this run's.
+        """
+        if self._earlier is None:
+            self._earlier = (
+                frozenset()
+                if self.resumed
+                else frozenset(
+                    path.name for path in _event_files(self._log_dir) if not _holds_no_events(path)
+                )
+            )
+        return self._earlier
+
+    def _wrote_before(self, earlier: frozenset[str]) -> bool:
+        """Whether an event file of this run (not in ``earlier``) holds an event."""
+        return any(
+            not _holds_no_events(path)
+            for path in _event_files(self._log_dir)
+            if path.name not in earlier
+        )
+
+    def extra_state(self) -> dict[str, Any]:
+        """The names of the earlier runs' event files in the log directory."""
+        return {"earlier_files": sorted(self._earlier_runs_files())}
+
+    def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Read back the earlier runs' event files (none in an older checkpoint)."""
+        names = state_dict.get("earlier_files", [])
+        if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            raise ValueError(
+                f"state_dict['earlier_files']: expected a list of file names, got {names!r}"
+            )
+        self._earlier = frozenset(names)
 
     def _write_hparams(self, hparams: dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams as hparams_summary
@@ -236,7 +282,7 @@ class TensorBoardSink(TrackerSink):
 
         assert self._log_dir is not None
         self._new_writer(SummaryWriter)
-        self.found_values_in_backend(_last_steps_on_disk(self._log_dir))
+        self.found_values_in_backend(_last_steps_on_disk(self._log_dir, self._earlier_runs_files()))
         self._pending = None
         for report in self.pending_reports():
             self._send_one(self._without_held(report))
@@ -274,7 +320,7 @@ class TensorBoardSink(TrackerSink):
         """
         if self._steps_on_disk is None:
             try:
-                self._steps_on_disk = _steps_on_disk(self._log_dir)
+                self._steps_on_disk = _steps_on_disk(self._log_dir, self._earlier_runs_files())
             except Exception:
                 return False
         return step in self._steps_on_disk.get(name, frozenset())
@@ -377,6 +423,20 @@ class TensorBoardSink(TrackerSink):
         return self.flush(0)  # the writer is gone: what was sent is on disk now
 
 
+def _check_writer_ranges(options: Mapping[str, Any]) -> None:
+    """Refuse ``flush_secs`` and ``max_queue`` values that make the writer spin or unbounded.
+
+    TensorBoard's writer thread busy-loops with a ``flush_secs`` that is not > 0 (and never
+    flushes on its own with NaN), and a ``max_queue`` below 1 makes its queue unbounded.
+    """
+    flush_secs = options.get("flush_secs")
+    if flush_secs is not None and not (math.isfinite(flush_secs) and flush_secs > 0):
+        raise ValueError(f"flush_secs: expected a finite number of seconds > 0, got {flush_secs!r}")
+    max_queue = options.get("max_queue")
+    if max_queue is not None and max_queue < 1:
+        raise ValueError(f"max_queue: expected an int >= 1, got {max_queue!r}")
+
+
 def _default_log_dir(comment: str) -> str:
     """SummaryWriter's default directory, ``runs/<date>_<host><comment>``, as an absolute path."""
     import socket
@@ -386,19 +446,19 @@ def _default_log_dir(comment: str) -> str:
     return os.path.abspath(os.path.join("runs", name))
 
 
-def _last_steps_on_disk(log_dir: str) -> dict[str, int]:
-    """The largest step of each scalar and histogram tag in the event files of ``log_dir``."""
+def _last_steps_on_disk(log_dir: str, earlier: frozenset[str]) -> dict[str, int]:
+    """The largest step of each scalar and histogram tag in this run's event files."""
     last: dict[str, int] = {}
-    for tag, step in _points_on_disk(log_dir):
+    for tag, step in _points_on_disk(log_dir, earlier):
         if step > last.get(tag, -1):
             last[tag] = step
     return last
 
 
-def _steps_on_disk(log_dir: str) -> dict[str, frozenset[int]]:
-    """Every step of each scalar and histogram tag in the event files of ``log_dir``."""
+def _steps_on_disk(log_dir: str, earlier: frozenset[str]) -> dict[str, frozenset[int]]:
+    """Every step of each scalar and histogram tag in this run's event files."""
     steps: dict[str, set[int]] = {}
-    for tag, step in _points_on_disk(log_dir):
+    for tag, step in _points_on_disk(log_dir, earlier):
         steps.setdefault(tag, set()).add(step)
     return {tag: frozenset(found) for tag, found in steps.items()}
 
@@ -440,11 +500,16 @@ def _holds_no_events(path: Path) -> bool:
         return False
 
 
-def _points_on_disk(log_dir: str) -> Iterator[tuple[str, int]]:
-    """``(tag, step)`` of each scalar and histogram in the event files of ``log_dir``."""
+def _points_on_disk(log_dir: str, earlier: frozenset[str]) -> Iterator[tuple[str, int]]:
+    """``(tag, step)`` of each scalar and histogram in this run's event files of ``log_dir``.
+
+    Files named in ``earlier`` are other runs' and skipped.
+    """
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
     for path in _event_files(log_dir):
+        if path.name in earlier:
+            continue
         for event in LegacyEventFileLoader(str(path)).Load():
             # Only what write() adds counts, not the hparams / text summaries of open().
             for value in event.summary.value:

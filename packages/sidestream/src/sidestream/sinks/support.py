@@ -179,12 +179,17 @@ def histogram_edges(num_bins: int, edges: Iterable[float] | None) -> list[float]
     if edges is None:
         return [float(i) for i in range(num_bins + 1)]
     result = [float(edge) for edge in edges]
-    if len(result) != num_bins + 1 or any(b <= a for a, b in itertools.pairwise(result)):
+    if len(result) != num_bins + 1 or not _finite_and_increasing(result):
         raise ValueError(
-            f"histogram_edges: expected {num_bins + 1} increasing edges for {num_bins} bins, "
-            f"got {len(result)}"
+            f"histogram_edges: expected {num_bins + 1} finite increasing edges for {num_bins} "
+            f"bins, got {len(result)}"
         )
     return result
+
+
+def _finite_and_increasing(edges: list[float]) -> bool:
+    # NaN compares false both ways, so an order check alone lets it through.
+    return all(map(math.isfinite, edges)) and all(a < b for a, b in itertools.pairwise(edges))
 
 
 def checked_histogram_edges(
@@ -208,20 +213,29 @@ def checked_histogram_edges(
             raise TypeError(
                 f"histogram_edges[{name!r}]: expected a sequence of numbers, got {values!r}"
             ) from error
-        if len(result) < 2 or any(b <= a for a, b in itertools.pairwise(result)):
+        if len(result) < 2 or not _finite_and_increasing(result):
             raise ValueError(
-                f"histogram_edges[{name!r}]: expected at least 2 increasing edges, got {result}"
+                f"histogram_edges[{name!r}]: expected at least 2 finite increasing edges, got "
+                f"{result}"
             )
         checked[str(name)] = result
     return checked
 
 
 def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
-    """Raise ``ValueError`` if ``directory``, or a folder above it, exists as something else.
+    """Raise ``ValueError`` if ``directory`` cannot be made and written by a sink.
+
+    It is refused if empty, if it holds a NUL byte, or if it or a folder above it exists as
+    something else.
 
     Making the directory later would fail for good (``FileExistsError``) on every retry, so a
     sink option naming one is refused when the sink is made.
     """
+    text = os.fspath(directory)
+    if not text or "\0" in text:
+        # Empty, SummaryWriter takes its own default directory instead; a NUL byte fails at
+        # open, after training started.
+        raise ValueError(f"{name}: expected a directory path, got {text!r}")
     path = Path(directory)
     for place in (path, *path.parents):
         if place.exists():
