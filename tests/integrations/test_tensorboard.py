@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -321,6 +322,9 @@ def test_a_full_disk_that_frees_again_loses_and_repeats_no_step(
         write(self, filename, content, mode)
 
     monkeypatch.setattr(gfile.LocalFileSystem, "_write", full_disk_write)
+    # TensorBoard's writer thread re-raises its error: a traceback per writer went to stderr.
+    uncaught: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: uncaught.append(args.thread.name))
     log_dir = tmp_path / "tb"
     run = Run(
         [TensorBoardSink(log_dir, flush_secs=1)],
@@ -346,6 +350,7 @@ def test_a_full_disk_that_frees_again_loses_and_repeats_no_step(
     # Each retry's writer made an event file the full disk kept empty: none is left behind.
     files = sorted(log_dir.glob("*tfevents*"))
     assert files and all(_has_data(path) for path in files), [p.stat().st_size for p in files]
+    assert uncaught == []
 
 
 def test_a_checkpoint_flush_failing_while_the_sink_writes_does_not_break_the_sink(

@@ -21,6 +21,7 @@ from sidestream.sinks.support import (
     checked_histogram_edges,
     flatten_config,
     histogram_edges,
+    silence_thread_errors,
 )
 from sidestream.sinks.tracker import signature_options
 
@@ -290,6 +291,10 @@ class TensorBoardSink(TrackerSink):
     def _new_writer(self, summary_writer: Any) -> None:
         """A ``SummaryWriter`` on the log directory; its event file is noted for a discard."""
         before = set(_event_files(self._log_dir))
+        # Its thread re-raises its first write error (a traceback on stderr per writer, maybe
+        # before the constructor returns): the sink reports the failure itself, once per streak.
+        _SINK_DIRS.add(os.path.realpath(self._log_dir))
+        silence_thread_errors(_is_sink_writer_thread)
         try:
             self._writer = summary_writer(log_dir=self._log_dir, **self._writer_kwargs)
         except Exception:
@@ -421,6 +426,19 @@ class TensorBoardSink(TrackerSink):
         if not self.within(writer.close, timeout, "close"):
             return False
         return self.flush(0)  # the writer is gone: what was sent is on disk now
+
+
+_SINK_DIRS: set[str] = set()
+"""Log directories TensorBoard sinks of this process write to."""
+
+
+def _is_sink_writer_thread(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is TensorBoard's writer thread of an event file a sink writes."""
+    record_writer = getattr(thread, "_record_writer", None)
+    filename = getattr(getattr(record_writer, "_writer", None), "filename", None)
+    if type(thread).__name__ != "_AsyncWriterThread" or not isinstance(filename, str | bytes):
+        return False
+    return os.path.dirname(os.path.realpath(os.fsdecode(filename))) in _SINK_DIRS
 
 
 def _check_writer_ranges(options: Mapping[str, Any]) -> None:

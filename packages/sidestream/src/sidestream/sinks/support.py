@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import itertools
+import logging
 import math
 import os
 import re
@@ -32,6 +33,7 @@ __all__ = [
     "refuse_unknown_options",
     "secrets_in",
     "shorten",
+    "silence_thread_errors",
     "uri_without_password",
 ]
 
@@ -337,3 +339,43 @@ def call_within(
     if worker.is_alive():
         return False, None
     return True, (errors[0] if errors else None)
+
+
+_thread_filters: list[Callable[[threading.Thread], bool]] = []
+_previous_excepthook: Callable[[threading.ExceptHookArgs], object] | None = None
+_excepthook_lock = threading.Lock()
+
+
+def silence_thread_errors(is_quiet: Callable[[threading.Thread], bool]) -> None:
+    """Keep uncaught exceptions of the threads ``is_quiet`` picks off stderr (DEBUG log).
+
+    For a client's worker threads whose errors the sink reports by itself, once per failure
+    streak: TensorBoard's writer thread re-raises its first write error, which printed a
+    traceback per replaced writer while a disk stayed full. A filter, not a thread: such a
+    thread can fail before its constructor returns. Other threads' errors go to the hook that
+    was in place. Call it before each new client thread: a hook set since is kept below.
+    """
+    global _previous_excepthook
+    with _excepthook_lock:
+        if threading.excepthook is not _quiet_excepthook:
+            _previous_excepthook = threading.excepthook
+            threading.excepthook = _quiet_excepthook
+        if is_quiet not in _thread_filters:
+            _thread_filters.append(is_quiet)
+
+
+def _quiet_excepthook(args: threading.ExceptHookArgs) -> None:
+    thread = args.thread
+    if thread is not None and any(_picks(is_quiet, thread) for is_quiet in _thread_filters):
+        logging.getLogger("sidestream.sinks").debug(
+            "thread %s ended with %s: %s", thread.name, args.exc_type.__name__, args.exc_value
+        )
+        return
+    (_previous_excepthook or threading.__excepthook__)(args)
+
+
+def _picks(is_quiet: Callable[[threading.Thread], bool], thread: threading.Thread) -> bool:
+    try:
+        return bool(is_quiet(thread))
+    except Exception:  # a filter's bug must not hide another thread's error
+        return False
