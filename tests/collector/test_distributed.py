@@ -174,6 +174,34 @@ def test_a_metric_changed_after_bind_fails_the_window_on_every_rank(dist_pool: R
     assert "changed its states after bind" in outcomes[0] or "paired different" in outcomes[0]
 
 
+def _two_collectors_of_one_prefix_in_another_order() -> str:
+    """Two collectors with the default prefix; rank 1 schedules them in the other order."""
+    losses, accuracies = MeanMetric(), MeanMetric()
+    first = AsyncMetricCollector(losses).bind("cpu")
+    second = AsyncMetricCollector(accuracies).bind("cpu")
+    losses.update(torch.tensor([1.0]))
+    accuracies.update(torch.tensor([100.0]))
+
+    def steps() -> None:
+        for collector in (first, second) if dist.get_rank() == 0 else (second, first):
+            collector.schedule_collection(1)
+        first.collect_results(timeout=60)
+        second.collect_results(timeout=60)
+
+    return _mismatch_of(steps, first, second)
+
+
+def test_two_collectors_of_one_prefix_scheduled_in_another_order_fail_every_rank(
+    dist_pool: RankPool,
+) -> None:
+    # Paired by prefix and step alone, each rank's first window was reduced with the other's
+    # second: both collectors reported 50.5 (not 1.0 and 100.0) with only a warning at bind.
+    outcomes = dist_pool.run(_two_collectors_of_one_prefix_in_another_order, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert "paired different calls" in outcome, (rank, outcome)
+        assert "share its prefix" in outcome, (rank, outcome)
+
+
 def _skip_a_window_on_rank1() -> tuple[str, float]:
     """Rank 1 skips step 2's window in a fast loop; each rank times its error."""
     metric = MeanMetric()

@@ -104,6 +104,42 @@ def test_several_processes_without_a_process_group_fail_at_bind_and_log(
     assert run.close()
 
 
+def test_a_process_group_of_another_size_than_the_launchers_fails_at_bind() -> None:
+    # Each torchrun rank made a world_size=1 group: both acted as rank 0, each wrote its own
+    # unreduced numbers to the trackers, and closed True.
+    script = textwrap.dedent(
+        """
+        import torch.distributed as dist
+        from sidestream import MeanMetric, Run
+        from sidestream.collector import AsyncMetricCollector
+
+        dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
+        for call in (lambda: AsyncMetricCollector(MeanMetric()).bind("cpu"),
+                     lambda: Run().log(1, {"lr": 0.1}), lambda: MeanMetric().sync()):
+            try:
+                call()
+            except RuntimeError as error:
+                print(error)
+            else:
+                print("no error")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "RANK": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3, lines
+    for line, where in zip(lines, ("bind", "log", "sync"), strict=True):
+        assert line.startswith(f"{where}: the environment says this is rank 1 of 2"), line
+        assert "makes it rank 0 of 1" in line, line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_device_without_cuda_is_a_clear_error() -> None:
     collector = AsyncMetricCollector(MeanMetric())
@@ -457,19 +493,24 @@ def test_a_run_restores_no_collector_when_one_refuses_its_checkpoint(tmp_path: P
     assert run.close(timeout=30)
 
 
-def test_a_second_bound_collector_of_the_same_prefix_is_warned_about(
+def test_a_second_bound_collector_of_the_same_prefix_sends_other_fingerprints(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Windows are paired across ranks by prefix and step: two collectors of one prefix,
-    scheduled in another order on one rank, logged each other's numbers with no error."""
+    scheduled in another order on one rank, logged each other's numbers with no error. A
+    twin's windows now carry fingerprints of their own (the order is checked across ranks in
+    test_distributed)."""
+    caplog.set_level(logging.INFO, logger="sidestream.collector")
     # A prefix of its own: collectors other tests left bound do not count.
     loss = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")
     other = AsyncMetricCollector(MeanMetric(), prefix="twin-other").bind("cpu")
-    assert "another collector with the prefix" not in caplog.text
+    assert "bound collector(s) have the prefix" not in caplog.text
     accuracy = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")
-    assert "another collector with the prefix 'twin' is bound and not closed" in caplog.text
+    assert "1 other bound collector(s) have the prefix 'twin'" in caplog.text
+    assert (loss._stream, accuracy._stream) == ("twin", "twin (twin 1)")
     for collector in (loss, other, accuracy):
         assert collector.close(timeout=30)
     caplog.clear()
-    AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu").close(timeout=30)  # closed
-    assert "another collector with the prefix" not in caplog.text
+    again = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")  # the others closed
+    assert "bound collector(s) have the prefix" not in caplog.text and again._stream == "twin"
+    assert again.close(timeout=30)

@@ -84,19 +84,38 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+_checked_default_group: object = None
+"""The default process group ``check_process_group`` last found consistent."""
+
+
 def check_process_group(where: str) -> None:
     """Raise if the environment says this job has several processes but none is joined.
 
     torchrun (and most launchers) set ``WORLD_SIZE`` and ``RANK``. Without
     ``init_process_group`` every rank would act as rank 0 of a job of its own: each writes to
-    the trackers, each reduces only its own data.
+    the trackers, each reduces only its own data. The same happens with a default group of
+    another size than the environment's (a ``world_size=1`` group on every rank).
 
     Raises:
         RuntimeError: Naming ``torch.distributed.init_process_group``.
     """
-    if dist.is_available() and dist.is_initialized():
-        return
+    global _checked_default_group
     world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
+    if dist.is_available() and dist.is_initialized():
+        default = dist.group.WORLD
+        if default is _checked_default_group:  # syncs call this: checked once per group
+            return
+        size, own = dist.get_world_size(), dist.get_rank()
+        if world.isdigit() and rank.isdigit() and (int(world), int(rank)) != (size, own):
+            raise RuntimeError(
+                f"{where}: the environment says this is rank {rank} of {world} processes "
+                f"(RANK, WORLD_SIZE), but the default process group makes it rank {own} of "
+                f"{size}; initialize it with the environment's world size and rank on every "
+                "rank (torch.distributed.init_process_group() reads them itself), otherwise "
+                "ranks reduce only part of the data and several write to the trackers as rank 0"
+            )
+        _checked_default_group = default
+        return
     several = (world.isdigit() and int(world) > 1) or (rank.isdigit() and int(rank) > 0)
     if several:
         raise RuntimeError(

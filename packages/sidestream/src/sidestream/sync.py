@@ -171,8 +171,9 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
         # Only the stream word differs: same call, step and structure.
         hint = (
             " Only the collector hash differs: it covers the collector's prefix, whether it "
-            "is cumulative, and how many collective calls its metric made before bind (a "
-            "load_state_dict counts one: did a rank skip it?)."
+            "is cumulative, how many other bound collectors share its prefix (were they "
+            "scheduled in another order?), and how many collective calls its metric made "
+            "before bind (a load_state_dict counts one: did a rank skip it?)."
         )
     elif all(row[:2] == rows[0][:2] for row in rows):
         hint = (

@@ -261,7 +261,7 @@ class AsyncMetricCollector(Generic[T]):
                     "whose windows stage and reset it (its children included): give each "
                     "collector its own metric"
                 )
-        self._warn_of_a_twin()
+        twins = self._bound_twins()
         target = torch.device(device) if device is not None else self._metric.device
         if target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(
@@ -281,6 +281,11 @@ class AsyncMetricCollector(Generic[T]):
         calls = self._metric.call_counter.count
         if calls:
             self._stream += f" after {calls} call(s)"
+        if twins:
+            # Another bound collector pairs its windows by the same prefix and mode: this one's
+            # fingerprints differ from it, so ranks scheduling the two in another order fail
+            # (with RankMismatchError) instead of reducing one's window with the other's.
+            self._stream += f" (twin {twins})"
         if target.type == "cuda":
             self._side = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
         # Making the first slot is the one blocking collective: it checks that every rank holds
@@ -318,27 +323,28 @@ class AsyncMetricCollector(Generic[T]):
             close_at_exit(self._close_at_exit)
         return self
 
-    def _warn_of_a_twin(self) -> None:
-        """Warn if a bound collector of this process has this one's prefix, mode and group.
+    def _bound_twins(self) -> int:
+        """How many bound, open collectors of this process have this one's prefix, mode and group.
 
-        Windows are paired across ranks by prefix, mode and step: ranks that schedule the
-        two in another order would reduce one's window with the other's, with no error.
+        The same on every rank (binds and closes run in program order), so it tells twins
+        apart in the call fingerprint. Logged: a distinct prefix also keeps their reports apart.
         """
-        for other in list(_BOUND.values()):
-            twin = (other._prefix, other._reset_each_window, other._group) == (
+        mine = (self._prefix, self._reset_each_window, self._group)
+        twins = {
+            id(other)
+            for other in list(_BOUND.values())
+            if other is not self
+            and not other._closed
+            and (other._prefix, other._reset_each_window, other._group) == mine
+        }
+        if twins:
+            logger.info(
+                "bind: %d other bound collector(s) have the prefix %r; ranks must schedule them "
+                "in the same order (another order fails with RankMismatchError)",
+                len(twins),
                 self._prefix,
-                self._reset_each_window,
-                self._group,
             )
-            if other is not self and not other._closed and twin:
-                logger.warning(
-                    "bind: another collector with the prefix %r is bound and not closed; "
-                    "windows are paired across ranks by prefix and step, so ranks scheduling "
-                    "the two in another order would reduce one's window with the other's: give "
-                    "each collector its own prefix",
-                    self._prefix,
-                )
-                return
+        return len(twins)
 
     def _refuse_group_without_writer(self) -> None:
         """Sinks are written by global rank 0: a group without it would deliver nothing."""
