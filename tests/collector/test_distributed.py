@@ -202,6 +202,31 @@ def test_two_collectors_of_one_prefix_scheduled_in_another_order_fail_every_rank
         assert "share its prefix" in outcome, (rank, outcome)
 
 
+def _metrics_of_one_layout_by_rank() -> str:
+    from sidestream import ComposeMetric
+    from sidestream.metrics.regression import (
+        MeanSquaredErrorMetric,
+        RootMeanSquaredErrorMetric,
+    )
+
+    error = RootMeanSquaredErrorMetric() if dist.get_rank() == 1 else MeanSquaredErrorMetric()
+    try:
+        AsyncMetricCollector(ComposeMetric({"error": error, "loss": MeanMetric()})).bind("cpu")
+    except RankMismatchError as mismatch:
+        return str(mismatch)
+    return "no error"
+
+
+def test_metrics_of_other_classes_with_one_state_layout_fail_at_bind(dist_pool: RankPool) -> None:
+    # An MSE and an RMSE metric hold the same states: the structure check passed, windows were
+    # reduced together and each rank computed its own kind of value.
+    outcomes = dist_pool.run(_metrics_of_one_layout_by_rank, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert "ranks of the group hold different metric classes" in outcome, (rank, outcome)
+        assert "error MeanSquaredErrorMetric" in outcome, outcome
+        assert "rank 1: the metric ComposeMetric, error RootMeanSquaredErrorMetric" in outcome
+
+
 def _skip_a_window_on_rank1() -> tuple[str, float]:
     """Rank 1 skips step 2's window in a fast loop; each rank times its error."""
     metric = MeanMetric()

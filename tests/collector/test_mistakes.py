@@ -514,3 +514,35 @@ def test_a_second_bound_collector_of_the_same_prefix_sends_other_fingerprints(
     again = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")  # the others closed
     assert "bound collector(s) have the prefix" not in caplog.text and again._stream == "twin"
     assert again.close(timeout=30)
+
+
+def test_log_refuses_bool_and_meta_tensors_naming_the_value_and_keeps_the_step() -> None:
+    # A bool tensor was logged as 1.0 while a Python bool is refused; a meta tensor failed
+    # with torch's own error, naming no value.
+    run = Run([RecordingSink()])
+    with pytest.raises(
+        TypeError, match=r"values\['done'\]: expected a real tensor, got torch.bool"
+    ):
+        run.log(1, {"done": torch.tensor(True)})
+    with pytest.raises(TypeError, match=r"values\['lr'\]: expected a tensor with data, got a meta"):
+        run.log(1, {"lr": torch.tensor(0.1, device="meta")})
+    run.log(1, {"lr": torch.tensor(0.1)})  # the failed calls took no step
+    assert run.close(timeout=30)
+
+
+def test_bind_refuses_the_meta_device() -> None:
+    collector = AsyncMetricCollector(MeanMetric())
+    with pytest.raises(ValueError, match=r"bind: device 'meta' holds no values"):
+        collector.bind("meta")
+    assert collector.close(timeout=30)
+
+
+def test_a_spool_dir_that_cannot_be_made_is_refused_when_built(tmp_path: Path) -> None:
+    # Under a file it is never made: every report that overflowed a queue was dropped.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    spool_dir = str(blocker / "spools")
+    with pytest.raises(ValueError, match=r"spool_dir: .*is a file, not a directory"):
+        Run([RecordingSink()], spool_dir=spool_dir)
+    with pytest.raises(ValueError, match=r"spool_dir: .*is a file, not a directory"):
+        AsyncMetricCollector(MeanMetric(), sinks=[RecordingSink()], spool_dir=spool_dir)

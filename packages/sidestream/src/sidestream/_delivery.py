@@ -22,7 +22,7 @@ from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
-from sidestream.sinks.support import check_seconds
+from sidestream.sinks.support import check_directory_path, check_seconds
 from sidestream.sinks.tracker import TrackerSink, steps_as_pairs
 
 __all__ = ["Delivery", "DeliveryOptions"]
@@ -63,6 +63,9 @@ class DeliveryOptions:
             raise TypeError(
                 f"spool_dir: expected a path (str or os.PathLike) or None, got {spool_dir!r}"
             )
+        if spool_dir is not None:
+            # A path under a file is never made: every overflowing report would be dropped.
+            check_directory_path("spool_dir", spool_dir)
         if not 0 < sink_retry_initial_s <= sink_retry_max_s:
             raise ValueError(
                 "sink_retry_initial_s, sink_retry_max_s: expected 0 < initial <= max, got "

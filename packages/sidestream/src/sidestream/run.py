@@ -221,9 +221,10 @@ class Run:
 
         Raises:
             TypeError: If ``step`` is not an integer (Python or numpy), or a name or value has
-                the wrong type.
-            ValueError: If ``step`` does not increase or is outside [0, 2**63), or a tensor is
-                not 0-dim.
+                the wrong type (a bool, or a complex or meta tensor, too).
+            ValueError: If ``step`` does not increase or is outside [0, 2**63), a tensor is
+                not 0-dim, or CUDA tensors are on several devices; raised before the step
+                counts, so the corrected call may log it.
             RuntimeError: If the run is closed, or the job's process group is missing.
         """
         step = training_step(step)
@@ -244,8 +245,13 @@ class Run:
                     raise ValueError(
                         f"values[{name!r}]: expected a 0-dim tensor, got shape {tuple(value.shape)}"
                     )
-                if value.is_complex():
+                if value.is_complex() or value.dtype == torch.bool:
+                    # bool: as a Python bool is refused (a flag is not a value to chart).
                     raise TypeError(f"values[{name!r}]: expected a real tensor, got {value.dtype}")
+                if value.is_meta:
+                    raise TypeError(
+                        f"values[{name!r}]: expected a tensor with data, got a meta tensor"
+                    )
                 if value.is_cuda:
                     on_gpu.append((name, value))
                 else:
@@ -264,6 +270,12 @@ class Run:
                     f"values[{name!r}]: expected a number or a 0-dim tensor, got "
                     f"{type(value).__name__}"
                 )
+        if len({tensor.device for _, tensor in on_gpu}) > 1:
+            # Checked before the step is taken: the same call, fixed, may then log it.
+            raise ValueError(
+                f"values: CUDA tensors of one log call must be on one device, got "
+                f"{sorted({str(t.device) for _, t in on_gpu})}"
+            )
         if self._closed:
             raise RuntimeError("log: the run is closed")
         if "" in self.streams:
@@ -283,12 +295,7 @@ class Run:
         self._log_pipe.put(entry)
 
     def _copy_to_host(self, entry: LogEntry, tensors: list[tuple[str, Tensor]]) -> None:
-        device = tensors[0][1].device
-        if any(tensor.device != device for _, tensor in tensors):
-            raise ValueError(
-                f"values: CUDA tensors of one log call must be on one device, got "
-                f"{sorted({str(t.device) for _, t in tensors})}"
-            )
+        device = tensors[0][1].device  # one device: log checked it
         side = self._log_streams.get(device)
         if side is None:
             side = self._log_streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]

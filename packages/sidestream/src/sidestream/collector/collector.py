@@ -236,7 +236,7 @@ class AsyncMetricCollector(Generic[T]):
         resumes (``load_state_dict``) and opens it. Registers ``close`` to run at exit.
 
         Blocking and a collective on multi-rank jobs: every rank calls it, and it checks once
-        that all ranks hold the same metric structure and the same sinks (raising
+        that all ranks hold the same metric structure, classes and sinks (raising
         ``RankMismatchError`` naming the difference otherwise), so later windows never block on
         that check.
 
@@ -245,9 +245,10 @@ class AsyncMetricCollector(Generic[T]):
                 rank 0 writes: a sink built on another rank alone would be dropped silently).
             RuntimeError: If already bound or closed; if ``device`` is CUDA and CUDA is not
                 available; if the environment (``WORLD_SIZE``/``RANK``) says the job has
-                several processes but no process group is initialized.
-            ValueError: If the metric is bound to another collector that is not closed, or the
-                collector has sinks and its group leaves out global rank 0 (their writer).
+                several processes but no process group is initialized, or one of another size.
+            ValueError: If the metric is bound to another collector that is not closed, the
+                collector has sinks and its group leaves out global rank 0 (their writer), or
+                ``device`` is ``"meta"``.
         """
         check_device("bind", device, allow_none=True)
         if self._dispatcher is not None or self._closed:
@@ -268,6 +269,11 @@ class AsyncMetricCollector(Generic[T]):
                 f"bind: device {str(target)!r} needs CUDA, but torch.cuda.is_available() is "
                 f"False (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
                 "bind('cpu') or run on a machine with a GPU and a CUDA build of torch"
+            )
+        if target.type == "meta":
+            raise ValueError(
+                "bind: device 'meta' holds no values, so no window could be reduced or "
+                "reported; bind to the device the metric is updated on ('cpu', 'cuda:0', ...)"
             )
         check_process_group("bind")
         self._refuse_group_without_writer()
@@ -297,6 +303,18 @@ class AsyncMetricCollector(Generic[T]):
         # here, on every rank, so a state_dict never runs the check where another rank may be
         # reducing a window instead (the check would meet the window's collective and hang).
         self._metric.prepare_sync(self._group, check=False)
+        # States of the same layout can mean other results (an MSE and an RMSE metric): the
+        # windows would be reduced alike, and each rank would compute its own kind of value.
+        check_same_setting(
+            self._group,
+            target,
+            "metric classes",
+            ", ".join(
+                f"{prefix.rstrip('.') or 'the metric'} {type(metric).__qualname__}"
+                for prefix, metric in self._metric._named_metrics()
+            ),
+            "bind the same metric, of the same classes, on every rank",
+        )
         # Only rank 0 writes: sinks configured on another rank alone would be dropped silently.
         sinks = ", ".join(self._delivery.sinks) or "none"
         check_same_setting(

@@ -45,7 +45,10 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
     - ``max`` (the maximum calibration error): ``max_b |a_b - c_b|``.
 
     Over no data it is NaN. Bin ``b`` is ``[b/n, (b+1)/n)``, with 1.0 in the last bin
-    (torchmetrics gives a score of exactly 1.0 a bin of its own).
+    (torchmetrics gives a score of exactly 1.0 a bin of its own). A score stored a hair off an
+    edge ``k/n`` (float32 ``0.2`` with 15 bins, ``0.7`` with 10) opens bin ``k``, as the
+    ranking metrics' bins; torchmetrics compares with float32 ``linspace`` edges, which lie a
+    hair off ``k/n`` too, so such a score may land one bin lower there (see docs/ranking.md).
 
     Args:
         problem: Binary (confidence = the probability, accuracy = the 0/1 target) or
