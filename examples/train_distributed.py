@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -169,7 +170,7 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
         return
-    init_file = Path(f"/tmp/sidestream-demo-{os.getpid()}")
+    init_file = Path(tempfile.gettempdir()) / f"sidestream-demo-{os.getpid()}"
     try:
         mp.spawn(_spawned, args=(args.world_size, str(init_file), args), nprocs=args.world_size)
     finally:

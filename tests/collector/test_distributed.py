@@ -217,6 +217,29 @@ def _metrics_of_one_layout_by_rank() -> str:
     return "no error"
 
 
+def _children_in_another_order_by_rank() -> str:
+    from sidestream import ComposeMetric, MaxMetric
+
+    # Of other ops: the state arena orders them by op, so the layout is the same either way.
+    children: dict[str, Metric[Any]] = {"a": MeanMetric(), "b": MaxMetric()}
+    if dist.get_rank() == 1:
+        children = dict(reversed(children.items()))  # a dict made from a set, say
+    collector = AsyncMetricCollector(ComposeMetric(children)).bind("cpu")
+    collector.metric["a"].update(torch.tensor([1.0]))
+    collector.metric["b"].update(torch.tensor([float(dist.get_rank())]))
+    collector.schedule_collection(1)
+    result = collector.collect_results(timeout=60)
+    collector.close(timeout=30)
+    return f"{float(result['a'])} {float(result['b'])}"
+
+
+def test_children_in_another_order_still_bind_and_reduce_by_name(dist_pool: RankPool) -> None:
+    # The structure check pairs children by name; the class check must not see an order.
+    outcomes = dist_pool.run(_children_in_another_order_by_rank, timeout=120)
+    largest = float(dist_pool.world_size - 1)
+    assert outcomes == [f"1.0 {largest}"] * dist_pool.world_size, outcomes
+
+
 def test_metrics_of_other_classes_with_one_state_layout_fail_at_bind(dist_pool: RankPool) -> None:
     # An MSE and an RMSE metric hold the same states: the structure check passed, windows were
     # reduced together and each rank computed its own kind of value.
@@ -224,7 +247,7 @@ def test_metrics_of_other_classes_with_one_state_layout_fail_at_bind(dist_pool: 
     for rank, outcome in enumerate(outcomes):
         assert "ranks of the group hold different metric classes" in outcome, (rank, outcome)
         assert "error MeanSquaredErrorMetric" in outcome, outcome
-        assert "rank 1: the metric ComposeMetric, error RootMeanSquaredErrorMetric" in outcome
+        assert "rank 1: error RootMeanSquaredErrorMetric, loss MeanMetric" in outcome
 
 
 def _skip_a_window_on_rank1() -> tuple[str, float]:

@@ -136,8 +136,47 @@ def test_a_process_group_of_another_size_than_the_launchers_fails_at_bind() -> N
     lines = done.stdout.splitlines()
     assert len(lines) == 3, lines
     for line, where in zip(lines, ("bind", "log", "sync"), strict=True):
-        assert line.startswith(f"{where}: the environment says this is rank 1 of 2"), line
-        assert "makes it rank 0 of 1" in line, line
+        assert line.startswith(f"{where}: the environment says this job has 2 processes"), line
+        assert "holds this process alone" in line, line
+
+
+def test_a_larger_group_than_the_launchers_world_is_fine(tmp_path: Path) -> None:
+    # Launchers that set WORLD_SIZE/RANK per node and spawn a process per GPU (PyTorch's
+    # ImageNet example): a group larger than WORLD_SIZE says is the job, not a mistake.
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch, torch.distributed as dist, torch.multiprocessing as mp
+        from sidestream import MeanMetric
+        from sidestream.collector import AsyncMetricCollector
+
+        def work(rank, init_method):
+            dist.init_process_group("gloo", init_method=init_method, world_size=2, rank=rank)
+            metric = MeanMetric()
+            collector = AsyncMetricCollector(metric).bind("cpu")
+            metric.update(torch.tensor([float(rank)]))
+            collector.schedule_collection(1)
+            value = float(collector.collect_results(timeout=60))
+            sys.stdout.write(f"{rank} {value}\\n")  # one write: the two ranks share the pipe
+            sys.stdout.flush()
+            collector.close(timeout=30)
+
+        if __name__ == "__main__":
+            mp.spawn(work, args=(f"file://{__file__}.store",), nprocs=2)
+        """
+    )
+    path = tmp_path / "per_gpu.py"  # spawn imports the main module again: a file, not -c
+    path.write_text(script)
+    done = subprocess.run(
+        [sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "1", "RANK": "0"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["0 0.5", "1 0.5"], done.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -508,7 +547,11 @@ def test_a_second_bound_collector_of_the_same_prefix_sends_other_fingerprints(
     accuracy = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")
     assert "1 other bound collector(s) have the prefix 'twin'" in caplog.text
     assert (loss._stream, accuracy._stream) == ("twin", "twin (twin 1)")
-    for collector in (loss, other, accuracy):
+    # Another twin bound once the first closed takes an index no open twin holds.
+    assert loss.close(timeout=30)
+    third = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")
+    assert third._stream == "twin (twin 2)"
+    for collector in (other, accuracy, third):
         assert collector.close(timeout=30)
     caplog.clear()
     again = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")  # the others closed

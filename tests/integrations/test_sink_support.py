@@ -9,6 +9,7 @@ from sidestream.sinks.support import (
     redact,
     secrets_in,
     shorten,
+    silence_thread_errors,
     uri_without_password,
 )
 
@@ -86,3 +87,34 @@ def test_histogram_edges_default_to_unit_bins_and_check_given_ones() -> None:
             histogram_edges(2, edges)
         with pytest.raises(ValueError, match=r"histogram_edges\['h'\]: .*finite increasing"):
             checked_histogram_edges({"h": edges})
+
+
+def test_silenced_thread_errors_pass_other_threads_on_to_a_hook_set_later_without_a_cycle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A hook set after the first call, then a second call, made the two hooks call each other
+    # for every other thread's error until RecursionError.
+    import threading
+
+    seen: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        threading, "excepthook", lambda args: seen.append(("base", args.thread.name))
+    )
+
+    def is_quiet(thread: threading.Thread) -> bool:
+        return thread.name == "sidestream-test-quiet"
+
+    silence_thread_errors(is_quiet)
+    below = threading.excepthook
+
+    def users_hook(args: threading.ExceptHookArgs) -> None:
+        seen.append(("user", args.thread.name))
+        below(args)
+
+    monkeypatch.setattr(threading, "excepthook", users_hook)
+    silence_thread_errors(is_quiet)
+    for name in ("sidestream-test-quiet", "sidestream-test-loud"):
+        thread = threading.Thread(target=lambda: 1 / 0, name=name)
+        thread.start()
+        thread.join()
+    assert seen == [("user", "sidestream-test-loud"), ("base", "sidestream-test-loud")]

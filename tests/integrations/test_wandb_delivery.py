@@ -205,7 +205,9 @@ def test_a_replay_given_only_the_spool_continues_the_run_where_the_job_kept_it(
     assert not list(elsewhere.iterdir())
 
 
-def test_a_replay_goes_to_the_jobs_own_wandb_server(tmp_path: Path) -> None:
+def test_a_replay_goes_to_the_jobs_own_wandb_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Only project, entity, mode and dir were kept: a job on a self-hosted server was replayed
     # to W&B's cloud, in a project of the same name there.
     own = WandbSink(
@@ -220,3 +222,17 @@ def test_a_replay_goes_to_the_jobs_own_wandb_server(tmp_path: Path) -> None:
         assert sink.close(30)
     assert own.replay_options()["settings"] == {"base_url": "http://***@127.0.0.1:1"}
     assert "settings" not in default.replay_options()
+    # A server down for the whole job is the usual reason for a spool: known before open too,
+    # from the settings or WANDB_BASE_URL, and in a ProcessSink's parent.
+    from sidestream.sinks import ProcessSink
+
+    never_opened = WandbSink(project="p", mode="offline", settings={"base_url": "http://h:2"})
+    assert never_opened.replay_options()["settings"] == {"base_url": "http://h:2"}
+    wrapped = ProcessSink(
+        WandbSink(project="p", mode="offline", settings={"base_url": "http://h:3"})
+    )
+    assert wrapped.replay_options()["settings"] == {"base_url": "http://h:3"}
+    monkeypatch.setenv("WANDB_BASE_URL", "http://h:4")
+    assert WandbSink(project="p", mode="offline").replay_options()["settings"] == {
+        "base_url": "http://h:4"
+    }

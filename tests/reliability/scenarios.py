@@ -351,7 +351,6 @@ def hang_at_close(tmp: Path, windows: int = 50) -> Iterator[Row]:
 
 def unusable_spool_dir(tmp: Path, windows: int = 100) -> Iterator[Row]:
     blocker = tmp / "not-a-dir"
-    blocker.write_text("")
     gate = threading.Event()
     stuck = FaultSink("stuck", lambda step: gate.wait(60))
     jsonl = JsonlSink(tmp / "spooldir.jsonl", flush_every=1)
@@ -360,6 +359,8 @@ def unusable_spool_dir(tmp: Path, windows: int = 100) -> Iterator[Row]:
         metric, sinks=[stuck, jsonl], prefix="loss", spool_dir=str(blocker), sink_capacity=8
     )
     collector.bind("cpu")
+    # A file in its place once the job runs (one there already is refused when it is built).
+    blocker.write_text("")
     runners = {r.key: r for r in collector.sink_runners}
     for step in range(1, windows + 1):
         metric.update(torch.tensor([float(step)]))

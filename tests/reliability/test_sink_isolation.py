@@ -48,7 +48,6 @@ def test_unusable_spool_dir_costs_only_the_sink_that_spools(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("")
     healthy = JsonlSink(tmp_path / "m.jsonl")
     stuck = GatedSink()
     metric = MeanMetric()
@@ -56,6 +55,7 @@ def test_unusable_spool_dir_costs_only_the_sink_that_spools(
         metric, sinks=[stuck, healthy], prefix="loss", spool_dir=str(not_a_dir), sink_capacity=16
     )
     collector.bind("cpu")
+    not_a_dir.write_text("")  # once it runs: a file there already is refused when built
     runner, healthy_runner = collector.sink_runners
     with caplog.at_level(logging.WARNING):
         for step in range(1, 101):
@@ -591,3 +591,26 @@ def test_a_spool_line_with_a_field_of_the_wrong_type_is_a_damaged_line(
     assert main(arguments) == 0
     assert "skipped a damaged line" in capsys.readouterr().err
     assert [json.loads(x)["step"] for x in skipped.read_text().splitlines()] == [1, 3]
+
+
+def test_a_jsonl_spool_replays_with_the_command_given_only_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its kept options were empty: the command given only the spool could not rebuild the sink
+    # ("JsonlSink.__init__() missing 1 required positional argument: 'path'").
+    from sidestream.sinks.replay import main
+
+    log = tmp_path / "job" / "m.jsonl"
+    runner = SinkRunner(JsonlSink(log), spool_dir=str(tmp_path / "spool"))
+    log.mkdir(parents=True)  # the file's place is taken: opening fails for good
+    runner.start()
+    for step in range(1, 4):
+        runner.submit(Report(step=step, values={"loss": float(step)}, time=1.0))
+    assert runner.close(timeout=10) is False
+    (kept,) = (tmp_path / "spool").glob("*.spool.jsonl")
+    log.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([str(kept)]) == 0
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]

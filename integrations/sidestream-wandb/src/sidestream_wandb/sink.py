@@ -578,8 +578,9 @@ class WandbSink(TrackerSink):
         A replay given only ``--sink wandb`` then continues the job's run in its project on its
         server, not a run of the same id in wandb's default project on W&B's cloud. The server
         is kept as ``settings={"base_url": ...}`` when it is not wandb's default (a password
-        in it hidden as ``***``), and only once the run was opened (wandb resolves it from the
-        settings, ``WANDB_BASE_URL`` or ``wandb login --host``).
+        in it hidden as ``***``): once the run opened as wandb resolved it (from the settings,
+        ``WANDB_BASE_URL`` or ``wandb login --host``), before that (a server down for the whole
+        job) from ``settings`` or ``WANDB_BASE_URL``.
         """
         options: dict[str, Any] = {
             key: self._init_kwargs[key]
@@ -589,7 +590,8 @@ class WandbSink(TrackerSink):
         if self._init_kwargs.get("dir") is not None:
             options["dir"] = os.path.abspath(os.fspath(self._init_kwargs["dir"]))
         where = dict(self._where)  # once opened: as wandb resolved them
-        base_url = where.pop("base_url", None)
+        # Before open (the server may have been down for the whole job): as given.
+        base_url = where.pop("base_url", None) or _given_server(self._init_kwargs)
         options.update(where)
         if base_url is not None:
             options["settings"] = {"base_url": uri_without_password(base_url)}
@@ -684,8 +686,27 @@ class WandbSink(TrackerSink):
 def _own_server(wandb: Any, run: Any) -> str | None:
     """The run's W&B server as wandb resolved it, or ``None`` for wandb's default one."""
     base_url = getattr(getattr(run, "settings", None), "base_url", None)
-    default = getattr(getattr(wandb, "Settings", None), "model_fields", {}).get("base_url")
-    if not isinstance(base_url, str) or base_url == getattr(default, "default", None):
+    return _unless_default(base_url, getattr(wandb, "Settings", None))
+
+
+def _given_server(init_kwargs: Mapping[str, Any]) -> str | None:
+    """The server the sink's ``settings`` or ``WANDB_BASE_URL`` name, before ``wandb.init``."""
+    settings = init_kwargs.get("settings")
+    if isinstance(settings, Mapping):
+        given = settings.get("base_url")
+    elif "base_url" in getattr(settings, "model_fields_set", ()):
+        given = getattr(settings, "base_url", None)
+    else:
+        given = None
+    return _unless_default(given or os.environ.get("WANDB_BASE_URL"), _settings_type())
+
+
+def _unless_default(base_url: object, settings_type: Any) -> str | None:
+    """``base_url`` unless it is empty or wandb's default server."""
+    default = getattr(settings_type, "model_fields", {}).get("base_url")
+    if not isinstance(base_url, str) or not base_url:
+        return None
+    if base_url.rstrip("/") == str(getattr(default, "default", "")).rstrip("/"):
         return None
     return base_url
 

@@ -93,8 +93,10 @@ def check_process_group(where: str) -> None:
 
     torchrun (and most launchers) set ``WORLD_SIZE`` and ``RANK``. Without
     ``init_process_group`` every rank would act as rank 0 of a job of its own: each writes to
-    the trackers, each reduces only its own data. The same happens with a default group of
-    another size than the environment's (a ``world_size=1`` group on every rank).
+    the trackers, each reduces only its own data. The same happens with a default group of one
+    process where the environment says several (a ``world_size=1`` group on every rank). A
+    larger group is fine: some launchers set ``WORLD_SIZE``/``RANK`` per node and spawn one
+    process per GPU (PyTorch's ImageNet example, Kubeflow's PyTorchJob).
 
     Raises:
         RuntimeError: Naming ``torch.distributed.init_process_group``.
@@ -105,14 +107,13 @@ def check_process_group(where: str) -> None:
         default = dist.group.WORLD
         if default is _checked_default_group:  # syncs call this: checked once per group
             return
-        size, own = dist.get_world_size(), dist.get_rank()
-        if world.isdigit() and rank.isdigit() and (int(world), int(rank)) != (size, own):
+        if dist.get_world_size() == 1 and world.isdigit() and int(world) > 1:
             raise RuntimeError(
-                f"{where}: the environment says this is rank {rank} of {world} processes "
-                f"(RANK, WORLD_SIZE), but the default process group makes it rank {own} of "
-                f"{size}; initialize it with the environment's world size and rank on every "
+                f"{where}: the environment says this job has {world} processes (WORLD_SIZE, "
+                f"RANK={rank or 'unset'}), but the default process group holds this process "
+                "alone; initialize it with the environment's world size and rank on every "
                 "rank (torch.distributed.init_process_group() reads them itself), otherwise "
-                "ranks reduce only part of the data and several write to the trackers as rank 0"
+                "each rank reduces only its own data and writes to the trackers as rank 0"
             )
         _checked_default_group = default
         return

@@ -187,6 +187,7 @@ class AsyncMetricCollector(Generic[T]):
         self._slot_wait_logged = False
         self._dispatcher: Dispatcher | None = None
         self._last_step: int | None = None
+        self._twin_index = 0  # set at bind: told apart from open collectors of this prefix
         self._closed = False
         self._close_result = True  # what the first close returned; later calls repeat it
 
@@ -245,7 +246,8 @@ class AsyncMetricCollector(Generic[T]):
                 rank 0 writes: a sink built on another rank alone would be dropped silently).
             RuntimeError: If already bound or closed; if ``device`` is CUDA and CUDA is not
                 available; if the environment (``WORLD_SIZE``/``RANK``) says the job has
-                several processes but no process group is initialized, or one of another size.
+                several processes but no process group is initialized, or one of this
+                process alone.
             ValueError: If the metric is bound to another collector that is not closed, the
                 collector has sinks and its group leaves out global rank 0 (their writer), or
                 ``device`` is ``"meta"``.
@@ -262,7 +264,7 @@ class AsyncMetricCollector(Generic[T]):
                     "whose windows stage and reset it (its children included): give each "
                     "collector its own metric"
                 )
-        twins = self._bound_twins()
+        self._twin_index = self._next_twin_index()
         target = torch.device(device) if device is not None else self._metric.device
         if target.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(
@@ -287,11 +289,11 @@ class AsyncMetricCollector(Generic[T]):
         calls = self._metric.call_counter.count
         if calls:
             self._stream += f" after {calls} call(s)"
-        if twins:
+        if self._twin_index:
             # Another bound collector pairs its windows by the same prefix and mode: this one's
             # fingerprints differ from it, so ranks scheduling the two in another order fail
             # (with RankMismatchError) instead of reducing one's window with the other's.
-            self._stream += f" (twin {twins})"
+            self._stream += f" (twin {self._twin_index})"
         if target.type == "cuda":
             self._side = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
         # Making the first slot is the one blocking collective: it checks that every rank holds
@@ -309,9 +311,11 @@ class AsyncMetricCollector(Generic[T]):
             self._group,
             target,
             "metric classes",
-            ", ".join(
-                f"{prefix.rstrip('.') or 'the metric'} {type(metric).__qualname__}"
-                for prefix, metric in self._metric._named_metrics()
+            ", ".join(  # sorted: children are reduced by name, in any order
+                sorted(
+                    f"{prefix.rstrip('.') or 'the metric'} {type(metric).__qualname__}"
+                    for prefix, metric in self._metric._named_metrics()
+                )
             ),
             "bind the same metric, of the same classes, on every rank",
         )
@@ -341,28 +345,30 @@ class AsyncMetricCollector(Generic[T]):
             close_at_exit(self._close_at_exit)
         return self
 
-    def _bound_twins(self) -> int:
-        """How many bound, open collectors of this process have this one's prefix, mode and group.
+    def _next_twin_index(self) -> int:
+        """0, or above every index of the open collectors with this prefix, mode and group.
 
-        The same on every rank (binds and closes run in program order), so it tells twins
-        apart in the call fingerprint. Logged: a distinct prefix also keeps their reports apart.
+        The same on every rank (binds and closes run in program order), and never an index an
+        open twin holds, so twins' call fingerprints differ. Logged: a distinct prefix also
+        keeps their reports apart.
         """
         mine = (self._prefix, self._reset_each_window, self._group)
-        twins = {
-            id(other)
+        taken = {
+            id(other): other._twin_index
             for other in list(_BOUND.values())
             if other is not self
             and not other._closed
             and (other._prefix, other._reset_each_window, other._group) == mine
         }
-        if twins:
-            logger.info(
-                "bind: %d other bound collector(s) have the prefix %r; ranks must schedule them "
-                "in the same order (another order fails with RankMismatchError)",
-                len(twins),
-                self._prefix,
-            )
-        return len(twins)
+        if not taken:
+            return 0
+        logger.info(
+            "bind: %d other bound collector(s) have the prefix %r; ranks must schedule them in "
+            "the same order (another order fails with RankMismatchError)",
+            len(taken),
+            self._prefix,
+        )
+        return max(taken.values()) + 1
 
     def _refuse_group_without_writer(self) -> None:
         """Sinks are written by global rank 0: a group without it would deliver nothing."""

@@ -105,6 +105,10 @@ class JsonlSink(TrackerSink):
         # The path given to the constructor wins; a checkpoint's is kept to compare at open.
         self._saved_path = value
 
+    def replay_options(self) -> dict[str, Any]:
+        """The file's absolute path: a replay given only the spool writes the job's file."""
+        return {"path": str(self.path)}
+
     def open(self, run: RunInfo) -> None:
         """Open ``path`` for appending (``run`` is not recorded in the file)."""
         del run

@@ -342,7 +342,6 @@ def call_within(
 
 
 _thread_filters: list[Callable[[threading.Thread], bool]] = []
-_previous_excepthook: Callable[[threading.ExceptHookArgs], object] | None = None
 _excepthook_lock = threading.Lock()
 
 
@@ -353,25 +352,30 @@ def silence_thread_errors(is_quiet: Callable[[threading.Thread], bool]) -> None:
     streak: TensorBoard's writer thread re-raises its first write error, which printed a
     traceback per replaced writer while a disk stayed full. A filter, not a thread: such a
     thread can fail before its constructor returns. Other threads' errors go to the hook that
-    was in place. Call it before each new client thread: a hook set since is kept below.
+    was in place. Call it before each new client thread: if another hook replaced this one
+    since, a new one goes on top of it, each passing on to the hook it found (no cycle).
     """
-    global _previous_excepthook
     with _excepthook_lock:
-        if threading.excepthook is not _quiet_excepthook:
-            _previous_excepthook = threading.excepthook
-            threading.excepthook = _quiet_excepthook
         if is_quiet not in _thread_filters:
             _thread_filters.append(is_quiet)
+        if not getattr(threading.excepthook, "_sidestream_quiet", False):
+            threading.excepthook = _quiet_hook_over(threading.excepthook)
 
 
-def _quiet_excepthook(args: threading.ExceptHookArgs) -> None:
-    thread = args.thread
-    if thread is not None and any(_picks(is_quiet, thread) for is_quiet in _thread_filters):
-        logging.getLogger("sidestream.sinks").debug(
-            "thread %s ended with %s: %s", thread.name, args.exc_type.__name__, args.exc_value
-        )
-        return
-    (_previous_excepthook or threading.__excepthook__)(args)
+def _quiet_hook_over(
+    previous: Callable[[threading.ExceptHookArgs], object],
+) -> Callable[[threading.ExceptHookArgs], None]:
+    def quiet_excepthook(args: threading.ExceptHookArgs) -> None:
+        thread = args.thread
+        if thread is not None and any(_picks(is_quiet, thread) for is_quiet in _thread_filters):
+            logging.getLogger("sidestream.sinks").debug(
+                "thread %s ended with %s: %s", thread.name, args.exc_type.__name__, args.exc_value
+            )
+            return
+        previous(args)
+
+    quiet_excepthook._sidestream_quiet = True  # type: ignore[attr-defined]
+    return quiet_excepthook
 
 
 def _picks(is_quiet: Callable[[threading.Thread], bool], thread: threading.Thread) -> bool:
