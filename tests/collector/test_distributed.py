@@ -174,29 +174,12 @@ def test_a_metric_changed_after_bind_fails_the_window_on_every_rank(dist_pool: R
     assert "changed its states after bind" in outcomes[0] or "paired different" in outcomes[0]
 
 
-def _two_collectors_of_one_prefix_in_another_order() -> str:
-    """Two collectors with the default prefix; rank 1 schedules them in the other order."""
-    losses, accuracies = MeanMetric(), MeanMetric()
-    first = AsyncMetricCollector(losses).bind("cpu")
-    second = AsyncMetricCollector(accuracies).bind("cpu")
-    losses.update(torch.tensor([1.0]))
-    accuracies.update(torch.tensor([100.0]))
-
-    def steps() -> None:
-        for collector in (first, second) if dist.get_rank() == 0 else (second, first):
-            collector.schedule_collection(1)
-        first.collect_results(timeout=60)
-        second.collect_results(timeout=60)
-
-    return _mismatch_of(steps, first, second)
-
-
 def test_two_collectors_of_one_prefix_scheduled_in_another_order_fail_every_rank(
     dist_pool: RankPool,
 ) -> None:
     # Paired by prefix and step alone, each rank's first window was reduced with the other's
     # second: both collectors reported 50.5 (not 1.0 and 100.0) with only a warning at bind.
-    outcomes = dist_pool.run(_two_collectors_of_one_prefix_in_another_order, timeout=120)
+    outcomes = dist_pool.run(_schedule_two_collectors_in_rank_order, ("", ""), timeout=120)
     for rank, outcome in enumerate(outcomes):
         assert "paired different calls" in outcome, (rank, outcome)
         assert "share its prefix" in outcome, (rank, outcome)
@@ -313,11 +296,11 @@ def test_a_checkpoint_after_a_skipped_window_fails_every_rank_at_once() -> None:
         assert elapsed < 8, (rank, elapsed)
 
 
-def _schedule_two_collectors_in_rank_order() -> str:
+def _schedule_two_collectors_in_rank_order(prefixes: tuple[str, str] = ("train", "val")) -> str:
     """Two same-shaped collectors; rank 1 schedules them the other way round at one step."""
     train_metric, val_metric = MeanMetric(), MeanMetric()
-    train = AsyncMetricCollector(train_metric, prefix="train").bind("cpu")
-    val = AsyncMetricCollector(val_metric, prefix="val").bind("cpu")
+    train = AsyncMetricCollector(train_metric, prefix=prefixes[0]).bind("cpu")
+    val = AsyncMetricCollector(val_metric, prefix=prefixes[1]).bind("cpu")
     train_metric.update(torch.tensor([1.0]))
     val_metric.update(torch.tensor([100.0]))
     order = [train, val] if dist.get_rank() == 0 else [val, train]

@@ -35,6 +35,18 @@ from tests.collector.helpers import RecordingSink
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _python(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run this interpreter on ``args`` from the repository root, with ``env`` added."""
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+    )
+
+
 class HttpError(Exception):
     def __init__(self, status_code: int) -> None:
         super().__init__(f"HTTP {status_code}")
@@ -124,14 +136,7 @@ def test_a_process_group_of_another_size_than_the_launchers_fails_at_bind() -> N
                 print("no error")
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "RANK": "1"},
-    )
+    done = _python("-c", script, WORLD_SIZE="2", RANK="1")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 3, lines
@@ -167,14 +172,7 @@ def test_a_larger_group_than_the_launchers_world_is_fine(tmp_path: Path) -> None
     )
     path = tmp_path / "per_gpu.py"  # spawn imports the main module again: a file, not -c
     path.write_text(script)
-    done = subprocess.run(
-        [sys.executable, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "1", "RANK": "0"},
-    )
+    done = _python(str(path), WORLD_SIZE="1", RANK="0")
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == ["0 0.5", "1 0.5"], done.stdout
 
@@ -265,14 +263,7 @@ def test_jsonl_counts_a_step_only_once_it_is_in_the_file(tmp_path: Path) -> None
         print(json.dumps({{"closed": closed, "state": state}}))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = _python("-c", script)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
     steps = [record["step"] for record in read_jsonl(path)]
