@@ -174,12 +174,16 @@ def test_a_metric_changed_after_bind_fails_the_window_on_every_rank(dist_pool: R
     assert "changed its states after bind" in outcomes[0] or "paired different" in outcomes[0]
 
 
+@pytest.mark.parametrize("world_named", [False, True])
 def test_two_collectors_of_one_prefix_scheduled_in_another_order_fail_every_rank(
-    dist_pool: RankPool,
+    dist_pool: RankPool, world_named: bool
 ) -> None:
     # Paired by prefix and step alone, each rank's first window was reduced with the other's
     # second: both collectors reported 50.5 (not 1.0 and 100.0) with only a warning at bind.
-    outcomes = dist_pool.run(_schedule_two_collectors_in_rank_order, ("", ""), timeout=120)
+    # The default group named as dist.group.WORLD by one of them is the same group.
+    outcomes = dist_pool.run(
+        _schedule_two_collectors_in_rank_order, ("", ""), world_named, timeout=120
+    )
     for rank, outcome in enumerate(outcomes):
         assert "paired different calls" in outcome, (rank, outcome)
         assert "share its prefix" in outcome, (rank, outcome)
@@ -296,11 +300,17 @@ def test_a_checkpoint_after_a_skipped_window_fails_every_rank_at_once() -> None:
         assert elapsed < 8, (rank, elapsed)
 
 
-def _schedule_two_collectors_in_rank_order(prefixes: tuple[str, str] = ("train", "val")) -> str:
-    """Two same-shaped collectors; rank 1 schedules them the other way round at one step."""
+def _schedule_two_collectors_in_rank_order(
+    prefixes: tuple[str, str] = ("train", "val"), world_named: bool = False
+) -> str:
+    """Two same-shaped collectors; rank 1 schedules them the other way round at one step.
+
+    ``world_named``: the second names the default group ``dist.group.WORLD`` (the first: None).
+    """
     train_metric, val_metric = MeanMetric(), MeanMetric()
     train = AsyncMetricCollector(train_metric, prefix=prefixes[0]).bind("cpu")
-    val = AsyncMetricCollector(val_metric, prefix=prefixes[1]).bind("cpu")
+    group = dist.group.WORLD if world_named else None
+    val = AsyncMetricCollector(val_metric, prefix=prefixes[1], group=group).bind("cpu")
     train_metric.update(torch.tensor([1.0]))
     val_metric.update(torch.tensor([100.0]))
     order = [train, val] if dist.get_rank() == 0 else [val, train]

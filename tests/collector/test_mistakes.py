@@ -580,3 +580,12 @@ def test_a_spool_dir_that_cannot_be_made_is_refused_when_built(tmp_path: Path) -
         Run([RecordingSink()], spool_dir=spool_dir)
     with pytest.raises(ValueError, match=r"spool_dir: .*is a file, not a directory"):
         AsyncMetricCollector(MeanMetric(), sinks=[RecordingSink()], spool_dir=spool_dir)
+
+
+def test_a_spool_dir_that_is_a_dangling_link_is_refused_when_built(tmp_path: Path) -> None:
+    # exists() is False for a link to nothing, so the check took its parent and accepted it;
+    # every spool attempt then failed (FileExistsError) and overflowing reports were dropped.
+    link = tmp_path / "spools"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match=r"spool_dir: .*is a symbolic link to nothing"):
+        Run([RecordingSink()], spool_dir=str(link / "run"))

@@ -487,7 +487,8 @@ def test_a_resumed_run_that_never_wrote_records_its_hyper_parameters_and_name(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"flush_secs": 0}, "flush_secs: expected a finite number of seconds > 0"),
+        ({"flush_secs": 0}, "flush_secs: expected a finite number of seconds >= 0.01"),
+        ({"flush_secs": 1e-6}, "flush_secs: expected a finite number"),  # spins a fifth of a core
         ({"flush_secs": -1}, "flush_secs: expected a finite number"),
         ({"flush_secs": float("nan")}, "flush_secs: expected a finite number"),
         ({"max_queue": 0}, "max_queue: expected an int >= 1"),

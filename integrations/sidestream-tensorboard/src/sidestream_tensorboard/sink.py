@@ -428,6 +428,9 @@ class TensorBoardSink(TrackerSink):
         return self.flush(0)  # the writer is gone: what was sent is on disk now
 
 
+_MIN_FLUSH_S = 0.01
+"""The shortest ``flush_secs`` taken (the writer thread waits that long between flushes)."""
+
 _SINK_DIRS: set[str] = set()
 """Log directories TensorBoard sinks of this process write to."""
 
@@ -444,12 +447,16 @@ def _is_sink_writer_thread(thread: threading.Thread) -> bool:
 def _check_writer_ranges(options: Mapping[str, Any]) -> None:
     """Refuse ``flush_secs`` and ``max_queue`` values that make the writer spin or unbounded.
 
-    TensorBoard's writer thread busy-loops with a ``flush_secs`` that is not > 0 (and never
-    flushes on its own with NaN), and a ``max_queue`` below 1 makes its queue unbounded.
+    TensorBoard's writer thread busy-loops with a ``flush_secs`` that is not > 0, and nearly
+    so with a tiny one (1e-6 s: a fifth of a core while idle); with NaN it never flushes on its
+    own. A ``max_queue`` below 1 makes its queue unbounded.
     """
     flush_secs = options.get("flush_secs")
-    if flush_secs is not None and not (math.isfinite(flush_secs) and flush_secs > 0):
-        raise ValueError(f"flush_secs: expected a finite number of seconds > 0, got {flush_secs!r}")
+    if flush_secs is not None and not (math.isfinite(flush_secs) and flush_secs >= _MIN_FLUSH_S):
+        raise ValueError(
+            f"flush_secs: expected a finite number of seconds >= {_MIN_FLUSH_S}, got "
+            f"{flush_secs!r} (TensorBoard's writer thread spins on shorter ones)"
+        )
     max_queue = options.get("max_queue")
     if max_queue is not None and max_queue < 1:
         raise ValueError(f"max_queue: expected an int >= 1, got {max_queue!r}")

@@ -352,13 +352,13 @@ class AsyncMetricCollector(Generic[T]):
         open twin holds, so twins' call fingerprints differ. Logged: a distinct prefix also
         keeps their reports apart.
         """
-        mine = (self._prefix, self._reset_each_window, self._group)
+        mine = (self._prefix, self._reset_each_window, _reduced_over(self._group))
         taken = {
             id(other): other._twin_index
             for other in list(_BOUND.values())
             if other is not self
             and not other._closed
-            and (other._prefix, other._reset_each_window, other._group) == mine
+            and (other._prefix, other._reset_each_window, _reduced_over(other._group)) == mine
         }
         if not taken:
             return 0
@@ -746,3 +746,13 @@ class AsyncMetricCollector(Generic[T]):
         if self._dispatcher is not None:
             raise RuntimeError("load_state_dict: call it before bind")
         return self._metric._prepare_load(dict(state_dict))
+
+
+def _reduced_over(group: Group) -> dist.ProcessGroup | None:
+    """The process group ``group`` reduces over.
+
+    ``None`` for the default one, however it is named (``None``, ``dist.group.WORLD``, a device
+    mesh over it).
+    """
+    resolved = resolve_group(group)
+    return None if resolved is None or resolved is dist.group.WORLD else resolved

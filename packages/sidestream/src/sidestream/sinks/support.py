@@ -228,7 +228,7 @@ def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
     """Raise ``ValueError`` if ``directory`` cannot be made and written by a sink.
 
     It is refused if empty, if it holds a NUL byte, or if it or a folder above it exists as
-    something else.
+    something else or is a symbolic link to nothing.
 
     Making the directory later would fail for good (``FileExistsError``) on every retry, so a
     sink option naming one is refused when the sink is made.
@@ -240,6 +240,11 @@ def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
         raise ValueError(f"{name}: expected a directory path, got {text!r}")
     path = Path(directory)
     for place in (path, *path.parents):
+        if place.is_symlink() and not place.exists():
+            # exists() follows the link: making the directory would fail on every retry.
+            raise ValueError(
+                f"{name}: {str(place)!r} is a symbolic link to nothing (in {str(path)!r})"
+            )
         if place.exists():
             if not place.is_dir():
                 raise ValueError(
