@@ -272,15 +272,19 @@ def test_runner_keeps_undeliverable_reports_and_warns_once(
 
 
 class _StalledFlushSink(RecordingSink):
-    """A backend that stalls: its flushes do not finish until ``stalled`` is cleared."""
+    """A backend that stalls: its flushes do not finish until ``stalled`` is cleared, and
+    raise ``OSError`` while ``raising`` is set."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stalled = True
+        self.raising = False
         self.flushes = 0
 
     def flush(self, timeout: float | None = None) -> bool:
         self.flushes += 1
+        if self.raising:
+            raise OSError("disk error")
         return not self.stalled
 
 
@@ -306,14 +310,19 @@ def test_a_stalled_flush_is_logged_once_per_streak_and_its_recovery_once(
         write_and_flush(6)
         sink.stalled = True
         write_and_flush(7)
-        sink.stalled = False
+        sink.raising = True  # a failure of another kind within the streak is not hidden
+        write_and_flush(8)
+        write_and_flush(9)
+        sink.stalled = sink.raising = False
         assert runner.close(10.0)
     messages = [r.getMessage() for r in caplog.records]
     stalls = [m for m in messages if "flush did not finish" in m]
+    raised = [m for m in messages if "flush failed: OSError: disk error" in m]
     recoveries = [m for m in messages if "flush finished again" in m]
     assert len(stalls) == 2, messages  # one per streak, not one per flush
+    assert len(raised) == 1, messages
     assert len(recoveries) == 1 and "after 5 failed" in recoveries[0], messages
-    assert sink.steps == [1, 2, 3, 4, 5, 6, 7]
+    assert sink.steps == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
 def test_jsonl_resume_skips_steps_logged_after_the_checkpoint_and_heals_cut_line(

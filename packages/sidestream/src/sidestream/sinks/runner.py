@@ -99,6 +99,7 @@ class SinkRunner:
         self._failing = False
         self._failed_attempts = 0
         self._flush_failures = 0  # in a row: only the first of a streak is logged
+        self._flush_failure_kind: str | None = None  # how the streak's flushes fail
         self._status = SinkStatus("healthy", None)
         # Until the sink delivers (or if it never opens): the state it resumes from, else its
         # state before open, so a checkpoint taken meanwhile keeps them and the keys a fresh
@@ -450,7 +451,8 @@ class SinkRunner:
             if stop:
                 break
         # close() flushes too: an idle flush that failed earlier is covered by it.
-        self._sink_closed = self._once("close", lambda: self.sink.close(self._remaining()))
+        closed = self._once("close", lambda: self.sink.close(self._remaining()))
+        self._sink_closed = closed is None
 
     def _open(self) -> None:
         if self._resume_state is not None:
@@ -579,42 +581,57 @@ class SinkRunner:
         """An idle flush, logged once per streak of failures.
 
         A stalled backend fails one flush every interval: the first failure of a streak is
-        logged, then only the recovery, so the log is not flooded meanwhile.
+        logged, then only the recovery, so the log is not flooded meanwhile. A failure of
+        another kind (another exception type, or a flush that raised after some returned
+        False) is logged too.
         """
         streak = self._flush_failures
-        if not self._once("flush", lambda: self.sink.flush(self._remaining()), quiet=streak > 0):
+        kind = self._once(
+            "flush", lambda: self.sink.flush(self._remaining()), quiet=self._flush_failure_kind
+        )
+        if kind is not None:
             self._flush_failures += 1
+            self._flush_failure_kind = kind
             return
-        self._flush_failures = 0
+        self._flush_failures, self._flush_failure_kind = 0, None
         if streak:
             logger.warning(
                 "sink %r: flush finished again after %d failed flush(es)", self.key, streak
             )
 
-    def _once(self, what: str, action: Callable[[], object], *, quiet: bool = False) -> bool:
-        """Run a sink's ``flush`` or ``close``; whether it neither raised nor returned False.
+    def _once(
+        self, what: str, action: Callable[[], object], *, quiet: str | None = None
+    ) -> str | None:
+        """Run a sink's ``flush`` or ``close``; how it failed, or ``None`` if it did not.
 
-        A failure is always kept in the status; ``quiet`` logs it at DEBUG, not WARNING.
+        The kind of failure is the exception's type name, or ``"returned False"``. A failure is
+        always kept in the status; one of the kind ``quiet`` names is logged at DEBUG, not
+        WARNING.
         """
         raised = True
         try:
             done = action()
         except Exception as error:
-            reason = f"{what} failed: {type(error).__name__}: {error}"
+            kind, reason = type(error).__name__, f"{what} failed: {type(error).__name__}: {error}"
         else:
             if done is not False:
-                return True
-            raised, reason = False, f"{what} did not finish (it returned False)"
-        if quiet:
+                return None
+            raised, kind = False, "returned False"
+            reason = f"{what} did not finish (it returned False)"
+        if kind == quiet:
             logger.debug("sink %r: %s", self.key, reason)
         elif what == "flush":
-            logger.warning("sink %r: %s; not logged again until a flush finishes", self.key, reason)
+            logger.warning(
+                "sink %r: %s; not logged again until a flush finishes or fails otherwise",
+                self.key,
+                reason,
+            )
         else:
             logger.warning("sink %r: %s", self.key, reason)
         # A close that raised ends the sink with an error: its status says so (a flush that
         # raised is covered by later ones and the close, so only its error is kept).
         self._note(reason, failed=raised and what == "close")
-        return False
+        return kind
 
     def _note(self, reason: str, *, failed: bool) -> None:
         with self._cond:
