@@ -84,10 +84,6 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
-_checked_default_group: object = None
-"""The default process group ``check_process_group`` last found consistent."""
-
-
 def check_process_group(where: str) -> None:
     """Raise if the environment says this job has several processes but none is joined.
 
@@ -101,12 +97,10 @@ def check_process_group(where: str) -> None:
     Raises:
         RuntimeError: Naming ``torch.distributed.init_process_group``.
     """
-    global _checked_default_group
     world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
     if dist.is_available() and dist.is_initialized():
-        default = dist.group.WORLD
-        if default is _checked_default_group:  # syncs call this: checked once per group
-            return
+        # No cached group: a reference kept past destroy_process_group ended the process in
+        # gloo's destructor at exit ("terminate called without an active exception").
         if dist.get_world_size() == 1 and world.isdigit() and int(world) > 1:
             raise RuntimeError(
                 f"{where}: the environment says this job has {world} processes (WORLD_SIZE, "
@@ -115,7 +109,6 @@ def check_process_group(where: str) -> None:
                 "rank (torch.distributed.init_process_group() reads them itself), otherwise "
                 "each rank reduces only its own data and writes to the trackers as rank 0"
             )
-        _checked_default_group = default
         return
     several = (world.isdigit() and int(world) > 1) or (rank.isdigit() and int(rank) > 0)
     if several:
