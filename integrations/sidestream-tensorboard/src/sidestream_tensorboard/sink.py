@@ -205,13 +205,9 @@ class TensorBoardSink(TrackerSink):
         job, a restarted child process and a replay tell them from this run's files. A state
         without them (an older checkpoint) takes every file for this run's.
         """
-        if self._earlier is None:
-            self._earlier = (
-                frozenset()
-                if self.resumed
-                else frozenset(
-                    path.name for path in _event_files(self._log_dir) if not _holds_no_events(path)
-                )
+        if self._earlier is None:  # set by load_extra_state on resume
+            self._earlier = frozenset(
+                path.name for path in _event_files(self._log_dir) if not _holds_no_events(path)
             )
         return self._earlier
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import weakref
 from typing import TypeAlias
 
 import torch
@@ -84,6 +85,10 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+_checked_group: weakref.ref[dist.ProcessGroup] | None = None
+"""The default process group ``check_process_group`` last passed."""
+
+
 def check_process_group(where: str) -> None:
     """Raise if the environment says this job has several processes but none is joined.
 
@@ -97,10 +102,12 @@ def check_process_group(where: str) -> None:
     Raises:
         RuntimeError: Naming ``torch.distributed.init_process_group``.
     """
-    world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
+    global _checked_group
     if dist.is_available() and dist.is_initialized():
-        # No cached group: a reference kept past destroy_process_group ended the process in
-        # gloo's destructor at exit ("terminate called without an active exception").
+        default = dist.group.WORLD
+        if _checked_group is not None and _checked_group() is default:
+            return  # a window's sync calls this on the training thread: checked once per group
+        world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
         if dist.get_world_size() == 1 and world.isdigit() and int(world) > 1:
             raise RuntimeError(
                 f"{where}: the environment says this job has {world} processes (WORLD_SIZE, "
@@ -109,7 +116,12 @@ def check_process_group(where: str) -> None:
                 "rank (torch.distributed.init_process_group() reads them itself), otherwise "
                 "each rank reduces only its own data and writes to the trackers as rank 0"
             )
+        # A weak reference: one kept past destroy_process_group ran gloo's destructor at exit,
+        # which aborted the process ("terminate called without an active exception").
+        if default is not None:
+            _checked_group = weakref.ref(default)
         return
+    world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
     several = (world.isdigit() and int(world) > 1) or (rank.isdigit() and int(rank) > 0)
     if several:
         raise RuntimeError(

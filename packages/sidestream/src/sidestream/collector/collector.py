@@ -353,13 +353,13 @@ class AsyncMetricCollector(Generic[T]):
         keeps their reports apart.
         """
         mine = (self._prefix, self._reset_each_window, _reduced_over(self._group))
-        taken = {
-            id(other): other._twin_index
-            for other in list(_BOUND.values())
+        taken = [
+            other._twin_index
+            for other in list(_BOUND.values())  # one entry per bound collector (its metric)
             if other is not self
             and not other._closed
             and (other._prefix, other._reset_each_window, _reduced_over(other._group)) == mine
-        }
+        ]
         if not taken:
             return 0
         logger.info(
@@ -368,7 +368,7 @@ class AsyncMetricCollector(Generic[T]):
             len(taken),
             self._prefix,
         )
-        return max(taken.values()) + 1
+        return max(taken) + 1
 
     def _refuse_group_without_writer(self) -> None:
         """Sinks are written by global rank 0: a group without it would deliver nothing."""

@@ -608,7 +608,6 @@ class SinkRunner:
         always kept in the status; one of the kind ``quiet`` names is logged at DEBUG, not
         WARNING.
         """
-        raised = True
         try:
             done = action()
         except Exception as error:
@@ -616,7 +615,7 @@ class SinkRunner:
         else:
             if done is not False:
                 return None
-            raised, kind = False, "returned False"
+            kind = _RETURNED_FALSE
             reason = f"{what} did not finish (it returned False)"
         if kind == quiet:
             logger.debug("sink %r: %s", self.key, reason)
@@ -630,7 +629,7 @@ class SinkRunner:
             logger.warning("sink %r: %s", self.key, reason)
         # A close that raised ends the sink with an error: its status says so (a flush that
         # raised is covered by later ones and the close, so only its error is kept).
-        self._note(reason, failed=raised and what == "close")
+        self._note(reason, failed=what == "close" and kind != _RETURNED_FALSE)
         return kind
 
     def _note(self, reason: str, *, failed: bool) -> None:
@@ -652,6 +651,9 @@ class SinkRunner:
             return None
         return max(0.0, self._close_deadline - time.monotonic())
 
+
+_RETURNED_FALSE = "returned False"
+"""The kind of failure of a ``flush`` or ``close`` that returned ``False`` (it did not raise)."""
 
 _RUN_KEYS = ("path", "log_dir", "run_id", "run_key")
 """State keys that name a sink's run (JSONL, TensorBoard, MLflow and W&B): a kept spool whose

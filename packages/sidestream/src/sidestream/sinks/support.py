@@ -235,8 +235,8 @@ def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
     """
     text = os.fspath(directory)
     if not text or "\0" in text:
-        # Empty, SummaryWriter takes its own default directory instead; a NUL byte fails at
-        # open, after training started.
+        # Empty, it would silently become a default (the working directory, SummaryWriter's
+        # runs/...); a NUL byte fails at open, after training started.
         raise ValueError(f"{name}: expected a directory path, got {text!r}")
     path = Path(directory)
     for place in (path, *path.parents):
