@@ -30,3 +30,32 @@ def test_every_package_is_typed() -> None:
     assert (ROOT / "packages/sidestream/src/sidestream/py.typed").exists()
     for name in INTEGRATIONS:
         assert (ROOT / f"integrations/sidestream-{name}/src/sidestream_{name}/py.typed").exists()
+
+
+def test_version_from_a_source_tree_with_nothing_installed(monkeypatch, tmp_path) -> None:
+    """The GPU machine imports the packages from ``src/`` folders on PYTHONPATH, unbuilt."""
+    import importlib
+    from importlib.metadata import PackageNotFoundError
+
+    from sidestream import _version
+
+    def not_installed(name: str) -> str:
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(_version, "version", not_installed)
+    packages = {"sidestream": ROOT / "packages/sidestream/pyproject.toml"}
+    for name in INTEGRATIONS:
+        packages[f"sidestream-{name}"] = ROOT / f"integrations/sidestream-{name}/pyproject.toml"
+    for distribution, pyproject in packages.items():
+        package = importlib.import_module(distribution.replace("-", "_"))
+        expected = _project(pyproject)["version"]
+        assert _version.distribution_version(distribution, package.__file__) == expected
+    # Another distribution's pyproject, or none at all, is no answer.
+    tree = tmp_path / "pkg" / "src" / "pkg"
+    tree.mkdir(parents=True)
+    init = tree / "__init__.py"
+    assert _version.distribution_version("pkg", str(init)) == _version.UNKNOWN
+    (tmp_path / "pkg" / "pyproject.toml").write_text('[project]\nname = "other"\nversion = "9"\n')
+    assert _version.distribution_version("pkg", str(init)) == _version.UNKNOWN
+    (tmp_path / "pkg" / "pyproject.toml").write_text('[project]\nname = "pkg"\nversion = "2.5"\n')
+    assert _version.distribution_version("pkg", str(init)) == "2.5"

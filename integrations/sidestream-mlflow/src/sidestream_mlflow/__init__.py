@@ -1,9 +1,8 @@
 """MLflow integration for sidestream."""
 
-from importlib.metadata import version
-
+from sidestream._version import distribution_version
 from sidestream_mlflow.sink import MlflowSink
 
 __all__ = ["MlflowSink", "__version__"]
 
-__version__ = version("sidestream-mlflow")
+__version__ = distribution_version("sidestream-mlflow", __file__)

@@ -1,9 +1,8 @@
 """TensorBoard integration for sidestream."""
 
-from importlib.metadata import version
-
+from sidestream._version import distribution_version
 from sidestream_tensorboard.sink import TensorBoardSink
 
 __all__ = ["TensorBoardSink", "__version__"]
 
-__version__ = version("sidestream-tensorboard")
+__version__ = distribution_version("sidestream-tensorboard", __file__)

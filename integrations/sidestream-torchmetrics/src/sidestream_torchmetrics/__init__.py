@@ -1,7 +1,6 @@
 """torchmetrics metrics as sidestream metrics."""
 
-from importlib.metadata import version
-
+from sidestream._version import distribution_version
 from sidestream_torchmetrics.collection import TorchmetricsCollection
 from sidestream_torchmetrics.metric import TorchmetricsMetric, UnsupportedStateError
 from sidestream_torchmetrics.wrap import wrap
@@ -14,4 +13,4 @@ __all__ = [
     "wrap",
 ]
 
-__version__ = version("sidestream-torchmetrics")
+__version__ = distribution_version("sidestream-torchmetrics", __file__)

@@ -1,9 +1,8 @@
 """Weights & Biases integration for sidestream."""
 
-from importlib.metadata import version
-
+from sidestream._version import distribution_version
 from sidestream_wandb.sink import FLUSH_INTERVAL_S, WandbSink
 
 __all__ = ["FLUSH_INTERVAL_S", "WandbSink", "__version__"]
 
-__version__ = version("sidestream-wandb")
+__version__ = distribution_version("sidestream-wandb", __file__)

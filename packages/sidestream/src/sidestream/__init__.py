@@ -1,7 +1,6 @@
 """sidestream: distributed training metrics that never stall the training loop."""
 
-from importlib.metadata import version
-
+from sidestream._version import distribution_version
 from sidestream.collector import AsyncMetricCollector
 from sidestream.metric import Metric
 from sidestream.metrics import (
@@ -30,4 +29,4 @@ __all__ = [
     "__version__",
 ]
 
-__version__ = version("sidestream")
+__version__ = distribution_version("sidestream", __file__)
