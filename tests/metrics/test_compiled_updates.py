@@ -479,3 +479,43 @@ def test_compiled_metadata_errors_carry_sidestreams_message(
     with pytest.raises(Exception, match=message):
         compiled(values, weights)
     assert int(metric.state_dict()["weight"]) == 0
+
+
+def _with_nan(arguments: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``arguments`` with a NaN in its first floating-point tensor, or ``None`` if it has none."""
+    for index, argument in enumerate(arguments):
+        if isinstance(argument, Tensor) and argument.is_floating_point():
+            bad = argument.clone()
+            bad.view(-1)[0] = float("nan")
+            return (*arguments[:index], bad, *arguments[index + 1 :])
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_compiled_update_of_a_dropped_batch_changes_nothing_but_its_count(name: str) -> None:
+    """A batch that eager refuses (a NaN where values must be finite) is dropped when compiled:
+    every state but the rejected counter stays as it was (a count of updates included: R² and
+    Pearson still counted the dropped batch in the updates their rounding bound rests on)."""
+    factory, batch = CASES[name]
+    good = batch(torch.Generator().manual_seed(7))
+    bad = _with_nan(good)
+    if bad is None:
+        pytest.skip("no floating-point argument")
+    try:
+        factory().update(*bad)
+    except ValueError:
+        pass
+    else:
+        pytest.skip("NaN is not a bad value here (a nan_strategy, or integer predictions)")
+    eager, compiled = factory(), factory()
+    eager.update(*good)
+    step = torch.compile(compiled.update, fullgraph=True, backend="aot_eager")
+    step(*good)
+    step(*bad)
+    assert int(compiled.rejected_updates) == 1  # type: ignore[attr-defined]
+    for (key, ours), (_, theirs) in zip(
+        compiled.named_accumulators(), eager.named_accumulators(), strict=True
+    ):
+        if key.endswith("rejected"):
+            continue
+        assert torch.equal(ours.local, theirs.local), (name, key, ours.local, theirs.local)

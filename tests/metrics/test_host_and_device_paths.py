@@ -7,6 +7,7 @@ here, and their states must agree exactly.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import confusion_matrix, f1_score, precision_score
+from sklearn.metrics import confusion_matrix, f1_score, precision_score, roc_auc_score
 
 from sidestream.metrics.classification import (
     BinaryAUROCMetric,
@@ -366,3 +367,111 @@ def test_large_batches_with_ignore_index_count_only_kept_samples(
         is_k = labels[kept].numpy() == k
         assert positives[k].tolist() == np.bincount(class_bins[is_k], minlength=8).tolist()
         assert negatives[k].tolist() == np.bincount(class_bins[~is_k], minlength=8).tolist()
+
+
+def _float32_around(centre: float, ulps: int) -> list[np.float32]:
+    """The float32 values within ``ulps`` ulps of ``centre``'s float32 rounding, in [0, 1]."""
+    values = [np.float32(centre)]
+    for _ in range(ulps):
+        values = [np.nextafter(values[0], np.float32(0)), *values]
+        values = [*values, np.nextafter(values[-1], np.float32(1))]
+    return [value for value in values if 0 <= value <= 1]
+
+
+def _doubles_between(low: np.float32, high: np.float32) -> list[float]:
+    """float64 values strictly between two neighbouring float32 values: next to each end and
+    halfway."""
+    return [
+        float(np.nextafter(float(low), 1.0)),
+        (float(low) + float(high)) / 2,
+        float(np.nextafter(float(high), 0.0)),
+    ]
+
+
+def _scores_near_edges(num_bins: int) -> list[torch.Tensor]:
+    """One-element score tensors of every dtype around some bin edges ``k / num_bins``.
+
+    float32 values around each edge and around the score the edge nudge maps onto it
+    (``edge / (1 + 2**-20)``), the float64 values between neighbours, and the edge in
+    float64, float16 and bfloat16: where one dtype's product rounds up to an edge and
+    another's stays below it.
+    """
+    values: list[torch.Tensor] = []
+    for k in sorted({1, 3, num_bins // 3, num_bins // 2, num_bins - 1, num_bins}):
+        edge = k / num_bins
+        for centre in (edge, edge / (1 + 2**-20)):
+            singles = _float32_around(centre, 16)
+            for low, high in itertools.pairwise(singles):
+                values.append(torch.tensor([float(low)], dtype=torch.float32))
+                for between in _doubles_between(low, high):
+                    values.append(torch.tensor([between], dtype=torch.float64))
+            values.append(torch.tensor([float(singles[-1])], dtype=torch.float32))
+        for dtype in (torch.float64, torch.float16, torch.bfloat16):
+            values.append(torch.tensor([edge], dtype=dtype))
+        values.append(torch.tensor([float(np.nextafter(edge, 0.0))], dtype=torch.float64))
+    return values
+
+
+def _bin_of(metric: BinaryAUROCMetric, score: torch.Tensor, path: str) -> int:
+    """The bin ``metric`` counts ``score`` in (as a negative) on the given update path."""
+    before = metric.histograms()[0][0].clone()
+    if path == "cpu bulk":  # at least 2 * (bins + 1) scores: the chunked bincount path
+        repeats = 2 * (metric.num_bins + 1)
+        metric.update(score.expand(repeats), torch.zeros(repeats, dtype=torch.int64))
+    elif path == "torch small":  # float targets are not the numpy path's
+        metric.update(score, torch.zeros(1))
+    else:  # "numpy small" (float32/float64 only: others fall through to the torch path)
+        metric.update(score, torch.zeros(1, dtype=torch.int64))
+    (changed,) = torch.nonzero(metric.histograms()[0][0] - before).reshape(-1).tolist()
+    return changed
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "thresholds"])
+@pytest.mark.parametrize("num_bins", [10, 1000, 10000])
+def test_a_higher_score_never_lands_in_a_lower_bin_across_dtypes_and_paths(
+    monkeypatch: pytest.MonkeyPatch, num_bins: int, uniform: bool
+) -> None:
+    """Batches of several dtypes may meet in one histogram (or across ranks): the error bound
+    holds only if one monotone map bins them all. Binning each dtype in its own precision put
+    a float32 score just below an edge above a higher float64 score (AUROC 0 where it is 1,
+    with a bound of 0)."""
+    scores = _scores_near_edges(num_bins)
+    edges = [k / num_bins for k in range(1, num_bins)]
+    paths = ["numpy small", "torch small", "device"] + (["cpu bulk"] if uniform else [])
+    binned: dict[str, list[int]] = {}
+    for path in paths:
+        with _device_path(monkeypatch, path == "device"):
+            metric = (
+                BinaryAUROCMetric(num_bins=num_bins)
+                if uniform
+                else BinaryAUROCMetric(thresholds=edges)
+            )
+            binned[path] = [
+                _bin_of(metric, s, "numpy small" if path == "device" else path) for s in scores
+            ]
+    # Every path bins every score alike.
+    for path in paths[1:]:
+        assert binned[path] == binned[paths[0]], path
+    # Ordered by exact value, the bins never go down (equal values share a bin).
+    exact = [float(s.double()) for s in scores]
+    order = sorted(range(len(scores)), key=lambda i: exact[i])
+    for before, after in itertools.pairwise(order):
+        low, high = binned[paths[0]][before], binned[paths[0]][after]
+        assert low <= high, (scores[before], scores[after], low, high)
+        if exact[before] == exact[after]:
+            assert low == high, (scores[before], scores[after])
+
+
+def test_mixed_dtype_batches_stay_within_the_bound_against_sklearn() -> None:
+    """A negative's float32 score and a positive's slightly higher float64 score, batch after
+    batch in one metric, around where the bin edge 0.3 falls: AUROC is 1 (sklearn), and the
+    metric must be within its bound of it for every such pair."""
+    singles = _float32_around(0.3 / (1 + 2**-20), 16)
+    for low, high in itertools.pairwise(singles):
+        for between in _doubles_between(low, high):
+            metric = BinaryAUROCMetric(num_bins=10)
+            metric.update(torch.tensor([low]), torch.tensor([0]))
+            metric.update(torch.tensor([between], dtype=torch.float64), torch.tensor([1]))
+            expected = roc_auc_score([0, 1], [float(low), between])
+            error = abs(float(metric.compute()) - expected)
+            assert error <= float(metric.error_bound()) + 1e-12, (low, between)

@@ -18,12 +18,12 @@ def bin_index(scores: Tensor, num_bins: int) -> Tensor:
 
     ``torch.bucketize`` on ``linspace(0, 1, num_bins + 1)`` with ``right=True`` (a score on an
     edge opens the bin above), without a boundary tensor or a binary search; see
-    ``_cpu_path.bin_scale``. Multiplying by a constant is monotone under rounding, so a higher
-    score never lands in a lower bin, which is all the error bounds rely on. NaN and
-    out-of-range scores get a valid index too (their batch is screened out), so a bad value can
-    never index out of bounds on the device.
+    ``_cpu_path.bin_scale``. Rounding to float32 and multiplying by a constant are both
+    monotone, so a higher score never lands in a lower bin, whatever the dtypes of the batches,
+    which is all the error bounds rely on. NaN and out-of-range scores get a valid index too
+    (their batch is screened out), so a bad value can never index out of bounds on the device.
     """
-    work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+    work = _cpu_path.binning_scores(scores)
     return (work * _cpu_path.bin_scale(num_bins)).to(torch.int64).clamp_(0, num_bins - 1)
 
 
@@ -78,6 +78,8 @@ class Bins:
         """The int64 bin of each score, in ``[0, count)``; host-sync free."""
         if self._edges is None:
             return bin_index(scores, self.count)
-        edges = self._edges.to(scores.dtype if scores.dtype == torch.float64 else torch.float32)
-        work = scores if scores.dtype == torch.float64 else scores.float()
-        return torch.bucketize(work, edges, right=True)
+        # Compared in float32 whatever the scores' dtype, as uniform bins are: one monotone
+        # map for every batch (a float64 score just below an edge and a float32 one just above
+        # its float32 rounding would otherwise land in bins of the wrong order).
+        edges = self._edges.to(torch.float32)
+        return torch.bucketize(_cpu_path.binning_scores(scores), edges, right=True)

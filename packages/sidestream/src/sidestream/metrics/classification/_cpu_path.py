@@ -18,6 +18,7 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "bin_scale",
     "bincount_enabled",
+    "binning_scores",
     "count_indices",
     "count_valid_indices",
     "fold_bins",
@@ -141,7 +142,7 @@ def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = Fals
     Returns:
         Integer bin indices of ``scores``' shape, in ``[0, num_bins]``.
     """
-    work = scores if scores.dtype == torch.float64 else scores.float()
+    work = binning_scores(scores)
     dtype = torch.int32 if rows * (num_bins + 1) <= _INT32_LIMIT else torch.int64
     # The same float product and truncation as the device path's bin index (copy_ converts
     # as .to does).
@@ -161,12 +162,24 @@ def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = Fals
 
 _SPILL_FROM = 2**19
 """Bin counts from which ``score_bins`` clamps: below, ``1.0 * bin_scale(num_bins)`` is less
-than ``num_bins + 1`` in float32 and float64 alike, so every index is at most ``num_bins``."""
+than ``num_bins + 1`` in float32, so every index is at most ``num_bins``."""
 
 
 SCRATCH_ELEMENTS = 4 * CHUNK_ELEMENTS
 """The largest chunk ``score_bins`` bins into scratch tensors (a chunk of a large batch; when
 the histogram itself is larger, chunks are larger and allocate as before)."""
+
+
+def binning_scores(scores: Tensor) -> Tensor:
+    """``scores`` as float32, the one dtype every score is binned in.
+
+    One map from score to bin for float16, bfloat16, float32 and float64 batches alike:
+    binning each in its own dtype is monotone within a dtype only (a float32 product just below
+    an edge rounds up to it, the float64 product of a slightly higher score does not), and
+    batches of several dtypes may meet in one histogram (or across ranks). float64 scores are
+    rounded to the nearest float32, which keeps their order.
+    """
+    return scores if scores.dtype == torch.float32 else scores.float()
 
 
 def bin_scale(num_bins: int) -> float:
@@ -175,8 +188,9 @@ def bin_scale(num_bins: int) -> float:
     A decimal score such as 0.29 is stored a hair below its value (``0.29 * 100`` is
     28.999999999999996 in float64), so a bare ``floor(score * num_bins)`` puts a score that sits
     on a bin edge into the bin below, next to 0.28. Scaling by ``num_bins * (1 + 2**-20)`` lifts
-    every edge score into its own bin for float32 and float64 scores (their rounding error is at
-    most ``2**-24`` relative) and moves only scores within about ``1e-6`` relative below an edge,
+    every edge score into its own bin for float32 and float64 scores (binned in float32,
+    ``binning_scores``: at most ``2**-24`` relative from rounding the score and as much from the
+    product) and moves only scores within about ``1e-6`` relative below an edge,
     so scores with ``d`` decimals land in distinct bins once ``num_bins >= 10**d``.
     """
     return num_bins * (1.0 + 2.0**-20)

@@ -56,10 +56,12 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
         """Updates over every rank, for the rounding bound of ``spread`` (R², Pearson)."""
         return MetricAccumulator(0, dtype=torch.int64)
 
-    def _count_update(self) -> None:
+    def _count_update(self, keep: Tensor | None) -> None:
+        """Count one update, unless ``keep`` (``_pairs``' device flag) says it was dropped."""
         updates: MetricAccumulator | None = getattr(self, "_updates", None)
-        if updates is not None:  # None: unpickled from a release that did not keep it
-            updates.accumulate(1)
+        if updates is None:  # unpickled from a release that did not keep it
+            return
+        updates.accumulate(1 if keep is None else keep.to(torch.int64).reshape(()))
 
     def _updates_so_far(self) -> Tensor:
         """The updates in the state, as float64 (``ceil(count / 3)`` if it does not keep them)."""

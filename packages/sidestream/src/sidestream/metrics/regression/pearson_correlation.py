@@ -82,7 +82,7 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
         self._preds_squares.accumulate(x.square().sum(0))
         self._target_squares.accumulate(y.square().sum(0))
         self._products.accumulate((x * y).sum(0))
-        self._count_update()
+        self._count_update(keep)
 
     def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
         fill_saved_updates(state_dict, prefix)

@@ -92,7 +92,7 @@ class R2ScoreMetric(PairedRegressionMetric):
         self._squared_error.accumulate((preds_64 - target_64).square().sum(0))
         self._target_sum.accumulate(shifted.sum(0))
         self._target_squares.accumulate(shifted.square().sum(0))
-        self._count_update()
+        self._count_update(keep)
 
     def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
         fill_saved_updates(state_dict, prefix)
