@@ -364,6 +364,12 @@ def test_run_info_of_wrong_types_fails_when_made(fields: dict[str, object], mess
     assert RunInfo(name="a", config={"lr": {"x": 1}}, tags={"team": ""}).tags == {"team": ""}
 
 
+def test_run_info_refuses_an_empty_tag_name() -> None:
+    # W&B refuses the empty tag and MLflow the empty key, on rank 0 at open.
+    with pytest.raises(ValueError, match=r"tags: a tag name must not be empty, got \{'': 'x'\}"):
+        RunInfo(tags={"": "x"})
+
+
 def test_a_refused_collector_checkpoint_leaves_the_sinks_unresumed(tmp_path: Path) -> None:
     # The sinks' states were loaded before the metric refused the checkpoint: a job that
     # caught the error and started fresh skipped every step up to the checkpoint's.

@@ -736,3 +736,56 @@ def test_a_tracking_uri_mlflow_has_no_store_for_fails_when_the_sink_is_built(
 
     with pytest.raises(ValueError, match=message):
         sinks_from_config({"mlflow": {"tracking_uri": uri}})
+
+
+_ENDINGS = """
+import os, signal, sys, time
+from sidestream import Run
+from sidestream.sinks import RunInfo, sinks_from_config
+uri, mode, ending = sys.argv[1:4]
+options = {"tracking_uri": uri, "experiment": "endings", "child_process": mode == "child"}
+run = Run(sinks_from_config({"mlflow": options}), info=RunInfo(name=f"{mode}-{ending}"))
+for step in range(1, 4):
+    run.log(step, {"x": float(step)})
+run.state_dict()  # waits until the sink has every step (or its checkpoint timeout)
+if ending == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+if ending == "raise":
+    raise RuntimeError("training crashed")
+"""
+
+
+@pytest.mark.parametrize("mode", ["thread", "child"])
+@pytest.mark.parametrize("ending", ["return", "raise", "killed"])
+def test_a_run_ends_as_the_job_did(shm_path: Path, mode: str, ending: str) -> None:
+    """FINISHED only for a job that ended well: a crashed job's run is FAILED, as MLflow's own
+    end_run marks it. A killed trainer whose sink runs in a child process left a FINISHED run
+    (the child closed it when its pipe broke); it is KILLED now (in a thread, nothing is left
+    to close it: RUNNING)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_ENDINGS), uri, mode, ending],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    expected_code = {"return": 0, "raise": 1, "killed": -9}[ending]
+    assert done.returncode == expected_code, done.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    expected_status = {
+        "return": "FINISHED",
+        "raise": "FAILED",
+        "killed": "KILLED" if mode == "child" else "RUNNING",
+    }[ending]
+    deadline = time.monotonic() + 60  # an orphaned child closes the run after its trainer
+    while True:
+        (run,) = client.search_runs([client.get_experiment_by_name("endings").experiment_id])
+        if run.info.status == expected_status or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert run.info.status == expected_status, done.stderr[-3000:]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "x")] == [1, 2, 3]

@@ -520,6 +520,8 @@ def test_a_settings_key_wandb_rejects_fails_when_the_sink_is_built() -> None:
     [
         ({"tags": "baseline"}, TypeError, r"tags: expected a list of str .*'baseline'"),
         ({"tags": ["a", 3]}, TypeError, r"tags: expected a list of str"),
+        ({"tags": ["x" * 65]}, ValueError, r"tags: each W&B tag must have 1 to 64 .*\(65 "),
+        ({"tags": ["ok", ""]}, ValueError, r"tags: each W&B tag must have 1 to 64 .*''"),
         ({"config": [1, 2]}, TypeError, r"config: expected a mapping"),
         ({"resume": "sometimes"}, ValueError, r"resume: expected one of .*'sometimes'"),
         ({"id": "a/b"}, ValueError, r"id: W&B run ids cannot hold '/'"),
@@ -535,7 +537,7 @@ def test_run_options_wandb_would_refuse_or_misread_fail_when_the_sink_is_built(
     # letter without any error).
     with pytest.raises(error, match=message):
         WandbSink(project="sidestream-it", mode="offline", **options)
-    WandbSink(project="p", mode="offline", tags=["a", "b"], config={"x": 1}, resume="must")
+    WandbSink(project="p", mode="offline", tags=["a", "b" * 64], config={"x": 1}, resume="must")
     WandbSink(project="p", mode="offline", reinit="create_new")
 
 

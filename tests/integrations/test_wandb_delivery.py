@@ -132,7 +132,8 @@ _NO_CLOSE = """
 import sys, time, torch
 from sidestream import MeanMetric, Run
 from sidestream.sinks import RunInfo, sinks_from_config
-run = Run(sinks_from_config({"wandb": {"project": "p", "mode": "offline", "dir": sys.argv[1]}}),
+options = {"project": "p", "mode": "offline", "dir": sys.argv[1]}
+run = Run(sinks_from_config({"wandb": {**options, "child_process": sys.argv[3] == "child"}}),
           info=RunInfo(name="no-close"))
 train = run.collector(MeanMetric(), prefix="train").bind("cpu")
 for step in range(1, 11):
@@ -147,9 +148,11 @@ if sys.argv[2] == "raise":
 """
 
 
-@pytest.mark.parametrize("ending", ["return", "raise"])
+@pytest.mark.parametrize(
+    ("ending", "mode"), [("return", "thread"), ("raise", "thread"), ("raise", "child")]
+)
 def test_a_script_that_never_closes_its_run_delivers_every_row_at_exit(
-    tmp_path: Path, ending: str
+    tmp_path: Path, ending: str, mode: str
 ) -> None:
     # The Run's close at exit ran after wandb's teardown of its service (registered later, at
     # wandb.init), found it gone and spooled rows the file already held.
@@ -157,7 +160,7 @@ def test_a_script_that_never_closes_its_run_delivers_every_row_at_exit(
     spool_dir.mkdir()
     env = {**os.environ, "TMPDIR": str(spool_dir), "WANDB_SILENT": "true"}
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_NO_CLOSE), str(tmp_path), ending],
+        [sys.executable, "-c", textwrap.dedent(_NO_CLOSE), str(tmp_path), ending, mode],
         env=env,
         capture_output=True,
         text=True,
@@ -172,7 +175,8 @@ def test_a_script_that_never_closes_its_run_delivers_every_row_at_exit(
     np.testing.assert_allclose([row.items["train"] for row in rows], np.arange(1, 11))
     assert not list(spool_dir.glob("sidestream-*"))
     # A crash is recorded as one (wandb marks a run with exit code 0 finished), as wandb's own
-    # exit hook would have: the Run's close at exit ran first and passed 0.
+    # exit hook would have: the Run's close at exit ran first and passed 0. A child process
+    # sink is told the code with the close.
     (ending_record,) = [r for r in read_records(data) if r.WhichOneof("record_type") == "exit"]
     assert ending_record.exit.exit_code == (1 if ending == "raise" else 0)
 

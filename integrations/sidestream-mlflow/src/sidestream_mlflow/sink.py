@@ -11,7 +11,9 @@ from urllib.parse import urlparse
 
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
 from sidestream.sinks.support import (
+    KILLED_EXIT_CODE,
     check_option_types,
+    failed_exit_code,
     flatten_config,
     name_digest,
     redact,
@@ -439,18 +441,25 @@ class MlflowSink(TrackerSink):
         return any(int(metric.step) == probe.step for metric in history)
 
     def close(self, timeout: float | None = None) -> bool:
-        """Mark the run FINISHED; return whether that happened within ``timeout`` seconds."""
+        """End the run; return whether that happened within ``timeout`` seconds.
+
+        FINISHED, or, closed at exit after an uncaught exception (or in a ``ProcessSink``
+        child whose trainer failed or vanished), FAILED (KILLED for Ctrl-C or a killed
+        trainer), as MLflow's own ``end_run`` marks them.
+        """
         if self._client is None or self._run_id is None:
             return True
         client, run_id = self._client, self._run_id
         self._client = None
+        code = failed_exit_code()
+        status = "FINISHED" if code is None else "KILLED" if code == KILLED_EXIT_CODE else "FAILED"
 
         def finish() -> None:
             try:
-                client.set_terminated(run_id, status="FINISHED")
+                client.set_terminated(run_id, status=status)
             except Exception:
-                # The reply may be lost after the server finished the run: ask it once.
-                if not _finished_on_server(client, run_id):
+                # The reply may be lost after the server ended the run: ask it once.
+                if not _ended_on_server(client, run_id, status):
                     raise
 
         return self.within(lambda: self._call(finish), timeout, "close")
@@ -533,9 +542,9 @@ def _unreadable_database_uri(error: BaseException) -> bool:
     return kind.__module__.startswith("sqlalchemy") and kind.__name__ == "ArgumentError"
 
 
-def _finished_on_server(client: Any, run_id: str) -> bool:
+def _ended_on_server(client: Any, run_id: str, status: str) -> bool:
     try:
-        return bool(client.get_run(run_id).info.status == "FINISHED")
+        return bool(client.get_run(run_id).info.status == status)
     except Exception:
         return False
 

@@ -909,6 +909,13 @@ def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
         or not all(isinstance(tag, str) for tag in tags)
     ):
         raise TypeError(f"tags: expected a list of str (W&B tags), got {tags!r}")
+    for tag in tags or ():
+        if not 1 <= len(tag) <= _MAX_TAG_LENGTH:
+            # wandb.init refuses it, on rank 0 only, once training runs: the sink would fail.
+            raise ValueError(
+                f"tags: each W&B tag must have 1 to {_MAX_TAG_LENGTH} characters, got "
+                f"{tag!r} ({len(tag)} characters)"
+            )
     config = init_kwargs.get("config")
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(

@@ -19,11 +19,16 @@ from collections.abc import Callable
 from types import TracebackType
 
 __all__ = [
+    "KILLED_EXIT_CODE",
     "close_at_exit",
     "close_before_backends_exit",
     "failed_exit_code",
     "forget_close_at_exit",
+    "record_failed_exit",
 ]
+
+KILLED_EXIT_CODE = 255
+"""The code of a job stopped from outside (Ctrl-C, as wandb's hooks count it, or killed)."""
 
 _LOCK = threading.Lock()
 _CLOSES: list[Callable[[], object]] = []  # oldest first
@@ -37,7 +42,7 @@ def _record_failure(
 ) -> None:
     global _failed_code
     # As wandb's own exit hooks count it: Ctrl-C is 255, any other exception 1.
-    _failed_code = 255 if issubclass(kind, KeyboardInterrupt) else 1
+    _failed_code = KILLED_EXIT_CODE if issubclass(kind, KeyboardInterrupt) else 1
     _previous_excepthook(kind, value, tb)
 
 
@@ -51,6 +56,16 @@ def _hook_exceptions() -> None:
         _hooked = True
         _previous_excepthook = sys.excepthook
         sys.excepthook = _record_failure
+
+
+def record_failed_exit(code: int) -> None:
+    """Say that the job is ending with ``code``: for a process that learns it otherwise.
+
+    A ``ProcessSink`` child has no exception of its own to see: the trainer sends its code
+    with the close, and a trainer that vanished (killed) counts as 255, as Ctrl-C does.
+    """
+    global _failed_code
+    _failed_code = code
 
 
 def failed_exit_code() -> int | None:

@@ -58,7 +58,8 @@ class RunInfo:
             not a mapping with str keys (a list of tag names included: give
             ``dict.fromkeys(names, "")``).
         ValueError: If two entries of ``config`` flatten to one name (``{"opt.lr": 0.1,
-            "opt": {"lr": 0.2}}``): a tracker would keep only one of them.
+            "opt": {"lr": 0.2}}``): a tracker would keep only one of them; or a tag name is
+            empty.
     """
 
     name: str | None = None
@@ -83,6 +84,9 @@ class RunInfo:
                 f"{{'team': 'vision'}} (for bare names: dict.fromkeys(names, '')), got "
                 f"{self.tags!r}"
             )
+        if "" in self.tags:
+            # A tracker refuses an empty tag (W&B) or key (MLflow) when rank 0 opens.
+            raise ValueError(f"tags: a tag name must not be empty, got {dict(self.tags)!r}")
 
 
 class Sink(abc.ABC):

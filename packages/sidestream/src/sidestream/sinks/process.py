@@ -19,6 +19,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
+from sidestream._exit import KILLED_EXIT_CODE, failed_exit_code, record_failed_exit
 from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import PermanentSinkError, is_permanent
@@ -88,6 +89,9 @@ def _serve(
         try:
             operation, argument = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the parent is gone: close what we can
+            # It closes its sinks before it ends, even on an exception: gone without that, it
+            # was killed, and a tracker must not show the run as a clean finish.
+            record_failed_exit(KILLED_EXIT_CODE)
             with contextlib.suppress(Exception):
                 sink.close(5.0)
             return
@@ -101,7 +105,10 @@ def _serve(
                 durable = getattr(sink, "make_durable", None)
                 result = durable(argument) if durable is not None else sink.flush(argument)
             else:
-                result = sink.close(argument)
+                timeout, exit_code = argument
+                if exit_code is not None:  # the trainer is ending on an uncaught exception
+                    record_failed_exit(exit_code)
+                result = sink.close(timeout)
             _reply(conn, _OK, result, sink.state_dict())
         except Exception as error:
             _reply(conn, _ERROR, *_failure(error))
@@ -403,7 +410,7 @@ class ProcessSink(Sink):
                 self._restart()
             try:
                 limit = self._limit(timeout)
-                done = bool(self._call("close", limit, limit))
+                done = bool(self._call("close", (limit, failed_exit_code()), limit))
             finally:
                 self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
             if done:

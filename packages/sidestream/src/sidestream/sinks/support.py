@@ -15,9 +15,10 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from sidestream._exit import close_before_backends_exit, failed_exit_code
+from sidestream._exit import KILLED_EXIT_CODE, close_before_backends_exit, failed_exit_code
 
 __all__ = [
+    "KILLED_EXIT_CODE",
     "call_within",
     "check_directory_path",
     "check_option_types",
