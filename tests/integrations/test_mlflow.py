@@ -718,7 +718,10 @@ def test_a_kept_local_store_is_named_by_its_absolute_path(
         ("127.0.0.1:5000", r"tracking_uri: '127.0.0.1:5000' has no scheme; .*http://127"),
         ("localhost:5000", r"has no scheme"),
         ("htp://127.0.0.1:5000", r"tracking_uri: MLflow has no tracking store for the scheme"),
-        ("http//127.0.0.1:5000", None),  # a relative path to MLflow: its file store
+        # A relative path to MLflow (its file store), but surely a typo.
+        ("http//127.0.0.1:5000", r"lacks the ':' after its scheme; did you mean 'http://127"),
+        ("sqlite//mlflow.db", r"did you mean 'sqlite://mlflow.db'"),
+        ("./http//x", None),  # a folder of that name, given as a path
         ("uc:http://localhost:8080", None),  # MLflow's "uc" store, as MLflow parses it
     ],
 )

@@ -503,3 +503,21 @@ def test_writer_options_out_of_range_are_refused_when_built(
     # log_dir became the working directory.
     with pytest.raises(ValueError, match=message):
         TensorBoardSink(**options)
+
+
+def test_a_histogram_it_cannot_write_is_skipped_and_close_says_the_run_lacks_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import torch
+
+    sink = TensorBoardSink(log_dir=str(tmp_path), histogram_edges={"scores": [0.0, 0.5, 1.0]})
+    sink.open(RunInfo(name="skips"))
+    histograms = {"scores": torch.tensor([1.0, 2.0, 3.0]), "ok": torch.tensor([4.0])}
+    sink.write(Report(step=1, values={"loss": 0.5}, time=time.time(), histograms=histograms))
+    assert not sink.close(timeout=30)  # 3 bins, 2 given edges: the run lacks it
+    assert "histogram 'scores' skipped" in caplog.text
+    assert "the run lacks the values the backend could not take (scores" in caplog.text
+    accumulator = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"*": 0})
+    accumulator.Reload()
+    assert [e.value for e in accumulator.Scalars("loss")] == [0.5]
+    assert accumulator.Tags()["histograms"] == ["ok"]

@@ -490,6 +490,15 @@ def _check_uri_scheme(uri: str) -> None:
         )
     scheme = urlparse(uri).scheme.lower()  # as MLflow reads it: uc:http://... is "uc"
     if len(scheme) <= 1:
+        typo = re.match(r"([a-z][a-z0-9+.-]*)//", uri, re.IGNORECASE)
+        known = _MLFLOW_SCHEMES | _DATABASE_SCHEMES
+        if typo and typo.group(1).lower().split("+", 1)[0] in known:
+            # A relative folder named "http" would be the file store: surely not meant.
+            fixed = f"{typo.group(1)}:{uri[len(typo.group(1)) :]}"
+            raise ValueError(
+                f"tracking_uri: {uri_without_password(uri)!r} lacks the ':' after its scheme; "
+                f"did you mean {uri_without_password(fixed)!r}?"
+            )
         return  # a local path (a Windows one has a drive letter): MLflow's file store
     if scheme in _MLFLOW_SCHEMES or scheme.split("+", 1)[0] in _DATABASE_SCHEMES:
         return

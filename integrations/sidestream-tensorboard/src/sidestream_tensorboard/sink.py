@@ -354,7 +354,7 @@ class TensorBoardSink(TrackerSink):
 
     def _add_histogram(self, tag: str, counts: Any, report: Report) -> None:
         if counts.dim() != 1 or counts.numel() == 0:
-            self.warn_once(
+            self.skip_value(
                 tag,
                 f"TensorBoardSink: histogram {tag!r} skipped: expected 1-D bin counts, got "
                 f"shape {tuple(counts.shape)}",
@@ -364,7 +364,7 @@ class TensorBoardSink(TrackerSink):
         try:
             edges = histogram_edges(bin_counts.numel(), self._histogram_edges.get(tag))
         except ValueError as error:
-            self.warn_once(tag, f"TensorBoardSink: histogram {tag!r} skipped: {error}")
+            self.skip_value(tag, f"TensorBoardSink: histogram {tag!r} skipped: {error}")
             return
         centers = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
         weights = bin_counts.tolist()
@@ -421,7 +421,8 @@ class TensorBoardSink(TrackerSink):
             self._opened = False
         if not self.within(writer.close, timeout, "close"):
             return False
-        return self.flush(0)  # the writer is gone: what was sent is on disk now
+        # The writer is gone: what was sent is on disk now.
+        return self.closed_with_every_value(self.flush(0))
 
 
 _MIN_FLUSH_S = 0.01

@@ -644,7 +644,7 @@ class WandbSink(TrackerSink):
     def _histogram(self, wandb: Any, name: str, counts: Any) -> Any:
         flat = counts.detach().reshape(-1).double().cpu().numpy()
         if counts.dim() != 1 or not 1 <= flat.size <= _MAX_HISTOGRAM_BINS:
-            self.warn_once(
+            self.skip_value(
                 name,
                 f"WandbSink: histogram {name!r} skipped: expected 1-D bin counts with 1 to "
                 f"{_MAX_HISTOGRAM_BINS} bins, got shape {tuple(counts.shape)}",
@@ -653,7 +653,7 @@ class WandbSink(TrackerSink):
         try:
             edges = histogram_edges(flat.size, self._histogram_edges.get(name))
         except ValueError as error:
-            self.warn_once(name, f"WandbSink: histogram {name!r} skipped: {error}")
+            self.skip_value(name, f"WandbSink: histogram {name!r} skipped: {error}")
             return None
         return wandb.Histogram(np_histogram=(flat.tolist(), edges))
 
@@ -680,7 +680,7 @@ class WandbSink(TrackerSink):
             # Every row is written: a resume may skip them all.
             with self._progress_lock:
                 self._write_progress(self._local_dir, self._logged)
-        return written
+        return self.closed_with_every_value(written)
 
 
 def _own_server(wandb: Any, run: Any) -> str | None:

@@ -312,7 +312,18 @@ class Delivery:
         if ready and isinstance(sink, TrackerSink | ProcessSink):
             # Thread-safe by contract: make what was sent durable, then read what counts.
             try:
-                if sink.make_durable(timeout) or isinstance(sink, TrackerSink):
+                durable = sink.make_durable(timeout)
+                if not durable:
+                    # Sent but not yet confirmed by the backend (wandb's file): they travel in
+                    # the checkpoint, which wait_delivered's warning (queued ones) does not say.
+                    logger.warning(
+                        "state_dict: sink %r: its backend has not confirmed every report it "
+                        "was sent%s; its state is as of its last confirmed step, and the "
+                        "checkpoint holds the rest (a job resumed from it delivers them)",
+                        runner.key,
+                        "" if timeout is None else f" within {timeout:.1f} s",
+                    )
+                if durable or isinstance(sink, TrackerSink):
                     # A tracker's state holds delivered steps only, so it is right either way,
                     # and fresher than the runner's copy when part of it was written by now.
                     return sink.state_dict()

@@ -70,6 +70,7 @@ class TrackerSink(Sink):
         self._unconfirmed: collections.deque[Report] = collections.deque()
         self._resumed = False
         self._warned: set[str] = set()
+        self._skipped: set[str] = set()  # value names the backend could not take (skip_value)
         # Found on resume: the last step the backend holds of each value name (backend_name).
         self._backend_steps: dict[str, int] = {}
 
@@ -412,6 +413,27 @@ class TrackerSink(Sink):
         if key not in self._warned:
             self._warned.add(key)
             logger.warning("%s", message)
+
+    def skip_value(self, name: str, message: str) -> None:
+        """Leave out a value the backend cannot take, warning once per name.
+
+        The report still counts as delivered (its other values are in the backend), but the
+        run lacks this value: ``closed_with_every_value`` makes ``close`` say so.
+        """
+        self.warn_once(f"skipped:{name}", message)
+        self._skipped.add(name)
+
+    def closed_with_every_value(self, closed: bool) -> bool:
+        """``closed``, but ``False`` (warned) if ``skip_value`` left values out of the run."""
+        if closed and self._skipped:
+            logger.warning(
+                "%s: closed, but the run lacks the values the backend could not take (%s; "
+                "warned when first left out): close returns False",
+                type(self).__name__,
+                ", ".join(sorted(self._skipped)),
+            )
+            return False
+        return closed
 
     def within(self, action: Callable[[], object], timeout: float | None, what: str) -> bool:
         """Run a backend call that may hang for at most ``timeout`` s; whether it succeeded.
