@@ -29,6 +29,36 @@ def test_flatten_config_joins_keys_and_stringifies_what_the_backend_cannot_take(
     }
 
 
+def test_numpy_scalars_and_zero_dim_tensors_in_a_config_are_numbers() -> None:
+    # They were kept as text: W&B showed '2.5', '32' and 'tensor(0.1000)'.
+    import numpy as np
+    import torch
+
+    config = {
+        "lr": np.float32(2.5),
+        "batch": np.int64(32),
+        "wd": torch.tensor(0.25, dtype=torch.float64),
+        "flags": {"amp": np.bool_(True), "steps": torch.tensor(7)},
+        "betas": torch.tensor([0.9, 0.95]),  # not one number: text, as a list is
+    }
+    flat = flatten_config(config)
+    assert flat == {
+        "lr": 2.5,
+        "batch": 32,
+        "wd": 0.25,
+        "flags.amp": True,
+        "flags.steps": 7,
+        "betas": str(config["betas"]),
+    }
+    assert [type(flat[k]) for k in ("lr", "batch", "wd", "flags.amp", "flags.steps")] == [
+        float,
+        int,
+        float,
+        bool,
+        int,
+    ]
+
+
 def test_two_config_entries_of_one_flattened_name_are_refused_when_the_run_is_made() -> None:
     # {"opt.lr": 0.1, "opt": {"lr": 0.2}} became one parameter opt.lr = 0.2: 0.1 was lost with
     # no word, on rank 0's sink thread.

@@ -516,6 +516,13 @@ def test_a_settings_key_wandb_rejects_fails_when_the_sink_is_built() -> None:
 
     with pytest.raises(ValueError, match=r"settings: .*'silnt'.*did you mean 'silent'"):
         sinks_from_config({"wandb": {"mode": "offline", "settings": {"silnt": True}}})
+    # A known key with a bad value, and a rule over several keys, are not unknown keys (the
+    # message said "does not take 'x' (did you mean 'x'?)", or named the key '').
+    bad_value = {"x_transaction_log_flush_interval": "soon"}
+    with pytest.raises(ValueError, match=r"refuses 'x_transaction_log_flush_interval' = 'soon': "):
+        WandbSink(mode="offline", settings=bad_value)
+    with pytest.raises(ValueError, match=r"refuses these settings together: .*offline"):
+        WandbSink(mode="offline", settings={"x_skip_transaction_log": True})
     assert len(WandbSink(mode="offline", settings={"silent": True}).run_id) == 8
 
 

@@ -872,14 +872,20 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
                 f"mode: wandb does not take {checked['mode']!r} ({message}); pass "
                 "mode='online', 'offline' or 'disabled'"
             ) from None
+        fields = wandb.Settings.model_fields
         problems = []
         for key, entry in zip(keys, entries, strict=True):
-            hint = difflib.get_close_matches(key, wandb.Settings.model_fields, n=1)
-            problems.append(
-                f"{key!r}: {entry.get('msg')}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-            )
+            if not key:  # a check of the settings together, not of one key
+                problems.append(f"these settings together: {entry.get('msg')}")
+            elif key in fields:  # a known key given a value it does not take
+                problems.append(f"{key!r} = {checked.get(key)!r}: {entry.get('msg')}")
+            else:
+                hint = difflib.get_close_matches(key, fields, n=1)
+                problems.append(
+                    f"the unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                )
         detail = "; ".join(problems) or str(error).splitlines()[0]
-        raise ValueError(f"settings: wandb.Settings does not take {detail}") from None
+        raise ValueError(f"settings: wandb.Settings refuses {detail}") from None
 
 
 _RESUME_VALUES = (True, False, "allow", "must", "never", "auto")

@@ -15,6 +15,8 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from sidestream._exit import KILLED_EXIT_CODE, close_before_backends_exit, failed_exit_code
 
 __all__ = [
@@ -73,11 +75,30 @@ def flatten_config(
                 "tracker keeps a hyper-parameter under), so one would be lost; rename one"
             )
         paths[prefix] = path
+        value = _as_python_number(value)
         flat[prefix] = value if isinstance(value, plain_types) else str(value)
 
     for key, value in config.items():
         visit(str(key), f"config[{key!r}]", value)
     return flat
+
+
+def _as_python_number(value: Any) -> Any:
+    """A numpy scalar or a 0-dim real tensor as the Python number it holds; else ``value``.
+
+    ``np.float32(2.5)`` and ``torch.tensor(0.1)`` are numbers to the user: a tracker should
+    chart and compare them as such, not keep ``'tensor(0.1000)'``.
+    """
+    if isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 0 and not value.is_complex() and value.device.type != "meta":
+            return value.item()
+        return value
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        number = value.item()  # numpy's scalar types, bool_ included
+        return number if isinstance(number, bool | int | float) else value
+    return value
 
 
 def name_digest(name: str) -> str:
