@@ -392,6 +392,32 @@ def test_resume_skips_steps_delivered_after_the_checkpoint(shm_path: Path) -> No
     assert got == [(s, float(s)) for s in range(7)] + [(7, 107.0), (8, 108.0)]
 
 
+def test_a_resume_configured_with_another_experiment_continues_the_run_where_it_is(
+    shm_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The run stayed in its experiment, silently, and the sink's state named the configured
+    # one, where no run was.
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    first = MlflowSink(tracking_uri=uri, experiment="first")
+    first.open(RunInfo(name="moved"))
+    first.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
+    checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    resumed = MlflowSink(tracking_uri=uri, experiment="second")
+    resumed.load_state_dict(checkpoint)
+    assert "resumed there, not in the configured 'second'" in caplog.text
+    resumed.open(RunInfo(name="moved"))
+    resumed.write(Report(step=2, values={"loss": 2.0}, time=time.time()))
+    assert resumed.state_dict()["experiment"] == "first"
+    assert resumed.close(timeout=30)
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_experiment_by_name("second") is None
+    run = client.get_run(checkpoint["run_id"])
+    assert run.info.experiment_id == client.get_experiment_by_name("first").experiment_id
+    history = client.get_metric_history(checkpoint["run_id"], "loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0)]
+
+
 def test_resuming_a_run_deleted_on_the_server_fails_for_good_saying_how_to_go_on(
     shm_path: Path,
 ) -> None:

@@ -304,16 +304,25 @@ class MlflowSink(TrackerSink):
     def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
         """Take the saved run key (a state from before run keys keeps this sink's own).
 
-        A sink made without ``experiment`` takes the saved one: a replay of a kept spool built
-        from the command line then makes the job's run in the job's experiment, not in
-        MLflow's default one.
+        The saved experiment is the run's: a sink made without ``experiment`` takes it (a
+        replay of a kept spool built from the command line then makes the job's run in the
+        job's experiment, not in MLflow's default one), and one made with another takes it
+        too, with a warning: the run stays where it is, and the state says so.
         """
         run_key = state_dict.get("run_key")
         if isinstance(run_key, str) and run_key.isalnum():  # it goes into a search filter
             self._run_key = run_key
         experiment = state_dict.get("experiment")
-        if self._experiment is None and isinstance(experiment, str):
-            self._experiment = experiment
+        if not isinstance(experiment, str):
+            return
+        if self._experiment is not None and self._experiment != experiment:
+            self.warn_once(
+                "experiment",
+                f"MlflowSink: the checkpoint's run is in experiment {experiment!r}; it is "
+                f"resumed there, not in the configured {self._experiment!r} (a new run in "
+                f"{self._experiment!r} needs a job that does not resume this checkpoint)",
+            )
+        self._experiment = experiment
 
     def replay_options(self) -> dict[str, Any]:
         """The tracking URI (its password hidden, a local store's path absolute), for a replay.
