@@ -650,3 +650,22 @@ def test_a_resumed_run_reads_only_its_own_directories(tmp_path: Path) -> None:
     here.mkdir()
     found = sorted(Path(path).name for path in _earlier_run_dirs(str(here), "1"))
     assert found == names[:2]
+
+
+def test_a_dir_wandb_cannot_use_is_refused_when_built_or_named_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # wandb silently wrote the run to a temporary folder instead: the user's dir was ignored.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"dir: '.*/file' is a file, not a directory"):
+        WandbSink(project="p", mode="offline", dir=str(blocker / "runs"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    later = tmp_path / "later"
+    sink = WandbSink(project="p", mode="offline", dir=str(later / "runs"))
+    later.write_text("")  # a file where the folder was to be, by the time rank 0 opens
+    sink.open(RunInfo(name="elsewhere"))
+    assert sink.run_dir is not None and not sink.run_dir.startswith(str(later))
+    assert "wandb could not write in dir=" in caplog.text and sink.run_dir in caplog.text
+    assert sink.close(timeout=60)

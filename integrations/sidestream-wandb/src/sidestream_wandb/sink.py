@@ -18,6 +18,7 @@ from typing import Any
 
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
 from sidestream.sinks.support import (
+    check_directory_path,
     check_option_types,
     checked_histogram_edges,
     close_before_backends_exit,
@@ -129,6 +130,9 @@ class WandbSink(TrackerSink):
         self._histogram_edges = checked_histogram_edges(histogram_edges)
         _check_settings(self._init_kwargs)
         _check_run_options(self._init_kwargs)
+        if self._init_kwargs.get("dir") is not None:
+            # wandb falls back to a temporary folder, silently, for a dir it cannot make.
+            check_directory_path("dir", self._init_kwargs["dir"])
         self._run: Any = None
         # Made here, not by wandb.init: a checkpoint taken before the sink could open (W&B
         # unreachable) still names the run, so the resumed job continues it, not a second one.
@@ -254,6 +258,16 @@ class WandbSink(TrackerSink):
         self._service_pid = _service_process()
         # Absolute, as both paths are taken now: the script may change its working directory.
         self._local_dir = os.path.abspath(str(self._run.dir).removesuffix("/files"))
+        given_dir = self._init_kwargs.get("dir")
+        if given_dir is not None:
+            wanted = os.path.realpath(os.fspath(given_dir))
+            if os.path.commonpath([wanted, os.path.realpath(self._local_dir)]) != wanted:
+                # wandb takes a temporary folder instead of a dir it cannot write, silently.
+                self.warn_once(
+                    "dir",
+                    f"WandbSink: wandb could not write in dir={os.fspath(given_dir)!r} and "
+                    f"keeps the run in {self._local_dir} instead (a read-only folder?)",
+                )
         self._data_file = _data_file_of(self._run)
         with self._unwritten_lock:  # rows of an earlier run of this sink were in its own file
             self._unwritten.clear()
