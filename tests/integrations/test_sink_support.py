@@ -36,6 +36,8 @@ def test_numpy_scalars_and_zero_dim_tensors_in_a_config_are_numbers() -> None:
 
     config = {
         "lr": np.float32(2.5),
+        "eps": np.float32(3e-4),  # as written: not float32's exact 0.0003000000142492354
+        "wd32": torch.tensor(1e-4),
         "batch": np.int64(32),
         "wd": torch.tensor(0.25, dtype=torch.float64),
         "flags": {"amp": np.bool_(True), "steps": torch.tensor(7)},
@@ -44,6 +46,8 @@ def test_numpy_scalars_and_zero_dim_tensors_in_a_config_are_numbers() -> None:
     flat = flatten_config(config)
     assert flat == {
         "lr": 2.5,
+        "eps": 3e-4,
+        "wd32": 1e-4,
         "batch": 32,
         "wd": 0.25,
         "flags.amp": True,

@@ -92,12 +92,22 @@ def _as_python_number(value: Any) -> Any:
     if isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, torch.Tensor):
-        if value.ndim == 0 and not value.is_complex() and value.device.type != "meta":
-            return value.item()
-        return value
+        if value.ndim != 0 or value.is_complex() or value.device.type == "meta":
+            return value
+        number = value.item()
+        if isinstance(number, float) and value.dtype != torch.float64:
+            # The shortest decimal that is this float32 (or narrower) value: 0.0003, as
+            # written, not the float32's exact 0.0003000000142492354.
+            for digits in range(1, 18):
+                text = f"{number:.{digits}g}"
+                if torch.tensor(float(text), dtype=value.dtype).item() == number:
+                    return float(text)
+        return number
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
         number = value.item()  # numpy's scalar types, bool_ included
-        return number if isinstance(number, bool | int | float) else value
+        if isinstance(number, float):
+            return float(str(value))  # numpy prints a float32 as its shortest decimal
+        return number if isinstance(number, bool | int) else value
     return value
 
 
