@@ -18,10 +18,11 @@ def bin_index(scores: Tensor, num_bins: int) -> Tensor:
 
     ``torch.bucketize`` on ``linspace(0, 1, num_bins + 1)`` with ``right=True`` (a score on an
     edge opens the bin above), without a boundary tensor or a binary search; see
-    ``_cpu_path.bin_scale``. Rounding to float32 and multiplying by a constant are both
-    monotone, so a higher score never lands in a lower bin, whatever the dtypes of the batches,
-    which is all the error bounds rely on. NaN and out-of-range scores get a valid index too
-    (their batch is screened out), so a bad value can never index out of bounds on the device.
+    ``_cpu_path.bin_scale``. Every score is widened to float64 (exactly) and multiplied by a
+    constant, which is monotone, so a higher score never lands in a lower bin, whatever the
+    dtypes of the batches, which is all the error bounds rely on. NaN and out-of-range scores
+    get a valid index too (their batch is screened out), so a bad value can never index out of
+    bounds on the device.
     """
     work = _cpu_path.binning_scores(scores)
     return (work * _cpu_path.bin_scale(num_bins)).to(torch.int64).clamp_(0, num_bins - 1)
@@ -78,8 +79,8 @@ class Bins:
         """The int64 bin of each score, in ``[0, count)``; host-sync free."""
         if self._edges is None:
             return bin_index(scores, self.count)
-        # Compared in float32 whatever the scores' dtype, as uniform bins are: one monotone
-        # map for every batch (a float64 score just below an edge and a float32 one just above
-        # its float32 rounding would otherwise land in bins of the wrong order).
-        edges = self._edges.to(torch.float32)
+        # Compared in float64 whatever the scores' dtype, as uniform bins are binned: one
+        # monotone map for every batch (edges rounded to float32 for float32 scores only put a
+        # float32 score at a rounded edge above a higher float64 score below the edge itself).
+        edges = self._edges.to(torch.float64)
         return torch.bucketize(_cpu_path.binning_scores(scores), edges, right=True)

@@ -142,17 +142,17 @@ def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = Fals
     Returns:
         Integer bin indices of ``scores``' shape, in ``[0, num_bins]``.
     """
-    work = binning_scores(scores)
     dtype = torch.int32 if rows * (num_bins + 1) <= _INT32_LIMIT else torch.int64
-    # The same float product and truncation as the device path's bin index (copy_ converts
-    # as .to does).
-    if scratch and work.numel() <= SCRATCH_ELEMENTS:
-        product = _scratch.scratch("score_bins.product", work.dtype, work.shape, work.device)
-        torch.mul(work, bin_scale(num_bins), out=product)
-        index = _scratch.scratch("score_bins.index", dtype, work.shape, work.device)
+    # The same float64 product and truncation as the device path's bin index (copy_ converts
+    # exactly, as .to does).
+    if scratch and scores.numel() <= SCRATCH_ELEMENTS:
+        product = _scratch.scratch("score_bins.product", torch.float64, scores.shape, scores.device)
+        product.copy_(scores)
+        product.mul_(bin_scale(num_bins))
+        index = _scratch.scratch("score_bins.index", dtype, scores.shape, scores.device)
         index.copy_(product)
     else:
-        index = (work * bin_scale(num_bins)).to(dtype)
+        index = (binning_scores(scores) * bin_scale(num_bins)).to(dtype)
     if num_bins >= _SPILL_FROM:
         # The nudge is a whole bin or more here (float32 rounding gets there a little before
         # 2**20 bins): 1.0 would land past the extra slot, in the next row.
@@ -162,7 +162,8 @@ def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = Fals
 
 _SPILL_FROM = 2**19
 """Bin counts from which ``score_bins`` clamps: below, ``1.0 * bin_scale(num_bins)`` is less
-than ``num_bins + 1`` in float32, so every index is at most ``num_bins``."""
+than ``num_bins + 1``, so every index is at most ``num_bins`` (float64 gets there at 2**20;
+the margin is float32's, which binned here before)."""
 
 
 SCRATCH_ELEMENTS = 4 * CHUNK_ELEMENTS
@@ -171,15 +172,15 @@ the histogram itself is larger, chunks are larger and allocate as before)."""
 
 
 def binning_scores(scores: Tensor) -> Tensor:
-    """``scores`` as float32, the one dtype every score is binned in.
+    """``scores`` as float64, the one dtype every score is binned in.
 
     One map from score to bin for float16, bfloat16, float32 and float64 batches alike:
     binning each in its own dtype is monotone within a dtype only (a float32 product just below
     an edge rounds up to it, the float64 product of a slightly higher score does not), and
-    batches of several dtypes may meet in one histogram (or across ranks). float64 scores are
-    rounded to the nearest float32, which keeps their order.
+    batches of several dtypes may meet in one histogram (or across ranks). Every narrower
+    float converts to float64 exactly, and float64 scores keep their resolution.
     """
-    return scores if scores.dtype == torch.float32 else scores.float()
+    return scores if scores.dtype == torch.float64 else scores.double()
 
 
 def bin_scale(num_bins: int) -> float:
@@ -188,9 +189,9 @@ def bin_scale(num_bins: int) -> float:
     A decimal score such as 0.29 is stored a hair below its value (``0.29 * 100`` is
     28.999999999999996 in float64), so a bare ``floor(score * num_bins)`` puts a score that sits
     on a bin edge into the bin below, next to 0.28. Scaling by ``num_bins * (1 + 2**-20)`` lifts
-    every edge score into its own bin for float32 and float64 scores (binned in float32,
-    ``binning_scores``: at most ``2**-24`` relative from rounding the score and as much from the
-    product) and moves only scores within about ``1e-6`` relative below an edge,
+    every edge score into its own bin for float32 and float64 scores (their rounding error is at
+    most ``2**-24`` relative; the product is float64, ``binning_scores``) and moves only scores
+    within about ``1e-6`` relative below an edge,
     so scores with ``d`` decimals land in distinct bins once ``num_bins >= 10**d``.
     """
     return num_bins * (1.0 + 2.0**-20)

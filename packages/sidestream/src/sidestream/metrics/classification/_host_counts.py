@@ -122,15 +122,11 @@ class BinaryHostCounter:
         if labels.dtype != np.bool_ and labels.view(_UNSIGNED[labels.dtype.itemsize]).max() > 1:
             found = found_outside(target, 0, 1, whole=True)
             screen_invalid(True, rejected, "target", "0 or 1", found)
-        # The torch path's bin: float32 product (a Python float scales a float32 array in
-        # float32, as it scales a float32 tensor; float64 scores are rounded to float32 first,
-        # as there), truncated, then clamped; below 0.99 no score reaches the last bin's upper
-        # edge, so no clamp is needed.
-        near_one = top >= _CLAMP_FROM_BITS[scores.dtype.itemsize]
-        if scores.dtype != np.float32:
-            scores = scores.astype(np.float32)
-        index = (scores * self._scale).astype(np.intp)
-        if near_one:
+        # The torch path's bin: float64 product (float32 scores widened exactly, as there),
+        # truncated, then clamped; below 0.99 no score reaches the last bin's upper edge, so no
+        # clamp is needed.
+        index = np.multiply(scores, self._scale, dtype=np.float64).astype(np.intp)
+        if top >= _CLAMP_FROM_BITS[scores.dtype.itemsize]:
             np.minimum(index, self._last_bin, out=index)
         index += labels * np.intp(self._positive_offset)
         np.add.at(histogram.local.numpy(), index, 1)
