@@ -416,6 +416,15 @@ def test_a_resume_configured_with_another_experiment_continues_the_run_where_it_
     assert run.info.experiment_id == client.get_experiment_by_name("first").experiment_id
     history = client.get_metric_history(checkpoint["run_id"], "loss")
     assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0)]
+    # A run in MLflow's default experiment (none configured), resumed with one configured.
+    default = MlflowSink(tracking_uri=uri)
+    default.open(RunInfo(name="default"))
+    saved = default.state_dict()
+    assert default.close(timeout=30)
+    named = MlflowSink(tracking_uri=uri, experiment="third")
+    named.load_state_dict(saved)
+    assert "in MLflow's default experiment; it is resumed there" in caplog.text
+    assert named.state_dict()["experiment"] is None
 
 
 def test_resuming_a_run_deleted_on_the_server_fails_for_good_saying_how_to_go_on(
@@ -768,24 +777,25 @@ def test_a_tracking_uri_mlflow_has_no_store_for_fails_when_the_sink_is_built(
 
 
 _ENDINGS = """
-import os, signal, sys, time
+import contextlib, os, signal, sys, time
 from sidestream import Run
 from sidestream.sinks import RunInfo, sinks_from_config
 uri, mode, ending = sys.argv[1:4]
 options = {"tracking_uri": uri, "experiment": "endings", "child_process": mode == "child"}
 run = Run(sinks_from_config({"mlflow": options}), info=RunInfo(name=f"{mode}-{ending}"))
-for step in range(1, 4):
-    run.log(step, {"x": float(step)})
-run.state_dict()  # waits until the sink has every step (or its checkpoint timeout)
-if ending == "killed":
-    os.kill(os.getpid(), signal.SIGKILL)
-if ending == "raise":
-    raise RuntimeError("training crashed")
+with run if ending == "raise in with" else contextlib.nullcontext():
+    for step in range(1, 4):
+        run.log(step, {"x": float(step)})
+    run.state_dict()  # waits until the sink has every step (or its checkpoint timeout)
+    if ending == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if ending.startswith("raise"):
+        raise RuntimeError("training crashed")
 """
 
 
 @pytest.mark.parametrize("mode", ["thread", "child"])
-@pytest.mark.parametrize("ending", ["return", "raise", "killed"])
+@pytest.mark.parametrize("ending", ["return", "raise", "raise in with", "killed"])
 def test_a_run_ends_as_the_job_did(shm_path: Path, mode: str, ending: str) -> None:
     """FINISHED only for a job that ended well: a crashed job's run is FAILED, as MLflow's own
     end_run marks it. A killed trainer whose sink runs in a child process left a FINISHED run
@@ -802,12 +812,13 @@ def test_a_run_ends_as_the_job_did(shm_path: Path, mode: str, ending: str) -> No
         text=True,
         timeout=240,
     )
-    expected_code = {"return": 0, "raise": 1, "killed": -9}[ending]
+    expected_code = {"return": 0, "raise": 1, "raise in with": 1, "killed": -9}[ending]
     assert done.returncode == expected_code, done.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     expected_status = {
         "return": "FINISHED",
         "raise": "FAILED",
+        "raise in with": "FAILED",  # closed by the with block, before the exception is uncaught
         "killed": "KILLED" if mode == "child" else "RUNNING",
     }[ending]
     deadline = time.monotonic() + 60  # an orphaned child closes the run after its trainer

@@ -43,6 +43,8 @@ def test_numpy_scalars_and_zero_dim_tensors_in_a_config_are_numbers() -> None:
         "flags": {"amp": np.bool_(True), "steps": torch.tensor(7)},
         "betas": torch.tensor([0.9, 0.95]),  # not one number: text, as a list is
     }
+    with np.printoptions(legacy="1.13"):  # numpy's printing must not decide the number
+        assert flatten_config({"x": np.float32(0.123456789)}) == {"x": 0.12345679}
     flat = flatten_config(config)
     assert flat == {
         "lr": 2.5,

@@ -523,6 +523,8 @@ def test_a_settings_key_wandb_rejects_fails_when_the_sink_is_built() -> None:
         WandbSink(mode="offline", settings=bad_value)
     with pytest.raises(ValueError, match=r"refuses these settings together: .*offline"):
         WandbSink(mode="offline", settings={"x_skip_transaction_log": True})
+    with pytest.raises(ValueError, match=r"refuses 'ignore_globs'\[0\] = \[1\]: .*string"):
+        WandbSink(mode="offline", settings={"ignore_globs": [1]})
     assert len(WandbSink(mode="offline", settings={"silent": True}).run_id) == 8
 
 

@@ -312,15 +312,18 @@ class MlflowSink(TrackerSink):
         run_key = state_dict.get("run_key")
         if isinstance(run_key, str) and run_key.isalnum():  # it goes into a search filter
             self._run_key = run_key
-        experiment = state_dict.get("experiment")
-        if not isinstance(experiment, str):
+        if "experiment" not in state_dict:  # saved before the sink kept it
+            return
+        experiment = state_dict["experiment"]
+        if experiment is not None and not isinstance(experiment, str):
             return
         if self._experiment is not None and self._experiment != experiment:
+            where = "MLflow's default experiment" if experiment is None else repr(experiment)
             self.warn_once(
                 "experiment",
-                f"MlflowSink: the checkpoint's run is in experiment {experiment!r}; it is "
-                f"resumed there, not in the configured {self._experiment!r} (a new run in "
-                f"{self._experiment!r} needs a job that does not resume this checkpoint)",
+                f"MlflowSink: the checkpoint's run is in {where}; it is resumed there, not in "
+                f"the configured {self._experiment!r} (a new run in {self._experiment!r} "
+                "needs a job that does not resume this checkpoint)",
             )
         self._experiment = experiment
 

@@ -259,8 +259,9 @@ class WandbSink(TrackerSink):
         # Absolute, as both paths are taken now: the script may change its working directory.
         self._local_dir = os.path.abspath(str(self._run.dir).removesuffix("/files"))
         given_dir = self._init_kwargs.get("dir")
-        if given_dir is not None:
-            wanted = os.path.realpath(os.fspath(given_dir))
+        mode = getattr(getattr(self._run, "settings", None), "mode", None)
+        if given_dir is not None and mode != "disabled":  # disabled: a temporary folder always
+            wanted = os.path.realpath(os.path.expanduser(os.fspath(given_dir)))
             if os.path.commonpath([wanted, os.path.realpath(self._local_dir)]) != wanted:
                 # wandb takes a temporary folder instead of a dir it cannot write, silently.
                 self.warn_once(
@@ -888,16 +889,19 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
             ) from None
         fields = wandb.Settings.model_fields
         problems = []
-        for key, entry in zip(keys, entries, strict=True):
+        for entry in entries:
+            location = tuple(entry.get("loc", ()))
+            key = str(location[0]) if location else ""
             if not key:  # a check of the settings together, not of one key
                 problems.append(f"these settings together: {entry.get('msg')}")
-            elif key in fields:  # a known key given a value it does not take
-                problems.append(f"{key!r} = {checked.get(key)!r}: {entry.get('msg')}")
-            else:
+            elif entry.get("type") == "extra_forbidden" or key not in fields:
                 hint = difflib.get_close_matches(key, fields, n=1)
                 problems.append(
                     f"the unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                 )
+            else:  # a known key given a value it does not take (or a bad item of one)
+                where = "".join(f"[{part!r}]" for part in location[1:])
+                problems.append(f"{key!r}{where} = {checked.get(key)!r}: {entry.get('msg')}")
         detail = "; ".join(problems) or str(error).splitlines()[0]
         raise ValueError(f"settings: wandb.Settings refuses {detail}") from None
 

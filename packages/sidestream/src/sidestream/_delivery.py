@@ -260,7 +260,8 @@ class Delivery:
         for runner in self.runners:
             left = seconds_left(deadline)
             began = time.monotonic()
-            if not runner.wait_delivered(left):
+            behind = not runner.wait_delivered(left)
+            if behind:
                 failed = runner.status.state == "failed"
                 logger.warning(
                     "state_dict: sink %r still has %d undelivered report(s) %s; its state is "
@@ -275,7 +276,7 @@ class Delivery:
             undelivered[runner.key] = runner.undelivered().decode()
             # What is left of the overall timeout, not the wait's share again.
             left = seconds_left(deadline)
-            states[runner.key] = self._durable_state(runner, left)
+            states[runner.key] = self._durable_state(runner, left, warn=not behind)
             self._check_places(runner.key, states[runner.key])
         return states, undelivered
 
@@ -304,7 +305,7 @@ class Delivery:
             )
 
     @staticmethod
-    def _durable_state(runner: SinkRunner, timeout: float | None) -> Any:
+    def _durable_state(runner: SinkRunner, timeout: float | None, *, warn: bool = True) -> Any:
         sink = runner.sink
         # Before its open succeeded a sink's own state is not ready (a resumed JSONL sink has
         # no offset yet): the runner's copy, the state it resumes from, is the one to keep.
@@ -313,7 +314,7 @@ class Delivery:
             # Thread-safe by contract: make what was sent durable, then read what counts.
             try:
                 durable = sink.make_durable(timeout)
-                if not durable:
+                if not durable and warn:  # warn: not said already (reports still queued)
                     # Sent but not yet confirmed by the backend (wandb's file): they travel in
                     # the checkpoint, which wait_delivered's warning (queued ones) does not say.
                     logger.warning(

@@ -12,16 +12,18 @@ hook registered again while the hooks run.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 __all__ = [
     "KILLED_EXIT_CODE",
     "close_at_exit",
     "close_before_backends_exit",
+    "ending_with",
     "failed_exit_code",
     "forget_close_at_exit",
     "record_failed_exit",
@@ -34,6 +36,7 @@ _LOCK = threading.Lock()
 _CLOSES: list[Callable[[], object]] = []  # oldest first
 _exiting = False
 _failed_code: int | None = None  # set by an uncaught exception on its way out
+_scoped_code: int | None = None  # set while a block left by an exception closes (ending_with)
 _hooked = False
 
 
@@ -68,6 +71,24 @@ def record_failed_exit(code: int) -> None:
     _failed_code = code
 
 
+@contextlib.contextmanager
+def ending_with(exception: type[BaseException] | None) -> Iterator[None]:
+    """Within the block, ``failed_exit_code`` is that of ``exception`` (``None``: as before).
+
+    For a ``with Run(...)`` block left by an exception: its closes run before the exception
+    reaches ``sys.excepthook``, and only they should tell the trackers the job failed (a caught
+    exception leaves later runs of the process alone).
+    """
+    global _scoped_code
+    previous = _scoped_code
+    if exception is not None and not issubclass(exception, GeneratorExit):
+        _scoped_code = KILLED_EXIT_CODE if issubclass(exception, KeyboardInterrupt) else 1
+    try:
+        yield
+    finally:
+        _scoped_code = previous
+
+
 def failed_exit_code() -> int | None:
     """The exit code of the uncaught exception the interpreter is exiting with, else None.
 
@@ -75,7 +96,7 @@ def failed_exit_code() -> int | None:
     that crashed without closing its ``Run`` would show as finished (its own exit hook, which
     knows better, runs after the closes).
     """
-    return _failed_code
+    return _scoped_code if _scoped_code is not None else _failed_code
 
 
 def _close_all() -> None:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from sidestream._delivery import Delivery, DeliveryOptions, check_timeout, seconds_left
 from sidestream._distributed import Group, check_process_group
-from sidestream._exit import close_at_exit, forget_close_at_exit
+from sidestream._exit import close_at_exit, ending_with, forget_close_at_exit
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream._step import training_step
@@ -371,7 +371,9 @@ class Run:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        # Left by an exception: the sinks close before it is uncaught, and must say it failed.
+        with ending_with(exc_type):
+            self.close()
 
     # ------------------------------------------------------------------ checkpoints
 

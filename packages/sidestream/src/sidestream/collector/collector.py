@@ -21,7 +21,7 @@ from sidestream._distributed import (
     group_size,
     resolve_group,
 )
-from sidestream._exit import close_at_exit, forget_close_at_exit
+from sidestream._exit import close_at_exit, ending_with, forget_close_at_exit
 from sidestream._step import training_step
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
@@ -668,7 +668,9 @@ class AsyncMetricCollector(Generic[T]):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        # Left by an exception: the sinks close before it is uncaught, and must say it failed.
+        with ending_with(exc_type):
+            self.close()
 
     # ------------------------------------------------------------------ checkpoints
 

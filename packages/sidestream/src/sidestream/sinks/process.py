@@ -93,7 +93,7 @@ def _serve(
             # was killed, and a tracker must not show the run as a clean finish.
             record_failed_exit(KILLED_EXIT_CODE)
             with contextlib.suppress(Exception):
-                sink.close(5.0)
+                sink.close(_ORPHAN_CLOSE_S)
             return
         try:
             result: object = None
@@ -105,7 +105,8 @@ def _serve(
                 durable = getattr(sink, "make_durable", None)
                 result = durable(argument) if durable is not None else sink.flush(argument)
             else:
-                timeout, exit_code = argument
+                # (timeout, exit code); a bare timeout from a parent of an older release.
+                timeout, exit_code = argument if isinstance(argument, tuple) else (argument, None)
                 if exit_code is not None:  # the trainer is ending on an uncaught exception
                     record_failed_exit(exit_code)
                 result = sink.close(timeout)
@@ -114,6 +115,11 @@ def _serve(
             _reply(conn, _ERROR, *_failure(error))
         if operation == "close":
             _exit_closed()
+
+
+_ORPHAN_CLOSE_S = 30.0
+"""How long a child whose trainer vanished gives its sink to end the run: nothing waits on it,
+and a loaded tracker (a SQLite store) may take seconds to mark the run."""
 
 
 def _exit_closed() -> None:

@@ -96,19 +96,26 @@ def _as_python_number(value: Any) -> Any:
             return value
         number = value.item()
         if isinstance(number, float) and value.dtype != torch.float64:
-            # The shortest decimal that is this float32 (or narrower) value: 0.0003, as
-            # written, not the float32's exact 0.0003000000142492354.
-            for digits in range(1, 18):
-                text = f"{number:.{digits}g}"
-                if torch.tensor(float(text), dtype=value.dtype).item() == number:
-                    return float(text)
+            return _shortest(number, lambda x: torch.tensor(x, dtype=value.dtype).item())
         return number
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
         number = value.item()  # numpy's scalar types, bool_ included
         if isinstance(number, float):
-            return float(str(value))  # numpy prints a float32 as its shortest decimal
+            return _shortest(number, lambda x: type(value)(x).item())
         return number if isinstance(number, bool | int) else value
     return value
+
+
+def _shortest(number: float, same_dtype: Callable[[float], float]) -> float:
+    """The shortest decimal that is ``number`` in its own dtype (``same_dtype`` rounds to it).
+
+    0.0003 as written, not float32's exact 0.0003000000142492354.
+    """
+    for digits in range(1, 18):
+        shorter = float(f"{number:.{digits}g}")
+        if same_dtype(shorter) == number:
+            return shorter
+    return number
 
 
 def name_digest(name: str) -> str:
