@@ -42,3 +42,18 @@ def test_closes_run_newest_first_before_the_clients_teardown_and_none_is_lost() 
         "first run closed",
         "client torn down",
     ], done.stderr
+
+
+def test_a_block_left_by_an_exception_fails_only_its_own_closes() -> None:
+    """``with Run(...)`` closes before the exception is uncaught: its sinks must hear the
+    failure, and a later run of the same process (the exception caught) must not."""
+    from sidestream._exit import ending_with, failed_exit_code
+
+    assert failed_exit_code() is None
+    with ending_with(RuntimeError):
+        assert failed_exit_code() == 1
+    with ending_with(KeyboardInterrupt):
+        assert failed_exit_code() == 255
+    with ending_with(None):
+        assert failed_exit_code() is None
+    assert failed_exit_code() is None
