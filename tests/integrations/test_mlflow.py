@@ -392,17 +392,23 @@ def test_resume_skips_steps_delivered_after_the_checkpoint(shm_path: Path) -> No
     assert got == [(s, float(s)) for s in range(7)] + [(7, 107.0), (8, 108.0)]
 
 
+def _checkpoint_of_one_step(uri: str, experiment: str) -> dict[str, Any]:
+    """The state of a closed sink that delivered step 1 (loss 1.0) to a run in ``experiment``."""
+    first = MlflowSink(tracking_uri=uri, experiment=experiment)
+    first.open(RunInfo(name=experiment))
+    first.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
+    checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    return checkpoint
+
+
 def test_a_resume_configured_with_another_experiment_continues_the_run_where_it_is(
     shm_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The run stayed in its experiment, silently, and the sink's state named the configured
     # one, where no run was.
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"
-    first = MlflowSink(tracking_uri=uri, experiment="first")
-    first.open(RunInfo(name="moved"))
-    first.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
-    checkpoint = first.state_dict()
-    assert first.close(timeout=30)
+    checkpoint = _checkpoint_of_one_step(uri, "first")
     resumed = MlflowSink(tracking_uri=uri, experiment="second")
     resumed.load_state_dict(checkpoint)
     assert "resumed there, not in the configured 'second'" in caplog.text
@@ -433,11 +439,7 @@ def test_resuming_a_run_deleted_on_the_server_fails_for_good_saying_how_to_go_on
     from sidestream.sinks import is_permanent
 
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"
-    first = MlflowSink(tracking_uri=uri, experiment="deleted")
-    first.open(RunInfo(name="deleted"))
-    first.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
-    checkpoint = first.state_dict()
-    assert first.close(timeout=30)
+    checkpoint = _checkpoint_of_one_step(uri, "deleted")
     MlflowClient(tracking_uri=uri).delete_run(checkpoint["run_id"])
     resumed = MlflowSink(tracking_uri=uri, experiment="deleted")
     resumed.load_state_dict(checkpoint)
