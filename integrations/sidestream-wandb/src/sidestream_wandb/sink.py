@@ -258,17 +258,6 @@ class WandbSink(TrackerSink):
         self._service_pid = _service_process()
         # Absolute, as both paths are taken now: the script may change its working directory.
         self._local_dir = os.path.abspath(str(self._run.dir).removesuffix("/files"))
-        given_dir = self._init_kwargs.get("dir")
-        mode = getattr(getattr(self._run, "settings", None), "mode", None)
-        if given_dir is not None and mode != "disabled":  # disabled: a temporary folder always
-            wanted = os.path.realpath(os.path.expanduser(os.fspath(given_dir)))
-            if os.path.commonpath([wanted, os.path.realpath(self._local_dir)]) != wanted:
-                # wandb takes a temporary folder instead of a dir it cannot write, silently.
-                self.warn_once(
-                    "dir",
-                    f"WandbSink: wandb could not write in dir={os.fspath(given_dir)!r} and "
-                    f"keeps the run in {self._local_dir} instead (a read-only folder?)",
-                )
         self._data_file = _data_file_of(self._run)
         with self._unwritten_lock:  # rows of an earlier run of this sink were in its own file
             self._unwritten.clear()
@@ -302,6 +291,7 @@ class WandbSink(TrackerSink):
         self._finished = False
         # mode="disabled": wandb keeps nothing, so there is no write to wait for or record.
         self._disabled = getattr(getattr(self._run, "settings", None), "mode", None) == "disabled"
+        self._warn_if_not_in_given_dir()
         self._defined.clear()
         if self.resumed:
             # Steps logged after the checkpoint was taken: in the progress files of the earlier
@@ -655,6 +645,23 @@ class WandbSink(TrackerSink):
             why = "W&B keeps names starting with '_' for itself"
         self.warn_once(f"column:{name}", f"WandbSink: {name!r} is logged as {column!r}: {why}")
         return column
+
+    def _warn_if_not_in_given_dir(self) -> None:
+        """Warn if wandb keeps the open run outside the ``dir`` it was given.
+
+        wandb falls back to a temporary folder, silently, for a dir it cannot write (and
+        always when disabled, which is no mistake).
+        """
+        given_dir = self._init_kwargs.get("dir")
+        if given_dir is None or self._disabled:
+            return
+        wanted = os.path.realpath(os.path.expanduser(os.fspath(given_dir)))
+        if os.path.commonpath([wanted, os.path.realpath(self._local_dir)]) != wanted:
+            self.warn_once(
+                "dir",
+                f"WandbSink: wandb could not write in dir={os.fspath(given_dir)!r} and "
+                f"keeps the run in {self._local_dir} instead (a read-only folder?)",
+            )
 
     def _histogram(self, wandb: Any, name: str, counts: Any) -> Any:
         flat = counts.detach().reshape(-1).double().cpu().numpy()

@@ -61,7 +61,7 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
         updates: MetricAccumulator | None = getattr(self, "_updates", None)
         if updates is None:  # unpickled from a release that did not keep it
             return
-        updates.accumulate(1 if keep is None else keep.to(torch.int64).reshape(()))
+        updates.accumulate(1 if keep is None else keep)  # a bool adds 0 or 1
 
     def _updates_so_far(self) -> Tensor:
         """The updates in the state, as float64 (``ceil(count / 3)`` if it does not keep them)."""
