@@ -542,3 +542,17 @@ def test_a_sink_raising_a_base_exception_fails_for_good_and_keeps_its_reports(
     assert [report.step for report in sink.reports] == [1, 2]
     (kept,) = tmp_path.glob("*.spool.jsonl")
     assert [report.step for report in read_spool(kept)] == list(range(3, 9))
+
+
+def test_sinks_from_a_source_tree_without_entry_points(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PYTHONPATH on the src/ folders, nothing installed: no distribution declares entry points.
+    from sidestream.sinks import config
+
+    monkeypatch.setattr(config, "entry_points", lambda group: [])
+    assert {"jsonl", "console"} <= set(available_sinks())
+    built = sinks_from_config({"jsonl": {"path": tmp_path / "a.jsonl"}, "console": None})
+    assert [type(s) for s in built] == [JsonlSink, ConsoleSink]
+    with pytest.raises(LookupError, match=r"'jsnol' is unknown \(did you mean 'jsonl'\?\)"):
+        sinks_from_config(["jsnol"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Mapping, Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
+from importlib.util import find_spec
 from typing import Any
 
 from sidestream.sinks.base import Sink
@@ -31,9 +32,44 @@ def install_hint(name: str) -> str:
 SinkConfig = Mapping[str, Mapping[str, Any] | None] | Sequence[str | Mapping[str, Any]]
 
 
+_KNOWN = {
+    "jsonl": "sidestream.sinks.jsonl:JsonlSink",
+    "console": "sidestream.sinks.console:ConsoleSink",
+    "wandb": "sidestream_wandb:WandbSink",
+    "mlflow": "sidestream_mlflow:MlflowSink",
+    "tensorboard": "sidestream_tensorboard:TensorBoardSink",
+}
+"""This repository's sinks by name, the same as their entry points. Used for a name no
+installed distribution declares, when its module can be imported: code run from a source tree
+(``PYTHONPATH`` on the ``src/`` folders) has no entry points at all."""
+
+
+def _sink_entry_points() -> dict[str, EntryPoint]:
+    """Every sink by name: the installed entry points over this repository's importable ones."""
+    found = {
+        name: EntryPoint(name, value, ENTRY_POINT_GROUP)
+        for name, value in _KNOWN.items()
+        if _importable(value.partition(":")[0])
+    }
+    # An installed entry point wins: it is what the user's environment declares.
+    found.update((entry.name, entry) for entry in entry_points(group=ENTRY_POINT_GROUP))
+    return found
+
+
+def _importable(module: str) -> bool:
+    try:
+        return find_spec(module) is not None
+    except ImportError:  # a parent package that is missing
+        return False
+
+
 def available_sinks() -> list[str]:
-    """Names of every installed sink (the core's and the integrations')."""
-    return sorted({entry.name for entry in entry_points(group=ENTRY_POINT_GROUP)})
+    """Names of every sink that can be built.
+
+    Those installed (entry points), and this repository's own ones whose module can be imported
+    (a source tree with nothing installed).
+    """
+    return sorted(_sink_entry_points())
 
 
 def sinks_from_config(config: SinkConfig) -> list[Sink]:
@@ -151,8 +187,8 @@ _PROCESS_OPTIONS = {
 
 
 def _make(name: str, options: dict[str, Any]) -> Sink:
-    matches = [entry for entry in entry_points(group=ENTRY_POINT_GROUP) if entry.name == name]
-    if not matches:
+    entry = _sink_entry_points().get(name)
+    if entry is None:
         if name in _EXTRAS:
             raise LookupError(f"sink {name!r} is not installed: {install_hint(name)}")
         installed = available_sinks()
@@ -169,12 +205,12 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
             )
         )
     try:
-        factory = matches[0].load()
+        factory = entry.load()
     except ImportError as error:
         hint = (
             install_hint(name)
             if name in _EXTRAS
-            else f"reinstall the package that provides {matches[0].value}"
+            else f"reinstall the package that provides {entry.value}"
         )
         raise LookupError(f"sink {name!r} could not be imported ({error}); {hint}") from error
     check_available = getattr(factory, "check_available", None)
