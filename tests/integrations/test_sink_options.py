@@ -218,7 +218,9 @@ def test_a_close_that_failed_makes_close_false(result: bool | None) -> None:
             "failed", "close failed: OSError: upload of the last file failed"
         )
     else:
-        assert runner.status == SinkStatus("healthy", "close did not finish (it returned False)")
+        assert runner.status == SinkStatus(
+            "healthy", "close returned False: not every value it was given reached the backend"
+        )
 
 
 def test_a_working_sink_still_closes_true() -> None:

@@ -616,7 +616,11 @@ class SinkRunner:
             if done is not False:
                 return None
             kind = _RETURNED_FALSE
-            reason = f"{what} did not finish (it returned False)"
+            reason = (
+                "close returned False: not every value it was given reached the backend"
+                if what == "close"
+                else "flush did not finish (it returned False)"
+            )
         if kind == quiet:
             logger.debug("sink %r: %s", self.key, reason)
         elif what == "flush":
