@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from sidestream import MeanMetric, Run, SumMetric
+from sidestream import ComposeMetric, MeanMetric, Run, SumMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.sinks import (
     JsonlSink,
@@ -188,6 +188,9 @@ def test_which_failures_are_permanent() -> None:
     assert is_permanent(ImportError("no module"))
     assert is_permanent(TypeError("unexpected keyword"))
     assert is_permanent(PermanentSinkError("bad project"))
+    # The same numbers overflow on every retry (a config int TensorBoard's hparams cannot hold).
+    assert is_permanent(OverflowError("int too large to convert to float"))
+    assert is_permanent(IndexError("list index out of range"))
     assert is_permanent(HttpError(403)) and is_permanent(HttpError(404))
     assert not is_permanent(HttpError(408)) and not is_permanent(HttpError(429))
     assert not is_permanent(HttpError(503)) and not is_permanent(ConnectionError("down"))
@@ -362,6 +365,57 @@ def test_run_info_of_wrong_types_fails_when_made(fields: dict[str, object], mess
     with pytest.raises(TypeError, match=message):
         RunInfo(**fields)  # type: ignore[arg-type]
     assert RunInfo(name="a", config={"lr": {"x": 1}}, tags={"team": ""}).tags == {"team": ""}
+
+
+_SURROGATE = "bad\udc80name"  # a file name read with surrogateescape: no UTF-8 writer takes it
+
+
+@pytest.mark.parametrize(
+    ("fields", "what"),
+    [
+        ({"name": _SURROGATE}, "name"),
+        ({"tags": {_SURROGATE: ""}}, "tags: a tag name"),
+        ({"tags": {"team": _SURROGATE}}, r"tags\['team'\]"),
+        ({"config": {"opt": {_SURROGATE: 1}}}, "config: a key"),
+        ({"config": {"data": Path(_SURROGATE)}}, r"config\['data'\]"),
+    ],
+)
+def test_run_info_refuses_text_utf8_cannot_encode(fields: dict[str, object], what: str) -> None:
+    # Accepted, it failed every tracker's open on rank 0 (TensorBoard: UnicodeEncodeError).
+    with pytest.raises(ValueError, match=rf"{what}: expected text that UTF-8 can encode"):
+        RunInfo(**fields)  # type: ignore[arg-type]
+
+
+def test_value_names_utf8_cannot_encode_are_refused_before_anything_counts() -> None:
+    # A value named so failed the TensorBoard sink for good, and again in every job resumed
+    # from a checkpoint that held the report.
+    run = Run([RecordingSink()])
+    with pytest.raises(ValueError, match=r"values: a name: expected text that UTF-8 can encode"):
+        run.log(1, {"lr": 0.1, _SURROGATE: 1.0})
+    run.log(1, {"lr": 0.1})  # the step did not count
+    with pytest.raises(ValueError, match="prefix: expected text that UTF-8 can encode"):
+        AsyncMetricCollector(MeanMetric(), prefix=_SURROGATE)
+    with pytest.raises(ValueError, match="metrics: a name: expected text that UTF-8 can encode"):
+        ComposeMetric({_SURROGATE: MeanMetric()})
+    assert run.close()
+
+
+def test_a_compute_result_key_utf8_cannot_encode_fails_its_window() -> None:
+    class Named(MeanMetric):
+        def compute(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+            return {_SURROGATE: super().compute()}
+
+    metric = Named()
+    sink = RecordingSink()
+    collector = AsyncMetricCollector(metric, sinks=[sink]).bind("cpu")
+    metric.update(torch.tensor([1.0]))
+    collector.schedule_collection(1)
+    with pytest.raises(
+        RuntimeError, match="compute\\(\\) result: a name: expected text that UTF-8"
+    ):
+        collector.collect_results()
+    assert not collector.close(timeout=30)
+    assert sink.reports == []
 
 
 def test_run_info_refuses_an_empty_tag_name() -> None:

@@ -521,3 +521,21 @@ def test_a_histogram_it_cannot_write_is_skipped_and_close_says_the_run_lacks_it(
     accumulator.Reload()
     assert [e.value for e in accumulator.Scalars("loss")] == [0.5]
     assert accumulator.Tags()["histograms"] == ["ok"]
+
+
+def test_ints_a_float64_cannot_hold_exactly_are_hyper_parameters_as_text(tmp_path: Path) -> None:
+    # TensorBoard keeps numbers as doubles: 10**400 raised OverflowError at every open.
+    config = {"huge": 10**400, "negative": -(10**309), "odd": 2**53 + 1, "fits": 2**53, "n": 3}
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.open(RunInfo(config=config))
+    sink.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
+    assert sink.close(30)
+    accumulator = _load(tmp_path / "tb")
+    start = hparams_metadata.parse_session_start_info_plugin_data(
+        accumulator.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    )
+    assert start.hparams["huge"].string_value == str(10**400)
+    assert start.hparams["negative"].string_value == str(-(10**309))
+    assert start.hparams["odd"].string_value == str(2**53 + 1)
+    assert start.hparams["fits"].number_value == 2**53
+    assert start.hparams["n"].number_value == 3

@@ -30,6 +30,19 @@ __all__ = ["TensorBoardSink"]
 logger = logging.getLogger("sidestream.sinks")
 
 _HPARAM_TYPES = (bool, int, float, str)
+
+
+def _hparam(value: Any) -> Any:
+    """``value`` as TensorBoard keeps it: an int a float64 cannot hold exactly as a str.
+
+    TensorBoard stores numbers as doubles: ``10**400`` would raise ``OverflowError`` at every
+    open, and ``2**53 + 1`` would be shown as another number.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53:
+        return str(value)
+    return value
+
+
 _WRITER_OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "comment": (str,),
     "max_queue": (int,),
@@ -191,7 +204,8 @@ class TensorBoardSink(TrackerSink):
             # Nothing of this run reached the directory (it never opened before the checkpoint
             # or the spool was kept): its hyper-parameters and name are written now.
         if run.config:
-            self._write_hparams(flatten_config(run.config, plain_types=_HPARAM_TYPES))
+            flat = flatten_config(run.config, plain_types=_HPARAM_TYPES)
+            self._write_hparams({key: _hparam(value) for key, value in flat.items()})
         if run.tags:
             lines = [f"| {key} | {value} |" for key, value in run.tags.items()]
             self._writer.add_text("tags", "\n".join(["| tag | value |", "|---|---|", *lines]), 0)

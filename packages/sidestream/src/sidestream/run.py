@@ -20,6 +20,7 @@ from sidestream._exit import close_at_exit, ending_with, forget_close_at_exit
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream._step import training_step
+from sidestream._text import check_encodable
 from sidestream.collector.collector import DEFAULT_MAX_SLOTS, AsyncMetricCollector
 from sidestream.metric import Metric
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
@@ -223,8 +224,9 @@ class Run:
             TypeError: If ``step`` is not an integer (Python or numpy), or a name or value has
                 the wrong type (a bool, or a complex or meta tensor, too).
             ValueError: If ``step`` does not increase or is outside [0, 2**63), a tensor is
-                not 0-dim, or CUDA tensors are on several devices; raised before the step
-                counts, so the corrected call may log it.
+                not 0-dim, CUDA tensors are on several devices, or a name cannot be encoded as
+                UTF-8 (a lone surrogate); raised before the step counts, so the corrected call
+                may log it.
             RuntimeError: If the run is closed, or the job's process group is missing.
         """
         step = training_step(step)
@@ -240,6 +242,7 @@ class Run:
         for name, value in values.items():
             if not isinstance(name, str) or not name:
                 raise TypeError(f"values: names must be non-empty str, got {name!r}")
+            check_encodable("values: a name", name)
             if isinstance(value, Tensor):
                 if value.dim() != 0:
                     raise ValueError(

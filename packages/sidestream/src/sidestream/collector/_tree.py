@@ -10,6 +10,8 @@ from typing import Any
 
 from torch import Tensor
 
+from sidestream._text import check_encodable
+
 __all__ = ["FlatTree", "flatten_tree"]
 
 
@@ -45,7 +47,8 @@ class FlatTree:
         ``"train/loss"``); a bare tensor result is named ``prefix`` or ``"value"``.
 
         Raises:
-            ValueError: If two values would get the same name.
+            ValueError: If two values would get the same name, or a name cannot be encoded as
+                UTF-8 (a lone surrogate in a key).
         """
         names: list[str] = []
         for path, leaf in zip(self.paths, self.leaves, strict=True):
@@ -58,6 +61,8 @@ class FlatTree:
             else:
                 for index in itertools.product(*(range(n) for n in shape)):
                     names.append(f"{base}/" + "_".join(str(i) for i in index))
+        for name in names:
+            check_encodable("compute() result: a name", name)
         if len(set(names)) != len(names):
             twice = sorted({name for name in names if names.count(name) > 1})
             raise ValueError(

@@ -23,6 +23,7 @@ from sidestream._distributed import (
 )
 from sidestream._exit import close_at_exit, ending_with, forget_close_at_exit
 from sidestream._step import training_step
+from sidestream._text import check_encodable
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
@@ -136,6 +137,7 @@ class AsyncMetricCollector(Generic[T]):
             raise ValueError(f"max_slots: expected an int >= 1, got {max_slots!r}")
         if not isinstance(prefix, str):
             raise TypeError(f"prefix: expected a str, got {prefix!r}")
+        check_encodable("prefix", prefix)
         if not isinstance(reset_each_window, bool):
             raise TypeError(f"reset_each_window: expected a bool, got {reset_each_window!r}")
         if run is not None and not isinstance(run, RunInfo):

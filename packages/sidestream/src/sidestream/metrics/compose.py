@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from sidestream._distributed import Group
+from sidestream._text import check_encodable
 from sidestream.metric import Metric
 
 __all__ = ["ComposeMetric"]
@@ -39,6 +40,7 @@ class ComposeMetric(Metric[dict[str, Any]]):
                 raise ValueError(
                     f"metrics: names must be non-empty without '.' or '/', got {name!r}"
                 )
+            check_encodable("metrics: a name", name)  # it names the values in a tracker
             if not isinstance(metric, Metric):
                 raise TypeError(
                     f"metrics[{name!r}]: expected a sidestream Metric, got {type(metric)}"

@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import Tensor
 
+from sidestream._text import check_encodable
+
 __all__ = ["Report", "RunInfo", "Sink"]
 
 
@@ -58,8 +60,9 @@ class RunInfo:
             not a mapping with str keys (a list of tag names included: give
             ``dict.fromkeys(names, "")``).
         ValueError: If two entries of ``config`` flatten to one name (``{"opt.lr": 0.1,
-            "opt": {"lr": 0.2}}``): a tracker would keep only one of them; or a tag name is
-            empty.
+            "opt": {"lr": 0.2}}``): a tracker would keep only one of them; a tag name is
+            empty; or the name, a tag, or a key or value of ``config`` cannot be encoded as
+            UTF-8 (a lone surrogate, as in a file name read with ``surrogateescape``).
     """
 
     name: str | None = None
@@ -77,7 +80,7 @@ class RunInfo:
         from sidestream.sinks.support import flatten_config
 
         # Two names for one parameter: refused here, not at open (leaves kept as they are).
-        flatten_config(self.config, plain_types=(object,))
+        flat = flatten_config(self.config, plain_types=(object,))
         if not isinstance(self.tags, Mapping) or not all(isinstance(k, str) for k in self.tags):
             raise TypeError(
                 "tags: expected a mapping of tag names (str) to values, such as "
@@ -87,6 +90,19 @@ class RunInfo:
         if "" in self.tags:
             # A tracker refuses an empty tag (W&B) or key (MLflow) when rank 0 opens.
             raise ValueError(f"tags: a tag name must not be empty, got {dict(self.tags)!r}")
+        self._check_encodable(flat)
+
+    def _check_encodable(self, flat_config: Mapping[str, Any]) -> None:
+        # Every tracker writes UTF-8: a lone surrogate would fail rank 0's open at every retry.
+        if self.name is not None:
+            check_encodable("name", self.name)
+        for key, value in self.tags.items():
+            check_encodable("tags: a tag name", key)
+            check_encodable(f"tags[{key!r}]", str(value))
+        for key, value in flat_config.items():
+            check_encodable("config: a key", key)
+            if not isinstance(value, int | float):  # sinks store other values as str(value)
+                check_encodable(f"config[{key!r}]", str(value))
 
 
 class Sink(abc.ABC):

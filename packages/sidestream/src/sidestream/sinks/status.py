@@ -47,6 +47,8 @@ _PERMANENT_ERRORS = (
     ValueError,
     AttributeError,
     KeyError,
+    IndexError,
+    ArithmeticError,  # OverflowError, ZeroDivisionError: the same numbers overflow again
     NameError,
     NotImplementedError,
     IsADirectoryError,
