@@ -556,3 +556,35 @@ def test_sinks_from_a_source_tree_without_entry_points(
     assert [type(s) for s in built] == [JsonlSink, ConsoleSink]
     with pytest.raises(LookupError, match=r"'jsnol' is unknown \(did you mean 'jsonl'\?\)"):
         sinks_from_config(["jsnol"])
+
+
+class _NeedsClient(JsonlSink):
+    message = ""
+
+    @classmethod
+    def check_available(cls) -> None:
+        raise ImportError(cls.message)
+
+
+@pytest.mark.parametrize(
+    ("message", "hint_at_end"),
+    [
+        ('ThatSink needs thatclient: pip install "thatclient"', False),  # said once
+        ("No module named 'thatclient'", True),
+    ],
+)
+def test_a_missing_client_is_named_with_one_install_hint(
+    monkeypatch: pytest.MonkeyPatch, message: str, hint_at_end: bool
+) -> None:
+    from importlib.metadata import EntryPoint
+
+    from sidestream.sinks import config
+
+    monkeypatch.setattr(_NeedsClient, "message", message)
+    entry = EntryPoint("mlflow", f"{__name__}:_NeedsClient", config.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(config, "_sink_entry_points", lambda: {"mlflow": entry})
+    with pytest.raises(LookupError) as error:
+        sinks_from_config(["mlflow"])
+    text = str(error.value)
+    assert text.startswith(f"sink 'mlflow': {message}")
+    assert text.count("pip install") == (2 if hint_at_end else 1), text
