@@ -528,3 +528,59 @@ def test_settings_kept_in_a_tokenizer_are_part_of_the_configuration() -> None:
         same = wrap(make(**saved_with))
         same.load_state_dict(saved)
         assert same.compute().item() == pytest.approx(saved_from.compute().item())
+
+
+def test_a_setting_changed_after_wrap_is_refused_before_the_state_changes() -> None:
+    # The sync's fingerprint and the checkpoint's configuration describe the settings of wrap():
+    # a threshold changed afterwards mixed two problems without a word.
+    metric = wrap(BinaryAccuracy(threshold=0.5))
+    metric.update(torch.tensor([0.9, 0.2]), torch.tensor([1, 0]))
+    metric.torchmetrics.threshold = 0.95
+    for call in (
+        lambda: metric.update(torch.tensor([0.9]), torch.tensor([1])),
+        metric.compute,
+        metric.state_dict,
+    ):
+        with pytest.raises(ValueError, match=r"'threshold' changed from 0\.5 to 0\.95 after wrap"):
+            call()
+    metric.torchmetrics.threshold = 0.5  # put back: the state is as before the refusals
+    assert float(metric.compute()) == 1.0
+    assert metric.state_dict()["tp"].item() == 1
+
+
+def test_a_counter_update_keeps_outside_its_states_is_refused() -> None:
+    class Counting(torchmetrics.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+            self.n_seen = 0  # not a state: never synced, never saved
+
+        def update(self, values: torch.Tensor) -> None:
+            self.total += values.sum()
+            self.n_seen += values.numel()
+
+        def compute(self) -> torch.Tensor:
+            return self.total / self.n_seen
+
+    metric = wrap(Counting())
+    with pytest.raises(UnsupportedStateError, match=r"'n_seen' changed from 0 to 3.*add_state"):
+        metric.update(torch.ones(3))
+
+
+@pytest.mark.parametrize("direct", ["update", "forward", "reset"])
+def test_torchmetrics_own_calls_on_the_wrapped_metric_are_refused(direct: str) -> None:
+    # forward() and reset() rebind the states: the wrapper's next call dropped what they did.
+    metric = wrap(torchmetrics.SumMetric())
+    metric.update(torch.tensor([1.0]))
+    inner = metric.torchmetrics
+    {
+        "update": lambda: inner.update(torch.tensor([10.0])),
+        "forward": lambda: inner(torch.tensor([10.0])),
+        "reset": inner.reset,
+    }[direct]()
+    for call in (lambda: metric.update(torch.tensor([100.0])), metric.compute):
+        with pytest.raises(RuntimeError, match="updated, called or reset directly"):
+            call()
+    metric.reset()  # the wrapper's reset starts both over
+    metric.update(torch.tensor([100.0]))
+    assert float(metric.compute()) == 100.0

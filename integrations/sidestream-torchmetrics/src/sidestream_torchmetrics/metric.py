@@ -193,6 +193,10 @@ class TorchmetricsMetric(Metric[Any]):
             text = _configuration_text(metric)
             for _, accumulator in states:
                 accumulator.set_configuration(text)
+        # What the configuration was made of, to refuse a change after wrap(): the sync's
+        # fingerprint and the checkpoint's hash would still describe the settings of wrap().
+        self._settings = _settings(metric)
+        self._updates_seen: int = metric._update_count
 
     @property
     def torchmetrics(self) -> TorchmetricsBase:
@@ -203,12 +207,47 @@ class TorchmetricsMetric(Metric[Any]):
         for name, accumulator in self._bridged:
             setattr(self._torchmetrics, name, accumulator.value if synced else accumulator.local)
 
+    def _check_untouched(self, call: str) -> None:
+        """Raise if the torchmetrics metric was changed outside the wrapper since wrap().
+
+        Raises:
+            ValueError: If a setting (a public plain attribute) changed.
+            RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran.
+        """
+        metric = self._torchmetrics
+        kind = type(metric).__name__
+        if metric._update_count != self._updates_seen:
+            # forward() and reset() rebind the states, so the next call would drop what they
+            # did; update() adds to them outside sidestream's bookkeeping.
+            raise RuntimeError(
+                f"{call}: the wrapped {kind} was updated, called or reset directly "
+                f"(torchmetrics counts {metric._update_count} update(s), the wrapper "
+                f"{self._updates_seen}): those batches would be lost or counted outside "
+                "sidestream's state; call update() and reset() on the wrapper only (reset() "
+                "on the wrapper starts both over)"
+            )
+        changed = _changed_setting(metric, self._settings)
+        if changed is not None:
+            raise ValueError(
+                f"{call}: the wrapped {kind}'s setting {changed} after wrap(), so its state "
+                "would mix two settings and its checkpoint name the old one; set it before "
+                "wrap() (a fresh wrap of a new metric to change it)"
+            )
+
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Run torchmetrics' ``update`` on the local state. No communication.
 
         Host syncs are torchmetrics': its argument validation reads values on CUDA, so pass
         ``validate_args=False`` to the torchmetrics constructor where it has one.
+
+        Raises:
+            ValueError: If a setting of the torchmetrics metric changed after ``wrap()``.
+            UnsupportedStateError: If this ``update`` changed a setting (a counter kept in a
+                plain attribute, which the bridge cannot sync or save) or a state's shape.
+            RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran on the
+                wrapped metric, or its dtype changed after ``wrap()``.
         """
+        self._check_untouched("update")
         if self._torchmetrics.dtype != self._torchmetrics_dtype:
             raise RuntimeError(
                 f"update: the wrapped {type(self._torchmetrics).__name__}'s dtype changed from "
@@ -218,6 +257,15 @@ class TorchmetricsMetric(Metric[Any]):
             )
         self._point_states(synced=False)
         self._torchmetrics.update(*args, **kwargs)
+        self._updates_seen = self._torchmetrics._update_count
+        changed = _changed_setting(self._torchmetrics, self._settings)
+        if changed is not None:
+            raise UnsupportedStateError(
+                f"{type(self._torchmetrics).__name__}.update: its attribute {changed}: a value "
+                "update() keeps outside its states (add_state) is not synced across ranks or "
+                "saved in checkpoints, so compute() would use this rank's alone; keep it in a "
+                "state"
+            )
         results = [
             (name, accumulator, getattr(self._torchmetrics, name))
             for name, accumulator in self._bridged
@@ -245,7 +293,14 @@ class TorchmetricsMetric(Metric[Any]):
             accumulator.load_local(value.to(accumulator.local.dtype))
 
     def compute(self) -> Any:
-        """Run torchmetrics' ``compute`` on the synchronized state if current, else the local."""
+        """Run torchmetrics' ``compute`` on the synchronized state if current, else the local.
+
+        Raises:
+            ValueError: If a setting of the torchmetrics metric changed after ``wrap()``.
+            RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran on the
+                wrapped metric.
+        """
+        self._check_untouched("compute")
         metric = self._torchmetrics
         self._point_states(synced=True)
         metric._computed = None
@@ -262,6 +317,19 @@ class TorchmetricsMetric(Metric[Any]):
         """Reset the sidestream state and torchmetrics' own bookkeeping."""
         super().reset()
         self._torchmetrics.reset()
+        self._updates_seen = self._torchmetrics._update_count
+
+    def state_dict(self) -> dict[str, Any]:
+        """The globally reduced state (``Metric.state_dict``), its settings checked first.
+
+        Raises:
+            ValueError: If a setting of the torchmetrics metric changed after ``wrap()``: the
+                checkpoint would name the old one.
+            RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran on the
+                wrapped metric.
+        """
+        self._check_untouched("state_dict")
+        return super().state_dict()
 
     def _move_extras(self, device: torch.device) -> None:
         self._torchmetrics.to(device)  # its non-state buffers; the states live in the arena
@@ -329,6 +397,38 @@ def _settings_text(value: object) -> str:
         elif callable(item) and hasattr(item, "__qualname__"):
             parts.append(f"{key}={item.__qualname__}")  # tokenize="13a": _tokenize_13a
     return f"{type(value).__qualname__}({', '.join(parts)})"
+
+
+_MISSING = object()
+
+
+def _frozen(value: object) -> object:
+    """``value`` with its lists as tuples: a snapshot a later in-place change cannot reach."""
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(item) for item in value)
+    return value
+
+
+def _settings(metric: TorchmetricsBase) -> dict[str, object]:
+    """The public plain attributes ``_configuration_text`` describes, as a snapshot."""
+    return {
+        key: _frozen(value)
+        for key, value in vars(metric).items()
+        if not key.startswith("_")
+        and key not in _NOT_CONFIGURATION
+        and key not in metric._defaults
+        and _plain(value)
+    }
+
+
+def _changed_setting(metric: TorchmetricsBase, settings: dict[str, object]) -> str | None:
+    """``"name changed from a to b"`` for the first setting not as in ``settings``, if any."""
+    for key, before in settings.items():
+        now = _frozen(metric.__dict__.get(key, _MISSING))
+        if now is not before and now != before:
+            shown = "<deleted>" if now is _MISSING else repr(now)
+            return f"{key!r} changed from {before!r} to {shown}"
+    return None
 
 
 def _plain(value: object) -> bool:
