@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
+from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
     KILLED_EXIT_CODE,
     check_option_types,
@@ -41,10 +42,7 @@ MAX_RUN_NAME_LENGTH = 250
 # Characters MLflow allows in metric, param and tag names; others become "_".
 # MLflow's own rule (mlflow.utils.validation): word characters of any script, - . space : /.
 _NOT_ALLOWED_IN_KEY = re.compile(r"[^\w\-. :/]")
-INSTALL = (
-    'pip install "sidestream[mlflow]" (from a checkout: pip install '
-    "./integrations/sidestream-mlflow)"
-)
+INSTALL = install_hint("mlflow")
 _SECRET_ENV = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_TOKEN")
 
 

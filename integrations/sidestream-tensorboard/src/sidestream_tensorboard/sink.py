@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import Report, RunInfo, TrackerSink
+from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
     call_within,
     check_directory_path,
@@ -51,10 +52,7 @@ _WRITER_OPTION_TYPES: dict[str, tuple[type, ...]] = {
 }
 """``SummaryWriter``'s options, checked when the sink is made (a str ``flush_secs`` would only
 fail in its writer thread, after training started)."""
-INSTALL = (
-    'pip install "sidestream[tensorboard]" (from a checkout: pip install '
-    "./integrations/sidestream-tensorboard)"
-)
+INSTALL = install_hint("tensorboard")
 
 
 class TensorBoardSink(TrackerSink):

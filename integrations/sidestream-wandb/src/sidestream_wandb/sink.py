@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
+from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
     check_directory_path,
     check_option_types,
@@ -55,9 +56,7 @@ FLUSH_INTERVAL_S = 1.0
 _FLUSH_MARGIN_S = 0.5
 # How often a flush looks again whether a stalled service has written the rows.
 _GROWTH_POLL_S = 0.05
-INSTALL = (
-    'pip install "sidestream[wandb]" (from a checkout: pip install ./integrations/sidestream-wandb)'
-)
+INSTALL = install_hint("wandb")
 
 
 class WandbSink(TrackerSink):

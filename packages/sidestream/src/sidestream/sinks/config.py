@@ -220,7 +220,7 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
         except ImportError as error:
             hint = install_hint(name) if name in _EXTRAS else "install the tracker's client"
             # The integrations' own message already gives the command: not twice.
-            said = "pip install" in str(error)
+            said = (hint if name in _EXTRAS else "pip install") in str(error)
             raise LookupError(f"sink {name!r}: {error}" + ("" if said else f" ({hint})")) from None
     _check_options(name, factory, options)
     try:
