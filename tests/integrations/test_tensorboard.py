@@ -521,6 +521,16 @@ def test_a_histogram_it_cannot_write_is_skipped_and_close_says_the_run_lacks_it(
     accumulator.Reload()
     assert [e.value for e in accumulator.Scalars("loss")] == [0.5]
     assert accumulator.Tags()["histograms"] == ["ok"]
+    # A job resumed from the checkpoint still says the run lacks it (it said True before).
+    state = sink.state_dict()
+    assert state["skipped_values"] == ["scores"]
+    resumed = TensorBoardSink(log_dir=str(tmp_path), histogram_edges={"scores": [0.0, 0.5, 1.0]})
+    resumed.load_state_dict(state)
+    resumed.open(RunInfo(name="skips"))
+    resumed.write(Report(step=2, values={"loss": 0.25}, time=time.time()))
+    assert not resumed.close(timeout=30)
+    with pytest.raises(ValueError, match=r"state_dict\['skipped_values'\]: expected a list"):
+        TensorBoardSink(log_dir=str(tmp_path)).load_state_dict({**state, "skipped_values": "x"})
 
 
 def test_ints_a_float64_cannot_hold_exactly_are_hyper_parameters_as_text(tmp_path: Path) -> None:

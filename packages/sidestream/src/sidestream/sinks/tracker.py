@@ -385,6 +385,9 @@ class TrackerSink(Sink):
         state: dict[str, Any] = {self.identity_key: self.identity, "last_steps": _pairs(steps)}
         if default is not None:
             state["last_step"] = default
+        if self._skipped:
+            # The run lacks them for good: a resumed job's close must still say so.
+            state[_SKIPPED_KEY] = sorted(self._skipped)
         state.update(extra)
         return state
 
@@ -399,7 +402,13 @@ class TrackerSink(Sink):
         identity, steps, default = parse_tracker_state(
             state_dict, self.identity_key, type(self).__name__, extra_keys=self.extra_state()
         )
+        skipped = state_dict.get(_SKIPPED_KEY, [])
+        if not isinstance(skipped, list | tuple) or not all(isinstance(n, str) for n in skipped):
+            raise ValueError(
+                f"state_dict[{_SKIPPED_KEY!r}]: expected a list of value names, got {skipped!r}"
+            )
         self.load_extra_state(state_dict)
+        self._skipped = set(skipped)
         self.identity = identity
         with self._lock:
             self._sent, self._delivered = dict(steps), dict(steps)
@@ -474,6 +483,10 @@ def signature_options(*functions: Callable[..., Any]) -> set[str] | None:
     return names
 
 
+_SKIPPED_KEY = "skipped_values"
+"""The state's key of the value names ``skip_value`` left out of the run (only when some were)."""
+
+
 def parse_tracker_state(
     state_dict: Mapping[str, Any],
     identity_key: str,
@@ -503,7 +516,8 @@ def parse_tracker_state(
             f"{sink}.state_dict), got {state_dict!r}"
         )
     if extra_keys is not None:
-        unknown = sorted(set(state_dict) - {identity_key, "last_steps", "last_step", *extra_keys})
+        known = {identity_key, "last_steps", "last_step", _SKIPPED_KEY, *extra_keys}
+        unknown = sorted(set(state_dict) - known)
         if unknown:
             raise ValueError(
                 f"state_dict: {sink}.state_dict writes no key {', '.join(map(repr, unknown))}: "
