@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -591,3 +592,13 @@ def test_a_missing_client_is_named_with_one_install_hint(
     for name in ("mlflow", "tensorboard", "wandb"):  # the integrations say the core's hint
         module = pytest.importorskip(f"sidestream_{name}")
         assert config.install_hint(name) == module.sink.INSTALL
+
+
+def test_a_module_stub_without_a_spec_does_not_break_sink_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import types
+
+    # find_spec raises ValueError for a module in sys.modules whose __spec__ is None.
+    monkeypatch.setitem(sys.modules, "sidestream_wandb", types.ModuleType("sidestream_wandb"))
+    assert {"jsonl", "console"} <= set(available_sinks())

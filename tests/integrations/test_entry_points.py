@@ -44,6 +44,7 @@ def test_sinks_from_config_builds_each_integration_without_opening_it(tmp_path: 
         "log_dir": str(tmp_path / "tb"),
         "last_steps": [],
         "earlier_files": [],
+        "skipped_values": [],
     }
     # Building a sink opens nothing (every rank builds them; only rank 0's collector opens).
     assert list(tmp_path.iterdir()) == []

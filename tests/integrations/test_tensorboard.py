@@ -106,7 +106,12 @@ def test_two_ranks_every_window_once(tmp_path: Path, pool2: RankPool) -> None:
     assert start.hparams["optimizer.lr"].number_value == 3e-4
     assert start.hparams["optimizer.betas"].string_value == "[0.9, 0.95]"
     assert results[0]["sink_states"] == [
-        {"log_dir": str(log_dir), "last_steps": [["", STEPS - 1]], "earlier_files": []}
+        {
+            "log_dir": str(log_dir),
+            "last_steps": [["", STEPS - 1]],
+            "earlier_files": [],
+            "skipped_values": [],
+        }
     ]
 
 
@@ -119,7 +124,12 @@ def test_from_a_child_process(tmp_path: Path, pool2: RankPool) -> None:
     assert results[0]["delivered"] == [50]
     assert [r["closed"] for r in results] == [True, True]
     assert results[0]["sink_states"] == [
-        {"log_dir": str(log_dir), "last_steps": [["", 49]], "earlier_files": []}
+        {
+            "log_dir": str(log_dir),
+            "last_steps": [["", 49]],
+            "earlier_files": [],
+            "skipped_values": [],
+        }
     ]
     _check(_load(log_dir), range(50))
 
@@ -135,12 +145,18 @@ def test_resume_from_collector_checkpoint_appends_to_the_same_directory(
         "log_dir": str(log_dir),
         "last_steps": [["", 99]],
         "earlier_files": [],
+        "skipped_values": [],
     }
     # The restarted job names no directory: the checkpoint's is used.
     second = pool2.run(train, _config(None), range(100, STEPS), checkpoint, timeout=240)
     assert [r["closed"] for r in first + second] == [True] * 4
     assert second[0]["sink_states"] == [
-        {"log_dir": str(log_dir), "last_steps": [["", STEPS - 1]], "earlier_files": []}
+        {
+            "log_dir": str(log_dir),
+            "last_steps": [["", STEPS - 1]],
+            "earlier_files": [],
+            "skipped_values": [],
+        }
     ]
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 2
     _check(_load(log_dir), range(STEPS))
@@ -549,3 +565,44 @@ def test_ints_a_float64_cannot_hold_exactly_are_hyper_parameters_as_text(tmp_pat
     assert start.hparams["odd"].string_value == str(2**53 + 1)
     assert start.hparams["fits"].number_value == 2**53
     assert start.hparams["n"].number_value == 3
+
+
+def test_a_skipped_value_survives_a_distributed_checkpoint(tmp_path: Path) -> None:
+    # torch.distributed.checkpoint loads only the keys a fresh run's state has: the sink's
+    # state always holds skipped_values, so the resumed run's close still says it lacks one.
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from sidestream import ComposeMetric, Metric, ReduceOp, Run
+
+    class ThreeBins(Metric[torch.Tensor]):
+        def __init__(self) -> None:
+            super().__init__()
+            self._counts = self.add_state("counts", torch.zeros(3), ReduceOp.SUM)
+
+        def update(self, counts: torch.Tensor) -> None:
+            self._counts.local.add_(counts)
+
+        def compute(self) -> torch.Tensor:
+            return self._counts.value
+
+    def start(run: Run) -> Any:
+        metric = ComposeMetric({"bins": ThreeBins()})
+        return run.collector(metric, prefix="h", histograms=["bins"])
+
+    # 3 bins for 2 given edges: TensorBoard cannot draw it, so the sink leaves it out.
+    edges = {"h/bins": [0.0, 0.5, 1.0]}
+    first = Run([TensorBoardSink(log_dir=tmp_path / "tb", histogram_edges=edges)])
+    collector = start(first).bind("cpu")
+    collector.metric["bins"].update(torch.ones(3))
+    collector.schedule_collection(1)
+    collector.collect_results(30)
+    first.log(1, {"lr": 0.1})
+    assert first.state_dict(timeout=30)["sinks"]["tensorboard"]["skipped_values"] == ["h/bins"]
+    dcp.save({"run": first}, checkpoint_id=tmp_path / "checkpoint")
+    assert not first.close(timeout=30)
+    resumed = Run([TensorBoardSink(log_dir=tmp_path / "tb", histogram_edges=edges)])
+    start(resumed)
+    dcp.load({"run": resumed}, checkpoint_id=tmp_path / "checkpoint")
+    resumed.log(2, {"lr": 0.2})
+    assert not resumed.close(timeout=30)  # True before: the key was dropped by the load

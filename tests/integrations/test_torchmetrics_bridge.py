@@ -584,3 +584,22 @@ def test_torchmetrics_own_calls_on_the_wrapped_metric_are_refused(direct: str) -
     metric.reset()  # the wrapper's reset starts both over
     metric.update(torch.tensor([100.0]))
     assert float(metric.compute()) == 100.0
+
+
+def test_an_update_torchmetrics_refused_leaves_the_wrapper_usable() -> None:
+    # torchmetrics counts an update before running it: one that raised must not look like a
+    # call behind the wrapper's back.
+    metric = wrap(BinaryAccuracy())
+    metric.update(torch.tensor([0.9]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="target"):
+        metric.update(torch.tensor([0.9]), torch.tensor([2]))  # not 0/1
+    metric.update(torch.tensor([0.1]), torch.tensor([0]))
+    assert float(metric.compute()) == 1.0
+
+
+def test_a_nan_setting_survives_pickling() -> None:
+    import pickle
+
+    metric = pickle.loads(pickle.dumps(wrap(torchmetrics.MeanMetric(nan_strategy=float("nan")))))
+    metric.update(torch.tensor([1.0, 3.0]))
+    assert float(metric.compute()) == 2.0

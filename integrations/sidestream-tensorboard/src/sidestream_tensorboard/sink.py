@@ -87,6 +87,7 @@ class TensorBoardSink(TrackerSink):
 
     name = "tensorboard"
     identity_key = "log_dir"
+    skips_values = True  # a histogram it cannot take (skip_value)
     identity_is_path = True
     durable_on_send = False  # the writer buffers events until it flushes
     _own_locks = ("_lock", "_writer_lock")

@@ -256,8 +256,11 @@ class TorchmetricsMetric(Metric[Any]):
                 "Call set_dtype on the torchmetrics metric before wrap()"
             )
         self._point_states(synced=False)
-        self._torchmetrics.update(*args, **kwargs)
-        self._updates_seen = self._torchmetrics._update_count
+        try:
+            self._torchmetrics.update(*args, **kwargs)
+        finally:
+            # Counted before its update runs: one that raised (a bad target) counts too.
+            self._updates_seen = self._torchmetrics._update_count
         changed = _changed_setting(self._torchmetrics, self._settings)
         if changed is not None:
             raise UnsupportedStateError(
@@ -425,10 +428,21 @@ def _changed_setting(metric: TorchmetricsBase, settings: dict[str, object]) -> s
     """``"name changed from a to b"`` for the first setting not as in ``settings``, if any."""
     for key, before in settings.items():
         now = _frozen(metric.__dict__.get(key, _MISSING))
-        if now is not before and now != before:
+        if not _same(now, before):
             shown = "<deleted>" if now is _MISSING else repr(now)
             return f"{key!r} changed from {before!r} to {shown}"
     return None
+
+
+def _same(now: object, before: object) -> bool:
+    """Equal, with NaN equal to NaN (a pickled copy holds another NaN object)."""
+    if now is before or now == before:
+        return True
+    if isinstance(now, float) and isinstance(before, float):
+        return now != now and before != before  # both NaN
+    if isinstance(now, tuple) and isinstance(before, tuple) and len(now) == len(before):
+        return all(_same(a, b) for a, b in zip(now, before, strict=True))
+    return False
 
 
 def _plain(value: object) -> bool:

@@ -111,6 +111,7 @@ class WandbSink(TrackerSink):
 
     name = "wandb"
     durable_on_send = False  # rows count once persist says wandb wrote them (see above)
+    skips_values = True  # a histogram it cannot take (skip_value)
     _own_locks = ("_lock", "_unwritten_lock", "_progress_lock")
 
     def __init__(

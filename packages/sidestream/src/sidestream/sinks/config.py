@@ -59,7 +59,7 @@ def _sink_entry_points() -> dict[str, EntryPoint]:
 def _importable(module: str) -> bool:
     try:
         return find_spec(module) is not None
-    except ImportError:  # a parent package that is missing
+    except (ImportError, ValueError):  # a missing parent; a stub in sys.modules without a spec
         return False
 
 

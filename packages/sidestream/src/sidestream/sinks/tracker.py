@@ -56,6 +56,9 @@ class TrackerSink(Sink):
     identity_key: ClassVar[str] = "run_id"
     identity_is_path: ClassVar[bool] = False
     durable_on_send: ClassVar[bool] = True
+    skips_values: ClassVar[bool] = False
+    """Whether ``skip_value`` may leave values out: its state then always has
+    ``skipped_values`` (torch.distributed.checkpoint loads only the keys a fresh state has)."""
     _own_locks: ClassVar[tuple[str, ...]] = ("_lock",)
 
     def __init__(self) -> None:
@@ -385,7 +388,7 @@ class TrackerSink(Sink):
         state: dict[str, Any] = {self.identity_key: self.identity, "last_steps": _pairs(steps)}
         if default is not None:
             state["last_step"] = default
-        if self._skipped:
+        if self.skips_values or self._skipped:
             # The run lacks them for good: a resumed job's close must still say so.
             state[_SKIPPED_KEY] = sorted(self._skipped)
         state.update(extra)
