@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from sidestream.sinks import (
     ConsoleSink,
     JsonlSink,
+    PermanentSinkError,
     Report,
     RunInfo,
     Sink,
@@ -602,3 +604,86 @@ def test_a_module_stub_without_a_spec_does_not_break_sink_lookup(
     # find_spec raises ValueError for a module in sys.modules whose __spec__ is None.
     monkeypatch.setitem(sys.modules, "sidestream_wandb", types.ModuleType("sidestream_wandb"))
     assert {"jsonl", "console"} <= set(available_sinks())
+
+
+@pytest.mark.parametrize(
+    "content",
+    [bytes(range(256)) * 400, b"step,loss\n1,0.5\n2,0.4", b"not json\n"],
+    ids=["binary", "csv", "text"],
+)
+def test_jsonl_refuses_a_file_of_another_kind_instead_of_cutting_its_end(
+    tmp_path: Path, content: bytes
+) -> None:
+    # A model file given as the path lost its end (cut off as a "torn line"): refused, whole.
+    path = tmp_path / "model.pt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="is not JSON lines"):
+        JsonlSink(path)
+    sink = JsonlSink(tmp_path / "later.pt")  # made before the file appears: refused at open
+    (tmp_path / "later.pt").write_bytes(content)
+    with pytest.raises(ValueError, match="is not JSON lines"):
+        sink.open(RunInfo())
+    assert path.read_bytes() == content == (tmp_path / "later.pt").read_bytes()
+
+
+def test_jsonl_cuts_a_torn_first_line_of_its_own_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "str')  # a crash during the very first write
+    sink = JsonlSink(path)
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        sink.open(RunInfo())
+    sink.write(_report(1))
+    assert sink.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
+    assert "16 bytes of a line cut short" in caplog.text
+
+
+def test_jsonl_checkpoint_before_open_points_where_lines_start_after_a_torn_line(
+    tmp_path: Path,
+) -> None:
+    # The offset counted the torn bytes open then cut: a resumed job read from mid-line, missed
+    # stream "a"'s line and wrote its step again.
+    path = tmp_path / "m.jsonl"
+    torn = '{"step": 2, "stream": "b", "values": {' + '"x": 1.0, ' * 6  # about 1.5 lines
+    path.write_text('{"step": 1, "stream": "", "time": 0, "values": {}}\n' + torn)
+    first = JsonlSink(path)
+    checkpoint = first.state_dict()  # before open
+    first.open(RunInfo())
+    first.write(Report(step=2, values={"x": 1.0}, time=0.0, stream="a"))
+    for step in (2, 3, 4):
+        first.write(Report(step=step, values={"x": 1.0}, time=0.0, stream="b"))
+    first.close()
+    resumed = JsonlSink(path)
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo())
+    resumed.write(Report(step=2, values={"x": 1.0}, time=0.0, stream="a"))
+    resumed.write(Report(step=5, values={"x": 1.0}, time=0.0, stream="b"))
+    resumed.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(row["stream"], row["step"]) for row in rows] == [
+        ("", 1),
+        ("a", 2),
+        ("b", 2),
+        ("b", 3),
+        ("b", 4),
+        ("b", 5),
+    ]
+
+
+@pytest.mark.parametrize("change", ["delete", "replace"])
+def test_jsonl_fails_when_its_file_is_deleted_or_replaced(tmp_path: Path, change: str) -> None:
+    # Its lines went to the deleted file with no word, and close returned True.
+    path = tmp_path / "m.jsonl"
+    sink = JsonlSink(path)
+    sink.open(RunInfo())
+    sink.write(_report(1))
+    if change == "delete":
+        path.unlink()
+    else:
+        (tmp_path / "other").write_text("")
+        os.replace(tmp_path / "other", path)
+    with pytest.raises(PermanentSinkError, match="was deleted or replaced"):
+        sink.write(_report(2))
+    sink.close()

@@ -15,6 +15,7 @@ from typing import IO, Any
 
 from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo
+from sidestream.sinks.status import PermanentSinkError
 from sidestream.sinks.support import check_directory_path
 from sidestream.sinks.tracker import TrackerSink
 
@@ -48,9 +49,13 @@ class JsonlSink(TrackerSink):
     The file is appended to. A job resumed from a checkpoint (``load_state_dict`` before
     ``open``) skips reports at or before each stream's last step in the checkpoint or in the
     lines written after it, so no step appears twice even when the job logged past its last
-    checkpoint. A line cut short by a crash (or by a failed write) is cut off, the file
-    truncated back to its last complete line, before appending: every line stays valid JSON. A
-    last line that is a whole JSON object but lacks its newline is kept, and completed.
+    checkpoint. A line cut short by a crash (or by a failed write) is cut off, with a warning,
+    the file truncated back to its last complete line, before appending: every line stays
+    valid JSON. A last line that is a whole JSON object but lacks its newline is kept, and
+    completed. An existing file whose first line is no JSON object (a checkpoint or a CSV given
+    by mistake) is refused with ``ValueError``, when the sink is built or opens: cutting its
+    end would destroy it. A file deleted or replaced while the run writes it fails the sink
+    (``PermanentSinkError``): its lines are no longer in the file at ``path``.
     A checkpoint of another file (its path differs) gives no offset into this one: a warning
     says so and only its steps count. A path that is not a regular file (``/dev/stdout``, a
     pipe) is only appended to (a cut line there is closed with a newline) and never
@@ -91,7 +96,10 @@ class JsonlSink(TrackerSink):
         self._offset: int | None = None  # bytes of the file once the last write was flushed
         # Where this sink's lines will start (it appends): a checkpoint taken before open
         # names it, so a resumed job finds every line this one delivered after it.
-        self._size_at_start = _regular_file_size(self.path)
+        self._size_at_start = _whole_lines_size(self.path)
+        if self._size_at_start:
+            with contextlib.suppress(OSError):  # unreadable here: open says why
+                _check_json_lines(self.path)  # a file of another kind, refused when built
         self._resume_offset: int | None = None
         self._saved_path: str | None = None  # the file a loaded checkpoint was taken of
 
@@ -123,6 +131,7 @@ class JsonlSink(TrackerSink):
                 self.path,
             )
         if regular and self.path.is_file():
+            _check_json_lines(self.path)
             _mend_last_line(self.path)
         if regular and self.resumed and same_file:
             self.found_in_backend(_steps_after(self.path, self._resume_offset))
@@ -145,12 +154,20 @@ class JsonlSink(TrackerSink):
             RuntimeError: If the sink is not open.
             OSError: If the file cannot take the lines (a full disk); nothing counts as
                 delivered then, and the retry writes them again after closing a cut line.
+            PermanentSinkError: If ``path`` no longer names the file this run writes (deleted
+                or replaced).
         """
         if self._file is None:
             raise RuntimeError(f"JsonlSink({self.path}): write before open")
         data = "".join(_line(report) for report in reports).encode()
         with self._file_lock:
             file = self._file
+            if self._regular and not _still_at(self.path, file):
+                raise PermanentSinkError(
+                    f"JsonlSink: {self.path} was deleted or replaced while this run wrote it, so "
+                    "the lines it wrote are not there; nothing more is written to another file "
+                    "(its reports are kept: resume from a checkpoint, or replay the spool)"
+                )
             if self._cut:  # a failed write may have left part of a line
                 if self._regular and self._offset is not None:
                     os.ftruncate(file.fileno(), self._offset)  # back to the last whole line
@@ -299,29 +316,105 @@ def _same_path(saved: Path, path: Path) -> bool:
 def _mend_last_line(path: Path) -> None:
     """End ``path`` with a whole line: a last line with no newline is completed or cut off.
 
-    A line cut short by a crash (or a failed write) is no JSON object, and is cut off, so
-    every line stays valid JSON. A last line that is one whole object (written by another
-    tool, or cut just before its newline) is kept and gets its newline.
+    A line cut short by a crash (or a failed write) is no JSON object, and is cut off (with a
+    warning), so every line stays valid JSON. A last line that is one whole object (written by
+    another tool, or cut just before its newline) is kept and gets its newline.
     """
     with path.open("r+b") as file:
         size = file.seek(0, os.SEEK_END)
-        if size == 0:
+        start, whole = _last_fragment(file, size)
+        if start == size:
             return
-        file.seek(size - 1)
-        if file.read(1) == b"\n":
-            return
-        newline = _previous_newline(file, size)
-        start = 0 if newline is None else newline + 1
-        file.seek(start)
-        try:
-            whole = isinstance(json.loads(file.read(size - start)), dict)
-        except ValueError:  # cut JSON, or bytes that are not UTF-8
-            whole = False
         if whole:
             file.seek(size)
             file.write(b"\n")
         else:
+            logger.warning(
+                "JsonlSink: %s ended with %d bytes of a line cut short (a crash or a failed "
+                "write): cut off, so every line is whole JSON",
+                path,
+                size - start,
+            )
             file.truncate(start)
+
+
+def _last_fragment(file: IO[bytes], size: int) -> tuple[int, bool]:
+    """Where a last line without a newline starts (``size`` if none), and if it is whole JSON."""
+    if size == 0:
+        return 0, True
+    file.seek(size - 1)
+    if file.read(1) == b"\n":
+        return size, True
+    newline = _previous_newline(file, size)
+    start = 0 if newline is None else newline + 1
+    file.seek(start)
+    try:
+        whole = isinstance(json.loads(file.read(size - start)), dict)
+    except ValueError:  # cut JSON, or bytes that are not UTF-8
+        whole = False
+    return start, whole
+
+
+_FIRST_LINE_LIMIT = 1 << 24
+"""The most bytes of a file's first line read to tell whether it holds JSON lines."""
+
+
+def _check_json_lines(path: Path) -> None:
+    """Raise ``ValueError`` unless ``path`` is empty or starts like a file of JSON lines.
+
+    The sink appends, and cuts a torn last line off: a file of another kind (a checkpoint, a
+    CSV given by mistake) would lose its end. Its first line must be one JSON object, or, with
+    no whole line yet, the start of one of this sink's lines (a crash during the first write).
+    """
+    with path.open("rb") as file:
+        first = file.readline(_FIRST_LINE_LIMIT)
+    if not first:
+        return
+    if not first.endswith(b"\n"):
+        if first.startswith(_LINE_START) or _LINE_START.startswith(first):
+            return  # the sink's first line, cut short
+    else:
+        try:
+            if isinstance(json.loads(first), dict):
+                return
+        except ValueError:  # not JSON, or bytes that are not UTF-8
+            pass
+    raise ValueError(
+        f"path: {path} holds a file that is not JSON lines (its first line is no JSON "
+        "object); JsonlSink appends to files of JSON lines only, and would cut the end of "
+        "another file: give a path of its own"
+    )
+
+
+_LINE_START = b'{"step": '
+"""How every line ``_line`` writes starts."""
+
+
+def _still_at(path: Path, file: IO[bytes]) -> bool:
+    """Whether ``path`` still names the regular file ``file`` has open (not deleted/replaced)."""
+    try:
+        named = path.stat()
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(file.fileno())
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _whole_lines_size(path: Path) -> int | None:
+    """Where lines appended to ``path`` will start: its size without a torn last line.
+
+    0 if it does not exist, None if it is no regular file. ``open`` cuts a torn last line off
+    (``_mend_last_line``), so the lines of this run start where it starts.
+    """
+    size = _regular_file_size(path)
+    if not size:
+        return size
+    try:
+        with path.open("rb") as file:
+            start, whole = _last_fragment(file, size)
+    except OSError:
+        return size
+    return size if whole else start
 
 
 def _regular_file_size(path: Path) -> int | None:
