@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import inspect
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -360,9 +361,7 @@ def _configuration_text(metric: TorchmetricsBase) -> str:
     Its public attributes of plain values: torchmetrics keeps its constructor's arguments so.
     """
     parts = []
-    for key, value in sorted(vars(metric).items()):
-        if key.startswith("_") or key in _NOT_CONFIGURATION or key in metric._defaults:
-            continue
+    for key, value in sorted(_public_settings(metric)):
         if _plain(value):
             parts.append(f"{key}={value!r}")
         elif _holds_settings(value):
@@ -412,16 +411,17 @@ def _frozen(value: object) -> object:
     return value
 
 
+def _public_settings(metric: TorchmetricsBase) -> Iterator[tuple[str, object]]:
+    """``metric``'s public attributes that may be settings: not states, not sync options."""
+    for key, value in vars(metric).items():
+        if key.startswith("_") or key in _NOT_CONFIGURATION or key in metric._defaults:
+            continue
+        yield key, value
+
+
 def _settings(metric: TorchmetricsBase) -> dict[str, object]:
-    """The public plain attributes ``_configuration_text`` describes, as a snapshot."""
-    return {
-        key: _frozen(value)
-        for key, value in vars(metric).items()
-        if not key.startswith("_")
-        and key not in _NOT_CONFIGURATION
-        and key not in metric._defaults
-        and _plain(value)
-    }
+    """The plain settings ``_configuration_text`` describes, as a snapshot."""
+    return {key: _frozen(value) for key, value in _public_settings(metric) if _plain(value)}
 
 
 def _changed_setting(metric: TorchmetricsBase, settings: dict[str, object]) -> str | None:

@@ -348,11 +348,15 @@ def _last_fragment(file: IO[bytes], size: int) -> tuple[int, bool]:
     newline = _previous_newline(file, size)
     start = 0 if newline is None else newline + 1
     file.seek(start)
+    return start, _is_json_object(file.read(size - start))
+
+
+def _is_json_object(data: bytes) -> bool:
+    """Whether ``data`` is one whole JSON object (any keys: another tool's line counts)."""
     try:
-        whole = isinstance(json.loads(file.read(size - start)), dict)
-    except ValueError:  # cut JSON, or bytes that are not UTF-8
-        whole = False
-    return start, whole
+        return isinstance(json.loads(data), dict)
+    except ValueError:  # cut JSON, not JSON, or bytes that are not UTF-8
+        return False
 
 
 _FIRST_LINE_LIMIT = 1 << 24
@@ -370,15 +374,11 @@ def _check_json_lines(path: Path) -> None:
         first = file.readline(_FIRST_LINE_LIMIT)
     if not first:
         return
-    if not first.endswith(b"\n"):
-        if first.startswith(_LINE_START) or _LINE_START.startswith(first):
-            return  # the sink's first line, cut short
-    else:
-        try:
-            if isinstance(json.loads(first), dict):
-                return
-        except ValueError:  # not JSON, or bytes that are not UTF-8
-            pass
+    if first.endswith(b"\n"):
+        if _is_json_object(first):
+            return
+    elif first.startswith(_LINE_START) or _LINE_START.startswith(first):
+        return  # the sink's first line, cut short
     raise ValueError(
         f"path: {path} holds a file that is not JSON lines (its first line is no JSON "
         "object); JsonlSink appends to files of JSON lines only, and would cut the end of "
