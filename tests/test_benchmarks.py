@@ -107,3 +107,35 @@ def test_gpu_overhead_rows_have_every_column(monkeypatch: pytest.MonkeyPatch) ->
         # column, not of sync-freedom, which only a CUDA run (nox -s gpu) can show.
         assert len(row) == 11 and _ratio(row[4]) > 0 and row[10] == "yes", row
     assert gpu_overhead.run() == gpu_overhead.NOT_MEASURED  # no CUDA: nothing measured
+
+
+def test_kernel_count_counts_launches_not_views() -> None:
+    import torch
+
+    from benchmarks import kernel_count
+
+    state = torch.zeros(4, device="meta")
+    batch = torch.ones(8, 4, device="meta")
+    # sum and add_ launch; the view and the reshape do not.
+    assert kernel_count.kernels(lambda: state.add_(batch.view(2, 4, 4).reshape(8, 4).sum(0))) == [
+        "sum",
+        "add_",
+    ]
+
+
+def test_kernel_count_has_a_row_per_metric_with_every_count() -> None:
+    from benchmarks import kernel_count
+
+    rows = [row for row in _rows(kernel_count.run()) if row[0] != "metric"]
+    assert {row[0].split(" (")[0] for row in rows} == {
+        "WeightedMean",
+        "Mean",
+        "Max",
+        "F1 macro",
+        "BinaryAUROC",
+        "Perplexity",
+    }
+    for row in rows:
+        assert all(cell.rstrip("*").isdigit() for cell in row[1:]), row
+        # sidestream's own update always takes the device path on meta: never the CPU fallback.
+        assert not row[2].endswith("*"), row

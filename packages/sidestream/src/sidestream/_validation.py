@@ -29,6 +29,13 @@ __all__ = [
 ]
 
 
+_BOOL = torch.bool
+_iinfo = torch.iinfo
+"""Read by the update helpers below instead of through ``torch``: a compiled update that reaches
+the torch module through this module's globals and another's pays an identity guard, run in
+Python, on every call."""
+
+
 def expected_text(template: str, *values: object) -> str:
     """``template.format(*values)``: what a check expected, for its error message.
 
@@ -158,12 +165,60 @@ def ignore_index_of(target: Tensor, ignore_index: int | None) -> int | None:
 def checks_stay_on_device(device: torch.device) -> bool:
     """Whether value checks on ``device`` must stay on the device (count and drop, no raise).
 
-    True on CUDA (a host read would sync) and inside ``torch.compile`` on any device (a host
-    read would break the graph); false in eager mode off CUDA, where reading is free.
+    True on CUDA, and on any device but the CPU (a host read would sync), and inside
+    ``torch.compile`` on any device (a host read would break the graph); false in eager mode on
+    the CPU, where reading is free. The meta device takes the device path too, so counting its
+    dispatched ops counts the kernels CUDA would launch (``benchmarks/kernel_count.py``).
     """
     # is_compiling by name, not torch.compiler.is_compiling: a compiled update that reaches the
     # torch module through two modules' globals pays an identity guard, run in Python, per call.
-    return device.type == "cuda" or is_compiling()
+    return device.type != "cpu" or is_compiling()
+
+
+def any_flag(invalid: Tensor) -> Tensor:
+    """``invalid.any()``, or ``invalid`` itself when it is a 0-dim bool already.
+
+    Each kernel is a launch on CUDA, the host cost of a small update: a flag the caller
+    reduced needs no second reduction.
+    """
+    return invalid if invalid.dim() == 0 and invalid.dtype == _BOOL else invalid.any()
+
+
+def clamped(values: Tensor, low: float, high: float) -> Tensor:
+    """``values.clamp(low, high)``: ``values`` where in range (and NaN), else the nearer bound.
+
+    ``values == clamped(values, ...)`` is the in-range mask in two kernels, where two
+    comparisons and their "and" are three, each a launch on CUDA. An integer dtype's bounds
+    are first clipped to its range (``clamp`` refuses a bound the dtype cannot hold, which
+    excludes nothing the dtype can hold); the range must overlap the dtype's.
+    """
+    if not values.is_floating_point() and values.dtype != _BOOL:
+        info = _iinfo(values.dtype)
+        low, high = max(low, info.min), min(high, info.max)
+    return values.clamp(low, high)
+
+
+def not_finite(values: Tensor) -> Tensor:
+    """True where floating-point ``values`` are NaN or infinite, in two kernels.
+
+    ``x - x`` is exactly 0 for every finite ``x`` and NaN for an infinity or NaN. Eager
+    ``~torch.isfinite`` is five kernels (a comparison with itself, ``abs``, a comparison with
+    inf, their product and the negation), each a launch on CUDA.
+    """
+    return (values - values) != 0
+
+
+def drop_invalid(invalid: Tensor, rejected: MetricAccumulator, *sums: Tensor) -> tuple[Tensor, ...]:
+    """``screen_invalid``'s device path for a batch already summed: ``sums`` zeroed if it is bad.
+
+    ``rejected`` counts the batch when any element of ``invalid`` is true, and each of ``sums``
+    comes back as 0 then. A fill, not a product with a keep flag: a dropped batch's NaN or inf
+    must not leak (0 * inf is NaN), and no negated flag is made (a kernel launch less on CUDA).
+    Only where ``checks_stay_on_device``: the caller has taken the device path.
+    """
+    bad = any_flag(invalid)
+    rejected.accumulate(bad)  # a bool adds as 0 or 1
+    return tuple(value.masked_fill(bad, 0) for value in sums)
 
 
 def screen_invalid(
@@ -175,14 +230,14 @@ def screen_invalid(
 ) -> Tensor | None:
     """Apply the bad-value policy to a batch.
 
-    On CPU (and any non-CUDA device) reading the values costs no device sync, so a batch with
-    any ``invalid`` element raises ``ValueError`` at once, before the state changes.
+    On the CPU reading the values costs no device sync, so a batch with any ``invalid``
+    element raises ``ValueError`` at once, before the state changes.
 
-    On CUDA, and inside ``torch.compile`` on any device (a host read would break the graph),
-    the check stays on the device: the whole batch is dropped (the caller multiplies its
-    contribution by the returned keep flag) and ``rejected`` counts one rejected update. The
-    count is reduced and checkpointed with the state and exposed by the metric, so bad input is
-    reported with the result instead of stalling the training thread.
+    On CUDA (any device but the CPU), and inside ``torch.compile`` on any device (a host read
+    would break the graph), the check stays on the device: the whole batch is dropped (the
+    caller multiplies its contribution by the returned keep flag) and ``rejected`` counts one
+    rejected update. The count is reduced and checkpointed with the state and exposed by the
+    metric, so bad input is reported with the result instead of stalling the training thread.
 
     Args:
         invalid: A boolean tensor, true where an element is out of range, or a Python bool
@@ -208,6 +263,6 @@ def screen_invalid(
                 f"{argument}: expected {expected}; this batch has values that are not{found}"
             )
         return None
-    bad = invalid.any()
+    bad = any_flag(invalid)
     rejected.accumulate(bad)  # a bool adds as 0 or 1 (no cast: one guard less per compiled call)
     return ~bad

@@ -14,7 +14,8 @@ from sidestream._validation import (
     check_floating,
     check_floating_dtype,
     checks_stay_on_device,
-    screen_invalid,
+    drop_invalid,
+    not_finite,
 )
 from sidestream.metrics._nan_strategy import NanStrategy
 from sidestream.metrics._screened import NanScreenedMetric
@@ -108,17 +109,16 @@ class WeightedMeanMetric(NanScreenedMetric):
             # when the total is not finite. An elementwise mask reduced with any() costs
             # compiled CPU code 20x more, and a separate amin() one more reduction per call.
             total = torch.where(weights_t >= 0, weights_t, torch.nan).sum()
-            invalid = ~torch.isfinite(total)
+            invalid = not_finite(total)
             if self._nan.checks:
                 # One flag, so a batch bad in both ways is counted once.
                 invalid = invalid | torch.isnan(values_t).any()
-            keep = screen_invalid(invalid, self._rejected, "weights", "finite values >= 0")
-            assert keep is not None  # the device path always returns the keep flag
-            # where, not multiply: 0 * inf would still be NaN.
-            weighted = torch.where(keep, weighted, 0.0)
-            total = torch.where(keep, total, 0.0)
-            if nan_seen is not None:
-                nan_seen = torch.where(keep, nan_seen, 0)
+            if nan_seen is None:
+                weighted, total = drop_invalid(invalid, self._rejected, weighted, total)
+            else:
+                weighted, total, nan_seen = drop_invalid(
+                    invalid, self._rejected, weighted, total, nan_seen
+                )
         self._weighted_sum.accumulate(weighted)
         self._weight.accumulate(total)
         if nan_seen is not None:
@@ -141,7 +141,7 @@ cache, instead of batch-sized float64 copies paged in on every update."""
 
 
 def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``sum(values * weights)`` and ``sum(weights)`` off CUDA, eager, weights checked first.
+    """``sum(values * weights)`` and ``sum(weights)`` on the CPU, eager, weights checked first.
 
     Reading values costs no device sync here, so the check is one fused read: the smallest
     weight is >= 0 (NaN fails) and the total is finite (an inf weight makes it inf). Raises

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from sidestream import _scratch
+from sidestream._validation import clamped
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -36,8 +37,7 @@ fit in cache and are recycled by the allocator."""
 
 def enabled(device: torch.device) -> bool:
     """Whether updates on ``device`` may read values on the host (CPU, not compiling)."""
-    # checks_stay_on_device's test, minus its CUDA case (a CPU device is not CUDA): this runs
-    # on every update.
+    # The negation of checks_stay_on_device, written out: this runs on every update.
     return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
@@ -54,8 +54,8 @@ def bincount_enabled(device: torch.device) -> bool:
 def outside(values: Tensor, low: float, high: float) -> Tensor | bool:
     """Whether any of the non-empty ``values`` is outside ``[low, high]`` or NaN.
 
-    One fused min/max pass. On the CPU path the answer is a Python bool; otherwise a
-    0-dim bool tensor that stays on the device.
+    On the CPU path one fused min/max pass, read into a Python bool; otherwise a 0-dim bool
+    tensor that stays on the device.
     """
     if enabled(values.device):
         # Eager aminmax reduces every element without a flattening view (a dispatch that
@@ -63,8 +63,10 @@ def outside(values: Tensor, low: float, high: float) -> Tensor | bool:
         # compares false: outside.
         smallest, largest = torch.aminmax(values)
         return not (smallest.item() >= low and largest.item() <= high)
-    smallest, largest = torch.aminmax(values.reshape(-1))
-    return ~((smallest >= low) & (largest <= high))
+    # Three kernels (an aminmax and its two comparisons, an "and" and a "not" are five, each a
+    # launch on CUDA): clamping moves exactly the values outside [low, high], and NaN, which
+    # clamp keeps, never equals itself.
+    return (clamped(values, low, high) != values).any()
 
 
 def count_indices(index: Tensor, size: int, weight: Tensor | None = None) -> Tensor:

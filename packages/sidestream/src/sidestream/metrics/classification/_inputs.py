@@ -19,9 +19,11 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import (
+    any_flag,
     as_tensor,
     check_same_shape,
     checks_stay_on_device,
+    clamped,
     expected_text,
     found_outside,
     ignore_index_of,
@@ -96,11 +98,11 @@ def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
 def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
     """Apply ``screen_invalid`` to the value checks of one update.
 
-    Off CUDA each check raises with its own argument name, before the state changes. On CUDA
+    On the CPU each check raises with its own argument name, before the state changes. On CUDA
     the checks are folded into one device flag, so a bad batch is counted once in ``rejected``.
 
     Returns:
-        ``None`` when nothing needs dropping (off CUDA, or no checks); on CUDA a 0-dim bool
+        ``None`` when nothing needs dropping (on the CPU, or no checks); on CUDA a 0-dim bool
         tensor, true to keep the batch.
     """
     if not checks:
@@ -114,10 +116,10 @@ def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
             found = found_outside(*source[:3], whole=source[3]) if failed and source else ""
             screen_invalid(failed, rejected, argument, expected, found)
         return None
-    device_flags = [flag for flag in flags if isinstance(flag, Tensor)]
-    any_invalid = device_flags[0].any()
+    device_flags = [any_flag(flag) for flag in flags if isinstance(flag, Tensor)]
+    any_invalid = device_flags[0]
     for flag in device_flags[1:]:
-        any_invalid = any_invalid | flag.any()
+        any_invalid = any_invalid | flag
     names = "/".join(argument for _, argument, _, _ in checks)
     return screen_invalid(any_invalid, rejected, names, "valid values")
 
@@ -178,8 +180,14 @@ def _target_labels(
         checked = torch.where(kept, labels, 0)
         expected += expected_text(" or ignore_index={}", ignore_index)
     found = (checked, 0.0, num_classes - 1.0, False)
-    checks: list[Check] = [(outside(checked, 0, num_classes - 1), "target", expected, found)]
-    return _in_range(labels, num_classes, all_checked=ignore_index is None), weight, checks
+    if _cpu_path.enabled(labels.device):
+        checks: list[Check] = [(outside(checked, 0, num_classes - 1), "target", expected, found)]
+        return _in_range(labels, num_classes, all_checked=ignore_index is None), weight, checks
+    # The device path: one clamp serves the check and the in-bounds indices (an ignored
+    # element's 0 is in bounds, and its weight is 0).
+    bounded = clamped(checked, 0, num_classes - 1)
+    invalid = (bounded != checked).any()
+    return bounded.long(), weight, [(invalid, "target", expected, found)]
 
 
 def _in_range(values: Tensor, num_classes: int, all_checked: bool) -> Tensor:
@@ -258,20 +266,19 @@ def multiclass_labels(
     labels, weight, target_checks = _target_labels(num_classes, sample_shape, target, ignore_index)
     keep = screen(checks + target_checks, rejected)
     if keep is not None:
-        # Materialized (not an expanded 0-dim flag) so index_add_ gets an ordinary source.
-        weight = (torch.ones_like(labels) if weight is None else weight) * keep
+        # Materialized (the copy of an expanded flag is contiguous) so index_add_ gets an
+        # ordinary source: one kernel, where ones_like and a product are two.
+        weight = keep.expand(labels.shape).long() if weight is None else weight * keep
     return predicted, labels, weight
 
 
 def _multiclass_counts(
     problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> Tensor:
     classes = problem.num_classes
     cell = host_confusion_cells(problem, preds, target, rejected)
     if cell is not None:
-        counts = torch.mv(*count_operands(count_map(classes), cell))
-        tp, fp, fn, tn = counts.view(4, classes).unbind()
-        return tp, fp, fn, tn
+        return torch.mv(*count_operands(count_map(classes), cell)).view(4, classes)
     predicted, labels, weight = multiclass_labels(problem, preds, target, rejected)
     if (
         problem.top_k == 1
@@ -296,11 +303,16 @@ def _multiclass_counts(
         # column and row sums are tp, predicted and true counts.
         cell = torch.add(predicted.view(-1), labels, alpha=classes)
         cells = _cpu_path.count_indices(cell, classes * classes, weight)
-        if classes <= _MAPPED_CLASSES and _cpu_path.enabled(cells.device):
-            # All four counts are linear in the matrix: one small int64 matrix-vector product
-            # instead of eight reductions and differences (per-op dispatch dominates here).
-            tp, fp, fn, tn = torch.mv(count_map(classes), cells).view(4, classes).unbind()
-            return tp, fp, fn, tn
+        if classes <= _MAPPED_CLASSES and not torch.compiler.is_compiling():
+            # All four counts are linear in the matrix: one small matrix-vector product
+            # instead of eight reductions and differences (per-op dispatch, or a kernel launch
+            # each on CUDA, dominates here).
+            if _cpu_path.enabled(cells.device):
+                counts = torch.mv(count_map(classes), cells)
+            else:
+                product = torch.mv(device_count_map(classes, cells.device), cells.double())
+                counts = product.to(torch.int64)
+            return counts.view(4, classes)
         matrix = cells.view(classes, classes)
         tp = matrix.diagonal()
         predicted_count = matrix.sum(0)
@@ -316,7 +328,7 @@ def _multiclass_counts(
         tp, support, predicted_count = stacked.view(3, classes)
     fp = predicted_count - tp
     fn = support - tp
-    return tp, fp, fn, support.sum() - support - fp
+    return torch.stack((tp, fp, fn, support.sum() - support - fp))
 
 
 def host_cells_apply(problem: Problem) -> bool:
@@ -424,9 +436,25 @@ def count_map(classes: int) -> Tensor:
     is and a true negative when neither is. Cached per class count (64 KiB at most); never
     written to.
     """
-    index = torch.arange(classes, device="cpu")  # a CPU map under any default device
-    target = index.repeat_interleave(classes)  # the row of each cell
-    predicted = index.repeat(classes)  # its column
+    return _build_count_map(classes, torch.device("cpu"), torch.int64)
+
+
+@functools.cache
+def device_count_map(classes: int, device: torch.device) -> Tensor:
+    """``count_map`` in float64 on ``device``, built there (a copy from the host would sync).
+
+    CUDA has no int64 matrix product; float64 products of 0/1 entries and counts are exact
+    while a batch holds fewer than 2**53 samples. Cached per class count and device.
+    """
+    return _build_count_map(classes, device, torch.float64)
+
+
+def _build_count_map(classes: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    # device= everywhere: a default device set by the caller (torch.set_default_device) must
+    # not leak in. Division and remainder, not repeat_interleave (which may read its size).
+    index = torch.arange(classes, device=device)
+    cell = torch.arange(classes * classes, device=device)
+    target, predicted = cell // classes, cell % classes  # each cell's row and column
     is_target = target == index.unsqueeze(1)  # (C, C*C): is cell's target class c
     is_predicted = predicted == index.unsqueeze(1)
     stacked = (
@@ -435,7 +463,7 @@ def count_map(classes: int) -> Tensor:
         is_target & ~is_predicted,
         ~is_target & ~is_predicted,
     )
-    return torch.cat(stacked).to(torch.int64)
+    return torch.cat(stacked).to(dtype)
 
 
 def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
@@ -475,7 +503,7 @@ def label_flags(
 
     ``positive`` is the thresholded prediction and ``truth`` the target, both of ``preds``'
     shape and already zero where ``weight`` is false; ``weight`` is ``None`` when every element
-    counts (no ``ignore_index`` hit, and off CUDA, where a bad batch raised instead).
+    counts (no ``ignore_index`` hit, and on the CPU, where a bad batch raised instead).
     """
     labels = problem.num_classes
     # Two dimensions at least: a 1-D (L,) batch is far more likely L binary scores passed by
@@ -514,7 +542,7 @@ def label_flags(
 
 def _label_counts(
     problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> Tensor:
     positive, truth, weight = label_flags(problem, preds, target, rejected)
     tp = _count(positive & truth, problem)
     predicted_count = _count(positive, problem)
@@ -525,13 +553,13 @@ def _label_counts(
         total = _count(weight, problem)
     fp = predicted_count - tp
     fn = support - tp
-    return tp, fp, fn, total - tp - fp - fn
+    return torch.stack((tp, fp, fn, total - tp - fp - fn))
 
 
 def confusion_counts(
     problem: Problem, preds: Tensor, target: Tensor, rejected: MetricAccumulator
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-class ``(tp, fp, fn, tn)`` int64 counts of one batch, each of shape ``(C,)``.
+) -> Tensor:
+    """Per-class int64 counts of one batch, ``(4, C)``: rows tp, fp, fn, tn.
 
     Binary problems have one class (the positive one), multilabel problems one per label.
     Raises (CPU) or drops and counts (CUDA) as documented on the metric.

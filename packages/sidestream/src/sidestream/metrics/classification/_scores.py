@@ -43,7 +43,7 @@ class ScoreBatch(NamedTuple):
         keep: Without ``ignore_index``, where the checks stay on the device: a 0-dim bool,
             false when the whole batch is dropped. One flag, not a batch-sized weight: counts
             are scaled by it once (a compiled CPU update would otherwise fill and select a
-            weight per element). ``None`` when nothing is dropped (off CUDA a bad batch raised).
+            weight per element). ``None`` when nothing is dropped (on the CPU a bad batch raised).
         valid: With ``per_element`` where the checks stay on the device, instead of ``keep``:
             a bool per element, broadcastable to ``scores``, false where a value fails a check
             (``ignore_index`` elements pass). Nothing was counted: pass whether any is false to

@@ -130,8 +130,7 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
                 # cells, one addmv_ into the table, no intermediate count tensors.
                 self._counts.add_product(*count_operands(self._count_map, cell))
                 return
-        tp, fp, fn, tn = confusion_counts(self._problem, preds_t, target_t, self._rejected)
-        self._counts.accumulate(torch.stack((tp, fp, fn, tn)))
+        self._counts.accumulate(confusion_counts(self._problem, preds_t, target_t, self._rejected))
 
     def counts(self) -> dict[str, Tensor]:
         """The int64 per-class counts ``{"tp", "fp", "fn", "tn"}``, each of shape (C,).

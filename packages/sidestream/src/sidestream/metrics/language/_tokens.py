@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import expected_text, ignore_index_of
+from sidestream._validation import clamped, expected_text, ignore_index_of
 from sidestream.state import MetricAccumulator
 
 __all__: list[str] = []
@@ -72,12 +72,14 @@ def token_masks(target: Tensor, vocab: int, ignore_index: int | None) -> tuple[T
     Counted: in ``[0, vocab)`` and not ``ignore_index``. Bad input: outside ``[0, vocab)`` and
     not ``ignore_index`` either.
     """
-    in_vocab = (target >= 0) & (target < vocab)
+    in_vocab = clamped(target, 0, vocab - 1) == target
     ignore_index = ignore_index_of(target, ignore_index)
     if ignore_index is None:
         return in_vocab, ~in_vocab
-    kept = target != ignore_index
-    return in_vocab & kept, ~in_vocab & kept
+    if 0 <= ignore_index < vocab:  # an out-of-vocabulary id is never the ignored one
+        return in_vocab & (target != ignore_index), ~in_vocab
+    # The ignored id is never in the vocabulary: every in-vocabulary token counts.
+    return in_vocab, ~(in_vocab | (target == ignore_index))
 
 
 def token_range(vocab: int, ignore_index: int | None) -> str:

@@ -13,7 +13,9 @@ from sidestream._validation import (
     check_broadcastable,
     check_floating,
     checks_stay_on_device,
+    drop_invalid,
     ignore_index_of,
+    not_finite,
     screen_invalid,
 )
 from sidestream.metric import Metric
@@ -140,17 +142,11 @@ class PerplexityMetric(Metric[Tensor]):
         nll = F.cross_entropy(
             logits.reshape(-1, vocab).to(work_dtype), ids, ignore_index=-100, reduction="none"
         ).sum(dtype=torch.float64)
-        # Bad logits (NaN, +inf, or -inf at a target token) make the summed loss non-finite.
-        keep = screen_invalid(
-            (tokens == torch.inf) | ~torch.isfinite(nll),
-            self._rejected,
-            "target/logits",
-            f"{token_range(vocab, ignore_index_of(target, ignore))}, and {_FINITE_LOGITS}",
-        )
-        assert keep is not None  # the device path always returns the keep flag
-        # where, not a product with keep: a dropped batch's NaN or inf loss must not leak.
-        self._nll.accumulate(torch.where(keep, nll, 0.0))
-        self._tokens.accumulate(torch.where(keep, tokens, 0.0))
+        # Bad logits (NaN, +inf, or -inf at a target token) make the summed loss non-finite,
+        # and a bad token made tokens inf.
+        nll, tokens = drop_invalid(not_finite(tokens + nll), self._rejected, nll, tokens)
+        self._nll.accumulate(nll)
+        self._tokens.accumulate(tokens)
 
     def _update_logits_on_host(self, logits: Tensor, target: Tensor, vocab: int) -> None:
         """CPU, eager: values are on the host, so one fused range check and few kernels.
@@ -223,8 +219,8 @@ class PerplexityMetric(Metric[Tensor]):
                 "finite values >= 0",
             )
         else:
-            bad_losses = (losses_64 < 0) | ~torch.isfinite(losses_64)
-            invalid = bad_losses | (weights_64 < 0) | ~torch.isfinite(weights_64)
+            bad_losses = (losses_64 < 0) | not_finite(losses_64)
+            invalid = bad_losses | (weights_64 < 0) | not_finite(weights_64)
             keep = screen_invalid(invalid, self._rejected, "losses/weights", "finite values >= 0")
             assert keep is not None  # CUDA always returns the keep flag
             losses_64 = torch.where(keep, losses_64, 0.0)
