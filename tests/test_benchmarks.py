@@ -139,3 +139,14 @@ def test_kernel_count_has_a_row_per_metric_with_every_count() -> None:
         assert all(cell.rstrip("*").isdigit() for cell in row[1:]), row
         # sidestream's own update always takes the device path on meta: never the CPU fallback.
         assert not row[2].endswith("*"), row
+
+
+def test_cuda_host_profile_does_nothing_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from benchmarks import cuda_host_profile
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine profiles for real (.ci/device-check)")
+    cuda_host_profile.run()
+    assert "no CUDA device" in capsys.readouterr().out
