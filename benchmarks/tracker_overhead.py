@@ -52,7 +52,7 @@ class _ThroughCollector:
     def __init__(self, sink: Sink) -> None:
         self._collector = AsyncMetricCollector(_Values(), sinks=[sink]).bind("cpu")
         # Warm up: the sink is open (a child process started) before the timed loop begins.
-        self.log(-1, torch.zeros(VALUES))
+        self.log(0, torch.zeros(VALUES))  # steps are >= 0; the timed loop starts at 1
         self._collector.collect_results(timeout=300)  # handed to the sink's runner
         for runner in self._collector.sink_runners:
             assert runner.wait_delivered(timeout=300), "the warm-up report must arrive"
@@ -83,7 +83,7 @@ def _loop(steps: int, log: Callable[[int, torch.Tensor], None]) -> tuple[float, 
     batch = torch.randn(64, 128)
     in_log = 0.0
     started = time.perf_counter()
-    for step in range(steps):
+    for step in range(1, steps + 1):
         values = (batch @ weights).relu().mean(dim=0)[:VALUES]  # "training" + metric values
         before = time.perf_counter()
         log(step, values)

@@ -7,6 +7,8 @@ ranks with the module's real sizes and are left to ``nox -s bench``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torchmetrics")
@@ -150,3 +152,18 @@ def test_cuda_host_profile_does_nothing_without_cuda(capsys: pytest.CaptureFixtu
         pytest.skip("a CUDA machine profiles for real (.ci/device-check)")
     cuda_host_profile.run()
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_tracker_overhead_pipeline_runs_through_the_collector(tmp_path: Path) -> None:
+    """The collector path of the tracker benchmark, with a JSONL sink: a broken warm-up or
+    step sequence fails here, not in ``nox -s bench``."""
+    import json
+
+    from benchmarks import tracker_overhead
+    from sidestream.sinks import JsonlSink
+
+    piped = tracker_overhead._ThroughCollector(JsonlSink(tmp_path / "out.jsonl"))
+    tracker_overhead._loop(3, piped.log)
+    piped.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]
