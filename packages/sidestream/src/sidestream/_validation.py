@@ -235,7 +235,7 @@ def screen_invalid(
 
     On CUDA (any device but the CPU), and inside ``torch.compile`` on any device (a host read
     would break the graph), the check stays on the device: the whole batch is dropped (the
-    caller multiplies its contribution by the returned keep flag) and ``rejected`` counts one
+    caller zeroes its contribution with the returned keep flag) and ``rejected`` counts one
     rejected update. The count is reduced and checkpointed with the state and exposed by the
     metric, so bad input is reported with the result instead of stalling the training thread.
 

@@ -29,7 +29,7 @@ class ScreenedMetric(Metric[T]):
 
     @property
     def rejected_updates(self) -> Tensor:
-        """How many updates were dropped for bad values (CUDA only; CPU raises instead)."""
+        """Updates dropped for bad values on the device path (CUDA, or compiled); CPU raises."""
         return self._rejected.value
 
 
