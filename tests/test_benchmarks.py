@@ -15,6 +15,9 @@ pytest.importorskip("torchmetrics")
 
 from benchmarks import classification_update, ranking_memory, update_overhead
 
+UPDATE_METRICS = {"WeightedMean", "Mean", "Max", "F1 macro", "BinaryAUROC", "Perplexity"}
+"""The metrics of the update-overhead cases, by row name (before any parenthesis)."""
+
 
 def _rows(table: str) -> list[list[str]]:
     """The body rows of the markdown tables in ``table``, as lists of cells."""
@@ -34,7 +37,7 @@ def test_update_overhead_has_a_row_per_metric(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(update_overhead, "ROUNDS", 1)
     rows = [row for row in _rows(update_overhead.run(compiled=False)) if row[1] == "64"]
     names = {row[0].split(" (")[0] for row in rows}
-    expected = {"WeightedMean", "Mean", "Max", "F1 macro", "BinaryAUROC", "Perplexity"}
+    expected = UPDATE_METRICS
     assert expected <= names, names
     for row in rows:
         exact = row[0].startswith(update_overhead.EXACT_ROW)
@@ -96,14 +99,7 @@ def test_gpu_overhead_rows_have_every_column(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(gpu_overhead, "ROUNDS", 1)
     monkeypatch.setattr(gpu_overhead, "BLOCK", 1)
     rows = _rows("\n".join(gpu_overhead._update_rows(64, compiled=False)))
-    assert {row[0].split(" (")[0] for row in rows} == {
-        "WeightedMean",
-        "Mean",
-        "Max",
-        "F1 macro",
-        "BinaryAUROC",
-        "Perplexity",
-    }
+    assert {row[0].split(" (")[0] for row in rows} == UPDATE_METRICS
     for row in rows:
         # With sync debug mode stubbed, "yes" only says each update ran: a smoke check of the
         # column, not of sync-freedom, which only a CUDA run (nox -s gpu) can show.
@@ -129,14 +125,7 @@ def test_kernel_count_has_a_row_per_metric_with_every_count() -> None:
     from benchmarks import kernel_count
 
     rows = [row for row in _rows(kernel_count.run()) if row[0] != "metric"]
-    assert {row[0].split(" (")[0] for row in rows} == {
-        "WeightedMean",
-        "Mean",
-        "Max",
-        "F1 macro",
-        "BinaryAUROC",
-        "Perplexity",
-    }
+    assert {row[0].split(" (")[0] for row in rows} == UPDATE_METRICS
     for row in rows:
         assert all(cell.rstrip("*").isdigit() for cell in row[1:]), row
         # sidestream's own update always takes the device path on meta: never the CPU fallback.
