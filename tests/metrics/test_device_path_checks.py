@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from sklearn.metrics import f1_score
 
 from sidestream import _validation
-from sidestream.metrics import WeightedMeanMetric
+from sidestream.metrics import WeightedMeanMetric, weighted_mean
 from sidestream.metrics.classification import _cpu_path, _inputs, confusion_count_metric
 from sidestream.metrics.language import PerplexityMetric, TokenAccuracyMetric, _tokens, perplexity
 from sidestream.metrics.regression import MeanSquaredErrorMetric, _paired
@@ -28,11 +28,8 @@ INF, NAN = math.inf, math.nan
 @pytest.fixture
 def device_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every check takes the path CUDA takes (drop and count), eagerly on CPU."""
-    for module in (_validation, perplexity, _paired, _inputs):
+    for module in (_validation, perplexity, _paired, _inputs, weighted_mean):
         monkeypatch.setattr(module, "checks_stay_on_device", lambda device: True)
-    from sidestream.metrics import weighted_mean
-
-    monkeypatch.setattr(weighted_mean, "checks_stay_on_device", lambda device: True)
     monkeypatch.setattr(_cpu_path, "enabled", lambda device: False)
     yield
 
@@ -52,6 +49,19 @@ def device_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_not_finite_is_the_negation_of_isfinite(values: list[float], dtype: torch.dtype) -> None:
     tensor = torch.tensor(values, dtype=torch.float64).to(dtype)
     assert torch.equal(_validation.not_finite(tensor), ~torch.isfinite(tensor))
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [([1e308, -1e308], [0.5, 2.0]), ([1.0, INF], [0.0, 0.0]), ([0.0], [NAN]), ([], [])],
+)
+def test_any_not_finite_says_whether_any_element_of_either_is(
+    first: list[float], second: list[float]
+) -> None:
+    a, b = torch.tensor(first, dtype=torch.float64), torch.tensor(second, dtype=torch.float64)
+    expected = not bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+    flag = _validation.any_not_finite(a, b)
+    assert flag.dim() == 0 and flag.item() is expected
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
@@ -125,6 +135,19 @@ def test_perplexity_device_path_drops_bad_batches_and_matches_cross_entropy(
     assert metric.rejected_updates.item() == 2
     expected = _perplexity_reference(good, ignore_index)
     assert metric.compute().item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(("loss", "weight"), [(-1.0, 1.0), (NAN, 1.0), (INF, 1.0), (1.0, -2.0)])
+def test_perplexity_from_losses_drops_a_bad_batch_on_the_device_path(
+    device_path: None, loss: float, weight: float
+) -> None:
+    metric = PerplexityMetric()
+    losses, weights = torch.tensor([0.5, 1.5, 2.0]), torch.tensor([1.0, 2.0, 0.0])
+    metric.update(losses=losses, weights=weights)
+    metric.update(losses=torch.tensor([loss, 1.0]), weights=torch.tensor([weight, 1.0]))
+    assert metric.rejected_updates.item() == 1
+    expected = math.exp((0.5 * 1 + 1.5 * 2) / 3)
+    assert metric.compute().item() == pytest.approx(expected)
 
 
 def test_token_accuracy_device_path_keeps_uint8_ids_past_255(device_path: None) -> None:

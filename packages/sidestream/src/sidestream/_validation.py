@@ -165,7 +165,7 @@ def ignore_index_of(target: Tensor, ignore_index: int | None) -> int | None:
 def checks_stay_on_device(device: torch.device) -> bool:
     """Whether value checks on ``device`` must stay on the device (count and drop, no raise).
 
-    True on CUDA, and on any device but the CPU (a host read would sync), and inside
+    True on any device but the CPU, CUDA first (a host read would sync), and inside
     ``torch.compile`` on any device (a host read would break the graph); false in eager mode on
     the CPU, where reading is free. The meta device takes the device path too, so counting its
     dispatched ops counts the kernels CUDA would launch (``benchmarks/kernel_count.py``).
@@ -206,6 +206,18 @@ def not_finite(values: Tensor) -> Tensor:
     inf, their product and the negation), each a launch on CUDA.
     """
     return (values - values) != 0
+
+
+def any_not_finite(first: Tensor, *others: Tensor) -> Tensor:
+    """0-dim bool: whether any element of the floating-point tensors is NaN or infinite.
+
+    ``not_finite``'s ``x - x`` summed (0 exactly when every element is finite, else NaN), so
+    the verdict is reduced once for all the tensors, whose shapes must broadcast.
+    """
+    zeros = first - first
+    for other in others:
+        zeros = zeros + (other - other)
+    return zeros.sum() != 0
 
 
 def drop_invalid(invalid: Tensor, rejected: MetricAccumulator, *sums: Tensor) -> tuple[Tensor, ...]:

@@ -203,7 +203,8 @@ class PerplexityMetric(Metric[Tensor]):
         else:
             # A Python weight is filled on the device: no host-to-device copy (a CUDA sync).
             weights_64 = torch.full_like(losses_64, float(weights))
-        if not checks_stay_on_device(self.device):
+        on_device = checks_stay_on_device(self.device)
+        if not on_device:
             # An NLL is never negative: a negative loss (log-probabilities passed as losses)
             # would give a perplexity below 1.
             screen_invalid(
@@ -218,15 +219,13 @@ class PerplexityMetric(Metric[Tensor]):
                 "weights",
                 "finite values >= 0",
             )
-        else:
+        nll, tokens = (losses_64 * weights_64).sum(), weights_64.sum()
+        if on_device:
             bad_losses = (losses_64 < 0) | not_finite(losses_64)
             invalid = bad_losses | (weights_64 < 0) | not_finite(weights_64)
-            keep = screen_invalid(invalid, self._rejected, "losses/weights", "finite values >= 0")
-            assert keep is not None  # CUDA always returns the keep flag
-            losses_64 = torch.where(keep, losses_64, 0.0)
-            weights_64 = torch.where(keep, weights_64, 0.0)
-        self._nll.accumulate((losses_64 * weights_64).sum())
-        self._tokens.accumulate(weights_64.sum())
+            nll, tokens = drop_invalid(invalid, self._rejected, nll, tokens)
+        self._nll.accumulate(nll)
+        self._tokens.accumulate(tokens)
 
     def compute(self) -> Tensor:
         """The perplexity; NaN when no token was counted."""

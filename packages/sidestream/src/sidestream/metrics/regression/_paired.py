@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import (
+    any_not_finite,
     as_tensor,
     check_floating,
     check_same_shape,
@@ -98,8 +99,7 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
             screen_invalid(~torch.isfinite(target_64), self._rejected, "target", "finite values")
             keep: Tensor | None = None
         else:
-            # x - x is 0 exactly for finite x, else NaN: a sum of those is 0 for a good batch.
-            invalid = ((preds_64 - preds_64) + (target_64 - target_64)).sum() != 0
+            invalid = any_not_finite(preds_64, target_64)
             keep = screen_invalid(invalid, self._rejected, "preds/target", "finite values")
         rows = float(preds_64.shape[0])  # metadata, not a device value
         if keep is None:
