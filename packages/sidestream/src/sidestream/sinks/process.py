@@ -149,8 +149,16 @@ _GUARD_HELP = (
 
 
 def _main_module_frame() -> FrameType | None:
-    """The main thread's frame running the main script's top-level code, if it is doing so."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    """The main thread's frame running the main script's top-level code, if it is doing so.
+
+    Only read on the main thread itself (``None`` elsewhere): walking another thread's running
+    stack (``sys._current_frames``) races with it, and on Python 3.11 ``f_back`` then returned
+    a stale object (seen as "'dict' object has no attribute 'f_code'" from a sink runner's
+    restart of the child). ``ProcessSink`` checks when it is made, on the thread that makes it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    frame: FrameType | None = sys._getframe()
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
             return frame
