@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import cProfile
 import io
+import itertools
 import os
 import pstats
 import tempfile
@@ -27,8 +28,13 @@ WINDOWS = 200
 WARMUP = 20
 
 
-def runtime_calls(step: Callable[[], object]) -> tuple[int, dict[str, int]]:
-    """GPU events and CUDA runtime calls (by name) of one call of ``step``, after a warm-up."""
+def runtime_calls(step: Callable[[], object]) -> tuple[int, dict[str, int], dict[str, int]]:
+    """One call of ``step`` after a warm-up call: its GPU events, its CUDA runtime calls by
+    name, and those calls by the outermost aten op that made them (which op launches what).
+
+    ``step`` is called twice, so it must accept being called again (a collector's window
+    needs a new step each time).
+    """
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -37,13 +43,26 @@ def runtime_calls(step: Callable[[], object]) -> tuple[int, dict[str, int]]:
         step()
         torch.cuda.synchronize()
     calls: collections.Counter[str] = collections.Counter()
+    by_op: collections.Counter[str] = collections.Counter()
     gpu = 0
     for event in profiled.events():
         if event.device_type.name == "CUDA":
             gpu += 1
-        elif event.name.startswith(("cuda", "nccl")):
+        elif event.name.startswith(("cuda", "nccl")) and event.name != "cudaDeviceSynchronize":
             calls[event.name] += 1
-    return gpu, dict(calls)
+            by_op[_outermost_op(event)] += 1
+    return gpu, dict(calls), dict(by_op)
+
+
+def _outermost_op(event: object) -> str:
+    """The name of the outermost ``aten::`` op above a profiler event (else its own name)."""
+    name = getattr(event, "name", "?")
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        if parent.name.startswith(("aten::", "c10d::", "nccl:")):
+            name = parent.name
+        parent = getattr(parent, "cpu_parent", None)
+    return name
 
 
 def _updates() -> None:
@@ -51,8 +70,9 @@ def _updates() -> None:
         if not case.compiled:
             continue  # a growing store
         for label, step in (("raw", case.raw), ("sidestream", lambda c=case: c.ours(*c.args))):
-            gpu, calls = runtime_calls(step)
+            gpu, calls, by_op = runtime_calls(step)
             print(f"{name} | {label}: {gpu} GPU events; runtime calls {calls}", flush=True)
+            print(f"    by op: {by_op}", flush=True)
 
 
 def _schedule(copies: int) -> None:
@@ -72,13 +92,15 @@ def _schedule(copies: int) -> None:
         collector.schedule_collection(step)
         if step > WARMUP:
             profiler.disable()
-    schedule_cost._update(parts, step + 1, "cuda")
-    collector.collect_results()
-    gpu, calls = runtime_calls(lambda: collector.schedule_collection(step + 1))
+    later = itertools.count(step + 1)  # runtime_calls schedules twice, each a new window
+
+    gpu, calls, by_op = runtime_calls(lambda: collector.schedule_collection(next(later)))
     print(f"schedule_collection, {11 * copies} metrics: {gpu} GPU events; runtime calls {calls}")
+    print(f"    by op: {by_op}", flush=True)
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(30)
     print(f"cProfile over {WINDOWS} windows, {11 * copies} metrics:\n{out.getvalue()}", flush=True)
     assert collector.close(timeout=120)
 

@@ -61,6 +61,9 @@ def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> tuple[Log, _Stream]:
     monkeypatch.setattr(torch.cuda, "Event", lambda blocking=False: _Event(log, blocking))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(
+        torch.cuda, "set_stream", lambda stream: log.append(("set_stream", stream.label, 0))
+    )
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
     return log, side
@@ -107,6 +110,13 @@ def test_side_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(staged) == len(done) == 8
     side_waits = [event for kind, stream, event in log if kind == "wait_event" and stream == "side"]
     assert side_waits == staged, "the side stream starts every window after its staging"
+    # The training thread makes the side stream current for the start only, then restores its
+    # own: later updates must not queue behind the window's collectives.
+    switches = [stream for kind, stream, _ in log if kind == "set_stream"]
+    assert switches == ["side", "current"] * 8
+    for event in staged:
+        wait = log.index(("wait_event", "side", event))
+        assert log[wait - 1] == ("set_stream", "side", 0)
     synchronized = [event for kind, _, event in log if kind == "synchronize"]
     assert synchronized == done, "the dispatcher waits for every window's done event, in order"
     # A reused slot: the training stream waits (GPU-side) on that slot's last done event

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sidestream import (
     ComposeMetric,
@@ -28,6 +29,7 @@ from sidestream import (
     WeightedMeanMetric,
 )
 from sidestream.collector._slot import clone_metric
+from sidestream.state import accumulate_sums
 from sidestream.testing import RankPool, on_rank_device
 
 
@@ -274,7 +276,13 @@ def test_complex_weights_are_refused() -> None:
 def test_views_survive_to_reset_load_and_clone() -> None:
     tree = _tree().to("cpu")
     assert arena_views_intact(tree)
-    assert len(tree.__dict__["_state_arena"].locals) == 3  # float64, int64, float32
+    # float64, int64 and float32 states: three dtype buffers in one block of the device.
+    assert len(tree.__dict__["_state_arena"].locals) == 1
+    assert {state.local.dtype for _, state in tree.named_accumulators()} == {
+        torch.float64,
+        torch.int64,
+        torch.float32,
+    }
     tree["pair"].update(torch.tensor([1.0, 5.0]))
     tree["inner"]["mean"].update(torch.tensor([2.0]))
     saved = tree.state_dict()
@@ -296,21 +304,34 @@ def test_views_survive_to_reset_load_and_clone() -> None:
     assert tree.compute()["inner"]["mean"].item() == 2.0
 
 
-def test_reset_is_one_copy_per_dtype() -> None:
-    tree = ComposeMetric({f"m{i}": MeanMetric() for i in range(50)}).to("cpu")
-    calls: list[int] = []
-    original = torch._foreach_copy_
+class _Ops(TorchDispatchMode):
+    """Records the name of every op dispatched inside it."""
 
-    def counting(targets: list[Tensor], sources: list[Tensor]) -> None:
-        calls.append(len(targets))
-        original(targets, sources)
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
 
-    torch._foreach_copy_ = counting  # type: ignore[assignment]
-    try:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_reset_and_staging_are_one_copy_whatever_the_dtypes() -> None:
+    # 100 float64, 50 int64 and 50 float32 states (the Pair's three dtypes, 50 times).
+    tree = ComposeMetric({f"m{i}": _tree() for i in range(50)}).to("cpu")
+    twin = clone_metric(tree)
+    for index in range(50):
+        tree[f"m{index}"]["pair"].update(torch.tensor([float(index), 2.0]))
+    with _Ops() as staging:
+        twin._own_arena().copy_from(tree._own_arena())  # type: ignore[union-attr]
+    with _Ops() as resetting:
         tree.reset()
-    finally:
-        torch._foreach_copy_ = original
-    assert calls == [1]  # one float64 buffer for 100 states
+    assert staging.names == ["copy_"]
+    assert resetting.names == ["copy_"]
+    assert twin["m7"].compute()["pair"].tolist() == [9.0, 2.0, 7.0]  # 7 + 2, 2 values, max 7
+    assert tree["m7"].compute()["pair"].tolist() == [0.0, 0.0, -float("inf")]
 
 
 def test_a_new_state_after_the_arena_rebuilds_it() -> None:
@@ -664,3 +685,31 @@ def test_to_names_its_argument_for_anything_but_a_device(device: Any) -> None:
     with pytest.raises(TypeError, match=r"^to: device: expected a torch.device, a str .*CUDA"):
         metric.to(device)
     assert metric.to("cpu").compute().item() == 2.0  # unchanged, and a str still works
+
+
+class _Three(Metric[Tensor]):
+    """Three float64 SUM states, declared in order: ``a`` and ``b`` adjacent, ``c`` after."""
+
+    def __init__(self) -> None:
+        self._a = MetricAccumulator(0.0, dtype=torch.float64)
+        self._b = MetricAccumulator(0.0, dtype=torch.float64)
+        self._c = MetricAccumulator(0.0, dtype=torch.float64)
+
+    def update(self, values: Tensor) -> None:
+        raise NotImplementedError
+
+    def compute(self) -> Tensor:
+        return torch.stack([self._a.value, self._b.value, self._c.value])
+
+
+def test_accumulate_sums_adds_adjacent_states_at_once_and_others_one_by_one() -> None:
+    metric = _Three()
+    metric.sync()  # one process: now current, so an update must clear the flag
+    sums = torch.tensor([1.5, 2.0], dtype=torch.float64)
+    with _Ops() as adjacent:
+        accumulate_sums((metric._a, metric._b), sums)
+    assert [name for name in adjacent.names if name != "slice"] == ["add_"]
+    assert metric._a.synced is None  # stale: compute reads the local state
+    accumulate_sums((metric._a, metric._c), torch.tensor([10.0, 3.0], dtype=torch.float64))
+    accumulate_sums((metric._a, metric._b), torch.tensor([1, 1]))  # int64: each on its own
+    assert metric.compute().tolist() == [12.5, 3.0, 3.0]

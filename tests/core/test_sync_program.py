@@ -160,6 +160,39 @@ def test_single_process_program_hands_out_copies() -> None:
     assert float(metric.compute()) == 4.0
 
 
+def test_single_process_copy_of_a_whole_arena_is_one_copy() -> None:
+    # float64 SUM and MAX, int64 SUM and float32 MAX segments: back to back in one block.
+    metric = ComposeMetric({"mean": MeanMetric(), "max": MaxMetric(), "mixed": MixedState()})
+    metric["mean"].update(torch.tensor([1.0, 3.0]))
+    metric["max"].update(torch.tensor([-2.0, 7.5]))
+    metric["mixed"].update(mixed_local(0, 1))
+    copies = metric.prepare_sync(None).every_state._copies
+    assert copies is not None
+    assert len(metric._own_arena().segments) >= 3  # type: ignore[union-attr]
+    assert len(copies._outs) == 1  # the segments' copies merged into one of their bytes
+    metric.sync()
+    assert float(metric["mean"].compute()) == 2.0
+    assert float(metric["max"].compute()) == 7.5
+    mixed = metric["mixed"].compute()
+    expected = mixed_reference(1, 1)
+    assert {key: torch.atleast_1d(value).tolist() for key, value in mixed.items()} == expected
+
+
+def test_copies_that_cast_or_broadcast_are_not_merged() -> None:
+    first = MetricAccumulator(torch.zeros(2))
+    second = MetricAccumulator(torch.zeros(2))
+    block = torch.zeros(4, dtype=torch.float64)  # out of another dtype: copy_ casts
+    first.accumulate(torch.tensor([1.0, 2.0]))
+    second.accumulate(torch.tensor([3.0, 4.0]))
+    batch = sync_module.SyncBatch()
+    batch.add(first, None, block[:2], name="first")
+    batch.add(second, None, block[2:], name="second")
+    program = batch.program()
+    assert program._copies is not None and len(program._copies._outs) == 2
+    program.start(CallFingerprint("sync", 1)).wait()
+    assert block.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 class _CountingSum(SumMetric):
     """A metric with its own ``sync``: the collector must keep calling it every window."""
 

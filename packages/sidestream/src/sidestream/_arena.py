@@ -44,8 +44,13 @@ class Arena:
     Building it copies each state in and re-points the state at views: ``local`` into the
     local buffer, ``initial`` into a twin buffer of initial values, ``synced`` into a third.
     Within a buffer the states are ordered by op, so each op is one contiguous segment and the
-    sync sends whole segments, never state by state. ``reset`` is one batched copy from the
-    initial buffers and staging a copy is one batched copy between two arenas of the same layout.
+    sync sends whole segments, never state by state.
+
+    The dtype buffers of one device share one block of memory (back to back in a byte buffer,
+    each a tensor of its own, not a view of the bytes), so ``reset`` is one copy
+    of the initial bytes per device and staging a copy is one copy between two arenas of the
+    same layout, whatever the number of dtypes: on CUDA each copy is a runtime call that
+    costs the training thread several microseconds.
 
     An arena dies (``alive`` false) when a state of its tree is re-declared or moved into another
     arena; metrics then build a new one.
@@ -75,52 +80,71 @@ class Arena:
         self.root = root
         self.flags = list(flags)
         self.states = list(states)
+        #: One byte buffer per device for each kind of value; the dtype buffers live in them.
         self.locals: list[Tensor] = []
         self.initials: list[Tensor] = []
         self.synceds: list[Tensor] = []
         self.segments: list[ArenaSegment] = []
-        classes: dict[tuple[torch.device, torch.dtype], list[tuple[str, MetricAccumulator]]] = {}
+        classes: dict[torch.device, dict[torch.dtype, list[tuple[str, MetricAccumulator]]]] = {}
         for name, state in states:
-            key = (device or state.device, state.local.dtype)
-            classes.setdefault(key, []).append((name, state))
-        self.device = next(iter(classes))[0] if classes else (device or torch.device("cpu"))
-        for (where, dtype), members in classes.items():
-            members.sort(key=lambda item: _OP_ORDER[item[1].op])  # stable: declaration order
-            total = sum(state.local.numel() for _, state in members)
-            local = torch.empty(total, dtype=dtype, device=where)
-            initial = torch.empty(total, dtype=dtype, device=where)
-            synced = torch.empty(total, dtype=dtype, device=where)
-            offset = 0
-            bounds: list[tuple[ReduceOp, int, int, list[StatePart]]] = []
-            for name, state in members:
-                n, shape = state.local.numel(), state.local.shape
-                part = slice(offset, offset + n)
-                local[part].copy_(state.local.reshape(-1))
-                initial[part].copy_(state.initial.reshape(-1))
-                # The synchronized values too: a metric current before (to, a copy, a pickle)
-                # stays current with them.
-                synced[part].copy_(state._synced.reshape(-1))
-                previous = state._arena
-                if isinstance(previous, Arena) and previous is not self:
-                    previous.alive = False
-                state._arena = self
-                state._bind(
-                    local[part].view(shape), initial[part].view(shape), synced[part].view(shape)
+            where = device or state.device
+            classes.setdefault(where, {}).setdefault(state.local.dtype, []).append((name, state))
+        self.device = next(iter(classes)) if classes else (device or torch.device("cpu"))
+        for where, by_dtype in classes.items():
+            # Widest dtype first: each buffer then starts aligned to its own dtype with no gap
+            # before it, so copies of neighbouring segments can merge (see sync.py).
+            by_width = sorted(by_dtype.items(), key=lambda item: -item[0].itemsize)
+            offsets: list[int] = []
+            size = 0
+            for dtype, members in by_width:
+                members.sort(key=lambda item: _OP_ORDER[item[1].op])  # stable: declaration order
+                offsets.append(size)
+                size += sum(state.local.numel() for _, state in members) * dtype.itemsize
+            blocks = [torch.empty(size, dtype=torch.uint8, device=where) for _ in range(3)]
+            self.locals.append(blocks[0])
+            self.initials.append(blocks[1])
+            self.synceds.append(blocks[2])
+            for (dtype, members), offset in zip(by_width, offsets, strict=True):
+                self._lay_out(blocks, offset, dtype, members)
+
+    def _lay_out(
+        self,
+        blocks: list[Tensor],
+        offset: int,
+        dtype: torch.dtype,
+        members: list[tuple[str, MetricAccumulator]],
+    ) -> None:
+        """Place one dtype's states (sorted by op) at byte ``offset`` of the device's blocks."""
+        total = sum(state.local.numel() for _, state in members)
+        local, initial, synced = (_typed(block, offset, dtype, total) for block in blocks)
+        start = 0
+        bounds: list[tuple[ReduceOp, int, int, list[StatePart]]] = []
+        for name, state in members:
+            n, shape = state.local.numel(), state.local.shape
+            part = slice(start, start + n)
+            local[part].copy_(state.local.reshape(-1))
+            initial[part].copy_(state.initial.reshape(-1))
+            # The synchronized values too: a metric current before (to, a copy, a pickle)
+            # stays current with them.
+            synced[part].copy_(state._synced.reshape(-1))
+            previous = state._arena
+            if isinstance(previous, Arena) and previous is not self:
+                previous.alive = False
+            state._arena = self
+            state._bind(
+                local[part].view(shape), initial[part].view(shape), synced[part].view(shape)
+            )
+            if not bounds or bounds[-1][0] is not state.op:
+                bounds.append((state.op, start, start, []))
+            op, first, _, parts = bounds[-1]
+            parts.append((name, tuple(shape), state._configuration))
+            bounds[-1] = (op, first, start + n, parts)
+            start += n
+        for op, first, stop, parts in bounds:
+            if stop > first:
+                self.segments.append(
+                    ArenaSegment(local[first:stop], synced[first:stop], op, tuple(parts))
                 )
-                if not bounds or bounds[-1][0] is not state.op:
-                    bounds.append((state.op, offset, offset, []))
-                op, start, _, parts = bounds[-1]
-                parts.append((name, tuple(shape), state._configuration))
-                bounds[-1] = (op, start, offset + n, parts)
-                offset += n
-            self.locals.append(local)
-            self.initials.append(initial)
-            self.synceds.append(synced)
-            for op, start, stop, parts in bounds:
-                if stop > start:
-                    self.segments.append(
-                        ArenaSegment(local[start:stop], synced[start:stop], op, tuple(parts))
-                    )
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled with a metric whose own __getstate__ keeps it: the states come back with
@@ -134,8 +158,8 @@ class Arena:
 
     def reset(self) -> None:
         """Every state back to its initial value (one batched copy) and every flag stale."""
-        if self.locals:
-            torch._foreach_copy_(self.locals, self.initials)
+        for local, initial in zip(self.locals, self.initials, strict=True):
+            local.copy_(initial)
         for store in self.stores:
             store.clear()
         self.mark(False)
@@ -145,8 +169,8 @@ class Arena:
 
         The flags are left alone: the caller (the collector's staging) syncs right after.
         """
-        if self.locals:
-            torch._foreach_copy_(self.locals, other.locals)
+        for block, source in zip(self.locals, other.locals, strict=True):
+            block.copy_(source)
         for mine, theirs in zip(self.stores, other.stores, strict=True):
             mine.copy_from(theirs)
 
@@ -160,3 +184,14 @@ class Arena:
         return len(self.stores) == len(other.stores) and [
             (n, s.local.shape, s.local.dtype, s.op) for n, s in self.states
         ] == [(n, s.local.shape, s.local.dtype, s.op) for n, s in other.states]
+
+
+def _typed(block: Tensor, offset: int, dtype: torch.dtype, numel: int) -> Tensor:
+    """A 1-D ``dtype`` tensor of ``numel`` elements over ``block``'s bytes from ``offset``.
+
+    A tensor of its own sharing the block's storage, not a view of the bytes: a state's view
+    into it then has it as ``_base`` (which compiled updates slice, see
+    ``MetricAccumulator._bind``), and copying the block copies every dtype's values at once.
+    """
+    typed = torch.empty(0, dtype=dtype, device=block.device)
+    return typed.set_(block.untyped_storage(), offset // dtype.itemsize, (numel,), (1,))

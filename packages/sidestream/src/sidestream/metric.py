@@ -87,8 +87,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
     declared states, so a subclass usually implements only ``update`` and ``compute``.
 
     When ``__init__`` ends (and again on ``to``) every state of the tree becomes a view into the
-    state arena: one flat buffer per dtype, so reset, collector staging and the sync's packing
-    each cost one copy per dtype, whatever the number of metrics.
+    state arena: one flat buffer per dtype, all in one block of memory per device, so reset and
+    collector staging cost one copy, and the sync's packing one per dtype, whatever the number
+    of metrics.
 
     Checkpoints are world-size independent: on a multi-rank job ``state_dict`` is a collective
     that returns the globally reduced state (identical on every rank), and ``load_state_dict``
@@ -534,13 +535,26 @@ class Metric(Stateful, Generic[T], abc.ABC):
         self._mark_fresh(True)
 
     def start_sync(
-        self, group: Group, fingerprint: CallFingerprint, *, async_op: bool = True
+        self,
+        group: Group,
+        fingerprint: CallFingerprint,
+        *,
+        async_op: bool = True,
+        mark: bool = True,
     ) -> SyncHandle:
         """Start the reduction of every state with ``fingerprint`` (the collector's windows).
 
         For trees whose metrics have no ``sync`` of their own and no sample stores (see
         ``has_own_sync``): those need ``sync``. The state counts as synchronized once the
         handle was waited on.
+
+        Args:
+            group: The process group to reduce over (``None``: the default group).
+            fingerprint: Which call this is; every rank of the group must send the same.
+            async_op: Return before the collectives finish; call ``wait`` on the handle.
+            mark: Mark the tree's synced state current. A caller whose tree nothing updates,
+                resets or loads between its syncs (the collector's staging copies) marks it
+                once: marking loops over the tree's metrics.
 
         Raises:
             TypeError: If a metric of the tree has its own ``sync`` or sample stores, which
@@ -556,7 +570,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 "samples (exact mode), which start_sync does not reduce; call sync() instead"
             )
         handle = prepared.every_state.start(fingerprint, async_op=async_op)
-        self._mark_fresh(True)
+        if mark:
+            self._mark_fresh(True)
         return handle
 
     def verify_sync(self, *, block: bool = True) -> None:

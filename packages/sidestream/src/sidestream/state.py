@@ -54,8 +54,8 @@ class MetricAccumulator:
 
     Inside a metric (``self._total = MetricAccumulator(...)`` or ``Metric.add_state``), the
     tensors are views into the metric tree's state arena once it is built (when the metric's
-    ``__init__`` ends, and on ``to``): one flat buffer per dtype, so reset, staging and sync
-    cost one copy per dtype, not one per state.
+    ``__init__`` ends, and on ``to``): one flat buffer per dtype (all in one block per device),
+    so reset and staging cost one copy, and the sync one pack per dtype, not one per state.
 
     Args:
         initial: Where every rank starts: 0 for a sum (a non-zero start would be added once
@@ -580,6 +580,31 @@ _VIEWS = frozenset(
     }
 )
 """What ``MetricAccumulator._bind`` derives: left out of a pickle and made again on load."""
+
+
+def accumulate_sums(states: tuple[MetricAccumulator, ...], sums: Tensor) -> None:
+    """``states[i].accumulate(sums[i])`` for scalar SUM states, in one add where it can be.
+
+    States declared one after another with the same dtype lie next to each other in the
+    arena, so a 1-D ``sums`` of their dtype is added into that range at once: on CUDA each
+    ``add_`` is a kernel launch, the host cost of a small update. Otherwise (states elsewhere,
+    another dtype) each state accumulates its element as usual.
+    """
+    first, last = states[0], states[-1]
+    if (
+        sums.dtype == first._dtype
+        and not sums.requires_grad
+        and first._buffer is last._buffer
+        and last._stop - first._start == len(states) == sums.numel()
+        # Offsets, not the tensors: a compiled update guards every tensor it reads.
+        and all(state._sums and state._stop - state._start == 1 for state in states)
+    ):
+        first._buffer[first._start : last._stop].add_(sums)
+        for state in states:
+            state._freshness.stale()
+        return
+    for index, state in enumerate(states):
+        state.accumulate(sums[index])
 
 
 def _describe_constant(value: Tensor) -> str:

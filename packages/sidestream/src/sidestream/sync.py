@@ -469,12 +469,56 @@ class _CopyPlan:
     """A group of one rank: the local state is already the global one."""
 
     def __init__(self, entries: list[_Entry]) -> None:
-        self._outs = [entry.out for entry in entries]
-        self._sources = [entry.state.local for entry in entries]
+        self._outs: list[Tensor] = []
+        self._sources: list[Tensor] = []
+        for entry in entries:
+            out, source = entry.out, entry.state.local
+            if (
+                self._outs
+                and _plain_copy(out, source)
+                and _plain_copy(self._outs[-1], self._sources[-1])
+                and _follows(self._outs[-1], out)
+                and _follows(self._sources[-1], source)
+            ):
+                # Back to back in memory on both sides (a state arena's segments): one copy
+                # of their bytes, where each copy is a runtime call on CUDA.
+                self._outs[-1] = _bytes_spanning(self._outs[-1], out)
+                self._sources[-1] = _bytes_spanning(self._sources[-1], source)
+            else:
+                self._outs.append(out)
+                self._sources.append(source)
 
     def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None:
         if self._outs:
             torch._foreach_copy_(self._outs, self._sources)
+
+
+def _byte_range(tensor: Tensor) -> tuple[int, int]:
+    start = int(tensor.storage_offset()) * tensor.element_size()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
+def _plain_copy(out: Tensor, source: Tensor) -> bool:
+    """Whether copying ``source`` into ``out`` moves bytes as they are (no cast, no broadcast)."""
+    return out.dtype == source.dtype and out.numel() == source.numel()
+
+
+def _follows(first: Tensor, second: Tensor) -> bool:
+    """Whether ``second``'s bytes start where ``first``'s end, in one storage, both dense."""
+    return (
+        first.device == second.device
+        and first.is_contiguous()
+        and second.is_contiguous()
+        and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        and _byte_range(first)[1] == _byte_range(second)[0]
+    )
+
+
+def _bytes_spanning(first: Tensor, last: Tensor) -> Tensor:
+    """A byte tensor over the storage from ``first``'s start to ``last``'s end."""
+    start, stop = _byte_range(first)[0], _byte_range(last)[1]
+    span = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return span.set_(first.untyped_storage(), start, (stop - start,), (1,))
 
 
 class _GatherCheck:

@@ -154,9 +154,11 @@ class Slot:
     def start_sync(self, step: int) -> SyncHandle:
         """Start the reduction of the staged state (``async_op``); ``wait`` on the handle."""
         if self.replayable:
-            return self.metric.start_sync(
-                self._group, CallFingerprint("window", step, self._stream)
+            handle = self.metric.start_sync(
+                self._group, CallFingerprint("window", step, self._stream), mark=not self._marked
             )
+            self._marked = True  # stays current: see start_from_live
+            return handle
         # The slow path: the metric's own sync, blocking, under the window's fingerprint.
         self.metric.sync_as(self._group, CallFingerprint("window", step, self._stream))
         return SyncHandle(async_op=False)

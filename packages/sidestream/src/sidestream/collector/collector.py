@@ -416,7 +416,7 @@ class AsyncMetricCollector(Generic[T]):
                 if self._reset_each_window:
                     # The live state was copied out; start_from_live checked that its arena is
                     # the one bound, so unless a subclass resets differently, reset that arena
-                    # at once (one copy per dtype).
+                    # at once (one copy).
                     if self._plain_reset:
                         slot.live_arena.reset()
                     else:
@@ -450,9 +450,10 @@ class AsyncMetricCollector(Generic[T]):
                     yield outer, f"the {type(outer).__name__} this metric is part of"
 
     def _schedule_on_side_stream(self, window: Window) -> None:
-        assert self._side is not None
+        assert self._side is not None and self._device is not None
         slot, side = window.slot, self._side
-        current = torch.cuda.current_stream(self._device)
+        # By index: looking a torch.device up costs more than the rest of this call's Python.
+        current = torch.cuda.current_stream(self._device.index)
         if slot.done is not None:
             # The slot came back from the dispatcher, so this wait is already satisfied; it
             # keeps staging ordered after the last reader of these buffers on the GPU too.
@@ -460,10 +461,14 @@ class AsyncMetricCollector(Generic[T]):
         self._stage(slot, window.step)
         staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
         staged.record(current)
-        with torch.cuda.stream(side):
+        # torch.cuda.stream(side) without its context manager, which looks the device up twice.
+        torch.cuda.set_stream(side)
+        try:
             side.wait_event(staged)
             batch = slot.start_sync(window.step)
             batch.wait()  # NCCL: the side stream waits for the collectives; the host does not
+        finally:
+            torch.cuda.set_stream(current)
         # compute() is queued on the side stream by the dispatcher thread: its Python work
         # grows with the metric tree, and the training thread's must not.
         window.batch, window.side = batch, side
@@ -471,7 +476,7 @@ class AsyncMetricCollector(Generic[T]):
     def _stage(self, slot: Slot, step: int) -> None:
         slot.stage(step)
         if self._reset_each_window:
-            self._metric.reset()  # one copy per dtype from the arena's initial values
+            self._metric.reset()  # one copy from the arena's initial values
 
     def settle_windows(self, timeout: float | None) -> None:
         """Wait at most ``timeout`` s for the scheduled windows; raise a mismatch one found.

@@ -27,7 +27,7 @@ from sidestream.metrics.language._tokens import (
     token_masks,
     token_range,
 )
-from sidestream.state import MetricAccumulator
+from sidestream.state import MetricAccumulator, accumulate_sums
 
 __all__ = ["PerplexityMetric"]
 
@@ -143,10 +143,10 @@ class PerplexityMetric(Metric[Tensor]):
             logits.reshape(-1, vocab).to(work_dtype), ids, ignore_index=-100, reduction="none"
         ).sum(dtype=torch.float64)
         # Bad logits (NaN, +inf, or -inf at a target token) make the summed loss non-finite,
-        # and a bad token made tokens inf.
-        nll, tokens = drop_invalid(not_finite(tokens + nll), self._rejected, nll, tokens)
-        self._nll.accumulate(nll)
-        self._tokens.accumulate(tokens)
+        # and a bad token made tokens inf. Both sums as one tensor: one drop, one add.
+        sums = torch.stack((nll, tokens))
+        drop_invalid(not_finite(sums.sum()), self._rejected, sums)
+        accumulate_sums((self._nll, self._tokens), sums)
 
     def _update_logits_on_host(self, logits: Tensor, target: Tensor, vocab: int) -> None:
         """CPU, eager: values are on the host, so one fused range check and few kernels.
@@ -223,7 +223,7 @@ class PerplexityMetric(Metric[Tensor]):
         if on_device:
             bad_losses = (losses_64 < 0) | not_finite(losses_64)
             invalid = bad_losses | (weights_64 < 0) | not_finite(weights_64)
-            nll, tokens = drop_invalid(invalid, self._rejected, nll, tokens)
+            drop_invalid(invalid, self._rejected, nll, tokens)
         self._nll.accumulate(nll)
         self._tokens.accumulate(tokens)
 
