@@ -12,12 +12,11 @@ wrapped as tensors launch nothing and are not counted. An implementation whose o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import update_overhead
+from sidestream.testing import OpRecorder
 
 SIZE = 64
 NOT_LAUNCHED = frozenset(
@@ -44,26 +43,12 @@ NOT_LAUNCHED = frozenset(
 """Ops that make a view or a host-side scalar: no kernel on CUDA."""
 
 
-class _Counter(TorchDispatchMode):
-    """Records the name of every op dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        self.ops.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 def kernels(update: Callable[[], object]) -> list[str]:
     """The ops of one call of ``update`` that launch a kernel on CUDA (after one warm-up call)."""
     update()
-    with _Counter() as counter:
+    with OpRecorder() as recorder:
         update()
-    return [op for op in counter.ops if op not in NOT_LAUNCHED]
+    return [op for op in recorder.ops if op not in NOT_LAUNCHED]
 
 
 def _count(on_meta: update_overhead.Case, on_cpu: update_overhead.Case, which: str) -> str:

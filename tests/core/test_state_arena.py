@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sidestream import (
     ComposeMetric,
@@ -30,7 +29,7 @@ from sidestream import (
 )
 from sidestream.collector._slot import clone_metric
 from sidestream.state import accumulate_sums
-from sidestream.testing import RankPool, on_rank_device
+from sidestream.testing import OpRecorder, RankPool, on_rank_device
 
 
 def arena_views_intact(metric: Metric[Any]) -> bool:
@@ -304,32 +303,18 @@ def test_views_survive_to_reset_load_and_clone() -> None:
     assert tree.compute()["inner"]["mean"].item() == 2.0
 
 
-class _Ops(TorchDispatchMode):
-    """Records the name of every op dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 def test_reset_and_staging_are_one_copy_whatever_the_dtypes() -> None:
     # 100 float64, 50 int64 and 50 float32 states (the Pair's three dtypes, 50 times).
     tree = ComposeMetric({f"m{i}": _tree() for i in range(50)}).to("cpu")
     twin = clone_metric(tree)
     for index in range(50):
         tree[f"m{index}"]["pair"].update(torch.tensor([float(index), 2.0]))
-    with _Ops() as staging:
+    with OpRecorder() as staging:
         twin._own_arena().copy_from(tree._own_arena())  # type: ignore[union-attr]
-    with _Ops() as resetting:
+    with OpRecorder() as resetting:
         tree.reset()
-    assert staging.names == ["copy_"]
-    assert resetting.names == ["copy_"]
+    assert staging.ops == ["copy_"]
+    assert resetting.ops == ["copy_"]
     assert twin["m7"].compute()["pair"].tolist() == [9.0, 2.0, 7.0]  # 7 + 2, 2 values, max 7
     assert tree["m7"].compute()["pair"].tolist() == [0.0, 0.0, -float("inf")]
 
@@ -706,9 +691,9 @@ def test_accumulate_sums_adds_adjacent_states_at_once_and_others_one_by_one() ->
     metric = _Three()
     metric.sync()  # one process: now current, so an update must clear the flag
     sums = torch.tensor([1.5, 2.0], dtype=torch.float64)
-    with _Ops() as adjacent:
+    with OpRecorder() as adjacent:
         accumulate_sums((metric._a, metric._b), sums)
-    assert [name for name in adjacent.names if name != "slice"] == ["add_"]
+    assert [name for name in adjacent.ops if name != "slice"] == ["add_"]
     assert metric._a.synced is None  # stale: compute reads the local state
     accumulate_sums((metric._a, metric._c), torch.tensor([10.0, 3.0], dtype=torch.float64))
     accumulate_sums((metric._a, metric._b), torch.tensor([1, 1]))  # int64: each on its own

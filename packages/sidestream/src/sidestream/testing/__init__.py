@@ -2,6 +2,7 @@
 
 from sidestream.testing._collectives import COLLECTIVES, count_collectives
 from sidestream.testing._device import on_rank_device, rank_device
+from sidestream.testing._ops import OpRecorder
 from sidestream.testing._pool import DistributedPool, RankPool, run_distributed
 from sidestream.testing._results import DistributedError, RankFailure
 from sidestream.testing._torchrun import TorchrunPool
@@ -10,6 +11,7 @@ __all__ = [
     "COLLECTIVES",
     "DistributedError",
     "DistributedPool",
+    "OpRecorder",
     "RankFailure",
     "RankPool",
     "TorchrunPool",
