@@ -697,4 +697,6 @@ def test_accumulate_sums_adds_adjacent_states_at_once_and_others_one_by_one() ->
     assert metric._a.synced is None  # stale: compute reads the local state
     accumulate_sums((metric._a, metric._c), torch.tensor([10.0, 3.0], dtype=torch.float64))
     accumulate_sums((metric._a, metric._b), torch.tensor([1, 1]))  # int64: each on its own
-    assert metric.compute().tolist() == [12.5, 3.0, 3.0]
+    # In the buffer's order but not in the states' order: each its own element.
+    accumulate_sums((metric._b, metric._a), torch.tensor([0.25, 0.5], dtype=torch.float64))
+    assert metric.compute().tolist() == [13.0, 3.25, 3.0]

@@ -595,9 +595,12 @@ def accumulate_sums(states: tuple[MetricAccumulator, ...], sums: Tensor) -> None
         sums.dtype == first._dtype
         and not sums.requires_grad
         and first._buffer is last._buffer
-        and last._stop - first._start == len(states) == sums.numel()
+        and len(states) == sums.numel()
         # Offsets, not the tensors: a compiled update guards every tensor it reads.
-        and all(state._sums and state._stop - state._start == 1 for state in states)
+        and all(
+            state._sums and state._start == first._start + index == state._stop - 1
+            for index, state in enumerate(states)
+        )
     ):
         first._buffer[first._start : last._stop].add_(sums)
         for state in states:
