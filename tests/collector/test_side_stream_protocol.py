@@ -64,6 +64,11 @@ def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> tuple[Log, _Stream]:
     monkeypatch.setattr(
         torch.cuda, "set_stream", lambda stream: log.append(("set_stream", stream.label, 0))
     )
+    # The caller's current device (7) is not the collector's: it must be made current again.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 7)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda device: log.append(("set_device", "host", device))
+    )
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
     return log, side
@@ -112,8 +117,11 @@ def test_side_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     assert side_waits == staged, "the side stream starts every window after its staging"
     # The training thread makes the side stream current for the start only, then restores its
     # own: later updates must not queue behind the window's collectives.
-    switches = [stream for kind, stream, _ in log if kind == "set_stream"]
-    assert switches == ["side", "current"] * 8
+    switches = [(kind, stream) for kind, stream, _ in log if kind.startswith("set_")]
+    assert (
+        switches == [("set_stream", "side"), ("set_stream", "current"), ("set_device", "host")] * 8
+    )
+    assert all(device == 7 for kind, _, device in log if kind == "set_device")
     for event in staged:
         wait = log.index(("wait_event", "side", event))
         assert log[wait - 1] == ("set_stream", "side", 0)

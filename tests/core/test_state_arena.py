@@ -9,6 +9,7 @@ DCP resharding (``tests/core/test_checkpoint_resharding.py`` checks it there) an
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
@@ -700,3 +701,50 @@ def test_accumulate_sums_adds_adjacent_states_at_once_and_others_one_by_one() ->
     # In the buffer's order but not in the states' order: each its own element.
     accumulate_sums((metric._b, metric._a), torch.tensor([0.25, 0.5], dtype=torch.float64))
     assert metric.compute().tolist() == [13.0, 3.25, 3.0]
+
+
+def test_blocks_of_mixed_dtypes_compile_and_save() -> None:
+    # float64 and float32 states: 8 + 4 bytes, a block no whole number of float64s long unless
+    # padded (aot_eager's functionalized add_ and torch.save both refuse such a storage).
+    tree = ComposeMetric({"loss": MeanMetric(), "grad_max": MaxMetric(dtype=torch.float32)})
+    eager = copy.deepcopy(tree)
+
+    def step(values: Tensor) -> None:
+        tree["loss"].update(values)
+        tree["grad_max"].update(values.float())
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for values in (torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([4.0])):
+        compiled(values.double())
+        eager["loss"].update(values.double())
+        eager["grad_max"].update(values.float())
+    assert tree.compute() == eager.compute() == {"loss": 7.0 / 3.0, "grad_max": 4.0}
+    buffer = io.BytesIO()
+    torch.save(tree["loss"]._total.local, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer).item() == 7.0
+
+
+def test_accumulate_sums_of_states_in_two_dtypes_goes_state_by_state() -> None:
+    class Mixed(Metric[Tensor]):
+        """float64 a, c, x at offsets 0, 1, 2; float32 pad, b at 0, 1 of their own buffer."""
+
+        def __init__(self) -> None:
+            self._a = MetricAccumulator(0.0, dtype=torch.float64)
+            self._pad = MetricAccumulator(0.0, dtype=torch.float32)
+            self._b = MetricAccumulator(0.0, dtype=torch.float32)
+            self._c = MetricAccumulator(0.0, dtype=torch.float64)
+            self._x = MetricAccumulator(0.0, dtype=torch.float64)
+
+        def update(self, values: Tensor) -> None:
+            raise NotImplementedError
+
+        def compute(self) -> Tensor:
+            states = (self._a, self._pad, self._b, self._c, self._x)
+            return torch.stack([state.value.double() for state in states])
+
+    metric = Mixed()
+    # a, b and x sit at offsets 0, 1 and 2, but b in the other buffer: not one range.
+    sums = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    accumulate_sums((metric._a, metric._b, metric._x), sums)
+    assert metric.compute().tolist() == [1.0, 0.0, 2.0, 0.0, 3.0]

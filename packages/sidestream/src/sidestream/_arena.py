@@ -16,6 +16,8 @@ from sidestream.sync import StatePart
 __all__ = ["Arena", "ArenaSegment"]
 
 _OP_ORDER = {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2}
+_BLOCK_ALIGN = 16
+"""A block's size is a multiple of this: of every dtype's size (complex128's is the largest)."""
 
 
 class ArenaSegment:
@@ -100,6 +102,9 @@ class Arena:
                 members.sort(key=lambda item: _OP_ORDER[item[1].op])  # stable: declaration order
                 offsets.append(size)
                 size += sum(state.local.numel() for _, state in members) * dtype.itemsize
+            # A whole number of elements of every dtype in it: torch refuses a storage whose
+            # size is not (aot_eager's functionalized updates, torch.save of a state).
+            size = -(-size // _BLOCK_ALIGN) * _BLOCK_ALIGN
             blocks = [torch.empty(size, dtype=torch.uint8, device=where) for _ in range(3)]
             self.locals.append(blocks[0])
             self.initials.append(blocks[1])

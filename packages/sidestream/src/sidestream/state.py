@@ -594,11 +594,12 @@ def accumulate_sums(states: tuple[MetricAccumulator, ...], sums: Tensor) -> None
     if (
         sums.dtype == first._dtype
         and not sums.requires_grad
-        and first._buffer is last._buffer
         and len(states) == sums.numel()
         # Offsets, not the tensors: a compiled update guards every tensor it reads.
         and all(
-            state._sums and state._start == first._start + index == state._stop - 1
+            state._sums
+            and state._buffer is first._buffer
+            and state._start == first._start + index == state._stop - 1
             for index, state in enumerate(states)
         )
     ):

@@ -462,6 +462,8 @@ class AsyncMetricCollector(Generic[T]):
         staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
         staged.record(current)
         # torch.cuda.stream(side) without its context manager, which looks the device up twice.
+        # set_stream also makes the side stream's device current: the caller's comes back.
+        caller_device = torch.cuda.current_device()
         torch.cuda.set_stream(side)
         try:
             side.wait_event(staged)
@@ -469,6 +471,8 @@ class AsyncMetricCollector(Generic[T]):
             batch.wait()  # NCCL: the side stream waits for the collectives; the host does not
         finally:
             torch.cuda.set_stream(current)
+            if caller_device != self._device.index:
+                torch.cuda.set_device(caller_device)
         # compute() is queued on the side stream by the dispatcher thread: its Python work
         # grows with the metric tree, and the training thread's must not.
         window.batch, window.side = batch, side
