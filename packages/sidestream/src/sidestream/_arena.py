@@ -49,10 +49,10 @@ class Arena:
     sync sends whole segments, never state by state.
 
     The dtype buffers of one device share one block of memory (back to back in a byte buffer,
-    each a tensor of its own, not a view of the bytes), so ``reset`` is one copy
-    of the initial bytes per device and staging a copy is one copy between two arenas of the
-    same layout, whatever the number of dtypes: on CUDA each copy is a runtime call that
-    costs the training thread several microseconds.
+    each a tensor of its own, not a view of the bytes), so ``reset`` is one copy of the
+    initial bytes per device and staging a copy is one copy between two arenas of the same
+    layout, whatever the number of dtypes: on CUDA each copy is a runtime call that costs the
+    training thread several microseconds.
 
     An arena dies (``alive`` false) when a state of its tree is re-declared or moved into another
     arena; metrics then build a new one.
@@ -162,7 +162,7 @@ class Arena:
         return copied
 
     def reset(self) -> None:
-        """Every state back to its initial value (one batched copy) and every flag stale."""
+        """Every state back to its initial value (one copy per device) and every flag stale."""
         for local, initial in zip(self.locals, self.initials, strict=True):
             local.copy_(initial)
         for store in self.stores:
