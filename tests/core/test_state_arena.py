@@ -673,33 +673,36 @@ def test_to_names_its_argument_for_anything_but_a_device(device: Any) -> None:
     assert metric.to("cpu").compute().item() == 2.0  # unchanged, and a str still works
 
 
-class _Three(Metric[Tensor]):
-    """Three float64 SUM states, declared in order: ``a`` and ``b`` adjacent, ``c`` after."""
+class _Scalars(Metric[Tensor]):
+    """Scalar SUM states ``s0``, ``s1``, ... of the given dtypes, declared in that order."""
 
-    def __init__(self) -> None:
-        self._a = MetricAccumulator(0.0, dtype=torch.float64)
-        self._b = MetricAccumulator(0.0, dtype=torch.float64)
-        self._c = MetricAccumulator(0.0, dtype=torch.float64)
+    def __init__(self, *dtypes: torch.dtype) -> None:
+        for index, dtype in enumerate(dtypes):
+            self.add_state(f"s{index}", 0.0, ReduceOp.SUM, dtype=dtype)
+
+    def states(self) -> list[MetricAccumulator]:
+        return [state for _, state in self.named_accumulators()]
 
     def update(self, values: Tensor) -> None:
         raise NotImplementedError
 
     def compute(self) -> Tensor:
-        return torch.stack([self._a.value, self._b.value, self._c.value])
+        return torch.stack([state.value.double() for state in self.states()])
 
 
 def test_accumulate_sums_adds_adjacent_states_at_once_and_others_one_by_one() -> None:
-    metric = _Three()
+    metric = _Scalars(torch.float64, torch.float64, torch.float64)
+    a, b, c = metric.states()
     metric.sync()  # one process: now current, so an update must clear the flag
     sums = torch.tensor([1.5, 2.0], dtype=torch.float64)
     with OpRecorder() as adjacent:
-        accumulate_sums((metric._a, metric._b), sums)
+        accumulate_sums((a, b), sums)
     assert [name for name in adjacent.ops if name != "slice"] == ["add_"]
-    assert metric._a.synced is None  # stale: compute reads the local state
-    accumulate_sums((metric._a, metric._c), torch.tensor([10.0, 3.0], dtype=torch.float64))
-    accumulate_sums((metric._a, metric._b), torch.tensor([1, 1]))  # int64: each on its own
+    assert a.synced is None  # stale: compute reads the local state
+    accumulate_sums((a, c), torch.tensor([10.0, 3.0], dtype=torch.float64))
+    accumulate_sums((a, b), torch.tensor([1, 1]))  # int64: each on its own
     # In the buffer's order but not in the states' order: each its own element.
-    accumulate_sums((metric._b, metric._a), torch.tensor([0.25, 0.5], dtype=torch.float64))
+    accumulate_sums((b, a), torch.tensor([0.25, 0.5], dtype=torch.float64))
     assert metric.compute().tolist() == [13.0, 3.25, 3.0]
 
 
@@ -726,25 +729,11 @@ def test_blocks_of_mixed_dtypes_compile_and_save() -> None:
 
 
 def test_accumulate_sums_of_states_in_two_dtypes_goes_state_by_state() -> None:
-    class Mixed(Metric[Tensor]):
-        """float64 a, c, x at offsets 0, 1, 2; float32 pad, b at 0, 1 of their own buffer."""
-
-        def __init__(self) -> None:
-            self._a = MetricAccumulator(0.0, dtype=torch.float64)
-            self._pad = MetricAccumulator(0.0, dtype=torch.float32)
-            self._b = MetricAccumulator(0.0, dtype=torch.float32)
-            self._c = MetricAccumulator(0.0, dtype=torch.float64)
-            self._x = MetricAccumulator(0.0, dtype=torch.float64)
-
-        def update(self, values: Tensor) -> None:
-            raise NotImplementedError
-
-        def compute(self) -> Tensor:
-            states = (self._a, self._pad, self._b, self._c, self._x)
-            return torch.stack([state.value.double() for state in states])
-
-    metric = Mixed()
+    # float64 a, c, x at offsets 0, 1, 2; float32 pad, b at 0, 1 of their own buffer.
+    f32, f64 = torch.float32, torch.float64
+    metric = _Scalars(f64, f32, f32, f64, f64)
+    a, _, b, _, x = metric.states()
     # a, b and x sit at offsets 0, 1 and 2, but b in the other buffer: not one range.
     sums = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
-    accumulate_sums((metric._a, metric._b, metric._x), sums)
+    accumulate_sums((a, b, x), sums)
     assert metric.compute().tolist() == [1.0, 0.0, 2.0, 0.0, 3.0]

@@ -11,7 +11,7 @@ from torch import Tensor
 from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore
 from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views
-from sidestream.sync import StatePart
+from sidestream.sync import StatePart, tensor_over_storage
 
 __all__ = ["Arena", "ArenaSegment"]
 
@@ -121,7 +121,11 @@ class Arena:
     ) -> None:
         """Place one dtype's states (sorted by op) at byte ``offset`` of the device's blocks."""
         total = sum(state.local.numel() for _, state in members)
-        local, initial, synced = (_typed(block, offset, dtype, total) for block in blocks)
+        # Tensors of their own over the blocks, not views of the bytes: a state's view into
+        # one has it as ``_base``, which compiled updates slice (``MetricAccumulator._bind``).
+        local, initial, synced = (
+            tensor_over_storage(block, offset, dtype, total) for block in blocks
+        )
         start = 0
         bounds: list[tuple[ReduceOp, int, int, list[StatePart]]] = []
         for name, state in members:
@@ -189,14 +193,3 @@ class Arena:
         return len(self.stores) == len(other.stores) and [
             (n, s.local.shape, s.local.dtype, s.op) for n, s in self.states
         ] == [(n, s.local.shape, s.local.dtype, s.op) for n, s in other.states]
-
-
-def _typed(block: Tensor, offset: int, dtype: torch.dtype, numel: int) -> Tensor:
-    """A 1-D ``dtype`` tensor of ``numel`` elements over ``block``'s bytes from ``offset``.
-
-    A tensor of its own sharing the block's storage, not a view of the bytes: a state's view
-    into it then has it as ``_base`` (which compiled updates slice, see
-    ``MetricAccumulator._bind``), and copying the block copies every dtype's values at once.
-    """
-    typed = torch.empty(0, dtype=dtype, device=block.device)
-    return typed.set_(block.untyped_storage(), offset // dtype.itemsize, (numel,), (1,))

@@ -517,8 +517,18 @@ def _follows(first: Tensor, second: Tensor) -> bool:
 def _bytes_spanning(first: Tensor, last: Tensor) -> Tensor:
     """A byte tensor over the storage from ``first``'s start to ``last``'s end."""
     start, stop = _byte_range(first)[0], _byte_range(last)[1]
-    span = torch.empty(0, dtype=torch.uint8, device=first.device)
-    return span.set_(first.untyped_storage(), start, (stop - start,), (1,))
+    return tensor_over_storage(first, start, torch.uint8, stop - start)
+
+
+def tensor_over_storage(owner: Tensor, offset: int, dtype: torch.dtype, numel: int) -> Tensor:
+    """A 1-D ``dtype`` tensor of ``numel`` elements over ``owner``'s storage from byte ``offset``.
+
+    A tensor of its own sharing the storage, not a view of ``owner`` (whose dtype it need not
+    have): views made of it have it as their ``_base``. ``offset`` must be a multiple of the
+    dtype's size.
+    """
+    made = torch.empty(0, dtype=dtype, device=owner.device)
+    return made.set_(owner.untyped_storage(), offset // dtype.itemsize, (numel,), (1,))
 
 
 class _GatherCheck:

@@ -144,20 +144,26 @@ class Slot:
             self._direct.start(CallFingerprint("changed", step, self._stream))
             raise RankMismatchError(_changed_after_bind(self._live))
         handle = self._direct.start(CallFingerprint("window", step, self._stream), async_op=True)
+        self._mark_once()
+        return handle
+
+    def _mark_once(self) -> None:
+        """Mark this slot's synced state current (after the first window's start only).
+
+        Nothing updates, resets or loads a staging copy, so its flags stay current once set:
+        marking them every window would cost a loop over the tree's metrics.
+        """
         if not self._marked:
-            # Nothing updates, resets or loads a staging copy, so its flags stay current once
-            # set: marking them every window would cost a loop over the tree's metrics.
             self._arena.mark(True)
             self._marked = True
-        return handle
 
     def start_sync(self, step: int) -> SyncHandle:
         """Start the reduction of the staged state (``async_op``); ``wait`` on the handle."""
         if self.replayable:
             handle = self.metric.start_sync(
-                self._group, CallFingerprint("window", step, self._stream), mark=not self._marked
+                self._group, CallFingerprint("window", step, self._stream), mark=False
             )
-            self._marked = True  # stays current: see start_from_live
+            self._mark_once()
             return handle
         # The slow path: the metric's own sync, blocking, under the window's fingerprint.
         self.metric.sync_as(self._group, CallFingerprint("window", step, self._stream))

@@ -102,6 +102,8 @@ class WeightedMeanMetric(NanScreenedMetric):
                 raise
             if rides and math.isnan(float(weighted)):
                 self._nan.apply(values_t, self._rejected, self._nan_count)
+            self._weighted_sum.accumulate(weighted)
+            self._weight.accumulate(total)
         else:
             # The host check's logic in the total's own reduction: a weight that is not >= 0
             # (negative or NaN) becomes NaN and an inf weight adds inf, so the batch is bad
@@ -117,8 +119,7 @@ class WeightedMeanMetric(NanScreenedMetric):
             else:
                 # Eager, both sums from one reduction: each op is a kernel launch on CUDA.
                 sums = torch.stack((products, checked)).reshape(2, values_t.numel()).sum(1)
-            # Dropped and added into the arena as one tensor. (A NaN weight makes the weighted
-            # sum NaN too, but the batch is then dropped.)
+            # (A NaN weight makes the weighted sum NaN too, but the batch is then dropped.)
             invalid = not_finite(sums[1])
             if self._nan.checks:
                 # One flag, so a batch bad in both ways is counted once.
@@ -127,10 +128,8 @@ class WeightedMeanMetric(NanScreenedMetric):
                 drop_invalid(invalid, self._rejected, sums)
             else:
                 drop_invalid(invalid, self._rejected, sums, nan_seen)
+            # Both sums dropped above and added into the arena as one tensor.
             accumulate_sums((self._weighted_sum, self._weight), sums)
-        if not on_device:
-            self._weighted_sum.accumulate(weighted)
-            self._weight.accumulate(total)
         if nan_seen is not None:
             assert self._nan_count is not None  # "ignore" and fill values count NaNs
             self._nan_count.accumulate(nan_seen)
