@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from benchmarks._bare import bare_all_gather
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, MinMetric, SumMetric
 from sidestream import sync as sync_module
 from sidestream.metrics.classification import confusion_count_metric
@@ -214,7 +215,7 @@ def _measure() -> dict[str, Any]:
     gathered = torch.empty(packed * dist.get_world_size(), dtype=torch.uint8)
 
     def bare() -> None:
-        work = sync_module._all_gather_single(gathered, send, None)  # always async: wait here
+        work = bare_all_gather(gathered, send)
         assert work is not None
         work.wait()
 

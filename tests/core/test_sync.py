@@ -151,6 +151,66 @@ def test_every_dtype_and_op_reduces_exactly(dist_pool: RankPool) -> None:
                 assert calls == ["all_reduce"] * 3, mode
 
 
+@contextlib.contextmanager
+def _route(route: str) -> Iterator[None]:
+    """``direct``: the public collectives raise, so a sync must call the group's methods;
+    ``public``: the direct launchers are gone, so it must fall back to the public functions."""
+    from sidestream import _distributed
+
+    saved: list[tuple[Any, str, Any]] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a sync called torch.distributed's public collective")
+
+    if route == "direct":
+        replacements = {name: refuse for name in ("all_reduce", GATHER)}
+        modules: tuple[Any, ...] = (dist, dist.distributed_c10d)
+    else:
+        replacements = {"_GATHER": None, "_REDUCE": None}
+        modules = (_distributed,)
+    for module in modules:
+        for name, value in replacements.items():
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+@on_rank_device
+def _exact_through_either_route(seed: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for route in ("direct", "public"):
+        for mode, limit in (("gather", sync_module.GATHER_LIMIT_BYTES), ("all_reduce", 0)):
+            with gather_limit(limit):
+                metric = MixedState()
+                metric.update(mixed_local(rank, seed))
+                metric.sync()  # the structure check (a blocking gather) before the routes
+                with _route(route):
+                    metric.sync()
+                out[f"{route} {mode}"] = _as_lists(metric.compute())
+    return out
+
+
+def test_sync_starts_collectives_through_the_group_or_the_public_functions(
+    dist_pool: RankPool,
+) -> None:
+    """A plain process group's sync skips torch.distributed's per-call wrappers (a third of a
+    logged step's collective cost); without the group's methods it takes the public calls."""
+    expected = mixed_reference(dist_pool.world_size, 5)
+    for result in dist_pool.run(_exact_through_either_route, 5):
+        assert len(result) == 4
+        for key, values in result.items():
+            for name, reference in expected.items():
+                if name == "float_sum":
+                    assert values[name] == pytest.approx(reference, rel=1e-6), key
+                else:
+                    assert values[name] == reference, (key, name)
+
+
 def _aggregations(count: int, offset: int = 0) -> dict[str, Metric[Any]]:
     kinds: list[Callable[[], Metric[Any]]] = [SumMetric, MeanMetric, MaxMetric, MinMetric]
     return {f"m{offset + i}": kinds[(offset + i) % len(kinds)]() for i in range(count)}

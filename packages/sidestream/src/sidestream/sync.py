@@ -48,7 +48,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sidestream._distributed import Group, group_rank, group_size, resolve_group, retain_work
+from sidestream._distributed import (
+    Group,
+    all_gather_async,
+    all_reduce_async,
+    group_rank,
+    group_size,
+    resolve_group,
+    retain_work,
+)
 from sidestream._host_events import host_event
 from sidestream._reduce_op import ReduceOp
 
@@ -224,7 +232,7 @@ def check_same_call(group: Group, fingerprint: CallFingerprint, device: torch.de
     _FingerprintWriter(words).write(fingerprint.words(0))  # no host-to-device copy
     gathered = torch.empty(size * _FINGERPRINT_WORDS, dtype=torch.int64, device=device)
     handle._cuda = device.type == "cuda"
-    handle._start(_all_gather_single(gathered, words, resolved))
+    handle._start(all_gather_async(gathered, words, resolved))
     handle._checks.append(_GatherCheck(gathered.view(size, -1), group_rank(resolved)))
     handle.wait()
     return handle
@@ -376,7 +384,7 @@ class _GatherPlan:
     def run(self, handle: SyncHandle, fingerprint: CallFingerprint) -> None:
         torch._foreach_copy_(self._staging, self._sources)
         self._fingerprint.write(fingerprint.words(self._structure))
-        handle._start(_all_gather_single(self._gathered, self._send, self._group))
+        handle._start(all_gather_async(self._gathered, self._send, self._group))
         handle._finishers.append(self._reduce)
         handle._checks.append(self._check)
 
@@ -451,7 +459,7 @@ class _ReducePlan:
             handle._start(
                 # Always async, so the handle (and retain_work) holds the work; a blocking
                 # start waits for it at once.
-                dist.all_reduce(buffer, op=op, group=self._group, async_op=True)
+                all_reduce_async(buffer, op, self._group)
             )
         handle._finishers.append(self._unstage)
         handle._checks.append(
@@ -956,15 +964,6 @@ def _collective_device(group: dist.ProcessGroup | None, device: torch.device) ->
     return device
 
 
-def _all_gather_single(
-    output: Tensor, staged: Tensor, group: dist.ProcessGroup | None
-) -> dist.Work | None:
-    gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    # Always async, so the handle (and retain_work) holds the work; a blocking start waits.
-    work: dist.Work | None = gather(output, staged, group=group, async_op=True)
-    return work
-
-
 _Structure = tuple[tuple[str, tuple[int, ...], str, str, str], ...]
 
 
@@ -1024,7 +1023,7 @@ def _differing(
     own[:8] = torch.tensor([digest], dtype=torch.int64).view(torch.uint8)
     own[8] = kind
     gathered = torch.empty(size * _CHECK_BYTES, dtype=torch.uint8, device=device)
-    work = retain_work(_all_gather_single(gathered, own.to(device), group))
+    work = retain_work(all_gather_async(gathered, own.to(device), group))
     if work is not None:
         work.wait()
     rows = gathered.view(size, _CHECK_BYTES).cpu()  # one host sync per check

@@ -9,6 +9,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from sidestream import _distributed
+
 __all__ = ["COLLECTIVES", "count_collectives"]
 
 #: The torch.distributed functions counted, wherever they are called from.
@@ -37,7 +39,10 @@ def count_collectives() -> Iterator[list[str]]:
 
     Calls through ``torch.distributed`` and through ``distributed_c10d`` (where torch's own
     helpers call each other) both count, so ``all_gather_object`` shows its inner
-    ``all_gather`` calls too. A collective that re-enters itself counts once: under a
+    ``all_gather`` calls too. So do the collectives a sync starts through the process group's
+    own methods (which skip the public functions' per-call checks), under the public name the
+    same call would have: ``all_gather_single`` (``all_gather_into_tensor`` on torch versions
+    without it) and ``all_reduce``. A collective that re-enters itself counts once: under a
     ``torch.device`` context (as ``on_rank_device`` sets) torch dispatches the call again by
     its public name.
 
@@ -70,6 +75,12 @@ def count_collectives() -> Iterator[list[str]]:
             if original is not None:
                 saved.append((module, name, original))
                 setattr(module, name, counted(name, original))
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    for attribute, name in (("_GATHER", gather), ("_REDUCE", "all_reduce")):
+        original = getattr(_distributed, attribute)
+        if original is not None:
+            saved.append((_distributed, attribute, original))
+            setattr(_distributed, attribute, counted(name, original))
     try:
         yield calls
     finally:
