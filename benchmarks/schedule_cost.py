@@ -143,7 +143,8 @@ def run() -> str:
         f"and loaded ({os.cpu_count()} cores, 1-minute load average {load:.1f} after the run), "
         "which inflates every figure.\n",
         "*Bare* is the CPU time of issuing the same async `all_gather` of the same bytes alone "
-        "outside the collector, right after the same updates as a window (the step's work "
+        "outside the collector, through torch.distributed's public call (sidestream calls the "
+        "process group's method directly, without that call's per-call checks), right after the same updates as a window (the step's work "
         "leaves caches cold, which makes the collective itself cost more; *tight* is the same "
         "call in a tight loop, alternated with it); *own* is the median minus *bare*: "
         "sidestream's own work. "

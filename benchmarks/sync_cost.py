@@ -282,8 +282,10 @@ def run() -> str:
         f"{measured['states']} state tensors ({measured['state_bytes']} bytes) per rank. "
         f"Median of {REPEATS} syncs on rank 0, barrier before each; sidestream and the bare "
         f"all_gather are timed alternately, {PAIRED_REPEATS} each, so their ratio is taken "
-        "under the same load. Collectives counted by wrapping `torch.distributed` and "
-        "`torch.distributed.distributed_c10d`.\n",
+        "under the same load. The bare all_gather is torch.distributed's public call (what "
+        "hand-written code issues); sidestream starts its collective through the process "
+        "group's own method, which skips that call's per-call checks. Collectives counted with "
+        "`sidestream.testing.count_collectives` (both routes).\n",
         "Both sides use their real classes on the same inputs; after the sync their values "
         f"agree to within {measured['difference']:.1e}.\n",
         "torchmetrics runs the real classes in a `MetricCollection`; with "
