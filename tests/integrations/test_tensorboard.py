@@ -521,6 +521,30 @@ def test_writer_options_out_of_range_are_refused_when_built(
         TensorBoardSink(**options)
 
 
+@pytest.mark.parametrize(
+    ("counts", "bad"),
+    [([1.0, float("nan"), 2.0], "nan in bin 1"), ([1.0, 2.0, -1.0], "-1.0 in bin 2")],
+)
+def test_a_histogram_with_a_nan_or_negative_count_is_left_out_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, counts: list[float], bad: str
+) -> None:
+    import torch
+
+    sink = TensorBoardSink(log_dir=str(tmp_path))
+    sink.open(RunInfo(name="bad-counts"))
+    histograms = {"scores": torch.tensor(counts), "ok": torch.tensor([4.0, 0.0])}
+    sink.write(Report(step=1, values={"loss": 0.5}, time=time.time(), histograms=histograms))
+    assert not sink.close(timeout=30)  # the run lacks "scores"
+    assert (
+        f"histogram 'scores' skipped: expected bin counts that are finite and >= 0, got {bad}"
+        in (caplog.text)
+    )
+    accumulator = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"*": 0})
+    accumulator.Reload()
+    assert accumulator.Tags()["histograms"] == ["ok"]
+    assert [e.value for e in accumulator.Scalars("loss")] == [0.5]
+
+
 def test_a_histogram_it_cannot_write_is_skipped_and_close_says_the_run_lacks_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

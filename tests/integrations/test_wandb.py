@@ -128,7 +128,11 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
             step=5,
             values={"loss": 0.5},
             time=time.time(),
-            histograms={"ok": torch.tensor([1.0, 2.0]), "bad": torch.ones(2, 2)},
+            histograms={
+                "ok": torch.tensor([1.0, 2.0]),
+                "bad": torch.ones(2, 2),
+                "negative": torch.tensor([3.0, -1.0]),
+            },
         )
     )
     sink.write(Report(step=5, values={"loss": 9.0}, time=time.time()))  # already delivered
@@ -148,11 +152,16 @@ def test_skips_bad_histograms_and_keeps_credentials_out(
     assert [(row.items["step"], row.items["loss"]) for row in rows] == [(5, 0.5)]
     assert rows[0].items["ok"]["values"] == [1.0, 2.0] and "bad" not in rows[0].items
     assert "histogram 'bad' skipped" in caplog.text
+    assert (
+        "histogram 'negative' skipped: expected bin counts that are finite and >= 0, got -1.0"
+        in (caplog.text)
+    )
+    assert "negative" not in rows[0].items
     assert state == {
         "run_id": state["run_id"],
         "last_steps": [["", 5]],
         "run_dir": run_dir,
-        "skipped_values": ["bad"],  # a resumed job's close still says the run lacks it
+        "skipped_values": ["bad", "negative"],  # a resumed job's close still says the run lacks it
     }
     written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]
     assert all(key.encode() not in content for content in written)

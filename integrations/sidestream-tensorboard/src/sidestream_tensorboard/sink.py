@@ -21,6 +21,7 @@ from sidestream.sinks.support import (
     check_option_types,
     checked_histogram_edges,
     flatten_config,
+    histogram_counts,
     histogram_edges,
     silence_thread_errors,
 )
@@ -373,14 +374,13 @@ class TensorBoardSink(TrackerSink):
                 f"shape {tuple(counts.shape)}",
             )
             return
-        bin_counts = counts.detach().double().cpu()
         try:
-            edges = histogram_edges(bin_counts.numel(), self._histogram_edges.get(tag))
+            weights = histogram_counts(counts.detach().double().cpu().tolist())
+            edges = histogram_edges(len(weights), self._histogram_edges.get(tag))
         except ValueError as error:
             self.skip_value(tag, f"TensorBoardSink: histogram {tag!r} skipped: {error}")
             return
         centers = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
-        weights = bin_counts.tolist()
         occupied = [i for i, weight in enumerate(weights) if weight > 0]
         total = sum(weights)
         # Samples are known only by bin: min / max are the outer edges of the occupied bins and

@@ -25,6 +25,7 @@ from sidestream.sinks.support import (
     close_before_backends_exit,
     failed_exit_code,
     flatten_config,
+    histogram_counts,
     histogram_edges,
     name_digest,
     redact,
@@ -673,11 +674,12 @@ class WandbSink(TrackerSink):
             )
             return None
         try:
+            weights = histogram_counts(flat.tolist())
             edges = histogram_edges(flat.size, self._histogram_edges.get(name))
         except ValueError as error:
             self.skip_value(name, f"WandbSink: histogram {name!r} skipped: {error}")
             return None
-        return wandb.Histogram(np_histogram=(flat.tolist(), edges))
+        return wandb.Histogram(np_histogram=(weights, edges))
 
     def close(self, timeout: float | None = None) -> bool:
         """``run.finish()``; whether it finished within ``timeout`` s with every row written.

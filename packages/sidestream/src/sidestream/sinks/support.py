@@ -10,7 +10,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from numbers import Real
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ __all__ = [
     "flatten_config",
     "name_digest",
     "parse_resume_state",
+    "histogram_counts",
     "histogram_edges",
     "redact",
     "refuse_unknown_options",
@@ -225,6 +226,26 @@ def histogram_edges(num_bins: int, edges: Iterable[float] | None) -> list[float]
             f"histogram_edges: expected {num_bins + 1} finite increasing edges for {num_bins} "
             f"bins, got {len(result)}"
         )
+    return result
+
+
+def histogram_counts(counts: Sequence[float]) -> list[float]:
+    """A histogram's bin counts as floats, checked: each finite and at least 0.
+
+    A tracker draws a NaN or negative count as a shape that no data has (TensorBoard's mean
+    and spread come out NaN or off), so a sink leaves such a histogram out, with a warning,
+    rather than draw it.
+
+    Raises:
+        ValueError: Naming the first bad bin and its count.
+    """
+    result = [float(count) for count in counts]
+    for index, count in enumerate(result):
+        if not (math.isfinite(count) and count >= 0):
+            raise ValueError(
+                f"expected bin counts that are finite and >= 0, got {count} in bin {index} "
+                f"of {len(result)}"
+            )
     return result
 
 
