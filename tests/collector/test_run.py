@@ -271,6 +271,28 @@ def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
     assert f"{tmp_path}: not a regular file" in capsys.readouterr().err
 
 
+def test_show_plots_at_most_twelve_streams_and_names_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "many.jsonl"
+    streams = [f"s{index:03d}" for index in range(40)]  # 40 plots of 3 inches: 12000 pixels
+    lines = [{"step": 1, "stream": stream, "time": 0, "values": {"x": 1.0}} for stream in streams]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cli(["show", str(path), "--plot", str(tmp_path / "many.png")]) == 0
+    shown = capsys.readouterr()
+    assert len(shown.out.splitlines()) == 1 + 40 + 1  # the table has every stream
+    assert shown.err == (
+        "note: --plot drew the first 12 streams by name; left out: "
+        + ", ".join(streams[12:])
+        + "\n"
+    )
+    from PIL import Image
+
+    with Image.open(tmp_path / "many.png") as image:
+        assert image.size[1] == 12 * 3 * 100  # 12 plots of 3 inches at matplotlib's 100 dpi
+
+
 def test_show_skips_lines_that_are_not_utf8_and_names_bad_plot_paths(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,6 +14,9 @@ from sidestream.sinks.jsonl import read_lines
 __all__ = ["main"]
 
 _MAX_LINES_PER_PLOT = 20
+_MAX_PLOTS = 12
+"""Streams drawn, one plot each (3 inches tall): a job with many prefixes would make an image
+taller than the backend can write (matplotlib refuses 2**16 pixels and more)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,8 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--plot",
         type=Path,
         metavar="OUT.png",
-        help="also draw every value over steps into this image (needs matplotlib: pip install "
-        '"sidestream[plot]")',
+        help="also draw the values over steps into this image, one plot per stream (the first "
+        f"{_MAX_PLOTS} streams by name, {_MAX_LINES_PER_PLOT} values each; needs matplotlib: "
+        'pip install "sidestream[plot]")',
     )
     args = parser.parse_args(argv)
     if not args.path.exists():
@@ -55,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_table(history))
     if out is not None:
         try:
-            _plot(history, out)
+            left_out = _plot(history, out)
         except ImportError:
             print(
                 'error: --plot needs matplotlib: pip install "sidestream[plot]" (or pip install '
@@ -66,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError) as error:  # a format matplotlib lacks, an unwritable path
             print(f"error: --plot {out}: {error}", file=sys.stderr)
             return 2
+        if left_out:
+            print(
+                f"note: --plot drew the first {_MAX_PLOTS} streams by name; left out: "
+                + ", ".join(stream or "(log)" for stream in left_out),
+                file=sys.stderr,
+            )
         print(f"plot written to {out}")
     return 0
 
@@ -115,13 +125,15 @@ def _number(value: float) -> str:
     return str(value) if not math.isfinite(value) else f"{value:.6g}"
 
 
-def _plot(history: History, out: Path) -> None:
+def _plot(history: History, out: Path) -> list[str]:
+    """Draw the first ``_MAX_PLOTS`` streams into ``out``; the streams left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    streams = sorted(stream for stream, names in history.items() if names)
+    every = sorted(stream for stream, names in history.items() if names)
+    streams, left_out = every[:_MAX_PLOTS], every[_MAX_PLOTS:]
     figure, axes = plt.subplots(
         len(streams), 1, figsize=(8, 3 * len(streams)), squeeze=False, constrained_layout=True
     )
@@ -141,6 +153,7 @@ def _plot(history: History, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)
     plt.close(figure)
+    return left_out
 
 
 if __name__ == "__main__":
