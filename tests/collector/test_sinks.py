@@ -672,6 +672,35 @@ def test_jsonl_checkpoint_before_open_points_where_lines_start_after_a_torn_line
     ]
 
 
+def test_jsonl_fails_when_another_writer_appends_to_its_file(tmp_path: Path) -> None:
+    # Two sinks on one path mixed their lines, and a failed write's cut back to the last whole
+    # line of one would have removed the other's lines written after it.
+    path = tmp_path / "m.jsonl"
+    first, second = JsonlSink(path), JsonlSink(path)
+    first.open(RunInfo())
+    first.write(_report(1))
+    second.open(RunInfo())
+    second.write(_report(2))  # opened after the first's line: it appends where the file ends
+    with pytest.raises(PermanentSinkError, match="changed while this run wrote it"):
+        first.write(_report(3))
+    first.close()
+    with path.open("ab") as other:  # any other writer, not only a sink
+        other.write(b"{}\n")
+    with pytest.raises(PermanentSinkError, match="another writer appends to it"):
+        second.write(_report(4))
+    second.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [row.get("step") for row in rows] == [1, 2, None]  # nothing of step 3 or 4
+    # A file cut while the run writes it fails the same way.
+    cut = JsonlSink(tmp_path / "cut.jsonl")
+    cut.open(RunInfo())
+    cut.write(_report(1))
+    os.truncate(tmp_path / "cut.jsonl", 0)
+    with pytest.raises(PermanentSinkError, match="or it was cut"):
+        cut.write(_report(2))
+    cut.close()
+
+
 @pytest.mark.parametrize("change", ["delete", "replace"])
 def test_jsonl_fails_when_its_file_is_deleted_or_replaced(tmp_path: Path, change: str) -> None:
     # Its lines went to the deleted file with no word, and close returned True.

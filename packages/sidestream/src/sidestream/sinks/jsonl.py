@@ -55,7 +55,10 @@ class JsonlSink(TrackerSink):
     completed. An existing file whose first line is no JSON object (a checkpoint or a CSV given
     by mistake) is refused with ``ValueError``, when the sink is built or opens: cutting its
     end would destroy it. A file deleted or replaced while the run writes it fails the sink
-    (``PermanentSinkError``): its lines are no longer in the file at ``path``.
+    (``PermanentSinkError``): its lines are no longer in the file at ``path``. So does a file
+    that changed size since this sink's last write: another writer appends to it (two sinks or
+    jobs on one path would mix their lines, and cutting a failed write back would remove the
+    other's), or it was cut.
     A checkpoint of another file (its path differs) gives no offset into this one: a warning
     says so and only its steps count. A path that is not a regular file (``/dev/stdout``, a
     pipe) is only appended to (a cut line there is closed with a newline) and never
@@ -155,7 +158,8 @@ class JsonlSink(TrackerSink):
             OSError: If the file cannot take the lines (a full disk); nothing counts as
                 delivered then, and the retry writes them again after closing a cut line.
             PermanentSinkError: If ``path`` no longer names the file this run writes (deleted
-                or replaced).
+                or replaced), or the file changed since this sink's last write (another
+                writer, or cut).
         """
         if self._file is None:
             raise RuntimeError(f"JsonlSink({self.path}): write before open")
@@ -168,6 +172,17 @@ class JsonlSink(TrackerSink):
                     "the lines it wrote are not there; nothing more is written to another file "
                     "(its reports are kept: resume from a checkpoint, or replay the spool)"
                 )
+            if self._regular and not self._cut and self._offset is not None:
+                size = os.fstat(file.fileno()).st_size
+                if size != self._offset:
+                    raise PermanentSinkError(
+                        f"JsonlSink: {self.path} changed while this run wrote it (it holds "
+                        f"{size} bytes, this sink's lines end at {self._offset}): another "
+                        "writer appends to it (a second job or sink, or a replay, on the same "
+                        "path), or it was cut; two writers would mix their lines and cut each "
+                        "other's off. Give each sink its own path (this sink's reports are "
+                        "kept: resume from a checkpoint, or replay the spool)"
+                    )
             if self._cut:  # a failed write may have left part of a line
                 if self._regular and self._offset is not None:
                     os.ftruncate(file.fileno(), self._offset)  # back to the last whole line
