@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -670,6 +671,30 @@ def test_jsonl_checkpoint_before_open_points_where_lines_start_after_a_torn_line
         ("b", 4),
         ("b", 5),
     ]
+
+
+@pytest.mark.parametrize("refusal", [errno.EACCES, errno.EROFS])
+def test_jsonl_fails_at_open_for_good_where_it_may_not_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: int
+) -> None:
+    # Retried with backoff until close before; a full disk (ENOSPC) still is.
+    path = tmp_path / "ro" / "m.jsonl"
+    sink = JsonlSink(path)
+
+    def refuse(self: Path, *args: Any, **kwargs: Any) -> None:
+        raise OSError(refusal, os.strerror(refusal), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(PermanentSinkError, match=r"m\.jsonl cannot be written .*a folder this"):
+        sink.open(RunInfo())
+    runner = SinkRunner(JsonlSink(path), capacity=4, spool_dir=str(tmp_path / "spool"))
+    runner.submit(_report(1))
+    runner.start()
+    deadline = time.monotonic() + 10
+    while runner.status.state != "failed" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runner.status.state == "failed" and "cannot be written" in runner.status.last_error
+    assert not runner.close(timeout=5)
 
 
 def test_jsonl_fails_when_another_writer_appends_to_its_file(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -26,6 +27,8 @@ logger = logging.getLogger("sidestream.sinks")
 # Non-finite floats as JSON strings, spelt the way float() reads them back.
 _NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 _CHUNK = 65536
+# Opening or making the file was refused for good: no permission, or a read-only file system.
+_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 class JsonlSink(TrackerSink):
@@ -59,6 +62,8 @@ class JsonlSink(TrackerSink):
     that changed size since this sink's last write: another writer appends to it (two sinks or
     jobs on one path would mix their lines, and cutting a failed write back would remove the
     other's), or it was cut.
+    A file or folder this process may not write (no permission, a read-only file system)
+    fails the sink when it opens (``PermanentSinkError``), not retried until ``close``.
     A checkpoint of another file (its path differs) gives no offset into this one: a warning
     says so and only its steps count. A path that is not a regular file (``/dev/stdout``, a
     pipe) is only appended to (a cut line there is closed with a newline) and never
@@ -121,8 +126,26 @@ class JsonlSink(TrackerSink):
         return {"path": str(self.path)}
 
     def open(self, run: RunInfo) -> None:
-        """Open ``path`` for appending (``run`` is not recorded in the file)."""
+        """Open ``path`` for appending (``run`` is not recorded in the file).
+
+        Raises:
+            PermanentSinkError: If the file or its folder may not be written (no permission,
+                a read-only file system): retrying cannot help.
+            OSError: Another failure (a full disk), retried by the pipeline.
+        """
         del run
+        try:
+            self._open_file()
+        except OSError as error:
+            if error.errno not in _NOT_WRITABLE:
+                raise
+            raise PermanentSinkError(
+                f"JsonlSink: {self.path} cannot be written ({error}); give the sink a path in "
+                "a folder this process may write (its reports are kept: resume from a "
+                "checkpoint, or replay the spool)"
+            ) from error
+
+    def _open_file(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         regular = self._regular = _is_regular(self.path)
         same_file = self._saved_path is None or _same_path(Path(self._saved_path), self.path)
