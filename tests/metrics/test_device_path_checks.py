@@ -137,6 +137,36 @@ def test_perplexity_device_path_drops_bad_batches_and_matches_cross_entropy(
     assert metric.compute().item() == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("ignore_index", "dtype"),
+    [(None, torch.int64), (50, torch.int64), (-100, torch.uint8), (3, torch.int32)],
+)
+def test_perplexity_device_path_weighs_tokens_for_every_ignore_index(
+    device_path: None, ignore_index: int | None, dtype: torch.dtype
+) -> None:
+    """Counted tokens weigh 1, ignored ones 0, a bad id drops the batch: per ignore setting."""
+    generator = torch.Generator().manual_seed(3)
+    vocab = 6
+    logits = torch.randn(3, 4, vocab, generator=generator)
+    target = torch.randint(0, vocab, (3, 4), generator=generator)
+    if ignore_index is not None and (dtype != torch.uint8 or ignore_index >= 0):
+        target[0, 1] = ignore_index
+    metric = PerplexityMetric(ignore_index=ignore_index)
+    metric.update(logits, target.to(dtype))
+    bad = target.clone()
+    bad[2, 3] = vocab + 1 if dtype != torch.uint8 else 200  # out of the vocabulary
+    metric.update(logits, bad.to(dtype))
+    assert metric.rejected_updates.item() == 1
+    # uint8 cannot hold -100: nothing is ignored there (and no uint8 id is taken for it).
+    applies = ignore_index is not None and (dtype != torch.uint8 or ignore_index >= 0)
+    reference = F.cross_entropy(
+        logits.reshape(-1, vocab).double(),
+        target.reshape(-1),
+        ignore_index=ignore_index if applies else -100,
+    )
+    assert metric.compute().item() == pytest.approx(math.exp(reference.item()), rel=1e-6)
+
+
 @pytest.mark.parametrize(("loss", "weight"), [(-1.0, 1.0), (NAN, 1.0), (INF, 1.0), (1.0, -2.0)])
 def test_perplexity_from_losses_drops_a_bad_batch_on_the_device_path(
     device_path: None, loss: float, weight: float

@@ -13,6 +13,7 @@ from sidestream._validation import (
     check_broadcastable,
     check_floating,
     checks_stay_on_device,
+    clamped,
     drop_invalid,
     ignore_index_of,
     not_finite,
@@ -126,21 +127,32 @@ class PerplexityMetric(Metric[Tensor]):
     def _update_logits_on_device(self, logits: Tensor, target: Tensor, vocab: int) -> None:
         """CUDA, or compiled on any device: no host read, a bad batch is dropped and counted.
 
-        Few ops, for small compiled updates (each op and each value it keeps costs per call):
-        one 0/1 mask of counted tokens, no float64 weights. Every token that is not counted
-        (ignored, or out of range in a dropped batch) gets id -100, which ``cross_entropy``
+        Few ops (each a kernel launch on CUDA, and each value a compiled update keeps costs it
+        per call): one in-vocabulary mask, and one weight per token that is what the token adds
+        to the count: 1 if counted, 0 if ignored, inf if its id is bad, so the token total is
+        also the batch's verdict. Every token that is not counted gets an id ``cross_entropy``
         ignores (loss 0, and no out-of-bounds gather on the device).
         """
-        ignore = self._ignore_index
-        counted, bad = token_masks(target, vocab, ignore)
-        # One reduction gives the token count and the verdict (a bad token adds inf): a
-        # separate any() would cost compiled code another reduction and its buffer per call.
-        tokens = torch.where(bad, torch.inf, counted.to(torch.float64)).sum()
+        ignore = ignore_index_of(target, self._ignore_index)
+        in_vocab = clamped(target, 0, vocab - 1) == target
+        skipped = -100  # an id outside the vocabulary: ignored, or bad (the batch is dropped)
+        if ignore is None:
+            weights = torch.where(in_vocab, 1.0, torch.inf)
+        elif 0 <= ignore < vocab:
+            weights = torch.where(target == ignore, 0.0, torch.where(in_vocab, 1.0, torch.inf))
+            skipped = ignore
+        else:
+            weights = torch.where(in_vocab, 1.0, torch.where(target == ignore, 0.0, torch.inf))
+        # A separate any() would cost compiled code another reduction and its buffer per call.
+        tokens = weights.sum(dtype=torch.float64)
         ids = target if target.dtype == torch.int64 else target.long()  # before -100: uint8
-        ids = torch.where(counted, ids, -100).reshape(-1)
+        ids = torch.where(in_vocab, ids, skipped).reshape(-1)
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         nll = F.cross_entropy(
-            logits.reshape(-1, vocab).to(work_dtype), ids, ignore_index=-100, reduction="none"
+            logits.reshape(-1, vocab).to(work_dtype),
+            ids,
+            ignore_index=skipped,
+            reduction="none",
         ).sum(dtype=torch.float64)
         # Bad logits (NaN, +inf, or -inf at a target token) make the summed loss non-finite,
         # and a bad token made tokens inf. Both sums as one tensor: one drop, one add.
