@@ -334,6 +334,36 @@ def test_reports_spooled_before_close_stay_on_disk_when_the_disk_is_full_at_clos
     assert steps == list(range(1, 101))  # every report once, oldest first
 
 
+_KEEP_WHAT_FITS = r"""
+import resource, signal, sys, time
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+from sidestream.sinks import Report, SinkRunner
+from tests.reliability.faults import GatedSink
+sink = GatedSink()
+runner = SinkRunner(sink, capacity=60, spool_dir=sys.argv[1])  # all 50 stay in memory
+runner.start()
+for step in range(1, 51):
+    runner.submit(Report(step=step, values={"loss": float(step)}, time=0.0))
+time.sleep(0.2)  # the sink thread holds one report in its write
+resource.setrlimit(resource.RLIMIT_FSIZE, (600, resource.RLIM_INFINITY))
+print(runner.close(0.3), runner.dropped)
+"""
+
+
+def test_reports_in_memory_keep_the_oldest_that_fit_on_a_full_disk_at_close(
+    tmp_path: Path,
+) -> None:
+    # Written all or none: a file the disk cut short was deleted, every report in it lost.
+    result = _run_with_file_size_limit(_KEEP_WHAT_FITS, tmp_path)
+    closed, dropped = result.stdout.split()
+    (kept_file,) = tmp_path.glob("*.spool.jsonl")
+    assert os.path.getsize(kept_file) <= 600
+    steps = [report.step for report in read_spool(kept_file)]  # whole lines only
+    assert closed == "False" and steps == list(range(1, len(steps) + 1)) and steps
+    assert len(steps) + int(dropped) == 50  # every report kept or counted lost, once
+    assert f"{dropped} of 50 report(s) not delivered" in result.stderr
+
+
 _FULL_SPOOL_ON_A_FULL_DISK = r"""
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead

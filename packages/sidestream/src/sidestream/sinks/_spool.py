@@ -249,8 +249,9 @@ class Spool:
 
         Both go to one new file when the disk has room for it. When it has not (the spool may
         be most of a full disk, and the new file needs its size again), the spool file itself is
-        kept, its delivered prefix cut off in place, and ``reports`` go to a file of their own;
-        only what fits in neither is lost.
+        kept, its delivered prefix cut off in place, and ``reports`` go to a file of their own,
+        as many of the oldest as fit (whole lines: a line the disk cut short is cut off); only
+        what fits in neither is lost.
 
         Returns:
             The paths of the files left (one JSON report per line, oldest first; a file of
@@ -264,10 +265,10 @@ class Spool:
         paths: list[str] = []
         lost = 0
         if reports:
-            try:
-                paths.append(self._write_new(reports, with_spooled=False))
-            except Exception:
-                lost += len(reports)
+            path, kept = self._write_oldest(reports)
+            if path is not None:
+                paths.append(path)
+            lost += len(reports) - kept
         if self._lines:
             spooled = len(self._lines)
             try:
@@ -302,6 +303,40 @@ class Spool:
         if with_spooled:
             self.discard()
         return path
+
+    def _write_oldest(self, reports: list[Report]) -> tuple[str | None, int]:
+        """Write as many of ``reports`` as fit, oldest first, to a new file: its path and count.
+
+        Line by line and unbuffered, so a full disk (or a file size limit) leaves the whole
+        lines written before it; a part of a line is cut off. No file when none fit.
+        """
+        try:
+            out, path = self._new_file()
+        except Exception:
+            return None, 0
+        kept = end = 0
+        with out:
+            handle = out.fileno()
+            try:
+                for report in reports:
+                    line = encode_report(report)
+                    view = memoryview(line)
+                    while view:
+                        view = view[os.write(handle, view) :]
+                    end += len(line)
+                    kept += 1
+            except Exception:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(handle, end)
+            try:
+                os.fsync(handle)
+            except OSError:
+                kept = 0  # nothing is known to be on disk
+        if kept == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None, 0
+        return path, kept
 
     def _keep_file(self) -> str:
         """Leave the spool file itself on disk, its read prefix cut off (no extra space)."""
