@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
+
+from sidestream._distributed import PUBLIC_GATHER
 
 __all__ = ["bare_all_gather"]
 
@@ -16,6 +16,5 @@ def bare_all_gather(gathered: torch.Tensor, send: torch.Tensor) -> dist.Work:
     The public function (``all_gather_single``, ``all_gather_into_tensor`` before it), with its
     argument checks: sidestream itself calls the process group's method directly.
     """
-    gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work: dist.Work = gather(gathered, send, async_op=True)
+    work: dist.Work = getattr(dist, PUBLIC_GATHER)(gathered, send, async_op=True)
     return work

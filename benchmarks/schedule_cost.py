@@ -144,9 +144,10 @@ def run() -> str:
         "which inflates every figure.\n",
         "*Bare* is the CPU time of issuing the same async `all_gather` of the same bytes alone "
         "outside the collector, through torch.distributed's public call (sidestream calls the "
-        "process group's method directly, without that call's per-call checks), right after the same updates as a window (the step's work "
-        "leaves caches cold, which makes the collective itself cost more; *tight* is the same "
-        "call in a tight loop, alternated with it); *own* is the median minus *bare*: "
+        "process group's method directly, without that call's per-call checks), right after the "
+        "same updates as a window (the step's work leaves caches cold, which makes the "
+        "collective itself cost more; *tight* is the same call in a tight loop, alternated "
+        "with it); *own* is the median minus *bare*: "
         "sidestream's own work. "
         "*Python calls* (counted by cProfile over 20 more windows) does not depend on the "
         "load: equal counts mean the training thread's Python work does not grow with the "

@@ -3,9 +3,9 @@
 sidestream vs torchmetrics (the real classes in a ``MetricCollection``) vs a loop of one
 ``all_reduce`` per state tensor, in the same process group, on the same data, in the same run.
 Collectives are counted with ``sidestream.testing.count_collectives``, which wraps the functions of
-both ``torch.distributed`` and
-``torch.distributed.distributed_c10d`` (every collective a library issues goes through one of
-them), nested calls included.
+both ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (where torchmetrics' and
+the loop's collectives go), nested calls included, and the process-group methods through which
+sidestream starts its own.
 
 Both sides run their real classes on the same inputs; the values after the sync are compared
 so the two collections are known to compute the same thing.

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -671,6 +672,36 @@ def test_jsonl_checkpoint_before_open_points_where_lines_start_after_a_torn_line
         ("b", 4),
         ("b", 5),
     ]
+
+
+_STDOUT_SINK = """
+import sys
+from sidestream.sinks import JsonlSink, Report, RunInfo
+sink = JsonlSink(sys.argv[1])
+sink.open(RunInfo())
+sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+print("the trainer prints", flush=True)
+sink.write(Report(step=2, values={"x": 2.0}, time=0.0))
+print(sink.close(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("name", ["/dev/stdout", "link"])
+def test_jsonl_to_stdout_shares_a_log_file_with_the_trainer(tmp_path: Path, name: str) -> None:
+    # stdout appended to a log (nohup, SLURM, >>): the log is a regular file, but the trainer's
+    # own prints go there too; the sink took them for another writer and failed for good.
+    path = name
+    if name == "link":
+        (tmp_path / "out.jsonl").symlink_to("/dev/stdout")
+        path = str(tmp_path / "out.jsonl")
+    log = tmp_path / "log.txt"
+    with log.open("ab") as out:
+        subprocess.run(
+            [sys.executable, "-c", _STDOUT_SINK, path], stdout=out, check=True, timeout=60
+        )
+    lines = log.read_text().splitlines()
+    assert lines[1:] == ["the trainer prints", lines[2], "True"]
+    assert [json.loads(lines[i])["step"] for i in (0, 2)] == [1, 2]
 
 
 @pytest.mark.parametrize("refusal", [errno.EACCES, errno.EROFS])

@@ -154,7 +154,8 @@ def test_perplexity_device_path_weighs_tokens_for_every_ignore_index(
     metric = PerplexityMetric(ignore_index=ignore_index)
     metric.update(logits, target.to(dtype))
     bad = target.clone()
-    bad[2, 3] = vocab + 1 if dtype != torch.uint8 else 200  # out of the vocabulary
+    # Out of the vocabulary; as uint8, 156 is -100 wrapped: a bad id, never taken for padding.
+    bad[2, 3] = vocab + 1 if dtype != torch.uint8 else 156
     metric.update(logits, bad.to(dtype))
     assert metric.rejected_updates.item() == 1
     # uint8 cannot hold -100: nothing is ignored there (and no uint8 id is taken for it).

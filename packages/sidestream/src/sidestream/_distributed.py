@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "PUBLIC_GATHER",
     "Group",
     "all_gather_async",
     "all_reduce_async",
@@ -156,12 +157,16 @@ def retain_work(work: dist.Work | None) -> dist.Work | None:
 # functions around them re-check their arguments and look the group up on every call: a third
 # of what a logged step's collective costs the training thread (about 25 of 75 µs with gloo).
 # Every buffer passed here is the library's own plain dense tensor on the group's device, so
-# those checks have nothing to find; any other group (a Python subclass, a non-member's
-# placeholder) takes the public functions.
+# those checks have nothing to find; a group of another type (a Python subclass) takes the
+# public functions.
 _GATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or getattr(
     dist.ProcessGroup, "_allgather_base", None
 )
 _REDUCE = getattr(dist.ProcessGroup, "allreduce", None)
+PUBLIC_GATHER = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
+"""torch.distributed's public gather into one tensor: its newer name, where torch has it."""
 
 
 def _options(kind: str) -> Any:
@@ -196,8 +201,7 @@ def all_gather_async(
     if target is not None and _GATHER is not None and _GATHER_OPTIONS is not None:
         work: dist.Work | None = _GATHER(target, output, send, _GATHER_OPTIONS)
         return work
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = gather(output, send, group=group, async_op=True)
+    work = getattr(dist, PUBLIC_GATHER)(output, send, group=group, async_op=True)
     return work
 
 

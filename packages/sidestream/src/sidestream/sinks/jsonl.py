@@ -338,10 +338,32 @@ def _parse(line: str | bytes) -> dict[str, Any] | None:
 
 
 def _is_regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file of this sink's own: mended, synced and watched.
+
+    A name of a file descriptor (``/dev/stdout``, ``/dev/fd/3``, ``/proc/self/fd/1``, or a link
+    to one) is a stream even where it leads to a regular file, such as a job's log: other
+    output shares that file, so it is only appended to.
+    """
+    if _names_a_descriptor(path):
+        return False
     try:
         return stat.S_ISREG(path.stat().st_mode)
     except FileNotFoundError:
         return True  # created as one by open
+
+
+def _names_a_descriptor(path: Path) -> bool:
+    """Whether ``path`` or a link on its way is under ``/dev`` or ``/proc``."""
+    current = path
+    for _ in range(40):  # the kernel's own limit on links followed
+        if current.is_absolute() and current.parts[1:2] in (("dev",), ("proc",)):
+            return True
+        try:
+            target = Path(os.readlink(current))
+        except OSError:  # not a link (or gone): the chain ends here
+            return False
+        current = target if target.is_absolute() else current.parent / target
+    return False
 
 
 def _same_path(saved: Path, path: Path) -> bool:

@@ -75,8 +75,7 @@ def count_collectives() -> Iterator[list[str]]:
             if original is not None:
                 saved.append((module, name, original))
                 setattr(module, name, counted(name, original))
-    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    for attribute, name in (("_GATHER", gather), ("_REDUCE", "all_reduce")):
+    for attribute, name in (("_GATHER", _distributed.PUBLIC_GATHER), ("_REDUCE", "all_reduce")):
         original = getattr(_distributed, attribute)
         if original is not None:
             saved.append((_distributed, attribute, original))

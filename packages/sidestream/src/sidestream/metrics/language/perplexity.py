@@ -13,7 +13,6 @@ from sidestream._validation import (
     check_broadcastable,
     check_floating,
     checks_stay_on_device,
-    clamped,
     drop_invalid,
     ignore_index_of,
     not_finite,
@@ -27,6 +26,7 @@ from sidestream.metrics.language._tokens import (
     count_under,
     token_masks,
     token_range,
+    token_weights,
 )
 from sidestream.state import MetricAccumulator, accumulate_sums
 
@@ -128,25 +128,13 @@ class PerplexityMetric(Metric[Tensor]):
         """CUDA, or compiled on any device: no host read, a bad batch is dropped and counted.
 
         Few ops (each a kernel launch on CUDA, and each value a compiled update keeps costs it
-        per call): one in-vocabulary mask, and one weight per token that is what the token adds
-        to the count: 1 if counted, 0 if ignored, inf if its id is bad, so the token total is
-        also the batch's verdict. Every token that is not counted gets an id ``cross_entropy``
-        ignores (loss 0, and no out-of-bounds gather on the device).
+        per call): one weight per token (``token_weights``), so the token total is also the
+        batch's verdict. Every token that is not counted gets an id ``cross_entropy`` ignores
+        (loss 0, and no out-of-bounds gather on the device).
         """
-        ignore = ignore_index_of(target, self._ignore_index)
-        in_vocab = clamped(target, 0, vocab - 1) == target
-        skipped = -100  # an id outside the vocabulary: ignored, or bad (the batch is dropped)
-        if ignore is None:
-            weights = torch.where(in_vocab, 1.0, torch.inf)
-        elif 0 <= ignore < vocab:
-            weights = torch.where(target == ignore, 0.0, torch.where(in_vocab, 1.0, torch.inf))
-            skipped = ignore
-        else:
-            weights = torch.where(in_vocab, 1.0, torch.where(target == ignore, 0.0, torch.inf))
+        weights, ids, skipped = token_weights(target, vocab, self._ignore_index)
         # A separate any() would cost compiled code another reduction and its buffer per call.
         tokens = weights.sum(dtype=torch.float64)
-        ids = target if target.dtype == torch.int64 else target.long()  # before -100: uint8
-        ids = torch.where(in_vocab, ids, skipped).reshape(-1)
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         nll = F.cross_entropy(
             logits.reshape(-1, vocab).to(work_dtype),
