@@ -169,18 +169,14 @@ PUBLIC_GATHER = (
 """torch.distributed's public gather into one tensor: its newer name, where torch has it."""
 
 
-def _options(kind: str) -> Any:
-    """One ``asyncOp`` options object for every call (the backend copies what it reads)."""
-    made = getattr(dist, kind, None) or getattr(torch._C._distributed_c10d, kind, None)
-    if made is None:
-        return None
-    options = made()
+def _async(options: Any) -> Any:
+    """``options`` for an async start; one object serves every call (the backend copies it)."""
     options.asyncOp = True
     return options
 
 
-_GATHER_OPTIONS = _options("AllgatherOptions")
-_REDUCE_OPTIONS: dict[object, Any] = {}
+_GATHER_OPTIONS = _async(torch._C._distributed_c10d.AllgatherOptions())
+_REDUCE_OPTIONS: dict[object, Any] = {}  # by reduce op, made on first use
 
 
 def _direct(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -198,11 +194,12 @@ def all_gather_async(
     ``group size`` times as long: what ``all_gather_into_tensor`` takes.
     """
     target = _direct(group)
-    if target is not None and _GATHER is not None and _GATHER_OPTIONS is not None:
-        work: dist.Work | None = _GATHER(target, output, send, _GATHER_OPTIONS)
+    if target is None or _GATHER is None:
+        work: dist.Work | None = getattr(dist, PUBLIC_GATHER)(
+            output, send, group=group, async_op=True
+        )
         return work
-    work = getattr(dist, PUBLIC_GATHER)(output, send, group=group, async_op=True)
-    return work
+    return _GATHER(target, output, send, _GATHER_OPTIONS)  # type: ignore[no-any-return]
 
 
 def all_reduce_async(
@@ -210,15 +207,12 @@ def all_reduce_async(
 ) -> dist.Work | None:
     """Start reducing ``buffer`` in place across ``group`` with ``op`` (async; wait on it)."""
     target = _direct(group)
-    if target is not None and _REDUCE is not None:
-        options = _REDUCE_OPTIONS.get(op)
-        if options is None:
-            options = _options("AllreduceOptions")
-            if options is not None:
-                options.reduceOp = op
-                _REDUCE_OPTIONS[op] = options
-        if options is not None:
-            work: dist.Work | None = _REDUCE(target, [buffer], options)
-            return work
-    work = dist.all_reduce(buffer, op=op, group=group, async_op=True)
-    return work
+    if target is None or _REDUCE is None:
+        work: dist.Work | None = dist.all_reduce(buffer, op=op, group=group, async_op=True)
+        return work
+    options = _REDUCE_OPTIONS.get(op)
+    if options is None:
+        options = _async(torch._C._distributed_c10d.AllreduceOptions())
+        options.reduceOp = op
+        _REDUCE_OPTIONS[op] = options  # complete before another thread can read it
+    return _REDUCE(target, [buffer], options)  # type: ignore[no-any-return]

@@ -259,7 +259,7 @@ class Spool:
             reports lost, and the first error met (``None`` when one file held everything).
         """
         try:
-            return [self._write_new(reports, with_spooled=True)], 0, None
+            return [self._write_with_spooled(reports)], 0, None
         except Exception as error:  # never raises: close reports what it could not keep
             first_error = error
         paths: list[str] = []
@@ -278,13 +278,14 @@ class Spool:
         self.discard()
         return paths, lost, first_error
 
-    def _write_new(self, reports: list[Report], *, with_spooled: bool) -> str:
+    def _write_with_spooled(self, reports: list[Report]) -> str:
+        """``reports``, then every spooled line, to one new file (all or none); empty the spool."""
         out, path = self._new_file()
         try:
             with out:
                 for report in reports:
                     out.write(encode_report(report))
-                if with_spooled and self._file is not None:
+                if self._file is not None:
                     source = self._read_offset
                     while source < self._end:
                         self._file.seek(source)
@@ -296,12 +297,12 @@ class Spool:
                 out.flush()
                 os.fsync(out.fileno())
         except BaseException:
-            # A part of the reports in a file would look like all of them: leave none.
+            # Left whole or not at all: keep() then keeps the spool file itself and the oldest
+            # of ``reports`` that fit in a file of their own.
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
-        if with_spooled:
-            self.discard()
+        self.discard()
         return path
 
     def _write_oldest(self, reports: list[Report]) -> tuple[str | None, int]:
