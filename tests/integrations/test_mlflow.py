@@ -688,7 +688,7 @@ def test_names_mlflow_refuses_or_that_clean_alike_are_logged_apart(shm_path: Pat
 
 
 def test_a_replay_given_no_tracking_uri_delivers_to_the_jobs_server(
-    mlflow_server: MlflowServer, shm_path: Path, monkeypatch: pytest.MonkeyPatch
+    mlflow_server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The replay command the close warning names, given no tracking URI: it made a new run in
     MLflow's default store (./mlflow.db), exited 0 and marked the spool replayed."""
@@ -698,8 +698,8 @@ def test_a_replay_given_no_tracking_uri_delivers_to_the_jobs_server(
     from sidestream.sinks.replay import main
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.chdir(shm_path)
-    spools = shm_path / "spools"
+    monkeypatch.chdir(tmp_path)
+    spools = tmp_path / "spools"
     mlflow_server.kill()
     try:
         sink = MlflowSink(tracking_uri=mlflow_server.uri, experiment="no-uri", http_timeout=1)
@@ -718,7 +718,7 @@ def test_a_replay_given_no_tracking_uri_delivers_to_the_jobs_server(
     assert found.info.run_name == "job"
     history = client.get_metric_history(found.info.run_id, "lr")
     assert sorted(m.step for m in history) == [1, 2, 3]
-    assert not list(shm_path.glob("mlflow.db")) and not list(shm_path.glob("mlruns"))
+    assert not list(tmp_path.glob("mlflow.db")) and not list(tmp_path.glob("mlruns"))
 
 
 def test_a_kept_uri_with_its_password_hidden_must_be_given_again(
