@@ -69,6 +69,52 @@ def test_absent_class_left_out_of_macro_in_both() -> None:
     assert float(ours.compute()) == float(theirs.compute()) == 1.0
 
 
+def test_zero_division_applies_to_accuracy_and_specificity_too() -> None:
+    """torchmetrics' accuracy and specificity give 0 for a class's 0/0 whatever zero_division;
+    sidestream gives zero_division, as scikit-learn's recall (per-class accuracy) does."""
+    from sklearn.metrics import recall_score
+
+    scores = torch.tensor([[0.1, 0.9, 0.0], [0.2, 0.8, 0.0]])
+    target = torch.tensor([1, 1])  # classes 0 and 2: no sample, nothing predicted
+    their_accuracy = tmc.MulticlassAccuracy(3, average="none", zero_division=1.0)
+    their_accuracy.update(scores, target)
+    assert their_accuracy.compute().tolist() == [0.0, 1.0, 0.0]
+    accuracy = confusion_count_metric(zero_division=1.0).multiclass(3).with_accuracy()
+    ours = accuracy.per_class().build()
+    ours.update(scores, target)
+    expected = recall_score([1, 1], [1, 1], labels=[0, 1, 2], average=None, zero_division=1.0)
+    assert ours.compute().tolist() == expected.tolist() == [1.0, 1.0, 1.0]
+    # Specificity of class 1: no negative sample, so tn + fp = 0.
+    their_specificity = tmc.MulticlassSpecificity(3, average="none", zero_division=1.0)
+    their_specificity.update(scores, target)
+    assert their_specificity.compute().tolist() == [1.0, 0.0, 1.0]
+    specificity = confusion_count_metric(zero_division=1.0).multiclass(3).with_specificity()
+    our_specificity = specificity.per_class().build()
+    our_specificity.update(scores, target)
+    assert our_specificity.compute().tolist() == [1.0, 1.0, 1.0]
+
+
+def test_weighted_mean_without_support_is_the_plain_mean_as_in_scikit_learn() -> None:
+    """Multilabel, no positive target: every label's support (the weight) is 0. torchmetrics
+    returns 0; sidestream, like scikit-learn's weighted averages, the plain mean."""
+    from sklearn.metrics import precision_score
+
+    preds, target = torch.tensor([[0.9, 0.8, 0.1]]), torch.tensor([[0, 0, 0]])
+    theirs = tmc.MultilabelAccuracy(3, average="weighted")
+    theirs.update(preds, target)
+    assert float(theirs.compute()) == 0.0
+    ours = confusion_count_metric().multilabel(3).with_accuracy().weighted().build()
+    ours.update(preds, target)
+    assert float(ours.compute()) == pytest.approx(1 / 3)  # labels right: 0, 0, 1
+    # scikit-learn's rule on a statistic it has: precision 0, 0 and (zero_division) 1.
+    predicted = (preds >= 0.5).int().numpy()
+    sk = precision_score(target.numpy(), predicted, average="weighted", zero_division=1.0)
+    precision = confusion_count_metric(zero_division=1.0).multilabel(3).with_precision()
+    our_precision = precision.weighted().build()
+    our_precision.update(preds, target)
+    assert float(our_precision.compute()) == pytest.approx(sk) == pytest.approx(1 / 3)
+
+
 def test_top_k_micro_accuracy_agrees_and_precision_differs() -> None:
     scores = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.5, 0.4, 0.0]])
     target = torch.tensor([1, 2])
