@@ -297,7 +297,8 @@ def main() -> int:
         "`sidestream.sinks.replay_spool(path, sink)` or "
         "`python -m sidestream.sinks.replay PATH --sink jsonl --option path=out.jsonl` "
         "delivers them later (and renames the file `PATH.replayed`, so it is not replayed "
-        "twice).",
+        "twice, but only once the sink's close confirmed that its backend has them: otherwise "
+        "the file is kept and the command exits 1).",
         "- **Staging slots**: at most `max_slots` (8 by default) copies of the metric, one per "
         "window still being reduced; they also bound the windows waiting for the dispatcher. "
         "With none free, `schedule_collection` waits for the oldest window (logged once, timed "

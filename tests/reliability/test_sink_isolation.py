@@ -210,6 +210,72 @@ def test_replay_skips_damaged_lines_when_asked_and_counts_steps_the_sink_has(
     assert [json.loads(x)["step"] for x in out.read_text().splitlines()] == [1, 2, 4, 5]
 
 
+class _UnconfirmedJsonlSink(JsonlSink):
+    """Writes its file, but its close does not confirm delivery (a backend that timed out)."""
+
+    def close(self, timeout: float | None = None) -> bool:
+        super().close(timeout)
+        return False
+
+
+def test_a_replay_whose_sink_does_not_confirm_at_close_keeps_the_file_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a confirmed close means the backend has the reports: without one the replay was
+    reported as delivered, and the file renamed as replayed (never delivered again)."""
+    from sidestream.sinks import replay
+
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(b"".join(encode_report(_report(step)) for step in range(1, 4)))
+    out = tmp_path / "out.jsonl"
+    result = replay_spool(spool, _UnconfirmedJsonlSink(str(out)))
+    assert (result.written, result.closed) == (3, False)
+    assert replay_spool(spool, JsonlSink(str(tmp_path / "other.jsonl"))).closed
+    built: list[float | None] = []
+
+    class Recording(_UnconfirmedJsonlSink):
+        def close(self, timeout: float | None = None) -> bool:
+            built.append(timeout)
+            return super().close(timeout)
+
+    monkeypatch.setattr(replay, "_sink", lambda parser, name, options: Recording(str(out)))
+    assert replay.main([str(spool), "--sink", "jsonl", "--timeout", "7.5"]) == 1
+    printed = capsys.readouterr()
+    assert "wrote 3 report(s)" in printed.out and "delivered" not in printed.out
+    assert "did not confirm within 7.5 s" in printed.err and "is kept" in printed.err
+    assert built == [7.5]
+    assert spool.exists() and not Path(f"{spool}.replayed").exists()
+
+
+def test_a_long_replay_shows_how_far_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sidestream.sinks.replay import _Progress
+
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(b"".join(encode_report(_report(step)) for step in range(1, 6)))
+    progress = _Progress(str(spool), every=0.0)
+    result = replay_spool(spool, JsonlSink(str(tmp_path / "out.jsonl")), progress=progress)
+    assert result.closed
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == "replayed 5 of about 5 reports (5 delivered, 0 the sink had)"
+    assert len(lines) == 5
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "inf", "soon"])
+def test_replay_timeout_must_be_seconds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], timeout: str
+) -> None:
+    from sidestream.sinks.replay import main
+
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(encode_report(_report(1)))
+    with pytest.raises(SystemExit) as exited:
+        main([str(spool), "--sink", "jsonl", "--timeout", timeout])
+    assert exited.value.code == 2
+    assert "--timeout: expected seconds (a number > 0)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -301,6 +301,9 @@ class ReplayResult:
             part. They may be missing from the backend; the command keeps the file then.
         damaged: The damaged lines skipped (with ``skip_damaged``), each described.
         resumed_from: The kept state file the sink resumed from, if it did.
+        closed: Whether the sink's ``close`` confirmed that its backend has every report
+            written (``False``: it timed out or failed, and the written reports may be
+            missing there; replay the file again).
     """
 
     written: int = 0
@@ -308,6 +311,7 @@ class ReplayResult:
     held: int = 0
     damaged: list[str] = dataclasses.field(default_factory=list)
     resumed_from: str | None = None
+    closed: bool = False
 
 
 def replay_spool(
@@ -318,6 +322,7 @@ def replay_spool(
     resume_state: Mapping[str, Any] | None = None,
     timeout: float | None = 60.0,
     skip_damaged: bool = False,
+    progress: Callable[[ReplayResult], None] | None = None,
 ) -> ReplayResult:
     """Deliver a kept spool file into ``sink``: load its state, open, write each report, close.
 
@@ -340,12 +345,16 @@ def replay_spool(
         run: Given to ``sink.open``; ``None``: the kept run, if any, else an empty one.
         resume_state: Given to ``sink.load_state_dict`` before ``open``; ``None``: the kept
             state, if the same kind of sink kept it.
-        timeout: Given to ``sink.close``.
+        timeout: Given to ``sink.close``, which waits that long for the backend to confirm.
         skip_damaged: Skip damaged lines (listed in the result) and deliver the rest, instead
             of raising at the first one.
+        progress: Called with the result so far after each report (written or skipped), for
+            a long replay to show how far it is.
 
     Returns:
-        How many reports were written and skipped, and the damaged lines passed over.
+        How many reports were written and skipped, the damaged lines passed over, and
+        whether the sink's close confirmed delivery (``closed``: only then are the written
+        reports in the backend).
 
     Raises:
         DamagedLineError: At a damaged line without ``skip_damaged`` (the reports before it
@@ -369,23 +378,34 @@ def replay_spool(
     tracker = sink if isinstance(sink, TrackerSink) else None
     try:
         for report in read_spool(path, damaged=result.damaged if skip_damaged else None):
-            if tracker is not None and tracker.is_delivered(report):
-                result.skipped += 1
-                continue
-            there = tracker.values_in_backend(report) if tracker is not None else []
-            # Held values are among those left out: no second scan when none is.
-            held = bool(there) and tracker is not None and bool(tracker.held_values(report))
-            result.held += held
-            if there and len(there) == len(report.values) + len(report.histograms):
-                # Nothing of it would be sent: the backend has all of it at this step (the
-                # sink already had it), or some of it only at later steps (held).
-                result.skipped += not held
-                continue
-            sink.write(report)
-            result.written += 1
+            _replay_one(sink, tracker, report, result)
+            if progress is not None:
+                progress(result)
     finally:
-        sink.close(timeout)
+        # Only a confirmed close means the backend has the reports (W&B's service, or a
+        # TensorBoard file, may still hold them before it): the caller must know.
+        result.closed = sink.close(timeout)
     return result
+
+
+def _replay_one(
+    sink: Sink, tracker: TrackerSink | None, report: Report, result: ReplayResult
+) -> None:
+    """Write ``report`` into ``sink`` unless the sink or its backend has it; count it."""
+    if tracker is not None and tracker.is_delivered(report):
+        result.skipped += 1
+        return
+    there = tracker.values_in_backend(report) if tracker is not None else []
+    # Held values are among those left out: no second scan when none is.
+    held = bool(there) and tracker is not None and bool(tracker.held_values(report))
+    result.held += held
+    if there and len(there) == len(report.values) + len(report.histograms):
+        # Nothing of it would be sent: the backend has all of it at this step (the sink
+        # already had it), or some of it only at later steps (held).
+        result.skipped += not held
+        return
+    sink.write(report)
+    result.written += 1
 
 
 def _kept_beside(path: str | os.PathLike[str]) -> KeptState | None:

@@ -11,12 +11,14 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from sidestream._cli import run_command
 from sidestream.sinks._spool_format import (
     STATE_SUFFIX,
     DamagedLineError,
+    ReplayResult,
     read_kept_state,
     read_spool,
     replay_spool,
@@ -25,6 +27,53 @@ from sidestream.sinks.base import Sink
 from sidestream.sinks.config import sinks_from_config
 
 __all__ = ["main"]
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}")
+    return value
+
+
+class _Progress:
+    """Prints how far a replay is, to stderr, at most every ``every`` seconds.
+
+    A spool holds up to its cap of reports (hundreds of thousands), and a tracker takes each
+    over the network: without it a long replay looks hung.
+    """
+
+    def __init__(self, path: str, every: float = 5.0) -> None:
+        self._total = _count_lines(path)
+        self._every = every
+        self._next = time.monotonic() + every
+        self._done = 0
+
+    def __call__(self, result: ReplayResult) -> None:
+        self._done += 1
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self._every
+        print(
+            f"replayed {self._done:,} of about {self._total:,} reports "
+            f"({result.written:,} delivered, {result.skipped:,} the sink had)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _count_lines(path: str) -> int:
+    """The number of lines of the file at ``path`` (one per report), read in chunks."""
+    lines = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            lines += chunk.count(b"\n")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,6 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="leave the spool file as it is (by default it is renamed SPOOL.replayed once "
         "every report was delivered, so it is not replayed twice)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long the sink's close may wait for its backend to confirm every report "
+        "(default 60); if it does not, the file is kept and the command exits 1",
     )
     parser.add_argument("--print", action="store_true", help="print the reports, write nothing")
     args = parser.parse_args(argv)
@@ -135,7 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (TypeError, ValueError, KeyError) as error:
             parser.error(f"--resume-state: {error}")
     try:
-        result = replay_spool(args.spool, sink, resume_state=state, skip_damaged=args.skip_damaged)
+        result = replay_spool(
+            args.spool,
+            sink,
+            resume_state=state,
+            timeout=args.timeout,
+            skip_damaged=args.skip_damaged,
+            progress=_Progress(args.spool),
+        )
     except DamagedLineError as error:
         print(
             f"stopped at a damaged line: {error}; the reports before it were delivered. Run "
@@ -153,9 +217,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in result.damaged:
         print(f"skipped a damaged line: {line}", file=sys.stderr)
     print(
-        f"delivered {result.written} report(s) from {args.spool} into {args.sink}; "
+        f"{'delivered' if result.closed else 'wrote'} {result.written} report(s) from "
+        f"{args.spool} into {args.sink}; "
         f"{result.skipped} the sink already had, {len(result.damaged)} damaged line(s) skipped"
     )
+    if not result.closed:
+        print(
+            f"the {args.sink} sink did not confirm within {args.timeout:g} s that its backend "
+            f"has the reports (its warnings say why), so they may be missing there; "
+            f"{args.spool} is kept: run this command again (--timeout for a slow backend; "
+            "reports the backend has are skipped)",
+            file=sys.stderr,
+        )
+        return 1
     if result.held:
         print(
             f"{result.held} report(s) had values the backend holds at later steps, which a "
