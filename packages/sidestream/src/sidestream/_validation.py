@@ -120,7 +120,7 @@ def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_na
     """Raise ``ValueError`` unless ``tensor`` broadcasts to ``target``'s shape exactly."""
     if not broadcasts_to(tuple(tensor.shape), tuple(target.shape)):
         raise ValueError(
-            f"{argument}: expected a scalar or a shape broadcastable to {target_name}'s shape "
+            f"{argument}: expected a scalar or a shape broadcastable to the shape of {target_name} "
             f"{tuple(target.shape)}, got {tuple(tensor.shape)}"
         )
 
