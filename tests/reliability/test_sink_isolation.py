@@ -242,9 +242,45 @@ def test_a_replay_whose_sink_does_not_confirm_at_close_keeps_the_file_and_fails(
     assert replay.main([str(spool), "--sink", "jsonl", "--timeout", "7.5"]) == 1
     printed = capsys.readouterr()
     assert "wrote 3 report(s)" in printed.out and "delivered" not in printed.out
-    assert "did not confirm within 7.5 s" in printed.err and "is kept" in printed.err
+    assert "did not confirm" in printed.err and "--timeout 7.5 s" in printed.err
+    assert "is kept" in printed.err
     assert built == [7.5]
     assert spool.exists() and not Path(f"{spool}.replayed").exists()
+
+
+class _LackingJsonlSink(JsonlSink):
+    """Closes as TensorBoard's and W&B's sinks do: ``False`` while the run lacks values."""
+
+    def close(self, timeout: float | None = None) -> bool:
+        return self.closed_with_every_value(super().close(timeout))
+
+
+def test_a_replay_into_a_run_that_lacks_values_is_delivered_and_says_what_it_lacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The values a tracker left out stay in its state, so its close returns False on every
+    later replay too: that alone must not keep the file (it would be kept forever)."""
+    from sidestream.sinks import replay
+
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(b"".join(encode_report(_report(step)) for step in range(1, 4)))
+    out = tmp_path / "out.jsonl"
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"path": str(out), "last_steps": [], "skipped_values": ["h"]}))
+    monkeypatch.setattr(replay, "_sink", lambda parser, name, options: _LackingJsonlSink(str(out)))
+    arguments = [str(spool), "--sink", "jsonl", "--resume-state", str(state)]
+    assert replay.main(arguments) == 0
+    printed = capsys.readouterr()
+    assert "delivered 3 report(s)" in printed.out
+    assert "the run lacks values the backend could not take: h" in printed.err
+    assert "did not confirm" not in printed.err
+    assert Path(f"{spool}.replayed").exists()
+    sink = _LackingJsonlSink(str(tmp_path / "again.jsonl"))
+    sink.load_state_dict(
+        {"path": str(tmp_path / "again.jsonl"), "last_steps": [], "skipped_values": ["h"]}
+    )
+    result = replay_spool(f"{spool}.replayed", sink)
+    assert (result.written, result.closed, result.lacking) == (3, True, ["h"])
 
 
 def test_a_long_replay_shows_how_far_it_is(
@@ -258,7 +294,7 @@ def test_a_long_replay_shows_how_far_it_is(
     result = replay_spool(spool, JsonlSink(str(tmp_path / "out.jsonl")), progress=progress)
     assert result.closed
     lines = capsys.readouterr().err.splitlines()
-    assert lines[-1] == "replayed 5 of about 5 reports (5 delivered, 0 the sink had)"
+    assert lines[-1] == "replayed 5 of about 5 reports (5 written, 0 the sink had)"
     assert len(lines) == 5
 
 
@@ -273,7 +309,7 @@ def test_replay_timeout_must_be_seconds(
     with pytest.raises(SystemExit) as exited:
         main([str(spool), "--sink", "jsonl", "--timeout", timeout])
     assert exited.value.code == 2
-    assert "--timeout: expected seconds (a number > 0)" in capsys.readouterr().err
+    assert "--timeout: expected seconds (a finite number > 0)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

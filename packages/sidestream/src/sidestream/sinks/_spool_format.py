@@ -301,9 +301,12 @@ class ReplayResult:
             part. They may be missing from the backend; the command keeps the file then.
         damaged: The damaged lines skipped (with ``skip_damaged``), each described.
         resumed_from: The kept state file the sink resumed from, if it did.
-        closed: Whether the sink's ``close`` confirmed that its backend has every report
-            written (``False``: it timed out or failed, and the written reports may be
-            missing there; replay the file again).
+        closed: Whether the backend has every report written: the sink's ``close``
+            confirmed it (``False``: the close timed out or failed, and the written reports
+            may be missing there; replay the file again). A tracker's close that returned
+            ``False`` only because the run lacks values it left out counts as confirmed.
+        lacking: The names of values the tracker's run lacks for good (the backend could not
+            take them, in this replay or in the job it resumes: ``skip_value``).
     """
 
     written: int = 0
@@ -312,6 +315,7 @@ class ReplayResult:
     damaged: list[str] = dataclasses.field(default_factory=list)
     resumed_from: str | None = None
     closed: bool = False
+    lacking: list[str] = dataclasses.field(default_factory=list)
 
 
 def replay_spool(
@@ -385,6 +389,12 @@ def replay_spool(
         # Only a confirmed close means the backend has the reports (W&B's service, or a
         # TensorBoard file, may still hold them before it): the caller must know.
         result.closed = sink.close(timeout)
+        if tracker is not None:
+            result.lacking = tracker.skipped_values
+            # A close that returned False only for the values the run lacks (kept in the
+            # state, so every later replay's close says it again) confirmed the rest.
+            if not result.closed and result.lacking and not tracker.pending_reports():
+                result.closed = True
     return result
 
 

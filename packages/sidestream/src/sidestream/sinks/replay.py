@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -30,13 +31,13 @@ __all__ = ["main"]
 
 
 def _seconds(text: str) -> float:
-    """``--timeout``: a number of seconds > 0."""
+    """``--timeout``: a finite number of seconds > 0."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}")
+        value = math.nan  # refused below, with the same message
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds (a finite number > 0), got {text!r}")
     return value
 
 
@@ -61,7 +62,7 @@ class _Progress:
         self._next = now + self._every
         print(
             f"replayed {self._done:,} of about {self._total:,} reports "
-            f"({result.written:,} delivered, {result.skipped:,} the sink had)",
+            f"({result.written:,} written, {result.skipped:,} the sink had)",
             file=sys.stderr,
             flush=True,
         )
@@ -221,15 +222,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.spool} into {args.sink}; "
         f"{result.skipped} the sink already had, {len(result.damaged)} damaged line(s) skipped"
     )
-    if not result.closed:
+    if result.lacking:
         print(
-            f"the {args.sink} sink did not confirm within {args.timeout:g} s that its backend "
-            f"has the reports (its warnings say why), so they may be missing there; "
-            f"{args.spool} is kept: run this command again (--timeout for a slow backend; "
-            "reports the backend has are skipped)",
+            f"the run lacks values the backend could not take: {', '.join(result.lacking)} "
+            "(warned when each was left out)",
             file=sys.stderr,
         )
-        return 1
+    if not result.closed:
+        print(
+            f"the {args.sink} sink's close did not confirm that its backend has every report "
+            f"written (it failed, or ran past --timeout {args.timeout:g} s: its warnings say "
+            f"which), so some may be missing there; {args.spool} is kept. Run this command "
+            "again: with the state kept beside the file (or --resume-state), reports the "
+            "backend has are skipped; without it they may be written twice",
+            file=sys.stderr,
+        )
     if result.held:
         print(
             f"{result.held} report(s) had values the backend holds at later steps, which a "
@@ -237,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"missing there; {args.spool} is kept (replay a kept file before resuming the job)",
             file=sys.stderr,
         )
+    if result.held or not result.closed:
         return 1
     if not args.keep:
         try:

@@ -435,6 +435,11 @@ class TrackerSink(Sink):
         self.warn_once(f"skipped:{name}", message)
         self._skipped.add(name)
 
+    @property
+    def skipped_values(self) -> list[str]:
+        """The names of the values left out of the run for good (``skip_value``), sorted."""
+        return sorted(self._skipped)
+
     def closed_with_every_value(self, closed: bool) -> bool:
         """``closed``, but ``False`` (warned) if ``skip_value`` left values out of the run."""
         if closed and self._skipped:
