@@ -38,7 +38,7 @@ def test_settings_reach_only_calls_inside_the_block_on_that_thread(
 
 def test_opening_the_sink_changes_no_environment_variable(shm_path: Path) -> None:
     before = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_HTTP")}
-    sink = MlflowSink(tracking_uri=f"sqlite:///{shm_path / 'm.db'}", experiment="env")
+    sink = MlflowSink(tracking_uri=f"sqlite:///{shm_path / 'mlflow.db'}", experiment="env")
     sink.open(RunInfo(name="env"))
     assert sink.close(timeout=60)
     assert {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_HTTP")} == before
