@@ -69,29 +69,33 @@ def test_absent_class_left_out_of_macro_in_both() -> None:
     assert float(ours.compute()) == float(theirs.compute()) == 1.0
 
 
+def _per_class_with_zero_division_1(statistic: str) -> tuple[list[float], list[float]]:
+    """torchmetrics' and sidestream's per-class ``statistic`` with ``zero_division=1.0`` on
+    two samples of class 1, both predicted 1 (classes 0 and 2: no sample, nothing predicted).
+    """
+    scores = torch.tensor([[0.1, 0.9, 0.0], [0.2, 0.8, 0.0]])
+    target = torch.tensor([1, 1])
+    theirs = getattr(tmc, f"Multiclass{statistic}")(3, average="none", zero_division=1.0)
+    theirs.update(scores, target)
+    builder = confusion_count_metric(zero_division=1.0).multiclass(3)
+    ours = getattr(builder, f"with_{statistic.lower()}")().per_class().build()
+    ours.update(scores, target)
+    return theirs.compute().tolist(), ours.compute().tolist()
+
+
 def test_zero_division_applies_to_accuracy_and_specificity_too() -> None:
     """torchmetrics' accuracy and specificity give 0 for a class's 0/0 whatever zero_division;
     sidestream gives zero_division, as scikit-learn's recall (per-class accuracy) does."""
     from sklearn.metrics import recall_score
 
-    scores = torch.tensor([[0.1, 0.9, 0.0], [0.2, 0.8, 0.0]])
-    target = torch.tensor([1, 1])  # classes 0 and 2: no sample, nothing predicted
-    their_accuracy = tmc.MulticlassAccuracy(3, average="none", zero_division=1.0)
-    their_accuracy.update(scores, target)
-    assert their_accuracy.compute().tolist() == [0.0, 1.0, 0.0]
-    accuracy = confusion_count_metric(zero_division=1.0).multiclass(3).with_accuracy()
-    ours = accuracy.per_class().build()
-    ours.update(scores, target)
+    theirs, ours = _per_class_with_zero_division_1("Accuracy")
+    assert theirs == [0.0, 1.0, 0.0]
     expected = recall_score([1, 1], [1, 1], labels=[0, 1, 2], average=None, zero_division=1.0)
-    assert ours.compute().tolist() == expected.tolist() == [1.0, 1.0, 1.0]
+    assert ours == expected.tolist() == [1.0, 1.0, 1.0]
     # Specificity of class 1: no negative sample, so tn + fp = 0.
-    their_specificity = tmc.MulticlassSpecificity(3, average="none", zero_division=1.0)
-    their_specificity.update(scores, target)
-    assert their_specificity.compute().tolist() == [1.0, 0.0, 1.0]
-    specificity = confusion_count_metric(zero_division=1.0).multiclass(3).with_specificity()
-    our_specificity = specificity.per_class().build()
-    our_specificity.update(scores, target)
-    assert our_specificity.compute().tolist() == [1.0, 1.0, 1.0]
+    theirs, ours = _per_class_with_zero_division_1("Specificity")
+    assert theirs == [1.0, 0.0, 1.0]
+    assert ours == [1.0, 1.0, 1.0]
 
 
 def test_weighted_mean_without_support_is_the_plain_mean_as_in_scikit_learn() -> None:
