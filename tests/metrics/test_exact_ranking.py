@@ -16,6 +16,7 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 from sklearn.preprocessing import label_binarize
 
 from sidestream import _validation
+from sidestream._samples import SampleStore
 from sidestream.collector import AsyncMetricCollector
 from sidestream.metric import has_own_sync
 from sidestream.metrics import ComposeMetric, SumMetric
@@ -513,6 +514,37 @@ def test_an_input_modified_in_place_after_update_raises_until_reset() -> None:
     _close(again.compute(), 1.0)
     mine.zero_()
     _close(again.compute(), 1.0)
+
+
+def test_a_store_watches_borrowed_rows_kept_in_their_shape_through_moves_and_copies() -> None:
+    """One-element rows are borrowed in any shape and come back as a column in order; a move
+    that keeps a tensor and a staged copy (``copy_from``) still watch it, ``clear`` forgets."""
+    store = SampleStore(
+        scores=torch.zeros((0, 1), dtype=torch.float64),
+        labels=torch.zeros((0, 1), dtype=torch.int8),
+    )
+    grid = torch.tensor([[0.1, 0.2], [0.3, 0.4]]).t()  # not contiguous
+    store.borrow(scores=grid, labels=torch.tensor([True, False, True, True]).reshape(2, 2))
+    store.borrow(scores=torch.tensor([[0.5]]), labels=torch.tensor([1], dtype=torch.uint8))
+    store.append(
+        scores=torch.tensor([[0.6]], dtype=torch.float64), labels=torch.tensor([[0]]).char()
+    )
+    store.to(torch.device("cpu"))  # the tensors stay: still the caller's
+    staged = SampleStore(**{name: torch.zeros((0, 1)) for name in store.fields})
+    staged.copy_from(store)
+    grid.add_(1.0)
+    for twin in (store, staged):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="modified in place"):
+                twin.local()
+    store.clear()
+    store.borrow(scores=grid, labels=torch.tensor([1, 0, 1, 1]).reshape(2, 2))
+    rows = store.local()
+    assert rows["scores"].shape == (4, 1) and rows["scores"].dtype == torch.float64
+    assert rows["scores"][:, 0].tolist() == pytest.approx([1.1, 1.3, 1.2, 1.4])
+    assert rows["labels"].dtype == torch.int8 and rows["labels"][:, 0].tolist() == [1, 0, 1, 1]
+    grid.zero_()  # merged: the rows are the store's own now
+    assert store.local()["scores"][:, 0].tolist() == pytest.approx([1.1, 1.3, 1.2, 1.4])
 
 
 def test_inference_tensors_are_copied() -> None:

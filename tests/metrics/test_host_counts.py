@@ -17,6 +17,7 @@ from sidestream.metrics.classification import (
     BinaryAveragePrecisionMetric,
     _cpu_path,
     _host_counts,
+    ranking,
 )
 from sidestream.metrics.classification._host_counts import BinaryHostCounter
 
@@ -246,3 +247,125 @@ def test_a_lazily_negated_view_counts_as_its_values() -> None:
     metric = BinaryAUROCMetric()
     metric.update(view, target)
     assert metric.compute().item() == pytest.approx(roc_auc_score(target, scores))
+
+
+def _recording_stores(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """What each exact-mode ``borrow_checked`` call did: True (stored), False, or the error."""
+    calls: list[object] = []
+    original = ranking.borrow_checked
+
+    def spy(*args: object) -> bool:
+        try:
+            calls.append(original(*args))  # type: ignore[arg-type]
+        except ValueError as error:
+            calls.append(error)
+            raise
+        return bool(calls[-1])
+
+    monkeypatch.setattr(ranking, "borrow_checked", spy)
+    return calls
+
+
+def _exact_batches(target_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Ties, edges, a 2-D strided batch and one requiring grad, in float32 and float64."""
+    generator = torch.Generator().manual_seed(5)
+    batches = []
+    for size, dtype in ((7, torch.float32), (64, torch.float64), (1024, torch.float32)):
+        scores = (torch.randint(0, 50, (size,), generator=generator) / 49).to(dtype)
+        target = torch.randint(0, 2, (size,), generator=generator).to(target_dtype)
+        batches.append((scores, target))
+    edges = torch.tensor([0.0, -0.0, 1.0, np.nextafter(1.0, 0), 0.5, 0.5])
+    batches.append((edges, torch.tensor([0, 1, 1, 0, 1, 0]).to(target_dtype)))
+    scores, target = batches[1]
+    batches[1] = (scores.reshape(8, 8).t(), target.reshape(8, 8).t())  # not contiguous
+    batches[2] = (batches[2][0].clone().requires_grad_(), batches[2][1])
+    return batches
+
+
+@pytest.mark.parametrize("target_dtype", [torch.bool, torch.uint8, torch.int8, torch.int64])
+def test_exact_rows_stored_through_numpy_are_those_of_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, target_dtype: torch.dtype
+) -> None:
+    """Exact mode keeps small batches after numpy's checks: the same rows, and the value is
+    scikit-learn's on the concatenated batches."""
+    batches = _exact_batches(target_dtype)
+    fast = BinaryAUROCMetric(exact=True)
+    with monkeypatch.context() as patch:
+        calls = _recording_stores(patch)
+        for scores, target in batches:
+            fast.update(scores, target)
+    assert calls == [True] * len(batches)
+    with monkeypatch.context() as patch:
+        patch.setattr(ranking, "borrow_checked", lambda *args: False)
+        torch_path = BinaryAUROCMetric(exact=True)
+        for scores, target in batches:
+            torch_path.update(scores, target)
+    fast_rows, torch_rows = fast.state_dict(), torch_path.state_dict()
+    for field in ("scores", "labels"):
+        assert fast_rows[field].rows.dtype == torch_rows[field].rows.dtype
+        assert torch.equal(fast_rows[field].rows, torch_rows[field].rows), field
+    every_score = torch.cat([s.detach().reshape(-1).double() for s, _ in batches]).numpy()
+    every_target = torch.cat([t.reshape(-1).to(torch.int64) for _, t in batches]).numpy()
+    assert fast.compute().item() == pytest.approx(
+        roc_auc_score(every_target, every_score), abs=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    ("preds", "target", "argument"),
+    [
+        ([0.2, float("nan")], [0, 1], "preds"),
+        ([0.2, 1.0000001], [0, 1], "preds"),
+        ([-1e-30, 0.5], [0, 1], "preds"),
+        ([0.2, 0.5], [0, 2], "target"),
+        ([0.2, 0.5], [-1, 1], "target"),
+    ],
+)
+def test_exact_bad_values_raise_the_torch_path_error_before_storing(
+    monkeypatch: pytest.MonkeyPatch, preds: list[float], target: list[int], argument: str
+) -> None:
+    messages = []
+    for numpy_path in (True, False):
+        with monkeypatch.context() as patch:
+            if numpy_path:
+                calls = _recording_stores(patch)
+            else:
+                patch.setattr(ranking, "borrow_checked", lambda *args: False)
+            metric = BinaryAveragePrecisionMetric(exact=True)
+            metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 1]))
+            with pytest.raises(ValueError, match=f"^{argument}: ") as raised:
+                metric.update(torch.tensor(preds), torch.tensor(target))
+            assert metric.state_dict()["scores"].rows[:, 0].tolist() == pytest.approx([0.1, 0.9])
+            assert metric.compute().item() == 1.0
+            messages.append(str(raised.value))
+            if numpy_path:
+                assert calls[0] is True and calls[1] is raised.value  # raised by numpy's path
+    assert messages[0] == messages[1]
+
+
+def test_exact_batches_numpy_does_not_check_take_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Large, empty, bfloat16 or float-target batches, and exact metrics of logits or with
+    ignore_index, are stored by the torch path; the values stay scikit-learn's."""
+    taken = _recording_stores(monkeypatch)
+    metric = BinaryAUROCMetric(exact=True)
+    large = _host_counts.MAX_ELEMENTS + 1
+    batches = [
+        (torch.tensor([0.25, 0.75]), torch.tensor([0, 1])),
+        (torch.tensor([0.5, 0.25]).bfloat16(), torch.tensor([1, 0])),
+        (torch.tensor([0.3, 0.6]), torch.tensor([1.0, 0.0])),
+        (torch.rand(large, generator=torch.Generator().manual_seed(1)), torch.arange(large) % 2),
+        (torch.zeros(0), torch.zeros(0, dtype=torch.int64)),
+    ]
+    for scores, target in batches:
+        metric.update(scores, target)
+    assert taken == [True, False, False, False, False]
+    every_score = torch.cat([s.float() for s, _ in batches]).numpy()
+    every_target = torch.cat([t.to(torch.int64) for _, t in batches]).numpy()
+    assert metric.compute().item() == pytest.approx(
+        roc_auc_score(every_target, every_score), abs=1e-12
+    )
+    assert not BinaryAUROCMetric(exact=True, logits=True)._stores_on_host
+    assert not BinaryAUROCMetric(exact=True, ignore_index=-1)._stores_on_host
+    assert not BinaryAUROCMetric()._stores_on_host

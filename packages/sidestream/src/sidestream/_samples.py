@@ -20,6 +20,17 @@ __all__ = ["SampleStore", "SavedRows"]
 _ANY_SYNC = CallFingerprint("sync", 0)
 """The fingerprint of a gather whose caller has none of its own."""
 
+_OWNED = -1
+"""The version of a chunk the store owns (version counters start at 0): nothing to watch."""
+
+
+def _raise_modified() -> None:
+    raise RuntimeError(
+        "a tensor passed to update was modified in place before compute: exact metrics keep "
+        "references to their inputs (no copy), so their rows changed; reset the metric, and "
+        "pass a copy (tensor.clone()) when you reuse an input buffer"
+    )
+
 
 class SavedRows:
     """A sample store field's rows in a ``state_dict``: every rank's rows, in rank order.
@@ -56,9 +67,10 @@ class SampleStore:
     ``borrow`` keeps the caller's own tensors (no copy, like torchmetrics' list states): a
     copy into fresh memory costs more than the rest of an update (page faults). Their version
     counters are recorded, and ``local`` raises if one was modified in place since, instead of
-    returning rows that changed under the metric. Borrowed rows may be of a narrower dtype than
-    their field (float32 scores of a float64 field); ``local`` converts them when it
-    concatenates, so the stored values are the same as if converted at once.
+    returning rows that changed under the metric. Borrowed rows may be of another dtype than
+    their field (float32 scores of a float64 field, bool labels of an int8 one) as long as
+    their values convert exactly; ``local`` converts them when it concatenates, so the stored
+    values are the same as if converted at once.
 
     Args:
         fields: For each field, a template of shape ``(0, *row_shape)`` giving the row shape
@@ -68,14 +80,18 @@ class SampleStore:
     def __init__(self, **fields: Tensor) -> None:
         self._templates = {name: t.detach().clone() for name, t in fields.items()}
         self._chunks: dict[str, list[Tensor]] = {name: [] for name in fields}
+        # Per chunk, its version counter when borrowed, or _OWNED: plain ints, not a tuple per
+        # chunk, so an update allocates no object for the garbage collector to scan.
+        self._versions: dict[str, list[int]] = {name: [] for name in fields}
+        self._borrowing = False  # some chunk is borrowed
+        self._modified = False  # a borrowed chunk was changed in place: raise until clear
         self._gathered: dict[str, Tensor] | None = None
-        self._borrowed: list[tuple[Tensor, int]] = []  # (tensor, its version when borrowed)
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (pickle, deepcopy) holds the rows themselves: borrowed tensors come back as
         # new ones whose version counters no longer tell whether the caller changed them.
         # Merging checks them (raising as compute would) and leaves nothing borrowed.
-        if self._borrowed:
+        if self._borrowing or self._modified:
             self.local()
         return dict(self.__dict__)
 
@@ -93,20 +109,25 @@ class SampleStore:
         """Keep one batch of rows per field as given (no copy, no host sync): rows no one writes."""
         for name, chunks in self._chunks.items():
             chunks.append(rows[name])
+            self._versions[name].append(_OWNED)
 
     def borrow(self, **rows: Tensor) -> None:
         """Keep one batch of rows that may be the caller's tensors: no copy, no host sync.
 
-        Each row may have a narrower dtype than its field (it is converted by ``local``).
-        Inference tensors have no version counter to watch, so those are copied.
+        Each row may have another dtype than its field if its values convert exactly (it is
+        converted by ``local``). A field whose rows hold one element each may be given in any
+        shape, its elements in order being the rows: no reshaping view per update. Inference
+        tensors have no version counter to watch, so those are copied.
         """
         for name, chunks in self._chunks.items():
             row = rows[name]
             try:
-                self._borrowed.append((row, row._version))
+                version = row._version
             except RuntimeError:  # an inference tensor: no version counter
-                row = row.clone()
+                row, version = row.clone(), _OWNED
             chunks.append(row)
+            self._versions[name].append(version)
+        self._borrowing = True
 
     def local(self) -> dict[str, Tensor]:
         """This rank's rows per field, concatenated (the chunks are merged once).
@@ -114,31 +135,30 @@ class SampleStore:
         Raises:
             RuntimeError: If a borrowed tensor (``borrow``) was modified in place since.
         """
-        borrowed = bool(self._borrowed)
+        if self._modified:
+            _raise_modified()  # again on every read until clear: no value from changed rows
+        borrowed = self._borrowing
+        merged_from: list[tuple[list[Tensor], list[int]]] = []
         out: dict[str, Tensor] = {}
         for name, chunks in self._chunks.items():
             template = self._templates[name]
             # Borrowed rows are always merged: the result is the store's own, never a caller's.
             if len(chunks) != 1 or borrowed or chunks[0].dtype != template.dtype:
-                # cat converts narrower rows to the field's dtype (exactly, as .to would).
-                chunks[:] = [torch.cat([template, *chunks]).to(template.dtype)]
+                merged_from.append((list(chunks), self._versions[name]))
+                rows = [template, *(chunk.reshape(-1, *template.shape[1:]) for chunk in chunks)]
+                # cat converts other dtypes to the field's (exactly, as .to would).
+                chunks[:] = [torch.cat(rows).to(template.dtype)]
+                self._versions[name] = [_OWNED]
             out[name] = chunks[0]
         if borrowed:
+            self._borrowing = False
             # Checked after the copy, so a change made before or during it is caught.
-            self._check_borrowed()
-            self._borrowed = []
+            for chunks, versions in merged_from:
+                for chunk, version in zip(chunks, versions, strict=True):
+                    if version != _OWNED and chunk._version != version:
+                        self._modified = True
+                        _raise_modified()
         return out
-
-    def _check_borrowed(self) -> None:
-        for tensor, version in self._borrowed:
-            if tensor._version != version:
-                # Raised again on every read until reset: no value from rows that changed.
-                raise RuntimeError(
-                    "a tensor passed to update was modified in place before compute: exact "
-                    "metrics keep references to their inputs (no copy), so their rows changed; "
-                    "reset the metric, and pass a copy (tensor.clone()) when you reuse an "
-                    "input buffer"
-                )
 
     def value(self, synced: bool) -> dict[str, Tensor]:
         """The rows of every rank after ``gather`` when ``synced``, else this rank's."""
@@ -161,8 +181,9 @@ class SampleStore:
     def clear(self) -> None:
         """Drop every row, local and gathered."""
         self._chunks = {name: [] for name in self._templates}
+        self._versions = {name: [] for name in self._templates}
+        self._borrowing = self._modified = False
         self._gathered = None
-        self._borrowed = []
 
     def load(self, rows: dict[str, Tensor | SavedRows]) -> None:
         """Replace the local rows with ``rows`` (one tensor or ``SavedRows`` per field, checked).
@@ -204,21 +225,26 @@ class SampleStore:
     def copy_from(self, other: SampleStore) -> None:
         """Take ``other``'s local rows (shared, not copied: stored rows are never mutated)."""
         self._chunks = {name: list(chunks) for name, chunks in other._chunks.items()}
+        # The copy reads the same borrowed tensors.
+        self._versions = {name: list(versions) for name, versions in other._versions.items()}
+        self._borrowing, self._modified = other._borrowing, other._modified
         self._gathered = None
-        self._borrowed = list(other._borrowed)  # the copy reads the same borrowed tensors
 
     def to(self, device: torch.device) -> None:
         """Move every row to ``device``."""
         self._templates = {name: t.to(device) for name, t in self._templates.items()}
-        self._chunks = {
-            name: [chunk.to(device) for chunk in chunks] for name, chunks in self._chunks.items()
-        }
+        for name, chunks in self._chunks.items():
+            moved = [chunk.to(device) for chunk in chunks]
+            # A row copied to another device no longer reads the caller's tensor; one that
+            # stayed (``to`` returned the tensor itself) still does.
+            versions = self._versions[name]
+            for index, (old, new) in enumerate(zip(chunks, moved, strict=True)):
+                if new is not old:
+                    versions[index] = _OWNED
+            chunks[:] = moved
+        self._borrowing = any(v != _OWNED for vs in self._versions.values() for v in vs)
         if self._gathered is not None:
             self._gathered = {name: t.to(device) for name, t in self._gathered.items()}
-        # A row copied to another device no longer reads the caller's tensor; one that stayed
-        # (``to`` returned the tensor itself) still does.
-        kept = {id(chunk) for chunks in self._chunks.values() for chunk in chunks}
-        self._borrowed = [(t, version) for t, version in self._borrowed if id(t) in kept]
 
 
 def gather_rows(

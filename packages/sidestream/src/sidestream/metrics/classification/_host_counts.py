@@ -1,11 +1,13 @@
-"""Small binary ranking batches counted with numpy on the CPU path.
+"""Small binary ranking batches checked and counted (or stored) with numpy on the CPU path.
 
 A batch of a few thousand scores costs a torch update about a dozen operator dispatches (checks,
 bin index, offsets, ``index_add_``), each of which costs more than its arithmetic. The same
 steps through numpy views of the tensors (no copies: CPU tensors share their memory) cost a
 fraction of that, and ``np.add.at`` (fast since numpy 1.25) adds the counts straight into the
 histogram state. The bins and checks are those of the torch path: the same float product and
-truncation (``_binning.bin_index``), the same messages, raised before the state changes.
+truncation (``_binning.bin_index``), the same messages, raised before the state changes. An
+exact metric's batch takes the same checks, then is kept in its ``SampleStore`` as the torch
+path keeps it.
 
 Only on the CPU path (``_cpu_path.enabled``) and only when numpy 1.25 or later is installed;
 otherwise, and for any input this path does not take, the caller uses the torch path.
@@ -14,22 +16,28 @@ otherwise, and for any input this path does not take, the caller uses the torch 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from sidestream._samples import SampleStore
 from sidestream._validation import found_outside, screen_invalid
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._inputs import PROBABILITIES
 from sidestream.state import MetricAccumulator
 
-__all__ = ["BinaryHostCounter"]
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+__all__ = ["BinaryHostCounter", "borrow_checked", "checked_arrays"]
 
 MAX_ELEMENTS = 1 << 16
 """The largest batch taken here: above it the torch path's chunked ``bincount`` is faster per
 element than ``np.add.at``, and the dispatch cost this path saves no longer matters."""
 
 _SCORES = frozenset({torch.float32, torch.float64})
+_ONE_BYTE_TARGETS = frozenset({torch.bool, torch.uint8, torch.int8})
 _TARGETS = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
@@ -76,52 +84,18 @@ class BinaryHostCounter:
     ) -> bool:
         """Check and count one batch, or return ``False`` (nothing done) if it is not for here.
 
-        Taken: plain (dense) CPU tensors of the same shape, float32/float64 ``preds`` and bool or
-        integer ``target``, at most ``MAX_ELEMENTS`` elements, on the CPU path. Anything else
-        (another device, shape or dtype, an empty batch, compiling) is left to the torch path,
-        which checks it in full.
+        Taken: the batches ``checked_arrays`` takes.
 
         Raises:
             ValueError: If a score is outside ``[0, 1]`` or NaN, or a target is not 0 or 1,
                 before the state changes (the torch path's messages).
         """
-        np = _np
-        if (
-            np is None
-            # First: compiling, the checks below (is_neg) would break the graph.
-            or not _cpu_path.enabled(histogram.device)
-            or type(preds) is not Tensor
-            or type(target) is not Tensor
-            or preds.dtype not in _SCORES
-            or target.dtype not in _TARGETS
-            or preds.shape != target.shape
-            or preds.layout is not torch.strided
-            or target.layout is not torch.strided
-            or preds.is_neg()  # a lazily negated view (.conj().imag): numpy() refuses it
-            or target.is_neg()
-            or not 0 < preds.numel() <= MAX_ELEMENTS
-            or preds.device.type != "cpu"
-            or target.device.type != "cpu"
-        ):
+        checked = checked_arrays(preds, target, rejected)
+        if checked is None:
             return False
-        scores = (preds.detach() if preds.requires_grad else preds).numpy()
-        labels = target.numpy()
-        if scores.ndim != 1:
-            scores, labels = scores.reshape(-1), labels.reshape(-1)
-        # One reduction per argument, over the bits as unsigned integers: for floats >= 0 the
-        # order of the bits is the order of the values, and a negative number (sign bit) or
-        # NaN has bits above 1.0's. Only -0.0 (valid) lands there too: the exact check decides.
-        # A negative integer target has bits above 1 as well.
-        top = scores.view(_UNSIGNED[scores.dtype.itemsize]).max()
-        if top > _ONE_BITS[scores.dtype.itemsize]:
-            # NaN compares false: outside, as on the torch path.
-            if not (scores.min() >= 0 and scores.max() <= 1):
-                found = found_outside(preds, 0, 1)
-                screen_invalid(True, rejected, "preds", PROBABILITIES, found)
-            top = _ONE_BITS[scores.dtype.itemsize]  # only -0.0 got here: clamp, to be safe
-        if labels.dtype != np.bool_ and labels.view(_UNSIGNED[labels.dtype.itemsize]).max() > 1:
-            found = found_outside(target, 0, 1, whole=True)
-            screen_invalid(True, rejected, "target", "0 or 1", found)
+        np = _np
+        assert np is not None  # checked_arrays takes nothing without it
+        scores, labels, top = checked
         # The torch path's bin: float64 product (float32 scores widened exactly, as there),
         # truncated, then clamped; below 0.99 no score reaches the last bin's upper edge, so no
         # clamp is needed.
@@ -132,6 +106,93 @@ class BinaryHostCounter:
         np.add.at(histogram.local.numpy(), index, 1)
         histogram.mark_changed()
         return True
+
+
+def borrow_checked(
+    samples: SampleStore, preds: object, target: object, rejected: MetricAccumulator
+) -> bool:
+    """Check one batch and keep it in an exact metric's store, or return ``False`` (no change).
+
+    Taken: the batches ``checked_arrays`` takes. The scores are kept as given, with no copy
+    (``SampleStore.borrow``), and so is a one-byte target; a wider one becomes new int8 labels.
+    The store's rows are those of the torch path.
+
+    Raises:
+        ValueError: If a score is outside ``[0, 1]`` or NaN, or a target is not 0 or 1,
+            before the state changes (the torch path's messages).
+    """
+    checked = checked_arrays(preds, target, rejected)
+    if checked is None:
+        return False
+    np = _np
+    assert np is not None and isinstance(preds, Tensor) and isinstance(target, Tensor)
+    # Kept in their shape: a field of one-element rows takes any (SampleStore.borrow), and a
+    # view per update would be one more object for the garbage collector to scan.
+    if target.dtype in _ONE_BYTE_TARGETS:
+        labels = target  # 0 and 1 in one byte: the store converts them to int8 exactly
+    else:
+        labels = torch.from_numpy(checked[1].astype(np.int8))
+    samples.borrow(scores=preds.detach() if preds.requires_grad else preds, labels=labels)
+    return True
+
+
+def checked_arrays(
+    preds: object, target: object, rejected: MetricAccumulator
+) -> tuple[NDArray[Any], NDArray[Any], int] | None:
+    """Flat numpy views of a checked batch and its largest score's bits, or ``None``.
+
+    Taken: plain (dense) CPU tensors of the same shape, float32/float64 ``preds`` and bool or
+    integer ``target``, at most ``MAX_ELEMENTS`` elements, for a metric (its ``rejected``
+    counter) on the CPU path. Anything else (another device, shape or dtype, an empty batch,
+    compiling) is left to the torch path, which checks it in full.
+
+    Returns:
+        The scores and labels (views of the tensors where their layout allows), and the largest
+        score's bits as an unsigned integer (no score is above 1.0).
+
+    Raises:
+        ValueError: If a score is outside ``[0, 1]`` or NaN, or a target is not 0 or 1,
+            before anything is kept (the torch path's messages).
+    """
+    np = _np
+    if (
+        np is None
+        # First: compiling, the checks below (is_neg) would break the graph.
+        or not _cpu_path.enabled(rejected.device)
+        or type(preds) is not Tensor
+        or type(target) is not Tensor
+        or preds.dtype not in _SCORES
+        or target.dtype not in _TARGETS
+        or preds.shape != target.shape
+        or preds.layout is not torch.strided
+        or target.layout is not torch.strided
+        or preds.is_neg()  # a lazily negated view (.conj().imag): numpy() refuses it
+        or target.is_neg()
+        or not 0 < preds.numel() <= MAX_ELEMENTS
+        or preds.device.type != "cpu"
+        or target.device.type != "cpu"
+    ):
+        return None
+    scores = (preds.detach() if preds.requires_grad else preds).numpy()
+    labels = target.numpy()
+    if scores.ndim != 1:
+        scores, labels = scores.reshape(-1), labels.reshape(-1)
+    # One reduction per argument, over the bits as unsigned integers: for floats >= 0 the
+    # order of the bits is the order of the values, and a negative number (sign bit) or
+    # NaN has bits above 1.0's. Only -0.0 (valid) lands there too: the exact check decides.
+    # A negative integer target has bits above 1 as well.
+    top = int(np.maximum.reduce(scores.view(_UNSIGNED[scores.dtype.itemsize])))
+    if top > _ONE_BITS[scores.dtype.itemsize]:
+        # NaN compares false: outside, as on the torch path.
+        if not (scores.min() >= 0 and scores.max() <= 1):
+            found = found_outside(preds, 0, 1)
+            screen_invalid(True, rejected, "preds", PROBABILITIES, found)
+        top = _ONE_BITS[scores.dtype.itemsize]  # only -0.0 got here: clamp, to be safe
+    bits = _UNSIGNED[labels.dtype.itemsize]
+    if labels.dtype != np.bool_ and np.maximum.reduce(labels.view(bits)) > 1:
+        found = found_outside(target, 0, 1, whole=True)
+        screen_invalid(True, rejected, "target", "0 or 1", found)
+    return scores, labels, top
 
 
 def _bits(value: float, dtype: torch.dtype) -> int:

@@ -32,7 +32,7 @@ from sidestream.metrics.classification._curves import (
     partial_auroc_from_histograms,
 )
 from sidestream.metrics.classification._exact import SKIPPED, tie_histograms
-from sidestream.metrics.classification._host_counts import BinaryHostCounter
+from sidestream.metrics.classification._host_counts import BinaryHostCounter, borrow_checked
 from sidestream.metrics.classification._problem import (
     Problem,
     ProblemKind,
@@ -155,8 +155,11 @@ class RankingMetric(ScreenedMetric[Tensor]):
         self._average = average
         self._max_fpr = max_fpr
         self._exact = exact
-        # Small binary CPU batches, counted through numpy (see _host_counts).
+        # Small binary CPU batches, counted (or stored) through numpy (see _host_counts).
         self._host_counter: BinaryHostCounter | None = None
+        plain_binary = problem.kind is ProblemKind.BINARY and problem.ignore_index is None
+        host_checks = plain_binary and not problem.logits and BinaryHostCounter.available()
+        self._stores_on_host = exact and host_checks
         classes = problem.num_classes
         if exact:
             self._samples = SampleStore(
@@ -180,9 +183,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
             self._bins.layout(), compared_as=torch.float32
         )
         configure_states(problem, self._histogram)
-        plain_binary = problem.kind is ProblemKind.BINARY and problem.ignore_index is None
-        uniform = self._bins.uniform
-        if plain_binary and not problem.logits and uniform and BinaryHostCounter.available():
+        if host_checks and self._bins.uniform:
             self._host_counter = BinaryHostCounter(self._bins.count)
 
     @property
@@ -227,6 +228,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
         # arena is built (a fresh metric), which small batches notice.
         host = self._host_counter
         if host is not None and host.count(self._histogram, preds, target, self._rejected):
+            return
+        if self._stores_on_host and borrow_checked(self._samples, preds, target, self._rejected):
+            self._metric_freshness.stale()
             return
         device = self._rejected.device
         # Compiled for CPU the histogram counts with bincount, which can count invalid
