@@ -220,19 +220,23 @@ def any_not_finite(first: Tensor, *others: Tensor) -> Tensor:
     return zeros.sum() != 0
 
 
-def drop_invalid(invalid: Tensor, rejected: MetricAccumulator, *sums: Tensor) -> None:
+def drop_invalid(
+    invalid: Tensor, rejected: MetricAccumulator, *sums: Tensor | tuple[Tensor, ...]
+) -> None:
     """``screen_invalid``'s device path for a batch already summed: ``sums`` zeroed if it is bad.
 
     ``rejected`` counts the batch when any element of ``invalid`` is true, and each of ``sums``
-    is filled with 0 then, in place: they must be the caller's own results (an out-of-place
-    fill is a copy and a fill, two launches on CUDA). A fill, not a product with a keep flag: a
-    dropped batch's NaN or inf must not leak (0 * inf is NaN), and no negated flag is made.
-    Only where ``checks_stay_on_device``: the caller has taken the device path.
+    (a tuple counts as its tensors: ``state.stacked_sums`` when compiling) is filled with 0
+    then, in place: they must be the caller's own results (an out-of-place fill is a copy and a
+    fill, two launches on CUDA). A fill, not a product with a keep flag: a dropped batch's NaN
+    or inf must not leak (0 * inf is NaN), and no negated flag is made. Only where
+    ``checks_stay_on_device``: the caller has taken the device path.
     """
     bad = any_flag(invalid)
     rejected.accumulate(bad)  # a bool adds as 0 or 1
     for value in sums:
-        value.masked_fill_(bad, 0)
+        for part in value if isinstance(value, tuple) else (value,):
+            part.masked_fill_(bad, 0)
 
 
 def screen_invalid(

@@ -582,14 +582,24 @@ _VIEWS = frozenset(
 """What ``MetricAccumulator._bind`` derives: left out of a pickle and made again on load."""
 
 
-def accumulate_sums(states: tuple[MetricAccumulator, ...], sums: Tensor) -> None:
+def accumulate_sums(
+    states: tuple[MetricAccumulator, ...], sums: Tensor | tuple[Tensor, ...]
+) -> None:
     """``states[i].accumulate(sums[i])`` for scalar SUM states, in one add where it can be.
 
     States declared one after another with the same dtype lie next to each other in the
     arena, so a 1-D ``sums`` of their dtype is added into that range at once: on CUDA each
     ``add_`` is a kernel launch, the host cost of a small update. Otherwise (states elsewhere,
     another dtype) each state accumulates its element as usual.
+
+    A tuple of 0-dim sums (``stacked_sums`` when compiling) is added one by one: the compiler
+    fuses those adds, while a stacked tensor would cost a compiled call a buffer and an alias
+    of it per state.
     """
+    if isinstance(sums, tuple):
+        for state, value in zip(states, sums, strict=True):
+            state.accumulate(value)
+        return
     first, last = states[0], states[-1]
     if (
         sums.dtype == first._dtype
@@ -609,6 +619,16 @@ def accumulate_sums(states: tuple[MetricAccumulator, ...], sums: Tensor) -> None
         return
     for index, state in enumerate(states):
         state.accumulate(sums[index])
+
+
+def stacked_sums(*sums: Tensor) -> Tensor | tuple[Tensor, ...]:
+    """0-dim sums as ``accumulate_sums`` and ``drop_invalid`` take them best.
+
+    Eager, one 1-D tensor: one fill and one add for all of them (each a kernel launch on CUDA).
+    Compiling, the tuple itself: the compiler fuses the per-state work, and a stack would be
+    one more buffer, with an alias of it per state, in every compiled call (about 1 µs on CPU).
+    """
+    return sums if is_compiling() else torch.stack(sums)
 
 
 def _describe_constant(value: Tensor) -> str:

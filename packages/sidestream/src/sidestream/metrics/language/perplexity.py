@@ -28,7 +28,7 @@ from sidestream.metrics.language._tokens import (
     token_range,
     token_weights,
 )
-from sidestream.state import MetricAccumulator, accumulate_sums
+from sidestream.state import MetricAccumulator, accumulate_sums, stacked_sums
 
 __all__ = ["PerplexityMetric"]
 
@@ -144,8 +144,9 @@ class PerplexityMetric(Metric[Tensor]):
         ).sum(dtype=torch.float64)
         # Bad logits (NaN, +inf, or -inf at a target token) make the summed loss non-finite,
         # and a bad token made tokens inf. Both sums as one tensor: one drop, one add.
-        sums = torch.stack((nll, tokens))
-        drop_invalid(not_finite(sums.sum()), self._rejected, sums)
+        invalid = not_finite(nll + tokens)
+        sums = stacked_sums(nll, tokens)
+        drop_invalid(invalid, self._rejected, sums)
         accumulate_sums((self._nll, self._tokens), sums)
 
     def _update_logits_on_host(self, logits: Tensor, target: Tensor, vocab: int) -> None:
