@@ -232,14 +232,21 @@ def test_a_replay_whose_sink_does_not_confirm_at_close_keeps_the_file_and_fails(
     assert (result.written, result.closed) == (3, False)
     assert replay_spool(spool, JsonlSink(str(tmp_path / "other.jsonl"))).closed
     built: list[float | None] = []
+    before_close: list[str] = []
 
     class Recording(_UnconfirmedJsonlSink):
         def close(self, timeout: float | None = None) -> bool:
             built.append(timeout)
+            before_close.append(capsys.readouterr().err)
             return super().close(timeout)
 
     monkeypatch.setattr(replay, "_sink", lambda parser, name, options: Recording(str(out)))
     assert replay.main([str(spool), "--sink", "jsonl", "--timeout", "7.5"]) == 1
+    # Said before the close waits, so a replay that looks done does not look hung.
+    assert before_close[0].splitlines()[-1] == (
+        "read 3 reports (3 written, 0 the sink had); waiting up to 7.5 s for the jsonl sink "
+        "to confirm delivery"
+    )
     printed = capsys.readouterr()
     assert "wrote 3 report(s)" in printed.out and "delivered" not in printed.out
     assert "did not confirm" in printed.err and "--timeout 7.5 s" in printed.err

@@ -327,6 +327,7 @@ def replay_spool(
     timeout: float | None = 60.0,
     skip_damaged: bool = False,
     progress: Callable[[ReplayResult], None] | None = None,
+    closing: Callable[[ReplayResult], None] | None = None,
 ) -> ReplayResult:
     """Deliver a kept spool file into ``sink``: load its state, open, write each report, close.
 
@@ -354,6 +355,8 @@ def replay_spool(
             of raising at the first one.
         progress: Called with the result so far after each report (written or skipped), for
             a long replay to show how far it is.
+        closing: Called once every report is read and written, before the sink's close waits
+            (up to ``timeout``) for its backend: a replay that looks done may wait there.
 
     Returns:
         How many reports were written and skipped, the damaged lines passed over, and
@@ -386,6 +389,8 @@ def replay_spool(
             if progress is not None:
                 progress(result)
     finally:
+        if closing is not None:
+            closing(result)
         # Only a confirmed close means the backend has the reports (W&B's service, or a
         # TensorBoard file, may still hold them before it): the caller must know.
         result.closed = sink.close(timeout)

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sidestream._cli import run_command
 from sidestream.sinks._spool_format import (
@@ -53,6 +53,20 @@ class _Progress:
         self._every = every
         self._next = time.monotonic() + every
         self._done = 0
+
+    def closing(self, sink: str, timeout: float) -> Callable[[ReplayResult], None]:
+        """What to print once the spool is read: the close that follows may wait ``timeout``."""
+
+        def waiting(result: ReplayResult) -> None:
+            print(
+                f"read {self._done:,} reports ({result.written:,} written, {result.skipped:,} "
+                f"the sink had); waiting up to {timeout:g} s for the {sink} sink to confirm "
+                "delivery",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        return waiting
 
     def __call__(self, result: ReplayResult) -> None:
         self._done += 1
@@ -192,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _sink(parser, args.sink, options).load_state_dict(state)
         except (TypeError, ValueError, KeyError) as error:
             parser.error(f"--resume-state: {error}")
+    progress = _Progress(args.spool)
     try:
         result = replay_spool(
             args.spool,
@@ -199,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             resume_state=state,
             timeout=args.timeout,
             skip_damaged=args.skip_damaged,
-            progress=_Progress(args.spool),
+            progress=progress,
+            closing=progress.closing(args.sink, args.timeout),
         )
     except DamagedLineError as error:
         print(
