@@ -330,6 +330,11 @@ def test_replay_timeout_must_be_seconds(
         (["SPOOL"], "--sink is required: SPOOL.state.json, which names the sink, is not there"),
         # A replayed file again: it opened the tracker's run again (an empty W&B directory).
         (["SPOOL.replayed", "--sink", "jsonl"], "SPOOL.replayed: replayed already"),
+        # In a child process the sink could not say which reports its backend has.
+        (
+            ["SPOOL", "--sink", "jsonl", "--option", "child_process=true"],
+            "--option child_process: a replay runs the sink in this process",
+        ),
     ],
 )
 def test_replay_command_errors_are_one_line_not_tracebacks(
@@ -753,3 +758,16 @@ def test_a_jsonl_spool_replays_with_the_command_given_only_the_file(
     monkeypatch.chdir(elsewhere)
     assert main([str(kept)]) == 0
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_replay_spool_refuses_a_sink_in_a_child_process(tmp_path: Path) -> None:
+    """The replay asks the sink which reports its backend has: a ProcessSink cannot say, so
+    it is refused before anything is opened or written."""
+    from sidestream.sinks.process import ProcessSink
+
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(encode_report(_report(1)))
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(TypeError, match=r"^sink: pass the sink itself, not a ProcessSink"):
+        replay_spool(spool, ProcessSink(JsonlSink(str(out))))
+    assert not out.exists() and spool.exists()

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.tracker import TrackerSink
 
 logger = logging.getLogger("sidestream.sinks")
@@ -367,7 +368,14 @@ def replay_spool(
         DamagedLineError: At a damaged line without ``skip_damaged`` (the reports before it
             were delivered). A ``ValueError``, as are the errors of a ``resume_state`` that
             the sink refuses.
+        TypeError: If ``sink`` is a ``ProcessSink``: the replay asks the sink itself which
+            reports and values its backend has, which a sink in a child process cannot tell.
     """
+    if isinstance(sink, ProcessSink):
+        raise TypeError(
+            "sink: pass the sink itself, not a ProcessSink (child_process): the replay asks it "
+            "which reports its backend has already, and a sink in a child process cannot say"
+        )
     result = ReplayResult()
     kept = _kept_beside(path) if run is None or resume_state is None else None
     if kept is not None:

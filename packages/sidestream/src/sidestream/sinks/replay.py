@@ -176,6 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--option: expected KEY=VALUE, got {item!r}")
+        if key == "child_process":
+            parser.error(
+                "--option child_process: a replay runs the sink in this process, where it can "
+                "tell which reports its backend has already; leave the option out"
+            )
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
