@@ -381,11 +381,14 @@ def test_compiled_update_after_a_sync_makes_the_synced_state_stale() -> None:
     assert float(metric.compute()) == 27.0 / 6.0
 
 
-@pytest.mark.compile
-@pytest.mark.skipif(
+_INDUCTOR_ONLY = pytest.mark.skipif(
     os.environ.get("SIDESTREAM_COMPILE_INDUCTOR") != "1",
     reason="inductor builds C++ per graph: run with nox -s compile",
 )
+
+
+@pytest.mark.compile
+@_INDUCTOR_ONLY
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_inductor_update_equals_eager(name: str) -> None:
     _compare(name, "inductor")
@@ -500,10 +503,7 @@ def test_a_compiled_update_of_a_dropped_batch_changes_nothing_but_its_count(name
 
 
 @pytest.mark.compile
-@pytest.mark.skipif(
-    os.environ.get("SIDESTREAM_COMPILE_INDUCTOR") != "1",
-    reason="inductor builds C++ per graph: run with nox -s compile",
-)
+@_INDUCTOR_ONLY
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_an_inductor_update_of_a_dropped_batch_changes_nothing_but_its_count(name: str) -> None:
     _compare_dropped(name, "inductor")

@@ -43,18 +43,28 @@ def _expected_counts(scores: torch.Tensor, target: torch.Tensor, bins: int) -> n
 
 def _recording(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """What each ``BinaryHostCounter.count`` call did: True (counted), False, or the error."""
-    calls: list[object] = []
-    original = BinaryHostCounter.count
+    return _spy(monkeypatch, BinaryHostCounter, "count")
 
-    def spy(self: BinaryHostCounter, *args: object) -> bool:
+
+def _recording_stores(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """What each exact-mode ``borrow_checked`` call did: True (stored), False, or the error."""
+    return _spy(monkeypatch, ranking, "borrow_checked")
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[object]:
+    """Replace ``owner.name`` by a wrapper that records what each call returned or raised."""
+    calls: list[object] = []
+    original = getattr(owner, name)
+
+    def spy(*args: object) -> bool:
         try:
-            calls.append(original(self, *args))
+            calls.append(original(*args))
         except ValueError as error:
             calls.append(error)
             raise
         return bool(calls[-1])
 
-    monkeypatch.setattr(BinaryHostCounter, "count", spy)
+    monkeypatch.setattr(owner, name, spy)
     return calls
 
 
@@ -247,23 +257,6 @@ def test_a_lazily_negated_view_counts_as_its_values() -> None:
     metric = BinaryAUROCMetric()
     metric.update(view, target)
     assert metric.compute().item() == pytest.approx(roc_auc_score(target, scores))
-
-
-def _recording_stores(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """What each exact-mode ``borrow_checked`` call did: True (stored), False, or the error."""
-    calls: list[object] = []
-    original = ranking.borrow_checked
-
-    def spy(*args: object) -> bool:
-        try:
-            calls.append(original(*args))  # type: ignore[arg-type]
-        except ValueError as error:
-            calls.append(error)
-            raise
-        return bool(calls[-1])
-
-    monkeypatch.setattr(ranking, "borrow_checked", spy)
-    return calls
 
 
 def _exact_batches(target_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
