@@ -224,6 +224,31 @@ def test_a_copy_counts_into_its_own_state() -> None:
     assert int(torch.cat(metric.histograms(), 1).sum()) == 1
 
 
+def test_counts_land_in_the_current_state_after_a_load_and_in_a_copy_its_own() -> None:
+    """The counter keeps its numpy view of the histogram between updates: a loaded state, a
+    deep copy and a pickled one each count into their own state."""
+    import copy
+    import pickle
+
+    metric = BinaryAUROCMetric(4)
+    metric.update(torch.tensor([0.1]), torch.tensor([0]))
+    other = BinaryAUROCMetric(4)
+    other.update(torch.tensor([0.9]), torch.tensor([1]))
+    metric.load_state_dict(other.state_dict())
+    metric.update(torch.tensor([0.6]), torch.tensor([1]))
+    assert metric.histograms()[0][0].tolist() == [0, 0, 0, 0]
+    assert metric.histograms()[1][0].tolist() == [0, 0, 1, 1]
+    for twin in (copy.deepcopy(metric), pickle.loads(pickle.dumps(metric))):
+        twin.update(torch.tensor([0.1]), torch.tensor([0]))
+        assert twin.histograms()[0][0].tolist() == [1, 0, 0, 0]
+    metric.update(torch.tensor([0.3]), torch.tensor([0]))
+    assert metric.histograms()[0][0].tolist() == [0, 1, 0, 0]
+    metric.reset()
+    metric.update(torch.tensor([0.9]), torch.tensor([0]))
+    assert metric.histograms()[0][0].tolist() == [0, 0, 0, 1]
+    assert int(metric.histograms()[1].sum()) == 0
+
+
 def test_without_a_recent_numpy_the_torch_path_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy
 
