@@ -771,3 +771,27 @@ def test_replay_spool_refuses_a_sink_in_a_child_process(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"^sink: pass the sink itself, not a ProcessSink"):
         replay_spool(spool, ProcessSink(JsonlSink(str(out))))
     assert not out.exists() and spool.exists()
+
+
+def test_a_failing_closing_callback_still_closes_the_sink(tmp_path: Path) -> None:
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(encode_report(_report(1)))
+    sink = JsonlSink(str(tmp_path / "out.jsonl"))
+
+    def closing(result: object) -> None:
+        raise OSError("stderr is gone")
+
+    closed: list[float | None] = []
+    original_close = sink.close
+
+    def close(timeout: float | None = None) -> bool:
+        closed.append(timeout)
+        return original_close(timeout)
+
+    sink.close = close  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="stderr is gone"):
+        replay_spool(spool, sink, closing=closing, timeout=5.0)
+    assert closed == [5.0]
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "out.jsonl").read_text().splitlines()
+    ] == [1]

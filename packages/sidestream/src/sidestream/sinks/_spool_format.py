@@ -397,11 +397,13 @@ def replay_spool(
             if progress is not None:
                 progress(result)
     finally:
-        if closing is not None:
-            closing(result)
-        # Only a confirmed close means the backend has the reports (W&B's service, or a
-        # TensorBoard file, may still hold them before it): the caller must know.
-        result.closed = sink.close(timeout)
+        try:
+            if closing is not None:
+                closing(result)
+        finally:  # the sink closes even if the callback fails
+            # Only a confirmed close means the backend has the reports (W&B's service, or a
+            # TensorBoard file, may still hold them before it): the caller must know.
+            result.closed = sink.close(timeout)
         if tracker is not None:
             result.lacking = tracker.skipped_values
             # A close that returned False only for the values the run lacks (kept in the
