@@ -547,6 +547,33 @@ def test_a_store_watches_borrowed_rows_kept_in_their_shape_through_moves_and_cop
     assert store.local()["scores"][:, 0].tolist() == pytest.approx([1.1, 1.3, 1.2, 1.4])
 
 
+def test_metrics_pickled_before_the_numpy_paths_still_update() -> None:
+    """``torch.save`` of a metric object from before the exact numpy path, the per-chunk
+    versions and the binned counter's kept view: unpickled here, each still updates (the
+    attributes those added are missing from such a pickle)."""
+    import pickle
+
+    scores, target = torch.tensor([0.2, 0.8, 0.4]), torch.tensor([0, 1, 1])
+    exact, binned = BinaryAUROCMetric(exact=True), BinaryAUROCMetric(num_bins=10)
+    for metric in (exact, binned):
+        metric.update(scores, target)
+    old_exact = pickle.loads(pickle.dumps(exact))
+    del old_exact.__dict__["_stores_on_host"]
+    # Unpickling hands the saved state to __setstate__: an old store's had no versions.
+    store = old_exact._samples
+    added = ("_versions", "_borrowing", "_modified")
+    saved = {key: value for key, value in store.__dict__.items() if key not in added}
+    store.__dict__.clear()
+    store.__setstate__({**saved, "_borrowed": []})
+    old_binned = pickle.loads(pickle.dumps(binned))
+    assert "_counts" not in old_binned._host_counter.__dict__
+    for metric in (old_exact, old_binned):
+        metric.update(torch.tensor([0.9, 0.1]), torch.tensor([0, 1]))
+    every = ([0, 1, 1, 0, 1], [0.2, 0.8, 0.4, 0.9, 0.1])
+    _close(old_exact.compute(), roc_auc_score(*every))
+    _close(old_binned.compute(), roc_auc_score(*every))
+
+
 def test_inference_tensors_are_copied() -> None:
     """An inference tensor has no version counter to watch, so the store copies it."""
     metric = BinaryAUROCMetric(exact=True)

@@ -95,6 +95,15 @@ class SampleStore:
             self.local()
         return dict(self.__dict__)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A store pickled before versions were kept per chunk has a list of borrowed tensors
+        # instead, empty (its pickle merged them first): every chunk is the store's own.
+        state.pop("_borrowed", None)
+        self.__dict__.update(state)
+        if "_versions" not in state:
+            self._versions = {name: [_OWNED] * len(c) for name, c in self._chunks.items()}
+            self._borrowing = self._modified = False
+
     @property
     def fields(self) -> tuple[str, ...]:
         """The field names, in declaration order."""

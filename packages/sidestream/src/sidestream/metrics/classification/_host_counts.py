@@ -65,19 +65,25 @@ class BinaryHostCounter:
         num_bins: Uniform bins over ``[0, 1]``.
     """
 
+    # The histogram tensor last counted into and its numpy view: a view per update costs a
+    # small batch about 5% more. Held, so the tensor's id cannot be reused by another. Class
+    # defaults: a fresh counter, a copy and one pickled before the view was kept make a view on
+    # their first count.
+    _counted_into: Tensor | None = None
+    _counts: NDArray[Any] | None = None
+
     def __init__(self, num_bins: int) -> None:
         self._last_bin = num_bins - 1
         self._scale = _cpu_path.bin_scale(num_bins)
         self._positive_offset = num_bins
-        # The histogram tensor last counted into and its numpy view: a view per update costs a
-        # small batch about 5% more. Held, so the tensor's id cannot be reused by another.
-        self._counted_into: Tensor | None = None
-        self._counts: NDArray[Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy's view would be a copy of the array, no longer the copied tensor's memory:
         # the copy makes its own view on its first count.
-        return {**self.__dict__, "_counted_into": None, "_counts": None}
+        state = dict(self.__dict__)
+        state.pop("_counted_into", None)
+        state.pop("_counts", None)
+        return state
 
     @staticmethod
     def available() -> bool:

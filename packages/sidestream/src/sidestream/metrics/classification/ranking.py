@@ -119,6 +119,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
             the default (exact mode has no bins).
     """
 
+    # A metric pickled (torch.save of the object) before the exact numpy path existed takes
+    # the torch path.
+    _stores_on_host = False
+
     def __init__(
         self,
         curve: Curve,
