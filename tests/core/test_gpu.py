@@ -16,6 +16,7 @@ from sidestream import (
     SumMetric,
     WeightedMeanMetric,
 )
+from sidestream.metrics.language import PerplexityMetric
 
 pytestmark = [
     pytest.mark.gpu,
@@ -116,10 +117,13 @@ def test_updates_of_a_step_capture_in_a_cuda_graph() -> None:
 
 
 # Inductor on CUDA builds Triton kernels, whose launcher needs a C compiler.
-@pytest.mark.skipif(
+_NEEDS_A_C_COMPILER = pytest.mark.skipif(
     not any(shutil.which(cc) for cc in (os.environ.get("CC", "cc"), "gcc", "clang")),
     reason="inductor on CUDA needs a C compiler (none found)",
 )
+
+
+@_NEEDS_A_C_COMPILER
 def test_compiled_updates_do_not_sync_with_host() -> None:
     metrics, eager = _five_metrics(), _five_metrics()
     values = torch.randn(1024, device="cuda")
@@ -137,3 +141,44 @@ def test_compiled_updates_do_not_sync_with_host() -> None:
         torch.cuda.set_sync_debug_mode(0)
     for name in ("sum", "mean", "weighted", "max", "min"):
         assert torch.allclose(metrics[name].compute(), eager[name].compute()), name
+
+
+@_NEEDS_A_C_COMPILER
+def test_compiled_sums_drop_a_bad_batch_on_the_device() -> None:
+    """Compiled, WeightedMean's and Perplexity's two sums stay two scalars (no stacked tensor):
+    a bad batch is still dropped and counted on the device, with no host sync, and the good
+    ones give eager's values."""
+    weighted, eager_weighted = WeightedMeanMetric().to("cuda"), WeightedMeanMetric().to("cuda")
+    perplexity, eager_perplexity = PerplexityMetric().to("cuda"), PerplexityMetric().to("cuda")
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    values = torch.randn(256, device="cuda", generator=generator)
+    weights = torch.rand(256, device="cuda", generator=generator)
+    logits = torch.randn(4, 8, 50, device="cuda", generator=generator)
+    target = torch.randint(0, 50, (4, 8), device="cuda", generator=generator)
+    bad_weights = weights.clone()
+    bad_weights[7] = -1.0
+    bad_logits = logits.clone()
+    bad_logits[1, 2, target[1, 2]] = float("nan")
+    update_weighted = torch.compile(weighted.update, fullgraph=True)
+    update_perplexity = torch.compile(perplexity.update, fullgraph=True)
+    update_weighted(values, weights)  # compile outside sync-debug mode
+    update_perplexity(logits, target)
+    update_weighted(values, bad_weights)
+    update_perplexity(bad_logits, target)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        update_weighted(values, weights)
+        update_weighted(values, bad_weights)
+        update_perplexity(logits, target)
+        update_perplexity(bad_logits, target)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for _ in range(2):
+        eager_weighted.update(values, weights)
+        eager_perplexity.update(logits, target)
+    assert int(weighted.rejected_updates) == 2 and int(perplexity.rejected_updates) == 2
+    assert torch.allclose(weighted.compute(), eager_weighted.compute())
+    assert torch.allclose(perplexity.compute(), eager_perplexity.compute())
+    expected = (values.double() * weights.double()).sum() / weights.double().sum()
+    assert torch.allclose(weighted.compute(), expected)
