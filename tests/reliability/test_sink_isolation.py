@@ -289,6 +289,20 @@ def test_a_replay_into_a_run_that_lacks_values_is_delivered_and_says_what_it_lac
     result = replay_spool(f"{spool}.replayed", sink)
     assert (result.written, result.closed, result.lacking) == (3, True, ["h"])
 
+    class Unconfirmed(_LackingJsonlSink):
+        """Its backend did not confirm either; nothing is left pending in this sink."""
+
+        def close(self, timeout: float | None = None) -> bool:
+            JsonlSink.close(self, timeout)
+            return self.closed_with_every_value(False)
+
+    sink = Unconfirmed(str(tmp_path / "third.jsonl"))
+    sink.load_state_dict(
+        {"path": str(tmp_path / "third.jsonl"), "last_steps": [], "skipped_values": ["h"]}
+    )
+    result = replay_spool(f"{spool}.replayed", sink)
+    assert (result.written, result.closed, result.lacking) == (3, False, ["h"])
+
 
 def test_a_long_replay_shows_how_far_it_is(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -297,7 +311,7 @@ def test_a_long_replay_shows_how_far_it_is(
 
     spool = tmp_path / "kept.spool.jsonl"
     spool.write_bytes(b"".join(encode_report(_report(step)) for step in range(1, 6)))
-    progress = _Progress(str(spool), every=0.0)
+    progress = _Progress(str(spool), "jsonl", 60.0, every=0.0)
     result = replay_spool(spool, JsonlSink(str(tmp_path / "out.jsonl")), progress=progress)
     assert result.closed
     lines = capsys.readouterr().err.splitlines()

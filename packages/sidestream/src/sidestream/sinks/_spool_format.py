@@ -406,10 +406,10 @@ def replay_spool(
             result.closed = sink.close(timeout)
         if tracker is not None:
             result.lacking = tracker.skipped_values
-            # A close that returned False only for the values the run lacks (kept in the
-            # state, so every later replay's close says it again) confirmed the rest.
-            if not result.closed and result.lacking and not tracker.pending_reports():
-                result.closed = True
+            # Not the close's False for values the run lacks (every later close says it
+            # again): whether the backend confirmed the reports.
+            if tracker.backend_confirmed is not None:
+                result.closed = tracker.backend_confirmed
     return result
 
 

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from sidestream._cli import run_command
 from sidestream.sinks._spool_format import (
@@ -48,25 +48,22 @@ class _Progress:
     over the network: without it a long replay looks hung.
     """
 
-    def __init__(self, path: str, every: float = 5.0) -> None:
+    def __init__(self, path: str, sink: str, timeout: float, every: float = 5.0) -> None:
         self._total = _count_lines(path)
+        self._sink, self._timeout = sink, timeout
         self._every = every
         self._next = time.monotonic() + every
         self._done = 0
 
-    def closing(self, sink: str, timeout: float) -> Callable[[ReplayResult], None]:
-        """What to print once the spool is read: the close that follows may wait ``timeout``."""
-
-        def waiting(result: ReplayResult) -> None:
-            print(
-                f"read {self._done:,} reports ({result.written:,} written, {result.skipped:,} "
-                f"the sink had); waiting up to {timeout:g} s for the {sink} sink to confirm "
-                "delivery",
-                file=sys.stderr,
-                flush=True,
-            )
-
-        return waiting
+    def closing(self, result: ReplayResult) -> None:
+        """Once the spool is read: the sink's close that follows may wait ``timeout``."""
+        print(
+            f"read {self._done:,} reports ({result.written:,} written, {result.skipped:,} the "
+            f"sink had); waiting up to {self._timeout:g} s for the {self._sink} sink to "
+            "confirm delivery",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __call__(self, result: ReplayResult) -> None:
         self._done += 1
@@ -211,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _sink(parser, args.sink, options).load_state_dict(state)
         except (TypeError, ValueError, KeyError) as error:
             parser.error(f"--resume-state: {error}")
-    progress = _Progress(args.spool)
+    progress = _Progress(args.spool, args.sink, args.timeout)
     try:
         result = replay_spool(
             args.spool,
@@ -220,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout=args.timeout,
             skip_damaged=args.skip_damaged,
             progress=progress,
-            closing=progress.closing(args.sink, args.timeout),
+            closing=progress.closing,
         )
     except DamagedLineError as error:
         print(

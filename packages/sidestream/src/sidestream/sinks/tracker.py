@@ -440,8 +440,25 @@ class TrackerSink(Sink):
         """The names of the values left out of the run for good (``skip_value``), sorted."""
         return sorted(self._skipped)
 
+    # What the last close's backend answered (closed_with_every_value), None before one.
+    _backend_confirmed: bool | None = None
+
+    @property
+    def backend_confirmed(self) -> bool | None:
+        """Whether the last ``close``'s backend confirmed every report, whatever the run lacks.
+
+        ``None`` if no close reported it (``closed_with_every_value``). ``close`` itself also
+        returns ``False`` for a run that lacks values, on every later close too (they stay in
+        the state): a replay asks this instead.
+        """
+        return self._backend_confirmed
+
     def closed_with_every_value(self, closed: bool) -> bool:
-        """``closed``, but ``False`` (warned) if ``skip_value`` left values out of the run."""
+        """``closed``, but ``False`` (warned) if ``skip_value`` left values out of the run.
+
+        ``closed`` itself is kept as ``backend_confirmed``.
+        """
+        self._backend_confirmed = closed
         if closed and self._skipped:
             logger.warning(
                 "%s: closed, but the run lacks the values the backend could not take (%s; "

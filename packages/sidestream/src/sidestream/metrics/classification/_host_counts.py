@@ -102,8 +102,7 @@ class BinaryHostCounter:
         Taken: the batches ``checked_arrays`` takes.
 
         Raises:
-            ValueError: If a score is outside ``[0, 1]`` or NaN, or a target is not 0 or 1,
-                before the state changes (the torch path's messages).
+            ValueError: As ``checked_arrays``, before the histogram changes.
         """
         checked = checked_arrays(preds, target, rejected)
         if checked is None:
@@ -136,8 +135,7 @@ def borrow_checked(
     The store's rows are those of the torch path.
 
     Raises:
-        ValueError: If a score is outside ``[0, 1]`` or NaN, or a target is not 0 or 1,
-            before the state changes (the torch path's messages).
+        ValueError: As ``checked_arrays``, before anything is stored.
     """
     checked = checked_arrays(preds, target, rejected)
     if checked is None:
