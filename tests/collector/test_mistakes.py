@@ -35,6 +35,9 @@ from tests.collector.helpers import RecordingSink
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_PATH = os.environ.get("PYTHONPATH", "")
+
+
 def _python(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """Run this interpreter on ``args`` from the repository root, with ``env`` added."""
     return subprocess.run(
@@ -43,7 +46,9 @@ def _python(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        # The root for the scripts' own imports, before any PYTHONPATH the suite runs under
+        # (the GPU machines' source trees: .ci/device-check).
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), _PATH))), **env},
     )
 
 

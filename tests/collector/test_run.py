@@ -296,6 +296,7 @@ def test_show_plots_at_most_twelve_streams_and_names_the_rest(
 def test_show_skips_lines_that_are_not_utf8_and_names_bad_plot_paths(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    pytest.importorskip("matplotlib")  # --plot's extra
     path = tmp_path / "mixed.jsonl"
     good = json.dumps({"step": 3, "stream": "", "time": 0, "values": {"loss": 1.5}})
     path.write_bytes(b'{"step": 1, "values": {"\xff": 1.0}}\n' + good.encode() + b"\n")

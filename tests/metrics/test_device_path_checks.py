@@ -222,6 +222,33 @@ def test_weighted_mean_device_path_drops_a_bad_weight_only(device_path: None, ba
     assert fine.compute().item() == pytest.approx(1.5)
 
 
+@pytest.mark.parametrize("path", ["cpu", "device"])
+@pytest.mark.parametrize("bad", [-1.0, -1, NAN, INF])
+def test_a_bad_number_as_weights_raises_on_every_path_and_batch(
+    request: pytest.FixtureRequest, path: str, bad: float
+) -> None:
+    """A Python number is on the host: refused before any state changes, empty batch or not.
+
+    The device path used to take it as the batch's weights (an empty batch has none: kept,
+    uncounted), while the CPU raised; a weight tensor is still the batch's (an empty one kept).
+    """
+    if path == "device":
+        request.getfixturevalue("device_path")
+    mean, perplexity_ = WeightedMeanMetric(), PerplexityMetric()
+    mean.update(torch.tensor([1.0, 3.0]), 2.0)
+    perplexity_.update(losses=torch.tensor([0.5, 1.5]), weights=2)
+    for values in (torch.zeros(0), torch.tensor([1.0, 2.0])):
+        with pytest.raises(ValueError, match=r"weights: expected (a )?finite values? >= 0"):
+            mean.update(values, bad)
+        with pytest.raises(ValueError, match=r"weights: expected (a )?finite values? >= 0"):
+            perplexity_.update(losses=values, weights=bad)
+    mean.update(torch.zeros(0, 3), torch.tensor([-1.0, 1.0, 1.0]))  # weighs no element
+    mean.update(torch.zeros(0), torch.tensor(-1.0))
+    assert mean.compute().item() == 2.0 and mean.rejected_updates.item() == 0
+    assert perplexity_.compute().item() == pytest.approx(math.exp(1.0))
+    assert perplexity_.rejected_updates.item() == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
 def test_multiclass_counts_on_the_device_path_for_narrow_targets(
     device_path: None, dtype: torch.dtype

@@ -371,3 +371,32 @@ def test_a_confidence_of_one_is_binned_with_a_million_bins() -> None:
     metric.update(torch.tensor([1.0, 0.2]), torch.tensor([0, 0]))
     # Predicted classes 1 (confidence 1.0, wrong) and 0 (confidence 0.8, right): gaps 1 and 0.2.
     assert float(metric.compute()) == pytest.approx((1.0 + 0.2) / 2, abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_decimal_score_on_a_threshold_edge_counts_at_the_edge_in_every_dtype(
+    dtype: torch.dtype,
+) -> None:
+    """float32 0.7 is stored as 0.69999998: it counts at the edge 0.7, as float64 0.7 does.
+
+    Every one-decimal score sits on its own edge, so the binned values are exact: scikit-learn's
+    on the decimals. Counted below its edge, float32 0.7 shared 0.6's bin.
+    """
+    generator = torch.Generator().manual_seed(5)
+    decimals = torch.randint(0, 11, (2000,), generator=generator).double() / 10
+    target = (torch.rand(2000, generator=generator, dtype=torch.float64) < decimals).long()
+    edges = [k / 10 for k in range(11)]
+    reference = {
+        BinaryAUROCMetric: roc_auc_score(target.numpy(), decimals.numpy()),
+        BinaryAveragePrecisionMetric: average_precision_score(target.numpy(), decimals.numpy()),
+    }
+    for make, expected in reference.items():
+        metric = make(thresholds=edges)
+        metric.update(decimals.to(dtype), target)
+        assert float(metric.compute()) == pytest.approx(expected, abs=1e-12), make.__name__
+    # Only a hair below counts at the edge: 2**-18 relative below it is the bin below.
+    metric = BinaryAUROCMetric(thresholds=[0.5, 0.7])
+    below = 0.7 * (1 - 2.0**-18)
+    metric.update(torch.tensor([below, 0.7, 0.5], dtype=dtype), torch.tensor([0, 0, 0]))
+    negatives, _ = metric.histograms()
+    assert negatives.tolist() == [[0, 2, 1]]

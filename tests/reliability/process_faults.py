@@ -50,7 +50,8 @@ def launch(out: Path, steps: int, timeout_s: float = 20.0, attempt: int = 0) -> 
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "MLFLOW_DISABLE_TELEMETRY": "true",
-            "PYTHONPATH": str(ROOT),
+            # The root for the job's imports, before the suite's own path (device-check's).
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
         }
         log = out / f"rank{rank}.attempt{attempt}.log"
         with log.open("wb") as handle:

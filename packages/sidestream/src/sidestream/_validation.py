@@ -6,6 +6,7 @@ must not add a host sync on CUDA, so they take the policy of ``screen_invalid``.
 
 from __future__ import annotations
 
+import math
 from numbers import Integral, Real
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "check_broadcastable",
     "check_floating",
     "check_same_shape",
+    "check_weight_number",
     "checks_stay_on_device",
     "screen_invalid",
 ]
@@ -114,6 +116,21 @@ def check_int(argument: str, value: object, minimum: int) -> None:
         )
     if value < minimum:
         raise ValueError(f"{argument}: expected an int >= {minimum}, got {value}")
+
+
+def check_weight_number(argument: str, value: object) -> None:
+    """Raise ``ValueError`` naming ``argument`` for a number that is not a finite weight >= 0.
+
+    Anything but a Python (or numpy) number passes: a tensor is checked with its batch. A
+    number is on the host already, so it is read on every device, even where tensor weights are
+    counted and dropped on the device, and whatever the batch holds (an empty one too).
+    Compiling, a number is an input of the graph (a check would break it): the device path
+    counts and drops its batch.
+    """
+    if isinstance(value, Real) and not isinstance(value, bool) and not is_compiling():
+        number = float(value)
+        if not (number >= 0 and math.isfinite(number)):
+            raise ValueError(f"{argument}: expected a finite value >= 0, got {value!r}")
 
 
 def check_broadcastable(argument: str, tensor: Tensor, target: Tensor, target_name: str) -> None:

@@ -14,6 +14,7 @@ from sidestream._validation import (
     check_broadcastable,
     check_floating,
     check_floating_dtype,
+    check_weight_number,
     checks_stay_on_device,
     drop_invalid,
     not_finite,
@@ -72,8 +73,9 @@ class WeightedMeanMetric(NanScreenedMetric):
 
         Raises:
             TypeError: If ``values`` is not floating point.
-            ValueError: On a shape or device mismatch, or (CPU only) a negative or non-finite
-                weight.
+            ValueError: On a shape or device mismatch, a negative or non-finite Python number
+                ``weights`` (on every device), or (CPU only) a negative or non-finite weight
+                of a non-empty batch.
         """
         device = self.device
         values_t = as_tensor("values", values, device, floating=True)
@@ -84,6 +86,10 @@ class WeightedMeanMetric(NanScreenedMetric):
             # A scalar always broadcasts; torch.broadcast_shapes is slow.
             check_broadcastable("weights", weights_t, values_t, "values")
         on_device = checks_stay_on_device(device)
+        if on_device or not values_t.numel():
+            # A number is on the host: refused on every device. The CPU path checks it with a
+            # non-empty batch, after the values (a NaN value is named first).
+            check_weight_number("weights", weights)
         # CPU "error" rides on the result: a NaN value makes the weighted sum NaN (NaN * w is
         # NaN for every weight), so the NaN pass runs only for a NaN sum or a bad weight, and
         # raises (naming values, first, as before) before the state changes.
@@ -160,7 +166,10 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
     low: Tensor | None
     if weights.dim() == 0:  # a scalar (the default 1.0): no batch-sized weights at all
         weight = weights.to(dtype)
-        weighted, total, low = values.sum(dtype=dtype) * weight, weight * values.numel(), weight
+        weighted, total = values.sum(dtype=dtype) * weight, weight * values.numel()
+        # Checked as the batch's weights, as broadcast ones and the device path's are: an
+        # empty batch has none (a Python number is checked on its own in update).
+        low = weight if values.numel() else None
     elif weights.shape != values.shape:
         expanded = weights.to(dtype).expand(values.shape)
         weighted, total = (values.to(dtype) * expanded).sum(), expanded.sum()

@@ -33,12 +33,19 @@ class Bins:
 
     With ``edges`` ``e_1 < ... < e_T`` in ``[0, 1]`` there are ``T + 1`` bins: ``[0, e_1)``,
     ``[e_1, e_2)``, ..., ``[e_T, 1]``, so the curves have one point per edge (a score at or
-    above ``e_k`` counts as positive there), as torchmetrics' ``thresholds=[...]``.
+    above ``e_k`` counts as positive there), as torchmetrics' ``thresholds=[...]``. As with
+    uniform bins, a score within a relative ``2**-20`` below an edge counts at the edge.
 
     Args:
         num_bins: Uniform bins (ignored when ``edges`` is given).
         edges: Increasing thresholds in ``[0, 1]``, or ``None`` for uniform bins.
     """
+
+    # The edges the scores are compared with: each user edge divided by ``EDGE_LIFT``, so a
+    # score stored a hair below a decimal edge (float32 0.7 is 0.69999998) counts at the edge,
+    # as a uniform bin edge's score does, whatever the score's dtype. A class default: a metric
+    # pickled before them makes them on its first update.
+    _lifted: Tensor | None = None
 
     def __init__(self, num_bins: int, edges: Sequence[float] | Tensor | None = None) -> None:
         self._edges: Tensor | None = None
@@ -54,6 +61,7 @@ class Bins:
         if values.numel() > 1 and not bool((values[1:] > values[:-1]).all()):
             raise ValueError("thresholds: expected strictly increasing values")
         self._edges = values
+        self._lifted = values / _cpu_path.EDGE_LIFT
         self.count = values.numel() + 1
 
     def layout(self) -> Tensor:
@@ -74,6 +82,7 @@ class Bins:
         """Keep the edges on the metric's device (``bucketize`` needs them there)."""
         if self._edges is not None:
             self._edges = self._edges.to(device)
+            self._lifted = None if self._lifted is None else self._lifted.to(device)
 
     def index(self, scores: Tensor) -> Tensor:
         """The int64 bin of each score, in ``[0, count)``; host-sync free."""
@@ -82,5 +91,6 @@ class Bins:
         # Compared in float64 whatever the scores' dtype, as uniform bins are binned: one
         # monotone map for every batch (edges rounded to float32 for float32 scores only put a
         # float32 score at a rounded edge above a higher float64 score below the edge itself).
-        edges = self._edges.to(torch.float64)
-        return torch.bucketize(_cpu_path.binning_scores(scores), edges, right=True)
+        if self._lifted is None:
+            self._lifted = self._edges.to(torch.float64) / _cpu_path.EDGE_LIFT
+        return torch.bucketize(_cpu_path.binning_scores(scores), self._lifted, right=True)

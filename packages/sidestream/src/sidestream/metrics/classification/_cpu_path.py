@@ -17,6 +17,7 @@ from sidestream._validation import clamped
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "EDGE_LIFT",
     "bin_scale",
     "bincount_enabled",
     "binning_scores",
@@ -196,7 +197,12 @@ def bin_scale(num_bins: int) -> float:
     within about ``1e-6`` relative below an edge,
     so scores with ``d`` decimals land in distinct bins once ``num_bins >= 10**d``.
     """
-    return num_bins * (1.0 + 2.0**-20)
+    return num_bins * EDGE_LIFT
+
+
+EDGE_LIFT = 1.0 + 2.0**-20
+"""The relative lift of ``bin_scale``: a score this close below a bin edge counts at the edge
+(threshold edges are divided by it, the same rule)."""
 
 
 def fold_bins(counts: Tensor, rows: int, num_bins: int) -> Tensor:

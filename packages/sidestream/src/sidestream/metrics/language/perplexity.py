@@ -12,6 +12,7 @@ from sidestream._validation import (
     as_tensor,
     check_broadcastable,
     check_floating,
+    check_weight_number,
     checks_stay_on_device,
     drop_invalid,
     ignore_index_of,
@@ -194,6 +195,7 @@ class PerplexityMetric(Metric[Tensor]):
         self._tokens.accumulate(counted)
 
     def _update_losses(self, losses: Tensor, weights: Tensor | float) -> None:
+        check_weight_number("weights", weights)
         losses_t = as_tensor("losses", losses, self.device, floating=True)
         check_floating("losses", losses_t)
         losses_64 = losses_t.to(torch.float64)
