@@ -738,6 +738,7 @@ def test_a_kept_local_store_is_named_by_its_absolute_path(
 ) -> None:
     # A replay from another directory wrote into a new store of the same relative name.
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the file store, as opted in
     monkeypatch.chdir(tmp_path)
     for given, kept in [
         ("sqlite:///mlflow.db", f"sqlite:///{tmp_path / 'mlflow.db'}"),
@@ -758,16 +759,25 @@ def test_a_kept_local_store_is_named_by_its_absolute_path(
         # A relative path to MLflow (its file store), but surely a typo.
         ("http//127.0.0.1:5000", r"lacks the ':' after its scheme; did you mean 'http://127"),
         ("sqlite//mlflow.db", r"did you mean 'sqlite://mlflow.db'"),
-        ("./http//x", None),  # a folder of that name, given as a path
+        ("./http//x", None),  # a folder of that name, given as a path (file store opted in)
         ("uc:http://localhost:8080", None),  # MLflow's "uc" store, as MLflow parses it
+        # The file store, which MLflow refuses unless MLFLOW_ALLOW_FILE_STORE is true.
+        ("file:///tmp/mlruns", r"tracking_uri: 'file:///tmp/mlruns' is MLflow's file store"),
+        ("./mlruns", r"is MLflow's file store, which this MLflow refuses unless MLFLOW_ALLOW"),
     ],
 )
 def test_a_tracking_uri_mlflow_has_no_store_for_fails_when_the_sink_is_built(
-    uri: str, message: str | None
+    uri: str, message: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Accepted, it failed on rank 0's sink thread after training started, saying the file
     # store was "in maintenance mode" or that the model registry was unavailable.
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    if "file store" in (message or ""):
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        MlflowSink(tracking_uri=uri)  # opted in: taken, as MLflow takes it
+        monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     if message is None:
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
         MlflowSink(tracking_uri=uri)
         return
     with pytest.raises(ValueError, match=message):

@@ -774,6 +774,34 @@ def test_a_jsonl_spool_replays_with_the_command_given_only_the_file(
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
 
 
+def test_a_replay_into_another_sink_keeps_the_spool_for_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Written out to read (the console here, a JSONL file in the docs), the reports were not
+    # delivered where the job sent them: the file was renamed .replayed all the same, and a
+    # replay into its own sink then refused it ("replayed already").
+    from sidestream.sinks.replay import main
+
+    log = tmp_path / "job" / "m.jsonl"
+    runner = SinkRunner(JsonlSink(log), spool_dir=str(tmp_path / "spool"))
+    log.mkdir(parents=True)  # the file's place is taken: opening fails for good
+    runner.start()
+    for step in range(1, 4):
+        runner.submit(Report(step=step, values={"loss": float(step)}, time=1.0))
+    assert runner.close(timeout=10) is False
+    (kept,) = (tmp_path / "spool").glob("*.spool.jsonl")
+    log.rmdir()
+    monkeypatch.chdir(tmp_path)
+    assert main([str(kept), "--sink", "console"]) == 0
+    shown = capsys.readouterr()
+    assert "loss" in shown.out
+    assert f"{kept} is kept: its reports went into console, not into the jsonl sink" in shown.err
+    assert kept.is_file() and not Path(f"{kept}.replayed").exists()
+    assert main([str(kept)]) == 0  # into its own sink: delivered, then renamed
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
+    assert not kept.exists() and Path(f"{kept}.replayed").is_file()
+
+
 def test_replay_spool_refuses_a_sink_in_a_child_process(tmp_path: Path) -> None:
     """The replay asks the sink which reports its backend has: a ProcessSink cannot say, so
     it is refused before anything is opened or written."""

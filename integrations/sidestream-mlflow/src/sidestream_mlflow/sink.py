@@ -113,6 +113,7 @@ class MlflowSink(TrackerSink):
             raise TypeError(f"tags: expected a mapping of str to str, got {type(tags).__name__}")
         if tracking_uri is not None:
             _check_uri_scheme(tracking_uri)
+            _check_file_store(tracking_uri)
             _check_database_uri(tracking_uri)
         self._tracking_uri = tracking_uri
         self._experiment = experiment
@@ -519,8 +520,33 @@ def _check_uri_scheme(uri: str) -> None:
     raise ValueError(
         f"tracking_uri: MLflow has no tracking store for the scheme {scheme!r} of "
         f"{uri_without_password(uri)!r}; expected http://host:port, https://..., "
-        "sqlite:///path.db (or another database URL), file:///path or databricks"
+        "sqlite:///path.db (or another database URL), databricks or file:///path (MLflow's "
+        "file store, refused by MLflow 3.13 and later unless MLFLOW_ALLOW_FILE_STORE=true)"
     )
+
+
+def _check_file_store(uri: str) -> None:
+    """Raise ``ValueError`` naming ``tracking_uri`` for the file store where MLflow refuses it.
+
+    MLflow 3.13 and later refuse their file store (``file:///path``, a plain path) unless
+    ``MLFLOW_ALLOW_FILE_STORE`` is true, but only at the first request: on rank 0's sink thread,
+    after the job started, with every report then kept for a replay.
+    """
+    scheme = urlparse(uri).scheme.lower()
+    if scheme != "file" and (len(scheme) > 1 or uri in ("databricks", "databricks-uc")):
+        return
+    try:
+        from mlflow.environment_variables import (  # type: ignore[import-untyped, unused-ignore]
+            MLFLOW_ALLOW_FILE_STORE,
+        )
+    except ImportError:  # an MLflow that takes its file store as it is
+        return
+    if not MLFLOW_ALLOW_FILE_STORE.get():
+        raise ValueError(
+            f"tracking_uri: {uri_without_password(uri)!r} is MLflow's file store, which this "
+            "MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true is set; use a database "
+            "(sqlite:///path.db) or a tracking server (http://host:port)"
+        )
 
 
 def _absolute_store(uri: str) -> str:

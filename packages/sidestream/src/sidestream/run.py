@@ -461,8 +461,9 @@ class Run:
         if not isinstance(state_dict, Mapping) or not {"collectors", "sinks"} <= state_dict.keys():
             keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)
             raise KeyError(
-                f"state_dict: expected run.state_dict()'s keys ['collectors', 'sinks'], got "
-                f"{keys} (a collector's own state_dict() goes to collector.load_state_dict)"
+                "state_dict: expected run.state_dict()'s keys ['collectors', 'sinks', "
+                f"'undelivered'] (a checkpoint of an earlier version may lack 'undelivered'), "
+                f"got {keys} (a collector's own state_dict() goes to collector.load_state_dict)"
             )
         collectors = dict(state_dict["collectors"])
         sinks = state_dict["sinks"]

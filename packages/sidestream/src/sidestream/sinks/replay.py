@@ -25,7 +25,7 @@ from sidestream.sinks._spool_format import (
     replay_spool,
 )
 from sidestream.sinks.base import Sink
-from sidestream.sinks.config import sinks_from_config
+from sidestream.sinks.config import available_sinks, sinks_from_config
 
 __all__ = ["main"]
 
@@ -122,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--keep",
         action="store_true",
         help="leave the spool file as it is (by default it is renamed SPOOL.replayed once "
-        "every report was delivered, so it is not replayed twice)",
+        "every report was delivered, so it is not replayed twice; a replay into another "
+        f"installed sink than the one the SPOOL{STATE_SUFFIX} file names always keeps it)",
     )
     parser.add_argument(
         "--timeout",
@@ -264,6 +265,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if result.held or not result.closed:
         return 1
+    if (
+        not args.keep
+        and kept is not None
+        and kept.sink != args.sink
+        and kept.sink in available_sinks()
+    ):
+        # Written out elsewhere (a JSONL copy to read), not delivered where the job sent them:
+        # renamed, the file would never be replayed into its own sink. (A sink of one's own with
+        # no entry point cannot be replayed into here: the sink given stands in for it.)
+        print(
+            f"{args.spool} is kept: its reports went into {args.sink}, not into the "
+            f"{kept.sink} sink that spooled them; replay it with --sink {kept.sink} (or "
+            "without --sink) to deliver them there",
+            file=sys.stderr,
+        )
+        return 0
     if not args.keep:
         try:
             os.replace(args.spool, args.spool + _REPLAYED)
