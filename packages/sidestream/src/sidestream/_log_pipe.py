@@ -37,9 +37,13 @@ class LogEntry:
 class LogPipe:
     """A bounded queue of ``LogEntry`` and one thread that makes each into a ``Report``.
 
-    Policy when full (``capacity`` entries waiting, which only happens if CUDA copies stall):
-    the new entry is dropped, counted in ``dropped`` and warned about once. The caller never
-    waits.
+    Policy when full (``capacity`` entries waiting):
+
+    - every waiting entry, and the new one, holds host numbers only (the thread is behind a
+      burst of calls, not waiting for a GPU): the caller delivers them itself, in order, and
+      nothing is dropped; that call takes as long as the deliveries;
+    - an entry waits for a CUDA copy (the copies stall): the new entry is dropped, counted in
+      ``dropped`` and warned about once. The caller never waits for the GPU.
 
     Args:
         deliver: Called with each report, in the order of the ``log`` calls.
@@ -50,7 +54,11 @@ class LogPipe:
         self._deliver = deliver
         self._capacity = capacity
         self._cond = threading.Condition()
+        # Held around each delivery, by the thread or by a caller draining a full queue: one
+        # delivery at a time, in the order of the calls.
+        self._delivering = threading.Lock()
         self._entries: deque[LogEntry] = deque()
+        self._on_device = 0  # entries waiting for a CUDA copy, queued or being delivered
         self._busy = False
         self._stopping = False
         self.dropped = 0
@@ -58,20 +66,42 @@ class LogPipe:
         self._thread.start()
 
     def put(self, entry: LogEntry) -> None:
-        """Queue ``entry``; returns at once (drops it when the queue is full)."""
+        """Queue ``entry``; returns without waiting for the GPU (see the class's policy)."""
         with self._cond:
-            if len(self._entries) >= self._capacity:
-                self.dropped += 1
-                if self.dropped == 1:
-                    logger.warning(
-                        "Run.log: %d values wait for the GPU already; step %d dropped (drops "
-                        "are counted in Run.log_dropped, not logged again)",
-                        self._capacity,
-                        entry.step,
-                    )
+            if len(self._entries) < self._capacity:
+                self._entries.append(entry)
+                if entry.host is not None:
+                    self._on_device += 1
+                self._cond.notify_all()
                 return
-            self._entries.append(entry)
-            self._cond.notify_all()
+            if entry.host is not None or self._on_device:
+                self._drop(entry)
+                return
+        self._drain_with(entry)
+
+    def _drop(self, entry: LogEntry) -> None:
+        self.dropped += 1
+        if self.dropped == 1:
+            logger.warning(
+                "Run.log: %d values wait for the GPU already; step %d dropped (drops are "
+                "counted in Run.log_dropped, not logged again, and make close() return False)",
+                self._capacity,
+                entry.step,
+            )
+
+    def _drain_with(self, entry: LogEntry) -> None:
+        """Deliver every waiting entry, then ``entry``, on the calling thread, in order."""
+        with self._delivering:
+            with self._cond:
+                if self._on_device:  # queued meanwhile by another thread: it would wait
+                    self._drop(entry)
+                    return
+                waiting = list(self._entries)
+                self._entries.clear()
+            for queued in (*waiting, entry):  # host numbers only: none waits for the GPU
+                self._deliver_one(queued)
+            with self._cond:
+                self._cond.notify_all()
 
     def wait_idle(self, timeout: float | None) -> bool:
         """Block until every queued entry is delivered; whether it happened in time."""
@@ -92,15 +122,29 @@ class LogPipe:
                 self._cond.wait_for(lambda: self._entries or self._stopping)
                 if not self._entries:
                     return
-                entry = self._entries.popleft()
-                self._busy = True
-            try:
-                self._deliver(_report(entry))
-            except Exception as error:  # a bad entry must not stop the others
-                logger.error("Run.log at step %d failed: %s", entry.step, error)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+                head = self._entries[0]
+            if head.done is not None:
+                # Outside the locks: a caller draining a full queue never waits for the GPU
+                # (none drains while this entry waits: it counts in _on_device).
+                wait_on_host(head.done)
+            with self._delivering:
+                with self._cond:
+                    if not self._entries or self._entries[0] is not head:
+                        continue  # a caller delivered it: look again
+                    entry = self._entries.popleft()
+                    self._busy = True
+                self._deliver_one(entry)
+                with self._cond:
+                    self._busy = False
+                    if entry.host is not None:
+                        self._on_device -= 1
+                    self._cond.notify_all()
+
+    def _deliver_one(self, entry: LogEntry) -> None:
+        try:
+            self._deliver(_report(entry))
+        except Exception as error:  # a bad entry must not stop the others
+            logger.error("Run.log at step %d failed: %s", entry.step, error)
 
 
 def _report(entry: LogEntry) -> Report:

@@ -135,7 +135,11 @@ class Run:
 
     @property
     def log_dropped(self) -> int:
-        """``log`` calls dropped because the queue was full (CUDA copies stalled)."""
+        """``log`` calls dropped because the queue was full while CUDA copies stalled.
+
+        A queue full of host numbers (a burst of calls) is delivered by the caller instead:
+        nothing dropped. A drop makes ``close`` return ``False``.
+        """
         return 0 if self._log_pipe is None else self._log_pipe.dropped
 
     # ------------------------------------------------------------------ streams
@@ -326,8 +330,9 @@ class Run:
 
         Returns:
             Whether everything was delivered: ``False`` if windows were still running or
-            failed, a sink could not take its reports in time (they are kept in a spool
-            file a warning names) or a sink failed for good.
+            failed, ``log`` calls were dropped (``log_dropped``), a sink could not take its
+            reports in time (they are kept in a spool file a warning names) or a sink failed
+            for good.
         """
         timeout = check_timeout("close: timeout", timeout)
         if self._closed:
@@ -341,8 +346,16 @@ class Run:
         for collector in self._collectors:
             if not collector.close(seconds_left(deadline)):
                 complete = False
-        if self._log_pipe is not None and not self._log_pipe.stop(seconds_left(deadline)):
-            complete = False
+        if self._log_pipe is not None:
+            if not self._log_pipe.stop(seconds_left(deadline)):
+                complete = False
+            if self._log_pipe.dropped:
+                complete = False
+                logger.warning(
+                    "close: %d Run.log call(s) were dropped while CUDA copies stalled "
+                    "(Run.log_dropped); their values reached no sink",
+                    self._log_pipe.dropped,
+                )
         if not self._delivery.close(deadline):
             complete = False
         self._close_result = complete
