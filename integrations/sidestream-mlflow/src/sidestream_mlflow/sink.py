@@ -541,7 +541,7 @@ def _check_file_store(uri: str) -> None:
         )
     except ImportError:  # an MLflow that takes its file store as it is
         return
-    if not MLFLOW_ALLOW_FILE_STORE.get():
+    if not MLFLOW_ALLOW_FILE_STORE.get():  # type: ignore[no-untyped-call, unused-ignore]
         raise ValueError(
             f"tracking_uri: {uri_without_password(uri)!r} is MLflow's file store, which this "
             "MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true is set; use a database "
