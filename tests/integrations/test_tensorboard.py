@@ -630,3 +630,24 @@ def test_a_skipped_value_survives_a_distributed_checkpoint(tmp_path: Path) -> No
     dcp.load({"run": resumed}, checkpoint_id=tmp_path / "checkpoint")
     resumed.log(2, {"lr": 0.2})
     assert not resumed.close(timeout=30)  # True before: the key was dropped by the load
+
+
+def test_a_checkpoint_flush_behind_a_hung_write_returns_within_its_timeout(
+    tmp_path: Path,
+) -> None:
+    # A write to a hung disk holds the writer's lock on the sink's thread: the checkpoint's
+    # flush (make_durable from run.state_dict(timeout=2)) waited for that lock without end.
+    sink = TensorBoardSink(log_dir=str(tmp_path / "tb"))
+    sink.open(RunInfo(name="hung"))
+    sink.write(Report(step=1, values={"x": 1.0}, time=1.0))
+    answer: list[bool] = []
+    with sink._writer_lock:  # as the sink's thread, inside a write that hangs
+        waiting = threading.Thread(target=lambda: answer.append(sink.make_durable(0.3)))
+        started = time.monotonic()
+        waiting.start()
+        waiting.join(10)
+        took = time.monotonic() - started
+    assert not waiting.is_alive() and answer == [False]
+    assert took < 5
+    assert sink.make_durable(5) is True  # the write ended: durable again
+    assert sink.close(5) is True

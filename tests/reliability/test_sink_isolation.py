@@ -8,13 +8,14 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from sidestream import AsyncMetricCollector, MeanMetric
+from sidestream import AsyncMetricCollector, MeanMetric, Run
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.sinks import JsonlSink, Report, SinkRunner, read_spool, replay_spool
 from sidestream.sinks._spool_format import encode_report
@@ -837,3 +838,43 @@ def test_a_failing_closing_callback_still_closes_the_sink(tmp_path: Path) -> Non
     assert [
         json.loads(line)["step"] for line in (tmp_path / "out.jsonl").read_text().splitlines()
     ] == [1]
+
+
+def test_a_checkpoint_behind_a_jsonl_pipe_nobody_reads_returns_within_its_timeout(
+    tmp_path: Path,
+) -> None:
+    # A pipe whose reader stopped (a paused `| less`): the sink's write blocks holding the
+    # file, and run.state_dict(timeout=2) waited for it without end.
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, never read (until the end)
+    run = Run([JsonlSink(fifo), JsonlSink(tmp_path / "ok.jsonl")], spool_dir=str(tmp_path))
+    try:
+        for step in range(1, 2001):  # about 100 B a line: past the pipe's 64 KiB buffer
+            run.log(step, {"loss": step / 7, "lr": step / 11})
+        done: dict[str, float] = {}
+
+        def checkpoint() -> None:
+            started = time.monotonic()
+            run.state_dict(timeout=1.0)
+            done["state_dict"] = time.monotonic() - started
+            started = time.monotonic()
+            done["closed"] = run.close(timeout=1.0)
+            done["close"] = time.monotonic() - started
+
+        waiting = threading.Thread(target=checkpoint, daemon=True)
+        waiting.start()
+        waiting.join(30)
+        assert not waiting.is_alive(), "state_dict or close waited for the hung write"
+        assert done["state_dict"] < 10 and done["close"] < 10
+        assert done["closed"] is False  # the pipe's reports are kept in a spool, not lost
+        assert len((tmp_path / "ok.jsonl").read_text().splitlines()) == 2000
+    finally:
+        deadline = time.monotonic() + 5  # let the abandoned write end
+        while time.monotonic() < deadline:
+            try:
+                if not os.read(reader, 1 << 16):
+                    break
+            except BlockingIOError:
+                time.sleep(0.01)
+        os.close(reader)

@@ -405,8 +405,15 @@ class TensorBoardSink(TrackerSink):
         call it while the sink's thread writes. A writer that failed is replaced by the next
         ``write`` or ``close`` (the sink's thread), not here: False until then.
         """
-        with self._writer_lock:
+        # Bounded: the sink's thread holds the lock through a write, and a write to a hung
+        # disk would hold a checkpoint's call with it.
+        if not self._writer_lock.acquire(timeout=-1 if timeout is None else timeout):
+            logger.warning("TensorBoardSink: a write did not end within %s s", timeout)
+            return False
+        try:
             writer = self._writer
+        finally:
+            self._writer_lock.release()
         if writer is None:
             return not self._opened  # opened: a failed writer not replaced yet
         finished, error = call_within(writer.flush, timeout, f"sidestream-{self.name}-flush")

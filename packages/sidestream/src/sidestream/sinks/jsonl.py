@@ -17,7 +17,7 @@ from typing import IO, Any
 from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo
 from sidestream.sinks.status import PermanentSinkError
-from sidestream.sinks.support import check_directory_path
+from sidestream.sinks.support import call_within, check_directory_path
 from sidestream.sinks.tracker import TrackerSink
 
 __all__ = ["JsonlSink", "read_jsonl", "read_lines"]
@@ -233,12 +233,33 @@ class JsonlSink(TrackerSink):
                 self._cut = False
 
     def make_durable(self, timeout: float | None = None) -> bool:
-        """``fsync`` the file, so delivered lines survive a machine crash. Thread-safe."""
-        del timeout
-        with self._file_lock:
-            if self._file is not None and self._regular:
-                os.fsync(self._file.fileno())
-        return True
+        """``fsync`` the file, so delivered lines survive a machine crash. Thread-safe.
+
+        Returns:
+            Whether that ended within ``timeout`` seconds: a write that hangs holds the file
+            (a pipe nobody reads, a stalled terminal, a hung disk), and a checkpoint must not
+            wait for it without end.
+        """
+
+        def sync() -> None:
+            with self._file_lock:
+                self._sync_file()
+
+        if self._file_lock.acquire(blocking=False):  # no write under way: at once, any timeout
+            try:
+                self._sync_file()
+            finally:
+                self._file_lock.release()
+            return True
+        finished, error = call_within(sync, timeout, "sidestream-jsonl-fsync")
+        if error is not None:
+            raise error
+        return finished
+
+    def _sync_file(self) -> None:
+        """``fsync`` the open file, if it is a regular one (lock held)."""
+        if self._file is not None and self._regular:
+            os.fsync(self._file.fileno())
 
     def close(self, timeout: float | None = None) -> bool:
         """Close the file (every delivered line is already in it)."""
