@@ -20,8 +20,13 @@ __all__ = ["TrackerSink", "parse_tracker_state", "signature_options"]
 logger = logging.getLogger("sidestream.sinks")
 
 # Reports sent and not confirmed that a sink keeps to resend (a backend that never confirms
-# must not grow memory without bound).
+# must not grow memory without bound). With this many, the sink sends no more until the
+# backend confirms some: its runner keeps the rest (queue, then spool), counting any it drops.
 _MAX_UNCONFIRMED = 65_536
+
+
+class UnconfirmedBacklogError(RuntimeError):
+    """The backend has not confirmed ``_MAX_UNCONFIRMED`` reports: retried, sent once it does."""
 
 
 class TrackerSink(Sink):
@@ -326,6 +331,31 @@ class TrackerSink(Sink):
                     "or close to resend",
                 )
 
+    def _check_unconfirmed_backlog(self, sending: int) -> None:
+        """Raise ``UnconfirmedBacklogError`` if ``sending`` more would pass the unconfirmed cap.
+
+        A backend that stalls (wandb's service stopped, its disk full) confirms nothing: the
+        oldest of the reports kept to resend were forgotten, and lost with nothing counted.
+        Instead the runner retries this write later, and its queue and spool keep the reports.
+        """
+        with self._lock:
+            self._forget_confirmed()
+            full = len(self._unconfirmed) + sending > _MAX_UNCONFIRMED
+        if not full or self.durable_on_send:
+            return
+        self.flush(0)  # what the backend has by now (wandb: the rows in its file)
+        with self._lock:
+            # All confirmed ones out, not only those at the front (another stream's report
+            # there keeps them): at the cap only, so O(cap) now and then.
+            kept = (report for report in self._unconfirmed if not self._confirmed(report))
+            self._unconfirmed = collections.deque(kept)
+            waiting = len(self._unconfirmed)
+        if waiting + sending > _MAX_UNCONFIRMED:
+            raise UnconfirmedBacklogError(
+                f"sink {self.name!r}: its backend has not confirmed {waiting} reports sent; "
+                "no more are sent until it does (they wait in the queue, then the spool)"
+            )
+
     def pending_reports(self) -> list[Report]:
         """Reports sent that the backend has not confirmed yet (``durable_on_send`` False)."""
         with self._lock:
@@ -357,6 +387,7 @@ class TrackerSink(Sink):
             fresh, passed = self._past_backend(fresh)
         if not fresh:
             return
+        self._check_unconfirmed_backlog(len(fresh))
         self.send(fresh)
         for name in passed:
             del self._backend_steps[name]
