@@ -334,14 +334,18 @@ def _crash(job: str, tmp_path: Path) -> dict[str, Any]:
 
 def test_a_crashed_job_resumes_logging_every_step_after_its_checkpoint(tmp_path: Path) -> None:
     """A checkpoint's steps are in the crashed run's .wandb file (make_durable waited for
-    wandb's periodic write); the steps logged after it less than an interval before the crash
-    may be lost, so the resumed job logs them again (the progress file does not claim them)."""
+    wandb's periodic write); of the steps logged after it, those wandb wrote to that file
+    before the crash are skipped (the resumed sink reads it), and the rest logged again: every
+    step once, in one directory or the other."""
     checkpoint = _crash(_CRASHING_JOB, tmp_path)
     assert checkpoint["last_steps"] == [["", 4]]
-    assert _losses(checkpoint["run_dir"])[:5] == [(step, float(step)) for step in range(5)]
+    crashed = _losses(checkpoint["run_dir"])
+    assert crashed[:5] == [(step, float(step)) for step in range(5)]
     # The job repeats steps 3 to 9 from its checkpoint.
     rows = _resume(checkpoint, tmp_path, range(3, 12))
-    assert rows == [(step, float(step)) for step in range(5, 12)]
+    assert sorted(crashed + rows) == [(step, float(step)) for step in range(12)]
+    # Rows wandb wrote after the sink last read the file were logged again before.
+    assert rows[0][0] == crashed[-1][0] + 1
 
 
 def _losses(run_dir: str) -> list[tuple[Any, Any]]:
@@ -467,9 +471,14 @@ def test_a_second_crash_before_a_new_checkpoint_is_resumed_past_both_jobs(
         if str(path) != checkpoint["run_dir"]
     ]
     assert len(second) == 1
-    assert _losses(str(second[0]))[:6] == [(step, float(step)) for step in range(10, 16)]
+    second_rows = _losses(str(second[0]))
+    assert second_rows[:6] == [(step, float(step)) for step in range(10, 16)]
     rows = _resume(checkpoint, tmp_path, range(5, 19))
-    assert rows == [(step, float(step)) for step in range(16, 19)]
+    # Each step once over the three jobs' directories: the second job's rows past its
+    # progress file (16, 17 when wandb wrote them before the crash) are skipped too.
+    every = sorted(_losses(checkpoint["run_dir"]) + second_rows + rows)
+    assert every == [(step, float(step)) for step in range(19)]
+    assert rows[0][0] == second_rows[-1][0] + 1
 
 
 _BACKLOG_JOB = """

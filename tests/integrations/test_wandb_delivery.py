@@ -240,3 +240,34 @@ def test_a_replay_goes_to_the_jobs_own_wandb_server(
     assert WandbSink(project="p", mode="offline").replay_options()["settings"] == {
         "base_url": "http://h:4"
     }
+
+
+def test_a_resumed_sink_skips_rows_the_earlier_file_has_past_its_progress_file(
+    tmp_path: Path,
+) -> None:
+    # wandb's service stalled, close gave up with the progress file at step 2, and wandb then
+    # wrote every row: a replay (or a resumed job) of the kept reports read only the progress
+    # file and wrote steps 3 to 6 a second time.
+    first = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    first.open(RunInfo(name="stalled"))
+    for step in range(1, 7):
+        first.write(Report(step=step, values={"x": float(step)}, time=time.time()))
+    earlier = first.run_dir
+    assert earlier is not None and first.close(timeout=60)
+    state = first.state_dict()
+    state["last_steps"] = [["", 2]]  # as the job's close left it
+    (Path(earlier) / "sidestream-steps.json").write_text('{"": 2}')
+    resumed = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    resumed.load_state_dict(state)
+    resumed.open(RunInfo(name="stalled"))
+    for step in range(3, 9):
+        resumed.write(Report(step=step, values={"x": float(step)}, time=time.time()))
+    later = resumed.run_dir
+    assert later is not None and later != earlier and resumed.close(timeout=60)
+    steps = [
+        row.items["step"]
+        for directory in (earlier, later)
+        for data in Path(directory).glob("*.wandb")
+        for row in read_history(data)
+    ]
+    assert sorted(steps) == list(range(1, 9))

@@ -12,7 +12,7 @@ import string
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -301,7 +301,13 @@ class WandbSink(TrackerSink):
             # and online also in the run's summary.
             earlier = _earlier_run_dirs(self.run_dir, self._run_id)
             for directory in {self._previous_dir, *earlier}:
-                self.found_in_backend(_read_progress(directory))
+                progress = _read_progress(directory)
+                self.found_in_backend(progress)
+                # And the rows in its .wandb file: a job whose wandb service stalled, then
+                # wrote them after its close gave up, never brought the progress file up to
+                # date (a replay of its kept spool wrote them all again).
+                streams = {*progress, *self.last_steps()}
+                self.found_in_backend(_rows_in_files(directory, streams))
             self.found_in_backend(self._steps_in_summary())
         self._logged = self.last_steps()
 
@@ -844,6 +850,33 @@ def _earlier_run_dirs(run_dir: str | None, run_id: str | None) -> list[str]:
         ]
     except OSError:
         return []
+
+
+def _rows_in_files(run_dir: str | None, streams: Collection[str]) -> dict[str, int]:
+    """Each stream's last step whose row is whole in the ``.wandb`` files of ``run_dir``.
+
+    ``streams`` name the step metrics known to be this sink's; any other ``<name>/step`` is
+    taken as stream ``<name>`` (a stream never in a progress file or checkpoint).
+    """
+    if run_dir is None:
+        return {}
+    known = {step_metric(stream): stream for stream in streams}
+    found: dict[str, int] = {}
+    try:
+        files = sorted(Path(run_dir).glob("*.wandb"))
+    except OSError:
+        return {}
+    for path in files:
+        if not TransactionLog.readable(str(path)):
+            continue
+        try:
+            steps = TransactionLog(str(path)).last_steps()
+        except OSError:
+            continue
+        for metric, step in steps.items():
+            stream = known.get(metric, "" if metric == "step" else metric.removesuffix("/step"))
+            found[stream] = max(step, found.get(stream, step))
+    return found
 
 
 def _read_progress(run_dir: str | None) -> dict[str, int]:

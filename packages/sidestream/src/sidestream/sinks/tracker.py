@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from sidestream.sinks.base import Report, Sink
 from sidestream.sinks.support import call_within, refuse_unknown_options
 
-__all__ = ["TrackerSink", "parse_tracker_state", "signature_options"]
+__all__ = ["TrackerSink", "UnconfirmedBacklogError", "parse_tracker_state", "signature_options"]
 
 logger = logging.getLogger("sidestream.sinks")
 
