@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import errno
+import os
 import threading
 import time
 from pathlib import Path
@@ -8,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sidestream.sinks import Report, RunInfo
+from sidestream.sinks import PermanentSinkError, Report, RunInfo
 from sidestream.testing import RankPool
 from tests.integrations._workload import (
     HISTOGRAM_EDGES,
@@ -651,3 +653,24 @@ def test_a_checkpoint_flush_behind_a_hung_write_returns_within_its_timeout(
     assert took < 5
     assert sink.make_durable(5) is True  # the write ended: durable again
     assert sink.close(5) is True
+
+
+@pytest.mark.parametrize("refusal", [errno.EACCES, errno.EROFS, errno.ENOSPC])
+def test_a_log_dir_it_may_not_write_fails_at_open_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: int
+) -> None:
+    # A read-only file system was retried with backoff until close (status "retrying"), while
+    # JSONL failed at once; a full disk (ENOSPC) is still retried.
+    def refuse(self: TensorBoardSink, summary_writer: Any) -> None:
+        del summary_writer
+        raise OSError(refusal, os.strerror(refusal), str(self._log_dir))
+
+    monkeypatch.setattr(TensorBoardSink, "_new_writer", refuse)
+    sink = TensorBoardSink(log_dir=str(tmp_path / "tb"))
+    if refusal == errno.ENOSPC:
+        with pytest.raises(OSError) as raised:
+            sink.open(RunInfo())
+        assert not isinstance(raised.value, PermanentSinkError)
+        return
+    with pytest.raises(PermanentSinkError, match=r"tb cannot be written .*a log_dir in a folder"):
+        sink.open(RunInfo())

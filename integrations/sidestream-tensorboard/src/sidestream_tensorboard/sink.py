@@ -13,9 +13,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sidestream.sinks import Report, RunInfo, TrackerSink
+from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink
 from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
+    NOT_WRITABLE_ERRNOS,
     call_within,
     check_directory_path,
     check_option_types,
@@ -192,7 +193,16 @@ class TensorBoardSink(TrackerSink):
                     self._log_dir,
                     len(earlier),
                 )
-        self._new_writer(SummaryWriter)
+        try:
+            self._new_writer(SummaryWriter)
+        except OSError as error:
+            if error.errno not in NOT_WRITABLE_ERRNOS:
+                raise  # a full disk: retried
+            raise PermanentSinkError(
+                f"TensorBoardSink: {self._log_dir} cannot be written ({error}); give the sink "
+                "a log_dir in a folder this process may write (its reports are kept: resume "
+                "from a checkpoint, or replay the spool)"
+            ) from error
         self._log_dir = str(self._writer.log_dir)
         self._opened = True
         self._steps_on_disk = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import math
@@ -17,7 +16,7 @@ from typing import IO, Any
 from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo
 from sidestream.sinks.status import PermanentSinkError
-from sidestream.sinks.support import call_within, check_directory_path
+from sidestream.sinks.support import NOT_WRITABLE_ERRNOS, call_within, check_directory_path
 from sidestream.sinks.tracker import TrackerSink
 
 __all__ = ["JsonlSink", "read_jsonl", "read_lines"]
@@ -27,8 +26,6 @@ logger = logging.getLogger("sidestream.sinks")
 # Non-finite floats as JSON strings, spelt the way float() reads them back.
 _NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 _CHUNK = 65536
-# Opening or making the file was refused for good: no permission, or a read-only file system.
-_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 class JsonlSink(TrackerSink):
@@ -137,7 +134,7 @@ class JsonlSink(TrackerSink):
         try:
             self._open_file()
         except OSError as error:
-            if error.errno not in _NOT_WRITABLE:
+            if error.errno not in NOT_WRITABLE_ERRNOS:
                 raise
             raise PermanentSinkError(
                 f"JsonlSink: {self.path} cannot be written ({error}); give the sink a path in "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
 import itertools
 import logging
@@ -21,6 +22,7 @@ from sidestream._exit import KILLED_EXIT_CODE, close_before_backends_exit, faile
 
 __all__ = [
     "KILLED_EXIT_CODE",
+    "NOT_WRITABLE_ERRNOS",
     "call_within",
     "check_directory_path",
     "check_option_types",
@@ -42,6 +44,10 @@ __all__ = [
 ]
 
 _PLAIN = (bool, int, float, str)
+
+NOT_WRITABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+"""Opening or making a file refused for good: no permission, or a read-only file system (a
+retry cannot help, unlike a full disk)."""
 
 
 def flatten_config(
