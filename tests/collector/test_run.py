@@ -538,20 +538,6 @@ def test_an_older_state_loaded_and_saved_again_before_the_sinks_open_is_in_pairs
         assert run.state_dict()["sinks"]["jsonl"]["last_steps"] == [["train", 5]]
 
 
-def test_a_collectors_own_state_given_to_the_run_names_every_key_of_the_runs(
-    tmp_path: Path,
-) -> None:
-    with Run([JsonlSink(tmp_path / "run.jsonl")]) as run:
-        collector = run.collector(MeanMetric(), prefix="train")
-        expected = sorted(run.state_dict())
-        assert expected == ["collectors", "sinks", "undelivered"]
-        with pytest.raises(KeyError) as raised:
-            run.load_state_dict(collector.state_dict())
-        message = str(raised.value)
-        assert f"expected run.state_dict()'s keys {expected}" in message.replace('"', "'")
-        assert "goes to collector.load_state_dict" in message
-
-
 def test_a_collector_the_loaded_state_lacks_is_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -376,3 +376,23 @@ def test_a_backend_that_confirms_nothing_holds_sends_at_the_cap_and_loses_no_rep
     (kept,) = spool_dir.glob("*.spool.jsonl")
     assert [report.step for report in read_spool(kept)] == list(range(1, 31))
     assert run.sink_runners[0].dropped == 0
+
+
+def test_a_close_that_keeps_reports_says_why_and_leaves_the_status_failed(
+    spool_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The warning said "not delivered within 30.0 s" of a close that returned in 4.5 s (the
+    # backend confirmed nothing: a full disk), and the status stayed "healthy".
+    backend = _Backend()
+    backend.up = False  # its close's flush confirms nothing, at once
+    run = Run([_BufferingSink(backend)], spool_dir=str(spool_dir))
+    _log(run, range(1, 4))
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        assert run.close(timeout=30) is False
+    assert time.monotonic() - started < 10
+    assert "the sink's close ended without its backend confirming them" in caplog.text
+    assert "within 30.0 s" not in caplog.text
+    status = run.sink_status["buffering"]
+    assert status.state == "failed"
+    assert status.last_error is not None and "3 report(s) kept in a spool file" in status.last_error

@@ -324,6 +324,7 @@ class SinkRunner:
                 self._spool.discard()
                 return self._submitted == 0
         self._thread.join(self._remaining())
+        ended = not self._thread.is_alive()  # else it ran past the timeout
         held = self._held_by_sink()
         failed = self.status.state == "failed"
         if not self._thread.is_alive() and not held and not failed:  # held: [] once closed
@@ -379,7 +380,13 @@ class SinkRunner:
                 options = {}
             for path in paths:
                 state_file = write_kept_state(path, self.sink.name, state, self._run, options)
-            why = "the sink failed" if failed else f"not delivered within {timeout or 0.0:.1f} s"
+            if failed:
+                why = "the sink failed"
+            elif ended:
+                # The sink's close returned, before the timeout, without its backend's word.
+                why = "the sink's close ended without its backend confirming them"
+            else:
+                why = f"not delivered within {timeout or 0.0:.1f} s"
             # Those the sink took are delivered as far as this runner counts, but its backend
             # had not confirmed them (a ProcessSink's child had not flushed): kept all the same,
             # and not counted as undelivered.
@@ -401,6 +408,12 @@ class SinkRunner:
                 " and ".join(paths),
                 state_file or "--resume-state: the sink's state from this job's checkpoint",
             )
+            if not failed:  # a failure's own error stays the one named
+                with self._cond:
+                    # Nothing more is delivered: status says so, and why (not "healthy").
+                    self._status = SinkStatus(
+                        "failed", f"close: {count - lost} report(s) kept in a spool file ({why})"
+                    )
         return False
 
     def _held_by_sink(self) -> list[Report]:

@@ -17,7 +17,8 @@ class SinkStatus:
         state: ``"healthy"`` (delivering, or nothing to deliver), ``"retrying"`` (the last
             attempt failed with a transient error; reports are kept and retried with backoff)
             or ``"failed"`` (a permanent error: nothing more is delivered to this sink, and
-            ``close`` returns ``False``; also when the sink's own ``close`` raised).
+            ``close`` returns ``False``; also when the sink's own ``close`` raised, and after a
+            ``close`` that kept reports in a spool file).
         last_error: The last failure as text (credentials removed by the sink), if any; a
             flush or close that raised or returned ``False`` is named here too. It stays
             after the sink recovers (``state`` is then ``"healthy"`` again).
