@@ -125,7 +125,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
             f"{world_size} ranks, {args.steps} steps, {time.monotonic() - started:.1f} s; "
             f"last train window {final}; log {out}"
         )
-        plot(out, Path(args.plot))
+        plot(out, Path(args.plot) if args.plot else out.with_name("curves.png"))
 
 
 def plot(log: Path, image: Path) -> None:
@@ -161,7 +161,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--out", default="runs/demo/metrics.jsonl")
-    parser.add_argument("--plot", default="runs/demo/curves.png", help="where to draw the curves")
+    parser.add_argument(
+        "--plot", help="where to draw the curves (default: curves.png beside --out)"
+    )
     args = parser.parse_args()
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

@@ -23,7 +23,8 @@ CUSTOM = ROOT / "examples" / "custom_metric.py"
 
 def _run(launcher: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     arguments = ["--steps", "40", "--log-every", "10", "--val-every", "20", "--samples", "512"]
-    paths = ["--out", str(tmp_path / "metrics.jsonl"), "--plot", str(tmp_path / "curves.png")]
+    # No --plot: the curves go beside --out (they went to runs/demo/ whatever --out said).
+    paths = ["--out", str(tmp_path / "metrics.jsonl")]
     return subprocess.run(
         [*launcher, str(SCRIPT), *arguments, *paths],
         cwd=ROOT,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidestream import MeanMetric, Run, SumMetric
+from sidestream import MaxMetric, MeanMetric, Run, SumMetric
 from sidestream.__main__ import main as cli
 from sidestream.collector import AsyncMetricCollector
 from sidestream.sinks import JsonlSink, RunInfo, read_jsonl
@@ -792,3 +792,24 @@ def test_a_checkpoint_taken_before_the_sink_opened_resumes_without_repeating_a_s
         ("train", 1, {"train": 1.5}),
         ("train", 2, {"train": 7.0}),
     ]
+
+
+def test_a_checkpoint_of_another_metric_names_the_collector_it_was_loaded_into(
+    tmp_path: Path,
+) -> None:
+    # "missing keys ['max'] ... for MaxMetric" named no stream, in a run of several collectors.
+    with Run([JsonlSink(tmp_path / "a.jsonl")]) as run:
+        train = run.collector(MeanMetric(), prefix="train").bind("cpu")
+        train.metric.update(torch.tensor([1.0]))
+        train.schedule_collection(1)
+        saved = run.state_dict()
+    later = Run([JsonlSink(tmp_path / "b.jsonl")])
+    later.load_state_dict(saved)
+    with pytest.raises(KeyError, match=r"collector 'train': state_dict: missing keys \['max'\]"):
+        later.collector(MaxMetric(), prefix="train")
+    assert later.close()
+    first = Run([JsonlSink(tmp_path / "c.jsonl")])
+    first.collector(MaxMetric(), prefix="train")
+    with pytest.raises(KeyError, match=r"collector 'train': state_dict: missing keys"):
+        first.load_state_dict(saved)
+    assert first.close()

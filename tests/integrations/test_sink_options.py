@@ -67,6 +67,8 @@ from sidestream.sinks.console import ConsoleSink
         (lambda d: _tensorboard()(str(d), purge_step=3), TypeError, "purge_step is not supported"),
         (lambda d: _mlflow()(tracking_uri=5), TypeError, "MlflowSink: tracking_uri: expected str"),
         (lambda d: _mlflow()(experiment=5), TypeError, "MlflowSink: experiment: expected str"),
+        # Accepted, MLflow refused it at open on rank 0 ("Invalid experiment name: ''").
+        (lambda d: _mlflow()(experiment=""), ValueError, "experiment: expected a non-empty"),
         (lambda d: _wandb()(project=5, mode="offline"), TypeError, "WandbSink: project: expected"),
         (lambda d: _wandb()(dir=3, mode="offline"), TypeError, "WandbSink: dir: expected str"),
         # Accepted, these failed at open on rank 0 (an AttributeError naming no option; wandb's

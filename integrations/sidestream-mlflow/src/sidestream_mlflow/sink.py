@@ -109,6 +109,12 @@ class MlflowSink(TrackerSink):
             {"tracking_uri": tracking_uri, "experiment": experiment, "run_name": run_name},
             {"tracking_uri": (str,), "experiment": (str,), "run_name": (str,)},
         )
+        if experiment == "":
+            # MLflow refuses it at open, on rank 0's sink thread once training has started.
+            raise ValueError(
+                "experiment: expected a non-empty experiment name, or None for MLflow's "
+                "default experiment; got ''"
+            )
         if tags is not None and not isinstance(tags, Mapping):
             raise TypeError(f"tags: expected a mapping of str to str, got {type(tags).__name__}")
         if tracking_uri is not None:

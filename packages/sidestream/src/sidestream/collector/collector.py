@@ -758,7 +758,14 @@ class AsyncMetricCollector(Generic[T]):
         """
         if self._dispatcher is not None:
             raise RuntimeError("load_state_dict: call it before bind")
-        return self._metric._prepare_load(dict(state_dict))
+        try:
+            return self._metric._prepare_load(dict(state_dict))
+        except (KeyError, TypeError, ValueError) as error:
+            if type(error) not in (KeyError, TypeError, ValueError):
+                raise  # a subclass of its own may take other arguments
+            # The stream the checkpoint names: a run has several collectors of one metric type.
+            detail = error.args[0] if len(error.args) == 1 else str(error)
+            raise type(error)(f"collector {self.prefix!r}: {detail}") from error
 
 
 def _reduced_over(group: Group) -> dist.ProcessGroup | None:
