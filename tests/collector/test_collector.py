@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidestream import MeanMetric, SumMetric
+from sidestream import ComposeMetric, MeanMetric, SumMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.sinks import JsonlSink
 from tests.collector.helpers import (
@@ -176,13 +176,23 @@ def test_histogram_leaves_go_to_report_histograms(tmp_path: Path) -> None:
     last = json.loads(path.read_text().splitlines()[-1])
     assert last["histograms"]["train/classes"] == pytest.approx(fractions, rel=1e-12)
 
-    misnamed = AsyncMetricCollector(make_metric(), histograms=["nosuch"]).bind("cpu")
+    # A part a composition lacks fails when the collector is made: every window failed, on
+    # the dispatcher's thread, its scalars with it (a typo in a config file).
+    with pytest.raises(ValueError, match=r"histograms: 'nosuch' is not a leaf .* \['loss', "):
+        AsyncMetricCollector(make_metric(), histograms=["nosuch"])
+    nested = ComposeMetric({"val": make_metric()})
+    with pytest.raises(ValueError, match=r"'val/classez' is not a leaf .*: 'val' has the parts"):
+        AsyncMetricCollector(nested, histograms=["val/classez"])
+    with pytest.raises(ValueError, match=r"'val' names a ComposeMetric .*, not a leaf"):
+        AsyncMetricCollector(nested, histograms=["val"])
+    # Past a metric of another kind, its own result names the leaves: the first window checks.
+    misnamed = AsyncMetricCollector(make_metric(), histograms=["classes/nosuch"]).bind("cpu")
     misnamed.schedule_collection(1)
     with pytest.raises(
         RuntimeError, match=r"window\(s\) failed since|latest window failed"
     ) as failed:
         misnamed.collect_results()
-    assert "['nosuch'] are not leaves" in str(failed.value.__cause__)
+    assert "['classes/nosuch'] are not leaves" in str(failed.value.__cause__)
     misnamed.close()
     # A scalar leaf is no histogram: every sink would skip it, so it was logged nowhere.
     scalar = AsyncMetricCollector(make_metric(), histograms=["loss"]).bind("cpu")

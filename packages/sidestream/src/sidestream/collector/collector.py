@@ -29,6 +29,7 @@ from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
 from sidestream.collector._window import Window
 from sidestream.metric import Metric
+from sidestream.metrics.compose import ComposeMetric
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
@@ -180,6 +181,8 @@ class AsyncMetricCollector(Generic[T]):
         # paired with a cumulative one on another rank would mix the two.
         self._stream = self._prefix if reset_each_window else f"{self._prefix} (cumulative)"
         self._histograms = frozenset(path.strip("/") for path in histogram_paths)
+        for path in sorted(self._histograms):
+            _check_histogram_path(metric, path)
         self._device: torch.device | None = None
         self._side: torch.cuda.Stream | None = None
         self._free_slots: queue.SimpleQueue[Slot] = queue.SimpleQueue()
@@ -766,6 +769,39 @@ class AsyncMetricCollector(Generic[T]):
             # The stream the checkpoint names: a run has several collectors of one metric type.
             detail = error.args[0] if len(error.args) == 1 else str(error)
             raise type(error)(f"collector {self.prefix!r}: {detail}") from error
+
+
+def _check_histogram_path(metric: Metric[Any], path: str) -> None:
+    """Raise ``ValueError`` if ``path`` names no leaf of the compositions it passes through.
+
+    A ``ComposeMetric``'s result has one key per child, known now; a typo would otherwise fail
+    every window, on the dispatcher's thread, scalars included. Past a metric of another kind
+    (its own result dict) the path is checked against the first window's result instead.
+    """
+    node: Metric[Any] = metric
+    walked: list[str] = []
+    for part in path.split("/"):
+        if not _plain_compose(node):
+            return
+        assert isinstance(node, ComposeMetric)
+        if part not in node:
+            where = f"'{'/'.join(walked)}'" if walked else "the metric"
+            raise ValueError(
+                f"histograms: {path!r} is not a leaf of the compute() result: {where} has the "
+                f"parts {list(node)}"
+            )
+        node = node[part]
+        walked.append(part)
+    if _plain_compose(node):
+        raise ValueError(
+            f"histograms: {path!r} names a ComposeMetric (a mapping of results), not a leaf "
+            f"of bin counts; its parts are {list(node)}"  # type: ignore[call-overload, unused-ignore]
+        )
+
+
+def _plain_compose(metric: Metric[Any]) -> bool:
+    """Whether ``metric`` is a ``ComposeMetric`` whose result is ``{name: child.compute()}``."""
+    return isinstance(metric, ComposeMetric) and type(metric).compute is ComposeMetric.compute
 
 
 def _reduced_over(group: Group) -> dist.ProcessGroup | None:
