@@ -187,6 +187,12 @@ def test_cuda_device_without_cuda_is_a_clear_error() -> None:
     collector = AsyncMetricCollector(MeanMetric())
     with pytest.raises(RuntimeError, match=r"bind: device 'cuda' needs CUDA.*bind\('cpu'\)"):
         collector.bind("cuda")
+    # The README's metric.to("cuda") raised torch's "Torch not compiled with CUDA enabled".
+    metric = MeanMetric()
+    metric.update(torch.tensor([2.0]))
+    with pytest.raises(RuntimeError, match=r"to: device 'cuda:1' needs CUDA.*to\('cpu'\)"):
+        metric.to("cuda:1")
+    assert metric.device.type == "cpu" and metric.compute().item() == 2.0
 
 
 def test_which_failures_are_permanent() -> None:

@@ -17,6 +17,7 @@ __all__ = [
     "Group",
     "all_gather_async",
     "all_reduce_async",
+    "check_cuda_available",
     "check_device",
     "check_process_group",
     "group_rank",
@@ -43,6 +44,19 @@ def check_device(where: str, device: object, *, allow_none: bool = False) -> Non
         raise TypeError(
             f"{where}: device: expected {kinds} (such as 'cuda:0' or 0), got {device!r}; "
             "a metric keeps its states' dtypes, it moves between devices only"
+        )
+
+
+def check_cuda_available(where: str, device: torch.device) -> None:
+    """Raise ``RuntimeError`` naming ``where`` for a CUDA ``device`` where CUDA is not available.
+
+    torch's own error names neither the call nor the way out.
+    """
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{where}: device {str(device)!r} needs CUDA, but torch.cuda.is_available() is "
+            f"False (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+            f"{where}('cpu') or run on a machine with a GPU and a CUDA build of torch"
         )
 
 

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from sidestream._arena import Arena
 from sidestream._distributed import (
     Group,
+    check_cuda_available,
     check_device,
     check_process_group,
     group_rank,
@@ -701,9 +702,11 @@ class Metric(Stateful, Generic[T], abc.ABC):
 
         Raises:
             TypeError: If ``device`` is not a ``torch.device``, a str or an int (a dtype, say).
+            RuntimeError: If ``device`` is a CUDA device and CUDA is not available.
         """
         check_device("to", device)
         target = torch.device(device)
+        check_cuda_available("to", target)
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
         self._refuse_hidden_in_tree()  # before anything moves

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from sidestream._delivery import Delivery, DeliveryOptions, check_timeout, seconds_left
 from sidestream._distributed import (
     Group,
+    check_cuda_available,
     check_device,
     check_process_group,
     group_size,
@@ -271,12 +272,7 @@ class AsyncMetricCollector(Generic[T]):
                 )
         self._twin_index = self._next_twin_index()
         target = torch.device(device) if device is not None else self._metric.device
-        if target.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(
-                f"bind: device {str(target)!r} needs CUDA, but torch.cuda.is_available() is "
-                f"False (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
-                "bind('cpu') or run on a machine with a GPU and a CUDA build of torch"
-            )
+        check_cuda_available("bind", target)
         if target.type == "meta":
             raise ValueError(
                 "bind: device 'meta' holds no values, so no window could be reduced or "
