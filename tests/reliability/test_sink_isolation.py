@@ -752,6 +752,19 @@ def test_a_spool_line_with_a_field_of_the_wrong_type_is_a_damaged_line(
     assert [json.loads(x)["step"] for x in skipped.read_text().splitlines()] == [1, 3]
 
 
+def _spool_of_a_jsonl_sink_that_never_opened(log: Path, spool_dir: Path) -> Path:
+    """The spool (and state) a JSONL sink of ``log`` kept of steps 1 to 3; ``log`` is free."""
+    runner = SinkRunner(JsonlSink(log), spool_dir=str(spool_dir))
+    log.mkdir(parents=True)  # the file's place is taken: opening fails for good
+    runner.start()
+    for step in range(1, 4):
+        runner.submit(Report(step=step, values={"loss": float(step)}, time=1.0))
+    assert runner.close(timeout=10) is False
+    (kept,) = spool_dir.glob("*.spool.jsonl")
+    log.rmdir()
+    return kept
+
+
 def test_a_jsonl_spool_replays_with_the_command_given_only_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -760,14 +773,7 @@ def test_a_jsonl_spool_replays_with_the_command_given_only_the_file(
     from sidestream.sinks.replay import main
 
     log = tmp_path / "job" / "m.jsonl"
-    runner = SinkRunner(JsonlSink(log), spool_dir=str(tmp_path / "spool"))
-    log.mkdir(parents=True)  # the file's place is taken: opening fails for good
-    runner.start()
-    for step in range(1, 4):
-        runner.submit(Report(step=step, values={"loss": float(step)}, time=1.0))
-    assert runner.close(timeout=10) is False
-    (kept,) = (tmp_path / "spool").glob("*.spool.jsonl")
-    log.rmdir()
+    kept = _spool_of_a_jsonl_sink_that_never_opened(log, tmp_path / "spool")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -784,14 +790,7 @@ def test_a_replay_into_another_sink_keeps_the_spool_for_its_own(
     from sidestream.sinks.replay import main
 
     log = tmp_path / "job" / "m.jsonl"
-    runner = SinkRunner(JsonlSink(log), spool_dir=str(tmp_path / "spool"))
-    log.mkdir(parents=True)  # the file's place is taken: opening fails for good
-    runner.start()
-    for step in range(1, 4):
-        runner.submit(Report(step=step, values={"loss": float(step)}, time=1.0))
-    assert runner.close(timeout=10) is False
-    (kept,) = (tmp_path / "spool").glob("*.spool.jsonl")
-    log.rmdir()
+    kept = _spool_of_a_jsonl_sink_that_never_opened(log, tmp_path / "spool")
     monkeypatch.chdir(tmp_path)
     assert main([str(kept), "--sink", "console"]) == 0
     shown = capsys.readouterr()
