@@ -23,7 +23,7 @@ from sidestream.sinks import Report, RunInfo
 from tests.integrations.wandb_reader import read_history, read_records
 
 pytest.importorskip("wandb")
-from sidestream_wandb import WandbSink
+from sidestream_wandb import WandbSink, _transaction_log
 from sidestream_wandb._transaction_log import TransactionLog
 
 
@@ -53,9 +53,12 @@ def _reference(path: Path) -> dict[str, int]:
     return steps
 
 
+@pytest.mark.parametrize("piece", ["default", "one block"])
 def test_the_file_read_as_it_grows_gives_the_last_step_of_the_rows_written_whole(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: str
 ) -> None:
+    if piece == "one block":  # read in pieces of one block: records split across pieces
+        monkeypatch.setattr(_transaction_log, "READ_BYTES", 1)
     data = _finished_run(tmp_path / "run", steps=60)
     whole = data.read_bytes()
     assert len(whole) > 2 * 32768  # records in several blocks, some split across them

@@ -26,6 +26,10 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 _TYPE_CRC = {kind: zlib.crc32(bytes([kind])) for kind in (_FULL, _FIRST, _MIDDLE, _LAST)}
 
 
+READ_BYTES = 4 << 20
+"""Bytes read at a time (at least one block)."""
+
+
 class TransactionLog:
     """Follows one ``.wandb`` file: the last step each step metric has in its history rows.
 
@@ -70,9 +74,18 @@ class TransactionLog:
             OSError: If the file cannot be read (deleted, say).
         """
         if not self._damaged:
+            # In pieces: a resumed sink reads an earlier run's whole file, which may hold GBs.
+            # A piece of a block or more always holds a whole record part, so each one read in
+            # full moves on.
+            size = max(READ_BYTES, _BLOCK)
             with open(self._path, "rb") as file:
-                file.seek(self._position)
-                self._read(file.read())
+                while True:
+                    file.seek(self._position)
+                    data = file.read(size)
+                    before = self._position
+                    self._read(data)
+                    if len(data) < size or self._position == before or self._damaged:
+                        break
         return dict(self._last_steps)
 
     def _read(self, data: bytes) -> None:
