@@ -700,3 +700,37 @@ def test_a_checkpoint_with_a_collector_over_a_subgroup(dist_pool: RankPool, tmp_
     )
     train = sum(float(r) for r in range(world))
     assert outcomes[0] == {"train": train, "val": 21.0}, outcomes  # val: 10 + 11 over the pair
+
+
+def _checkpoint_loaded_on_rank0_only(tmp: str, everywhere: bool) -> str:
+    from sidestream import Run
+
+    rank = dist.get_rank()
+    first = Run([JsonlSink(f"{tmp}/first.jsonl")], spool_dir=tmp)
+    train = first.collector(MeanMetric(), prefix="train").bind("cpu")
+    train.metric.update(torch.tensor([float(rank + 1)]))
+    train.schedule_collection(1)
+    saved = first.state_dict(timeout=60)
+    first.close(timeout=30)
+    resumed = Run([JsonlSink(f"{tmp}/resumed.jsonl")], spool_dir=tmp)
+    if everywhere or rank == 0:
+        resumed.load_state_dict(saved)
+    collector = resumed.collector(MeanMetric(), prefix="train")
+    outcome = _mismatch_of(lambda: collector.bind("cpu"))
+    resumed.close(timeout=30)
+    return outcome
+
+
+@pytest.mark.parametrize("everywhere", [True, False])
+def test_a_checkpoint_loaded_on_some_ranks_only_fails_at_bind(
+    dist_pool: RankPool, tmp_path: Path, everywhere: bool
+) -> None:
+    # Found at the first window instead, as a state hash that differs between ranks.
+    outcomes = dist_pool.run(_checkpoint_loaded_on_rank0_only, str(tmp_path), everywhere)
+    for rank, outcome in enumerate(outcomes):
+        if everywhere:
+            assert outcome == "no error", (rank, outcome)
+            continue
+        assert "ranks of the group hold different checkpoint loads" in outcome, (rank, outcome)
+        assert "rank 0: a checkpoint loaded; rank 1: none loaded" in outcome
+        assert "call load_state_dict with the checkpoint on every rank before bind" in outcome

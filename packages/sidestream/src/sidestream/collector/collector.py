@@ -182,6 +182,7 @@ class AsyncMetricCollector(Generic[T]):
         # paired with a cumulative one on another rank would mix the two.
         self._stream = self._prefix if reset_each_window else f"{self._prefix} (cumulative)"
         self._histograms = frozenset(path.strip("/") for path in histogram_paths)
+        self._checkpoint_loaded = False
         for path in sorted(self._histograms):
             _check_histogram_path(metric, path)
         self._device: torch.device | None = None
@@ -319,6 +320,16 @@ class AsyncMetricCollector(Generic[T]):
                 )
             ),
             "bind the same metric, of the same classes, on every rank",
+        )
+        # A checkpoint loaded on some ranks only: every window's call check would fail later,
+        # naming a differing state hash; said here, with the fix.
+        check_same_setting(
+            self._group,
+            target,
+            "checkpoint loads",
+            "a checkpoint loaded" if self._checkpoint_loaded else "none loaded",
+            "call load_state_dict with the checkpoint on every rank before bind: the group's "
+            "first rank takes its numbers, the others start from zero",
         )
         # Only rank 0 writes: sinks configured on another rank alone would be dropped silently.
         sinks = ", ".join(self._delivery.sinks) or "none"
@@ -758,13 +769,19 @@ class AsyncMetricCollector(Generic[T]):
         if self._dispatcher is not None:
             raise RuntimeError("load_state_dict: call it before bind")
         try:
-            return self._metric._prepare_load(dict(state_dict))
+            restore = self._metric._prepare_load(dict(state_dict))
         except (KeyError, TypeError, ValueError) as error:
             if type(error) not in (KeyError, TypeError, ValueError):
                 raise  # a subclass of its own may take other arguments
             # The stream the checkpoint names: a run has several collectors of one metric type.
             detail = error.args[0] if len(error.args) == 1 else str(error)
             raise type(error)(f"collector {self.prefix!r}: {detail}") from error
+
+        def restore_and_note() -> None:
+            restore()
+            self._checkpoint_loaded = True  # bind checks every rank loaded one
+
+        return restore_and_note
 
 
 def _check_histogram_path(metric: Metric[Any], path: str) -> None:
