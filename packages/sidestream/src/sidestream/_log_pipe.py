@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -125,8 +126,10 @@ class LogPipe:
                 head = self._entries[0]
             if head.done is not None:
                 # Outside the locks: a caller draining a full queue never waits for the GPU
-                # (none drains while this entry waits: it counts in _on_device).
-                wait_on_host(head.done)
+                # (none drains while this entry waits: it counts in _on_device). A failed wait
+                # fails again in _deliver_one, which reports it and goes on.
+                with contextlib.suppress(Exception):
+                    wait_on_host(head.done)
             with self._delivering:
                 with self._cond:
                     if not self._entries or self._entries[0] is not head:
