@@ -338,10 +338,12 @@ class TrackerSink(Sink):
         oldest of the reports kept to resend were forgotten, and lost with nothing counted.
         Instead the runner retries this write later, and its queue and spool keep the reports.
         """
+        if self.durable_on_send:
+            return  # nothing waits for a confirmation
         with self._lock:
             self._forget_confirmed()
             full = len(self._unconfirmed) + sending > _MAX_UNCONFIRMED
-        if not full or self.durable_on_send:
+        if not full:
             return
         self.flush(0)  # what the backend has by now (wandb: the rows in its file)
         with self._lock:
