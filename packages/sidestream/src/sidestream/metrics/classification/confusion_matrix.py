@@ -88,24 +88,41 @@ class ConfusionMatrixMetric(ScreenedMetric[Tensor]):
         device = self._matrix.device
         preds_t = check_tensor("preds", preds, device)
         target_t = check_tensor("target", target, device)
-        classes = self._problem.num_classes
-        if self._problem.kind is ProblemKind.MULTICLASS:
-            predicted, labels, weight = multiclass_labels(
-                self._problem, preds_t, target_t, self._rejected
-            )
-            cell = torch.add(predicted.reshape(-1), labels, alpha=classes)
-        else:
-            positive, truth, weight = label_flags(self._problem, preds_t, target_t, self._rejected)
-            cell = 2 * truth.to(torch.int64) + positive.to(torch.int64)
-            if self._problem.kind is ProblemKind.MULTILABEL:
-                cell = cell + 4 * torch.arange(classes, device=device)
         cells = self._cells()
+        if _cpu_path.enabled(device) and cells <= _cpu_path.CHUNK_ELEMENTS:
+            binary = self._problem.kind is ProblemKind.BINARY
+            counts = _cpu_path.count_in_chunks(
+                self._cpu_counts, preds_t, target_t, elementwise=binary
+            )
+            if counts is not None:
+                self._matrix.accumulate(counts)
+                return
+        cell, weight = self._batch_cells(preds_t, target_t)
         if _cpu_path.enabled(device) and cell.numel() >= cells:
             # bincount's O(cells) pass pays off once the batch is at least that large.
             self._matrix.accumulate(_cpu_path.count_indices(cell, cells, weight))
         else:
             source = torch.ones_like(cell) if weight is None else weight.to(torch.int64)
             self._matrix.add_at(cell.reshape(-1), source.expand(cell.shape).reshape(-1))
+
+    def _batch_cells(self, preds: Tensor, target: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Each sample's matrix cell (int64) and its 0/1 weight (``None``: all count)."""
+        classes = self._problem.num_classes
+        if self._problem.kind is ProblemKind.MULTICLASS:
+            predicted, labels, weight = multiclass_labels(
+                self._problem, preds, target, self._rejected
+            )
+            return torch.add(predicted.reshape(-1), labels, alpha=classes), weight
+        positive, truth, weight = label_flags(self._problem, preds, target, self._rejected)
+        cell = 2 * truth.to(torch.int64) + positive.to(torch.int64)
+        if self._problem.kind is ProblemKind.MULTILABEL:
+            cell = cell + 4 * torch.arange(classes, device=cell.device)
+        return cell, weight
+
+    def _cpu_counts(self, preds: Tensor, target: Tensor) -> Tensor:
+        """The counts of one chunk of a large batch (CPU path, ``count_in_chunks``)."""
+        cell, weight = self._batch_cells(preds, target)
+        return _cpu_path.count_indices(cell, self._cells(), weight)
 
     def confusion_matrix(self) -> Tensor:
         """The int64 counts: ``(C, C)``, ``(2, 2)`` or ``(L, 2, 2)``; a copy, not the state."""

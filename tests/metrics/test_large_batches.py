@@ -1,0 +1,173 @@
+"""Large CPU batches counted in chunks (``_cpu_path.count_in_chunks``): the same counts as
+scikit-learn on the whole batch, and the whole batch's error, with the state untouched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import confusion_matrix, multilabel_confusion_matrix
+
+from sidestream.metrics.classification import (
+    BinaryCalibrationErrorMetric,
+    BinaryCohenKappaMetric,
+    BinaryConfusionMatrixMetric,
+    MulticlassConfusionMatrixMetric,
+    MultilabelConfusionMatrixMetric,
+    _cpu_path,
+)
+
+SMALL_CHUNK = 256
+"""Elements per chunk in most tests here, so batches of a few thousand take several chunks."""
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Small chunks; the list records, per ``count_in_chunks`` call, whether it chunked."""
+    monkeypatch.setattr(_cpu_path, "CHUNK_ELEMENTS", SMALL_CHUNK)
+    chunked: list[bool] = []
+    original = _cpu_path.count_in_chunks
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        result = original(*args, **kwargs)
+        chunked.append(result is not None)
+        return result
+
+    monkeypatch.setattr(_cpu_path, "count_in_chunks", recording)
+    return chunked
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(7)
+
+
+def test_a_binary_batch_of_the_default_chunks_counts_as_scikit_learn() -> None:
+    generator = _generator()
+    shape = (3, 2 * _cpu_path.CHUNK_ELEMENTS // 3 + 1001)  # any shape; 3 chunks and a remainder
+    preds = torch.rand(shape, generator=generator)
+    target = torch.randint(0, 2, shape, generator=generator)
+    metric = BinaryConfusionMatrixMetric()
+    metric.update(preds, target)
+    expected = confusion_matrix(target.reshape(-1), (preds >= 0.5).reshape(-1), labels=[0, 1])
+    np.testing.assert_array_equal(metric.compute().numpy(), expected)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32, torch.bool, torch.float32])
+def test_binary_chunks_count_as_scikit_learn(
+    target_dtype: torch.dtype, small_chunks: list[bool]
+) -> None:
+    generator = _generator()
+    preds = torch.rand(40, 70, generator=generator)
+    target = torch.randint(0, 2, (40, 70), generator=generator).to(target_dtype)
+    metric = BinaryConfusionMatrixMetric()
+    metric.update(preds, target)
+    metric.update(preds[:3], target[:3])  # a small batch after a chunked one adds to it
+    flat_target = torch.cat([target.reshape(-1), target[:3].reshape(-1)]).long().numpy()
+    flat_preds = torch.cat([preds.reshape(-1), preds[:3].reshape(-1)]) >= 0.5
+    expected = confusion_matrix(flat_target, flat_preds.numpy(), labels=[0, 1])
+    np.testing.assert_array_equal(metric.compute().numpy(), expected)
+    assert small_chunks == [True, False]  # the small batch is counted whole
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_binary_chunks_skip_ignore_index_as_scikit_learn_on_the_kept_elements() -> None:
+    generator = _generator()
+    preds = torch.rand(3000, generator=generator)
+    target = torch.randint(0, 2, (3000,), generator=generator)
+    target[torch.randperm(3000, generator=generator)[:700]] = -100
+    metric = BinaryConfusionMatrixMetric(ignore_index=-100)
+    metric.update(preds, target)
+    kept = target != -100
+    expected = confusion_matrix(target[kept], preds[kept] >= 0.5, labels=[0, 1])
+    np.testing.assert_array_equal(metric.compute().numpy(), expected)
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_multiclass_chunks_count_as_scikit_learn(one_hot: bool, small_chunks: list[bool]) -> None:
+    generator = _generator()
+    classes = 5
+    logits = torch.randn(900, 3, classes, generator=generator)  # (N, extra, C)
+    labels = torch.randint(0, classes, (900, 3), generator=generator)
+    target = torch.nn.functional.one_hot(labels, classes) if one_hot else labels
+    metric = MulticlassConfusionMatrixMetric(classes)
+    metric.update(logits, target)
+    expected = confusion_matrix(
+        labels.reshape(-1), logits.argmax(-1).reshape(-1), labels=list(range(classes))
+    )
+    np.testing.assert_array_equal(metric.compute().numpy(), expected)
+    assert small_chunks == [True]
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_multilabel_chunks_count_as_scikit_learn() -> None:
+    generator = _generator()
+    preds = torch.rand(1500, 4, generator=generator)
+    target = torch.randint(0, 2, (1500, 4), generator=generator)
+    metric = MultilabelConfusionMatrixMetric(4)
+    metric.update(preds, target)
+    expected = multilabel_confusion_matrix(target.numpy(), (preds >= 0.5).numpy())
+    np.testing.assert_array_equal(metric.compute().numpy(), expected)
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_cohen_kappa_of_chunks_equals_one_whole_count() -> None:
+    generator = _generator()
+    preds = torch.rand(5000, generator=generator)
+    target = torch.randint(0, 2, (5000,), generator=generator)
+    chunked = BinaryCohenKappaMetric()
+    chunked.update(preds, target)
+    whole = BinaryCohenKappaMetric()
+    for start in range(0, 5000, 200):  # small batches: never chunked
+        whole.update(preds[start : start + 200], target[start : start + 200])
+    assert torch.equal(chunked.confusion_matrix(), whole.confusion_matrix())
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_a_bad_value_in_a_late_chunk_raises_before_the_state_changes() -> None:
+    generator = _generator()
+    preds = torch.rand(3000, generator=generator)
+    target = torch.randint(0, 2, (3000,), generator=generator)
+    preds[2990] = 1.5  # in the last chunk: earlier chunks were counted already
+    metric = BinaryConfusionMatrixMetric()
+    with pytest.raises(ValueError, match="preds"):
+        metric.update(preds, target)
+    assert metric.confusion_matrix().sum() == 0
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_the_whole_batch_error_names_preds_before_a_bad_target_in_an_earlier_chunk() -> None:
+    generator = _generator()
+    preds = torch.rand(3000, generator=generator)
+    target = torch.randint(0, 2, (3000,), generator=generator)
+    target[5] = 3  # the first chunk
+    preds[2990] = float("nan")  # the last chunk
+    chunked = BinaryConfusionMatrixMetric()
+    with pytest.raises(ValueError) as chunked_error:
+        chunked.update(preds, target)
+    whole = BinaryConfusionMatrixMetric()
+    with pytest.raises(ValueError) as whole_error, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_cpu_path, "CHUNK_ELEMENTS", 10**9)  # one batch, never chunked
+        whole.update(preds, target)
+    assert str(chunked_error.value) == str(whole_error.value)
+    assert str(chunked_error.value).startswith("preds")
+    assert chunked.confusion_matrix().sum() == 0
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2", "max"])
+def test_binary_calibration_error_of_chunks_equals_torchmetrics(
+    norm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchmetrics.functional.classification import binary_calibration_error
+
+    monkeypatch.setattr(_cpu_path, "CHUNK_ELEMENTS", SMALL_CHUNK)
+    generator = _generator()
+    # Scores on a 1/1000 grid, away from the 15 bin edges' float rounding; labels that follow
+    # the scores, so every bin has a gap.
+    preds = torch.randint(1, 1000, (5000,), generator=generator).double() / 1000
+    target = (torch.rand(5000, generator=generator, dtype=torch.float64) < preds**2).long()
+    metric = BinaryCalibrationErrorMetric(num_bins=15, norm=norm)  # type: ignore[arg-type]
+    metric.update(preds, target)
+    expected = binary_calibration_error(preds, target, n_bins=15, norm=norm)
+    assert metric.compute().item() == pytest.approx(expected.item(), rel=1e-9, abs=1e-12)
