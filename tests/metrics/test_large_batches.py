@@ -3,7 +3,7 @@ scikit-learn on the whole batch, and the whole batch's error, with the state unt
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -157,7 +157,7 @@ def test_the_whole_batch_error_names_preds_before_a_bad_target_in_an_earlier_chu
 
 @pytest.mark.parametrize("norm", ["l1", "l2", "max"])
 def test_binary_calibration_error_of_chunks_equals_torchmetrics(
-    norm: str, monkeypatch: pytest.MonkeyPatch
+    norm: Literal["l1", "l2", "max"], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from torchmetrics.functional.classification import binary_calibration_error
 
@@ -167,7 +167,7 @@ def test_binary_calibration_error_of_chunks_equals_torchmetrics(
     # the scores, so every bin has a gap.
     preds = torch.randint(1, 1000, (5000,), generator=generator).double() / 1000
     target = (torch.rand(5000, generator=generator, dtype=torch.float64) < preds**2).long()
-    metric = BinaryCalibrationErrorMetric(num_bins=15, norm=norm)  # type: ignore[arg-type]
+    metric = BinaryCalibrationErrorMetric(num_bins=15, norm=norm)
     metric.update(preds, target)
     expected = binary_calibration_error(preds, target, n_bins=15, norm=norm)
     assert metric.compute().item() == pytest.approx(expected.item(), rel=1e-9, abs=1e-12)

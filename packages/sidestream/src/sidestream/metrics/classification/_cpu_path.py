@@ -142,7 +142,9 @@ def count_in_chunks(
     step = max(1, CHUNK_ELEMENTS * rows // preds.numel())
     total: Tensor | None = None
     try:
-        chunks = zip(samples_preds.split(step), samples_target.split(step), strict=True)
+        chunks = zip(
+            torch.split(samples_preds, step), torch.split(samples_target, step), strict=True
+        )
         for chunk_preds, chunk_target in chunks:
             counts = count(chunk_preds, chunk_target)
             total = counts if total is None else total.add_(counts)

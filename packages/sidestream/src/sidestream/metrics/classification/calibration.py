@@ -130,7 +130,7 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
         sums: Tensor | None = None
         step = _cpu_path.CHUNK_ELEMENTS
         for chunk_confidence, chunk_accuracy in zip(
-            confidence.split(step), accuracy.split(step), strict=True
+            torch.split(confidence, step), torch.split(accuracy, step), strict=True
         ):
             index = _cpu_path.score_bins(chunk_confidence, bins, 2, scratch=True)
             correct = torch.add(index, chunk_accuracy.to(index.dtype), alpha=stride)
