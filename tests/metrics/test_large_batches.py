@@ -8,7 +8,7 @@ from typing import Any, Literal
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import confusion_matrix, multilabel_confusion_matrix
+from sklearn.metrics import confusion_matrix, f1_score, multilabel_confusion_matrix
 
 from sidestream.metrics.classification import (
     BinaryCalibrationErrorMetric,
@@ -17,6 +17,7 @@ from sidestream.metrics.classification import (
     MulticlassConfusionMatrixMetric,
     MultilabelConfusionMatrixMetric,
     _cpu_path,
+    confusion_count_metric,
 )
 
 SMALL_CHUNK = 256
@@ -171,3 +172,31 @@ def test_binary_calibration_error_of_chunks_equals_torchmetrics(
     metric.update(preds, target)
     expected = binary_calibration_error(preds, target, n_bins=15, norm=norm)
     assert metric.compute().item() == pytest.approx(expected.item(), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["binary", "multilabel", "multiclass_ignore"])
+def test_confusion_counts_of_chunks_give_scikit_learn_f1(
+    kind: str, small_chunks: list[bool]
+) -> None:
+    generator = _generator()
+    builder = confusion_count_metric()
+    if kind == "binary":
+        preds = torch.rand(60, 50, generator=generator)
+        target = torch.randint(0, 2, (60, 50), generator=generator)
+        metric = builder.binary().with_f1().build()
+        expected = f1_score(target.reshape(-1), (preds >= 0.5).reshape(-1))
+    elif kind == "multilabel":
+        preds = torch.rand(1000, 4, generator=generator)
+        target = torch.randint(0, 2, (1000, 4), generator=generator)
+        metric = builder.multilabel(4).with_f1().macro().build()
+        expected = f1_score(target, preds >= 0.5, average="macro")
+    else:  # multiclass with ignore_index: not the small mapped case, so chunked
+        preds = torch.randn(1000, 5, generator=generator)
+        target = torch.randint(0, 5, (1000,), generator=generator)
+        target[:100] = -1
+        metric = confusion_count_metric(ignore_index=-1).multiclass(5).with_f1().macro().build()
+        kept = target != -1
+        expected = f1_score(target[kept], preds.argmax(-1)[kept], average="macro")
+    metric.update(preds, target)
+    assert metric.compute().item() == pytest.approx(expected, abs=1e-12)
+    assert small_chunks == [True]

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from sidestream.metrics._screened import ScreenedMetric
+from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._average import (
     Average,
     average_statistic,
@@ -130,7 +131,18 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
                 # cells, one addmv_ into the table, no intermediate count tensors.
                 self._counts.add_product(*count_operands(self._count_map, cell))
                 return
-        self._counts.accumulate(confusion_counts(self._problem, preds_t, target_t, self._rejected))
+        if _cpu_path.enabled(device):
+            binary = self._problem.kind is ProblemKind.BINARY
+            counts = _cpu_path.count_in_chunks(
+                self._batch_counts, preds_t, target_t, elementwise=binary
+            )
+            if counts is not None:
+                self._counts.accumulate(counts)
+                return
+        self._counts.accumulate(self._batch_counts(preds_t, target_t))
+
+    def _batch_counts(self, preds: Tensor, target: Tensor) -> Tensor:
+        return confusion_counts(self._problem, preds, target, self._rejected)
 
     def counts(self) -> dict[str, Tensor]:
         """The int64 per-class counts ``{"tp", "fp", "fn", "tn"}``, each of shape (C,).
