@@ -576,3 +576,46 @@ def test_a_constant_held_with_other_values_fails_every_rank(dist_pool: RankPool)
         assert "has configuration 100 values [0.5, 1.5, ..., 99.5] (hash " in long
         assert "but 100 values [0.0, 1.0, ..., 99.0] (hash " in long
         assert outcome["same"] == "no error: [0.0, 1.0]"
+
+
+def _sync_over_a_smaller_default_group(store_path: str) -> dict[str, Any] | None:
+    """Sync over 3 ranks, make the default group again with ranks 0 and 1, sync again."""
+    from datetime import timedelta
+
+    rank = dist.get_rank()
+    metric = MeanMetric()
+    metric.update(torch.tensor([float(rank)]))
+    metric.sync()
+    first = metric.compute().item()
+    dist.destroy_process_group()
+    if rank == 2:
+        return None  # this rank leaves the job
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=30),
+    )
+    metric.update(torch.tensor([10.0]))
+    metric.sync()
+    second = metric.compute().item()
+    saved = {name: value.item() for name, value in metric.state_dict().items()}
+    return {"first": first, "second": second, "saved": saved}
+
+
+def test_a_default_group_made_again_with_fewer_ranks_gets_a_new_layout(tmp_path: Any) -> None:
+    # An elastic restart in the same processes: the default group (group=None) is another
+    # group now, with another world size. The layout kept for the old one had 3 ranks' buffers.
+    from sidestream.testing import run_distributed
+
+    results = run_distributed(
+        _sync_over_a_smaller_default_group, 3, str(tmp_path / "store"), timeout=90
+    )
+    assert results[2] is None
+    second_values = [0.0, 10.0, 1.0, 10.0]  # every value the two remaining ranks hold
+    for result in results[:2]:
+        assert result is not None
+        assert result["first"] == pytest.approx(np.mean([0.0, 1.0, 2.0]))
+        assert result["second"] == pytest.approx(np.mean(second_values))
+        assert result["saved"] == {"total": sum(second_values), "count": len(second_values)}

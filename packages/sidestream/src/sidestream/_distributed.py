@@ -20,6 +20,7 @@ __all__ = [
     "check_cuda_available",
     "check_device",
     "check_process_group",
+    "default_group",
     "group_rank",
     "group_size",
     "resolve_group",
@@ -86,6 +87,17 @@ def resolve_group(group: Group) -> dist.ProcessGroup | None:
             f"dimensions {group.mesh_dim_names}"
         )
     return group.get_group()
+
+
+def default_group() -> dist.ProcessGroup | None:
+    """The default process group as it is now; ``None`` when torch.distributed is not initialized.
+
+    A default group destroyed and made again (say with another world size) is another object,
+    so layouts kept for ``group=None`` compare it, not ``None``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.group.WORLD
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

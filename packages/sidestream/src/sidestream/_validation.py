@@ -20,6 +20,7 @@ __all__ = [
     "check_int",
     "expected_text",
     "found_outside",
+    "found_where",
     "ignore_index_of",
     "as_tensor",
     "check_broadcastable",
@@ -152,6 +153,20 @@ def found_outside(values: Tensor, low: float, high: float, *, whole: bool = Fals
     bad = ~((flat >= low) & (flat <= high))
     if whole and flat.is_floating_point():
         bad |= flat != flat.round()
+    return _found(flat, bad)
+
+
+def found_where(values: Tensor, invalid: Tensor) -> str:
+    """For a CPU error message: up to three of ``values`` where ``invalid`` is true, and how many.
+
+    ``invalid`` must broadcast to ``values``. Reads the values on the host: call it only where
+    the update raises anyway.
+    """
+    bad = invalid.detach().expand(values.shape).reshape(-1)
+    return _found(values.detach().reshape(-1), bad)
+
+
+def _found(flat: Tensor, bad: Tensor) -> str:
     count = int(bad.sum())
     if not count:
         return ""
@@ -262,6 +277,8 @@ def screen_invalid(
     argument: str,
     expected: str,
     found: str = "",
+    *,
+    values: Tensor | None = None,
 ) -> Tensor | None:
     """Apply the bad-value policy to a batch.
 
@@ -281,6 +298,8 @@ def screen_invalid(
         argument: The argument name for the error message.
         expected: What valid values look like, for the error message.
         found: What the batch held instead, for the error message (``found_outside``).
+        values: The checked values, that ``invalid`` (a tensor) marks: without ``found``, the
+            CPU error message shows those marked (``found_where``).
 
     Returns:
         ``None`` when the batch is valid on CPU; on CUDA a 0-dim bool tensor, true to keep the
@@ -294,6 +313,8 @@ def screen_invalid(
         return None
     if not checks_stay_on_device(invalid.device):
         if bool(invalid.any()):
+            if not found and values is not None:
+                found = found_where(values, invalid)
             raise ValueError(
                 f"{argument}: expected {expected}; this batch has values that are not{found}"
             )

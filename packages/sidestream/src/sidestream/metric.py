@@ -18,6 +18,7 @@ from sidestream._distributed import (
     check_cuda_available,
     check_device,
     check_process_group,
+    default_group,
     group_rank,
     resolve_group,
 )
@@ -69,6 +70,9 @@ class _Prepared:
     own_sync: list[Metric[Any]] = field(default_factory=list)
     #: No metric of the tree has its own ``sync`` or sample stores: ``start_sync`` covers it.
     arena_only: bool = True
+    #: The process group the layout was made for: ``group`` itself, or for ``None`` the default
+    #: group of that time (one made again, say with another world size, is another group).
+    made_for: object = None
 
 
 class Metric(Stateful, Generic[T], abc.ABC):
@@ -619,8 +623,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
         # The arena this tree's states live in: its own, or its parent tree's.
         home: Arena | None = self.__dict__.get("_state_arena")
         cache: dict[int, _Prepared] = self.__dict__.setdefault("_sync_layouts", {})
+        made_for = default_group() if group is None else group
         prepared = cache.get(id(group))
-        if prepared is not None and prepared.group is group:
+        if prepared is not None and prepared.made_for is made_for:
             if prepared.arena is home and home is not None and home.alive:
                 return prepared
             del cache[id(group)]
@@ -628,6 +633,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 changed = CallFingerprint("changed", self.call_counter.next())
                 prepared.every_state.start(changed).verify()
         prepared = self._lay_out(group, arena, home, check)
+        prepared.made_for = made_for
         cache[id(group)] = prepared
         return prepared
 

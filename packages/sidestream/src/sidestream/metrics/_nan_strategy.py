@@ -103,7 +103,9 @@ class NanPolicy:
         nan = torch.isnan(values)
         if self._strategy == "error":
             assert rejected is not None
-            keep = screen_invalid(nan, rejected, "values", "values without NaN (nan_strategy)")
+            keep = screen_invalid(
+                nan, rejected, "values", "values without NaN (nan_strategy)", values=values
+            )
             if keep is not None:
                 values = torch.where(keep, values, 0.0)
             return Screened(values, None, keep)

@@ -17,6 +17,7 @@ from sidestream._validation import (
     check_weight_number,
     checks_stay_on_device,
     drop_invalid,
+    found_outside,
     not_finite,
 )
 from sidestream.metrics._nan_strategy import NanStrategy
@@ -185,7 +186,12 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
     else:
         weighted, total, low = _chunked_sums(values.reshape(-1), weights.reshape(-1), dtype)
     if low is not None and not (float(low) >= 0 and math.isfinite(float(total))):
-        raise ValueError("weights: expected finite values >= 0; this batch has values that are not")
+        # The largest finite value of the weights' own dtype: inf lies above it.
+        largest = torch.finfo(weights.dtype).max if weights.is_floating_point() else math.inf
+        found = found_outside(weights, 0, largest)
+        raise ValueError(
+            f"weights: expected finite values >= 0; this batch has values that are not{found}"
+        )
     return weighted, total
 
 

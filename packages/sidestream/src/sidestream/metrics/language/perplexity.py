@@ -15,6 +15,7 @@ from sidestream._validation import (
     check_weight_number,
     checks_stay_on_device,
     drop_invalid,
+    found_where,
     ignore_index_of,
     not_finite,
     screen_invalid,
@@ -170,6 +171,7 @@ class PerplexityMetric(Metric[Tensor]):
                     self._rejected,
                     "target",
                     token_range(vocab, ignore_index_of(flat, ignore)),
+                    found_where(flat, bad),
                 )
                 ignored = flat.numel() - int(counted.sum())
         scores = logits.reshape(-1, vocab)
@@ -215,12 +217,14 @@ class PerplexityMetric(Metric[Tensor]):
                 self._rejected,
                 "losses",
                 "finite values >= 0 (per-token NLL)",
+                values=losses_64,
             )
             screen_invalid(
                 (weights_64 < 0) | ~torch.isfinite(weights_64),
                 self._rejected,
                 "weights",
                 "finite values >= 0",
+                values=weights_64,
             )
         nll, tokens = (losses_64 * weights_64).sum(), weights_64.sum()
         if on_device:

@@ -87,7 +87,7 @@ class TokenAccuracyMetric(Metric[Tensor]):
         else:  # raises naming the argument, before the state changes
             screen_invalid(nan_scores, self._rejected, "logits", "no NaN scores at counted tokens")
             expected = token_range(vocab, ignore_index_of(target_t, self._ignore_index))
-            screen_invalid(bad_target, self._rejected, "target", expected)
+            screen_invalid(bad_target, self._rejected, "target", expected, values=target_t)
         safe = torch.where(counted, target_t, 0).to(torch.int64)
         tally = counted.to(torch.int64)
         correct = (logits_t.argmax(dim=-1) == safe).to(torch.int64) * tally

@@ -95,8 +95,16 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
         preds_64 = preds_t.to(torch.float64).reshape(-1, outputs)
         target_64 = target_t.to(torch.float64).reshape(-1, outputs)
         if not checks_stay_on_device(preds_t.device):
-            screen_invalid(~torch.isfinite(preds_64), self._rejected, "preds", "finite values")
-            screen_invalid(~torch.isfinite(target_64), self._rejected, "target", "finite values")
+            screen_invalid(
+                ~torch.isfinite(preds_64), self._rejected, "preds", "finite values", values=preds_64
+            )
+            screen_invalid(
+                ~torch.isfinite(target_64),
+                self._rejected,
+                "target",
+                "finite values",
+                values=target_64,
+            )
             keep: Tensor | None = None
         else:
             invalid = any_not_finite(preds_64, target_64)
