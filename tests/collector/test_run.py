@@ -734,18 +734,28 @@ class _SlowMean(MeanMetric):
         return super().compute()
 
 
-def test_a_checkpoint_that_times_out_on_computing_windows_says_they_are_not_in_it(
+def test_a_checkpoint_waits_past_its_timeout_for_the_windows_being_computed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The windows were staged and reset, so the checkpoint lacked them with no word: a job
-    resumed from it after a crash logged steps 1, 5, 6 and nothing in between."""
+    """The windows were staged and reset, so only their reports carry them: a checkpoint that
+    stopped waiting at its timeout lacked them, and a job killed after it and resumed logged
+    steps 4, 5, 6 and not 1 to 3 (found by a probe with SIGKILL). Their collectives have ended
+    by then (local work is left), so the checkpoint waits for them past its timeout."""
     run = Run([JsonlSink(tmp_path / "m.jsonl")])
     collector = run.collector(_SlowMean(), prefix="t").bind("cpu")
     for step in (1, 2, 3):
         collector.metric.update(torch.tensor([float(step)]))
         collector.schedule_collection(step)
-    run.state_dict(timeout=0.2)
-    assert "window(s) of the collector 't' were still being computed" in caplog.text
+    saved = run.state_dict(timeout=0.2)
+    assert "3 window(s) of the collector 't' were still being computed" in caplog.text
+    assert "timeout (0.2 s) ran out; waiting up to 300.0 s more" in caplog.text
+    # What a job resumed from this checkpoint has: the steps the sink had delivered, and the
+    # reports the checkpoint carries for it.
+    (stream, last), *_ = saved["sinks"]["jsonl"]["last_steps"] or [("t", 0)]
+    carried = [json.loads(line) for line in saved["undelivered"].get("jsonl", "").splitlines()]
+    assert stream == "t"
+    assert set(range(1, last + 1)) | {report["step"] for report in carried} == {1, 2, 3}
+    assert "not in this checkpoint" not in caplog.text
     caplog.clear()
     assert run.close(timeout=30)
     run = Run([JsonlSink(tmp_path / "n.jsonl")])

@@ -200,3 +200,30 @@ def test_confusion_counts_of_chunks_give_scikit_learn_f1(
     metric.update(preds, target)
     assert metric.compute().item() == pytest.approx(expected, abs=1e-12)
     assert small_chunks == [True]
+
+
+FLOAT_SPECIALS = [0.0, -0.0, 1.0, 0.5, -1e-45, 1e-45, -1.0, 2.0, 1.0000001, NAN := float("nan")]
+FLOAT_SPECIALS += [-NAN, float("inf"), -float("inf"), 65504.0, 3.0e38]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("special", FLOAT_SPECIALS)
+def test_outside_the_unit_range_of_a_large_float_batch(dtype: torch.dtype, special: float) -> None:
+    # Large enough for the check by bits (_BITS_FROM); one special value among valid ones.
+    values = torch.rand(1 << 16, generator=_generator()).to(dtype)
+    values[12345] = special
+    reference = not bool(((values >= 0) & (values <= 1)).all())  # NaN fails both comparisons
+    assert _cpu_path.outside(values, 0, 1) is reference
+    strided = torch.stack((values, values), dim=1)[:, 0]  # a non-contiguous view
+    assert _cpu_path.outside(strided, 0, 1) is reference
+
+
+@pytest.mark.parametrize(
+    "special", [0, 1, -1, 2, 256, 257, 1 << 32, (1 << 32) + 1, 1 << 56, -(1 << 63)]
+)
+def test_outside_the_unit_range_of_a_large_int64_batch(special: int) -> None:
+    values = torch.randint(0, 2, (1 << 16,), generator=_generator())
+    values[777] = special
+    reference = not bool(((values >= 0) & (values <= 1)).all())
+    assert _cpu_path.outside(values, 0, 1) is reference
+    assert _cpu_path.outside(values.view(256, 256).t(), 0, 1) is reference  # non-contiguous

@@ -449,7 +449,7 @@ class Run:
         undelivered: dict[str, str] = {}
         if self.is_writer:
             for collector in self._collectors:
-                collector.wait_windows_for_checkpoint(seconds_left(deadline))
+                collector.wait_windows_for_checkpoint(seconds_left(deadline), timeout)
             if self._log_pipe is not None:
                 self._log_pipe.wait_idle(seconds_left(deadline))
             sinks, undelivered = self._delivery.sink_states(seconds_left(deadline))

@@ -45,6 +45,10 @@ logger = logging.getLogger("sidestream.collector")
 
 # A few slots let new windows stage while older ones are still being published; more are made
 # on demand, up to max_slots, if the dispatcher falls further behind.
+WINDOW_COMPUTE_LIMIT_S = 300.0
+"""How long a checkpoint waits, past its own timeout, for windows scheduled before it to be
+computed and handed to the sinks (their collectives have ended by then: local work only)."""
+
 _INITIAL_SLOTS = 3
 
 # The collector each bound metric belongs to (by id: the collector keeps the metric alive).
@@ -658,21 +662,43 @@ class AsyncMetricCollector(Generic[T]):
         timeout = check_timeout("wait_windows: timeout", timeout)
         return self._dispatcher is None or self._dispatcher.wait_idle(timeout)
 
-    def wait_windows_for_checkpoint(self, timeout: float | None) -> None:
-        """``wait_windows``, warning if windows are left out of the checkpoint being taken.
+    def wait_windows_for_checkpoint(
+        self, timeout: float | None, given: float | None = None
+    ) -> None:
+        """Block until every scheduled window was handed to the sinks, for a checkpoint.
 
-        Their states were staged and reset, so the checkpoint's metric state does not hold
-        them, and their reports reach the sinks only after it: a job that crashes before they
-        are delivered and resumes from it does not log them.
+        Called after the checkpoint's own collective over the collector's group: the windows'
+        collectives were started before it by the training thread, so they have ended too, and
+        what is left of a window is local (its compute and the hand-off). A checkpoint must hold
+        every window scheduled before it (their states were staged and reset, so only their
+        reports carry them): that local work is waited for past ``timeout``, which bounds the
+        waits on the sinks' backends, up to ``WINDOW_COMPUTE_LIMIT_S`` more, with a warning.
+
+        Args:
+            timeout: Seconds left of the checkpoint's timeout.
+            given: The checkpoint's whole timeout, for the warnings (``timeout`` if ``None``).
         """
-        if not self.wait_windows(timeout) and self._dispatcher is not None:
+        if self._dispatcher is None or self.wait_windows(timeout):
+            return
+        given = timeout if given is None else given
+        logger.warning(
+            "state_dict: %d window(s) of the collector %r were still being computed when the "
+            "checkpoint's timeout (%s s) ran out; waiting up to %s s more for them, so that "
+            "this checkpoint holds their reports (a slow compute makes every checkpoint wait)",
+            self._dispatcher.unprocessed,
+            self._prefix,
+            given,
+            WINDOW_COMPUTE_LIMIT_S,
+        )
+        if not self.wait_windows(WINDOW_COMPUTE_LIMIT_S):
             logger.warning(
-                "state_dict: %d window(s) of the collector %r were still being computed when "
-                "the checkpoint's timeout (%s s) ran out; they are not in this checkpoint, so "
-                "a job resumed from it would not log them (give state_dict a longer timeout)",
+                "state_dict: %d window(s) of the collector %r were still being computed %s s "
+                "after the checkpoint's timeout (%s s); they are not in this checkpoint, so a "
+                "job resumed from it would not log them",
                 self._dispatcher.unprocessed,
                 self._prefix,
-                timeout,
+                WINDOW_COMPUTE_LIMIT_S,
+                given,
             )
 
     def _close_at_exit(self) -> None:
@@ -713,7 +739,7 @@ class AsyncMetricCollector(Generic[T]):
         sink_states: dict[str, Any] = {}
         undelivered: dict[str, str] = {}
         if self._owns_delivery and self.is_writer:
-            self.wait_windows_for_checkpoint(seconds_left(deadline))
+            self.wait_windows_for_checkpoint(seconds_left(deadline), timeout)
             sink_states, undelivered = self._delivery.sink_states(seconds_left(deadline))
         return {"metric": metric_state, "sinks": sink_states, "undelivered": undelivered}
 

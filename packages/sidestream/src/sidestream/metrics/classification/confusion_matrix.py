@@ -9,7 +9,12 @@ from torch import Tensor
 
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification import _cpu_path
-from sidestream.metrics.classification._inputs import check_tensor, label_flags, multiclass_labels
+from sidestream.metrics.classification._inputs import (
+    check_tensor,
+    confusion_counts,
+    label_flags,
+    multiclass_labels,
+)
 from sidestream.metrics.classification._problem import (
     Problem,
     ProblemKind,
@@ -121,8 +126,13 @@ class ConfusionMatrixMetric(ScreenedMetric[Tensor]):
 
     def _cpu_counts(self, preds: Tensor, target: Tensor) -> Tensor:
         """The counts of one chunk of a large batch (CPU path, ``count_in_chunks``)."""
-        cell, weight = self._batch_cells(preds, target)
-        return _cpu_path.count_indices(cell, self._cells(), weight)
+        if self._problem.kind is ProblemKind.MULTICLASS:
+            cell, weight = self._batch_cells(preds, target)
+            return _cpu_path.count_indices(cell, self._cells(), weight)
+        # Per label, from 0/1 flags counted where they are set (as the confusion-count metrics
+        # do): fewer passes than an int64 cell per element and its bincount.
+        tp, fp, fn, tn = confusion_counts(self._problem, preds, target, self._rejected)
+        return torch.stack((tn, fp, fn, tp), dim=1).reshape(-1)
 
     def confusion_matrix(self) -> Tensor:
         """The int64 counts: ``(C, C)``, ``(2, 2)`` or ``(L, 2, 2)``; a copy, not the state."""
