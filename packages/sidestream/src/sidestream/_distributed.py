@@ -22,6 +22,7 @@ __all__ = [
     "check_process_group",
     "default_group",
     "group_rank",
+    "group_ranks",
     "group_size",
     "resolve_group",
     "retain_work",
@@ -98,6 +99,15 @@ def default_group() -> dist.ProcessGroup | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.group.WORLD
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (``None``: the default group); ``(0,)`` without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return (0,)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

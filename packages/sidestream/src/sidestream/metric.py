@@ -20,6 +20,7 @@ from sidestream._distributed import (
     check_process_group,
     default_group,
     group_rank,
+    group_ranks,
     resolve_group,
 )
 from sidestream._reduce_op import ReduceOp
@@ -619,6 +620,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 group is initialized (as ``sync``).
         """
         check_process_group("prepare_sync")
+        loaded_for: tuple[int, ...] | None = self.__dict__.get("_loaded_for")
+        if loaded_for is not None:
+            _check_load_group(loaded_for, group)
         arena = self._own_arena()
         # The arena this tree's states live in: its own, or its parent tree's.
         home: Arena | None = self.__dict__.get("_state_arena")
@@ -669,6 +673,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
         Child metrics whose class overrides ``reset`` (to clear data of their own, besides
         their states) have it called too, once each, after their states were reset.
         """
+        self.__dict__.pop("_loaded_for", None)  # the loaded state is gone
         arena = self._own_arena()
         if arena is not None:
             arena.reset()
@@ -884,7 +889,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
                     "checkpoint of a different metric or configuration)"
                 )
             saved[name] = tensor
-        owner = group_rank(resolve_group(self._sync_group)) == 0
+        load_group = resolve_group(self._sync_group)
+        owner = group_rank(load_group) == 0
+        loaded_for = group_ranks(load_group)
         rows = [
             store.checked_rows({name: state_dict[prefix + name] for name in store.fields})
             if owner
@@ -905,12 +912,34 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 if checked is not None:
                     store.append(**checked)
             self._mark_fresh(False)
+            # Placed for this group: a sync over another one would lose the saved state in
+            # every group without that first rank (checked by prepare_sync until a reset).
+            self.__dict__["_loaded_for"] = loaded_for
             # A load counts as a call: only the group's first rank takes the saved numbers, so
             # a rank that skipped it (rank 0: the checkpoint lost) fails the next sync or
             # state_dict on every rank with RankMismatchError instead of reducing without it.
             self.call_counter.next()
 
         return restore
+
+
+def _check_load_group(loaded_for: tuple[int, ...], group: Group) -> None:
+    """Raise if a metric whose checkpoint was placed for ``loaded_for`` syncs over another group.
+
+    ``load_state_dict`` put the saved state on the first rank of the group it was given
+    (``sync_group``): synced over groups of other ranks, every group without that rank would
+    go on without the saved state, and report wrong numbers. Every rank of such a job raises
+    (each compares its own groups), before any collective.
+    """
+    ranks = group_ranks(resolve_group(group))
+    if ranks != loaded_for:
+        raise RuntimeError(
+            f"sync: this metric's checkpoint was loaded for the group of global ranks "
+            f"{list(loaded_for)} (its first rank took the saved state), but it syncs over the "
+            f"group of ranks {list(ranks)}, where the saved state would be lost or counted "
+            "otherwise; set metric.sync_group = group before load_state_dict (the group it "
+            "syncs over, for example mesh['dp']), or reset() the metric to drop the loaded state"
+        )
 
 
 def _check_saved_configuration(key: str, saved: object, configuration: str) -> None:
