@@ -434,6 +434,38 @@ def test_a_checkpoint_waits_at_most_its_timeout_in_all() -> None:
         assert time.monotonic() - began < 1.6
 
 
+def test_a_checkpoint_without_a_timeout_waits_the_runs_checkpoint_timeout(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint calls state_dict() with no argument: with a tracker down,
+    each such checkpoint waited the 10 s default, which the job had no way to shorten."""
+    import threading
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    gate = threading.Event()
+
+    class Stuck(JsonlSink):
+        def send(self, reports: Any) -> None:
+            gate.wait(30)  # a backend that does not answer
+            super().send(reports)
+
+    with pytest.raises(ValueError, match="checkpoint_timeout"):
+        Run(checkpoint_timeout=-1.0)
+    run = Run([Stuck(tmp_path / "a.jsonl")], checkpoint_timeout=0.3)
+    try:
+        run.log(1, {"x": 1.0})
+        began = time.monotonic()
+        dcp.save({"run": run}, checkpoint_id=tmp_path / "checkpoint")  # no_dist: one process
+        assert time.monotonic() - began < 5.0
+        began = time.monotonic()
+        saved = run.state_dict()
+        assert time.monotonic() - began < 5.0
+        assert '"step":1' in saved["undelivered"]["jsonl"]  # carried, not lost
+    finally:
+        gate.set()
+        assert run.close(timeout=30)
+
+
 def test_a_checkpoint_takes_what_a_tracker_delivered_even_when_make_durable_fell_short(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

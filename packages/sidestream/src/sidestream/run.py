@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import time
@@ -33,6 +34,15 @@ __all__ = ["Run"]
 
 T = TypeVar("T")
 
+
+class _RunDefault(enum.Enum):
+    """``state_dict``'s default timeout: the run's ``checkpoint_timeout``."""
+
+    TIMEOUT = "the run's checkpoint_timeout"
+
+
+_RUN_DEFAULT = _RunDefault.TIMEOUT
+
 logger = logging.getLogger("sidestream.run")
 
 
@@ -57,6 +67,8 @@ class Run:
         exit_timeout: Seconds ``close`` may take when called at interpreter exit.
         spool_max_bytes: Most bytes each sink's spool file holds (256 MiB by default); beyond
             it the oldest spooled reports are dropped, counted and logged.
+        checkpoint_timeout: The timeout of ``state_dict()`` called without one, as
+            ``torch.distributed.checkpoint`` calls it (``None``: no limit).
 
     Raises:
         TypeError: If a sink is not a ``Sink`` or ``info`` not a ``RunInfo``.
@@ -83,7 +95,9 @@ class Run:
         spool_dir: str | None = None,
         exit_timeout: float = 30.0,
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+        checkpoint_timeout: float | None = 10.0,
     ) -> None:
+        self._checkpoint_timeout = check_timeout("checkpoint_timeout", checkpoint_timeout)
         options = DeliveryOptions(
             sink_capacity,
             sink_retry_initial_s,
@@ -393,12 +407,15 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, timeout: float | None = 10.0) -> dict[str, Any]:
+    def state_dict(self, timeout: float | _RunDefault | None = _RUN_DEFAULT) -> dict[str, Any]:
         """Every collector's metric state and every sink's state.
 
         A collective (each collector's state is reduced over its group): every rank calls it,
-        in the same order relative to other collectives. On rank 0 it then waits up to
-        ``timeout`` seconds in all for scheduled windows and logged values to be delivered
+        in the same order relative to other collectives. On rank 0 it then waits for the
+        windows scheduled before it to be computed (past ``timeout`` if need be, see
+        ``AsyncMetricCollector.wait_windows_for_checkpoint``), then up to ``timeout`` seconds
+        in all (the run's ``checkpoint_timeout`` when not given, 10 s by default) for them and
+        the logged values to be delivered
         (so the sinks' last steps match the metric states) and makes each sink's delivered
         data durable (``fsync`` for files). A sink still behind after ``timeout`` gives its
         state as of its last delivered step, with a warning; the reports it has not
@@ -419,6 +436,8 @@ class Run:
         # group hold the same collectors over it: ranks that made their collectors in another
         # order (or one rank an extra one) would otherwise reduce one collector's state against
         # another's.
+        if isinstance(timeout, _RunDefault):
+            timeout = self._checkpoint_timeout
         timeout = check_timeout("state_dict: timeout", timeout)
         check_process_group("state_dict")
         deadline = None if timeout is None else time.monotonic() + timeout
