@@ -459,6 +459,31 @@ def test_jsonl_checkpoint_of_another_file_gives_no_offset_into_this_one(
     assert steps == list(range(100, 140)) + list(range(11, 21))
 
 
+def test_jsonl_file_shorter_than_its_checkpoint_says_so_on_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older copy of the file put back before resuming lacks lines the checkpoint counted
+    as delivered: the resumed sink cannot bring them back, but says so (it said nothing)."""
+    path = tmp_path / "m.jsonl"
+    first = JsonlSink(path)
+    first.open(RunInfo())
+    for step in range(1, 6):
+        first.write(_report(step))
+    older = path.read_bytes()  # a backup taken at step 5
+    for step in range(6, 11):
+        first.write(_report(step))
+    checkpoint = first.state_dict()
+    first.close()
+    path.write_bytes(older)
+    resumed = JsonlSink(path)
+    resumed.load_state_dict(checkpoint)
+    with caplog.at_level("WARNING", logger="sidestream.sinks"):
+        resumed.open(RunInfo())
+    resumed.close()
+    assert f"holds {len(older)} bytes, fewer than the" in caplog.text
+    assert "an older copy put back, or the file cut" in caplog.text
+
+
 def test_sink_whose_module_fails_to_import_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     from importlib.metadata import EntryPoint
 

@@ -628,3 +628,28 @@ def test_a_default_group_made_again_with_fewer_ranks_gets_a_new_layout(tmp_path:
         assert result["first"] == pytest.approx(np.mean([0.0, 1.0, 2.0]))
         assert result["second"] == pytest.approx(np.mean(second_values))
         assert result["saved"] == {"total": sum(second_values), "count": len(second_values)}
+
+
+def _default_group_freed_after_destroy() -> bool:
+    """Whether the default group is freed once destroyed, while a synced metric lives on."""
+    import gc
+    import weakref
+
+    metric = MeanMetric()
+    metric.update(torch.tensor([float(dist.get_rank())]))
+    metric.sync()
+    metric.state_dict()
+    default = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    freed = default() is None
+    assert float(metric.compute()) == 0.5  # the metric is alive (and holds its result)
+    return freed
+
+
+def test_a_synced_metric_keeps_no_reference_to_a_destroyed_default_group() -> None:
+    # A reference kept past destroy_process_group runs gloo's destructor at interpreter exit,
+    # which aborts the process (SIGABRT, "terminate called without an active exception").
+    from sidestream.testing import run_distributed
+
+    assert run_distributed(_default_group_freed_after_destroy, 2, timeout=60) == [True, True]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import abc
 import collections
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sidestream._arena import Arena
@@ -71,9 +73,10 @@ class _Prepared:
     own_sync: list[Metric[Any]] = field(default_factory=list)
     #: No metric of the tree has its own ``sync`` or sample stores: ``start_sync`` covers it.
     arena_only: bool = True
-    #: The process group the layout was made for: ``group`` itself, or for ``None`` the default
-    #: group of that time (one made again, say with another world size, is another group).
-    made_for: object = None
+    #: For ``group=None``: the default group the layout was made for (one made again, say with
+    #: another world size, is another group). Weak: a reference kept past
+    #: ``destroy_process_group`` runs gloo's destructor at exit, which aborts the process.
+    default_at_layout: weakref.ref[dist.ProcessGroup] | None = None
 
 
 class Metric(Stateful, Generic[T], abc.ABC):
@@ -627,9 +630,9 @@ class Metric(Stateful, Generic[T], abc.ABC):
         # The arena this tree's states live in: its own, or its parent tree's.
         home: Arena | None = self.__dict__.get("_state_arena")
         cache: dict[int, _Prepared] = self.__dict__.setdefault("_sync_layouts", {})
-        made_for = default_group() if group is None else group
+        default = default_group() if group is None else None
         prepared = cache.get(id(group))
-        if prepared is not None and prepared.made_for is made_for:
+        if prepared is not None and _made_for(prepared, group, default):
             if prepared.arena is home and home is not None and home.alive:
                 return prepared
             del cache[id(group)]
@@ -637,7 +640,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
                 changed = CallFingerprint("changed", self.call_counter.next())
                 prepared.every_state.start(changed).verify()
         prepared = self._lay_out(group, arena, home, check)
-        prepared.made_for = made_for
+        prepared.default_at_layout = None if default is None else weakref.ref(default)
         cache[id(group)] = prepared
         return prepared
 
@@ -921,6 +924,14 @@ class Metric(Stateful, Generic[T], abc.ABC):
             self.call_counter.next()
 
         return restore
+
+
+def _made_for(prepared: _Prepared, group: Group, default: dist.ProcessGroup | None) -> bool:
+    """Whether ``prepared`` was laid out for ``group`` (``None``: for today's ``default``)."""
+    if prepared.group is not group:
+        return False
+    made = prepared.default_at_layout
+    return (made is None) if default is None else (made is not None and made() is default)
 
 
 def _check_load_group(loaded_for: tuple[int, ...], group: Group) -> None:

@@ -157,6 +157,17 @@ class JsonlSink(TrackerSink):
             _check_json_lines(self.path)
             _mend_last_line(self.path)
         if regular and self.resumed and same_file:
+            size = self.path.stat().st_size if self.path.is_file() else 0
+            if self._resume_offset is not None and self._resume_offset > size:
+                logger.warning(
+                    "JsonlSink: %s holds %d bytes, fewer than the %d it held at the checkpoint "
+                    "(an older copy put back, or the file cut): only its last line is looked "
+                    "at, and steps delivered after that line but before the checkpoint are "
+                    "not in it",
+                    self.path,
+                    size,
+                    self._resume_offset,
+                )
             self.found_in_backend(_steps_after(self.path, self._resume_offset))
         elif self.resumed and not same_file:
             logger.warning(
