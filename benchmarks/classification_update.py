@@ -14,6 +14,8 @@ ROUNDS = 15
 BLOCK = 10
 BATCH = 4096
 CLASSES = 10
+LARGE_BATCH = 1 << 20
+"""A large batch (an evaluation pass over a big validation set, or many tokens at once)."""
 
 
 def _seconds_per_update(
@@ -42,13 +44,22 @@ def _seconds_per_update(
 
 
 def _cases(device: torch.device) -> dict[str, dict[str, Callable[[], None]]]:
-    from torchmetrics.classification import BinaryAccuracy, MulticlassF1Score
+    from torchmetrics.classification import (
+        BinaryAccuracy,
+        BinaryConfusionMatrix,
+        MulticlassF1Score,
+    )
+
+    from sidestream.metrics.classification import BinaryConfusionMatrixMetric
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(BATCH, CLASSES, generator=generator).to(device)
     labels = torch.randint(0, CLASSES, (BATCH,), generator=generator).to(device)
     probabilities = torch.rand(BATCH * 16, generator=generator).to(device)
     truth = torch.randint(0, 2, (BATCH * 16,), generator=generator).to(device)
+    large = LARGE_BATCH
+    large_probabilities = torch.rand(large, generator=generator).to(device)
+    large_truth = torch.randint(0, 2, (large,), generator=generator).to(device)
 
     f1 = confusion_count_metric().multiclass(CLASSES).with_f1().macro().build().to(device)
     f1_default = MulticlassF1Score(num_classes=CLASSES, average="macro").to(device)
@@ -57,6 +68,9 @@ def _cases(device: torch.device) -> dict[str, dict[str, Callable[[], None]]]:
     accuracy = confusion_count_metric().binary().with_accuracy().build().to(device)
     accuracy_default = BinaryAccuracy().to(device)
     accuracy_fast = BinaryAccuracy(validate_args=False).to(device)
+    matrix = BinaryConfusionMatrixMetric().to(device)
+    matrix_default = BinaryConfusionMatrix().to(device)
+    matrix_fast = BinaryConfusionMatrix(validate_args=False).to(device)
     return {
         f"multiclass F1 macro, logits ({BATCH}, {CLASSES}) float32": {
             "sidestream": lambda: f1.update(logits, labels),
@@ -68,6 +82,15 @@ def _cases(device: torch.device) -> dict[str, dict[str, Callable[[], None]]]:
             "torchmetrics (default)": lambda: accuracy_default.update(probabilities, truth),
             "torchmetrics (validate_args=False)": lambda: accuracy_fast.update(
                 probabilities, truth
+            ),
+        },
+        f"binary confusion matrix, probabilities ({large:,},) float32": {
+            "sidestream": lambda: matrix.update(large_probabilities, large_truth),
+            "torchmetrics (default)": lambda: matrix_default.update(
+                large_probabilities, large_truth
+            ),
+            "torchmetrics (validate_args=False)": lambda: matrix_fast.update(
+                large_probabilities, large_truth
             ),
         },
     }

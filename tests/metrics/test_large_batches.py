@@ -69,7 +69,7 @@ def test_binary_chunks_count_as_scikit_learn(
     flat_preds = torch.cat([preds.reshape(-1), preds[:3].reshape(-1)]) >= 0.5
     expected = confusion_matrix(flat_target, flat_preds.numpy(), labels=[0, 1])
     np.testing.assert_array_equal(metric.compute().numpy(), expected)
-    assert small_chunks == [True, False]  # the small batch is counted whole
+    assert small_chunks == []  # binary batches are counted whole (one-byte flags)
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -125,29 +125,32 @@ def test_cohen_kappa_of_chunks_equals_one_whole_count() -> None:
     assert torch.equal(chunked.confusion_matrix(), whole.confusion_matrix())
 
 
-@pytest.mark.usefixtures("small_chunks")
-def test_a_bad_value_in_a_late_chunk_raises_before_the_state_changes() -> None:
+def test_a_bad_value_in_a_late_chunk_raises_before_the_state_changes(
+    small_chunks: list[bool],
+) -> None:
     generator = _generator()
-    preds = torch.rand(3000, generator=generator)
-    target = torch.randint(0, 2, (3000,), generator=generator)
-    preds[2990] = 1.5  # in the last chunk: earlier chunks were counted already
-    metric = BinaryConfusionMatrixMetric()
+    preds = torch.rand(1000, 4, generator=generator)
+    target = torch.randint(0, 2, (1000, 4), generator=generator)
+    preds[990, 2] = 1.5  # in the last chunk: earlier chunks were counted already
+    metric = MultilabelConfusionMatrixMetric(4)
     with pytest.raises(ValueError, match="preds"):
         metric.update(preds, target)
     assert metric.confusion_matrix().sum() == 0
+    assert small_chunks == []  # count_in_chunks raised: the whole batch's error
 
 
-@pytest.mark.usefixtures("small_chunks")
-def test_the_whole_batch_error_names_preds_before_a_bad_target_in_an_earlier_chunk() -> None:
+def test_the_whole_batch_error_names_preds_before_a_bad_target_in_an_earlier_chunk(
+    small_chunks: list[bool],
+) -> None:
     generator = _generator()
-    preds = torch.rand(3000, generator=generator)
-    target = torch.randint(0, 2, (3000,), generator=generator)
-    target[5] = 3  # the first chunk
-    preds[2990] = float("nan")  # the last chunk
-    chunked = BinaryConfusionMatrixMetric()
+    preds = torch.rand(1000, 4, generator=generator)
+    target = torch.randint(0, 2, (1000, 4), generator=generator)
+    target[5, 1] = 3  # the first chunk
+    preds[990, 0] = float("nan")  # the last chunk
+    chunked = MultilabelConfusionMatrixMetric(4)
     with pytest.raises(ValueError) as chunked_error:
         chunked.update(preds, target)
-    whole = BinaryConfusionMatrixMetric()
+    whole = MultilabelConfusionMatrixMetric(4)
     with pytest.raises(ValueError) as whole_error, pytest.MonkeyPatch.context() as patch:
         patch.setattr(_cpu_path, "CHUNK_ELEMENTS", 10**9)  # one batch, never chunked
         whole.update(preds, target)
@@ -199,7 +202,7 @@ def test_confusion_counts_of_chunks_give_scikit_learn_f1(
         expected = f1_score(target[kept], preds.argmax(-1)[kept], average="macro")
     metric.update(preds, target)
     assert metric.compute().item() == pytest.approx(expected, abs=1e-12)
-    assert small_chunks == [True]
+    assert small_chunks == ([] if kind == "binary" else [True])  # binary: counted whole
 
 
 FLOAT_SPECIALS = [0.0, -0.0, 1.0, 0.5, -1e-45, 1e-45, -1.0, 2.0, 1.0000001, NAN := float("nan")]

@@ -134,29 +134,24 @@ def count_indices(index: Tensor, size: int, weight: Tensor | None = None) -> Ten
 
 
 def count_in_chunks(
-    count: Callable[[Tensor, Tensor], Tensor],
-    preds: Tensor,
-    target: Tensor,
-    *,
-    elementwise: bool,
+    count: Callable[[Tensor, Tensor], Tensor], preds: Tensor, target: Tensor
 ) -> Tensor | None:
-    """``count(preds, target)`` of a large CPU batch, summed over chunks of its rows.
+    """``count(preds, target)`` of a large CPU batch, summed over chunks of its samples.
 
     Each chunk's temporaries (about ``CHUNK_ELEMENTS`` elements) stay in cache and are reused by
     the allocator, where batch-sized ones are fresh memory paged in on every update, which costs
-    more than the arithmetic. Integer counts add exactly, so the sum is the whole batch's count.
+    more than the arithmetic (multilabel and multiclass batches: their per-element temporaries
+    are wide). Integer counts add exactly, so the sum is the whole batch's count.
 
     A chunk that raises makes ``count`` run on the whole batch as given: that raises the error
     the whole batch gets (a bad ``preds`` value is named before a bad ``target`` in a later
-    chunk, with the batch's own shapes). The caller's state is untouched either way.
+    chunk). The caller's state is untouched either way.
 
     Args:
         count: Integer counts of one batch (same shape for every batch). It raises on a bad
             batch and must not change any state.
         preds: The batch's predictions, samples along the first dimension.
         target: Its targets, with as many samples as ``preds``.
-        elementwise: Every element is a sample (a binary problem: ``preds`` and ``target`` of
-            any one shape), so the batch is chunked flat.
 
     Returns:
         The summed counts, or ``None`` when the batch is not worth chunking (fewer than two
@@ -164,20 +159,13 @@ def count_in_chunks(
     """
     if preds.numel() < 2 * CHUNK_ELEMENTS or preds.dim() == 0 or target.dim() == 0:
         return None
-    samples_preds, samples_target = preds, target
-    if elementwise:
-        if preds.shape != target.shape:
-            return None
-        samples_preds, samples_target = preds.reshape(-1), target.reshape(-1)
-    rows = samples_preds.shape[0]
-    if rows < 2 or samples_target.shape[0] != rows:
+    rows = preds.shape[0]
+    if rows < 2 or target.shape[0] != rows:
         return None
     step = max(1, CHUNK_ELEMENTS * rows // preds.numel())
     total: Tensor | None = None
     try:
-        chunks = zip(
-            torch.split(samples_preds, step), torch.split(samples_target, step), strict=True
-        )
+        chunks = zip(torch.split(preds, step), torch.split(target, step), strict=True)
         for chunk_preds, chunk_target in chunks:
             counts = count(chunk_preds, chunk_target)
             total = counts if total is None else total.add_(counts)

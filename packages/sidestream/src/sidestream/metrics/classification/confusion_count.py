@@ -131,11 +131,9 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
                 # cells, one addmv_ into the table, no intermediate count tensors.
                 self._counts.add_product(*count_operands(self._count_map, cell))
                 return
-        if _cpu_path.enabled(device):
-            binary = self._problem.kind is ProblemKind.BINARY
-            counts = _cpu_path.count_in_chunks(
-                self._batch_counts, preds_t, target_t, elementwise=binary
-            )
+        if _cpu_path.enabled(device) and self._problem.kind is not ProblemKind.BINARY:
+            # Binary flags are one byte each: a whole batch is counted fastest as it is.
+            counts = _cpu_path.count_in_chunks(self._batch_counts, preds_t, target_t)
             if counts is not None:
                 self._counts.accumulate(counts)
                 return

@@ -94,11 +94,15 @@ class ConfusionMatrixMetric(ScreenedMetric[Tensor]):
         preds_t = check_tensor("preds", preds, device)
         target_t = check_tensor("target", target, device)
         cells = self._cells()
-        if _cpu_path.enabled(device) and cells <= _cpu_path.CHUNK_ELEMENTS:
-            binary = self._problem.kind is ProblemKind.BINARY
-            counts = _cpu_path.count_in_chunks(
-                self._cpu_counts, preds_t, target_t, elementwise=binary
-            )
+        if _cpu_path.enabled(device) and preds_t.numel() >= _cpu_path.CHUNK_ELEMENTS:
+            counts: Tensor | None
+            if self._problem.kind is ProblemKind.BINARY:
+                # Its flags are one byte each: counted whole, the fewest passes.
+                counts = self._cpu_counts(preds_t, target_t)
+            elif cells <= _cpu_path.CHUNK_ELEMENTS:
+                counts = _cpu_path.count_in_chunks(self._cpu_counts, preds_t, target_t)
+            else:
+                counts = None
             if counts is not None:
                 self._matrix.accumulate(counts)
                 return
