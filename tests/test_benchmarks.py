@@ -51,10 +51,11 @@ def test_classification_update_compares_every_implementation(
     monkeypatch.setattr(classification_update, "ROUNDS", 1)
     monkeypatch.setattr(classification_update, "BLOCK", 1)
     monkeypatch.setattr(classification_update, "BATCH", 64)
+    monkeypatch.setattr(classification_update, "LARGE_BATCH", 4096)
     rows = [row for row in _rows(classification_update.run()) if row[0] == "cpu"]
-    assert len(rows) == 6, rows
+    assert len(rows) == 9, rows
     ours = {row[1]: float(row[3]) for row in rows if row[2] == "sidestream"}
-    assert len(ours) == 2, rows  # one sidestream row per metric, the anchor of its ratios
+    assert len(ours) == 3, rows  # one sidestream row per metric, the anchor of its ratios
     for row in rows:
         assert float(row[3]) > 0, row
         # Rounded cells: the ratio of the rounded times is within rounding of the printed one.
