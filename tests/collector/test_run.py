@@ -461,9 +461,25 @@ def test_a_checkpoint_without_a_timeout_waits_the_runs_checkpoint_timeout(tmp_pa
         saved = run.state_dict()
         assert time.monotonic() - began < 5.0
         assert '"step":1' in saved["undelivered"]["jsonl"]  # carried, not lost
+        collector = run.collector(SumMetric(), prefix="t")  # takes the run's option
+        began = time.monotonic()
+        collector.state_dict()
+        assert time.monotonic() - began < 5.0
     finally:
         gate.set()
         assert run.close(timeout=30)
+    own = AsyncMetricCollector(SumMetric(), [Stuck(tmp_path / "b.jsonl")], checkpoint_timeout=0.3)
+    gate.clear()
+    try:
+        own.bind("cpu")
+        own.metric.update(torch.tensor([1.0]))
+        own.schedule_collection(1)
+        began = time.monotonic()
+        dcp.save({"collector": own}, checkpoint_id=tmp_path / "own")
+        assert time.monotonic() - began < 5.0
+    finally:
+        gate.set()
+        assert own.close(timeout=30)
 
 
 def test_a_checkpoint_takes_what_a_tracker_delivered_even_when_make_durable_fell_short(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import logging
 import math
 import os
@@ -40,6 +41,15 @@ _PLACES: dict[tuple[type, str, str], weakref.ref[Sink]] = {}
 _CLAIM_LOCK = threading.Lock()
 
 
+class CheckpointTimeout(enum.Enum):
+    """``state_dict``'s default timeout: the run's ``checkpoint_timeout`` option."""
+
+    OF_THE_RUN = "the run's checkpoint_timeout"
+
+
+OF_THE_RUN = CheckpointTimeout.OF_THE_RUN
+
+
 class DeliveryOptions:
     """The delivery options a run takes (checked once)."""
 
@@ -51,7 +61,9 @@ class DeliveryOptions:
         spool_dir: str | None = None,
         exit_timeout: float = 30.0,
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+        checkpoint_timeout: float | None = 10.0,
     ) -> None:
+        self.checkpoint_timeout = check_timeout("checkpoint_timeout", checkpoint_timeout)
         check_int("sink_capacity", sink_capacity, 1)
         for name, seconds in (
             ("sink_retry_initial_s", sink_retry_initial_s),

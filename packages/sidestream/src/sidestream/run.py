@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import time
@@ -15,7 +14,14 @@ from typing import Any, Self, TypeVar
 import torch
 from torch import Tensor
 
-from sidestream._delivery import Delivery, DeliveryOptions, check_timeout, seconds_left
+from sidestream._delivery import (
+    OF_THE_RUN,
+    CheckpointTimeout,
+    Delivery,
+    DeliveryOptions,
+    check_timeout,
+    seconds_left,
+)
 from sidestream._distributed import Group, check_process_group
 from sidestream._exit import close_at_exit, ending_with, forget_close_at_exit
 from sidestream._host_events import host_event
@@ -34,14 +40,6 @@ __all__ = ["Run"]
 
 T = TypeVar("T")
 
-
-class _RunDefault(enum.Enum):
-    """``state_dict``'s default timeout: the run's ``checkpoint_timeout``."""
-
-    TIMEOUT = "the run's checkpoint_timeout"
-
-
-_RUN_DEFAULT = _RunDefault.TIMEOUT
 
 logger = logging.getLogger("sidestream.run")
 
@@ -68,7 +66,8 @@ class Run:
         spool_max_bytes: Most bytes each sink's spool file holds (256 MiB by default); beyond
             it the oldest spooled reports are dropped, counted and logged.
         checkpoint_timeout: The timeout of ``state_dict()`` called without one, as
-            ``torch.distributed.checkpoint`` calls it (``None``: no limit).
+            ``torch.distributed.checkpoint`` calls it (``None``: no limit); a collector's
+            ``state_dict()`` takes it too.
 
     Raises:
         TypeError: If a sink is not a ``Sink`` or ``info`` not a ``RunInfo``.
@@ -97,7 +96,6 @@ class Run:
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
         checkpoint_timeout: float | None = 10.0,
     ) -> None:
-        self._checkpoint_timeout = check_timeout("checkpoint_timeout", checkpoint_timeout)
         options = DeliveryOptions(
             sink_capacity,
             sink_retry_initial_s,
@@ -105,6 +103,7 @@ class Run:
             spool_dir,
             exit_timeout,
             spool_max_bytes,
+            checkpoint_timeout,
         )
         self._delivery = Delivery(sinks, info, options)
         # Whichever starts the sinks (a collector's bind, or log) registers the close at exit;
@@ -407,7 +406,7 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, timeout: float | _RunDefault | None = _RUN_DEFAULT) -> dict[str, Any]:
+    def state_dict(self, timeout: float | CheckpointTimeout | None = OF_THE_RUN) -> dict[str, Any]:
         """Every collector's metric state and every sink's state.
 
         A collective (each collector's state is reduced over its group): every rank calls it,
@@ -436,8 +435,8 @@ class Run:
         # group hold the same collectors over it: ranks that made their collectors in another
         # order (or one rank an extra one) would otherwise reduce one collector's state against
         # another's.
-        if isinstance(timeout, _RunDefault):
-            timeout = self._checkpoint_timeout
+        if isinstance(timeout, CheckpointTimeout):
+            timeout = self._delivery.options.checkpoint_timeout
         timeout = check_timeout("state_dict: timeout", timeout)
         check_process_group("state_dict")
         deadline = None if timeout is None else time.monotonic() + timeout

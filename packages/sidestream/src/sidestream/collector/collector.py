@@ -13,7 +13,14 @@ from typing import Any, Generic, Self, TypeVar
 import torch
 import torch.distributed as dist
 
-from sidestream._delivery import Delivery, DeliveryOptions, check_timeout, seconds_left
+from sidestream._delivery import (
+    OF_THE_RUN,
+    CheckpointTimeout,
+    Delivery,
+    DeliveryOptions,
+    check_timeout,
+    seconds_left,
+)
 from sidestream._distributed import (
     Group,
     check_cuda_available,
@@ -106,6 +113,9 @@ class AsyncMetricCollector(Generic[T]):
             across ranks, whose dispatchers finish at different times. Slots made beyond the
             first three are freed once the backlog has drained.
         exit_timeout: Seconds ``close`` may take when called at interpreter exit.
+        checkpoint_timeout: The timeout of ``state_dict()`` called without one, as
+            ``torch.distributed.checkpoint`` calls it (``None``: no limit). A collector of a
+            ``Run`` takes the run's.
 
     Example:
         >>> from sidestream import MeanMetric
@@ -135,6 +145,7 @@ class AsyncMetricCollector(Generic[T]):
         exit_timeout: float = 30.0,
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
         max_slots: int = DEFAULT_MAX_SLOTS,
+        checkpoint_timeout: float | None = 10.0,
         _delivery: Delivery | None = None,
     ) -> None:
         if not isinstance(metric, Metric):
@@ -170,6 +181,7 @@ class AsyncMetricCollector(Generic[T]):
                 spool_dir,
                 exit_timeout,
                 spool_max_bytes,
+                checkpoint_timeout,
             )
             _delivery = Delivery(sinks, run, options)
             self._owns_delivery = True
@@ -721,7 +733,7 @@ class AsyncMetricCollector(Generic[T]):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, timeout: float | None = 10.0) -> dict[str, Any]:
+    def state_dict(self, timeout: float | CheckpointTimeout | None = OF_THE_RUN) -> dict[str, Any]:
         """The metric's state (globally reduced: a collective) and the sinks' of its own run.
 
         Blocking. Every rank must call it. On rank 0 it then waits at most ``timeout``
@@ -732,6 +744,8 @@ class AsyncMetricCollector(Generic[T]):
         delivers them first. A collector of a shared ``Run`` has no sink states
         (``run.state_dict()`` holds them).
         """
+        if isinstance(timeout, CheckpointTimeout):
+            timeout = self._delivery.options.checkpoint_timeout
         timeout = check_timeout("state_dict: timeout", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         self.settle_windows(timeout)
