@@ -626,6 +626,7 @@ class Metric(Stateful, Generic[T], abc.ABC):
         loaded_for: tuple[int, ...] | None = self.__dict__.get("_loaded_for")
         if loaded_for is not None:
             _check_load_group(loaded_for, group)
+            del self.__dict__["_loaded_for"]  # checked once: no cost on later windows
         arena = self._own_arena()
         # The arena this tree's states live in: its own, or its parent tree's.
         home: Arena | None = self.__dict__.get("_state_arena")
@@ -916,7 +917,8 @@ class Metric(Stateful, Generic[T], abc.ABC):
                     store.append(**checked)
             self._mark_fresh(False)
             # Placed for this group: a sync over another one would lose the saved state in
-            # every group without that first rank (checked by prepare_sync until a reset).
+            # every group without that first rank (checked by the next prepare_sync, unless a
+            # reset drops the loaded state first).
             self.__dict__["_loaded_for"] = loaded_for
             # A load counts as a call: only the group's first rank takes the saved numbers, so
             # a rank that skipped it (rank 0: the checkpoint lost) fails the next sync or
