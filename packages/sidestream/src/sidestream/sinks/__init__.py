@@ -14,7 +14,7 @@ from sidestream.sinks.jsonl import JsonlSink, read_jsonl
 from sidestream.sinks.process import ProcessSink, SinkProcessError
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import PermanentSinkError, SinkStatus, is_permanent
-from sidestream.sinks.tracker import TrackerSink
+from sidestream.sinks.tracker import TrackerSink, UnconfirmedBacklogError
 
 __all__ = [
     "ConsoleSink",
@@ -29,6 +29,7 @@ __all__ = [
     "SinkRunner",
     "SinkStatus",
     "TrackerSink",
+    "UnconfirmedBacklogError",
     "available_sinks",
     "is_permanent",
     "read_jsonl",
