@@ -1,7 +1,8 @@
 """A real multi-process training run: train and validation streams and the learning rate in one Run.
 
 Run it as ``python examples/train_distributed.py`` (it starts its own gloo processes) or under
-``torchrun --standalone --nproc-per-node N examples/train_distributed.py`` (NCCL when GPUs are visible).
+``torchrun --standalone --nproc-per-node N examples/train_distributed.py`` (NCCL when GPUs are
+visible).
 Every rank trains a shard with DDP. One ``Run`` holds three streams: ``train`` (a collector
 reduced every ``--log-every`` steps), ``val`` (a collector over a held-out shard, every
 ``--val-every`` steps) and the learning rate (``run.log``). Rank 0 writes them to the console,
