@@ -249,6 +249,46 @@ def test_runner_sends_a_backlog_in_batches_and_retries_them_whole(tmp_path: Path
     assert len(sink.calls) <= 5, sink.calls
 
 
+def test_retry_waits_past_a_day_are_refused_when_built() -> None:
+    """A wait past threading.TIMEOUT_MAX ended the sink's thread at the first failure (an
+    OverflowError), and close then lost its queued reports without a word."""
+    from sidestream import Run
+
+    with pytest.raises(ValueError, match=r"sink_retry_initial_s, sink_retry_max_s: .*\(a day\)"):
+        Run(sink_retry_initial_s=1e11, sink_retry_max_s=1e11)
+    with pytest.raises(ValueError, match=r"retry_initial_s, retry_max_s: expected 0 < initial"):
+        SinkRunner(RecordingSink(), retry_max_s=float("inf"))
+    with pytest.raises(TypeError, match="retry_initial_s: expected a number of seconds"):
+        SinkRunner(RecordingSink(), retry_initial_s="1")  # type: ignore[arg-type]
+
+
+def test_an_error_that_ends_the_sink_thread_keeps_its_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected error in the thread (a bug of ours) fails the sink: its reports are kept
+    in the spool at close, counted, and close returns False, instead of being taken for
+    delivered."""
+    sink = RecordingSink()
+    runner = SinkRunner(sink, spool_dir=str(tmp_path))
+
+    def broken(*args: Any) -> Any:
+        raise OverflowError("timestamp out of range for platform time_t")
+
+    monkeypatch.setattr(runner, "_next", broken)
+    for step in range(1, 6):
+        runner.submit(_report(step))
+    runner.start()
+    runner._thread.join(10)
+    assert not runner._thread.is_alive()
+    assert runner.status.state == "failed"
+    assert "OverflowError" in (runner.status.last_error or "")
+    assert runner.close(timeout=5) is False
+    kept = sorted(tmp_path.glob("*.spool.jsonl"))
+    assert len(kept) == 1
+    assert [report.step for report in read_spool(kept[0])] == [1, 2, 3, 4, 5]
+    assert sink.steps == []
+
+
 def test_default_write_batch_writes_one_by_one() -> None:
     sink = RecordingSink()
     sink.write_batch([_report(1), _report(2)])

@@ -69,7 +69,21 @@ from sidestream.sinks.console import ConsoleSink
         (lambda d: _mlflow()(experiment=5), TypeError, "MlflowSink: experiment: expected str"),
         # Accepted, MLflow refused it at open on rank 0 ("Invalid experiment name: ''").
         (lambda d: _mlflow()(experiment=""), ValueError, "experiment: expected a non-empty"),
+        # Accepted, these failed at open on rank 0 (MLflow's "'name' exceeds the maximum length
+        # of 500 characters"; FileExistsError making the database's folder).
+        (lambda d: _mlflow()(experiment="x" * 501), ValueError, "experiment: expected at most 500"),
+        (
+            lambda d: _mlflow()(tracking_uri=f"sqlite:///{_a_file(d)}/m.db"),
+            ValueError,
+            r"tracking_uri: '.*afile' is a file, not a directory",
+        ),
         (lambda d: _wandb()(project=5, mode="offline"), TypeError, "WandbSink: project: expected"),
+        # Accepted, wandb.init refused it at open on rank 0 ("Could not parse passed run moment").
+        (
+            lambda d: _wandb()(mode="offline", fork_from="nonsense"),
+            ValueError,
+            r"fork_from: wandb does not take 'nonsense' \(.*run moment",
+        ),
         (lambda d: _wandb()(dir=3, mode="offline"), TypeError, "WandbSink: dir: expected str"),
         # Accepted, these failed at open on rank 0 (an AttributeError naming no option; wandb's
         # "Invalid project name").
@@ -128,6 +142,13 @@ def _wandb() -> Any:
     from sidestream_wandb import WandbSink
 
     return WandbSink
+
+
+def _a_file(folder: Path) -> Path:
+    """A file in ``folder``: a path under it cannot be made."""
+    path = folder / "afile"
+    path.write_text("")
+    return path
 
 
 def _mlflow() -> Any:

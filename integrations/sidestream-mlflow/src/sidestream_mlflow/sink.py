@@ -13,6 +13,7 @@ from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, i
 from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
     KILLED_EXIT_CODE,
+    check_directory_path,
     check_option_types,
     failed_exit_code,
     flatten_config,
@@ -115,12 +116,19 @@ class MlflowSink(TrackerSink):
                 "experiment: expected a non-empty experiment name, or None for MLflow's "
                 "default experiment; got ''"
             )
+        if experiment is not None and len(experiment) > _MAX_EXPERIMENT_NAME:
+            # The same: refused only at open.
+            raise ValueError(
+                f"experiment: expected at most {_MAX_EXPERIMENT_NAME} characters (MLflow's "
+                f"limit), got {len(experiment)}"
+            )
         if tags is not None and not isinstance(tags, Mapping):
             raise TypeError(f"tags: expected a mapping of str to str, got {type(tags).__name__}")
         if tracking_uri is not None:
             _check_uri_scheme(tracking_uri)
             _check_file_store(tracking_uri)
             _check_database_uri(tracking_uri)
+            _check_sqlite_folder(tracking_uri)
         self._tracking_uri = tracking_uri
         self._experiment = experiment
         self._run_name = run_name
@@ -483,6 +491,8 @@ class MlflowSink(TrackerSink):
 
 
 _DATABASE_SCHEMES = frozenset({"sqlite", "postgresql", "mysql", "mssql"})
+_MAX_EXPERIMENT_NAME = 500
+"""The longest experiment name MLflow takes."""
 
 
 _MLFLOW_SCHEMES = frozenset({"http", "https", "file", "databricks", "databricks-uc", "uc"})
@@ -585,6 +595,18 @@ def _check_database_uri(uri: str) -> None:
             "read; a file is sqlite:///relative/path.db or sqlite:////absolute/path.db (three "
             "slashes before the path, four for an absolute one)"
         ) from None
+
+
+def _check_sqlite_folder(uri: str) -> None:
+    """Raise ``ValueError`` naming ``tracking_uri`` if a SQLite file's folder cannot be made.
+
+    MLflow makes it at the first request, on rank 0's sink thread once training has started,
+    where a path under a file fails for good.
+    """
+    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:///:"):
+        return  # another database, or SQLite in memory
+    path = _absolute_store(uri).removeprefix("sqlite:///").split("?", 1)[0]
+    check_directory_path("tracking_uri", os.path.dirname(path) or ".")
 
 
 def _unreadable_database_uri(error: BaseException) -> bool:

@@ -912,12 +912,23 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
     checked = dict(settings) if isinstance(settings, Mapping) else {}
     if "mode" in init_kwargs:
         checked["mode"] = init_kwargs["mode"]
-    if not checked:
+    moments = {key: init_kwargs[key] for key in _RUN_MOMENTS if init_kwargs.get(key) is not None}
+    if not checked and not moments:
         return
     try:
         import wandb
     except ImportError:
         return  # reported by check_available / open, with the install command
+    for key, value in moments.items():
+        # wandb.init takes them as settings, and refuses a malformed one only at open.
+        try:
+            wandb.Settings(**{key: value})
+        except ValueError as error:
+            found: list[dict[str, Any]] = getattr(error, "errors", lambda: [])()
+            message = found[0].get("msg") if found else str(error).splitlines()[0]
+            raise ValueError(f"{key}: wandb does not take {value!r} ({message})") from None
+    if not checked:
+        return
     try:
         wandb.Settings(**checked)
     except ValueError as error:  # pydantic's ValidationError: one entry per bad key
@@ -949,6 +960,7 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
 
 
 _RESUME_VALUES = (True, False, "allow", "must", "never", "auto")
+_RUN_MOMENTS = ("fork_from", "resume_from")  # wandb.init options that are run moments
 _RESERVED_ID_CHARACTERS = ":;,#?/'"  # wandb's own list (wandb_settings.validate_run_id)
 _MAX_PROJECT_LENGTH = 128  # wandb's own limit (wandb_settings.validate_project)
 _RESERVED_PROJECT_CHARACTERS = "/\\#?%:"  # wandb's own list (wandb_settings.validate_project)

@@ -23,7 +23,7 @@ from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
-from sidestream.sinks.support import check_directory_path, check_seconds
+from sidestream.sinks.support import check_directory_path, check_retry_waits, check_seconds
 from sidestream.sinks.tracker import TrackerSink, steps_as_pairs
 
 __all__ = ["Delivery", "DeliveryOptions"]
@@ -78,11 +78,9 @@ class DeliveryOptions:
         if spool_dir is not None:
             # A path under a file is never made: every overflowing report would be dropped.
             check_directory_path("spool_dir", spool_dir)
-        if not 0 < sink_retry_initial_s <= sink_retry_max_s:
-            raise ValueError(
-                "sink_retry_initial_s, sink_retry_max_s: expected 0 < initial <= max, got "
-                f"{sink_retry_initial_s}, {sink_retry_max_s}"
-            )
+        check_retry_waits(
+            "sink_retry_initial_s", "sink_retry_max_s", sink_retry_initial_s, sink_retry_max_s
+        )
         if exit_timeout < 0:
             raise ValueError(f"exit_timeout: expected >= 0, got {exit_timeout}")
         check_int("spool_max_bytes", spool_max_bytes, 1)

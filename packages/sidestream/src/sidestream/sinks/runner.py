@@ -21,6 +21,7 @@ from sidestream.sinks._spool_format import (
 )
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import SinkStatus, is_permanent
+from sidestream.sinks.support import check_retry_waits
 
 __all__ = ["SinkRunner"]
 
@@ -76,6 +77,7 @@ class SinkRunner:
             raise TypeError(f"sink: expected a sidestream.sinks.Sink, got {type(sink)}")
         if capacity < 1:
             raise ValueError(f"capacity: expected >= 1, got {capacity}")
+        check_retry_waits("retry_initial_s", "retry_max_s", retry_initial_s, retry_max_s)
         self.sink = sink
         self.key = key or sink.name
         self._run = run or RunInfo()
@@ -112,7 +114,7 @@ class SinkRunner:
         self._sink_closed = False  # the sink's final flush and close both succeeded
         self._opened = False  # set by the sink thread once open succeeded
         self._thread = threading.Thread(
-            target=self._work, name=f"sidestream-sink-{self.key}", daemon=True
+            target=self._work_or_fail, name=f"sidestream-sink-{self.key}", daemon=True
         )
 
     # ------------------------------------------------------------------ caller side
@@ -327,7 +329,9 @@ class SinkRunner:
         ended = not self._thread.is_alive()  # else it ran past the timeout
         held = self._held_by_sink()
         failed = self.status.state == "failed"
-        if not self._thread.is_alive() and not held and not failed:  # held: [] once closed
+        with self._cond:
+            pending = bool(self._queue or self._in_flight or len(self._spool))
+        if not self._thread.is_alive() and not held and not failed and not pending:
             with self._cond:
                 self._spool.discard()
                 self._log_dropped()
@@ -439,6 +443,17 @@ class SinkRunner:
             )
 
     # ------------------------------------------------------------------ sink thread
+
+    def _work_or_fail(self) -> None:
+        """``_work``; an error it did not expect fails the sink instead of ending the thread.
+
+        A thread that just ended would leave its queued reports to a ``close`` that takes them
+        for delivered: failed, they are kept (queue, then spool) as a failed sink's are.
+        """
+        try:
+            self._work()
+        except BaseException as error:
+            self._fail("delivery", f"{type(error).__name__}: {error} (an error in sidestream)")
 
     def _work(self) -> None:
         if not self._retry("open", self._open):

@@ -327,6 +327,24 @@ def check_seconds(name: str, seconds: object) -> None:
         raise ValueError(f"{name}: expected a number of seconds, got NaN")
 
 
+MAX_RETRY_WAIT_S = 86_400.0
+"""The longest wait between a sink's retries taken (a day): a backoff far beyond it is a
+mistake, and one past ``threading.TIMEOUT_MAX`` (about 292 years) cannot be waited, which ended
+the sink's thread."""
+
+
+def check_retry_waits(initial_name: str, max_name: str, initial: object, maximum: object) -> None:
+    """Raise naming both unless ``0 < initial <= maximum <= MAX_RETRY_WAIT_S`` (seconds)."""
+    check_seconds(initial_name, initial)
+    check_seconds(max_name, maximum)
+    assert isinstance(initial, Real) and isinstance(maximum, Real)
+    if not 0 < float(initial) <= float(maximum) <= MAX_RETRY_WAIT_S:
+        raise ValueError(
+            f"{initial_name}, {max_name}: expected 0 < initial <= max <= "
+            f"{MAX_RETRY_WAIT_S:.0f} seconds (a day), got {initial}, {maximum}"
+        )
+
+
 def check_option_types(
     owner: str, options: Mapping[str, Any], expected: Mapping[str, tuple[type, ...]]
 ) -> None:
