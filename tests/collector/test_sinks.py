@@ -289,6 +289,29 @@ def test_an_error_that_ends_the_sink_thread_keeps_its_reports(
     assert sink.steps == []
 
 
+def test_a_close_that_does_not_finish_in_time_leaves_the_sink_failed(tmp_path: Path) -> None:
+    """Every report was delivered, but the sink's close hung: close returns False, and the
+    status said "healthy" (its backend may lack what that close would have flushed)."""
+    import threading
+
+    release = threading.Event()
+
+    class HangingClose(RecordingSink):
+        def close(self, timeout: float | None = None) -> bool:
+            release.wait(30)
+            return super().close(timeout)
+
+    runner = SinkRunner(HangingClose(), spool_dir=str(tmp_path))
+    runner.start()
+    runner.submit(_report(1))
+    try:
+        assert runner.close(timeout=0.5) is False
+        assert runner.status.state == "failed"
+        assert "close did not finish within 0.5 s" in (runner.status.last_error or "")
+    finally:
+        release.set()
+
+
 def test_default_write_batch_writes_one_by_one() -> None:
     sink = RecordingSink()
     sink.write_batch([_report(1), _report(2)])

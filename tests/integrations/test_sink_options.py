@@ -64,6 +64,9 @@ from sidestream.sinks.console import ConsoleSink
             r"TensorBoardSink: flush_secs: expected int or float \(or None\), got '30' \(str\)",
         ),
         (lambda d: _tensorboard()(str(d), max_queue=True), TypeError, "max_queue: expected int"),
+        # These named no option (os.fspath's message; "expected a file, got the directory").
+        (lambda d: _tensorboard()(5), TypeError, r"log_dir: expected a directory path"),
+        (lambda d: JsonlSink(""), ValueError, r"path: expected a file path, got ''"),
         (lambda d: _tensorboard()(str(d), purge_step=3), TypeError, "purge_step is not supported"),
         (lambda d: _mlflow()(tracking_uri=5), TypeError, "MlflowSink: tracking_uri: expected str"),
         (lambda d: _mlflow()(experiment=5), TypeError, "MlflowSink: experiment: expected str"),

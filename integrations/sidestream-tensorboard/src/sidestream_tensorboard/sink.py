@@ -119,6 +119,10 @@ class TensorBoardSink(TrackerSink):
         if log_dir is None:
             self._log_dir = _default_log_dir(writer_kwargs.get("comment", ""))
         else:
+            if not isinstance(log_dir, str | os.PathLike):
+                raise TypeError(
+                    f"log_dir: expected a directory path (str or os.PathLike), got {log_dir!r}"
+                )
             self._log_dir = os.fspath(log_dir)
             check_directory_path("log_dir", self._log_dir)  # "" before it becomes the cwd
             if "://" not in self._log_dir:  # not a URL (s3://...): TensorBoard's own file layer

@@ -86,6 +86,8 @@ class JsonlSink(TrackerSink):
             raise TypeError(f"fsync: expected True or False, got {fsync!r}")
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"path: expected a file path (str or os.PathLike), got {path!r}")
+        if not os.fspath(path):  # Path("") is the working directory
+            raise ValueError("path: expected a file path, got ''")
         # Absolute: a checkpoint names this file for a job resumed from anywhere.
         self.path = Path(path).absolute()
         if self.path.is_dir():

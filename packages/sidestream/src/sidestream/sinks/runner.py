@@ -351,6 +351,11 @@ class SinkRunner:
             if count == 0:
                 self._spool.discard()  # an emptied spool file: nothing for a later job
                 if not failed:  # a failure was logged at ERROR already
+                    # Not "healthy": the backend may not have everything its close would
+                    # have flushed.
+                    self._status = SinkStatus(
+                        "failed", f"close did not finish within {timeout or 0.0:.1f} s"
+                    )
                     logger.warning(
                         "sink %r: every report was delivered, but flushing and closing the "
                         "sink did not finish within %.1f s of close",
