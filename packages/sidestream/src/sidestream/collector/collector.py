@@ -50,12 +50,12 @@ T = TypeVar("T")
 
 logger = logging.getLogger("sidestream.collector")
 
-# A few slots let new windows stage while older ones are still being published; more are made
-# on demand, up to max_slots, if the dispatcher falls further behind.
 WINDOW_COMPUTE_LIMIT_S = 300.0
 """How long a checkpoint waits, past its own timeout, for windows scheduled before it to be
 computed and handed to the sinks (their collectives have ended by then: local work only)."""
 
+# A few slots let new windows stage while older ones are still being published; more are made
+# on demand, up to max_slots, if the dispatcher falls further behind.
 _INITIAL_SLOTS = 3
 
 # The collector each bound metric belongs to (by id: the collector keeps the metric alive).
@@ -736,9 +736,11 @@ class AsyncMetricCollector(Generic[T]):
     def state_dict(self, timeout: float | CheckpointTimeout | None = OF_THE_RUN) -> dict[str, Any]:
         """The metric's state (globally reduced: a collective) and the sinks' of its own run.
 
-        Blocking. Every rank must call it. On rank 0 it then waits at most ``timeout``
-        seconds in all until every scheduled window is delivered (so the sinks' last steps
-        match the metric state) and makes the sinks' data durable. A sink still behind after
+        Blocking. Every rank must call it. On rank 0 it then waits for the windows scheduled
+        before it to be computed (past ``timeout`` if need be: ``wait_windows_for_checkpoint``),
+        and at most ``timeout`` seconds in all (``checkpoint_timeout`` when not given) until
+        every scheduled window is delivered (so the sinks' last steps match the metric state)
+        and makes the sinks' data durable. A sink still behind after
         ``timeout`` gives its state as of its last delivered step (a warning says so), and its
         undelivered reports go into ``"undelivered"``: a job resumed from this checkpoint
         delivers them first. A collector of a shared ``Run`` has no sink states
