@@ -8,7 +8,12 @@ from typing import Any, Literal
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import confusion_matrix, f1_score, multilabel_confusion_matrix
+from sklearn.metrics import (
+    cohen_kappa_score,
+    confusion_matrix,
+    f1_score,
+    multilabel_confusion_matrix,
+)
 
 from sidestream.metrics.classification import (
     BinaryCalibrationErrorMetric,
@@ -123,6 +128,13 @@ def test_cohen_kappa_of_chunks_equals_one_whole_count() -> None:
     for start in range(0, 5000, 200):  # small batches: never chunked
         whole.update(preds[start : start + 200], target[start : start + 200])
     assert torch.equal(chunked.confusion_matrix(), whole.confusion_matrix())
+    # And against scikit-learn, not only against the small-batch path.
+    predicted = (preds >= 0.5).long()
+    expected = confusion_matrix(target, predicted, labels=[0, 1])
+    np.testing.assert_array_equal(chunked.confusion_matrix().numpy(), expected)
+    assert chunked.compute().item() == pytest.approx(
+        cohen_kappa_score(target, predicted), abs=1e-12
+    )
 
 
 def test_a_bad_value_in_a_late_chunk_raises_before_the_state_changes(

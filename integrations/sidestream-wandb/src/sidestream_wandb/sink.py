@@ -896,8 +896,9 @@ def _read_progress(run_dir: str | None) -> dict[str, int]:
 
 
 def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
-    """Refuse a ``mode`` or ``settings`` key wandb would reject, when the sink is built.
+    """Refuse, when the sink is built, a ``settings`` key wandb would reject.
 
+    The same for ``mode``, ``fork_from`` and ``resume_from``, which wandb takes as settings.
     ``open`` runs on rank 0 only, once training has started, and a rejected ``wandb.init``
     fails the sink for the whole job; wandb's own ``Settings`` check costs nothing here.
     """
@@ -910,36 +911,31 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
                 f"{settings!r}"
             )
     checked = dict(settings) if isinstance(settings, Mapping) else {}
-    if "mode" in init_kwargs:
-        checked["mode"] = init_kwargs["mode"]
-    moments = {key: init_kwargs[key] for key in _RUN_MOMENTS if init_kwargs.get(key) is not None}
-    if not checked and not moments:
+    # wandb.init options that wandb takes as settings, refused only at open as well.
+    from_init = {
+        key: init_kwargs[key]
+        for key in _INIT_SETTINGS
+        if key in init_kwargs and (key == "mode" or init_kwargs[key] is not None)
+    }
+    checked.update(from_init)
+    if not checked:
         return
     try:
         import wandb
     except ImportError:
         return  # reported by check_available / open, with the install command
-    for key, value in moments.items():
-        # wandb.init takes them as settings, and refuses a malformed one only at open.
-        try:
-            wandb.Settings(**{key: value})
-        except ValueError as error:
-            found: list[dict[str, Any]] = getattr(error, "errors", lambda: [])()
-            message = found[0].get("msg") if found else str(error).splitlines()[0]
-            raise ValueError(f"{key}: wandb does not take {value!r} ({message})") from None
-    if not checked:
-        return
     try:
         wandb.Settings(**checked)
     except ValueError as error:  # pydantic's ValidationError: one entry per bad key
         entries: list[dict[str, Any]] = getattr(error, "errors", lambda: [])()
         keys = [".".join(str(part) for part in entry.get("loc", ())) for entry in entries]
-        if "mode" in keys:
-            message = entries[keys.index("mode")].get("msg")
-            raise ValueError(
-                f"mode: wandb does not take {checked['mode']!r} ({message}); pass "
-                "mode='online', 'offline' or 'disabled'"
-            ) from None
+        for key in from_init:  # named as the sink's own option, not as a settings key
+            if key in keys:
+                message = entries[keys.index(key)].get("msg")
+                advice = "; pass mode='online', 'offline' or 'disabled'" if key == "mode" else ""
+                raise ValueError(
+                    f"{key}: wandb does not take {checked[key]!r} ({message}){advice}"
+                ) from None
         fields = wandb.Settings.model_fields
         problems = []
         for entry in entries:
@@ -960,7 +956,7 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
 
 
 _RESUME_VALUES = (True, False, "allow", "must", "never", "auto")
-_RUN_MOMENTS = ("fork_from", "resume_from")  # wandb.init options that are run moments
+_INIT_SETTINGS = ("mode", "fork_from", "resume_from")  # wandb.init options that are settings
 _RESERVED_ID_CHARACTERS = ":;,#?/'"  # wandb's own list (wandb_settings.validate_run_id)
 _MAX_PROJECT_LENGTH = 128  # wandb's own limit (wandb_settings.validate_project)
 _RESERVED_PROJECT_CHARACTERS = "/\\#?%:"  # wandb's own list (wandb_settings.validate_project)

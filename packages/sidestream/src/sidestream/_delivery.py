@@ -90,6 +90,12 @@ class DeliveryOptions:
         self.spool_dir = spool_dir
         self.exit_timeout = exit_timeout
 
+    def checkpoint_wait(self, timeout: float | CheckpointTimeout | None) -> float | None:
+        """A ``state_dict`` call's ``timeout``, checked (``checkpoint_timeout`` if not given)."""
+        if isinstance(timeout, CheckpointTimeout):
+            return self.checkpoint_timeout
+        return check_timeout("state_dict: timeout", timeout)
+
 
 class Delivery:
     """The sinks of one run, their runners (rank 0 only) and the resume states.

@@ -435,9 +435,7 @@ class Run:
         # group hold the same collectors over it: ranks that made their collectors in another
         # order (or one rank an extra one) would otherwise reduce one collector's state against
         # another's.
-        if isinstance(timeout, CheckpointTimeout):
-            timeout = self._delivery.options.checkpoint_timeout
-        timeout = check_timeout("state_dict: timeout", timeout)
+        timeout = self._delivery.options.checkpoint_wait(timeout)
         check_process_group("state_dict")
         deadline = None if timeout is None else time.monotonic() + timeout
         ordered = sorted(self._collectors, key=lambda c: c.prefix)

@@ -746,9 +746,7 @@ class AsyncMetricCollector(Generic[T]):
         delivers them first. A collector of a shared ``Run`` has no sink states
         (``run.state_dict()`` holds them).
         """
-        if isinstance(timeout, CheckpointTimeout):
-            timeout = self._delivery.options.checkpoint_timeout
-        timeout = check_timeout("state_dict: timeout", timeout)
+        timeout = self._delivery.options.checkpoint_wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         self.settle_windows(timeout)
         metric_state = self._metric._reduced_state(self._prefix or "(no prefix)")
