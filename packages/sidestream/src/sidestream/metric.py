@@ -12,7 +12,6 @@ from typing import Any, Generic, Self, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 
 from sidestream._arena import Arena
 from sidestream._distributed import (
@@ -79,7 +78,7 @@ class _Prepared:
     default_at_layout: weakref.ref[dist.ProcessGroup] | None = None
 
 
-class Metric(Stateful, Generic[T], abc.ABC):
+class Metric(Generic[T], abc.ABC):
     """A metric whose state lives on the device and reduces linearly across ranks.
 
     Lifecycle: ``update`` any number of times (device ops only, no communication, no host

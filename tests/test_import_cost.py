@@ -1,0 +1,38 @@
+"""Importing sidestream stays light: no torch.distributed.checkpoint until a checkpoint needs it.
+
+Importing ``torch.distributed.checkpoint`` (torch 2.13) makes a gloo process under torchrun
+abort at exit ("terminate called without an active exception", SIGABRT) in about one run of
+three, even after ``destroy_process_group()``; it also took 0.7 s of the import. A ``Metric``
+is a DCP ``Stateful`` by its methods (the protocol is structural), not by inheriting it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from sidestream import MeanMetric
+from sidestream.metrics.classification import confusion_count_metric
+
+_IMPORTS = (
+    "import sidestream, sidestream.collector, sidestream.sinks, sidestream.metrics, "
+    "sidestream.metrics.classification, sidestream.metrics.regression, "
+    "sidestream.metrics.language, sidestream.testing, sidestream.run, "
+    "sidestream_mlflow, sidestream_tensorboard, sidestream_wandb"
+)
+
+
+def test_importing_the_packages_leaves_torch_distributed_checkpoint_unimported() -> None:
+    code = f"import sys; {_IMPORTS}; print('torch.distributed.checkpoint' in sys.modules)"
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert found.stdout.strip() == "False", found.stderr
+
+
+def test_metrics_are_dcp_stateful() -> None:
+    metric = confusion_count_metric().multiclass(3).with_accuracy().build()
+    assert isinstance(MeanMetric(), Stateful)
+    assert isinstance(metric, Stateful)
