@@ -215,3 +215,37 @@ def test_numpy_and_other_real_scalars_are_numbers() -> None:
     assert float(weighted.compute()) == pytest.approx(2.0)
     with pytest.raises(TypeError, match=r"values: expected a torch\.Tensor or a number"):
         MeanMetric().update(np.bool_(True))
+
+
+def test_python_numbers_keep_double_precision() -> None:
+    # They became float32 tensors (torch's default dtype) before reaching the float64 state.
+    from sidestream.metrics.language import PerplexityMetric
+    from sidestream.metrics.regression import MeanAbsoluteErrorMetric
+
+    total = SumMetric()
+    total.update(0.1)
+    total.update(2**53)
+    assert float(total.compute()) == 0.1 + 2**53  # numpy float64 gives the same
+    big = SumMetric()
+    big.update(2**53 + 2)
+    assert int(big.compute()) == 2**53 + 2
+    mean = MeanMetric()
+    for value in (0.1, 0.2, 0.3):
+        mean.update(value)
+    assert float(mean.compute()) == float(np.mean(np.array([0.1, 0.2, 0.3])))
+    weighted = WeightedMeanMetric()
+    weighted.update(1.0, weights=0.1)
+    weighted.update(0.0, weights=0.3)
+    assert float(weighted.compute()) == 0.1 / (0.1 + 0.3)
+    largest = MaxMetric()
+    largest.update(1e300)  # overflowed float32 with a RuntimeError
+    assert float(largest.compute()) == 1e300
+    exact_int = MaxMetric()
+    exact_int.update(16777217)  # 2**24 + 1: float32 has no such number
+    assert float(exact_int.compute()) == 16777217
+    perplexity = PerplexityMetric()
+    perplexity.update(losses=0.1)
+    assert float(perplexity.compute()) == math.exp(0.1)
+    error = MeanAbsoluteErrorMetric()
+    error.update(0.1, 0.0)
+    assert float(error.compute()) == 0.1

@@ -57,7 +57,7 @@ def as_tensor(
     """Return ``value`` as a tensor on ``device``; Python numbers are converted.
 
     With ``floating`` (an argument that takes floating-point values) a Python ``int`` becomes
-    a float tensor, as ``3.0`` would.
+    a float tensor, as ``3.0`` would. Python floats become float64 tensors (exact), ints int64.
 
     Raises:
         TypeError: If ``value`` is neither a tensor nor a real number, or is a complex tensor.
@@ -80,7 +80,11 @@ def as_tensor(
         # Another real number (numpy.float32, numpy.int64, Fraction) as the Python one.
         value = int(value) if isinstance(value, Integral) else float(value)
     # A fill kernel, not a host-to-device copy from pageable memory (which would sync on CUDA).
-    return torch.full((), float(value) if floating else value, device=device)
+    # A Python float is a double: float64, never torch's default dtype (float32 would round
+    # 0.1 and 2**53 + 2, and overflow at 1e39 before a float64 state sees the value).
+    if floating or isinstance(value, float):
+        return torch.full((), float(value), dtype=torch.float64, device=device)
+    return torch.full((), value, dtype=torch.int64, device=device)
 
 
 def check_floating_dtype(argument: str, dtype: object) -> None:

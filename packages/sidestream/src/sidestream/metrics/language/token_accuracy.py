@@ -85,7 +85,15 @@ class TokenAccuracyMetric(Metric[Tensor]):
             assert keep is not None  # the device path always returns the keep flag
             counted = counted & keep
         else:  # raises naming the argument, before the state changes
-            screen_invalid(nan_scores, self._rejected, "logits", "no NaN scores at counted tokens")
+            if bool(nan_scores.any()):
+                tokens, of = int(nan_scores.sum()), int(counted.sum())
+                screen_invalid(
+                    True,
+                    self._rejected,
+                    "logits",
+                    "no NaN scores at counted tokens",
+                    found=f" (NaN scores at {tokens} of {of} counted tokens)",
+                )
             expected = token_range(vocab, ignore_index_of(target_t, self._ignore_index))
             screen_invalid(bad_target, self._rejected, "target", expected, values=target_t)
         safe = torch.where(counted, target_t, 0).to(torch.int64)
