@@ -57,6 +57,20 @@ def test_scatter_add_refuses_bad_indices_before_changing_the_state() -> None:
     assert state.local.tolist() == [6.0, 1.0, 0.0, 3.0]
 
 
+def test_scatter_add_refuses_what_it_would_truncate_before_changing_the_state() -> None:
+    counts = MetricAccumulator(torch.zeros(3, dtype=torch.int64))
+    counts.scatter_add(torch.tensor([0, 2]), torch.tensor([1, 1]))
+    with pytest.raises(TypeError, match=r"^source: a torch.float32 update .* would be truncated"):
+        counts.scatter_add(torch.tensor([0, 1, 1]), torch.tensor([0.7, 2.9, 2.9]))
+    with pytest.raises(TypeError, match=r"^source: a torch.float64 update"):
+        counts.add_at(torch.tensor([1]), torch.tensor([-0.9], dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"^scatter_add: index: expected an int64 tensor"):
+        counts.scatter_add(torch.tensor([0.0, 1.0]), torch.tensor([1, 1]))
+    assert counts.local.tolist() == [1, 0, 1]
+    counts.scatter_add(torch.tensor([1, 1]), torch.tensor([True, True]))  # bool counts: exact
+    assert counts.local.tolist() == [1, 2, 1]
+
+
 def test_load_local_detaches_too() -> None:
     state = MetricAccumulator(torch.zeros(2, dtype=torch.float64))
     state.load_local(torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True) * 2)

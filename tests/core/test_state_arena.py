@@ -30,6 +30,7 @@ from sidestream import (
 )
 from sidestream.collector._slot import clone_metric
 from sidestream.state import accumulate_sums
+from sidestream.sync import CallFingerprint
 from sidestream.testing import OpRecorder, RankPool, on_rank_device
 
 
@@ -360,6 +361,130 @@ def test_partial_update_after_sync_uses_local_state(dist_pool: RankPool) -> None
         assert result["synced"] == [sum(values), float(world), max(values)]
         # Local: this rank's own value plus the 100, its own count and max (never the global).
         assert result["after"] == [rank + 1 + 100.0, 1.0, float(rank + 1)]
+
+
+class _Total(Metric[Tensor]):
+    def __init__(self) -> None:
+        self._total = MetricAccumulator(0.0)
+        self.inner = SumMetric()
+
+    def update(self, values: Tensor) -> None:
+        self._total = self._total.value + values.sum()  # torchmetrics' style: refused
+
+    def compute(self) -> Tensor:
+        return self._total.value
+
+
+def test_replacing_a_declared_state_or_child_raises_and_keeps_it() -> None:
+    metric = _Total()
+    with pytest.raises(TypeError, match=r"^_total: holds the declared state 'total'; assigning"):
+        metric.update(torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match=r"^inner: holds the declared child metric 'inner'"):
+        metric.inner = None
+    assert isinstance(metric._total, MetricAccumulator) and isinstance(metric.inner, SumMetric)
+    assert [name for name, _ in metric.named_accumulators()] == ["total", "inner.total"]
+    metric._total = MetricAccumulator(0.0)  # a new state in its place is still fine
+    metric._total.accumulate(2.0)
+    assert metric.state_dict()["total"].item() == 2.0
+
+
+class _OnAName(Metric[Tensor]):
+    """Declares a state, then tries another on ``taken``, a name the metric's class uses."""
+
+    taken = ""
+
+    def __init__(self) -> None:
+        self._count = MetricAccumulator(0.0)
+        with pytest.raises(TypeError, match=rf"^{self.taken}: _OnAName.{self.taken} is a method"):
+            setattr(self, self.taken, MetricAccumulator(torch.zeros(2)))
+
+    def update(self, values: Tensor) -> None:
+        self._count.accumulate(float(values.numel()))
+
+    def compute(self) -> Tensor:
+        return self._count.value
+
+
+@pytest.mark.parametrize("taken", ["device", "sync_group", "call_counter", "update"])
+def test_a_state_on_a_method_or_property_of_the_metric_is_refused_before_declaring(
+    taken: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_OnAName, "taken", taken)
+    metric = _OnAName()
+    assert [name for name, _ in metric.named_accumulators()] == ["count"]
+    assert list(metric.state_dict()) == ["count"]
+
+
+class _TokensPerSample(Metric[Tensor]):
+    """Its own state next to a composition it reads in compute."""
+
+    def __init__(self) -> None:
+        self._samples = MetricAccumulator(0.0)
+        self._parts = ComposeMetric({"tokens": SumMetric()})
+
+    def update(self, samples: float, tokens: Tensor) -> None:
+        self._samples.accumulate(samples)
+        self._parts["tokens"].update(tokens)
+
+    def compute(self) -> Tensor:
+        return torch.stack([self._samples.value, self._parts["tokens"].compute()])
+
+
+@on_rank_device
+def _composition_under_a_metric() -> dict[str, list[float]]:
+    rank = dist.get_rank()
+    results = {}
+    for which in ("own", "child"):
+        metric = _TokensPerSample()
+        metric.update(float(rank + 1), torch.tensor(10.0 * (rank + 1)))
+        metric.sync()
+        results[f"{which} synced"] = metric.compute().tolist()
+        if which == "own":
+            metric._samples.accumulate(1.0)
+        else:
+            metric._parts["tokens"].update(torch.tensor(1.0))
+        results[which] = metric.compute().tolist()
+    return results
+
+
+def test_a_composition_under_a_metric_shares_its_flag(dist_pool: RankPool) -> None:
+    world = dist_pool.world_size
+    samples = float(sum(range(1, world + 1)))
+    for rank, result in enumerate(dist_pool.run(_composition_under_a_metric)):
+        assert result["own synced"] == result["child synced"] == [samples, 10.0 * samples]
+        # Either update leaves every state local: never this rank's samples over all tokens.
+        assert result["own"] == [rank + 2.0, 10.0 * (rank + 1)]
+        assert result["child"] == [rank + 1.0, 10.0 * (rank + 1) + 1.0]
+
+
+@on_rank_device
+def _async_start_sync() -> dict[str, list[float]]:
+    rank = dist.get_rank()
+    metric = Pair()
+    metric.update(torch.tensor([float(rank + 1)]))
+    results = {"local": metric.compute().tolist()}
+    handle = metric.start_sync(None, CallFingerprint("sync", 1), async_op=True)
+    results["before wait"] = metric.compute().tolist()
+    handle.wait()
+    results["after wait"] = metric.compute().tolist()
+    metric.update(torch.tensor([100.0]))
+    handle = metric.start_sync(None, CallFingerprint("sync", 2), async_op=True)
+    metric.update(torch.tensor([1000.0]))  # after the start: not in what the sync sent
+    handle.wait()
+    results["updated before wait"] = metric.compute().tolist()
+    return results
+
+
+def test_an_async_start_sync_is_current_once_waited_and_not_after_an_update(
+    dist_pool: RankPool,
+) -> None:
+    world = dist_pool.world_size
+    values = [float(r + 1) for r in range(world)]
+    for rank, result in enumerate(dist_pool.run(_async_start_sync)):
+        local = [rank + 1.0, 1.0, rank + 1.0]
+        assert result["local"] == result["before wait"] == local
+        assert result["after wait"] == [sum(values), float(world), max(values)]
+        assert result["updated before wait"] == [rank + 1101.0, 3.0, 1000.0]
 
 
 class _OwnSync(MeanMetric):

@@ -249,6 +249,28 @@ def test_compiled_update_with_dynamic_shapes_equals_eager(name: str) -> None:
     _compare(name, "aot_eager", dynamic=True)
 
 
+@pytest.mark.parametrize("size", [1000, 300_000])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_weighted_mean_equals_eager_up_to_rounding(size: int, dtype: torch.dtype) -> None:
+    # Eager CPU sums the products with a dot product (in chunks above 2**17 values), compiled
+    # code with a plain sum: another order, so equal only up to rounding (the docs say so).
+    generator = torch.Generator().manual_seed(3)
+    values = torch.rand(size, generator=generator, dtype=torch.float64)
+    weights = torch.rand(size, generator=generator, dtype=torch.float64)
+    eager, compiled = WeightedMeanMetric(dtype=dtype), WeightedMeanMetric(dtype=dtype)
+    eager.update(values, weights)
+    torch.compile(compiled.update, fullgraph=True, backend="aot_eager")(values, weights)
+    exact = sum(v * w for v, w in zip(values.tolist(), weights.tolist(), strict=True))
+    exact /= sum(weights.tolist())
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    for metric in (eager, compiled):
+        assert abs(float(metric.compute()) - exact) <= tolerance * abs(exact)
+    for (key, ours), (_, theirs) in zip(
+        compiled.named_accumulators(), eager.named_accumulators(), strict=True
+    ):
+        assert torch.allclose(ours.local, theirs.local, rtol=tolerance, atol=0.0), key
+
+
 def test_compiled_bad_values_are_counted_and_dropped() -> None:
     """A host read would break the graph: compiled, bad values take the device path."""
     metric = WeightedMeanMetric()

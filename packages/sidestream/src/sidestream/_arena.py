@@ -64,6 +64,8 @@ class Arena:
         device: Move every state there first (``None``: leave each where it is).
         stores: The tree's growing per-sample stores: moved, reset and staged with the states
             (they are not part of the buffers).
+        settings: Parts of no state that the structure check compares too (each metric's
+            class and compute settings): they ride with the first segment.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class Arena:
         flags: Sequence[Freshness],
         device: torch.device | None = None,
         stores: Sequence[SampleStore] = (),
+        settings: Sequence[StatePart] = (),
     ) -> None:
         self.alive = True
         self.stores = list(stores)
@@ -111,6 +114,9 @@ class Arena:
             self.synceds.append(blocks[2])
             for (dtype, members), offset in zip(by_width, offsets, strict=True):
                 self._lay_out(blocks, offset, dtype, members)
+        if settings and self.segments:
+            first = self.segments[0]
+            first.parts = first.parts + tuple(settings)
 
     def _lay_out(
         self,
@@ -187,6 +193,7 @@ class Arena:
         """Set every freshness flag of the tree."""
         for flag in self.flags:
             flag.current = current
+            flag.pending = False
 
     def same_layout(self, other: Arena) -> bool:
         """Whether ``other`` holds the same states in the same buffers' layout."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import abc
 import collections
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any, Generic, Self, TypeVar
 
 import torch
@@ -31,6 +33,7 @@ from sidestream.state import Freshness, MetricAccumulator, copy_keeping_views, c
 from sidestream.sync import (
     CallFingerprint,
     RankMismatchError,
+    StatePart,
     SyncBatch,
     SyncHandle,
     SyncProgram,
@@ -198,10 +201,48 @@ class Metric(Generic[T], abc.ABC):
     def __setattr__(self, attribute: str, value: Any) -> None:
         if isinstance(value, MetricAccumulator | Metric):
             if not self._holds_declared(value):
+                self._refuse_shadowing(attribute, value)
                 self._declare(attribute.lstrip("_"), value, attribute)
-        elif isinstance(value, _CONTAINERS):
-            self._refuse_hidden(attribute, value)
+        else:
+            self._refuse_replacing(attribute, value)
+            if isinstance(value, _CONTAINERS):
+                self._refuse_hidden(attribute, value)
         object.__setattr__(self, attribute, value)
+
+    def _refuse_shadowing(self, attribute: str, value: _Child) -> None:
+        """Raise ``TypeError`` for a state or child on a method's or property's name.
+
+        Checked before anything is declared: the assignment would fail (a property without a
+        setter) or hide the method after the state was already part of sync and checkpoints.
+        """
+        found = inspect.getattr_static(type(self), attribute, None)
+        if isinstance(found, FunctionType | staticmethod | classmethod) or hasattr(
+            type(found), "__set__"
+        ):
+            raise TypeError(
+                f"{attribute}: {type(self).__name__}.{attribute} is a method or property of "
+                f"the metric; give the {type(value).__name__} an attribute of another name"
+            )
+
+    def _refuse_replacing(self, attribute: str, value: object) -> None:
+        """Raise ``TypeError`` when ``value`` would replace a declared state or child metric.
+
+        The declared one would stay in sync, reset and checkpoints while ``compute`` read the
+        new value: ``self._total = self._total.value + x`` (torchmetrics' style) would log
+        zeros through a collector and never reset.
+        """
+        registry: dict[str, tuple[str | None, _Child]] | None = self.__dict__.get("_declarations")
+        if not registry:
+            return
+        declared = registry.get(attribute.lstrip("_"))
+        if declared is None or declared[0] != attribute:
+            return
+        what = "state" if isinstance(declared[1], MetricAccumulator) else "child metric"
+        raise TypeError(
+            f"{attribute}: holds the declared {what} {attribute.lstrip('_')!r}; assigning a "
+            f"{type(value).__name__} would leave it out of sync, reset and checkpoints. Update "
+            "a state in place (accumulate, scatter_add, ...) and read it with .value"
+        )
 
     def _tree_ids(self) -> set[int]:
         """The ids of every metric and state of this tree.
@@ -374,9 +415,11 @@ class Metric(Generic[T], abc.ABC):
         """Give the tree's states their freshness flags; yield each flag once.
 
         A metric shares one flag with everything below it (it may update its children), except
-        that the children of a composition are independent metrics with flags of their own. A
+        that the children of a composition are independent metrics with flags of their own
+        (unless the composition itself sits under a metric that is not one, which shares). A
         new flag takes over the metric's old one's value: the arena keeps the synced state.
         """
+        shared = flag is not None
         if flag is None:
             flag = Freshness()
             previous: Freshness | None = self.__dict__.get("_freshness_flag")
@@ -388,12 +431,40 @@ class Metric(Generic[T], abc.ABC):
                 if not value._freshness.current:
                     flag.current = False  # a state new to the tree has no synced value yet
                 value._freshness = flag
-            elif self._independent_children:
+            elif self._independent_children and not shared:
+                # Under a metric of its own (not a composition) the children share that
+                # metric's flag: its compute may read them next to its own states.
                 yield from value._assign_freshness()
             else:
                 for inner in value._assign_freshness(flag):
                     if inner is not flag:
                         yield inner
+
+    def _compute_settings(self) -> str:
+        """What ``compute`` reads beyond the states (an average, ``zero_division``), as text.
+
+        Compared across ranks with the structure at the first sync (with the class's name), so
+        ranks configured otherwise raise ``RankMismatchError`` instead of each reporting its
+        own number from the same counts; never saved (a checkpoint's counts load under any).
+        """
+        return ""
+
+    def _settings_parts(self) -> tuple[StatePart, ...]:
+        """Each metric's class and compute settings, as structure-check parts of no state.
+
+        Sorted by name: children declared in another order on some rank are still the same
+        tree (the arena orders states by op, not by declaration).
+        """
+        return tuple(
+            sorted(
+                (
+                    f"{prefix}/settings",
+                    (),
+                    f"{type(metric).__qualname__} {metric._compute_settings()}",
+                )
+                for prefix, metric in self._named_metrics()
+            )
+        )
 
     def _own_arena(self, device: torch.device | None = None) -> Arena | None:
         """This tree's arena, built when missing or dead; ``None`` inside another tree's arena."""
@@ -403,7 +474,9 @@ class Metric(Generic[T], abc.ABC):
         self._refuse_hidden_in_tree()
         states = list(self.named_accumulators())
         stores = [store for _, store in self.named_sample_stores()]
-        built = Arena(self, states, list(self._assign_freshness()), device, stores)
+        built = Arena(
+            self, states, list(self._assign_freshness()), device, stores, self._settings_parts()
+        )
         for metric in self._walk_metrics():
             object.__setattr__(metric, "_state_arena", built)
         return built
@@ -420,6 +493,33 @@ class Metric(Generic[T], abc.ABC):
             return
         for metric in self._walk_metrics():
             metric._metric_freshness.current = current
+            metric._metric_freshness.pending = False
+
+    def _mark_fresh_when_ready(self, handle: SyncHandle) -> None:
+        """Mark the tree current when ``handle`` is waited on (stale until then).
+
+        Before the wait the synchronized buffers are being written (or were never written):
+        ``compute`` reads local state. A flag whose metric is updated, reset or loaded before
+        the wait stays stale: the sync sent the state of its start.
+        """
+        arena = self._own_arena()
+        if arena is not None:
+            flags = list(arena.flags)
+        elif self._shares_freshness_above():
+            return  # as _mark_fresh: a parent's flag, other states of which no sync writes
+        else:
+            flags = [metric._metric_freshness for metric in self._walk_metrics()]
+        for flag in flags:
+            flag.current = False
+            flag.pending = True
+
+        def settle() -> None:
+            for flag in flags:
+                if flag.pending:
+                    flag.pending = False
+                    flag.current = True
+
+        handle.when_ready(settle)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -560,9 +660,10 @@ class Metric(Generic[T], abc.ABC):
             group: The process group to reduce over (``None``: the default group).
             fingerprint: Which call this is; every rank of the group must send the same.
             async_op: Return before the collectives finish; call ``wait`` on the handle.
-            mark: Mark the tree's synced state current. A caller whose tree nothing updates,
-                resets or loads between its syncs (the collector's staging copies) marks it
-                once: marking loops over the tree's metrics.
+            mark: Mark the tree's synced state current (with ``async_op``: when the handle
+                is waited on, unless an update, reset or load came first). A caller whose
+                tree nothing updates, resets or loads between its syncs (the collector's
+                staging copies) marks it once: marking loops over the tree's metrics.
 
         Raises:
             TypeError: If a metric of the tree has its own ``sync`` or sample stores, which
@@ -578,7 +679,9 @@ class Metric(Generic[T], abc.ABC):
                 "samples (exact mode), which start_sync does not reduce; call sync() instead"
             )
         handle = prepared.every_state.start(fingerprint, async_op=async_op)
-        if mark:
+        if mark and async_op:
+            self._mark_fresh_when_ready(handle)
+        elif mark:
             self._mark_fresh(True)
         return handle
 

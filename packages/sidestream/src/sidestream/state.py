@@ -30,11 +30,14 @@ class Freshness:
     states after a sync computes from local state throughout, never from a mix.
     """
 
+    pending = False
+    """A sync started with ``async_op`` makes the flag current when waited on, unless cleared."""
+
     def __init__(self) -> None:
         self.current = False
 
     def stale(self) -> None:
-        """Clear the flag (an update happened).
+        """Clear the flag, and a pending sync's claim to set it (an update happened).
 
         Written only when set: a compiled update then reads the flag (one guard, checked in
         C++) instead of writing it back after every call, which costs more than the identity
@@ -43,6 +46,8 @@ class Freshness:
         """
         if self.current:
             self.current = False
+        if self.pending:
+            self.pending = False
 
 
 class MetricAccumulator:
@@ -367,7 +372,7 @@ class MetricAccumulator:
                     raise self._update_error(update, error) from error
         self._freshness.stale()
 
-    def _cast_error(self, update: Tensor) -> TypeError:
+    def _cast_error(self, update: Tensor, argument: str = "update") -> TypeError:
         """An update whose dtype this state cannot take without losing values."""
         if update.is_floating_point() and self._kind < _FLOATING:
             # 2.7 would become a sum or max of 2, -2.7 a min of -2.
@@ -376,7 +381,7 @@ class MetricAccumulator:
         else:
             how, loss = "convert it first", "cannot be cast without losing values"
         return TypeError(
-            f"update: a {update.dtype} update into this {self._dtype} {self._op.name} state "
+            f"{argument}: a {update.dtype} update into this {self._dtype} {self._op.name} state "
             f"{loss}; {how}, or declare a state of a dtype that holds it"
         )
 
@@ -442,6 +447,8 @@ class MetricAccumulator:
             source: The amounts to add.
 
         Raises:
+            TypeError: If ``index`` is not an integer tensor, or ``source`` of a dtype the state
+                cannot take without losing values (a float for an integer state).
             ValueError: If ``source``'s shape differs from ``index``'s, or (CPU, not compiling:
                 read on the host) an index is outside ``[0, numel)``, before the state changes.
                 On CUDA indices are not read back (that would stall the host): keep them in
@@ -454,6 +461,8 @@ class MetricAccumulator:
                 f"scatter_add: source: expected index's shape {tuple(index.shape)}, "
                 f"got {tuple(source.shape)}"
             )
+        if index.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"scatter_add: index: expected an int64 tensor, got {index.dtype}")
         flat = index.reshape(-1)
         size = self._target.shape[0]
         if flat.numel() and flat.device.type == "cpu" and not is_compiling():
@@ -471,9 +480,14 @@ class MetricAccumulator:
         Args:
             index: 1-D int64 indices, each in ``[0, numel)``: not checked.
             source: 1-D amounts, ``index``'s length.
+
+        Raises:
+            TypeError: If ``source`` has a dtype the state cannot take without losing values.
         """
         if source.requires_grad:
             source = source.detach()
+        if source.dtype != self._dtype and _kind(source.dtype) > self._kind:
+            raise self._cast_error(source, "source")  # .to() would truncate 2.7 to 2
         target = self._span() if is_compiling() else self._target
         target.index_add_(0, index, source.to(self._dtype))
         self._freshness.stale()
@@ -531,7 +545,7 @@ class MetricAccumulator:
     def reset(self) -> None:
         """Return the local state to its initial value (the metric's sync becomes stale)."""
         self._local.copy_(self._initial)
-        self._freshness.current = False
+        self._freshness.stale()
 
     def to(self, device: torch.device | str) -> MetricAccumulator:
         """Move a stand-alone accumulator to ``device`` and return ``self``.
@@ -555,7 +569,7 @@ class MetricAccumulator:
                 f"got {tuple(value.shape)}"
             )
         self._local.copy_(value.detach())
-        self._freshness.current = False
+        self._freshness.stale()
 
     def __repr__(self) -> str:
         return (

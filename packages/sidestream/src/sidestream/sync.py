@@ -667,6 +667,7 @@ class SyncHandle:
         self._queued: list[Callable[[], None]] = []
         self._event: torch.cuda.Event | None = None
         self._cuda = False
+        self._when_ready: list[Callable[[], None]] = []
 
     def wait(self) -> None:
         """Wait for the collectives and finish the results.
@@ -691,6 +692,17 @@ class SyncHandle:
             self._event.record()
         else:
             self.verify()
+        ready, self._when_ready = self._when_ready, []
+        for callback in ready:
+            callback()
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` at the end of the next ``wait``, once the results are ready.
+
+        Off CUDA that is after this rank's fingerprint check passed: a ``wait`` that raises
+        calls nothing.
+        """
+        self._when_ready.append(callback)
 
     @property
     def deferred(self) -> bool:
@@ -1091,6 +1103,18 @@ def _mismatch_message(structures: list[Any], own_rank: int) -> str:
         for name in by_name.keys() - by_name_reference.keys():
             problems.append(f"state {name!r} exists on rank {rank} but not on rank 0")
         for name in by_name_reference.keys() & by_name.keys():
+            if name.endswith("/settings"):  # a metric's class and compute settings
+                ours, theirs = by_name_reference[name][4], by_name[name][4]
+                if ours != theirs:
+                    metric = (
+                        repr(name.removesuffix("/settings").rstrip("."))
+                        if name[0] != "/"
+                        else "the root"
+                    )
+                    problems.append(
+                        f"metric {metric} is {theirs!r} on rank {rank} but {ours!r} on rank 0"
+                    )
+                continue
             for label, index in (("shape", 1), ("dtype", 2), ("op", 3), ("configuration", 4)):
                 ours, theirs = by_name_reference[name][index], by_name[name][index]
                 if ours != theirs:
@@ -1102,5 +1126,6 @@ def _mismatch_message(structures: list[Any], own_rank: int) -> str:
     return (
         f"sync: ranks of the group hold different metric state (seen from rank {own_rank}); "
         "every rank must sync the same metrics with the same shapes, dtypes, ops and "
-        "configuration (constants such as bins): " + "; ".join(sorted(set(problems)))
+        "configuration (constants such as bins; settings compute reads, such as an average): "
+        + "; ".join(sorted(set(problems)))
     )

@@ -145,6 +145,9 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
         self._accuracy.accumulate(right)
         self._confidence.accumulate(_cpu_path.fold_bins(sums, 1, bins))
 
+    def _compute_settings(self) -> str:
+        return f"norm={self._norm}"
+
     def compute(self) -> Tensor:
         """The calibration error in the chosen norm; NaN over no data."""
         count = self._count.value

@@ -47,6 +47,9 @@ class CohenKappaMetric(ConfusionMatrixMetric):
         super().__init__(problem)
         self._weights = weights
 
+    def _compute_settings(self) -> str:
+        return f"{super()._compute_settings()} weights={self._weights}"
+
     def compute(self) -> Tensor:
         """Cohen's kappa, a float64 0-dim tensor (NaN when undefined)."""
         observed = self._matrix_view().to(torch.float64)

@@ -160,6 +160,12 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
             rows = [torch.as_tensor(state_dict.pop(key)) for key in old]
             state_dict[prefix + "counts"] = torch.stack(rows)
 
+    def _compute_settings(self) -> str:
+        return (
+            f"statistics={','.join(s.name for s in self._statistics)} "
+            f"average={self._average} zero_division={self._zero_division!r}"
+        )
+
     def compute(self) -> Tensor | dict[str, Tensor]:
         """The selected statistics: a tensor for one, ``{name: tensor}`` for several."""
         counts = Counts(*self._counts.value.to(torch.float64).unbind())

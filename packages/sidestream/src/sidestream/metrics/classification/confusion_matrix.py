@@ -151,6 +151,9 @@ class ConfusionMatrixMetric(ScreenedMetric[Tensor]):
             return counts.view(2, 2)
         return counts.view(self.num_classes, 2, 2)
 
+    def _compute_settings(self) -> str:
+        return f"normalize={self._normalize}"
+
     def compute(self) -> Tensor:
         """The confusion matrix: int64 counts, or float64 fractions with ``normalize``."""
         if self._normalize is None:

@@ -440,6 +440,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
             scores, labels = scores.reshape(-1, 1), labels.reshape(-1, 1)
         return tie_histograms(scores, labels)
 
+    def _compute_settings(self) -> str:
+        return f"curve={self._curve.name} average={self._average} max_fpr={self._max_fpr!r}"
+
     def compute(self) -> Tensor:
         """The value (a scalar, or per class with ``average="none"``); NaN where undefined."""
         return self.estimate().value

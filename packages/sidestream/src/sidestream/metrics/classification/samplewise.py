@@ -95,6 +95,12 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         self._sums.accumulate(torch.where(kept > 0, sums, 0.0))
         self._samples.accumulate(kept * samples)
 
+    def _compute_settings(self) -> str:
+        return (
+            f"statistics={','.join(s.name for s in self._statistics)} "
+            f"average={self._average} zero_division={self._zero_division!r}"
+        )
+
     def compute(self) -> Tensor | dict[str, Tensor]:
         """The mean per-sample statistics: a tensor for one, ``{name: tensor}`` for several."""
         means: Tensor = self._sums.value / self._samples.value

@@ -53,6 +53,9 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
         self._multioutput = multioutput
         self._count = MetricAccumulator(0.0, dtype=torch.float64)
 
+    def _compute_settings(self) -> str:
+        return f"multioutput={self._multioutput}"
+
     def _update_counter(self) -> MetricAccumulator:
         """Updates over every rank, for the rounding bound of ``spread`` (R², Pearson)."""
         return MetricAccumulator(0, dtype=torch.int64)

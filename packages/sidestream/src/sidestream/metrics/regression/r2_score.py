@@ -97,6 +97,12 @@ class R2ScoreMetric(PairedRegressionMetric):
     def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
         fill_saved_updates(state_dict, prefix)
 
+    def _compute_settings(self) -> str:
+        return (
+            f"{super()._compute_settings()} variance_weighted={self._variance_weighted} "
+            f"adjusted={self._adjusted}"
+        )
+
     def compute(self) -> Tensor:
         """R² per output then averaged; NaN over no data or for a constant target."""
         count = self._count.value
