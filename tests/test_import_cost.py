@@ -24,8 +24,19 @@ _IMPORTS = (
 )
 
 
+_USE = (
+    "import os, tempfile, torch; from sidestream import Run, MeanMetric; "
+    "from sidestream.sinks import JsonlSink; "
+    "run = Run([JsonlSink(os.path.join(tempfile.mkdtemp(), 'm.jsonl'))]); "
+    "loss = MeanMetric(); collector = run.collector(loss, prefix='train').bind('cpu'); "
+    "loss.update(torch.tensor([1.0])); collector.schedule_collection(1); run.log(1, {'lr': 0.1}); "
+    "run.close()"
+)
+
+
 def test_importing_the_packages_leaves_torch_distributed_checkpoint_unimported() -> None:
-    code = f"import sys; {_IMPORTS}; print('torch.distributed.checkpoint' in sys.modules)"
+    # A run with a collector and a sink, used until close: no checkpoint taken, no import.
+    code = f"import sys; {_IMPORTS}; {_USE}; print('torch.distributed.checkpoint' in sys.modules)"
     found = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )

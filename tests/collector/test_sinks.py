@@ -860,3 +860,29 @@ def test_jsonl_fails_when_its_file_is_deleted_or_replaced(tmp_path: Path, change
     with pytest.raises(PermanentSinkError, match="was deleted or replaced"):
         sink.write(_report(2))
     sink.close()
+
+
+class _GrowingState(RecordingSink):
+    """Its state gains a key at open: a fresh run's state (DCP's template) lacks it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": len(self.steps), **({"opened_at": 1} if self.opened else {})}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_sink_whose_state_grows_at_open_is_warned_of_at_the_checkpoint(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from sidestream import Run
+
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        run = Run([_GrowingState()])
+        run.log(1, {"lr": 0.1})
+        run.state_dict()
+        run.state_dict()  # warned once
+        run.close()
+    warnings = [r.getMessage() for r in caplog.records if "places it had not" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "sink 'recording'" in warnings[0] and "(['opened_at'])" in warnings[0]

@@ -64,11 +64,17 @@ def test_scatter_add_refuses_what_it_would_truncate_before_changing_the_state() 
         counts.scatter_add(torch.tensor([0, 1, 1]), torch.tensor([0.7, 2.9, 2.9]))
     with pytest.raises(TypeError, match=r"^source: a torch.float64 update"):
         counts.add_at(torch.tensor([1]), torch.tensor([-0.9], dtype=torch.float64))
-    with pytest.raises(TypeError, match=r"^scatter_add: index: expected an int64 tensor"):
+    with pytest.raises(
+        TypeError, match=r"^scatter_add: index: expected an int64 \(or int32\) tensor"
+    ):
         counts.scatter_add(torch.tensor([0.0, 1.0]), torch.tensor([1, 1]))
     assert counts.local.tolist() == [1, 0, 1]
     counts.scatter_add(torch.tensor([1, 1]), torch.tensor([True, True]))  # bool counts: exact
     assert counts.local.tolist() == [1, 2, 1]
+    table = MetricAccumulator(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"^scatter_add needs a one-dimensional state, .*\(2, 2\)"):
+        table.scatter_add(torch.tensor([0]), torch.tensor([1.0]))
+    assert table.local.tolist() == [[0.0, 0.0], [0.0, 0.0]]
 
 
 def test_load_local_detaches_too() -> None:

@@ -388,6 +388,60 @@ def test_replacing_a_declared_state_or_child_raises_and_keeps_it() -> None:
     assert metric.state_dict()["total"].item() == 2.0
 
 
+class _Holder(Metric[Tensor]):
+    def __init__(self, state: MetricAccumulator) -> None:
+        self._held = state
+
+    def update(self, values: Tensor) -> None:
+        self._held.accumulate(values.sum())
+
+    def compute(self) -> Tensor:
+        return self._held.value
+
+
+def test_a_state_of_one_metric_cannot_be_declared_by_another() -> None:
+    # It was declared twice: saved under two keys, or moved between two arenas.
+    first = _Holder(MetricAccumulator(0.0))
+    with pytest.raises(ValueError, match=r"^held: this MetricAccumulator is already a state"):
+        _Holder(first._held)
+
+    class Alias(Metric[Tensor]):
+        def __init__(self) -> None:
+            self.inner = SumMetric()
+            self._total = self.inner._total  # a child's state again, under another key
+
+        def update(self, values: Tensor) -> None:
+            self.inner.update(values)
+
+        def compute(self) -> Tensor:
+            return self.inner.compute()
+
+    with pytest.raises(ValueError, match=r"^total: this MetricAccumulator is already a state"):
+        Alias()
+    first.update(torch.tensor([2.0]))
+    assert list(first.state_dict()) == ["held"] and float(first.compute()) == 2.0
+
+
+class _Slotted(Metric[Tensor]):
+    __slots__ = ("_acc",)
+
+    def __init__(self) -> None:
+        self._acc = MetricAccumulator(0.0)
+
+    def update(self, values: Tensor) -> None:
+        self._acc.accumulate(values.sum())
+
+    def compute(self) -> Tensor:
+        return self._acc.value
+
+
+def test_a_state_in_a_slot_is_declared() -> None:
+    # A slot is a data descriptor of the class, not a property: not a name the metric uses.
+    metric = _Slotted()
+    metric.update(torch.tensor([1.0, 2.0]))
+    assert float(metric.compute()) == 3.0 and list(metric.state_dict()) == ["acc"]
+
+
 class _OnAName(Metric[Tensor]):
     """Declares a state, then tries another on ``taken``, a name the metric's class uses."""
 

@@ -541,6 +541,7 @@ def _compute_settings_differ(token: str) -> dict[str, str]:
         "multioutput": MeanSquaredErrorMetric(
             2, multioutput="raw_values" if odd else "uniform_average"
         ),
+        "same max_fpr": BinaryAUROCMetric(max_fpr=1 if odd else 1.0),
         "same": ConfusionCountMetric(
             Problem(ProblemKind.MULTICLASS, 3), [Recall()], zero_division=1.0
         ),
@@ -561,7 +562,7 @@ def test_ranks_whose_compute_settings_differ_raise_on_every_rank(dist_pool: Rank
     odd = dist_pool.world_size - 1
     token = uuid.uuid4().hex[:6]
     for result in dist_pool.run(_compute_settings_differ, token, timeout=90):
-        assert result["same"] == "no error"
+        assert result["same"] == result["same max_fpr"] == "no error"
         for case, found, expected in (
             ("average", "average=micro", "average=macro"),
             ("zero_division", "zero_division=1.0", "zero_division=0.0"),

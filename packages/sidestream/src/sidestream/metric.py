@@ -9,7 +9,7 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import FunctionType
+from types import FunctionType, MemberDescriptorType
 from typing import Any, Generic, Self, TypeVar
 
 import torch
@@ -216,8 +216,9 @@ class Metric(Generic[T], abc.ABC):
         setter) or hide the method after the state was already part of sync and checkpoints.
         """
         found = inspect.getattr_static(type(self), attribute, None)
-        if isinstance(found, FunctionType | staticmethod | classmethod) or hasattr(
-            type(found), "__set__"
+        # A __slots__ member is a data descriptor too, but an attribute of the instance.
+        if isinstance(found, FunctionType | staticmethod | classmethod) or (
+            hasattr(type(found), "__set__") and not isinstance(found, MemberDescriptorType)
         ):
             raise TypeError(
                 f"{attribute}: {type(self).__name__}.{attribute} is a method or property of "
@@ -314,6 +315,14 @@ class Metric(Generic[T], abc.ABC):
                     "live in that tree's arena): make a new metric, or use the whole tree"
                 )
         if isinstance(value, MetricAccumulator):
+            if value._owned:
+                # Declared twice, it would be saved under two keys (and synced twice, or moved
+                # between two metrics' arenas on every layout).
+                raise ValueError(
+                    f"{name}: this MetricAccumulator is already a state of a metric (another "
+                    "one, or a child of this one); a state belongs to one metric: declare a "
+                    "new MetricAccumulator, or read the other metric's state through it"
+                )
             value._owned = True
             value._freshness = self._metric_freshness
             # A new state has no synchronized value: the metric computes from local state

@@ -35,6 +35,7 @@ class Freshness:
 
     def __init__(self) -> None:
         self.current = False
+        self.pending = False  # an instance attribute from the start: one guard shape compiled
 
     def stale(self) -> None:
         """Clear the flag, and a pending sync's claim to set it (an update happened).
@@ -449,20 +450,28 @@ class MetricAccumulator:
         Raises:
             TypeError: If ``index`` is not an integer tensor, or ``source`` of a dtype the state
                 cannot take without losing values (a float for an integer state).
-            ValueError: If ``source``'s shape differs from ``index``'s, or (CPU, not compiling:
+            ValueError: If the state is not one-dimensional, ``source``'s shape differs from
+                ``index``'s, or (CPU, not compiling:
                 read on the host) an index is outside ``[0, numel)``, before the state changes.
                 On CUDA indices are not read back (that would stall the host): keep them in
                 range.
         """
         if not self._sums:
             raise ValueError(f"scatter_add needs a SUM accumulator, this one is {self._op.name}")
+        if self._local.dim() != 1:
+            raise ValueError(
+                "scatter_add needs a one-dimensional state, this one has shape "
+                f"{tuple(self._local.shape)}"
+            )
         if tuple(index.shape) != tuple(source.shape):
             raise ValueError(
                 f"scatter_add: source: expected index's shape {tuple(index.shape)}, "
                 f"got {tuple(source.shape)}"
             )
         if index.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"scatter_add: index: expected an int64 tensor, got {index.dtype}")
+            raise TypeError(
+                f"scatter_add: index: expected an int64 (or int32) tensor, got {index.dtype}"
+            )
         flat = index.reshape(-1)
         size = self._target.shape[0]
         if flat.numel() and flat.device.type == "cpu" and not is_compiling():

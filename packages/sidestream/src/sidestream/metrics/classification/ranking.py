@@ -157,7 +157,8 @@ class RankingMetric(ScreenedMetric[Tensor]):
         self._problem = problem
         self._bins = Bins(num_bins, thresholds)
         self._average = average
-        self._max_fpr = max_fpr
+        # A float: 1, 1.0 and numpy's 1.0 are one setting (compared across ranks).
+        self._max_fpr = None if max_fpr is None else float(max_fpr)
         self._exact = exact
         # Small binary CPU batches, counted (or stored) through numpy (see _host_counts).
         self._host_counter: BinaryHostCounter | None = None
