@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -502,13 +503,18 @@ def test_run_log_refuses_what_a_tracker_cannot_take(tmp_path: Path) -> None:
         run.log(2**63 + 5, {"x": 1.0})
     with pytest.raises(ValueError, match=r"values\['x'\]: too large for a float"):
         run.log(1, {"x": 10**400})
+    if np.finfo(np.longdouble).max > 1e400:  # wider than a double here (x86: 80 bits)
+        with pytest.raises(ValueError, match=r"values\['x'\]: too large for a float"):
+            run.log(1, {"x": np.longdouble("1e400")})  # float() gave inf, no OverflowError
+    run.log(1, {"inf": np.longdouble("inf"), "nan": float("nan")})  # what they are: logged
     with pytest.raises(TypeError, match=r"sinks: expected a list of sinks, got one sink"):
         Run(JsonlSink(tmp_path / "other.jsonl"))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"path: expected a file path"):
         JsonlSink(123)  # type: ignore[arg-type]
-    run.log(1, {"x": 1.0})
+    run.log(2, {"x": 1.0})
     assert run.close(timeout=30)
-    assert [line["step"] for line in read_jsonl(tmp_path / "run.jsonl")] == [1]
+    # The refused calls took no step: the first step logged is the inf and NaN one.
+    assert [line["step"] for line in read_jsonl(tmp_path / "run.jsonl")] == [1, 2]
 
 
 def test_closing_a_collector_that_never_bound_keeps_the_guard_of_the_one_that_did() -> None:

@@ -77,6 +77,15 @@ def test_scatter_add_refuses_what_it_would_truncate_before_changing_the_state() 
     assert table.local.tolist() == [[0.0, 0.0], [0.0, 0.0]]
 
 
+def test_load_local_refuses_what_it_would_truncate() -> None:
+    counts = MetricAccumulator(torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"^value: a torch.float32 update .* would be truncated"):
+        counts.load_local(torch.tensor([2.7, 1.0]))
+    assert counts.local.tolist() == [0, 0]
+    counts.load_local(torch.tensor([2, 1], dtype=torch.int32))  # a narrower int: exact
+    assert counts.local.tolist() == [2, 1]
+
+
 def test_load_local_detaches_too() -> None:
     state = MetricAccumulator(torch.zeros(2, dtype=torch.float64))
     state.load_local(torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True) * 2)

@@ -118,8 +118,11 @@ def test_slots_are_capped_queue_bounded_values_right_and_extra_slots_freed(
 
 
 def test_max_slots_is_checked() -> None:
-    with pytest.raises(ValueError, match="max_slots"):
+    with pytest.raises(ValueError, match=r"^max_slots: expected an int >= 1, got 0"):
         AsyncMetricCollector(Lagging(), max_slots=0)
+    # A wrong type is a TypeError, as for the delivery options (sink_capacity="10").
+    with pytest.raises(TypeError, match=r"^max_slots: expected an int >= 1, got '8' \(str\)"):
+        AsyncMetricCollector(Lagging(), max_slots="8")  # type: ignore[arg-type]
 
 
 def _rss_bytes() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -280,11 +281,15 @@ class Run:
             elif isinstance(value, Real) and not isinstance(value, bool):
                 # numbers.Real: Python numbers and numpy scalars (np.float32 is no float).
                 try:
-                    numbers[name] = float(value)
+                    number: float | None = float(value)
                 except OverflowError:
+                    number = None
+                # numpy's longdouble 1e400 becomes inf without an OverflowError.
+                if number is None or (math.isinf(number) and value != number):
                     raise ValueError(
                         f"values[{name!r}]: too large for a float (trackers keep float64)"
-                    ) from None
+                    )
+                numbers[name] = number
             else:
                 raise TypeError(
                     f"values[{name!r}]: expected a number or a 0-dim tensor, got "

@@ -571,12 +571,16 @@ class MetricAccumulator:
 
         Raises:
             ValueError: If ``value`` does not have the state's shape.
+            TypeError: If ``value``'s dtype would lose values in the state's (a float for an
+                integer state).
         """
         if tuple(value.shape) != tuple(self._local.shape):
             raise ValueError(
                 f"state_dict: expected a tensor of shape {tuple(self._local.shape)}, "
                 f"got {tuple(value.shape)}"
             )
+        if value.dtype != self._dtype and _kind(value.dtype) > self._kind:
+            raise self._cast_error(value, "value")  # copy_ would truncate 2.7 to 2
         self._local.copy_(value.detach())
         self._freshness.stale()
 

@@ -32,6 +32,7 @@ from sidestream._distributed import (
 from sidestream._exit import close_at_exit, ending_with, forget_close_at_exit
 from sidestream._step import training_step
 from sidestream._text import check_encodable
+from sidestream._validation import check_int
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
@@ -150,8 +151,7 @@ class AsyncMetricCollector(Generic[T]):
     ) -> None:
         if not isinstance(metric, Metric):
             raise TypeError(f"metric: expected a sidestream Metric, got {type(metric)}")
-        if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1:
-            raise ValueError(f"max_slots: expected an int >= 1, got {max_slots!r}")
+        check_int("max_slots", max_slots, 1)  # TypeError for "8", as the delivery options
         if not isinstance(prefix, str):
             raise TypeError(f"prefix: expected a str, got {prefix!r}")
         check_encodable("prefix", prefix)
