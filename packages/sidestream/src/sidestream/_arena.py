@@ -192,8 +192,7 @@ class Arena:
     def mark(self, current: bool) -> None:
         """Set every freshness flag of the tree."""
         for flag in self.flags:
-            flag.current = current
-            flag.pending = False
+            flag.mark(current)
 
     def same_layout(self, other: Arena) -> bool:
         """Whether ``other`` holds the same states in the same buffers' layout."""

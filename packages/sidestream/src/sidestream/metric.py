@@ -38,6 +38,7 @@ from sidestream.sync import (
     SyncHandle,
     SyncProgram,
     check_same_call,
+    settings_part,
     stable_hash,
 )
 
@@ -466,11 +467,7 @@ class Metric(Generic[T], abc.ABC):
         """
         return tuple(
             sorted(
-                (
-                    f"{prefix}/settings",
-                    (),
-                    f"{type(metric).__qualname__} {metric._compute_settings()}",
-                )
+                settings_part(prefix, f"{type(metric).__qualname__} {metric._compute_settings()}")
                 for prefix, metric in self._named_metrics()
             )
         )
@@ -490,19 +487,21 @@ class Metric(Generic[T], abc.ABC):
             object.__setattr__(metric, "_state_arena", built)
         return built
 
-    def _mark_fresh(self, current: bool) -> None:
+    def _flags_to_mark(self, current: bool) -> list[Freshness]:
+        """The freshness flags a sync (``current``) or a reset of this metric sets."""
         arena = self._own_arena()
         if arena is not None:
-            arena.mark(current)
-            return
+            return arena.flags
         if current and self._shares_freshness_above():
             # Synchronized alone (a parent's own sync may do that first): the flag is also its
             # parent's, whose other states no sync wrote. Left unset, everything reads local
             # state until the whole tree syncs, never a mix (or unwritten buffers).
-            return
-        for metric in self._walk_metrics():
-            metric._metric_freshness.current = current
-            metric._metric_freshness.pending = False
+            return []
+        return [metric._metric_freshness for metric in self._walk_metrics()]
+
+    def _mark_fresh(self, current: bool) -> None:
+        for flag in self._flags_to_mark(current):
+            flag.mark(current)
 
     def _mark_fresh_when_ready(self, handle: SyncHandle) -> None:
         """Mark the tree current when ``handle`` is waited on (stale until then).
@@ -511,22 +510,13 @@ class Metric(Generic[T], abc.ABC):
         ``compute`` reads local state. A flag whose metric is updated, reset or loaded before
         the wait stays stale: the sync sent the state of its start.
         """
-        arena = self._own_arena()
-        if arena is not None:
-            flags = list(arena.flags)
-        elif self._shares_freshness_above():
-            return  # as _mark_fresh: a parent's flag, other states of which no sync writes
-        else:
-            flags = [metric._metric_freshness for metric in self._walk_metrics()]
+        flags = list(self._flags_to_mark(True))
         for flag in flags:
-            flag.current = False
-            flag.pending = True
+            flag.expect()
 
         def settle() -> None:
             for flag in flags:
-                if flag.pending:
-                    flag.pending = False
-                    flag.current = True
+                flag.settle()
 
         handle.when_ready(settle)
 

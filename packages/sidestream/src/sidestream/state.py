@@ -50,6 +50,21 @@ class Freshness:
         if self.pending:
             self.pending = False
 
+    def mark(self, current: bool) -> None:
+        """Set the flag (a sync ended, or a reset or load); a pending sync's claim is dropped."""
+        self.current = current
+        self.pending = False
+
+    def expect(self) -> None:
+        """Stale until ``settle``: a sync started now, and its results are not written yet."""
+        self.current = False
+        self.pending = True
+
+    def settle(self) -> None:
+        """Current, if nothing made it stale since ``expect`` (the sync sent that state)."""
+        if self.pending:
+            self.mark(True)
+
 
 class MetricAccumulator:
     """One tensor of metric state, updated in place on its device.

@@ -73,6 +73,7 @@ __all__ = [
     "check_calls",
     "check_same_call",
     "check_same_setting",
+    "settings_part",
     "stable_hash",
 ]
 
@@ -252,6 +253,20 @@ def _describe_call(words: list[int]) -> str:
 
 
 StatePart = tuple[str, tuple[int, ...], str]
+
+_SETTINGS = "/settings"  # ends a settings part's name; no state name has a "/"
+
+
+def settings_part(prefix: str, text: str) -> StatePart:
+    """A part of no state that the structure check compares: a metric's ``text`` settings.
+
+    Args:
+        prefix: The metric's dotted prefix in its tree (``""`` for the root).
+        text: What must be equal on every rank (its class, what its ``compute`` reads).
+    """
+    return (prefix + _SETTINGS, (), text)
+
+
 """One state inside a synced buffer: its name, its shape, and the configuration its values mean
 something only with, in words (a constant's value such as histogram bins, a classification
 problem), ``""`` for none. Every rank must hold the same."""
@@ -1103,14 +1118,11 @@ def _mismatch_message(structures: list[Any], own_rank: int) -> str:
         for name in by_name.keys() - by_name_reference.keys():
             problems.append(f"state {name!r} exists on rank {rank} but not on rank 0")
         for name in by_name_reference.keys() & by_name.keys():
-            if name.endswith("/settings"):  # a metric's class and compute settings
+            if name.endswith(_SETTINGS):  # settings_part: a metric's class and settings
                 ours, theirs = by_name_reference[name][4], by_name[name][4]
                 if ours != theirs:
-                    metric = (
-                        repr(name.removesuffix("/settings").rstrip("."))
-                        if name[0] != "/"
-                        else "the root"
-                    )
+                    prefix = name.removesuffix(_SETTINGS).rstrip(".")
+                    metric = repr(prefix) if prefix else "the root"
                     problems.append(
                         f"metric {metric} is {theirs!r} on rank {rank} but {ours!r} on rank 0"
                     )

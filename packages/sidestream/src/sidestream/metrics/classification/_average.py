@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from numbers import Real
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -13,6 +14,7 @@ __all__ = [
     "AVERAGES",
     "Average",
     "average_statistic",
+    "averaging_settings",
     "check_average",
     "check_zero_division",
     "divide",
@@ -27,6 +29,18 @@ def check_average(average: str, allowed: tuple[str, ...] = AVERAGES) -> None:
     """Raise ``ValueError`` naming ``average`` unless it is one of ``allowed``."""
     if average not in allowed:
         raise ValueError(f"average: expected one of {allowed}, got {average!r}")
+
+
+def averaging_settings(statistics: Iterable[Any], average: str, zero_division: float) -> str:
+    """What ``compute`` reads of a confusion-count metric's settings, as compared across ranks.
+
+    Args:
+        statistics: Objects with a ``name`` (the ``Statistic`` of each reported value).
+        average: The average the values are reported under.
+        zero_division: The value of a ratio whose denominator is 0.
+    """
+    names = ",".join(statistic.name for statistic in statistics)
+    return f"statistics={names} average={average} zero_division={zero_division!r}"
 
 
 def check_zero_division(zero_division: object) -> float:

@@ -13,6 +13,7 @@ from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._average import (
     Average,
     average_statistic,
+    averaging_settings,
     check_average,
     check_zero_division,
 )
@@ -161,10 +162,7 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
             state_dict[prefix + "counts"] = torch.stack(rows)
 
     def _compute_settings(self) -> str:
-        return (
-            f"statistics={','.join(s.name for s in self._statistics)} "
-            f"average={self._average} zero_division={self._zero_division!r}"
-        )
+        return averaging_settings(self._statistics, self._average, self._zero_division)
 
     def compute(self) -> Tensor | dict[str, Tensor]:
         """The selected statistics: a tensor for one, ``{name: tensor}`` for several."""

@@ -11,6 +11,7 @@ from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification._average import (
     Average,
     average_statistic,
+    averaging_settings,
     check_average,
     check_zero_division,
 )
@@ -96,10 +97,7 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         self._samples.accumulate(kept * samples)
 
     def _compute_settings(self) -> str:
-        return (
-            f"statistics={','.join(s.name for s in self._statistics)} "
-            f"average={self._average} zero_division={self._zero_division!r}"
-        )
+        return averaging_settings(self._statistics, self._average, self._zero_division)
 
     def compute(self) -> Tensor | dict[str, Tensor]:
         """The mean per-sample statistics: a tensor for one, ``{name: tensor}`` for several."""
