@@ -140,6 +140,7 @@ def test_a_process_group_of_another_size_than_the_launchers_fails_at_bind() -> N
                 print(error)
             else:
                 print("no error")
+        dist.destroy_process_group()  # torch aborts at exit now and then without it
         """
     )
     done = _python("-c", script, WORLD_SIZE="2", RANK="1")
@@ -171,6 +172,8 @@ def test_a_larger_group_than_the_launchers_world_is_fine(tmp_path: Path) -> None
             sys.stdout.write(f"{rank} {value}\\n")  # one write: the two ranks share the pipe
             sys.stdout.flush()
             collector.close(timeout=30)
+            # Without it gloo's threads abort the exit now and then (pytorch/pytorch#190489).
+            dist.destroy_process_group()
 
         if __name__ == "__main__":
             mp.spawn(work, args=(f"file://{__file__}.store",), nprocs=2)

@@ -8,8 +8,10 @@ DCP resharding (``tests/core/test_checkpoint_resharding.py`` checks it there) an
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -140,12 +142,27 @@ def test_a_state_named_configuration_next_to_configured_states_is_refused() -> N
         tree.load_state_dict(saved)
 
 
-@pytest.mark.parametrize("container", [list, tuple, dict])
+_AS_MAPPING = {
+    dict: dict,
+    collections.UserDict: collections.UserDict,
+    collections.ChainMap: lambda states: collections.ChainMap({}, states),
+    MappingProxyType: MappingProxyType,
+}
+
+
+@pytest.mark.parametrize(
+    "container",
+    [list, tuple, collections.deque, collections.UserList, *_AS_MAPPING],
+    ids=lambda container: container.__name__,
+)
 def test_states_hidden_in_containers_raise(container: type) -> None:
     class Hidden(Metric[Tensor]):
         def __init__(self) -> None:
             states = [MetricAccumulator(0.0), MetricAccumulator(0.0)]
-            self._states = dict(enumerate(states)) if container is dict else container(states)
+            if container in _AS_MAPPING:
+                self._states = _AS_MAPPING[container](dict(enumerate(states)))
+            else:
+                self._states = container(states)
 
         def update(self) -> None: ...
 

@@ -9,7 +9,7 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import FunctionType, MemberDescriptorType
+from types import FunctionType, MappingProxyType, MemberDescriptorType
 from typing import Any, Generic, Self, TypeVar
 
 import torch
@@ -93,8 +93,9 @@ class Metric(Generic[T], abc.ABC):
     ``MetricAccumulator`` to an attribute (``self._total = MetricAccumulator(0.0)`` declares
     ``"total"``: the attribute name without its leading underscore). Child metrics assigned to
     attributes are part of the tree. A duplicate name raises, and so does a state or metric
-    hidden in a list, tuple, set, dict or deque attribute (it would be left out of sync, reset
-    and checkpoints), when assigned, when ``__init__`` ends, and on ``to`` and ``state_dict``.
+    hidden in a list, tuple, set, dict or deque attribute, or in a ``collections`` wrapper
+    (``UserList``, ``UserDict``, ``ChainMap``; it would be left out of sync, reset and
+    checkpoints), when assigned, when ``__init__`` ends, and on ``to`` and ``state_dict``.
     The default ``sync``, ``reset``, ``to``, ``state_dict`` and ``load_state_dict`` work on the
     declared states, so a subclass usually implements only ``update`` and ``compute``.
 
@@ -1138,7 +1139,7 @@ def _tree_objects(value: Any) -> Iterator[tuple[MetricAccumulator | Metric[Any],
     """``(state or metric, the container holding it)`` for each one inside a container value."""
     if not isinstance(value, _CONTAINERS):
         return
-    for item in value.values() if isinstance(value, dict) else value:
+    for item in value.values() if isinstance(value, _MAPPINGS) else value:
         if isinstance(item, MetricAccumulator | Metric):
             yield item, value
         else:
@@ -1204,4 +1205,6 @@ def has_own_sync(metric: Metric[Any]) -> bool:
     return type(metric).sync is not Metric.sync or any(True for _ in metric._sample_stores())
 
 
-_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+# The collections module's wrappers too: a UserDict or ChainMap of states hides them as well.
+_MAPPINGS = (dict, collections.UserDict, collections.ChainMap, MappingProxyType)
+_CONTAINERS = (list, tuple, set, frozenset, collections.deque, collections.UserList, *_MAPPINGS)
