@@ -124,7 +124,7 @@ def test_rank0_jsonl_matches_numpy_and_sinks_are_isolated(
 
     rank0 = per_rank[0]
     # A 1 s/write sink and a raising sink never slowed the training thread.
-    assert max(rank0["durations"]) < 0.5, rank0["durations"]  # one slow write takes 1 s
+    assert max(rank0["durations"]) < 0.9, rank0["durations"]  # one slow write takes 1 s
     assert rank0["jsonl_done_first"] is True
     # Nothing lost at close: the slow sink got everything, and so did the flaky one, in order.
     assert rank0["slow_steps"] == _steps()
@@ -264,11 +264,13 @@ def test_a_rank_skipping_a_window_fails_both_ranks_before_the_collective_timeout
     instead of waiting for that window's collective to time out."""
     from sidestream.testing import DistributedPool
 
-    with DistributedPool(2, collective_timeout_s=12) as pool:  # its own: a collective dangles
+    # Its own pool: a collective dangles. A timeout far above the bound: a loaded machine's
+    # slow rank is not mistaken for the wait the test rules out.
+    with DistributedPool(2, collective_timeout_s=60) as pool:
         outcomes = pool.run(_skip_a_window_on_rank1, timeout=120)
     for rank, (outcome, elapsed) in enumerate(outcomes):
         assert "paired different" in outcome or "mismatch" in outcome.lower(), (rank, outcome)
-        assert elapsed < 6, (rank, elapsed)
+        assert elapsed < 30, (rank, elapsed)
 
 
 def _skip_the_last_window_then_checkpoint() -> tuple[str, float]:
@@ -297,11 +299,11 @@ def test_a_checkpoint_after_a_skipped_window_fails_every_rank_at_once() -> None:
     gloo ends rank 1's process, as docs/collector.md says.)"""
     from sidestream.testing import DistributedPool
 
-    with DistributedPool(2, collective_timeout_s=15) as pool:  # its own: a collective dangles
+    with DistributedPool(2, collective_timeout_s=60) as pool:  # its own: a collective dangles
         outcomes = pool.run(_skip_the_last_window_then_checkpoint, timeout=120)
     for rank, (outcome, elapsed) in enumerate(outcomes):
         assert "paired different calls" in outcome, (rank, outcome)
-        assert elapsed < 8, (rank, elapsed)
+        assert elapsed < 30, (rank, elapsed)
 
 
 def _schedule_two_collectors_in_rank_order(

@@ -4,7 +4,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from sidestream.testing import RankPool
+from tests._ports import quiet_port
 from tests.conftest import Pools
 from tests.integrations._workload import WORLD_SIZE
 
@@ -32,18 +32,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.distributed)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class MlflowServer:
     """A real ``mlflow server`` on 127.0.0.1 with a SQLite store; tests may kill and restart it."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.port = _free_port()
+        self.port = quiet_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self._process: subprocess.Popen[bytes] | None = None
         self._log = root / "server.log"

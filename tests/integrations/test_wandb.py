@@ -39,15 +39,15 @@ def _history(path: Path, timeout: float = 30.0) -> list[HistoryRow]:
     """Read the history once wandb's service process has finished writing the file.
 
     ``run.finish()`` returns when the service acknowledged the run's end; on a loaded machine
-    the last block can reach the disk a moment later, so wait until two reads agree.
+    the last block can reach the disk a moment later, so wait until the file has stopped
+    growing for 1.5 s (a paused service process must not look finished).
     """
     deadline = time.monotonic() + timeout
-    rows = read_history(path)
-    while time.monotonic() < deadline:
+    rows, agreeing = read_history(path), 0
+    while time.monotonic() < deadline and agreeing < 3:
         time.sleep(0.5)
         again = read_history(path)
-        if rows and len(again) == len(rows):
-            return again
+        agreeing = agreeing + 1 if rows and len(again) == len(rows) else 0
         rows = again
     return rows
 

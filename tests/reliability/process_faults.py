@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from tests._ports import quiet_port
 from tests.integrations._workload import expected
 from tests.reliability.scenarios import Row
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -39,7 +33,7 @@ class Launch:
 
 
 def launch(out: Path, steps: int, timeout_s: float = 20.0, attempt: int = 0) -> Launch:
-    port = _port()
+    port = quiet_port()
     ranks, logs = [], []
     for rank in range(2):
         env = {

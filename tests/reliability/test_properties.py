@@ -195,7 +195,7 @@ def test_any_split_over_ranks_order_and_batching_gives_one_process_result(
     assert_same(results[0], expected, CASES[name].exact, scale)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=_split(), cut=st.integers(0, 8))
 def test_reset_then_replay_and_state_dict_round_trip(
     data: tuple[str, list[Batch], list[int], list[int]], cut: int

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,11 @@ import torch
 
 from sidestream import AsyncMetricCollector, MeanMetric
 from sidestream.sinks import JsonlSink
+from tests._ports import quiet_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "planted-pass-7f3e1d"
 TOKEN = "planted-token-9c2b44aa"
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])  # closed again on return: nothing listens there
 
 
 def test_planted_secrets_never_leave_the_sinks(
@@ -34,7 +28,7 @@ def test_planted_secrets_never_leave_the_sinks(
     from sidestream_tensorboard import TensorBoardSink
 
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", TOKEN)
-    uri = f"http://alice:{PASSWORD}@127.0.0.1:{_closed_port()}"
+    uri = f"http://alice:{PASSWORD}@127.0.0.1:{quiet_port()}"
     sinks = [
         MlflowSink(uri, experiment="secrets", http_timeout=1),
         JsonlSink(tmp_path / "m.jsonl"),

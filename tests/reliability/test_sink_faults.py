@@ -37,7 +37,7 @@ def test_fault_is_contained_and_counted(name: str, tmp_path: Path) -> None:
             assert (row.delivered, row.lost, row.duplicated) == (row.expected, 0, 0), row
         if row.blocked_ms is not None:
             # Generous (2 shared cores): the training thread never waits for a sink.
-            assert row.blocked_ms < 500, row
+            assert row.blocked_ms < 900, row  # a hanging write takes 1 s
 
 
 def test_disk_full_every_step_delivered_kept_or_counted(tmp_path: Path) -> None:

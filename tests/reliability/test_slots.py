@@ -86,7 +86,16 @@ def test_slots_are_capped_queue_bounded_values_right_and_extra_slots_freed(
     collector = AsyncMetricCollector(metric, sinks=[sink], max_slots=5, reset_each_window=True)
     collector.bind("cpu")
     metric.gate.clear()  # the dispatcher stalls on the first window
-    opened = threading.Timer(0.5, metric.gate.set)
+
+    def open_when_full() -> None:
+        # Opened only once every slot is taken and then some: the training thread must wait.
+        deadline = time.monotonic() + 60
+        while collector._slot_count < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        metric.gate.set()
+
+    opened = threading.Thread(target=open_when_full, daemon=True)
     opened.start()
     assert collector._dispatcher is not None
     most_waiting = most_slots = 0
