@@ -933,3 +933,17 @@ def test_accumulate_sums_of_states_in_two_dtypes_goes_state_by_state() -> None:
     sums = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     accumulate_sums((a, b, x), sums)
     assert metric.compute().tolist() == [1.0, 0.0, 2.0, 0.0, 3.0]
+
+
+def test_a_state_refused_by_add_state_is_named_with_its_metric() -> None:
+    class Phases(Metric[Tensor]):
+        def __init__(self) -> None:
+            self.add_state("phase", torch.zeros(2, dtype=torch.complex64))
+
+        def update(self) -> None: ...
+
+        def compute(self) -> Tensor:
+            return torch.zeros(())
+
+    with pytest.raises((TypeError, ValueError), match=r"^Phases\.add_state\('phase'\): initial"):
+        Phases()

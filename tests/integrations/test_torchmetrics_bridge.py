@@ -480,6 +480,94 @@ def test_float64_inputs_that_widen_a_state_are_refused_not_rounded() -> None:
     assert double.compute().item() == pytest.approx(r2_score(target, preds), rel=1e-6)
 
 
+def test_a_refused_update_leaves_no_part_of_its_batch() -> None:
+    """KLDivergence adds to ``total`` in place, then widens ``measures``: the refusal came
+    after ``total`` already held the batch, so every later value was half the right one."""
+    from torchmetrics.regression import KLDivergence
+
+    p64 = torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)
+    q64 = torch.tensor([[0.3, 0.3, 0.4]], dtype=torch.float64)
+    wrapped = wrap(KLDivergence())
+    with pytest.raises(TypeError, match="set_dtype"):
+        wrapped.update(p64, q64)
+    saved = wrapped.state_dict()
+    assert float(saved["total"]) == 0 and float(saved["measures"]) == 0, saved
+    wrapped.update(p64.float(), q64.float())
+    # Independent reference: KL(p || q) of the accepted batch alone.
+    expected = float((p64 * (p64 / q64).log()).sum())
+    assert float(wrapped.compute()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_direct_update_of_the_torchmetrics_object_fails_the_window_and_checkpoints() -> None:
+    """Under a collector the wrapper's own update and compute never ran, so a torchmetrics
+    habit (updating the torchmetrics object) logged the default state without an error."""
+    from sidestream.collector import AsyncMetricCollector
+
+    inner = MulticlassF1Score(2, average="micro")
+    collector = AsyncMetricCollector(wrap(inner))
+    with collector.bind("cpu"):
+        inner.update(torch.tensor([0, 1]), torch.tensor([0, 1]))
+        with pytest.raises(RuntimeError, match=r"^schedule_collection: .*updated, called or reset"):
+            collector.schedule_collection(1)
+        with pytest.raises(RuntimeError, match=r"^state_dict: .*updated, called or reset"):
+            collector.state_dict()
+        collector.metric.reset()  # starts both over
+        collector.metric.update(torch.tensor([0, 1]), torch.tensor([0, 0]))
+        collector.schedule_collection(1)  # the refused call counted nothing: step 1 again
+        assert float(collector.collect_results(timeout=30)) == 0.5
+
+
+@pytest.mark.parametrize("misuse", ["setting", "forward"])
+def test_a_collection_checks_its_members_before_a_checkpoint(misuse: str) -> None:
+    collection = wrap(torchmetrics.MetricCollection({"acc": BinaryAccuracy()}))
+    collection.update(torch.tensor([0.7]), torch.tensor([1]))
+    member = collection["acc"]
+    assert isinstance(member, TorchmetricsMetric)
+    if misuse == "setting":
+        member.torchmetrics.threshold = 0.9
+        expected: type[Exception] = ValueError
+    else:
+        member.torchmetrics(torch.tensor([0.2]), torch.tensor([1]))
+        expected = RuntimeError
+    with pytest.raises(expected, match=r"^state_dict: the wrapped BinaryAccuracy"):
+        collection.state_dict()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torchmetrics.classification.BinaryEER(),
+        lambda: torchmetrics.classification.BinaryPrecisionAtFixedRecall(0.5),
+        lambda: torchmetrics.classification.MulticlassRecallAtFixedPrecision(3, 0.5),
+        lambda: torchmetrics.classification.BinaryROC(),
+    ],
+)
+def test_an_exact_curve_is_refused_with_the_thresholds_that_make_it_wrap(make: Any) -> None:
+    exact = make()
+    with pytest.raises(UnsupportedStateError) as refused:
+        wrap(exact)
+    hint = str(refused.value).split("; ", 1)[1]
+    assert hint.startswith(f"pass thresholds=<int or list> to {type(exact).__name__}"), hint
+    wrap(type(exact)(*_curve_arguments(exact), thresholds=11))  # as the hint says
+
+
+def _curve_arguments(metric: Any) -> tuple[Any, ...]:
+    name = type(metric).__name__
+    if name == "BinaryPrecisionAtFixedRecall":
+        return (0.5,)
+    if name == "MulticlassRecallAtFixedPrecision":
+        return (3, 0.5)
+    return ()
+
+
+def test_a_collection_member_that_cannot_be_wrapped_is_named_by_its_key() -> None:
+    collection = torchmetrics.MetricCollection(
+        {"val/acc": BinaryAccuracy(), "val/cat": torchmetrics.CatMetric()}
+    )
+    with pytest.raises(UnsupportedStateError, match=r"^collection\['val/cat'\]: CatMetric"):
+        wrap(collection)
+
+
 def _thresholds_differ() -> str:
     metric = wrap(BinaryAccuracy(threshold=0.5 if dist.get_rank() == 0 else 0.9))
     metric.update(torch.tensor([0.7, 0.2]), torch.tensor([1, 0]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 __all__ = ["suggestion"]
 
 _CLASSIFICATION = "sidestream.metrics.classification"
@@ -21,14 +23,13 @@ _EQUIVALENTS = {
     "MeanMetric": "sidestream.metrics.MeanMetric",
 }
 
-_BINNED = {"AUROC", "AveragePrecision", "ROC", "PrecisionRecallCurve"}
-
 # torchmetrics' exact (thresholds=None) curves whose sidestream class has an exact mode too.
 _EXACT = {"AUROC", "AveragePrecision"}
 
 
-def suggestion(class_name: str) -> str:
-    """A sentence naming what to use instead of the torchmetrics class ``class_name``."""
+def suggestion(kind: type) -> str:
+    """A sentence naming what to use instead of the torchmetrics class ``kind``."""
+    class_name = kind.__name__
     hints = []
     if class_name in _EQUIVALENTS:
         hints.append(f"use {_EQUIVALENTS[class_name]} (fixed-size state)")
@@ -45,10 +46,20 @@ def suggestion(class_name: str) -> str:
                 f"or {_EQUIVALENTS[class_name]}(exact=True) for the exact value (it stores every "
                 "sample, as torchmetrics does: unbounded memory)"
             )
-    if any(class_name.endswith(curve) for curve in _BINNED):
+    if _takes_thresholds(kind):
+        # Every curve-based metric (AUROC, ROC, EER, precision at fixed recall, ...) takes it.
         hints.append(
-            "or pass thresholds=<int or list> to torchmetrics, whose binned states are sums"
+            f"{'or ' if hints else ''}pass thresholds=<int or list> to {class_name}, whose "
+            "binned states are sums"
         )
     if not hints:
         return "sidestream has no fixed-size equivalent; keep this metric outside the bridge"
     return "; ".join(hints)
+
+
+def _takes_thresholds(kind: type) -> bool:
+    """Whether ``kind``'s constructor takes ``thresholds`` (torchmetrics' binned curves)."""
+    try:
+        return "thresholds" in inspect.signature(kind).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False

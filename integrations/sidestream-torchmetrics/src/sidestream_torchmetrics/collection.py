@@ -37,9 +37,13 @@ class TorchmetricsCollection(ComposeMetric):
                 f"collection: keys {sorted(members)} collide once '/' and '.' become '_'; "
                 "rename one of them"
             )
-        super().__init__(
-            {plain: TorchmetricsMetric(members[key]) for plain, key in self._keys.items()}
-        )
+        wrapped: dict[str, Metric[Any]] = {}
+        for plain, key in self._keys.items():
+            try:
+                wrapped[plain] = TorchmetricsMetric(members[key])
+            except (TypeError, ValueError) as error:  # which member, besides its class
+                raise type(error)(f"collection[{key!r}]: {error}") from None
+        super().__init__(wrapped)
         self._collection = collection
 
     def __getitem__(self, name: str) -> Metric[Any]:

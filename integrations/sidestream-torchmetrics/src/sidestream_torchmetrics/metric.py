@@ -38,7 +38,7 @@ def _state_op(metric: TorchmetricsBase, name: str) -> ReduceOp:
     default = metric._defaults[name]
     reduction = metric._reductions[name]
     where = f"{type(metric).__name__}: state {name!r}"
-    hint = suggestion(type(metric).__name__)
+    hint = suggestion(type(metric))
     if "." in name or "/" in name:
         raise UnsupportedStateError(
             f"{where}: a name with '.' or '/' cannot be a sidestream state name (checkpoint "
@@ -129,7 +129,7 @@ def _changed_shape(
     return UnsupportedStateError(
         f"{kind}.update changed state {name!r} from shape {tuple(state.shape)} to "
         f"{tuple(value.shape)}, but wrapped states keep the shape they had when wrapped: {why}; "
-        f"{suggestion(kind)}"
+        f"{suggestion(type(metric))}"
     )
 
 
@@ -137,9 +137,10 @@ class TorchmetricsMetric(Metric[Any]):
     """A torchmetrics ``Metric`` whose states are sidestream accumulators.
 
     ``update`` and ``compute`` are torchmetrics' own. Before each ``update`` the torchmetrics
-    state attributes are pointed at the accumulators' local tensors, and after it whatever the
-    update left there is stored back, so in-place updates (``self.tp += tp``) and rebinding
-    ones (``self.max_value = torch.max(...)``) both land in sidestream state. ``compute`` runs
+    state attributes are pointed at copies of the accumulators' local tensors, and after it
+    whatever the update left there is stored back once every state passed its checks, so
+    in-place updates (``self.tp += tp``) and rebinding ones (``self.max_value = torch.max(...)``)
+    both land in sidestream state, and a refused update leaves none of it. ``compute`` runs
     torchmetrics' ``compute`` on the synchronized state when a ``sync`` is current, with
     torchmetrics' own distributed sync turned off: the reduction over ranks is sidestream's
     coalesced sync, and checkpoints are sidestream's world-size independent ``state_dict``.
@@ -205,10 +206,18 @@ class TorchmetricsMetric(Metric[Any]):
         return self._torchmetrics
 
     def _point_states(self, synced: bool) -> None:
-        for name, accumulator in self._bridged:
-            setattr(self._torchmetrics, name, accumulator.value if synced else accumulator.local)
+        """Point torchmetrics' state attributes at the synced states, or at copies of the local.
 
-    def _check_untouched(self, call: str) -> None:
+        Copies, not the local states themselves: torchmetrics updates in place
+        (``self.total += ...``), so an update refused after it ran (or one that raised half
+        way), or a direct ``update`` of the torchmetrics object between calls, would change the
+        state before any check. ``update`` stores the copies back once they pass.
+        """
+        for name, accumulator in self._bridged:
+            value = accumulator.value if synced else accumulator.local.clone()
+            setattr(self._torchmetrics, name, value)
+
+    def _check_readable(self, call: str) -> None:
         """Raise if the torchmetrics metric was changed outside the wrapper since wrap().
 
         Raises:
@@ -248,7 +257,7 @@ class TorchmetricsMetric(Metric[Any]):
             RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran on the
                 wrapped metric, or its dtype changed after ``wrap()``.
         """
-        self._check_untouched("update")
+        self._check_readable("update")
         if self._torchmetrics.dtype != self._torchmetrics_dtype:
             raise RuntimeError(
                 f"update: the wrapped {type(self._torchmetrics).__name__}'s dtype changed from "
@@ -304,7 +313,7 @@ class TorchmetricsMetric(Metric[Any]):
             RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran on the
                 wrapped metric.
         """
-        self._check_untouched("compute")
+        self._check_readable("compute")
         metric = self._torchmetrics
         self._point_states(synced=True)
         metric._computed = None
@@ -322,18 +331,6 @@ class TorchmetricsMetric(Metric[Any]):
         super().reset()
         self._torchmetrics.reset()
         self._updates_seen = self._torchmetrics._update_count
-
-    def state_dict(self) -> dict[str, Any]:
-        """The globally reduced state (``Metric.state_dict``), its settings checked first.
-
-        Raises:
-            ValueError: If a setting of the torchmetrics metric changed after ``wrap()``: the
-                checkpoint would name the old one.
-            RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran on the
-                wrapped metric.
-        """
-        self._check_untouched("state_dict")
-        return super().state_dict()
 
     def _move_extras(self, device: torch.device) -> None:
         self._torchmetrics.to(device)  # its non-state buffers; the states live in the arena

@@ -196,7 +196,10 @@ class Metric(Generic[T], abc.ABC):
                 the sum).
             TypeError: If ``initial`` is not a tensor or a number, or ``dtype`` not a dtype.
         """
-        state = MetricAccumulator(initial, op, dtype=dtype)
+        try:
+            state = MetricAccumulator(initial, op, dtype=dtype)
+        except (TypeError, ValueError) as error:  # the message names the state and its metric
+            raise type(error)(f"{type(self).__name__}.add_state({name!r}): {error}") from None
         self._declare(name, state, None)
         return state
 
@@ -799,6 +802,23 @@ class Metric(Generic[T], abc.ABC):
         for child in self._overriding_children():
             child.reset()
 
+    def _check_readable(self, call: str) -> None:
+        """Raise if this metric's states cannot be read as they are (by default: never).
+
+        A hook for metrics that also keep data outside their states (the torchmetrics bridge's
+        wrapped object, updated directly): ``state_dict`` and a collector's
+        ``schedule_collection`` call it, naming themselves as ``call``, on every metric of the
+        tree whose class overrides it, before they read any state.
+        """
+
+    def _readability_checked(self) -> list[Metric[Any]]:
+        """The metrics of this tree whose class overrides ``_check_readable``."""
+        return [
+            metric
+            for metric in self._walk_metrics()
+            if type(metric)._check_readable is not Metric._check_readable
+        ]
+
     def _overriding_children(self) -> list[Metric[Any]]:
         """The topmost metrics below this one whose class overrides ``reset``."""
         found: list[Metric[Any]] = []
@@ -897,6 +917,8 @@ class Metric(Generic[T], abc.ABC):
         instead of saving each other's numbers.
         """
         self._refuse_hidden_in_tree()
+        for metric in self._readability_checked():
+            metric._check_readable("state_dict")
         check_process_group("state_dict")
         self.verify_sync()
         prepared = self.prepare_sync(self._sync_group)

@@ -171,6 +171,7 @@ class AsyncMetricCollector(Generic[T]):
         self._metric = metric
         # No metric of the tree clears data of its own in reset: the arena's reset is all.
         self._plain_reset = all(type(m).reset is Metric.reset for m in metric._walk_metrics())
+        self._readability_checked = metric._readability_checked()
         # Checkpoints reduce over the collector's group, not whatever the metric last saw.
         metric.sync_group = group
         if _delivery is None:
@@ -433,6 +434,8 @@ class AsyncMetricCollector(Generic[T]):
             )
         if self._dispatcher.mismatch is not None:
             self._raise_mismatch()
+        for inner in self._readability_checked:  # before anything is staged or counted
+            inner._check_readable("schedule_collection")
         self._last_step = step
         slot = self._take_slot()
         window = Window(step=step, time=time.time(), slot=slot)
