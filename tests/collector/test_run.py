@@ -255,14 +255,17 @@ def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
         {"step": 2, "stream": "", "time": 0, "values": {"loss": "abc"}},
         {"step": 2, "stream": "", "time": 0, "values": [1, 2]},
         {"step": 2, "stream": "", "time": 0, "values": {"flag": True}},
+        # No float holds it: show raised OverflowError.
+        {"step": 3, "stream": "", "time": 0, "values": {"loss": 10**400}},
     ]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert [record["step"] for record in read_jsonl(path)] == [1, 1, 2]  # two lines skipped
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    path.write_text(text + "[" * 200_000 + "\n")  # json raised RecursionError
+    assert [record["step"] for record in read_jsonl(path)] == [1, 1, 2]  # four lines skipped
     assert cli(["show", str(path)]) == 0
     shown = capsys.readouterr()
     assert shown.out.splitlines()[1:] == ["(log)   1     loss  2"]  # a bool is no number
     assert shown.err == (
-        f"warning: 2 line(s) of {path} are no JsonlSink records (cut short, or not written by "
+        f"warning: 4 line(s) of {path} are no JsonlSink records (cut short, or not written by "
         "a JsonlSink); skipped\n"
     )
     with pytest.raises(SystemExit) as exit_info:

@@ -342,16 +342,19 @@ def _text_to_float(value: Any) -> Any:
 
     Raises:
         ValueError: For a string that is not one of them.
+        OverflowError: For an integer no float holds (no line this sink writes).
     """
     if isinstance(value, list):
         return [_text_to_float(item) for item in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)  # values travel as float64; an int here is one written as such
     return float(value) if isinstance(value, str) else value
 
 
 def _parse(line: str | bytes) -> dict[str, Any] | None:
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a line of nested brackets
         return None
     if not isinstance(record, dict) or not isinstance(record.get("step"), int):
         return None
@@ -363,7 +366,7 @@ def _parse(line: str | bytes) -> dict[str, Any] | None:
         record["values"] = {k: _text_to_float(v) for k, v in values.items()}
         if "histograms" in record:
             record["histograms"] = {k: _text_to_float(v) for k, v in histograms.items()}
-    except ValueError:  # a string other than "NaN" / "Infinity" / "-Infinity"
+    except (ValueError, OverflowError):  # a string other than "NaN" / "Infinity" / "-Infinity"
         return None
     return record
 
