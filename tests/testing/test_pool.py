@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,13 +75,100 @@ def test_rejects_bad_world_size() -> None:
         DistributedPool(0)
 
 
-def test_rank_dying_while_starting_is_named() -> None:
-    # An unknown backend fails init_process_group in every rank, as an unguarded script does.
+def _script(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "job.py"  # spawn imports the main module again: a file, not -c
+    path.write_text(textwrap.dedent(text))
+    return subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
+
+
+def test_rank_dying_while_starting_is_named(tmp_path: Path) -> None:
+    # Without the guard every spawned rank runs the pool again while it imports the script.
+    done = _script(
+        tmp_path,
+        """
+        import torch.distributed as dist
+        from sidestream.testing import DistributedError, run_distributed
+        try:
+            run_distributed(dist.get_rank, 2, timeout=60)
+        except DistributedError as error:
+            print(error)
+        """,
+    )
+    assert done.stdout.count("while starting, before its process group was up") == 2, done
+    assert '__name__ == "__main__"' in done.stdout
+
+
+def test_a_backend_the_ranks_cannot_use_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match=r"backend: .*TorchrunPool\(world_size, backend='nccl'\)"):
+        DistributedPool(2, backend="nccl")
+    with pytest.raises(ValueError, match="backend: 'no-such-backend' is not"):
+        run_distributed(dist.get_rank, 2, backend="no-such-backend")
+
+
+class _TwoArguments(Exception):
+    def __init__(self, first: str, second: str) -> None:
+        super().__init__(f"{first} {second}")
+
+
+def _result_that_cannot_be_rebuilt() -> Exception:
+    return _TwoArguments("a", "b")  # pickles, but unpickling calls __init__ with one argument
+
+
+def test_a_result_that_cannot_be_unpickled_is_a_rank_failure() -> None:
     with pytest.raises(DistributedError) as caught:
-        run_distributed(dist.get_rank, 2, backend="no-such-backend", timeout=60)
-    for failure in caught.value.failures:
-        assert "while starting, before its process group was up" in failure.reason
-        assert '__name__ == "__main__"' in failure.reason
+        run_distributed(_result_that_cannot_be_rebuilt, 2, timeout=60)
+    assert [f.rank for f in caught.value.failures] == [0, 1]
+    assert "could not be unpickled here: TypeError" in caught.value.failures[0].reason
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent has not collected it yet
+
+
+def _gone_soon(pids: list[int]) -> bool:
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(pid) for pid in pids)
+
+
+def _start_a_child_then_hang(pid_dir: str) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    Path(pid_dir, str(dist.get_rank())).write_text(f"{os.getpid()} {child.pid}")
+    time.sleep(300)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_rank_stopped_by_force_takes_the_processes_it_started_along(tmp_path: Path) -> None:
+    with pytest.raises(DistributedError, match="still running; killed"):
+        run_distributed(_start_a_child_then_hang, 2, str(tmp_path), timeout=10)
+    pids = [int(pid) for file in tmp_path.iterdir() for pid in file.read_text().split()]
+    assert len(pids) == 4 and _gone_soon(pids), pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ranks_end_and_clean_up_when_the_pools_process_is_killed(tmp_path: Path) -> None:
+    done = _script(
+        tmp_path,
+        """
+        import os, signal
+        from sidestream.testing import DistributedPool
+        if __name__ == "__main__":
+            pool = DistributedPool(2)
+            print(*pool.run(os.getpid), pool._store_dir.name, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit
+        """,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    *pids, store_dir = done.stdout.split()
+    assert _gone_soon([int(pid) for pid in pids]), pids
+    assert not Path(store_dir).exists()
 
 
 def test_rank_dying_in_a_task_is_not_blamed_on_starting() -> None:

@@ -18,7 +18,13 @@ import torch
 import torch.distributed as dist
 
 from sidestream.testing import DistributedError, TorchrunPool, rank_device
-from tests.testing.test_pool import _rank_one_dies, _rank_one_raises, _rank_sum
+from tests.testing.test_pool import (
+    _gone_soon,
+    _rank_one_dies,
+    _rank_one_raises,
+    _rank_sum,
+    _start_a_child_then_hang,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +66,19 @@ def test_dead_rank_reported_with_torchrun_output(torchrun_pool: TorchrunPool) ->
     with pytest.raises(DistributedError, match="torchrun exited") as caught:
         torchrun_pool.run(_rank_one_dies, timeout=60)
     assert "exitcode  : 3" in str(caught.value)  # torchrun's own failure report
+    assert torchrun_pool.run(dist.get_rank) == [0, 1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_rank_past_its_timeout_is_killed_with_what_it_started(
+    torchrun_pool: TorchrunPool, tmp_path: Path
+) -> None:
+    # torchrun gives each rank a session of its own: killing torchrun's left them running.
+    torchrun_pool.run(dist.get_rank)  # started before the clock runs
+    with pytest.raises(DistributedError, match="still running; killed"):
+        torchrun_pool.run(_start_a_child_then_hang, str(tmp_path), timeout=10)
+    pids = [int(pid) for file in tmp_path.iterdir() for pid in file.read_text().split()]
+    assert len(pids) == 4 and _gone_soon(pids), pids
     assert torchrun_pool.run(dist.get_rank) == [0, 1]
 
 

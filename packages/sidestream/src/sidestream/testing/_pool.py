@@ -8,6 +8,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -22,8 +24,9 @@ from sidestream.testing._results import DistributedError, RankFailure, dumps_on_
 __all__ = ["DistributedPool", "run_distributed"]
 
 _STOP = "stop"
-_READY = "ready"  # a rank's first message: its process group is up
+_START_FAILED = "start failed"  # a rank's message when joining the process group raised
 _GRACE_S = 5.0  # after one rank fails, how long the others get to report their own view
+_PARENT_CHECK_S = 1.0  # how often an idle rank looks whether the pool's process is gone
 
 
 class RankPool(ABC):
@@ -106,7 +109,16 @@ class RankPool(ABC):
                     grace_deadline = time.monotonic() + _GRACE_S
                 continue
             for rank, outcome in finished:
-                ok, payload = pickle.loads(outcome)
+                try:
+                    ok, payload = pickle.loads(outcome)
+                except Exception as error:  # a result class that cannot be rebuilt here
+                    ok, payload = (
+                        False,
+                        (
+                            f"its result could not be unpickled here: {type(error).__name__}: "
+                            f"{error}"
+                        ),
+                    )
                 outcomes[rank] = (ok, payload)
                 if not ok and grace_deadline is None:
                     grace_deadline = time.monotonic() + _GRACE_S
@@ -131,11 +143,22 @@ class RankPool(ABC):
             failures.append(RankFailure(rank, self._missing_reason(rank, timeout, gave_up)))
         return failures
 
+    def _rank_started(self, rank: int) -> bool:
+        """Whether ``rank`` joined the process group (by default: assumed)."""
+        del rank
+        return True
+
     def _missing_reason(self, rank: int, timeout: float, gave_up: bool) -> str:
         if not self._rank_alive(rank):
             return self._death_reason(rank)
         if gave_up:
             return "no result after another rank failed (likely waiting on it; killed)"
+        if not self._rank_started(rank):
+            # The timeout counts from the call, a pool's start included.
+            return (
+                f"no result within {timeout:.0f} s: it was still joining the process group "
+                "(starting the pool counts against the first call's timeout; killed)"
+            )
         return f"no result within {timeout:.0f} s (still running; killed)"
 
     def close(self) -> None:
@@ -169,23 +192,39 @@ def _worker(
     collective_timeout_s: float,
     tasks: Any,
     results: Any,
+    ready: Any,
+    parent: int,
 ) -> None:
     import torch
     import torch.distributed as dist
 
+    # A process group of its own: stopping this rank by force stops what it started too.
+    os.setpgrp()
     torch.set_num_threads(1)  # N ranks share this machine's cores
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # gloo ranks are CPU ranks
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=collective_timeout_s),
-    )
-    results.put((_READY, rank, b""))
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+    except BaseException:
+        results.put((_START_FAILED, rank, traceback.format_exc().encode()))
+        raise
+    # Shared memory, written at once: a queued message may be lost when the rank dies.
+    ready[rank] = 1
     try:
         while True:
-            task = tasks.get()
+            try:
+                task = tasks.get(timeout=_PARENT_CHECK_S)
+            except queue.Empty:
+                if os.getppid() != parent:  # the pool's process is gone: nobody will stop us
+                    if rank == 0:
+                        shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
+                    break
+                continue
             if task == _STOP:
                 break
             task_id, payload = task
@@ -218,16 +257,30 @@ class DistributedPool(RankPool):
     def __init__(
         self, world_size: int, backend: str = "gloo", collective_timeout_s: float = 30.0
     ) -> None:
+        import torch.distributed as dist
+
+        if backend.lower() == "nccl":
+            raise ValueError(
+                "backend: DistributedPool's ranks are CPU processes (CUDA hidden from them); "
+                "for NCCL ranks, one per GPU, use TorchrunPool(world_size, backend='nccl')"
+            )
+        if not dist.is_backend_available(backend):
+            raise ValueError(
+                f"backend: {backend!r} is not a torch.distributed backend this torch has "
+                "(DistributedPool's ranks are CPU processes: 'gloo')"
+            )
         super().__init__(world_size, backend, collective_timeout_s)
         self._context = mp.get_context("spawn")
         self._processes: list[BaseProcess] = []
         self._tasks: list[Any] = []
         self._results: Any = None
         self._store_dir: tempfile.TemporaryDirectory[str] | None = None
-        self._ready: set[int] = set()
+        self._ready: Any = None
+        self._start_errors: dict[int, str] = {}
 
     def _start(self) -> None:
-        self._ready = set()
+        self._ready = self._context.Array("b", self.world_size, lock=False)
+        self._start_errors = {}
         self._store_dir = tempfile.TemporaryDirectory(prefix="sidestream-pg-")
         store_path = os.path.join(self._store_dir.name, "store")
         self._results = self._context.Queue()
@@ -243,6 +296,8 @@ class DistributedPool(RankPool):
                     self._collective_timeout_s,
                     self._tasks[rank],
                     self._results,
+                    self._ready,
+                    os.getpid(),
                 ),
                 # Not a daemon: a rank may start processes of its own (a ProcessSink), as
                 # torchrun's ranks can.
@@ -263,10 +318,23 @@ class DistributedPool(RankPool):
             got_id, rank, outcome = self._results.get(timeout=wait_s)
         except queue.Empty:
             return []
-        if got_id == _READY:
-            self._ready.add(rank)
+        if got_id == _START_FAILED:
+            self._start_errors[rank] = outcome.decode(errors="replace")
             return []
         return [(rank, outcome)] if got_id == task_id and rank in waiting else []
+
+    def _rank_started(self, rank: int) -> bool:
+        return self._ready is not None and bool(self._ready[rank])
+
+    def _read_start_errors(self) -> None:
+        """Take the start failures still queued (the rank died before they were polled)."""
+        while self._results is not None:
+            try:
+                got_id, rank, outcome = self._results.get(timeout=0.5)
+            except queue.Empty:
+                return
+            if got_id == _START_FAILED:
+                self._start_errors[rank] = outcome.decode(errors="replace")
 
     def _any_dead(self) -> bool:
         return any(not process.is_alive() for process in self._processes)
@@ -276,8 +344,12 @@ class DistributedPool(RankPool):
 
     def _death_reason(self, rank: int) -> str:
         reason = f"process died with exit code {self._processes[rank].exitcode}"
-        if rank in self._ready:
+        if self._rank_started(rank):
             return reason
+        if rank not in self._start_errors:
+            self._read_start_errors()
+        if rank in self._start_errors:
+            return f"{reason} while joining the process group:\n{self._start_errors[rank]}"
         # Spawned ranks import the main script again; unguarded code there runs in every rank.
         return (
             f"{reason} while starting, before its process group was up (its traceback is on "
@@ -296,7 +368,7 @@ class DistributedPool(RankPool):
             process.join(timeout=max(0.0, deadline - time.monotonic()))
         for process in started:
             if process.is_alive():
-                process.kill()
+                _kill_group(process)
                 process.join(timeout=5.0)
         for task_queue in [*self._tasks, self._results]:
             if task_queue is not None:
@@ -306,6 +378,18 @@ class DistributedPool(RankPool):
         if self._store_dir is not None:
             self._store_dir.cleanup()
             self._store_dir = None
+
+
+def _kill_group(process: BaseProcess) -> None:
+    """Kill a rank and the processes it started (its own process group: see ``_worker``)."""
+    assert process.pid is not None
+    try:
+        if os.getpgid(process.pid) == process.pid:
+            os.killpg(process.pid, signal.SIGKILL)
+            return
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.kill()  # not yet in a group of its own (still starting)
 
 
 def run_distributed(

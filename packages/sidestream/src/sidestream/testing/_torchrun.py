@@ -127,7 +127,8 @@ class TorchrunPool(RankPool):
             "-m",
             "sidestream.testing._torchrun_worker",
         ]
-        # Its own session, so stopping it by force also stops the ranks it started.
+        # Its own session, so stopping it by force stops torchrun's agent (the ranks have
+        # sessions of their own: _stop kills them by the ids they wrote to the store).
         self._launcher = subprocess.Popen(
             command, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -163,6 +164,16 @@ class TorchrunPool(RankPool):
     def _rank_alive(self, rank: int) -> bool:
         return not self._any_dead()  # torchrun stops every rank when one ends
 
+    def _rank_started(self, rank: int) -> bool:
+        return self._store is not None and self._store.check([f"{_PREFIX}/ready/{rank}"])
+
+    def _rank_pids(self) -> list[int]:
+        """The ranks' process ids, as each wrote it when it started (not all may have)."""
+        if self._store is None:
+            return []
+        keys = [f"{_PREFIX}/pid/{rank}" for rank in range(self.world_size)]
+        return [int(self._store.get(key)) for key in keys if self._store.check([key])]
+
     def _death_reason(self, rank: int) -> str:
         code = None if self._launcher is None else self._launcher.returncode
         return f"torchrun exited with code {code}; its output ends with:\n{self._log_tail()}"
@@ -183,6 +194,12 @@ class TorchrunPool(RankPool):
             try:
                 self._launcher.wait(timeout=10.0)
             except subprocess.TimeoutExpired:
+                # torchrun gave each rank a session of its own: killing torchrun's group would
+                # leave a rank that is stuck in a task running, so each rank's group goes first.
+                for pid in self._rank_pids():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        if os.getpgid(pid) == pid:
+                            os.killpg(pid, signal.SIGKILL)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self._launcher.pid, signal.SIGKILL)
                 self._launcher.wait(timeout=10.0)

@@ -42,7 +42,11 @@ def main() -> None:
     # Tasks may be minutes apart; a lost parent closes the store, which ends the wait at once.
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(days=1))
     rank = int(os.environ["RANK"])
+    # torchrun starts each rank in a session of its own, out of reach of a kill of torchrun's:
+    # the pool kills this process group by its id when the rank will not stop.
+    store.set(f"{prefix}/pid/{rank}", str(os.getpid()))
     _join_group(backend, timeout)
+    store.set(f"{prefix}/ready/{rank}", "1")
     try:
         task_id = 0
         while True:
