@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -740,3 +741,24 @@ def test_a_checkpoint_loaded_on_some_ranks_only_fails_at_bind(
         assert "ranks of the group hold different checkpoint loads" in outcome, (rank, outcome)
         assert "rank 0: a checkpoint loaded; rank 1: none loaded" in outcome
         assert "call load_state_dict with the checkpoint on every rank before bind" in outcome
+
+
+def _checkpoint_after_a_refused_collector() -> tuple[bool, float]:
+    everyone = dist.new_group(list(range(dist.get_world_size())))
+    metric = SumMetric()
+    first = AsyncMetricCollector(metric, group=everyone).bind("cpu")
+    metric.update(torch.tensor([float(dist.get_rank() + 1)]))
+    with contextlib.suppress(ValueError):
+        AsyncMetricCollector(metric)  # the default group: refused, the metric is first's
+    kept = metric.sync_group is everyone
+    total = float(first.state_dict(timeout=30)["metric"]["total"])
+    first.close(timeout=30)
+    return kept, total
+
+
+def test_a_refused_collector_leaves_the_metrics_group_as_it_was(dist_pool: RankPool) -> None:
+    """The constructor set the metric's group before it was refused: the first collector's
+    checkpoint then reduced over another group, which hung where that group differs."""
+    world = dist_pool.world_size
+    expected = world * (world + 1) / 2
+    assert dist_pool.run(_checkpoint_after_a_refused_collector) == [(True, expected)] * world

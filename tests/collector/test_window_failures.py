@@ -3,6 +3,7 @@ misuse that broke it later is refused at bind (defects a probe found on landed c
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from sidestream import Metric, MetricAccumulator, SumMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.collector._slot import Slot
+from sidestream.sinks import JsonlSink
 from sidestream.sync import RankMismatchError
 
 
@@ -50,10 +52,13 @@ def test_to_the_same_device_after_bind_changes_nothing() -> None:
 
 def test_one_metric_belongs_to_one_open_collector() -> None:
     metric = SumMetric()
-    first = AsyncMetricCollector(metric, prefix="window").bind("cpu")
     second = AsyncMetricCollector(metric, prefix="total", reset_each_window=False)
-    with pytest.raises(ValueError, match=r"bound to another collector \(prefix 'window'\)"):
+    first = AsyncMetricCollector(metric, prefix="window").bind("cpu")
+    with pytest.raises(ValueError, match=r"^bind: .*another collector \(prefix 'window'\)"):
         second.bind("cpu")
+    # Made while the other is open: refused at once (the group kept: test_distributed).
+    with pytest.raises(ValueError, match=r"^metric: .*another collector \(prefix 'window'\)"):
+        AsyncMetricCollector(metric)
     assert first.close(timeout=30)
     again = AsyncMetricCollector(metric).bind("cpu")  # closed: the metric is free again
     assert again.close(timeout=30)
@@ -150,6 +155,51 @@ def test_two_values_with_one_name_fail_the_window_instead_of_overwriting() -> No
         collector.collect_results(timeout=30)
     assert "['a/b'] are given to more than one value" in str(caught.value.__cause__)
     assert not collector.close(timeout=30)
+
+
+class _Phase(SumMetric):
+    def compute(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        total = super().compute()
+        return {"ok": total, "z": torch.complex(total, total)}
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_a_complex_result_fails_the_window_with_or_without_sinks(
+    with_sink: bool, tmp_path: Path
+) -> None:
+    # It failed only where sinks take the values (rank 0): other ranks returned it.
+    metric = _Phase()
+    sinks = [JsonlSink(tmp_path / "m.jsonl")] if with_sink else []
+    collector = AsyncMetricCollector(metric, sinks=sinks).bind("cpu")
+    metric.update(torch.tensor([1.0]))
+    collector.schedule_collection(1)
+    with pytest.raises(RuntimeError, match="failed") as caught:
+        collector.collect_results(timeout=30)
+    assert "a complex tensor at 'z'" in str(caught.value.__cause__)
+    assert not collector.close(timeout=30)
+
+
+def test_a_device_torch_cannot_parse_is_named_by_bind_and_to() -> None:
+    for device, kind in (("nonsense", ValueError), ("cpu:x", ValueError), (-1, ValueError)):
+        with pytest.raises(kind, match=r"^bind: device: "):
+            AsyncMetricCollector(SumMetric()).bind(device)
+        with pytest.raises(kind, match=r"^to: device: "):
+            SumMetric().to(device)
+
+
+def test_a_run_stream_refused_for_a_metric_of_another_collector_keeps_no_prefix(
+    tmp_path: Path,
+) -> None:
+    from sidestream import Run
+
+    with Run([JsonlSink(tmp_path / "m.jsonl")]) as run:
+        metric = SumMetric()
+        run.collector(metric, prefix="train").bind("cpu")
+        with pytest.raises(ValueError, match=r"^metric: .*another collector \(prefix 'train'\)"):
+            run.collector(metric, prefix="val")
+        assert run.streams == ["train"]
+        run.collector(SumMetric(), prefix="val").bind("cpu")  # the fix: a metric of its own
+        assert sorted(run.state_dict()["collectors"]) == ["train", "val"]
 
 
 class _SlowSum(SumMetric):

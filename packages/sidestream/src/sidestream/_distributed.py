@@ -32,9 +32,14 @@ Group: TypeAlias = "dist.ProcessGroup | DeviceMesh | None"
 
 
 def check_device(where: str, device: object, *, allow_none: bool = False) -> None:
-    """Raise ``TypeError`` naming ``where``'s ``device`` unless ``torch.device`` can take it.
+    """Raise naming ``where``'s ``device`` unless ``torch.device`` can take it.
 
-    ``torch.device(torch.float32)`` (a dtype passed by mistake) fails naming no argument.
+    ``torch.device(torch.float32)`` (a dtype passed by mistake) fails naming no argument, and
+    so does ``torch.device("gpu")`` or ``torch.device(-1)``.
+
+    Raises:
+        TypeError: If ``device`` is of no kind a device is given as.
+        ValueError: If it is a str that names no device, or a negative index.
     """
     allowed = torch.device | str | int | None if allow_none else torch.device | str | int
     if isinstance(device, bool) or not isinstance(device, allowed):
@@ -47,6 +52,16 @@ def check_device(where: str, device: object, *, allow_none: bool = False) -> Non
             f"{where}: device: expected {kinds} (such as 'cuda:0' or 0), got {device!r}; "
             "a metric keeps its states' dtypes, it moves between devices only"
         )
+    if isinstance(device, int) and device < 0:
+        raise ValueError(f"{where}: device: a CUDA index is >= 0, got {device}")
+    if isinstance(device, str):
+        try:
+            torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(
+                f"{where}: device: {device!r} names no device torch knows ({error}); give one "
+                "such as 'cpu', 'cuda', 'cuda:0' or a CUDA index 0, 1, ..."
+            ) from None
 
 
 def check_cuda_available(where: str, device: torch.device) -> None:

@@ -92,6 +92,12 @@ def flatten_tree(tree: Any) -> FlatTree:
 
 
 def _flatten(tree: Any, path: str, leaves: list[Any], paths: list[str]) -> _Node:
+    if isinstance(tree, Tensor) and tree.dtype.is_complex:
+        # Checked here, on every rank: the sinks' float() of it failed on the writer alone.
+        raise TypeError(
+            f"compute() result: a complex tensor at {path or 'the root'!r}; values are real "
+            "numbers: return its .real, .imag or .abs() (or each under a key of its own)"
+        )
     if isinstance(tree, Tensor | int | float):  # bool is an int
         leaves.append(tree)
         paths.append(path)

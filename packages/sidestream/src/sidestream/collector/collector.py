@@ -169,11 +169,14 @@ class AsyncMetricCollector(Generic[T]):
             if not isinstance(path, str) or not path.strip("/"):
                 raise TypeError(f"histograms: expected non-empty leaf paths (str), got {path!r}")
         self._metric = metric
+        self._closed = False
+        # Refused here too, not only at bind: a run's stream made for a metric another open
+        # collector has would keep its prefix (and save that metric's state) for nothing.
+        self._refuse_a_metric_bound_elsewhere("metric")
+        resolve_group(group)  # a wrong type fails here, not at bind
         # No metric of the tree clears data of its own in reset: the arena's reset is all.
         self._plain_reset = all(type(m).reset is Metric.reset for m in metric._walk_metrics())
         self._readability_checked = metric._readability_checked()
-        # Checkpoints reduce over the collector's group, not whatever the metric last saw.
-        metric.sync_group = group
         if _delivery is None:
             options = DeliveryOptions(
                 sink_capacity,
@@ -191,7 +194,6 @@ class AsyncMetricCollector(Generic[T]):
                 raise TypeError("sinks: a collector of a Run delivers to the run's sinks")
             self._owns_delivery = False
         self._delivery = _delivery
-        resolve_group(group)  # a wrong type fails here, not at bind
         self._group = group
         self._reset_each_window = reset_each_window
         self._prefix = prefix.strip("/")
@@ -212,8 +214,10 @@ class AsyncMetricCollector(Generic[T]):
         self._dispatcher: Dispatcher | None = None
         self._last_step: int | None = None
         self._twin_index = 0  # set at bind: told apart from open collectors of this prefix
-        self._closed = False
         self._close_result = True  # what the first close returned; later calls repeat it
+        # Last, once nothing can be refused: checkpoints reduce over the collector's group,
+        # not whatever the metric last saw (a refused collector leaves the metric as it was).
+        metric.sync_group = group
 
     # ------------------------------------------------------------------ properties
 
@@ -279,15 +283,7 @@ class AsyncMetricCollector(Generic[T]):
         check_device("bind", device, allow_none=True)
         if self._dispatcher is not None or self._closed:
             raise RuntimeError("bind: the collector is already bound (or closed)")
-        for other, relation in self._related_metrics():
-            owner = _BOUND.get(id(other))
-            if owner is not None and owner is not self and not owner._closed:
-                raise ValueError(
-                    f"bind: {relation} is bound to another collector (prefix "
-                    f"{owner.prefix!r}) that is not closed; a metric belongs to one collector, "
-                    "whose windows stage and reset it (its children included): give each "
-                    "collector its own metric"
-                )
+        self._refuse_a_metric_bound_elsewhere("bind")
         self._twin_index = self._next_twin_index()
         target = torch.device(device) if device is not None else self._metric.device
         check_cuda_available("bind", target)
@@ -460,6 +456,18 @@ class AsyncMetricCollector(Generic[T]):
                 self._dispatcher.submit(window)  # in flight: the dispatcher hands it back
             raise
         self._dispatcher.submit(window)
+
+    def _refuse_a_metric_bound_elsewhere(self, where: str) -> None:
+        """Raise ``ValueError`` if the metric, or one in or around it, has an open collector."""
+        for other, relation in self._related_metrics():
+            owner = _BOUND.get(id(other))
+            if owner is not None and owner is not self and not owner._closed:
+                raise ValueError(
+                    f"{where}: {relation} is bound to another collector (prefix "
+                    f"{owner.prefix!r}) that is not closed; a metric belongs to one collector, "
+                    "whose windows stage and reset it (its children included): give each "
+                    "collector its own metric"
+                )
 
     def _related_metrics(self) -> Iterator[tuple[Metric[Any], str]]:
         """The metric, the metrics inside it and those it is inside, each described.
