@@ -1,4 +1,4 @@
-"""Importing sidestream stays light: no torch.distributed.checkpoint until a checkpoint needs it.
+"""Importing and using sidestream never imports torch.distributed.checkpoint; DCP still takes it.
 
 Importing ``torch.distributed.checkpoint`` (torch 2.13) makes a gloo process under torchrun
 abort at exit ("terminate called without an active exception", SIGABRT) in about one run of
@@ -30,12 +30,13 @@ _USE = (
     "run = Run([JsonlSink(os.path.join(tempfile.mkdtemp(), 'm.jsonl'))]); "
     "loss = MeanMetric(); collector = run.collector(loss, prefix='train').bind('cpu'); "
     "loss.update(torch.tensor([1.0])); collector.schedule_collection(1); run.log(1, {'lr': 0.1}); "
-    "run.close()"
+    "torch.save(run.state_dict(), os.path.join(tempfile.mkdtemp(), 'c.pt')); run.close()"
 )
 
 
 def test_importing_the_packages_leaves_torch_distributed_checkpoint_unimported() -> None:
-    # A run with a collector and a sink, used until close: no checkpoint taken, no import.
+    # A run with a collector and a sink, used until close, with a checkpoint saved by
+    # torch.save: the run's check of its sinks' state places walks them as DCP would, itself.
     code = f"import sys; {_IMPORTS}; {_USE}; print('torch.distributed.checkpoint' in sys.modules)"
     found = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
@@ -47,3 +48,26 @@ def test_metrics_are_dcp_stateful() -> None:
     metric = confusion_count_metric().multiclass(3).with_accuracy().build()
     assert isinstance(MeanMetric(), Stateful)
     assert isinstance(metric, Stateful)
+
+
+def test_the_runs_walk_of_sink_states_finds_the_places_dcp_stores() -> None:
+    import torch
+    from torch.distributed.checkpoint._traverse import traverse_state_dict
+
+    from sidestream._delivery import _places
+
+    states = [
+        {},
+        {"run_id": "abc", "last_steps": [["", 3], ["val", 7]]},  # lists of plain values: one
+        {"offset": 12, "nested": {"a": 1, "b": {"c": None}}, "empty": {}},
+        {"pairs": [{"x": 1}, {"y": 2}], "mixed": [1, {"z": 3}], "deep": [[1, [{"w": 0}]], [2]]},
+        {"tensors": [torch.zeros(2), 1], "tuple": ({"k": 1}, 2), 3: "int key"},
+    ]
+    for state in states:
+        found: list[str] = []
+
+        def visit(path: tuple[object, ...], _: object, found: list[str] = found) -> None:
+            found.append(".".join(map(str, path)))
+
+        traverse_state_dict(state, visit)  # type: ignore[arg-type]  # the stub's path type
+        assert _places(state) == frozenset(found), state

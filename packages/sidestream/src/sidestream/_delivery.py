@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from sidestream._distributed import check_process_group
@@ -456,13 +457,39 @@ def _fresh_state(sink: Sink) -> dict[str, Any] | None:
         return None
 
 
-def _places(state: dict[str, Any]) -> frozenset[str]:
-    """The dotted paths torch.distributed.checkpoint stores ``state`` under (its own walk)."""
-    from torch.distributed.checkpoint._traverse import traverse_state_dict
+def _places(state: Mapping[str, Any]) -> frozenset[str]:
+    """The dotted paths torch.distributed.checkpoint stores ``state`` under.
 
+    Walked as DCP walks a state (``traverse_state_dict``): into every mapping, into a list only
+    when something in it is a tensor, a mapping or such a list; anything else is one place.
+    Not DCP's own function: importing ``torch.distributed.checkpoint`` makes a gloo job abort
+    at exit now and then (see ``tests/test_import_cost.py``), and a job that saves its
+    checkpoint with ``torch.save`` never needs it.
+    """
     found: set[str] = set()
-    traverse_state_dict(state, lambda path, _: found.add(".".join(map(str, path))))
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(f"{path}.{key}", item)
+        elif isinstance(value, list) and _holds_places(value):
+            for index, item in enumerate(value):
+                walk(f"{path}.{index}", item)
+        else:
+            found.add(path)
+
+    for key, value in state.items():
+        walk(str(key), value)
     return frozenset(found)
+
+
+def _holds_places(items: list[Any]) -> bool:
+    """Whether DCP walks into the list ``items`` (it holds a tensor, a mapping or such a list)."""
+    return any(
+        isinstance(item, torch.Tensor | Mapping)
+        or (isinstance(item, list) and _holds_places(item))
+        for item in items
+    )
 
 
 def _owner(sink: Sink) -> Delivery | None:

@@ -661,12 +661,20 @@ class AsyncMetricCollector(Generic[T]):
         if self._dispatcher is not None:
             complete = self._dispatcher.stop(timeout)
             if not complete:
+                try:
+                    group = resolve_group(self._group)
+                    alone = not dist.is_initialized() or dist.get_world_size(group) == 1
+                except Exception:  # a group destroyed before close: say both
+                    alone = False
                 logger.warning(
-                    "close: %d window(s) not finished within %s s; they are not reported. A "
-                    "window's collective waits for every rank of the group: did a rank skip "
-                    "the last schedule_collection, stop early, or close before scheduling it?",
+                    "close: %d window(s) not finished within %s s; they are not reported. %s",
                     self._dispatcher.unprocessed,
                     timeout,
+                    "A window waits for its compute(): is it slower than the timeout?"
+                    if alone
+                    else "A window's collective waits for every rank of the group: did a rank "
+                    "skip the last schedule_collection, stop early, or close before scheduling "
+                    "it? (Or a compute() slower than the timeout.)",
                 )
             if self._dispatcher.failed_windows:
                 logger.warning(

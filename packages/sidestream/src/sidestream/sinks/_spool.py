@@ -399,8 +399,9 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
     """Spool files of sink ``label`` in ``directory`` whose process has ended.
 
     A job that crashed leaves its spool behind, and a close that timed out keeps one on
-    purpose; neither was delivered (a replayed file is renamed, so it is not listed).
-    Never raises: an unreadable directory lists nothing.
+    purpose; neither was delivered (a replayed file is renamed, so it is not listed). An empty
+    one (a job that crashed before it spooled anything) holds nothing: it is removed, not
+    listed. Never raises: an unreadable directory lists nothing.
     """
     folder = directory if directory is not None else tempfile.gettempdir()
     found = []
@@ -416,7 +417,14 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
         if not entry.is_file():
             continue
         if not _alive(int(match["pid"]), match["start"]):
-            found.append(entry.path)
+            try:
+                empty = entry.stat().st_size == 0
+                if empty:
+                    os.unlink(entry.path)
+            except OSError:  # gone meanwhile, or not ours to remove: listed as it is
+                empty = False
+            if not empty:
+                found.append(entry.path)
     return sorted(found)
 
 
