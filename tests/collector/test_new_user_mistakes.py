@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidestream import ComposeMetric, MeanMetric, Run
+from sidestream import AsyncMetricCollector, ComposeMetric, MeanMetric, Run
 from sidestream.sinks import JsonlSink, read_jsonl
 from sidestream.sync import CallFingerprint, RankMismatchError
 
@@ -220,3 +220,20 @@ def test_bad_timeouts_and_devices_are_named_before_anything_happens(tmp_path: Pa
     run.log(1, {"lr": 0.1})
     assert run.close(10)
     assert [r["values"] for r in read_jsonl(tmp_path / "log.jsonl")] == [{"lr": 0.1}]
+
+
+@pytest.mark.parametrize(
+    ("max_batch", "error"), [(0, ValueError), (-3, ValueError), (2.5, TypeError)]
+)
+def test_a_sink_max_batch_below_one_is_refused_when_the_run_is_built(
+    max_batch: object, error: type[Exception]
+) -> None:
+    # It was made 1 without a word on rank 0 only, when the sink's runner started.
+    from sidestream.sinks import ConsoleSink
+
+    sink = ConsoleSink()
+    sink.max_batch = max_batch  # type: ignore[assignment]
+    with pytest.raises(error, match=r"^sinks\[0\]\.max_batch: expected an int >= 1"):
+        Run([sink])
+    with pytest.raises(error, match=r"^sinks\[0\]\.max_batch: expected an int >= 1"):
+        AsyncMetricCollector(MeanMetric(), sinks=[sink])

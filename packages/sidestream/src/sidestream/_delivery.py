@@ -121,6 +121,8 @@ class Delivery:
         for index, sink in enumerate(sink_list):
             if not isinstance(sink, Sink):
                 raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")
+            # On every rank, when the run is built: the runner that reads it is rank 0's.
+            check_int(f"sinks[{index}].max_batch", getattr(sink, "max_batch", 1), 1)
         if info is not None and not isinstance(info, RunInfo):
             raise TypeError(f"info: expected a sidestream.sinks.RunInfo, got {info!r}")
         _claim(sink_list, self)
@@ -140,9 +142,8 @@ class Delivery:
         self._closed = False
         self._failed_submits: set[str] = set()
         # The places each sink's state has before it opens: the template a fresh run gives
-        # torch.distributed.checkpoint, which loads only those (see _check_places).
-        # Kept as states, walked at a checkpoint: the walk is torch.distributed.checkpoint's,
-        # whose import makes some gloo jobs abort at exit, so no job pays it before it saves.
+        # torch.distributed.checkpoint, which loads only those (see _check_places). Kept as
+        # states, walked at a checkpoint (a job that takes none never walks them).
         self._fresh_states = {key: _fresh_state(sink) for key, sink in self.sinks.items()}
         self._place_warned: set[str] = set()
         self._name_streams: dict[str, str] = {}  # value name -> the stream that reported it

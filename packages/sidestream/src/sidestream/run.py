@@ -64,8 +64,10 @@ class Run:
         sink_retry_max_s: A sink's longest wait between retries.
         spool_dir: Directory for spool files (system temp dir by default).
         exit_timeout: Seconds ``close`` may take when called at interpreter exit.
-        spool_max_bytes: Most bytes each sink's spool file holds (256 MiB by default); beyond
-            it the oldest spooled reports are dropped, counted and logged.
+        spool_max_bytes: Most bytes of undelivered reports each sink's spool file holds (256
+            MiB by default); beyond it the oldest spooled reports are dropped, counted and
+            logged. The file on disk, whose delivered part is cut off once it outgrows the
+            rest, stays within twice this.
         checkpoint_timeout: The timeout of ``state_dict()`` called without one, as
             ``torch.distributed.checkpoint`` calls it (``None``: no limit); a collector's
             ``state_dict()`` takes it too.

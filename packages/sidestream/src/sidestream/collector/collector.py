@@ -104,8 +104,9 @@ class AsyncMetricCollector(Generic[T]):
         sink_retry_max_s: A sink's longest wait between retries, so also how late a recovered
             backend may see its first retry.
         spool_dir: Directory for spool files (system temp dir by default).
-        spool_max_bytes: Most bytes each sink's spool file holds; beyond it the oldest spooled
-            reports are dropped, counted (``SinkRunner.dropped``) and logged.
+        spool_max_bytes: Most bytes of undelivered reports each sink's spool file holds (on
+            disk within twice this); beyond it the oldest spooled reports are dropped, counted
+            (``SinkRunner.dropped``) and logged.
         max_slots: Most staging copies of the metric (each window holds one from
             ``schedule_collection`` until its numbers are on the host; 8 by default). They also
             bound the windows waiting for the dispatcher. When all are taken,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+from sidestream._validation import check_int
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool, SpoolWriteError
 from sidestream.sinks._spool_format import (
     decode_report,
@@ -86,7 +87,8 @@ class SinkRunner:
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
         self._flush_interval_s = flush_interval_s
-        self._max_batch = max(1, int(getattr(sink, "max_batch", 1)))
+        self._max_batch: int = getattr(sink, "max_batch", 1)
+        check_int(f"{type(sink).__name__}.max_batch", self._max_batch, 1)
         self._cond = threading.Condition()
         self._queue: deque[Report] = deque()
         self._spool = Spool(spool_dir, label=self.key, max_bytes=spool_max_bytes)
