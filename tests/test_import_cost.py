@@ -71,3 +71,21 @@ def test_the_runs_walk_of_sink_states_finds_the_places_dcp_stores() -> None:
 
         traverse_state_dict(state, visit)  # type: ignore[arg-type]  # the stub's path type
         assert _places(state) == frozenset(found), state
+
+
+def test_metric_families_are_attributes_imported_on_first_use() -> None:
+    code = (
+        "import sys, sidestream; before = 'sidestream.metrics.classification' in sys.modules; "
+        "print(before, sidestream.metrics.classification.BinaryAUROCMetric.__name__, "
+        "sidestream.metrics.regression.R2ScoreMetric.__name__, "
+        "sidestream.metrics.language.PerplexityMetric.__name__)"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert found.stdout.split() == [
+        "False",
+        "BinaryAUROCMetric",
+        "R2ScoreMetric",
+        "PerplexityMetric",
+    ]

@@ -17,3 +17,17 @@ __all__ = [
     "SumMetric",
     "WeightedMeanMetric",
 ]
+
+_FAMILIES = frozenset({"classification", "language", "regression"})
+
+
+def __getattr__(name: str) -> object:
+    """``sidestream.metrics.classification`` (and the other families) imported on first use.
+
+    Not imported with the package: ``import sidestream`` stays light for jobs that log a loss.
+    """
+    if name in _FAMILIES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
