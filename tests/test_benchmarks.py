@@ -157,3 +157,31 @@ def test_tracker_overhead_pipeline_runs_through_the_collector(tmp_path: Path) ->
     piped.close()
     steps = [json.loads(line)["step"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3]
+
+
+def test_the_training_threads_python_work_per_window_does_not_grow_with_metrics() -> None:
+    """Python calls of schedule_collection (cProfile's count, load-independent): 11 metrics and
+    44 make the same calls. A call per metric's freshness flag made it 57 against 94."""
+    import cProfile
+    import pstats
+
+    from benchmarks.schedule_cost import _parts, _update, collection
+    from sidestream.collector import AsyncMetricCollector
+
+    calls = []
+    for copies in (1, 4):
+        metric = collection(copies)
+        parts = _parts(metric, copies)
+        collector = AsyncMetricCollector(metric).bind("cpu")
+        profile = cProfile.Profile()
+        for step in range(1, 8):
+            _update(parts, step)
+            if step > 1:
+                collector.collect_results(timeout=60)
+            if step > 2:  # the first windows take the once-only paths
+                profile.enable()
+            collector.schedule_collection(step)
+            profile.disable()
+        assert collector.close(timeout=60)
+        calls.append(pstats.Stats(profile).total_calls)  # type: ignore[attr-defined]
+    assert calls[0] == calls[1], calls

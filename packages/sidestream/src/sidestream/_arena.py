@@ -190,9 +190,14 @@ class Arena:
             mine.copy_from(theirs)
 
     def mark(self, current: bool) -> None:
-        """Set every freshness flag of the tree."""
+        """Set every freshness flag of the tree (``Freshness.mark`` of each).
+
+        Inlined: it runs on the training thread every window (the reset after staging), and a
+        call per flag made that thread's Python work grow with the number of metrics.
+        """
         for flag in self.flags:
-            flag.mark(current)
+            flag.current = current
+            flag.pending = False
 
     def same_layout(self, other: Arena) -> bool:
         """Whether ``other`` holds the same states in the same buffers' layout."""
