@@ -2,7 +2,9 @@
 
 Every implementation gets the same tensors. *Raw ops* is the state arithmetic of the metric
 written by hand (no input checks), the floor any metric library pays. torchmetrics runs with
-its checks off (``validate_args=False``, ``nan_strategy="disable"``). *Compiled* wraps the
+its checks off (``validate_args=False``, ``nan_strategy="disable"``; the weighted means
+``"ignore"``, which keeps the weights), and each row checks that both computed the same value
+after timing. *Compiled* wraps the
 update (sidestream: ``metric.update``; raw: the hand-written function) in
 ``torch.compile(fullgraph=True)`` (inductor). The exact BinaryAUROC row (a growing state
 against torchmetrics' exact metric, both emptied between timed blocks) is eager only.
@@ -11,6 +13,7 @@ against torchmetrics' exact metric, both emptied between timed blocks) is eager 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from collections.abc import Callable
@@ -46,6 +49,10 @@ class Case:
     ours_reset: Callable[[], None] = lambda: None
     """Empties a growing state (exact mode) between blocks, as ``peer_reset`` does."""
     raw_reset: Callable[[], None] = lambda: None
+    agree: Callable[[], tuple[object, object]] | None = None
+    """sidestream's and the peer's ``compute()`` after the timing: the same metric, checked."""
+    tolerance: float = 1e-4
+    """Relative and absolute: float32 sums (torchmetrics), bins against exact scores."""
 
 
 def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
@@ -112,11 +119,13 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
     tm_f1 = MulticlassF1Score(num_classes=CLASSES, average="macro", validate_args=False)
     tm_auroc = BinaryAUROC(thresholds=None, validate_args=False)
     tm_exact = BinaryAUROC(thresholds=None, validate_args=False)
-    tm_weighted, tm_mean = TmMean(nan_strategy="disable"), TmMean(nan_strategy="disable")
+    # "ignore", not "disable": with "disable" torchmetrics 1.9 replaces the weights by ones
+    # (its issue #3434) and computes a plain mean. "ignore" also reads isnan(...).any().
+    tm_weighted, tm_mean = TmMean(nan_strategy="ignore"), TmMean(nan_strategy="disable")
     tm_max, tm_perplexity = TmMax(nan_strategy="disable"), Perplexity()
     for peer in (tm_f1, tm_auroc, tm_exact, tm_weighted, tm_mean, tm_max, tm_perplexity):
         peer.to(device)
-    tm_weighted_32 = TmMean(nan_strategy="disable").to(device)
+    tm_weighted_32 = TmMean(nan_strategy="ignore").to(device)
     weighted, mean, largest = WeightedMeanMetric(), MeanMetric(), MaxMetric()
     weighted_32 = WeightedMeanMetric(dtype=torch.float32).to(device)
     auroc, perplexity = BinaryAUROCMetric(BINS), PerplexityMetric()
@@ -128,6 +137,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             (values, weights),
             lambda: tm_weighted.update(values, weights),
             compiled={"raw": raw_weighted},  # type: ignore[dict-item]
+            agree=lambda: (weighted.compute(), tm_weighted.compute()),
         ),
         # Like for like: both sum in float32 (torchmetrics' default, sidestream's dtype=).
         "WeightedMean (dtype=float32, as torchmetrics)": Case(
@@ -136,6 +146,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             (values, weights),
             lambda: tm_weighted_32.update(values, weights),
             compiled={"raw": raw_weighted_32},  # type: ignore[dict-item]
+            agree=lambda: (weighted_32.compute(), tm_weighted_32.compute()),
         ),
         "Mean": Case(
             lambda: raw_mean(values),
@@ -143,6 +154,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             (values,),
             lambda: tm_mean.update(values),
             compiled={"raw": raw_mean},  # type: ignore[dict-item]
+            agree=lambda: (mean.compute(), tm_mean.compute()),
         ),
         "Max": Case(
             lambda: raw_max(values),
@@ -150,6 +162,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             (values,),
             lambda: tm_max.update(values),
             compiled={"raw": raw_max},  # type: ignore[dict-item]
+            agree=lambda: (largest.compute(), tm_max.compute()),
         ),
         f"F1 macro ({CLASSES} classes; size = logits elements)": Case(
             lambda: raw_f1(logits, labels),
@@ -157,6 +170,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             (logits, labels),
             lambda: tm_f1.update(logits, labels),
             compiled={"raw": raw_f1},  # type: ignore[dict-item]
+            agree=lambda: (f1.compute(), tm_f1.compute()),
         ),
         f"BinaryAUROC ({BINS} bins; torchmetrics exact)": Case(
             lambda: raw_auroc(scores, truth),
@@ -165,6 +179,8 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             lambda: tm_auroc.update(scores, truth),
             tm_auroc.reset,
             compiled={"raw": raw_auroc},  # type: ignore[dict-item]
+            agree=lambda: (auroc.compute(), tm_auroc.compute()),
+            tolerance=1e-3,  # 10,000 bins against exact scores
         ),
         # Like for like: both store every sample. Not compiled (a growing state).
         f"{EXACT_ROW} (torchmetrics exact)": Case(
@@ -175,6 +191,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             tm_exact.reset,
             ours_reset=exact.reset,
             raw_reset=kept.clear,
+            agree=lambda: (exact.compute(), tm_exact.compute()),
         ),
         f"Perplexity (vocab {vocab}; size = logits elements)": Case(
             lambda: raw_perplexity(lm_logits, lm_target),
@@ -182,6 +199,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             (lm_logits, lm_target),
             lambda: tm_perplexity.update(lm_logits, lm_target),
             compiled={"raw": raw_perplexity},  # type: ignore[dict-item]
+            agree=lambda: (perplexity.compute(), tm_perplexity.compute()),
         ),
     }
 
@@ -222,7 +240,20 @@ def _measure(size: int, compiled: bool) -> list[tuple[str, dict[str, float]]]:
             implementations["ours compiled"] = lambda f=our_step, a=arguments: f(*a)
         resets = {"torchmetrics": case.peer_reset, "ours": case.ours_reset, "raw": case.raw_reset}
         out.append((name, _best_us(implementations, resets, size)))
+        _check_agreement(name, size, case)
     return out
+
+
+def _check_agreement(name: str, size: int, case: Case) -> None:
+    """Raise if sidestream and its peer computed different values: then they are not peers."""
+    if case.agree is None:
+        return
+    ours, theirs = (float(value) for value in case.agree())  # type: ignore[arg-type]
+    if not math.isclose(ours, theirs, rel_tol=case.tolerance, abs_tol=case.tolerance):
+        raise AssertionError(
+            f"{name} at size {size:,}: sidestream computed {ours!r}, torchmetrics {theirs!r}; "
+            "a comparison of their update times is only fair for the same metric"
+        )
 
 
 def run(compiled: bool = True) -> str:
@@ -236,7 +267,10 @@ def _table(compiled: bool) -> str:
         "`benchmarks/update_overhead.py`: µs per `update` on the same tensors, best of "
         f"{ROUNDS} interleaved blocks, one CPU thread, torch {torch.__version__}. *Raw ops* is "
         "the state arithmetic written by hand with no input checks; torchmetrics runs with "
-        '`validate_args=False` / `nan_strategy="disable"`; *compiled* is '
+        '`validate_args=False` where it has it and `nan_strategy="disable"`, except the '
+        'weighted means: `nan_strategy="ignore"`, since with `"disable"` torchmetrics 1.9 '
+        "replaces the weights by ones (its issue #3434). After timing, each row checks that "
+        "sidestream and torchmetrics computed the same value; *compiled* is "
         "`torch.compile(fullgraph=True)` (inductor) of the update and of the raw function. "
         "Size = input elements. sidestream's eager update includes its input checks (CPU "
         "reads them on the host and raises before the state changes). *BinaryAUROC exact* "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchmetrics")
 
@@ -43,6 +44,28 @@ def test_update_overhead_has_a_row_per_metric(monkeypatch: pytest.MonkeyPatch) -
         exact = row[0].startswith(update_overhead.EXACT_ROW)
         assert row[4] == "—" if exact else _ratio(row[4]) > 0, row
         assert _ratio(row[6]) > 0, row
+
+
+def test_update_overhead_refuses_a_peer_that_computes_another_value() -> None:
+    # torchmetrics' MeanMetric with nan_strategy="disable" dropped the weights: the row timed a
+    # plain mean against sidestream's weighted one, and nothing noticed.
+    from torchmetrics.aggregation import MeanMetric as TmMean
+
+    from sidestream.metrics import WeightedMeanMetric
+
+    values, weights = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0.1, 0.2, 5.0])
+    ours, dropped = WeightedMeanMetric(), TmMean(nan_strategy="disable")
+    ours.update(values, weights)
+    dropped.update(values, weights)
+    case = update_overhead.Case(
+        raw=lambda: None,
+        ours=ours.update,
+        args=(),
+        peer=lambda: None,
+        agree=lambda: (ours.compute(), dropped.compute()),
+    )
+    with pytest.raises(AssertionError, match="only fair for the same metric"):
+        update_overhead._check_agreement("WeightedMean", 3, case)
 
 
 def test_classification_update_compares_every_implementation(
