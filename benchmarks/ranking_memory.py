@@ -135,6 +135,8 @@ def run() -> str:
     ]
     for name, size in memory_rows:
         lines.append(f"| {name} | {size:,} | {size / ours_bytes:.1f}x |")
+    # The certified bound is the claim of this table: a value outside it is a defect.
+    assert abs(ours_value - exact_value) <= bound, (ours_value, exact_value, bound)
     lines += [
         "",
         "The binned torchmetrics state is fixed-size too; it is measured after its small-batch "
