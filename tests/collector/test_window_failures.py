@@ -233,6 +233,21 @@ def test_a_close_that_times_out_says_what_may_hold_the_window(
     assert "did a rank skip" not in caplog.text
 
 
+def test_a_window_finishing_after_close_gave_up_logs_no_sink_error(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    import time
+
+    collector = AsyncMetricCollector(_SlowSum(), sinks=[JsonlSink(tmp_path / "m.jsonl")])
+    collector.bind("cpu")
+    collector.metric.update(torch.tensor([1.0]))
+    collector.schedule_collection(1)
+    assert collector.close(timeout=0.05) is False  # warns: the window is not reported
+    time.sleep(1.0)  # the window's compute (0.5 s) ends meanwhile
+    assert "submit after close" not in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 def test_bad_collector_arguments_name_themselves() -> None:
     with pytest.raises(TypeError, match="prefix: expected a str"):
         AsyncMetricCollector(SumMetric(), prefix=3)  # type: ignore[arg-type]

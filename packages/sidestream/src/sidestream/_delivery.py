@@ -201,6 +201,11 @@ class Delivery:
 
     def submit(self, report: Report) -> None:
         """Hand ``report`` to every runner (rank 0, once started); one failing stays its own."""
+        if self._closed:
+            # A window that finished after close gave up on it (close warned that it is not
+            # reported): the sinks are closing, which is no error of theirs to log.
+            logger.debug("step %d of stream %r finished after close", report.step, report.stream)
+            return
         if self.runners:
             self._check_names(report)
         # A failed sink's runner keeps its reports too (queue, then its capped spool): a
@@ -487,8 +492,7 @@ def _places(state: Mapping[str, Any]) -> frozenset[str]:
 def _holds_places(items: list[Any]) -> bool:
     """Whether DCP walks into the list ``items`` (it holds a tensor, a mapping or such a list)."""
     return any(
-        isinstance(item, torch.Tensor | Mapping)
-        or (isinstance(item, list) and _holds_places(item))
+        isinstance(item, torch.Tensor | Mapping) or (isinstance(item, list) and _holds_places(item))
         for item in items
     )
 
