@@ -17,15 +17,22 @@ def quiet_port() -> int:
     mlflow server takes to start, or while a test has stopped one to restart it. Ports below the
     kernel's ephemeral range are never handed out that way.
     """
-    low = 32768
+    low, high = 32768, 60999
     if _EPHEMERAL.exists():
-        low = int(_EPHEMERAL.read_text().split()[0])
+        low, high = (int(part) for part in _EPHEMERAL.read_text().split()[:2])
+    # Below the range where it leaves room, else above it (a range tuned to 1024-65535 leaves
+    # neither: then any free port, as bind(0) gives).
+    span = range(max(1024, low - 12000), low) if low > 2048 else range(high + 1, 65536)
     for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
+        if not span:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                return int(sock.getsockname()[1])
+        port = random.choice(span)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port below {low} in 200 tries")
+    raise RuntimeError(f"no free port in {span} in 200 tries")

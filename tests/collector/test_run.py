@@ -274,6 +274,21 @@ def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
     assert f"{tmp_path}: not a regular file" in capsys.readouterr().err
 
 
+def test_read_jsonl_keeps_integer_counts_and_skips_values_nested_past_the_stack(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "m.jsonl"
+    counts = [3, 5, 2**53 + 1]  # a float would round the last
+    nested = json.loads("[" * 900 + "]" * 900)  # parses; its conversion recursed past the stack
+    lines = [
+        {"step": 0, "stream": "", "time": 0, "values": {"a": 1.0}, "histograms": {"h": counts}},
+        {"step": 1, "stream": "", "time": 0, "values": {"x": nested}},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (record,) = read_jsonl(path)
+    assert record["histograms"]["h"] == counts and isinstance(record["histograms"]["h"][2], int)
+
+
 def test_show_plots_at_most_twelve_streams_and_names_the_rest(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -243,7 +243,12 @@ def test_a_window_finishing_after_close_gave_up_logs_no_sink_error(
     collector.metric.update(torch.tensor([1.0]))
     collector.schedule_collection(1)
     assert collector.close(timeout=0.05) is False  # warns: the window is not reported
-    time.sleep(1.0)  # the window's compute (0.5 s) ends meanwhile
+    dispatcher = collector._dispatcher
+    assert dispatcher is not None
+    deadline = time.monotonic() + 60
+    while dispatcher.alive and time.monotonic() < deadline:  # the 0.5 s compute ends, late
+        time.sleep(0.05)
+    assert not dispatcher.alive
     assert "submit after close" not in caplog.text
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 

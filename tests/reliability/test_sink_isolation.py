@@ -679,11 +679,11 @@ def test_a_spool_file_named_by_an_earlier_version_is_still_found(tmp_path: Path)
     )
     old = tmp_path / f"sidestream-my sink@{int(ended.stdout)}-abc.spool.jsonl"
     old.write_text('{"step": 1, "values": {"x": 1.0}}\n')
-    # One that crashed before it spooled anything holds nothing: removed, not named.
+    # One that crashed before it spooled anything holds nothing: not named (nor removed).
     empty = tmp_path / f"sidestream-my sink@{int(ended.stdout)}-def.spool.jsonl"
     empty.write_text("")
     assert leftover_spools(str(tmp_path), "my sink") == [str(old)]
-    assert not empty.exists()
+    assert empty.exists()
     assert leftover_spools(str(tmp_path), "other") == []
 
 

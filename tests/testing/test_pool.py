@@ -146,8 +146,10 @@ def _start_a_child_then_hang(pid_dir: str) -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_rank_stopped_by_force_takes_the_processes_it_started_along(tmp_path: Path) -> None:
-    with pytest.raises(DistributedError, match="still running; killed"):
-        run_distributed(_start_a_child_then_hang, 2, str(tmp_path), timeout=10)
+    with DistributedPool(2) as pool:
+        pool.run(dist.get_rank)  # started before the timeout runs
+        with pytest.raises(DistributedError, match="still running; killed"):
+            pool.run(_start_a_child_then_hang, str(tmp_path), timeout=10)
     pids = [int(pid) for file in tmp_path.iterdir() for pid in file.read_text().split()]
     assert len(pids) == 4 and _gone_soon(pids), pids
 
@@ -157,11 +159,14 @@ def test_ranks_end_and_clean_up_when_the_pools_process_is_killed(tmp_path: Path)
     done = _script(
         tmp_path,
         """
-        import os, signal
+        import os, signal, threading, time
         from sidestream.testing import DistributedPool
         if __name__ == "__main__":
             pool = DistributedPool(2)
             print(*pool.run(os.getpid), pool._store_dir.name, flush=True)
+            # Busy in a task, as a rank is when a job's process group is killed.
+            threading.Thread(target=pool.run, args=(time.sleep, 300), daemon=True).start()
+            time.sleep(1)
             os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit
         """,
     )

@@ -82,6 +82,26 @@ def test_a_rank_past_its_timeout_is_killed_with_what_it_started(
     assert torchrun_pool.run(dist.get_rank) == [0, 1]
 
 
+def test_a_rank_pid_written_by_another_process_is_never_killed(
+    torchrun_pool: TorchrunPool,
+) -> None:
+    # The pool kills the process groups its store names: only signed ids count.
+    from sidestream.testing._torchrun import _PREFIX
+
+    assert sorted(torchrun_pool._rank_pids()) == sorted(torchrun_pool.run(os.getpid))
+    store = torchrun_pool._store
+    assert store is not None
+    key = f"{_PREFIX}/pid/1"
+    genuine = store.get(key)
+    try:
+        store.set(key, str(os.getpid()))  # planted: this test process
+        assert os.getpid() not in torchrun_pool._rank_pids()
+        store.set(key, "not a pid")
+        assert len(torchrun_pool._rank_pids()) == 1
+    finally:
+        store.set(key, genuine)  # type: ignore[arg-type]  # bytes, as the rank wrote it
+
+
 def test_rejects_what_it_cannot_run() -> None:
     def in_main() -> int:
         return 0

@@ -137,10 +137,11 @@ class TorchmetricsMetric(Metric[Any]):
     """A torchmetrics ``Metric`` whose states are sidestream accumulators.
 
     ``update`` and ``compute`` are torchmetrics' own. Before each ``update`` the torchmetrics
-    state attributes are pointed at copies of the accumulators' local tensors, and after it
-    whatever the update left there is stored back once every state passed its checks, so
-    in-place updates (``self.tp += tp``) and rebinding ones (``self.max_value = torch.max(...)``)
-    both land in sidestream state, and a refused update leaves none of it. ``compute`` runs
+    state attributes are pointed at the accumulators' local tensors, and after it whatever the
+    update left there is checked and stored back, so in-place updates (``self.tp += tp``) and
+    rebinding ones (``self.max_value = torch.max(...)``) both land in sidestream state. Each
+    update first copies the states once, to put them back if a check refuses the update (or
+    torchmetrics raises half way): a refused update leaves none of its batch. ``compute`` runs
     torchmetrics' ``compute`` on the synchronized state when a ``sync`` is current, with
     torchmetrics' own distributed sync turned off: the reduction over ranks is sidestream's
     coalesced sync, and checkpoints are sidestream's world-size independent ``state_dict``.
@@ -206,16 +207,8 @@ class TorchmetricsMetric(Metric[Any]):
         return self._torchmetrics
 
     def _point_states(self, synced: bool) -> None:
-        """Point torchmetrics' state attributes at the synced states, or at copies of the local.
-
-        Copies, not the local states themselves: torchmetrics updates in place
-        (``self.total += ...``), so an update refused after it ran (or one that raised half
-        way), or a direct ``update`` of the torchmetrics object between calls, would change the
-        state before any check. ``update`` stores the copies back once they pass.
-        """
         for name, accumulator in self._bridged:
-            value = accumulator.value if synced else accumulator.local.clone()
-            setattr(self._torchmetrics, name, value)
+            setattr(self._torchmetrics, name, accumulator.value if synced else accumulator.local)
 
     def _check_readable(self, call: str) -> None:
         """Raise if the torchmetrics metric was changed outside the wrapper since wrap().
@@ -265,12 +258,25 @@ class TorchmetricsMetric(Metric[Any]):
                 ", double(), half()...): its states are sidestream's now and keep their dtype. "
                 "Call set_dtype on the torchmetrics metric before wrap()"
             )
+        # torchmetrics adds in place (self.total += ...): a refused update (or one that raised
+        # half way) would leave part of its batch in the states. One copy each, put back then.
+        snapshot = [accumulator.local.clone() for _, accumulator in self._bridged]
         self._point_states(synced=False)
         try:
-            self._torchmetrics.update(*args, **kwargs)
-        finally:
-            # Counted before its update runs: one that raised (a bad target) counts too.
-            self._updates_seen = self._torchmetrics._update_count
+            try:
+                self._torchmetrics.update(*args, **kwargs)
+            finally:
+                # Counted before its update runs: one that raised (a bad target) counts too.
+                self._updates_seen = self._torchmetrics._update_count
+            self._store_update()
+        except BaseException:
+            for (_, accumulator), saved in zip(self._bridged, snapshot, strict=True):
+                accumulator.local.copy_(saved)
+            self._point_states(synced=False)  # rebinding states left elsewhere come back
+            raise
+
+    def _store_update(self) -> None:
+        """Check what torchmetrics' update left in its states, then make it the local state."""
         changed = _changed_setting(self._torchmetrics, self._settings)
         if changed is not None:
             raise UnsupportedStateError(
@@ -302,8 +308,10 @@ class TorchmetricsMetric(Metric[Any]):
                     f"{value.dtype}) on the torchmetrics metric before wrap()"
                 )
         for _, accumulator, value in results:
-            # In place or rebound, the result becomes the local state (and any sync is stale).
-            accumulator.load_local(value.to(accumulator.local.dtype))
+            if value is accumulator.local:
+                accumulator.mark_changed()  # updated in place: the sync is stale
+            else:  # rebound (self.max_value = torch.max(...)): stored into the state
+                accumulator.load_local(value.to(accumulator.local.dtype))
 
     def compute(self) -> Any:
         """Run torchmetrics' ``compute`` on the synchronized state if current, else the local.

@@ -839,6 +839,8 @@ class Metric(Generic[T], abc.ABC):
 
         Raises:
             TypeError: If ``device`` is not a ``torch.device``, a str or an int (a dtype, say).
+            ValueError: If ``device`` is a str torch cannot parse (``"gpu"``) or a negative
+                index.
             RuntimeError: If ``device`` is a CUDA device and CUDA is not available.
         """
         check_device("to", device)

@@ -119,6 +119,11 @@ class AsyncMetricCollector(Generic[T]):
             ``torch.distributed.checkpoint`` calls it (``None``: no limit). A collector of a
             ``Run`` takes the run's.
 
+    Raises:
+        ValueError: If the metric, or one in or around it, is bound to another collector that
+            is not closed (the metric is left as it was); or an option is out of range.
+        TypeError: If an argument is of the wrong type (``sinks``, ``prefix``, ``max_slots``...).
+
     Example:
         >>> from sidestream import MeanMetric
         >>> collector = AsyncMetricCollector(MeanMetric()).bind("cpu")
@@ -278,8 +283,8 @@ class AsyncMetricCollector(Generic[T]):
                 several processes but no process group is initialized, or one of this
                 process alone.
             ValueError: If the metric is bound to another collector that is not closed, the
-                collector has sinks and its group leaves out global rank 0 (their writer), or
-                ``device`` is ``"meta"``.
+                collector has sinks and its group leaves out global rank 0 (their writer),
+                ``device`` is ``"meta"``, or a str torch cannot parse or a negative index.
         """
         check_device("bind", device, allow_none=True)
         if self._dispatcher is not None or self._closed:
@@ -417,10 +422,13 @@ class AsyncMetricCollector(Generic[T]):
         order). No host sync on CUDA.
 
         Raises:
-            RuntimeError: If not bound, or closed.
+            RuntimeError: If not bound, or closed; or if a metric of the tree says its states
+                cannot be read as they are (``Metric._check_readable``: the torchmetrics
+                bridge's wrapped object updated directly), before anything is staged.
             TypeError: If ``step`` is not an integer (Python or numpy).
             ValueError: If ``step`` is not larger than the previous window's step, or not in
-                ``[0, 2**63)`` (it travels as an int64).
+                ``[0, 2**63)`` (it travels as an int64); or a wrapped torchmetrics metric's
+                setting changed after ``wrap()``.
         """
         if self._dispatcher is None or self._closed:
             raise RuntimeError("schedule_collection: call bind(device) first (and not after close)")

@@ -347,7 +347,8 @@ def _text_to_float(value: Any) -> Any:
     if isinstance(value, list):
         return [_text_to_float(item) for item in value]
     if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)  # values travel as float64; an int here is one written as such
+        float(value)  # OverflowError for one no float holds; kept an int (histogram counts)
+        return value
     return float(value) if isinstance(value, str) else value
 
 
@@ -366,7 +367,8 @@ def _parse(line: str | bytes) -> dict[str, Any] | None:
         record["values"] = {k: _text_to_float(v) for k, v in values.items()}
         if "histograms" in record:
             record["histograms"] = {k: _text_to_float(v) for k, v in histograms.items()}
-    except (ValueError, OverflowError):  # a string other than "NaN" / "Infinity" / "-Infinity"
+    except (ValueError, OverflowError, RecursionError):  # a string other than "NaN" /
+        # "Infinity" / "-Infinity", a number no float holds, lists nested past the stack
         return None
     return record
 

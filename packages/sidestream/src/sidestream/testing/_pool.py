@@ -11,6 +11,7 @@ import queue
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
@@ -26,7 +27,7 @@ __all__ = ["DistributedPool", "run_distributed"]
 _STOP = "stop"
 _START_FAILED = "start failed"  # a rank's message when joining the process group raised
 _GRACE_S = 5.0  # after one rank fails, how long the others get to report their own view
-_PARENT_CHECK_S = 1.0  # how often an idle rank looks whether the pool's process is gone
+_PARENT_CHECK_S = 0.5  # how often a rank looks whether the pool's process is gone
 
 
 class RankPool(ABC):
@@ -198,8 +199,13 @@ def _worker(
     import torch
     import torch.distributed as dist
 
-    # A process group of its own: stopping this rank by force stops what it started too.
+    # A process group of its own: stopping this rank by force stops what it started too. Out
+    # of reach of a kill of the job's group, so a watchdog ends it once the pool's process is
+    # gone, busy in a task or not.
     os.setpgrp()
+    threading.Thread(
+        target=_end_with_parent, args=(parent, store_path, rank), daemon=True, name="pool-watch"
+    ).start()
     torch.set_num_threads(1)  # N ranks share this machine's cores
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # gloo ranks are CPU ranks
     try:
@@ -217,14 +223,7 @@ def _worker(
     ready[rank] = 1
     try:
         while True:
-            try:
-                task = tasks.get(timeout=_PARENT_CHECK_S)
-            except queue.Empty:
-                if os.getppid() != parent:  # the pool's process is gone: nobody will stop us
-                    if rank == 0:
-                        shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
-                    break
-                continue
+            task = tasks.get()
             if task == _STOP:
                 break
             task_id, payload = task
@@ -232,6 +231,15 @@ def _worker(
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def _end_with_parent(parent: int, store_path: str, rank: int) -> None:
+    """Kill this rank's process group (itself and what it started) once ``parent`` is gone."""
+    while os.getppid() == parent:
+        time.sleep(_PARENT_CHECK_S)
+    if rank == 0:  # nobody else will remove the pool's temporary directory
+        shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
+    os.killpg(0, signal.SIGKILL)
 
 
 class DistributedPool(RankPool):

@@ -171,8 +171,16 @@ class TorchrunPool(RankPool):
         """The ranks' process ids, as each wrote it when it started (not all may have)."""
         if self._store is None:
             return []
-        keys = [f"{_PREFIX}/pid/{rank}" for rank in range(self.world_size)]
-        return [int(self._store.get(key)) for key in keys if self._store.check([key])]
+        pids = []
+        for rank in range(self.world_size):
+            key = f"{_PREFIX}/pid/{rank}"
+            if not self._store.check([key]):
+                continue
+            try:  # signed by the rank: a pid planted by another process is never killed
+                pids.append(int(verify(self._key, self._store.get(key))))
+            except ValueError:
+                continue
+        return pids
 
     def _death_reason(self, rank: int) -> str:
         code = None if self._launcher is None else self._launcher.returncode

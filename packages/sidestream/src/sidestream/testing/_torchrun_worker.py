@@ -44,7 +44,8 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     # torchrun starts each rank in a session of its own, out of reach of a kill of torchrun's:
     # the pool kills this process group by its id when the rank will not stop.
-    store.set(f"{prefix}/pid/{rank}", str(os.getpid()))
+    # Signed as results are: the pool kills what this key names, so nobody else may write it.
+    store.set(f"{prefix}/pid/{rank}", sign(key, str(os.getpid()).encode()))  # type: ignore[arg-type]
     _join_group(backend, timeout)
     store.set(f"{prefix}/ready/{rank}", "1")
     try:
