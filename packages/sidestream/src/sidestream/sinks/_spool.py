@@ -399,10 +399,8 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
     """Spool files of sink ``label`` in ``directory`` whose process has ended.
 
     A job that crashed leaves its spool behind, and a close that timed out keeps one on
-    purpose; neither was delivered (a replayed file is renamed, so it is not listed). An empty
-    one (a job that crashed before it spooled anything) holds nothing: it is not listed (nor
-    removed: a job on another host sharing the directory may be writing it). Never raises: an
-    unreadable directory lists nothing.
+    purpose; neither was delivered (a replayed file is renamed, so it is not listed).
+    Never raises: an unreadable directory lists nothing.
     """
     folder = directory if directory is not None else tempfile.gettempdir()
     found = []
@@ -418,12 +416,7 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
         if not entry.is_file():
             continue
         if not _alive(int(match["pid"]), match["start"]):
-            try:
-                empty = entry.stat().st_size == 0
-            except OSError:  # gone meanwhile
-                continue
-            if not empty:
-                found.append(entry.path)
+            found.append(entry.path)
     return sorted(found)
 
 
