@@ -6,6 +6,7 @@ with NCCL, to show the same tests run unchanged on ranks torchrun starts.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -109,6 +110,8 @@ def test_rejects_what_it_cannot_run() -> None:
     in_main.__module__ = "__main__"
     with pytest.raises(ValueError, match="function: the torchrun ranks import it"):
         TorchrunPool(2, backend="gloo").run(in_main)
+    with pytest.raises(ValueError, match="function: the torchrun ranks import it"):
+        TorchrunPool(2, backend="gloo").run(functools.partial(functools.partial(in_main)))
     if torch.cuda.device_count() < 64:
         with pytest.raises(ValueError, match="world_size: NCCL needs one GPU per rank"):
             TorchrunPool(64, backend="nccl")

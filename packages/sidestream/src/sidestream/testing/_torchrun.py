@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import secrets
@@ -81,7 +82,10 @@ class TorchrunPool(RankPool):
             ValueError: If ``function`` lives in ``__main__``, which the ranks cannot import.
             DistributedError: If any rank raised, timed out or died.
         """
-        if getattr(function, "__module__", None) == "__main__":
+        inner = function
+        while isinstance(inner, functools.partial):  # the function it calls is what is pickled
+            inner = inner.func
+        if getattr(inner, "__module__", None) == "__main__":
             raise ValueError(
                 "function: the torchrun ranks import it by module; define it in an importable "
                 "module, not in __main__"
