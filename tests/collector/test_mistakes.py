@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
-import subprocess
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -31,26 +29,10 @@ from sidestream.sinks import (
     read_jsonl,
     sinks_from_config,
 )
+from tests._scripts import run_python
 from tests.collector.helpers import RecordingSink
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-_PATH = os.environ.get("PYTHONPATH", "")
-
-
-def _python(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run this interpreter on ``args`` from the repository root, with ``env`` added."""
-    return subprocess.run(
-        [sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        # The root for the scripts' own imports, before any PYTHONPATH the suite runs under
-        # (the GPU machines' source trees: .ci/device-check).
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), _PATH))), **env},
-    )
+_python = run_python
 
 
 class HttpError(Exception):
@@ -506,7 +488,8 @@ def test_run_log_refuses_what_a_tracker_cannot_take(tmp_path: Path) -> None:
         run.log(2**63 + 5, {"x": 1.0})
     with pytest.raises(ValueError, match=r"values\['x'\]: too large for a float"):
         run.log(1, {"x": 10**400})
-    if np.finfo(np.longdouble).max > 1e400:  # wider than a double here (x86: 80 bits)
+    # The literal 1e400 is inf: compare as a longdouble (x86: 80 bits, wider than a double).
+    if np.finfo(np.longdouble).max > np.longdouble("1e400"):
         with pytest.raises(ValueError, match=r"values\['x'\]: too large for a float"):
             run.log(1, {"x": np.longdouble("1e400")})  # float() gave inf, no OverflowError
     run.log(1, {"inf": np.longdouble("inf"), "nan": float("nan")})  # what they are: logged

@@ -21,6 +21,7 @@ from sidestream.testing import (
     on_rank_device,
     run_distributed,
 )
+from tests._scripts import run_python
 
 
 @on_rank_device
@@ -78,9 +79,7 @@ def test_rejects_bad_world_size() -> None:
 def _script(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "job.py"  # spawn imports the main module again: a file, not -c
     path.write_text(textwrap.dedent(text))
-    return subprocess.run(
-        [sys.executable, str(path)], capture_output=True, text=True, timeout=180, cwd=tmp_path
-    )
+    return run_python(str(path), timeout=180)
 
 
 def test_rank_dying_while_starting_is_named(tmp_path: Path) -> None:
@@ -159,14 +158,22 @@ def test_ranks_end_and_clean_up_when_the_pools_process_is_killed(tmp_path: Path)
     done = _script(
         tmp_path,
         """
-        import os, signal, threading, time
+        import os, pathlib, signal, sys, threading, time
         from sidestream.testing import DistributedPool
+
+        def busy(marks):
+            pathlib.Path(marks, str(os.getpid())).touch()
+            time.sleep(300)
+
         if __name__ == "__main__":
             pool = DistributedPool(2)
             print(*pool.run(os.getpid), pool._store_dir.name, flush=True)
             # Busy in a task, as a rank is when a job's process group is killed.
-            threading.Thread(target=pool.run, args=(time.sleep, 300), daemon=True).start()
-            time.sleep(1)
+            marks = pathlib.Path(sys.argv[0]).with_name("busy")
+            marks.mkdir()
+            threading.Thread(target=pool.run, args=(busy, str(marks)), daemon=True).start()
+            while len(list(marks.iterdir())) < 2:
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit
         """,
     )

@@ -142,9 +142,8 @@ class Delivery:
         self._closed = False
         self._failed_submits: set[str] = set()
         # The places each sink's state has before it opens: the template a fresh run gives
-        # torch.distributed.checkpoint, which loads only those (see _check_places). Kept as
-        # states, walked at a checkpoint (a job that takes none never walks them).
-        self._fresh_states = {key: _fresh_state(sink) for key, sink in self.sinks.items()}
+        # torch.distributed.checkpoint, which loads only those (see _check_places).
+        self._fresh_places = {key: _state_places(sink) for key, sink in self.sinks.items()}
         self._place_warned: set[str] = set()
         self._name_streams: dict[str, str] = {}  # value name -> the stream that reported it
         self._name_warned: set[str] = set()
@@ -312,10 +311,10 @@ class Delivery:
         (sinks not open yet) and only into places it has: a key added at ``open`` (or a mapping
         that grows) would be dropped silently, and the resumed sink would repeat its steps.
         """
-        fresh_state = self._fresh_states.get(key)
-        if fresh_state is None or key in self._place_warned:
+        fresh = self._fresh_places.get(key)
+        if fresh is None or key in self._place_warned:
             return
-        fresh, now = _places(fresh_state), _places(state)
+        now = _places(state)
         if now != fresh:
             self._place_warned.add(key)
             logger.warning(
@@ -455,10 +454,10 @@ def _stream_text(stream: str) -> str:
     return stream or "run.log"
 
 
-def _fresh_state(sink: Sink) -> dict[str, Any] | None:
-    """A copy of ``sink``'s state now, or ``None`` if it cannot say before it opens."""
+def _state_places(sink: Sink) -> frozenset[str] | None:
+    """The places of ``sink``'s state now, or ``None`` if it cannot say before it opens."""
     try:
-        return copy.deepcopy(sink.state_dict())  # the sink may change what it returned
+        return _places(sink.state_dict())
     except Exception:  # a custom sink whose state needs an open backend: not checked
         return None
 

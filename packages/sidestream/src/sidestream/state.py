@@ -345,8 +345,9 @@ class MetricAccumulator:
         if update.requires_grad:
             update = update.detach()
         if self._sums:
+            # _refuse_lossy inlined (the hot path); add_'s own error is a RuntimeError.
             if update.dtype != self._dtype and _kind(update.dtype) > self._kind:
-                raise self._cast_error(update)  # add_'s own error is a RuntimeError
+                raise self._cast_error(update)
             if is_compiling():  # _span inlined: the hot path of small compiled updates
                 span = self._buffer[self._start : self._stop]
                 span = span if self._shape is None else span.view(self._shape)
@@ -387,6 +388,11 @@ class MetricAccumulator:
                 except RuntimeError as error:
                     raise self._update_error(update, error) from error
         self._freshness.stale()
+
+    def _refuse_lossy(self, value: Tensor, argument: str) -> None:
+        """Raise ``TypeError`` naming ``argument`` if the state's dtype would lose its values."""
+        if value.dtype != self._dtype and _kind(value.dtype) > self._kind:
+            raise self._cast_error(value, argument)
 
     def _cast_error(self, update: Tensor, argument: str = "update") -> TypeError:
         """An update whose dtype this state cannot take without losing values."""
@@ -510,8 +516,7 @@ class MetricAccumulator:
         """
         if source.requires_grad:
             source = source.detach()
-        if source.dtype != self._dtype and _kind(source.dtype) > self._kind:
-            raise self._cast_error(source, "source")  # .to() would truncate 2.7 to 2
+        self._refuse_lossy(source, "source")  # .to() would truncate 2.7 to 2
         target = self._span() if is_compiling() else self._target
         target.index_add_(0, index, source.to(self._dtype))
         self._freshness.stale()
@@ -594,8 +599,7 @@ class MetricAccumulator:
                 f"state_dict: expected a tensor of shape {tuple(self._local.shape)}, "
                 f"got {tuple(value.shape)}"
             )
-        if value.dtype != self._dtype and _kind(value.dtype) > self._kind:
-            raise self._cast_error(value, "value")  # copy_ would truncate 2.7 to 2
+        self._refuse_lossy(value, "value")  # copy_ would truncate 2.7 to 2
         self._local.copy_(value.detach())
         self._freshness.stale()
 

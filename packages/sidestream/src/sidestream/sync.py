@@ -253,6 +253,9 @@ def _describe_call(words: list[int]) -> str:
 
 
 StatePart = tuple[str, tuple[int, ...], str]
+"""One state inside a synced buffer: its name, its shape, and the configuration its values mean
+something only with, in words (a constant's value such as histogram bins, a classification
+problem), ``""`` for none. Every rank must hold the same."""
 
 _SETTINGS = "/settings"  # ends a settings part's name; no state name has a "/"
 
@@ -265,11 +268,6 @@ def settings_part(prefix: str, text: str) -> StatePart:
         text: What must be equal on every rank (its class, what its ``compute`` reads).
     """
     return (prefix + _SETTINGS, (), text)
-
-
-"""One state inside a synced buffer: its name, its shape, and the configuration its values mean
-something only with, in words (a constant's value such as histogram bins, a classification
-problem), ``""`` for none. Every rank must hold the same."""
 
 
 @dataclass

@@ -388,16 +388,25 @@ class DistributedPool(RankPool):
             self._store_dir = None
 
 
+def kill_own_group(pid: int) -> bool:
+    """Kill process ``pid`` and what it started, if it leads a process group; whether it did.
+
+    A rank of either pool leads one (``os.setpgrp`` here, torchrun's session per rank).
+    """
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+            return True
+    except (ProcessLookupError, PermissionError):
+        pass
+    return False
+
+
 def _kill_group(process: BaseProcess) -> None:
     """Kill a rank and the processes it started (its own process group: see ``_worker``)."""
     assert process.pid is not None
-    try:
-        if os.getpgid(process.pid) == process.pid:
-            os.killpg(process.pid, signal.SIGKILL)
-            return
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.kill()  # not yet in a group of its own (still starting)
+    if not kill_own_group(process.pid):
+        process.kill()  # not yet in a group of its own (still starting)
 
 
 def run_distributed(

@@ -20,7 +20,7 @@ from typing import IO, Any
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
 
-from sidestream.testing._pool import RankPool
+from sidestream.testing._pool import RankPool, kill_own_group
 from sidestream.testing._signed import KEY_ENV, sign, verify
 from sidestream.testing._torchrun_worker import STOP
 
@@ -209,9 +209,7 @@ class TorchrunPool(RankPool):
                 # torchrun gave each rank a session of its own: killing torchrun's group would
                 # leave a rank that is stuck in a task running, so each rank's group goes first.
                 for pid in self._rank_pids():
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        if os.getpgid(pid) == pid:
-                            os.killpg(pid, signal.SIGKILL)
+                    kill_own_group(pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self._launcher.pid, signal.SIGKILL)
                 self._launcher.wait(timeout=10.0)
