@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before any group: see the note in main()
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -166,6 +167,10 @@ def main() -> None:
         "--plot", help="where to draw the curves (default: curves.png beside --out)"
     )
     args = parser.parse_args()
+    # torch.distributed.nn (which DDP imports) takes the default group as a default argument
+    # of its functions when first imported: imported after init_process_group, that group then
+    # outlives destroy_process_group(), and gloo aborts the exit now and then ("terminate
+    # called without an active exception"). Imported above, before any group, it holds none.
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:

@@ -190,6 +190,27 @@ def test_rank_dying_in_a_task_is_not_blamed_on_starting() -> None:
     assert "exit code 3" in died.reason and "while starting" not in died.reason
 
 
+def _default_group_references_left_by_ddp() -> int:
+    """References to the default group that building and dropping a DDP model leaves behind."""
+    import gc
+
+    pg = dist.group.WORLD
+    gc.collect()
+    before = sys.getrefcount(pg)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    del model
+    gc.collect()
+    return sys.getrefcount(pg) - before
+
+
+def test_ddp_in_a_rank_leaves_the_default_group_destroyable() -> None:
+    # torch.distributed.nn, first imported by DDP after the group exists, would hold the group
+    # in its functions' defaults: destroy_process_group() then frees nothing, and gloo aborts
+    # the rank's exit now and then. A fresh pool: a rank that imported it before is not fresh.
+    with DistributedPool(2) as pool:
+        assert pool.run(_default_group_references_left_by_ddp) == [0, 0]
+
+
 def test_close_after_a_start_that_failed_halfway() -> None:
     pool = DistributedPool(2)
     context = pool._context  # processes made but never started, as when start() raised

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from sidestream.testing import DistributedError, TorchrunPool, rank_device
 from tests.testing.test_pool import (
+    _default_group_references_left_by_ddp,
     _gone_soon,
     _rank_one_dies,
     _rank_one_raises,
@@ -50,6 +51,10 @@ def test_ranks_are_started_by_torchrun_and_results_come_back(torchrun_pool: Torc
     assert torchrun_pool.run(dist.get_rank) == [0, 1]
     results = torchrun_pool.run(_device_tensor)
     assert [r.tolist() for r in results] == [[0, 1, 2], [0, 2, 4]]
+
+
+def test_ddp_in_a_rank_leaves_the_default_group_destroyable(torchrun_pool: TorchrunPool) -> None:
+    assert torchrun_pool.run(_default_group_references_left_by_ddp) == [0, 0]
 
 
 def test_failing_rank_reported_then_pool_restarts(torchrun_pool: TorchrunPool) -> None:

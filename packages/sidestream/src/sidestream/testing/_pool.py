@@ -199,6 +199,12 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    # Imported before the group exists: torch.distributed.nn's functions take the default
+    # group as a default argument when first imported (DDP and DCP import them), and a group
+    # held there outlives destroy_process_group(), so gloo would abort the rank's exit now and
+    # then ("terminate called without an active exception").
+    import torch.distributed.nn
+
     # A process group of its own: stopping this rank by force stops what it started too. Out
     # of reach of a kill of the job's group, so a watchdog ends it once the pool's process is
     # gone, busy in a task or not.

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before the group, as in _pool._worker
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
 
 from sidestream.testing._pool import run_task
