@@ -274,6 +274,33 @@ def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
     assert f"{tmp_path}: not a regular file" in capsys.readouterr().err
 
 
+def test_show_without_a_plot_keeps_one_point_per_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tracemalloc
+
+    path = tmp_path / "long.jsonl"
+    record = '{{"step": {}, "stream": "train", "time": 0, "values": {{"a": {}, "b": 1.5}}}}\n'
+    with path.open("w") as file:
+        file.write(record.format(7, 70.0))  # the largest step comes first: lines go out of order
+        file.writelines(record.format(step, float(step)) for step in range(100_000) if step != 7)
+        file.write(record.format(7, 71.0))  # written last of step 7... still not the largest
+        file.write(record.format(99_999, -1.0))  # of the largest step, the value written last
+    tracemalloc.start()
+    try:
+        assert cli(["show", str(path)]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in lines[1:]] == [
+        ["train", "99999", "a", "-1"],
+        ["train", "99999", "b", "1.5"],
+    ]
+    # Every point of 200,000 kept would take tens of MB.
+    assert peak < 4_000_000, peak
+
+
 def test_read_jsonl_keeps_integer_counts_and_skips_values_nested_past_the_stack(
     tmp_path: Path,
 ) -> None:

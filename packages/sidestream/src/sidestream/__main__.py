@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--plot: {out} is a directory; expected an image file such as out.png")
         if not out.suffix:
             out = out.with_suffix(".png")  # what matplotlib would write, and is said below
-    history, damaged = _history(args.path)
+    history, damaged = _history(args.path, every_point=out is not None)
     if damaged:
         print(
             f"warning: {damaged} line(s) of {args.path} are no JsonlSink records (cut short, or "
@@ -84,10 +84,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 History = dict[str, dict[str, list[tuple[int, float]]]]
 
 
-def _history(path: Path) -> tuple[History, int]:
+def _history(path: Path, every_point: bool) -> tuple[History, int]:
     """Each stream's points, and how many lines were no record.
 
     One pass: a second read of a live file would count lines appended meanwhile.
+
+    Args:
+        path: The JSONL file.
+        every_point: Keep every point (for a plot). Otherwise only the one the table shows
+            per name (the largest step, of equal steps the one written last), so a file of
+            millions of records takes no more memory than its names.
     """
     history: History = {}
     damaged = 0
@@ -98,9 +104,15 @@ def _history(path: Path) -> tuple[History, int]:
         stream = str(record.get("stream", ""))
         names = history.setdefault(stream, {})
         values = record.get("values")
+        step = int(record["step"])
         for name, value in (values if isinstance(values, dict) else {}).items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                names.setdefault(name, []).append((int(record["step"]), float(value)))
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            points = names.setdefault(name, [])
+            if every_point or not points:
+                points.append((step, float(value)))
+            elif step >= points[0][0]:
+                points[0] = (step, float(value))
     return history, damaged
 
 
