@@ -146,7 +146,7 @@ class Delivery:
         self._fresh_places = {key: _state_places(sink) for key, sink in self.sinks.items()}
         self._place_warned: set[str] = set()
         self._name_streams: dict[str, str] = {}  # value name -> the stream that reported it
-        self._name_warned: set[str] = set()
+        self._name_warned: set[tuple[str, str]] = set()  # (name, stream) named in a warning
 
     @property
     def started(self) -> bool:
@@ -224,7 +224,7 @@ class Delivery:
                     )
 
     def _check_names(self, report: Report) -> None:
-        """Warn once per name that two streams of the run both report.
+        """Warn once per name and stream when a stream reports a name another stream reported.
 
         Trackers keep values by name alone (a TensorBoard tag, an MLflow key, a W&B column):
         ``run.log(step, {"train/loss": ...})`` next to a ``"train"`` collector's ``loss``, or
@@ -235,8 +235,10 @@ class Delivery:
         for names in (report.values, report.histograms):
             for name in names:
                 owner = owners.setdefault(name, report.stream)  # atomic: several threads submit
-                if owner != report.stream and name not in self._name_warned:
-                    self._name_warned.add(name)
+                # Per stream, not per name: a third stream on the name is named too.
+                clash = (name, report.stream)
+                if owner != report.stream and clash not in self._name_warned:
+                    self._name_warned.add(clash)
                     logger.warning(
                         "%r is reported by two streams of this run, %r and %r: trackers keep "
                         "values by name, so they would show one series with the values of "
