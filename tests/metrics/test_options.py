@@ -563,6 +563,15 @@ def _macro_f1() -> Any:
             ),
             r"^preds: expected logits without NaN or \+inf.* \(found nan, inf: 2 of 8 elements\)$",
         ),
+        (
+            # No NaN and no +inf: a row of only -inf has a NaN softmax all the same.
+            lambda: MulticlassCalibrationErrorMetric(3, logits=True).update(
+                torch.tensor([[0.0, 1.0, 0.0], [-float("inf")] * 3, [0.0, -float("inf"), 1.0]]),
+                torch.tensor([0, 1, 2]),
+            ),
+            r"^preds: expected logits without NaN or \+inf, and no row of only -inf.*; this "
+            r"batch has values that are not \(found -inf, -inf, -inf: 3 of 9 elements\)$",
+        ),
     ],
     ids=[
         "target index",
@@ -573,6 +582,7 @@ def _macro_f1() -> Any:
         "large index",
         "ignore_index",
         "multiclass logits",
+        "a row of only -inf",
     ],
 )
 def test_bad_values_are_shown_in_the_error(update: Any, match: str) -> None:

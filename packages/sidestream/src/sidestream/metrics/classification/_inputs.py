@@ -14,6 +14,7 @@ device), ``screen`` (the bad-value policy over several checks) and the per-probl
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -68,9 +69,10 @@ _FUSED_MAX_ELEMENTS = 1 << 14
 """From this many scores, ``batch_cells`` takes predictions and the NaN check from one
 ``max(-1)`` pass."""
 
-Found = tuple[Tensor, float, float, bool]
+Found = tuple[Tensor, float, float, bool] | Callable[[], str]
 """``(values, low, high, whole)``: where a failed check's error message finds the values it
-names (``found_outside``)."""
+names (``found_outside``); or, where no range says which values are bad, a function that
+names them (called only when the check failed)."""
 
 Check = tuple[Tensor | bool, str, str, Found | None]
 """``(invalid elements, argument name, what valid values look like, where to find them)`` for
@@ -113,7 +115,13 @@ def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
     if any(isinstance(flag, bool) or not checks_stay_on_device(flag.device) for flag in flags):
         for invalid, argument, expected, source in checks:
             failed = invalid if isinstance(invalid, bool) else bool(invalid.any())
-            found = found_outside(*source[:3], whole=source[3]) if failed and source else ""
+            found = ""
+            if failed and source is not None:
+                if callable(source):
+                    found = source()
+                else:
+                    values, low, high, whole = source
+                    found = found_outside(values, low, high, whole=whole)
             screen_invalid(failed, rejected, argument, expected, found)
         return None
     device_flags = [any_flag(flag) for flag in flags if isinstance(flag, Tensor)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -13,6 +14,7 @@ from sidestream._validation import (
     checks_stay_on_device,
     expected_text,
     found_outside,
+    found_where,
     ignore_index_of,
     screen_invalid,
 )
@@ -20,6 +22,7 @@ from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._inputs import (
     PROBABILITIES,
     Check,
+    Found,
     check_tensor,
     not_binary,
     outside,
@@ -134,10 +137,13 @@ def score_batch(
     if scores.numel() == 0:
         return None
     ranked: Tensor | None = None  # what an exact metric stores, if not the probabilities
-    found: tuple[Tensor, float, float, bool] | None = None  # where a CPU error finds values
+    found: Found | None = None  # where a CPU error finds values
     if problem.logits:
         if problem.kind is ProblemKind.MULTICLASS:
-            expected = "logits without NaN or +inf (a softmax row with one is NaN)"
+            expected = (
+                "logits without NaN or +inf, and no row of only -inf (the softmax of such a "
+                "row is NaN)"
+            )
         else:
             expected = "logits without NaN"
         if exact and problem.kind is not ProblemKind.MULTICLASS:
@@ -151,9 +157,9 @@ def score_batch(
                 work = scores if scores.dtype == torch.float64 else scores.float()
             multiclass = problem.kind is ProblemKind.MULTICLASS
             if multiclass:
-                # A message names the logits passed (NaN or +inf), not every element of their
-                # softmax rows, which one bad logit makes NaN.
-                found = (scores, -torch.inf, torch.finfo(scores.dtype).max, False)
+                # A message names the logits passed, not every element of their softmax rows,
+                # which one bad logit makes NaN.
+                found = functools.partial(_bad_logits, scores)
             scores = work.softmax(-1) if multiclass else work.sigmoid()
     else:
         expected = PROBABILITIES
@@ -194,6 +200,15 @@ def score_batch(
         if problem.kind is ProblemKind.MULTICLASS:
             labels = labels.clamp(0, problem.num_classes - 1)
     return ScoreBatch(scores if ranked is None else ranked, labels, weight, keep)
+
+
+def _bad_logits(logits: Tensor) -> str:
+    """For a CPU error message: the multiclass logits whose softmax row is NaN.
+
+    A NaN or +inf logit, and every logit of a row of only -inf (no range names those).
+    """
+    bad = logits.isnan() | logits.isposinf() | logits.isneginf().all(-1, keepdim=True)
+    return found_where(logits, bad)
 
 
 def _valid_elements(problem: Problem, scores: Tensor, target: Tensor, nan_only: bool) -> Tensor:
