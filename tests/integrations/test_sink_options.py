@@ -499,3 +499,51 @@ def test_only_spool_files_that_may_be_this_runs_are_named_when_the_sink_starts(
     assert str(ours) in warned and str(crashed) in warned, warned
     assert str(theirs) not in caplog.text
     assert "1 spool file(s) in the spool directory were kept by other runs" in caplog.text
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_histogram_edges_keyed_without_the_streams_prefix_are_named(
+    tracker: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "scores" for the histogram a "train" collector reports as "train/scores": the bins were
+    # drawn as [i, i + 1) and close returned True without a word.
+    import torch
+
+    from sidestream import ComposeMetric, Metric, ReduceOp
+
+    class TwoBins(Metric[torch.Tensor]):
+        def __init__(self) -> None:
+            super().__init__()
+            self._counts = self.add_state("counts", torch.zeros(2), ReduceOp.SUM)
+
+        def update(self, counts: torch.Tensor) -> None:
+            self._counts.local.add_(counts)
+
+        def compute(self) -> torch.Tensor:
+            return self._counts.value
+
+    edges = {"scores": [0.0, 0.5, 1.0], "train/score": [0.0, 0.5, 1.0]}
+    if tracker == "tensorboard":
+        sink = _tensorboard()(log_dir=str(tmp_path / "tb"), histogram_edges=edges)
+    else:
+        monkeypatch.setenv("WANDB_SILENT", "true")
+        sink = _wandb()(project="p", mode="offline", dir=str(tmp_path), histogram_edges=edges)
+    caplog.set_level(logging.WARNING, logger="sidestream.sinks")
+    with Run([sink]) as run:
+        collector = run.collector(
+            ComposeMetric({"scores": TwoBins()}), prefix="train", histograms=["scores"]
+        ).bind("cpu")
+        for step in (1, 2):
+            collector.metric["scores"].update(torch.ones(2))
+            collector.schedule_collection(step)
+    name = type(sink).__name__
+    messages = [r.getMessage() for r in caplog.records if "histogram" in r.getMessage()]
+    assert messages == [
+        f"{name}: histogram 'train/scores' has no histogram_edges entry, so its bins are drawn "
+        "as [i, i + 1); the option has 'scores': its keys are the names as reported, with the "
+        "stream's prefix ('train/scores')",
+        f"{name}: histogram_edges 'scores' (did you mean 'train/scores'?), 'train/score' (did you "
+        "mean 'train/scores'?) matched no histogram of this run (histograms without edges: "
+        "'train/scores'); keys are the names as reported, with the stream's prefix (such as "
+        "'train/scores')",
+    ]

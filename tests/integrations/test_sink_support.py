@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from sidestream.sinks.support import (
+    HistogramEdges,
     checked_histogram_edges,
     flatten_config,
     histogram_edges,
@@ -123,6 +124,42 @@ def test_histogram_edges_default_to_unit_bins_and_check_given_ones() -> None:
             histogram_edges(2, edges)
         with pytest.raises(ValueError, match=r"histogram_edges\['h'\]: .*finite increasing"):
             checked_histogram_edges({"h": edges})
+
+
+def test_histogram_edges_keys_that_match_no_histogram_are_named() -> None:
+    warned: list[tuple[str, str]] = []
+
+    def warn_once(key: str, message: str) -> None:
+        warned.append((key, message))
+
+    edges = HistogramEdges({"scores": [0, 0.5, 1], "val/score": [0, 1], "val/x": [0, 1]}, "S")
+    # The prefix left out: said at the first histogram it would have matched, once per name.
+    assert edges.edges("train/scores", 2, warn_once) == [0.0, 1.0, 2.0]
+    assert len(warned) == 1
+    key, message = warned[0]
+    assert key == "histogram_edges:train/scores"
+    assert message == (
+        "S: histogram 'train/scores' has no histogram_edges entry, so its bins are drawn as "
+        "[i, i + 1); the option has 'scores': its keys are the names as reported, with the "
+        "stream's prefix ('train/scores')"
+    )
+    assert edges.edges("val/x", 1, warn_once) == [0.0, 1.0]  # matched: used, no warning
+    edges.edges("val/scores", 2, warn_once)  # a typo is no suffix: named at close only
+    assert edges.unmatched_warning() == (
+        "S: histogram_edges 'scores' (did you mean 'train/scores' or 'val/scores'?), "
+        "'val/score' (did you mean "
+        "'val/scores'?) matched no histogram of this run (histograms without edges: "
+        "'train/scores', 'val/scores'); keys are the names as reported, with the stream's "
+        "prefix (such as 'train/scores')"
+    )
+    assert HistogramEdges({"h": [0, 1]}, "S").unmatched_warning() == (
+        "S: histogram_edges 'h' matched no histogram of this run (it wrote no histogram); keys "
+        "are the names as reported, with the stream's prefix (such as 'train/scores')"
+    )
+    every = HistogramEdges({"a/h": [0, 1]}, "S")
+    every.edges("a/h", 1, warn_once)
+    assert every.unmatched_warning() is None
+    assert HistogramEdges(None, "S").unmatched_warning() is None
 
 
 def test_silenced_thread_errors_pass_other_threads_on_to_a_hook_set_later_without_a_cycle(

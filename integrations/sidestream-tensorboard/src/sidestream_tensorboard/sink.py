@@ -17,13 +17,12 @@ from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink
 from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
     NOT_WRITABLE_ERRNOS,
+    HistogramEdges,
     call_within,
     check_directory_path,
     check_option_types,
-    checked_histogram_edges,
     flatten_config,
     histogram_counts,
-    histogram_edges,
     silence_thread_errors,
 )
 from sidestream.sinks.tracker import signature_options
@@ -128,7 +127,7 @@ class TensorBoardSink(TrackerSink):
             if "://" not in self._log_dir:  # not a URL (s3://...): TensorBoard's own file layer
                 # Absolute: a checkpoint names this directory for a job resumed from anywhere.
                 self._log_dir = os.path.abspath(self._log_dir)
-        self._histogram_edges = checked_histogram_edges(histogram_edges)
+        self._histogram_edges = HistogramEdges(histogram_edges, "TensorBoardSink")
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
         self._writer_file: Path | None = None  # the writer's event file, where it is known
@@ -390,7 +389,7 @@ class TensorBoardSink(TrackerSink):
             return
         try:
             weights = histogram_counts(counts.detach().double().cpu().tolist())
-            edges = histogram_edges(len(weights), self._histogram_edges.get(tag))
+            edges = self._histogram_edges.edges(tag, len(weights), self.warn_once)
         except ValueError as error:
             self.skip_value(tag, f"TensorBoardSink: histogram {tag!r} skipped: {error}")
             return
@@ -446,6 +445,9 @@ class TensorBoardSink(TrackerSink):
         with self._writer_lock:
             if not self._opened:
                 return True
+            unmatched = self._histogram_edges.unmatched_warning()
+            if unmatched is not None:
+                self.warn_once("histogram_edges", unmatched)
             try:
                 self._ready_writer()
             except Exception:

@@ -19,14 +19,13 @@ from typing import Any
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
 from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
+    HistogramEdges,
     check_directory_path,
     check_option_types,
-    checked_histogram_edges,
     close_before_backends_exit,
     failed_exit_code,
     flatten_config,
     histogram_counts,
-    histogram_edges,
     name_digest,
     redact,
     secrets_in,
@@ -128,7 +127,7 @@ class WandbSink(TrackerSink):
             self._init_kwargs["project"] = project
         self.refuse_unknown_options(init_kwargs)
         check_option_types("WandbSink", self._init_kwargs, _INIT_OPTION_TYPES)
-        self._histogram_edges = checked_histogram_edges(histogram_edges)
+        self._histogram_edges = HistogramEdges(histogram_edges, "WandbSink")
         _check_settings(self._init_kwargs)
         _check_run_options(self._init_kwargs)
         if self._init_kwargs.get("dir") is not None:
@@ -681,7 +680,7 @@ class WandbSink(TrackerSink):
             return None
         try:
             weights = histogram_counts(flat.tolist())
-            edges = histogram_edges(flat.size, self._histogram_edges.get(name))
+            edges = self._histogram_edges.edges(name, flat.size, self.warn_once)
         except ValueError as error:
             self.skip_value(name, f"WandbSink: histogram {name!r} skipped: {error}")
             return None
@@ -695,6 +694,9 @@ class WandbSink(TrackerSink):
         """
         if self._run is None:
             return True
+        unmatched = self._histogram_edges.unmatched_warning()
+        if unmatched is not None:
+            self.warn_once("histogram_edges", unmatched)
         active, self._run = self._run, None
         deadline = None if timeout is None else time.monotonic() + timeout
         code = failed_exit_code()  # closed at exit after an uncaught exception: failed

@@ -23,6 +23,7 @@ from sidestream._exit import KILLED_EXIT_CODE, close_before_backends_exit, faile
 __all__ = [
     "KILLED_EXIT_CODE",
     "NOT_WRITABLE_ERRNOS",
+    "HistogramEdges",
     "call_within",
     "check_directory_path",
     "check_option_types",
@@ -288,6 +289,73 @@ def checked_histogram_edges(
             )
         checked[str(name)] = result
     return checked
+
+
+class HistogramEdges:
+    """A sink's ``histogram_edges`` option: checked when the sink is made, looked up by name.
+
+    A key is a histogram's name as reported, with its stream's prefix (``train/scores``). A key
+    that names no histogram would leave the bins drawn as ``[i, i + 1)`` without a word, so
+    the sink warns: at once when a histogram's name ends with ``/`` and a key (the prefix left
+    out), and at close for every key no histogram matched.
+
+    Args:
+        edges: The option as given (``None`` for none).
+        sink: The sink's class name, for messages.
+
+    Raises:
+        TypeError, ValueError: As ``checked_histogram_edges``.
+    """
+
+    def __init__(self, edges: Mapping[str, Iterable[float]] | None, sink: str) -> None:
+        self._edges = checked_histogram_edges(edges)
+        self._sink = sink
+        # The sink's writing thread adds, close (maybe another thread) copies: each a single
+        # set operation under the GIL. No lock: a sink must pickle (ProcessSink).
+        self._matched: set[str] = set()
+        self._without: set[str] = set()  # histogram names no key matched
+
+    def edges(self, name: str, num_bins: int, warn_once: Callable[[str, str], None]) -> list[float]:
+        """The edges of histogram ``name`` of ``num_bins`` bins (``histogram_edges``).
+
+        Raises:
+            ValueError: As ``histogram_edges``.
+        """
+        given = self._edges.get(name)
+        if given is not None:
+            self._matched.add(name)
+        elif self._edges:
+            self._without.add(name)
+            for key in self._edges:
+                if name.endswith("/" + key):
+                    warn_once(
+                        f"histogram_edges:{name}",
+                        f"{self._sink}: histogram {name!r} has no histogram_edges entry, so its "
+                        f"bins are drawn as [i, i + 1); the option has {key!r}: its keys are "
+                        f"the names as reported, with the stream's prefix ({name!r})",
+                    )
+                    break
+        return histogram_edges(num_bins, given)
+
+    def unmatched_warning(self) -> str | None:
+        """A warning naming the keys no histogram matched so far, or ``None`` if there are none."""
+        unmatched = sorted(set(self._edges) - self._matched.copy())
+        written = sorted(self._without.copy())
+        if not unmatched:
+            return None
+        hints = []
+        for key in unmatched:
+            # The prefix left out first (every stream's name), else the closest spelling.
+            close = [name for name in written if name.endswith("/" + key)][:3]
+            close = close or difflib.get_close_matches(key, written, n=1)
+            guess = " or ".join(map(repr, close))
+            hints.append(f"{key!r}" + (f" (did you mean {guess}?)" if close else ""))
+        seen = ", ".join(map(repr, written[:5])) + (", ..." if len(written) > 5 else "")
+        return (
+            f"{self._sink}: histogram_edges {', '.join(hints)} matched no histogram of this run "
+            f"({'histograms without edges: ' + seen if written else 'it wrote no histogram'}); "
+            "keys are the names as reported, with the stream's prefix (such as 'train/scores')"
+        )
 
 
 def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
