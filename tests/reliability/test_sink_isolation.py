@@ -373,6 +373,24 @@ def test_replay_command_errors_are_one_line_not_tracebacks(
     assert expected in error and "Traceback" not in error
 
 
+def test_a_close_begun_earlier_names_the_time_the_sink_was_given(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A run begins every sink's close at once and then waits on each with what is left: the
+    # warning named what was left (0.2 s), not what the sink had (1.5 s).
+    sink = GatedSink()  # never lets a write through
+    runner = SinkRunner(sink, capacity=4, spool_dir=str(tmp_path))
+    runner.start()
+    runner.submit(_report(1))
+    runner.begin_close(1.5)
+    time.sleep(1.3)
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        assert runner.close(0.2) is False
+    (warning,) = [r.getMessage() for r in caplog.records if "undelivered" in r.getMessage()]
+    assert "(not delivered within 1.5 s)" in warning, warning
+    sink.gate.set()
+
+
 def test_keep_failing_at_close_is_logged_not_raised(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

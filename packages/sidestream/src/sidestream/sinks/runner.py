@@ -98,6 +98,7 @@ class SinkRunner:
         self._dropped = 0
         self._dropping = False  # inside a streak of drops: logged once
         self._closing = False
+        self._close_timeout: float | None = None  # the first close's, which its messages name
         self._close_deadline: float | None = None
         self._abandon = threading.Event()
         self._failing = False
@@ -309,6 +310,7 @@ class SinkRunner:
         with self._cond:
             if not self._closing:
                 self._closing = True
+                self._close_timeout = timeout
                 self._close_deadline = None if timeout is None else time.monotonic() + timeout
             self._cond.notify_all()
 
@@ -323,6 +325,9 @@ class SinkRunner:
         returned ``False`` (its backend may not have everything).
         """
         self.begin_close(timeout)
+        # The time the sink was given: a caller that began every runner's close at once passes
+        # only what is left of it here.
+        timeout = self._close_timeout
         if self._thread.ident is None:  # never started: nothing was opened or delivered
             with self._cond:
                 self._spool.discard()
