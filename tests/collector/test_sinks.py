@@ -226,6 +226,9 @@ def test_runner_spools_overflow_and_keeps_order(tmp_path: Path) -> None:
     runner.start()
     for step in range(1, 21):
         runner.submit(_report(step))
+    deadline = time.monotonic() + 20
+    while runner._waiting_in() and time.monotonic() < deadline:  # the intake thread spools
+        time.sleep(0.01)
     assert runner.spooled > 0, "a full queue spills to disk instead of blocking or dropping"
     assert runner.close(timeout=30) is True
     assert sink.steps == list(range(1, 21))

@@ -17,7 +17,7 @@ import torch
 
 from sidestream import AsyncMetricCollector, MeanMetric, Run
 from sidestream.collector._dispatcher import Dispatcher
-from sidestream.sinks import JsonlSink, Report, SinkRunner, read_spool, replay_spool
+from sidestream.sinks import JsonlSink, Report, SinkRunner, read_jsonl, read_spool, replay_spool
 from sidestream.sinks._spool_format import encode_report
 from tests.collector.helpers import RecordingSink
 from tests.reliability.faults import GatedSink, tally
@@ -400,6 +400,7 @@ def test_keep_failing_at_close_is_logged_not_raised(
     runner.start()
     for step in range(1, 4):
         runner.submit(_report(step))
+    _wait(lambda: runner.spooled >= 1)  # spooled by the runner's intake thread
     # The directory goes away and a file takes its place: the kept file cannot be made.
     spool_dir.rename(tmp_path / "moved")
     spool_dir.write_text("")
@@ -559,6 +560,7 @@ def test_a_full_spool_is_logged_once_while_it_stays_full(
         for step in range(1, 501):
             runner.submit(Report(step=step, values={"loss": 0.5}, time=0.0, stream="train"))
             runner.submit(Report(step=step, values={"a_much_longer_name/x": 1.0}, time=0.0))
+        _wait(lambda: not runner._waiting_in())  # spooled by the runner's intake thread
         assert runner.dropped > 500
         full = [r for r in caplog.records if "spool full" in r.getMessage()]
         assert len(full) == 1, len(full)
@@ -895,3 +897,56 @@ def test_a_checkpoint_behind_a_jsonl_pipe_nobody_reads_returns_within_its_timeou
             except BlockingIOError:
                 time.sleep(0.01)
         os.close(reader)
+
+
+def test_a_hung_spool_disk_holds_up_neither_the_training_thread_nor_other_sinks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A tracker down, its spool on a disk that stops answering: the spool was written on the
+    # submitting thread (the dispatcher, the training thread in run.log), so every window
+    # waited for the disk, the healthy sink got nothing more, and close never returned.
+    from sidestream.sinks import _spool
+
+    disk = threading.Event()
+    write_at_end = _spool.Spool._write_at_end
+
+    def hung_write(self: _spool.Spool, line: bytes) -> None:
+        if self._label == "down":  # the down tracker's spool (the healthy one spools too)
+            disk.wait(60)
+        write_at_end(self, line)
+
+    monkeypatch.setattr(_spool.Spool, "_write_at_end", hung_write)
+    down = GatedSink("down")  # never writes: its reports back up into the spool
+    healthy = tmp_path / "healthy.jsonl"
+    run = Run([JsonlSink(healthy), down], spool_dir=str(tmp_path), sink_capacity=2)
+    collector = run.collector(MeanMetric(), prefix="train").bind("cpu")
+    finished = threading.Event()
+
+    def train() -> None:
+        for step in range(1, 21):
+            collector.metric.update(torch.tensor([float(step)]))
+            collector.schedule_collection(step)
+            run.log(step, {"lr": 0.1})
+        finished.set()
+
+    threading.Thread(target=train, daemon=True).start()
+    try:
+        assert finished.wait(30), "the training thread waited for the spool's disk"
+        assert collector.collect_results(timeout=30) == 20.0
+        _wait(lambda: healthy.exists() and len(list(read_jsonl(healthy))) >= 40)
+        assert len(list(read_jsonl(healthy))) == 40  # every window and every log, once
+        assert run.sink_status["down"].state == "healthy"  # in a write; asked without a wait
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+            state = run.state_dict(timeout=1.0)  # a checkpoint: bounded, and says what it lacks
+        assert time.monotonic() - start < 10, "state_dict waited for the hung disk"
+        assert state["undelivered"]["down"] == ""
+        assert any("the checkpoint holds none" in r.getMessage() for r in caplog.records)
+        start = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="sidestream.sinks"):
+            assert run.close(timeout=1.0) is False
+        assert time.monotonic() - start < 10, "close waited for the hung disk"
+        assert any("the spool did not answer" in r.getMessage() for r in caplog.records)
+    finally:
+        disk.set()
+        down.gate.set()

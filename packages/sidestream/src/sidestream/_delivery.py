@@ -299,7 +299,7 @@ class Delivery:
                     if failed
                     else f"after waiting {time.monotonic() - began:.1f} s",
                 )
-            undelivered[runner.key] = runner.undelivered().decode()
+            undelivered[runner.key] = runner.undelivered(seconds_left(deadline)).decode()
             # What is left of the overall timeout, not the wait's share again.
             left = seconds_left(deadline)
             states[runner.key] = self._durable_state(runner, left, warn=not behind)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import random
 import threading
 import time
@@ -34,18 +35,20 @@ _LEFTOVERS_NAMED = 5  # leftover spool files a warning names (the rest are count
 class SinkRunner:
     """Delivers reports to one sink, in step order, from a thread of its own.
 
-    ``submit`` never blocks and never raises into the caller (except after ``close``): up to
-    ``capacity`` reports wait in memory, more go to a spool file (JSON lines, owner-only) and
-    are read back in order. The spool holds at most ``spool_max_bytes``; past that the oldest
-    spooled reports are dropped. A report that cannot be spooled (unusable directory, full
-    disk) or read back (damaged file) is dropped too. Every drop is counted in ``dropped`` and
-    logged (the first of a streak, which ends once a report is spooled into a spool at most
-    half full, and the total at ``close``), and ``close`` then returns ``False``: a failing
-    spool affects this sink only. A ``write`` that raises is retried with exponential backoff
-    until it succeeds; a sink with ``max_batch > 1`` gets a backlog in ``write_batch`` calls of
-    up to that many reports, retried whole. The first failure of a streak is logged (logger
-    ``sidestream.sinks``) and so is the recovery, never each attempt. Every sink method runs on
-    this thread, so a slow or failing sink delays nothing else.
+    ``submit`` never blocks, never touches the disk and never raises into the caller (except after
+    ``close``): up to ``capacity`` reports wait in memory, more go to a spool file (JSON lines,
+    owner-only), written by a second thread of the runner's own, and are read back in order; at most
+    ``max(capacity, INBOX_MIN_CAPACITY)`` wait in memory for that thread (a spool disk that does not
+    keep up), past that the oldest waiting is dropped. The spool holds at most ``spool_max_bytes``;
+    past that the oldest spooled reports are dropped. A report that cannot be spooled (unusable
+    directory, full disk) or read back (damaged file) is dropped too. Every drop is counted in
+    ``dropped`` and logged (the first of a streak, which ends once a report is spooled into a spool
+    at most half full, and the total at ``close``), and ``close`` then returns ``False``: a failing
+    spool affects this sink only. A ``write`` that raises is retried with exponential backoff until
+    it succeeds; a sink with ``max_batch > 1`` gets a backlog in ``write_batch`` calls of up to that
+    many reports, retried whole. The first failure of a streak is logged (logger
+    ``sidestream.sinks``) and so is the recovery, never each attempt. Every sink method runs on this
+    thread, so a slow or failing sink delays nothing else.
 
     Args:
         sink: The sink to drive.
@@ -93,11 +96,23 @@ class SinkRunner:
         self._queue: deque[Report] = deque()
         self._spool = Spool(spool_dir, label=self.key, max_bytes=spool_max_bytes)
         self._in_flight: list[Report] = []
-        self._submitted = 0
+        self._submitted = 0  # under _inbox_lock: submit never waits for _cond
         self._delivered = 0
-        self._dropped = 0
+        self._dropped = 0  # spool drops, under _cond
         self._dropping = False  # inside a streak of drops: logged once
-        self._closing = False
+        self._closing = False  # under _cond: the sink thread stops once all is delivered
+        # Reports for the spool wait here, in memory, for the intake thread to write them, so
+        # no submitting thread (the dispatcher, the training thread in run.log) ever waits for
+        # the spool's disk; _cond is held across that disk's reads and writes, _inbox_lock
+        # never is.
+        self._inbox_lock = threading.Lock()
+        self._inbox_ready = threading.Condition(self._inbox_lock)
+        self._inbox: deque[Report] = deque()
+        self._taking_in: deque[Report] = deque()  # taken from the inbox, not yet queued
+        self._inbox_capacity = max(capacity, INBOX_MIN_CAPACITY)
+        self._inbox_dropped = 0
+        self._inbox_dropping = False
+        self._close_requested = False  # under _inbox_lock: no more submit
         self._close_timeout: float | None = None  # the first close's, which its messages name
         self._close_deadline: float | None = None
         self._abandon = threading.Event()
@@ -118,6 +133,9 @@ class SinkRunner:
         self._opened = False  # set by the sink thread once open succeeded
         self._thread = threading.Thread(
             target=self._work_or_fail, name=f"sidestream-sink-{self.key}", daemon=True
+        )
+        self._intake = threading.Thread(
+            target=self._take_in_or_fail, name=f"sidestream-spool-{self.key}", daemon=True
         )
 
     # ------------------------------------------------------------------ caller side
@@ -151,37 +169,122 @@ class SinkRunner:
                 len(left),
                 ", ".join(left[:_LEFTOVERS_NAMED]) + (f" and {more} more" if more > 0 else ""),
             )
+        self._intake.start()
         self._thread.start()
 
     def submit(self, report: Report) -> None:
-        """Queue ``report``; returns at once (spools to disk when the queue is full).
+        """Queue ``report``; returns at once, without touching the disk.
 
-        A spool that cannot take the report (full: the oldest are dropped; unusable: this one
-        is) costs reports of this sink only; they are counted in ``dropped``, never raised.
+        With room in the queue and nothing waiting beyond it, the report is queued here. Else
+        it waits in memory for the intake thread, which spools it (a full queue) or queues it;
+        at most ``max(capacity, INBOX_MIN_CAPACITY)`` wait so (a spool disk that does not keep
+        up): past that the oldest waiting is dropped. Before ``start`` the report is queued or
+        spooled here (a checkpoint's backlog: nothing else runs yet). A spool that cannot take
+        the report (full: the oldest are dropped; unusable: this one is) costs reports of this
+        sink only; they are counted in ``dropped``, never raised.
 
         Raises:
             RuntimeError: After ``close``.
         """
-        with self._cond:
-            if self._closing:
-                raise RuntimeError(f"sink {self.key!r}: submit after close")
-            self._submitted += 1
-            if len(self._spool) or len(self._queue) >= self._capacity:
-                try:
-                    dropped = self._spool.append(report)
-                except Exception as error:
-                    # And the older reports dropped for room before the write failed.
-                    lost = 1 + (error.dropped if isinstance(error, SpoolWriteError) else 0)
-                    self._drop(lost, f"could not spool step {report.step}: {_describe(error)}")
-                else:
-                    if dropped:
-                        self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
-                    elif self._spool.nbytes <= self._spool.max_bytes // 2:
-                        # Room again, not a lucky fit: a small report after a large one fits
-                        # in a full spool, and the streak would be logged again and again.
-                        self._dropping = False
-            else:
+        if self._intake.ident is None:
+            with self._cond:
+                with self._inbox_lock:
+                    self._refuse_after_close()
+                    self._submitted += 1
+                self._admit(report)
+            return
+        # Never waits for _cond: the intake or sink thread may hold it across a slow disk.
+        locked = self._cond.acquire(blocking=False)
+        try:
+            with self._inbox_lock:
+                self._refuse_after_close()
+                self._submitted += 1
+                queued = (
+                    locked
+                    and not self._inbox
+                    and not self._taking_in
+                    and not len(self._spool)
+                    and len(self._queue) < self._capacity
+                )
+                if not queued:
+                    self._wait_in_inbox(report)
+            if queued:
                 self._queue.append(report)
+                self._cond.notify_all()
+        finally:
+            if locked:
+                self._cond.release()
+
+    def _refuse_after_close(self) -> None:
+        if self._close_requested:  # _inbox_lock held
+            raise RuntimeError(f"sink {self.key!r}: submit after close")
+
+    def _wait_in_inbox(self, report: Report) -> None:
+        """Give ``report`` to the intake thread (``_inbox_lock`` held), dropping past the cap."""
+        self._inbox.append(report)
+        if len(self._inbox) > self._inbox_capacity:
+            lost = self._inbox.popleft()
+            self._inbox_dropped += 1
+            if not self._inbox_dropping:
+                self._inbox_dropping = True
+                logger.warning(
+                    "sink %r: %d report(s) wait to be spooled and the spool's disk does not keep "
+                    "up (spool_dir on a slow or hung disk?); dropped the oldest, step %d "
+                    "(counted in SinkRunner.dropped; not logged again until the wait drains)",
+                    self.key,
+                    self._inbox_capacity,
+                    lost.step,
+                )
+        self._inbox_ready.notify()
+
+    def _admit(self, report: Report) -> None:
+        """Queue ``report``, or spool it behind what is spooled (``_cond`` held)."""
+        if len(self._spool) or len(self._queue) >= self._capacity:
+            try:
+                dropped = self._spool.append(report)
+            except Exception as error:
+                # And the older reports dropped for room before the write failed.
+                lost = 1 + (error.dropped if isinstance(error, SpoolWriteError) else 0)
+                self._drop(lost, f"could not spool step {report.step}: {_describe(error)}")
+            else:
+                if dropped:
+                    self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
+                elif self._spool.nbytes <= self._spool.max_bytes // 2:
+                    # Room again, not a lucky fit: a small report after a large one fits
+                    # in a full spool, and the streak would be logged again and again.
+                    self._dropping = False
+        else:
+            self._queue.append(report)
+        self._cond.notify_all()
+
+    def _take_in_or_fail(self) -> None:
+        """``_take_in``; an error it did not expect fails the sink (its reports are kept)."""
+        try:
+            self._take_in()
+        except BaseException as error:
+            self._fail("spooling", f"{type(error).__name__}: {error} (an error in sidestream)")
+
+    def _take_in(self) -> None:
+        """The intake thread: queue or spool what waits in the inbox, in order, until closed."""
+        while True:
+            with self._inbox_lock:
+                while not self._inbox and not self._close_requested:
+                    self._inbox_ready.wait()
+                if not self._inbox:
+                    break
+                self._taking_in.extend(self._inbox)
+                self._inbox.clear()
+                self._inbox_dropping = False
+            while True:
+                with self._cond:
+                    with self._inbox_lock:
+                        if not self._taking_in:
+                            break
+                        # Moved under both locks: undelivered() sees it in one place, never none.
+                        report = self._taking_in.popleft()
+                    self._admit(report)
+        with self._cond:  # everything submitted is queued or spooled: the sink may finish
+            self._closing = True
             self._cond.notify_all()
 
     def _drop(self, count: int, reason: str) -> None:
@@ -198,41 +301,47 @@ class SinkRunner:
                 self._dropped,
             )
 
+    # The counters and the status are read without _cond, which the intake and sink threads
+    # hold across the spool's disk reads and writes: a hung disk must not hang a caller that
+    # asks how the sink is doing (run.sink_status, a close). Each is one read under the GIL.
+
     @property
     def pending(self) -> int:
         """Reports submitted and not delivered yet (queued, spooled or being written)."""
-        with self._cond:
-            return self._submitted - self._delivered - self._dropped
+        # Read one after another: a report delivered in between must not make it negative.
+        return max(0, self._submitted - self._delivered - self._lost())
 
     @property
     def dropped(self) -> int:
-        """Reports lost to this sink: spool full (oldest first), unusable or damaged."""
-        with self._cond:
-            return self._dropped
+        """Reports lost to this sink.
+
+        Spool full (oldest first), unusable or damaged, or too many waiting for a spool disk
+        that does not keep up.
+        """
+        return self._lost()
+
+    def _lost(self) -> int:
+        return self._dropped + self._inbox_dropped
 
     @property
     def spooled_bytes(self) -> int:
         """Bytes of reports waiting in the spool file."""
-        with self._cond:
-            return self._spool.nbytes
+        return self._spool.nbytes
 
     @property
     def delivered(self) -> int:
         """Reports the sink accepted."""
-        with self._cond:
-            return self._delivered
+        return self._delivered
 
     @property
     def spooled(self) -> int:
         """Reports waiting in the spool file."""
-        with self._cond:
-            return len(self._spool)
+        return len(self._spool)
 
     @property
     def status(self) -> SinkStatus:
         """Whether the sink is healthy, retrying a transient failure, or failed for good."""
-        with self._cond:
-            return self._status
+        return self._status
 
     @property
     def opened(self) -> bool:
@@ -245,18 +354,29 @@ class SinkRunner:
         A copy throughout: checkpoints taken before the sink delivers again must not share
         lists (``last_steps``) with each other or with the state it resumed from.
         """
-        with self._cond:
-            return copy.deepcopy(self._state)
+        state = self._state  # replaced whole, never changed in place: no lock (see pending)
+        return copy.deepcopy(state)
 
-    def undelivered(self) -> bytes:
+    def undelivered(self, timeout: float | None = None) -> bytes:
         """Every report not delivered yet, oldest first, as spool lines (JSON, one per line).
 
         Those the sink took without its backend confirming them (``Sink.pending_reports``),
         the batch being written, the queue and the spool. A checkpoint holds them, so a job
         resumed from it delivers them first (the sink skips what its backend already has).
-        A spool that cannot be read is left out, with a warning.
+        A spool that cannot be read, or does not answer within ``timeout`` seconds (a hung
+        disk), is left out, with a warning: this job still delivers those reports.
         """
-        with self._cond:
+        if not self._cond.acquire(timeout=-1 if timeout is None else timeout):
+            logger.warning(
+                "sink %r: the spool did not answer within %.1f s (spool_dir on a hung disk?): "
+                "the checkpoint holds none of its %d undelivered report(s); this job still "
+                "delivers them",
+                self.key,
+                timeout or 0.0,
+                self.pending,
+            )
+            return b""
+        try:
             # Ours first, the sink's after: a write ending in between moves its reports from
             # in-flight to the sink's pending ones, so they are in one list or both, never none.
             ours = [encode_report(report) for report in (*self._in_flight, *self._queue)]
@@ -270,6 +390,10 @@ class SinkRunner:
                     _describe(error),
                     len(self._spool),
                 )
+            with self._inbox_lock:  # the newest: not spooled yet
+                ours.extend(encode_report(r) for r in (*self._taking_in, *self._inbox))
+        finally:
+            self._cond.release()
         held = [encode_report(report) for report in self._held_by_sink()]  # the oldest
         return b"".join([*held, *ours])
 
@@ -285,20 +409,25 @@ class SinkRunner:
                 report = decode_report(line)
             except ValueError as error:
                 with self._cond:
-                    self._submitted += 1
+                    with self._inbox_lock:
+                        self._submitted += 1
                     self._drop(1, f"damaged undelivered report in the checkpoint: {error}")
                 continue
             self.submit(report)
 
     def wait_delivered(self, timeout: float | None = None) -> bool:
         """Block until every submitted report is delivered; whether that happened in time."""
-        with self._cond:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._cond.acquire(timeout=-1 if timeout is None else timeout):
+            return False  # the spool's disk holds the lock (a hung disk): not in time
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             return self._cond.wait_for(
-                lambda: (
-                    self._delivered + self._dropped == self._submitted or self._abandon.is_set()
-                ),
-                timeout,
-            ) and (self._delivered + self._dropped == self._submitted)
+                lambda: self._delivered + self._lost() == self._submitted or self._abandon.is_set(),
+                left,
+            ) and (self._delivered + self._lost() == self._submitted)
+        finally:
+            self._cond.release()
 
     def begin_close(self, timeout: float | None = None) -> None:
         """Start closing (no more ``submit``; deliver, flush, close) without waiting.
@@ -307,12 +436,17 @@ class SinkRunner:
         timeouts then run side by side instead of one after another. Only the first call's
         ``timeout`` counts.
         """
-        with self._cond:
-            if not self._closing:
-                self._closing = True
+        with self._inbox_lock:
+            if not self._close_requested:
+                self._close_requested = True
                 self._close_timeout = timeout
                 self._close_deadline = None if timeout is None else time.monotonic() + timeout
-            self._cond.notify_all()
+            self._inbox_ready.notify_all()
+        if not self._intake.is_alive():
+            # No intake thread to say so once the inbox is empty (never started, or failed).
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
 
     def close(self, timeout: float | None = None) -> bool:
         """Deliver what is pending, flush and close the sink, stop the thread.
@@ -334,57 +468,85 @@ class SinkRunner:
                 return self._submitted == 0
         self._thread.join(self._remaining())
         ended = not self._thread.is_alive()  # else it ran past the timeout
-        held = self._held_by_sink()
         failed = self.status.state == "failed"
-        with self._cond:
-            pending = bool(self._queue or self._in_flight or len(self._spool))
-        if not self._thread.is_alive() and not held and not failed and not pending:
-            with self._cond:
-                self._spool.discard()
-                self._log_dropped()
-                return self._delivered == self._submitted and self._sink_closed
+        # Held across the spool's reads and writes: on a hung disk, wait no longer than close.
+        wait = self._remaining()
+        if not self._cond.acquire(timeout=-1 if wait is None else wait + _CLOSE_LOCK_GRACE_S):
+            self._abandon.set()
+            logger.error(
+                "sink %r: close: the spool did not answer within %.1f s (spool_dir %s on a hung "
+                "disk?); the reports this sink had not delivered stay in memory and in %s, and "
+                "are lost if the disk does not come back before the process ends",
+                self.key,
+                timeout or 0.0,
+                self._spool_dir_text(),
+                self._spool.path or "no spool file",
+            )
+            return False
+        try:
+            return self._close_locked(timeout, ended, failed)
+        finally:
+            self._cond.release()
+
+    def _spool_dir_text(self) -> str:
+        path = self._spool.path
+        return repr(os.path.dirname(path)) if path else "(none made yet)"
+
+    def _close_locked(self, timeout: float | None, ended: bool, failed: bool) -> bool:
+        """The rest of ``close``, ``_cond`` held: done, or keep the undelivered in a file."""
+        pending = bool(self._queue or self._in_flight or len(self._spool) or self._waiting_in())
+        if not self._thread.is_alive() and not self._held_by_sink() and not failed and not pending:
+            self._spool.discard()
+            self._log_dropped()
+            return self._delivered == self._submitted and self._sink_closed
         self._abandon.set()
-        with self._cond:
-            # Ours first, the sink's after (as in undelivered): a write ending in between moves
-            # its reports from in-flight to the sink's, so they are in one list or both.
-            ours = [*self._in_flight, *self._queue]
-            self._queue.clear()
-            held = self._held_by_sink()
-            taken = {id(report) for report in held}
-            # Reports the sink took but did not make durable (a ProcessSink whose child died)
-            # are older than those still queued here: they go first, each once.
-            undelivered = [*held, *(report for report in ours if id(report) not in taken)]
-            count = len(undelivered) + len(self._spool)
-            if count == 0:
-                self._spool.discard()  # an emptied spool file: nothing for a later job
-                if not failed:  # a failure was logged at ERROR already
-                    # Not "healthy": the backend may not have everything its close would
-                    # have flushed.
-                    self._status = SinkStatus(
-                        "failed", f"close did not finish within {timeout or 0.0:.1f} s"
-                    )
-                    logger.warning(
-                        "sink %r: every report was delivered, but flushing and closing the "
-                        "sink did not finish within %.1f s of close",
-                        self.key,
-                        timeout or 0.0,
-                    )
-                self._log_dropped()
-                return False
-            paths, lost, error = self._spool.keep(undelivered)
-            self._dropped += lost
-            if lost:
-                logger.error(
-                    "sink %r: %d of %d report(s) not delivered within %.1f s of close could not "
-                    "be kept in a spool file (%s): they are lost",
+        # Ours first, the sink's after (as in undelivered): a write ending in between moves
+        # its reports from in-flight to the sink's, so they are in one list or both.
+        ours = [*self._in_flight, *self._queue]
+        self._queue.clear()
+        # The newest, which the intake thread had not spooled yet: spooled behind the rest.
+        with self._inbox_lock:
+            newest = [*self._taking_in, *self._inbox]
+            self._taking_in.clear()
+            self._inbox.clear()
+        for report in newest:
+            self._spool_at_close(report)
+        held = self._held_by_sink()
+        taken = {id(report) for report in held}
+        # Reports the sink took but did not make durable (a ProcessSink whose child died)
+        # are older than those still queued here: they go first, each once.
+        undelivered = [*held, *(report for report in ours if id(report) not in taken)]
+        count = len(undelivered) + len(self._spool)
+        if count == 0:
+            self._spool.discard()  # an emptied spool file: nothing for a later job
+            if not failed:  # a failure was logged at ERROR already
+                # Not "healthy": the backend may not have everything its close would
+                # have flushed.
+                self._status = SinkStatus(
+                    "failed", f"close did not finish within {timeout or 0.0:.1f} s"
+                )
+                logger.warning(
+                    "sink %r: every report was delivered, but flushing and closing the "
+                    "sink did not finish within %.1f s of close",
                     self.key,
-                    lost,
-                    count,
                     timeout or 0.0,
-                    _describe(error) if error is not None else "unknown error",
                 )
             self._log_dropped()
-            self._cond.notify_all()
+            return False
+        paths, lost, error = self._spool.keep(undelivered)
+        self._dropped += lost
+        if lost:
+            logger.error(
+                "sink %r: %d of %d report(s) not delivered within %.1f s of close could not "
+                "be kept in a spool file (%s): they are lost",
+                self.key,
+                lost,
+                count,
+                timeout or 0.0,
+                _describe(error) if error is not None else "unknown error",
+            )
+        self._log_dropped()
+        self._cond.notify_all()
         if paths:
             state_file = None
             # Even if the sink never opened: its state names the run it would have made (the
@@ -432,6 +594,22 @@ class SinkRunner:
                     )
         return False
 
+    def _waiting_in(self) -> bool:
+        """Whether reports wait for the intake thread."""
+        with self._inbox_lock:
+            return bool(self._inbox or self._taking_in)
+
+    def _spool_at_close(self, report: Report) -> None:
+        """Spool ``report`` behind the rest (``_cond`` held), or count it lost."""
+        try:
+            dropped = self._spool.append(report)
+        except Exception as error:
+            lost = 1 + (error.dropped if isinstance(error, SpoolWriteError) else 0)
+            self._drop(lost, f"could not spool step {report.step}: {_describe(error)}")
+        else:
+            if dropped:
+                self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
+
     def _held_by_sink(self) -> list[Report]:
         """Reports the sink took but may not have made durable, if it can say.
 
@@ -446,11 +624,12 @@ class SinkRunner:
             return []
 
     def _log_dropped(self) -> None:
-        if self._dropped:
+        if self._lost():
             logger.warning(
-                "sink %r: %d of %d report(s) were dropped (spool full, unusable or damaged)",
+                "sink %r: %d of %d report(s) were dropped (spool full, unusable or damaged, or "
+                "the spool's disk did not keep up)",
                 self.key,
-                self._dropped,
+                self._lost(),
                 self._submitted,
             )
 
@@ -695,6 +874,14 @@ class SinkRunner:
             return None
         return max(0.0, self._close_deadline - time.monotonic())
 
+
+_CLOSE_LOCK_GRACE_S = 1.0
+"""How long past its timeout ``close`` waits for a spool read or write in progress (a slow disk
+that still answers gets its write done; a hung one does not hold ``close``)."""
+
+INBOX_MIN_CAPACITY = 4096
+"""The fewest reports that may wait in memory for the intake thread (``capacity`` if larger);
+past that the oldest waiting is dropped: the spool's disk does not keep up."""
 
 _RETURNED_FALSE = "returned False"
 """The kind of failure of a ``flush`` or ``close`` that returned ``False`` (it did not raise)."""
