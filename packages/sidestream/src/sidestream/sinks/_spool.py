@@ -8,6 +8,7 @@ import os
 import re
 import tempfile
 from collections import deque
+from collections.abc import Sequence
 from typing import IO
 
 from sidestream.sinks._spool_format import decode_report, encode_report
@@ -244,8 +245,10 @@ class Spool:
             raise OSError(f"spool {self._path}: read {len(data)} of {self.nbytes} bytes")
         return data
 
-    def keep(self, reports: list[Report]) -> tuple[list[str], int, Exception | None]:
-        """Leave ``reports`` (older) and what is spooled on disk, oldest first; empty the spool.
+    def keep(
+        self, reports: list[Report], newer: Sequence[Report] = ()
+    ) -> tuple[list[str], int, Exception | None]:
+        """Leave ``reports`` (older), what is spooled and ``newer`` on disk; empty the spool.
 
         Both go to one new file when the disk has room for it. When it has not (the spool may
         be most of a full disk, and the new file needs its size again), the spool file itself is
@@ -259,7 +262,7 @@ class Spool:
             reports lost, and the first error met (``None`` when one file held everything).
         """
         try:
-            return [self._write_with_spooled(reports)], 0, None
+            return [self._write_with_spooled(reports, newer)], 0, None
         except Exception as error:  # never raises: close reports what it could not keep
             first_error = error
         paths: list[str] = []
@@ -275,11 +278,19 @@ class Spool:
                 paths.append(self._keep_file())
             except Exception:
                 lost += spooled
+        if newer:
+            path, kept = self._write_oldest(list(newer))
+            if path is not None:
+                paths.append(path)
+            lost += len(newer) - kept
         self.discard()
         return paths, lost, first_error
 
-    def _write_with_spooled(self, reports: list[Report]) -> str:
-        """``reports``, then every spooled line, to one new file (all or none); empty the spool."""
+    def _write_with_spooled(self, reports: list[Report], newer: Sequence[Report] = ()) -> str:
+        """``reports``, every spooled line, then ``newer``, to one new file (all or none).
+
+        Empties the spool.
+        """
         out, path = self._new_file()
         try:
             with out:
@@ -294,6 +305,8 @@ class Spool:
                             break
                         out.write(chunk)
                         source += len(chunk)
+                for report in newer:
+                    out.write(encode_report(report))
                 out.flush()
                 os.fsync(out.fileno())
         except BaseException:

@@ -222,8 +222,9 @@ class SinkRunner:
     def _wait_in_inbox(self, report: Report) -> None:
         """Give ``report`` to the intake thread (``_inbox_lock`` held), dropping past the cap."""
         self._inbox.append(report)
-        if len(self._inbox) > self._inbox_capacity:
-            lost = self._inbox.popleft()
+        # The intake thread's batch counts too: the cap is on all that waits for it.
+        if len(self._inbox) + len(self._taking_in) > self._inbox_capacity:
+            lost = self._inbox.popleft() if self._inbox else self._taking_in.popleft()
             self._inbox_dropped += 1
             if not self._inbox_dropping:
                 self._inbox_dropping = True
@@ -274,7 +275,8 @@ class SinkRunner:
                     break
                 self._taking_in.extend(self._inbox)
                 self._inbox.clear()
-                self._inbox_dropping = False
+                if len(self._taking_in) <= self._inbox_capacity // 2:
+                    self._inbox_dropping = False  # drained: a new streak is logged again
             while True:
                 with self._cond:
                     with self._inbox_lock:
@@ -361,40 +363,47 @@ class SinkRunner:
         """Every report not delivered yet, oldest first, as spool lines (JSON, one per line).
 
         Those the sink took without its backend confirming them (``Sink.pending_reports``),
-        the batch being written, the queue and the spool. A checkpoint holds them, so a job
-        resumed from it delivers them first (the sink skips what its backend already has).
-        A spool that cannot be read, or does not answer within ``timeout`` seconds (a hung
-        disk), is left out, with a warning: this job still delivers those reports.
+        the batch being written, the queue, the spool and those waiting to be spooled. A
+        checkpoint holds them, so a job resumed from it delivers them first (the sink skips
+        what its backend already has). A spool that cannot be read, or is busy past
+        ``timeout`` seconds and a grace second (a hung disk), is left out, with a warning:
+        this job still delivers its reports.
         """
-        if not self._cond.acquire(timeout=-1 if timeout is None else timeout):
-            logger.warning(
-                "sink %r: the spool did not answer within %.1f s (spool_dir on a hung disk?): "
-                "the checkpoint holds none of its %d undelivered report(s); this job still "
-                "delivers them",
-                self.key,
-                timeout or 0.0,
-                self.pending,
-            )
-            return b""
+        wait = -1 if timeout is None else timeout + _LOCK_GRACE_S
+        locked = self._cond.acquire(timeout=wait)
         try:
             # Ours first, the sink's after: a write ending in between moves its reports from
             # in-flight to the sink's pending ones, so they are in one list or both, never none.
-            ours = [encode_report(report) for report in (*self._in_flight, *self._queue)]
-            try:
-                ours.append(self._spool.live_bytes())
-            except OSError as error:
+            # Without the lock (the spool's disk holds it) each list is copied in one step.
+            older = [*list(self._in_flight), *list(self._queue)]
+            spooled = b""
+            if not locked:
                 logger.warning(
-                    "sink %r: the spool could not be read for the checkpoint (%s): its %d "
-                    "report(s) are delivered by this job but missing from the checkpoint",
+                    "sink %r: the spool did not answer within %.1f s (spool_dir on a hung "
+                    "disk?): the checkpoint lacks its %d spooled report(s); this job still "
+                    "delivers them",
                     self.key,
-                    _describe(error),
+                    wait,
                     len(self._spool),
                 )
-            with self._inbox_lock:  # the newest: not spooled yet
-                ours.extend(encode_report(r) for r in (*self._taking_in, *self._inbox))
+            else:
+                try:
+                    spooled = self._spool.live_bytes()
+                except OSError as error:
+                    logger.warning(
+                        "sink %r: the spool could not be read for the checkpoint (%s): its %d "
+                        "report(s) are delivered by this job but missing from the checkpoint",
+                        self.key,
+                        _describe(error),
+                        len(self._spool),
+                    )
+            with self._inbox_lock:  # the newest, not spooled yet; encoded after the lock
+                newest = [*self._taking_in, *self._inbox]
         finally:
-            self._cond.release()
+            if locked:
+                self._cond.release()
         held = [encode_report(report) for report in self._held_by_sink()]  # the oldest
+        ours = [*(encode_report(r) for r in older), spooled, *(encode_report(r) for r in newest)]
         return b"".join([*held, *ours])
 
     def submit_backlog(self, lines: bytes) -> None:
@@ -418,7 +427,7 @@ class SinkRunner:
     def wait_delivered(self, timeout: float | None = None) -> bool:
         """Block until every submitted report is delivered; whether that happened in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._cond.acquire(timeout=-1 if timeout is None else timeout):
+        if not self._cond.acquire(timeout=-1 if timeout is None else timeout + _LOCK_GRACE_S):
             return False  # the spool's disk holds the lock (a hung disk): not in time
         try:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -471,7 +480,7 @@ class SinkRunner:
         failed = self.status.state == "failed"
         # Held across the spool's reads and writes: on a hung disk, wait no longer than close.
         wait = self._remaining()
-        if not self._cond.acquire(timeout=-1 if wait is None else wait + _CLOSE_LOCK_GRACE_S):
+        if not self._cond.acquire(timeout=-1 if wait is None else wait + _LOCK_GRACE_S):
             self._abandon.set()
             logger.error(
                 "sink %r: close: the spool did not answer within %.1f s (spool_dir %s on a hung "
@@ -504,19 +513,17 @@ class SinkRunner:
         # its reports from in-flight to the sink's, so they are in one list or both.
         ours = [*self._in_flight, *self._queue]
         self._queue.clear()
-        # The newest, which the intake thread had not spooled yet: spooled behind the rest.
+        # The newest, which the intake thread had not spooled yet: kept behind the rest.
         with self._inbox_lock:
             newest = [*self._taking_in, *self._inbox]
             self._taking_in.clear()
             self._inbox.clear()
-        for report in newest:
-            self._spool_at_close(report)
         held = self._held_by_sink()
         taken = {id(report) for report in held}
         # Reports the sink took but did not make durable (a ProcessSink whose child died)
         # are older than those still queued here: they go first, each once.
         undelivered = [*held, *(report for report in ours if id(report) not in taken)]
-        count = len(undelivered) + len(self._spool)
+        count = len(undelivered) + len(self._spool) + len(newest)
         if count == 0:
             self._spool.discard()  # an emptied spool file: nothing for a later job
             if not failed:  # a failure was logged at ERROR already
@@ -533,7 +540,7 @@ class SinkRunner:
                 )
             self._log_dropped()
             return False
-        paths, lost, error = self._spool.keep(undelivered)
+        paths, lost, error = self._spool.keep(undelivered, newest)  # one write, not one each
         self._dropped += lost
         if lost:
             logger.error(
@@ -598,17 +605,6 @@ class SinkRunner:
         """Whether reports wait for the intake thread."""
         with self._inbox_lock:
             return bool(self._inbox or self._taking_in)
-
-    def _spool_at_close(self, report: Report) -> None:
-        """Spool ``report`` behind the rest (``_cond`` held), or count it lost."""
-        try:
-            dropped = self._spool.append(report)
-        except Exception as error:
-            lost = 1 + (error.dropped if isinstance(error, SpoolWriteError) else 0)
-            self._drop(lost, f"could not spool step {report.step}: {_describe(error)}")
-        else:
-            if dropped:
-                self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
 
     def _held_by_sink(self) -> list[Report]:
         """Reports the sink took but may not have made durable, if it can say.
@@ -875,9 +871,10 @@ class SinkRunner:
         return max(0.0, self._close_deadline - time.monotonic())
 
 
-_CLOSE_LOCK_GRACE_S = 1.0
-"""How long past its timeout ``close`` waits for a spool read or write in progress (a slow disk
-that still answers gets its write done; a hung one does not hold ``close``)."""
+_LOCK_GRACE_S = 1.0
+"""How long past its timeout a caller waits for a spool read or write in progress (``close``,
+a checkpoint): a busy or slow disk that still answers gets its turn, a hung one holds no caller
+for good."""
 
 INBOX_MIN_CAPACITY = 4096
 """The fewest reports that may wait in memory for the intake thread (``capacity`` if larger);
