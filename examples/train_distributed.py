@@ -170,7 +170,8 @@ def main() -> None:
     # torch.distributed.nn (which DDP imports) takes the default group as a default argument
     # of its functions when first imported: imported after init_process_group, that group then
     # outlives destroy_process_group(), and gloo aborts the exit now and then ("terminate
-    # called without an active exception"). Imported above, before any group, it holds none.
+    # called without an active exception"). Imported above, before any group, it holds none;
+    # the DDP model, which holds the group while it lives, is gone once train() returns.
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
