@@ -35,20 +35,21 @@ _LEFTOVERS_NAMED = 5  # leftover spool files a warning names (the rest are count
 class SinkRunner:
     """Delivers reports to one sink, in step order, from a thread of its own.
 
-    ``submit`` never blocks, never touches the disk and never raises into the caller (except after
+    ``submit`` never touches the disk and never raises into the caller (except after
     ``close``): up to ``capacity`` reports wait in memory, more go to a spool file (JSON lines,
     owner-only), written by a second thread of the runner's own, and are read back in order; at most
-    ``max(capacity, INBOX_MIN_CAPACITY)`` wait in memory for that thread (a spool disk that does not
-    keep up), past that the oldest waiting is dropped. The spool holds at most ``spool_max_bytes``;
-    past that the oldest spooled reports are dropped. A report that cannot be spooled (unusable
-    directory, full disk) or read back (damaged file) is dropped too. Every drop is counted in
-    ``dropped`` and logged (the first of a streak, which ends once a report is spooled into a spool
-    at most half full, and the total at ``close``), and ``close`` then returns ``False``: a failing
-    spool affects this sink only. A ``write`` that raises is retried with exponential backoff until
-    it succeeds; a sink with ``max_batch > 1`` gets a backlog in ``write_batch`` calls of up to that
-    many reports, retried whole. The first failure of a streak is logged (logger
-    ``sidestream.sinks``) and so is the recovery, never each attempt. Every sink method runs on this
-    thread, so a slow or failing sink delays nothing else.
+    ``max(capacity, INBOX_MIN_CAPACITY)`` wait in memory for that thread: past that a submitter
+    waits while the thread writes (a burst faster than the disk), and drops the oldest waiting once
+    it has written nothing for ``INTAKE_STALL_S`` (a hung disk). The spool holds at most
+    ``spool_max_bytes``; past that the oldest spooled reports are dropped. A report that cannot be
+    spooled (unusable directory, full disk) or read back (damaged file) is dropped too. Every drop
+    is counted in ``dropped`` and logged (the first of a streak, which ends once a report is spooled
+    into a spool at most half full, and the total at ``close``), and ``close`` then returns
+    ``False``: a failing spool affects this sink only. A ``write`` that raises is retried with
+    exponential backoff until it succeeds; a sink with ``max_batch > 1`` gets a backlog in
+    ``write_batch`` calls of up to that many reports, retried whole. The first failure of a streak
+    is logged (logger ``sidestream.sinks``) and so is the recovery, never each attempt. Every sink
+    method runs on this thread, so a slow or failing sink delays nothing else.
 
     Args:
         sink: The sink to drive.
@@ -107,6 +108,8 @@ class SinkRunner:
         # never is.
         self._inbox_lock = threading.Lock()
         self._inbox_ready = threading.Condition(self._inbox_lock)
+        self._room = threading.Condition(self._inbox_lock)  # the intake thread took one
+        self._intake_progress = time.monotonic()  # when it last took one (under _inbox_lock)
         self._inbox: deque[Report] = deque()
         self._taking_in: deque[Report] = deque()  # taken from the inbox, not yet queued
         self._inbox_capacity = max(capacity, INBOX_MIN_CAPACITY)
@@ -173,15 +176,17 @@ class SinkRunner:
         self._thread.start()
 
     def submit(self, report: Report) -> None:
-        """Queue ``report``; returns at once, without touching the disk.
+        """Queue ``report``, without touching the disk; returns at once unless a burst outruns it.
 
         With room in the queue and nothing waiting beyond it, the report is queued here. Else
-        it waits in memory for the intake thread, which spools it (a full queue) or queues it;
-        at most ``max(capacity, INBOX_MIN_CAPACITY)`` wait so (a spool disk that does not keep
-        up): past that the oldest waiting is dropped. Before ``start`` the report is queued or
-        spooled here (a checkpoint's backlog: nothing else runs yet). A spool that cannot take
-        the report (full: the oldest are dropped; unusable: this one is) costs reports of this
-        sink only; they are counted in ``dropped``, never raised.
+        it waits in memory for the intake thread, which spools it (a full queue) or queues it.
+        At most ``max(capacity, INBOX_MIN_CAPACITY)`` wait so: a caller that finds them full
+        waits for room while the intake thread writes (a burst faster than the disk pays for
+        it, as when the caller wrote the spool itself), but not for a disk that has written
+        nothing for ``INTAKE_STALL_S``: then the oldest waiting is dropped. Before ``start``
+        the report is queued or spooled here (a checkpoint's backlog: nothing else runs yet).
+        A spool that cannot take the report (full: the oldest are dropped; unusable: this one
+        is) costs reports of this sink only; they are counted in ``dropped``, never raised.
 
         Raises:
             RuntimeError: After ``close``.
@@ -194,48 +199,59 @@ class SinkRunner:
                 self._admit(report)
             return
         # Never waits for _cond: the intake or sink thread may hold it across a slow disk.
-        locked = self._cond.acquire(blocking=False)
-        try:
-            with self._inbox_lock:
-                self._refuse_after_close()
-                self._submitted += 1
-                queued = (
-                    locked
-                    and not self._inbox
-                    and not self._taking_in
-                    and not len(self._spool)
-                    and len(self._queue) < self._capacity
-                )
-                if not queued:
-                    self._wait_in_inbox(report)
-            if queued:
-                self._queue.append(report)
-                self._cond.notify_all()
-        finally:
-            if locked:
+        if self._cond.acquire(blocking=False):
+            try:
+                with self._inbox_lock:
+                    self._refuse_after_close()
+                    if (
+                        not self._inbox
+                        and not self._taking_in
+                        and not len(self._spool)
+                        and len(self._queue) < self._capacity
+                    ):
+                        self._submitted += 1
+                        self._queue.append(report)
+                        self._cond.notify_all()
+                        return
+            finally:
                 self._cond.release()
+        with self._inbox_lock:  # _cond released: the intake thread needs it to make room
+            self._wait_in_inbox(report)
 
     def _refuse_after_close(self) -> None:
         if self._close_requested:  # _inbox_lock held
             raise RuntimeError(f"sink {self.key!r}: submit after close")
 
     def _wait_in_inbox(self, report: Report) -> None:
-        """Give ``report`` to the intake thread (``_inbox_lock`` held), dropping past the cap."""
-        self._inbox.append(report)
-        # The intake thread's batch counts too: the cap is on all that waits for it.
-        if len(self._inbox) + len(self._taking_in) > self._inbox_capacity:
-            lost = self._inbox.popleft() if self._inbox else self._taking_in.popleft()
+        """Give ``report`` to the intake thread (``_inbox_lock`` held, ``_cond`` not).
+
+        Waits for room while the intake thread makes progress; past ``INTAKE_STALL_S`` without
+        any, drops the oldest waiting instead.
+        """
+        while len(self._inbox) + len(self._taking_in) >= self._inbox_capacity:
+            self._refuse_after_close()
+            stalled = time.monotonic() - self._intake_progress
+            if stalled < INTAKE_STALL_S and self._intake.is_alive():
+                self._room.wait(INTAKE_STALL_S - stalled)
+                continue
+            # The intake thread's batch is older than the inbox: the oldest go first.
+            lost = self._taking_in.popleft() if self._taking_in else self._inbox.popleft()
             self._inbox_dropped += 1
             if not self._inbox_dropping:
                 self._inbox_dropping = True
                 logger.warning(
-                    "sink %r: %d report(s) wait to be spooled and the spool's disk does not keep "
-                    "up (spool_dir on a slow or hung disk?); dropped the oldest, step %d "
+                    "sink %r: %d report(s) wait to be spooled and the spool's disk wrote none "
+                    "for %.0f s (spool_dir on a hung disk?); dropped the oldest, step %d "
                     "(counted in SinkRunner.dropped; not logged again until the wait drains)",
                     self.key,
                     self._inbox_capacity,
+                    INTAKE_STALL_S,
                     lost.step,
                 )
+        # Checked again after any wait: close takes what waits, so nothing may come later.
+        self._refuse_after_close()
+        self._submitted += 1
+        self._inbox.append(report)
         self._inbox_ready.notify()
 
     def _admit(self, report: Report) -> None:
@@ -275,6 +291,7 @@ class SinkRunner:
                     break
                 self._taking_in.extend(self._inbox)
                 self._inbox.clear()
+                self._intake_progress = time.monotonic()
                 if len(self._taking_in) <= self._inbox_capacity // 2:
                     self._inbox_dropping = False  # drained: a new streak is logged again
             while True:
@@ -284,6 +301,8 @@ class SinkRunner:
                             break
                         # Moved under both locks: undelivered() sees it in one place, never none.
                         report = self._taking_in.popleft()
+                        self._intake_progress = time.monotonic()
+                        self._room.notify()
                     self._admit(report)
         with self._cond:  # everything submitted is queued or spooled: the sink may finish
             self._closing = True
@@ -451,6 +470,7 @@ class SinkRunner:
                 self._close_timeout = timeout
                 self._close_deadline = None if timeout is None else time.monotonic() + timeout
             self._inbox_ready.notify_all()
+            self._room.notify_all()  # a submitter waiting for room raises at once
         if not self._intake.is_alive():
             # No intake thread to say so once the inbox is empty (never started, or failed).
             with self._cond:
@@ -878,7 +898,12 @@ for good."""
 
 INBOX_MIN_CAPACITY = 4096
 """The fewest reports that may wait in memory for the intake thread (``capacity`` if larger);
-past that the oldest waiting is dropped: the spool's disk does not keep up."""
+past that a submitter waits for room, or, after ``INTAKE_STALL_S`` without progress, drops the
+oldest waiting."""
+
+INTAKE_STALL_S = 2.0
+"""How long the intake thread may write nothing, with reports waiting, before a submitter that
+finds no room stops waiting and drops the oldest instead (a hung spool disk)."""
 
 _RETURNED_FALSE = "returned False"
 """The kind of failure of a ``flush`` or ``close`` that returned ``False`` (it did not raise)."""
