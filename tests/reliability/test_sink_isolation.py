@@ -1052,3 +1052,24 @@ def test_a_submitter_stops_waiting_for_a_spool_disk_that_writes_nothing(
     disk.set()
     sink.gate.set()
     runner.close(10)
+
+
+def test_a_burst_after_an_idle_spell_is_not_taken_for_a_hung_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stall clock must start when reports begin to wait, not at the intake thread's last
+    # work before a quiet spell: else the first burst after it dropped at once.
+    from sidestream.sinks import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "INBOX_MIN_CAPACITY", 4)
+    monkeypatch.setattr(runner_module, "INTAKE_STALL_S", 0.2)
+    sink = RecordingSink()
+    runner = SinkRunner(sink, capacity=1, spool_dir=str(tmp_path))
+    runner.start()
+    for round_ in range(3):
+        time.sleep(0.3)  # idle for longer than the stall limit
+        for step in range(1, 201):
+            runner.submit(_report(round_ * 1000 + step))
+    assert runner.close(30) is True
+    assert runner.dropped == 0
+    assert len(sink.steps) == 600 and sink.steps == sorted(sink.steps)

@@ -228,6 +228,9 @@ class SinkRunner:
         Waits for room while the intake thread makes progress; past ``INTAKE_STALL_S`` without
         any, drops the oldest waiting instead.
         """
+        if not self._inbox and not self._taking_in:
+            # Nothing waited: the intake thread has had no work, so no time without progress.
+            self._intake_progress = time.monotonic()
         while len(self._inbox) + len(self._taking_in) >= self._inbox_capacity:
             self._refuse_after_close()
             stalled = time.monotonic() - self._intake_progress
