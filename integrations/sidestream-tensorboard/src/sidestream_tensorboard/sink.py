@@ -445,9 +445,7 @@ class TensorBoardSink(TrackerSink):
         with self._writer_lock:
             if not self._opened:
                 return True
-            unmatched = self._histogram_edges.unmatched_warning()
-            if unmatched is not None:
-                self.warn_once("histogram_edges", unmatched)
+            self._histogram_edges.warn_unmatched(self.warn_once)
             try:
                 self._ready_writer()
             except Exception:

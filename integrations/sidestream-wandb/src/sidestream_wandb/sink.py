@@ -694,9 +694,7 @@ class WandbSink(TrackerSink):
         """
         if self._run is None:
             return True
-        unmatched = self._histogram_edges.unmatched_warning()
-        if unmatched is not None:
-            self.warn_once("histogram_edges", unmatched)
+        self._histogram_edges.warn_unmatched(self.warn_once)
         active, self._run = self._run, None
         deadline = None if timeout is None else time.monotonic() + timeout
         code = failed_exit_code()  # closed at exit after an uncaught exception: failed

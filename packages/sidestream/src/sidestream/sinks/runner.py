@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import random
 import threading
 import time
@@ -111,7 +110,6 @@ class SinkRunner:
         self._room = threading.Condition(self._inbox_lock)  # the intake thread took one
         self._intake_progress = time.monotonic()  # when it last took one (under _inbox_lock)
         self._inbox: deque[Report] = deque()
-        self._taking_in: deque[Report] = deque()  # taken from the inbox, not yet queued
         self._inbox_capacity = max(capacity, INBOX_MIN_CAPACITY)
         self._inbox_dropped = 0
         self._inbox_dropping = False
@@ -205,7 +203,6 @@ class SinkRunner:
                     self._refuse_after_close()
                     if (
                         not self._inbox
-                        and not self._taking_in
                         and not len(self._spool)
                         and len(self._queue) < self._capacity
                     ):
@@ -228,17 +225,16 @@ class SinkRunner:
         Waits for room while the intake thread makes progress; past ``INTAKE_STALL_S`` without
         any, drops the oldest waiting instead.
         """
-        if not self._inbox and not self._taking_in:
+        if not self._inbox:
             # Nothing waited: the intake thread has had no work, so no time without progress.
             self._intake_progress = time.monotonic()
-        while len(self._inbox) + len(self._taking_in) >= self._inbox_capacity:
+        while len(self._inbox) >= self._inbox_capacity:
             self._refuse_after_close()
             stalled = time.monotonic() - self._intake_progress
             if stalled < INTAKE_STALL_S and self._intake.is_alive():
                 self._room.wait(INTAKE_STALL_S - stalled)
                 continue
-            # The intake thread's batch is older than the inbox: the oldest go first.
-            lost = self._taking_in.popleft() if self._taking_in else self._inbox.popleft()
+            lost = self._inbox.popleft()
             self._inbox_dropped += 1
             if not self._inbox_dropping:
                 self._inbox_dropping = True
@@ -292,21 +288,17 @@ class SinkRunner:
                     self._inbox_ready.wait()
                 if not self._inbox:
                     break
-                self._taking_in.extend(self._inbox)
-                self._inbox.clear()
-                self._intake_progress = time.monotonic()
-                if len(self._taking_in) <= self._inbox_capacity // 2:
-                    self._inbox_dropping = False  # drained: a new streak is logged again
-            while True:
-                with self._cond:
-                    with self._inbox_lock:
-                        if not self._taking_in:
-                            break
-                        # Moved under both locks: undelivered() sees it in one place, never none.
-                        report = self._taking_in.popleft()
-                        self._intake_progress = time.monotonic()
-                        self._room.notify()
-                    self._admit(report)
+            with self._cond:
+                with self._inbox_lock:
+                    if not self._inbox:  # a close took what waited
+                        continue
+                    # Moved under both locks: undelivered() sees it in one place, never none.
+                    report = self._inbox.popleft()
+                    self._intake_progress = time.monotonic()
+                    if len(self._inbox) <= self._inbox_capacity // 2:
+                        self._inbox_dropping = False  # drained: a new streak is logged again
+                    self._room.notify()
+                self._admit(report)
         with self._cond:  # everything submitted is queued or spooled: the sink may finish
             self._closing = True
             self._cond.notify_all()
@@ -391,8 +383,7 @@ class SinkRunner:
         ``timeout`` seconds and a grace second (a hung disk), is left out, with a warning:
         this job still delivers its reports.
         """
-        wait = -1 if timeout is None else timeout + _LOCK_GRACE_S
-        locked = self._cond.acquire(timeout=wait)
+        locked = self._acquire_within(timeout)
         try:
             # Ours first, the sink's after: a write ending in between moves its reports from
             # in-flight to the sink's pending ones, so they are in one list or both, never none.
@@ -405,7 +396,7 @@ class SinkRunner:
                     "disk?): the checkpoint lacks its %d spooled report(s); this job still "
                     "delivers them",
                     self.key,
-                    wait,
+                    (timeout or 0.0) + _LOCK_GRACE_S,
                     len(self._spool),
                 )
             else:
@@ -420,7 +411,7 @@ class SinkRunner:
                         len(self._spool),
                     )
             with self._inbox_lock:  # the newest, not spooled yet; encoded after the lock
-                newest = [*self._taking_in, *self._inbox]
+                newest = list(self._inbox)
         finally:
             if locked:
                 self._cond.release()
@@ -449,7 +440,7 @@ class SinkRunner:
     def wait_delivered(self, timeout: float | None = None) -> bool:
         """Block until every submitted report is delivered; whether that happened in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._cond.acquire(timeout=-1 if timeout is None else timeout + _LOCK_GRACE_S):
+        if not self._acquire_within(timeout):
             return False  # the spool's disk holds the lock (a hung disk): not in time
         try:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -502,17 +493,15 @@ class SinkRunner:
         ended = not self._thread.is_alive()  # else it ran past the timeout
         failed = self.status.state == "failed"
         # Held across the spool's reads and writes: on a hung disk, wait no longer than close.
-        wait = self._remaining()
-        if not self._cond.acquire(timeout=-1 if wait is None else wait + _LOCK_GRACE_S):
+        if not self._acquire_within(self._remaining()):
             self._abandon.set()
             logger.error(
-                "sink %r: close: the spool did not answer within %.1f s (spool_dir %s on a hung "
-                "disk?); the reports this sink had not delivered stay in memory and in %s, and "
-                "are lost if the disk does not come back before the process ends",
+                "sink %r: close: the spool did not answer within %.1f s (a hung disk?); the "
+                "reports this sink had not delivered stay in memory and in %s, and are lost if "
+                "the disk does not come back before the process ends",
                 self.key,
                 timeout or 0.0,
-                self._spool_dir_text(),
-                self._spool.path or "no spool file",
+                self._spool.path or "no spool file yet",
             )
             return False
         try:
@@ -520,9 +509,13 @@ class SinkRunner:
         finally:
             self._cond.release()
 
-    def _spool_dir_text(self) -> str:
-        path = self._spool.path
-        return repr(os.path.dirname(path)) if path else "(none made yet)"
+    def _acquire_within(self, timeout: float | None) -> bool:
+        """Take ``_cond`` within ``timeout`` and a grace second; whether it was taken.
+
+        Held across the spool's disk reads and writes: a busy or slow disk that still answers
+        gets its turn, a hung one holds no caller for good.
+        """
+        return self._cond.acquire(timeout=-1 if timeout is None else timeout + _LOCK_GRACE_S)
 
     def _close_locked(self, timeout: float | None, ended: bool, failed: bool) -> bool:
         """The rest of ``close``, ``_cond`` held: done, or keep the undelivered in a file."""
@@ -538,8 +531,7 @@ class SinkRunner:
         self._queue.clear()
         # The newest, which the intake thread had not spooled yet: kept behind the rest.
         with self._inbox_lock:
-            newest = [*self._taking_in, *self._inbox]
-            self._taking_in.clear()
+            newest = list(self._inbox)
             self._inbox.clear()
         held = self._held_by_sink()
         taken = {id(report) for report in held}
@@ -627,7 +619,7 @@ class SinkRunner:
     def _waiting_in(self) -> bool:
         """Whether reports wait for the intake thread."""
         with self._inbox_lock:
-            return bool(self._inbox or self._taking_in)
+            return bool(self._inbox)
 
     def _held_by_sink(self) -> list[Report]:
         """Reports the sink took but may not have made durable, if it can say.
@@ -896,8 +888,7 @@ class SinkRunner:
 
 _LOCK_GRACE_S = 1.0
 """How long past its timeout a caller waits for a spool read or write in progress (``close``,
-a checkpoint): a busy or slow disk that still answers gets its turn, a hung one holds no caller
-for good."""
+a checkpoint; see ``SinkRunner._acquire_within``)."""
 
 INBOX_MIN_CAPACITY = 4096
 """The fewest reports that may wait in memory for the intake thread (``capacity`` if larger);

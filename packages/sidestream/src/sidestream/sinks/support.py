@@ -337,6 +337,12 @@ class HistogramEdges:
                     break
         return histogram_edges(num_bins, given)
 
+    def warn_unmatched(self, warn_once: Callable[[str, str], None]) -> None:
+        """Name the keys no histogram matched, if any (a sink's ``close``)."""
+        warning = self.unmatched_warning()
+        if warning is not None:
+            warn_once("histogram_edges", warning)
+
     def unmatched_warning(self) -> str | None:
         """A warning naming the keys no histogram matched so far, or ``None`` if there are none."""
         unmatched = sorted(set(self._edges) - self._matched.copy())
