@@ -699,9 +699,35 @@ def test_a_spool_file_named_by_an_earlier_version_is_still_found(tmp_path: Path)
         check=True,
     )
     old = tmp_path / f"sidestream-my sink@{int(ended.stdout)}-abc.spool.jsonl"
-    old.write_text("")
+    old.write_text('{"step": 1}\n')
     assert leftover_spools(str(tmp_path), "my sink") == [str(old)]
     assert leftover_spools(str(tmp_path), "other") == []
+
+
+def test_an_empty_spool_file_of_an_ended_job_is_not_named_and_is_removed(tmp_path: Path) -> None:
+    # A spool read back to its end starts over empty: a job that crashed then left a file
+    # that holds nothing, which no warning should call undelivered.
+    from sidestream.sinks._spool import leftover_spools
+
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    pid = int(ended.stdout)
+    empty = tmp_path / f"sidestream-tb@{pid}-a.spool.jsonl"
+    empty.write_text("")
+    kept = tmp_path / f"sidestream-tb@{pid}-b.spool.jsonl"
+    kept.write_text("")
+    beside = tmp_path / f"sidestream-tb@{pid}-b.spool.jsonl.state.json"
+    beside.write_text("{}")
+    mine = tmp_path / f"sidestream-tb@{os.getpid()}-c.spool.jsonl"
+    mine.write_text("")
+    assert leftover_spools(str(tmp_path), "tb") == []
+    assert not empty.exists()
+    assert kept.exists() and beside.exists()  # a person's kept file stays
+    assert mine.exists()  # this process's own spool is never touched
 
 
 @pytest.mark.parametrize(

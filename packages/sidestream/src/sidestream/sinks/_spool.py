@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import IO
 
-from sidestream.sinks._spool_format import decode_report, encode_report
+from sidestream.sinks._spool_format import STATE_SUFFIX, decode_report, encode_report
 from sidestream.sinks.base import Report
 
 __all__ = [
@@ -412,8 +412,10 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
     """Spool files of sink ``label`` in ``directory`` whose process has ended.
 
     A job that crashed leaves its spool behind, and a close that timed out keeps one on
-    purpose; neither was delivered (a replayed file is renamed, so it is not listed).
-    Never raises: an unreadable directory lists nothing.
+    purpose; neither was delivered (a replayed file is renamed, so it is not listed). An empty
+    file holds nothing (a spool read back to its end starts over empty): it is not listed,
+    and it is deleted unless a kept state lies beside it. Never raises: an unreadable
+    directory lists nothing.
     """
     folder = directory if directory is not None else tempfile.gettempdir()
     found = []
@@ -426,10 +428,17 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
         # The raw label too: a file an earlier version named with it ("my sink").
         if match is None or match["label"] not in (file_label(label), label):
             continue
-        if not entry.is_file():
+        if not entry.is_file() or _alive(int(match["pid"]), match["start"]):
             continue
-        if not _alive(int(match["pid"]), match["start"]):
+        try:
+            empty = entry.stat().st_size == 0
+        except OSError:  # gone since the listing
+            continue
+        if not empty:
             found.append(entry.path)
+        elif not os.path.exists(entry.path + STATE_SUFFIX):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
     return sorted(found)
 
 
