@@ -28,6 +28,9 @@ from sidestream.sinks import (
 )
 from sidestream.sinks.console import ConsoleSink
 
+_A_REPORT = '{"step": 1, "time": 0.0, "values": {"a": 1.0}}\n'
+"""One report as a spool line: a leftover spool that holds something (an empty one is removed)."""
+
 
 @pytest.mark.parametrize(
     ("make", "error", "message"),
@@ -313,9 +316,9 @@ def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
     # A crashed job's spool holds reports never delivered: the next job says where they are.
     pid = _ended_process_id()
     left = tmp_path / f"sidestream-console@{pid}-abc123.spool.jsonl"
-    left.write_text("")
+    left.write_text(_A_REPORT)
     other_sink = tmp_path / f"sidestream-jsonl@{pid}-abc123.spool.jsonl"
-    other_sink.write_text("")
+    other_sink.write_text(_A_REPORT)
     replayed = tmp_path / f"sidestream-console@{pid}-def456.spool.jsonl.replayed"
     replayed.write_text("")
     _start_a_console_sink(tmp_path, caplog)
@@ -333,9 +336,9 @@ def test_a_spool_of_an_ended_process_whose_id_was_reused_is_named(
         text = stat.read()
     started = int(text[text.rfind(b")") + 2 :].split()[19])
     reused = tmp_path / f"sidestream-console@{os.getpid()}.{started - 1}-abc.spool.jsonl"
-    reused.write_text("")
+    reused.write_text(_A_REPORT)
     own = tmp_path / f"sidestream-console@{os.getpid()}.{started}-def.spool.jsonl"
-    own.write_text("")
+    own.write_text(_A_REPORT)
     _start_a_console_sink(tmp_path, caplog)
     assert str(reused) in caplog.text
     assert str(own) not in caplog.text  # this process's own (a live job's) spool
@@ -487,7 +490,7 @@ def test_only_spool_files_that_may_be_this_runs_are_named_when_the_sink_starts(
         tmp_path / f"sidestream-jsonl@{pid}-{tag}.spool.jsonl" for tag in ("a1", "b2", "c3")
     )
     for spool in (ours, theirs, crashed):
-        spool.write_text("")
+        spool.write_text(_A_REPORT)
     write_kept_state(str(ours), "jsonl", {"path": path, "last_steps": []}, RunInfo())
     other = {"path": str(tmp_path / "other.jsonl"), "last_steps": []}
     write_kept_state(str(theirs), "jsonl", other, RunInfo())  # crashed wrote none

@@ -110,6 +110,9 @@ class SinkRunner:
         self._room = threading.Condition(self._inbox_lock)  # the intake thread took one
         self._intake_progress = time.monotonic()  # when it last took one (under _inbox_lock)
         self._inbox: deque[Report] = deque()
+        # The report the intake thread is queueing or spooling (set and cleared under both
+        # locks): a checkpoint taken while a hung disk holds _cond keeps it from here.
+        self._admitting: Report | None = None
         self._inbox_capacity = max(capacity, INBOX_MIN_CAPACITY)
         self._inbox_dropped = 0
         self._inbox_dropping = False
@@ -293,12 +296,15 @@ class SinkRunner:
                     if not self._inbox:  # a close took what waited
                         continue
                     # Moved under both locks: undelivered() sees it in one place, never none.
-                    report = self._inbox.popleft()
+                    report = self._admitting = self._inbox.popleft()
                     self._intake_progress = time.monotonic()
                     if len(self._inbox) <= self._inbox_capacity // 2:
                         self._inbox_dropping = False  # drained: a new streak is logged again
                     self._room.notify()
-                self._admit(report)
+                try:
+                    self._admit(report)
+                finally:
+                    self._admitting = None  # queued or spooled now: found there
         with self._cond:  # everything submitted is queued or spooled: the sink may finish
             self._closing = True
             self._cond.notify_all()
@@ -385,10 +391,16 @@ class SinkRunner:
         """
         locked = self._acquire_within(timeout)
         try:
+            # Without the lock, the report a hung spool write holds is read first: should that
+            # write end meanwhile, the report is in the queue read next (kept twice, and the
+            # resumed sink skips the second), or in the spool, left out as below.
+            admitting = None if locked else self._admitting
             # Ours first, the sink's after: a write ending in between moves its reports from
             # in-flight to the sink's pending ones, so they are in one list or both, never none.
             # Without the lock (the spool's disk holds it) each list is copied in one step.
             older = [*list(self._in_flight), *list(self._queue)]
+            if admitting is not None:
+                older.append(admitting)
             spooled = b""
             if not locked:
                 logger.warning(
