@@ -390,6 +390,39 @@ def test_checkpoint_makes_the_jsonl_lines_durable(
     assert run.close()
 
 
+def test_a_checkpoint_does_not_wait_for_a_hung_jsonl_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The file's writes went through, its fsync hung (an NFS server gone): with no write
+    # under way the checkpoint called fsync on the training thread and waited 60 s.
+    import os
+    import threading
+    import time
+
+    path = tmp_path / "run.jsonl"
+    run = Run([JsonlSink(path)])
+    run.log(1, {"lr": 0.1})
+    (runner,) = run.sink_runners
+    assert runner.wait_delivered(timeout=10)
+    disk = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            disk.wait(60)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        start = time.monotonic()
+        state = run.state_dict(timeout=0.5)
+        assert time.monotonic() - start < 10, "the checkpoint waited for the hung fsync"
+        assert state["sinks"]["jsonl"]["last_steps"] == [["", 1]]
+    finally:
+        disk.set()
+    assert run.close()
+
+
 def test_a_checkpoint_names_a_failed_sink_without_waiting_for_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -27,6 +27,10 @@ logger = logging.getLogger("sidestream.sinks")
 _NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 _CHUNK = 65536
 
+_FSYNC_GRACE_S = 1.0
+"""Added to a checkpoint's timeout for ``make_durable``: a healthy disk's ``fsync`` ends well
+within it, so a checkpoint with no time left still makes the file durable."""
+
 
 class JsonlSink(TrackerSink):
     """Append one JSON object per report to ``path``.
@@ -246,22 +250,18 @@ class JsonlSink(TrackerSink):
         """``fsync`` the file, so delivered lines survive a machine crash. Thread-safe.
 
         Returns:
-            Whether that ended within ``timeout`` seconds: a write that hangs holds the file
-            (a pipe nobody reads, a stalled terminal, a hung disk), and a checkpoint must not
-            wait for it without end.
+            Whether that ended within ``timeout`` seconds and a grace second (a quick ``fsync``
+            counts even with no time left): a write that hangs holds the file (a pipe nobody
+            reads, a stalled terminal, a hung disk), and so may the ``fsync`` itself (an NFS
+            server that is gone); a checkpoint must not wait for either without end.
         """
 
         def sync() -> None:
             with self._file_lock:
                 self._sync_file()
 
-        if self._file_lock.acquire(blocking=False):  # no write under way: at once, any timeout
-            try:
-                self._sync_file()
-            finally:
-                self._file_lock.release()
-            return True
-        finished, error = call_within(sync, timeout, "sidestream-jsonl-fsync")
+        limit = None if timeout is None else timeout + _FSYNC_GRACE_S
+        finished, error = call_within(sync, limit, "sidestream-jsonl-fsync")
         if error is not None:
             raise error
         return finished
