@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -986,6 +987,67 @@ def test_a_hung_spool_disk_holds_up_neither_the_training_thread_nor_other_sinks(
         assert any("the spool did not answer" in r.getMessage() for r in caplog.records)
     finally:
         disk.set()
+        down.gate.set()
+
+
+def test_close_gives_up_keeping_reports_on_a_spool_disk_that_stopped_answering(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The reports a close could not deliver are kept in a file in spool_dir: with that disk's
+    # fsync hung (an NFS server gone) close waited without end, and so did the interpreter's
+    # exit, which closes the same way.
+    spool_dir = tmp_path / "spool"
+    disk = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(spool_dir)):
+            disk.wait(60)
+        real_fsync(fd)
+
+    down = GatedSink("down")  # never writes: its reports wait in memory
+    runner = SinkRunner(down, capacity=100, spool_dir=str(spool_dir))
+    runner.start()
+    for step in range(1, 4):
+        runner.submit(_report(step))
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="sidestream.sinks"):
+            assert runner.close(0.5) is False
+        assert time.monotonic() - start < 10, "close waited for the hung disk"
+        assert any("stopped answering" in r.getMessage() for r in caplog.records)
+        assert runner.status.state == "failed"
+    finally:
+        disk.set()
+        down.gate.set()
+
+
+def test_close_keeps_reports_on_a_slow_spool_disk_past_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A disk that is slow but writes is waited for: what close keeps is all there.
+    from sidestream.sinks import _spool
+
+    write = _spool.Spool._write_with_spooled
+
+    def slow(self: _spool.Spool, reports: list[Report], newer: Any = ()) -> str:
+        for _ in range(30):  # 3 s in all, progress every 0.1 s
+            time.sleep(0.1)
+            self._progress()
+        return write(self, reports, newer)
+
+    monkeypatch.setattr(_spool.Spool, "_write_with_spooled", slow)
+    down = GatedSink("down")
+    runner = SinkRunner(down, capacity=100, spool_dir=str(tmp_path))
+    runner.start()
+    for step in range(1, 4):
+        runner.submit(_report(step))
+    try:
+        assert runner.close(0.2) is False
+        (kept,) = tmp_path.glob("*.spool.jsonl")
+        assert [report.step for report in read_spool(kept)] == [1, 2, 3]
+    finally:
         down.gate.set()
 
 

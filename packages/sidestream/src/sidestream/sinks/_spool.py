@@ -7,6 +7,7 @@ import hashlib
 import os
 import re
 import tempfile
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import IO
@@ -71,6 +72,9 @@ class Spool:
         self._end = 0
         self._lines: deque[int] = deque()  # byte length of each spooled line, oldest first
         self.dropped = 0
+        #: When ``keep`` last wrote something (``time.monotonic()``): a caller that waits for
+        #: it on another thread gives up on a disk that stopped answering, not on a slow one.
+        self.kept_progress = 0.0
 
     def __len__(self) -> int:
         return len(self._lines)
@@ -227,6 +231,7 @@ class Spool:
             file.write(chunk)
             source += len(chunk)
             target += len(chunk)
+            self._progress()
         file.truncate(target)
         file.flush()
         self._end, self._read_offset = target, 0
@@ -291,11 +296,13 @@ class Spool:
 
         Empties the spool.
         """
+        self._progress()
         out, path = self._new_file()
         try:
             with out:
                 for report in reports:
                     out.write(encode_report(report))
+                self._progress()
                 if self._file is not None:
                     source = self._read_offset
                     while source < self._end:
@@ -305,9 +312,11 @@ class Spool:
                             break
                         out.write(chunk)
                         source += len(chunk)
+                        self._progress()
                 for report in newer:
                     out.write(encode_report(report))
                 out.flush()
+                self._progress()
                 os.fsync(out.fileno())
         except BaseException:
             # Left whole or not at all: keep() then keeps the spool file itself and the oldest
@@ -339,6 +348,7 @@ class Spool:
                         view = view[os.write(handle, view) :]
                     end += len(line)
                     kept += 1
+                    self._progress()
             except Exception:
                 with contextlib.suppress(OSError):
                     os.ftruncate(handle, end)
@@ -352,13 +362,18 @@ class Spool:
             return None, 0
         return path, kept
 
+    def _progress(self) -> None:
+        self.kept_progress = time.monotonic()
+
     def _keep_file(self) -> str:
         """Leave the spool file itself on disk, its read prefix cut off (no extra space)."""
         assert self._file is not None and self._path is not None
         if not os.path.exists(self._path):  # moved or deleted: a path that names nothing
             raise FileNotFoundError(self._path)
+        self._progress()
         if self._read_offset:
             self._compact(self._file)  # overwrites and truncates: needs no new blocks
+        self._progress()
         os.fsync(self._file.fileno())
         path = self._path
         self._file.close()

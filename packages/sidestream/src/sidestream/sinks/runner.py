@@ -521,6 +521,36 @@ class SinkRunner:
         finally:
             self._cond.release()
 
+    def _keep_within(
+        self, undelivered: list[Report], newest: list[Report]
+    ) -> tuple[list[str], int, Exception | None] | None:
+        """``Spool.keep`` on a thread of its own, waited for while its disk writes.
+
+        The wait ends at close's deadline or once the disk has written nothing for
+        ``INTAKE_STALL_S``, whichever is later: a slow disk keeps a large spool, a hung one (an
+        NFS server gone) holds close no longer (``close(None)`` waits without limit). ``None``
+        when it gave up.
+        """
+        kept: list[tuple[list[str], int, Exception | None]] = []
+        worker = threading.Thread(
+            target=lambda: kept.append(self._spool.keep(undelivered, newest)),
+            name=f"sidestream-keep-{self.key}",
+            daemon=True,  # a hung disk must not hold the interpreter's exit either
+        )
+        self._spool.kept_progress = time.monotonic()
+        worker.start()
+        if self._remaining() is None:  # close(None): no limit, as asked
+            worker.join()
+            return kept[0] if kept else None
+        while True:
+            stalled = time.monotonic() - self._spool.kept_progress
+            wait = max(self._remaining() or 0.0, INTAKE_STALL_S - stalled)
+            if wait <= 0:
+                return None
+            worker.join(min(wait, 0.1))
+            if not worker.is_alive():
+                return kept[0] if kept else None
+
     def _acquire_within(self, timeout: float | None) -> bool:
         """Take ``_cond`` within ``timeout`` and a grace second; whether it was taken.
 
@@ -567,7 +597,18 @@ class SinkRunner:
                 )
             self._log_dropped()
             return False
-        paths, lost, error = self._spool.keep(undelivered, newest)  # one write, not one each
+        kept = self._keep_within(undelivered, newest)
+        if kept is None:
+            logger.error(
+                "sink %r: close: the spool directory stopped answering while %d undelivered "
+                "report(s) were being kept in a file (a hung disk?); they are lost if it does "
+                "not come back before the process ends",
+                self.key,
+                count,
+            )
+            self._status = SinkStatus("failed", "the spool directory stopped answering at close")
+            return False
+        paths, lost, error = kept
         self._dropped += lost
         if lost:
             logger.error(
