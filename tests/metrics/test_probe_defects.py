@@ -164,3 +164,35 @@ def test_pearson_target_shift_handles_inputs_with_different_means() -> None:
     assert metric.compute().item() == pytest.approx(pearsonr(x, y).statistic, rel=1e-9)
     with pytest.raises(ValueError, match="target_shift"):
         PearsonCorrelationMetric(target_shift=[1.0, 2.0])
+
+
+@pytest.mark.parametrize("num_classes", [4, 5, 50])
+@pytest.mark.parametrize("device_path", [False, True])
+def test_weighted_specificity_without_usable_support_averages_present_classes_only(
+    num_classes: int, device_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every class with targets is undefined (0/0 with zero_division=nan): the fallback is the
+    # plain mean of the classes left, and scikit-learn's labels are the classes in the targets
+    # or predictions; a class that never occurs (specificity 1) made the value grow with C.
+    from sklearn.metrics import multilabel_confusion_matrix
+
+    from sidestream.metrics.classification import _cpu_path
+
+    if device_path:
+        monkeypatch.setattr(_cpu_path, "enabled", lambda device: False)
+    preds, target = torch.tensor([1, 3, 0, 0]), torch.tensor([1, 1, 2, 2])
+    keep = torch.tensor([True, True, False, False])  # samples 2 and 3: ignored below
+    metric = (
+        confusion_count_metric(zero_division=float("nan"), ignore_index=-1)
+        .multiclass(num_classes)
+        .with_specificity()
+        .weighted()
+        .build()
+    )
+    metric.update(preds, torch.where(keep, target, -1))
+    labels = sorted(set(preds[keep].tolist()) | set(target[keep].tolist()))
+    counts = multilabel_confusion_matrix(target[keep], preds[keep], labels=labels)
+    tn, fp = counts[:, 0, 0].astype(float), counts[:, 0, 1].astype(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        expected = np.nanmean(tn / (tn + fp))
+    assert float(metric.compute()) == pytest.approx(expected)

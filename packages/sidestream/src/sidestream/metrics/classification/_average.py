@@ -71,6 +71,7 @@ def mean_over_classes(
     zero_division: float = math.nan,
     *,
     support_weighted: bool = False,
+    present: Tensor | None = None,
 ) -> Tensor:
     """The ``weights``-weighted mean of ``per_class`` over its last dimension.
 
@@ -80,6 +81,9 @@ def mean_over_classes(
     With ``support_weighted`` (``average="weighted"``) a mean with zero total weight (no class
     has support, or with ``zero_division`` NaN every class with support is left out) is the
     plain mean of the classes left, as scikit-learn's: NaN only when every class is undefined.
+    Only the ``present`` classes (> 0; ``None`` or none present: all) are among them, as
+    scikit-learn's labels are the classes in the targets or predictions: a class that never
+    occurs would otherwise count, with a specificity of 1.
     """
     # Not math.isnan: compiled with dynamic=True a float setting may be a symbolic float.
     undefined = zero_division != zero_division  # NaN
@@ -89,6 +93,10 @@ def mean_over_classes(
     weighted = torch.where(weights > 0, per_class, 0.0).mul(weights).sum(-1)
     if support_weighted:
         defined = ~per_class.isnan()
+        if present is not None:
+            # Without any class present (no sample counted) every defined class stays.
+            occurs = present > 0
+            defined = defined & (occurs | ~occurs.any(-1, keepdim=True))
         fallback = torch.where(defined, per_class, 0.0).sum(-1) / defined.sum(-1)  # 0/0: NaN
     else:
         fallback = torch.full_like(weighted, zero_division)
@@ -121,4 +129,6 @@ def average_statistic(
     tp, _, fn, _ = counts
     weighted = average == "weighted"
     weights = tp + fn if weighted else macro_weights
-    return mean_over_classes(per_class, weights, zero_division, support_weighted=weighted)
+    return mean_over_classes(
+        per_class, weights, zero_division, support_weighted=weighted, present=macro_weights
+    )
