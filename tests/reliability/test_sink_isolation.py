@@ -1051,6 +1051,44 @@ def test_close_keeps_reports_on_a_slow_spool_disk_past_its_timeout(
         down.gate.set()
 
 
+@pytest.mark.parametrize("owner", ["run", "collector"])
+def test_an_interrupted_close_keeps_the_undelivered_reports_and_says_false(
+    tmp_path: Path, owner: str
+) -> None:
+    # Ctrl-C while close waited for a slow sink: the reports still queued died with the sink
+    # thread at exit, with no warning and no kept file, and a second close returned True.
+    sink = SlowSink(0.2)
+    if owner == "run":
+        closer: Run | AsyncMetricCollector = Run([sink], spool_dir=str(tmp_path))
+        for step in range(1, 21):
+            closer.log(step, {"x": float(step)})
+    else:
+        closer = AsyncMetricCollector(MeanMetric(), sinks=[sink], spool_dir=str(tmp_path))
+        closer.bind("cpu")
+        for step in range(1, 21):
+            closer.metric.update(torch.tensor([float(step)]))
+            closer.schedule_collection(step)
+        assert closer.wait_windows(timeout=30)
+    (runner,) = closer.sink_runners if isinstance(closer, Run) else closer._delivery.runners
+    join = runner._thread.join
+    calls: list[float | None] = []
+
+    def interrupted(timeout: float | None = None) -> None:
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # as Ctrl-C does in the main thread's wait
+        join(timeout)
+
+    runner._thread.join = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        closer.close(timeout=30)
+    assert closer.close(timeout=30) is False  # not True: reports were not delivered
+    (kept,) = tmp_path.glob("*.spool.jsonl")
+    delivered = set(sink.steps)
+    sink.gate.clear()  # the sink thread stops taking reports at its next write
+    assert delivered | {r.step for r in read_spool(kept)} == set(range(1, 21))
+
+
 def test_a_checkpoint_of_a_busy_sink_holds_its_undelivered_reports(tmp_path: Path) -> None:
     # A checkpoint whose wait used up its timeout asks with 0 s left: a sink or spool thread
     # holding the lock for an instant made it hold none of the sink's reports.

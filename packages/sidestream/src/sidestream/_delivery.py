@@ -140,6 +140,8 @@ class Delivery:
         self.on_start: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._close_result = True  # what the first close returned; later calls repeat it
+        self._closed_now = False  # close_now ran (an interrupted close)
         self._failed_submits: set[str] = set()
         # The places each sink's state has before it opens: the template a fresh run gives
         # torch.distributed.checkpoint, which loads only those (see _check_places).
@@ -424,9 +426,23 @@ class Delivery:
         """Close every runner once (delivering what is pending); whether all was delivered."""
         with self._lock:
             if self._closed:
-                return True
+                return self._close_result
             self._closed = True
             runners = self.runners or []
+        try:
+            complete = self._close_runners(runners, deadline)
+        except BaseException:
+            # Interrupted (Ctrl-C, a signal handler's SystemExit): each sink's undelivered
+            # reports go to a kept spool file now, or the process's exit would lose them with
+            # its sink threads; a later close says False.
+            self._close_result = False
+            self.close_now(runners)
+            raise
+        _release(self.sinks.values(), self)
+        self._close_result = complete
+        return complete
+
+    def _close_runners(self, runners: list[SinkRunner], deadline: float | None) -> bool:
         complete = True
         # Start every sink's close at once, so one slow sink does not use up the others' time.
         for runner in runners:
@@ -448,8 +464,27 @@ class Delivery:
                 # Written, but the final flush failed: the backend may not have it.
                 logger.warning("sink %r: its last flush failed; not all was delivered", runner.key)
                 complete = False
-        _release(self.sinks.values(), self)
         return complete
+
+    def close_now(self, runners: list[SinkRunner] | None = None) -> None:
+        """Close every runner at once, keeping what is undelivered (after an interrupted close).
+
+        Never raises an ``Exception``: one sink's failure is logged, and the others close.
+        """
+        with self._lock:
+            if self._closed_now:
+                return
+            self._closed = self._closed_now = True
+            self._close_result = False
+            runners = runners if runners is not None else (self.runners or [])
+        for runner in runners:
+            try:
+                runner.close_now()
+            except Exception as error:
+                logger.error(
+                    "sink %r: close failed: %s: %s", runner.key, type(error).__name__, error
+                )
+        _release(self.sinks.values(), self)
 
 
 def _stream_text(stream: str) -> str:

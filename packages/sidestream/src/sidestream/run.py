@@ -362,6 +362,19 @@ class Run:
         if self._metric_states:
             self._warn_unclaimed("close")
         deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            complete = self._close_all(deadline)
+        except BaseException:
+            # Interrupted (Ctrl-C, a signal handler's SystemExit): the sinks keep what they had
+            # not delivered in spool files at once (the exit would lose it with their threads),
+            # and a later close says False.
+            self._close_result = False
+            self._delivery.close_now()
+            raise
+        self._close_result = complete
+        return complete
+
+    def _close_all(self, deadline: float | None) -> bool:
         complete = True
         for collector in self._collectors:
             if not collector.close(seconds_left(deadline)):
@@ -378,7 +391,6 @@ class Run:
                 )
         if not self._delivery.close(deadline):
             complete = False
-        self._close_result = complete
         return complete
 
     def _warn_unclaimed(self, where: str) -> None:

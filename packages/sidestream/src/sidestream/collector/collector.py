@@ -666,6 +666,18 @@ class AsyncMetricCollector(Generic[T]):
         if self._owns_delivery:
             forget_close_at_exit(self._close_at_exit)
         deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            complete = self._close_windows_and_sinks(timeout, deadline)
+        except BaseException:
+            # Interrupted (Ctrl-C): as Run.close, keep what the sinks had not delivered.
+            self._close_result = False
+            if self._owns_delivery:
+                self._delivery.close_now()
+            raise
+        self._close_result = complete
+        return complete
+
+    def _close_windows_and_sinks(self, timeout: float | None, deadline: float | None) -> bool:
         complete = True
         if self._dispatcher is not None:
             complete = self._dispatcher.stop(timeout)
@@ -694,7 +706,6 @@ class AsyncMetricCollector(Generic[T]):
                 complete = False
         if self._owns_delivery and not self._delivery.close(deadline):
             complete = False
-        self._close_result = complete
         return complete
 
     def wait_windows(self, timeout: float | None) -> bool:

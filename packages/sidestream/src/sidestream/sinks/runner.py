@@ -113,6 +113,15 @@ class SinkRunner:
         # The report the intake thread is queueing or spooling (set and cleared under both
         # locks): a checkpoint taken while a hung disk holds _cond keeps it from here.
         self._admitting: Report | None = None
+        # The thread keeping the undelivered reports at close, and where it puts its result.
+        self._keeper: (
+            tuple[
+                threading.Thread,
+                list[tuple[list[str], int, Exception | None]],
+                Callable[[list[str], int, Exception | None], None],
+            ]
+            | None
+        ) = None
         self._inbox_capacity = max(capacity, INBOX_MIN_CAPACITY)
         self._inbox_dropped = 0
         self._inbox_dropping = False
@@ -120,6 +129,7 @@ class SinkRunner:
         self._close_timeout: float | None = None  # the first close's, which its messages name
         self._close_deadline: float | None = None
         self._abandon = threading.Event()
+        self._close_result: bool | None = None  # what a close that ended returned
         self._failing = False
         self._failed_attempts = 0
         self._flush_failures = 0  # in a row: only the first of a streak is logged
@@ -491,8 +501,15 @@ class SinkRunner:
         a warning names it, and ``False`` is returned. Never raises: a file that cannot be
         written is logged with the count of reports lost. Also ``False`` when reports were
         dropped (see ``dropped``), when the sink failed, and when its final ``close`` raised or
-        returned ``False`` (its backend may not have everything).
+        returned ``False`` (its backend may not have everything). A later call returns what
+        the first returned, unless the first was interrupted (Ctrl-C): it then finishes it.
         """
+        if self._close_result is not None:
+            return self._close_result
+        self._close_result = self._close(timeout)
+        return self._close_result
+
+    def _close(self, timeout: float | None) -> bool:
         self.begin_close(timeout)
         # The time the sink was given: a caller that began every runner's close at once passes
         # only what is left of it here.
@@ -521,8 +538,24 @@ class SinkRunner:
         finally:
             self._cond.release()
 
+    def close_now(self) -> bool:
+        """``close`` with no time left, whatever an earlier call was given.
+
+        For a close that was interrupted (Ctrl-C): the undelivered reports are kept in a spool
+        file at once instead of dying with the sink thread when the process exits.
+        """
+        if self._close_result is not None:
+            return self._close_result
+        self.begin_close(0.0)
+        with self._inbox_lock:
+            self._close_deadline = time.monotonic()
+        return self.close(0.0)
+
     def _keep_within(
-        self, undelivered: list[Report], newest: list[Report]
+        self,
+        undelivered: list[Report],
+        newest: list[Report],
+        report: Callable[[list[str], int, Exception | None], None],
     ) -> tuple[list[str], int, Exception | None] | None:
         """``Spool.keep`` on a thread of its own, waited for while its disk writes.
 
@@ -538,7 +571,14 @@ class SinkRunner:
             daemon=True,  # a hung disk must not hold the interpreter's exit either
         )
         self._spool.kept_progress = time.monotonic()
+        self._keeper = (worker, kept, report)
         worker.start()
+        return self._wait_for_keeper()
+
+    def _wait_for_keeper(self) -> tuple[list[str], int, Exception | None] | None:
+        """Wait for ``_keep_within``'s thread as it says; its result, ``None`` if given up."""
+        assert self._keeper is not None
+        worker, kept, _ = self._keeper
         if self._remaining() is None:  # close(None): no limit, as asked
             worker.join()
             return kept[0] if kept else None
@@ -561,6 +601,9 @@ class SinkRunner:
 
     def _close_locked(self, timeout: float | None, ended: bool, failed: bool) -> bool:
         """The rest of ``close``, ``_cond`` held: done, or keep the undelivered in a file."""
+        if self._keeper is not None:
+            # An interrupted close began keeping the undelivered reports: see it through.
+            return self._report_kept_within(self._wait_for_keeper(), self._keeper[2])
         pending = bool(self._queue or self._in_flight or len(self._spool) or self._waiting_in())
         if not self._thread.is_alive() and not self._held_by_sink() and not failed and not pending:
             self._spool.discard()
@@ -597,18 +640,48 @@ class SinkRunner:
                 )
             self._log_dropped()
             return False
-        kept = self._keep_within(undelivered, newest)
+        report = partial(
+            self._report_kept,
+            count=count,
+            held=len(held),
+            timeout=timeout,
+            ended=ended,
+            failed=failed,
+        )
+        return self._report_kept_within(self._keep_within(undelivered, newest, report), report)
+
+    def _report_kept_within(
+        self,
+        kept: tuple[list[str], int, Exception | None] | None,
+        report: Callable[[list[str], int, Exception | None], None],
+    ) -> bool:
+        """Say what ``close`` kept (``report``), or that the spool's disk stopped answering."""
         if kept is None:
             logger.error(
-                "sink %r: close: the spool directory stopped answering while %d undelivered "
+                "sink %r: close: the spool directory stopped answering while the undelivered "
                 "report(s) were being kept in a file (a hung disk?); they are lost if it does "
                 "not come back before the process ends",
                 self.key,
-                count,
             )
             self._status = SinkStatus("failed", "the spool directory stopped answering at close")
             return False
-        paths, lost, error = kept
+        self._keeper = None  # said once: a later close has nothing more to keep
+        report(*kept)
+        return False
+
+    def _report_kept(
+        self,
+        paths: list[str],
+        lost: int,
+        error: Exception | None,
+        *,
+        count: int,
+        held: int,
+        timeout: float | None,
+        ended: bool,
+        failed: bool,
+    ) -> None:
+        """Count and log what ``close`` kept in ``paths`` (``lost`` of ``count`` not kept)."""
         self._dropped += lost
         if lost:
             logger.error(
@@ -644,7 +717,7 @@ class SinkRunner:
             # had not confirmed them (a ProcessSink's child had not flushed): kept all the same,
             # and not counted as undelivered.
             unconfirmed = (
-                f", and {len(held)} the sink took but its backend had not confirmed (a replay "
+                f", and {held} the sink took but its backend had not confirmed (a replay "
                 "or resumed sink skips those the backend has)"
                 if held
                 else ""
@@ -654,7 +727,7 @@ class SinkRunner:
                 "line, oldest first; deliver them later with sidestream.sinks.replay_spool or "
                 "python -m sidestream.sinks.replay, which resumes the sink's run from %s)",
                 self.key,
-                count - len(held),
+                count - held,
                 why,
                 unconfirmed,
                 count - lost,
@@ -667,7 +740,6 @@ class SinkRunner:
                     self._status = SinkStatus(
                         "failed", f"close: {count - lost} report(s) kept in a spool file ({why})"
                     )
-        return False
 
     def _waiting_in(self) -> bool:
         """Whether reports wait for the intake thread."""
