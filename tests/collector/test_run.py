@@ -390,6 +390,68 @@ def test_checkpoint_makes_the_jsonl_lines_durable(
     assert run.close()
 
 
+def _wait_for_lines(path: Path, count: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while not (path.exists() and len(list(read_jsonl(path))) >= count):
+        assert time.monotonic() < deadline, f"{path} never had {count} lines"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("resumed_order", ["same", "swapped", "first_left_out"])
+def test_sinks_of_one_kind_resume_their_own_state_whatever_their_order(
+    tmp_path: Path, resumed_order: str
+) -> None:
+    # Sink states are keyed by order ("jsonl", "jsonl-2"): a job listing the two JSONL sinks
+    # the other way round gave each the other's state and undelivered reports (one file had
+    # steps twice, the other lacked them).
+    import errno
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    down = JsonlSink(b)
+    send = down.send
+
+    def full_disk(reports: Any) -> Any:
+        if down_now:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return send(reports)
+
+    down.send = full_disk  # type: ignore[method-assign]
+    run = Run([JsonlSink(a), down], spool_dir=str(tmp_path / "spool"), sink_retry_max_s=0.2)
+    down_now = False
+    for step in range(1, 6):
+        run.log(step, {"x": float(step)})
+    _wait_for_lines(b, 5)
+    down_now = True  # b takes steps 1 to 5 only: 6 to 10 are in the checkpoint
+    for step in range(6, 11):
+        run.log(step, {"x": float(step)})
+    _wait_for_lines(a, 10)
+    state = run.state_dict(timeout=1.0)
+    assert len(state["undelivered"]["jsonl-2"].splitlines()) == 5
+    run.close(timeout=1.0)
+    for kept in (tmp_path / "spool").glob("*"):  # as the close warning says for a resumed job
+        kept.unlink()
+    down_now = False
+    sinks = {
+        "same": [JsonlSink(a), JsonlSink(b)],
+        "swapped": [JsonlSink(b), JsonlSink(a)],
+        "first_left_out": [JsonlSink(b)],
+    }[resumed_order]
+    resumed = Run(sinks, spool_dir=str(tmp_path / "spool"))
+    resumed.load_state_dict(state)
+    for step in range(11, 16):
+        resumed.log(step, {"x": float(step)})
+    assert resumed.close(timeout=30)
+    files = {"a": a, "b": b} if resumed_order != "first_left_out" else {"b": b}
+    for name, path in files.items():
+        steps = [record["step"] for record in read_jsonl(path)]
+        assert steps == list(range(1, 16)), (name, steps)
+    if resumed_order == "first_left_out":
+        # a's state is carried on: a later job with a's sink again resumes a's file.
+        assert [s["path"] for s in resumed.state_dict()["sinks"].values()].count(str(a)) == 1
+
+
 def test_a_checkpoint_does_not_wait_for_a_hung_jsonl_fsync(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

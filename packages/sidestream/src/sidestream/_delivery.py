@@ -379,7 +379,7 @@ class Delivery:
         if not isinstance(states, Mapping):
             raise TypeError(f"state_dict['sinks']: expected a mapping, got {states!r}")
         _backlogs(undelivered or {})
-        for key, state in states.items():
+        for key, state in self._matched(states).items():
             if key not in self.sinks:
                 continue
             trial = copy.copy(self.sinks[key])
@@ -389,6 +389,49 @@ class Delivery:
                 raise ValueError(
                     f"load_state_dict: sink {key!r} refuses its saved state: {error}"
                 ) from error
+
+    def _matched(self, states: Mapping[str, Any]) -> dict[str, Any]:
+        """``states`` under the keys of this run's sinks they belong to (``_saved_keys``)."""
+        keys = self._saved_keys(states)
+        return {keys[key]: state for key, state in states.items()}
+
+    def _saved_keys(self, states: Mapping[str, Any]) -> dict[str, str]:
+        """Each saved sink key, mapped to the key its state belongs under in this run.
+
+        Keys follow the order of the sinks (``jsonl``, ``jsonl-2``), so a job that lists two
+        sinks of a kind in another order, or leaves the first out, would give each the other's
+        state. A saved state that names a place (a JSONL file, a TensorBoard directory) goes to
+        the sink of this run at that place; one whose place no sink here has keeps its key if
+        no other state took that sink, else it is carried on as not this run's, under
+        ``KEY@PLACE``. States that name no place (MLflow, W&B: their run ids are made when a
+        fresh sink is) keep their keys.
+        """
+        here: dict[str, str] = {}
+        for key, sink in self.sinks.items():
+            place = _place(_state_or_none(sink))
+            if place is not None:
+                here.setdefault(place, key)
+        keys: dict[str, str] = {}
+        for key, state in states.items():
+            place = _place(state)
+            if place is not None and place in here:
+                keys[key] = here[place]
+        taken = set(keys.values())
+        for key, state in states.items():
+            if key in keys:
+                continue
+            place = _place(state)
+            if key in taken and place is not None:
+                keys[key] = f"{key}@{place}"  # another job's sink: carried on, never loaded
+            else:
+                keys[key] = key
+        moved = sorted((old, new) for old, new in keys.items() if old != new and new in self.sinks)
+        if moved:
+            logger.info(
+                "load_state_dict: sink states matched by the place they name: %s",
+                ", ".join(f"{old} -> {new}" for old, new in moved),
+            )
+        return keys
 
     def load_sink_states(
         self, states: Mapping[str, Any], undelivered: Mapping[str, str] | None = None
@@ -405,12 +448,13 @@ class Delivery:
             )
         # Copies: the caller's checkpoint dict must not change with what the sinks do.
         # The callers ran check_sink_states first, before restoring anything else.
-        loaded = {key: copy.deepcopy(steps_as_pairs(state)) for key, state in states.items()}
+        keys = self._saved_keys(states)
+        loaded = {keys[key]: copy.deepcopy(steps_as_pairs(state)) for key, state in states.items()}
         self.resume_states = {key: state for key, state in loaded.items() if key in self.sinks}
         # A sink this run does not have (left out of the config for this job): its state is
         # carried on into this run's checkpoints, as unclaimed collector states are.
         self.unclaimed_states = {k: v for k, v in loaded.items() if k not in self.sinks}
-        backlogs = _backlogs(undelivered or {})
+        backlogs = {keys.get(key, key): text for key, text in _backlogs(undelivered or {}).items()}
         self.backlogs = {key: text for key, text in backlogs.items() if key in self.sinks}
         self.unclaimed_backlogs = {k: v for k, v in backlogs.items() if k not in self.sinks}
         if self.unclaimed_states:
@@ -489,6 +533,28 @@ class Delivery:
 
 def _stream_text(stream: str) -> str:
     return stream or "run.log"
+
+
+_PLACE_KEYS = ("path", "log_dir")
+"""State keys that name where a sink writes, the same in every job (a JSONL file, a TensorBoard
+directory): what a saved state is matched to this run's sinks by."""
+
+
+def _place(state: object) -> str | None:
+    if not isinstance(state, Mapping):
+        return None
+    for key in _PLACE_KEYS:
+        place = state.get(key)
+        if isinstance(place, str):
+            return os.path.normpath(place)
+    return None
+
+
+def _state_or_none(sink: Sink) -> Mapping[str, Any] | None:
+    try:
+        return sink.state_dict()
+    except Exception:  # a custom sink whose state needs an open backend: not matched
+        return None
 
 
 def _state_places(sink: Sink) -> frozenset[str] | None:
