@@ -47,7 +47,8 @@ class Spool:
 
     At most ``max_bytes`` of reports are held: appending past it drops the oldest reports
     first (counted in ``dropped``). The dead prefix of reports already read is cut off once it
-    is larger than the live part, so the file on disk stays within twice the cap.
+    is larger than the live part, and before a line would take the file past twice the cap, so
+    the file on disk stays within twice the cap.
 
     Args:
         directory: Where to create the spool file (the system temp dir by default).
@@ -135,8 +136,11 @@ class Spool:
             freed += self._lines[dropped]
             dropped += 1
         # The dead prefix is cut once larger than the live part (and than a chunk, or the cap
-        # when that is smaller), so the file stays within about twice the cap.
-        if self._read_offset > max(self.nbytes, min(_CHUNK, self._max_bytes)):
+        # when that is smaller), and whenever this line would take the file past twice the
+        # cap: the live part (at most the cap) and the line (at most the cap) then fit.
+        if self._read_offset > max(self.nbytes, min(_CHUNK, self._max_bytes)) or (
+            self._read_offset and self._end + len(line) > 2 * self._max_bytes
+        ):
             self._compact(self._open())
         try:
             self._write_at_end(line)
