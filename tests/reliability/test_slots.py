@@ -112,7 +112,7 @@ def test_slots_are_capped_queue_bounded_values_right_and_extra_slots_freed(
     # Each waiting window holds a slot; one more may have just handed its slot back.
     assert most_waiting <= 5 + 1, "the windows waiting for the dispatcher are bounded"
     assert collector.slot_wait_s > 0.2, "the training thread waited for the stalled window"
-    assert sum("staging slots are in use" in r.getMessage() for r in caplog.records) == 1
+    assert sum("staging slots have been in use" in r.getMessage() for r in caplog.records) == 1
     # The backlog has drained: the next window keeps only the first three slots.
     metric.update(torch.ones(1))
     collector.schedule_collection(31)
