@@ -877,6 +877,7 @@ class AsyncMetricCollector(Generic[T]):
 _SLOT_WAIT_QUIET_S = 0.5
 """How long ``schedule_collection`` waits for a staging slot before it says so (once)."""
 
+
 def _check_histogram_path(metric: Metric[Any], path: str) -> None:
     """Raise ``ValueError`` if ``path`` names no leaf of the compositions it passes through.
 
