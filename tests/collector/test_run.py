@@ -363,6 +363,10 @@ def test_show_skips_lines_that_are_not_utf8_and_names_bad_plot_paths(
         cli(["show", str(path), "--plot", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "is a directory" in capsys.readouterr().err
+    checkpoint = tmp_path / "ckpt.pt"  # a checkpoint holds JSON lines of its undelivered reports
+    torch.save({"undelivered": {"jsonl": good + "\n"}, "weights": torch.zeros(64)}, checkpoint)
+    assert cli(["show", str(checkpoint)]) == 1
+    assert "a binary file" in capsys.readouterr().err
     only_text = tmp_path / "text.jsonl"
     only_text.write_text(json.dumps({"step": 1, "values": {"note": "abc-not-a-number"}}) + "\n")
     assert cli(["show", str(only_text)]) == 1

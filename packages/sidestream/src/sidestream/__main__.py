@@ -19,6 +19,10 @@ _MAX_PLOTS = 12
 taller than the backend can write (matplotlib refuses 2**16 pixels and more)."""
 
 
+_SNIFF_BYTES = 1 << 16
+"""Bytes read from the start of a file to tell a binary one (a torch checkpoint) from text."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; the exit status."""
     parser = argparse.ArgumentParser(prog="python -m sidestream")
@@ -40,6 +44,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{args.path}: no such file")
     if not args.path.is_file():
         parser.error(f"{args.path}: not a regular file; expected the .jsonl file a JsonlSink wrote")
+    try:
+        with args.path.open("rb") as file:
+            binary = b"\0" in file.read(_SNIFF_BYTES)
+    except OSError as error:
+        print(f"error: {args.path}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    if binary:
+        # A checkpoint given by mistake holds JSON lines of its own (a run's undelivered
+        # reports): shown, they looked like the run's values.
+        print(
+            f"error: {args.path}: a binary file (it holds NUL bytes), not the .jsonl file a "
+            "JsonlSink wrote",
+            file=sys.stderr,
+        )
+        return 1
     out = args.plot
     if out is not None:
         if out.is_dir():
