@@ -690,18 +690,23 @@ def test_a_sink_name_that_is_no_file_name_still_spools_and_its_file_is_found_lat
         assert "1 spool file(s)" in warning and str(path) in warning
 
 
-def test_a_spool_file_named_by_an_earlier_version_is_still_found(tmp_path: Path) -> None:
-    # Before names were made safe, "my sink" was used as it is; such files of ended jobs are
-    # still named in the warning.
-    from sidestream.sinks._spool import leftover_spools
-
+def _ended_process_id() -> int:
+    """The id of a process that has ended (its spool files count as left behind)."""
     ended = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         text=True,
         capture_output=True,
         check=True,
     )
-    old = tmp_path / f"sidestream-my sink@{int(ended.stdout)}-abc.spool.jsonl"
+    return int(ended.stdout)
+
+
+def test_a_spool_file_named_by_an_earlier_version_is_still_found(tmp_path: Path) -> None:
+    # Before names were made safe, "my sink" was used as it is; such files of ended jobs are
+    # still named in the warning.
+    from sidestream.sinks._spool import leftover_spools
+
+    old = tmp_path / f"sidestream-my sink@{_ended_process_id()}-abc.spool.jsonl"
     old.write_text('{"step": 1}\n')
     assert leftover_spools(str(tmp_path), "my sink") == [str(old)]
     assert leftover_spools(str(tmp_path), "other") == []
@@ -712,13 +717,7 @@ def test_an_empty_spool_file_of_an_ended_job_is_not_named_and_is_removed(tmp_pat
     # that holds nothing, which no warning should call undelivered.
     from sidestream.sinks._spool import leftover_spools
 
-    ended = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        text=True,
-        capture_output=True,
-        check=True,
-    )
-    pid = int(ended.stdout)
+    pid = _ended_process_id()
     empty = tmp_path / f"sidestream-tb@{pid}-a.spool.jsonl"
     empty.write_text("")
     kept = tmp_path / f"sidestream-tb@{pid}-b.spool.jsonl"
