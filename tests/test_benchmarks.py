@@ -82,7 +82,11 @@ def test_classification_update_compares_every_implementation(
     for row in rows:
         assert float(row[3]) > 0, row
         # Rounded cells: the ratio of the rounded times is within rounding of the printed one.
-        assert abs(_ratio(row[4]) - float(row[3]) / ours[row[1]]) < 0.02, row
+        # Each time is rounded to 0.05 at most, which moves a ratio in proportion to its size
+        # (61.08x printed, 61.11x from 4479.3 / 73.3 in a CI run).
+        ratio = float(row[3]) / ours[row[1]]
+        rounding = ratio * (0.05 / float(row[3]) + 0.05 / ours[row[1]]) + 0.005
+        assert abs(_ratio(row[4]) - ratio) <= rounding, row
 
 
 def test_ranking_memory_reports_accuracy_within_its_bound(

@@ -367,6 +367,10 @@ def test_show_skips_lines_that_are_not_utf8_and_names_bad_plot_paths(
     torch.save({"undelivered": {"jsonl": good + "\n"}, "weights": torch.zeros(64)}, checkpoint)
     assert cli(["show", str(checkpoint)]) == 1
     assert "a binary file" in capsys.readouterr().err
+    crashed = tmp_path / "crashed.jsonl"  # a crash may leave NUL bytes at the file's end
+    crashed.write_bytes(good.encode() + b"\n" + b"\0" * 512)
+    assert cli(["show", str(crashed)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split() == ["(log)", "3", "loss", "1.5"]
     only_text = tmp_path / "text.jsonl"
     only_text.write_text(json.dumps({"step": 1, "values": {"note": "abc-not-a-number"}}) + "\n")
     assert cli(["show", str(only_text)]) == 1

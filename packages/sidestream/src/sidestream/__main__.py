@@ -46,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{args.path}: not a regular file; expected the .jsonl file a JsonlSink wrote")
     try:
         with args.path.open("rb") as file:
-            binary = b"\0" in file.read(_SNIFF_BYTES)
+            # The first line only: a JSONL file cut by a crash may end in NUL bytes.
+            binary = b"\0" in file.readline(_SNIFF_BYTES)
     except OSError as error:
         print(f"error: {args.path}: {error.strerror or error}", file=sys.stderr)
         return 1
@@ -54,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A checkpoint given by mistake holds JSON lines of its own (a run's undelivered
         # reports): shown, they looked like the run's values.
         print(
-            f"error: {args.path}: a binary file (it holds NUL bytes), not the .jsonl file a "
+            f"error: {args.path}: a binary file (its first line holds NUL bytes), not the .jsonl "
+            "file a "
             "JsonlSink wrote",
             file=sys.stderr,
         )

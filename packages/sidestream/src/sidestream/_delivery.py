@@ -141,7 +141,6 @@ class Delivery:
         self._lock = threading.Lock()
         self._closed = False
         self._close_result = True  # what the first close returned; later calls repeat it
-        self._closed_now = False  # close_now ran (an interrupted close)
         self._failed_submits: set[str] = set()
         # The places each sink's state has before it opens: the template a fresh run gives
         # torch.distributed.checkpoint, which loads only those (see _check_places).
@@ -406,16 +405,18 @@ class Delivery:
         ``KEY@PLACE``. States that name no place (MLflow, W&B: their run ids are made when a
         fresh sink is) keep their keys.
         """
-        here: dict[str, str] = {}
+        here: dict[tuple[str, str], str] = {}
         for key, sink in self.sinks.items():
             place = _place(_state_or_none(sink))
             if place is not None:
-                here.setdefault(place, key)
+                here.setdefault((sink.name, place), key)
         keys: dict[str, str] = {}
         for key, state in states.items():
             place = _place(state)
-            if place is not None and place in here:
-                keys[key] = here[place]
+            # Only between sinks of one name: "jsonl" and "jsonl-2" hold JsonlSink states.
+            mine = here.get((_kind_of(key, self.sinks), place)) if place is not None else None
+            if mine is not None and mine not in keys.values():
+                keys[key] = mine
         taken = set(keys.values())
         for key, state in states.items():
             if key in keys:
@@ -513,14 +514,15 @@ class Delivery:
     def close_now(self, runners: list[SinkRunner] | None = None) -> None:
         """Close every runner at once, keeping what is undelivered (after an interrupted close).
 
-        Never raises an ``Exception``: one sink's failure is logged, and the others close.
+        Every runner gets its turn, even when another Ctrl-C interrupts one (raised once all
+        had theirs); a runner whose close ended says what it said before. One sink's failure
+        is logged, and the others close.
         """
         with self._lock:
-            if self._closed_now:
-                return
-            self._closed = self._closed_now = True
+            self._closed = True
             self._close_result = False
             runners = runners if runners is not None else (self.runners or [])
+        interrupted: BaseException | None = None
         for runner in runners:
             try:
                 runner.close_now()
@@ -528,7 +530,11 @@ class Delivery:
                 logger.error(
                     "sink %r: close failed: %s: %s", runner.key, type(error).__name__, error
                 )
+            except BaseException as error:  # raised below, once the others had their turn
+                interrupted = interrupted or error
         _release(self.sinks.values(), self)
+        if interrupted is not None:
+            raise interrupted
 
 
 def _stream_text(stream: str) -> str:
@@ -546,8 +552,17 @@ def _place(state: object) -> str | None:
     for key in _PLACE_KEYS:
         place = state.get(key)
         if isinstance(place, str):
-            return os.path.normpath(place)
+            return os.path.realpath(place)
     return None
+
+
+def _kind_of(key: str, sinks: Mapping[str, Sink]) -> str:
+    """The sink name a saved key was made from (``_keyed``): ``jsonl-2`` is a ``jsonl``'s."""
+    names = {sink.name for sink in sinks.values()}
+    if key in names:
+        return key
+    stem, _, number = key.rpartition("-")
+    return stem if number.isdigit() and stem in names else key
 
 
 def _state_or_none(sink: Sink) -> Mapping[str, Any] | None:

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import IO
 
-from sidestream.sinks._spool_format import STATE_SUFFIX, decode_report, encode_report
+from sidestream.sinks._spool_format import decode_report, encode_report
 from sidestream.sinks.base import Report
 
 __all__ = [
@@ -320,7 +320,7 @@ class Spool:
                 for report in newer:
                     out.write(encode_report(report))
                 out.flush()
-                self._progress()
+                self._progress(syncing=out.tell())
                 os.fsync(out.fileno())
         except BaseException:
             # Left whole or not at all: keep() then keeps the spool file itself and the oldest
@@ -357,6 +357,7 @@ class Spool:
                 with contextlib.suppress(OSError):
                     os.ftruncate(handle, end)
             try:
+                self._progress(syncing=end)
                 os.fsync(handle)
             except OSError:
                 kept = 0  # nothing is known to be on disk
@@ -366,8 +367,9 @@ class Spool:
             return None, 0
         return path, kept
 
-    def _progress(self) -> None:
-        self.kept_progress = time.monotonic()
+    def _progress(self, syncing: int = 0) -> None:
+        """Note progress; ``syncing``: bytes an ``fsync`` about to start may have to write."""
+        self.kept_progress = time.monotonic() + syncing / _SLOW_DISK_BYTES_PER_S
 
     def _keep_file(self) -> str:
         """Leave the spool file itself on disk, its read prefix cut off (no extra space)."""
@@ -377,7 +379,7 @@ class Spool:
         self._progress()
         if self._read_offset:
             self._compact(self._file)  # overwrites and truncates: needs no new blocks
-        self._progress()
+        self._progress(syncing=self._end)
         os.fsync(self._file.fileno())
         path = self._path
         self._file.close()
@@ -397,6 +399,10 @@ class Spool:
         self._lines.clear()
         self._read_offset = self._end = 0
 
+
+_SLOW_DISK_BYTES_PER_S = 10 * 1024 * 1024
+"""The slowest disk a kept spool's ``fsync`` is waited for (``kept_progress``): 27 s for a full
+256 MiB spool, longer than which the disk counts as having stopped answering."""
 
 _SUFFIX = ".spool.jsonl"
 # Characters a sink's label keeps in a file name; the others become "_".
@@ -432,9 +438,9 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
 
     A job that crashed leaves its spool behind, and a close that timed out keeps one on
     purpose; neither was delivered (a replayed file is renamed, so it is not listed). An empty
-    file holds nothing (a spool read back to its end starts over empty): it is not listed,
-    and it is deleted unless a kept state lies beside it. Never raises: an unreadable
-    directory lists nothing.
+    file holds nothing (a spool read back to its end starts over empty): it is not listed
+    (nor deleted: in a directory shared by machines the process id may be another host's,
+    whose job still writes it). Never raises: an unreadable directory lists nothing.
     """
     folder = directory if directory is not None else tempfile.gettempdir()
     found = []
@@ -450,14 +456,10 @@ def leftover_spools(directory: str | None, label: str) -> list[str]:
         if not entry.is_file() or _alive(int(match["pid"]), match["start"]):
             continue
         try:
-            empty = entry.stat().st_size == 0
+            if entry.stat().st_size:
+                found.append(entry.path)
         except OSError:  # gone since the listing
             continue
-        if not empty:
-            found.append(entry.path)
-        elif not os.path.exists(entry.path + STATE_SUFFIX):
-            with contextlib.suppress(OSError):
-                os.unlink(entry.path)
     return sorted(found)
 
 

@@ -122,6 +122,8 @@ class SinkRunner:
             ]
             | None
         ) = None
+        self._keeper_lock = threading.Lock()
+        self._keeper_gave_up = False  # under _keeper_lock: close stopped waiting for it
         self._inbox_capacity = max(capacity, INBOX_MIN_CAPACITY)
         self._inbox_dropped = 0
         self._inbox_dropping = False
@@ -565,8 +567,18 @@ class SinkRunner:
         when it gave up.
         """
         kept: list[tuple[list[str], int, Exception | None]] = []
+
+        def keep() -> None:
+            result = self._spool.keep(undelivered, newest)
+            with self._keeper_lock:
+                kept.append(result)
+                late = self._keeper_gave_up
+            if late:  # close stopped waiting: what was kept is said here, once the disk is back
+                with self._cond:
+                    report(*result)
+
         worker = threading.Thread(
-            target=lambda: kept.append(self._spool.keep(undelivered, newest)),
+            target=keep,
             name=f"sidestream-keep-{self.key}",
             daemon=True,  # a hung disk must not hold the interpreter's exit either
         )
@@ -586,6 +598,10 @@ class SinkRunner:
             stalled = time.monotonic() - self._spool.kept_progress
             wait = max(self._remaining() or 0.0, INTAKE_STALL_S - stalled)
             if wait <= 0:
+                with self._keeper_lock:
+                    if kept:  # it ended just now
+                        return kept[0]
+                    self._keeper_gave_up = True  # it says what it kept, if it ever ends
                 return None
             worker.join(min(wait, 0.1))
             if not worker.is_alive():
@@ -659,8 +675,8 @@ class SinkRunner:
         if kept is None:
             logger.error(
                 "sink %r: close: the spool directory stopped answering while the undelivered "
-                "report(s) were being kept in a file (a hung disk?); they are lost if it does "
-                "not come back before the process ends",
+                "report(s) were being kept in a file (a hung disk?); should it answer before "
+                "the process ends, a warning names the file, else they are lost",
                 self.key,
             )
             self._status = SinkStatus("failed", "the spool directory stopped answering at close")
