@@ -928,7 +928,8 @@ class SinkRunner:
                 )
                 self._failed_attempts = 0
             with self._cond:
-                if self._status.state != "healthy":
+                # Not once close gave the sink up: its status says what close kept.
+                if self._status.state != "healthy" and not self._abandon.is_set():
                     self._status = SinkStatus("healthy", self._status.last_error)
             return True
 
