@@ -591,6 +591,9 @@ class SinkRunner:
         """Wait for ``_keep_within``'s thread as it says; its result, ``None`` if given up."""
         assert self._keeper is not None
         worker, kept, _ = self._keeper
+        with self._keeper_lock:
+            if self._keeper_gave_up:  # given up before: the thread says what it kept itself
+                return None
         if self._remaining() is None:  # close(None): no limit, as asked
             worker.join()
             return kept[0] if kept else None
