@@ -439,7 +439,18 @@ def damaged_spool(tmp: Path, windows: int = 60) -> Iterator[Row]:
         metric.update(torch.tensor([float(step)]))
         collector.schedule_collection(step)
     collector.collect_results(30)
-    (path,) = (tmp / "damaged").glob("*.spool.jsonl")
+    # Every window reached the runner; its spool thread writes the backlog on its own time.
+    runner = collector.sink_runners[0]
+    last = f'"step":{windows},'.encode()
+    deadline = time.monotonic() + 60
+    while True:
+        files = list((tmp / "damaged").glob("*.spool.jsonl"))
+        idle = not runner._waiting_in() and runner._admitting is None
+        if files and last in files[0].read_bytes() and idle:
+            break
+        assert time.monotonic() < deadline, "the spool thread never wrote the backlog"
+        time.sleep(0.01)
+    (path,) = files
     data = bytearray(path.read_bytes())
     for target in (b'"step":20,', b'"step":40,'):
         index = data.index(target)
