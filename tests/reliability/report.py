@@ -286,7 +286,9 @@ def main() -> int:
         "- **Sink queue**: `sink_capacity` reports per sink in memory (1024 by default); more "
         "go to the sink's spool file.",
         "- **Spool file**: one JSON report per line, readable by its owner only (0600, in a "
-        "0700 directory), at most `spool_max_bytes` (256 MiB by default). Full: the oldest "
+        "0700 directory when the runner makes it), at most `spool_max_bytes` of undelivered "
+        "reports (256 MiB by default; on disk within twice that, since the delivered part is "
+        "cut off once it outgrows the rest). Full: the oldest "
         "spooled reports are dropped (the queue's, older still, are kept: what goes to the "
         "backend first). Unusable (a bad directory, a full disk) or damaged: the report "
         "that cannot be written or read is dropped. Every drop is counted "
@@ -298,14 +300,16 @@ def main() -> int:
         "`python -m sidestream.sinks.replay PATH --sink jsonl --option path=out.jsonl` "
         "delivers them later (and renames the file `PATH.replayed`, so it is not replayed "
         "twice, but only once the sink's close confirmed that its backend has them: otherwise "
-        "the file is kept and the command exits 1).",
+        "the file is kept and the command exits 1; a replay into another sink than the one "
+        "that spooled it, such as this JSONL copy of an MLflow spool, keeps the file for its "
+        "own sink).",
         "- **Staging slots**: at most `max_slots` (8 by default) copies of the metric, one per "
         "window still being reduced; they also bound the windows waiting for the dispatcher. "
-        "With none free, `schedule_collection` waits for the oldest window (logged once, timed "
-        "in `collector.slot_wait_s`): skipping the window instead would pair different "
-        "collectives on ranks whose dispatchers finish at different times. Slots beyond the "
-        "first three are freed once the backlog drains; a window whose `compute` raises gives "
-        "its slot back.",
+        "With none free, `schedule_collection` waits for the oldest window (logged once when a "
+        "wait passes 0.5 s, timed in `collector.slot_wait_s`): skipping the window instead "
+        "would pair different collectives on ranks whose dispatchers finish at different "
+        "times. Slots beyond the first three are freed once the backlog drains; a window "
+        "whose `compute` raises gives its slot back.",
         "",
         f"_Suite run time: {time.monotonic() - started:.0f} s._",
         "",
