@@ -990,6 +990,30 @@ def test_a_hung_spool_disk_holds_up_neither_the_training_thread_nor_other_sinks(
         down.gate.set()
 
 
+def _three_reports_waiting(spool_dir: Path) -> tuple[SinkRunner, GatedSink]:
+    """A started runner whose sink never writes (until its gate opens), with 3 reports."""
+    down = GatedSink("down")
+    runner = SinkRunner(down, capacity=100, spool_dir=str(spool_dir))
+    runner.start()
+    for step in range(1, 4):
+        runner.submit(_report(step))
+    return runner, down
+
+
+def _before_fsync_under(
+    monkeypatch: pytest.MonkeyPatch, folder: Path, wait: Callable[[], object]
+) -> None:
+    """Call ``wait()`` before every ``fsync`` of a file under ``folder``: a slow or hung disk."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)):
+            wait()
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
 def test_close_gives_up_keeping_reports_on_a_spool_disk_that_stopped_answering(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -998,19 +1022,8 @@ def test_close_gives_up_keeping_reports_on_a_spool_disk_that_stopped_answering(
     # exit, which closes the same way.
     spool_dir = tmp_path / "spool"
     disk = threading.Event()
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(spool_dir)):
-            disk.wait(60)
-        real_fsync(fd)
-
-    down = GatedSink("down")  # never writes: its reports wait in memory
-    runner = SinkRunner(down, capacity=100, spool_dir=str(spool_dir))
-    runner.start()
-    for step in range(1, 4):
-        runner.submit(_report(step))
-    monkeypatch.setattr(os, "fsync", fsync)
+    runner, down = _three_reports_waiting(spool_dir)
+    _before_fsync_under(monkeypatch, spool_dir, lambda: disk.wait(60))
     try:
         start = time.monotonic()
         with caplog.at_level(logging.ERROR, logger="sidestream.sinks"):
@@ -1028,19 +1041,8 @@ def test_a_keep_that_ends_after_close_gave_up_still_names_its_file(
 ) -> None:
     # An fsync that takes 3 s says nothing while it runs: close gives up on the disk after
     # 2 s without a word from it, and the file it then kept was named nowhere.
-    real_fsync = os.fsync
-
-    def slow_fsync(fd: int) -> None:
-        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)):
-            time.sleep(3)
-        real_fsync(fd)
-
-    down = GatedSink("down")
-    runner = SinkRunner(down, capacity=100, spool_dir=str(tmp_path))
-    runner.start()
-    for step in range(1, 4):
-        runner.submit(_report(step))
-    monkeypatch.setattr(os, "fsync", slow_fsync)
+    runner, down = _three_reports_waiting(tmp_path)
+    _before_fsync_under(monkeypatch, tmp_path, lambda: time.sleep(3))
     try:
         with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
             assert runner.close(0.2) is False
@@ -1071,11 +1073,7 @@ def test_close_keeps_reports_on_a_slow_spool_disk_past_its_timeout(
         return write(self, reports, newer)
 
     monkeypatch.setattr(_spool.Spool, "_write_with_spooled", slow)
-    down = GatedSink("down")
-    runner = SinkRunner(down, capacity=100, spool_dir=str(tmp_path))
-    runner.start()
-    for step in range(1, 4):
-        runner.submit(_report(step))
+    runner, down = _three_reports_waiting(tmp_path)
     try:
         assert runner.close(0.2) is False
         (kept,) = tmp_path.glob("*.spool.jsonl")

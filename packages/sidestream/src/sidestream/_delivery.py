@@ -405,23 +405,28 @@ class Delivery:
         ``KEY@PLACE``. States that name no place (MLflow, W&B: their run ids are made when a
         fresh sink is) keep their keys.
         """
-        here: dict[tuple[str, str], str] = {}
-        for key, sink in self.sinks.items():
-            place = _place(_state_or_none(sink))
-            if place is not None:
-                here.setdefault((sink.name, place), key)
+        # A sink's written_place() is (class, identity option, real path); a saved state of a
+        # key of that sink's name ("jsonl", "jsonl-2") names its place under the same option.
+        written = {key: p for key, sink in self.sinks.items() if (p := sink.written_place())}
+        places: dict[str, str | None] = dict.fromkeys(states)
         keys: dict[str, str] = {}
         for key, state in states.items():
-            place = _place(state)
-            # Only between sinks of one name: "jsonl" and "jsonl-2" hold JsonlSink states.
-            mine = here.get((_kind_of(key, self.sinks), place)) if place is not None else None
-            if mine is not None and mine not in keys.values():
-                keys[key] = mine
+            for mine, (_, option, path) in written.items():
+                name = self.sinks[mine].name
+                value = state.get(option) if isinstance(state, Mapping) else None
+                if not isinstance(value, str) or not (
+                    key == name or key.removeprefix(f"{name}-").isdigit()
+                ):
+                    continue
+                places[key] = os.path.realpath(value)
+                if places[key] == path and mine not in keys.values():
+                    keys[key] = mine
+                    break
         taken = set(keys.values())
-        for key, state in states.items():
+        for key in states:
             if key in keys:
                 continue
-            place = _place(state)
+            place = places[key]
             if key in taken and place is not None:
                 keys[key] = f"{key}@{place}"  # another job's sink: carried on, never loaded
             else:
@@ -539,37 +544,6 @@ class Delivery:
 
 def _stream_text(stream: str) -> str:
     return stream or "run.log"
-
-
-_PLACE_KEYS = ("path", "log_dir")
-"""State keys that name where a sink writes, the same in every job (a JSONL file, a TensorBoard
-directory): what a saved state is matched to this run's sinks by."""
-
-
-def _place(state: object) -> str | None:
-    if not isinstance(state, Mapping):
-        return None
-    for key in _PLACE_KEYS:
-        place = state.get(key)
-        if isinstance(place, str):
-            return os.path.realpath(place)
-    return None
-
-
-def _kind_of(key: str, sinks: Mapping[str, Sink]) -> str:
-    """The sink name a saved key was made from (``_keyed``): ``jsonl-2`` is a ``jsonl``'s."""
-    names = {sink.name for sink in sinks.values()}
-    if key in names:
-        return key
-    stem, _, number = key.rpartition("-")
-    return stem if number.isdigit() and stem in names else key
-
-
-def _state_or_none(sink: Sink) -> Mapping[str, Any] | None:
-    try:
-        return sink.state_dict()
-    except Exception:  # a custom sink whose state needs an open backend: not matched
-        return None
 
 
 def _state_places(sink: Sink) -> frozenset[str] | None:

@@ -578,27 +578,24 @@ class AsyncMetricCollector(Generic[T]):
         assert self._dispatcher is not None
         start = time.monotonic()
         try:
-            # A burst of windows (a toy loop, the first windows while a sink opens) frees a
-            # slot within moments: said only when the wait is longer.
-            return self._free_slots.get(timeout=_SLOT_WAIT_QUIET_S)
-        except queue.Empty:
-            pass
-        finally:
-            self._slot_wait_s += time.monotonic() - start
-        if not self._slot_wait_logged:
-            self._slot_wait_logged = True
-            ranks = group_size(resolve_group(self._group))
-            logger.warning(
-                "schedule_collection: all %d staging slots have been in use for %.1f s "
-                "(windows are scheduled faster than they are reduced and computed%s); waiting "
-                "for the oldest window. "
-                "Schedule less often or raise max_slots (logged once; see slot_wait_s)",
-                self._max_slots,
-                _SLOT_WAIT_QUIET_S,
-                ", or another rank stopped scheduling them" if ranks > 1 else "",
-            )
-        start = time.monotonic()
-        try:
+            try:
+                # A burst of windows (a toy loop, the first windows while a sink opens) frees
+                # a slot within moments: said only when the wait is longer.
+                return self._free_slots.get(timeout=_SLOT_WAIT_QUIET_S)
+            except queue.Empty:
+                pass
+            if not self._slot_wait_logged:
+                self._slot_wait_logged = True
+                ranks = group_size(resolve_group(self._group))
+                logger.warning(
+                    "schedule_collection: all %d staging slots have been in use for %.1f s "
+                    "(windows are scheduled faster than they are reduced and computed%s); "
+                    "waiting for the oldest window. Schedule less often or raise max_slots "
+                    "(logged once; see slot_wait_s)",
+                    self._max_slots,
+                    _SLOT_WAIT_QUIET_S,
+                    ", or another rank stopped scheduling them" if ranks > 1 else "",
+                )
             while True:
                 try:
                     return self._free_slots.get(timeout=1.0)

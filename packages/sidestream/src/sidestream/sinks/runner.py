@@ -544,10 +544,9 @@ class SinkRunner:
         """``close`` with no time left, whatever an earlier call was given.
 
         For a close that was interrupted (Ctrl-C): the undelivered reports are kept in a spool
-        file at once instead of dying with the sink thread when the process exits.
+        file at once instead of dying with the sink thread when the process exits. After a
+        close that ended, what it returned (``close`` says it again).
         """
-        if self._close_result is not None:
-            return self._close_result
         self.begin_close(0.0)
         with self._inbox_lock:
             self._close_deadline = time.monotonic()
@@ -674,7 +673,10 @@ class SinkRunner:
         kept: tuple[list[str], int, Exception | None] | None,
         report: Callable[[list[str], int, Exception | None], None],
     ) -> bool:
-        """Say what ``close`` kept (``report``), or that the spool's disk stopped answering."""
+        """Say what ``close`` kept (``report``), or that the spool's disk stopped answering.
+
+        ``False``, what such a close returns: reports were left undelivered.
+        """
         if kept is None:
             logger.error(
                 "sink %r: close: the spool directory stopped answering while the undelivered "
