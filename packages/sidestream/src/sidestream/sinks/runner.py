@@ -132,6 +132,7 @@ class SinkRunner:
         self._close_deadline: float | None = None
         self._abandon = threading.Event()
         self._close_result: bool | None = None  # what a close that ended returned
+        self._interrupted = False  # close_now: an earlier close was interrupted
         self._failing = False
         self._failed_attempts = 0
         self._flush_failures = 0  # in a row: only the first of a streak is logged
@@ -547,6 +548,7 @@ class SinkRunner:
         file at once instead of dying with the sink thread when the process exits. After a
         close that ended, what it returned (``close`` says it again).
         """
+        self._interrupted = True
         self.begin_close(0.0)
         with self._inbox_lock:
             self._close_deadline = time.monotonic()
@@ -729,6 +731,8 @@ class SinkRunner:
                 state_file = write_kept_state(path, self.sink.name, state, self._run, options)
             if failed:
                 why = "the sink failed"
+            elif self._interrupted:
+                why = "close was interrupted"
             elif ended:
                 # The sink's close returned, before the timeout, without its backend's word.
                 why = "the sink's close ended without its backend confirming them"
