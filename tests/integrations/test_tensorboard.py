@@ -279,6 +279,10 @@ def test_purge_step_is_refused_since_tensorboard_would_hide_kept_steps(tmp_path:
     with pytest.raises(TypeError, match="purge_step is not supported"):
         TensorBoardSink(log_dir=tmp_path, purge_step=6)
     assert TensorBoardSink(log_dir=tmp_path, purge_step=None).log_dir == str(tmp_path)  # default
+    # Nor is it listed among the valid options a typo's error names.
+    with pytest.raises(TypeError, match="did you mean 'flush_secs'") as typo:
+        TensorBoardSink(log_dir=tmp_path, flush_sec=5)
+    assert "max_queue" in str(typo.value) and "purge_step" not in str(typo.value)
     # A URL goes to TensorBoard's file layer as it is, not under the working directory.
     assert TensorBoardSink(log_dir="s3://bucket/runs/a").log_dir == "s3://bucket/runs/a"
 

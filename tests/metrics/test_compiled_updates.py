@@ -10,6 +10,7 @@ build per graph) and runs in ``nox -s compile`` (marker ``compile``, enabled by
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -269,6 +270,32 @@ def test_compiled_weighted_mean_equals_eager_up_to_rounding(size: int, dtype: to
         compiled.named_accumulators(), eager.named_accumulators(), strict=True
     ):
         assert torch.allclose(ours.local, theirs.local, rtol=tolerance, atol=0.0), key
+
+
+@pytest.mark.parametrize("multiclass", [False, True])
+def test_compiled_calibration_equals_eager_up_to_rounding(multiclass: bool) -> None:
+    # Eager CPU sums each batch's float64 confidences per bin (bincount) before adding them to
+    # the state, compiled code adds sample by sample: equal counts, float sums up to rounding
+    # (the docs say so). float64 scores, whose sums round (float32 ones add exactly here).
+    generator = torch.Generator().manual_seed(5)
+    eager = (
+        MulticlassCalibrationErrorMetric(C, 7) if multiclass else BinaryCalibrationErrorMetric(7)
+    )
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(compiled.update, fullgraph=True, backend="aot_eager")
+    scores = torch.rand(3, N, C if multiclass else 1, generator=generator, dtype=torch.float64)
+    for batch in scores:
+        preds = batch.softmax(-1) if multiclass else batch.reshape(-1)
+        target = torch.randint(0, C if multiclass else 2, (N,), generator=generator)
+        eager.update(preds, target)
+        step(preds, target)
+    for (key, ours), (_, theirs) in zip(
+        compiled.named_accumulators(), eager.named_accumulators(), strict=True
+    ):
+        if key == "confidence":
+            assert torch.allclose(ours.local, theirs.local, rtol=1e-14, atol=0.0), key
+        else:  # counts and 0/1 accuracies add exactly
+            assert torch.equal(ours.local, theirs.local), key
 
 
 def test_compiled_bad_values_are_counted_and_dropped() -> None:

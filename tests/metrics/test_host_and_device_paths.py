@@ -8,6 +8,7 @@ here, and their states must agree exactly.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -195,6 +196,45 @@ def test_scores_on_bin_edges_land_where_the_bins_say(
         wide_top = confidence.double() if dtype == torch.float64 else confidence.float()
         expected_top = test_ranking._ece(wide_top.numpy(), correct, bins)
         assert np.isclose(top.compute().item(), expected_top, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_confidence_a_hair_below_an_edge_stays_in_the_bin_below(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, device_path: bool
+) -> None:
+    """Only an edge's own rounding counts at the edge (float32 ``0.7`` with 10 bins).
+
+    ``0.5 * (1 - 2**-21)`` (exact in both dtypes) is 2**-21 relative below the edge 0.5, far
+    more than either dtype's rounding: it lies in ``[0, 0.5)``, as the definition, a direct
+    computation and torchmetrics (whose float32 edges are exact here) say.
+    """
+    from torchmetrics.functional.classification import binary_calibration_error
+
+    below = 0.5 * (1 - 2**-21)
+    preds = torch.tensor([below, 0.9, 0.7], dtype=dtype)
+    target = torch.tensor([0, 1, 1])
+    # Bins [0, .5) and [.5, 1]: {below} with accuracy 0, {0.9, 0.7} with accuracy 1.
+    wide = preds.double().tolist()
+    gaps = [abs(wide[0] - 0.0), abs((wide[1] + wide[2]) / 2 - 1.0)]
+    expected = {
+        "l1": (gaps[0] * 1 + gaps[1] * 2) / 3,
+        "l2": math.sqrt((gaps[0] ** 2 * 1 + gaps[1] ** 2 * 2) / 3),
+        "max": max(gaps),
+    }
+    for norm, value in expected.items():
+        with _device_path(monkeypatch, on=device_path):
+            metric = BinaryCalibrationErrorMetric(2, norm=norm)  # type: ignore[arg-type]
+            metric.update(preds, target)
+        assert metric.compute().item() == pytest.approx(value, rel=1e-12), norm
+        peer = binary_calibration_error(preds, target, n_bins=2, norm=norm)
+        assert metric.compute().item() == pytest.approx(peer.item(), rel=1e-6), norm
+    # And the decimal edge 0.7 (float32: 0.69999998) opens bin 7 of 10 in both dtypes.
+    with _device_path(monkeypatch, on=device_path):
+        tenths = BinaryCalibrationErrorMetric(10)
+        tenths.update(torch.tensor([0.7, 0.3], dtype=dtype), torch.tensor([1, 0]))
+    counts = dict(tenths.named_accumulators())["count"].local
+    assert counts.tolist() == [0, 0, 0, 1, 0, 0, 0, 1, 0, 0]
 
 
 def test_host_checks_raise_before_the_state_changes() -> None:

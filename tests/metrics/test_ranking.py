@@ -115,14 +115,18 @@ def _results(metrics: dict[str, Any]) -> dict[str, tuple[list[float], list[float
     return out
 
 
-def _bin(scores: np.ndarray, bins: int) -> np.ndarray:
-    """The documented binning: floor(score * bins), where a score within 2**-20 relative below
-    an edge opens the bin above it (decimal scores sit a hair below their value)."""
-    return np.minimum((scores.astype(np.float64) * (bins * (1 + 2**-20))).astype(int), bins - 1)
+def _calibration_bin(confidence: np.ndarray, bins: int) -> np.ndarray:
+    """The documented calibration bins: ``[b/n, (b+1)/n)`` with 1.0 in the last, where a score
+    that is an edge up to its dtype's rounding (within 2**-23 relative below it for float32,
+    2**-50 for float64) opens the bin above. Counted by comparison with each edge."""
+    tolerance = 2.0**-50 if confidence.dtype == np.float64 else 2.0**-23
+    wide = confidence.astype(np.float64).reshape(-1, 1)
+    edges = np.arange(1, bins, dtype=np.float64) / bins
+    return np.asarray((wide >= edges / (1 + tolerance)).sum(axis=1))
 
 
 def _ece(confidence: np.ndarray, accuracy: np.ndarray, bins: int) -> float:
-    index = _bin(confidence, bins)
+    index = _calibration_bin(confidence, bins)
     gaps = [
         abs(confidence[index == b].astype(np.float64).sum() - accuracy[index == b].sum())
         for b in range(bins)

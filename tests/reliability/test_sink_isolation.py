@@ -829,6 +829,23 @@ def test_a_jsonl_spool_replays_with_the_command_given_only_the_file(
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
 
 
+def test_python_m_sidestream_replay_is_the_replay_command(tmp_path: Path) -> None:
+    # A new user's trial typed it beside `python -m sidestream show`: argparse said only
+    # "invalid choice: 'replay'".
+    log = tmp_path / "job" / "m.jsonl"
+    kept = _spool_of_a_jsonl_sink_that_never_opened(log, tmp_path / "spool")
+    done = subprocess.run(
+        [sys.executable, "-m", "sidestream", "replay", str(kept)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
+    assert Path(f"{kept}.replayed").is_file()
+
+
 def test_a_replay_into_another_sink_keeps_the_spool_for_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

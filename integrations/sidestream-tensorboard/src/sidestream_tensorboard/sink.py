@@ -101,7 +101,6 @@ class TensorBoardSink(TrackerSink):
         **writer_kwargs: Any,
     ) -> None:
         super().__init__()
-        self.refuse_unknown_options(writer_kwargs)
         if writer_kwargs.get("purge_step") is not None:
             # TensorBoard's reader would hide the earlier files' events at or after that step,
             # among them the steps this sink keeps on disk and does not write again.
@@ -111,6 +110,7 @@ class TensorBoardSink(TrackerSink):
                 "purge_step would make TensorBoard hide those steps"
             )
         writer_kwargs.pop("purge_step", None)  # None: SummaryWriter's default
+        self.refuse_unknown_options(writer_kwargs)
         check_option_types("TensorBoardSink", writer_kwargs, _WRITER_OPTION_TYPES)
         _check_writer_ranges(writer_kwargs)
         # A resumed job's saved directory replaces only a default one (see identity).
@@ -158,10 +158,11 @@ class TensorBoardSink(TrackerSink):
 
     @classmethod
     def option_names(cls) -> set[str] | None:
-        """The constructor's options and ``SummaryWriter``'s."""
+        """The constructor's options and ``SummaryWriter``'s, but ``purge_step`` (refused)."""
         from torch.utils.tensorboard import SummaryWriter
 
-        return signature_options(cls, SummaryWriter)
+        options = signature_options(cls, SummaryWriter)
+        return None if options is None else options - {"purge_step"}
 
     @property
     def log_dir(self) -> str:

@@ -1,4 +1,7 @@
-"""``python -m sidestream show PATH.jsonl [--plot out.png]``: look at a run without a tracker."""
+"""``python -m sidestream show PATH.jsonl [--plot out.png]``: look at a run without a tracker.
+
+``python -m sidestream replay ...`` is ``python -m sidestream.sinks.replay ...``.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +28,20 @@ _SNIFF_BYTES = 1 << 16
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["replay"]:
+        # Its own options and help: one tool, reached from both names.
+        from sidestream.sinks.replay import main as replay
+
+        return replay(arguments[1:])
     parser = argparse.ArgumentParser(prog="python -m sidestream")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "replay",
+        help="deliver a spool file a sink kept (python -m sidestream.sinks.replay; "
+        "python -m sidestream replay --help)",
+        add_help=False,
+    )
     show = commands.add_parser(
         "show", help="print each stream's latest values from a JsonlSink file"
     )
@@ -39,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{_MAX_PLOTS} streams by name, {_MAX_LINES_PER_PLOT} values each; needs matplotlib: "
         'pip install "sidestream[plot]")',
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     if not args.path.exists():
         parser.error(f"{args.path}: no such file")
     if not args.path.is_file():

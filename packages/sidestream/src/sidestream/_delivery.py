@@ -450,7 +450,8 @@ class Delivery:
         if self.runners is not None:
             raise RuntimeError(
                 "load_state_dict: call it before the first bind or log (sinks resume their "
-                "run when they open)"
+                "run when they open); with torch.distributed.checkpoint: make the run's "
+                "collectors, dcp.load({'run': run}, ...), then bind"
             )
         # Copies: the caller's checkpoint dict must not change with what the sinks do.
         # The callers ran check_sink_states first, before restoring anything else.

@@ -504,7 +504,8 @@ class Run:
         if self._delivery.started:
             raise RuntimeError(
                 "load_state_dict: call it before the first bind or log (sinks resume their "
-                "run when they open)"
+                "run when they open); with torch.distributed.checkpoint: make the run's "
+                "collectors, dcp.load({'run': run}, ...), then bind"
             )
         if not isinstance(state_dict, Mapping) or not {"collectors", "sinks"} <= state_dict.keys():
             keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)

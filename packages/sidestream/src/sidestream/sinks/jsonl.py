@@ -82,7 +82,9 @@ class JsonlSink(TrackerSink):
     identity_is_path = True
     _own_locks = ("_lock", "_file_lock")
 
-    def __init__(self, path: str | os.PathLike[str], flush_every: int = 64, fsync: bool = False):
+    def __init__(
+        self, path: str | os.PathLike[str], flush_every: int = 64, fsync: bool = False
+    ) -> None:
         super().__init__()
         check_int("flush_every", flush_every, 1)
         if not isinstance(fsync, bool):

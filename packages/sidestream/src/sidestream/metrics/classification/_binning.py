@@ -13,7 +13,7 @@ from sidestream.metrics.classification._problem import check_int
 __all__ = ["Bins", "bin_index"]
 
 
-def bin_index(scores: Tensor, num_bins: int) -> Tensor:
+def bin_index(scores: Tensor, num_bins: int, lift: float = 0.0) -> Tensor:
     """The uniform-bin index of each score, clamped into ``[0, num_bins)``.
 
     ``torch.bucketize`` on ``linspace(0, 1, num_bins + 1)`` with ``right=True`` (a score on an
@@ -22,10 +22,11 @@ def bin_index(scores: Tensor, num_bins: int) -> Tensor:
     constant, which is monotone, so a higher score never lands in a lower bin, whatever the
     dtypes of the batches, which is all the error bounds rely on. NaN and out-of-range scores
     get a valid index too (their batch is screened out), so a bad value can never index out of
-    bounds on the device.
+    bounds on the device. ``lift``: as ``_cpu_path.bin_scale``'s.
     """
     work = _cpu_path.binning_scores(scores)
-    return (work * _cpu_path.bin_scale(num_bins)).to(torch.int64).clamp_(0, num_bins - 1)
+    scale = _cpu_path.bin_scale(num_bins, lift)
+    return (work * scale).to(torch.int64).clamp_(0, num_bins - 1)
 
 
 class Bins:

@@ -203,7 +203,9 @@ def count_valid_indices(
     return counts[:size], counts[size + 1 :] > 0
 
 
-def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = False) -> Tensor:
+def score_bins(
+    scores: Tensor, num_bins: int, rows: int, *, scratch: bool = False, lift: float = 0.0
+) -> Tensor:
     """CPU path: uniform-bin indices of validated scores in ``[0, 1]``, laid out for rows.
 
     The index of a score is ``bin + row_offset`` with rows of ``num_bins + 1`` slots: the extra
@@ -218,6 +220,7 @@ def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = Fals
         scratch: Return this thread's scratch tensor (``sidestream._scratch``), valid until
             the next call that takes it: for a chunk loop, which then allocates nothing per
             chunk.
+        lift: ``bin_scale``'s lift factor (0: ``EDGE_LIFT``, the ranking bins').
 
     Returns:
         Integer bin indices of ``scores``' shape, in ``[0, num_bins]``.
@@ -228,11 +231,11 @@ def score_bins(scores: Tensor, num_bins: int, rows: int, *, scratch: bool = Fals
     if scratch and scores.numel() <= SCRATCH_ELEMENTS:
         product = _scratch.scratch("score_bins.product", torch.float64, scores.shape, scores.device)
         product.copy_(scores)
-        product.mul_(bin_scale(num_bins))
+        product.mul_(bin_scale(num_bins, lift))
         index = _scratch.scratch("score_bins.index", dtype, scores.shape, scores.device)
         index.copy_(product)
     else:
-        index = (binning_scores(scores) * bin_scale(num_bins)).to(dtype)
+        index = (binning_scores(scores) * bin_scale(num_bins, lift)).to(dtype)
     if num_bins >= _SPILL_FROM:
         # The nudge is a whole bin or more here (float32 rounding gets there a little before
         # 2**20 bins): 1.0 would land past the extra slot, in the next row.
@@ -263,7 +266,7 @@ def binning_scores(scores: Tensor) -> Tensor:
     return scores if scores.dtype == torch.float64 else scores.double()
 
 
-def bin_scale(num_bins: int) -> float:
+def bin_scale(num_bins: int, lift: float = 0.0) -> float:
     """The factor that maps a score in ``[0, 1]`` to its bin: ``num_bins``, nudged up.
 
     A decimal score such as 0.29 is stored a hair below its value (``0.29 * 100`` is
@@ -273,8 +276,11 @@ def bin_scale(num_bins: int) -> float:
     most ``2**-24`` relative; the product is float64, ``binning_scores``) and moves only scores
     within about ``1e-6`` relative below an edge,
     so scores with ``d`` decimals land in distinct bins once ``num_bins >= 10**d``.
+
+    A ``lift`` factor other than 0 replaces ``EDGE_LIFT`` (the calibration metrics lift by
+    their scores' own rounding, ``calibration._edge_lift``).
     """
-    return num_bins * EDGE_LIFT
+    return num_bins * (lift or EDGE_LIFT)
 
 
 EDGE_LIFT = 1.0 + 2.0**-20

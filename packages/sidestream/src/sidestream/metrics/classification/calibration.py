@@ -31,6 +31,23 @@ Norm = Literal["l1", "l2", "max"]
 _NORMS = ("l1", "l2", "max")
 
 
+def _edge_lift(dtype: torch.dtype) -> float:
+    """The lift factor of calibration bins for scores of ``dtype``: ``1 + 2**-50`` or ``2**-23``.
+
+    ``floor(score * num_bins * lift)`` in float64 puts a score that is an edge ``k / num_bins``
+    up to its own rounding (at most ``2**-53`` relative for float64, ``2**-24`` for float32 and
+    the narrower floats, which widen to float32 exactly) into bin ``k``, with a margin for the
+    float64 product's rounding, and moves no other score: calibration bins are the definition's,
+    and need no one map across dtypes, unlike the ranking bins (``_cpu_path.EDGE_LIFT``, whose
+    error bound relies on it).
+    """
+    return _FLOAT64_LIFT if dtype == torch.float64 else _FLOAT32_LIFT
+
+
+_FLOAT64_LIFT = 1.0 + 2.0**-50
+_FLOAT32_LIFT = 1.0 + 2.0**-23
+
+
 class CalibrationErrorMetric(ScreenedMetric[Tensor]):
     """Calibration error over ``num_bins`` uniform confidence bins, from per-bin sums.
 
@@ -45,10 +62,12 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
     - ``max`` (the maximum calibration error): ``max_b |a_b - c_b|``.
 
     Over no data it is NaN. Bin ``b`` is ``[b/n, (b+1)/n)``, with 1.0 in the last bin
-    (torchmetrics gives a score of exactly 1.0 a bin of its own). A score stored a hair off an
-    edge ``k/n`` (float32 ``0.2`` with 15 bins, ``0.7`` with 10) opens bin ``k``, as the
-    ranking metrics' bins; torchmetrics compares with float32 ``linspace`` edges, which lie a
-    hair off ``k/n`` too, so such a score may land one bin lower there (see docs/ranking.md).
+    (torchmetrics gives a score of exactly 1.0 a bin of its own). A score that is an edge
+    ``k/n`` up to its own dtype's rounding (float32 ``0.7`` with 10 bins is 0.69999998) opens
+    bin ``k``: within a relative ``2**-23`` below the edge for float32 (and narrower) scores,
+    ``2**-50`` for float64 ones (``_edge_lift``); any other score lies in its bin by the
+    definition. torchmetrics compares with float32 ``linspace`` edges, which lie a hair off
+    ``k/n``, so an edge score may land one bin lower there (see docs/ranking.md).
 
     Args:
         problem: Binary (confidence = the probability, accuracy = the 0/1 target) or
@@ -103,7 +122,7 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
         if weight is None and _cpu_path.enabled(confidence.device):
             self._add_on_cpu(confidence, accuracy)
             return
-        index = bin_index(confidence, self._num_bins).reshape(-1)
+        index = bin_index(confidence, self._num_bins, _edge_lift(confidence.dtype)).reshape(-1)
         confidence = confidence.to(torch.float64)
         accuracy = accuracy.to(torch.float64)
         count = torch.ones_like(confidence)
@@ -129,10 +148,11 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
         tally: Tensor | None = None
         sums: Tensor | None = None
         step = _cpu_path.CHUNK_ELEMENTS
+        lift = _edge_lift(confidence.dtype)
         for chunk_confidence, chunk_accuracy in zip(
             torch.split(confidence, step), torch.split(accuracy, step), strict=True
         ):
-            index = _cpu_path.score_bins(chunk_confidence, bins, 2, scratch=True)
+            index = _cpu_path.score_bins(chunk_confidence, bins, 2, scratch=True, lift=lift)
             correct = torch.add(index, chunk_accuracy.to(index.dtype), alpha=stride)
             chunk_tally = torch.bincount(correct, minlength=2 * stride)
             weights = chunk_confidence.to(torch.float64)
