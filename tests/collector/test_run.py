@@ -127,6 +127,23 @@ def test_checkpoint_and_resume_every_stream_exactly_once(tmp_path: Path) -> None
     assert train_values[10] == 10.0 and train_values[11] == 11.0
 
 
+def test_a_load_after_bind_is_refused_naming_the_order(tmp_path: Path) -> None:
+    # A new user's trial: with dcp the error did not say the order (collectors, load, bind).
+    run = Run([JsonlSink(tmp_path / "a.jsonl")])
+    run.collector(SumMetric(), prefix="train").bind("cpu")
+    state = run.state_dict()
+    assert run.close()
+    late = Run([JsonlSink(tmp_path / "b.jsonl")])
+    collector = late.collector(SumMetric(), prefix="train").bind("cpu")
+    with pytest.raises(RuntimeError, match=r"before the first bind.*collectors, dcp.load"):
+        late.load_state_dict(state)
+    with pytest.raises(RuntimeError, match=r"before bind.*collectors, dcp.load, then bind"):
+        collector.load_state_dict({"metric": state["collectors"]["train"]})
+    with pytest.raises(RuntimeError, match=r"before bind.*collectors, dcp.load, then bind"):
+        collector.load_metric_state(state["collectors"]["train"])
+    assert late.close()
+
+
 def test_one_sink_belongs_to_one_run(tmp_path: Path) -> None:
     sink = JsonlSink(tmp_path / "a.jsonl")
     first = AsyncMetricCollector(MeanMetric(), sinks=[sink])

@@ -817,7 +817,8 @@ class AsyncMetricCollector(Generic[T]):
         """
         if self._dispatcher is not None:
             raise RuntimeError(
-                "load_state_dict: call it before bind (sinks resume their run when they open)"
+                "load_state_dict: call it before bind (sinks resume their run when they open); "
+                f"{_DCP_ORDER}"
             )
         if not isinstance(state_dict, Mapping) or "metric" not in state_dict:
             keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)
@@ -854,7 +855,7 @@ class AsyncMetricCollector(Generic[T]):
             RuntimeError: If the collector is already bound.
         """
         if self._dispatcher is not None:
-            raise RuntimeError("load_state_dict: call it before bind")
+            raise RuntimeError(f"load_state_dict: call it before bind; {_DCP_ORDER}")
         try:
             restore = self._metric._prepare_load(dict(state_dict))
         except (KeyError, TypeError, ValueError) as error:
@@ -870,6 +871,9 @@ class AsyncMetricCollector(Generic[T]):
 
         return restore_and_note
 
+
+_DCP_ORDER = "with torch.distributed.checkpoint: make the collectors, dcp.load, then bind"
+"""The order a checkpoint loads in, said when a load comes after bind."""
 
 _SLOT_WAIT_QUIET_S = 0.5
 """How long ``schedule_collection`` waits for a staging slot before it says so (once)."""
