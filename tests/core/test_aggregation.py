@@ -169,6 +169,9 @@ def test_compose_refuses_update_and_bad_children() -> None:
         ComposeMetric({"x": object()})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="names"):
         ComposeMetric({"a.b": MeanMetric()})
+    # A new user's trial: a collector of an empty one wrote '"values": {}' every window.
+    with pytest.raises(ValueError, match="metrics: expected at least one metric, got none"):
+        ComposeMetric({})
 
 
 def test_nested_compose_state_names() -> None:

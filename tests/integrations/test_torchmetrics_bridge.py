@@ -568,6 +568,11 @@ def test_a_collection_member_that_cannot_be_wrapped_is_named_by_its_key() -> Non
         wrap(collection)
 
 
+def test_an_empty_collection_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^collection: expected at least one metric"):
+        wrap(torchmetrics.MetricCollection([]))
+
+
 def _thresholds_differ() -> str:
     metric = wrap(BinaryAccuracy(threshold=0.5 if dist.get_rank() == 0 else 0.9))
     metric.update(torch.tensor([0.7, 0.2]), torch.tensor([1, 0]))

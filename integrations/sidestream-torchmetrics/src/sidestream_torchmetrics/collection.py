@@ -29,6 +29,8 @@ class TorchmetricsCollection(ComposeMetric):
         if not isinstance(collection, MetricCollection):
             raise TypeError(f"collection: expected a MetricCollection, got {type(collection)}")
         members = dict(collection.items(keep_base=True, copy_state=False))
+        if not members:
+            raise ValueError("collection: expected at least one metric, got an empty one")
         # torchmetrics keys may hold "/" or "." ("val/acc"), which sidestream names refuse: the
         # members get plain names inside, and compute() gives back the collection's keys.
         self._keys = {_plain_name(name): name for name in members}

@@ -21,7 +21,7 @@ class ComposeMetric(Metric[dict[str, Any]]):
     stale.
 
     Args:
-        metrics: Child metrics by name. Names may not contain ``.`` or ``/``.
+        metrics: Child metrics by name (at least one). Names may not contain ``.`` or ``/``.
 
     Example:
         >>> from sidestream import MaxMetric, MeanMetric
@@ -35,6 +35,10 @@ class ComposeMetric(Metric[dict[str, Any]]):
     _children: dict[str, Metric[Any]]
 
     def __init__(self, metrics: Mapping[str, Metric[Any]]) -> None:
+        if not metrics:
+            # Children cannot be added later: a collector of it would report nothing, every
+            # window, with no sign why.
+            raise ValueError("metrics: expected at least one metric, got none")
         for name, metric in metrics.items():
             if not isinstance(name, str) or not name or "." in name or "/" in name:
                 raise ValueError(
