@@ -32,13 +32,13 @@ _NORMS = ("l1", "l2", "max")
 
 
 def _edge_lift(dtype: torch.dtype) -> float:
-    """The lift factor of calibration bins for scores of ``dtype``: ``1 + 2**-50`` or ``2**-23``.
+    """The lift factor of calibration bins for scores of ``dtype``: ``1 + 2**-50`` or ``-23``.
 
     ``floor(score * num_bins * lift)`` in float64 puts a score that is an edge ``k / num_bins``
-    up to its own rounding (at most ``2**-53`` relative for float64, ``2**-24`` for float32 and
-    the narrower floats, which widen to float32 exactly) into bin ``k``, with a margin for the
-    float64 product's rounding, and moves no other score: calibration bins are the definition's,
-    and need no one map across dtypes, unlike the ranking bins (``_cpu_path.EDGE_LIFT``, whose
+    up to its dtype's rounding (at most ``2**-53`` relative for float64, ``2**-24`` for
+    float32) into bin ``k``, with a margin for the float64 product's rounding, and moves only
+    scores that close below an edge (float16 and bfloat16 scores get float32's). Calibration
+    bins need no one map across dtypes, unlike the ranking bins (``_cpu_path.EDGE_LIFT``, whose
     error bound relies on it).
     """
     return _FLOAT64_LIFT if dtype == torch.float64 else _FLOAT32_LIFT
