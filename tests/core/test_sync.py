@@ -8,6 +8,7 @@ code under test. Collectives are counted by wrapping the functions of ``torch.di
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import uuid
 from collections.abc import Callable, Iterator
@@ -381,20 +382,25 @@ def _mesh_checkpoint(seed: int) -> dict[str, Any]:
     metrics.sync_group = mesh["dp"]
     saved = metrics.state_dict()  # a collective over dp only
     out: dict[str, Any] = {}
-    for told in (True, False):
+    for told, checkpointed in ((True, False), (False, False), (False, True)):
+        key = f"told={told}" + (", state_dict first" if checkpointed else "")
         restored = fresh()
         if told:
             restored.sync_group = mesh["dp"]
         restored.load_state_dict(saved)
         try:
+            if checkpointed:
+                # Over the default group, the load's own: fine, and no pass for a later sync
+                # over dp (it used to use the check up, and dp group {1, 3} lost the state).
+                restored.state_dict()
             restored.sync(group=mesh["dp"])
         except RuntimeError as error:
-            out[f"told={told}"] = str(error)
+            out[key] = str(error)
             restored.reset()  # drops the loaded state: syncing over dp is fine again
             restored.sync(group=mesh["dp"])
-            out["after reset"] = float(restored["sum"].compute())
+            out[f"{key}, after reset"] = float(restored["sum"].compute())
             continue
-        out[f"told={told}"] = {k: float(v) for k, v in restored.compute().items()}
+        out[key] = {k: float(v) for k, v in restored.compute().items()}
     return out
 
 
@@ -409,9 +415,39 @@ def test_checkpoint_over_a_mesh_dimension_restores_every_replica(pools: Pools) -
     # Not told, the state went to global rank 0 only, and the other dp group lost it with no
     # word. Now the sync over dp refuses, on every rank, before any collective.
     for result in per_rank:
-        assert "loaded for the group of global ranks [0, 1, 2, 3]" in result["told=False"]
-        assert "set metric.sync_group = group before load_state_dict" in result["told=False"]
-        assert result["after reset"] == 0.0
+        for key in ("told=False", "told=False, state_dict first"):
+            assert "loaded for the group of global ranks [0, 1, 2, 3]" in result[key]
+            assert "set metric.sync_group = group before load_state_dict" in result[key]
+            assert result[f"{key}, after reset"] == 0.0
+
+
+@on_rank_device
+def _copy_pairs_calls(copied: bool) -> str:
+    """Rank 0 syncs, rank 1 checkpoints: a metric synced once before, or its deep copy."""
+    rank = dist.get_rank()
+    metric = SumMetric()
+    metric.update(torch.tensor([float(rank + 1)]))
+    metric.sync()
+    target = copy.deepcopy(metric) if copied else metric
+    target.update(torch.tensor([100.0]))
+    try:
+        if rank == 0:
+            target.sync()
+        else:
+            target.state_dict()
+    except RankMismatchError as error:
+        return str(error)
+    return f"no error: {float(target.compute())}"
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_deep_copy_still_tells_ranks_that_pair_different_calls(
+    pools: Pools, copied: bool
+) -> None:
+    # The copy's sync wrote its fingerprint through a NumPy view that deepcopy had made an
+    # array of its own: it sent its first call's fingerprint forever, and mixed these calls.
+    for text in pools.get(2).run(_copy_pairs_calls, copied):
+        assert "rank 0: sync #2" in text and "rank 1: state_dict #2" in text, text
 
 
 class _Shaped(Metric[Tensor]):

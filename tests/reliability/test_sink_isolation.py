@@ -1248,3 +1248,148 @@ def test_a_burst_after_an_idle_spell_is_not_taken_for_a_hung_disk(
     assert runner.close(30) is True
     assert runner.dropped == 0
     assert len(sink.steps) == 600 and sink.steps == sorted(sink.steps)
+
+
+class _InterruptedWhileAsked(GatedSink):
+    """Stuck in its first write; Ctrl-C arrives while close asks for its pending reports."""
+
+    asked = 0
+
+    def pending_reports(self) -> list[Report]:
+        self.asked += 1
+        if self.asked == 1:
+            raise KeyboardInterrupt
+        return []
+
+
+def test_ctrl_c_while_close_asks_the_sink_keeps_every_queued_report(tmp_path: Path) -> None:
+    # close emptied the queue into local lists before the sink's pending_reports ran: Ctrl-C
+    # there lost steps 1..9 (step 0, in flight, alone was kept), none counted or logged.
+    sink = _InterruptedWhileAsked()
+    runner = SinkRunner(sink, capacity=64, spool_dir=tmp_path, retry_initial_s=0.01)
+    runner.start()
+    for step in range(10):
+        runner.submit(_report(step))
+    _wait(lambda: runner.pending == 10 and runner.spooled == 0 and not runner._waiting_in())
+    with pytest.raises(KeyboardInterrupt):
+        runner.close(0.2)
+    assert runner.close_now() is False
+    kept = [report.step for path in tmp_path.glob("*.spool.jsonl") for report in read_spool(path)]
+    assert sorted(kept) == list(range(10)) and runner.dropped == 0
+    sink.gate.set()
+
+
+class _SlowToSay(threading.Event):
+    """An Event whose ``set`` is preempted first: a thread switch where it is called."""
+
+    def set(self) -> None:
+        time.sleep(0.3)
+        super().set()
+
+
+def test_a_sink_that_fails_for_good_wakes_a_checkpoint_waiting_on_it() -> None:
+    # _fail woke the waiters before it set _abandon: one that checked in between waited out
+    # its whole timeout (for good with checkpoint_timeout=None).
+    class FailsForGood(GatedSink):
+        def write(self, report: Report) -> None:
+            self.gate.wait(30.0)
+            raise ValueError("bad argument")  # permanent: the sink fails for good
+
+    sink = FailsForGood()
+    runner = SinkRunner(sink, retry_initial_s=0.01)
+    runner._abandon = _SlowToSay()
+    runner.start()
+    runner.submit(_report(1))
+    waited: list[float] = []
+
+    def wait() -> None:
+        began = time.monotonic()
+        assert not runner.wait_delivered(10.0)
+        waited.append(time.monotonic() - began)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)  # the waiter is in its wait
+    sink.gate.set()
+    waiter.join(15.0)
+    assert waited and waited[0] < 5.0, waited
+    assert runner.status.state == "failed"
+    runner.close(1.0)
+
+
+def test_a_resumed_run_closed_before_its_sinks_start_delivers_the_checkpoints_reports(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stuck = GatedSink()
+    run = Run([stuck], spool_dir=tmp_path)
+    for step in range(1, 6):
+        run.log(step, {"x": float(step)})
+    state = run.state_dict(timeout=0.5)
+    assert len(state["undelivered"]["gated"].splitlines()) == 5
+    stuck.gate.set()
+    assert run.close(timeout=10)
+    # The job resumes and ends at once (training was done): close returned True and the
+    # checkpoint's five reports went nowhere.
+    resumed_sink = GatedSink()
+    resumed_sink.gate.set()
+    resumed = Run([resumed_sink], spool_dir=tmp_path)
+    resumed.load_state_dict(state)
+    assert resumed.close(timeout=10)
+    assert resumed_sink.steps == [1, 2, 3, 4, 5]
+    # A runner used by hand and closed before it started: its reports are counted and said.
+    runner = SinkRunner(GatedSink(), spool_dir=tmp_path)
+    for step in range(3):
+        runner.submit(_report(step))
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        assert runner.close(1.0) is False
+    assert runner.dropped == 3 and "closed before the sink was started" in caplog.text
+
+
+def test_drops_from_a_spool_that_stays_full_are_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every report the sink took from the full spool ended the streak: each later drop was
+    # logged again, although the spool never got back to half full.
+    class OneAtATime(GatedSink):
+        def __init__(self) -> None:
+            super().__init__("one")
+            self.allowed = threading.Semaphore(0)
+            self.wrote = threading.Semaphore(0)
+
+        def write(self, report: Report) -> None:
+            self.allowed.acquire()
+            self.steps.append(report.step)
+            self.wrote.release()
+
+    sink = OneAtATime()
+    runner = SinkRunner(sink, capacity=1, spool_dir=tmp_path, spool_max_bytes=2000)
+    runner.start()
+    step = iter(range(10**6))
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        for _ in range(100):
+            runner.submit(_report(next(step)))
+        _wait(lambda: not runner._waiting_in() and runner.dropped > 0)
+        for _ in range(20):  # the sink takes one, the job logs two: the spool stays full
+            sink.allowed.release()
+            assert sink.wrote.acquire(timeout=10)
+            runner.submit(_report(next(step)))
+            runner.submit(_report(next(step)))
+            _wait(lambda: not runner._waiting_in())
+        assert runner.spooled_bytes > 1000
+    drops = [
+        r for r in caplog.records if "dropped" in r.getMessage() and "spool full" in r.getMessage()
+    ]
+    assert runner.dropped > 20 and len(drops) == 1, [r.getMessage()[:80] for r in drops]
+    for _ in range(1000):
+        sink.allowed.release()
+    runner.close(10.0)
+
+
+def test_a_checkpoint_before_the_sinks_start_takes_a_state_that_needs_an_open_backend() -> None:
+    class NeedsOpen(GatedSink):
+        def state_dict(self) -> dict[str, Any]:
+            return {"last": self.last}  # type: ignore[attr-defined]  # set by open only
+
+    run = Run([NeedsOpen()])
+    assert run.state_dict()["sinks"] == {"gated": {}}  # it raised AttributeError
+    assert run.close(timeout=5)

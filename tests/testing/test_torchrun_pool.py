@@ -94,7 +94,11 @@ def test_a_rank_pid_written_by_another_process_is_never_killed(
     # The pool kills the process groups its store names: only signed ids count.
     from sidestream.testing._torchrun import _PREFIX
 
-    assert sorted(torchrun_pool._rank_pids()) == sorted(torchrun_pool.run(os.getpid))
+    # Run first: the pool starts on its first run, and before it there are no pids (the
+    # operands in one line were read left first, so the test failed whenever xdist gave it a
+    # fresh pool).
+    pids = torchrun_pool.run(os.getpid)
+    assert sorted(torchrun_pool._rank_pids()) == sorted(pids)
     store = torchrun_pool._store
     assert store is not None
     key = f"{_PREFIX}/pid/1"

@@ -22,7 +22,7 @@ from sidestream._validation import check_int
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
-from sidestream.sinks.runner import SinkRunner
+from sidestream.sinks.runner import SinkRunner, state_before_open
 from sidestream.sinks.status import SinkStatus
 from sidestream.sinks.support import check_directory_path, check_retry_waits, check_seconds
 from sidestream.sinks.tracker import TrackerSink, steps_as_pairs
@@ -273,9 +273,11 @@ class Delivery:
             before = {
                 **copy.deepcopy(self.unclaimed_states),
                 **{
+                    # As the runner takes it: a sink whose state needs its backend open
+                    # must not fail the checkpoint.
                     key: copy.deepcopy(self.resume_states[key])
                     if key in self.resume_states
-                    else sink.state_dict()
+                    else state_before_open(sink, key)
                     for key, sink in self.sinks.items()
                 },
             }
@@ -474,7 +476,26 @@ class Delivery:
             )
 
     def close(self, deadline: float | None) -> bool:
-        """Close every runner once (delivering what is pending); whether all was delivered."""
+        """Close every runner once (delivering what is pending); whether all was delivered.
+
+        A resumed job that closes before its first bind or log starts its sinks first: the
+        checkpoint's undelivered reports are delivered now (or kept in a spool file), not
+        dropped with the run.
+        """
+        if self.runners is None and not self._closed and any(self.backlogs.values()):
+            try:
+                self.start("close")
+            except RuntimeError as error:  # no process group under a launcher
+                lines = sum(text.count("\n") for text in self.backlogs.values())
+                logger.error(
+                    "close: the %d report(s) the checkpoint had not delivered are lost: the "
+                    "sinks could not start (%s)",
+                    lines,
+                    error,
+                )
+                with self._lock:
+                    self._closed, self._close_result = True, False
+                return False
         with self._lock:
             if self._closed:
                 return self._close_result

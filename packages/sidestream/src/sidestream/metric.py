@@ -157,6 +157,15 @@ class Metric(Generic[T], abc.ABC):
             # A child copied without its tree: not a copy of the whole tree's arena (and
             # through its root, the tree), but a metric with an arena of its own.
             memo[id(arena)] = None
+        for inner in self._walk_metrics():
+            # Not copied: a laid-out sync writes its fingerprints through a NumPy view of its
+            # send buffer, which a copy would make a separate array (the copy then sent its
+            # first call's fingerprint forever), and pending syncs are the original's. The
+            # copy lays out its own at its first sync.
+            for private, empty in (("_sync_layouts", {}), ("_unverified_syncs", [])):
+                value = inner.__dict__.get(private)
+                if value is not None:
+                    memo.setdefault(id(value), empty)
         copied: Self = copy_keeping_views(self, memo)
         copied.__dict__.pop("_bound_prefix", None)  # a copy belongs to no collector
         if alone:
@@ -729,9 +738,11 @@ class Metric(Generic[T], abc.ABC):
         """
         check_process_group("prepare_sync")
         loaded_for: tuple[int, ...] | None = self.__dict__.get("_loaded_for")
-        if loaded_for is not None:
+        if loaded_for is not None and self.__dict__.get("_load_checked") != id(group):
+            # Until a reset: the saved state stays on that group's first rank, so a later sync
+            # over another group (after a state_dict over the load's own) would go without it.
             _check_load_group(loaded_for, group)
-            del self.__dict__["_loaded_for"]  # checked once: no cost on later windows
+            self.__dict__["_load_checked"] = id(group)  # the same group again costs nothing
         arena = self._own_arena()
         # The arena this tree's states live in: its own, or its parent tree's.
         home: Arena | None = self.__dict__.get("_state_arena")
@@ -783,6 +794,7 @@ class Metric(Generic[T], abc.ABC):
         their states) have it called too, once each, after their states were reset.
         """
         self.__dict__.pop("_loaded_for", None)  # the loaded state is gone
+        self.__dict__.pop("_load_checked", None)
         arena = self._own_arena()
         if arena is not None:
             arena.reset()
@@ -1043,9 +1055,10 @@ class Metric(Generic[T], abc.ABC):
                     store.append(**checked)
             self._mark_fresh(False)
             # Placed for this group: a sync over another one would lose the saved state in
-            # every group without that first rank (checked by the next prepare_sync, unless a
-            # reset drops the loaded state first).
+            # every group without that first rank (checked by every prepare_sync until a
+            # reset drops the loaded state).
             self.__dict__["_loaded_for"] = loaded_for
+            self.__dict__.pop("_load_checked", None)
             # A load counts as a call: only the group's first rank takes the saved numbers, so
             # a rank that skipped it (rank 0: the checkpoint lost) fails the next sync or
             # state_dict on every rank with RankMismatchError instead of reducing without it.
@@ -1136,9 +1149,10 @@ _BUILT_ON_THE_ARENA = frozenset(
     {"_state_arena", "_sync_layouts", "_unverified_syncs", "_reset_children"}
 )
 """A metric's attributes that hold or depend on its tree's arena (made again when it is)."""
-_NOT_PICKLED = _BUILT_ON_THE_ARENA | {"_sync_group", "_bound_prefix"}
+_NOT_PICKLED = _BUILT_ON_THE_ARENA | {"_sync_group", "_bound_prefix", "_load_checked"}
 """Left out of a pickle: what is built on the arena (made again on load), the process group,
-which cannot be pickled, and the collector that holds the metric (a copy belongs to none)."""
+which cannot be pickled, the collector that holds the metric (a copy belongs to none), and the
+id of the group a loaded checkpoint was last checked against (another process's ids)."""
 
 _BOOKKEEPING = _NOT_PICKLED | {"_declarations", "_freshness_flag", "_call_counter"}
 """Attributes the library keeps on every metric (not a metric's own data)."""

@@ -24,7 +24,7 @@ from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import SinkStatus, is_permanent
 from sidestream.sinks.support import check_retry_waits
 
-__all__ = ["SinkRunner"]
+__all__ = ["SinkRunner", "state_before_open"]
 
 logger = logging.getLogger("sidestream.sinks")
 
@@ -144,7 +144,7 @@ class SinkRunner:
         self._state: dict[str, Any] = (
             copy.deepcopy(dict(resume_state))
             if resume_state is not None
-            else _state_before_open(sink, self.key)
+            else state_before_open(sink, self.key)
         )
         self._sink_closed = False  # the sink's final flush and close both succeeded
         self._opened = False  # set by the sink thread once open succeeded
@@ -520,6 +520,8 @@ class SinkRunner:
         if self._thread.ident is None:  # never started: nothing was opened or delivered
             with self._cond:
                 self._spool.discard()
+                if self._submitted:  # counted and said, as any report lost
+                    self._drop(self._submitted, "closed before the sink was started")
                 return self._submitted == 0
         self._thread.join(self._remaining())
         ended = not self._thread.is_alive()  # else it ran past the timeout
@@ -585,13 +587,22 @@ class SinkRunner:
         )
         self._spool.kept_progress = time.monotonic()
         self._keeper = (worker, kept, report)
+        self._forget_queued()
         worker.start()
         return self._wait_for_keeper()
+
+    def _forget_queued(self) -> None:
+        """Empty the queue and the inbox (``_cond`` held): the keeper holds their reports."""
+        self._queue.clear()
+        with self._inbox_lock:
+            self._inbox.clear()
 
     def _wait_for_keeper(self) -> tuple[list[str], int, Exception | None] | None:
         """Wait for ``_keep_within``'s thread as it says; its result, ``None`` if given up."""
         assert self._keeper is not None
         worker, kept, _ = self._keeper
+        if worker.ident is None:  # interrupted between registering it and starting it
+            worker.start()
         with self._keeper_lock:
             if self._keeper_gave_up:  # given up before: the thread says what it kept itself
                 return None
@@ -623,6 +634,7 @@ class SinkRunner:
         """The rest of ``close``, ``_cond`` held: done, or keep the undelivered in a file."""
         if self._keeper is not None:
             # An interrupted close began keeping the undelivered reports: see it through.
+            self._forget_queued()  # in case it was interrupted before it emptied them
             return self._report_kept_within(self._wait_for_keeper(), self._keeper[2])
         pending = bool(self._queue or self._in_flight or len(self._spool) or self._waiting_in())
         if not self._thread.is_alive() and not self._held_by_sink() and not failed and not pending:
@@ -632,12 +644,13 @@ class SinkRunner:
         self._abandon.set()
         # Ours first, the sink's after (as in undelivered): a write ending in between moves
         # its reports from in-flight to the sink's, so they are in one list or both.
+        # Left where they are until the keeper holds them (_keep_within): an interruption
+        # before then (Ctrl-C in the sink's pending_reports) would lose local lists, and the
+        # close that follows keeps them from here again.
         ours = [*self._in_flight, *self._queue]
-        self._queue.clear()
         # The newest, which the intake thread had not spooled yet: kept behind the rest.
         with self._inbox_lock:
             newest = list(self._inbox)
-            self._inbox.clear()
         held = self._held_by_sink()
         taken = {id(report) for report in held}
         # Reports the sink took but did not make durable (a ProcessSink whose child died)
@@ -892,7 +905,10 @@ class SinkRunner:
         except Exception as error:
             self._drop(1, f"damaged spool line: {_describe(error)}")
         else:
-            self._dropping = False
+            if self._spool.nbytes <= self._spool.max_bytes // 2:
+                # As in _admit: a streak ends once the spool is at most half full, not with
+                # each report the sink takes from a full one (each drop was logged anew).
+                self._dropping = False
 
     def _retry(self, what: str, action: Callable[[], None]) -> bool:
         """Run ``action`` until it succeeds (True), fails for good or is abandoned (False).
@@ -946,8 +962,9 @@ class SinkRunner:
         """Mark the sink failed for good: stop delivering, count nothing more as delivered."""
         with self._cond:
             self._status = SinkStatus("failed", reason)
+            # Set before the waiters wake: one that checked before the set would wait on.
+            self._abandon.set()
             self._cond.notify_all()
-        self._abandon.set()
         logger.error(
             "sink %r: %s failed permanently: %s. Not retried: nothing more is sent to this "
             "sink and close() returns False; its reports are kept (queue, then spool) for a "
@@ -1081,7 +1098,8 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _state_before_open(sink: Sink, key: str) -> dict[str, Any]:
+def state_before_open(sink: Sink, key: str) -> dict[str, Any]:
+    """``sink.state_dict()`` of a sink not opened yet; ``{}`` (warned) if it cannot say."""
     try:
         return dict(sink.state_dict())
     except Exception as error:  # a broken state_dict must not stop delivery
