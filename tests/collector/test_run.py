@@ -978,7 +978,8 @@ def test_a_checkpoint_waits_past_its_timeout_for_the_windows_being_computed(
         collector.metric.update(torch.tensor([float(step)]))
         collector.schedule_collection(step)
     saved = run.state_dict(timeout=0.2)
-    assert "3 window(s) of the collector 't' were still being computed" in caplog.text
+    # 3, or fewer on a loaded machine whose first 0.4 s compute ended within the timeout.
+    assert re.search(r"[123] window\(s\) of the collector 't' were still being", caplog.text)
     assert "timeout (0.2 s) ran out; waiting up to 300.0 s more" in caplog.text
     # What a job resumed from this checkpoint has: the steps the sink had delivered, and the
     # reports the checkpoint carries for it.

@@ -1332,17 +1332,28 @@ def test_a_resumed_run_closed_before_its_sinks_start_delivers_the_checkpoints_re
     # checkpoint's five reports went nowhere.
     resumed_sink = GatedSink()
     resumed_sink.gate.set()
-    resumed = Run([resumed_sink], spool_dir=tmp_path)
+
+    class NewToTheJob(GatedSink):
+        def open(self, run: Any) -> None:
+            raise AssertionError("a sink with nothing to deliver was opened at close")
+
+    resumed = Run([resumed_sink, NewToTheJob("new")], spool_dir=tmp_path)
     resumed.load_state_dict(state)
     assert resumed.close(timeout=10)
     assert resumed_sink.steps == [1, 2, 3, 4, 5]
-    # A runner used by hand and closed before it started: its reports are counted and said.
+    # That close is not registered to run again at exit (it kept the run alive until then).
+    from sidestream import _exit
+
+    assert not any(getattr(c, "__self__", None) is resumed for c in _exit._CLOSES)
+    # A runner used by hand and closed before it started: its reports are counted and said,
+    # each once (a damaged backlog line was counted already).
     runner = SinkRunner(GatedSink(), spool_dir=tmp_path)
-    for step in range(3):
+    runner.submit_backlog(encode_report(_report(0)) + b"not a report\n")
+    for step in range(1, 3):
         runner.submit(_report(step))
     with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
         assert runner.close(1.0) is False
-    assert runner.dropped == 3 and "closed before the sink was started" in caplog.text
+    assert runner.dropped == 4 and "closed before it was started" in caplog.text
 
 
 def test_drops_from_a_spool_that_stays_full_are_logged_once(
@@ -1393,3 +1404,43 @@ def test_a_checkpoint_before_the_sinks_start_takes_a_state_that_needs_an_open_ba
     run = Run([NeedsOpen()])
     assert run.state_dict()["sinks"] == {"gated": {}}  # it raised AttributeError
     assert run.close(timeout=5)
+
+
+def test_a_close_interrupted_as_its_keeper_registers_keeps_each_report_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C after the keeper registered, before it emptied the inbox: the intake thread then
+    # spooled step 4 behind the keeper's back, which kept it too ([1, 2, 3, 4, 4]).
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=1, spool_dir=tmp_path)
+    for step in (1, 2, 3):  # before start: 1 queued, 2 and 3 spooled
+        runner.submit(_report(step))
+    intake_may_run = threading.Event()
+    take_in = runner._take_in
+
+    def held_back() -> None:
+        intake_may_run.wait(30.0)
+        take_in()
+
+    monkeypatch.setattr(runner, "_take_in", held_back)
+    runner.start()
+    _wait(lambda: runner.pending == 3 and len(runner._in_flight) == 1)  # step 1 being written
+    runner.submit(_report(4))  # the spool is not empty: it waits in the inbox
+    forget = runner._forget_queued
+    interrupted: list[bool] = []
+
+    def interrupted_once() -> None:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        forget()
+
+    monkeypatch.setattr(runner, "_forget_queued", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        runner.close(0.2)
+    intake_may_run.set()  # it takes _cond now that close let go of it
+    time.sleep(0.3)
+    assert runner.close_now() is False
+    kept = [report.step for path in tmp_path.glob("*.spool.jsonl") for report in read_spool(path)]
+    assert kept == [1, 2, 3, 4]
+    sink.gate.set()

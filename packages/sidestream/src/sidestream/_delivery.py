@@ -180,17 +180,7 @@ class Delivery:
                 self.backlogs = {}  # only rank 0 delivers: do not hold them for the whole job
             if self.is_writer:
                 for key, sink in self.sinks.items():
-                    runner = SinkRunner(
-                        sink,
-                        self.info,
-                        key=key,
-                        resume_state=self.resume_states.get(key),
-                        capacity=self.options.sink_capacity,
-                        spool_dir=self.options.spool_dir,
-                        spool_max_bytes=self.options.spool_max_bytes,
-                        retry_initial_s=self.options.retry[0],
-                        retry_max_s=self.options.retry[1],
-                    )
+                    runner = self._runner(key, sink)
                     runner.submit_backlog(self.backlogs.pop(key, "").encode())
                     runner.start()
                     runners.append(runner)
@@ -252,9 +242,8 @@ class Delivery:
 
     def status(self) -> dict[str, SinkStatus]:
         """Each sink's status by key (``healthy`` before the sinks start, and off rank 0)."""
-        if not self.runners:
-            return {key: SinkStatus("healthy", None) for key in self.sinks}
-        return {runner.key: runner.status for runner in self.runners}
+        started = {runner.key: runner.status for runner in self.runners or ()}
+        return {key: started.get(key, SinkStatus("healthy", None)) for key in self.sinks}
 
     def sink_states(self, timeout: float | None) -> tuple[dict[str, Any], dict[str, str]]:
         """Every sink's state (made durable first) and its undelivered reports.
@@ -464,7 +453,12 @@ class Delivery:
         # carried on into this run's checkpoints, as unclaimed collector states are.
         self.unclaimed_states = {k: v for k, v in loaded.items() if k not in self.sinks}
         backlogs = {keys.get(key, key): text for key, text in _backlogs(undelivered or {}).items()}
-        self.backlogs = {key: text for key, text in backlogs.items() if key in self.sinks}
+        # Only rank 0 delivers them (and checkpoints them): other ranks need not hold them.
+        self.backlogs = (
+            {key: text for key, text in backlogs.items() if key in self.sinks}
+            if self.is_writer
+            else {}
+        )
         self.unclaimed_backlogs = {k: v for k, v in backlogs.items() if k not in self.sinks}
         if self.unclaimed_states:
             logger.warning(
@@ -482,20 +476,7 @@ class Delivery:
         checkpoint's undelivered reports are delivered now (or kept in a spool file), not
         dropped with the run.
         """
-        if self.runners is None and not self._closed and any(self.backlogs.values()):
-            try:
-                self.start("close")
-            except RuntimeError as error:  # no process group under a launcher
-                lines = sum(text.count("\n") for text in self.backlogs.values())
-                logger.error(
-                    "close: the %d report(s) the checkpoint had not delivered are lost: the "
-                    "sinks could not start (%s)",
-                    lines,
-                    error,
-                )
-                with self._lock:
-                    self._closed, self._close_result = True, False
-                return False
+        self._start_for_backlogs()
         with self._lock:
             if self._closed:
                 return self._close_result
@@ -513,6 +494,42 @@ class Delivery:
         _release(self.sinks.values(), self)
         self._close_result = complete
         return complete
+
+    def _start_for_backlogs(self) -> None:
+        """At a close before the sinks started: start those with checkpoint reports to deliver.
+
+        Only they open (a sink new to this job would make an empty tracker run), and only on
+        the writer: rank 0 by the process group, or by the launcher's ``RANK`` once the group
+        is gone (other ranks dropped their backlogs at load). Not registered to close at exit:
+        this is that close.
+        """
+        with self._lock:
+            if self.runners is not None or self._closed or not any(self.backlogs.values()):
+                return
+            if not self.is_writer or os.environ.get("RANK", "0") != "0":
+                return
+            runners = []
+            for key, sink in self.sinks.items():
+                backlog = self.backlogs.pop(key, "")
+                if backlog:
+                    runner = self._runner(key, sink)
+                    runner.submit_backlog(backlog.encode())
+                    runner.start()
+                    runners.append(runner)
+            self.runners = runners
+
+    def _runner(self, key: str, sink: Sink) -> SinkRunner:
+        return SinkRunner(
+            sink,
+            self.info,
+            key=key,
+            resume_state=self.resume_states.get(key),
+            capacity=self.options.sink_capacity,
+            spool_dir=self.options.spool_dir,
+            spool_max_bytes=self.options.spool_max_bytes,
+            retry_initial_s=self.options.retry[0],
+            retry_max_s=self.options.retry[1],
+        )
 
     def _close_runners(self, runners: list[SinkRunner], deadline: float | None) -> bool:
         complete = True

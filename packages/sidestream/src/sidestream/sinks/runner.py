@@ -124,6 +124,7 @@ class SinkRunner:
         ) = None
         self._keeper_lock = threading.Lock()
         self._keeper_gave_up = False  # under _keeper_lock: close stopped waiting for it
+        self._kept_all = False  # a close kept every undelivered report in a spool file
         self._inbox_capacity = max(capacity, INBOX_MIN_CAPACITY)
         self._inbox_dropped = 0
         self._inbox_dropping = False
@@ -306,6 +307,8 @@ class SinkRunner:
                     break
             with self._cond:
                 with self._inbox_lock:
+                    if self._keeper is not None:  # a close keeps what waits: not twice
+                        break
                     if not self._inbox:  # a close took what waited
                         continue
                     # Moved under both locks: undelivered() sees it in one place, never none.
@@ -520,8 +523,16 @@ class SinkRunner:
         if self._thread.ident is None:  # never started: nothing was opened or delivered
             with self._cond:
                 self._spool.discard()
-                if self._submitted:  # counted and said, as any report lost
-                    self._drop(self._submitted, "closed before the sink was started")
+                # Counted and said, as any report lost (those dropped already were).
+                lost = self._submitted - self._delivered - self._lost()
+                if lost:
+                    self._dropped += lost
+                    logger.warning(
+                        "sink %r: closed before it was started; dropped the %d report(s) "
+                        "submitted to it (counted in SinkRunner.dropped)",
+                        self.key,
+                        lost,
+                    )
                 return self._submitted == 0
         self._thread.join(self._remaining())
         ended = not self._thread.is_alive()  # else it ran past the timeout
@@ -632,6 +643,8 @@ class SinkRunner:
 
     def _close_locked(self, timeout: float | None, ended: bool, failed: bool) -> bool:
         """The rest of ``close``, ``_cond`` held: done, or keep the undelivered in a file."""
+        if self._kept_all:  # an interrupted close kept every undelivered report already
+            return False
         if self._keeper is not None:
             # An interrupted close began keeping the undelivered reports: see it through.
             self._forget_queued()  # in case it was interrupted before it emptied them
@@ -701,7 +714,9 @@ class SinkRunner:
             )
             self._status = SinkStatus("failed", "the spool directory stopped answering at close")
             return False
-        self._keeper = None  # said once: a later close has nothing more to keep
+        # Said once: a later close (this one interrupted in report) keeps nothing again.
+        self._kept_all = True
+        self._keeper = None
         report(*kept)
         return False
 
