@@ -659,6 +659,27 @@ def test_a_checkpoint_flush_behind_a_hung_write_returns_within_its_timeout(
     assert sink.close(5) is True
 
 
+def test_a_close_that_did_not_end_counts_nothing_more_as_delivered(tmp_path: Path) -> None:
+    # The writer's close ran past its timeout (a hung disk): close said False, but a flush
+    # after it found no writer, said True, and counted the step as on disk.
+    sink = TensorBoardSink(log_dir=str(tmp_path / "tb"))
+    sink.open(RunInfo(name="hung close"))
+    sink.write(Report(step=1, values={"x": 1.0}, time=1.0))
+    disk = threading.Event()
+    writer = sink._writer
+    real_close = writer.close
+
+    def hung_close() -> None:
+        disk.wait(30)
+        real_close()
+
+    writer.close = hung_close
+    assert sink.close(0.2) is False
+    assert sink.flush(0) is False
+    assert not sink.all_delivered and sink.state_dict()["last_steps"] == []
+    disk.set()
+
+
 @pytest.mark.parametrize("refusal", [errno.EACCES, errno.EROFS, errno.ENOSPC])
 def test_a_log_dir_it_may_not_write_fails_at_open_for_good(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: int

@@ -134,6 +134,8 @@ class TensorBoardSink(TrackerSink):
         # A checkpoint's flush (another thread) may replace a failed writer too.
         self._writer_lock = threading.Lock()
         self._opened = False
+        # A writer whose close did not end in time: its events may never reach the disk.
+        self._unclosed = False
         self._earlier_files_warned = False
         # Names of the event files other runs left in the directory before this run wrote:
         # their steps are not this run's (None until first needed, before this run writes).
@@ -429,7 +431,9 @@ class TensorBoardSink(TrackerSink):
         finally:
             self._writer_lock.release()
         if writer is None:
-            return not self._opened  # opened: a failed writer not replaced yet
+            # Opened: a failed writer not replaced yet. Closed: done, unless that close did
+            # not end (a later flush must not count its events as on disk).
+            return not self._opened and not self._unclosed
         finished, error = call_within(writer.flush, timeout, f"sidestream-{self.name}-flush")
         if error is not None:
             with self._writer_lock:
@@ -455,6 +459,7 @@ class TensorBoardSink(TrackerSink):
             writer, self._writer = self._writer, None
             self._opened = False
         if not self.within(writer.close, timeout, "close"):
+            self._unclosed = True
             return False
         # The writer is gone: what was sent is on disk now.
         return self.closed_with_every_value(self.flush(0))
