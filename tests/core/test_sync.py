@@ -422,6 +422,38 @@ def test_checkpoint_over_a_mesh_dimension_restores_every_replica(pools: Pools) -
 
 
 @on_rank_device
+def _child_checkpoint() -> dict[str, Any]:
+    """A child of a composition loads a checkpoint alone; the composition syncs over dp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("dp", "tp"))
+    source = SumMetric()
+    source.update(torch.tensor([25.0]))
+    saved = source.state_dict()  # 100.0 over the 4 ranks
+    metrics = ComposeMetric({"a": SumMetric(), "b": SumMetric()})
+    metrics["a"].load_state_dict(saved)  # placed on global rank 0
+    metrics["a"].update(torch.tensor([1.0]))
+    out: dict[str, Any] = {}
+    try:
+        metrics.sync(group=mesh["dp"])
+        out["loaded"] = float(metrics["a"].compute())
+    except RuntimeError as error:
+        out["loaded"] = str(error)
+    metrics.reset()  # the whole tree: the child's loaded state too
+    metrics["a"].update(torch.tensor([1.0]))
+    metrics.sync(group=mesh["dp"])
+    out["after reset"] = float(metrics["a"].compute())
+    return out
+
+
+def test_a_child_loaded_alone_is_checked_when_its_composition_syncs(pools: Pools) -> None:
+    # Only the syncing metric's own load was checked: dp group {1, 3} reported 2.0 for 102.0.
+    for result in pools.get(4).run(_child_checkpoint):
+        assert "loaded for the group of global ranks [0, 1, 2, 3]" in result["loaded"], result
+        assert result["after reset"] == 2.0
+
+
+@on_rank_device
 def _copy_pairs_calls(copied: bool) -> str:
     """Rank 0 syncs, rank 1 checkpoints: a metric synced once before, or its deep copy."""
     rank = dist.get_rank()

@@ -737,12 +737,11 @@ class Metric(Generic[T], abc.ABC):
                 group is initialized (as ``sync``).
         """
         check_process_group("prepare_sync")
-        loaded_for: tuple[int, ...] | None = self.__dict__.get("_loaded_for")
-        if loaded_for is not None and self.__dict__.get("_load_checked") != id(group):
-            # Until a reset: the saved state stays on that group's first rank, so a later sync
-            # over another group (after a state_dict over the load's own) would go without it.
-            _check_load_group(loaded_for, group)
-            self.__dict__["_load_checked"] = id(group)  # the same group again costs nothing
+        self._check_load(group)
+        if self.__dict__.get("_children_loaded"):  # a child took a checkpoint of its own
+            for inner in self._walk_metrics():
+                if inner is not self:
+                    inner._check_load(group)
         arena = self._own_arena()
         # The arena this tree's states live in: its own, or its parent tree's.
         home: Arena | None = self.__dict__.get("_state_arena")
@@ -760,6 +759,17 @@ class Metric(Generic[T], abc.ABC):
         prepared.default_at_layout = None if default is None else weakref.ref(default)
         cache[id(group)] = prepared
         return prepared
+
+    def _check_load(self, group: Group) -> None:
+        """Raise if this metric's loaded checkpoint was placed for another group than ``group``.
+
+        Until a reset: the saved state stays on that group's first rank, so a later sync over
+        another group (after a state_dict over the load's own) would go without it.
+        """
+        loaded_for: tuple[int, ...] | None = self.__dict__.get("_loaded_for")
+        if loaded_for is not None and self.__dict__.get("_load_checked") != id(group):
+            _check_load_group(loaded_for, group)
+            self.__dict__["_load_checked"] = id(group)  # the same group again costs nothing
 
     def _lay_out(
         self, group: Group, arena: Arena | None, home: Arena | None, check: bool
@@ -795,6 +805,10 @@ class Metric(Generic[T], abc.ABC):
         """
         self.__dict__.pop("_loaded_for", None)  # the loaded state is gone
         self.__dict__.pop("_load_checked", None)
+        if self.__dict__.pop("_children_loaded", None):  # theirs too: the whole tree resets
+            for inner in self._walk_metrics():
+                inner.__dict__.pop("_loaded_for", None)
+                inner.__dict__.pop("_load_checked", None)
         arena = self._own_arena()
         if arena is not None:
             arena.reset()
@@ -1059,6 +1073,10 @@ class Metric(Generic[T], abc.ABC):
             # reset drops the loaded state).
             self.__dict__["_loaded_for"] = loaded_for
             self.__dict__.pop("_load_checked", None)
+            home: Arena | None = self.__dict__.get("_state_arena")
+            if home is not None and home.root is not self:
+                # A child loaded alone: its tree's root syncs it, and checks it from there.
+                home.root.__dict__["_children_loaded"] = True
             # A load counts as a call: only the group's first rank takes the saved numbers, so
             # a rank that skipped it (rank 0: the checkpoint lost) fails the next sync or
             # state_dict on every rank with RankMismatchError instead of reducing without it.
