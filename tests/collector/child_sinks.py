@@ -193,3 +193,28 @@ class TemporaryFolderSink(Sink):
 
     def state_dict(self) -> dict[str, Any]:
         return {"folder": None if self._folder is None else self._folder.name}
+
+
+class FlushFailsOnceSink(Sink):
+    """Keeps the steps written in its state; its first flush raises (the backend down)."""
+
+    name = "flush_fails_once"
+
+    def __init__(self) -> None:
+        self._steps: list[int] = []
+        self._flush_failed = False
+
+    def open(self, run: RunInfo) -> None:
+        pass
+
+    def write(self, report: Report) -> None:
+        self._steps.append(report.step)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        if not self._flush_failed:
+            self._flush_failed = True
+            raise ConnectionError("flush: tracker unreachable")
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self._steps), "pid": os.getpid()}

@@ -34,6 +34,7 @@ from tests.collector.child_sinks import (
     CloseMarkerSink,
     DurableCountSink,
     FailingOpenSink,
+    FlushFailsOnceSink,
     FlushHangSink,
     SlowOpenSink,
     TemporaryFolderSink,
@@ -171,6 +172,35 @@ def test_batches_reach_the_child_sink_whole() -> None:
     sink.write(Report(step=3, values={"x": 1.0}, time=0.0))
     assert sink.state_dict()["sizes"] == [3, 1]
     assert sink.state_dict()["pid"] != os.getpid()
+    assert sink.close(30.0)
+
+
+def test_a_failed_flush_after_a_write_does_not_make_the_write_repeat() -> None:
+    # The flush after every flush_every reports raised out of write_batch: the runner then
+    # retried the write, and the same child wrote the batch again ([0, 1, 0, 1]).
+    sink = ProcessSink(FlushFailsOnceSink(), flush_every=2)
+    sink.open(RunInfo())
+    for step in (0, 1):
+        sink.write(Report(step=step, values={"x": 1.0}, time=0.0))  # the second flushes: fails
+    assert [r.step for r in sink.pending_reports()] == [0, 1]  # not confirmed yet
+    assert sink.flush(30.0)
+    assert sink.state_dict()["steps"] == [0, 1] and sink.pending_reports() == []
+    assert sink.close(30.0)
+
+
+def test_a_restarted_child_gets_the_unflushed_reports_in_its_sinks_batches() -> None:
+    # All of them went in one write_batch, past the sink's max_batch (a per-request limit).
+    sink = ProcessSink(BatchSizesSink())
+    sink.open(RunInfo())
+    for step in range(10):
+        sink.write(Report(step=step, values={"x": 1.0}, time=0.0))
+    os.kill(sink.state_dict()["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while sink._alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sink.write(Report(step=10, values={"x": 1.0}, time=0.0))
+    assert sink.restarts == 1
+    assert sink.state_dict()["sizes"] == [4, 4, 2, 1]
     assert sink.close(30.0)
 
 

@@ -57,3 +57,50 @@ def test_a_block_left_by_an_exception_fails_only_its_own_closes() -> None:
     with ending_with(None):
         assert failed_exit_code() is None
     assert failed_exit_code() is None
+
+
+def test_a_block_left_by_sys_exit_takes_its_code() -> None:
+    # sys.exit(0) inside `with Run(...)` told every tracker the job failed (W&B finish(1),
+    # MLflow FAILED), while the process exited 0.
+    from sidestream._exit import ending_with, failed_exit_code
+
+    for value, expected in (
+        (SystemExit(), None),
+        (SystemExit(0), None),
+        (SystemExit(False), None),
+        (SystemExit(3), 3),
+        (SystemExit("bad config"), 1),  # printed, exit status 1
+    ):
+        with ending_with(SystemExit, value):
+            assert failed_exit_code() == expected, value
+    assert failed_exit_code() is None
+
+
+_INTERRUPTED_SCRIPT = """
+import os, signal
+from sidestream._exit import close_at_exit
+
+def closes(name, interrupted=False):
+    def close():
+        if interrupted:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this run closes at exit
+            signal.pause()
+        print(name, "closed", flush=True)
+    return close
+
+close_at_exit(closes("older run"))
+close_at_exit(closes("newer run", interrupted=True))
+"""
+
+
+def test_ctrl_c_while_a_run_closes_at_exit_still_closes_the_others() -> None:
+    # Only Exception was caught: the interrupt left the loop, and the older run's sink threads
+    # died with the process, their reports in no spool file and in no warning.
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_INTERRUPTED_SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.splitlines() == ["older run closed"], done.stderr
+    assert "closing at exit was interrupted (KeyboardInterrupt)" in done.stderr

@@ -105,6 +105,11 @@ _A_REPORT = '{"step": 1, "time": 0.0, "values": {"a": 1.0}}\n'
         ),
         # A config's errors name the sink, whatever their kind (ValueErrors did not).
         (
+            lambda d: sinks_from_config({"jsonl": {"path": str(d / "m.jsonl"), 1: 2}}),
+            TypeError,
+            r"^sinks_from_config: sink 'jsonl': option names must be text, got 1",
+        ),
+        (
             lambda d: sinks_from_config({"jsonl": {"path": str(d / "m.jsonl"), "flush_every": 0}}),
             ValueError,
             r"^sinks_from_config: sink 'jsonl': flush_every: expected an int >= 1, got 0",

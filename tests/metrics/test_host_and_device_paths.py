@@ -515,3 +515,62 @@ def test_mixed_dtype_batches_stay_within_the_bound_against_sklearn() -> None:
             expected = roc_auc_score([0, 1], [float(low), between])
             error = abs(float(metric.compute()) - expected)
             assert error <= float(metric.error_bound()) + 1e-12, (low, between)
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_narrow_integer_class_indices_with_more_classes_than_they_hold(
+    monkeypatch: pytest.MonkeyPatch, device_path: bool
+) -> None:
+    # int8 ids with 130 classes: the index clamp's bound 129 does not fit int8, and torch
+    # refused it ("value cannot be converted to type int8_t without overflow") on one path
+    # or the other, where the docs take class indices of any integer dtype.
+    classes = 130
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, classes, generator=generator)
+    target = torch.tensor([5, -100, 127, 3, 0, 64], dtype=torch.int8)
+    kept = (target != -100).numpy()
+    truth, predicted = target.long().numpy()[kept], logits.argmax(1).numpy()[kept]
+    with _device_path(monkeypatch, on=device_path):
+        counts = confusion_count_metric(ignore_index=-100).multiclass(classes)
+        accuracy = counts.with_accuracy().micro().build()
+        accuracy.update(logits, target)
+        matrix = MulticlassConfusionMatrixMetric(classes, ignore_index=-100)
+        matrix.update(logits, target)
+        auroc = MulticlassAUROCMetric(classes, ignore_index=-100, exact=True, average="none")
+        auroc.update(logits.softmax(1), target)
+        ids = confusion_count_metric().multiclass(classes).with_accuracy().micro().build()
+        ids.update(torch.tensor([5, 9, 127, 3], dtype=torch.int8), torch.tensor([5, 1, 127, 3]))
+    assert accuracy.compute().item() == pytest.approx(float(np.mean(truth == predicted)))
+    expected = confusion_matrix(truth, predicted, labels=range(classes))
+    assert np.array_equal(matrix.compute().numpy(), expected)
+    assert auroc.compute().shape == (classes,)
+    assert ids.compute().item() == 0.75
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64"])
+def test_wide_unsigned_inputs_are_refused_naming_the_argument(dtype: str) -> None:
+    # torch has no CPU aminmax or clamp for them: updates died in a kernel, naming nothing.
+    wide = getattr(torch, dtype, None)
+    if wide is None:
+        pytest.skip(f"torch {torch.__version__} has no {dtype}")
+    metric = confusion_count_metric().multiclass(3).with_accuracy().micro().build()
+    with pytest.raises(TypeError, match=rf"^target: dtype torch.{dtype} .*\(target\.long\(\)"):
+        metric.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 1]).to(wide))
+    binary = confusion_count_metric().binary().with_accuracy().build()
+    with pytest.raises(TypeError, match=rf"^preds: dtype torch.{dtype}"):
+        binary.update(torch.tensor([0, 1]).to(wide), torch.tensor([0, 1]))
+
+
+def test_ignore_index_applies_to_bool_binary_targets_too() -> None:
+    # The docs say every dtype; a bool target's False was counted although ignore_index=0.
+    preds = torch.tensor([0.9, 0.8, 0.7, 0.2])
+    target = torch.tensor([1, 1, 0, 0])
+    results = []
+    for labels in (target, target.bool()):
+        metric = confusion_count_metric(ignore_index=0).binary().with_precision().build()
+        metric.update(preds, labels)
+        results.append(metric.counts())
+    assert results[0].keys() == results[1].keys()
+    for name, int_counts in results[0].items():
+        assert torch.equal(int_counts, results[1][name]), name
+    assert results[1]["fp"].sum().item() == 0  # no false positive: the negatives are ignored

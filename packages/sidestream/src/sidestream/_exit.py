@@ -72,21 +72,40 @@ def record_failed_exit(code: int) -> None:
 
 
 @contextlib.contextmanager
-def ending_with(exception: type[BaseException] | None) -> Iterator[None]:
+def ending_with(
+    exception: type[BaseException] | None, value: BaseException | None = None
+) -> Iterator[None]:
     """Within the block, ``failed_exit_code`` is that of ``exception`` (``None``: as before).
 
     For a ``with Run(...)`` block left by an exception: its closes run before the exception
     reaches ``sys.excepthook``, and only they should tell the trackers the job failed (a caught
-    exception leaves later runs of the process alone).
+    exception leaves later runs of the process alone). ``value``, the exception itself, gives
+    a ``SystemExit`` its own code: ``sys.exit(0)`` (or ``sys.exit()``) is a success.
     """
     global _scoped_code
     previous = _scoped_code
-    if exception is not None and not issubclass(exception, GeneratorExit):
-        _scoped_code = KILLED_EXIT_CODE if issubclass(exception, KeyboardInterrupt) else 1
+    code = None if exception is None else _exit_code(exception, value)
+    if code is not None:
+        _scoped_code = code
     try:
         yield
     finally:
         _scoped_code = previous
+
+
+def _exit_code(exception: type[BaseException], value: BaseException | None) -> int | None:
+    """The process's exit code if ``exception`` ends it, ``None`` for a success (or no end)."""
+    if issubclass(exception, GeneratorExit):
+        return None
+    if issubclass(exception, KeyboardInterrupt):
+        return KILLED_EXIT_CODE
+    if issubclass(exception, SystemExit):
+        code = value.code if isinstance(value, SystemExit) else 1
+        if code is None or code is False or code == 0:
+            return None
+        # An int is the exit status; anything else is printed and exits 1, as Python does.
+        return code if isinstance(code, int) else 1
+    return 1
 
 
 def failed_exit_code() -> int | None:
@@ -110,6 +129,14 @@ def _close_all() -> None:
             close()
         except Exception:  # as atexit does: say so, and go on with the others
             traceback.print_exc()
+        except BaseException as error:  # Ctrl-C: that run kept its reports in spool files
+            # The others still close (each keeps its own if interrupted too), or their
+            # reports would die with the process's sink threads, unsaid.
+            print(
+                f"sidestream: closing at exit was interrupted ({type(error).__name__}); "
+                "closing the other runs",
+                file=sys.stderr,
+            )
 
 
 def _move_to_front() -> None:

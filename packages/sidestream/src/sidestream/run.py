@@ -420,7 +420,7 @@ class Run:
         traceback: TracebackType | None,
     ) -> None:
         # Left by an exception: the sinks close before it is uncaught, and must say it failed.
-        with ending_with(exc_type):
+        with ending_with(exc_type, exc):
             self.close()
 
     # ------------------------------------------------------------------ checkpoints

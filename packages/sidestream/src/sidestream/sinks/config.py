@@ -249,6 +249,11 @@ def _check_options(name: str, factory: Any, options: Mapping[str, Any]) -> None:
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
             return
         accepted = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    for option in options:
+        if not isinstance(option, str):  # a YAML key read as a number (1: 2)
+            raise TypeError(
+                f"sinks_from_config: sink {name!r}: option names must be text, got {option!r}"
+            )
     if accepted is not None:
         accepted = accepted | {"child_process"}
     refuse_unknown_options(f"sinks_from_config: sink {name!r}", options, accepted)

@@ -365,7 +365,18 @@ class ProcessSink(Sink):
             self._call("write_batch", list(reports), self._call_timeout_s)
             self._unflushed.extend(reports)
             if len(self._unflushed) >= self._flush_every:
-                self.flush(self._call_timeout_s)
+                try:
+                    self.flush(self._call_timeout_s)
+                except Exception as error:
+                    # The batch is written: a retry of this write would send it again. The
+                    # reports stay unflushed (re-sent by a restart), for a later flush.
+                    logger.warning(
+                        "sink %r: flush after %d report(s) failed: %s; they count as delivered "
+                        "only once a flush succeeds",
+                        self.name,
+                        len(self._unflushed),
+                        error,
+                    )
 
     def flush(self, timeout: float | None = None) -> bool:
         """Flush the child's sink; the reports written so far no longer need re-sending."""
@@ -508,8 +519,11 @@ class ProcessSink(Sink):
             len(self._unflushed),
         )
         self._start(self._flushed_state or None)
-        if self._unflushed:
-            self._call("write_batch", self._unflushed, self._call_timeout_s)
+        # In the wrapped sink's batches: it may have a per-request limit (max_batch).
+        size = max(1, self.max_batch)
+        for start in range(0, len(self._unflushed), size):
+            batch = self._unflushed[start : start + size]
+            self._call("write_batch", batch, self._call_timeout_s)
 
     def _call(self, operation: str, argument: Any, timeout: float | None) -> Any:
         with self._pipe_lock:

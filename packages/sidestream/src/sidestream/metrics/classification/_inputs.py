@@ -94,7 +94,22 @@ def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
         raise TypeError(f"{argument}: expected a torch.Tensor, got {type(value)}")
     if value.layout is not torch.strided:
         raise TypeError(f"{argument}: expected a dense tensor, got layout {value.layout}")
+    if value.dtype in _WIDE_UNSIGNED:
+        # torch has no comparison or reduction kernels for them on the CPU: an update died in
+        # aminmax or clamp, with an error that named neither the argument nor a fix.
+        raise TypeError(
+            f"{argument}: dtype {value.dtype} has too few torch kernels to be checked and "
+            f"counted; convert it first ({argument}.long() or .int())"
+        )
     return as_tensor(argument, value, device)
+
+
+_WIDE_UNSIGNED = frozenset(
+    dtype
+    for dtype in (getattr(torch, name, None) for name in ("uint16", "uint32", "uint64"))
+    if dtype is not None
+)
+"""Unsigned dtypes wider than uint8: torch (2.11 to 2.13) lacks most CPU kernels for them."""
 
 
 def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:
@@ -207,7 +222,8 @@ def _in_range(values: Tensor, num_classes: int, all_checked: bool) -> Tensor:
     """
     if all_checked and _cpu_path.enabled(values.device):
         return values.long()
-    return values.clamp(0, num_classes - 1).long()
+    # clamped: a narrow dtype (int8 ids with 130 classes) cannot hold num_classes - 1.
+    return clamped(values, 0, num_classes - 1).long()
 
 
 def outside(values: Tensor, low: float, high: float) -> Tensor | bool:
@@ -528,7 +544,11 @@ def label_flags(
     positive, checks = _positives(problem, preds)
     truth = target if target.dtype == torch.bool else target == 1
     weight: Tensor | None = None
-    if target.dtype != torch.bool:
+    if target.dtype == torch.bool:
+        ignore = ignore_index_of(target, problem.ignore_index)
+        if ignore in (0, 1):  # False or True is the ignored label, as for any other dtype
+            weight = target != bool(ignore)
+    else:
         expected = "0/1 targets"
         checked = target
         ignore = ignore_index_of(target, problem.ignore_index)

@@ -12,6 +12,7 @@ from sidestream._validation import (
     check_floating,
     check_same_shape,
     checks_stay_on_device,
+    clamped,
     expected_text,
     found_outside,
     found_where,
@@ -180,7 +181,7 @@ def score_batch(
         checks = [(outside(scores, -inf, inf), "preds", expected, (scores, -inf, inf, False))]
     if per_element and checks_stay_on_device(device):
         if problem.kind is ProblemKind.MULTICLASS:
-            labels = labels.clamp(0, problem.num_classes - 1)  # invalid ones index nothing
+            labels = clamped(labels, 0, problem.num_classes - 1)  # invalid ones index nothing
         final = scores if ranked is None else ranked
         valid = _valid_elements(problem, final, checked, nan_only=ranked is not None)
         return ScoreBatch(final, labels, weight, valid=valid)
@@ -198,7 +199,7 @@ def score_batch(
             weight, keep = weight * keep, None
         # Dropped batches may hold anything: keep indices in range.
         if problem.kind is ProblemKind.MULTICLASS:
-            labels = labels.clamp(0, problem.num_classes - 1)
+            labels = clamped(labels, 0, problem.num_classes - 1)
     return ScoreBatch(scores if ranked is None else ranked, labels, weight, keep)
 
 
