@@ -29,14 +29,16 @@ close_at_exit(opening_late)
 """
 
 
-def test_closes_run_newest_first_before_the_clients_teardown_and_none_is_lost() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SCRIPT)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
+def _python(script: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter, whose exit runs the hooks under test."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120
     )
+
+
+def test_closes_run_newest_first_before_the_clients_teardown_and_none_is_lost() -> None:
+    done = _python(_SCRIPT)
+    assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "second run closed",
         "first run closed",
@@ -96,11 +98,6 @@ close_at_exit(closes("newer run", interrupted=True))
 def test_ctrl_c_while_a_run_closes_at_exit_still_closes_the_others() -> None:
     # Only Exception was caught: the interrupt left the loop, and the older run's sink threads
     # died with the process, their reports in no spool file and in no warning.
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_INTERRUPTED_SCRIPT)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _python(_INTERRUPTED_SCRIPT)
     assert done.stdout.splitlines() == ["older run closed"], done.stderr
     assert "closing at exit was interrupted (KeyboardInterrupt)" in done.stderr
