@@ -282,10 +282,8 @@ class SinkRunner:
             else:
                 if dropped:
                     self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
-                elif self._spool.nbytes <= self._spool.max_bytes // 2:
-                    # Room again, not a lucky fit: a small report after a large one fits
-                    # in a full spool, and the streak would be logged again and again.
-                    self._dropping = False
+                else:
+                    self._end_drop_streak_if_room()
         else:
             self._queue.append(report)
         self._cond.notify_all()
@@ -920,10 +918,17 @@ class SinkRunner:
         except Exception as error:
             self._drop(1, f"damaged spool line: {_describe(error)}")
         else:
-            if self._spool.nbytes <= self._spool.max_bytes // 2:
-                # As in _admit: a streak ends once the spool is at most half full, not with
-                # each report the sink takes from a full one (each drop was logged anew).
-                self._dropping = False
+            self._end_drop_streak_if_room()
+
+    def _end_drop_streak_if_room(self) -> None:
+        """End a streak of drops once the spool is at most half full (lock held).
+
+        Room again, not a lucky fit: a small report after a large one fits in a full spool,
+        and each report the sink takes from a full one makes room for one more, so ending the
+        streak there logged every drop again.
+        """
+        if self._spool.nbytes <= self._spool.max_bytes // 2:
+            self._dropping = False
 
     def _retry(self, what: str, action: Callable[[], None]) -> bool:
         """Run ``action`` until it succeeds (True), fails for good or is abandoned (False).
