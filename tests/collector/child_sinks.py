@@ -116,6 +116,18 @@ class SlowOpenSink(JsonlSink):
         super().open(run)
 
 
+class SlowReopenSink(SlowOpenSink):
+    """A ``SlowOpenSink`` whose first ``open`` is quick: only a restarted child's is slow."""
+
+    def open(self, run: RunInfo) -> None:
+        opens = Path(f"{self.path}.opens")
+        if not opens.exists():
+            opens.write_text(f"{os.getpid()}\n", encoding="utf-8")
+            JsonlSink.open(self, run)
+            return
+        super().open(run)
+
+
 class BuggySink(Sink):
     """A sink whose ``write`` has a bug: retrying it cannot help."""
 

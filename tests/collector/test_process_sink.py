@@ -37,6 +37,7 @@ from tests.collector.child_sinks import (
     FlushFailsOnceSink,
     FlushHangSink,
     SlowOpenSink,
+    SlowReopenSink,
     TemporaryFolderSink,
     TroubleJsonlSink,
 )
@@ -332,6 +333,26 @@ def test_close_after_the_child_died_still_closes_the_backend_run(tmp_path: Path)
     assert sink.restarts == 1
     assert sink.close(1.0)  # closed already: nothing starts again
     assert marks.read_text().count("close") == 1
+
+
+@pytest.mark.parametrize("call", ["close", "flush"])
+def test_a_dead_childs_restart_keeps_to_the_timeout_of_close_and_flush(
+    tmp_path: Path, call: str
+) -> None:
+    # The restart's open took start_timeout_s (120 s by default) whatever timeout was given.
+    sink = ProcessSink(SlowReopenSink(tmp_path / "m.jsonl", seconds=30.0))
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    first = sink._process
+    assert first is not None and first.pid is not None
+    os.kill(first.pid, signal.SIGKILL)
+    first.join(30.0)
+    started = time.monotonic()
+    with pytest.raises(SinkProcessError, match="open took longer than"):
+        getattr(sink, call)(1.0)
+    assert time.monotonic() - started < 10.0
+    assert not sink._alive()  # the slow child was stopped, not left running
+    assert [r.step for r in sink.pending_reports()] == [1]  # still owed to the backend
 
 
 def test_a_closed_child_leaves_no_temporary_folders() -> None:

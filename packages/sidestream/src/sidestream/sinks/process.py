@@ -381,13 +381,15 @@ class ProcessSink(Sink):
     def flush(self, timeout: float | None = None) -> bool:
         """Flush the child's sink; the reports written so far no longer need re-sending."""
         with self._pipe_lock:
+            deadline = _deadline(timeout)
             if not self._alive():
                 if not self._unflushed:
                     return True
-                self._restart()  # they may have died with the child: deliver them again first
+                # They may have died with the child: deliver them again first.
+                self._restart(deadline)
             # The pipeline's idle flushes pass no timeout: a child hung in flush must be
             # stopped (and replaced by the next call) as one hung in write is.
-            limit = self._limit(timeout)
+            limit = self._limit(_within(None, deadline))
             done = bool(self._call("flush", limit, limit))
             if done:
                 self._unflushed.clear()
@@ -431,10 +433,11 @@ class ProcessSink(Sink):
             if not self._opened:  # no child ever opened the sink: no run to close
                 self._closed = True
                 return True
+            deadline = _deadline(timeout)
             if not self._alive():
-                self._restart()
+                self._restart(deadline)
             try:
-                limit = self._limit(timeout)
+                limit = self._limit(_within(None, deadline))
                 done = bool(self._call("close", (limit, failed_exit_code()), limit))
             finally:
                 self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
@@ -479,7 +482,7 @@ class ProcessSink(Sink):
     def _alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
 
-    def _start(self, state: Mapping[str, Any] | None) -> None:
+    def _start(self, state: Mapping[str, Any] | None, deadline: float | None = None) -> None:
         assert self._run is not None
         # Neither this nor a missing main guard changes on a retry: the sink fails at once.
         if mp.current_process().daemon:
@@ -500,13 +503,17 @@ class ProcessSink(Sink):
         child.close()
         self._process, self._conn = process, parent
         try:
-            self._receive(self._start_timeout_s, "open")
+            self._receive(_within(self._start_timeout_s, deadline), "open")
         except SinkProcessError:
             self._stop()
             raise
 
-    def _restart(self) -> None:
-        """A fresh child resumed from the last flush, then the reports since, sent again."""
+    def _restart(self, deadline: float | None = None) -> None:
+        """A fresh child resumed from the last flush, then the reports since, sent again.
+
+        ``deadline`` (``time.monotonic``): a ``flush`` or ``close`` given a timeout restarts
+        within it, or raises ``SinkProcessError`` (the child is stopped) once it runs out.
+        """
         code = None if self._process is None else self._process.exitcode
         self._stop()
         self.restarts += 1
@@ -518,12 +525,12 @@ class ProcessSink(Sink):
             self.restarts,
             len(self._unflushed),
         )
-        self._start(self._flushed_state or None)
+        self._start(self._flushed_state or None, deadline)
         # In the wrapped sink's batches: it may have a per-request limit (max_batch).
         size = max(1, self.max_batch)
         for start in range(0, len(self._unflushed), size):
             batch = self._unflushed[start : start + size]
-            self._call("write_batch", batch, self._call_timeout_s)
+            self._call("write_batch", batch, _within(self._call_timeout_s, deadline))
 
     def _call(self, operation: str, argument: Any, timeout: float | None) -> Any:
         with self._pipe_lock:
@@ -580,3 +587,16 @@ class ProcessSink(Sink):
                 self._process.kill()
                 self._process.join(5.0)
         self._process, self._conn = None, None
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """The ``time.monotonic`` by which a call given ``timeout`` must end (``None``: never)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _within(limit: float | None, deadline: float | None) -> float | None:
+    """``limit`` (seconds, ``None``: none), cut to what is left before ``deadline``."""
+    if deadline is None:
+        return limit
+    left = max(0.0, deadline - time.monotonic())
+    return left if limit is None else min(limit, left)
