@@ -88,3 +88,26 @@ def test_a_run_whose_log_dropped_a_step_closes_false_and_says_so(
         assert run.close(timeout=10) is False
     assert "2 Run.log call(s) were dropped" in caplog.text
     assert [record["step"] for record in read_jsonl(tmp_path / "run.jsonl")] == [1]
+
+
+def test_a_close_that_times_out_behind_a_stalled_copy_says_how_many_calls_were_lost(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # close() returned False and said nothing: the queued steps vanished uncounted.
+    monkeypatch.setattr(_log_pipe, "wait_on_host", lambda event: event.synchronize())
+    run = Run([JsonlSink(tmp_path / "run.jsonl")])
+    run.log(1, {"lr": 0.1})
+    assert run._log_pipe is not None and run._log_pipe.wait_idle(30)
+    copy = _Copy()
+    host = torch.tensor([2.5], dtype=torch.float64)
+    stalled = LogEntry(step=2, time=0.0, numbers={}, device_names=("loss",), host=host)
+    stalled.done = copy  # type: ignore[assignment]
+    run._log_pipe.put(stalled)
+    run._log_pipe.put(LogEntry(step=3, time=0.0, numbers={"lr": 0.1}))
+    try:
+        with caplog.at_level(logging.WARNING, logger="sidestream.run"):
+            assert run.close(timeout=0.5) is False
+        assert "2 Run.log call(s) still waited for CUDA copies" in caplog.text
+    finally:
+        copy.finish()
+    assert [record["step"] for record in read_jsonl(tmp_path / "run.jsonl")] == [1]

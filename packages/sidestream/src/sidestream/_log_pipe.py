@@ -110,12 +110,22 @@ class LogPipe:
             return self._cond.wait_for(lambda: not self._entries and not self._busy, timeout)
 
     def stop(self, timeout: float | None) -> bool:
-        """Deliver what is queued, then end the thread; whether it ended in time."""
+        """Deliver what is queued, then end the thread; whether it ended in time.
+
+        When it did not (a CUDA copy still stalls), ``undelivered`` says how many entries
+        reached no sink.
+        """
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    @property
+    def undelivered(self) -> int:
+        """Entries queued or being delivered now (after a timed-out ``stop``: never delivered)."""
+        with self._cond:
+            return len(self._entries) + self._busy
 
     def _work(self) -> None:
         while True:

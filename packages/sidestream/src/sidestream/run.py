@@ -382,6 +382,11 @@ class Run:
         if self._log_pipe is not None:
             if not self._log_pipe.stop(seconds_left(deadline)):
                 complete = False
+                logger.warning(
+                    "close: %d Run.log call(s) still waited for CUDA copies when the timeout "
+                    "ran out; their values reached no sink",
+                    self._log_pipe.undelivered,
+                )
             if self._log_pipe.dropped:
                 complete = False
                 logger.warning(
