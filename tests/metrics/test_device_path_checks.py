@@ -222,6 +222,41 @@ def test_weighted_mean_device_path_drops_a_bad_weight_only(device_path: None, ba
     assert fine.compute().item() == pytest.approx(1.5)
 
 
+@pytest.mark.parametrize("accumulate", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "values_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+)
+def test_weighted_mean_device_path_widens_values_exactly_and_drops_an_overflowing_total(
+    device_path: None, accumulate: torch.dtype, values_dtype: torch.dtype
+) -> None:
+    # The values are widened inside the product's kernel where that is exact (narrower values),
+    # and converted first otherwise; a total that overflows drops the batch as an inf weight.
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(64, generator=generator).to(values_dtype)
+    weights = torch.rand(64, generator=generator, dtype=torch.float64).to(torch.float32)
+    metric = WeightedMeanMetric(dtype=accumulate)
+    metric.update(values, weights)
+    huge = torch.full((2,), torch.finfo(accumulate).max, dtype=accumulate)
+    metric.update(torch.ones(2, dtype=values_dtype), huge)  # finite weights, an inf total
+    assert metric.rejected_updates.item() == 1
+    wide_values, wide_weights = values.to(accumulate), weights.to(accumulate)
+    expected = (wide_values * wide_weights).sum() / wide_weights.sum()
+    assert metric.compute().dtype == accumulate
+    assert metric.compute().item() == pytest.approx(expected.item(), rel=1e-6, abs=1e-6)
+
+
+def test_weighted_mean_device_path_launches_ten_kernels_at_most() -> None:
+    # Each op is a kernel launch on CUDA, the host cost of a small update: counted on the meta
+    # device, which takes the device path and runs nothing (a guard against regressions).
+    from benchmarks.kernel_count import kernels
+
+    metric = WeightedMeanMetric().to("meta")
+    values = torch.empty(64, device="meta")
+    weights = torch.empty(64, device="meta")
+    ops = kernels(lambda: metric.update(values, weights))
+    assert len(ops) <= 10, ops
+
+
 @pytest.mark.parametrize("path", ["cpu", "device"])
 @pytest.mark.parametrize("bad", [-1.0, -1, NAN, INF])
 def test_a_bad_number_as_weights_raises_on_every_path_and_batch(
