@@ -131,3 +131,17 @@ def test_a_refused_batch_leaves_nan_count_alone_eager_and_compiled(
     # By hand: only the first batch counts, its NaN ignored (weight 0) or filled with 0.5.
     expected = 1.0 if strategy == "ignore" else (1.0 + 0.5) / 2
     assert float(eager.compute()) == expected
+
+
+@pytest.mark.parametrize("size", [2, weighted_mean._CHUNK * 2 + 5])
+def test_finite_weights_whose_total_overflows_are_refused_naming_the_total(size: int) -> None:
+    # The error said the weights were not finite, and named no value: they all were.
+    metric = WeightedMeanMetric(dtype=torch.float32)
+    metric.update(torch.tensor([2.0]), torch.tensor([1.0]))
+    weights = torch.full((size,), 3e38)
+    with pytest.raises(ValueError, match=r"weights: expected a total that torch.float32 holds"):
+        metric.update(torch.ones(size), weights)
+    assert metric.compute().item() == 2.0  # the refused batch changed nothing
+    weights[-1] = -1.0  # a bad weight is still named as one
+    with pytest.raises(ValueError, match=r"weights: expected finite values >= 0.*-1"):
+        metric.update(torch.ones(size), weights)

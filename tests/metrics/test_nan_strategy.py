@@ -153,3 +153,33 @@ def test_rejected_updates_is_always_a_tensor() -> None:
         for name, (ours, _) in PAIRS.items():
             value = ours(nan_strategy=strategy).rejected_updates
             assert isinstance(value, Tensor) and int(value) == 0, (name, strategy)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_fill_value_is_written_at_the_accumulation_width(
+    dtype: torch.dtype, compiled: bool
+) -> None:
+    # The fill was written into the input's own dtype: 1e5 became inf in float16 (a finite
+    # fill, as the policy insists, and an inf result) and 99840 in bfloat16; 0.1 lost digits.
+    fill = 1e5 + 0.1
+    values = torch.tensor([float("nan"), 1.0], dtype=dtype)
+    one = float(values[1])
+    filled = [fill, one]  # the definition, in float64
+    metrics = {
+        "sum": (SumMetric(nan_strategy=fill), sum(filled)),
+        "mean": (MeanMetric(nan_strategy=fill), sum(filled) / 2),
+        "max": (MaxMetric(nan_strategy=fill), max(filled)),
+        "min": (MinMetric(nan_strategy=fill), min(filled)),
+        "weighted": (WeightedMeanMetric(nan_strategy=fill), (fill * 3 + one) / 4),
+    }
+    for name, (metric, expected) in metrics.items():
+        update = metric.update
+        if compiled:
+            update = torch.compile(update, backend="aot_eager", fullgraph=True)
+        if name == "weighted":
+            update(values, torch.tensor([3.0, 1.0]))
+        else:
+            update(values)
+        assert metric.compute().item() == pytest.approx(expected, rel=1e-15), name
+        assert metric.nan_count is not None and metric.nan_count.item() == 1, name

@@ -96,8 +96,14 @@ class NanPolicy:
         values: Tensor,
         rejected: MetricAccumulator | None,
         nan_count: MetricAccumulator | None,
+        dtype: torch.dtype | None = None,
     ) -> Screened:
-        """Apply the policy to one batch; device ops only, except the CPU ``"error"`` raise."""
+        """Apply the policy to one batch; device ops only, except the CPU ``"error"`` raise.
+
+        ``dtype``: the metric's accumulation dtype; values of a narrower one are widened to it
+        before a fill value is written, which their own dtype may not hold (1e5 is inf in
+        float16).
+        """
         if self._strategy == "disable":
             return Screened(values, None, None)
         nan = torch.isnan(values)
@@ -110,19 +116,29 @@ class NanPolicy:
                 values = torch.where(keep, values, 0.0)
             return Screened(values, None, keep)
         assert nan_count is not None
-        screened, count = self._replaced(values, nan)
+        screened, count = self._replaced(values, nan, dtype)
         nan_count.accumulate(count)
         return screened
 
-    def apply_uncounted(self, values: Tensor) -> tuple[Screened, Tensor]:
+    def apply_uncounted(
+        self, values: Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[Screened, Tensor]:
         """``apply`` for ``"ignore"`` or a fill value, returning the batch's NaN count instead.
 
         For a metric that checks more of the batch afterwards: it adds the count to
         ``nan_count`` only for a batch it keeps, so a refused batch changes no state.
         """
-        return self._replaced(values, torch.isnan(values))
+        return self._replaced(values, torch.isnan(values), dtype)
 
-    def _replaced(self, values: Tensor, nan: Tensor) -> tuple[Screened, Tensor]:
+    def _replaced(
+        self, values: Tensor, nan: Tensor, dtype: torch.dtype | None
+    ) -> tuple[Screened, Tensor]:
         if self._fill is not None:
+            if (
+                dtype is not None
+                and values.dtype != dtype
+                and torch.promote_types(values.dtype, dtype) == dtype
+            ):
+                values = values.to(dtype)  # exact: the fill is then written at full width
             return Screened(torch.where(nan, self._fill, values), None, None), nan.sum()
         return Screened(torch.where(nan, 0.0, values), ~nan, None), nan.sum()

@@ -41,7 +41,9 @@ class _ExtremumMetric(NanScreenedMetric):
         if self._nan.disabled:  # the default: nothing to screen, skip the policy's bookkeeping
             self._extremum.accumulate(reduce(tensor))
             return
-        tensor, kept, keep = self._nan.apply(tensor, self._rejected, self._nan_count)
+        tensor, kept, keep = self._nan.apply(
+            tensor, self._rejected, self._nan_count, self._extremum.dtype
+        )
         identity = -math.inf if self._maxes else math.inf
         if kept is not None:
             tensor = torch.where(kept, tensor, identity)

@@ -37,7 +37,9 @@ class MeanMetric(NanScreenedMetric):
         """Add the elements of ``values`` (any shape, floating point; empty is fine)."""
         tensor = as_tensor("values", values, self.device, floating=True)
         check_floating("values", tensor)
-        tensor, kept, keep = self._nan.apply(tensor, self._rejected, self._nan_count)
+        tensor, kept, keep = self._nan.apply(
+            tensor, self._rejected, self._nan_count, self._total.dtype
+        )
         self._total.accumulate(tensor.sum(dtype=self._total.dtype))
         dtype = self._count.dtype
         if kept is not None:  # nan_strategy="ignore": NaN elements do not count

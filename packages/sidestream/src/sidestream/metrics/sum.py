@@ -40,7 +40,7 @@ class SumMetric(NanScreenedMetric):
         """Add ``values`` (any shape, floating point) to the sum."""
         tensor = as_tensor("values", values, self.device, floating=True)
         check_floating("values", tensor)
-        tensor = self._nan.apply(tensor, self._rejected, self._nan_count).values
+        tensor = self._nan.apply(tensor, self._rejected, self._nan_count, self._total.dtype).values
         self._total.accumulate(tensor.sum(dtype=self._total.dtype))
 
     def compute(self) -> Tensor:

@@ -29,7 +29,9 @@ __all__ = ["WeightedMeanMetric"]
 class WeightedMeanMetric(NanScreenedMetric):
     """``sum(values * weights) / sum(weights)`` over every update and every rank.
 
-    Weights must be finite and non-negative. On CPU a batch with a bad weight raises
+    Weights must be finite and non-negative, and a batch's total weight finite in the
+    accumulation ``dtype`` (float32 weights of 3e38 overflow a float32 total). On CPU a batch
+    with a bad weight, or a total that overflows, raises
     ``ValueError`` before the state changes. On CUDA the check would need a host sync, so the
     batch is dropped on the device instead and counted in ``rejected_updates`` (reduced across
     ranks with the state): check it with the result.
@@ -96,7 +98,7 @@ class WeightedMeanMetric(NanScreenedMetric):
         rides = self._nan.checks and not on_device
         nan_seen: Tensor | None = None  # counted once the weights passed their checks
         if not self._nan.disabled and not self._nan.checks:
-            (values_t, kept, _), nan_seen = self._nan.apply_uncounted(values_t)
+            (values_t, kept, _), nan_seen = self._nan.apply_uncounted(values_t, dtype)
             if kept is not None:  # nan_strategy="ignore": a NaN value's weight becomes 0
                 weights_t = torch.where(kept, weights_t.to(dtype), 0.0)
         if not on_device:
@@ -193,6 +195,12 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
         # The largest finite value of the weights' own dtype: inf lies above it.
         largest = torch.finfo(weights.dtype).max if weights.is_floating_point() else math.inf
         found = found_outside(weights, 0, largest)
+        if not found and float(low) >= 0:
+            # Every weight is fine: their sum overflowed the accumulation dtype.
+            raise ValueError(
+                f"weights: expected a total that {dtype} holds; this batch's finite weights sum "
+                f"to {float(total)} (accumulate in a wider dtype, or scale the weights down)"
+            )
         raise ValueError(
             f"weights: expected finite values >= 0; this batch has values that are not{found}"
         )
