@@ -393,9 +393,10 @@ class AsyncMetricCollector(Generic[T]):
         ]
         if not taken:
             return 0
-        logger.info(
+        logger.warning(
             "bind: %d other bound collector(s) have the prefix %r; ranks must schedule them in "
-            "the same order (another order fails with RankMismatchError)",
+            "the same order (another order fails with RankMismatchError), and their reports "
+            "carry the same names: give each collector its own prefix",
             len(taken),
             self._prefix,
         )
