@@ -696,3 +696,81 @@ def test_a_nan_setting_survives_pickling() -> None:
     metric = pickle.loads(pickle.dumps(wrap(torchmetrics.MeanMetric(nan_strategy=float("nan")))))
     metric.update(torch.tensor([1.0, 3.0]))
     assert float(metric.compute()) == 2.0
+
+
+def test_a_refused_collection_leaves_its_members_syncing_on_their_own() -> None:
+    # The members wrapped before the refused one lost torchmetrics' own sync: the collection,
+    # used as it is after the refusal (as the message says), reported each rank's own accuracy.
+    collection = torchmetrics.MetricCollection(
+        {"acc": BinaryAccuracy(), "auroc": torchmetrics.classification.BinaryAUROC()}
+    )
+    with pytest.raises(UnsupportedStateError, match=r"collection\['auroc'\]"):
+        wrap(collection)
+    for member in collection.values():
+        assert member.sync_on_compute and member._to_sync
+
+
+class _CountsBatches(torchmetrics.Metric):
+    """Keeps a batch counter outside its states, made on the first update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.batches = getattr(self, "batches", 0) + 1
+        self.total += values.sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.batches
+
+
+class _MaybeCounts(_CountsBatches):
+    """Adds its attribute as None first (as TranslationEditRate's sentence_ter), then counts."""
+
+    def update(self, values: torch.Tensor) -> None:
+        previous = getattr(self, "batches", "absent")
+        self.batches = None if previous == "absent" else (previous or 0) + 1
+        self.total += values.sum()
+
+
+def test_a_counter_an_update_adds_is_refused_before_the_state_changes() -> None:
+    # Accepted before: each rank divided its own total by its own count (2.5 and 5.0 where
+    # all ranks' data give 1.67), and no checkpoint carried it.
+    metric = wrap(_CountsBatches())
+    with pytest.raises(UnsupportedStateError, match="'batches' was added \\(1\\)"):
+        metric.update(torch.tensor([1.0, 2.0]))
+    assert metric._bridged[0][1].local.item() == 0.0  # none of the refused batch
+    with pytest.raises(ValueError, match="'batches' was added"):  # and it stays refused
+        metric.state_dict()
+    maybe = wrap(_MaybeCounts())
+    maybe.update(torch.tensor([1.0]))  # None carries nothing: taken as a setting
+    assert maybe.state_dict()["total"].item() == 1.0
+    with pytest.raises(UnsupportedStateError, match="'batches' changed from None to 1"):
+        maybe.update(torch.tensor([2.0]))
+    assert maybe._bridged[0][1].local.item() == 1.0
+
+
+def test_states_replaced_behind_the_wrappers_back_are_refused() -> None:
+    # torchmetrics' own update then reset put its update count back: the wrapper read 6.0 where
+    # its one batch gave 1.0. merge_state rebinds the states without counting an update.
+    plain = torchmetrics.SumMetric()
+    metric = wrap(plain)
+    metric.compute()
+    plain.update(torch.tensor([5.0]))
+    plain.reset()
+    with pytest.raises(RuntimeError, match="its states were replaced"):
+        metric.update(torch.tensor([1.0]))
+    metric.reset()  # the wrapper's reset starts both over
+    metric.update(torch.tensor([1.0]))
+    assert metric.compute().item() == 1.0
+    other = torchmetrics.SumMetric()
+    other.update(torch.tensor([10.0]))
+    plain.merge_state(other)
+    with pytest.raises(RuntimeError, match="its states were replaced"):
+        metric.compute()
+    moved = wrap(torchmetrics.SumMetric())
+    moved.update(torch.tensor([2.0]))
+    moved.to("cpu")  # the wrapper's own rebinding (torchmetrics' to()) is not refused
+    moved.update(torch.tensor([3.0]))
+    assert moved.compute().item() == 5.0

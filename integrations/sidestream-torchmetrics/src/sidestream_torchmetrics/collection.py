@@ -39,11 +39,15 @@ class TorchmetricsCollection(ComposeMetric):
                 f"collection: keys {sorted(members)} collide once '/' and '.' become '_'; "
                 "rename one of them"
             )
-        wrapped: dict[str, Metric[Any]] = {}
+        wrapped: dict[str, TorchmetricsMetric] = {}
         for plain, key in self._keys.items():
             try:
                 wrapped[plain] = TorchmetricsMetric(members[key])
             except (TypeError, ValueError) as error:  # which member, besides its class
+                # The members wrapped so far sync on their own again: a refused collection,
+                # used as it is instead, must not report each rank's own values.
+                for member in wrapped.values():
+                    member.restore_distribution()
                 raise type(error)(f"collection[{key!r}]: {error}") from None
         super().__init__(wrapped)
         self._collection = collection

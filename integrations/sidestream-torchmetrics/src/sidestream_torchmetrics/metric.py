@@ -177,6 +177,9 @@ class TorchmetricsMetric(Metric[Any]):
             )
         ops = {name: _state_op(metric, name) for name in metric._defaults}
         # torchmetrics must never issue collectives of its own: sidestream syncs the states.
+        # Nothing below refuses a metric that came this far; a collection that refuses a later
+        # member gives the earlier ones their options back (restore_distribution).
+        self._own_distribution = _distribution_options(metric)
         metric.sync_on_compute = False
         metric.dist_sync_on_step = False
         metric._to_sync = False
@@ -199,7 +202,30 @@ class TorchmetricsMetric(Metric[Any]):
         # What the configuration was made of, to refuse a change after wrap(): the sync's
         # fingerprint and the checkpoint's hash would still describe the settings of wrap().
         self._settings = _settings(metric)
+        # Public attributes there at wrap(): one that appears later is a value kept outside
+        # the states (a counter update() makes on its first call), refused as a changed one.
+        self._attributes = frozenset(key for key, _ in _public_settings(metric))
         self._updates_seen: int = metric._update_count
+        # The state tensors the wrapper last left in the torchmetrics attributes: another
+        # tensor there later means torchmetrics rebound them itself (its reset, merge_state,
+        # load_state_dict), which the update count alone does not always show.
+        self._pointed: tuple[Tensor, ...] | None = None
+
+    def _adopt_empty_attributes(self) -> None:
+        """Take attributes an update added as ``None`` into the settings snapshot.
+
+        ``None`` carries nothing (TranslationEditRate sets ``sentence_ter = None`` without
+        sentence scores); a later value there is then refused as a changed setting.
+        """
+        for key, value in _public_settings(self._torchmetrics):
+            if key not in self._attributes and value is None:
+                self._attributes = self._attributes | {key}
+                self._settings[key] = None
+
+    def restore_distribution(self) -> None:
+        """Give the wrapped metric back torchmetrics' own sync options (a refused collection)."""
+        for option, value in self._own_distribution.items():
+            setattr(self._torchmetrics, option, value)
 
     @property
     def torchmetrics(self) -> TorchmetricsBase:
@@ -207,29 +233,43 @@ class TorchmetricsMetric(Metric[Any]):
         return self._torchmetrics
 
     def _point_states(self, synced: bool) -> None:
+        pointed = []
         for name, accumulator in self._bridged:
-            setattr(self._torchmetrics, name, accumulator.value if synced else accumulator.local)
+            state = accumulator.value if synced else accumulator.local
+            setattr(self._torchmetrics, name, state)
+            pointed.append(state)
+        self._pointed = tuple(pointed)
 
     def _check_readable(self, call: str) -> None:
         """Raise if the torchmetrics metric was changed outside the wrapper since wrap().
 
         Raises:
             ValueError: If a setting (a public plain attribute) changed.
-            RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran.
+            RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran, or
+                something else replaced its state tensors (``merge_state``).
         """
         metric = self._torchmetrics
         kind = type(metric).__name__
-        if metric._update_count != self._updates_seen:
+        rebound = self._pointed is not None and any(
+            getattr(metric, name) is not pointed
+            for (name, _), pointed in zip(self._bridged, self._pointed, strict=True)
+        )
+        if metric._update_count != self._updates_seen or rebound:
             # forward() and reset() rebind the states, so the next call would drop what they
             # did; update() adds to them outside sidestream's bookkeeping.
+            seen = (
+                "its states were replaced (torchmetrics' own reset, merge_state or load_state_dict)"
+                if metric._update_count == self._updates_seen
+                else f"torchmetrics counts {metric._update_count} update(s), the wrapper "
+                f"{self._updates_seen}"
+            )
             raise RuntimeError(
                 f"{call}: the wrapped {kind} was updated, called or reset directly "
-                f"(torchmetrics counts {metric._update_count} update(s), the wrapper "
-                f"{self._updates_seen}): those batches would be lost or counted outside "
+                f"({seen}): those batches would be lost or counted outside "
                 "sidestream's state; call update() and reset() on the wrapper only (reset() "
                 "on the wrapper starts both over)"
             )
-        changed = _changed_setting(metric, self._settings)
+        changed = _changed_setting(metric, self._settings, self._attributes)
         if changed is not None:
             raise ValueError(
                 f"{call}: the wrapped {kind}'s setting {changed} after wrap(), so its state "
@@ -269,6 +309,9 @@ class TorchmetricsMetric(Metric[Any]):
                 # Counted before its update runs: one that raised (a bad target) counts too.
                 self._updates_seen = self._torchmetrics._update_count
             self._store_update()
+            # States the update rebound (self.max_value = torch.max(...)) were stored into
+            # the arena: the attributes alias it again, as the wrapper left them.
+            self._point_states(synced=False)
         except BaseException:
             for (_, accumulator), saved in zip(self._bridged, snapshot, strict=True):
                 accumulator.local.copy_(saved)
@@ -277,7 +320,8 @@ class TorchmetricsMetric(Metric[Any]):
 
     def _store_update(self) -> None:
         """Check what torchmetrics' update left in its states, then make it the local state."""
-        changed = _changed_setting(self._torchmetrics, self._settings)
+        self._adopt_empty_attributes()
+        changed = _changed_setting(self._torchmetrics, self._settings, self._attributes)
         if changed is not None:
             raise UnsupportedStateError(
                 f"{type(self._torchmetrics).__name__}.update: its attribute {changed}: a value "
@@ -339,9 +383,15 @@ class TorchmetricsMetric(Metric[Any]):
         super().reset()
         self._torchmetrics.reset()
         self._updates_seen = self._torchmetrics._update_count
+        self._point_states(synced=False)  # torchmetrics' reset rebound them to fresh tensors
 
     def _move_extras(self, device: torch.device) -> None:
-        self._torchmetrics.to(device)  # its non-state buffers; the states live in the arena
+        metric = self._torchmetrics
+        metric.to(device)  # its non-state buffers; the states live in the arena
+        if self._pointed is not None:
+            # torchmetrics' to() rebinds every state attribute (moved copies): the wrapper's
+            # own doing, not a change behind its back.
+            self._pointed = tuple(getattr(metric, name) for name, _ in self._bridged)
 
 
 # Settings of torchmetrics' Metric and nn.Module that say nothing of what the states mean.
@@ -429,14 +479,39 @@ def _settings(metric: TorchmetricsBase) -> dict[str, object]:
     return {key: _frozen(value) for key, value in _public_settings(metric) if _plain(value)}
 
 
-def _changed_setting(metric: TorchmetricsBase, settings: dict[str, object]) -> str | None:
-    """``"name changed from a to b"`` for the first setting not as in ``settings``, if any."""
+def _changed_setting(
+    metric: TorchmetricsBase, settings: dict[str, object], attributes: frozenset[str]
+) -> str | None:
+    """``"name changed from a to b"`` for the first setting not as in ``settings``, if any.
+
+    Also ``"name was added (value)"`` for a public attribute not among ``attributes`` (those
+    there at wrap()).
+    """
     for key, before in settings.items():
         now = _frozen(metric.__dict__.get(key, _MISSING))
         if not _same(now, before):
             shown = "<deleted>" if now is _MISSING else repr(now)
             return f"{key!r} changed from {before!r} to {shown}"
+    for key, value in _public_settings(metric):
+        if key not in attributes and value is not None:
+            return f"{key!r} was added ({_shown(value)})"
     return None
+
+
+def _shown(value: object) -> str:
+    """A short description of an attribute's value for an error message."""
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_DISTRIBUTION_OPTIONS = ("sync_on_compute", "dist_sync_on_step", "_to_sync")
+
+
+def _distribution_options(metric: TorchmetricsBase) -> dict[str, object]:
+    """The sync options of ``metric`` (torchmetrics' own), as they are now."""
+    return {option: getattr(metric, option) for option in _DISTRIBUTION_OPTIONS}
 
 
 def _same(now: object, before: object) -> bool:
