@@ -272,6 +272,14 @@ def _load_skipped_by(skipper: int) -> dict[str, Any]:
         metric.load_state_dict(checkpoint)
     metric["total"].update(torch.tensor([1.0]))
     out = {"metric": _outcome(lambda: metric.sync(group))}
+    # The same with sync(step=...), which sends the step instead of the call count: rank 0
+    # skipping the load lost the checkpoint silently (2.0 on both ranks instead of 12.0).
+    at_step = ComposeMetric({"total": MeanMetric()})
+    at_step.sync(group)
+    if rank != skipper:
+        at_step.load_state_dict(checkpoint)
+    at_step["total"].update(torch.tensor([1.0]))
+    out["at step"] = _outcome(lambda: at_step.sync(group, step=10))
     saved_metric = _metric()
     _update(saved_metric, 4.0)
     metric_checkpoint = saved_metric.state_dict()  # every rank: a collective
@@ -287,8 +295,9 @@ def _load_skipped_by(skipper: int) -> dict[str, Any]:
 @pytest.mark.parametrize("skipper", [0, 1])
 def test_a_load_skipped_by_one_rank_raises_on_every_rank(pair: RankPool, skipper: int) -> None:
     for rank, result in enumerate(pair.run(_load_skipped_by, skipper, timeout=90)):
-        for where in ("metric", "collector"):
+        for where in ("metric", "at step", "collector"):
             assert result[where].startswith("RankMismatchError"), (rank, where, result)
+        assert "did a rank skip one, or the checkpoint's load?" in result["at step"], result
         assert "hold different checkpoint loads" in result["collector"], result
         assert f"rank {skipper}: none loaded" in result["collector"], result
 

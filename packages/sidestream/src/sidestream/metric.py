@@ -575,7 +575,9 @@ class Metric(Generic[T], abc.ABC):
                 fingerprint instead of this metric's sync count: a rank that skipped a sync
                 then pairs another step and every rank raises at that sync. Without it a
                 skipped sync followed by more syncs pairs each rank's n-th sync with the
-                others' n-th, which no fingerprint can tell from a correct loop.
+                others' n-th, which no fingerprint can tell from a correct loop. The count of
+                the metric's earlier calls rides along too, so a rank that skipped a
+                ``load_state_dict`` (or a ``state_dict``) raises as with a plain sync.
 
         Raises:
             RankMismatchError: If ranks hold different state, or paired different calls.
@@ -590,7 +592,12 @@ class Metric(Generic[T], abc.ABC):
         if step is None:
             self._sync_as(group, CallFingerprint("sync", self.call_counter.next()))
         else:
-            self._sync_as(group, CallFingerprint("sync at step", step))
+            # The count of earlier calls rides along (a load counts one): a rank that skipped
+            # the checkpoint's load pairs the same step but another count, and every rank
+            # raises instead of reducing without the saved state.
+            earlier = self.call_counter.count
+            stream = f"after {earlier} call(s)" if earlier else ""
+            self._sync_as(group, CallFingerprint("sync at step", step, stream))
 
     def _track(self, handle: SyncHandle) -> None:
         """Keep a CUDA sync whose fingerprint check is deferred, for ``verify_sync``."""

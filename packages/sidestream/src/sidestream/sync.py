@@ -84,6 +84,7 @@ _ALIGN = 8  # every staged state starts at a multiple of the widest element size
 _LOW_BITS = 0xFFFFFFFF
 # Appended only: a kind travels as its index here.
 _KINDS = ("sync", "state_dict", "window", "changed", "record", "sync at step")
+_AT_STEP = "sync at step"
 _CHUNK_BITS = 16  # all_reduce fingerprints travel as 16-bit chunks: exact in float64 sums
 _FINGERPRINT_WORDS = 4  # kind, sequence, structure, stream (int64 each, on the gather path)
 _FINGERPRINT_CHUNKS = 1 + 3 * (64 // _CHUNK_BITS)
@@ -131,7 +132,8 @@ class CallFingerprint:
             metric.
         stream: Which of several same-shaped callers this is: a collector's prefix (its stream
             in a run), so that two collectors' windows at one step are not taken for each
-            other; ``""`` for a metric's own calls.
+            other; ``""`` for a metric's own calls, except ``"sync at step"``'s: the count of
+            the metric's earlier calls (``"after 2 call(s)"``), a skipped load told apart.
     """
 
     kind: str
@@ -152,7 +154,11 @@ class CallFingerprint:
     def described(self, structure: int) -> str:
         """This fingerprint in words, naming its stream."""
         text = _describe_call(self.words(structure))
-        return f"{text} of the collector with prefix {self.stream!r}" if self.stream else text
+        if not self.stream:
+            return text
+        if self.kind == _AT_STEP:
+            return f"{text}, {self.stream}"
+        return f"{text} of the collector with prefix {self.stream!r}"
 
 
 @functools.lru_cache(maxsize=256)
@@ -176,7 +182,13 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
         return
     seen = "; ".join(f"rank {r}: {_describe_call(row)}" for r, row in enumerate(rows))
     hint = ""
-    if all(row[:3] == rows[0][:3] for row in rows):
+    if all(row[:3] == rows[0][:3] for row in rows) and rows[0][0] == _KIND_INDEX[_AT_STEP]:
+        hint = (
+            " Only the count of the metric's earlier collective calls differs (syncs, "
+            "state_dicts, and a load_state_dict counts one): did a rank skip one, or the "
+            "checkpoint's load?"
+        )
+    elif all(row[:3] == rows[0][:3] for row in rows):
         # Only the stream word differs: same call, step and structure.
         hint = (
             " Only the collector hash differs: it covers the collector's prefix, whether it "
@@ -247,7 +259,9 @@ def _describe_call(words: list[int]) -> str:
     number = f"{name} {sequence}" if name == "sync at step" else f"{name} #{sequence}"
     # 0: no layout was sent (check_same_call), only the call.
     details = [f"structure {structure & _WORD_MASK:016x}"] if structure else []
-    if stream:  # a hash of the collector's prefix: other ranks' names are not known
+    if stream and name == _AT_STEP:  # a hash of the count of earlier calls
+        details.append(f"earlier-calls hash {stream & _WORD_MASK:016x}")
+    elif stream:  # a hash of the collector's prefix: other ranks' names are not known
         details.append(f"collector hash {stream & _WORD_MASK:016x}")
     return f"{number} ({', '.join(details)})" if details else number
 
