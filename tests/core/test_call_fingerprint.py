@@ -419,3 +419,24 @@ def test_a_row_that_is_no_fingerprint_is_named_as_another_collective() -> None:
         check_calls([window, other_structure], rank=0)
     assert "synced different metrics here" in str(caught.value)
     assert "another collective" not in str(caught.value)
+
+
+def test_a_changed_metric_or_a_skipped_call_is_named_instead_of_another_collective() -> None:
+    # Both were told "a call your loop never makes means that rank ran another collective":
+    # rank 1's metric had gained a state after its layout, or a rank was one sync behind.
+    synced = CallFingerprint("sync", 2).words(7)
+    with pytest.raises(RankMismatchError) as caught:
+        check_calls([synced, CallFingerprint("changed", 3).words(7)], rank=0)
+    assert "The metric of rank(s) [1] changed its states since its last sync" in str(caught.value)
+    with pytest.raises(RankMismatchError) as caught:
+        check_calls(
+            [
+                CallFingerprint("sync at step", 1).words(7),
+                CallFingerprint("sync at step", 2).words(7),
+            ],
+            rank=0,
+        )
+    assert "a rank skipped one (or ran one more), or the ranks passed different steps" in str(
+        caught.value
+    )
+    assert "ran another collective" not in str(caught.value)

@@ -785,3 +785,41 @@ def test_a_synced_metric_keeps_no_reference_to_a_destroyed_default_group() -> No
     from sidestream.testing import run_distributed
 
     assert run_distributed(_default_group_freed_after_destroy, 2, timeout=60) == [True, True]
+
+
+def _synced_on_meta() -> tuple[list[str], list[str]]:
+    metric = ComposeMetric({"mean": MeanMetric(), "max": MaxMetric()})
+    metric.sync()  # laid out on the CPU: moving it makes a new layout
+    metric.to("meta")
+    outcomes = []
+    with count_collectives() as started:
+        for call in (metric.sync, metric.state_dict):
+            try:
+                call()
+            except ValueError as error:
+                outcomes.append(str(error))
+    return outcomes, list(started)
+
+
+def test_a_sync_on_the_meta_device_is_refused_before_any_collective(pools: Pools) -> None:
+    # torch's "Cannot copy out of meta tensor" came after the structure check had started:
+    # a rank alone on meta left the others waiting for the process group's timeout.
+    for outcomes, started in [*pools.get(2).run(_synced_on_meta, timeout=60), _synced_on_meta()]:
+        assert len(outcomes) == 2, outcomes
+        assert all("on device 'meta', which holds no values" in text for text in outcomes)
+        assert started == []
+
+
+def test_the_group_new_group_returns_outside_it_is_named_as_such() -> None:
+    # On a rank outside the group, new_group returns GroupMember.NON_GROUP_MEMBER (an int):
+    # the error said "expected a ProcessGroup, got int", blaming what the user passed as told.
+    outsider = dist.GroupMember.NON_GROUP_MEMBER
+    metric = MeanMetric()
+    with pytest.raises(ValueError, match="is not a member of this group"):
+        metric.sync(outsider)
+    from sidestream import AsyncMetricCollector
+
+    with pytest.raises(ValueError, match="is not a member of this group"):
+        AsyncMetricCollector(MeanMetric(), group=outsider)  # refused as it is made
+    with pytest.raises(TypeError, match="got int"):
+        metric.sync(3)  # type: ignore[arg-type]  # any other int is still the wrong type

@@ -88,10 +88,20 @@ def resolve_group(group: Group) -> dist.ProcessGroup | None:
 
     Raises:
         TypeError: If ``group`` is none of these (for example d9d's ``DistributedContext``).
-        ValueError: If ``group`` is a device mesh with more than one dimension.
+        ValueError: If ``group`` is a device mesh with more than one dimension, or what
+            ``new_group`` returns on a rank outside the group.
     """
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
+    outside: object = group  # typed as a group, yet new_group returns an int outside it
+    if type(outside) is int and outside == dist.GroupMember.NON_GROUP_MEMBER:
+        # What new_group returns on a rank outside the group: a plain int to torch, a value
+        # the user passed on purpose, so the type is not the mistake.
+        raise ValueError(
+            f"group: global rank {dist.get_rank() if dist.is_initialized() else '?'} is not "
+            "a member of this group (new_group returned GroupMember.NON_GROUP_MEMBER here); "
+            "sync, bind and checkpoint over it only on its member ranks"
+        )
     if not isinstance(group, DeviceMesh):
         raise TypeError(
             "group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or None (the "

@@ -755,9 +755,18 @@ class Metric(Generic[T], abc.ABC):
         cache: dict[int, _Prepared] = self.__dict__.setdefault("_sync_layouts", {})
         default = default_group() if group is None else None
         prepared = cache.get(id(group))
-        if prepared is not None and _made_for(prepared, group, default):
-            if prepared.arena is home and home is not None and home.alive:
-                return prepared
+        reusable = prepared is not None and _made_for(prepared, group, default)
+        if (
+            reusable
+            and prepared is not None
+            and prepared.arena is home
+            and home is not None
+            and home.alive
+        ):
+            return prepared
+        # Laid out anew (a metric moved by to() has a new arena): before any collective.
+        self._refuse_meta_device()
+        if reusable and prepared is not None:
             del cache[id(group)]
             if prepared.every_state.collective:
                 changed = CallFingerprint("changed", self.call_counter.next())
@@ -766,6 +775,19 @@ class Metric(Generic[T], abc.ABC):
         prepared.default_at_layout = None if default is None else weakref.ref(default)
         cache[id(group)] = prepared
         return prepared
+
+    def _refuse_meta_device(self) -> None:
+        """Raise ``ValueError`` if the states are on the meta device, which holds no values.
+
+        Before the sync's first collective: torch's own error came after the structure check
+        had started, and left the other ranks waiting in it.
+        """
+        if self.device.type == "meta":
+            raise ValueError(
+                "sync: the metric's states are on device 'meta', which holds no values to "
+                "reduce or save; move it to the device it is updated on (metric.to('cpu'), "
+                "metric.to('cuda:0')) before sync or state_dict"
+            )
 
     def _check_load(self, group: Group) -> None:
         """Raise if this metric's loaded checkpoint was placed for another group than ``group``.

@@ -94,6 +94,7 @@ _KIND_BASE = 0x5E00
 """Added to a kind's index in its word: bytes of another collective (often zeros) then read as
 no kind at all, not as a "sync" with a meaningless number. Below 2**16: one all_reduce chunk."""
 _KIND_INDEX = {kind: _KIND_BASE + index for index, kind in enumerate(_KINDS)}
+_KNOWN_WORDS = frozenset(_KIND_INDEX.values())
 _WORD_MASK = (1 << 64) - 1
 
 
@@ -200,6 +201,18 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
         hint = (
             " The same call with another structure: the ranks synced different metrics here "
             "(or different children of one tree)."
+        )
+    elif any(row[0] == _KIND_INDEX["changed"] for row in rows):
+        changed = [r for r, row in enumerate(rows) if row[0] == _KIND_INDEX["changed"]]
+        hint = (
+            f" The metric of rank(s) {changed} changed its states since its last sync "
+            "(add_state, a child added, to() another device or dtype) and the others' did not: "
+            "change the metric the same way on every rank, at the same point of the loop."
+        )
+    elif all(row[0] == rows[0][0] for row in rows) and rows[0][0] in _KNOWN_WORDS:
+        hint = (
+            " The same kind of call at other points: a rank skipped one (or ran one more), or "
+            "the ranks passed different steps."
         )
     else:
         # What another rank sent is read as a fingerprint whatever it was: a user's own
