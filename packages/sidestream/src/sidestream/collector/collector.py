@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import time
@@ -207,7 +208,7 @@ class AsyncMetricCollector(Generic[T]):
         # paired with a cumulative one on another rank would mix the two.
         self._stream = self._prefix if reset_each_window else f"{self._prefix} (cumulative)"
         self._histograms = frozenset(path.strip("/") for path in histogram_paths)
-        self._checkpoint_loaded = False
+        self._checkpoint_loaded: str | None = None  # the loaded metric state's digest
         for path in sorted(self._histograms):
             _check_histogram_path(metric, path)
         self._device: torch.device | None = None
@@ -346,9 +347,11 @@ class AsyncMetricCollector(Generic[T]):
             self._group,
             target,
             "checkpoint loads",
-            "a checkpoint loaded" if self._checkpoint_loaded else "none loaded",
-            "call load_state_dict with the checkpoint on every rank before bind: the group's "
-            "first rank takes its numbers, the others start from zero",
+            f"a checkpoint loaded (digest {self._checkpoint_loaded})"
+            if self._checkpoint_loaded
+            else "none loaded",
+            "call load_state_dict with the same checkpoint on every rank before bind: the "
+            "group's first rank takes its numbers, the others start from zero",
         )
         # Only rank 0 writes: sinks configured on another rank alone would be dropped silently.
         sinks = ", ".join(self._delivery.sinks) or "none"
@@ -866,11 +869,35 @@ class AsyncMetricCollector(Generic[T]):
             detail = error.args[0] if len(error.args) == 1 else str(error)
             raise type(error)(f"collector {self.prefix!r}: {detail}") from error
 
+        digest = _checkpoint_digest(state_dict)
+
         def restore_and_note() -> None:
             restore()
-            self._checkpoint_loaded = True  # bind checks every rank loaded one
+            # bind checks that every rank loaded one, and the same one: the group's first rank
+            # alone takes its numbers, so another file on another rank went unnoticed.
+            self._checkpoint_loaded = digest
 
         return restore_and_note
+
+
+def _checkpoint_digest(state_dict: Mapping[str, Any]) -> str:
+    """A short digest of a metric checkpoint's keys, dtypes, shapes and bytes.
+
+    The same on every rank that loads the same checkpoint (a global state: ``state_dict`` is
+    reduced), on any device.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    for key in sorted(state_dict):
+        value = state_dict[key]
+        value = getattr(value, "rows", value)  # a sample store's SavedRows
+        digest.update(key.encode())
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().reshape(-1).contiguous()
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
 
 
 _DCP_ORDER = "with torch.distributed.checkpoint: make the collectors, dcp.load, then bind"
