@@ -156,3 +156,35 @@ def test_a_composition_that_overrides_sync_reports_the_reduced_children(
     expected = float(sum(rank + 1 for rank in range(dist_pool.world_size)))
     for results in dist_pool.run(_compose_with_own_sync, timeout=120):
         assert results == [expected, expected]
+
+
+def _over_a_mesh() -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    values = torch.tensor([float(dist.get_rank() + 1)])
+    composed = ComposeMetric({"median": SampleMedian()})
+    composed["median"].update(values)
+    composed.sync(mesh)  # the child's own sync is handed the mesh's process group
+    out = {"composed": float(composed.compute()["median"])}
+    median = SampleMedian()
+    with AsyncMetricCollector(median, group=mesh).bind("cpu") as collector:
+        median.update(values)
+        collector.schedule_collection(1)
+        out["collector"] = float(collector.collect_results(timeout=60))
+    direct = SampleMedian()
+    direct.update(values)
+    try:
+        direct.sync(mesh)  # called directly: the override gets what the caller passed
+    except ValueError as error:
+        out["direct"] = str(error)
+    return out
+
+
+def test_an_own_sync_under_a_mesh_gets_a_process_group(pools: Any) -> None:
+    # A collector or a ComposeMetric over a 1-D DeviceMesh handed the override the mesh, which
+    # its all_gather_object refused ("not initialized in the world group map").
+    for result in pools.get(2).run(_over_a_mesh, timeout=120):
+        assert result["composed"] == 1.0 and result["collector"] == 1.0  # the lower middle of 1, 2
+        # torch refuses the mesh itself, as docs/metrics.md says
+        assert "direct" in result

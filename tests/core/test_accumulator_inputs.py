@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -274,3 +275,41 @@ def test_a_saved_value_that_is_not_a_tensor_is_named(value: object) -> None:
     saved = {**metric.state_dict(), "total": value}
     with pytest.raises(TypeError, match=r"state_dict\['total'\]: expected a tensor"):
         metric.load_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    ("initial", "dtype", "says"),
+    [
+        (-1, torch.uint8, "not representable in torch.uint8"),  # was 255: a MAX stuck there
+        (0.7, torch.int64, "not representable in torch.int64"),  # was 0
+        (300, torch.uint8, "not representable in torch.uint8"),  # was 44
+        (float(2**63), torch.int64, "not representable in torch.int64"),
+        (2, torch.bool, "not representable as bool"),
+        (1e5, torch.float16, "overflows torch.float16"),
+        # The docs' RangeMetric starts at -inf; for an int64 max that said "not a number".
+        (-math.inf, torch.int64, r"MAX state starts at torch.iinfo\(torch.int64\).min"),
+    ],
+)
+def test_an_initial_value_the_dtype_cannot_hold_is_refused_naming_both(
+    initial: float, dtype: torch.dtype, says: str
+) -> None:
+    with pytest.raises(ValueError, match=says):
+        MetricAccumulator(initial, ReduceOp.MAX, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("initial", "dtype", "expected"),
+    [
+        (torch.iinfo(torch.int64).min, torch.int64, torch.iinfo(torch.int64).min),
+        (255, torch.uint8, 255),
+        (True, torch.int64, 1),
+        (-math.inf, torch.float32, -math.inf),
+        (0.1, torch.float32, float(torch.tensor(0.1, dtype=torch.float32))),  # rounding is fine
+        (-2.0, torch.int32, -2),
+    ],
+)
+def test_an_initial_value_the_dtype_holds_converts(
+    initial: float, dtype: torch.dtype, expected: float
+) -> None:
+    state = MetricAccumulator(initial, ReduceOp.MAX, dtype=dtype)
+    assert state.local.dtype == dtype and state.local.item() == expected

@@ -109,8 +109,59 @@ def test_duplicate_names_raise_at_declaration() -> None:
         Colliding()
 
     metric = SumMetric()
-    with pytest.raises(ValueError, match="'total' is declared twice"):
+    with pytest.raises(
+        ValueError, match=r"'total' is declared twice \(attribute '_total', then add_state\)"
+    ):
         metric.add_state("total", 0.0)
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value"),
+    [
+        ("_sync_group", MetricAccumulator(0.0)),  # a state "sync_group": the first sync broke
+        ("_call_counter", 0),  # "'int' object has no attribute 'next'" at the first sync
+        ("_bound_prefix", "x"),  # "belongs to a bound collector" at load_state_dict
+        ("_sync_layouts", {}),
+    ],
+)
+def test_the_base_class_bookkeeping_names_are_refused_at_assignment(
+    attribute: str, value: object
+) -> None:
+    class Shadowing(SumMetric):
+        def __init__(self) -> None:
+            super().__init__()
+            setattr(self, attribute, value)
+
+    with pytest.raises(TypeError, match=f"{attribute}: a name the Metric base class keeps"):
+        Shadowing()
+    plain = SumMetric()
+    plain.sync_group = None  # the group itself is still the metric's to set
+
+
+class _FillsAContainerLate(Metric[Tensor]):
+    """Puts a state in a dict in its first update (declared states only are synced)."""
+
+    def __init__(self) -> None:
+        self._count = MetricAccumulator(0.0)
+        self.extra: dict[str, MetricAccumulator] = {}
+
+    def update(self, value: float) -> None:
+        if not self.extra:
+            self.extra["sum"] = MetricAccumulator(0.0)
+        self.extra["sum"].accumulate(torch.tensor(value, dtype=torch.float64))
+        self._count.accumulate(torch.ones((), dtype=torch.float64))
+
+    def compute(self) -> Tensor:
+        return self.extra["sum"].value / self._count.value
+
+
+def test_a_container_filled_after_init_is_refused_by_the_first_sync() -> None:
+    # Each rank reported its own sum as the global one (1.0 and 6.0 for 7.0): the check ran
+    # at to() and state_dict() only, after the wrong numbers were logged.
+    metric = _FillsAContainerLate()
+    metric.update(1.0)
+    with pytest.raises(TypeError, match="extra: a MetricAccumulator inside a dict"):
+        metric.sync()
 
 
 def test_a_state_named_configuration_next_to_configured_states_is_refused() -> None:

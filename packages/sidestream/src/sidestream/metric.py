@@ -213,6 +213,16 @@ class Metric(Generic[T], abc.ABC):
         return state
 
     def __setattr__(self, attribute: str, value: Any) -> None:
+        if attribute in _RESERVED and (
+            attribute != "_sync_group" or isinstance(value, MetricAccumulator | Metric)
+        ):
+            # The base class keeps its bookkeeping there: a subclass's own value (a state
+            # named "_sync_group", a counter "_call_counter") broke it later, blaming another
+            # cause.
+            raise TypeError(
+                f"{attribute}: a name the Metric base class keeps its own bookkeeping in; give "
+                f"the {type(value).__name__} an attribute of another name"
+            )
         if isinstance(value, MetricAccumulator | Metric):
             if not self._holds_declared(value):
                 self._refuse_shadowing(attribute, value)
@@ -272,9 +282,10 @@ class Metric(Generic[T], abc.ABC):
     def _refuse_hidden_in_tree(self) -> None:
         """Raise ``TypeError`` if a container attribute holds an undeclared state or metric.
 
-        Checked again when the arena is built, on ``to`` and on ``state_dict``, not only when
-        an attribute is assigned: a container filled later (``self.sums = []``, then
-        ``append``) would otherwise leave its states out of sync, reset and checkpoints.
+        Checked again when the arena is built, on ``to``, when a sync is laid out and on
+        ``state_dict``, not only when an attribute is assigned: a container filled later
+        (``self.sums = []``, then ``append``) would otherwise leave its states out of sync,
+        reset and checkpoints.
         """
         for metric in self._walk_metrics():
             for attribute, value in vars(metric).items():
@@ -310,9 +321,13 @@ class Metric(Generic[T], abc.ABC):
         )
         existing = registry.get(name)
         if existing is not None and (attribute is None or existing[0] != attribute):
+
+            def where(declared_by: str | None) -> str:
+                return f"attribute {declared_by!r}" if declared_by else "add_state"
+
             raise ValueError(
                 f"{type(self).__name__}: the state name {name!r} is declared twice "
-                f"(attribute {existing[0] or 'add_state'!r} and {attribute or 'add_state'!r})"
+                f"({where(existing[0])}, then {where(attribute)})"
             )
         if isinstance(value, Metric):
             if any(inner is self for inner in value._walk_metrics()):
@@ -638,7 +653,9 @@ class Metric(Generic[T], abc.ABC):
             # The override sends fingerprints of its own, or none: the caller's goes first, so
             # ranks at different windows fail here instead of reducing each other's data.
             self._track(check_same_call(group, fingerprint, self.device))
-            self.sync(group)
+            # A process group (or None), never a DeviceMesh: the override's own collectives
+            # (all_gather_object(..., group=group)) take no mesh.
+            self.sync(resolve_group(group))
         else:
             self._sync_as(group, fingerprint)
 
@@ -766,6 +783,9 @@ class Metric(Generic[T], abc.ABC):
             return prepared
         # Laid out anew (a metric moved by to() has a new arena): before any collective.
         self._refuse_meta_device()
+        # A container filled since the last check (a state appended to a list in the first
+        # update) would be left out of this sync: each rank would report its own numbers.
+        self._refuse_hidden_in_tree()
         if reusable and prepared is not None:
             del cache[id(group)]
             if prepared.every_state.collective:
@@ -1203,6 +1223,10 @@ id of the group a loaded checkpoint was last checked against (another process's 
 
 _BOOKKEEPING = _NOT_PICKLED | {"_declarations", "_freshness_flag", "_call_counter"}
 """Attributes the library keeps on every metric (not a metric's own data)."""
+
+_RESERVED = _BOOKKEEPING | {"_loaded_for", "_children_loaded", "_init_depth"}
+"""Names a subclass may not assign (the library writes them past ``__setattr__``, except
+``_sync_group``, which takes a group)."""
 
 
 def own_data(metric: Metric[Any]) -> Iterator[tuple[str, Any]]:

@@ -88,7 +88,8 @@ class MetricAccumulator:
 
     Raises:
         TypeError: If ``op``, ``initial`` or ``dtype`` is of the wrong type, or complex.
-        ValueError: If ``initial`` is empty, or a SUM state's is not 0.
+        ValueError: If ``initial`` is empty, a SUM state's is not 0, or ``dtype`` cannot hold
+            it (-1 in uint8, 0.7 or -inf in int64, 1e5 in float16).
 
     Example:
         >>> acc = MetricAccumulator(torch.zeros(3))
@@ -108,15 +109,23 @@ class MetricAccumulator:
             raise TypeError(f"op: expected a sidestream.state.ReduceOp, got {op!r}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype: expected a torch.dtype or None, got {dtype!r}")
-        if dtype is None and _python_floats(initial):
+        floats = _python_floats(initial)
+        if dtype is None and floats:
             dtype = torch.float64  # a sum kept in float32 drifts
         try:
-            initial_tensor = torch.as_tensor(initial, dtype=dtype).detach()
+            # Python floats as float64, so a check below sees the number given.
+            source = torch.as_tensor(initial, dtype=torch.float64 if floats else None).detach()
         except (TypeError, ValueError, RuntimeError) as error:
             raise TypeError(
                 f"initial: expected a tensor or a number (the state's starting value), got "
                 f"{initial!r}"
             ) from error
+        initial_tensor = source
+        if dtype is not None and source.dtype != dtype and not source.is_complex():
+            # A conversion that wraps (-1 into uint8 is 255) or truncates (0.7 into int64 is 0)
+            # would start the state somewhere else, silently, as an update must not either.
+            _check_representable(source, dtype)
+            initial_tensor = source.to(dtype)
         if initial_tensor.numel() == 0:
             # torchmetrics' list states (add_state("preds", [], "cat")) have no counterpart: a
             # state has a fixed shape. An empty one would be synced and saved as nothing.
@@ -697,6 +706,51 @@ def _shortest(value: object, dtype: torch.dtype) -> object:
         if torch.tensor(short, dtype=torch.float32).item() == value:
             return short
     return value
+
+
+def _check_representable(values: Tensor, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` unless every one of ``values`` converts to ``dtype`` unchanged.
+
+    Floating-point targets only refuse a finite value that overflows (rounding is a float's
+    nature); integer and bool targets refuse anything that would wrap, truncate or clip.
+    """
+    shown = values.tolist() if values.numel() <= 6 else f"{values.numel()} values"
+    if dtype.is_floating_point:
+        finite = (
+            torch.isfinite(values)
+            if values.is_floating_point()
+            else torch.ones_like(values, dtype=torch.bool)
+        )
+        if bool((finite & ~torch.isfinite(values.to(dtype))).any()):
+            raise ValueError(
+                f"initial: {shown} overflows {dtype} (largest finite "
+                f"{torch.finfo(dtype).max:g}); pass a wider dtype"
+            )
+        return
+    if dtype == torch.bool:
+        if not bool(((values == 0) | (values == 1)).all()):
+            raise ValueError(f"initial: {shown} is not representable as bool (0 or 1 only)")
+        return
+    info = torch.iinfo(dtype)
+    wide = values.double() if values.is_floating_point() else values.to(torch.int64)
+    fits = (wide >= info.min) & (
+        wide < float(info.max + 1)
+        if values.is_floating_point()
+        else (wide <= min(info.max, 2**63 - 1))
+    )
+    if values.is_floating_point():
+        fits = fits & torch.isfinite(wide) & (wide == wide.round())
+    if not bool(fits.all()):
+        hint = ""
+        if values.is_floating_point() and not bool(torch.isfinite(wide).all()):
+            hint = (
+                f"; an integer MAX state starts at torch.iinfo({dtype}).min ({info.min}), a MIN "
+                f"state at torch.iinfo({dtype}).max ({info.max})"
+            )
+        raise ValueError(
+            f"initial: {shown} is not representable in {dtype} (integers in "
+            f"[{info.min}, {info.max}]): converting would wrap, truncate or fail{hint}"
+        )
 
 
 def _python_floats(initial: object) -> bool:

@@ -73,6 +73,7 @@ __all__ = [
     "check_calls",
     "check_same_call",
     "check_same_setting",
+    "resolve_group",
     "settings_part",
     "stable_hash",
 ]
@@ -206,7 +207,7 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
         changed = [r for r, row in enumerate(rows) if row[0] == _KIND_INDEX["changed"]]
         hint = (
             f" The metric of rank(s) {changed} changed its states since its last sync "
-            "(add_state, a child added, to() another device or dtype) and the others' did not: "
+            "(add_state, a child added, to() another device) and the others' did not: "
             "change the metric the same way on every rank, at the same point of the loop."
         )
     elif all(row[0] == rows[0][0] for row in rows) and rows[0][0] in _KNOWN_WORDS:
