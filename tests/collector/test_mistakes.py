@@ -593,8 +593,7 @@ def test_a_second_bound_collector_of_the_same_prefix_sends_other_fingerprints(
     scheduled in another order on one rank, logged each other's numbers with no error. A
     twin's windows now carry fingerprints of their own (the order is checked across ranks in
     test_distributed)."""
-    # A warning (docs/sync.md says bind warns): at INFO nobody saw it.
-    caplog.set_level(logging.WARNING, logger="sidestream.collector")
+    caplog.set_level(logging.INFO, logger="sidestream.collector")
     # A prefix of its own: collectors other tests left bound do not count.
     loss = AsyncMetricCollector(MeanMetric(), prefix="twin").bind("cpu")
     other = AsyncMetricCollector(MeanMetric(), prefix="twin-other").bind("cpu")

@@ -111,3 +111,16 @@ def test_a_close_that_times_out_behind_a_stalled_copy_says_how_many_calls_were_l
     finally:
         copy.finish()
     assert [record["step"] for record in read_jsonl(tmp_path / "run.jsonl")] == [1]
+
+
+def test_a_zero_timeout_close_with_nothing_waiting_says_nothing_of_cuda_copies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The idle log thread had not ended within a zero timeout: "0 Run.log call(s) still waited
+    # for CUDA copies" was warned on a CPU run.
+    run = Run([JsonlSink(tmp_path / "run.jsonl")])
+    run.log(1, {"lr": 0.1})
+    assert run._log_pipe is not None and run._log_pipe.wait_idle(30)
+    with caplog.at_level(logging.WARNING, logger="sidestream.run"):
+        run.close(timeout=0)
+    assert "waited for CUDA copies" not in caplog.text

@@ -774,3 +774,64 @@ def test_states_replaced_behind_the_wrappers_back_are_refused() -> None:
     moved.to("cpu")  # the wrapper's own rebinding (torchmetrics' to()) is not refused
     moved.update(torch.tensor([3.0]))
     assert moved.compute().item() == 5.0
+
+
+class _NotesItsDtype(torchmetrics.Metric):
+    """Notes its input dtype on the first update, as FrechetInceptionDistance's orig_dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.orig_dtype = values.dtype
+        self.total += values.sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.total.to(self.orig_dtype)
+
+
+def test_an_attribute_that_carries_no_data_may_appear_in_an_update() -> None:
+    # The new-attribute check refused FID, whose update notes its input dtype.
+    metric = wrap(_NotesItsDtype())
+    metric.update(torch.tensor([1.0, 2.0]))
+    metric.update(torch.tensor([3.0]))
+    assert metric.compute().item() == 6.0
+
+
+def test_a_move_does_not_launder_states_replaced_behind_the_wrappers_back() -> None:
+    # to() (and a collector's bind, which calls it) took whatever the attributes held as the
+    # wrapper's own: the replaced states of a direct update and reset came back as 6.0.
+    plain = torchmetrics.SumMetric()
+    metric = wrap(plain)
+    metric.compute()
+    plain.update(torch.tensor([5.0]))
+    plain.reset()
+    metric.to("cpu")
+    with pytest.raises(RuntimeError, match="its states were replaced"):
+        metric.update(torch.tensor([1.0]))
+
+
+class _ComplexState(torchmetrics.Metric):
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("z", torch.zeros((), dtype=torch.complex64), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.z += values.sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.z
+
+
+def test_a_metric_refused_after_its_sync_was_switched_off_gets_it_back() -> None:
+    # The options were switched off before add_state refused a complex state: used as it is
+    # after the refusal, the metric reported each rank's own value.
+    alone = _ComplexState()
+    with pytest.raises(TypeError, match="complex states are not supported"):
+        wrap(alone)
+    collection = torchmetrics.MetricCollection({"acc": BinaryAccuracy(), "z": _ComplexState()})
+    with pytest.raises(TypeError, match=r"collection\['z'\]"):
+        wrap(collection)
+    for metric in (alone, *collection.values()):
+        assert metric.sync_on_compute and metric._to_sync

@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 import inspect
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torchmetrics import Metric as TorchmetricsBase
@@ -177,13 +179,21 @@ class TorchmetricsMetric(Metric[Any]):
             )
         ops = {name: _state_op(metric, name) for name in metric._defaults}
         # torchmetrics must never issue collectives of its own: sidestream syncs the states.
-        # Nothing below refuses a metric that came this far; a collection that refuses a later
-        # member gives the earlier ones their options back (restore_distribution).
+        # A refused wrap gives them back (used as it is then, the metric must sync on its
+        # own), and so does a collection that refuses a later member (restore_distribution).
         self._own_distribution = _distribution_options(metric)
+        self._torchmetrics = metric
         metric.sync_on_compute = False
         metric.dist_sync_on_step = False
         metric._to_sync = False
-        self._torchmetrics = metric
+        try:
+            self._bridge(metric, ops)
+        except BaseException:
+            self.restore_distribution()
+            raise
+
+    def _bridge(self, metric: TorchmetricsBase, ops: dict[str, ReduceOp]) -> None:
+        """Declare ``metric``'s states and take the snapshots the checks compare with."""
         self._torchmetrics_dtype = metric.dtype  # set_dtype later would be lost: refused
         # Declared by their torchmetrics names (add_state, not attributes named after them: a
         # state called "sync_group" would have replaced the metric's own _sync_group).
@@ -202,25 +212,39 @@ class TorchmetricsMetric(Metric[Any]):
         # What the configuration was made of, to refuse a change after wrap(): the sync's
         # fingerprint and the checkpoint's hash would still describe the settings of wrap().
         self._settings = _settings(metric)
-        # Public attributes there at wrap(): one that appears later is a value kept outside
-        # the states (a counter update() makes on its first call), refused as a changed one.
+        # Public attributes there at wrap(): one that appears later may be a value kept
+        # outside the states (a counter update() makes on its first call). Counted, so that a
+        # call sees whether any appeared without a pass over them.
         self._attributes = frozenset(key for key, _ in _public_settings(metric))
+        self._attribute_count = len(vars(metric))
         self._updates_seen: int = metric._update_count
         # The state tensors the wrapper last left in the torchmetrics attributes: another
         # tensor there later means torchmetrics rebound them itself (its reset, merge_state,
         # load_state_dict), which the update count alone does not always show.
         self._pointed: tuple[Tensor, ...] | None = None
 
-    def _adopt_empty_attributes(self) -> None:
-        """Take attributes an update added as ``None`` into the settings snapshot.
+    def _new_attribute(self) -> str | None:
+        """``"'name' was added (value)"`` for a public attribute that may carry data, or None.
 
-        ``None`` carries nothing (TranslationEditRate sets ``sentence_ter = None`` without
-        sentence scores); a later value there is then refused as a changed setting.
+        Numbers, tensors, arrays and containers may be a counter or samples kept outside the
+        states (refused). Anything else (``None``, a flag, a string, a dtype: FID's
+        ``orig_dtype``, TranslationEditRate's ``sentence_ter = None``) is taken into the
+        snapshot, so a later change of a plain one is refused as a changed setting.
         """
-        for key, value in _public_settings(self._torchmetrics):
-            if key not in self._attributes and value is None:
-                self._attributes = self._attributes | {key}
-                self._settings[key] = None
+        metric = self._torchmetrics
+        attributes = vars(metric)
+        if len(attributes) == self._attribute_count:
+            return None  # nothing appeared (the common case: no pass over them)
+        for key, value in _public_settings(metric):
+            if key in self._attributes:
+                continue
+            if _may_carry_data(value):
+                return f"{key!r} was added ({_shown(value)})"
+            self._attributes = self._attributes | {key}
+            if _plain(value):
+                self._settings[key] = _frozen(value)
+        self._attribute_count = len(attributes)
+        return None
 
     def restore_distribution(self) -> None:
         """Give the wrapped metric back torchmetrics' own sync options (a refused collection)."""
@@ -238,7 +262,8 @@ class TorchmetricsMetric(Metric[Any]):
             state = accumulator.value if synced else accumulator.local
             setattr(self._torchmetrics, name, state)
             pointed.append(state)
-        self._pointed = tuple(pointed)
+        # Past Metric.__setattr__: its container check would walk the tuple on every update.
+        object.__setattr__(self, "_pointed", tuple(pointed))
 
     def _check_readable(self, call: str) -> None:
         """Raise if the torchmetrics metric was changed outside the wrapper since wrap().
@@ -250,10 +275,7 @@ class TorchmetricsMetric(Metric[Any]):
         """
         metric = self._torchmetrics
         kind = type(metric).__name__
-        rebound = self._pointed is not None and any(
-            getattr(metric, name) is not pointed
-            for (name, _), pointed in zip(self._bridged, self._pointed, strict=True)
-        )
+        rebound = self._states_replaced()
         if metric._update_count != self._updates_seen or rebound:
             # forward() and reset() rebind the states, so the next call would drop what they
             # did; update() adds to them outside sidestream's bookkeeping.
@@ -269,7 +291,7 @@ class TorchmetricsMetric(Metric[Any]):
                 "sidestream's state; call update() and reset() on the wrapper only (reset() "
                 "on the wrapper starts both over)"
             )
-        changed = _changed_setting(metric, self._settings, self._attributes)
+        changed = _changed_setting(metric, self._settings) or self._new_attribute()
         if changed is not None:
             raise ValueError(
                 f"{call}: the wrapped {kind}'s setting {changed} after wrap(), so its state "
@@ -308,20 +330,23 @@ class TorchmetricsMetric(Metric[Any]):
             finally:
                 # Counted before its update runs: one that raised (a bad target) counts too.
                 self._updates_seen = self._torchmetrics._update_count
-            self._store_update()
-            # States the update rebound (self.max_value = torch.max(...)) were stored into
-            # the arena: the attributes alias it again, as the wrapper left them.
-            self._point_states(synced=False)
+            if self._store_update():
+                # States the update rebound (self.max_value = torch.max(...)) were stored into
+                # the arena: the attributes alias it again, as the wrapper left them.
+                self._point_states(synced=False)
         except BaseException:
             for (_, accumulator), saved in zip(self._bridged, snapshot, strict=True):
                 accumulator.local.copy_(saved)
             self._point_states(synced=False)  # rebinding states left elsewhere come back
             raise
 
-    def _store_update(self) -> None:
-        """Check what torchmetrics' update left in its states, then make it the local state."""
-        self._adopt_empty_attributes()
-        changed = _changed_setting(self._torchmetrics, self._settings, self._attributes)
+    def _store_update(self) -> bool:
+        """Check what torchmetrics' update left in its states, then make it the local state.
+
+        Returns:
+            Whether the update rebound any state (its attribute holds another tensor now).
+        """
+        changed = _changed_setting(self._torchmetrics, self._settings) or self._new_attribute()
         if changed is not None:
             raise UnsupportedStateError(
                 f"{type(self._torchmetrics).__name__}.update: its attribute {changed}: a value "
@@ -351,11 +376,14 @@ class TorchmetricsMetric(Metric[Any]):
                     "state, which would round it; call set_dtype("
                     f"{value.dtype}) on the torchmetrics metric before wrap()"
                 )
+        rebound = False
         for _, accumulator, value in results:
             if value is accumulator.local:
                 accumulator.mark_changed()  # updated in place: the sync is stale
             else:  # rebound (self.max_value = torch.max(...)): stored into the state
                 accumulator.load_local(value.to(accumulator.local.dtype))
+                rebound = True
+        return rebound
 
     def compute(self) -> Any:
         """Run torchmetrics' ``compute`` on the synchronized state if current, else the local.
@@ -387,11 +415,24 @@ class TorchmetricsMetric(Metric[Any]):
 
     def _move_extras(self, device: torch.device) -> None:
         metric = self._torchmetrics
+        intact = self._pointed is not None and not self._states_replaced()
         metric.to(device)  # its non-state buffers; the states live in the arena
-        if self._pointed is not None:
+        if intact:
             # torchmetrics' to() rebinds every state attribute (moved copies): the wrapper's
-            # own doing, not a change behind its back.
-            self._pointed = tuple(getattr(metric, name) for name, _ in self._bridged)
+            # own doing, not a change behind its back. States replaced before it stay
+            # refused at the next call.
+            pointed = tuple(getattr(metric, name) for name, _ in self._bridged)
+            object.__setattr__(self, "_pointed", pointed)
+
+    def _states_replaced(self) -> bool:
+        """Whether a state attribute holds another tensor than the wrapper left there."""
+        if self._pointed is None:
+            return False
+        metric = self._torchmetrics
+        return any(
+            getattr(metric, name) is not pointed
+            for (name, _), pointed in zip(self._bridged, self._pointed, strict=True)
+        )
 
 
 # Settings of torchmetrics' Metric and nn.Module that say nothing of what the states mean.
@@ -479,23 +520,23 @@ def _settings(metric: TorchmetricsBase) -> dict[str, object]:
     return {key: _frozen(value) for key, value in _public_settings(metric) if _plain(value)}
 
 
-def _changed_setting(
-    metric: TorchmetricsBase, settings: dict[str, object], attributes: frozenset[str]
-) -> str | None:
-    """``"name changed from a to b"`` for the first setting not as in ``settings``, if any.
-
-    Also ``"name was added (value)"`` for a public attribute not among ``attributes`` (those
-    there at wrap()).
-    """
+def _changed_setting(metric: TorchmetricsBase, settings: dict[str, object]) -> str | None:
+    """``"name changed from a to b"`` for the first setting not as in ``settings``, if any."""
     for key, before in settings.items():
         now = _frozen(metric.__dict__.get(key, _MISSING))
         if not _same(now, before):
             shown = "<deleted>" if now is _MISSING else repr(now)
             return f"{key!r} changed from {before!r} to {shown}"
-    for key, value in _public_settings(metric):
-        if key not in attributes and value is not None:
-            return f"{key!r} was added ({_shown(value)})"
     return None
+
+
+def _may_carry_data(value: object) -> bool:
+    """Whether an attribute's value may be data an update keeps (a count, samples)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(
+        value, int | float | complex | Tensor | np.ndarray | list | tuple | dict | set | deque
+    )
 
 
 def _shown(value: object) -> str:

@@ -396,10 +396,12 @@ class AsyncMetricCollector(Generic[T]):
         ]
         if not taken:
             return 0
-        logger.warning(
+        # Logged, not warned: each collector has sinks of its own (a Run refuses one prefix
+        # twice, and a sink object serves one collector), so their reports never share names
+        # in one tracker run; another order fails loudly with RankMismatchError.
+        logger.info(
             "bind: %d other bound collector(s) have the prefix %r; ranks must schedule them in "
-            "the same order (another order fails with RankMismatchError), and their reports "
-            "carry the same names: give each collector its own prefix",
+            "the same order (another order fails with RankMismatchError)",
             len(taken),
             self._prefix,
         )
