@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,7 +44,26 @@ def _seconds_per_update(
     return best
 
 
-def _cases(device: torch.device) -> dict[str, dict[str, Callable[[], None]]]:
+def _check_agreement(metric: str, values: dict[str, Callable[[], torch.Tensor]]) -> None:
+    """Raise unless every implementation computed sidestream's value after the same updates.
+
+    Each implementation ran the same number of updates on the same tensors, so a lost or
+    wrong update (a confusion count off by one batch) shows here.
+    """
+    ours = values["sidestream"]().double().cpu()
+    for name, value in values.items():
+        theirs = value().double().cpu()
+        if not torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6):
+            raise AssertionError(
+                f"{metric}: sidestream computed {ours.tolist()}, {name} {theirs.tolist()}; "
+                "a comparison of their update times is only fair for the same metric"
+            )
+
+
+Cases = dict[str, tuple[dict[str, Callable[[], None]], dict[str, Callable[[], torch.Tensor]]]]
+
+
+def _cases(device: torch.device) -> Cases:
     from torchmetrics.classification import (
         BinaryAccuracy,
         BinaryConfusionMatrix,
@@ -71,28 +91,42 @@ def _cases(device: torch.device) -> dict[str, dict[str, Callable[[], None]]]:
     matrix = BinaryConfusionMatrixMetric().to(device)
     matrix_default = BinaryConfusionMatrix().to(device)
     matrix_fast = BinaryConfusionMatrix(validate_args=False).to(device)
+
+    def computed(*metrics: Any) -> dict[str, Callable[[], torch.Tensor]]:
+        names = ("sidestream", "torchmetrics (default)", "torchmetrics (validate_args=False)")
+        return {name: metric.compute for name, metric in zip(names, metrics, strict=True)}
+
     return {
-        f"multiclass F1 macro, logits ({BATCH}, {CLASSES}) float32": {
-            "sidestream": lambda: f1.update(logits, labels),
-            "torchmetrics (default)": lambda: f1_default.update(logits, labels),
-            "torchmetrics (validate_args=False)": lambda: f1_fast.update(logits, labels),
-        },
-        f"binary accuracy, probabilities ({BATCH * 16},) float32": {
-            "sidestream": lambda: accuracy.update(probabilities, truth),
-            "torchmetrics (default)": lambda: accuracy_default.update(probabilities, truth),
-            "torchmetrics (validate_args=False)": lambda: accuracy_fast.update(
-                probabilities, truth
-            ),
-        },
-        f"binary confusion matrix, probabilities ({large:,},) float32": {
-            "sidestream": lambda: matrix.update(large_probabilities, large_truth),
-            "torchmetrics (default)": lambda: matrix_default.update(
-                large_probabilities, large_truth
-            ),
-            "torchmetrics (validate_args=False)": lambda: matrix_fast.update(
-                large_probabilities, large_truth
-            ),
-        },
+        f"multiclass F1 macro, logits ({BATCH}, {CLASSES}) float32": (
+            {
+                "sidestream": lambda: f1.update(logits, labels),
+                "torchmetrics (default)": lambda: f1_default.update(logits, labels),
+                "torchmetrics (validate_args=False)": lambda: f1_fast.update(logits, labels),
+            },
+            computed(f1, f1_default, f1_fast),
+        ),
+        f"binary accuracy, probabilities ({BATCH * 16},) float32": (
+            {
+                "sidestream": lambda: accuracy.update(probabilities, truth),
+                "torchmetrics (default)": lambda: accuracy_default.update(probabilities, truth),
+                "torchmetrics (validate_args=False)": lambda: accuracy_fast.update(
+                    probabilities, truth
+                ),
+            },
+            computed(accuracy, accuracy_default, accuracy_fast),
+        ),
+        f"binary confusion matrix, probabilities ({large:,},) float32": (
+            {
+                "sidestream": lambda: matrix.update(large_probabilities, large_truth),
+                "torchmetrics (default)": lambda: matrix_default.update(
+                    large_probabilities, large_truth
+                ),
+                "torchmetrics (validate_args=False)": lambda: matrix_fast.update(
+                    large_probabilities, large_truth
+                ),
+            },
+            computed(matrix, matrix_default, matrix_fast),
+        ),
     }
 
 
@@ -104,13 +138,16 @@ def run() -> str:
     lines = [
         "## Classification update throughput\n",
         f"One `update` per call on the same tensors; best of {ROUNDS} interleaved blocks of "
-        f"{BLOCK} updates, one CPU thread. Ratio = time per update / sidestream's.\n",
+        f"{BLOCK} updates, one CPU thread. Ratio = time per update / sidestream's. After "
+        "timing, every implementation's value (after the same updates) is checked against "
+        "sidestream's.\n",
         "| device | metric | implementation | µs per update | time / sidestream |",
         "| --- | --- | --- | ---: | ---: |",
     ]
     for device in devices:
-        for metric, implementations in _cases(device).items():
+        for metric, (implementations, values) in _cases(device).items():
             times = _seconds_per_update(implementations, device)
+            _check_agreement(metric, values)
             ours = times["sidestream"]
             for name, seconds in times.items():
                 lines.append(

@@ -186,8 +186,9 @@ def run() -> str:
     ratio = naive["blocked_ms"] / ours["blocked_ms"]
     lines = [
         f"## Training-thread time per logged step ({WORLD_SIZE} gloo ranks, rank 0)\n",
-        f"{STEPS} steps (each with a gradient-sized all_reduce, as data-parallel training "
-        "does), metrics logged every step to a JSONL file and to a tracker whose write "
+        f"{STEPS} steps (each with a small all_reduce, 128 floats, standing in for the "
+        "gradients' one that keeps data-parallel ranks in step), metrics logged every step "
+        "to a JSONL file and to a tracker whose write "
         f"blocks for {TRACKER_WRITE_S * 1e3:.0f} ms. *Blocked* is the time the training thread "
         "spends in logging per step (naive: `sync` + `.item()` per value + the writes; "
         "sidestream: `schedule_collection`). *Step* is the whole loop per step, so it includes "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,6 +48,34 @@ def _host_us(step: Callable[[], object]) -> float:
         best = min(best, (time.perf_counter() - start) / BLOCK * 1e6)
     torch.cuda.synchronize()
     return best
+
+
+def _host_us_interleaved(variants: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """``_host_us`` of each variant, their blocks interleaved (load drift hits each alike)."""
+    for step in variants.values():
+        for _ in range(3):
+            step()
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(ROUNDS):
+        for key, step in variants.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(BLOCK):
+                step()
+            best[key] = min(best[key], (time.perf_counter() - start) / BLOCK * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def _commit() -> str:
+    """The commit measured (``unknown`` where the copy has no git history)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() or "unknown"
 
 
 def _sync_free(step: Callable[[], object]) -> bool:
@@ -105,7 +134,15 @@ def _update_rows(size: int, compiled: bool) -> list[str]:
                 variants["raw compiled"] = lambda f=raw_compiled, c=case: f(*c.args)
                 variants["ours compiled"] = lambda f=our_compiled, c=case: f(*c.args)
         graph = _captured(ours)
-        us = {key: _host_us(step) for key, step in variants.items()}
+        us = _host_us_interleaved(variants)
+        # The same metric on both sides, as on the CPU: after the timing, and after one
+        # update each from a fresh state (a lost update shows there).
+        update_overhead._check_agreement(name, size, case)
+        for metric in case.metrics:
+            metric.reset()  # type: ignore[attr-defined]
+        ours()
+        case.peer()
+        update_overhead._check_agreement(f"{name} (one update)", size, case)
         free = [_sync_free(variants["ours"])]
         cells = f"| {not_compiled or '—'} | — | — |"
         if compiled and not not_compiled:
@@ -172,8 +209,10 @@ def run() -> str:
     lines = [
         HEADING,
         f"`benchmarks/gpu_overhead.py`: {torch.cuda.get_device_name()}, torch "
-        f"{torch.__version__}. Host µs per call, best of {ROUNDS} blocks of {BLOCK} (the "
-        "device is synchronized between blocks, never inside one), so a figure is what the "
+        f"{torch.__version__}, commit {_commit()}. Host µs per call, best of {ROUNDS} "
+        f"interleaved blocks of {BLOCK} (the device is synchronized between blocks, never "
+        "inside one; each row checks that sidestream and torchmetrics computed the same "
+        "value), so a figure is what the "
         "training thread spends launching the work; for large inputs it can include waiting "
         "for a full launch queue. *Raw* is the hand-written state arithmetic of "
         "`benchmarks/update_overhead.py`; *compiled* is `torch.compile(fullgraph=True)` "

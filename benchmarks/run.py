@@ -41,7 +41,9 @@ BENCHMARKS = {
 HEADER = (
     "# Benchmarks\n\n"
     "Written by `nox -s bench` (`python -m benchmarks.run`). Peers run in the same process "
-    "group, on the same data, in the same run; ratios are peer / sidestream.\n"
+    "group, on the same data, in the same run; ratios are peer / sidestream (the */ raw* "
+    "columns: sidestream / raw). A machine without CUDA keeps the CUDA section a machine with "
+    "one wrote, which names its commit.\n"
 )
 
 

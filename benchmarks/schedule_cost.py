@@ -147,7 +147,7 @@ def run() -> str:
         "which inflates every figure.\n",
         "*Bare* is the CPU time of issuing the same async `all_gather` of the same bytes alone "
         "outside the collector, through the route sidestream takes (the process group's own "
-        "method; torch.distributed's public call adds its per-call checks, about 10 µs here), "
+        "method; torch.distributed's public call adds its per-call checks on top), "
         "right after the "
         "same updates as a window (the step's work leaves caches cold, which makes the "
         "collective itself cost more; *tight* is the same call in a tight loop, alternated "
@@ -177,8 +177,8 @@ def run() -> str:
         "",
         "The same on one rank, alone on the machine: one rank syncs by a local copy and starts "
         "no collective, so this is sidestream's own work (stage, reset, copy, hand the window "
-        "to the dispatcher) with no second process competing for the two cores. On this shared "
-        "machine the 44-metric figure moves most from run to run: compare several runs.",
+        "to the dispatcher) with no second process competing for the two cores. One run on "
+        "a shared machine: compare several runs before reading much into a ratio.",
         "",
         "| metrics | CPU µs (median) | wall µs (median) | CPU / 11 metrics' |",
         "| ---: | ---: | ---: | ---: |",

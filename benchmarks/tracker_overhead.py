@@ -18,6 +18,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from benchmarks._threads import one_thread
 from sidestream import AsyncMetricCollector, Metric, MetricAccumulator
 from sidestream.sinks import ProcessSink, Sink
 
-STEPS = {"tensorboard": 400, "mlflow": 30, "wandb": 400}
+STEPS = {"tensorboard": 400, "mlflow": 100, "wandb": 400}
 VALUES = 8  # metrics per logged step (loss plus per-class values)
 
 
@@ -111,12 +112,12 @@ def _tensorboard(root: Path) -> dict[str, Any]:
 
     direct(0, torch.zeros(VALUES))  # warmed up as the sink side is (see _ThroughCollector)
     direct_cost = _loop(STEPS["tensorboard"], direct)
-    writer.close()
+    drain = _timed(writer.close)
     piped = _piped(STEPS["tensorboard"], lambda: TensorBoardSink(log_dir=root / "sink"))
-    return {"direct": direct_cost, **piped}
+    return {"direct": direct_cost, "direct drain": drain, **piped}
 
 
-def _mlflow(root: Path) -> dict[str, Any]:
+def _mlflow(root: Path, *, synchronous: bool = True) -> dict[str, Any]:
     import mlflow
 
     from sidestream_mlflow import MlflowSink
@@ -124,16 +125,22 @@ def _mlflow(root: Path) -> dict[str, Any]:
     uri = f"sqlite:///{root / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment("bench")
-    with mlflow.start_run():
+    mlflow.start_run()
 
-        def direct(step: int, values: torch.Tensor) -> None:
-            # One request for the step's values, as the sink's log_batch: like for like.
-            mlflow.log_metrics({f"metric_{i}": values[i].item() for i in range(VALUES)}, step=step)
+    def direct(step: int, values: torch.Tensor) -> None:
+        # One request for the step's values, as the sink's log_batch: like for like.
+        # synchronous=False: MLflow's own background logging, drained by end_run.
+        mlflow.log_metrics(
+            {f"metric_{i}": values[i].item() for i in range(VALUES)},
+            step=step,
+            synchronous=synchronous,
+        )
 
-        direct(0, torch.zeros(VALUES))  # warmed up as the sink side is (see _ThroughCollector)
-        direct_cost = _loop(STEPS["mlflow"], direct)
+    direct(0, torch.zeros(VALUES))  # warmed up as the sink side is (see _ThroughCollector)
+    direct_cost = _loop(STEPS["mlflow"], direct)
+    drain = _timed(mlflow.end_run)
     piped = _piped(STEPS["mlflow"], lambda: MlflowSink(tracking_uri=uri, experiment="bench"))
-    return {"direct": direct_cost, **piped}
+    return {"direct": direct_cost, "direct drain": drain, **piped}
 
 
 def _wandb(root: Path) -> dict[str, Any]:
@@ -148,11 +155,18 @@ def _wandb(root: Path) -> dict[str, Any]:
 
     direct(0, torch.zeros(VALUES))  # warmed up as the sink side is (see _ThroughCollector)
     direct_cost = _loop(STEPS["wandb"], direct)
-    run.finish()
+    drain = _timed(run.finish)
     piped = _piped(
         STEPS["wandb"], lambda: WandbSink(project="bench", mode="offline", dir=str(root))
     )
-    return {"direct": direct_cost, **piped}
+    return {"direct": direct_cost, "direct drain": drain, **piped}
+
+
+def _timed(action: Callable[[], object]) -> float:
+    """Seconds ``action`` takes (a tracker's close: the work it still had queued)."""
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
 
 
 @one_thread
@@ -161,6 +175,9 @@ def run() -> str:
     backends = {
         "TensorBoard (`SummaryWriter.add_scalar`)": _tensorboard,
         "MLflow, SQLite store (`mlflow.log_metrics`)": _mlflow,
+        "MLflow, SQLite store (`log_metrics(..., synchronous=False)`)": partial(
+            _mlflow, synchronous=False
+        ),
         "W&B offline (`run.log`)": _wandb,
     }
     rows = []
@@ -171,11 +188,12 @@ def run() -> str:
         child_log, child_step = result["child"]
         rows.append(
             f"| {label} | {direct_log * 1e6:,.0f} | {sink_log * 1e6:,.1f} | "
-            f"{child_log * 1e6:,.1f} | {direct_log / sink_log:,.0f}x | "
-            f"{direct_log / child_log:,.0f}x | "
+            f"{child_log * 1e6:,.1f} | {direct_log / sink_log:,.1f}x | "
+            f"{direct_log / child_log:,.1f}x | "
             f"{direct_step * 1e6:,.0f} | {sink_step * 1e6:,.0f} | {child_step * 1e6:,.0f} | "
             f"{direct_step / sink_step:.1f}x | {direct_step / child_step:.1f}x | "
-            f"{result['sink drain']:.2f} / {result['child drain']:.2f} |"
+            f"{result['direct drain']:.2f} / {result['sink drain']:.2f} / "
+            f"{result['child drain']:.2f} |"
         )
     return (
         "## Tracker overhead on the training thread\n\n"
@@ -187,17 +205,23 @@ def run() -> str:
         "(`child_process: true`), so the tracker client runs in a child process. "
         "Ratios are direct / via sink (thread) and direct / via child, of the time in the "
         "logging call and of the whole step. Each loop makes one untimed call first (direct "
-        "and via sink alike: step 0). *Drain*: seconds the "
-        "background thread (or child) still needed after the loop ended (off the training "
+        "and via sink alike: step 0). MLflow's own background logging "
+        "(`synchronous=False`, which queues each call for a thread of MLflow's) has a row of "
+        "its own; its sidestream columns are measured again in that row. *Drain*: seconds "
+        "still needed after the loop ended: the tracker's own close for direct logging "
+        "(`SummaryWriter.close`, `mlflow.end_run`, which waits for MLflow's queue, "
+        "`run.finish`), the background thread (or child) for sidestream (off the training "
         "thread); where it is large, most delivery happened after the loop, so the step-time "
-        "columns understate the background thread's share of the GIL. On CPU tensors "
+        "columns understate the background thread's share of the GIL. Each backend is "
+        "measured once, in the order direct, via sink, via child: compare rows measured in "
+        "the same run only. On CPU tensors "
         "`.item()` is free; on a GPU each one is a host sync that stalls the training "
         "thread, which this CPU measurement cannot show. Absolute numbers depend heavily on "
         "the machine's load.\n\n"
         "| backend | direct log µs/step | via sink log µs/step | via child log µs/step | "
         "log: direct / sink | log: direct / child | direct step µs | via sink step µs | "
         "via child step µs | step: direct / sink | step: direct / child | "
-        "drain s (sink / child) |\n"
+        "drain s (direct / sink / child) |\n"
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
         + "\n".join(rows)
         + "\n"

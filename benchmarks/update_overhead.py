@@ -1,7 +1,8 @@
 """Update overhead: µs per ``update`` against the same arithmetic as raw ops, and torchmetrics.
 
 Every implementation gets the same tensors. *Raw ops* is the state arithmetic of the metric
-written by hand (no input checks), the floor any metric library pays. torchmetrics runs with
+written by hand (no input checks, whole-batch conversions): a reference, not a floor (at large
+sizes sidestream's cache-sized chunks take less time). torchmetrics runs with
 its checks off (``validate_args=False``, ``nan_strategy="disable"``; the weighted means
 ``"ignore"``, which keeps the weights), and each row checks that both computed the same value
 after timing. *Compiled* wraps the
@@ -53,6 +54,10 @@ class Case:
     """sidestream's and the peer's ``compute()`` after the timing: the same metric, checked."""
     tolerance: float = 1e-4
     """Relative and absolute: float32 sums (torchmetrics), bins against exact scores."""
+    metrics: tuple[object, object] = ()
+    """sidestream's metric and the peer (each with ``reset``): reset, then updated once each
+    for a second check of ``agree``, which the same inputs over many blocks cannot give (a lost
+    update leaves the value of the others)."""
 
 
 def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
@@ -138,6 +143,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             lambda: tm_weighted.update(values, weights),
             compiled={"raw": raw_weighted},  # type: ignore[dict-item]
             agree=lambda: (weighted.compute(), tm_weighted.compute()),
+            metrics=(weighted, tm_weighted),
         ),
         # Like for like: both sum in float32 (torchmetrics' default, sidestream's dtype=).
         "WeightedMean (dtype=float32, as torchmetrics)": Case(
@@ -147,6 +153,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             lambda: tm_weighted_32.update(values, weights),
             compiled={"raw": raw_weighted_32},  # type: ignore[dict-item]
             agree=lambda: (weighted_32.compute(), tm_weighted_32.compute()),
+            metrics=(weighted_32, tm_weighted_32),
         ),
         "Mean": Case(
             lambda: raw_mean(values),
@@ -155,6 +162,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             lambda: tm_mean.update(values),
             compiled={"raw": raw_mean},  # type: ignore[dict-item]
             agree=lambda: (mean.compute(), tm_mean.compute()),
+            metrics=(mean, tm_mean),
         ),
         "Max": Case(
             lambda: raw_max(values),
@@ -163,14 +171,16 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             lambda: tm_max.update(values),
             compiled={"raw": raw_max},  # type: ignore[dict-item]
             agree=lambda: (largest.compute(), tm_max.compute()),
+            metrics=(largest, tm_max),
         ),
-        f"F1 macro ({CLASSES} classes; size = logits elements)": Case(
+        f"F1 macro ({CLASSES} classes; size = logits elements, whole rows)": Case(
             lambda: raw_f1(logits, labels),
             f1.update,
             (logits, labels),
             lambda: tm_f1.update(logits, labels),
             compiled={"raw": raw_f1},  # type: ignore[dict-item]
             agree=lambda: (f1.compute(), tm_f1.compute()),
+            metrics=(f1, tm_f1),
         ),
         f"BinaryAUROC ({BINS} bins; torchmetrics exact)": Case(
             lambda: raw_auroc(scores, truth),
@@ -180,6 +190,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             tm_auroc.reset,
             compiled={"raw": raw_auroc},  # type: ignore[dict-item]
             agree=lambda: (auroc.compute(), tm_auroc.compute()),
+            metrics=(auroc, tm_auroc),
             tolerance=1e-3,  # 10,000 bins against exact scores
         ),
         # Like for like: both store every sample. Not compiled (a growing state).
@@ -192,6 +203,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             ours_reset=exact.reset,
             raw_reset=kept.clear,
             agree=lambda: (exact.compute(), tm_exact.compute()),
+            metrics=(exact, tm_exact),
         ),
         f"Perplexity (vocab {vocab}; size = logits elements)": Case(
             lambda: raw_perplexity(lm_logits, lm_target),
@@ -200,6 +212,7 @@ def _cases(size: int, device: str = "cpu") -> dict[str, Case]:
             lambda: tm_perplexity.update(lm_logits, lm_target),
             compiled={"raw": raw_perplexity},  # type: ignore[dict-item]
             agree=lambda: (perplexity.compute(), tm_perplexity.compute()),
+            metrics=(perplexity, tm_perplexity),
         ),
     }
 
@@ -241,6 +254,17 @@ def _measure(size: int, compiled: bool) -> list[tuple[str, dict[str, float]]]:
         resets = {"torchmetrics": case.peer_reset, "ours": case.ours_reset, "raw": case.raw_reset}
         out.append((name, _best_us(implementations, resets, size)))
         _check_agreement(name, size, case)
+        # And from a fresh state after one update each, eager and compiled: an update that
+        # was lost (or did nothing) leaves no trace in the value of many identical ones.
+        updates = {"eager": implementations["ours"]}
+        if "ours compiled" in implementations:
+            updates["compiled"] = implementations["ours compiled"]
+        for how, update in updates.items():
+            for metric in case.metrics:
+                metric.reset()  # type: ignore[attr-defined]
+            update()
+            case.peer()
+            _check_agreement(f"{name} ({how}, one update)", size, case)
     return out
 
 
@@ -266,11 +290,15 @@ def _table(compiled: bool) -> str:
         "## Update overhead against raw ops and torchmetrics\n",
         "`benchmarks/update_overhead.py`: µs per `update` on the same tensors, best of "
         f"{ROUNDS} interleaved blocks, one CPU thread, torch {torch.__version__}. *Raw ops* is "
-        "the state arithmetic written by hand with no input checks; torchmetrics runs with "
+        "the state arithmetic written by hand with no input checks (whole-batch conversions: "
+        "a reference, not a floor; at 1M elements sidestream's cache-sized chunks take less "
+        "time); */ raw* is sidestream / raw, above 1 when sidestream takes longer (the "
+        "torchmetrics column is torchmetrics / sidestream). torchmetrics runs with "
         '`validate_args=False` where it has it and `nan_strategy="disable"`, except the '
         'weighted means: `nan_strategy="ignore"`, since with `"disable"` torchmetrics 1.9 '
         "replaces the weights by ones (its issue #3434). After timing, each row checks that "
-        "sidestream and torchmetrics computed the same value; *compiled* is "
+        "sidestream and torchmetrics computed the same value, and again from a fresh state "
+        "after one update each (eager, and compiled); *compiled* is "
         "`torch.compile(fullgraph=True)` (inductor) of the update and of the raw function. "
         "Size = input elements. sidestream's eager update includes its input checks (CPU "
         "reads them on the host and raises before the state changes). *BinaryAUROC exact* "
