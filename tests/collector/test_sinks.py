@@ -592,6 +592,31 @@ def test_console_output_closed_by_its_reader_fails_for_good_at_once() -> None:
     sink.open(RunInfo())
     with pytest.raises(PermanentSinkError, match="output was closed"):
         sink.write(_report(1))
+    # A run with a name prints it at open: that BrokenPipeError (a ConnectionError) was
+    # retried as transient until close, which then kept a spool file.
+    named = ConsoleSink(stream=ClosedPipe())
+    with pytest.raises(PermanentSinkError, match="output was closed"):
+        named.open(RunInfo(name="exp1"))
+
+
+def test_console_escapes_a_name_its_encoding_cannot_show() -> None:
+    # On an ASCII (or cp1252) console a value named "λ" raised UnicodeEncodeError, a
+    # ValueError, so the sink failed for good: no later line, and close() returned False.
+    import io
+
+    from sidestream.sinks import ConsoleSink
+
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="ascii", write_through=True)
+    sink = ConsoleSink(stream=stream, live=False)
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"loss": 0.5, "λ": 0.1}, time=0.0))
+    sink.write(Report(step=2, values={"loss": 0.4}, time=0.0))
+    assert sink.close()
+    assert raw.getvalue().decode("ascii").splitlines() == [
+        "step 1 | loss 0.5 | \\u03bb 0.1",
+        "step 2 | loss 0.4",
+    ]
 
 
 def test_jsonl_to_a_pipe_with_fsync_writes_each_line_once(tmp_path: Path) -> None:
@@ -777,20 +802,25 @@ print(sink.close(), flush=True)
 """
 
 
+@pytest.mark.parametrize("earlier", ["", "epoch 0 starting\n"], ids=["empty", "text"])
 @pytest.mark.parametrize("name", ["/dev/stdout", "link"])
-def test_jsonl_to_stdout_shares_a_log_file_with_the_trainer(tmp_path: Path, name: str) -> None:
+def test_jsonl_to_stdout_shares_a_log_file_with_the_trainer(
+    tmp_path: Path, name: str, earlier: str
+) -> None:
     # stdout appended to a log (nohup, SLURM, >>): the log is a regular file, but the trainer's
     # own prints go there too; the sink took them for another writer and failed for good.
+    # A log that held text before the sink was built was refused as "not JSON lines".
     path = name
     if name == "link":
         (tmp_path / "out.jsonl").symlink_to("/dev/stdout")
         path = str(tmp_path / "out.jsonl")
     log = tmp_path / "log.txt"
+    log.write_text(earlier)
     with log.open("ab") as out:
         subprocess.run(
             [sys.executable, "-c", _STDOUT_SINK, path], stdout=out, check=True, timeout=60
         )
-    lines = log.read_text().splitlines()
+    lines = log.read_text().splitlines()[1 if earlier else 0 :]
     assert lines[1:] == ["the trainer prints", lines[2], "True"]
     assert [json.loads(lines[i])["step"] for i in (0, 2)] == [1, 2]
 
@@ -889,3 +919,24 @@ def test_a_sink_whose_state_grows_at_open_is_warned_of_at_the_checkpoint(
     warnings = [r.getMessage() for r in caplog.records if "places it had not" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "sink 'recording'" in warnings[0] and "(['opened_at'])" in warnings[0]
+
+
+def test_a_batch_holding_a_step_twice_writes_it_once(tmp_path: Path) -> None:
+    # A resumed job's backlog (steps up to 100) and its first steps again (90 on) met in one
+    # write_batch, filtered once against what was sent before it: 11 steps written twice.
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.open(RunInfo())
+    steps = [1, 2, 3, 2, 3, 4, 1]
+    sink.write_batch([Report(step=s, values={"x": float(s)}, time=0.0) for s in steps])
+    other = Report(step=2, values={"y": 1.0}, time=0.0, stream="val")  # another stream's own
+    sink.write_batch([Report(step=4, values={"x": 9.0}, time=0.0), other])
+    assert sink.close(30)
+    lines = list(read_jsonl(tmp_path / "m.jsonl"))
+    assert [(line.get("stream", ""), line["step"]) for line in lines] == [
+        ("", 1),
+        ("", 2),
+        ("", 3),
+        ("", 4),
+        ("val", 2),
+    ]
+    assert [line["values"]["x"] for line in lines[:4]] == [1.0, 2.0, 3.0, 4.0]  # the first ones

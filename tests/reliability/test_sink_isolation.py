@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -19,7 +20,15 @@ import torch
 
 from sidestream import AsyncMetricCollector, MeanMetric, Run
 from sidestream.collector._dispatcher import Dispatcher
-from sidestream.sinks import JsonlSink, Report, SinkRunner, read_jsonl, read_spool, replay_spool
+from sidestream.sinks import (
+    JsonlSink,
+    Report,
+    RunInfo,
+    SinkRunner,
+    read_jsonl,
+    read_spool,
+    replay_spool,
+)
 from sidestream.sinks._spool_format import encode_report
 from tests.collector.helpers import RecordingSink
 from tests.reliability.faults import GatedSink, SlowSink, tally
@@ -1444,3 +1453,41 @@ def test_a_close_interrupted_as_its_keeper_registers_keeps_each_report_once(
     kept = [report.step for path in tmp_path.glob("*.spool.jsonl") for report in read_spool(path)]
     assert kept == [1, 2, 3, 4]
     sink.gate.set()
+
+
+def test_a_state_file_cut_by_a_full_disk_neither_stays_nor_stops_a_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The state file was truncated and rewritten in place: a full disk at close (the usual
+    # reason a spool is kept) left a cut file, and every replay of the spool then failed on
+    # it, even one given --sink, its options and --resume-state.
+    from sidestream.sinks import _spool_format
+    from sidestream.sinks.replay import main
+
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(
+        b"".join(encode_report(Report(step=s, values={"x": 1.0}, time=0.0)) for s in (1, 2))
+    )
+    real_replace = os.replace
+
+    def full_disk(source: str, target: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_spool_format.os, "replace", full_disk)
+    assert _spool_format.write_kept_state(str(spool), "jsonl", {}, RunInfo()) is None
+    monkeypatch.setattr(_spool_format.os, "replace", real_replace)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.spool.jsonl"]  # none cut
+    Path(f"{spool}{_spool_format.STATE_SUFFIX}").write_text('{"sink": "jsonl", "sta')
+    out = tmp_path / "out.jsonl"
+    assert main([str(spool), "--sink", "jsonl", "--option", f"path={out}"]) == 0
+    assert "ignoring" in capsys.readouterr().err
+    assert [json.loads(x)["step"] for x in out.read_text().splitlines()] == [1, 2]
+
+
+def test_a_huge_integer_in_a_spool_line_is_a_damaged_line() -> None:
+    # float(10**400) raised OverflowError, which no caller took for a damaged line: the
+    # replay crashed with a traceback, even with --skip-damaged.
+    from sidestream.sinks._spool_format import decode_report
+
+    with pytest.raises(ValueError, match="not a spooled report: OverflowError"):
+        decode_report(b'{"step": 1, "values": {"x": 1' + b"0" * 400 + b'}, "time": 0.0}\n')

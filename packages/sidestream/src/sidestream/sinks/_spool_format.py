@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -129,7 +130,14 @@ def decode_report(line: bytes | str) -> Report:
             kwargs[name] = value
         _check_fields(kwargs)
         return Report(**kwargs)
-    except (TypeError, KeyError, AttributeError, RuntimeError, json.JSONDecodeError) as error:
+    except (
+        TypeError,
+        KeyError,
+        AttributeError,
+        RuntimeError,
+        OverflowError,  # an integer too large for a float (10**400)
+        json.JSONDecodeError,
+    ) as error:
         raise ValueError(f"not a spooled report: {type(error).__name__}: {error}") from error
 
 
@@ -223,11 +231,18 @@ def write_kept_state(
         )
     except (TypeError, ValueError):  # a state that is not JSON: the run is still worth keeping
         text = json.dumps({"sink": sink, "state": None, "run": kept_run, "options": kept_options})
+    # Written beside it and renamed over it: a full disk (the usual reason a close keeps a
+    # spool) leaves the earlier state file or none, never a cut one that refuses a replay.
+    partial = path + ".partial"
     try:
         # Owner-only, like the spool file beside it (a run id, a path, delivered steps).
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        with os.fdopen(os.open(partial, flags, 0o600), "w") as file:
             file.write(text)
-    except OSError:  # no room: a replay then needs --resume-state
+        os.replace(partial, path)
+    except OSError:  # no room: a replay then needs --sink and --resume-state
+        with contextlib.suppress(OSError):
+            os.remove(partial)
         return None
     return path
 

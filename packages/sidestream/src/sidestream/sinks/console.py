@@ -71,7 +71,11 @@ class ConsoleSink(Sink):
         self._drawn = False
 
     def open(self, run: RunInfo) -> None:
-        """Print the run name, if any; decide between a live line and plain lines."""
+        """Print the run name, if any; decide between a live line and plain lines.
+
+        Raises:
+            PermanentSinkError: If the output is a pipe whose reader has exited.
+        """
         if self._stream is None:
             self._stream = sys.stdout
         if self._live_option is None:
@@ -89,13 +93,7 @@ class ConsoleSink(Sink):
             PermanentSinkError: If the output is a pipe whose reader has exited (``| head``):
                 no later line could be printed, so there is nothing to retry or keep.
         """
-        try:
-            self._write(report)
-        except BrokenPipeError:
-            raise PermanentSinkError(
-                "ConsoleSink: its output was closed (the reader of the pipe exited); "
-                "it prints nothing more"
-            ) from None
+        self._write(report)
 
     def _write(self, report: Report) -> None:
         if self._live:
@@ -110,9 +108,27 @@ class ConsoleSink(Sink):
     def _print(self, line: str) -> None:
         # One write with its newline: print() writes the text and the newline apart, and a
         # print of the training thread could land between them.
+        self._emit(line + "\n")
+
+    def _emit(self, text: str) -> None:
+        """Write ``text`` and flush: the one place the sink touches its stream.
+
+        A character the stream's encoding lacks (a name such as "λ" on an ASCII or cp1252
+        console) is escaped, not an error that ends the sink; a closed pipe ends it for good.
+        """
         assert self._stream is not None
-        self._stream.write(line + "\n")
-        self._stream.flush()
+        try:
+            try:
+                self._stream.write(text)
+            except UnicodeEncodeError:
+                encoding = getattr(self._stream, "encoding", None) or "ascii"
+                self._stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+            self._stream.flush()
+        except BrokenPipeError:
+            raise PermanentSinkError(
+                "ConsoleSink: its output was closed (the reader of the pipe exited); "
+                "it prints nothing more"
+            ) from None
 
     def format(self, report: Report) -> str:
         """The plain line printed for ``report``."""
@@ -158,8 +174,7 @@ class ConsoleSink(Sink):
         if len(line) >= width:
             line = line[: max(0, width - 4)] + "..."
         # Carriage return, the line, then clear what a longer previous line left behind.
-        self._stream.write(f"\r{line}\x1b[K")
-        self._stream.flush()
+        self._emit(f"\r{line}\x1b[K")
         self._drawn = True
 
     def _line(

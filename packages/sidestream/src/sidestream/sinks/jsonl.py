@@ -109,7 +109,9 @@ class JsonlSink(TrackerSink):
         self._offset: int | None = None  # bytes of the file once the last write was flushed
         # Where this sink's lines will start (it appends): a checkpoint taken before open
         # names it, so a resumed job finds every line this one delivered after it.
-        self._size_at_start = _whole_lines_size(self.path)
+        # A stream (/dev/stdout, even when the job's log is a file) is only appended to: no
+        # offset, no check of what others wrote there.
+        self._size_at_start = _whole_lines_size(self.path) if _is_regular(self.path) else 0
         if self._size_at_start:
             with contextlib.suppress(OSError):  # unreadable here: open says why
                 _check_json_lines(self.path)  # a file of another kind, refused when built

@@ -161,7 +161,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kept = read_kept_state(args.spool)
     except ValueError as error:
-        parser.error(str(error))
+        if not args.sink:
+            parser.error(
+                f"{error}; give --sink (with its --option values, and --resume-state for the "
+                "sink's delivered steps) to replay without it"
+            )
+        # Everything it would give is on the command line: a cut state file (a disk that
+        # filled as the job closed) must not stop the replay.
+        print(f"ignoring {args.spool}{STATE_SUFFIX}: {error}", file=sys.stderr)
+        kept = None
     if not args.sink:
         if kept is None:
             parser.error(

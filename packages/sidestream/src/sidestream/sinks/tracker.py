@@ -382,8 +382,21 @@ class TrackerSink(Sink):
         self.write_batch([report])
 
     def write_batch(self, reports: Sequence[Report]) -> None:
-        """Send the reports not delivered yet, in one ``send``."""
-        fresh = [report for report in reports if not self.is_delivered(report)]
+        """Send the reports not delivered yet, in one ``send``.
+
+        As if written one by one: a report at or below a step of its stream sent earlier in
+        the same batch is skipped too (a resumed job's backlog, then its first steps again).
+        """
+        fresh: list[Report] = []
+        newest: dict[str, int] = {}
+        for report in reports:
+            if self.is_delivered(report):
+                continue
+            top = newest.get(report.stream)
+            if top is not None and report.step <= top:
+                continue
+            newest[report.stream] = report.step
+            fresh.append(report)
         passed: set[str] = set()
         if self._backend_steps:
             fresh, passed = self._past_backend(fresh)
