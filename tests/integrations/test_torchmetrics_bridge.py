@@ -751,14 +751,21 @@ def test_a_counter_an_update_adds_is_refused_before_the_state_changes() -> None:
     assert maybe._bridged[0][1].local.item() == 1.0
 
 
-def test_states_replaced_behind_the_wrappers_back_are_refused() -> None:
-    # torchmetrics' own update then reset put its update count back: the wrapper read 6.0 where
-    # its one batch gave 1.0. merge_state rebinds the states without counting an update.
+def _replaced_behind_the_wrappers_back() -> tuple[Any, TorchmetricsMetric]:
+    """A wrapped SumMetric whose own update then reset ran directly (its count put back)."""
     plain = torchmetrics.SumMetric()
     metric = wrap(plain)
     metric.compute()
     plain.update(torch.tensor([5.0]))
     plain.reset()
+    assert isinstance(metric, TorchmetricsMetric)
+    return plain, metric
+
+
+def test_states_replaced_behind_the_wrappers_back_are_refused() -> None:
+    # torchmetrics' own update then reset put its update count back: the wrapper read 6.0 where
+    # its one batch gave 1.0. merge_state rebinds the states without counting an update.
+    plain, metric = _replaced_behind_the_wrappers_back()
     with pytest.raises(RuntimeError, match="its states were replaced"):
         metric.update(torch.tensor([1.0]))
     metric.reset()  # the wrapper's reset starts both over
@@ -802,11 +809,7 @@ def test_an_attribute_that_carries_no_data_may_appear_in_an_update() -> None:
 def test_a_move_does_not_launder_states_replaced_behind_the_wrappers_back() -> None:
     # to() (and a collector's bind, which calls it) took whatever the attributes held as the
     # wrapper's own: the replaced states of a direct update and reset came back as 6.0.
-    plain = torchmetrics.SumMetric()
-    metric = wrap(plain)
-    metric.compute()
-    plain.update(torch.tensor([5.0]))
-    plain.reset()
+    _, metric = _replaced_behind_the_wrappers_back()
     metric.to("cpu")
     with pytest.raises(RuntimeError, match="its states were replaced"):
         metric.update(torch.tensor([1.0]))
