@@ -142,6 +142,8 @@ def test_a_ratio_of_another_shape_is_refused_naming_the_statistic() -> None:
             "average",
         ),
         (lambda: confusion_count_metric().multiclass(3).with_fbeta(0), ValueError, "beta"),
+        # True was taken as beta = 1 (F1), silently, where False was refused.
+        (lambda: confusion_count_metric().multiclass(3).with_fbeta(True), TypeError, "beta"),
         (lambda: confusion_count_metric().multiclass(3, top_k=4), ValueError, "top_k"),
         (lambda: confusion_count_metric().multiclass(1), ValueError, "num_classes"),
         (lambda: confusion_count_metric().multiclass(2.0), TypeError, "num_classes"),
@@ -582,3 +584,23 @@ def test_weighted_multilabel_mean_with_no_positive_target_matches_sklearn(
                 ours,
                 expected,
             )
+
+
+@pytest.mark.parametrize(
+    ("kind", "preds", "target", "says"),
+    [
+        # A 0-dim multilabel batch raised a bare IndexError.
+        ("multilabel", torch.tensor(0.5), torch.tensor(1), "preds: expected"),
+        # Empty batches skipped every shape and dtype check the global metric makes.
+        ("multilabel", torch.rand(0, 5), torch.zeros(0, 5, dtype=torch.int64), "preds"),
+        ("multiclass", torch.rand(0, 4, 7), torch.zeros(0, 4), "preds"),
+    ],
+)
+def test_samplewise_checks_batches_as_the_global_metric_does(
+    kind: str, preds: torch.Tensor, target: torch.Tensor, says: str
+) -> None:
+    builder = confusion_count_metric(multidim_average="samplewise")
+    chosen = builder.multilabel(3) if kind == "multilabel" else builder.multiclass(3)
+    metric = chosen.with_accuracy().macro().build()
+    with pytest.raises(ValueError, match=says):
+        metric.update(preds, target)

@@ -133,7 +133,10 @@ class ConfusionCountMetricBuilder:
         Args:
             beta: Weight of recall against precision, finite and > 0.
         """
-        if not (isinstance(beta, int | float) and math.isfinite(beta) and beta > 0):
+        if isinstance(beta, bool) or not isinstance(beta, int | float):
+            # True would be beta = 1 (F1), silently, as no other number argument takes it.
+            raise TypeError(f"beta: expected a finite number > 0, got {beta!r}")
+        if not (math.isfinite(beta) and beta > 0):
             raise ValueError(f"beta: expected a finite number > 0, got {beta!r}")
         return self.with_statistic(FBeta(float(beta)))
 

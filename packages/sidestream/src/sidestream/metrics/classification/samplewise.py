@@ -15,7 +15,12 @@ from sidestream.metrics.classification._average import (
     check_average,
     check_zero_division,
 )
-from sidestream.metrics.classification._inputs import check_tensor, sample_counts
+from sidestream.metrics.classification._inputs import (
+    check_tensor,
+    label_flags,
+    multiclass_labels,
+    sample_counts,
+)
 from sidestream.metrics.classification._problem import Problem, ProblemKind, configure_states
 from sidestream.metrics.classification.confusion_count import macro_weights
 from sidestream.metrics.classification.statistics import Counts, Statistic, checked_ratio
@@ -74,8 +79,13 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         target_t = check_tensor("target", target, device)
         _check_positions(self._problem, preds_t)
         if preds_t.shape[0] == 0:
-            # No samples (shapes are still checked by a non-empty batch); an update all the
-            # same: compute reads local state.
+            # No samples, but shapes and dtypes checked as the global metric checks them (a
+            # wrong class count is refused on an empty batch too); an update all the same:
+            # compute reads local state.
+            if self._problem.kind is ProblemKind.MULTICLASS:
+                multiclass_labels(self._problem, preds_t, target_t, self._rejected)
+            else:
+                label_flags(self._problem, preds_t, target_t, self._rejected)
             self._metric_freshness.stale()
             return
         before = self._rejected.local.clone()
@@ -124,8 +134,8 @@ def _check_positions(problem: Problem, preds: Tensor) -> None:
         expected, least = "class indices (N, X, ...)", 2
     elif problem.kind is ProblemKind.BINARY:
         expected, least = "(N, X, ...)", 2
-    else:
-        return  # (N, ..., L): label_flags checks the shape
+    else:  # (N, ..., L): label_flags checks the rest of the shape
+        expected, least = f"(N, ..., L) with L = num_labels = {problem.num_classes}", 2
     if preds.ndim < least:
         raise ValueError(
             f"preds: expected {expected} for multidim_average='samplewise' (a sample's counts "
