@@ -217,3 +217,86 @@ def test_close_after_a_start_that_failed_halfway() -> None:
     pool._processes = [context.Process(target=print) for _ in range(2)]
     pool._stop()
     assert pool._processes == []
+
+
+def _sleep_then_rank(seconds: float) -> int:
+    time.sleep(seconds)
+    return dist.get_rank()
+
+
+def test_a_bad_timeout_is_refused_before_the_task_is_sent() -> None:
+    # It failed on "float + NoneType" after the ranks had the task, which then broke the next
+    # call ("still running; killed").
+    with DistributedPool(2) as pool:
+        with pytest.raises(TypeError, match="timeout: expected seconds > 0, got None"):
+            pool.run(_sleep_then_rank, 30.0, timeout=None)  # type: ignore[arg-type]
+        assert not pool._started  # nothing was started, nothing runs
+        assert pool.run(_sleep_then_rank, 0.0, timeout=60) == [0, 1]
+
+
+def test_calls_from_two_threads_take_turns() -> None:
+    # Each call dropped the other's results: both waited out their timeout.
+    import threading
+
+    results: dict[str, object] = {}
+    with DistributedPool(2) as pool:
+        pool.run(_sleep_then_rank, 0.0, timeout=60)  # started before the threads race
+
+        def call(name: str) -> None:
+            try:
+                results[name] = pool.run(_sleep_then_rank, 0.3, timeout=30)
+            except Exception as error:
+                results[name] = error
+
+        threads = [threading.Thread(target=call, args=(name,)) for name in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert results == {"a": [0, 1], "b": [0, 1]}
+
+
+def test_an_interrupted_call_stops_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C (or pytest-timeout) in the caller left the task running on the ranks, and the
+    # next call was blamed for it: "no result within 15 s (still running; killed)".
+    with DistributedPool(2) as pool:
+        pool.run(_sleep_then_rank, 0.0, timeout=60)
+        original = type(pool)._poll
+
+        def interrupted(self: DistributedPool, *args: object) -> object:
+            monkeypatch.setattr(type(pool), "_poll", original)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(type(pool), "_poll", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(_sleep_then_rank, 30.0, timeout=60)
+        assert not pool._started
+        started = time.monotonic()
+        assert pool.run(_sleep_then_rank, 0.0, timeout=60) == [0, 1]  # a fresh pool
+        assert time.monotonic() - started < 30
+
+
+def _gather_and_scatter_counted() -> list[str]:
+    import warnings
+
+    from sidestream.testing import count_collectives
+
+    world = dist.get_world_size()
+    with count_collectives() as calls, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # all_gather_into_tensor is deprecated on newer torch
+        dist.all_gather_into_tensor(torch.empty(world), torch.ones(1))
+        if hasattr(dist, "reduce_scatter_single"):
+            dist.reduce_scatter_single(torch.empty(1), torch.ones(world))
+    return calls
+
+
+def test_count_collectives_counts_an_old_name_once_and_the_new_scatter(
+    dist_pool: RankPool,
+) -> None:
+    # On torch 2.13 all_gather_into_tensor calls all_gather_single: one call counted twice;
+    # reduce_scatter_single was not counted at all.
+    expected = ["all_gather_into_tensor"]
+    if hasattr(dist, "reduce_scatter_single"):
+        expected.append("reduce_scatter_single")
+    for calls in dist_pool.run(_gather_and_scatter_counted, timeout=60):
+        assert calls == expected

@@ -105,11 +105,28 @@ def test_a_rank_pid_written_by_another_process_is_never_killed(
     genuine = store.get(key)
     try:
         store.set(key, str(os.getpid()))  # planted: this test process
+        torchrun_pool._pids.clear()  # read from the store again, not from what it kept
         assert os.getpid() not in torchrun_pool._rank_pids()
+        torchrun_pool._pids.clear()
         store.set(key, "not a pid")
         assert len(torchrun_pool._rank_pids()) == 1
     finally:
         store.set(key, genuine)  # type: ignore[arg-type]  # bytes, as the rank wrote it
+
+
+def test_torchrun_leaves_no_log_folder_behind() -> None:
+    # torchrun made a /tmp/torchelastic_* folder per pool start, and nothing removed it.
+    import glob
+    import tempfile
+
+    pattern = os.path.join(tempfile.gettempdir(), "torchelastic_*")
+    before = set(glob.glob(pattern))
+    with TorchrunPool(2, backend="gloo") as pool:
+        assert pool.run(os.getpid)
+        folder = pool._log_dir
+        assert folder is not None and os.path.isdir(folder.name)
+    assert set(glob.glob(pattern)) <= before
+    assert not os.path.exists(folder.name)
 
 
 def test_rejects_what_it_cannot_run() -> None:

@@ -25,6 +25,7 @@ COLLECTIVES = (
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all",
     "all_to_all_single",
     "gather",
@@ -33,18 +34,26 @@ COLLECTIVES = (
 )
 
 
+_ALIASES = {
+    "all_gather_into_tensor": "all_gather_single",
+    "reduce_scatter_tensor": "reduce_scatter_single",
+}
+"""Old names that call the new one inside them (torch 2.13): one collective, counted once."""
+
+
 @contextlib.contextmanager
 def count_collectives() -> Iterator[list[str]]:
     """Record the name of every collective issued inside the block, in order.
 
     Calls through ``torch.distributed`` and through ``distributed_c10d`` (where torch's own
     helpers call each other) both count, so ``all_gather_object`` shows its inner
-    ``all_gather`` calls too. So do the collectives a sync starts through the process group's
-    own methods (which skip the public functions' per-call checks), under the public name the
-    same call would have: ``all_gather_single`` (``all_gather_into_tensor`` on torch versions
-    without it) and ``all_reduce``. A collective that re-enters itself counts once: under a
-    ``torch.device`` context (as ``on_rank_device`` sets) torch dispatches the call again by
-    its public name.
+    ``all_gather`` calls too; an old name that calls its new one (``all_gather_into_tensor``,
+    ``all_gather_single``) counts once, under the name called. So do the collectives a sync
+    starts through the process group's own methods (which skip the public functions' per-call
+    checks), under the public name the same call would have: ``all_gather_single``
+    (``all_gather_into_tensor`` on torch versions without it) and ``all_reduce``. A collective
+    that re-enters itself counts once: under a ``torch.device`` context (as ``on_rank_device``
+    sets) torch dispatches the call again by its public name.
 
     Example:
         >>> with count_collectives() as calls:
@@ -61,11 +70,12 @@ def count_collectives() -> Iterator[list[str]]:
             if name in active:
                 return original(*args, **kwargs)
             calls.append(name)
-            active.add(name)
+            inside = {name, _ALIASES.get(name, name)} - active
+            active.update(inside)
             try:
                 return original(*args, **kwargs)
             finally:
-                active.discard(name)
+                active.difference_update(inside)
 
         return call
 

@@ -38,13 +38,28 @@ class RankPool(ABC):
     """
 
     def __init__(self, world_size: int, backend: str, collective_timeout_s: float) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size: expected an int >= 1, got {world_size!r}")
         if world_size < 1:
             raise ValueError(f"world_size: expected >= 1, got {world_size}")
+        if isinstance(collective_timeout_s, bool) or not isinstance(
+            collective_timeout_s, int | float
+        ):
+            raise TypeError(
+                f"collective_timeout_s: expected seconds > 0, got {collective_timeout_s!r}"
+            )
+        if not collective_timeout_s > 0:
+            raise ValueError(
+                f"collective_timeout_s: expected seconds > 0, got {collective_timeout_s!r}"
+            )
         self.world_size = world_size
         self.backend = backend
         self._collective_timeout_s = collective_timeout_s
         self._started = False
         self._next_task = 0
+        # One call at a time: each reads the ranks' results of its own task and would drop
+        # another thread's, which then waited out its timeout.
+        self._calls = threading.Lock()
 
     @abstractmethod
     def _start(self) -> None:
@@ -82,11 +97,31 @@ class RankPool(ABC):
         ``function`` must be picklable (defined at module level) and so must its arguments and
         results. Tensors in the results come back on the CPU.
 
+        Calls from several threads take turns. A call that is interrupted (Ctrl-C, a test
+        framework's timeout) stops the pool, as a failed one does: its task would otherwise go
+        on running under the next call.
+
         Raises:
             DistributedError: If any rank raised, did not finish within ``timeout`` seconds, or
                 died. Every rank's traceback or reason is in the message.
+            TypeError, ValueError: If ``timeout`` is not a number of seconds > 0 (before the
+                task is sent).
         """
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"timeout: expected seconds > 0, got {timeout!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
         task = pickle.dumps((function, args, kwargs))
+        with self._calls:
+            try:
+                return self._run(function, task, timeout)
+            except DistributedError:
+                raise  # the pool was closed already
+            except BaseException:
+                self.close()
+                raise
+
+    def _run(self, function: Callable[..., Any], task: bytes, timeout: float) -> list[Any]:
         if not self._started:
             self._started = True  # so close() also cleans up after a start that failed halfway
             self._next_task = 0
@@ -157,17 +192,19 @@ class RankPool(ABC):
         if not self._rank_started(rank):
             # The timeout counts from the call, a pool's start included.
             return (
-                f"no result within {timeout:.0f} s: it was still joining the process group "
+                f"no result within {timeout:g} s: it was still joining the process group "
                 "(starting the pool counts against the first call's timeout; killed)"
             )
-        return f"no result within {timeout:.0f} s (still running; killed)"
+        return f"no result within {timeout:g} s (still running; killed)"
 
     def close(self) -> None:
         """Stop every rank and forget the process group; the next ``run`` starts a new one."""
         if self._started:
-            self._stop()
-            self._started = False
-            atexit.unregister(self.close)
+            try:
+                self._stop()
+            finally:  # a stop that failed half way is not retried by every later call
+                self._started = False
+                atexit.unregister(self.close)
 
     def __enter__(self) -> RankPool:
         return self

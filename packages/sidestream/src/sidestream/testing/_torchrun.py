@@ -72,6 +72,10 @@ class TorchrunPool(RankPool):
         self._key = b""
         self._launcher: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        # torchrun's own log folder, removed at stop (left to itself, it made a
+        # /tmp/torchelastic_* folder per start and never removed it).
+        self._log_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._pids: dict[int, int] = {}  # rank -> pid, as read once: a broken store has none
 
     def run(
         self, function: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
@@ -108,6 +112,7 @@ class TorchrunPool(RankPool):
             master_listen_fd=self._listener.fileno(),
         )
         self._log = tempfile.TemporaryFile(prefix="sidestream-torchrun-")  # noqa: SIM115 (closed in _stop)
+        self._log_dir = tempfile.TemporaryDirectory(prefix="sidestream-torchrun-logs-")
         env = {
             **os.environ,
             "SIDESTREAM_POOL_STORE": f"127.0.0.1:{self._store.port}",
@@ -128,6 +133,7 @@ class TorchrunPool(RankPool):
             f"--nproc-per-node={self.world_size}",
             "--max-restarts=0",
             "--monitor-interval=0.2",
+            f"--log-dir={self._log_dir.name}",
             "-m",
             "sidestream.testing._torchrun_worker",
         ]
@@ -139,6 +145,7 @@ class TorchrunPool(RankPool):
 
     def _submit(self, task_id: int, task: bytes) -> None:
         assert self._store is not None
+        self._rank_pids()  # kept, so a stop after the store broke still finds the ranks
         signed = sign(self._key, task)
         self._store.set(f"{_PREFIX}/task/{task_id}", signed)  # type: ignore[arg-type]  # takes bytes
 
@@ -175,16 +182,20 @@ class TorchrunPool(RankPool):
         """The ranks' process ids, as each wrote it when it started (not all may have)."""
         if self._store is None:
             return []
-        pids = []
         for rank in range(self.world_size):
-            key = f"{_PREFIX}/pid/{rank}"
-            if not self._store.check([key]):
+            if rank in self._pids:
                 continue
-            try:  # signed by the rank: a pid planted by another process is never killed
-                pids.append(int(verify(self._key, self._store.get(key))))
+            key = f"{_PREFIX}/pid/{rank}"
+            try:
+                if not self._store.check([key]):
+                    continue
+                # Signed by the rank: a pid planted by another process is never killed.
+                self._pids[rank] = int(verify(self._key, self._store.get(key)))
             except ValueError:
                 continue
-        return pids
+            except Exception:  # the store broke (a payload past its size limit): what is known
+                break
+        return list(self._pids.values())
 
     def _death_reason(self, rank: int) -> str:
         code = None if self._launcher is None else self._launcher.returncode
@@ -217,4 +228,8 @@ class TorchrunPool(RankPool):
             self._log.close()
         if self._listener is not None:
             self._listener.close()
+        if self._log_dir is not None:
+            self._log_dir.cleanup()
         self._launcher, self._log, self._store, self._listener = None, None, None, None
+        self._log_dir = None
+        self._pids = {}
