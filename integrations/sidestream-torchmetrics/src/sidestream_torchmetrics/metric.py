@@ -181,11 +181,12 @@ class TorchmetricsMetric(Metric[Any]):
         # torchmetrics must never issue collectives of its own: sidestream syncs the states.
         # A refused wrap gives them back (used as it is then, the metric must sync on its
         # own), and so does a collection that refuses a later member (restore_distribution).
-        self._own_distribution = _distribution_options(metric)
+        self._own_distribution = {
+            option: getattr(metric, option) for option in _DISTRIBUTION_OPTIONS
+        }
         self._torchmetrics = metric
-        metric.sync_on_compute = False
-        metric.dist_sync_on_step = False
-        metric._to_sync = False
+        for option in _DISTRIBUTION_OPTIONS:
+            setattr(metric, option, False)
         try:
             self._bridge(metric, ops)
         except BaseException:
@@ -548,11 +549,7 @@ def _shown(value: object) -> str:
 
 
 _DISTRIBUTION_OPTIONS = ("sync_on_compute", "dist_sync_on_step", "_to_sync")
-
-
-def _distribution_options(metric: TorchmetricsBase) -> dict[str, object]:
-    """The sync options of ``metric`` (torchmetrics' own), as they are now."""
-    return {option: getattr(metric, option) for option in _DISTRIBUTION_OPTIONS}
+"""torchmetrics' own sync options: all False while wrapped (sidestream syncs the states)."""
 
 
 def _same(now: object, before: object) -> bool:

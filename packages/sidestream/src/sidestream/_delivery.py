@@ -24,7 +24,12 @@ from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner, state_before_open
 from sidestream.sinks.status import SinkStatus
-from sidestream.sinks.support import check_directory_path, check_retry_waits, check_seconds
+from sidestream.sinks.support import (
+    check_directory_path,
+    check_retry_waits,
+    check_seconds,
+    seconds_left,
+)
 from sidestream.sinks.tracker import TrackerSink, steps_as_pairs
 
 __all__ = ["Delivery", "DeliveryOptions"]
@@ -694,11 +699,6 @@ def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
         for place, held in list(_PLACES.items()):
             if (other := held()) is None or _owner(other) is None:
                 del _PLACES[place]
-
-
-def seconds_left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (a ``time.monotonic`` time; never negative), ``None`` for none."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def check_timeout(name: str, timeout: object) -> float | None:

@@ -213,9 +213,7 @@ class Metric(Generic[T], abc.ABC):
         return state
 
     def __setattr__(self, attribute: str, value: Any) -> None:
-        if attribute in _RESERVED and (
-            attribute != "_sync_group" or isinstance(value, MetricAccumulator | Metric)
-        ):
+        if attribute in _RESERVED:
             # The base class keeps its bookkeeping there: a subclass's own value (a state
             # named "_sync_group", a counter "_call_counter") broke it later, blaming another
             # cause.
@@ -563,7 +561,7 @@ class Metric(Generic[T], abc.ABC):
     @sync_group.setter
     def sync_group(self, group: Group) -> None:
         resolve_group(group)  # a wrong type fails here, not at the first collective
-        self._sync_group = group
+        object.__setattr__(self, "_sync_group", group)  # bookkeeping: past __setattr__
 
     @property
     def call_counter(self) -> CallCounter:
@@ -660,8 +658,8 @@ class Metric(Generic[T], abc.ABC):
             self._sync_as(group, fingerprint)
 
     def _sync_as(self, group: Group, fingerprint: CallFingerprint) -> None:
-        if self._sync_group is not group:  # __setattr__ costs an isinstance of Metric per sync
-            self._sync_group = group
+        if self._sync_group is not group:
+            object.__setattr__(self, "_sync_group", group)  # bookkeeping: past __setattr__
         self.verify_sync(block=False)
         prepared = self.prepare_sync(group)
         try:
@@ -1225,8 +1223,7 @@ _BOOKKEEPING = _NOT_PICKLED | {"_declarations", "_freshness_flag", "_call_counte
 """Attributes the library keeps on every metric (not a metric's own data)."""
 
 _RESERVED = _BOOKKEEPING | {"_loaded_for", "_children_loaded", "_init_depth"}
-"""Names a subclass may not assign (the library writes them past ``__setattr__``, except
-``_sync_group``, which takes a group)."""
+"""Names a subclass may not assign (the library writes them past ``__setattr__``)."""
 
 
 def own_data(metric: Metric[Any]) -> Iterator[tuple[str, Any]]:

@@ -21,7 +21,6 @@ from sidestream._delivery import (
     Delivery,
     DeliveryOptions,
     check_timeout,
-    seconds_left,
 )
 from sidestream._distributed import Group, check_process_group
 from sidestream._exit import close_at_exit, ending_with, forget_close_at_exit
@@ -35,6 +34,7 @@ from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
+from sidestream.sinks.support import seconds_left
 from sidestream.sync import check_same_setting
 
 __all__ = ["Run"]
@@ -381,15 +381,12 @@ class Run:
                 complete = False
         if self._log_pipe is not None:
             # An idle thread not yet ended in a zero timeout lost nothing.
-            undelivered = (
-                0 if self._log_pipe.stop(seconds_left(deadline)) else (self._log_pipe.undelivered)
-            )
-            if undelivered:
+            if not self._log_pipe.stop(seconds_left(deadline)) and self._log_pipe.undelivered:
                 complete = False
                 logger.warning(
                     "close: %d Run.log call(s) still waited for CUDA copies when the timeout "
                     "ran out; their values reached no sink",
-                    undelivered,
+                    self._log_pipe.undelivered,
                 )
             if self._log_pipe.dropped:
                 complete = False

@@ -732,14 +732,12 @@ def _check_representable(values: Tensor, dtype: torch.dtype) -> None:
             raise ValueError(f"initial: {shown} is not representable as bool (0 or 1 only)")
         return
     info = torch.iinfo(dtype)
-    wide = values.double() if values.is_floating_point() else values.to(torch.int64)
-    fits = (wide >= info.min) & (
-        wide < float(info.max + 1)
-        if values.is_floating_point()
-        else (wide <= min(info.max, 2**63 - 1))
-    )
     if values.is_floating_point():
-        fits = fits & torch.isfinite(wide) & (wide == wide.round())
+        wide = values.double()  # info.max + 1 is exact in float64 where info.max is not
+        fits = (wide >= info.min) & (wide < float(info.max + 1)) & (wide == wide.round())
+    else:
+        wide = values.to(torch.int64)
+        fits = (wide >= info.min) & (wide <= min(info.max, 2**63 - 1))
     if not bool(fits.all()):
         hint = ""
         if values.is_floating_point() and not bool(torch.isfinite(wide).all()):

@@ -20,7 +20,6 @@ from sidestream._delivery import (
     Delivery,
     DeliveryOptions,
     check_timeout,
-    seconds_left,
 )
 from sidestream._distributed import (
     Group,
@@ -44,6 +43,7 @@ from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sinks.status import SinkStatus
+from sidestream.sinks.support import seconds_left
 from sidestream.sync import RankMismatchError, check_same_setting
 
 __all__ = ["AsyncMetricCollector"]

@@ -84,6 +84,6 @@ class ComposeMetric(Metric[dict[str, Any]]):
 
     @sync_group.setter
     def sync_group(self, group: Group) -> None:
-        self._sync_group = group
+        object.__setattr__(self, "_sync_group", group)  # bookkeeping: past __setattr__
         for child in self._children.values():
             child.sync_group = group

@@ -23,7 +23,7 @@ from sidestream._exit import KILLED_EXIT_CODE, failed_exit_code, record_failed_e
 from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import PermanentSinkError, is_permanent
-from sidestream.sinks.support import check_seconds
+from sidestream.sinks.support import check_seconds, seconds_left
 
 __all__ = ["ProcessSink", "SinkProcessError"]
 
@@ -389,7 +389,7 @@ class ProcessSink(Sink):
                 self._restart(deadline)
             # The pipeline's idle flushes pass no timeout: a child hung in flush must be
             # stopped (and replaced by the next call) as one hung in write is.
-            limit = self._limit(_within(None, deadline))
+            limit = self._limit(seconds_left(deadline))
             done = bool(self._call("flush", limit, limit))
             if done:
                 self._unflushed.clear()
@@ -437,7 +437,7 @@ class ProcessSink(Sink):
             if not self._alive():
                 self._restart(deadline)
             try:
-                limit = self._limit(_within(None, deadline))
+                limit = self._limit(seconds_left(deadline))
                 done = bool(self._call("close", (limit, failed_exit_code()), limit))
             finally:
                 self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
@@ -596,7 +596,7 @@ def _deadline(timeout: float | None) -> float | None:
 
 def _within(limit: float | None, deadline: float | None) -> float | None:
     """``limit`` (seconds, ``None``: none), cut to what is left before ``deadline``."""
-    if deadline is None:
-        return limit
-    left = max(0.0, deadline - time.monotonic())
-    return left if limit is None else min(limit, left)
+    left = seconds_left(deadline)
+    if left is None or limit is None:
+        return limit if left is None else left
+    return min(limit, left)

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from numbers import Real
 from pathlib import Path
@@ -546,3 +547,8 @@ def _picks(is_quiet: Callable[[threading.Thread], bool], thread: threading.Threa
         return bool(is_quiet(thread))
     except Exception:  # a filter's bug must not hide another thread's error
         return False
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (a ``time.monotonic`` time; never negative), ``None`` for none."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
