@@ -222,7 +222,7 @@ def test_a_custom_metric_says_its_configuration_and_a_constant_cannot() -> None:
     source = _Thresholded(0.5)
     source.update(scores)
     saved = source.state_dict()
-    assert set(saved) == {"hits", "configuration"}
+    assert set(saved) == {"hits", "configuration", "sidestream/dtypes"}
     with pytest.raises(ValueError, match=r"state_dict\['configuration'\].*threshold=0\.9"):
         _Thresholded(0.9).load_state_dict(saved)
     resumed = _Thresholded(0.5)

@@ -335,7 +335,9 @@ def test_state_is_one_count_table_and_old_checkpoints_load() -> None:
     metric = _multiclass()
     metric.update(torch.randn(9, 4), torch.randint(0, 4, (9,)))
     saved = metric.state_dict()
-    assert sorted(saved) == ["configuration", "counts", "rejected"] and saved["counts"].shape == (
+    assert sorted(saved) == ["configuration", "counts", "rejected", "sidestream/dtypes"] and saved[
+        "counts"
+    ].shape == (
         4,
         4,
     )

@@ -244,10 +244,22 @@ def test_bad_input_raises_before_state_changes() -> None:
 def test_binned_mode_is_unchanged() -> None:
     binned = BinaryAUROCMetric(num_bins=1000)
     assert binned.num_bins == 1000 and not has_own_sync(binned)
-    assert set(binned.state_dict()) == {"histogram", "bin_layout", "configuration", "rejected"}
+    assert set(binned.state_dict()) == {
+        "histogram",
+        "bin_layout",
+        "configuration",
+        "rejected",
+        "sidestream/dtypes",
+    }
     exact = BinaryAUROCMetric(exact=True)
     assert has_own_sync(exact)  # its samples are gathered: the slow sync path
-    assert set(exact.state_dict()) == {"configuration", "rejected", "scores", "labels"}
+    assert set(exact.state_dict()) == {
+        "configuration",
+        "rejected",
+        "scores",
+        "labels",
+        "sidestream/dtypes",
+    }
     preds, target = torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])
     binned.update(preds, target)
     exact.update(preds, target)

@@ -90,7 +90,8 @@ REVIEWED_UNPICKLING = {
         "multiprocessing Pipe from its own child"
     ),
     ("testing/_pool.py", "ok, payload = pickle.loads(outcome)"): (
-        "mp.Queue, or TorchrunPool results verified with the pool's HMAC key first"
+        "a rank's own multiprocessing Pipe, or TorchrunPool results verified with the pool's "
+        "HMAC key first"
     ),
     ("testing/_pool.py", "function, args, kwargs = pickle.loads(task)"): (
         "mp.Queue, or TorchrunPool tasks verified with the pool's HMAC key first"

@@ -300,3 +300,28 @@ def test_count_collectives_counts_an_old_name_once_and_the_new_scatter(
         expected.append("reduce_scatter_single")
     for calls in dist_pool.run(_gather_and_scatter_counted, timeout=60):
         assert calls == expected
+
+
+def _rank_one_dies_mid_result() -> int:
+    """Rank 1 writes the start of a result message, then dies before the rest."""
+    import gc
+    import struct
+    from multiprocessing.connection import Connection
+
+    if dist.get_rank() == 1:
+        for thing in gc.get_objects():
+            # A result pipe's write end: writable only.
+            if type(thing) is Connection and not thing.closed and not thing.readable:
+                os.write(thing.fileno(), struct.pack("!i", 1 << 20) + b"cut short")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_in_the_middle_of_its_result_is_reported() -> None:
+    # The results once shared one queue whose write end the pool's process held too, so the
+    # read of a message cut short waited for its rest forever.
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"(?s)rank 1 -+\nprocess died with exit code -9"):
+        run_distributed(_rank_one_dies_mid_result, 2, timeout=30)
+    assert time.monotonic() - start < 60

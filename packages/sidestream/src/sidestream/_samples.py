@@ -209,8 +209,24 @@ class SampleStore:
         """``rows`` as ``load`` takes them (copies on the store's device), checked; no change.
 
         Raises:
+            The errors of ``check_rows``.
+        """
+        # A copy: the rows must not change when the caller reuses its state_dict later.
+        return {
+            name: tensor.to(self._templates[name].device, copy=True)
+            for name, tensor in self.check_rows(rows).items()
+        }
+
+    def check_rows(self, rows: dict[str, Tensor | SavedRows]) -> dict[str, Tensor]:
+        """``rows`` as tensors, checked against the fields (no copy, no change to the store).
+
+        Every rank of a load checks them, not only the one that takes them: a rank that took a
+        bad checkpoint alone would go on without the error the others raised.
+
+        Raises:
             KeyError: If a field is missing.
-            ValueError: If a row shape or dtype differs from the field's.
+            ValueError: If a row shape or dtype differs from the field's, or the fields hold
+                different numbers of rows (each row pairs one element of every field).
         """
         checked: dict[str, Tensor] = {}
         for name, template in self._templates.items():
@@ -227,8 +243,13 @@ class SampleStore:
                 raise ValueError(
                     f"state_dict[{name!r}]: expected dtype {template.dtype}, got {tensor.dtype}"
                 )
-            # A copy: the rows must not change when the caller reuses its state_dict later.
-            checked[name] = tensor.to(template.device, copy=True)
+            checked[name] = tensor
+        counts = {name: tensor.shape[0] for name, tensor in checked.items()}
+        if len(set(counts.values())) > 1:
+            raise ValueError(
+                f"state_dict: the fields {sorted(counts)} must hold one row per sample each, "
+                f"got {counts} rows (a damaged checkpoint, or fields of different saves)"
+            )
         return checked
 
     def copy_from(self, other: SampleStore) -> None:

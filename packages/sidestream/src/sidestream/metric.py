@@ -6,6 +6,7 @@ import abc
 import collections
 import functools
 import inspect
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -971,7 +972,10 @@ class Metric(Generic[T], abc.ABC):
         ``SavedRows`` (its ``rows`` tensor: every rank's rows, concatenated in rank order), an
         object ``torch.distributed.checkpoint`` saves whole, since their row count is unknown
         to the metric it loads into. A classification metric adds a hash of its problem under
-        ``prefix + "configuration"`` (an int64 tensor; see ``load_state_dict``).
+        ``prefix + "configuration"`` (an int64 tensor; see ``load_state_dict``), and the
+        ``"sidestream/dtypes"`` key holds a hash of each state's name and dtype (int64): a
+        load through ``torch.distributed.checkpoint`` converts every tensor into the dtype of
+        the metric it loads into, so only this record tells a checkpoint of another dtype.
 
         On a multi-rank job this is a blocking collective over the group of the last ``sync``
         (the default group if there was none): every rank must call it, and every rank gets the
@@ -1006,6 +1010,10 @@ class Metric(Generic[T], abc.ABC):
         }
         for key, configuration in self._configurations():
             saved[key] = torch.tensor(stable_hash(configuration))
+        if saved:
+            saved[DTYPES_KEY] = _dtype_record(
+                (name, state.local.dtype) for name, state in self.named_accumulators()
+            )
         group = resolve_group(self._sync_group)
         for prefix, store in self.named_sample_stores():
             # Every rank's rows, in rank order: the same global data on every rank.
@@ -1025,10 +1033,12 @@ class Metric(Generic[T], abc.ABC):
         Raises:
             KeyError: If ``state_dict`` lacks a state of this metric or has an unknown one.
             TypeError: If a saved value is not a tensor (or numbers).
-            ValueError: If a saved tensor's shape or dtype differs from the state's, or the
-                checkpoint was saved with another constant (``MetricAccumulator.constant``:
-                bins, a shift) or another classification configuration (threshold, top-k,
-                ...). A checkpoint saved before the metric kept either loads as it is.
+            ValueError: If a saved tensor's shape or dtype differs from the state's (also
+                where ``torch.distributed.checkpoint`` converted it: the checkpoint's
+                ``"sidestream/dtypes"`` record tells), or the checkpoint was saved with another
+                constant (``MetricAccumulator.constant``: bins, a shift) or another
+                classification configuration (threshold, top-k, ...). A checkpoint saved before
+                the metric kept any of these loads as it is.
             RuntimeError: If the metric is bound to an open collector (load before ``bind``:
                 ``collector.load_state_dict`` or ``run.load_state_dict``).
         """
@@ -1060,6 +1070,7 @@ class Metric(Generic[T], abc.ABC):
                 state_dict[name] = state.initial.clone()
         for key, configuration in self._configurations():
             _check_saved_configuration(key, state_dict.pop(key, None), configuration)
+        dtype_record = state_dict.pop(DTYPES_KEY, None)
         stores = list(self.named_sample_stores())
         store_keys = {prefix + name for prefix, store in stores for name in store.fields}
         missing = sorted((set(states) | store_keys) - set(state_dict))
@@ -1092,15 +1103,19 @@ class Metric(Generic[T], abc.ABC):
                     "checkpoint of a different metric or configuration)"
                 )
             saved[name] = tensor
+        _check_saved_dtypes(dtype_record, states)
         load_group = resolve_group(self._sync_group)
         owner = group_rank(load_group) == 0
         loaded_for = group_ranks(load_group)
-        rows = [
-            store.checked_rows({name: state_dict[prefix + name] for name in store.fields})
-            if owner
-            else None
+        # Checked on every rank: one that skipped the check would take the load the others
+        # refused, and the group's calls would no longer pair.
+        given = [
+            (store, {name: state_dict[prefix + name] for name in store.fields})
             for prefix, store in stores
         ]
+        for store, fields in given:
+            store.check_rows(fields)
+        rows = [store.checked_rows(fields) if owner else None for store, fields in given]
         targets = [state.local for state in states.values()]
         if owner:
             sources = [saved[name].to(state.device) for name, state in states.items()]
@@ -1157,6 +1172,49 @@ def _check_load_group(loaded_for: tuple[int, ...], group: Group) -> None:
             "otherwise; set metric.sync_group = group before load_state_dict (the group it "
             "syncs over, for example mesh['dp']), or reset() the metric to drop the loaded state"
         )
+
+
+DTYPES_KEY = "sidestream/dtypes"
+"""The ``state_dict`` key of the states' dtype record (no state name holds a ``/``)."""
+
+# Every dtype torch names, for telling which one a checkpoint recorded.
+_KNOWN_DTYPES = tuple(
+    dict.fromkeys(value for value in vars(torch).values() if isinstance(value, torch.dtype))
+)
+
+
+def _dtype_record(states: Iterator[tuple[str, torch.dtype]]) -> torch.Tensor:
+    """A hash of each ``(state name, dtype)``, sorted: what ``_check_saved_dtypes`` reads."""
+    return torch.tensor(sorted(stable_hash(f"{name}:{dtype}") for name, dtype in states))
+
+
+def _check_saved_dtypes(saved: object, states: dict[str, MetricAccumulator]) -> None:
+    """Raise if the checkpoint recorded a state in a dtype that does not load into it.
+
+    ``None``: a checkpoint from before the record (or a child's part of its parent's); a state
+    the record does not name (saved by a layout without it) is not checked either.
+    """
+    if saved is None:
+        return
+    try:
+        recorded = set(torch.as_tensor(saved).reshape(-1).tolist())
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(
+            f"state_dict[{DTYPES_KEY!r}]: expected the states' dtype record (an int64 tensor), "
+            f"got {saved!r}"
+        ) from error
+    for name, state in states.items():
+        dtype = state.local.dtype
+        if stable_hash(f"{name}:{dtype}") in recorded:
+            continue
+        found = next((d for d in _KNOWN_DTYPES if stable_hash(f"{name}:{d}") in recorded), None)
+        if found is not None and not _widens(found, dtype):
+            raise ValueError(
+                f"state_dict[{name!r}]: expected dtype {dtype}, saved as {found} (the "
+                "checkpoint's record says so: torch.distributed.checkpoint converted it on load, "
+                "which rounds, overflows or wraps the saved numbers; a checkpoint of a metric "
+                "made with another dtype)"
+            )
 
 
 def _check_saved_configuration(key: str, saved: object, configuration: str) -> None:
@@ -1265,8 +1323,8 @@ def _place_in_tree(metric: Metric[Any], home: Arena | None) -> str:
 def _saved_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
     """``state_dict[name]`` as a tensor with no autograd history, checked for a readable kind.
 
-    A Python float takes a floating state's dtype, and a Python int any state's dtype that
-    holds it exactly (``5`` for an int32 count).
+    A Python float takes a floating state's dtype (rounded; refused past its range), and a
+    Python int any state's dtype that holds it exactly (``5`` for an int32 count).
 
     Raises:
         TypeError: If ``value`` is neither a tensor nor a number.
@@ -1283,6 +1341,11 @@ def _saved_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
         )
     if isinstance(value, float) and dtype.is_floating_point:
         tensor = torch.as_tensor(value, dtype=dtype)
+        if math.isfinite(value) and not bool(torch.isfinite(tensor)):
+            raise ValueError(
+                f"state_dict[{name!r}]: {value!r} is past the range of this state's {dtype} "
+                f"(at most {torch.finfo(dtype).max:g} in magnitude)"
+            )
     elif isinstance(value, int) and not isinstance(value, bool) and dtype is not torch.bool:
         try:
             exact: torch.Tensor | None = torch.as_tensor(value, dtype=dtype)

@@ -17,6 +17,7 @@ import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -229,7 +230,7 @@ def _worker(
     backend: str,
     collective_timeout_s: float,
     tasks: Any,
-    results: Any,
+    results: Connection,
     ready: Any,
     parent: int,
 ) -> None:
@@ -260,7 +261,7 @@ def _worker(
             timeout=timedelta(seconds=collective_timeout_s),
         )
     except BaseException:
-        results.put((_START_FAILED, rank, traceback.format_exc().encode()))
+        results.send((_START_FAILED, traceback.format_exc().encode()))
         raise
     # Shared memory, written at once: a queued message may be lost when the rank dies.
     ready[rank] = 1
@@ -270,7 +271,7 @@ def _worker(
             if task == _STOP:
                 break
             task_id, payload = task
-            results.put((task_id, rank, run_task(payload)))
+            results.send((task_id, run_task(payload)))
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -283,6 +284,23 @@ def _end_with_parent(parent: int, store_path: str, rank: int) -> None:
     if rank == 0:  # nobody else will remove the pool's temporary directory
         shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
     os.killpg(0, signal.SIGKILL)
+
+
+def _read_results(rank: int, results: Connection, inbox: queue.SimpleQueue[Any]) -> None:
+    """Move ``rank``'s messages into ``inbox`` until its end of the pipe closes.
+
+    A thread of its own, so a message cut short by the rank's death blocks this thread only
+    until the pipe reports its end (the rank holds the only write end), never the pool's wait.
+    The thread owns ``results`` and closes it: closed by another thread while this one reads,
+    its descriptor could be reused under the read.
+    """
+    with results:
+        while True:
+            try:
+                message = results.recv()
+            except (EOFError, OSError):  # the rank is gone (or its message was cut short)
+                return
+            inbox.put((rank, message))
 
 
 class DistributedPool(RankPool):
@@ -324,7 +342,7 @@ class DistributedPool(RankPool):
         self._context = mp.get_context("spawn")
         self._processes: list[BaseProcess] = []
         self._tasks: list[Any] = []
-        self._results: Any = None
+        self._results: queue.SimpleQueue[Any] | None = None
         self._store_dir: tempfile.TemporaryDirectory[str] | None = None
         self._ready: Any = None
         self._start_errors: dict[int, str] = {}
@@ -334,8 +352,11 @@ class DistributedPool(RankPool):
         self._start_errors = {}
         self._store_dir = tempfile.TemporaryDirectory(prefix="sidestream-pg-")
         store_path = os.path.join(self._store_dir.name, "store")
-        self._results = self._context.Queue()
+        self._results = queue.SimpleQueue()
         self._tasks = [self._context.Queue() for _ in range(self.world_size)]
+        # One pipe per rank, its write end in that rank only: a rank that dies mid-message ends
+        # its pipe, where a shared queue (whose write end this process holds too) waits forever.
+        pipes = [self._context.Pipe(duplex=False) for _ in range(self.world_size)]
         self._processes = [
             self._context.Process(
                 target=_worker,
@@ -346,7 +367,7 @@ class DistributedPool(RankPool):
                     self.backend,
                     self._collective_timeout_s,
                     self._tasks[rank],
-                    self._results,
+                    pipes[rank][1],
                     self._ready,
                     os.getpid(),
                 ),
@@ -357,16 +378,27 @@ class DistributedPool(RankPool):
             )
             for rank in range(self.world_size)
         ]
-        for process in self._processes:
-            process.start()
+        try:
+            for process in self._processes:
+                process.start()
+        finally:
+            for rank, (reader, writer) in enumerate(pipes):
+                writer.close()  # each started rank has its own copy (a rank never started: EOF)
+                threading.Thread(
+                    target=_read_results,
+                    args=(rank, reader, self._results),
+                    daemon=True,
+                    name=f"sidestream-results-{rank}",
+                ).start()
 
     def _submit(self, task_id: int, task: bytes) -> None:
         for task_queue in self._tasks:
             task_queue.put((task_id, task))
 
     def _poll(self, task_id: int, waiting: set[int], wait_s: float) -> list[tuple[int, bytes]]:
+        assert self._results is not None
         try:
-            got_id, rank, outcome = self._results.get(timeout=wait_s)
+            rank, (got_id, outcome) = self._results.get(timeout=wait_s)
         except queue.Empty:
             return []
         if got_id == _START_FAILED:
@@ -381,7 +413,7 @@ class DistributedPool(RankPool):
         """Take the start failures still queued (the rank died before they were polled)."""
         while self._results is not None:
             try:
-                got_id, rank, outcome = self._results.get(timeout=0.5)
+                rank, (got_id, outcome) = self._results.get(timeout=0.5)
             except queue.Empty:
                 return
             if got_id == _START_FAILED:
@@ -421,10 +453,9 @@ class DistributedPool(RankPool):
             if process.is_alive():
                 _kill_group(process)
                 process.join(timeout=5.0)
-        for task_queue in [*self._tasks, self._results]:
-            if task_queue is not None:
-                task_queue.close()
-                task_queue.cancel_join_thread()
+        for task_queue in self._tasks:
+            task_queue.close()
+            task_queue.cancel_join_thread()
         self._processes, self._tasks, self._results = [], [], None
         if self._store_dir is not None:
             self._store_dir.cleanup()

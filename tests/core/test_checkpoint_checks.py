@@ -1,0 +1,132 @@
+"""A checkpoint that cannot load as saved is refused before any state changes, on every rank.
+
+Through ``torch.distributed.checkpoint`` too, which converts each saved tensor into the dtype of
+the metric it loads into: only the checkpoint's dtype record tells such a load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from sklearn.metrics import roc_auc_score
+
+from sidestream import MeanMetric, Metric, ReduceOp
+from sidestream._samples import SavedRows
+from sidestream.metric import DTYPES_KEY
+from sidestream.metrics.classification import BinaryAUROCMetric
+from sidestream.testing import RankPool
+
+
+class _Total(Metric[torch.Tensor]):
+    def __init__(self, dtype: torch.dtype) -> None:
+        self._total = self.add_state("total", torch.zeros((), dtype=dtype), op=ReduceOp.MAX)
+
+    def update(self, values: torch.Tensor) -> None:
+        self._total.accumulate(values.to(self._total.local.dtype).max())
+
+    def compute(self) -> torch.Tensor:
+        return self._total.value
+
+
+@pytest.mark.parametrize(
+    ("saved_dtype", "loaded_dtype", "value"),
+    [
+        (torch.int64, torch.int32, 2**33 + 5),  # DCP wrapped it to 5
+        (torch.float64, torch.int64, 2.7),  # truncated to 2
+        (torch.int64, torch.bool, 7),  # became True
+        (torch.float64, torch.float16, 1e5),  # overflowed to inf
+    ],
+)
+def test_dcp_refuses_a_checkpoint_of_another_dtype(
+    tmp_path: Path, saved_dtype: torch.dtype, loaded_dtype: torch.dtype, value: float
+) -> None:
+    source = _Total(saved_dtype)
+    source.update(torch.tensor([value], dtype=saved_dtype))
+    dcp.save({"metric": source}, checkpoint_id=str(tmp_path))
+    target = _Total(loaded_dtype)
+    target.update(torch.ones(1, dtype=loaded_dtype))
+    with pytest.raises(ValueError, match=rf"state_dict\['total'\]: expected dtype {loaded_dtype}"):
+        dcp.load({"metric": target}, checkpoint_id=str(tmp_path))
+    assert target.compute().item() == 1  # untouched
+
+
+def test_dcp_refuses_a_mean_of_another_dtype_and_loads_a_narrower_one(tmp_path: Path) -> None:
+    values = torch.full((1000,), 100.0, dtype=torch.float64)
+    source = MeanMetric()  # float64 sums
+    source.update(values)
+    dcp.save({"metric": source}, checkpoint_id=str(tmp_path / "wide"))
+    with pytest.raises(ValueError, match=r"'total'.*saved as torch.float64"):
+        dcp.load({"metric": MeanMetric(dtype=torch.float16)}, checkpoint_id=str(tmp_path / "wide"))
+    narrow = MeanMetric(dtype=torch.float32)
+    narrow.update(values.float())
+    dcp.save({"metric": narrow}, checkpoint_id=str(tmp_path / "narrow"))
+    wide = MeanMetric()
+    dcp.load({"metric": wide}, checkpoint_id=str(tmp_path / "narrow"))  # widens exactly
+    assert wide.compute().item() == values.mean().item()
+
+
+def test_a_checkpoint_without_the_record_still_loads() -> None:
+    source = _Total(torch.int64)
+    source.update(torch.tensor([3]))
+    older = {key: value for key, value in source.state_dict().items() if key != DTYPES_KEY}
+    target = _Total(torch.int64)
+    target.load_state_dict(older)
+    assert target.compute().item() == 3
+
+
+def test_a_python_float_past_a_states_range_is_refused() -> None:
+    metric = _Total(torch.float16)
+    with pytest.raises(
+        ValueError,
+        match=r"'total'\]: 10000000000.0 is past the range of this state's torch.float16",
+    ):
+        metric.load_state_dict({"total": 1e10})
+    metric.load_state_dict({"total": 2.5})
+    assert metric.compute().item() == 2.5
+
+
+@pytest.mark.parametrize("cut", ["scores", "labels"])
+def test_exact_rows_of_different_lengths_are_refused(cut: str) -> None:
+    scores, labels = [0.1, 0.9, 0.4, 0.8], [0, 1, 1, 0]
+    source = BinaryAUROCMetric(exact=True)
+    source.update(torch.tensor(scores), torch.tensor(labels))
+    saved = source.state_dict()
+    saved[cut] = SavedRows(saved[cut].rows[:2])
+    target = BinaryAUROCMetric(exact=True)
+    target.update(torch.tensor(scores), torch.tensor(labels))
+    with pytest.raises(ValueError, match=r"one row per sample.*'scores': \d, 'labels': \d"):
+        target.load_state_dict(saved)
+    assert target.compute().item() == pytest.approx(roc_auc_score(labels, scores))
+
+
+def _load_bad_rows_then_sync() -> tuple[str, float]:
+    metric = BinaryAUROCMetric(exact=True)
+    scores = [0.2 + 0.1 * dist.get_rank(), 0.7]
+    metric.update(torch.tensor(scores), torch.tensor([0, 1]))
+    saved = {
+        "rejected": torch.tensor(0),
+        "configuration": metric.state_dict()["configuration"],
+        "scores": SavedRows(torch.zeros(3, 1, dtype=torch.float32)),  # float64 rows expected
+        "labels": SavedRows(torch.zeros(3, 1, dtype=torch.int8)),
+    }
+    try:
+        metric.load_state_dict(saved)
+        refused = "accepted"
+    except ValueError as error:
+        refused = str(error)
+    metric.sync()  # the calls still pair: every rank refused the load
+    return refused, float(metric.compute())
+
+
+def test_every_rank_refuses_rows_that_do_not_load(dist_pool: RankPool) -> None:
+    results = dist_pool.run(_load_bad_rows_then_sync)
+    n = dist_pool.world_size
+    scores = [value for rank in range(n) for value in (0.2 + 0.1 * rank, 0.7)]
+    expected = roc_auc_score([0, 1] * n, scores)
+    for refused, value in results:
+        assert "expected dtype torch.float64, got torch.float32" in refused
+        assert value == pytest.approx(expected)
