@@ -59,3 +59,15 @@ def test_version_from_a_source_tree_with_nothing_installed(monkeypatch, tmp_path
     assert _version.distribution_version("pkg", str(init)) == _version.UNKNOWN
     (tmp_path / "pkg" / "pyproject.toml").write_text('[project]\nname = "pkg"\nversion = "2.5"\n')
     assert _version.distribution_version("pkg", str(init)) == "2.5"
+
+
+def test_every_distribution_ships_the_license() -> None:
+    # Declared Apache-2.0, shipped without its text: hatchling puts a LICENSE next to each
+    # pyproject into the sdist and the wheel (License-File).
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    folders = [ROOT / "packages/sidestream"]
+    folders += [ROOT / f"integrations/sidestream-{name}" for name in INTEGRATIONS]
+    for folder in folders:
+        assert (folder / "LICENSE").read_text() == text, folder
+        assert _project(folder / "pyproject.toml")["license"] == "Apache-2.0"

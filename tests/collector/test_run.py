@@ -1055,3 +1055,29 @@ def test_a_checkpoint_of_another_metric_names_the_collector_it_was_loaded_into(
     with pytest.raises(KeyError, match=r"collector 'train': state_dict: missing keys"):
         first.load_state_dict(saved)
     assert first.close()
+
+
+def test_a_run_resumes_without_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # numpy is no dependency of the core; loading a checkpoint read tensors through it and
+    # failed with "Numpy is not available" where it was not installed.
+    def no_numpy(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+        raise RuntimeError("Numpy is not available")
+
+    run = Run([JsonlSink(tmp_path / "a.jsonl")])
+    metric = SumMetric()
+    collector = run.collector(metric, prefix="train").bind("cpu")
+    metric.update(torch.tensor([2.0, 3.0]))
+    collector.schedule_collection(1)
+    state = run.state_dict()
+    assert run.close()
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    resumed = Run([JsonlSink(tmp_path / "a.jsonl")])
+    again = SumMetric()
+    continued = resumed.collector(again, prefix="train")
+    resumed.load_state_dict(state)
+    continued.bind("cpu")
+    again.update(torch.tensor([4.0]))
+    continued.schedule_collection(2)
+    assert resumed.close()
+    values = {r["step"]: r["values"]["train"] for r in read_jsonl(tmp_path / "a.jsonl")}
+    assert values == {1: 5.0, 2: 4.0}

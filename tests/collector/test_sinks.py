@@ -8,8 +8,10 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from sidestream.sinks import (
     Sink,
     SinkRunner,
     available_sinks,
+    jsonl,
     read_jsonl,
     read_spool,
     sinks_from_config,
@@ -823,6 +826,59 @@ def test_jsonl_to_stdout_shares_a_log_file_with_the_trainer(
     lines = log.read_text().splitlines()[1 if earlier else 0 :]
     assert lines[1:] == ["the trainer prints", lines[2], "True"]
     assert [json.loads(lines[i])["step"] for i in (0, 2)] == [1, 2]
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+def test_jsonl_resumed_on_a_file_under_dev_shm_writes_each_step_once() -> None:
+    # Any path under /dev or /proc was taken for a stream: a tmpfs file in /dev/shm had no
+    # checkpoint offset, so the resumed job wrote its steps after the checkpoint again.
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        path = folder / "m.jsonl"
+        first = JsonlSink(path)
+        first.open(RunInfo())
+        for step in (1, 2, 3):
+            first.write(_report(step))
+        checkpoint = first.state_dict()
+        for step in (4, 5):  # delivered after the checkpoint, then the job dies
+            first.write(_report(step))
+        first.close()
+        assert checkpoint["offset"] > 0
+        resumed = JsonlSink(path)
+        resumed.load_state_dict(checkpoint)
+        resumed.open(RunInfo())
+        for step in (4, 5, 6):
+            resumed.write(_report(step))
+        resumed.close()
+        with path.open() as file:
+            assert [json.loads(line)["step"] for line in file] == [1, 2, 3, 4, 5, 6]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_jsonl_takes_descriptor_names_for_streams_and_other_paths_for_what_they_are(
+    tmp_path: Path,
+) -> None:
+    # Streams by their exact names (and links to them), not by being under /dev or /proc;
+    # everything else by what it is, so a pipe or a device is still no regular file.
+    log = tmp_path / "log.txt"
+    os.mkfifo(tmp_path / "out.fifo")
+    (tmp_path / "fds").symlink_to("/dev/fd")  # a linked folder on the way
+    with log.open("ab") as out:
+        fd = out.fileno()
+        streams = [f"/dev/fd/{fd}", f"/proc/self/fd/{fd}", f"{tmp_path}/fds/{fd}"]
+        for name in ("/dev/stdout", "/dev/stderr"):
+            if Path(name).is_symlink():  # where they exist as links
+                streams.append(name)
+        (tmp_path / "link").symlink_to(f"/proc/self/fd/{fd}")
+        streams.append(str(tmp_path / "link"))
+        for stream in streams:  # each leads to the regular log file
+            assert not jsonl._is_regular(Path(stream)), stream
+    assert not jsonl._is_regular(tmp_path / "out.fifo")
+    assert not jsonl._is_regular(Path("/dev/null"))
+    assert jsonl._is_regular(log)
+    assert jsonl._is_regular(tmp_path / "new.jsonl")
 
 
 @pytest.mark.parametrize("refusal", [errno.EACCES, errno.EROFS])

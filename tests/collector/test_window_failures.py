@@ -3,6 +3,7 @@ misuse that broke it later is refused at bind (defects a probe found on landed c
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -290,3 +291,91 @@ def test_a_base_exception_in_compute_fails_its_window_instead_of_the_dispatcher(
         collector.collect_results(timeout=30)
     assert not collector.close(timeout=30)  # a window failed
     assert [report.step for report in sink.reports] == [1, 2, 4]
+
+
+def test_a_second_thread_scheduling_at_the_same_time_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both calls copied the live state before either reset it: the windows summed to 1508 and
+    # 1545 where 1500 had been added, with no error.
+    import threading
+
+    metric = SumMetric()
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    inside, go_on = threading.Event(), threading.Event()
+    real = Slot.start_from_live
+
+    def slow(self: Slot, step: int) -> Any:
+        inside.set()
+        go_on.wait(30)
+        return real(self, step)
+
+    monkeypatch.setattr(Slot, "start_from_live", slow)
+    metric.update(torch.tensor([1.0]))
+    first = threading.Thread(target=collector.schedule_collection, args=(1,))
+    first.start()
+    assert inside.wait(30)
+    with pytest.raises(RuntimeError, match="from another thread while a call is in progress"):
+        collector.schedule_collection(2)
+    go_on.set()
+    first.join(30)
+    monkeypatch.setattr(Slot, "start_from_live", real)
+    metric.update(torch.tensor([2.0]))
+    collector.schedule_collection(2)  # the refused call used no step
+    assert collector.collect_results(timeout=30) == 2.0
+    assert collector.close(timeout=30)
+
+
+def test_a_wait_for_a_slot_that_was_interrupted_leaves_its_step_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    metric = SumMetric()
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    real = AsyncMetricCollector._take_slot
+
+    def interrupted(self: AsyncMetricCollector) -> Slot:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AsyncMetricCollector, "_take_slot", interrupted)
+    metric.update(torch.tensor([3.0]))
+    with pytest.raises(KeyboardInterrupt):
+        collector.schedule_collection(1)
+    monkeypatch.setattr(AsyncMetricCollector, "_take_slot", real)
+    collector.schedule_collection(1)  # once refused as "expected > the previous window's 1"
+    assert collector.collect_results(timeout=30) == 3.0
+    assert collector.close(timeout=30)
+
+
+def test_an_interrupted_close_says_how_many_windows_are_not_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Ctrl-C in close lost the windows still computing without a word (29 of 40 delivered).
+    import threading
+
+    from sidestream import Run
+    from sidestream.collector._dispatcher import Dispatcher
+
+    release = threading.Event()
+
+    class Stalled(SumMetric):
+        def compute(self) -> torch.Tensor:
+            release.wait(30)
+            return super().compute()
+
+    def interrupted(self: Dispatcher, timeout: float | None) -> bool:
+        raise KeyboardInterrupt
+
+    run = Run([])
+    collector = run.collector(Stalled(), prefix="train", max_slots=8).bind("cpu")
+    for step in range(1, 4):
+        collector.schedule_collection(step)
+    monkeypatch.setattr(Dispatcher, "stop", interrupted)
+    with caplog.at_level("WARNING"), pytest.raises(KeyboardInterrupt):
+        run.close(30)
+    release.set()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        re.search(r"close was interrupted: [1-3] window\(s\) of stream 'train' not finished", m)
+        for m in messages
+    ), messages
+    assert sum("not finished" in m for m in messages) == 1  # said once, by the collector

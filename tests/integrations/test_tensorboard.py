@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -699,3 +700,47 @@ def test_a_log_dir_it_may_not_write_fails_at_open_for_good(
         return
     with pytest.raises(PermanentSinkError, match=r"tb cannot be written .*a log_dir in a folder"):
         sink.open(RunInfo())
+
+
+def test_a_sink_built_by_object_without_tensorboard_names_the_extra_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # open raised a bare "ModuleNotFoundError: No module named 'tensorboard'", naming no
+    # install command (MlflowSink and WandbSink name theirs).
+    from sidestream.sinks import is_permanent
+
+    sink = TensorBoardSink(log_dir=str(tmp_path / "tb"))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # "import tensorboard" fails
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    message = r"tensorboard is not installed .*pip install \"sidestream\[tensorboard\]\""
+    with pytest.raises(PermanentSinkError, match=message) as raised:
+        sink.open(RunInfo())
+    assert is_permanent(raised.value)
+
+
+def test_a_writer_made_anew_without_tensorboard_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The other place the sink makes a writer: after a failed one, on the retry.
+    sink = TensorBoardSink(log_dir=str(tmp_path / "tb"))
+    sink.open(RunInfo())
+    sink._discard_writer()  # as a failed write does
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(PermanentSinkError, match=r"sidestream\[tensorboard\]"):
+        sink.write(Report(step=0, values={"loss": 0.5}, time=time.time()))
+    monkeypatch.undo()
+    sink.close(timeout=30)
+
+
+def test_a_comment_names_the_default_directory_and_is_refused_with_a_log_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SummaryWriter appends comment to its default directory's name only: with a log_dir it
+    # was accepted and silently did nothing.
+    with pytest.raises(ValueError, match=r"comment: it only ends the name of the default .*'-lr3'"):
+        TensorBoardSink(log_dir=str(tmp_path / "tb"), comment="-lr3")
+    TensorBoardSink(log_dir=str(tmp_path / "tb"), comment="")  # no comment: nothing lost
+    monkeypatch.chdir(tmp_path)
+    default = TensorBoardSink(comment="-lr3")
+    assert default.log_dir.startswith(str(tmp_path / "runs")) and default.log_dir.endswith("-lr3")

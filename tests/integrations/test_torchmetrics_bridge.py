@@ -839,3 +839,19 @@ def test_a_metric_refused_after_its_sync_was_switched_off_gets_it_back() -> None
         wrap(collection)
     for metric in (alone, *collection.values()):
         assert metric.sync_on_compute and metric._to_sync
+
+
+def test_importing_the_bridge_without_torchmetrics_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It raised a bare "No module named 'torchmetrics'", naming no install command.
+    import importlib
+    import sys
+
+    for name in [name for name in sys.modules if name.startswith("sidestream_torchmetrics")]:
+        monkeypatch.delitem(sys.modules, name)  # restored afterwards, as the other tests use them
+    monkeypatch.setitem(sys.modules, "torchmetrics", None)  # "import torchmetrics" fails
+    message = r"needs torchmetrics .*pip install \"sidestream\[torchmetrics\]\""
+    with pytest.raises(ModuleNotFoundError, match=message) as raised:
+        importlib.import_module("sidestream_torchmetrics")
+    assert raised.value.name == "torchmetrics"  # pytest.importorskip and the like still skip

@@ -694,3 +694,85 @@ def test_a_dir_wandb_cannot_use_is_refused_when_built_or_named_at_open(
     assert sink.run_dir is not None and not sink.run_dir.startswith(str(later))
     assert "wandb could not write in dir=" in caplog.text and sink.run_dir in caplog.text
     assert sink.close(timeout=60)
+
+
+def test_the_wandb_extra_installs_the_numpy_its_histograms_need() -> None:
+    # sidestream[wandb] installed no numpy (wandb does not need it): every histogram failed.
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parents[2]
+    pyproject = tomllib.loads((root / "integrations/sidestream-wandb/pyproject.toml").read_text())
+    names = {Requirement(dependency).name for dependency in pyproject["project"]["dependencies"]}
+    assert "numpy" in names
+
+
+def test_a_histogram_torch_cannot_hand_to_numpy_fails_the_sink_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's "Numpy is not available" is a RuntimeError, which the pipeline took for a
+    # transient failure and retried forever.
+    import torch
+
+    from sidestream.sinks import PermanentSinkError, is_permanent
+
+    def no_numpy(self: torch.Tensor) -> Any:
+        raise RuntimeError("Numpy is not available")
+
+    sink = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    sink.open(RunInfo(name="no-numpy"))
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    histogram = {"scores": torch.tensor([3.0, 5.0])}
+    with pytest.raises(PermanentSinkError, match=r"'scores' needs numpy.*sidestream\[wandb\]") as e:
+        sink.write(Report(step=0, values={"loss": 0.7}, time=time.time(), histograms=histogram))
+    assert is_permanent(e.value)
+    monkeypatch.undo()
+    sink.close(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"fork_from": "abcd1234?_step=1", "resume": "must"}, "fork_from, resume"),
+        ({"resume_from": "abcd1234?_step=1", "resume": "allow"}, "resume, resume_from"),
+        ({"fork_from": "abcd1234?_step=1", "resume_from": "abcd1234?_step=1"}, "fork_from, "),
+    ],
+)
+def test_two_ways_to_start_from_an_earlier_run_fail_when_the_sink_is_built(
+    options: dict[str, Any], named: str
+) -> None:
+    # fork_from or resume_from with resume built, and failed only at open on rank 0 once
+    # training ran ("fork_from, resume, or resume_from are mutually exclusive").
+    from sidestream.sinks import sinks_from_config
+
+    message = rf"{named}.*wandb takes only one of fork_from, resume and resume_from"
+    with pytest.raises(ValueError, match=message):
+        sinks_from_config({"wandb": {"mode": "offline", **options}})
+    with pytest.raises(ValueError, match=message):
+        WandbSink(project="p", mode="offline", **options)
+    # resume=False is no resume (wandb reads it as None).
+    WandbSink(project="p", mode="offline", fork_from="abcd1234?_step=1", resume=False)
+
+
+def test_a_forked_run_resumed_from_a_checkpoint_continues_the_fork(tmp_path: Path) -> None:
+    # The resumed job passed the fork's id with resume="allow" and fork_from again: wandb
+    # refused them together at open. And so did a given id with fork_from.
+    first = WandbSink(project="p", mode="offline", dir=str(tmp_path), fork_from="abcd1234?_step=1")
+    first.open(RunInfo(name="fork"))
+    first.write(Report(step=0, values={"loss": 0.5}, time=time.time()))
+    assert first.close(timeout=60)
+    checkpoint = first.state_dict()
+    resumed = WandbSink(
+        project="p", mode="offline", dir=str(tmp_path), fork_from="abcd1234?_step=1"
+    )
+    resumed.load_state_dict(checkpoint)
+    resumed.open(RunInfo(name="fork"))
+    assert resumed.run_id == first.run_id
+    assert resumed.close(timeout=60)
+    named = WandbSink(
+        project="p", mode="offline", dir=str(tmp_path), id="myfork01", fork_from="abcd1234?_step=1"
+    )
+    named.open(RunInfo(name="named fork"))
+    assert named.run_id == "myfork01"
+    assert named.close(timeout=60)

@@ -11,6 +11,7 @@ build per graph) and runs in ``nox -s compile`` (marker ``compile``, enabled by
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -180,6 +181,18 @@ CASES: dict[str, tuple[Callable[[], Metric[Any]], Batch]] = {
         ),
         _multiclass_positions,
     ),
+    # Multilabel samplewise: the shape check's message held num_labels, a symbolic int under
+    # dynamic=True, and was built on every call (Dynamo cannot format one).
+    "f1_samplewise_multilabel": (
+        lambda: (
+            confusion_count_metric(multidim_average="samplewise")
+            .multilabel(C)
+            .with_f1()
+            .micro()
+            .build()
+        ),
+        _multilabel,
+    ),
     # Few bins: a batch of at least 2 * classes * bins elements is counted by bincount on CPU.
     "binary_auroc_few_bins": (lambda: BinaryAUROCMetric(16), _binary),
     "multiclass_auroc_few_bins": (
@@ -309,6 +322,52 @@ def test_compiled_bad_values_are_counted_and_dropped() -> None:
     assert float(metric.compute()) == 1.5
     with pytest.raises(ValueError, match="weights"):
         metric.update(torch.tensor([5.0]), torch.tensor([-1.0]))  # eager on CPU still raises
+
+
+@pytest.mark.parametrize("nan_strategy", ["disable", "ignore"])
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_compiled_bad_number_weight_of_an_empty_batch_is_counted_and_dropped(
+    nan_strategy: str, dynamic: bool | None
+) -> None:
+    """Eager refuses a bad number as weights, empty batch or not; compiled it is counted.
+
+    The number was checked only as the batch's weights, expanded to the values' shape (or
+    zeroed where a value is NaN): an empty batch had none, and was kept, uncounted.
+    """
+    metric = WeightedMeanMetric(nan_strategy=nan_strategy)  # type: ignore[arg-type]
+    step = torch.compile(metric.update, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    step(torch.tensor([1.0, 3.0]), 1.0)
+    step(torch.empty(0), 2.0)  # a good number: kept, weighs nothing
+    assert int(metric.rejected_updates) == 0
+    for bad in (-1.0, float("inf"), float("nan")):
+        step(torch.empty(0), bad)
+    assert int(metric.rejected_updates) == 3
+    assert float(metric.compute()) == 2.0 and float(metric.accumulated_weight) == 2.0
+    with pytest.raises(ValueError, match="weights: expected a finite value >= 0"):
+        metric.update(torch.empty(0), -1.0)  # eager on CPU raises
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_compiled_perplexity_counts_a_bad_number_weight_of_an_empty_batch(
+    dynamic: bool | None,
+) -> None:
+    """As the weighted mean's: the number filled an empty batch's weights, so none was seen."""
+    metric = PerplexityMetric()
+    losses = torch.tensor([1.0, 3.0])
+
+    def step(batch: torch.Tensor, weights: float) -> None:
+        metric.update(losses=batch, weights=weights)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    compiled(losses, 1.0)
+    compiled(torch.empty(0), 2.0)  # a good number: kept, weighs nothing
+    assert int(metric.rejected_updates) == 0
+    for bad in (-1.0, float("inf"), float("nan")):
+        compiled(torch.empty(0), bad)
+    assert int(metric.rejected_updates) == 3
+    assert float(metric.compute()) == pytest.approx(math.exp(2.0))
+    with pytest.raises(ValueError, match="weights: expected a finite value >= 0"):
+        metric.update(losses=torch.empty(0), weights=-1.0)  # eager on CPU raises
 
 
 def test_compiled_confusion_counts_drop_bad_batches() -> None:

@@ -80,7 +80,9 @@ class TensorBoardSink(TrackerSink):
             edges span ``[i, i + 1)``.
         **writer_kwargs: Passed to ``SummaryWriter`` under its own names (``flush_secs``,
             ``max_queue``, ``filename_suffix``, ``comment``); not ``purge_step``, which would
-            make TensorBoard hide steps the sink keeps on resume (``TypeError``).
+            make TensorBoard hide steps the sink keeps on resume (``TypeError``). ``comment``
+            ends the default directory's name, so it is refused with a ``log_dir``
+            (``ValueError``), where it would do nothing.
 
     Example:
         >>> sink = TensorBoardSink(log_dir="runs/demo")
@@ -121,6 +123,14 @@ class TensorBoardSink(TrackerSink):
             if not isinstance(log_dir, str | os.PathLike):
                 raise TypeError(
                     f"log_dir: expected a directory path (str or os.PathLike), got {log_dir!r}"
+                )
+            if writer_kwargs.get("comment"):
+                # SummaryWriter appends it to its default directory's name only: with a
+                # log_dir it was silently dropped.
+                raise ValueError(
+                    f"comment: it only ends the name of the default directory "
+                    f"(runs/<date>_<host><comment>), and log_dir={os.fspath(log_dir)!r} is "
+                    f"given; put {writer_kwargs['comment']!r} in log_dir, or leave log_dir out"
                 )
             self._log_dir = os.fspath(log_dir)
             check_directory_path("log_dir", self._log_dir)  # "" before it becomes the cwd
@@ -182,9 +192,13 @@ class TensorBoardSink(TrackerSink):
             self._log_dir = value
 
     def open(self, run: RunInfo) -> None:
-        """Create the writer; for a new run, record hyper-parameters and tags."""
-        from torch.utils.tensorboard import SummaryWriter
+        """Create the writer; for a new run, record hyper-parameters and tags.
 
+        Raises:
+            PermanentSinkError: If tensorboard is not installed, or ``log_dir`` cannot be
+                written (not a full disk: that is retried).
+        """
+        summary_writer = _summary_writer()
         if self._writer is not None:  # an earlier attempt that failed: end its writer
             self._discard_writer()
         earlier = self._earlier_runs_files()  # before this run's first file
@@ -200,7 +214,7 @@ class TensorBoardSink(TrackerSink):
                     len(earlier),
                 )
         try:
-            self._new_writer(SummaryWriter)
+            self._new_writer(summary_writer)
         except OSError as error:
             if error.errno not in NOT_WRITABLE_ERRNOS:
                 raise  # a full disk: retried
@@ -305,10 +319,9 @@ class TensorBoardSink(TrackerSink):
         """
         if self._writer is not None:
             return
-        from torch.utils.tensorboard import SummaryWriter
-
+        summary_writer = _summary_writer()
         assert self._log_dir is not None
-        self._new_writer(SummaryWriter)
+        self._new_writer(summary_writer)
         self.found_values_in_backend(_last_steps_on_disk(self._log_dir, self._earlier_runs_files()))
         self._pending = None
         for report in self.pending_reports():
@@ -497,6 +510,22 @@ def _check_writer_ranges(options: Mapping[str, Any]) -> None:
     max_queue = options.get("max_queue")
     if max_queue is not None and max_queue < 1:
         raise ValueError(f"max_queue: expected an int >= 1, got {max_queue!r}")
+
+
+def _summary_writer() -> Any:
+    """The ``SummaryWriter`` class of ``torch.utils.tensorboard``.
+
+    Raises:
+        PermanentSinkError: If tensorboard (which ``torch.utils.tensorboard`` imports) is not
+            installed, naming the install command: a sink built by object is not checked for
+            it when built, and a bare ``ModuleNotFoundError`` named no extra.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        message = f"TensorBoardSink: tensorboard is not installed ({error}); {INSTALL}"
+        raise PermanentSinkError(message) from None
+    return SummaryWriter
 
 
 def _default_log_dir(comment: str) -> str:

@@ -128,6 +128,7 @@ class WandbSink(TrackerSink):
         self.refuse_unknown_options(init_kwargs)
         check_option_types("WandbSink", self._init_kwargs, _INIT_OPTION_TYPES)
         self._histogram_edges = HistogramEdges(histogram_edges, "WandbSink")
+        _check_branching(self._init_kwargs)  # before _check_settings: it names the options
         _check_settings(self._init_kwargs)
         _check_run_options(self._init_kwargs)
         if self._init_kwargs.get("dir") is not None:
@@ -243,7 +244,13 @@ class WandbSink(TrackerSink):
         tags += list(kwargs.pop("tags", None) or [])
         if self._run_id is not None:
             kwargs["id"] = self._run_id
-            kwargs.setdefault("resume", "allow")
+            if self.resumed:
+                # The checkpointed job made the fork or rewind: continue that run, not branch
+                # again (with resume="allow", wandb refuses fork_from and resume_from anyway).
+                kwargs.pop("fork_from", None)
+                kwargs.pop("resume_from", None)
+            if kwargs.get("fork_from") is None and kwargs.get("resume_from") is None:
+                kwargs.setdefault("resume", "allow")
         kwargs.setdefault("reinit", "create_new")
         settings, self._flush_interval = _with_flush_interval(wandb, kwargs.get("settings"))
         kwargs["settings"] = settings
@@ -670,7 +677,22 @@ class WandbSink(TrackerSink):
             )
 
     def _histogram(self, wandb: Any, name: str, counts: Any) -> Any:
-        flat = counts.detach().reshape(-1).double().cpu().numpy()
+        """``counts`` as a ``wandb.Histogram``, or ``None`` if skipped (and warned).
+
+        Raises:
+            PermanentSinkError: If torch cannot hand the counts to numpy (numpy missing, or
+                one this torch build cannot use): every later histogram fails the same way.
+        """
+        on_cpu = counts.detach().reshape(-1).double().cpu()
+        try:
+            flat = on_cpu.numpy()
+        except RuntimeError as error:
+            # torch's "Numpy is not available": a RuntimeError, which is_permanent takes for
+            # transient, so the pipeline retried the same report forever.
+            raise PermanentSinkError(
+                f"WandbSink: histogram {name!r} needs numpy, which torch cannot use "
+                f"({error}): pip install numpy, or {INSTALL}"
+            ) from None
         if counts.dim() != 1 or not 1 <= flat.size <= _MAX_HISTOGRAM_BINS:
             self.skip_value(
                 name,
@@ -957,6 +979,8 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
 
 _RESUME_VALUES = (True, False, "allow", "must", "never", "auto")
 _INIT_SETTINGS = ("mode", "fork_from", "resume_from")  # wandb.init options that are settings
+# wandb.init options of which it takes one (resume=False is no resume: wandb reads it as None).
+_BRANCHING_OPTIONS = ("fork_from", "resume", "resume_from")
 _RESERVED_ID_CHARACTERS = ":;,#?/'"  # wandb's own list (wandb_settings.validate_run_id)
 _MAX_PROJECT_LENGTH = 128  # wandb's own limit (wandb_settings.validate_project)
 _RESERVED_PROJECT_CHARACTERS = "/\\#?%:"  # wandb's own list (wandb_settings.validate_project)
@@ -968,6 +992,29 @@ def _settings_type() -> type | None:
     except ImportError:
         return None  # reported by check_available / open, with the install command
     return wandb.Settings
+
+
+def _check_branching(init_kwargs: Mapping[str, Any]) -> None:
+    """Refuse more than one of ``fork_from``, ``resume`` and ``resume_from``.
+
+    wandb takes one way to start from an earlier run and refuses two only in ``wandb.init``
+    (``resume`` is no setting the sink's ``_check_settings`` hands wandb): at ``open``, on rank
+    0, once training has started.
+
+    Raises:
+        ValueError: Naming the options given together.
+    """
+    given = [
+        key
+        for key in _BRANCHING_OPTIONS
+        if init_kwargs.get(key) is not None and init_kwargs.get(key) is not False
+    ]
+    if len(given) > 1:
+        values = ", ".join(f"{key}={init_kwargs[key]!r}" for key in given)
+        raise ValueError(
+            f"{', '.join(given)}: wandb takes only one of fork_from, resume and resume_from "
+            f"(a fork, a resumed run or a rewound run), got {values}"
+        )
 
 
 def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:

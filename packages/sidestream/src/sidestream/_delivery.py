@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import logging
 import math
@@ -205,9 +206,14 @@ class Delivery:
             self._check_names(report)
         # A failed sink's runner keeps its reports too (queue, then its capped spool): a
         # checkpoint holds them and a job resumed from it delivers them.
-        for runner in self.runners or ():
+        runners = self.runners or []
+        # Each sink its own values: one that changes the mapping or a histogram in place
+        # would otherwise change what every other sink writes and keeps. Copied before any is
+        # handed out: the first sink's thread may start on its report at once.
+        reports = [report, *(_copy_of(report) for _ in runners[1:])]
+        for runner, own in zip(runners, reports, strict=False):
             try:
-                runner.submit(report)
+                runner.submit(own)
             except Exception as error:
                 if runner.key not in self._failed_submits:
                     self._failed_submits.add(runner.key)
@@ -745,3 +751,12 @@ def _backlogs(undelivered: Mapping[str, Any]) -> dict[str, str]:
             )
         out[str(key)] = text
     return out
+
+
+def _copy_of(report: Report) -> Report:
+    """``report`` with values and histograms of its own (the histograms' tensors cloned)."""
+    return dataclasses.replace(
+        report,
+        values=dict(report.values),
+        histograms={name: values.clone() for name, values in report.histograms.items()},
+    )

@@ -367,8 +367,11 @@ class Run:
         except BaseException:
             # Interrupted (Ctrl-C, a signal handler's SystemExit): the sinks keep what they had
             # not delivered in spool files at once (the exit would lose it with their threads),
-            # and a later close says False.
+            # and a later close says False. Windows not processed yet are lost with the
+            # sinks: said per stream (the collector that was closing said it already).
             self._close_result = False
+            for collector in self._collectors:
+                collector.warn_unreported("Run.close was interrupted")
             self._delivery.close_now()
             raise
         self._close_result = complete

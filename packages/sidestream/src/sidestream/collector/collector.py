@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import queue
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -220,6 +222,10 @@ class AsyncMetricCollector(Generic[T]):
         self._slot_wait_logged = False
         self._dispatcher: Dispatcher | None = None
         self._last_step: int | None = None
+        # Held by the call in progress: a second thread's call raises instead of staging the
+        # same live state again (both copied it before either reset it: counted twice).
+        self._scheduling = threading.Lock()
+        self._unreported_warned = False  # warn_unreported said it
         self._twin_index = 0  # set at bind: told apart from open collectors of this prefix
         self._close_result = True  # what the first close returned; later calls repeat it
         # Last, once nothing can be refused: checkpoints reduce over the collector's group,
@@ -438,6 +444,19 @@ class AsyncMetricCollector(Generic[T]):
         """
         if self._dispatcher is None or self._closed:
             raise RuntimeError("schedule_collection: call bind(device) first (and not after close)")
+        if not self._scheduling.acquire(blocking=False):
+            raise RuntimeError(
+                "schedule_collection: called from another thread while a call is in progress; "
+                "schedule (and update the metrics) from one thread, the training loop's: two "
+                "calls at once would stage the same updates into two windows"
+            )
+        try:
+            self._schedule(step)
+        finally:
+            self._scheduling.release()
+
+    def _schedule(self, step: int) -> None:
+        assert self._dispatcher is not None
         step = training_step(step)
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
@@ -447,8 +466,10 @@ class AsyncMetricCollector(Generic[T]):
             self._raise_mismatch()
         for inner in self._readability_checked:  # before anything is staged or counted
             inner._check_readable("schedule_collection")
-        self._last_step = step
+        # The step counts as used once its window exists: a wait for a slot that was
+        # interrupted (Ctrl-C) leaves it free for the call made again.
         slot = self._take_slot()
+        previous_step, self._last_step = self._last_step, step
         window = Window(step=step, time=time.time(), slot=slot)
         try:
             if self._side is None:
@@ -467,6 +488,7 @@ class AsyncMetricCollector(Generic[T]):
             # The slot must come back, or the pool runs dry and a later call waits forever.
             if window.batch is None:
                 self._free_slots.put(slot)  # no collective writes into its buffers
+                self._last_step = previous_step  # nothing of this step was started
             else:
                 self._dispatcher.submit(window)  # in flight: the dispatcher hands it back
             raise
@@ -685,11 +707,28 @@ class AsyncMetricCollector(Generic[T]):
         except BaseException:
             # Interrupted (Ctrl-C): as Run.close, keep what the sinks had not delivered.
             self._close_result = False
+            self.warn_unreported("close was interrupted")
             if self._owns_delivery:
                 self._delivery.close_now()
             raise
         self._close_result = complete
         return complete
+
+    def warn_unreported(self, why: str) -> None:
+        """Warn (once) how many scheduled windows are not processed and so will not be reported.
+
+        For a close that ends early: their reports never reach a sink or a spool file (the
+        sinks are closing), so only this says they are missing.
+        """
+        unprocessed = 0 if self._dispatcher is None else self._dispatcher.unprocessed
+        if unprocessed and not self._unreported_warned:
+            self._unreported_warned = True
+            logger.warning(
+                "%s: %d window(s) of stream %r not finished; they are not reported",
+                why,
+                unprocessed,
+                self._prefix,
+            )
 
     def _close_windows_and_sinks(self, timeout: float | None, deadline: float | None) -> bool:
         complete = True
@@ -894,9 +933,10 @@ def _checkpoint_digest(state_dict: Mapping[str, Any]) -> str:
         value = getattr(value, "rows", value)  # a sample store's SavedRows
         digest.update(key.encode())
         if isinstance(value, torch.Tensor):
-            flat = value.detach().reshape(-1).contiguous()
+            flat = value.detach().reshape(-1).cpu().contiguous()
             digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            digest.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+            # The bytes as they are, read without numpy (not a dependency of the core).
+            digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
         else:
             digest.update(repr(value).encode())
     return digest.hexdigest()

@@ -92,6 +92,10 @@ class WeightedMeanMetric(NanScreenedMetric):
             # A number is on the host: refused on every device. The CPU path checks it with a
             # non-empty batch, after the values (a NaN value is named first).
             check_weight_number("weights", weights)
+        # Compiling, a number is an input of the graph, unchecked on the host: the device path
+        # checks it, on its own, since the batch's weights (expanded to the values' shape, or
+        # zeroed where a value is NaN) hold none of it when the batch is empty.
+        number = weights_t if is_compiling() and not isinstance(weights, Tensor) else None
         # CPU "error" rides on the result: a NaN value makes the weighted sum NaN (NaN * w is
         # NaN for every weight), so the NaN pass runs only for a NaN sum or a bad weight, and
         # raises (naming values, first, as before) before the state changes.
@@ -135,6 +139,8 @@ class WeightedMeanMetric(NanScreenedMetric):
                 sums = torch.stack((products, checked)).reshape(2, values_t.numel()).sum(1)
             # (A bad weight can make the weighted sum NaN, but the batch is then dropped.)
             invalid = sums[1] == torch.inf
+            if number is not None:  # not a finite value >= 0 (NaN fails both comparisons)
+                invalid = invalid | ~((number >= 0) & (number < torch.inf))
             if self._nan.checks:
                 # One flag, so a batch bad in both ways is counted once.
                 invalid = invalid | torch.isnan(values_t).any()

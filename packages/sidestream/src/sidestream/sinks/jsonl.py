@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import stat
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -382,7 +383,8 @@ def _is_regular(path: Path) -> bool:
 
     A name of a file descriptor (``/dev/stdout``, ``/dev/fd/3``, ``/proc/self/fd/1``, or a link
     to one) is a stream even where it leads to a regular file, such as a job's log: other
-    output shares that file, so it is only appended to.
+    output shares that file, so it is only appended to. Any other path is what it names: a
+    regular file anywhere (``/dev/shm/run.jsonl`` too) is one, a pipe or a terminal is not.
     """
     if _names_a_descriptor(path):
         return False
@@ -392,11 +394,19 @@ def _is_regular(path: Path) -> bool:
         return True  # created as one by open
 
 
+_DESCRIPTOR_NAME = re.compile(
+    r"/dev/(?:stdin|stdout|stderr|fd/\d+)|/proc/(?:self|thread-self|\d+)(?:/task/\d+)?/fd/\d+"
+)
+"""The names of a process's file descriptors: ``/dev/stdout``, ``/dev/fd/N``,
+``/proc/self/fd/N``. Only these, not all of ``/dev`` and ``/proc``: ``/dev/shm`` holds regular
+files (a container's tmpfs), whose checkpoint offset a resumed job needs."""
+
+
 def _names_a_descriptor(path: Path) -> bool:
-    """Whether ``path`` or a link on its way is under ``/dev`` or ``/proc``."""
+    """Whether ``path`` or a link on its way is the name of a file descriptor."""
     current = path
     for _ in range(40):  # the kernel's own limit on links followed
-        if current.is_absolute() and current.parts[1:2] in (("dev",), ("proc",)):
+        if _is_descriptor_name(current):
             return True
         try:
             target = Path(os.readlink(current))
@@ -404,6 +414,20 @@ def _names_a_descriptor(path: Path) -> bool:
             return False
         current = target if target.is_absolute() else current.parent / target
     return False
+
+
+def _is_descriptor_name(path: Path) -> bool:
+    """Whether ``path``, its folder's links resolved, is one of ``_DESCRIPTOR_NAME``'s."""
+    if _DESCRIPTOR_NAME.fullmatch(str(path)):
+        return True
+    # A folder on the way may be a link (/dev/fd is one to /proc/self/fd), or hold "..":
+    # readlink then follows the folder's links, and the name reached here is not the one
+    # that named the descriptor.
+    try:
+        folder = path.parent.resolve()
+    except (OSError, RuntimeError):  # a loop of links: open says why
+        return False
+    return _DESCRIPTOR_NAME.fullmatch(str(folder / path.name)) is not None
 
 
 def _same_path(saved: Path, path: Path) -> bool:

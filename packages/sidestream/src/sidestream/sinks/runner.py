@@ -148,6 +148,7 @@ class SinkRunner:
             else state_before_open(sink, self.key)
         )
         self._sink_closed = False  # the sink's final flush and close both succeeded
+        self._state_failing = False  # the sink's state_dict raised when last read
         self._opened = False  # set by the sink thread once open succeeded
         self._thread = threading.Thread(
             target=self._work_or_fail, name=f"sidestream-sink-{self.key}", daemon=True
@@ -1063,8 +1064,19 @@ class SinkRunner:
         try:
             state = dict(self.sink.state_dict())
         except Exception as error:  # a broken state_dict must not stop delivery
-            logger.warning("sink %r: state_dict failed: %s", self.key, error)
+            reason = f"state_dict failed: {type(error).__name__}: {error}"
+            if not self._state_failing:  # once per streak: it is read after every write
+                self._state_failing = True
+                logger.warning(
+                    "sink %r: %s; a checkpoint keeps the state it last read, so a job resumed "
+                    "from it sends this sink the reports delivered since again (not logged "
+                    "again until state_dict works)",
+                    self.key,
+                    reason,
+                )
+            self._note(reason, failed=False)
             return
+        self._state_failing = False
         with self._cond:
             self._state = state
 

@@ -135,8 +135,12 @@ def _check_positions(problem: Problem, preds: Tensor) -> None:
     elif problem.kind is ProblemKind.BINARY:
         expected, least = "(N, X, ...)", 2
     else:  # (N, ..., L): label_flags checks the rest of the shape
-        expected, least = f"(N, ..., L) with L = num_labels = {problem.num_classes}", 2
+        expected, least = "", 2
     if preds.ndim < least:
+        if not expected:
+            # Built only here: compiled with dynamic=True, num_classes is a symbolic int,
+            # and an f-string of one on every call fails to trace (BUILD_STRING).
+            expected = f"(N, ..., L) with L = num_labels = {problem.num_classes}"
         raise ValueError(
             f"preds: expected {expected} for multidim_average='samplewise' (a sample's counts "
             f"run over its positions X, ...), got {tuple(preds.shape)}; for one element per "

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from sidestream._validation import (
     as_tensor,
@@ -230,6 +231,11 @@ class PerplexityMetric(Metric[Tensor]):
         if on_device:
             bad_losses = (losses_64 < 0) | not_finite(losses_64)
             invalid = bad_losses | (weights_64 < 0) | not_finite(weights_64)
+            if is_compiling() and not isinstance(weights, Tensor):
+                # A number is a graph input, unchecked on the host; an empty batch's filled
+                # weights hold none of it, so it is checked on its own.
+                number = torch.full((), float(weights), dtype=torch.float64, device=self.device)
+                invalid = invalid.any() | ~((number >= 0) & (number < torch.inf))
             drop_invalid(invalid, self._rejected, nll, tokens)
         self._nll.accumulate(nll)
         self._tokens.accumulate(tokens)
