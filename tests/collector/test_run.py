@@ -289,7 +289,10 @@ def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
     with pytest.raises(SystemExit) as exit_info:
         cli(["show", str(tmp_path)])  # it exists, as no file: not "no such file"
     assert exit_info.value.code == 2
-    assert f"{tmp_path}: not a regular file" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert f"{tmp_path}: not a regular file" in error
+    # The usage of show, not of the whole command (python -m sidestream [-h] {replay,show}).
+    assert error.startswith("usage: python -m sidestream show [-h] [--plot OUT.png] path")
 
 
 def test_show_without_a_plot_keeps_one_point_per_name(

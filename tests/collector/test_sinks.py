@@ -208,6 +208,8 @@ def test_unknown_sink_and_bad_options() -> None:
         sinks_from_config(["nosuch"])
     with pytest.raises(LookupError, match=r"'jsnol' is unknown \(did you mean 'jsonl'\?\)"):
         sinks_from_config(["jsnol"])
+    with pytest.raises(LookupError, match=r"'JSONL' is unknown \(did you mean 'jsonl'\?\)"):
+        sinks_from_config(["JSONL"])
     with pytest.raises(LookupError) as unknown:
         sinks_from_config(["nosuch"])
     offered = str(unknown.value).partition("(optional: ")[2].partition(" via ")[0].split(", ")

@@ -297,7 +297,9 @@ def test_a_load_skipped_by_one_rank_raises_on_every_rank(pair: RankPool, skipper
     for rank, result in enumerate(pair.run(_load_skipped_by, skipper, timeout=90)):
         for where in ("metric", "at step", "collector"):
             assert result[where].startswith("RankMismatchError"), (rank, where, result)
-        assert "did a rank skip one, or the checkpoint's load?" in result["at step"], result
+        assert (
+            "did a rank skip one, or the checkpoint's load, or load another" in result["at step"]
+        ), result
         assert "hold different checkpoint loads" in result["collector"], result
         assert f"rank {skipper}: none loaded" in result["collector"], result
 

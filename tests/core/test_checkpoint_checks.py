@@ -18,6 +18,7 @@ from sidestream import MeanMetric, Metric, ReduceOp
 from sidestream._samples import SavedRows
 from sidestream.metric import DTYPES_KEY
 from sidestream.metrics.classification import BinaryAUROCMetric
+from sidestream.sync import RankMismatchError
 from sidestream.testing import RankPool
 
 
@@ -130,3 +131,33 @@ def test_every_rank_refuses_rows_that_do_not_load(dist_pool: RankPool) -> None:
     for refused, value in results:
         assert "expected dtype torch.float64, got torch.float32" in refused
         assert value == pytest.approx(expected)
+
+
+def _load_then(how: str, same: bool) -> str:
+    # Each rank reads a checkpoint file of its own (written by hand: state_dict is collective).
+    total = 10.0 if same or dist.get_rank() == 0 else 20.0
+    metric = MeanMetric()
+    metric.load_state_dict(
+        {"total": torch.tensor(total, dtype=torch.float64), "count": torch.tensor(1.0).double()}
+    )
+    try:
+        if how == "sync":
+            metric.sync()
+        elif how == "sync at step":
+            metric.sync(step=5)
+        else:
+            metric.state_dict()
+    except RankMismatchError as error:
+        return str(error)
+    metric.sync()  # and the next call is a plain one again
+    return f"value {float(metric.compute())}"
+
+
+@pytest.mark.parametrize("how", ["sync", "sync at step", "state_dict"])
+def test_ranks_that_loaded_different_checkpoints_raise(dist_pool: RankPool, how: str) -> None:
+    # Each rank went on with rank 0's numbers: 10.0 on both, one checkpoint of 20.0 dropped.
+    for outcome in dist_pool.run(_load_then, how, False):
+        assert "paired different calls" in outcome, outcome
+        if how != "sync at step":
+            assert "the ranks loaded different checkpoints" in outcome, outcome
+    assert dist_pool.run(_load_then, how, True) == ["value 10.0"] * dist_pool.world_size

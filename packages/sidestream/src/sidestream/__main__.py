@@ -56,9 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(arguments)
     if not args.path.exists():
-        parser.error(f"{args.path}: no such file")
+        show.error(f"{args.path}: no such file")
     if not args.path.is_file():
-        parser.error(f"{args.path}: not a regular file; expected the .jsonl file a JsonlSink wrote")
+        show.error(f"{args.path}: not a regular file; expected the .jsonl file a JsonlSink wrote")
     try:
         with args.path.open("rb") as file:
             # The first line only: a JSONL file cut by a crash may end in NUL bytes.
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.plot
     if out is not None:
         if out.is_dir():
-            parser.error(f"--plot: {out} is a directory; expected an image file such as out.png")
+            show.error(f"--plot: {out} is a directory; expected an image file such as out.png")
         if not out.suffix:
             out = out.with_suffix(".png")  # what matplotlib would write, and is said below
     history, damaged = _history(args.path, every_point=out is not None)

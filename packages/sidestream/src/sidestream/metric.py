@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from sidestream._arena import Arena
+from sidestream._digest import checkpoint_digest
 from sidestream._distributed import (
     Group,
     check_cuda_available,
@@ -603,15 +604,35 @@ class Metric(Generic[T], abc.ABC):
         if step is not None:
             step = training_step(step)
         check_process_group("sync")
+        loaded = self._take_load_digests()
         if step is None:
-            self._sync_as(group, CallFingerprint("sync", self.call_counter.next()))
+            number = self.call_counter.next()
+            if loaded:
+                self._sync_as(group, CallFingerprint("sync after a load", number, loaded))
+            else:
+                self._sync_as(group, CallFingerprint("sync", number))
         else:
             # The count of earlier calls rides along (a load counts one): a rank that skipped
             # the checkpoint's load pairs the same step but another count, and every rank
             # raises instead of reducing without the saved state.
             earlier = self.call_counter.count
             stream = f"after {earlier} call(s)" if earlier else ""
+            if loaded:
+                stream = f"{stream}, {loaded}" if stream else loaded
             self._sync_as(group, CallFingerprint("sync at step", step, stream))
+
+    def _take_load_digests(self) -> str:
+        """The digests of the checkpoints the tree loaded since its last sync; then forgotten.
+
+        The first sync or ``state_dict`` after a load sends them with its call, so ranks that
+        loaded different checkpoints raise instead of going on with the first rank's numbers.
+        """
+        digests = []
+        for prefix, metric in self._named_metrics():
+            digest = metric.__dict__.pop("_loaded_digest", None)
+            if digest is not None:
+                digests.append(f"{prefix or 'root'} loaded checkpoint {digest}")
+        return "; ".join(digests)
 
     def _track(self, handle: SyncHandle) -> None:
         """Keep a CUDA sync whose fingerprint check is deferred, for ``verify_sync``."""
@@ -1001,7 +1022,14 @@ class Metric(Generic[T], abc.ABC):
         check_process_group("state_dict")
         self.verify_sync()
         prepared = self.prepare_sync(self._sync_group)
-        fingerprint = CallFingerprint("state_dict", self.call_counter.next(), stream)
+        loaded = self._take_load_digests()
+        if loaded:
+            loaded = f"{stream}: {loaded}" if stream else loaded
+            fingerprint = CallFingerprint(
+                "state_dict after a load", self.call_counter.next(), loaded
+            )
+        else:
+            fingerprint = CallFingerprint("state_dict", self.call_counter.next(), stream)
         prepared.every_state.start(fingerprint).verify()
         # The synced views now hold the global state of this moment, which is what they held
         # already if the last sync is current; the freshness flags stay as they were.
@@ -1060,6 +1088,7 @@ class Metric(Generic[T], abc.ABC):
                 f"(prefix {prefix!r}), whose windows already stage it; load the checkpoint "
                 "before bind, with collector.load_state_dict or run.load_state_dict"
             )
+        original = state_dict
         state_dict = dict(state_dict)
         for prefix, metric in self._named_metrics():
             metric._upgrade_state_dict(prefix, state_dict)
@@ -1117,6 +1146,7 @@ class Metric(Generic[T], abc.ABC):
             store.check_rows(fields)
         rows = [store.checked_rows(fields) if owner else None for store, fields in given]
         targets = [state.local for state in states.values()]
+        digest = checkpoint_digest(original)
         if owner:
             sources = [saved[name].to(state.device) for name, state in states.items()]
         else:
@@ -1143,6 +1173,9 @@ class Metric(Generic[T], abc.ABC):
             # a rank that skipped it (rank 0: the checkpoint lost) fails the next sync or
             # state_dict on every rank with RankMismatchError instead of reducing without it.
             self.call_counter.next()
+            # And what was loaded rides with the next one: ranks given different checkpoints
+            # raise then, instead of going on with the first rank's numbers.
+            self.__dict__["_loaded_digest"] = digest
 
         return restore
 
@@ -1280,7 +1313,7 @@ id of the group a loaded checkpoint was last checked against (another process's 
 _BOOKKEEPING = _NOT_PICKLED | {"_declarations", "_freshness_flag", "_call_counter"}
 """Attributes the library keeps on every metric (not a metric's own data)."""
 
-_RESERVED = _BOOKKEEPING | {"_loaded_for", "_children_loaded", "_init_depth"}
+_RESERVED = _BOOKKEEPING | {"_loaded_for", "_children_loaded", "_init_depth", "_loaded_digest"}
 """Names a subclass may not assign (the library writes them past ``__setattr__``)."""
 
 

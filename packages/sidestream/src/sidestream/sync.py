@@ -84,8 +84,20 @@ GATHER_LIMIT_BYTES = 1 << 20
 _ALIGN = 8  # every staged state starts at a multiple of the widest element size
 _LOW_BITS = 0xFFFFFFFF
 # Appended only: a kind travels as its index here.
-_KINDS = ("sync", "state_dict", "window", "changed", "record", "sync at step")
+_KINDS = (
+    "sync",
+    "state_dict",
+    "window",
+    "changed",
+    "record",
+    "sync at step",
+    "sync after a load",
+    "state_dict after a load",
+)
 _AT_STEP = "sync at step"
+_AFTER_LOAD = ("sync after a load", "state_dict after a load")
+"""The first sync or state_dict after a load: its stream carries the checkpoint's digest, so
+ranks that loaded different checkpoints (the first rank's numbers alone are kept) raise."""
 _CHUNK_BITS = 16  # all_reduce fingerprints travel as 16-bit chunks: exact in float64 sums
 _FINGERPRINT_WORDS = 4  # kind, sequence, structure, stream (int64 each, on the gather path)
 _FINGERPRINT_CHUNKS = 1 + 3 * (64 // _CHUNK_BITS)
@@ -129,7 +141,9 @@ class CallFingerprint:
         kind: ``"sync"``, ``"state_dict"``, ``"window"``, ``"changed"`` (sent by a rank whose
             metric structure changed since its last sync), ``"record"`` or ``"sync at step"``
             (``Metric.sync(step=...)``: a kind of its own, so it never pairs with a counted
-            sync whose number happens to equal the step).
+            sync whose number happens to equal the step); ``"sync after a load"`` and
+            ``"state_dict after a load"``: the first after a ``load_state_dict``, whose stream
+            holds the checkpoint's digest.
         sequence: The window's or sync's step, or the how-many-th call of this kind on the
             metric.
         stream: Which of several same-shaped callers this is: a collector's prefix (its stream
@@ -158,7 +172,7 @@ class CallFingerprint:
         text = _describe_call(self.words(structure))
         if not self.stream:
             return text
-        if self.kind == _AT_STEP:
+        if self.kind == _AT_STEP or self.kind in _AFTER_LOAD:
             return f"{text}, {self.stream}"
         return f"{text} of the collector with prefix {self.stream!r}"
 
@@ -187,8 +201,17 @@ def check_calls(rows: list[list[int]], rank: int, also: str = "") -> None:
     if all(row[:3] == rows[0][:3] for row in rows) and rows[0][0] == _KIND_INDEX[_AT_STEP]:
         hint = (
             " Only the count of the metric's earlier collective calls differs (syncs, "
-            "state_dicts, and a load_state_dict counts one): did a rank skip one, or the "
-            "checkpoint's load?"
+            "state_dicts, and a load_state_dict counts one), or the checkpoint a rank loaded "
+            "since the last sync: did a rank skip one, or the checkpoint's load, or load "
+            "another checkpoint?"
+        )
+    elif all(row[:3] == rows[0][:3] for row in rows) and rows[0][0] in {
+        _KIND_INDEX[kind] for kind in _AFTER_LOAD
+    }:
+        hint = (
+            " Only the checkpoint hash differs: the ranks loaded different checkpoints (each "
+            "load_state_dict hashes what it was given; the group's first rank alone keeps the "
+            "saved numbers): load the same checkpoint on every rank."
         )
     elif all(row[:3] == rows[0][:3] for row in rows):
         # Only the stream word differs: same call, step and structure.
@@ -275,6 +298,8 @@ def _describe_call(words: list[int]) -> str:
     details = [f"structure {structure & _WORD_MASK:016x}"] if structure else []
     if stream and name == _AT_STEP:  # a hash of the count of earlier calls
         details.append(f"earlier-calls hash {stream & _WORD_MASK:016x}")
+    elif stream and name in _AFTER_LOAD:  # with a collector's prefix, if any
+        details.append(f"checkpoint hash {stream & _WORD_MASK:016x}")
     elif stream:  # a hash of the collector's prefix: other ranks' names are not known
         details.append(f"collector hash {stream & _WORD_MASK:016x}")
     return f"{number} ({', '.join(details)})" if details else number

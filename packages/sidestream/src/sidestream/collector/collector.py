@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import logging
 import queue
 import threading
@@ -23,6 +21,7 @@ from sidestream._delivery import (
     DeliveryOptions,
     check_timeout,
 )
+from sidestream._digest import checkpoint_digest
 from sidestream._distributed import (
     Group,
     check_cuda_available,
@@ -910,7 +909,7 @@ class AsyncMetricCollector(Generic[T]):
             detail = error.args[0] if len(error.args) == 1 else str(error)
             raise type(error)(f"collector {self.prefix!r}: {detail}") from error
 
-        digest = _checkpoint_digest(state_dict)
+        digest = checkpoint_digest(state_dict)
 
         def restore_and_note() -> None:
             restore()
@@ -919,27 +918,6 @@ class AsyncMetricCollector(Generic[T]):
             self._checkpoint_loaded = digest
 
         return restore_and_note
-
-
-def _checkpoint_digest(state_dict: Mapping[str, Any]) -> str:
-    """A short digest of a metric checkpoint's keys, dtypes, shapes and bytes.
-
-    The same on every rank that loads the same checkpoint (a global state: ``state_dict`` is
-    reduced), on any device.
-    """
-    digest = hashlib.blake2b(digest_size=8)
-    for key in sorted(state_dict):
-        value = state_dict[key]
-        value = getattr(value, "rows", value)  # a sample store's SavedRows
-        digest.update(key.encode())
-        if isinstance(value, torch.Tensor):
-            flat = value.detach().reshape(-1).cpu().contiguous()
-            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            # The bytes as they are, read without numpy (not a dependency of the core).
-            digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
-        else:
-            digest.update(repr(value).encode())
-    return digest.hexdigest()
 
 
 _DCP_ORDER = "with torch.distributed.checkpoint: make the collectors, dcp.load, then bind"

@@ -193,7 +193,10 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
             raise LookupError(f"sink {name!r} is not installed: {install_hint(name)}")
         installed = available_sinks()
         missing = sorted(set(_EXTRAS) - set(installed))  # only extras not installed yet
-        nearest = difflib.get_close_matches(name, [*installed, *missing], n=1)
+        known = [*installed, *missing]
+        # Case first: "JSONL" is too far from "jsonl" for difflib, and sink names are lowercase.
+        nearest = [n for n in known if n.lower() == name.lower()]
+        nearest = nearest or difflib.get_close_matches(name, known, n=1)
         raise LookupError(
             f"sink {name!r} is unknown"
             + (f" (did you mean {nearest[0]!r}?)" if nearest else "")

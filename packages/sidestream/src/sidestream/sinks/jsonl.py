@@ -99,7 +99,9 @@ class JsonlSink(TrackerSink):
         self.path = Path(path).absolute()
         if self.path.is_dir():
             raise ValueError(f"path: expected a file, got the directory {str(self.path)!r}")
-        check_directory_path("path", self.path.parent)
+        # A file there already (a job's log, /dev/stdout) is appended to: its folder may be
+        # one this process cannot write.
+        check_directory_path("path", self.path.parent, written=not self.path.exists())
         self.max_batch = flush_every
         self._fsync = fsync
         # Unbuffered: what write() returned for is in the file, nothing waits in a buffer.

@@ -365,11 +365,15 @@ class HistogramEdges:
         )
 
 
-def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
+def check_directory_path(
+    name: str, directory: str | os.PathLike[str], *, written: bool = True
+) -> None:
     """Raise ``ValueError`` if ``directory`` cannot be made and written by a sink.
 
-    It is refused if empty, if it holds a NUL byte, or if it or a folder above it exists as
-    something else or is a symbolic link to nothing.
+    It is refused if empty, if it holds a NUL byte, if it or a folder above it exists as
+    something else or is a symbolic link to nothing, or if the nearest folder of it that exists
+    cannot be written (a read-only folder or file system) while ``written``: false for the
+    folder of a file that exists already, which is written without the folder.
 
     Making the directory later would fail for good (``FileExistsError``) on every retry, so a
     sink option naming one is refused when the sink is made.
@@ -390,6 +394,12 @@ def check_directory_path(name: str, directory: str | os.PathLike[str]) -> None:
             if not place.is_dir():
                 raise ValueError(
                     f"{name}: {str(place)!r} is a file, not a directory (in {str(path)!r})"
+                )
+            if written and not os.access(place, os.W_OK | os.X_OK):
+                # A read-only folder (or file system): every write would fail, and a spool
+                # would drop each report past its queue, after training started.
+                raise ValueError(
+                    f"{name}: {str(place)!r} is not writable by this process (in {str(path)!r})"
                 )
             return
 
