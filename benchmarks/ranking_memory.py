@@ -39,7 +39,9 @@ def _torchmetrics_bytes(metric: Any) -> int:
 
 
 def _sidestream_bytes(metric: BinaryAUROCMetric) -> int:
-    return sum(t.numel() * t.element_size() for t in metric.state_dict().values())
+    # Tensors only: the dtype record is a few bytes of text.
+    saved = metric.state_dict().values()
+    return sum(t.numel() * t.element_size() for t in saved if isinstance(t, torch.Tensor))
 
 
 def _feed(update: Callable[[torch.Tensor, torch.Tensor], None], batches: list[Any]) -> float:

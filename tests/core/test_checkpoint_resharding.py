@@ -23,6 +23,7 @@ from sidestream._samples import SavedRows
 from sidestream.metrics.classification import BinaryAUROCMetric
 from sidestream.state import MetricAccumulator, ReduceOp
 from sidestream.testing import on_rank_device, rank_device
+from tests._checkpoints import states_only
 from tests.conftest import Pools
 from tests.core.cases import CASES, Shard, concat, feed, make_shards
 from tests.core.test_state_arena import arena_views_intact
@@ -102,7 +103,7 @@ def _save_on_four(path: str, seed: int) -> dict[str, Any]:
     _feed(metrics, make_shards(seed, world)[rank])
     dcp.save({"metrics": metrics}, checkpoint_id=path)  # state_dict() is a collective here
     assert arena_views_intact(metrics)
-    return {name: _plain(value) for name, value in metrics.state_dict().items()}
+    return {name: _plain(value) for name, value in states_only(metrics.state_dict()).items()}
 
 
 @on_rank_device

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from sidestream import ComposeMetric
 from sidestream.testing import RankPool, count_collectives, rank_device
+from tests._checkpoints import states_only
 from tests.conftest import Pools
 from tests.core.cases import CASES, concat, feed, make_shards
 
@@ -108,7 +109,7 @@ def _dcp_save(path: str, seed: int) -> dict[str, Any]:
     for name in CASES:
         feed(name, metrics[name], make_shards(seed, world_size)[rank])
     dcp.save({"metrics": metrics}, checkpoint_id=path)
-    return {k: v.tolist() for k, v in metrics.state_dict().items()}
+    return {k: v.tolist() for k, v in states_only(metrics.state_dict()).items()}
 
 
 def _dcp_load_and_continue(path: str, seed: int) -> dict[str, float]:

@@ -6,6 +6,7 @@ import abc
 import collections
 import functools
 import inspect
+import json
 import math
 import weakref
 from collections.abc import Callable, Iterator
@@ -994,9 +995,9 @@ class Metric(Generic[T], abc.ABC):
         object ``torch.distributed.checkpoint`` saves whole, since their row count is unknown
         to the metric it loads into. A classification metric adds a hash of its problem under
         ``prefix + "configuration"`` (an int64 tensor; see ``load_state_dict``), and the
-        ``"sidestream/dtypes"`` key holds a hash of each state's name and dtype (int64): a
-        load through ``torch.distributed.checkpoint`` converts every tensor into the dtype of
-        the metric it loads into, so only this record tells a checkpoint of another dtype.
+        ``"sidestream/dtypes"`` key holds each state's dtype by name (JSON text): a load
+        through ``torch.distributed.checkpoint`` converts every tensor into the dtype of the
+        metric it loads into, so only this record tells a checkpoint of another dtype.
 
         On a multi-rank job this is a blocking collective over the group of the last ``sync``
         (the default group if there was none): every rank must call it, and every rank gets the
@@ -1210,38 +1211,39 @@ def _check_load_group(loaded_for: tuple[int, ...], group: Group) -> None:
 DTYPES_KEY = "sidestream/dtypes"
 """The ``state_dict`` key of the states' dtype record (no state name holds a ``/``)."""
 
-# Every dtype torch names, for telling which one a checkpoint recorded.
-_KNOWN_DTYPES = tuple(
-    dict.fromkeys(value for value in vars(torch).values() if isinstance(value, torch.dtype))
-)
 
+def _dtype_record(states: Iterator[tuple[str, torch.dtype]]) -> str:
+    """Each state's dtype by name, as JSON text (``{"count": "float64", ...}``).
 
-def _dtype_record(states: Iterator[tuple[str, torch.dtype]]) -> torch.Tensor:
-    """A hash of each ``(state name, dtype)``, sorted: what ``_check_saved_dtypes`` reads."""
-    return torch.tensor(sorted(stable_hash(f"{name}:{dtype}") for name, dtype in states))
+    Text, not a tensor: ``torch.distributed.checkpoint`` saves it whole and loads it as it was
+    saved, where a tensor would have to keep its length (one more state in a later version
+    would make an older checkpoint fail to load).
+    """
+    return json.dumps({name: str(dtype).removeprefix("torch.") for name, dtype in states})
 
 
 def _check_saved_dtypes(saved: object, states: dict[str, MetricAccumulator]) -> None:
     """Raise if the checkpoint recorded a state in a dtype that does not load into it.
 
     ``None``: a checkpoint from before the record (or a child's part of its parent's); a state
-    the record does not name (saved by a layout without it) is not checked either.
+    the record does not name (saved by a layout without it), or in a dtype this torch does not
+    have, is not checked.
     """
     if saved is None:
         return
     try:
-        recorded = set(torch.as_tensor(saved).reshape(-1).tolist())
-    except (TypeError, ValueError, RuntimeError) as error:
+        recorded = json.loads(saved) if isinstance(saved, str | bytes) else None
+    except ValueError:
+        recorded = None
+    if not isinstance(recorded, dict):
         raise TypeError(
-            f"state_dict[{DTYPES_KEY!r}]: expected the states' dtype record (an int64 tensor), "
-            f"got {saved!r}"
-        ) from error
+            f"state_dict[{DTYPES_KEY!r}]: expected the states' dtype record (JSON text of a "
+            f"mapping), got {saved!r}"
+        )
     for name, state in states.items():
         dtype = state.local.dtype
-        if stable_hash(f"{name}:{dtype}") in recorded:
-            continue
-        found = next((d for d in _KNOWN_DTYPES if stable_hash(f"{name}:{d}") in recorded), None)
-        if found is not None and not _widens(found, dtype):
+        found = getattr(torch, str(recorded.get(name)), None)
+        if isinstance(found, torch.dtype) and found != dtype and not _widens(found, dtype):
             raise ValueError(
                 f"state_dict[{name!r}]: expected dtype {dtype}, saved as {found} (the "
                 "checkpoint's record says so: torch.distributed.checkpoint converted it on load, "

@@ -487,7 +487,11 @@ class AsyncMetricCollector(Generic[T]):
             # The slot must come back, or the pool runs dry and a later call waits forever.
             if window.batch is None:
                 self._free_slots.put(slot)  # no collective writes into its buffers
-                self._last_step = previous_step  # nothing of this step was started
+                if self._side is None:
+                    # Nothing of this step was started, nor the live state reset (the side
+                    # stream's staging resets it before its collective starts: a step made
+                    # again would report a window without those updates).
+                    self._last_step = previous_step
             else:
                 self._dispatcher.submit(window)  # in flight: the dispatcher hands it back
             raise
