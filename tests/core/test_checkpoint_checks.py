@@ -18,7 +18,7 @@ from sidestream import MeanMetric, Metric, ReduceOp
 from sidestream._samples import SavedRows
 from sidestream.metric import DTYPES_KEY
 from sidestream.metrics.classification import BinaryAUROCMetric
-from sidestream.sync import RankMismatchError
+from sidestream.sync import CallFingerprint, RankMismatchError
 from sidestream.testing import RankPool
 
 
@@ -161,3 +161,40 @@ def test_ranks_that_loaded_different_checkpoints_raise(dist_pool: RankPool, how:
         if how != "sync at step":
             assert "the ranks loaded different checkpoints" in outcome, outcome
     assert dist_pool.run(_load_then, how, True) == ["value 10.0"] * dist_pool.world_size
+
+
+def _load_then_bind_or_reset(how: str) -> str:
+    from sidestream.collector import AsyncMetricCollector
+
+    total = 20.0 if dist.get_rank() == 0 else 120.0
+    metric = MeanMetric()
+    metric.load_state_dict(
+        {"total": torch.tensor(total, dtype=torch.float64), "count": torch.tensor(2.0).double()}
+    )
+    if how == "reset":  # the loaded state is dropped: nothing left to compare
+        metric.reset()
+        metric.update(torch.tensor([1.0 + dist.get_rank()]))
+        metric.sync()
+        return f"value {float(metric.compute())}"
+    try:
+        if how == "bind":
+            AsyncMetricCollector(metric).bind("cpu").close(timeout=30)
+        else:
+            metric.start_sync(None, CallFingerprint("sync", 1)).wait()
+    except RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_different_checkpoints_are_caught_at_bind_and_start_sync_and_dropped_by_reset(
+    dist_pool: RankPool,
+) -> None:
+    # Windows of a collector bound after such loads reported rank 0's numbers ([5.5, 1.0] on
+    # both ranks); start_sync sent no digest; after reset() the stale digest raised anyway.
+    for outcome in dist_pool.run(_load_then_bind_or_reset, "bind"):
+        assert "hold different checkpoint loads" in outcome, outcome
+    for outcome in dist_pool.run(_load_then_bind_or_reset, "start_sync"):
+        assert "the ranks loaded different checkpoints" in outcome, outcome
+    n = dist_pool.world_size
+    expected = sum(1.0 + rank for rank in range(n)) / n
+    assert dist_pool.run(_load_then_bind_or_reset, "reset") == [f"value {expected}"] * n

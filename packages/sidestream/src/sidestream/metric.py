@@ -631,8 +631,8 @@ class Metric(Generic[T], abc.ABC):
         digests = []
         for prefix, metric in self._named_metrics():
             digest = metric.__dict__.pop("_loaded_digest", None)
-            if digest is not None:
-                digests.append(f"{prefix or 'root'} loaded checkpoint {digest}")
+            if digest is not None:  # a child loaded alone is named
+                digests.append(f"{prefix.rstrip('.')}: {digest}" if prefix else digest)
         return "; ".join(digests)
 
     def _track(self, handle: SyncHandle) -> None:
@@ -735,6 +735,10 @@ class Metric(Generic[T], abc.ABC):
                 f"start_sync: {type(self).__name__} has metrics with their own sync or stored "
                 "samples (exact mode), which start_sync does not reduce; call sync() instead"
             )
+        if fingerprint.kind == "sync":
+            loaded = self._take_load_digests()  # as sync() sends them
+            if loaded:
+                fingerprint = CallFingerprint("sync after a load", fingerprint.sequence, loaded)
         handle = prepared.every_state.start(fingerprint, async_op=async_op)
         if mark and async_op:
             self._mark_fresh_when_ready(handle)
@@ -873,12 +877,13 @@ class Metric(Generic[T], abc.ABC):
         Child metrics whose class overrides ``reset`` (to clear data of their own, besides
         their states) have it called too, once each, after their states were reset.
         """
-        self.__dict__.pop("_loaded_for", None)  # the loaded state is gone
-        self.__dict__.pop("_load_checked", None)
+        # The loaded state is gone, and with it what the next sync would compare.
+        for key in ("_loaded_for", "_load_checked", "_loaded_digest"):
+            self.__dict__.pop(key, None)
         if self.__dict__.pop("_children_loaded", None):  # theirs too: the whole tree resets
             for inner in self._walk_metrics():
-                inner.__dict__.pop("_loaded_for", None)
-                inner.__dict__.pop("_load_checked", None)
+                for key in ("_loaded_for", "_load_checked", "_loaded_digest"):
+                    inner.__dict__.pop(key, None)
         arena = self._own_arena()
         if arena is not None:
             arena.reset()

@@ -347,13 +347,16 @@ class AsyncMetricCollector(Generic[T]):
             "bind the same metric, of the same classes, on every rank",
         )
         # A checkpoint loaded on some ranks only: every window's call check would fail later,
-        # naming a differing state hash; said here, with the fix.
+        # naming a differing state hash; said here, with the fix. Loaded into the metric itself
+        # (metric.load_state_dict before bind) too: its windows never send that digest, so
+        # ranks given different files would report the first rank's numbers.
+        loaded = self._metric._take_load_digests()
         check_same_setting(
             self._group,
             target,
             "checkpoint loads",
-            f"a checkpoint loaded (digest {self._checkpoint_loaded})"
-            if self._checkpoint_loaded
+            f"a checkpoint loaded (digest {self._checkpoint_loaded or loaded})"
+            if self._checkpoint_loaded or loaded
             else "none loaded",
             "call load_state_dict with the same checkpoint on every rank before bind: the "
             "group's first rank takes its numbers, the others start from zero",
