@@ -119,6 +119,8 @@ class TorchrunPool(RankPool):
             "SIDESTREAM_POOL_PREFIX": _PREFIX,
             "SIDESTREAM_POOL_BACKEND": self.backend,
             "SIDESTREAM_POOL_TIMEOUT_S": str(self._collective_timeout_s),
+            # The ranks end themselves once this process is gone (killed, no close).
+            "SIDESTREAM_POOL_PARENT": str(os.getpid()),
             KEY_ENV: self._key.hex(),
             # The ranks unpickle functions by module, as spawned processes would.
             "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),

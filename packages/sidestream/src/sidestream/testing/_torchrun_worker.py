@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -34,7 +37,34 @@ def _join_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, timeout=timeout)
 
 
+def _end_with_pool(pool: int) -> None:
+    """Kill this rank's process group (itself and what it started) once ``pool`` is gone.
+
+    A rank busy in a task never reads the store again, so a pool killed meanwhile (its job's
+    timeout, SIGKILL) left the rank and torchrun running; torchrun ends once its ranks do.
+    """
+    while True:
+        try:
+            os.kill(pool, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:  # a pid taken by another user's process: the pool is gone
+            break
+        time.sleep(_POOL_CHECK_S)
+    os.killpg(0, signal.SIGKILL)
+
+
+_POOL_CHECK_S = 0.5
+"""How often a rank looks whether the pool's process is gone."""
+
+
 def main() -> None:
+    threading.Thread(
+        target=_end_with_pool,
+        args=(int(os.environ["SIDESTREAM_POOL_PARENT"]),),
+        daemon=True,
+        name="pool-watch",
+    ).start()
     host, port = os.environ["SIDESTREAM_POOL_STORE"].rsplit(":", 1)
     prefix = os.environ["SIDESTREAM_POOL_PREFIX"]
     backend = os.environ["SIDESTREAM_POOL_BACKEND"]
