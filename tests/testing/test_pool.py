@@ -153,32 +153,35 @@ def test_a_rank_stopped_by_force_takes_the_processes_it_started_along(tmp_path: 
     assert len(pids) == 4 and _gone_soon(pids), pids
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_ranks_end_and_clean_up_when_the_pools_process_is_killed(tmp_path: Path) -> None:
+def kill_pool_while_busy(tmp_path: Path, make: str, extra: str) -> list[str]:
+    """Run a job that makes the pool ``make``, prints its ranks' pids and ``extra``, sets every
+    rank busy in a task, then is killed (no close, no atexit); return what it printed."""
     done = _script(
         tmp_path,
-        """
+        f"""
         import os, pathlib, signal, sys, threading, time
-        from sidestream.testing import DistributedPool
-
-        def busy(marks):
-            pathlib.Path(marks, str(os.getpid())).touch()
-            time.sleep(300)
+        from sidestream.testing import DistributedPool, TorchrunPool
+        from tests.testing._busy import busy
 
         if __name__ == "__main__":
-            pool = DistributedPool(2)
-            print(*pool.run(os.getpid), pool._store_dir.name, flush=True)
+            pool = {make}
+            print(*pool.run(os.getpid), {extra}, flush=True)
             # Busy in a task, as a rank is when a job's process group is killed.
             marks = pathlib.Path(sys.argv[0]).with_name("busy")
             marks.mkdir()
             threading.Thread(target=pool.run, args=(busy, str(marks)), daemon=True).start()
             while len(list(marks.iterdir())) < 2:
                 time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit
+            os.kill(os.getpid(), signal.SIGKILL)
         """,
     )
     assert done.returncode == -signal.SIGKILL, done.stderr
-    *pids, store_dir = done.stdout.split()
+    return done.stdout.split()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ranks_end_and_clean_up_when_the_pools_process_is_killed(tmp_path: Path) -> None:
+    *pids, store_dir = kill_pool_while_busy(tmp_path, "DistributedPool(2)", "pool._store_dir.name")
     assert _gone_soon([int(pid) for pid in pids]), pids
     assert not Path(store_dir).exists()
 

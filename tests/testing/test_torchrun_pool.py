@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from sidestream.testing import DistributedError, TorchrunPool, rank_device
-from tests._scripts import run_python
 from tests.testing.test_pool import (
     _default_group_references_left_by_ddp,
     _gone_soon,
@@ -29,6 +26,7 @@ from tests.testing.test_pool import (
     _rank_one_raises,
     _rank_sum,
     _start_a_child_then_hang,
+    kill_pool_while_busy,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,27 +178,8 @@ def test_launcher_settings_are_checked() -> None:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_ranks_and_torchrun_end_when_the_pools_process_is_killed(tmp_path: Path) -> None:
     # A rank busy in a task never read the store again: ranks and torchrun outlived the pool.
-    path = tmp_path / "job.py"
-    path.write_text(
-        textwrap.dedent(
-            """
-            import os, pathlib, signal, sys, threading, time
-            from tests.testing._busy import busy
-            from sidestream.testing import TorchrunPool
-
-            if __name__ == "__main__":
-                pool = TorchrunPool(2, backend="gloo")
-                print(*pool.run(os.getpid), pool._launcher.pid, flush=True)
-                marks = pathlib.Path(sys.argv[0]).with_name("busy")
-                marks.mkdir()
-                threading.Thread(target=pool.run, args=(busy, str(marks)), daemon=True).start()
-                while len(list(marks.iterdir())) < 2:
-                    time.sleep(0.05)
-                os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit
-            """
-        )
+    printed = kill_pool_while_busy(
+        tmp_path, 'TorchrunPool(2, backend="gloo")', "pool._launcher.pid"
     )
-    done = run_python(str(path), timeout=180)
-    assert done.returncode == -signal.SIGKILL, done.stderr
-    pids = [int(pid) for pid in done.stdout.split()]
+    pids = [int(pid) for pid in printed]
     assert len(pids) == 3 and _gone_soon(pids), pids

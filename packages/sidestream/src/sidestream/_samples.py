@@ -211,10 +211,16 @@ class SampleStore:
         Raises:
             The errors of ``check_rows``.
         """
-        # A copy: the rows must not change when the caller reuses its state_dict later.
+        return self.own_copies(self.check_rows(rows))
+
+    def own_copies(self, checked: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``check_rows``' tensors copied to the store's device, as ``append`` keeps them.
+
+        A copy: the rows must not change when the caller reuses its state_dict later.
+        """
         return {
             name: tensor.to(self._templates[name].device, copy=True)
-            for name, tensor in self.check_rows(rows).items()
+            for name, tensor in checked.items()
         }
 
     def check_rows(self, rows: dict[str, Tensor | SavedRows]) -> dict[str, Tensor]:

@@ -605,22 +605,30 @@ class Metric(Generic[T], abc.ABC):
         if step is not None:
             step = training_step(step)
         check_process_group("sync")
-        loaded = self._take_load_digests()
         if step is None:
-            number = self.call_counter.next()
-            if loaded:
-                self._sync_as(group, CallFingerprint("sync after a load", number, loaded))
-            else:
-                self._sync_as(group, CallFingerprint("sync", number))
+            self._sync_as(group, self._call("sync", self.call_counter.next()))
         else:
             # The count of earlier calls rides along (a load counts one): a rank that skipped
             # the checkpoint's load pairs the same step but another count, and every rank
             # raises instead of reducing without the saved state.
             earlier = self.call_counter.count
             stream = f"after {earlier} call(s)" if earlier else ""
-            if loaded:
-                stream = f"{stream}, {loaded}" if stream else loaded
-            self._sync_as(group, CallFingerprint("sync at step", step, stream))
+            self._sync_as(group, self._call("sync at step", step, stream))
+
+    def _call(self, kind: str, sequence: int, stream: str = "") -> CallFingerprint:
+        """The fingerprint of a call of this tree, with the digests of loads since the last.
+
+        After a load, ``"sync"`` and ``"state_dict"`` become their ``"... after a load"``
+        kinds, whose stream holds the digests; ``"sync at step"`` adds them to its stream.
+        """
+        loaded = self._take_load_digests()
+        if not loaded:
+            return CallFingerprint(kind, sequence, stream)
+        if kind == "sync at step":
+            return CallFingerprint(kind, sequence, f"{stream}, {loaded}" if stream else loaded)
+        return CallFingerprint(
+            f"{kind} after a load", sequence, f"{stream}: {loaded}" if stream else loaded
+        )
 
     def _take_load_digests(self) -> str:
         """The digests of the checkpoints the tree loaded since its last sync; then forgotten.
@@ -735,10 +743,8 @@ class Metric(Generic[T], abc.ABC):
                 f"start_sync: {type(self).__name__} has metrics with their own sync or stored "
                 "samples (exact mode), which start_sync does not reduce; call sync() instead"
             )
-        if fingerprint.kind == "sync":
-            loaded = self._take_load_digests()  # as sync() sends them
-            if loaded:
-                fingerprint = CallFingerprint("sync after a load", fingerprint.sequence, loaded)
+        if fingerprint.kind == "sync":  # as sync() sends it
+            fingerprint = self._call("sync", fingerprint.sequence, fingerprint.stream)
         handle = prepared.every_state.start(fingerprint, async_op=async_op)
         if mark and async_op:
             self._mark_fresh_when_ready(handle)
@@ -1028,14 +1034,7 @@ class Metric(Generic[T], abc.ABC):
         check_process_group("state_dict")
         self.verify_sync()
         prepared = self.prepare_sync(self._sync_group)
-        loaded = self._take_load_digests()
-        if loaded:
-            loaded = f"{stream}: {loaded}" if stream else loaded
-            fingerprint = CallFingerprint(
-                "state_dict after a load", self.call_counter.next(), loaded
-            )
-        else:
-            fingerprint = CallFingerprint("state_dict", self.call_counter.next(), stream)
+        fingerprint = self._call("state_dict", self.call_counter.next(), stream)
         prepared.every_state.start(fingerprint).verify()
         # The synced views now hold the global state of this moment, which is what they held
         # already if the last sync is current; the freshness flags stay as they were.
@@ -1144,13 +1143,11 @@ class Metric(Generic[T], abc.ABC):
         loaded_for = group_ranks(load_group)
         # Checked on every rank: one that skipped the check would take the load the others
         # refused, and the group's calls would no longer pair.
-        given = [
-            (store, {name: state_dict[prefix + name] for name in store.fields})
+        checked = [
+            (store, store.check_rows({name: state_dict[prefix + name] for name in store.fields}))
             for prefix, store in stores
         ]
-        for store, fields in given:
-            store.check_rows(fields)
-        rows = [store.checked_rows(fields) if owner else None for store, fields in given]
+        rows = [store.own_copies(tensors) if owner else None for store, tensors in checked]
         targets = [state.local for state in states.values()]
         digest = checkpoint_digest(original)
         if owner:

@@ -279,11 +279,20 @@ def _worker(
 
 def _end_with_parent(parent: int, store_path: str, rank: int) -> None:
     """Kill this rank's process group (itself and what it started) once ``parent`` is gone."""
-    while os.getppid() == parent:
-        time.sleep(_PARENT_CHECK_S)
+    end_group_when(lambda: os.getppid() != parent)
     if rank == 0:  # nobody else will remove the pool's temporary directory
         shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
     os.killpg(0, signal.SIGKILL)
+
+
+def end_group_when(gone: Callable[[], bool]) -> None:
+    """Return once ``gone()`` says the pool's process has ended (looked at every half second).
+
+    The rank's watchdog thread then kills its own process group: busy in a task, it would
+    never hear from the pool again.
+    """
+    while not gone():
+        time.sleep(_PARENT_CHECK_S)
 
 
 def _read_results(rank: int, results: Connection, inbox: queue.SimpleQueue[Any]) -> None:

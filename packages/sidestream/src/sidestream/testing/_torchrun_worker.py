@@ -11,7 +11,6 @@ import os
 import pickle
 import signal
 import threading
-import time
 from datetime import timedelta
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # before the group, as in _pool._worker
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
 
-from sidestream.testing._pool import run_task
+from sidestream.testing._pool import end_group_when, run_task
 from sidestream.testing._signed import KEY_ENV, sign, verify
 
 STOP = b"stop"
@@ -40,22 +39,20 @@ def _join_group(backend: str, timeout: timedelta) -> None:
 def _end_with_pool(pool: int) -> None:
     """Kill this rank's process group (itself and what it started) once ``pool`` is gone.
 
-    A rank busy in a task never reads the store again, so a pool killed meanwhile (its job's
-    timeout, SIGKILL) left the rank and torchrun running; torchrun ends once its ranks do.
+    Its parent is torchrun, not the pool: the pool's own pid is watched. A rank busy in a task
+    never reads the store again, so a pool killed meanwhile left the rank and torchrun
+    running; torchrun ends once its ranks do.
     """
-    while True:
-        try:
-            os.kill(pool, 0)
-        except ProcessLookupError:
-            break
-        except PermissionError:  # a pid taken by another user's process: the pool is gone
-            break
-        time.sleep(_POOL_CHECK_S)
+    end_group_when(lambda: not _exists(pool))
     os.killpg(0, signal.SIGKILL)
 
 
-_POOL_CHECK_S = 0.5
-"""How often a rank looks whether the pool's process is gone."""
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # PermissionError: the pid was reused
+        return False
+    return True
 
 
 def main() -> None:
