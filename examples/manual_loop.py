@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before any group, for DDP: see train_distributed.py's main()
 from torch import nn
 
 from sidestream import WeightedMeanMetric

@@ -312,3 +312,13 @@ def test_tensorboard_example_writes_every_stream(tmp_path: Path) -> None:
         got[name] = {e.step: e.value for e in events}
         assert len(got[name]) == len(events), name  # each step once
     _assert_series(got, want, 1e-6)  # TensorBoard stores float32
+
+
+def test_examples_with_ddp_import_torch_distributed_nn_before_any_group() -> None:
+    # manual_loop.py did not: under torchrun a rank's exit aborted now and then ("terminate
+    # called without an active exception", a CI failure), see train_distributed.py's main().
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        text = example.read_text()
+        if "DistributedDataParallel" in text:
+            imported = text.find("import torch.distributed.nn")
+            assert 0 <= imported < text.find("init_process_group("), example.name
