@@ -411,6 +411,34 @@ def test_one_flag_per_metric_cleared_by_any_update() -> None:
     assert all(state.synced is not None for _, state in mean.named_accumulators())
 
 
+def _raise_by(tree: ComposeMetric, how: str) -> None:
+    if how == "sync of the tree":
+        tree.sync()
+    elif how == "sync of a child":
+        tree["inner"]["mean"].sync()
+    else:  # an async sync: pending at its start, current once waited on
+        tree.start_sync(None, CallFingerprint("sync", 1)).wait()
+
+
+@pytest.mark.parametrize("how", ["sync of the tree", "sync of a child", "async sync"])
+def test_reset_clears_every_flag_set_since_the_last_reset(how: str) -> None:
+    # A reset skips its loop over the tree's flags while none of the process was set since it
+    # last cleared them (the collector's reset per window): every way of setting one must
+    # bring the loop back.
+    tree = _tree()
+    tree["pair"].update(torch.tensor([3.0]))
+    tree.reset()
+    tree.reset()  # cleared with nothing set since: the fast path from here on
+    tree["pair"].update(torch.tensor([1.0]))
+    tree["inner"]["mean"].update(torch.tensor([5.0]))
+    _raise_by(tree, how)
+    assert any(state.synced is not None for _, state in tree.named_accumulators())
+    tree.reset()
+    assert all(state.synced is None for _, state in tree.named_accumulators())
+    # Computed from the reset local state, not the synced copy of before the reset.
+    assert tree["inner"]["mean"].compute().isnan()
+
+
 @on_rank_device
 def _partial_update_after_sync() -> dict[str, list[float]]:
     rank = dist.get_rank()

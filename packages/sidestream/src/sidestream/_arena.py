@@ -84,6 +84,7 @@ class Arena:
                 store.to(device)
         self.root = root
         self.flags = list(flags)
+        self._cleared_at = -1  # Freshness.raised when mark(False) last cleared every flag
         self.states = list(states)
         #: One byte buffer per device for each kind of value; the dtype buffers live in them.
         self.locals: list[Tensor] = []
@@ -165,7 +166,7 @@ class Arena:
         # Pickled with a metric whose own __getstate__ keeps it: the states come back with
         # views of their own (MetricAccumulator.__setstate__), so this copy holds nothing of
         # theirs and must be built again.
-        return {**self.__dict__, "alive": False}
+        return {**self.__dict__, "alive": False, "_cleared_at": -1}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Arena:
         copied: Arena = copy_keeping_views(self, memo)  # deepcopy keeps the views: alive
@@ -192,12 +193,22 @@ class Arena:
     def mark(self, current: bool) -> None:
         """Set every freshness flag of the tree (``Freshness.mark`` of each).
 
-        Inlined: it runs on the training thread every window (the reset after staging), and a
-        call per flag made that thread's Python work grow with the number of metrics.
+        It runs on the training thread every window (the reset after staging), where the live
+        flags are already clear (updates cleared them, and the windows sync staged copies): the
+        loop, a cache miss per metric after a training step, is skipped when no flag of the
+        process was set since it last cleared them all (``Freshness.raised``). Inlined, as a
+        call per flag would cost more.
         """
+        if not current and self._cleared_at == Freshness.raised:
+            return
+        seen = Freshness.raised
         for flag in self.flags:
             flag.current = current
             flag.pending = False
+        if current:
+            Freshness.announce()
+        else:
+            self._cleared_at = seen
 
     def same_layout(self, other: Arena) -> bool:
         """Whether ``other`` holds the same states in the same buffers' layout."""

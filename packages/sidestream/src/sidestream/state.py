@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
+import itertools
 import numbers
 from typing import Any
 
@@ -23,6 +24,9 @@ _SHARED_BUFFER_MAX = 256
 """The largest arena buffer (elements) compiled updates add into as a whole; see ``_bind``."""
 
 
+_RAISES = itertools.count(1)
+
+
 class Freshness:
     """Whether a metric's synchronized state is current: one flag, cleared by any update.
 
@@ -32,6 +36,13 @@ class Freshness:
 
     pending = False
     """A sync started with ``async_op`` makes the flag current when waited on, unless cleared."""
+
+    raised = 0
+    """Changes, to a value it never had, whenever any flag of the process is set (current or
+    pending): ``Arena.mark(False)`` skips its loop over a tree's flags when this is what it read
+    before it last cleared them all, so the collector's reset per window does no work per
+    metric. Written after the flag it announces, so a flag set while such a loop runs changes
+    it after the loop read it, and the next reset looks again."""
 
     def __init__(self) -> None:
         self.current = False
@@ -54,11 +65,20 @@ class Freshness:
         """Set the flag (a sync ended, or a reset or load); a pending sync's claim is dropped."""
         self.current = current
         self.pending = False
+        if current:
+            Freshness.announce()
 
     def expect(self) -> None:
         """Stale until ``settle``: a sync started now, and its results are not written yet."""
         self.current = False
         self.pending = True
+        Freshness.announce()
+
+    @staticmethod
+    def announce() -> None:
+        """Record that a flag was just set (see ``raised``); call it after setting the flag."""
+        # next() on a count is atomic under the GIL: two threads never write the same value.
+        Freshness.raised = next(_RAISES)
 
     def settle(self) -> None:
         """Current, if nothing made it stale since ``expect`` (the sync sent that state)."""
@@ -578,7 +598,7 @@ class MetricAccumulator:
         batch.program(check=not checked).start()
         if not checked:
             self._checked_groups |= {id(group)}
-        self._freshness.current = True
+        self._freshness.mark(True)
 
     def reset(self) -> None:
         """Return the local state to its initial value (the metric's sync becomes stale)."""
