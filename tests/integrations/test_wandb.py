@@ -15,6 +15,7 @@ from tests.integrations._workload import HISTOGRAM_EDGES, expected, train
 from tests.integrations.wandb_reader import (
     HistoryRow,
     read_history,
+    read_records,
     read_step_metrics,
     run_id_of,
 )
@@ -776,3 +777,43 @@ def test_a_forked_run_resumed_from_a_checkpoint_continues_the_fork(tmp_path: Pat
     named.open(RunInfo(name="named fork"))
     assert named.run_id == "myfork01"
     assert named.close(timeout=60)
+
+
+def _run_record(run_dir: str) -> Any:
+    """The ``run`` record wandb wrote for the run in ``run_dir`` (W&B's own protobuf)."""
+    runs = [
+        r.run for r in read_records(_data_file(run_dir)) if r.WhichOneof("record_type") == "run"
+    ]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fork_from": "abcd1234?_step=1"},
+        {"resume_from": "abcd1234?_step=1"},
+        {"fork_from": "abcd1234?_step=1", "id": "myfork01"},
+    ],
+    ids=["fork", "rewind", "named-fork"],
+)
+def test_a_branched_run_opened_again_after_close_continues_the_same_run(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
+    # The second open passed the run's id with fork_from (or resume_from) again: wandb made a
+    # second fork (rewind) under the same id offline, and refuses one online.
+    sink = WandbSink(project="p", mode="offline", dir=str(tmp_path), **options)
+    run_dirs = []
+    for step in range(2):
+        sink.open(RunInfo(name="branch"))
+        assert sink.run_dir is not None
+        run_dirs.append(sink.run_dir)
+        sink.write(Report(step=step, values={"loss": 0.5}, time=time.time()))
+        assert sink.close(timeout=60)
+    made, continued = (_run_record(run_dir) for run_dir in run_dirs)
+    assert made.HasField("branch_point") and made.branch_point.run == "abcd1234"
+    assert not made.resume
+    assert continued.run_id == made.run_id
+    assert not continued.HasField("branch_point")
+    assert continued.resume  # wandb.init(id=..., resume="allow"): the same run, continued
+    assert [row.items["step"] for row in _history(_data_file(run_dirs[1]))] == [1]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -49,6 +51,29 @@ def test_results_come_back_by_rank(dist_pool: RankPool) -> None:
     n = dist_pool.world_size
     assert dist_pool.run(_rank_sum) == [n * (n + 1) / 2] * n
     assert dist_pool.run(dist.get_rank) == list(range(n))
+
+
+LARGE_BYTES = 20 * 2**20  # past the 8 MiB one TCPStore value may hold (TorchrunPool's ranks)
+
+
+def large_echo(data: bytes) -> tuple[str, bytes]:
+    """The digest of a large argument, and a large result of this rank's own."""
+    return hashlib.sha256(data).hexdigest(), random.Random(dist.get_rank()).randbytes(LARGE_BYTES)
+
+
+def check_large_echo(pool: RankPool) -> None:
+    """Large arguments and results travel whole, and ordinary calls work after them."""
+    for data in (b"", random.Random(-1).randbytes(LARGE_BYTES)):  # large results, then both
+        expected = [
+            (hashlib.sha256(data).hexdigest(), random.Random(rank).randbytes(LARGE_BYTES))
+            for rank in range(pool.world_size)
+        ]
+        assert pool.run(large_echo, data, timeout=120) == expected
+    assert pool.run(dist.get_rank) == list(range(pool.world_size))
+
+
+def test_large_arguments_and_results_come_back_whole(dist_pool: RankPool) -> None:
+    check_large_echo(dist_pool)
 
 
 def test_failing_rank_reported_without_hang(dist_pool: RankPool) -> None:

@@ -12,11 +12,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
 
 from sidestream.testing import DistributedError, TorchrunPool, rank_device
 from tests.testing.test_pool import (
@@ -26,6 +28,7 @@ from tests.testing.test_pool import (
     _rank_one_raises,
     _rank_sum,
     _start_a_child_then_hang,
+    check_large_echo,
     kill_pool_while_busy,
 )
 
@@ -52,6 +55,40 @@ def test_ranks_are_started_by_torchrun_and_results_come_back(torchrun_pool: Torc
     assert torchrun_pool.run(dist.get_rank) == [0, 1]
     results = torchrun_pool.run(_device_tensor)
     assert [r.tolist() for r in results] == [[0, 1, 2], [0, 2, 4]]
+
+
+def test_results_and_tasks_past_the_stores_value_limit_come_back_whole(
+    torchrun_pool: TorchrunPool,
+) -> None:
+    # The store's server refuses a value over 8 MiB: such a result or task broke the store,
+    # torchrun, and the call, with "Connection reset by peer" as the only word on it.
+    from sidestream.testing._torchrun import _PREFIX
+
+    check_large_echo(torchrun_pool)
+    store = torchrun_pool._store
+    assert store is not None
+    # Taken out once read: the store does not keep every result (nor any earlier task).
+    for task in (torchrun_pool._next_task - 3, torchrun_pool._next_task - 2):
+        kept = [f"{_PREFIX}/task/{task}"]
+        kept += [f"{_PREFIX}/result/{task}/{rank}" for rank in range(2)]
+        assert not any(store.check([key]) for key in kept)
+
+
+def test_a_chunk_count_written_by_another_process_is_refused_without_waiting() -> None:
+    from sidestream.testing._store_messages import CHUNK_BYTES, get_message, put_message
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    message = os.urandom(2 * CHUNK_BYTES + 1)
+    put_message(store, "whole", message)
+    assert get_message(store, "whole") == message
+    store.set("planted", "99")  # names chunks nobody wrote: a wait would last the timeout
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="names 99 chunks and some are missing"):
+        get_message(store, "planted")
+    store.set("planted", "pickle")
+    with pytest.raises(ValueError, match="not a chunk count"):
+        get_message(store, "planted")
+    assert time.monotonic() - start < 5
 
 
 def test_ddp_in_a_rank_leaves_the_default_group_destroyable(torchrun_pool: TorchrunPool) -> None:

@@ -81,7 +81,8 @@ class WandbSink(TrackerSink):
     order to join them. Steps delivered after the checkpoint was taken are skipped either way:
     the sink keeps each stream's last logged step in ``sidestream-steps.json`` in the run's
     directory (outside ``files/``, so it is not uploaded), written once ``finish`` returned,
-    and reads it back on resume.
+    and reads it back on resume. A sink opened again after its ``close`` continues its run the
+    same way (a fork or rewind it made is not made again).
 
     Delivered: wandb has no call that writes logged rows out and confirms it. From wandb 0.31
     its service writes buffered rows to the run's ``.wandb`` file every
@@ -142,6 +143,10 @@ class WandbSink(TrackerSink):
         self._run_id: str | None = self._init_kwargs.pop("id", None) or _initial_run_id(
             self._init_kwargs
         )
+        # Whether wandb.init made the run once already (this sink opened before): an open
+        # after a close continues it, as a resumed job does, instead of forking or rewinding
+        # again (wandb makes a second fork under the same id, or refuses it online).
+        self._run_made = False
         self._defined: set[str] = set()  # names given a step metric with define_metric
         self._logged: dict[str, int] = {}  # last step per stream handed to W&B by this sink
         self._previous_dir: str | None = None  # the run directory of the checkpointed job
@@ -244,9 +249,10 @@ class WandbSink(TrackerSink):
         tags += list(kwargs.pop("tags", None) or [])
         if self._run_id is not None:
             kwargs["id"] = self._run_id
-            if self.resumed:
-                # The checkpointed job made the fork or rewind: continue that run, not branch
-                # again (with resume="allow", wandb refuses fork_from and resume_from anyway).
+            if self.resumed or self._run_made:
+                # The checkpointed job, or this sink's earlier open, made the fork or rewind:
+                # continue that run, not branch again (with resume="allow", wandb refuses
+                # fork_from and resume_from anyway).
                 kwargs.pop("fork_from", None)
                 kwargs.pop("resume_from", None)
             if kwargs.get("fork_from") is None and kwargs.get("resume_from") is None:
@@ -262,6 +268,7 @@ class WandbSink(TrackerSink):
         if failure is not None:
             raise failure  # outside the handler: the original is not chained as its context
         self._run_id = str(self._run.id)
+        self._run_made = True  # before anything below can fail: a retried open continues it
         self._service_pid = _service_process()
         # Absolute, as both paths are taken now: the script may change its working directory.
         self._local_dir = os.path.abspath(str(self._run.dir).removesuffix("/files"))

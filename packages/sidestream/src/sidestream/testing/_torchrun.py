@@ -22,6 +22,12 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 
 from sidestream.testing._pool import RankPool, kill_own_group
 from sidestream.testing._signed import KEY_ENV, sign, verify
+from sidestream.testing._store_messages import (
+    delete_message,
+    get_message,
+    has_message,
+    put_message,
+)
 from sidestream.testing._torchrun_worker import STOP
 
 __all__ = ["TorchrunPool"]
@@ -36,7 +42,8 @@ class TorchrunPool(RankPool):
     This is how multi-GPU machines run the distributed tests: torchrun starts one process per
     GPU, each binds ``cuda:LOCAL_RANK`` and joins an NCCL process group, exactly as a training
     job does. Tasks and results travel through a TCP store this process hosts, so the test
-    process itself stays out of the group. Failures, timeouts and restarts behave as in
+    process itself stays out of the group; in chunks, so they may be of any size (the store
+    takes at most 8 MiB in one value). Failures, timeouts and restarts behave as in
     ``DistributedPool``; when a rank dies, torchrun stops the others and its output is quoted.
 
     The store listens on 127.0.0.1 only, and every task and result in it is signed (HMAC-SHA256)
@@ -148,8 +155,10 @@ class TorchrunPool(RankPool):
     def _submit(self, task_id: int, task: bytes) -> None:
         assert self._store is not None
         self._rank_pids()  # kept, so a stop after the store broke still finds the ranks
-        signed = sign(self._key, task)
-        self._store.set(f"{_PREFIX}/task/{task_id}", signed)  # type: ignore[arg-type]  # takes bytes
+        if task_id > 0:  # every rank answered the task before: none reads it again
+            delete_message(self._store, f"{_PREFIX}/task/{task_id - 1}")
+        # In chunks: the store's server refuses (and breaks on) a value over 8 MiB.
+        put_message(self._store, f"{_PREFIX}/task/{task_id}", sign(self._key, task))
 
     def _poll(self, task_id: int, waiting: set[int], wait_s: float) -> list[tuple[int, bytes]]:
         assert self._store is not None
@@ -158,18 +167,21 @@ class TorchrunPool(RankPool):
             finished = []
             for rank in sorted(waiting):
                 key = f"{_PREFIX}/result/{task_id}/{rank}"
-                if self._store.check([key]):
-                    finished.append((rank, self._verified(self._store.get(key))))
+                if has_message(self._store, key):
+                    finished.append((rank, self._verified(self._store, key)))
             if finished or time.monotonic() >= deadline:
                 return finished
             time.sleep(0.01)
 
-    def _verified(self, message: bytes) -> bytes:
+    def _verified(self, store: TCPStore, key: str) -> bytes:
+        """The result under ``key``, taken out of the store (results can be large)."""
         try:
-            return verify(self._key, message)
+            return verify(self._key, get_message(store, key))
         except ValueError as error:
             # Not from a rank: never unpickle it; report a failure made here instead.
             return pickle.dumps((False, f"rejected a result: {error}"))
+        finally:
+            delete_message(store, key)
 
     def _any_dead(self) -> bool:
         return self._launcher is None or self._launcher.poll() is not None
@@ -195,7 +207,7 @@ class TorchrunPool(RankPool):
                 self._pids[rank] = int(verify(self._key, self._store.get(key)))
             except ValueError:
                 continue
-            except Exception:  # the store broke (a payload past its size limit): what is known
+            except Exception:  # the store broke (its server gone): what is known
                 break
         return list(self._pids.values())
 
@@ -215,7 +227,7 @@ class TorchrunPool(RankPool):
             if self._store is not None and self._launcher.poll() is None:
                 with contextlib.suppress(Exception):
                     stop_key = f"{_PREFIX}/task/{self._next_task}"
-                    self._store.set(stop_key, sign(self._key, STOP))  # type: ignore[arg-type]
+                    put_message(self._store, stop_key, sign(self._key, STOP))
             try:
                 self._launcher.wait(timeout=10.0)
             except subprocess.TimeoutExpired:
