@@ -3,6 +3,7 @@ misuse that broke it later is refused at bind (defects a probe found on landed c
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -10,11 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from sidestream import Metric, MetricAccumulator, SumMetric
+from sidestream import ComposeMetric, MeanMetric, Metric, MetricAccumulator, SumMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.collector._slot import Slot
 from sidestream.sinks import JsonlSink
 from sidestream.sync import RankMismatchError
+from tests.collector.helpers import RecordingSink
 
 
 def test_a_failed_schedule_gives_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,11 +26,11 @@ def test_a_failed_schedule_gives_its_slot_back(monkeypatch: pytest.MonkeyPatch) 
     real = Slot.start_from_live
     failures = {"left": 5}
 
-    def flaky(self: Slot, step: int) -> Any:
+    def flaky(self: Slot, step: int, window: Any) -> Any:
         if failures["left"]:
             failures["left"] -= 1
             raise RuntimeError("staging failed")
-        return real(self, step)
+        return real(self, step, window)
 
     monkeypatch.setattr(Slot, "start_from_live", flaky)
     for step in range(1, 6):
@@ -156,6 +158,47 @@ def test_two_values_with_one_name_fail_the_window_instead_of_overwriting() -> No
         collector.collect_results(timeout=30)
     assert "['a/b'] are given to more than one value" in str(caught.value.__cause__)
     assert not collector.close(timeout=30)
+
+
+class _MeanAndNans(MeanMetric):
+    """A result with a key of its own where the collector reports the metric's NaN count."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(nan_strategy="ignore")
+        self._key = key
+
+    def compute(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"mean": super().compute(), self._key: torch.tensor(99.0)}
+
+
+@pytest.mark.parametrize("key", ["nan_count", "nans"])
+def test_a_value_named_like_a_count_fails_the_window_instead_of_being_overwritten(key: str) -> None:
+    # The count (1 NaN) replaced the result's own value (99) under "train/loss/nan_count".
+    data = [1.0, float("nan"), 3.0]
+    sink = RecordingSink()
+    metric = ComposeMetric({"loss": _MeanAndNans(key), "rejected_updates": SumMetric()})
+    collector = AsyncMetricCollector(metric, sinks=[sink], prefix="train").bind("cpu")
+    metric["loss"].update(torch.tensor(data))
+    metric["rejected_updates"].update(torch.tensor([7.0]))
+    collector.schedule_collection(1)
+    if key == "nan_count":
+        with pytest.raises(RuntimeError, match="failed") as caught:
+            collector.collect_results(timeout=30)
+        assert "['train/loss/nan_count'] are also the names" in str(caught.value.__cause__)
+        assert not collector.close(timeout=30)
+        assert sink.reports == []
+        return
+    collector.collect_results(timeout=30)
+    assert collector.close(timeout=30)
+    kept = [value for value in data if not math.isnan(value)]
+    assert [report.values for report in sink.reports] == [
+        {
+            "train/loss/mean": sum(kept) / len(kept),
+            "train/loss/nans": 99.0,
+            "train/loss/nan_count": float(sum(math.isnan(value) for value in data)),
+            "train/rejected_updates": 7.0,  # a metric of that name is just a value
+        }
+    ]
 
 
 class _Phase(SumMetric):
@@ -305,10 +348,10 @@ def test_a_second_thread_scheduling_at_the_same_time_is_refused(
     inside, go_on = threading.Event(), threading.Event()
     real = Slot.start_from_live
 
-    def slow(self: Slot, step: int) -> Any:
+    def slow(self: Slot, step: int, window: Any) -> Any:
         inside.set()
         go_on.wait(30)
-        return real(self, step)
+        return real(self, step, window)
 
     monkeypatch.setattr(Slot, "start_from_live", slow)
     metric.update(torch.tensor([1.0]))

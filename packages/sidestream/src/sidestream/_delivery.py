@@ -187,9 +187,27 @@ class Delivery:
             if self.is_writer:
                 for key, sink in self.sinks.items():
                     runner = self._runner(key, sink)
-                    runner.submit_backlog(self.backlogs.pop(key, "").encode())
-                    runner.start()
+                    runner.submit_backlog(self.backlogs.get(key, "").encode())
                     runners.append(runner)
+                # Started once every runner was made, and stopped again if one fails to start:
+                # a start made again (a corrected bind) must not find a sink's thread running.
+                started_now: list[SinkRunner] = []
+                try:
+                    for runner in runners:
+                        runner.start()
+                        started_now.append(runner)
+                except BaseException as error:
+                    for runner in started_now:
+                        # Its thread ends before a retry opens the sink again, and what it had
+                        # not delivered is kept (and named); an interrupt gives it no time.
+                        if isinstance(error, Exception):
+                            runner.close(self.options.exit_timeout)
+                        else:
+                            runner.close_now()
+                        self.backlogs.pop(runner.key, None)
+                    raise
+                for key in self.sinks:
+                    self.backlogs.pop(key, None)
             self.runners = runners
             if self.on_start is not None:
                 self.on_start()

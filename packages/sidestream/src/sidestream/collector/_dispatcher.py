@@ -208,6 +208,14 @@ class Dispatcher:
                 self._cond.notify_all()
 
     def _process(self, window: Window) -> tuple[int, Any]:
+        if window.error is not None:
+            # Failed on the training thread, which kept its slot (out of the pool, or back in
+            # it): reported like a window that failed here, with its step.
+            error = window.error
+            raise RuntimeError(
+                f"the window at step {window.step} failed on the training thread while it was "
+                f"being started ({type(error).__name__}: {error}); its values were not delivered"
+            ) from error
         try:
             if window.side is not None:
                 tree, leaves = _finish_on_side_stream(window)
@@ -225,7 +233,7 @@ class Dispatcher:
             # the training thread may be waiting for one (see AsyncMetricCollector max_slots).
             self._release(window.slot)
         # On every rank, so a histogram path that names no leaf fails the window everywhere.
-        layout = self._layout_of(tree, leaves)
+        layout = self._layout_of(tree, leaves, window)
         if self._runners:
             numbers = itertools.chain.from_iterable(
                 _floats(python_leaves[i]) for i in layout.value_leaves
@@ -270,11 +278,12 @@ class Dispatcher:
                     report.step,
                 )
 
-    def _layout_of(self, tree: FlatTree, leaves: list[Any]) -> _Layout:
+    def _layout_of(self, tree: FlatTree, leaves: list[Any], window: Window) -> _Layout:
         key = (tree.paths, tuple(tuple(t.shape) if isinstance(t, Tensor) else () for t in leaves))
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._layouts[key] = _Layout.of(tree, self._prefix, self._histograms)
+            counts = rejected_names(window.slot.metric, self._prefix)
+            layout = self._layouts[key] = _Layout.of(tree, self._prefix, self._histograms, counts)
         return layout
 
 
@@ -287,11 +296,21 @@ class _Layout:
     histograms: tuple[tuple[int, str], ...]
 
     @classmethod
-    def of(cls, tree: FlatTree, prefix: str, histograms: frozenset[str]) -> _Layout:
+    def of(
+        cls, tree: FlatTree, prefix: str, histograms: frozenset[str], counts: Sequence[str] = ()
+    ) -> _Layout:
         """Split ``tree``'s leaves by path.
 
+        Args:
+            tree: The flattened result of a window.
+            prefix: Put in front of every name.
+            histograms: Leaf paths delivered as histograms.
+            counts: The report names of the metric's dropped-batch and NaN counts
+                (``rejected_names``), which no value or histogram may have.
+
         Raises:
-            ValueError: If a histogram path names no leaf, or a scalar one.
+            ValueError: If a histogram path names no leaf, or a scalar one; or a value or
+                histogram has the name of one of ``counts``.
         """
         missing = sorted(histograms - set(tree.paths))
         if missing:
@@ -323,6 +342,16 @@ class _Layout:
                 value_leaves.append(index)
                 value_names.extend(names[start : start + count])
             start += count
+        # Checked whether or not a count is non-zero in this window: a count added to the
+        # report only when some batch was dropped would overwrite the value then, unseen.
+        taken = sorted(set(counts) & {*value_names, *(name for _, name in hist)})
+        if taken:
+            raise ValueError(
+                f"compute() result: {taken} are also the names the collector reports the "
+                "metric's counts under (rejected_updates: batches dropped for bad values; "
+                "nan_count: NaN elements left out or replaced), so one would overwrite the "
+                "other; rename those keys of the result (the counts are reported for you)"
+            )
         return cls(tuple(value_leaves), tuple(value_names), tuple(hist))
 
 

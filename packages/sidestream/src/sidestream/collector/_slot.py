@@ -7,7 +7,7 @@ import copy
 import logging
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -16,6 +16,9 @@ from sidestream._arena import Arena
 from sidestream._distributed import Group
 from sidestream.metric import Metric, has_own_sync, own_data
 from sidestream.sync import CallFingerprint, RankMismatchError, SyncBatch, SyncHandle, SyncProgram
+
+if TYPE_CHECKING:
+    from sidestream.collector._window import Window
 
 __all__ = ["Slot", "clone_metric"]
 
@@ -120,13 +123,17 @@ class Slot:
             batch.add(source, self._group, own.synced, name=own.parts[0][0], parts=own.parts)
         return batch.program(check=check)
 
-    def start_from_live(self, step: int) -> SyncHandle:
-        """Stage the live state and start the window's reduction (``async_op``).
+    def start_from_live(self, step: int, window: Window) -> None:
+        """Stage the live state and start ``window``'s reduction (``async_op``).
 
         With a direct layout the live arena is copied straight into the send buffer (the
         slot's own local state is then never read: ``compute`` reads the synced state, marked
         current here); otherwise ``stage`` then ``start_sync``. Either way the live metric may
         be updated or reset as soon as this returns.
+
+        Sets ``window.started`` just before the first collective is issued and
+        ``window.batch`` (the handle) as soon as the start returns, so a caller interrupted
+        anywhere in between knows its collectives may be in flight.
 
         Raises:
             RankMismatchError: If the live metric's states changed since ``bind`` (see
@@ -134,7 +141,9 @@ class Slot:
         """
         if self._direct is None:
             self.stage(step)
-            return self.start_sync(step)
+            window.started = True
+            window.batch = self.start_sync(step)
+            return
         live = self._live_arena
         # The common case without a call: the bound arena is alive and still the live tree's
         # (``_own_arena`` would rebuild a dead one, which is what the check below catches).
@@ -143,9 +152,25 @@ class Slot:
             # Tells the other ranks, whose window at this step then fails too.
             self._direct.start(CallFingerprint("changed", step, self._stream))
             raise RankMismatchError(_changed_after_bind(self._live))
-        handle = self._direct.start(CallFingerprint("window", step, self._stream), async_op=True)
+        # Marked before the start: nothing reads this copy until the window's wait, and after
+        # the start nothing may come between the collectives and the window knowing the handle.
         self._mark_once()
-        return handle
+        window.started = True
+        window.batch = self._direct.start(
+            CallFingerprint("window", step, self._stream), async_op=True
+        )
+
+    def unstage(self) -> None:
+        """Copy the staged state back into the live metric (queued on the current stream).
+
+        For a window whose reduction never started, after staging reset the live state: its
+        updates are kept for the window scheduled again. Only what ``stage`` copied comes back.
+        """
+        self._live_arena.copy_from(self._arena)
+        for source, target in self._own_sync_pairs:
+            for attribute, value in own_data(target):
+                if _stageable(value):
+                    object.__setattr__(source, attribute, value)
 
     def _mark_once(self) -> None:
         """Mark this slot's synced state current (after the first window's start only).

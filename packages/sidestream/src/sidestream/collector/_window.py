@@ -31,6 +31,12 @@ class Window:
     ``slot.metric``. CUDA: the reduction was queued on ``side``; the dispatcher queues
     ``compute()`` and the copies to pinned memory there too, sets ``rejected`` (the reduced
     counts of dropped batches, see ``rejected_to_host``) and ``done``, then waits on ``done``.
+
+    ``started`` is set just before the first collective is issued, ``batch`` as soon as its
+    start returns: a call interrupted in between (Ctrl-C) may have collectives in flight with
+    no handle to wait on, so its slot is never reused. ``staged`` says the live state was
+    copied out (and reset) for this window. ``error``: the window failed on the training thread
+    after its updates were taken from the live metric; the dispatcher reports it as failed.
     """
 
     step: int
@@ -40,6 +46,9 @@ class Window:
     side: torch.cuda.Stream | None = None
     done: torch.cuda.Event | None = None
     rejected: Tensor | None = None
+    started: bool = False
+    staged: bool = False
+    error: BaseException | None = None
 
 
 _COUNTERS_OF_THE_LIBRARY = (

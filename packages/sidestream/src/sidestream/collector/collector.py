@@ -281,6 +281,9 @@ class AsyncMetricCollector(Generic[T]):
         ``RankMismatchError`` naming the difference otherwise), so later windows never block on
         that check.
 
+        All or nothing: a bind that raises part-way stops the threads it started and leaves the
+        collector and the metric as they were, so a corrected bind (on every rank) works.
+
         Raises:
             RankMismatchError: If ranks hold different metric states or different sinks (only
                 rank 0 writes: a sink built on another rank alone would be dropped silently).
@@ -296,7 +299,6 @@ class AsyncMetricCollector(Generic[T]):
         if self._dispatcher is not None or self._closed:
             raise RuntimeError("bind: the collector is already bound (or closed)")
         self._refuse_a_metric_bound_elsewhere("bind")
-        self._twin_index = self._next_twin_index()
         target = torch.device(device) if device is not None else self._metric.device
         check_cuda_available("bind", target)
         if target.type == "meta":
@@ -308,6 +310,61 @@ class AsyncMetricCollector(Generic[T]):
         self._refuse_group_without_writer()
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
+        # All or nothing: a bind that fails part-way (a sink, a device move, a rank check) is
+        # undone, so a corrected bind, or another collector's of this metric, starts afresh
+        # instead of finding threads started, slots of another layout or a longer fingerprint.
+        undo = self._bind_undo()
+        try:
+            self._bind_to(target)
+        except BaseException:
+            undo()
+            raise
+        return self
+
+    def _bind_undo(self) -> Callable[[], None]:
+        """A call that puts the collector and its metric back as they are now (before bind)."""
+        device, stream, twin_index = self._metric.device, self._stream, self._twin_index
+        # A failed bind must not use up the loaded checkpoint's digests: the retry sends them.
+        digests = [
+            (metric, metric.__dict__["_loaded_digest"])
+            for metric in self._metric._walk_metrics()
+            if "_loaded_digest" in metric.__dict__
+        ]
+
+        def undo() -> None:
+            dispatcher, self._dispatcher = self._dispatcher, None
+            if dispatcher is not None:
+                dispatcher.stop(None)  # no window was submitted: it ends at once
+            if _BOUND.get(id(self._metric)) is self:
+                del _BOUND[id(self._metric)]
+            for metric in self._metric._walk_metrics():
+                metric.__dict__.pop("_bound_prefix", None)
+            if self._owns_delivery:
+                forget_close_at_exit(self._close_at_exit)
+            # The slots were copies laid out for this bind's device and arena: none is kept.
+            self._free_slots = queue.SimpleQueue()
+            self._slot_count = 0
+            self._side = None
+            self._device = None
+            self._stream, self._twin_index = stream, twin_index
+            for metric, digest in digests:
+                metric.__dict__.setdefault("_loaded_digest", digest)
+            if self._metric.device != device:
+                try:
+                    self._metric.to(device)
+                except Exception as error:  # the bind's own error is the one raised
+                    logger.error(
+                        "bind failed, and moving the metric back to %s failed too: %s: %s",
+                        device,
+                        type(error).__name__,
+                        error,
+                    )
+
+        return undo
+
+    def _bind_to(self, target: torch.device) -> None:
+        """``bind``'s work once its arguments were checked; undone by ``_bind_undo`` on failure."""
+        self._twin_index = self._next_twin_index()
         self._metric.to(target)
         self._device = target
         # And the metric's count of collective calls so far, a load_state_dict included: a rank
@@ -371,13 +428,16 @@ class AsyncMetricCollector(Generic[T]):
             "build the same sinks on every rank: building one opens nothing, and only rank 0 "
             "opens and writes them",
         )
-        runners = self._delivery.start("bind")
+        # The dispatcher before the sinks: starting them (which opens them) is the last step
+        # that can fail, so a failed bind never leaves a tracker run opened for nothing.
+        writes = self._delivery.is_writer and bool(self._delivery.sinks)
         self._dispatcher = Dispatcher(
-            [self._delivery] if runners else [],
+            [self._delivery] if writes else [],
             self._free_slots.put,
             self._prefix,
             self._histograms,
         )
+        self._delivery.start("bind")
         _BOUND[id(self._metric)] = self
         # Loading a checkpoint into a bound metric on some ranks only would drop it silently
         # (only the group's first rank takes saved numbers): Metric.load_state_dict refuses.
@@ -385,7 +445,6 @@ class AsyncMetricCollector(Generic[T]):
             metric.__dict__["_bound_prefix"] = self._prefix
         if self._owns_delivery:
             close_at_exit(self._close_at_exit)
-        return self
 
     def _next_twin_index(self) -> int:
         """0, or above every index of the open collectors with this prefix, mode and group.
@@ -435,6 +494,11 @@ class AsyncMetricCollector(Generic[T]):
         Issues the window's collectives from this thread (every rank must call it, in the same
         order). No host sync on CUDA.
 
+        A call that raises before the window's first collective leaves the step free and the
+        updates in the live metric (on CUDA the staged copy is put back). Once the collectives
+        may have been issued the step stays used and the window is reported as failed
+        (``collect_results`` raises naming the step; the exception carries a note saying so).
+
         Raises:
             RuntimeError: If not bound, or closed; or if a metric of the tree says its states
                 cannot be read as they are (``Metric._check_readable``: the torchmetrics
@@ -475,7 +539,7 @@ class AsyncMetricCollector(Generic[T]):
         window = Window(step=step, time=time.time(), slot=slot)
         try:
             if self._side is None:
-                window.batch = slot.start_from_live(step)
+                slot.start_from_live(step, window)
                 if self._reset_each_window:
                     # The live state was copied out; start_from_live checked that its arena is
                     # the one bound, so unless a subclass resets differently, reset that arena
@@ -486,19 +550,66 @@ class AsyncMetricCollector(Generic[T]):
                         self._metric.reset()
             else:
                 self._schedule_on_side_stream(window)
-        except BaseException:
-            # The slot must come back, or the pool runs dry and a later call waits forever.
-            if window.batch is None:
-                self._free_slots.put(slot)  # no collective writes into its buffers
-                if self._side is None:
-                    # Nothing of this step was started, nor the live state reset (the side
-                    # stream's staging resets it before its collective starts: a step made
-                    # again would report a window without those updates).
-                    self._last_step = previous_step
-            else:
+        except BaseException as error:
+            if window.batch is not None:
                 self._dispatcher.submit(window)  # in flight: the dispatcher hands it back
+            elif window.started:
+                self._give_up_started(window, error)
+            else:
+                # No collective writes into its buffers: the slot comes back, or the pool runs
+                # dry and a later call waits forever.
+                self._free_slots.put(slot)
+                if self._keep_updates(window, error):
+                    self._last_step = previous_step  # the call made again reports them
             raise
         self._dispatcher.submit(window)
+
+    def _give_up_started(self, window: Window, error: BaseException) -> None:
+        """A window whose collectives may be in flight, with no handle to wait on, failed.
+
+        Its slot is never reused: the collectives may still write into its buffers. Its step
+        stays used (the other ranks' windows may pair with what was issued), and it is handed
+        to the dispatcher as failed, so ``collect_results`` and ``close`` say it was lost.
+        """
+        self._slot_count -= 1  # a new slot is made in its place when needed
+        window.error = error
+        error.add_note(
+            f"schedule_collection: the window at step {window.step} failed while its reduction "
+            "was starting; its updates were not delivered (the window is reported as failed)"
+        )
+        assert self._dispatcher is not None
+        self._dispatcher.submit(window)
+
+    def _keep_updates(self, window: Window, error: BaseException) -> bool:
+        """Whether the live metric still holds the failed window's updates (none started).
+
+        Staging on the side stream resets the live state before the reduction starts: its
+        copy is put back (queued on the current stream, after the staging and the reset).
+        If that fails too, the updates are lost: the window is handed to the dispatcher as
+        failed, naming its step, and the step stays used.
+        """
+        if not window.staged or not self._reset_each_window:
+            return True
+        try:
+            window.slot.unstage()
+        except Exception as unstage_error:
+            logger.error(
+                "schedule_collection: putting the staged state of the window at step %d back "
+                "failed: %s: %s",
+                window.step,
+                type(unstage_error).__name__,
+                unstage_error,
+            )
+            window.error = error
+            error.add_note(
+                f"schedule_collection: the window at step {window.step} failed after its "
+                "updates were taken from the live metric; they were not delivered (the "
+                "window is reported as failed)"
+            )
+            assert self._dispatcher is not None
+            self._dispatcher.submit(window)
+            return False
+        return True
 
     def _refuse_a_metric_bound_elsewhere(self, where: str) -> None:
         """Raise ``ValueError`` if the metric, or one in or around it, has an open collector."""
@@ -538,7 +649,11 @@ class AsyncMetricCollector(Generic[T]):
             # The slot came back from the dispatcher, so this wait is already satisfied; it
             # keeps staging ordered after the last reader of these buffers on the GPU too.
             current.wait_event(slot.done)
-        self._stage(slot, window.step)
+        slot.stage(window.step)
+        # From here until the start, a failure puts the staged copy back (_keep_updates).
+        window.staged = True
+        if self._reset_each_window:
+            self._metric.reset()  # one copy from the arena's initial values
         staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
         staged.record(current)
         # torch.cuda.stream(side) without its context manager, which looks the device up twice.
@@ -547,20 +662,17 @@ class AsyncMetricCollector(Generic[T]):
         torch.cuda.set_stream(side)
         try:
             side.wait_event(staged)
+            window.started = True
             batch = slot.start_sync(window.step)
             batch.wait()  # NCCL: the side stream waits for the collectives; the host does not
+            # compute() is queued on the side stream by the dispatcher thread: its Python work
+            # grows with the metric tree, and the training thread's must not. Only once the
+            # side stream waits for the collectives: a window without that wait is not computed.
+            window.batch, window.side = batch, side
         finally:
             torch.cuda.set_stream(current)
             if caller_device != self._device.index:
                 torch.cuda.set_device(caller_device)
-        # compute() is queued on the side stream by the dispatcher thread: its Python work
-        # grows with the metric tree, and the training thread's must not.
-        window.batch, window.side = batch, side
-
-    def _stage(self, slot: Slot, step: int) -> None:
-        slot.stage(step)
-        if self._reset_each_window:
-            self._metric.reset()  # one copy from the arena's initial values
 
     def settle_windows(self, timeout: float | None) -> None:
         """Wait at most ``timeout`` s for the scheduled windows; raise a mismatch one found.
