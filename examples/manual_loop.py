@@ -87,7 +87,7 @@ def main() -> None:
             if args.record is not None:  # the test's own copy of what went in (syncs: tests only)
                 with (args.record / f"rank{rank}.jsonl").open("a") as record:
                     print(json.dumps([epoch, loss.item(), num_tokens.item()]), file=record)
-        # all_reduce across ranks, current stream; the epoch in the call's fingerprint makes a
+        # one all_gather across ranks, current stream; the epoch in the call's fingerprint makes a
         # rank that skipped an epoch's sync fail there instead of pairing the next one.
         metric.sync(step=epoch)
         epoch_loss = metric.compute()  # sum(loss * tokens) / sum(tokens) over every rank's steps

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -51,6 +52,43 @@ def _check_dict_claims(code: str, stdout: str) -> None:
         assert any(pattern.fullmatch(line) for line in lines), (claim, stdout[-2000:])
 
 
+PRINTED = re.compile(r"print\(.*\)\s+# (.*)")
+# A comment that shows output (a tensor, a list, a number, an error message), not one that
+# describes it in words ("the int64 per-class counts behind them").
+SHOWN = re.compile(r"tensor\(|torch\.Size|ReduceOp|True\b|False\b|\[|'|-?\d|\w+: expected|sink ")
+# Where a shown output ends and its explanation starts: "tensor(0.4444, ...): F1 per class".
+EXPLAINED = re.compile(r"(?=, |: |; )")
+
+
+def _printed_claims(code: str) -> list[str]:
+    """The outputs that ``print(...)  # ...`` lines show (dicts are ``_dict_claims``')."""
+    return [
+        claim for claim in PRINTED.findall(code) if not claim.startswith("{") and SHOWN.match(claim)
+    ]
+
+
+def _check_printed_claims(code: str, stdout: str) -> None:
+    """Each shown output (or its part before an explanation) is a printed line, ``...`` any text."""
+    lines = stdout.splitlines()
+    for claim in _printed_claims(code):
+        if "device='cuda" in claim and not torch.cuda.is_available():
+            continue  # the block's CUDA part prints nothing here
+        readings = [claim] + [claim[: cut.start()] for cut in EXPLAINED.finditer(claim)]
+        patterns = [
+            re.compile(".*?".join(re.escape(part) for part in reading.split("...")))
+            for reading in readings
+        ]
+        assert any(p.fullmatch(line) for p in patterns for line in lines), (claim, stdout[-2000:])
+
+
+def test_printed_claims_are_checked() -> None:
+    code = "print(x)  # tensor(0.5000, dtype=torch.float64): the mean\nprint(y)  # the counts\n"
+    assert _printed_claims(code) == ["tensor(0.5000, dtype=torch.float64): the mean"]
+    _check_printed_claims(code, "tensor(0.5000, dtype=torch.float64)\n")
+    with pytest.raises(AssertionError):
+        _check_printed_claims(code, "tensor(0.2500, dtype=torch.float64)\n")
+
+
 @pytest.mark.parametrize("code", EXAMPLES)
 def test_example_runs(code: str, tmp_path: Path) -> None:
     if not any(marker in code for marker in STARTS_PROCESSES):
@@ -58,6 +96,7 @@ def test_example_runs(code: str, tmp_path: Path) -> None:
         with contextlib.redirect_stdout(printed):
             exec(compile(code, "<docs>", "exec"), {"__name__": "docs_example"})
         _check_dict_claims(code, printed.getvalue())
+        _check_printed_claims(code, printed.getvalue())
         return
     # A script that starts processes: run it as one, so its functions can be pickled.
     script = tmp_path / "example.py"
@@ -72,6 +111,7 @@ def test_example_runs(code: str, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     _check_dict_claims(code, done.stdout)
+    _check_printed_claims(code, done.stdout)
 
 
 # The nav, read without a YAML parser (the tests session does not install mkdocs): every

@@ -260,12 +260,21 @@ class Metric(Generic[T], abc.ABC):
         registry: dict[str, tuple[str | None, _Child]] | None = self.__dict__.get("_declarations")
         if not registry:
             return
-        declared = registry.get(attribute.lstrip("_"))
+        name = attribute.lstrip("_")
+        declared = registry.get(name)
         if declared is None or declared[0] != attribute:
-            return
+            # A state from add_state kept in an attribute (``self._high = self.add_state(
+            # "high", ...)``) is declared without one: look at what the attribute holds.
+            current = self.__dict__.get(attribute)
+            name, declared = next(
+                ((key, item) for key, item in registry.items() if item[1] is current),
+                (name, None),
+            )
+            if declared is None:
+                return
         what = "state" if isinstance(declared[1], MetricAccumulator) else "child metric"
         raise TypeError(
-            f"{attribute}: holds the declared {what} {attribute.lstrip('_')!r}; assigning a "
+            f"{attribute}: holds the declared {what} {name!r}; assigning a "
             f"{type(value).__name__} would leave it out of sync, reset and checkpoints. Update "
             "a state in place (accumulate, scatter_add, ...) and read it with .value"
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Real
 
 import torch
 from torch import Tensor
@@ -54,6 +55,17 @@ class Bins:
             check_int("num_bins", num_bins, 2)
             self.count = num_bins
             return
+        if isinstance(edges, Real):  # torchmetrics' thresholds=T, a count of edges
+            hint = (
+                f"; torchmetrics' thresholds={edges} (linspace(0, 1, {edges})) is "
+                f"num_bins={edges - 1} here"
+                if isinstance(edges, int) and edges > 1
+                else ""
+            )
+            raise TypeError(
+                f"thresholds: expected a sequence of edges in [0, 1], got the number {edges!r}"
+                f"{hint}"
+            )
         values = torch.as_tensor(edges, dtype=torch.float64).reshape(-1).cpu()
         if values.numel() == 0:
             raise ValueError("thresholds: expected at least one value in [0, 1], got none")
