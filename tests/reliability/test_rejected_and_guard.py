@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 import subprocess
 import sys
 import textwrap
@@ -11,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidestream import AsyncMetricCollector, ComposeMetric, MeanMetric, WeightedMeanMetric
+import sidestream.metrics
+from sidestream import AsyncMetricCollector, ComposeMetric, MeanMetric, Metric, WeightedMeanMetric
+from sidestream.collector._window import _COUNTERS_OF_THE_LIBRARY
+from sidestream.metrics.language import PerplexityMetric, TokenAccuracyMetric
 from tests.collector.helpers import RecordingSink
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +42,54 @@ def test_rejected_updates_are_reported_with_their_window() -> None:
     got = [r.values.get("train/loss/rejected_updates") for r in sink.reports]
     assert got == [1.0, 2.0, None, 1.0, 2.0], "counted per window, absent when none"
     assert all(r.values["train/loss"] == 2.0 for r in sink.reports)
+
+
+def _library_metric_classes() -> set[type]:
+    for module in pkgutil.walk_packages(sidestream.metrics.__path__, "sidestream.metrics."):
+        importlib.import_module(module.name)
+    found: set[type] = set()
+    pending: list[type] = [Metric]
+    while pending:
+        cls = pending.pop()
+        for sub in cls.__subclasses__():
+            pending.append(sub)
+            if sub.__module__.startswith("sidestream."):
+                found.add(sub)
+    return found
+
+
+def test_every_library_counter_of_dropped_batches_is_one_the_collector_reports() -> None:
+    # A metric with a rejected_updates of its own (not the shared counter's) was never
+    # reported: perplexity and token accuracy dropped bad batches on CUDA unseen.
+    unreported = sorted(
+        cls.__name__
+        for cls in _library_metric_classes()
+        for attribute in ("rejected_updates", "nan_count")
+        if hasattr(cls, attribute) and getattr(cls, attribute) not in _COUNTERS_OF_THE_LIBRARY
+    )
+    assert unreported == []
+
+
+def test_language_metrics_report_their_dropped_batches() -> None:
+    metric = ComposeMetric({"ppl": PerplexityMetric(), "acc": TokenAccuracyMetric()})
+    sink = RecordingSink()
+    collector = AsyncMetricCollector(metric, sinks=[sink], prefix="val")
+    collector.bind("cpu")
+    logits = torch.tensor([[[2.0, 0.0], [0.0, 1.0]]])
+    target = torch.tensor([[0, 0]])
+    for step in range(1, 4):
+        metric["ppl"].update(logits, target)
+        metric["acc"].update(logits, target)
+        for name in ("ppl", "acc"):
+            for _ in range(step - 1):  # what update does on CUDA for a bad batch
+                metric[name]._rejected.accumulate(torch.tensor(1, dtype=torch.int64))
+        collector.schedule_collection(step)
+    assert collector.close(20) is True
+    for name in ("ppl", "acc"):
+        got = [r.values.get(f"val/{name}/rejected_updates") for r in sink.reports]
+        assert got == [None, 1.0, 2.0]
+    # Token accuracy of the two tokens: argmax 0 and 1 against targets 0 and 0.
+    assert all(r.values["val/acc"] == 0.5 for r in sink.reports)
 
 
 @pytest.mark.gpu

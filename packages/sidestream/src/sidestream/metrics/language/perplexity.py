@@ -21,7 +21,7 @@ from sidestream._validation import (
     not_finite,
     screen_invalid,
 )
-from sidestream.metric import Metric
+from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,
@@ -38,7 +38,7 @@ __all__ = ["PerplexityMetric"]
 _FINITE_LOGITS = "finite logits at counted tokens (no NaN or +inf; -inf not at the target id)"
 
 
-class PerplexityMetric(Metric[Tensor]):
+class PerplexityMetric(ScreenedMetric[Tensor]):
     """``exp(sum of token NLL / number of counted tokens)`` over every update and rank.
 
     Feed either ``logits`` ``(..., V)`` with integer ``target`` ``(...)`` (the NLL is computed
@@ -71,13 +71,8 @@ class PerplexityMetric(Metric[Tensor]):
         self._vocab_size = vocab_size
         self._nll = MetricAccumulator(0.0, dtype=torch.float64)
         self._tokens = MetricAccumulator(0.0, dtype=torch.float64)
-        self._rejected = MetricAccumulator(0, dtype=torch.int64)
+        super().__init__()  # the rejected-update counter, declared after the sums as before
         count_under(ignore_index, self._nll, self._tokens)
-
-    @property
-    def rejected_updates(self) -> Tensor:
-        """Updates dropped for bad values on the device path (CUDA, or compiled); CPU raises."""
-        return self._rejected.value
 
     def update(
         self,

@@ -11,7 +11,7 @@ from sidestream._validation import (
     ignore_index_of,
     screen_invalid,
 )
-from sidestream.metric import Metric
+from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,
@@ -25,7 +25,7 @@ from sidestream.state import MetricAccumulator
 __all__ = ["TokenAccuracyMetric"]
 
 
-class TokenAccuracyMetric(Metric[Tensor]):
+class TokenAccuracyMetric(ScreenedMetric[Tensor]):
     """The fraction of counted tokens whose arg-max logit is the target id.
 
     State: int64 counts of correct and counted tokens (exact across ranks). Tokens equal to
@@ -53,13 +53,8 @@ class TokenAccuracyMetric(Metric[Tensor]):
         self._vocab_size = vocab_size
         self._correct = MetricAccumulator(0, dtype=torch.int64)
         self._tokens = MetricAccumulator(0, dtype=torch.int64)
-        self._rejected = MetricAccumulator(0, dtype=torch.int64)
+        super().__init__()  # the rejected-update counter, declared after the sums as before
         count_under(ignore_index, self._correct, self._tokens)
-
-    @property
-    def rejected_updates(self) -> Tensor:
-        """Updates dropped for bad values on the device path (CUDA, or compiled); CPU raises."""
-        return self._rejected.value
 
     def update(self, logits: Tensor, target: Tensor) -> None:
         """Add ``(..., V)`` logits (or probabilities) and ``(...)`` integer target ids.
