@@ -230,3 +230,60 @@ class FlushFailsOnceSink(Sink):
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": list(self._steps), "pid": os.getpid()}
+
+
+class GatedMarkerSink(Sink):
+    """Appends ``<what> <pid>`` lines to ``path`` (``close`` with the exit code it was told);
+    its ``open`` or ``write`` (``gate``) waits until ``<path>.go`` exists."""
+
+    name = "gated_marker"
+
+    def __init__(self, path: Path, gate: str) -> None:
+        self._path = path
+        self._gate = gate
+
+    def _mark(self, what: str) -> None:
+        with open(self._path, "a") as file:
+            file.write(f"{what} {os.getpid()}\n")
+        if what == self._gate:
+            while not Path(f"{self._path}.go").exists():
+                time.sleep(0.05)
+
+    def open(self, run: RunInfo) -> None:
+        self._mark("open")
+
+    def write(self, report: Report) -> None:
+        self._mark("write")
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        self._mark("durable")
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        from sidestream._exit import failed_exit_code
+
+        self._mark(f"close:{failed_exit_code()}")
+        return True
+
+
+class StalledFlushSink(Sink):
+    """Keeps the steps written in its state; its flush does not finish while ``flag`` exists
+    (a backend that confirms nothing)."""
+
+    name = "stalled_flush"
+
+    def __init__(self, flag: Path) -> None:
+        self._flag = flag
+        self._steps: list[int] = []
+
+    def open(self, run: RunInfo) -> None:
+        pass
+
+    def write(self, report: Report) -> None:
+        self._steps.append(report.step)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return not self._flag.exists()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self._steps)}

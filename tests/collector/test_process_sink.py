@@ -7,8 +7,11 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.queues import Queue
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from sidestream import MeanMetric
+from sidestream._exit import KILLED_EXIT_CODE
 from sidestream.collector import AsyncMetricCollector
 from sidestream.sinks import (
     JsonlSink,
@@ -27,6 +31,7 @@ from sidestream.sinks import (
     is_permanent,
     sinks_from_config,
 )
+from tests._scripts import ROOT
 from tests.collector.child_sinks import (
     BatchSizesSink,
     BuggySink,
@@ -38,6 +43,7 @@ from tests.collector.child_sinks import (
     FlushHangSink,
     SlowOpenSink,
     SlowReopenSink,
+    StalledFlushSink,
     TemporaryFolderSink,
     TroubleJsonlSink,
 )
@@ -410,3 +416,123 @@ def test_a_sink_that_cannot_be_rebuilt_from_its_pickle_fails_when_wrapped(tmp_pa
         TypeError, match=r"sink: _Unrebuildable must be picklable, and rebuilt .*cannot construct"
     ):
         ProcessSink(_Unrebuildable(tmp_path / "m.jsonl"))
+
+
+_TRAINER = """
+import sys
+from pathlib import Path
+
+from sidestream.sinks import ProcessSink, Report, RunInfo
+from tests.collector.child_sinks import GatedMarkerSink
+
+
+def main() -> None:
+    sink = ProcessSink(GatedMarkerSink(Path(sys.argv[1]), gate=sys.argv[2]))
+    sink._orphan_close_s = float(sys.argv[3])
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    print("wrote", flush=True)
+    sys.stdin.read()  # until the test kills this process
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie nobody reaped counts: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("gate", ["open", "write", "idle", "stuck"])
+def test_a_child_whose_trainer_was_killed_closes_its_sink_quietly(
+    tmp_path: Path, gate: str
+) -> None:
+    # A SIGKILLed trainer left a BrokenPipeError traceback (two, chained) from a child that was
+    # answering a call; a child stuck in a call never ended.
+    script = tmp_path / "trainer.py"
+    script.write_text(_TRAINER)
+    marks = tmp_path / "marks.txt"
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err:
+        trainer = subprocess.Popen(
+            [sys.executable, str(script), str(marks), "write" if gate == "stuck" else gate, "1.0"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    try:
+        if gate == "idle":  # the child waits for the next call
+            assert trainer.stdout is not None and trainer.stdout.readline() == "wrote\n"
+        waited = "write" if gate in ("write", "stuck", "idle") else "open"
+        assert _wait_for(lambda: marks.exists() and waited in marks.read_text(), 60), (
+            stderr.read_text()
+        )
+        child = int(marks.read_text().split()[-1])
+        trainer.kill()
+    finally:
+        trainer.kill()
+        trainer.wait(30)
+    if gate != "stuck":  # the call in progress returns, and its answer finds no reader
+        Path(f"{marks}.go").touch()
+    # stuck: the watch thread ends the child 1 s (its orphan_close_s) and a grace later.
+    assert _wait_for(lambda: _gone(child), 30), marks.read_text()
+    lines = [line for line in stderr.read_text().splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert "Traceback" not in lines[0] and "the training process is gone" in lines[0]
+    done = [line.split()[0] for line in marks.read_text().splitlines()]
+    if gate == "stuck":
+        assert "sink did not close within 1 s" in lines[0]
+        assert done == ["open", "write"]
+    else:
+        # It made durable what it had and ended the run as a killed job's (255), not as a
+        # clean finish.
+        assert done[-2:] == ["durable", f"close:{KILLED_EXIT_CODE}"], done
+        assert "made what it had durable and closed it" in lines[0]
+
+
+def test_reports_held_for_re_sending_are_capped_and_the_rest_wait_in_the_runner(
+    tmp_path: Path,
+) -> None:
+    # A child whose flushes never finished made the parent hold every report written since,
+    # for re-sending, without a cap of its own (5000 of 5000 in a probe with flush_every=16).
+    flag = tmp_path / "stalled"
+    flag.touch()
+    sink = ProcessSink(StalledFlushSink(flag), flush_every=4, max_unflushed=8)
+    runner = SinkRunner(sink, capacity=64, retry_initial_s=0.01, retry_max_s=0.05)
+    runner.start()
+    for step in range(1, 31):
+        runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
+    assert _wait_for(lambda: runner.status.state == "retrying", 60), runner.status
+    assert "UnconfirmedBacklogError" in str(runner.status.last_error)
+    assert "max_unflushed=8" in str(runner.status.last_error)
+    time.sleep(0.5)  # retries go on: the cap holds
+    assert [r.step for r in sink.pending_reports()] == list(range(1, 9))
+    flag.unlink()  # the backend confirms again
+    assert runner.close(60.0)
+    assert runner.dropped == 0
+    assert sink.state_dict()["steps"] == list(range(1, 31))  # each once, in order
+    assert sink.pending_reports() == []
+
+
+def test_max_unflushed_below_flush_every_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_unflushed: expected at least flush_every \(16\)"):
+        ProcessSink(BatchSizesSink(), flush_every=16, max_unflushed=8)

@@ -28,6 +28,7 @@ from sidestream.sinks import (
     Sink,
     SinkRunner,
     available_sinks,
+    is_permanent,
     jsonl,
     read_jsonl,
     read_spool,
@@ -642,6 +643,58 @@ def test_jsonl_to_a_pipe_with_fsync_writes_each_line_once(tmp_path: Path) -> Non
     assert runner.close(10.0)
     reader.join(10.0)
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_jsonl_to_a_fifo_with_no_reader_refuses_to_open_at_once(tmp_path: Path) -> None:
+    # open() of a FIFO nobody reads waited for a reader for good: the sink's thread hung,
+    # saying nothing, until close ran out its timeout.
+    import threading
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    sink = JsonlSink(fifo)
+    raised: list[BaseException] = []
+
+    def open_sink() -> None:
+        try:
+            sink.open(RunInfo())
+        except OSError as error:
+            raised.append(error)
+
+    opener = threading.Thread(target=open_sink, daemon=True)
+    opener.start()
+    opener.join(10.0)
+    if opener.is_alive():  # the old behaviour: let the hung open go before failing
+        with fifo.open("rb"):
+            pass
+        pytest.fail("JsonlSink.open waited for a reader of the FIFO")
+    assert len(raised) == 1
+    error = raised[0]
+    assert isinstance(error, OSError) and error.errno == errno.ENXIO
+    assert str(fifo) in str(error) and "no reader attached" in str(error)
+    assert not is_permanent(error)  # a reader started later gets the reports
+
+
+def test_jsonl_to_a_fifo_delivers_once_a_reader_attaches(tmp_path: Path) -> None:
+    import threading
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    runner = SinkRunner(JsonlSink(fifo), retry_initial_s=0.05, retry_max_s=0.2)
+    runner.start()
+    for step in (1, 2, 3):
+        runner.submit(Report(step=step, values={"x": float(step)}, time=time.time()))
+    deadline = time.monotonic() + 30.0
+    while runner.status.state != "retrying" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runner.status.state == "retrying", runner.status
+    assert "no reader attached" in str(runner.status.last_error)
+    lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: lines.extend(fifo.open("rb").read().splitlines()))
+    reader.start()
+    assert runner.close(30.0)
+    reader.join(10.0)
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 
 
 def test_a_sink_raising_a_base_exception_fails_for_good_and_keeps_its_reports(

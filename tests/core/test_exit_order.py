@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 _SCRIPT = """
 import atexit
@@ -101,3 +102,67 @@ def test_ctrl_c_while_a_run_closes_at_exit_still_closes_the_others() -> None:
     done = _python(_INTERRUPTED_SCRIPT)
     assert done.stdout.splitlines() == ["older run closed"], done.stderr
     assert "closing at exit was interrupted (KeyboardInterrupt)" in done.stderr
+
+
+_HUNG_SINKS_SCRIPT = """
+import atexit
+import sys
+import threading
+import time
+
+atexit.register(lambda: print(f"exit closes done {time.monotonic()}", flush=True))  # runs last
+
+from sidestream import AsyncMetricCollector, MeanMetric, Run
+from sidestream.sinks import Sink
+
+
+class Hung(Sink):
+    # A tracker that stopped answering: write and close never return.
+    def __init__(self, name):
+        self.name = name
+
+    def open(self, run):
+        pass
+
+    def write(self, report):
+        threading.Event().wait()
+
+    def close(self, timeout=None):
+        threading.Event().wait()
+        return True
+
+
+spool = sys.argv[1]
+first = Run([Hung("first")], exit_timeout=2.0, spool_dir=spool)
+first.log(1, {"x": 1.0})
+second = Run([Hung("second")], exit_timeout=2.0, spool_dir=spool)
+second.log(1, {"x": 1.0})
+metric = MeanMetric()
+collector = AsyncMetricCollector(metric, sinks=[Hung("third")], exit_timeout=2.0, spool_dir=spool)
+collector.bind("cpu")
+metric.update(1.0)
+collector.schedule_collection(1)
+print(f"last line {time.monotonic()}", flush=True)
+"""
+
+
+def test_closes_at_exit_share_the_exit_timeout(tmp_path: Path) -> None:
+    # Each close at exit got its whole exit_timeout: two runs and a collector with a hung
+    # tracker kept the exit waiting 3 x 2 s.
+    done = subprocess.run(
+        [sys.executable, "-c", _HUNG_SINKS_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    times = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in done.stdout.split("\n")
+        if line
+    }
+    took = times["exit closes done"] - times["last line"]
+    assert 2.0 <= took < 3.0, (took, done.stderr)
+    # What no close had time for is kept, for each of them.
+    kept = sorted(path.name.split("@")[0] for path in tmp_path.glob("*.spool.jsonl"))
+    assert kept == ["sidestream-first", "sidestream-second", "sidestream-third"], done.stderr

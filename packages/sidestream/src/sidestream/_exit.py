@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -24,6 +25,7 @@ __all__ = [
     "close_at_exit",
     "close_before_backends_exit",
     "ending_with",
+    "exit_time_left",
     "failed_exit_code",
     "forget_close_at_exit",
     "record_failed_exit",
@@ -38,6 +40,7 @@ _exiting = False
 _failed_code: int | None = None  # set by an uncaught exception on its way out
 _scoped_code: int | None = None  # set while a block left by an exception closes (ending_with)
 _hooked = False
+_exit_began: float | None = None  # time.monotonic() when the closes at exit began
 
 
 def _record_failure(
@@ -118,10 +121,24 @@ def failed_exit_code() -> int | None:
     return _scoped_code if _scoped_code is not None else _failed_code
 
 
+def exit_time_left(timeout: float) -> float:
+    """What is left of ``timeout`` (an ``exit_timeout``) for a close run at interpreter exit.
+
+    The closes at exit run one after another; each given its whole ``exit_timeout``, two runs
+    with a hung sink each kept the exit waiting twice as long. Counted from when the closes
+    began, they all end within the largest ``exit_timeout``. Before exit: ``timeout``.
+    """
+    began = _exit_began
+    if began is None:
+        return timeout
+    return max(0.0, timeout - (time.monotonic() - began))
+
+
 def _close_all() -> None:
-    global _exiting
+    global _exiting, _exit_began
     with _LOCK:
         _exiting = True
+        _exit_began = time.monotonic()
         closes = list(reversed(_CLOSES))
         _CLOSES.clear()
     for close in closes:

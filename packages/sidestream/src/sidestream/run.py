@@ -23,7 +23,7 @@ from sidestream._delivery import (
     check_timeout,
 )
 from sidestream._distributed import Group, check_process_group
-from sidestream._exit import close_at_exit, ending_with, forget_close_at_exit
+from sidestream._exit import close_at_exit, ending_with, exit_time_left, forget_close_at_exit
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream._step import training_step
@@ -63,7 +63,10 @@ class Run:
             jitter) after each further failure, up to ``sink_retry_max_s``.
         sink_retry_max_s: A sink's longest wait between retries.
         spool_dir: Directory for spool files (system temp dir by default).
-        exit_timeout: Seconds ``close`` may take when called at interpreter exit.
+        exit_timeout: Seconds ``close`` may take when called at interpreter exit, counted from
+            when the closes at exit begin (runs and collectors still open then share it, so
+            they all end within the largest ``exit_timeout``). It bounds the closes only,
+            not the interpreter's own teardown after them.
         spool_max_bytes: Most bytes of undelivered reports each sink's spool file holds (256
             MiB by default); beyond it the oldest spooled reports are dropped, counted and
             logged. The file on disk, whose delivered part is cut off once it outgrows the
@@ -417,7 +420,7 @@ class Run:
             )
 
     def _close_at_exit(self) -> None:
-        self.close(self._delivery.options.exit_timeout)
+        self.close(exit_time_left(self._delivery.options.exit_timeout))
 
     def __enter__(self) -> Self:
         return self

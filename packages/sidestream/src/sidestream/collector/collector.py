@@ -30,7 +30,7 @@ from sidestream._distributed import (
     group_size,
     resolve_group,
 )
-from sidestream._exit import close_at_exit, ending_with, forget_close_at_exit
+from sidestream._exit import close_at_exit, ending_with, exit_time_left, forget_close_at_exit
 from sidestream._step import training_step
 from sidestream._text import check_encodable
 from sidestream._validation import check_int
@@ -116,7 +116,8 @@ class AsyncMetricCollector(Generic[T]):
             in ``slot_wait_s``); skipping the window instead would pair different collectives
             across ranks, whose dispatchers finish at different times. Slots made beyond the
             first three are freed once the backlog has drained.
-        exit_timeout: Seconds ``close`` may take when called at interpreter exit.
+        exit_timeout: Seconds ``close`` may take when called at interpreter exit, shared
+            with the other closes at exit (see ``Run``).
         checkpoint_timeout: The timeout of ``state_dict()`` called without one, as
             ``torch.distributed.checkpoint`` calls it (``None``: no limit). A collector of a
             ``Run`` takes the run's.
@@ -924,7 +925,7 @@ class AsyncMetricCollector(Generic[T]):
             )
 
     def _close_at_exit(self) -> None:
-        self.close(self._delivery.options.exit_timeout)
+        self.close(exit_time_left(self._delivery.options.exit_timeout))
 
     def __enter__(self) -> Self:
         if self._dispatcher is None:

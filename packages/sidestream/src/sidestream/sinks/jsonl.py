@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -69,7 +70,9 @@ class JsonlSink(TrackerSink):
     A checkpoint of another file (its path differs) gives no offset into this one: a warning
     says so and only its steps count. A path that is not a regular file (``/dev/stdout``, a
     pipe) is only appended to (a cut line there is closed with a newline) and never
-    ``fsync``-ed (a pipe holds nothing to sync: ``fsync`` fails there).
+    ``fsync``-ed (a pipe holds nothing to sync: ``fsync`` fails there). A named pipe with no
+    reader attached is refused at ``open`` (``OSError``, ``ENXIO``, naming it) instead of
+    waited for: the pipeline retries the open until a reader attaches.
 
     Args:
         path: The file, made absolute when the sink is built (a checkpoint names it for a job
@@ -190,7 +193,9 @@ class JsonlSink(TrackerSink):
                 self.path,
                 self.path,
             )
-        self._file = self.path.open("ab", buffering=0)
+        self._file = (
+            _open_fifo(self.path) if _is_fifo(self.path) else self.path.open("ab", buffering=0)
+        )
         if regular:
             self._offset = self._file.seek(0, os.SEEK_END)
 
@@ -378,6 +383,41 @@ def _parse(line: str | bytes) -> dict[str, Any] | None:
         # "Infinity" / "-Infinity", a number no float holds, lists nested past the stack
         return None
     return record
+
+
+def _is_fifo(path: Path) -> bool:
+    """Whether ``path`` leads to a pipe (``mkfifo``, or ``/dev/stdout`` piped to a reader)."""
+    try:
+        return stat.S_ISFIFO(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def _open_fifo(path: Path) -> IO[bytes]:
+    """Open the pipe at ``path`` for appending, refusing at once if no process reads it.
+
+    A plain open of a FIFO waits until a reader opens it: the sink's thread hung in ``open``
+    for good, saying nothing, and a close ran out its timeout. Opened non-blocking it fails
+    with ``ENXIO`` instead; the pipeline retries that like any transient error, so a reader
+    started later gets every report. Writes then block as on any pipe (a slow reader holds
+    up this sink only).
+
+    Raises:
+        OSError: ``ENXIO``, naming ``path`` and saying no reader is attached.
+    """
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno != errno.ENXIO:
+            raise
+        raise OSError(
+            errno.ENXIO,
+            f"JsonlSink: {path} is a named pipe (FIFO) with no reader attached; start the "
+            f"process that reads it (such as `cat {path}`); a Run or collector retries the "
+            "open until one is, keeping the reports",
+        ) from error
+    os.set_blocking(descriptor, True)  # this open's own flag: nobody else's descriptor
+    return os.fdopen(descriptor, "ab", buffering=0)
 
 
 def _is_regular(path: Path) -> bool:

@@ -8,6 +8,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import PermanentSinkError, is_permanent
 from sidestream.sinks.support import check_seconds, seconds_left
+from sidestream.sinks.tracker import UnconfirmedBacklogError
 
 __all__ = ["ProcessSink", "SinkProcessError"]
 
@@ -44,8 +46,15 @@ class SinkProcessError(RuntimeError):
         self.child_traceback = child_traceback
 
 
+class _ParentGone(Exception):
+    """The trainer's end of the pipe is closed: it was killed, or stopped this child."""
+
+
 def _reply(conn: Connection, *message: Any) -> None:
-    conn.send_bytes(pickle.dumps(message))
+    try:
+        conn.send_bytes(pickle.dumps(message))
+    except OSError as error:  # BrokenPipeError, ConnectionResetError: nobody reads the answer
+        raise _ParentGone from error
 
 
 class _PermanentSinkProcessError(SinkProcessError, PermanentSinkError):
@@ -61,40 +70,67 @@ def _failure(error: BaseException) -> tuple[str, str, bool]:
 
 
 def _serve(
-    conn: Connection, sink_bytes: bytes, run: RunInfo, state: Mapping[str, Any] | None
+    conn: Connection,
+    sink_bytes: bytes,
+    run: RunInfo,
+    state: Mapping[str, Any] | None,
+    orphan_close_s: float,
 ) -> None:
-    """The child: open the sink, then answer write / flush / close until told to stop."""
+    """The child: open the sink, then answer write / flush / close until told to stop.
+
+    A trainer that vanishes (killed: the pipe breaks) is noticed at the next call or answer:
+    the child makes what its sink has durable, closes it and ends with one line on stderr, not
+    a ``BrokenPipeError`` traceback. A watch thread ends it anyway ``orphan_close_s`` (and a
+    grace) after the trainer is gone, should the sink be stuck in a call that never returns.
+    """
+    # Ctrl-C in a terminal reaches the whole process group: the trainer decides how the run
+    # ends (its close, or it leaves and this child closes the sink as for a killed trainer).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_trainer(orphan_close_s)
+    sink: Sink | None = None
+    opened = False
     try:
-        sink: Sink = pickle.loads(sink_bytes)
-    except Exception as error:
-        # A sink that cannot be rebuilt here never will be: permanent, not retried.
-        message, child_traceback, _ = _failure(error)
-        _reply(
-            conn,
-            _ERROR,
-            f"the sink could not be rebuilt in the child process ({message})",
-            child_traceback,
-            True,
-        )
-        return
-    try:
-        if state is not None:
-            sink.load_state_dict(state)
-        sink.open(run)
-        _reply(conn, _OK, None, sink.state_dict())
-    except Exception as error:
-        _reply(conn, _ERROR, *_failure(error))
-        return
+        try:
+            sink = pickle.loads(sink_bytes)
+        except Exception as error:
+            # A sink that cannot be rebuilt here never will be: permanent, not retried.
+            message, child_traceback, _ = _failure(error)
+            _reply(
+                conn,
+                _ERROR,
+                f"the sink could not be rebuilt in the child process ({message})",
+                child_traceback,
+                True,
+            )
+            return
+        assert sink is not None
+        try:
+            if state is not None:
+                sink.load_state_dict(state)
+            sink.open(run)
+            opened = True
+            _reply(conn, _OK, None, sink.state_dict())
+        except _ParentGone:
+            raise
+        except Exception as error:
+            _reply(conn, _ERROR, *_failure(error))
+            return
+        _answer_calls(conn, sink)
+    except _ParentGone:
+        _orphaned(sink if opened else None, orphan_close_s)
+
+
+def _answer_calls(conn: Connection, sink: Sink) -> None:
+    """Answer the trainer's calls until it closes the sink (ends the process) or is gone.
+
+    Raises:
+        _ParentGone: If the trainer's end of the pipe is closed.
+    """
     while True:
         try:
             operation, argument = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):  # the parent is gone: close what we can
-            # It closes its sinks before it ends, even on an exception: gone without that, it
-            # was killed, and a tracker must not show the run as a clean finish.
-            record_failed_exit(KILLED_EXIT_CODE)
-            with contextlib.suppress(Exception):
-                sink.close(_ORPHAN_CLOSE_S)
-            return
+        except (EOFError, OSError) as error:
+            raise _ParentGone from error
         try:
             result: object = None
             if operation == "write_batch":
@@ -102,8 +138,7 @@ def _serve(
             elif operation == "flush":
                 result = sink.flush(argument)
             elif operation == "make_durable":
-                durable = getattr(sink, "make_durable", None)
-                result = durable(argument) if durable is not None else sink.flush(argument)
+                result = _make_durable(sink, argument)
             else:
                 # (timeout, exit code); a bare timeout from a parent of an older release.
                 timeout, exit_code = argument if isinstance(argument, tuple) else (argument, None)
@@ -111,15 +146,81 @@ def _serve(
                     record_failed_exit(exit_code)
                 result = sink.close(timeout)
             _reply(conn, _OK, result, sink.state_dict())
+        except _ParentGone:
+            raise
         except Exception as error:
             _reply(conn, _ERROR, *_failure(error))
         if operation == "close":
             _exit_closed()
 
 
+def _make_durable(sink: Sink, timeout: float | None) -> bool:
+    durable = getattr(sink, "make_durable", None)
+    return bool(durable(timeout) if durable is not None else sink.flush(timeout))
+
+
+def _orphaned(sink: Sink | None, limit_s: float) -> None:
+    """The trainer is gone: make what ``sink`` was given durable, close it, say so once.
+
+    It closes its sinks before it ends, even on an exception: gone without that, it was
+    killed, and a tracker must not show the run as a clean finish. What the sink has is what
+    a checkpoint's resume would otherwise find missing, so it is kept (durable, then closed)
+    rather than dropped with this process.
+    """
+    record_failed_exit(KILLED_EXIT_CODE)
+    if sink is None:
+        return  # nothing opened: no run to end
+    deadline = time.monotonic() + limit_s
+    durable = closed = False
+    with contextlib.suppress(Exception):
+        durable = _make_durable(sink, seconds_left(deadline))
+    with contextlib.suppress(Exception):
+        closed = bool(sink.close(seconds_left(deadline)))
+    outcome = (
+        "made what it had durable and closed it"
+        if durable and closed
+        else "could not make what it had durable and close it"
+    )
+    _say(f"sink {sink.name!r}: the training process is gone; this child {outcome}")
+
+
+def _say(line: str) -> None:
+    """One line on stderr from this child (no logging: nothing here configured a handler)."""
+    with contextlib.suppress(Exception):
+        print(f"sidestream (child process {os.getpid()}): {line}", file=sys.stderr, flush=True)
+
+
+def _watch_trainer(orphan_close_s: float) -> None:
+    """End this child ``orphan_close_s`` and a grace after the trainer is gone, if still here.
+
+    The serving thread notices a gone trainer only between calls: a sink stuck in a call that
+    never returns (a hung network request) would otherwise keep an orphan alive for good.
+    """
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # its sentinel: returns once the trainer's process has ended
+        time.sleep(orphan_close_s + _ORPHAN_GRACE_S)
+        _say(
+            f"the training process is gone and the sink did not close within "
+            f"{orphan_close_s:g} s; ending without it"
+        )
+        os._exit(KILLED_EXIT_CODE)
+
+    threading.Thread(target=watch, name="sidestream-sink-orphan-watch", daemon=True).start()
+
+
+DEFAULT_MAX_UNFLUSHED = 65_536
+"""``ProcessSink``'s default ``max_unflushed``: as many as a tracker sink keeps unconfirmed."""
+
 _ORPHAN_CLOSE_S = 30.0
 """How long a child whose trainer vanished gives its sink to end the run: nothing waits on it,
 and a loaded tracker (a SQLite store) may take seconds to mark the run."""
+
+_ORPHAN_GRACE_S = 5.0
+"""Added to ``_ORPHAN_CLOSE_S`` before the watch thread ends a child whose sink is stuck."""
 
 
 def _exit_closed() -> None:
@@ -242,7 +343,12 @@ class ProcessSink(Sink):
             gets that. ``None``: only the caller's timeout bounds a call (none for ``write``).
         start_timeout_s: How long starting the child and opening the sink there may take.
         flush_every: Reports written before the child is asked to flush on its own, which
-            bounds how many reports are held here for re-sending.
+            bounds how many reports are held here for re-sending while flushes succeed.
+        max_unflushed: Most reports held here for re-sending (written since the child's last
+            flush that finished). A write that would pass it first asks the child to flush;
+            if that does not finish (a stalled backend) the write raises
+            ``UnconfirmedBacklogError``: the pipeline retries it later and keeps the reports
+            in its queue and spool meanwhile, whose cap and counted drops then apply.
 
     Attributes:
         restarts: How many times a child was started again after dying or hanging.
@@ -250,7 +356,8 @@ class ProcessSink(Sink):
     Raises:
         TypeError: If ``sink`` is not a ``Sink`` or cannot be pickled, or an option is not a
             number (``"30"`` from a config file).
-        ValueError: If a timeout is not positive or ``flush_every`` < 1.
+        ValueError: If a timeout is not positive, ``flush_every`` < 1 or ``max_unflushed`` <
+            ``flush_every``.
         SinkProcessError: If the main script creates it (or later opens it) from top-level
             code outside ``if __name__ == "__main__":``, where the spawned child would run the
             script again; the message says so.
@@ -266,6 +373,7 @@ class ProcessSink(Sink):
         call_timeout_s: float | None = 300.0,
         start_timeout_s: float = 120.0,
         flush_every: int = 256,
+        max_unflushed: int = DEFAULT_MAX_UNFLUSHED,
     ) -> None:
         if not isinstance(sink, Sink):
             raise TypeError(f"sink: expected a sidestream.sinks.Sink, got {type(sink)}")
@@ -281,6 +389,11 @@ class ProcessSink(Sink):
         if start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s: expected seconds > 0, got {start_timeout_s}")
         check_int("flush_every", flush_every, 1)
+        check_int("max_unflushed", max_unflushed, 1)
+        if max_unflushed < flush_every:
+            raise ValueError(
+                f"max_unflushed: expected at least flush_every ({flush_every}), got {max_unflushed}"
+            )
         _check_main_guard(sink.name)
         try:
             self._sink_bytes = pickle.dumps(sink)
@@ -299,6 +412,9 @@ class ProcessSink(Sink):
         self._call_timeout_s = call_timeout_s
         self._start_timeout_s = start_timeout_s
         self._flush_every = flush_every
+        self._max_unflushed = max_unflushed
+        # How long a child whose trainer vanished may take to close its sink (tests shorten it).
+        self._orphan_close_s = _ORPHAN_CLOSE_S
         self._run: RunInfo | None = None
         self._resume: dict[str, Any] | None = None
         self._state: dict[str, Any] = {}
@@ -362,6 +478,7 @@ class ProcessSink(Sink):
                 raise RuntimeError(f"ProcessSink {self.name!r}: write: {when}")
             if not self._alive():
                 self._restart()
+            self._make_room(len(reports))
             self._call("write_batch", list(reports), self._call_timeout_s)
             self._unflushed.extend(reports)
             if len(self._unflushed) >= self._flush_every:
@@ -377,6 +494,29 @@ class ProcessSink(Sink):
                         len(self._unflushed),
                         error,
                     )
+
+    def _make_room(self, adding: int) -> None:
+        """Keep ``adding`` more reports within ``max_unflushed`` (pipe lock held).
+
+        A child whose flushes never finish (a stalled backend) confirms nothing, and every
+        report written since its last flush stays here to be re-sent: without a cap they would
+        grow for as long as the outage lasts. At the cap the runner keeps them instead, in its
+        bounded queue and spool, where drops are counted and logged.
+
+        Raises:
+            UnconfirmedBacklogError: If a flush did not make room (transient: retried).
+            SinkProcessError: If that flush failed in the child (or the child is gone).
+        """
+        # One batch always goes when nothing waits: a max_batch above the cap still moves.
+        if not self._unflushed or len(self._unflushed) + adding <= self._max_unflushed:
+            return
+        if self.flush(self._call_timeout_s):
+            return
+        raise UnconfirmedBacklogError(
+            f"sink {self.name!r}: {len(self._unflushed)} reports written to the child process "
+            f"since its last finished flush (max_unflushed={self._max_unflushed}); no more are "
+            "sent until a flush finishes (they wait in the queue, then the spool)"
+        )
 
     def flush(self, timeout: float | None = None) -> bool:
         """Flush the child's sink; the reports written so far no longer need re-sending."""
@@ -495,7 +635,7 @@ class ProcessSink(Sink):
         parent, child = context.Pipe()
         process = context.Process(
             target=_serve,
-            args=(child, self._sink_bytes, self._run, state),
+            args=(child, self._sink_bytes, self._run, state, self._orphan_close_s),
             name=f"sidestream-sink-{self.name}",
             daemon=True,
         )
