@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from sidestream import MeanMetric
+from sidestream import MaxMetric, MeanMetric, MinMetric, SumMetric, WeightedMeanMetric
 from sidestream.metrics.classification import MulticlassAUROCMetric, confusion_count_metric
 
 tm = pytest.importorskip("torchmetrics")
@@ -136,14 +136,71 @@ def test_top_k_micro_accuracy_agrees_and_precision_differs() -> None:
     assert float(metric.compute()) == 0.5  # 2 hits among 4 predicted (sample, class) pairs
 
 
-def test_nan_propagates_where_torchmetrics_drops_it() -> None:
+AGGREGATIONS = {
+    "SumMetric": (SumMetric, 4.0),
+    "MeanMetric": (MeanMetric, 2.0),
+    "MaxMetric": (MaxMetric, 3.0),
+    "MinMetric": (MinMetric, 1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(AGGREGATIONS))
+def test_nan_propagates_where_torchmetrics_drops_it(name: str) -> None:
+    ours_class, dropped = AGGREGATIONS[name]
     values = torch.tensor([1.0, float("nan"), 3.0])
-    theirs = tm.MeanMetric()
+    theirs = getattr(tm, name)()
     theirs.update(values)
-    assert float(theirs.compute()) == 2.0
-    ours = MeanMetric()
+    assert float(theirs.compute()) == dropped  # the NaN left out, by default
+    ours = ours_class()
     ours.update(values)
     assert math.isnan(float(ours.compute()))
+    ignoring = ours_class(nan_strategy="ignore")
+    ignoring.update(values)
+    assert float(ignoring.compute()) == dropped
+    assert ignoring.nan_count is not None and int(ignoring.nan_count) == 1
+
+
+@pytest.mark.parametrize("name", list(AGGREGATIONS))
+def test_nan_strategy_error_and_warn(name: str) -> None:
+    ours_class, _ = AGGREGATIONS[name]
+    values = torch.tensor([1.0, float("nan")])
+    with pytest.raises(RuntimeError, match="nan"):
+        getattr(tm, name)(nan_strategy="error").update(values)
+    ours = ours_class(nan_strategy="error")
+    with pytest.raises(ValueError, match="values"):
+        ours.update(values)
+    # Raised before the state changed: still the result over no data.
+    torch.testing.assert_close(ours.compute(), ours_class().compute(), equal_nan=True)
+    getattr(tm, name)(nan_strategy="warn")
+    with pytest.raises(ValueError, match=r'nan_strategy: .*"ignore"'):
+        ours_class(nan_strategy="warn")
+
+
+@pytest.mark.parametrize("name", list(AGGREGATIONS))
+def test_integer_values_refused_where_torchmetrics_casts_them(name: str) -> None:
+    ours_class, _ = AGGREGATIONS[name]
+    values = torch.tensor([1, 3])
+    theirs = getattr(tm, name)()
+    theirs.update(values)
+    ours = ours_class()
+    with pytest.raises(TypeError, match="values: expected a floating-point tensor"):
+        ours.update(values)
+    ours.update(values.double())
+    assert float(ours.compute()) == float(theirs.compute())
+    weighted = WeightedMeanMetric()
+    weighted.update(torch.tensor([1.0, 3.0]), weights=torch.tensor([1, 3]))  # int weights
+    assert float(weighted.compute()) == 2.5
+
+
+def test_result_dtype_is_float64_where_torchmetrics_uses_the_default_dtype() -> None:
+    values = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    theirs = tm.SumMetric()
+    theirs.update(values)
+    assert theirs.compute().dtype == torch.get_default_dtype() == torch.float32
+    ours = SumMetric()
+    ours.update(values.float())
+    assert ours.compute().dtype == torch.float64
+    assert SumMetric(dtype=torch.float32).compute().dtype == torch.float32
 
 
 def test_state_dict_holds_the_state() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -183,3 +184,69 @@ def test_a_fill_value_is_written_at_the_accumulation_width(
             update(values)
         assert metric.compute().item() == pytest.approx(expected, rel=1e-15), name
         assert metric.nan_count is not None and metric.nan_count.item() == 1, name
+
+
+AGGREGATIONS = [SumMetric, MeanMetric, MaxMetric, MinMetric, WeightedMeanMetric]
+# Each dtype's largest finite value, from outside torch: numpy's finfo, and bfloat16's bits
+# (8 exponent bits as float32, 7 mantissa bits).
+LARGEST = {
+    torch.float16: float(np.finfo(np.float16).max),
+    torch.bfloat16: float.fromhex("0x1.fep127"),
+    torch.float32: float(np.finfo(np.float32).max),
+}
+
+
+@pytest.mark.parametrize("cls", AGGREGATIONS, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize(
+    ("dtype", "fill"),
+    [(torch.float16, 1e5), (torch.float16, -7e4), (torch.bfloat16, 1e39), (torch.float32, 1e300)],
+)
+def test_a_fill_value_the_accumulation_dtype_cannot_hold_is_refused(
+    cls: type, dtype: torch.dtype, fill: float
+) -> None:
+    # The fill was written as inf (every filled NaN made the result inf), or torch raised its
+    # own RuntimeError at the first update, naming no argument.
+    assert abs(fill) > LARGEST[dtype]
+    with pytest.raises(ValueError, match=rf"nan_strategy: .*{dtype}"):
+        cls(dtype=dtype, nan_strategy=fill)
+    # The largest finite value itself is a fill like any other.
+    metric = cls(dtype=dtype, nan_strategy=LARGEST[dtype])
+    metric.update(torch.tensor([float("nan")], dtype=dtype))
+    assert metric.compute().item() == LARGEST[dtype]
+    assert metric.nan_count is not None and metric.nan_count.item() == 1
+
+
+def test_an_int_fill_too_large_for_a_float_names_nan_strategy() -> None:
+    with pytest.raises(ValueError, match="nan_strategy: a fill value must be finite"):
+        SumMetric(nan_strategy=10**400)  # was OverflowError from math.isfinite
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        torch.tensor([-1.0, 1.0]),
+        torch.tensor([float("inf"), 1.0]),
+        torch.tensor([float("nan"), 1.0]),
+    ],
+    ids=["negative", "inf", "nan"],
+)
+def test_ignore_still_refuses_a_bad_weight_of_a_nan_value(weights: Tensor, compiled: bool) -> None:
+    # "ignore" zeroed the weight of a NaN value before the weight checks, so a negative or
+    # non-finite weight there was accepted, unlike the same weight of any other value.
+    metric = WeightedMeanMetric(nan_strategy="ignore")
+    metric.update(torch.tensor([4.0]), 1.0)
+    values = torch.tensor([float("nan"), 1.0])
+    if compiled:  # the device path: dropped and counted, as on CUDA
+        torch.compile(metric.update, backend="aot_eager", fullgraph=True)(values, weights)
+        assert int(metric.rejected_updates) == 1
+    else:
+        with pytest.raises(ValueError, match="weights: expected finite values >= 0"):
+            metric.update(values, weights)
+    assert metric.compute().item() == 4.0
+    assert metric.accumulated_weight.item() == 1.0
+    assert metric.nan_count is not None and int(metric.nan_count) == 0
+    # A good weight of a NaN value is left out with it, as before.
+    metric.update(values, torch.tensor([5.0, 3.0]))
+    assert metric.compute().item() == (4.0 + 3.0) / 4.0
+    assert int(metric.nan_count) == 1

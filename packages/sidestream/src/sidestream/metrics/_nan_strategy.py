@@ -46,9 +46,16 @@ class NanPolicy:
 
     Args:
         strategy: ``"error"``, ``"ignore"``, ``"disable"`` or a finite fill value.
+        dtype: The metric's accumulation dtype, if known: a fill value must be finite in it
+            too (1e5 is inf in float16), or every filled NaN would make the result inf.
+
+    Raises:
+        ValueError: If ``strategy`` is another string, or a fill value that is not finite (in
+            ``dtype`` as well).
+        TypeError: If ``strategy`` is neither a string nor a number.
     """
 
-    def __init__(self, strategy: NanStrategy) -> None:
+    def __init__(self, strategy: NanStrategy, dtype: torch.dtype | None = None) -> None:
         self._fill: float | None = None
         if isinstance(strategy, str):
             if strategy not in _NAMES:
@@ -64,8 +71,14 @@ class NanPolicy:
                 )
         elif isinstance(strategy, bool) or not isinstance(strategy, int | float):
             raise TypeError(f"nan_strategy: expected a string or a number, got {type(strategy)}")
-        elif not math.isfinite(strategy):
+        elif not _finite(strategy):
             raise ValueError(f"nan_strategy: a fill value must be finite, got {strategy}")
+        elif dtype is not None and dtype.is_floating_point and _overflows(strategy, dtype):
+            raise ValueError(
+                f"nan_strategy: a fill value must be finite in the metric's dtype {dtype} "
+                f"(magnitude at most {torch.finfo(dtype).max:g}), got {strategy}; fill with a "
+                "smaller value or accumulate in a wider dtype"
+            )
         else:
             self._fill = float(strategy)
         self._strategy = strategy
@@ -142,3 +155,16 @@ class NanPolicy:
                 values = values.to(dtype)  # exact: the fill is then written at full width
             return Screened(torch.where(nan, self._fill, values), None, None), nan.sum()
         return Screened(torch.where(nan, 0.0, values), ~nan, None), nan.sum()
+
+
+def _finite(number: float) -> bool:
+    """Whether ``number`` is finite as a float (an int too large for one is not)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
+def _overflows(number: float, dtype: torch.dtype) -> bool:
+    """Whether ``number`` becomes inf in the floating ``dtype`` (rounding as a cast does)."""
+    return bool(torch.tensor(float(number), dtype=torch.float64).to(dtype).isinf())

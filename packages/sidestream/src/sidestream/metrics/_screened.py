@@ -43,10 +43,17 @@ class NanScreenedMetric(Metric[Tensor]):
         nan_strategy: ``"disable"``, ``"error"``, ``"ignore"`` or a fill value.
         counts_rejected: Keep the rejected-update counter even when the policy drops nothing
             (the metric has other checks that do).
+        dtype: The accumulation dtype, which a fill value must fit (see ``NanPolicy``).
     """
 
-    def __init__(self, nan_strategy: NanStrategy, *, counts_rejected: bool = False) -> None:
-        self._nan = NanPolicy(nan_strategy)
+    def __init__(
+        self,
+        nan_strategy: NanStrategy,
+        *,
+        counts_rejected: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self._nan = NanPolicy(nan_strategy, dtype)
         self._nan_count = self._nan.counter()
         checks = counts_rejected or self._nan.checks
         self._rejected = MetricAccumulator(0, dtype=torch.int64) if checks else None

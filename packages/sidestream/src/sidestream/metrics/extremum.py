@@ -28,7 +28,7 @@ class _ExtremumMetric(NanScreenedMetric):
         identity = -math.inf if self._maxes else math.inf
         # Named after the op, so a MaxMetric checkpoint cannot load into a MinMetric.
         self._extremum = self.add_state(self._op.value, identity, self._op, dtype=dtype)
-        super().__init__(nan_strategy)
+        super().__init__(nan_strategy, dtype=dtype)
 
     def update(self, values: Tensor | float) -> None:
         """Fold ``values`` (any shape, floating point; empty is fine) into the extremum."""

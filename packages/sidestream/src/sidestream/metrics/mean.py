@@ -31,7 +31,7 @@ class MeanMetric(NanScreenedMetric):
         check_floating_dtype("dtype", dtype)
         self._total = MetricAccumulator(0.0, dtype=dtype)
         self._count = MetricAccumulator(0.0, dtype=dtype)
-        super().__init__(nan_strategy)
+        super().__init__(nan_strategy, dtype=dtype)
 
     def update(self, values: Tensor | float) -> None:
         """Add the elements of ``values`` (any shape, floating point; empty is fine)."""

@@ -34,7 +34,7 @@ class SumMetric(NanScreenedMetric):
     ) -> None:
         check_floating_dtype("dtype", dtype)
         self._total = MetricAccumulator(0.0, dtype=dtype)
-        super().__init__(nan_strategy)
+        super().__init__(nan_strategy, dtype=dtype)
 
     def update(self, values: Tensor | float) -> None:
         """Add ``values`` (any shape, floating point) to the sum."""

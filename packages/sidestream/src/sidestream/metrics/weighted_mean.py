@@ -63,7 +63,7 @@ class WeightedMeanMetric(NanScreenedMetric):
         # Read by update as a plain attribute: a compiled call guards a property's getter too.
         self._dtype = self._weight.dtype
         # The weight checks drop bad batches on CUDA whatever the NaN policy.
-        super().__init__(nan_strategy, counts_rejected=True)
+        super().__init__(nan_strategy, counts_rejected=True, dtype=dtype)
 
     def update(self, values: Tensor | float, weights: Tensor | float = 1.0) -> None:
         """Add a batch.
@@ -104,7 +104,11 @@ class WeightedMeanMetric(NanScreenedMetric):
         if not self._nan.disabled and not self._nan.checks:
             (values_t, kept, _), nan_seen = self._nan.apply_uncounted(values_t, dtype)
             if kept is not None:  # nan_strategy="ignore": a NaN value's weight becomes 0
-                weights_t = torch.where(kept, weights_t.to(dtype), 0.0)
+                # A bad weight (negative, inf, NaN) stays, so the checks below refuse it as
+                # anywhere else: the policy is about values, and zeroing hid such weights.
+                weights_t = weights_t.to(dtype)
+                fine = (weights_t >= 0) & (weights_t < torch.inf)
+                weights_t = torch.where(kept | ~fine, weights_t, 0.0)
         if not on_device:
             try:
                 weighted, total = _host_sums(values_t, weights_t, dtype)
