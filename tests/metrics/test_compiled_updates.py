@@ -489,6 +489,23 @@ def test_compiled_update_after_a_sync_makes_the_synced_state_stale() -> None:
     assert float(metric.compute()) == 27.0 / 6.0
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_compiled_update_after_a_sync_makes_every_state_stale(name: str) -> None:
+    # A compiled update clears the metric's one flag through one of its states only (a guard
+    # that several states hold the same flag would run in Python on every call): every state,
+    # the dropped-batch counter included, must read local values after it.
+    factory, batch = CASES[name]
+    metric = factory()
+    step = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+    generator = torch.Generator().manual_seed(5)
+    step(*batch(generator))
+    metric.sync()
+    assert all(state.synced is not None for _, state in metric.named_accumulators()), name
+    step(*batch(generator))
+    stale = [key for key, state in metric.named_accumulators() if state.synced is not None]
+    assert stale == [], name
+
+
 _INDUCTOR_ONLY = pytest.mark.skipif(
     os.environ.get("SIDESTREAM_COMPILE_INDUCTOR") != "1",
     reason="inductor builds C++ per graph: run with nox -s compile",

@@ -266,10 +266,17 @@ def drop_invalid(
     then, in place: they must be the caller's own results (an out-of-place fill is a copy and a
     fill, two launches on CUDA). A fill, not a product with a keep flag: a dropped batch's NaN
     or inf must not leak (0 * inf is NaN), and no negated flag is made. Only where
-    ``checks_stay_on_device``: the caller has taken the device path.
+    ``checks_stay_on_device``: the caller has taken the device path. Compiling, it leaves the
+    metric's freshness flag to the caller, which adds its sums into the metric's states right
+    after (that clears it).
     """
     bad = any_flag(invalid)
-    rejected.accumulate(bad)  # a bool adds as 0 or 1
+    if is_compiling():
+        # The caller adds its sums right after (accumulate_sums), which clears the metric's
+        # one flag, the counter's too.
+        rejected._add_unflagged(bad)
+    else:
+        rejected.accumulate(bad)  # a bool adds as 0 or 1
     for value in sums:
         for part in value if isinstance(value, tuple) else (value,):
             part.masked_fill_(bad, 0)

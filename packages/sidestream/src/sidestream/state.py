@@ -279,6 +279,9 @@ class MetricAccumulator:
             and base.numel() <= _SHARED_BUFFER_MAX
         ):
             self._buffer = base
+        # Compared, where an identity check of the buffers would be a guard run in Python on
+        # every compiled call (accumulate_sums).
+        self._buffer_key = id(self._buffer)
         self._start = local.storage_offset() - self._buffer.storage_offset()
         self._stop = self._start + local.numel()
         # None for a 1-D state (the slice has its shape already): guarding a shape costs more.
@@ -448,6 +451,15 @@ class MetricAccumulator:
             f"update: expected a tensor broadcastable to this state's shape {shape}, got shape "
             f"{given}"
         )
+
+    def _add_unflagged(self, update: Tensor) -> None:
+        """Add ``update`` into this SUM state, compiling, and leave the freshness flag alone.
+
+        For a metric's counter whose own state adds come right after and clear the metric's
+        one flag: clearing it through this state as well makes every compiled call check, in
+        Python, that both states hold the same flag.
+        """
+        self._span().add_(update)
 
     def _span(self) -> Tensor:
         """The state as a slice of its buffer, shaped: where a compiled update writes.
@@ -672,6 +684,19 @@ def accumulate_sums(
     of it per state.
     """
     if isinstance(sums, tuple):
+        first = states[0]
+        if _one_run(states):
+            # Every sum into the first state's buffer, and the metric's one flag cleared once:
+            # read through each state, the buffer and the flag would each cost every compiled
+            # call a guard run in Python that they are the same objects.
+            buffer, start = first._buffer, first._start
+            for index, value in enumerate(sums):
+                if value.dtype != first._dtype and _kind(value.dtype) > first._kind:
+                    raise first._cast_error(value)
+                value = value.detach() if value.requires_grad else value
+                buffer[start + index : start + index + 1].add_(value)
+            first._freshness.stale()
+            return
         for state, value in zip(states, sums, strict=True):
             state.accumulate(value)
         return
@@ -694,6 +719,21 @@ def accumulate_sums(
         return
     for index, state in enumerate(states):
         state.accumulate(sums[index])
+
+
+def _one_run(states: tuple[MetricAccumulator, ...]) -> bool:
+    """Whether ``states`` are scalar SUM states one after another in one buffer.
+
+    States of one metric, so they share its freshness flag. By keys and offsets (ints, which a
+    compiled call guards in C++), not by the tensors themselves.
+    """
+    first = states[0]
+    return all(
+        state._sums
+        and state._buffer_key == first._buffer_key
+        and state._start == first._start + index == state._stop - 1
+        for index, state in enumerate(states)
+    )
 
 
 def stacked_sums(*sums: Tensor) -> Tensor | tuple[Tensor, ...]:
