@@ -14,6 +14,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from sidestream.testing import DistributedError, TorchrunPool
 from sidestream.testing._signed import sign, verify
+from sidestream.testing._store_messages import get_message, put_message
 from tests.reliability.faults import listening_addresses
 
 pytestmark = pytest.mark.distributed
@@ -55,12 +56,13 @@ def test_pool_store_is_loopback_only_and_rejects_unsigned_tasks(tmp_path: Path) 
         marker = tmp_path / "pwned"
         attacker = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         task_id = pool._next_task
-        attacker.set(f"sidestream-pool/task/{task_id}", pickle.dumps(_Plant(str(marker))))
+        # In the pool's own chunked form (an attacker can read the code).
+        put_message(attacker, f"sidestream-pool/task/{task_id}", pickle.dumps(_Plant(str(marker))))
         replies = []
         for rank in range(2):
             key = f"sidestream-pool/result/{task_id}/{rank}"
             attacker.wait([key], timedelta(seconds=60))
-            replies.append(attacker.get(key))
+            replies.append(get_message(attacker, key))
         time.sleep(0.2)
         assert not marker.exists(), "the unsigned task was not unpickled"
         for rank, reply in enumerate(replies):
@@ -70,9 +72,8 @@ def test_pool_store_is_loopback_only_and_rejects_unsigned_tasks(tmp_path: Path) 
         # A forged result is not unpickled by the pool either: it fails the task instead.
         task_id = pool._next_task
         for rank in range(2):
-            attacker.set(
-                f"sidestream-pool/result/{task_id}/{rank}", pickle.dumps(_Plant(str(marker)))
-            )
+            key = f"sidestream-pool/result/{task_id}/{rank}"
+            put_message(attacker, key, pickle.dumps(_Plant(str(marker))))
         with pytest.raises(DistributedError, match="rejected a result"):
             pool.run(time.sleep, 2.0)
         assert not marker.exists()

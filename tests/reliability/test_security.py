@@ -76,7 +76,7 @@ def test_planted_secrets_never_leave_the_sinks(
 
 # Every place the library unpickles, with why its bytes cannot come from the network.
 REVIEWED_UNPICKLING = {
-    ("sinks/process.py", "sink: Sink = pickle.loads(sink_bytes)"): "spawn's pipe, from the parent",
+    ("sinks/process.py", "sink = pickle.loads(sink_bytes)"): "spawn's pipe, from the parent",
     ("sinks/process.py", "trial: Sink = pickle.loads(self._sink_bytes)"): (
         "bytes this ProcessSink pickled itself from the sink it was given"
     ),

@@ -7,7 +7,7 @@ import copy
 import logging
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -17,12 +17,19 @@ from sidestream._distributed import Group
 from sidestream.metric import Metric, has_own_sync, own_data
 from sidestream.sync import CallFingerprint, RankMismatchError, SyncBatch, SyncHandle, SyncProgram
 
-if TYPE_CHECKING:
-    from sidestream.collector._window import Window
-
-__all__ = ["Slot", "clone_metric"]
+__all__ = ["Slot", "StartedWindow", "clone_metric"]
 
 logger = logging.getLogger("sidestream.collector")
+
+
+class StartedWindow(Protocol):
+    """What ``Slot.start_from_live`` records on a window (``_window.Window`` has it).
+
+    A protocol, not the class: ``_window`` imports this module.
+    """
+
+    started: bool
+    batch: SyncHandle | None
 
 
 class Slot:
@@ -123,7 +130,7 @@ class Slot:
             batch.add(source, self._group, own.synced, name=own.parts[0][0], parts=own.parts)
         return batch.program(check=check)
 
-    def start_from_live(self, step: int, window: Window) -> None:
+    def start_from_live(self, step: int, window: StartedWindow) -> None:
         """Stage the live state and start ``window``'s reduction (``async_op``).
 
         With a direct layout the live arena is copied straight into the send buffer (the
