@@ -10,7 +10,9 @@ import math
 import os
 import re
 import stat
+import sys
 import threading
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -60,11 +62,15 @@ class JsonlSink(TrackerSink):
     valid JSON. A last line that is a whole JSON object but lacks its newline is kept, and
     completed. An existing file whose first line is no JSON object (a checkpoint or a CSV given
     by mistake) is refused with ``ValueError``, when the sink is built or opens: cutting its
-    end would destroy it. A file deleted or replaced while the run writes it fails the sink
-    (``PermanentSinkError``): its lines are no longer in the file at ``path``. So does a file
-    that changed size since this sink's last write: another writer appends to it (two sinks or
-    jobs on one path would mix their lines, and cutting a failed write back would remove the
-    other's), or it was cut.
+    end would destroy it. A file moved away while the run writes it (log rotation) or deleted
+    is followed: the next write makes a new file at ``path``, with a warning naming it (and
+    where the moved file is, when in the same folder). A file cut shorter (logrotate's
+    ``copytruncate``) is appended to where it now ends, with a warning. Another file with lines
+    put at ``path`` fails the sink (``PermanentSinkError``), and so do lines another writer
+    appends (two sinks or jobs on one path would mix their lines, and cutting a failed write
+    back would remove the other's). A checkpoint keeps a checksum of the bytes before its
+    offset: a resumed job whose file is no longer the one the offset points into (rotated, cut
+    or replaced since) reads every line of it instead, so no step is written twice there.
     A file or folder this process may not write (no permission, a read-only file system)
     fails the sink when it opens (``PermanentSinkError``), not retried until ``close``.
     A checkpoint of another file (its path differs) gives no offset into this one: a warning
@@ -72,7 +78,10 @@ class JsonlSink(TrackerSink):
     pipe) is only appended to (a cut line there is closed with a newline) and never
     ``fsync``-ed (a pipe holds nothing to sync: ``fsync`` fails there). A named pipe with no
     reader attached is refused at ``open`` (``OSError``, ``ENXIO``, naming it) instead of
-    waited for: the pipeline retries the open until a reader attaches.
+    waited for: the pipeline retries the open until a reader attaches. A named pipe whose
+    reader exits is opened again by the retried write, so a reader attached later gets every
+    report from the first it lacks. A pipe with no name (``/dev/stdout`` piped into ``head``)
+    whose reader exits fails the sink (``PermanentSinkError``): no reader can attach again.
 
     Args:
         path: The file, made absolute when the sink is built (a checkpoint names it for a job
@@ -118,10 +127,14 @@ class JsonlSink(TrackerSink):
         # A stream (/dev/stdout, even when the job's log is a file) is only appended to: no
         # offset, no check of what others wrote there.
         self._size_at_start = _whole_lines_size(self.path) if _is_regular(self.path) else 0
+        self._tail = b""  # the file's last bytes up to the offset: a checkpoint checks them
         if self._size_at_start:
             with contextlib.suppress(OSError):  # unreadable here: open says why
                 _check_json_lines(self.path)  # a file of another kind, refused when built
+                self._tail = _bytes_before(self.path, self._size_at_start)
+        self._broken_pipe = False  # the pipe's reader went: the next write opens it again
         self._resume_offset: int | None = None
+        self._resume_tail: int | None = None
         self._saved_path: str | None = None  # the file a loaded checkpoint was taken of
 
     @property
@@ -173,18 +186,7 @@ class JsonlSink(TrackerSink):
             _check_json_lines(self.path)
             _mend_last_line(self.path)
         if regular and self.resumed and same_file:
-            size = self.path.stat().st_size if self.path.is_file() else 0
-            if self._resume_offset is not None and self._resume_offset > size:
-                logger.warning(
-                    "JsonlSink: %s holds %d bytes, fewer than the %d it held at the checkpoint "
-                    "(an older copy put back, or the file cut): only its last line is looked "
-                    "at, and steps delivered after that line but before the checkpoint are "
-                    "not in it",
-                    self.path,
-                    size,
-                    self._resume_offset,
-                )
-            self.found_in_backend(_steps_after(self.path, self._resume_offset))
+            self.found_in_backend(self._steps_in_file())
         elif self.resumed and not same_file:
             logger.warning(
                 "JsonlSink: the checkpoint's file is %s, this sink writes %s; steps up to the "
@@ -198,6 +200,44 @@ class JsonlSink(TrackerSink):
         )
         if regular:
             self._offset = self._file.seek(0, os.SEEK_END)
+            self._tail = _bytes_before(self.path, self._offset)
+
+    def _steps_in_file(self) -> dict[str, int]:
+        """Each stream's last step in the file, from the checkpoint's offset when it still fits.
+
+        The offset fits the file the checkpoint was taken of. A file rotated away (moved,
+        or cut by ``copytruncate``), deleted or replaced since is another one: its lines there
+        may hold any stream's steps, so every line is read (a resumed job wrote none twice).
+        """
+        offset = self._resume_offset
+        if offset is None:  # an older checkpoint: the last line only
+            return _steps_after(self.path, None)
+        size = _regular_file_size(self.path) or 0
+        if offset <= size and (
+            self._resume_tail is None or _crc(_bytes_before(self.path, offset)) == self._resume_tail
+        ):
+            return _steps_after(self.path, offset)
+        if offset > size:
+            logger.warning(
+                "JsonlSink: %s holds %d bytes, fewer than the %d it held at the checkpoint "
+                "(an older copy put back, or the file cut, rotated or deleted since): every "
+                "line in it is read for each stream's last step; steps delivered before the "
+                "checkpoint that are not in it are not written again, and those delivered "
+                "after it to a rotated-away copy are written again here",
+                self.path,
+                size,
+                offset,
+            )
+        else:
+            logger.warning(
+                "JsonlSink: %s is not the file the checkpoint was taken of (its bytes before the "
+                "checkpoint's offset %d differ: rotated, cut or replaced since): every line in "
+                "it is read for each stream's last step; steps delivered after the checkpoint "
+                "to a rotated-away copy are written again here",
+                self.path,
+                offset,
+            )
+        return _steps_after(self.path, 0)
 
     def send(self, reports: Sequence[Report]) -> None:
         """Write one line per report and flush them to the file.
@@ -206,50 +246,184 @@ class JsonlSink(TrackerSink):
             RuntimeError: If the sink is not open.
             OSError: If the file cannot take the lines (a full disk); nothing counts as
                 delivered then, and the retry writes them again after closing a cut line.
-            PermanentSinkError: If ``path`` no longer names the file this run writes (deleted
-                or replaced), or the file changed since this sink's last write (another
-                writer, or cut).
+            PermanentSinkError: If another file with lines now stands at ``path``, another
+                writer appended to the file since this sink's last write, or the reader of an
+                unnamed pipe exited.
         """
         if self._file is None:
             raise RuntimeError(f"JsonlSink({self.path}): write before open")
         data = "".join(_line(report) for report in reports).encode()
         with self._file_lock:
+            if self._broken_pipe:
+                self._reopen_pipe()  # ENXIO until a reader attaches: retried
+            if self._regular:
+                data = self._follow_file() + data
             file = self._file
-            if self._regular and not _still_at(self.path, file):
-                raise PermanentSinkError(
-                    f"JsonlSink: {self.path} was deleted or replaced while this run wrote it, so "
-                    "the lines it wrote are not there; nothing more is written to another file "
-                    "(its reports are kept: resume from a checkpoint, or replay the spool)"
-                )
-            if self._regular and not self._cut and self._offset is not None:
-                size = os.fstat(file.fileno()).st_size
-                if size != self._offset:
-                    raise PermanentSinkError(
-                        f"JsonlSink: {self.path} changed while this run wrote it (it holds "
-                        f"{size} bytes, this sink's lines end at {self._offset}): another "
-                        "writer appends to it (a second job or sink, or a replay, on the same "
-                        "path), or it was cut; two writers would mix their lines and cut each "
-                        "other's off. Give each sink its own path (this sink's reports are "
-                        "kept: resume from a checkpoint, or replay the spool)"
-                    )
             if self._cut:  # a failed write may have left part of a line
                 if self._regular and self._offset is not None:
                     os.ftruncate(file.fileno(), self._offset)  # back to the last whole line
                 else:
                     data = b"\n" + data  # cannot cut a pipe: close the line instead
-            self._cut = True
-            view = memoryview(data)
+            was_cut, self._cut = self._cut, True
+            written = 0
             try:
-                while view:
-                    view = view[file.write(view) or 0 :]
-            except OSError:
-                self._cut_back(file)  # at once: the disk may stay full until close
+                while written < len(data):
+                    written += file.write(memoryview(data)[written:]) or 0
+            except OSError as error:
+                if self._regular:
+                    self._cut_back(file)  # at once: the disk may stay full until close
+                    raise
+                # A stream: a line is cut only if part of it went out.
+                self._cut = data[written - 1 : written] != b"\n" if written else was_cut
+                if isinstance(error, BrokenPipeError):
+                    raise self._pipe_gone(file) from error
                 raise
             if self._fsync and self._regular:  # a pipe or terminal holds nothing to sync
                 os.fsync(file.fileno())
             self._cut = False
             if self._offset is not None:
                 self._offset = file.tell()
+                self._tail = (self._tail + data[-_TAIL:])[-_TAIL:]
+
+    def _follow_file(self) -> bytes:
+        """Follow ``path`` if it was rotated; bytes to write before the lines (lock held).
+
+        The file moved away (logrotate's default) or deleted: a new one is made at ``path``,
+        with a warning. A file cut shorter (logrotate's ``copytruncate``): appended to where
+        it now ends, with a warning. Another file standing at ``path``, or lines appended by
+        another writer: ``PermanentSinkError``.
+        """
+        file = self._file
+        assert file is not None
+        if not _still_at(self.path, file):
+            self._reopen_regular(file)
+            return b""
+        size = os.fstat(file.fileno()).st_size
+        if self._offset is None or size == self._offset:
+            return b""
+        if size > self._offset and not self._cut:
+            raise PermanentSinkError(
+                f"JsonlSink: {self.path} changed while this run wrote it (it holds "
+                f"{size} bytes, this sink's lines end at {self._offset}): another "
+                "writer appends to it (a second job or sink, or a replay, on the same "
+                "path); two writers would mix their lines and cut each other's off. Give "
+                "each sink its own path (this sink's reports are kept: resume from a "
+                "checkpoint, or replay the spool)"
+            )
+        if size > self._offset:  # this sink's own cut line: cut back before writing
+            return b""
+        logger.warning(
+            "JsonlSink: %s was cut from %d to %d bytes while this run wrote it (logrotate's "
+            "copytruncate, or by hand): its lines before the cut are only where a copy of them "
+            "went, and any written between that copy and the cut are lost; this run goes on "
+            "appending to %s",
+            self.path,
+            self._offset,
+            size,
+            self.path,
+        )
+        self._cut = False
+        self._offset = size
+        self._tail = _bytes_before(self.path, size)
+        if self._tail and not self._tail.endswith(b"\n"):  # cut mid-line: keep ours whole
+            return b"\n"
+        return b""
+
+    def _reopen_regular(self, file: IO[bytes]) -> None:
+        """Make a new file at ``path`` for the lines to come (lock held).
+
+        Raises:
+            PermanentSinkError: If a file with content (another's) or no regular file now
+                stands at ``path``: neither is appended to.
+        """
+        there = _regular_file_size(self.path)
+        if there != 0:
+            raise PermanentSinkError(
+                f"JsonlSink: {self.path} was replaced while this run wrote it (another "
+                f"{'file' if there else 'kind of file'} stands there now, that this sink did "
+                "not write); nothing more is written to it, and the lines this run wrote are "
+                "not there (its reports are kept: resume from a checkpoint, or replay the spool)"
+            )
+        status = os.fstat(file.fileno())
+        if status.st_nlink:
+            moved = _name_of(self.path.parent, status)
+            logger.warning(
+                "JsonlSink: %s was moved away while this run wrote it (log rotation): its lines "
+                "so far are in %s; this run goes on in a new file at %s",
+                self.path,
+                moved or "the moved file",
+                self.path,
+            )
+        else:
+            logger.warning(
+                "JsonlSink: %s was deleted while this run wrote it: the %d bytes of lines it "
+                "held are gone with it; this run goes on in a new file at %s",
+                self.path,
+                self._offset or 0,
+                self.path,
+            )
+        if self._cut:
+            self._cut_back(file)
+        with contextlib.suppress(OSError):  # its lines were delivered: a checkpoint had synced
+            os.fsync(file.fileno())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("ab", buffering=0)
+        file.close()
+        self._cut = False
+        self._offset = self._file.seek(0, os.SEEK_END)
+        self._tail = _bytes_before(self.path, self._offset)
+
+    def _pipe_gone(self, file: IO[bytes]) -> Exception:
+        """The error for a pipe whose reader exited (lock held); marks a named one for reopening.
+
+        A named pipe gets a new reader (a ``cat`` started again): the next write opens it
+        again, retried until one attaches. An anonymous one (``/dev/stdout`` piped to ``head``)
+        never does: retrying would only hold ``close`` for its whole timeout.
+        """
+        if _is_anonymous_pipe(file):
+            return PermanentSinkError(
+                f"JsonlSink: the reader of {self.path} exited (a pipe into a program that "
+                "stopped reading, such as `head`); no reader can attach to it again, so "
+                "nothing more is written there (its reports are kept: resume from a "
+                "checkpoint, or replay the spool)"
+            )
+        self._broken_pipe = True
+        return BrokenPipeError(
+            errno.EPIPE,
+            f"JsonlSink: the reader of the named pipe {self.path} exited; the sink opens it "
+            "again once a reader attaches, keeping the reports",
+        )
+
+    def _reopen_pipe(self) -> None:
+        """Open the named pipe at ``path`` again after its reader exited (lock held).
+
+        Raises:
+            OSError: ``ENXIO`` while no reader is attached (or no pipe is at ``path``).
+        """
+        old = self._file
+        assert old is not None
+        if not _is_fifo(self.path):
+            raise OSError(
+                errno.ENXIO,
+                f"JsonlSink: {self.path} is no named pipe now (its reader made it again?); "
+                "retried until one with a reader is there",
+            )
+        new = _open_fifo(self.path)
+        before, after = os.fstat(old.fileno()), os.fstat(new.fileno())
+        if (before.st_dev, before.st_ino) != (after.st_dev, after.st_ino):
+            # Another pipe: what its old reader left unread, nobody can read now.
+            unread = _unread_bytes(old)
+            if unread:
+                logger.warning(
+                    "JsonlSink: %d bytes of lines written to the named pipe %s were never read "
+                    "(its reader exited first, and the pipe was made anew): they are lost",
+                    unread,
+                    self.path,
+                )
+            self._cut = False
+        # The same pipe: unread lines stay in it for the new reader (new holds it open).
+        self._file, self._broken_pipe = new, False
+        old.close()
 
     def _cut_back(self, file: IO[bytes]) -> None:
         """Cut a failed write's part of a line off (lock held), if the file allows it."""
@@ -298,12 +472,17 @@ class JsonlSink(TrackerSink):
 
         Before ``open``: where it ended when the sink was made, where its lines will start.
         """
-        return {"offset": self._offset if self._offset is not None else self._size_at_start}
+        return {
+            "offset": self._offset if self._offset is not None else self._size_at_start,
+            "tail_crc32": _crc(self._tail),
+        }
 
     def load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
-        """Remember the saved end of file."""
+        """Remember the saved end of file, and the checksum of the bytes before it."""
         offset = state_dict.get("offset")
         self._resume_offset = offset if isinstance(offset, int) and offset >= 0 else None
+        tail = state_dict.get("tail_crc32")  # absent in older checkpoints: offset trusted
+        self._resume_tail = tail if isinstance(tail, int) and tail >= 0 else None
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
@@ -564,6 +743,63 @@ def _still_at(path: Path, file: IO[bytes]) -> bool:
         return False
     opened = os.fstat(file.fileno())
     return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+_TAIL = 256
+"""Bytes before a checkpoint's offset whose checksum it keeps: a resumed job tells by them
+whether the file at ``path`` is still the one the offset points into."""
+
+
+def _crc(data: bytes) -> int:
+    return zlib.crc32(data)
+
+
+def _bytes_before(path: Path, offset: int) -> bytes:
+    """The last ``_TAIL`` bytes of ``path`` before ``offset`` (fewer if it is shorter)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(max(0, offset - _TAIL))
+            return file.read(min(offset, _TAIL))
+    except OSError:
+        return b""
+
+
+def _name_of(folder: Path, status: os.stat_result) -> Path | None:
+    """The name in ``folder`` of the file ``status`` describes (a rotated log), if found."""
+    try:
+        with os.scandir(folder) as entries:
+            for count, entry in enumerate(entries):
+                if count >= 10_000:
+                    return None
+                with contextlib.suppress(OSError):
+                    found = entry.stat(follow_symlinks=False)
+                    if (found.st_dev, found.st_ino) == (status.st_dev, status.st_ino):
+                        return Path(entry.path)
+    except OSError:
+        return None
+    return None
+
+
+def _is_anonymous_pipe(file: IO[bytes]) -> bool:
+    """Whether ``file`` is a pipe with no name (``|`` in a shell): no reader can open it anew."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{file.fileno()}")
+    except OSError:  # no /proc: taken for a named one, retried as before
+        return False
+    return target.startswith("pipe:")
+
+
+def _unread_bytes(file: IO[bytes]) -> int:
+    """Bytes in the pipe ``file`` writes that no reader took (0 where unknown)."""
+    try:
+        import fcntl
+        import termios
+
+        buffer = bytearray(4)
+        fcntl.ioctl(file.fileno(), termios.FIONREAD, buffer)
+    except (ImportError, OSError):
+        return 0
+    return int.from_bytes(buffer, sys.byteorder, signed=True)
 
 
 def _whole_lines_size(path: Path) -> int | None:
