@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -19,6 +20,8 @@ import torch
 from sidestream import SumMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.collector import collector as collector_module
+from sidestream.sinks import Report
+from sidestream.sinks._spool_format import encode_report
 from sidestream.sinks.runner import SinkRunner
 from sidestream.sync import RankMismatchError
 from tests.collector.helpers import RecordingSink
@@ -37,6 +40,27 @@ def _second_sink_fails_to_start() -> AbstractContextManager[Any]:
         real(self)
 
     return mock.patch.object(SinkRunner, "start", start)
+
+
+def _second_sinks_thread_fails_to_start() -> AbstractContextManager[Any]:
+    """Sink 'b's runner starts its spool intake thread, then fails to start its sink thread."""
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "sidestream-sink-b":
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    return mock.patch.object(threading.Thread, "start", start)
+
+
+def _interrupted_once_the_sinks_started() -> AbstractContextManager[Any]:
+    """Ctrl-C after the sinks started, as bind registers its close at exit."""
+
+    def close_at_exit(close: Callable[[], object]) -> None:
+        raise KeyboardInterrupt
+
+    return mock.patch.object(collector_module, "close_at_exit", close_at_exit)
 
 
 def _sinks_differ_across_ranks() -> AbstractContextManager[Any]:
@@ -72,6 +96,8 @@ def _interrupted_while_making_slots() -> AbstractContextManager[Any]:
 
 FAILURES: dict[str, tuple[Callable[[], AbstractContextManager[Any]], type[BaseException]]] = {
     "a sink's runner": (_second_sink_fails_to_start, RuntimeError),
+    "a sink's second thread": (_second_sinks_thread_fails_to_start, RuntimeError),
+    "an interrupt once the sinks started": (_interrupted_once_the_sinks_started, KeyboardInterrupt),
     "a rank check": (_sinks_differ_across_ranks, RankMismatchError),
     "the dispatcher": (_dispatcher_fails_to_start, RuntimeError),
     "an interrupt": (_interrupted_while_making_slots, KeyboardInterrupt),
@@ -131,3 +157,44 @@ def test_a_metric_whose_bind_failed_binds_to_another_collector(no_threads_left: 
     assert other.collect_results(timeout=30) == 5.0
     assert other.close(timeout=30)
     assert failed.close(timeout=30)  # never bound: nothing to finish
+
+
+SINK_FAILURES = ("a sink's runner", "a sink's second thread", "an interrupt once the sinks started")
+
+
+@pytest.mark.parametrize("failure", SINK_FAILURES)
+def test_a_failed_bind_keeps_the_checkpoints_undelivered_reports_for_the_retry(
+    failure: str, no_threads_left: None, tmp_path: Path
+) -> None:
+    # The rollback closed the sinks it had started and dropped their backlog whether or not
+    # the close delivered it: left in a spool file (the retry's runner then called it an
+    # earlier job's, to delete), the retried bind never delivered it.
+    patch, error = FAILURES[failure]
+    saved = AsyncMetricCollector(SumMetric()).state_dict()
+    report = Report(step=1, values={"value": 1.0}, time=0.0)
+    saved["undelivered"] = {"a": encode_report(report).decode()}
+    first, second = RecordingSink(name="a"), RecordingSink(name="b")
+    collector = AsyncMetricCollector(
+        SumMetric(), sinks=[first, second], spool_dir=str(tmp_path), exit_timeout=5.0
+    )
+    collector.load_state_dict(saved)
+    backlogs = dict(collector._delivery.backlogs)
+    with patch(), pytest.raises(error):
+        collector.bind("cpu")
+    assert _threads() == []
+    if failure == "an interrupt once the sinks started":
+        # Started, sink 'a' may have delivered the report before the interrupt: then it is
+        # no backlog any more (delivered once), else it is one still.
+        assert first.steps in ([], [1])
+        assert collector._delivery.backlogs == ({} if first.steps else backlogs)
+    else:
+        assert collector._delivery.backlogs == backlogs  # as before the bind
+        assert first.steps == []  # nothing was delivered by the bind that failed
+    collector.bind("cpu")
+    collector.metric.update(torch.tensor([2.0]))
+    collector.schedule_collection(2)
+    assert collector.collect_results(timeout=30) == 2.0
+    assert collector.close(timeout=30)
+    assert first.steps == [1, 2]  # the checkpoint's report, once, then the new window
+    assert second.steps == [2]
+    assert list(tmp_path.iterdir()) == []  # nothing left in a spool file

@@ -8,16 +8,19 @@ the live state) lost its updates without a word.
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from typing import Any
 
 import pytest
 import torch
 
-from sidestream import SumMetric
+from sidestream import Metric, SumMetric
 from sidestream.collector import AsyncMetricCollector
 from sidestream.collector._slot import Slot
-from sidestream.sync import SyncHandle, SyncProgram
+from sidestream.sync import RankMismatchError, SyncHandle, SyncProgram
+from tests.collector.helpers import RecordingSink
 from tests.collector.test_side_stream_protocol import _stand_ins
 
 
@@ -30,11 +33,19 @@ def _free_slots(collector: AsyncMetricCollector[Any]) -> list[Slot]:
     return slots
 
 
+@pytest.mark.parametrize("reset_each_window", [True, False], ids=["window", "cumulative"])
 def test_an_interrupt_as_the_collectives_start_keeps_their_slot_out_of_the_pool(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, reset_each_window: bool
 ) -> None:
+    # The CPU path did not reset the live state of a window given up once its collectives
+    # started: its updates, said to be "not delivered", were added into the next window
+    # (update 1.0, interrupt at step 1, update 2.0: step 2 reported 3.0). CUDA resets at
+    # staging, so the two paths disagreed.
     metric = SumMetric()
-    collector = AsyncMetricCollector(metric).bind("cpu")
+    sink = RecordingSink()
+    collector = AsyncMetricCollector(
+        metric, sinks=[sink], reset_each_window=reset_each_window
+    ).bind("cpu")
     real = SyncProgram.start
     interrupted: list[SyncProgram] = []
 
@@ -46,10 +57,16 @@ def test_an_interrupt_as_the_collectives_start_keeps_their_slot_out_of_the_pool(
         return handle
 
     monkeypatch.setattr(SyncProgram, "start", start)
-    metric.update(torch.tensor([1.0]))
+    updates: dict[int, float] = {1: 1.0}
+    metric.update(torch.tensor([updates[1]]))
     with pytest.raises(KeyboardInterrupt) as caught:
         collector.schedule_collection(1)
-    assert "step 1" in caught.value.__notes__[0]
+    note = caught.value.__notes__[0]
+    assert "step 1" in note
+    if reset_each_window:
+        assert "its updates were not delivered" in note
+    else:  # nothing is reset: the next (cumulative) window reports them
+        assert "the next window's value includes them" in note
     slots = _free_slots(collector)
     assert all(slot._direct is not interrupted[0] for slot in slots)
     assert collector._slot_count == len(slots)  # a new slot is made in its place
@@ -58,10 +75,72 @@ def test_an_interrupt_as_the_collectives_start_keeps_their_slot_out_of_the_pool(
     with pytest.raises(RuntimeError, match=r"steps 1\).*KeyboardInterrupt"):
         collector.collect_results(timeout=30)
     for step in range(2, 12):  # more windows than slots: the pool serves them all
-        metric.update(torch.tensor([float(step)]))
+        updates[step] = float(step)
+        metric.update(torch.tensor([updates[step]]))
         collector.schedule_collection(step)
-    assert collector.collect_results(timeout=30) == 11.0
+    assert collector.collect_results(timeout=30) == _expected(updates, 11, reset_each_window)
     assert not collector.close(timeout=30)  # a window was lost
+    # Every window's value, from the updates made: step 1's are in no window (window mode),
+    # or in every later one (cumulative).
+    assert {report.step: report.values["value"] for report in sink.reports} == {
+        step: _expected(updates, step, reset_each_window) for step in range(2, 12)
+    }
+
+
+def _expected(updates: dict[int, float], step: int, reset_each_window: bool) -> float:
+    """The sum a window at ``step`` reports when the window at step 1 was lost."""
+    if reset_each_window:
+        return updates[step]
+    return sum(value for at, value in updates.items() if at <= step)
+
+
+def test_windows_given_up_as_started_leave_their_slots_to_be_collected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The error kept on the window (and by the dispatcher until collect_results: up to 8
+    # failures and the latest) held the traceback of the call that failed, whose frames held
+    # the slot: 9 full copies of the metric alive with max_slots=3.
+    made: list[weakref.ref[Slot]] = []
+    real_new_slot = AsyncMetricCollector._new_slot
+
+    def new_slot(self: AsyncMetricCollector[Any], check: bool = False) -> Slot:
+        slot = real_new_slot(self, check)
+        made.append(weakref.ref(slot))
+        return slot
+
+    monkeypatch.setattr(AsyncMetricCollector, "_new_slot", new_slot)
+    metric = SumMetric()
+    collector = AsyncMetricCollector(metric, max_slots=3).bind("cpu")
+    real = SyncProgram.start
+
+    def start(self: SyncProgram, *args: Any, **kwargs: Any) -> SyncHandle:
+        handle = real(self, *args, **kwargs)
+        if kwargs.get("async_op"):
+            raise RuntimeError("process group error after the collective was issued")
+        return handle
+
+    monkeypatch.setattr(SyncProgram, "start", start)
+    for step in range(1, 21):
+        metric.update(torch.tensor([1.0]))
+        try:
+            collector.schedule_collection(step)
+        except RuntimeError as error:
+            assert "step" in error.__notes__[0]
+    assert collector._dispatcher is not None and collector._dispatcher.wait_idle(30)
+    gc.collect()
+    assert len(made) == 20  # each window gave its slot up; a new one was made
+    assert collector._slot_count == 0
+    assert [ref for ref in made if ref() is not None] == []
+    monkeypatch.setattr(SyncProgram, "start", real)
+    with pytest.raises(RuntimeError, match=r"20 window\(s\) failed") as lost:
+        collector.collect_results(timeout=30)
+    # The failures still say what went wrong, with the training thread's error chained.
+    assert "process group error" in str(lost.value)
+    assert "process group error" in str(lost.value.__cause__.__cause__)
+    metric.update(torch.tensor([5.0]))
+    collector.schedule_collection(21)
+    assert collector.collect_results(timeout=30) == 5.0
+    assert not collector.close(timeout=30)
 
 
 def test_a_window_whose_start_raised_before_any_collective_leaves_its_step_free(
@@ -141,3 +220,43 @@ def test_a_side_stream_window_failing_in_its_start_is_reported_as_failed(
     collector.schedule_collection(2)
     assert collector.collect_results(timeout=30) == 0.5
     assert not collector.close(timeout=30)  # close says a window was lost
+
+
+class _SumWithOwnSync(SumMetric):
+    """A metric overriding sync: the collector calls it (blocking) every window."""
+
+    def sync(self, group: Any = None, *, step: int | None = None) -> None:
+        super().sync(group, step=step)
+
+
+def test_a_mismatch_found_by_a_metrics_own_sync_is_reported_as_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The slow path's sync runs on the training thread after the window counts as started: a
+    # RankMismatchError there was reported as a plain failure, so the dispatcher never knew
+    # of the mismatch (collect_results raised RuntimeError, and later windows went on to
+    # pair with calls of other windows).
+    metric = _SumWithOwnSync()
+    collector = AsyncMetricCollector(metric).bind("cpu")
+    assert not _free_slots(collector)[0].replayable  # the slow path
+    real = Metric.sync_as
+
+    def sync_as(self: Metric[Any], *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        raise RankMismatchError("ranks of the group paired different calls: window #1 ...")
+
+    monkeypatch.setattr(_SumWithOwnSync, "sync_as", sync_as)
+    metric.update(torch.tensor([1.0]))
+    with pytest.raises(RankMismatchError, match="paired different calls"):
+        collector.schedule_collection(1)
+    monkeypatch.undo()
+    assert collector._dispatcher is not None
+    collector._dispatcher.wait_idle(30)
+    assert isinstance(collector._dispatcher.mismatch, RankMismatchError)
+    with pytest.raises(RankMismatchError, match="window #1"):
+        collector.collect_results(timeout=30)
+    # Every later call says so at once, as for a mismatch the dispatcher found.
+    metric.update(torch.tensor([2.0]))
+    with pytest.raises(RankMismatchError, match="window #1"):
+        collector.schedule_collection(2)
+    assert not collector.close(timeout=30)

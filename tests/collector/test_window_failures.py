@@ -185,6 +185,12 @@ def test_a_value_named_like_a_count_fails_the_window_instead_of_being_overwritte
         with pytest.raises(RuntimeError, match="failed") as caught:
             collector.collect_results(timeout=30)
         assert "['train/loss/nan_count'] are also the names" in str(caught.value.__cause__)
+        # Every window, not the first alone (docs/collector.md said "its first window").
+        metric["loss"].update(torch.tensor([2.0]))
+        collector.schedule_collection(2)
+        with pytest.raises(RuntimeError, match=r"steps 2\)") as again:
+            collector.collect_results(timeout=30)
+        assert "['train/loss/nan_count'] are also the names" in str(again.value.__cause__)
         assert not collector.close(timeout=30)
         assert sink.reports == []
         return

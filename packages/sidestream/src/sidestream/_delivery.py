@@ -48,6 +48,10 @@ _PLACES: dict[tuple[type, str, str], weakref.ref[Sink]] = {}
 _CLAIM_LOCK = threading.Lock()
 
 
+_INTERRUPTED_STOP_S = 1.0
+"""How long a start undone by an interrupt (Ctrl-C) waits for the sink threads it started."""
+
+
 class CheckpointTimeout(enum.Enum):
     """``state_dict``'s default timeout: the run's ``checkpoint_timeout`` option."""
 
@@ -168,6 +172,9 @@ class Delivery:
     def start(self, where: str) -> list[SinkRunner]:
         """Start one runner per sink on rank 0, once; the runners (none on other ranks).
 
+        All or nothing: if a runner fails to start, those started are stopped and every
+        checkpoint backlog is kept for a start made again (see ``_start_runners``).
+
         Raises:
             RuntimeError: If the environment says the job has several processes but no
                 process group is initialized, or the run is closed.
@@ -185,33 +192,76 @@ class Delivery:
             if not self.is_writer:
                 self.backlogs = {}  # only rank 0 delivers: do not hold them for the whole job
             if self.is_writer:
-                for key, sink in self.sinks.items():
-                    runner = self._runner(key, sink)
-                    runner.submit_backlog(self.backlogs.get(key, "").encode())
-                    runners.append(runner)
-                # Started once every runner was made, and stopped again if one fails to start:
-                # a start made again (a corrected bind) must not find a sink's thread running.
-                started_now: list[SinkRunner] = []
-                try:
-                    for runner in runners:
-                        runner.start()
-                        started_now.append(runner)
-                except BaseException as error:
-                    for runner in started_now:
-                        # Its thread ends before a retry opens the sink again, and what it had
-                        # not delivered is kept (and named); an interrupt gives it no time.
-                        if isinstance(error, Exception):
-                            runner.close(self.options.exit_timeout)
-                        else:
-                            runner.close_now()
-                        self.backlogs.pop(runner.key, None)
-                    raise
-                for key in self.sinks:
-                    self.backlogs.pop(key, None)
+                runners = [self._runner(key, sink) for key, sink in self.sinks.items()]
+                self._start_runners(runners)
             self.runners = runners
             if self.on_start is not None:
                 self.on_start()
             return runners
+
+    def _start_runners(self, runners: list[SinkRunner]) -> None:
+        """Start ``runners``, then hand each its sink's backlog (lock held), all or nothing.
+
+        Every runner is started before any is handed the checkpoint's undelivered reports, so
+        a start that fails (a thread that cannot start) delivered none of them: the runners
+        started are stopped without delivering (``SinkRunner.withdraw``) and ``backlogs`` is
+        left as it was, for the start made again (a corrected bind) to deliver, once each.
+        Their threads end before that start opens the sinks again (they were only opening,
+        or closing, the sinks: waited for up to ``exit_timeout``; after an interrupt up to
+        ``_INTERRUPTED_STOP_S``).
+        """
+        handed: list[SinkRunner] = []
+        try:
+            for runner in runners:
+                runner.start()
+            for runner in runners:
+                runner.submit_backlog(self.backlogs.get(runner.key, "").encode())
+                handed.append(runner)
+        except BaseException as error:
+            self._withdraw(runners, handed, interrupted=not isinstance(error, Exception))
+            raise
+        for runner in runners:
+            self.backlogs.pop(runner.key, None)
+
+    def _withdraw(
+        self, runners: list[SinkRunner], handed: list[SinkRunner], *, interrupted: bool
+    ) -> None:
+        """Stop ``runners`` without delivering more; ``handed`` ones' leftovers are backlogs.
+
+        A runner in ``handed`` holds its sink's whole backlog (and nothing else yet): what it
+        had not delivered becomes that backlog again, so a report is neither lost nor, unless
+        a write was in progress when an interrupt gave it no time, delivered twice. Any other
+        runner's backlog is still in ``backlogs`` (one interrupted while it was being handed
+        over keeps it whole: those reports may reach its sink twice).
+        """
+        timeout = self.options.exit_timeout
+        if interrupted:
+            timeout = min(timeout, _INTERRUPTED_STOP_S)
+        mine = {id(runner) for runner in handed}
+        for runner in runners:
+            try:
+                left = runner.withdraw(timeout)
+            except Exception as error:  # one sink's failure stays its own
+                logger.error(
+                    "sink %r: stopping it failed: %s: %s", runner.key, type(error).__name__, error
+                )
+                continue
+            if id(runner) in mine:
+                if left:
+                    self.backlogs[runner.key] = left.decode()
+                else:
+                    self.backlogs.pop(runner.key, None)
+
+    def unstart(self, *, interrupted: bool) -> None:
+        """Undo ``start`` (a bind that failed once it had started the sinks).
+
+        The runners stop without delivering more; what they had not delivered (the
+        checkpoint's backlog, nothing else was submitted) is kept for the next ``start``.
+        """
+        with self._lock:
+            runners, self.runners = self.runners, None
+            if runners:
+                self._withdraw(runners, runners, interrupted=interrupted)
 
     def submit(self, report: Report) -> None:
         """Hand ``report`` to every runner (rank 0, once started); one failing stays its own."""
@@ -537,14 +587,13 @@ class Delivery:
                 return
             if not self.is_writer or os.environ.get("RANK", "0") != "0":
                 return
-            runners = []
-            for key, sink in self.sinks.items():
-                backlog = self.backlogs.pop(key, "")
-                if backlog:
-                    runner = self._runner(key, sink)
-                    runner.submit_backlog(backlog.encode())
-                    runner.start()
-                    runners.append(runner)
+            runners = [
+                self._runner(key, sink)
+                for key, sink in self.sinks.items()
+                if self.backlogs.get(key)
+            ]
+            # A runner that fails to start leaves every backlog where it was, as at bind.
+            self._start_runners(runners)
             self.runners = runners
 
     def _runner(self, key: str, sink: Sink) -> SinkRunner:

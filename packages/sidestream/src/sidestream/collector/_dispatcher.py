@@ -175,47 +175,52 @@ class Dispatcher:
             window = self._windows.get()
             if window is _STOP:
                 return
+            if window.error is not None:
+                # Failed on the training thread: made here, not raised, so that what is kept
+                # until collect_results holds no frame (whose locals would hold the slot).
+                self._failed(window.step, _failed_on_training_thread(window))
+                window = None  # nor does this thread, while it waits for the next one
+                continue
             try:
                 step, result = self._process(window)
             except BaseException as caught:
                 # A BaseException (SystemExit, CancelledError from a compute) would end this
                 # thread: collect_results would wait for good and close would say all is done.
-                error = caught if isinstance(caught, Exception) else _wrapped(caught)
-                with self._cond:
-                    self._errors += 1
-                if self._errors == 1:
-                    logger.error(
-                        "window at step %d failed: %s: %s (later failures are counted, not "
-                        "logged; collect_results raises them)",
-                        window.step,
-                        type(error).__name__,
-                        error,
-                    )
-                with self._cond:
-                    self._latest_error = error
-                    self._unreported_count += 1
-                    if len(self._unreported) < _STEPS_NAMED:
-                        self._unreported.append((window.step, error))
-                    if isinstance(error, RankMismatchError) and self._mismatch is None:
-                        self._mismatch = error
-                    self._processed += 1
-                    self._cond.notify_all()
+                self._failed(
+                    window.step, caught if isinstance(caught, Exception) else _wrapped(caught)
+                )
+                window = None
                 continue
+            window = None
             with self._cond:
                 self._latest = (step, result)
                 self._latest_error = None
                 self._processed += 1
                 self._cond.notify_all()
 
+    def _failed(self, step: int, error: Exception) -> None:
+        """Count, keep and (the first) log the failure of the window at ``step``."""
+        with self._cond:
+            self._errors += 1
+        if self._errors == 1:
+            logger.error(
+                "window at step %d failed: %s: %s (later failures are counted, not "
+                "logged; collect_results raises them)",
+                step,
+                type(error).__name__,
+                error,
+            )
+        with self._cond:
+            self._latest_error = error
+            self._unreported_count += 1
+            if len(self._unreported) < _STEPS_NAMED:
+                self._unreported.append((step, error))
+            if isinstance(error, RankMismatchError) and self._mismatch is None:
+                self._mismatch = error
+            self._processed += 1
+            self._cond.notify_all()
+
     def _process(self, window: Window) -> tuple[int, Any]:
-        if window.error is not None:
-            # Failed on the training thread, which kept its slot (out of the pool, or back in
-            # it): reported like a window that failed here, with its step.
-            error = window.error
-            raise RuntimeError(
-                f"the window at step {window.step} failed on the training thread while it was "
-                f"being started ({type(error).__name__}: {error}); its values were not delivered"
-            ) from error
         try:
             if window.side is not None:
                 tree, leaves = _finish_on_side_stream(window)
@@ -393,6 +398,27 @@ def _finish_on_side_stream(window: Window) -> tuple[FlatTree, list[Any]]:
         for metric in slot.metric._walk_metrics():
             metric.verify_sync()
     return tree, host
+
+
+def _failed_on_training_thread(window: Window) -> Exception:
+    """The error a window that failed on the training thread is reported with (not raised).
+
+    Its slot was kept out of the pool, or went back to it. A ``RankMismatchError`` (a metric's
+    own sync, blocking, found that ranks paired different calls) stays one, so that every
+    later call raises it as for a mismatch found here; anything else is reported like a window
+    that failed here, with its step.
+    """
+    cause = window.error
+    assert cause is not None
+    if isinstance(cause, RankMismatchError):
+        error: Exception = RankMismatchError(str(cause))
+    else:
+        error = RuntimeError(
+            f"the window at step {window.step} failed on the training thread while it was "
+            f"being started ({type(cause).__name__}: {cause}); its values were not delivered"
+        )
+    error.__cause__ = cause
+    return error
 
 
 def _wrapped(caught: BaseException) -> RuntimeError:

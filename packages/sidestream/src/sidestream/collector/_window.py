@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,13 @@ from sidestream.metrics._screened import NanScreenedMetric, ScreenedMetric
 from sidestream.metrics.compose import ComposeMetric
 from sidestream.sync import SyncHandle
 
-__all__ = ["Window", "rejected_names", "rejected_on_host", "rejected_to_host"]
+__all__ = [
+    "Window",
+    "rejected_names",
+    "rejected_on_host",
+    "rejected_to_host",
+    "without_frames",
+]
 
 #: The counts a report carries, when not zero, named after the metric's path: batches dropped
 #: for bad values (CUDA), and NaN elements left out or replaced (``nan_strategy``).
@@ -36,7 +43,10 @@ class Window:
     start returns: a call interrupted in between (Ctrl-C) may have collectives in flight with
     no handle to wait on, so its slot is never reused. ``staged`` says the live state was
     copied out (and reset) for this window. ``error``: the window failed on the training thread
-    after its updates were taken from the live metric; the dispatcher reports it as failed.
+    after its updates were taken from the live metric; the dispatcher reports it as failed
+    (a copy of the error without traceback frames: see ``without_frames``).
+    ``kept_updates``: the live state still holds the failed window's updates (resetting it
+    after the failure failed too).
     """
 
     step: int
@@ -49,6 +59,39 @@ class Window:
     started: bool = False
     staged: bool = False
     error: BaseException | None = None
+    kept_updates: bool = False
+
+
+def without_frames(error: BaseException, _depth: int = 0) -> BaseException:
+    """A copy of ``error`` that holds no traceback, nor does its cause or context.
+
+    A failure kept for ``collect_results`` must not keep the frames of the call that failed:
+    their locals hold the window's slot (a full copy of the metric), which would then outlive
+    ``max_slots``. The notes are kept; an error that cannot be copied (its class takes other
+    arguments than it keeps) becomes a ``RuntimeError`` naming its type and message.
+    """
+    try:
+        clone = copy.copy(error)
+    except Exception:
+        clone = None
+    if type(clone) is not type(error) or clone is error:
+        clone = RuntimeError(f"{type(error).__name__}: {error}")
+        for note in getattr(error, "__notes__", ()):
+            clone.add_note(note)
+    assert clone is not None
+    clone.__traceback__ = None
+    if _depth < _CHAINED_KEPT:
+        for attribute in ("__cause__", "__context__"):
+            chained = getattr(error, attribute)
+            if chained is not None:
+                setattr(clone, attribute, without_frames(chained, _depth + 1))
+    else:
+        clone.__cause__ = clone.__context__ = None
+    clone.__suppress_context__ = error.__suppress_context__
+    return clone
+
+
+_CHAINED_KEPT = 8  # causes and contexts copied with an error (a chain may be a cycle)
 
 
 _COUNTERS_OF_THE_LIBRARY = (

@@ -37,7 +37,7 @@ from sidestream._validation import check_int
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
-from sidestream.collector._window import Window
+from sidestream.collector._window import Window, without_frames
 from sidestream.metric import Metric
 from sidestream.metrics.compose import ComposeMetric
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
@@ -317,14 +317,15 @@ class AsyncMetricCollector(Generic[T]):
         undo = self._bind_undo()
         try:
             self._bind_to(target)
-        except BaseException:
-            undo()
+        except BaseException as error:
+            undo(error)
             raise
         return self
 
-    def _bind_undo(self) -> Callable[[], None]:
+    def _bind_undo(self) -> Callable[[BaseException], None]:
         """A call that puts the collector and its metric back as they are now (before bind)."""
         device, stream, twin_index = self._metric.device, self._stream, self._twin_index
+        sinks_started = self._delivery.started
         # A failed bind must not use up the loaded checkpoint's digests: the retry sends them.
         digests = [
             (metric, metric.__dict__["_loaded_digest"])
@@ -332,10 +333,14 @@ class AsyncMetricCollector(Generic[T]):
             if "_loaded_digest" in metric.__dict__
         ]
 
-        def undo() -> None:
+        def undo(error: BaseException) -> None:
             dispatcher, self._dispatcher = self._dispatcher, None
             if dispatcher is not None:
                 dispatcher.stop(None)  # no window was submitted: it ends at once
+            if not sinks_started and self._delivery.started:
+                # Failed (an interrupt) once this bind had started the sinks: they stop, and
+                # what they had not delivered of the checkpoint's backlog is kept for the retry.
+                self._delivery.unstart(interrupted=not isinstance(error, Exception))
             if _BOUND.get(id(self._metric)) is self:
                 del _BOUND[id(self._metric)]
             for metric in self._metric._walk_metrics():
@@ -498,7 +503,11 @@ class AsyncMetricCollector(Generic[T]):
         A call that raises before the window's first collective leaves the step free and the
         updates in the live metric (on CUDA the staged copy is put back). Once the collectives
         may have been issued the step stays used and the window is reported as failed
-        (``collect_results`` raises naming the step; the exception carries a note saying so).
+        (``collect_results`` raises naming the step; the exception carries a note saying so);
+        with ``reset_each_window`` the live state is reset as for a window that succeeded (its
+        updates went to the other ranks with the window), else the next window's cumulative
+        value includes them. A ``RankMismatchError`` there (a metric's own sync) is reported
+        as a mismatch, as one found later is.
 
         Raises:
             RuntimeError: If not bound, or closed; or if a metric of the tree says its states
@@ -538,20 +547,27 @@ class AsyncMetricCollector(Generic[T]):
         slot = self._take_slot()
         previous_step, self._last_step = self._last_step, step
         window = Window(step=step, time=time.time(), slot=slot)
+        reset = False  # the CPU path's reset of the live state ran to its end
         try:
             if self._side is None:
                 slot.start_from_live(step, window)
                 if self._reset_each_window:
                     # The live state was copied out; start_from_live checked that its arena is
                     # the one bound, so unless a subclass resets differently, reset that arena
-                    # at once (one copy).
+                    # at once (one copy). Inlined: _reset_live is this, for a failed window.
                     if self._plain_reset:
                         slot.live_arena.reset()
                     else:
                         self._metric.reset()
+                    reset = True
             else:
                 self._schedule_on_side_stream(window)
         except BaseException as error:
+            if window.started and self._side is None and self._reset_each_window and not reset:
+                # Its updates went (or may have gone) to the other ranks with this window: kept
+                # in the live state, the next window would count them again, so reset it as a
+                # window that succeeded does (the side stream's staging has reset it already).
+                self._reset_after_failure(window)
             if window.batch is not None:
                 self._dispatcher.submit(window)  # in flight: the dispatcher hands it back
             elif window.started:
@@ -565,19 +581,62 @@ class AsyncMetricCollector(Generic[T]):
             raise
         self._dispatcher.submit(window)
 
+    def _reset_live(self, slot: Slot) -> None:
+        """Reset the live state after its window took it (the CPU path, window mode)."""
+        if self._plain_reset:
+            slot.live_arena.reset()
+        else:
+            self._metric.reset()
+
+    def _reset_after_failure(self, window: Window) -> None:
+        """``_reset_live`` for a window that failed once its updates were handed over."""
+        try:
+            self._reset_live(window.slot)
+        except Exception as reset_error:  # the window's own error is the one raised
+            window.kept_updates = True
+            logger.error(
+                "schedule_collection: the window at step %d failed, and resetting the metric "
+                "after it failed too: %s: %s; its updates stay in the live metric and are "
+                "counted again by the next window",
+                window.step,
+                type(reset_error).__name__,
+                reset_error,
+            )
+
     def _give_up_started(self, window: Window, error: BaseException) -> None:
         """A window whose collectives may be in flight, with no handle to wait on, failed.
 
         Its slot is never reused: the collectives may still write into its buffers. Its step
         stays used (the other ranks' windows may pair with what was issued), and it is handed
-        to the dispatcher as failed, so ``collect_results`` and ``close`` say it was lost.
+        to the dispatcher as failed, so ``collect_results`` and ``close`` say it was lost. In
+        window mode the live state was reset (as for a window that succeeded, on CPU as on
+        CUDA), so its updates are in no later window; cumulative, they stay in the live state
+        and the next window's value includes them. A ``RankMismatchError`` (a metric's own
+        sync, which is blocking, found that ranks paired different calls) is reported as a
+        mismatch.
         """
         self._slot_count -= 1  # a new slot is made in its place when needed
-        window.error = error
+        if self._reset_each_window and not window.kept_updates:
+            fate = "its updates were not delivered (the window is reported as failed)"
+        else:
+            fate = (
+                "the window is reported as failed; its updates stay in the live metric, so "
+                "the next window's value includes them"
+            )
         error.add_note(
             f"schedule_collection: the window at step {window.step} failed while its reduction "
-            "was starting; its updates were not delivered (the window is reported as failed)"
+            f"was starting; {fate}"
         )
+        self._submit_failed(window, error)
+
+    def _submit_failed(self, window: Window, error: BaseException) -> None:
+        """Hand ``window`` to the dispatcher as failed on this thread with ``error``.
+
+        The window keeps a copy of the error without its traceback: the frames of this call
+        hold the window's slot, and the dispatcher keeps failures until ``collect_results``
+        (so a slot given up would outlive ``max_slots``, a full copy of the metric each).
+        """
+        window.error = without_frames(error)
         assert self._dispatcher is not None
         self._dispatcher.submit(window)
 
@@ -601,14 +660,12 @@ class AsyncMetricCollector(Generic[T]):
                 type(unstage_error).__name__,
                 unstage_error,
             )
-            window.error = error
             error.add_note(
                 f"schedule_collection: the window at step {window.step} failed after its "
                 "updates were taken from the live metric; they were not delivered (the "
                 "window is reported as failed)"
             )
-            assert self._dispatcher is not None
-            self._dispatcher.submit(window)
+            self._submit_failed(window, error)
             return False
         return True
 

@@ -189,7 +189,39 @@ class SinkRunner:
                 ", ".join(left[:_LEFTOVERS_NAMED]) + (f" and {more} more" if more > 0 else ""),
             )
         self._intake.start()
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            # A start that raises leaves no thread behind: the caller drops this runner.
+            self.withdraw(None)
+            raise
+
+    def withdraw(self, timeout: float | None = None) -> bytes:
+        """Stop without delivering anything more; the reports it had not delivered.
+
+        For a start that is undone (a failed bind): the caller keeps the reports (spool lines,
+        as ``undelivered`` gives them) for the runner made in this one's place, and no spool
+        file is kept. The threads end after the sink's open, write or close in progress
+        (waited for up to ``timeout`` seconds); a sink it opened is closed. A runner never
+        started, or started in part, is stopped as well.
+        """
+        self.begin_close(timeout)
+        self._abandon.set()  # no more writes, nor retries of the open
+        if self._acquire_within(self._remaining()):  # not held for good by a hung spool disk
+            self._cond.notify_all()
+            self._cond.release()
+        for thread in (self._intake, self._thread):
+            if thread.ident is not None:
+                thread.join(self._remaining())
+        left = self.undelivered(self._remaining())
+        if self._acquire_within(self._remaining()):
+            try:
+                self._forget_queued()
+                self._in_flight = []
+                self._spool.discard()
+            finally:
+                self._cond.release()
+        return left
 
     def submit(self, report: Report) -> None:
         """Queue ``report``, without touching the disk; returns at once unless a burst outruns it.
@@ -449,7 +481,8 @@ class SinkRunner:
     def submit_backlog(self, lines: bytes) -> None:
         """Queue a checkpoint's undelivered reports (``undelivered``) before anything else.
 
-        Call before ``start``. A damaged line is counted in ``dropped`` and warned about.
+        Call before anything else is submitted (before ``start``, or right after it). A
+        damaged line is counted in ``dropped`` and warned about.
         """
         for line in lines.splitlines():
             if not line.strip():
