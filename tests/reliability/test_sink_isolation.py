@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -1186,9 +1187,45 @@ def test_close_keeps_what_waits_for_a_slow_spool_disk_in_one_write(
     start = time.monotonic()
     assert runner.close(0.5) is False
     assert time.monotonic() - start < 5
-    (kept,) = [p for p in tmp_path.iterdir() if p.suffix != ".json"]
-    steps = [report.step for report in read_spool(str(kept))]
+    # On a loaded machine the disk may not be done within close's 0.5 s: close then says so,
+    # and what it had not written yet (the queued report too) is kept once the disk answers.
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(FileNotFoundError):  # the file being kept replaces it
+            (kept,) = [p for p in tmp_path.iterdir() if p.suffix != ".json"]
+            steps = [report.step for report in read_spool(str(kept))]
+            if steps[:1] in ([1], [2]) and steps[-1:] == [3000]:
+                break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert steps == list(range(2, 3001)) or steps == list(range(1, 3001))  # 1 may be in a write
+    sink.gate.set()
+
+
+def test_a_close_that_gave_up_on_a_hung_spool_disk_keeps_every_report_once_it_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # close gave up waiting for the disk and said the reports were kept "if the disk comes
+    # back", but those still in memory (the queued one) never reached the file when it did.
+    disk = threading.Event()
+    _before_spool_writes(monkeypatch, lambda label: disk.wait(60))
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=1, spool_dir=str(tmp_path))
+    runner.start()
+    for step in range(1, 51):
+        runner.submit(_report(step))
+    assert runner.close(0.5) is False  # the spool thread holds the spool, its disk hung
+    disk.set()
+    deadline, steps = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError, ValueError):  # being written
+            files = [p for p in tmp_path.iterdir() if p.suffix != ".json"]
+            steps = sorted(report.step for path in files for report in read_spool(str(path)))
+            if steps[-1:] == [50] and steps[:1] in ([1], [2]):
+                break
+        time.sleep(0.05)
+    assert steps == list(range(2, 51)) or steps == list(range(1, 51))  # 1 may be in a write
     sink.gate.set()
 
 

@@ -574,17 +574,31 @@ class SinkRunner:
             self._abandon.set()
             logger.error(
                 "sink %r: close: the spool did not answer within %.1f s (a hung disk?); the "
-                "reports this sink had not delivered stay in memory and in %s, and are lost if "
-                "the disk does not come back before the process ends",
+                "reports this sink had not delivered stay in memory and in %s, are kept there "
+                "once the disk answers (a warning then says so), and are lost if it does not "
+                "before the process ends",
                 self.key,
                 timeout or 0.0,
                 self._spool.path or "no spool file yet",
             )
+            # Those still in memory (queued, in a write) would otherwise never reach the file,
+            # even when the disk comes back: kept by a thread that waits for it.
+            threading.Thread(
+                target=self._close_late,
+                args=(timeout, ended, failed),
+                name=f"sidestream-late-keep-{self.key}",
+                daemon=True,  # a hung disk must not hold the interpreter's exit
+            ).start()
             return False
         try:
             return self._close_locked(timeout, ended, failed)
         finally:
             self._cond.release()
+
+    def _close_late(self, timeout: float | None, ended: bool, failed: bool) -> None:
+        """The rest of a close that gave up on a slow spool disk, once the disk answers."""
+        with self._cond:
+            self._close_locked(timeout, ended, failed)
 
     def close_now(self) -> bool:
         """``close`` with no time left, whatever an earlier call was given.
