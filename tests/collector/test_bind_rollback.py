@@ -198,3 +198,61 @@ def test_a_failed_bind_keeps_the_checkpoints_undelivered_reports_for_the_retry(
     assert first.steps == [1, 2]  # the checkpoint's report, once, then the new window
     assert second.steps == [2]
     assert list(tmp_path.iterdir()) == []  # nothing left in a spool file
+
+
+def test_a_sink_still_opening_after_an_interrupted_bind_is_not_closed_under_the_retry(
+    no_threads_left: None, tmp_path: Path
+) -> None:
+    """The interrupted bind gave its sink thread 1 s; the sink's open took 2 s. The retried
+    bind opened the same sink from a new runner meanwhile, and when the old open returned the
+    old thread closed the sink under it: steps 6-10 failed "write before open" and ended in a
+    spool file, close() False."""
+    import json
+    import time
+
+    from sidestream.sinks import JsonlSink, RunInfo
+
+    path = tmp_path / "run.jsonl"
+    opens: list[int] = []  # how many opens ran at once, each time one started
+    inside = [0]
+    lock = threading.Lock()
+    first_open_done = threading.Event()
+
+    class SlowFirstOpen(JsonlSink):
+        """A tracker whose first open is slow (a server connecting), later ones quick."""
+
+        def open(self, run: RunInfo) -> None:
+            with lock:
+                inside[0] += 1
+                opens.append(inside[0])
+                slow = len(opens) == 1
+            try:
+                if slow:
+                    time.sleep(2.0)
+                super().open(run)
+            finally:
+                with lock:
+                    inside[0] -= 1
+                if slow:
+                    first_open_done.set()
+
+    sink = SlowFirstOpen(path)
+    collector = AsyncMetricCollector(SumMetric(), sinks=[sink], spool_dir=str(tmp_path / "spool"))
+    with _interrupted_once_the_sinks_started(), pytest.raises(KeyboardInterrupt):
+        collector.bind("cpu")
+    assert _threads() == ["sidestream-sink-jsonl"]  # still in the slow open
+    collector.bind("cpu")
+    for step in range(1, 11):
+        if step == 6:  # the old open returns, and its thread ends, meanwhile
+            assert first_open_done.wait(30)
+            deadline = time.monotonic() + 30
+            while _threads().count("sidestream-sink-jsonl") > 1:  # the old one ends
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        collector.metric.update(torch.tensor([1.0]))
+        collector.schedule_collection(step)
+    assert collector.close(timeout=30)
+    assert max(opens) == 1  # never two opens of the sink at once
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == list(range(1, 11))  # what the file got: every step logged, once
+    assert not list((tmp_path / "spool").glob("*.spool.jsonl"))  # nothing left undelivered

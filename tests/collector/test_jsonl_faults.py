@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from sidestream import Run
 from sidestream.sinks import JsonlSink, Report, RunInfo
@@ -94,6 +95,163 @@ def test_a_fifo_whose_reader_exits_delivers_to_the_next_reader(
     assert _steps(first) == [("", step) for step in (1, 2, 3)]
     assert second and second[0].strip(), second[:1]  # no blank line
     assert _steps(second) == [("", step) for step in range(4, 11)]
+
+
+def _read_all(fifo: Path, into: list[bytes]) -> None:
+    """Every byte a reader of ``fifo`` gets until its writers close it."""
+    with fifo.open("rb") as pipe:
+        into.append(pipe.read())
+
+
+def _hold_the_pipe_full_then_exit(fifo: Path) -> None:
+    """A reader that attaches, reads nothing, and exits once the writer filled the pipe."""
+    import fcntl
+    import termios
+
+    descriptor = os.open(fifo, os.O_RDONLY)
+    try:
+        size = fcntl.fcntl(descriptor, fcntl.F_GETPIPE_SZ)
+        queued = bytearray(4)
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            fcntl.ioctl(descriptor, termios.FIONREAD, queued)
+            if int.from_bytes(queued, sys.byteorder) >= size:
+                return  # the writer waits for room: part of its batch is in the pipe
+            time.sleep(0.01)
+    finally:
+        os.close(descriptor)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="F_GETPIPE_SZ")
+@pytest.mark.parametrize("made_anew", [False, True], ids=["same-fifo", "fifo-made-anew"])
+@pytest.mark.parametrize("lines", ["many-lines", "one-huge-line"])
+def test_a_fifo_whose_reader_exits_mid_batch_gives_the_next_reader_each_line_once(
+    tmp_path: Path, made_anew: bool, lines: str
+) -> None:
+    """The pipe took the first 64 KiB of a batch, then its reader exited: the retry sent the
+    whole batch again after a newline, so the next reader of the same FIFO got the lines in
+    those 64 KiB twice and a line of no JSON (a line larger than the pipe: the same)."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    if lines == "many-lines":
+        reports = [_report(step) for step in range(1, 2001)]  # about 140 kB
+    else:  # one line of about 450 kB, between two small ones
+        big = Report(
+            step=2,
+            values={"x": 2.0},
+            time=1002.0,
+            histograms={"h": torch.arange(30000, dtype=torch.float64) / 7},
+        )
+        reports = [_report(1), big, _report(3)]
+    first = threading.Thread(target=_hold_the_pipe_full_then_exit, args=(fifo,))
+    first.start()
+    runner = SinkRunner(
+        JsonlSink(fifo, flush_every=4096), capacity=4096, retry_initial_s=0.02, retry_max_s=0.1
+    )
+    for report in reports:  # one batch
+        runner.submit(report)
+    runner.start()
+    first.join(60.0)
+    assert not first.is_alive()
+    if made_anew:  # rm, mkfifo: what the old pipe held is gone with it
+        fifo.unlink()
+        os.mkfifo(fifo)
+    _wait_for(lambda: "no reader attached" in str(runner.status.last_error))
+    got: list[bytes] = []
+    second = threading.Thread(target=_read_all, args=(fifo, got))
+    second.start()
+    assert runner.close(60.0)
+    second.join(60.0)
+    assert not second.is_alive()
+    data = got[0]
+    assert data.endswith(b"\n")
+    # Every line the next reader got is one JSON object, each step once, in order.
+    assert _steps(data.splitlines()) == [("", report.step) for report in reports]
+
+
+def test_other_lines_after_a_cut_batch_complete_the_cut_line_first(tmp_path: Path) -> None:
+    """Not the runner's retry of the same batch: the cut line is completed, then the lines."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    first = threading.Thread(target=_hold_the_pipe_full_then_exit, args=(fifo,))
+    first.start()
+    sink = JsonlSink(fifo, flush_every=4096)
+    _wait_for(lambda: _opened(sink))
+    with pytest.raises(BrokenPipeError):
+        sink.write_batch([_report(step) for step in range(1, 2001)])
+    first.join(30.0)
+    got: list[bytes] = []
+    second = threading.Thread(target=_read_all, args=(fifo, got))
+    second.start()
+    other = [_report(step, "val") for step in range(1, 4)]
+    _wait_for(lambda: _sent(sink, other))
+    sink.close()
+    second.join(30.0)
+    steps = _steps(got[0].splitlines())  # every line whole JSON
+    cut = len(steps) - len(other)
+    assert 0 < cut < 2000
+    assert steps == [("", step) for step in range(1, cut + 1)] + [
+        ("val", 1),
+        ("val", 2),
+        ("val", 3),
+    ]
+
+
+def _opened(sink: JsonlSink) -> bool:
+    try:
+        sink.open(RunInfo())
+    except OSError:  # ENXIO until the reader attached
+        return False
+    return True
+
+
+def _sent(sink: JsonlSink, reports: list[Report]) -> bool:
+    try:
+        sink.write_batch(reports)
+    except OSError:  # ENXIO until the next reader attached
+        return False
+    return True
+
+
+def _writer_holds(fifo: Path) -> bool:
+    """Whether any process holds ``fifo`` open for writing (a reader would not see its end)."""
+    descriptor = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        os.read(descriptor, 1)  # b"": no writer; nothing to read with a writer: EAGAIN
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(descriptor)
+    return False
+
+
+def test_a_fifo_sink_given_up_while_retrying_lets_the_pipe_go(tmp_path: Path) -> None:
+    """A runner whose close gave up on a write being retried (its reader gone) never closed
+    the sink: the process held the FIFO's write end for good, so a reader that attached
+    later never saw the end of it."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    first: list[bytes] = []
+    reader = threading.Thread(target=_read_lines, args=(fifo, first, 2))
+    reader.start()
+    spool = tmp_path / "spool"
+    runner = SinkRunner(JsonlSink(fifo), spool_dir=str(spool), retry_initial_s=0.02)
+    runner.start()
+    for step in (1, 2):
+        runner.submit(_report(step))
+    reader.join(30.0)
+    assert not reader.is_alive()
+    runner.submit(_report(3))  # the reader is gone: retried until close gives up
+    _wait_for(lambda: "no reader attached" in str(runner.status.last_error))
+    assert not runner.close(0.5)
+    _wait_for(lambda: not _writer_holds(fifo), timeout=10.0)
+    assert _steps(first) == [("", 1), ("", 2)]
+    kept = [
+        json.loads(line)["step"]
+        for file in spool.glob("*.spool.jsonl")
+        for line in file.read_text().splitlines()
+    ]
+    assert kept == [3]  # the step the pipe never got, kept for a replay
 
 
 def test_stdout_piped_into_head_fails_at_once_and_keeps_the_reports(tmp_path: Path) -> None:
@@ -253,18 +411,26 @@ def test_a_resume_reads_every_line_of_a_file_rotated_since_the_checkpoint(
         caplog.clear()
 
 
-def test_a_file_cut_mid_line_while_written_keeps_every_new_line_whole(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("cut", "kept"), [(10, [1, 2, 4]), (1, [1, 2, 3, 4])], ids=["mid-line", "before-newline"]
+)
+def test_a_file_cut_mid_line_while_written_keeps_every_new_line_whole(
+    tmp_path: Path, cut: int, kept: list[int]
+) -> None:
+    """A newline was appended after the cut line's fragment: a line of no JSON in the file.
+    The fragment is cut off now; a line cut just before its newline is whole JSON, kept."""
     path = tmp_path / "run.jsonl"
     sink = JsonlSink(path)
     sink.open(RunInfo())
     for step in range(1, 4):
         sink.write(_report(step))
-    os.truncate(path, os.path.getsize(path) - 10)  # someone cut it mid-line
+    os.truncate(path, os.path.getsize(path) - cut)  # someone cut it mid-line
     sink.write(_report(4))
+    sink.write(_report(5))
     sink.close()
-    lines = _lines(path)
-    assert _steps(lines[:1]) == [("", 1)]
-    assert _steps(lines[-1:]) == [("", 4)]  # its own line, not glued to the cut one
+    # Every line of the file is one JSON object (_steps fails the test on one that is not).
+    assert _steps(_lines(path)) == [("", step) for step in [*kept, 5]]
+    assert path.read_bytes().endswith(b"\n")
 
 
 def test_a_file_replaced_by_another_with_lines_still_fails(tmp_path: Path) -> None:

@@ -208,7 +208,9 @@ class Delivery:
         left as it was, for the start made again (a corrected bind) to deliver, once each.
         Their threads end before that start opens the sinks again (they were only opening,
         or closing, the sinks: waited for up to ``exit_timeout``; after an interrupt up to
-        ``_INTERRUPTED_STOP_S``).
+        ``_INTERRUPTED_STOP_S``). A thread still in a sink's open past that closes the sink once
+        the open returns, and ends; the new runner's thread opens that sink only then
+        (``SinkRunner.start``), so no two threads use a sink at once.
         """
         handed: list[SinkRunner] = []
         try:

@@ -65,7 +65,8 @@ class JsonlSink(TrackerSink):
     end would destroy it. A file moved away while the run writes it (log rotation) or deleted
     is followed: the next write makes a new file at ``path``, with a warning naming it (and
     where the moved file is, when in the same folder). A file cut shorter (logrotate's
-    ``copytruncate``) is appended to where it now ends, with a warning. Another file with lines
+    ``copytruncate``) is appended to where it now ends, with a warning (a line the cut left part
+    of is cut off). Another file with lines
     put at ``path`` fails the sink (``PermanentSinkError``), and so do lines another writer
     appends (two sinks or jobs on one path would mix their lines, and cutting a failed write
     back would remove the other's). A checkpoint keeps a checksum of the bytes before its
@@ -75,12 +76,15 @@ class JsonlSink(TrackerSink):
     fails the sink when it opens (``PermanentSinkError``), not retried until ``close``.
     A checkpoint of another file (its path differs) gives no offset into this one: a warning
     says so and only its steps count. A path that is not a regular file (``/dev/stdout``, a
-    pipe) is only appended to (a cut line there is closed with a newline) and never
-    ``fsync``-ed (a pipe holds nothing to sync: ``fsync`` fails there). A named pipe with no
-    reader attached is refused at ``open`` (``OSError``, ``ENXIO``, naming it) instead of
-    waited for: the pipeline retries the open until a reader attaches. A named pipe whose
-    reader exits is opened again by the retried write, so a reader attached later gets every
-    report from the first it lacks. A pipe with no name (``/dev/stdout`` piped into ``head``)
+    pipe) is only appended to (a line a failed write cut there is completed by the next write:
+    the retried batch goes on where the failed write stopped, so no line comes twice) and
+    never ``fsync``-ed (a pipe holds nothing to sync: ``fsync`` fails there). A named pipe
+    with no reader attached is refused at ``open`` (``OSError``, ``ENXIO``, naming it)
+    instead of waited for: the pipeline retries the open until a reader attaches. A named
+    pipe whose reader exits is opened again by the retried write, so a reader attached later
+    gets every report from the first it lacks: the same pipe holds what the old reader left
+    unread, and gets the rest of the batch that its exit cut; a pipe made anew gets that
+    batch whole. A pipe with no name (``/dev/stdout`` piped into ``head``)
     whose reader exits fails the sink (``PermanentSinkError``): no reader can attach again.
 
     Args:
@@ -133,6 +137,8 @@ class JsonlSink(TrackerSink):
                 _check_json_lines(self.path)  # a file of another kind, refused when built
                 self._tail = _bytes_before(self.path, self._size_at_start)
         self._broken_pipe = False  # the pipe's reader went: the next write opens it again
+        # A stream's write that failed part-way: its data, and how many bytes of it went out.
+        self._unsent: tuple[bytes, int] | None = None
         self._resume_offset: int | None = None
         self._resume_tail: int | None = None
         self._saved_path: str | None = None  # the file a loaded checkpoint was taken of
@@ -245,7 +251,8 @@ class JsonlSink(TrackerSink):
         Raises:
             RuntimeError: If the sink is not open.
             OSError: If the file cannot take the lines (a full disk); nothing counts as
-                delivered then, and the retry writes them again after closing a cut line.
+                delivered then, and the retry writes them again after cutting a cut line off
+                (a stream: the retry of the same reports sends the rest of them only).
             PermanentSinkError: If another file with lines now stands at ``path``, another
                 writer appended to the file since this sink's last write, or the reader of an
                 unnamed pipe exited.
@@ -256,42 +263,75 @@ class JsonlSink(TrackerSink):
         with self._file_lock:
             if self._broken_pipe:
                 self._reopen_pipe()  # ENXIO until a reader attaches: retried
-            if self._regular:
-                data = self._follow_file() + data
+            if not self._regular:
+                self._send_to_stream(data)
+                return
+            data = self._follow_file() + data
             file = self._file
-            if self._cut:  # a failed write may have left part of a line
-                if self._regular and self._offset is not None:
-                    os.ftruncate(file.fileno(), self._offset)  # back to the last whole line
-                else:
-                    data = b"\n" + data  # cannot cut a pipe: close the line instead
-            was_cut, self._cut = self._cut, True
+            if self._cut and self._offset is not None:  # a failed write left part of a line
+                os.ftruncate(file.fileno(), self._offset)  # back to the last whole line
+            self._cut = True
             written = 0
             try:
                 while written < len(data):
                     written += file.write(memoryview(data)[written:]) or 0
-            except OSError as error:
-                if self._regular:
-                    self._cut_back(file)  # at once: the disk may stay full until close
-                    raise
-                # A stream: a line is cut only if part of it went out.
-                self._cut = data[written - 1 : written] != b"\n" if written else was_cut
-                if isinstance(error, BrokenPipeError):
-                    raise self._pipe_gone(file) from error
+            except OSError:
+                self._cut_back(file)  # at once: the disk may stay full until close
                 raise
-            if self._fsync and self._regular:  # a pipe or terminal holds nothing to sync
+            if self._fsync:
                 os.fsync(file.fileno())
             self._cut = False
             if self._offset is not None:
                 self._offset = file.tell()
                 self._tail = (self._tail + data[-_TAIL:])[-_TAIL:]
 
+    def _send_to_stream(self, data: bytes) -> None:
+        """Write ``data`` to a pipe or terminal (lock held), after what a failed write left.
+
+        A stream cannot be cut back: a write that failed part-way (a named pipe's reader that
+        exited with part of a batch in the pipe, which stays there for the next reader) is
+        remembered, with how many of its bytes went out. The retry of that batch (a runner
+        retries a batch whole) sends only the rest of it: the cut line is completed, and no
+        line comes twice. Other data first completes the cut line from the failed write's.
+        A pipe made anew has none of it: the batch is sent whole (``_reopen_pipe``).
+        """
+        start = 0
+        if self._unsent is not None:
+            old, sent = self._unsent
+            if data.startswith(old[:sent]):
+                start = sent  # the same lines again: what went out is not sent twice
+            elif old[sent - 1 : sent] != b"\n":
+                self._write_stream(old, sent, old.index(b"\n", sent) + 1)  # the cut line
+        self._write_stream(data, start, len(data))
+
+    def _write_stream(self, data: bytes, start: int, end: int) -> None:
+        """Write ``data[start:end]`` to the stream (lock held); remember a part that went out.
+
+        Raises:
+            OSError: If the stream takes no more (``_pipe_gone``'s error for a broken pipe).
+        """
+        file = self._file
+        assert file is not None
+        written = start
+        try:
+            while written < end:
+                written += file.write(memoryview(data)[written:end]) or 0
+        except OSError as error:
+            if written:  # data[:written] went out: the retry sends the rest only
+                self._unsent = (data, written)
+            if isinstance(error, BrokenPipeError):
+                raise self._pipe_gone(file) from error
+            raise
+        self._unsent = None
+
     def _follow_file(self) -> bytes:
         """Follow ``path`` if it was rotated; bytes to write before the lines (lock held).
 
         The file moved away (logrotate's default) or deleted: a new one is made at ``path``,
         with a warning. A file cut shorter (logrotate's ``copytruncate``): appended to where
-        it now ends, with a warning. Another file standing at ``path``, or lines appended by
-        another writer: ``PermanentSinkError``.
+        it now ends, with a warning; a line the cut left part of is cut off (or completed, if
+        it is whole JSON but for its newline). Another file standing at ``path``, or lines
+        appended by another writer: ``PermanentSinkError``.
         """
         file = self._file
         assert file is not None
@@ -323,11 +363,22 @@ class JsonlSink(TrackerSink):
             self.path,
         )
         self._cut = False
+        with self.path.open("rb") as reader:
+            start, whole = _last_fragment(reader, size)
+        if start < size and not whole:
+            # Cut mid-line: the part of this sink's line left before the cut is no JSON, and
+            # is cut off, as a torn line is everywhere else (every line stays whole JSON).
+            logger.warning(
+                "JsonlSink: %s was cut mid-line: the %d bytes of the line cut short are cut off",
+                self.path,
+                size - start,
+            )
+            os.ftruncate(file.fileno(), start)
+            size = start
         self._offset = size
         self._tail = _bytes_before(self.path, size)
-        if self._tail and not self._tail.endswith(b"\n"):  # cut mid-line: keep ours whole
-            return b"\n"
-        return b""
+        # A last line cut just before its newline is whole JSON: kept, and completed.
+        return b"\n" if start < size else b""
 
     def _reopen_regular(self, file: IO[bytes]) -> None:
         """Make a new file at ``path`` for the lines to come (lock held).
@@ -420,8 +471,9 @@ class JsonlSink(TrackerSink):
                     unread,
                     self.path,
                 )
-            self._cut = False
-        # The same pipe: unread lines stay in it for the new reader (new holds it open).
+            self._unsent = None  # none of it is in this pipe: the batch goes whole
+        # The same pipe: unread lines stay in it for the new reader (new holds it open), and
+        # the rest of a batch cut by the old reader's exit follows them (_send_to_stream).
         self._file, self._broken_pipe = new, False
         old.close()
 
@@ -461,6 +513,7 @@ class JsonlSink(TrackerSink):
         """Close the file (every delivered line is already in it)."""
         with self._file_lock:
             file, self._file = self._file, None
+            self._unsent = None  # a later open's stream holds none of it
             if file is not None and self._cut:
                 self._cut_back(file)  # every line left in the file stays whole JSON
         if file is not None:

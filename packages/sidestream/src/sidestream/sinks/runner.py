@@ -150,6 +150,11 @@ class SinkRunner:
         self._sink_closed = False  # the sink's final flush and close both succeeded
         self._state_failing = False  # the sink's state_dict raised when last read
         self._opened = False  # set by the sink thread once open succeeded
+        self._close_tried = False  # the sink thread called the sink's close
+        # Set once this runner's sink thread ended (or will never start): a runner started
+        # on the sink later opens it only then (see _SINK_USERS).
+        self._done = threading.Event()
+        self._earlier: list[threading.Event] = []  # those of runners started on it before
         self._thread = threading.Thread(
             target=self._work_or_fail, name=f"sidestream-sink-{self.key}", daemon=True
         )
@@ -161,6 +166,10 @@ class SinkRunner:
 
     def start(self) -> None:
         """Start the thread; it opens the sink, then delivers.
+
+        A runner started on this sink before whose thread has not ended (a start undone
+        while the sink's open was in progress: ``withdraw``) is waited for by the thread
+        before it opens the sink: that thread closes the sink once its open returns.
 
         Spool files this sink's earlier jobs left behind (a crash, or a close that timed out)
         hold reports never delivered: a warning names them, with how to replay them. Files
@@ -189,10 +198,15 @@ class SinkRunner:
                 ", ".join(left[:_LEFTOVERS_NAMED]) + (f" and {more} more" if more > 0 else ""),
             )
         self._intake.start()
+        with _SINK_USERS_LOCK:
+            users = _SINK_USERS.setdefault(id(self.sink), [])
+            self._earlier = list(users)
+            users.append(self._done)
         try:
             self._thread.start()
         except BaseException:
             # A start that raises leaves no thread behind: the caller drops this runner.
+            self._let_go()
             self.withdraw(None)
             raise
 
@@ -202,8 +216,10 @@ class SinkRunner:
         For a start that is undone (a failed bind): the caller keeps the reports (spool lines,
         as ``undelivered`` gives them) for the runner made in this one's place, and no spool
         file is kept. The threads end after the sink's open, write or close in progress
-        (waited for up to ``timeout`` seconds); a sink it opened is closed. A runner never
-        started, or started in part, is stopped as well.
+        (waited for up to ``timeout`` seconds); a sink it opened is closed, by its thread, even
+        after that. A runner started on the same sink in this one's place opens it only once
+        that thread ended, so the two never use the sink at once. A runner never started, or
+        started in part, is stopped as well.
         """
         self.begin_close(timeout)
         self._abandon.set()  # no more writes, nor retries of the open
@@ -880,10 +896,69 @@ class SinkRunner:
             self._work()
         except BaseException as error:
             self._fail("delivery", f"{type(error).__name__}: {error} (an error in sidestream)")
+        finally:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Say this runner is done with its sink: a runner started on it later may open it."""
+        with _SINK_USERS_LOCK:
+            self._done.set()
+            users = _SINK_USERS.get(id(self.sink), [])
+            if self._done in users:
+                users.remove(self._done)
+            if not users:
+                _SINK_USERS.pop(id(self.sink), None)
 
     def _work(self) -> None:
-        if not self._retry("open", self._open):
+        if not self._wait_for_earlier() or not self._retry("open", self._open):
             return
+        try:
+            self._deliver()
+        finally:
+            # Given up (close, withdraw) or failed mid-way: the sink is let go all the same.
+            if not self._close_tried:
+                self._close_given_up()
+
+    def _wait_for_earlier(self) -> bool:
+        """Wait until the threads of runners started on this sink before have ended.
+
+        A start undone (a bind interrupted) leaves its runner's thread in the sink's open
+        when it does not end within ``withdraw``'s timeout; that thread closes the sink once
+        its open returns. Opening the sink meanwhile would open it twice, and that close would
+        close what this runner writes. False if this runner is given up first.
+        """
+        waiting = [done for done in self._earlier if not done.is_set()]
+        if waiting:
+            logger.warning(
+                "sink %r: a runner started on this sink before (a start undone, such as an "
+                "interrupted bind) is still in its open or close; this one opens the sink once "
+                "that ends (its reports wait, kept)",
+                self.key,
+            )
+        for done in waiting:
+            while not done.wait(0.05):
+                if self._abandon.is_set():
+                    return False
+        self._earlier = []
+        return True
+
+    def _close_given_up(self) -> None:
+        """Close the opened sink after delivery stopped early (it failed, or was given up).
+
+        Its file, pipe or connection is let go (a named pipe's reader sees its end). The
+        reports it had not delivered are kept as ever; an error here is only logged.
+        """
+        try:
+            done = self.sink.close(self._remaining())
+        except Exception as error:
+            logger.warning(
+                "sink %r: close after delivery stopped failed: %s", self.key, _describe(error)
+            )
+            return
+        self._sink_closed = done is not False
+
+    def _deliver(self) -> None:
+        """Deliver until closed, then flush and close the sink (the sink is open)."""
         self._snapshot_state()
         self._opened = True
         dirty = False
@@ -905,6 +980,7 @@ class SinkRunner:
             if stop:
                 break
         # close() flushes too: an idle flush that failed earlier is covered by it.
+        self._close_tried = True
         closed = self._once("close", lambda: self.sink.close(self._remaining()))
         self._sink_closed = closed is None
 
@@ -1145,6 +1221,14 @@ oldest waiting."""
 INTAKE_STALL_S = 2.0
 """How long the intake thread may write nothing, with reports waiting, before a submitter that
 finds no room stops waiting and drops the oldest instead (a hung spool disk)."""
+
+_SINK_USERS_LOCK = threading.Lock()
+_SINK_USERS: dict[int, list[threading.Event]] = {}
+"""Per sink (by ``id``; a runner's thread holds its sink, so the id is not reused meanwhile),
+the ``_done`` events of the runners started on it whose threads have not ended, oldest first.
+A runner opens its sink only once those before it are set: a bind retried after an interrupt
+gave ``withdraw`` too little time makes a second runner for the same sink while the first one's
+thread is still in its open, and that thread closes the sink when the open returns."""
 
 _RETURNED_FALSE = "returned False"
 """The kind of failure of a ``flush`` or ``close`` that returned ``False`` (it did not raise)."""
