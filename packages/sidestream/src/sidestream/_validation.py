@@ -33,6 +33,7 @@ __all__ = [
 
 
 _BOOL = torch.bool
+_INT64 = torch.int64
 _iinfo = torch.iinfo
 """Read by the update helpers below instead of through ``torch``: a compiled update that reaches
 the torch module through this module's globals and another's pays an identity guard, run in
@@ -49,6 +50,15 @@ def expected_text(template: str, *values: object) -> str:
     if torch.compiler.is_compiling():
         return template
     return template.format(*values)
+
+
+def given_as_number(value: object) -> bool:
+    """Whether ``value``, which ``as_tensor`` took, was not a tensor (a number it made one).
+
+    Here, not at the caller: a compiled update that reads ``Tensor`` through another module
+    too checks on every call, in Python, that both are the same class.
+    """
+    return not isinstance(value, Tensor)
 
 
 def as_tensor(
@@ -190,9 +200,11 @@ def ignore_index_of(target: Tensor, ignore_index: int | None) -> int | None:
     matches no element: nothing is ignored.
     """
     dtype = target.dtype
-    if ignore_index is None or dtype is torch.int64 or dtype.is_floating_point:
+    # The dtypes as constants of this module: reaching torch through it as well as through the
+    # caller's module costs a compiled update an identity guard in Python on every call.
+    if ignore_index is None or dtype is _INT64 or dtype.is_floating_point:
         return ignore_index  # int64 and floats hold any index given (checked as an int)
-    if dtype is torch.bool:
+    if dtype is _BOOL:
         return ignore_index  # bools compare as integers
     limits = torch.iinfo(dtype)
     return ignore_index if limits.min <= ignore_index <= limits.max else None

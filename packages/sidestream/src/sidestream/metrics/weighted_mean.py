@@ -18,6 +18,7 @@ from sidestream._validation import (
     checks_stay_on_device,
     drop_invalid,
     found_outside,
+    given_as_number,
 )
 from sidestream.metrics._nan_strategy import NanStrategy
 from sidestream.metrics._screened import NanScreenedMetric
@@ -95,7 +96,7 @@ class WeightedMeanMetric(NanScreenedMetric):
         # Compiling, a number is an input of the graph, unchecked on the host: the device path
         # checks it, on its own, since the batch's weights (expanded to the values' shape, or
         # zeroed where a value is NaN) hold none of it when the batch is empty.
-        number = weights_t if is_compiling() and not isinstance(weights, Tensor) else None
+        number = weights_t if is_compiling() and given_as_number(weights) else None
         # CPU "error" rides on the result: a NaN value makes the weighted sum NaN (NaN * w is
         # NaN for every weight), so the NaN pass runs only for a NaN sum or a bad weight, and
         # raises (naming values, first, as before) before the state changes.

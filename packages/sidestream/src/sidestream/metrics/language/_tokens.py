@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -11,9 +13,11 @@ from sidestream.state import MetricAccumulator
 __all__: list[str] = []
 
 _BOOL = torch.bool
-"""Read by ``check_logits`` instead of ``torch.bool``: a compiled update that reaches the torch
-module through this module's globals and another's pays an identity guard, run in Python, on
-every call."""
+_INT64 = torch.int64
+_where = torch.where
+"""Read by ``check_logits`` and ``token_weights`` instead of through ``torch``: a compiled update
+that reaches the torch module through this module's globals and another's pays an identity
+guard, run in Python, on every call."""
 
 
 def count_under(ignore_index: int | None, *states: MetricAccumulator) -> None:
@@ -99,14 +103,14 @@ def token_weights(
     in_vocab = clamped(target, 0, vocab - 1) == target
     skipped = -100  # an id outside the vocabulary: ignored, or bad (the batch is dropped)
     if ignore is None:
-        weights = torch.where(in_vocab, 1.0, torch.inf)
+        weights = _where(in_vocab, 1.0, math.inf)
     elif 0 <= ignore < vocab:
-        weights = torch.where(target == ignore, 0.0, torch.where(in_vocab, 1.0, torch.inf))
+        weights = _where(target == ignore, 0.0, _where(in_vocab, 1.0, math.inf))
         skipped = ignore
     else:
-        weights = torch.where(in_vocab, 1.0, torch.where(target == ignore, 0.0, torch.inf))
-    ids = target if target.dtype == torch.int64 else target.long()  # before -100: uint8
-    return weights, torch.where(in_vocab, ids, skipped).reshape(-1), skipped
+        weights = _where(in_vocab, 1.0, _where(target == ignore, 0.0, math.inf))
+    ids = target if target.dtype == _INT64 else target.long()  # before -100: uint8
+    return weights, _where(in_vocab, ids, skipped).reshape(-1), skipped
 
 
 def token_range(vocab: int, ignore_index: int | None) -> str:
