@@ -256,3 +256,46 @@ def test_a_sink_still_opening_after_an_interrupted_bind_is_not_closed_under_the_
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
     assert steps == list(range(1, 11))  # what the file got: every step logged, once
     assert not list((tmp_path / "spool").glob("*.spool.jsonl"))  # nothing left undelivered
+
+
+class _InterruptedOnRelease:
+    """A lock whose first release raises ``KeyboardInterrupt`` (Ctrl-C right after it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed = True
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if self._armed:
+            self._armed = False
+            raise KeyboardInterrupt
+
+
+def test_a_runner_start_interrupted_once_registered_on_its_sink_does_not_block_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C between a runner's registration on its sink and its thread's start left it
+    # registered for good: the runner made in its place waited for it and never opened the
+    # sink (close False, the report only in a spool file).
+    import json
+
+    from sidestream.sinks import JsonlSink, Report
+    from sidestream.sinks import runner as runner_module
+
+    sink = JsonlSink(tmp_path / "run.jsonl")
+    monkeypatch.setattr(runner_module, "_SINK_USERS_LOCK", _InterruptedOnRelease())
+    first = SinkRunner(sink, spool_dir=str(tmp_path / "spool"))
+    with pytest.raises(KeyboardInterrupt):
+        first.start()
+    first.withdraw(1.0)  # what a bind undone by the interrupt does
+    monkeypatch.undo()
+    second = SinkRunner(sink, spool_dir=str(tmp_path / "spool"))
+    second.start()
+    second.submit(Report(step=1, values={"x": 1.0}, time=1.0))
+    assert second.close(10.0) is True
+    lines = (tmp_path / "run.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1]

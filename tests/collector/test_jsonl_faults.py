@@ -169,6 +169,42 @@ def test_a_fifo_whose_reader_exits_mid_batch_gives_the_next_reader_each_line_onc
     assert _steps(data.splitlines()) == [("", report.step) for report in reports]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="F_GETPIPE_SZ")
+def test_a_close_that_gives_up_a_cut_batch_leaves_the_next_reader_no_torn_line(
+    tmp_path: Path,
+) -> None:
+    """The next reader attached to the same FIFO while the runner waited to retry, and close
+    gave up the batch: the sink let the pipe go with a line cut in it, so the reader got a
+    line of no JSON, then the end."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    first = threading.Thread(target=_hold_the_pipe_full_then_exit, args=(fifo,))
+    first.start()
+    runner = SinkRunner(
+        JsonlSink(fifo, flush_every=4096),
+        capacity=4096,
+        spool_dir=str(tmp_path / "spool"),
+        retry_initial_s=3.0,
+        retry_max_s=3.0,
+    )
+    for step in range(1, 2001):  # one batch, larger than the pipe
+        runner.submit(_report(step))
+    runner.start()
+    first.join(60.0)
+    _wait_for(lambda: "reader" in str(runner.status.last_error))
+    got: list[bytes] = []
+    second = threading.Thread(target=_read_all, args=(fifo, got))
+    second.start()  # attaches at once: the sink still holds the pipe
+    time.sleep(0.2)
+    assert runner.close(0.2) is False  # given up; the batch is kept in the spool
+    second.join(30.0)
+    assert not second.is_alive()
+    data = got[0]
+    assert data.endswith(b"\n")
+    steps = _steps(data.splitlines())  # each line one JSON object
+    assert steps == [("", step) for step in range(1, len(steps) + 1)]
+
+
 def test_other_lines_after_a_cut_batch_complete_the_cut_line_first(tmp_path: Path) -> None:
     """Not the runner's retry of the same batch: the cut line is completed, then the lines."""
     fifo = tmp_path / "out.fifo"

@@ -81,6 +81,22 @@ def test_delivers_from_another_process(tmp_path: Path) -> None:
     assert sink.restarts == 0
 
 
+def test_a_sink_opened_again_after_its_close_delivers_with_a_new_child(tmp_path: Path) -> None:
+    # A runner started in place of one that closed the sink (a bind undone while the open was
+    # in progress) opens it again: it stayed closed, so every write failed "the sink is
+    # closed", was retried until close, and the new child was never stopped.
+    path = tmp_path / "m.jsonl"
+    sink = ProcessSink(TroubleJsonlSink(path))
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    assert sink.close(30) is True
+    sink.open(RunInfo())
+    sink.write(Report(step=2, values={"x": 2.0}, time=0.0))
+    assert sink.close(30) is True
+    assert [line["step"] for line in _lines(path)] == [1, 2]  # the file goes on, once each
+    assert not [child for child in mp.active_children() if child.name.startswith("sidestream")]
+
+
 @pytest.mark.parametrize("trouble", ["die_at", "hang_at"])
 def test_dead_or_hung_child_is_replaced_and_nothing_is_lost(
     tmp_path: Path, trouble: str, caplog: pytest.LogCaptureFixture

@@ -513,7 +513,9 @@ class JsonlSink(TrackerSink):
         """Close the file (every delivered line is already in it)."""
         with self._file_lock:
             file, self._file = self._file, None
-            self._unsent = None  # a later open's stream holds none of it
+            unsent, self._unsent = self._unsent, None  # a later open's stream holds none of it
+            if file is not None and unsent is not None:
+                _complete_cut_line(file, *unsent)
             if file is not None and self._cut:
                 self._cut_back(file)  # every line left in the file stays whole JSON
         if file is not None:
@@ -536,6 +538,26 @@ class JsonlSink(TrackerSink):
         self._resume_offset = offset if isinstance(offset, int) and offset >= 0 else None
         tail = state_dict.get("tail_crc32")  # absent in older checkpoints: offset trusted
         self._resume_tail = tail if isinstance(tail, int) and tail >= 0 else None
+
+
+def _complete_cut_line(file: Any, data: bytes, sent: int) -> None:
+    """At close, the rest of the line a failed write cut on a stream, if the stream takes it.
+
+    A reader attached since (the same named pipe) would otherwise read a torn line, then the
+    end. Without waiting: a pipe nobody reads, or one that is full, must not hold close.
+    """
+    if data[sent - 1 : sent] == b"\n":
+        return  # cut between lines: nothing torn
+    rest = memoryview(data)[sent : data.find(b"\n", sent) + 1 or len(data)]
+    try:
+        os.set_blocking(file.fileno(), False)
+        while rest:
+            written = file.write(rest)
+            if not written:  # None: the pipe is full
+                return
+            rest = rest[written:]
+    except OSError:
+        return  # no reader, or none left: nothing more can be done for that line
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

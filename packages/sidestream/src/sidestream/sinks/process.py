@@ -451,7 +451,14 @@ class ProcessSink(Sink):
         # for the opening child (or give up), not talk to it or stop it halfway through open.
         with self._pipe_lock:
             self._run = run
-            self._start(self._resume)
+            # Opened again after a close (a runner started in place of one that closed it: a
+            # bind undone while this open was in progress): a new child, which resumes the
+            # run from the state the last one flushed. What the last one held unconfirmed was
+            # kept by its runner.
+            again = self._opened
+            self._closed = None
+            self._unflushed.clear()
+            self._start(self._flushed_state or None if again else self._resume)
             self._opened = True
             self._flushed_state = dict(self._state)
 

@@ -198,11 +198,11 @@ class SinkRunner:
                 ", ".join(left[:_LEFTOVERS_NAMED]) + (f" and {more} more" if more > 0 else ""),
             )
         self._intake.start()
-        with _SINK_USERS_LOCK:
-            users = _SINK_USERS.setdefault(id(self.sink), [])
-            self._earlier = list(users)
-            users.append(self._done)
         try:
+            with _SINK_USERS_LOCK:
+                users = _SINK_USERS.setdefault(id(self.sink), [])
+                self._earlier = list(users)
+                users.append(self._done)
             self._thread.start()
         except BaseException:
             # A start that raises leaves no thread behind: the caller drops this runner.
@@ -223,6 +223,8 @@ class SinkRunner:
         """
         self.begin_close(timeout)
         self._abandon.set()  # no more writes, nor retries of the open
+        if self._thread.ident is None:
+            self._let_go()  # registered on its sink, but no thread of its own will let it go
         if self._acquire_within(self._remaining()):  # not held for good by a hung spool disk
             self._cond.notify_all()
             self._cond.release()
@@ -569,6 +571,7 @@ class SinkRunner:
         # only what is left of it here.
         timeout = self._close_timeout
         if self._thread.ident is None:  # never started: nothing was opened or delivered
+            self._let_go()  # in case it was registered on its sink (a start interrupted)
             with self._cond:
                 self._spool.discard()
                 # Counted and said, as any report lost (those dropped already were).
@@ -930,9 +933,9 @@ class SinkRunner:
         waiting = [done for done in self._earlier if not done.is_set()]
         if waiting:
             logger.warning(
-                "sink %r: a runner started on this sink before (a start undone, such as an "
-                "interrupted bind) is still in its open or close; this one opens the sink once "
-                "that ends (its reports wait, kept)",
+                "sink %r: a runner this sink had before (a start undone, such as an "
+                "interrupted bind, or a run whose close timed out) is still in its open, write "
+                "or close; this one opens the sink once that ends (its reports wait, kept)",
                 self.key,
             )
         for done in waiting:
