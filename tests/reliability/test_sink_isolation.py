@@ -1179,28 +1179,43 @@ def test_close_keeps_what_waits_for_a_slow_spool_disk_in_one_write(
     # Reports the spool thread had not written yet were spooled one write each at close: on a
     # disk taking 2 ms a write, close(0.5) returned after 6 s.
     _before_spool_writes(monkeypatch, lambda label: time.sleep(0.002))
-    sink = GatedSink()
-    runner = SinkRunner(sink, capacity=1, spool_dir=str(tmp_path))
-    runner.start()
-    for step in range(1, 3001):
-        runner.submit(_report(step))
+    sink, runner = _gated_runner_with(3000, tmp_path)
     start = time.monotonic()
     assert runner.close(0.5) is False
     assert time.monotonic() - start < 5
     # On a loaded machine the disk may not be done within close's 0.5 s: close then says so,
     # and what it had not written yet (the queued report too) is kept once the disk answers.
-    deadline = time.monotonic() + 30
-    while True:
-        with contextlib.suppress(FileNotFoundError, ValueError):  # the kept file replaces it
-            (kept,) = [p for p in tmp_path.iterdir() if p.suffix != ".json"]
-            steps = [report.step for report in read_spool(str(kept))]
-            if steps[:1] in ([1], [2]) and steps[-1:] == [3000]:
-                break
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    steps = _kept_steps_once_done(tmp_path, 3000)
     assert steps == list(range(2, 3001)) or steps == list(range(1, 3001))  # 1 may be in a write
     sink.gate.set()
+
+
+def _gated_runner_with(reports: int, spool_dir: Path) -> tuple[GatedSink, SinkRunner]:
+    """A runner whose sink blocks in its first write, ``reports`` submitted (one queued)."""
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=1, spool_dir=str(spool_dir))
+    runner.start()
+    for step in range(1, reports + 1):
+        runner.submit(_report(step))
+    return sink, runner
+
+
+def _kept_steps_once_done(spool_dir: Path, last: int) -> list[int]:
+    """The steps of the kept spool file once it is done (its last step ``last``), or at 30 s.
+
+    The kept file replaces the spool file: two files, with the same reports, while it is
+    being written.
+    """
+    deadline, steps = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError, ValueError):  # being written
+            files = [p for p in spool_dir.iterdir() if p.suffix != ".json"]
+            if len(files) == 1:
+                steps = [report.step for report in read_spool(str(files[0]))]
+                if steps[-1:] == [last] and steps[:1] in ([1], [2]):
+                    break
+        time.sleep(0.05)
+    return steps
 
 
 def test_a_close_that_gave_up_on_a_hung_spool_disk_keeps_every_report_once_it_answers(
@@ -1210,24 +1225,10 @@ def test_a_close_that_gave_up_on_a_hung_spool_disk_keeps_every_report_once_it_an
     # back", but those still in memory (the queued one) never reached the file when it did.
     disk = threading.Event()
     _before_spool_writes(monkeypatch, lambda label: disk.wait(60))
-    sink = GatedSink()
-    runner = SinkRunner(sink, capacity=1, spool_dir=str(tmp_path))
-    runner.start()
-    for step in range(1, 51):
-        runner.submit(_report(step))
+    sink, runner = _gated_runner_with(50, tmp_path)
     assert runner.close(0.5) is False  # the spool thread holds the spool, its disk hung
     disk.set()
-    # Until the keeping is done: the kept file then replaces the spool file (two files, with
-    # the same reports, while it is being written).
-    deadline, steps = time.monotonic() + 30, []
-    while time.monotonic() < deadline:
-        with contextlib.suppress(FileNotFoundError, ValueError):  # being written
-            files = [p for p in tmp_path.iterdir() if p.suffix != ".json"]
-            if len(files) == 1:
-                steps = [report.step for report in read_spool(str(files[0]))]
-                if steps[-1:] == [50] and steps[:1] in ([1], [2]):
-                    break
-        time.sleep(0.05)
+    steps = _kept_steps_once_done(tmp_path, 50)
     assert steps == list(range(2, 51)) or steps == list(range(1, 51))  # 1 may be in a write
     sink.gate.set()
 
