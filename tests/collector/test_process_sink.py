@@ -94,7 +94,7 @@ def test_a_sink_opened_again_after_its_close_delivers_with_a_new_child(tmp_path:
     sink.write(Report(step=2, values={"x": 2.0}, time=0.0))
     assert sink.close(30) is True
     assert [line["step"] for line in _lines(path)] == [1, 2]  # the file goes on, once each
-    assert not [child for child in mp.active_children() if child.name.startswith("sidestream")]
+    assert not [child for child in mp.active_children() if child.name.startswith("sidestream-sink")]
 
 
 @pytest.mark.parametrize("trouble", ["die_at", "hang_at"])
