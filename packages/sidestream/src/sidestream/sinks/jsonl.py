@@ -300,8 +300,8 @@ class JsonlSink(TrackerSink):
             old, sent = self._unsent
             if data.startswith(old[:sent]):
                 start = sent  # the same lines again: what went out is not sent twice
-            elif old[sent - 1 : sent] != b"\n":
-                self._write_stream(old, sent, old.index(b"\n", sent) + 1)  # the cut line
+            elif (end := _cut_line_end(old, sent)) is not None:
+                self._write_stream(old, sent, end)  # the cut line
         self._write_stream(data, start, len(data))
 
     def _write_stream(self, data: bytes, start: int, end: int) -> None:
@@ -540,15 +540,23 @@ class JsonlSink(TrackerSink):
         self._resume_tail = tail if isinstance(tail, int) and tail >= 0 else None
 
 
+def _cut_line_end(data: bytes, sent: int) -> int | None:
+    """Where the line ``data[:sent]`` cut ends in ``data`` (past its newline); ``None`` if uncut."""
+    if data[sent - 1 : sent] == b"\n":
+        return None
+    return data.find(b"\n", sent) + 1 or len(data)
+
+
 def _complete_cut_line(file: Any, data: bytes, sent: int) -> None:
     """At close, the rest of the line a failed write cut on a stream, if the stream takes it.
 
     A reader attached since (the same named pipe) would otherwise read a torn line, then the
     end. Without waiting: a pipe nobody reads, or one that is full, must not hold close.
     """
-    if data[sent - 1 : sent] == b"\n":
+    end = _cut_line_end(data, sent)
+    if end is None:
         return  # cut between lines: nothing torn
-    rest = memoryview(data)[sent : data.find(b"\n", sent) + 1 or len(data)]
+    rest = memoryview(data)[sent:end]
     try:
         os.set_blocking(file.fileno(), False)
         while rest:

@@ -458,7 +458,7 @@ class ProcessSink(Sink):
             again = self._opened
             self._closed = None
             self._unflushed.clear()
-            self._start(self._flushed_state or None if again else self._resume)
+            self._start((self._flushed_state or None) if again else self._resume)
             self._opened = True
             self._flushed_state = dict(self._state)
 

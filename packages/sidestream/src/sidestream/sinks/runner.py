@@ -205,8 +205,8 @@ class SinkRunner:
                 users.append(self._done)
             self._thread.start()
         except BaseException:
-            # A start that raises leaves no thread behind: the caller drops this runner.
-            self._let_go()
+            # A start that raises leaves no thread behind: the caller drops this runner
+            # (withdraw lets go of its sink too, as no thread of its own will).
             self.withdraw(None)
             raise
 
