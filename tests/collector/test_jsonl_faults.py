@@ -350,6 +350,13 @@ def _log(run: Run, steps: range) -> None:
         run.log(step, {"x": float(step)})
 
 
+def _delivered(run: Run) -> bool:
+    """Whether every logged step reached the file: a runner knows only what the log thread
+    handed it, so that thread's queue is waited for first."""
+    pipe = run._log_pipe
+    return (pipe is None or pipe.wait_idle(30)) and run.sink_runners[0].wait_delivered(30)
+
+
 def _rotate(how: str, path: Path) -> Path | None:
     """What logrotate (or a user) does to the file; where its lines so far went."""
     rotated = path.with_name(path.name + ".1")
@@ -378,12 +385,12 @@ def test_a_rotated_file_goes_on_in_a_new_one_and_a_resume_repeats_nothing(
     path = tmp_path / "run.jsonl"
     run = _run(path, tmp_path)
     _log(run, range(1, 6))
-    assert run.sink_runners[0].wait_delivered(30)
+    assert _delivered(run)
     before = copy.deepcopy(run.state_dict(timeout=10))  # offset into the old file
     with caplog.at_level("WARNING", logger="sidestream.sinks"):
         rotated = _rotate(how, path)
         _log(run, range(6, 11))
-        assert run.sink_runners[0].wait_delivered(30)
+        assert _delivered(run)
         after = copy.deepcopy(run.state_dict(timeout=10))
         _log(run, range(11, 13))
         assert run.close(timeout=30)
@@ -474,7 +481,7 @@ def test_a_file_replaced_by_another_with_lines_still_fails(tmp_path: Path) -> No
     path = tmp_path / "run.jsonl"
     run = _run(path, tmp_path)
     _log(run, range(1, 4))
-    assert run.sink_runners[0].wait_delivered(30)
+    assert _delivered(run)
     other = tmp_path / "other.jsonl"
     other.write_text('{"step": 100, "stream": "", "time": 0.0, "values": {}}\n')
     os.replace(other, path)

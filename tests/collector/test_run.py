@@ -493,6 +493,7 @@ def test_a_checkpoint_does_not_wait_for_a_hung_jsonl_fsync(
     run = Run([JsonlSink(path)])
     run.log(1, {"lr": 0.1})
     (runner,) = run.sink_runners
+    assert run._log_pipe is not None and run._log_pipe.wait_idle(10)  # handed to the runner
     assert runner.wait_delivered(timeout=10)
     disk = threading.Event()
     real_fsync = os.fsync
