@@ -94,11 +94,14 @@ class RankingMetric(ScreenedMetric[Tensor]):
     With ``exact=True`` the metric stores every score instead: **memory is unbounded**, 9 bytes
     per score and class (a float64 score and an int8 label) for every sample since the last
     ``reset``, on the metric's device, and ``sync``/``state_dict`` gather every rank's samples
-    (blocking). ``compute()`` then equals scikit-learn's value, ties included, and
-    ``error_bound()`` is 0. Meant for evaluation sets small enough to hold. An eager CPU update
-    keeps the given ``preds`` (and 1-byte targets) without a copy until ``compute``/``sync``/
-    ``state_dict`` concatenate them, like torchmetrics: modifying them in place before then
-    makes those raise ``RuntimeError`` until ``reset`` (see ``SampleStore.borrow``).
+    (blocking). ``compute()`` then equals scikit-learn's value, ties included, for every
+    class with a positive (and, for AUROC, a negative) sample, and ``error_bound()`` is 0. A
+    class without is NaN and left out of the averages, where scikit-learn's average precision
+    gives it 0 and averages it in. Meant for evaluation sets small enough to hold. An eager
+    CPU update keeps the given ``preds`` (and 1-byte targets) without a copy until
+    ``compute``/``sync``/``state_dict`` concatenate them, like torchmetrics: modifying them in
+    place before then makes those raise ``RuntimeError`` until ``reset`` (see
+    ``SampleStore.borrow``).
 
     Args:
         curve: ``Curve.AUROC`` or ``Curve.AVERAGE_PRECISION``.
