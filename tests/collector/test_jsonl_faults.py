@@ -97,9 +97,12 @@ def test_a_fifo_whose_reader_exits_delivers_to_the_next_reader(
     assert _steps(second) == [("", step) for step in range(4, 11)]
 
 
-def _read_all(fifo: Path, into: list[bytes]) -> None:
-    """Every byte a reader of ``fifo`` gets until its writers close it."""
+def _read_all(fifo: Path, into: list[bytes], attached: threading.Event | None = None) -> None:
+    """Every byte a reader of ``fifo`` gets until its writers close it; ``attached`` is set
+    once it has the FIFO open (a writer holds it then)."""
     with fifo.open("rb") as pipe:
+        if attached is not None:
+            attached.set()
         into.append(pipe.read())
 
 
@@ -193,9 +196,10 @@ def test_a_close_that_gives_up_a_cut_batch_leaves_the_next_reader_no_torn_line(
     first.join(60.0)
     _wait_for(lambda: "reader" in str(runner.status.last_error))
     got: list[bytes] = []
-    second = threading.Thread(target=_read_all, args=(fifo, got))
+    attached = threading.Event()
+    second = threading.Thread(target=_read_all, args=(fifo, got, attached))
     second.start()  # attaches at once: the sink still holds the pipe
-    time.sleep(0.2)
+    assert attached.wait(30.0)  # before close lets the pipe go (an open then waits for good)
     assert runner.close(0.2) is False  # given up; the batch is kept in the spool
     second.join(30.0)
     assert not second.is_alive()

@@ -581,9 +581,12 @@ def test_a_saved_state_a_collector_refused_stays_in_the_next_checkpoint() -> Non
 def test_a_checkpoint_waits_at_most_its_timeout_in_all() -> None:
     """A sink still sending when the wait ends gets what is left of the timeout to make its
     data durable, not the timeout again."""
+    import threading
     import time
 
     from sidestream.sinks import TrackerSink
+
+    sending = threading.Event()
 
     class Slow(TrackerSink):
         name = "slow"
@@ -592,6 +595,7 @@ def test_a_checkpoint_waits_at_most_its_timeout_in_all() -> None:
             del run
 
         def send(self, reports: object) -> None:
+            sending.set()
             time.sleep(3.0)
 
         def make_durable(self, timeout: float | None = None) -> bool:
@@ -602,7 +606,7 @@ def test_a_checkpoint_waits_at_most_its_timeout_in_all() -> None:
     given: list[float | None] = []
     with Run([Slow()]) as run:
         run.log(1, {"x": 1.0})
-        time.sleep(0.2)  # the sink's thread is inside send
+        assert sending.wait(30)  # the sink's thread is inside send (opened: make_durable runs)
         began = time.monotonic()
         run.state_dict(timeout=1.0)
         took = time.monotonic() - began

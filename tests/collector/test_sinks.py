@@ -227,7 +227,16 @@ def test_unknown_sink_and_bad_options() -> None:
 
 
 def test_runner_spools_overflow_and_keeps_order(tmp_path: Path) -> None:
-    sink = RecordingSink(delay_s=0.02)
+    import threading
+
+    looked = threading.Event()  # a sink slower than the submits: none written until then
+
+    class Held(RecordingSink):
+        def write(self, report: Report) -> None:
+            looked.wait(30)
+            super().write(report)
+
+    sink = Held()
     runner = SinkRunner(sink, capacity=2, spool_dir=str(tmp_path))
     runner.start()
     for step in range(1, 21):
@@ -236,6 +245,7 @@ def test_runner_spools_overflow_and_keeps_order(tmp_path: Path) -> None:
     while runner._waiting_in() and time.monotonic() < deadline:  # the intake thread spools
         time.sleep(0.01)
     assert runner.spooled > 0, "a full queue spills to disk instead of blocking or dropping"
+    looked.set()
     assert runner.close(timeout=30) is True
     assert sink.steps == list(range(1, 21))
     assert sink.closed and len(sink.opened) == 1
@@ -359,10 +369,13 @@ class _StalledFlushSink(RecordingSink):
         self.flushes = 0
 
     def flush(self, timeout: float | None = None) -> bool:
+        # The flags are read before the count the test waits for: once it sees the count, it
+        # may set them for the next flush, and must not change this one's outcome.
+        raising, stalled = self.raising, self.stalled
         self.flushes += 1
-        if self.raising:
+        if raising:
             raise OSError("disk error")
-        return not self.stalled
+        return not stalled
 
 
 def test_a_stalled_flush_is_logged_once_per_streak_and_its_recovery_once(
