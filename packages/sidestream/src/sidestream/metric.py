@@ -810,7 +810,10 @@ class Metric(Generic[T], abc.ABC):
         # The arena this tree's states live in: its own, or its parent tree's.
         home: Arena | None = self.__dict__.get("_state_arena")
         cache: dict[int, _Prepared] = self.__dict__.setdefault("_sync_layouts", {})
-        default = default_group() if group is None else None
+        # Weakly: an error raised below keeps this frame in its traceback, and a strong
+        # reference there would keep the group alive past destroy_process_group() (gloo then
+        # aborts the process at exit, exit code -6, instead of it exiting with the error).
+        default = _weak_default() if group is None else None
         prepared = cache.get(id(group))
         reusable = prepared is not None and _made_for(prepared, group, default)
         if (
@@ -832,7 +835,7 @@ class Metric(Generic[T], abc.ABC):
                 changed = CallFingerprint("changed", self.call_counter.next())
                 prepared.every_state.start(changed).verify()
         prepared = self._lay_out(group, arena, home, check)
-        prepared.default_at_layout = None if default is None else weakref.ref(default)
+        prepared.default_at_layout = default
         cache[id(group)] = prepared
         return prepared
 
@@ -1192,12 +1195,22 @@ class Metric(Generic[T], abc.ABC):
         return restore
 
 
-def _made_for(prepared: _Prepared, group: Group, default: dist.ProcessGroup | None) -> bool:
+def _weak_default() -> weakref.ref[dist.ProcessGroup] | None:
+    """A weak reference to the default process group as it is now (``None`` without one)."""
+    default = default_group()
+    return None if default is None else weakref.ref(default)
+
+
+def _made_for(
+    prepared: _Prepared, group: Group, default: weakref.ref[dist.ProcessGroup] | None
+) -> bool:
     """Whether ``prepared`` was laid out for ``group`` (``None``: for today's ``default``)."""
     if prepared.group is not group:
         return False
     made = prepared.default_at_layout
-    return (made is None) if default is None else (made is not None and made() is default)
+    if default is None:
+        return made is None
+    return made is not None and made() is default() is not None
 
 
 def _check_load_group(loaded_for: tuple[int, ...], group: Group) -> None:

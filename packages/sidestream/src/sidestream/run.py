@@ -28,6 +28,7 @@ from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream._step import training_step
 from sidestream._text import check_encodable
+from sidestream.collector._checkpoint_errors import naming_checkpoint_failures
 from sidestream.collector.collector import DEFAULT_MAX_SLOTS, AsyncMetricCollector
 from sidestream.metric import Metric
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
@@ -458,7 +459,8 @@ class Run:
                 rank (one rank skipped a ``schedule_collection``), as ``collector.state_dict``.
             RuntimeError: If the environment says the job has several processes but no
                 process group is initialized (every rank would save its own sink states as
-                rank 0's).
+                rank 0's); or if a checkpoint collective failed (a rank stopped: at the
+                process group's timeout, not ``timeout``), naming the windows still waiting.
         """
         # The collector's own state_dict first raises a rank mismatch its windows found (as
         # it does when called directly); a collector of this run holds no sink states.
@@ -479,13 +481,14 @@ class Run:
             if id(group) not in checked:
                 checked.add(id(group))
                 peers = [c.prefix for c, (g, _) in zip(ordered, scopes, strict=True) if g is group]
-                check_same_setting(
-                    group,
-                    device,
-                    "collectors",
-                    repr(peers),
-                    "make the same collectors (prefixes) on every rank before a checkpoint",
-                )
+                with naming_checkpoint_failures("run.state_dict", ordered):
+                    check_same_setting(
+                        group,
+                        device,
+                        "collectors",
+                        repr(peers),
+                        "make the same collectors (prefixes) on every rank before a checkpoint",
+                    )
             collectors[collector.prefix] = collector.state_dict(seconds_left(deadline))["metric"]
         if self._metric_states:
             # Loaded and not claimed by any collector yet (made later, or a renamed prefix):

@@ -34,6 +34,7 @@ from sidestream._exit import close_at_exit, ending_with, exit_time_left, forget_
 from sidestream._step import training_step
 from sidestream._text import check_encodable
 from sidestream._validation import check_int
+from sidestream.collector._checkpoint_errors import naming_checkpoint_failures
 from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
@@ -749,6 +750,10 @@ class AsyncMetricCollector(Generic[T]):
             self._dispatcher.wait_idle(timeout, until_mismatch=True)
         self._raise_mismatch()
 
+    def _windows_waiting(self) -> int:
+        """Windows scheduled and not processed yet (0 when not bound)."""
+        return 0 if self._dispatcher is None else self._dispatcher.unprocessed
+
     def _raise_mismatch(self) -> None:
         # A window paired with another call on some rank: every rank fails the same way.
         error = None if self._dispatcher is None else self._dispatcher.mismatch
@@ -1013,11 +1018,17 @@ class AsyncMetricCollector(Generic[T]):
         undelivered reports go into ``"undelivered"``: a job resumed from this checkpoint
         delivers them first. A collector of a shared ``Run`` has no sink states
         (``run.state_dict()`` holds them).
+
+        Raises:
+            RankMismatchError: If a window was paired with another call on some rank.
+            RuntimeError: If the checkpoint's collective failed (a rank stopped: at the
+                process group's timeout, not ``timeout``), naming the windows still waiting.
         """
         timeout = self._delivery.options.checkpoint_wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         self.settle_windows(timeout)
-        metric_state = self._metric._reduced_state(self._prefix or "(no prefix)")
+        with naming_checkpoint_failures("state_dict", [self]):
+            metric_state = self._metric._reduced_state(self._prefix or "(no prefix)")
         sink_states: dict[str, Any] = {}
         undelivered: dict[str, str] = {}
         if self._owns_delivery and self.is_writer:

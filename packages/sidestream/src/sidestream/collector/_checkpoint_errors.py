@@ -1,0 +1,67 @@
+"""A checkpoint's collective that fails names its likely cause instead of gloo's bare message."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch.distributed as dist
+
+from sidestream.sync import RankMismatchError
+
+__all__ = ["naming_checkpoint_failures"]
+
+_BACKEND_ERRORS: tuple[type[BaseException], ...] = tuple(
+    error for error in (getattr(dist, "DistError", None),) if error is not None
+)
+"""What torch.distributed raises for a failed collective (a plain ``RuntimeError`` in gloo's
+case before torch named its errors)."""
+
+
+class _Windows(Protocol):
+    @property
+    def prefix(self) -> str: ...
+
+    def _windows_waiting(self) -> int: ...
+
+
+@contextlib.contextmanager
+def naming_checkpoint_failures(where: str, collectors: Sequence[_Windows]) -> Iterator[None]:
+    """Re-raise a failed checkpoint collective with what was waiting when it failed.
+
+    A peer that stopped (hung, or gone) leaves this rank's windows waiting for their
+    collectives; the checkpoint's collective queues behind them and fails at the process
+    group's timeout with the backend's message alone ("Application timeout caused pair
+    closure"), which names neither the call nor the windows. A ``RankMismatchError`` and other
+    errors pass unchanged.
+
+    Raises:
+        RuntimeError: Naming ``where`` and the windows still waiting, chained to the backend's
+            error, when windows were waiting or the backend raised a ``DistError``.
+    """
+    # Counted before the collective: once the backend gives up on it, it fails the windows'
+    # collectives too, and the dispatcher may have handed them back by the time this raises.
+    waiting = {c.prefix: c._windows_waiting() for c in collectors}
+    waiting = {prefix: count for prefix, count in waiting.items() if count}
+    try:
+        yield
+    except RankMismatchError:
+        raise
+    except RuntimeError as error:
+        if not waiting and not isinstance(error, _BACKEND_ERRORS):
+            raise
+        described = ", ".join(
+            f"{count} window(s) of the collector with prefix {prefix!r}"
+            for prefix, count in waiting.items()
+        )
+        cause = (
+            f" while {described} still waited for their collectives as it started (a rank is "
+            "behind, stopped or gone, or skipped a schedule_collection)"
+            if waiting
+            else " (did every rank of the group call it, and is every rank alive?)"
+        )
+        raise RuntimeError(
+            f"{where}: the checkpoint's collective with the other ranks failed{cause}: "
+            f"{type(error).__name__}: {error}"
+        ) from error

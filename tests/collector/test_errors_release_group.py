@@ -1,0 +1,167 @@
+"""A mismatch error never keeps the process group alive through its traceback.
+
+A script lets the error propagate (or keeps it) and calls ``destroy_process_group()``; a
+library frame in the traceback that holds the group keeps it alive past that call, and gloo
+then aborts the process at exit (exit code -6, "terminate called without an active
+exception"), which torchrun reports as the job's root cause instead of the mismatch.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sidestream import MeanMetric
+from sidestream.collector import AsyncMetricCollector
+from sidestream.sync import RankMismatchError
+from sidestream.testing import RankPool
+
+
+def _path_to_group(start: object) -> list[str] | None:
+    """The chain of objects by which ``start`` reaches the default group, if any.
+
+    Module namespaces are not followed: torch.distributed's own registry holds the group
+    until ``destroy_process_group()``, which is not what is looked for.
+    """
+    target = dist.group.WORLD
+    skipped = {id(module.__dict__) for module in list(sys.modules.values()) if module}
+    seen = {id(start)}
+    queue: list[tuple[object, list[str]]] = [(start, [type(start).__name__])]
+    for obj, path in queue:
+        for ref in gc.get_referents(obj):
+            if ref is target:
+                return [*path, "ProcessGroup"]
+            if id(ref) in seen or id(ref) in skipped or isinstance(ref, (type, types.ModuleType)):
+                continue
+            seen.add(id(ref))
+            name = type(ref).__name__
+            if isinstance(ref, types.FrameType):
+                name = f"frame of {ref.f_code.co_name}"
+            queue.append((ref, [*path, name]))
+    return None
+
+
+def _caught(mistake: Callable[[], None]) -> RankMismatchError:
+    try:
+        mistake()
+    except RankMismatchError as error:
+        return error
+    raise AssertionError("no RankMismatchError")
+
+
+def _sync_of_other_dtypes() -> None:
+    metric = MeanMetric(dtype=torch.float32 if dist.get_rank() else torch.float64)
+    metric.update(torch.tensor([1.0]))
+    metric.sync()
+
+
+def _bind_of_other_dtypes() -> None:
+    metric = MeanMetric(dtype=torch.float32 if dist.get_rank() else torch.float64)
+    collector = AsyncMetricCollector(metric)
+    try:
+        collector.bind("cpu")
+    finally:
+        collector.close(timeout=30)
+
+
+def _windows_at_other_steps() -> None:
+    collector = AsyncMetricCollector(MeanMetric()).bind("cpu")
+    try:
+        collector.metric.update(torch.tensor([1.0]))
+        collector.schedule_collection(1 + dist.get_rank())  # a rank skipped step 1
+        collector.collect_results(timeout=60)
+    finally:
+        collector.close(timeout=30)
+
+
+def _sinks_on_one_rank() -> None:
+    from sidestream.sinks import ConsoleSink
+
+    sinks = [ConsoleSink()] if dist.get_rank() else []
+    collector = AsyncMetricCollector(MeanMetric(), sinks=sinks)
+    try:
+        collector.bind("cpu")
+    finally:
+        collector.close(timeout=30)
+
+
+_MISTAKES: dict[str, Callable[[], None]] = {
+    "sync of other dtypes": _sync_of_other_dtypes,
+    "bind of other dtypes": _bind_of_other_dtypes,
+    "windows at other steps": _windows_at_other_steps,
+    "sinks on one rank": _sinks_on_one_rank,
+}
+
+
+def _holders_after(name: str) -> Any:
+    error = _caught(_MISTAKES[name])
+    gc.collect()
+    return _path_to_group(error)
+
+
+@pytest.mark.parametrize("name", list(_MISTAKES))
+def test_a_mismatch_error_does_not_hold_the_group(pools: Any, name: str) -> None:
+    """Before: the structure check's error held the group through ``prepare_sync``'s frame
+    (its ``default`` local): 3 of 10 torchrun jobs whose script let it propagate, then
+    destroyed the group, aborted at exit."""
+    pool: RankPool = pools.get(2)
+    for rank, path in enumerate(pool.run(_holders_after, name, timeout=120)):
+        assert path is None, (rank, " -> ".join(path))
+
+
+def _checkpoint_behind_a_stopped_peer(through_run: bool) -> str:
+    """Rank 1 stops after step 1 (hung); rank 0 schedules step 2, then checkpoints."""
+    import datetime
+    import time
+
+    from sidestream import Run
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    run = Run([]) if through_run else None
+    metric = MeanMetric()
+    if run is None:
+        collector = AsyncMetricCollector(metric, group=group)
+    else:
+        collector = run.collector(metric, prefix="train", group=group)
+    collector.bind("cpu")
+    metric.update(torch.tensor([1.0]))
+    collector.schedule_collection(1)
+    collector.collect_results(timeout=30)
+    outcome = "stopped"
+    if dist.get_rank() == 0:
+        metric.update(torch.tensor([2.0]))
+        collector.schedule_collection(2)
+        try:
+            (run or collector).state_dict(timeout=0.5)
+            outcome = "no error"
+        except RuntimeError as error:
+            outcome = str(error)
+    else:
+        time.sleep(6)  # past the group's timeout: rank 0's collectives gave up
+    (run or collector).close(timeout=5)
+    dist.destroy_process_group(group)
+    return outcome
+
+
+@pytest.mark.parametrize("through_run", [False, True], ids=["collector", "run"])
+def test_a_checkpoint_behind_a_stopped_peer_names_the_waiting_windows(through_run: bool) -> None:
+    """The checkpoint's collective failed at the group's timeout with gloo's message alone
+    ("Application timeout caused pair closure"), naming neither the call nor the windows."""
+    from sidestream.testing import DistributedPool
+
+    with DistributedPool(2) as pool:  # its own: a group that timed out is not reused
+        outcome = pool.run(_checkpoint_behind_a_stopped_peer, through_run, timeout=120)[0]
+    where = "run.state_dict" if through_run else "state_dict"
+    assert outcome.startswith(f"{where}: the checkpoint's collective with the other ranks "), (
+        outcome
+    )
+    prefix = "train" if through_run else ""
+    assert f"1 window(s) of the collector with prefix {prefix!r} still waited" in outcome
+    assert "skipped a schedule_collection" in outcome
