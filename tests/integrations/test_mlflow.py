@@ -796,7 +796,10 @@ run = Run(sinks_from_config({"mlflow": options}), info=RunInfo(name=f"{mode}-{en
 with run if ending == "raise in with" else contextlib.nullcontext():
     for step in range(1, 4):
         run.log(step, {"x": float(step)})
-    run.state_dict()  # waits until the sink has every step (or its checkpoint timeout)
+    # Waits until the sink has every step: a loaded machine may take longer than the run's
+    # checkpoint_timeout (10 s) to start the child and open the run, and a job killed then
+    # leaves a run without them.
+    run.state_dict(timeout=120)
     if ending == "killed":
         os.kill(os.getpid(), signal.SIGKILL)
     if ending.startswith("raise"):
