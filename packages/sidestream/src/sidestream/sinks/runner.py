@@ -997,11 +997,13 @@ class SinkRunner:
             self.sink.write(batch[0])
         else:
             self.sink.write_batch(batch)
+        # The state first: a checkpoint that finds the batch delivered (no longer in flight)
+        # must find it in the sink's state. Until then it is in both, and a job resumed from
+        # such a checkpoint skips what the state says the backend has.
+        self._snapshot_state()
         with self._cond:
             self._in_flight = []
             self._delivered += len(batch)
-        self._snapshot_state()
-        with self._cond:
             self._cond.notify_all()
 
     def _next(self, dirty: bool, last_flush: float) -> tuple[list[Report], bool, bool]:
