@@ -162,7 +162,9 @@ def test_closes_at_exit_share_the_exit_timeout(tmp_path: Path) -> None:
         if line
     }
     took = times["exit closes done"] - times["last line"]
-    assert 2.0 <= took < 3.0, (took, done.stderr)
+    # One shared 2 s budget, with room for a loaded machine (2.3 s seen); the bug took 6 s
+    # and each close on its own budget at least 4.
+    assert 2.0 <= took < 3.8, (took, done.stderr)
     # What no close had time for is kept, for each of them.
     kept = sorted(path.name.split("@")[0] for path in tmp_path.glob("*.spool.jsonl"))
     assert kept == ["sidestream-first", "sidestream-second", "sidestream-third"], done.stderr
