@@ -287,3 +287,14 @@ class StalledFlushSink(Sink):
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": list(self._steps)}
+
+
+class DiesAtFirstOpenSink(JsonlSink):
+    """A JSONL sink whose first child dies while opening (once per marker file)."""
+
+    def open(self, run: RunInfo) -> None:
+        marker = Path(f"{self.path}.died")
+        if not marker.exists():
+            marker.touch()
+            os._exit(9)
+        super().open(run)

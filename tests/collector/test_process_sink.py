@@ -37,6 +37,7 @@ from tests.collector.child_sinks import (
     BuggySink,
     ChildlessSink,
     CloseMarkerSink,
+    DiesAtFirstOpenSink,
     DurableCountSink,
     FailingOpenSink,
     FlushFailsOnceSink,
@@ -95,6 +96,35 @@ def test_a_sink_opened_again_after_its_close_delivers_with_a_new_child(tmp_path:
     assert sink.close(30) is True
     assert [line["step"] for line in _lines(path)] == [1, 2]  # the file goes on, once each
     assert not [child for child in mp.active_children() if child.name.startswith("sidestream-sink")]
+
+
+def test_a_child_dying_while_it_opens_counts_as_a_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Children killed while opening were replaced by the next open unsaid: ``restarts``
+    stayed 0 after 7 replacements, and no warning named them."""
+    path = tmp_path / "m.jsonl"
+    sink = ProcessSink(DiesAtFirstOpenSink(path))
+    with pytest.raises(SinkProcessError, match="died during open"):
+        sink.open(RunInfo())
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        sink.open(RunInfo())  # the pipeline's retry
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    assert sink.close(30) is True
+    assert sink.restarts == 1
+    assert "its child process ended (exit code 9) while opening; starting another (restart 1)" in (
+        caplog.text
+    )
+    assert [line["step"] for line in _lines(path)] == [1]
+
+
+def test_a_sink_whose_open_raises_is_no_restart(tmp_path: Path) -> None:
+    """The wrapped sink's own failure (a tracker down) is retried, not counted as a restart."""
+    sink = ProcessSink(FailingOpenSink())
+    for _ in range(2):
+        with pytest.raises(SinkProcessError, match="no write access"):
+            sink.open(RunInfo())
+    assert sink.restarts == 0
 
 
 @pytest.mark.parametrize("trouble", ["die_at", "hang_at"])

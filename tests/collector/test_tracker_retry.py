@@ -45,3 +45,20 @@ def test_a_retried_batch_skips_what_the_backend_holds() -> None:
     assert sink.received == [(5, ["y"]), (8, ["x", "y"])]
     sink.write_batch([Report(step=9, values={"x": 9.0}, time=0.0)])
     assert sink.received[-1] == (9, ["x"])
+
+
+def test_a_backend_call_given_no_time_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A close after the pipeline gave up (no time left) warned "did not end within 0.0 s",
+    a second timeout figure next to the run's own close warning."""
+    import logging
+    import threading
+
+    release = threading.Event()
+    sink = _Flaky()
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        assert not sink.within(release.wait, 0.0, "close")
+        assert not sink.within(release.wait, 0.05, "flush")
+    release.set()
+    assert "_Flaky: close had no time left (its caller's timeout had run out)" in caplog.text
+    assert "within 0.0 s" not in caplog.text
+    assert "_Flaky: flush did not end within 0.05 s" in caplog.text

@@ -412,16 +412,23 @@ class Delivery:
         if ready and isinstance(sink, TrackerSink | ProcessSink):
             # Thread-safe by contract: make what was sent durable, then read what counts.
             try:
+                began = time.monotonic()
                 durable = sink.make_durable(timeout)
                 if not durable and warn:  # warn: not said already (reports still queued)
+                    waited = time.monotonic() - began
+                    # The sink may give up before its budget (wandb answers at most 3 s
+                    # late): the time it waited, not only what it was given.
+                    given = "" if timeout is None else f" of the {timeout:.1f} s it was given"
                     # Sent but not yet confirmed by the backend (wandb's file): they travel in
                     # the checkpoint, which wait_delivered's warning (queued ones) does not say.
                     logger.warning(
                         "state_dict: sink %r: its backend has not confirmed every report it "
-                        "was sent%s; its state is as of its last confirmed step, and the "
-                        "checkpoint holds the rest (a job resumed from it delivers them)",
+                        "was sent (it waited %.1f s%s); its state is as of its last confirmed "
+                        "step, and the checkpoint holds the rest (a job resumed from it "
+                        "delivers them)",
                         runner.key,
-                        "" if timeout is None else f" within {timeout:.1f} s",
+                        waited,
+                        given,
                     )
                 if durable or isinstance(sink, TrackerSink):
                     # A tracker's state holds delivered steps only, so it is right either way,

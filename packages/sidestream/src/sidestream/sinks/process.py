@@ -65,6 +65,14 @@ class _PermanentSinkProcessError(SinkProcessError, PermanentSinkError):
     """
 
 
+class _ChildGone(SinkProcessError):
+    """The child died or hung (and was stopped): ``how`` says which, for a log line."""
+
+    def __init__(self, message: str, how: str) -> None:
+        super().__init__(message)
+        self.how = how
+
+
 def _failure(error: BaseException) -> tuple[str, str, bool]:
     return f"{type(error).__name__}: {error}", traceback.format_exc(), is_permanent(error)
 
@@ -431,6 +439,9 @@ class ProcessSink(Sink):
         self._opened = False  # a child opened the sink once
         self._closed: bool | None = None  # what a finished close returned
         self.restarts = 0
+        # How the last child that failed to open ended ("ended (exit code -9)"), until an open
+        # succeeds: the next open replaces it, and counts a restart.
+        self._open_failed: str | None = None
 
     # ------------------------------------------------------------------ the Sink contract
 
@@ -458,7 +469,20 @@ class ProcessSink(Sink):
             again = self._opened
             self._closed = None
             self._unflushed.clear()
-            self._start((self._flushed_state or None) if again else self._resume)
+            if self._open_failed is not None:  # the last open's child died or hung
+                self.restarts += 1
+                logger.warning(
+                    "sink %r: its child process %s while opening; starting another (restart %d)",
+                    self.name,
+                    self._open_failed,
+                    self.restarts,
+                )
+            try:
+                self._start((self._flushed_state or None) if again else self._resume)
+            except _ChildGone as error:
+                self._open_failed = error.how
+                raise
+            self._open_failed = None
             self._opened = True
             self._flushed_state = dict(self._state)
 
@@ -700,22 +724,27 @@ class ProcessSink(Sink):
             if not self._process.is_alive():
                 code = self._process.exitcode
                 self._stop()
-                raise SinkProcessError(
+                raise _ChildGone(
                     f"sink {self.name!r}: the child process died during {operation} "
-                    f"(exit code {code})"
+                    f"(exit code {code})",
+                    f"ended (exit code {code})",
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 self._stop(join_s=0.0)  # hung: waiting longer would not help
-                raise SinkProcessError(
+                raise _ChildGone(
                     f"sink {self.name!r}: {operation} took longer than {timeout:.1f} s in the "
-                    "child process; it was stopped"
+                    "child process; it was stopped",
+                    "hung and was stopped",
                 )
         try:
             status, *payload = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError) as error:
-            self._stop()
-            raise SinkProcessError(
-                f"sink {self.name!r}: the child process died during {operation}"
+            process = self._process
+            self._stop()  # joins it: its exit code is known then
+            code = process.exitcode
+            raise _ChildGone(
+                f"sink {self.name!r}: the child process died during {operation} (exit code {code})",
+                f"ended (exit code {code})",
             ) from error
         if status == _ERROR:
             message, child_traceback, permanent = payload

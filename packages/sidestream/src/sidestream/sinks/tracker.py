@@ -522,7 +522,17 @@ class TrackerSink(Sink):
         """
         finished, error = call_within(action, timeout, f"sidestream-{self.name}-{what}")
         if not finished:
-            logger.warning("%s: %s did not end within %s s", type(self).__name__, what, timeout)
+            if timeout is not None and timeout <= 0:
+                # A close after its caller's timeout ran out (the pipeline gave up): the call
+                # goes on in the background, and "within 0.0 s" read as a second timeout.
+                logger.warning(
+                    "%s: %s had no time left (its caller's timeout had run out); it goes on "
+                    "in the background",
+                    type(self).__name__,
+                    what,
+                )
+            else:
+                logger.warning("%s: %s did not end within %s s", type(self).__name__, what, timeout)
             return False
         if error is not None:
             logger.warning(
