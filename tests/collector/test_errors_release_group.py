@@ -116,14 +116,18 @@ def test_a_mismatch_error_does_not_hold_the_group(pools: Any, name: str) -> None
         assert path is None, (rank, " -> ".join(path))
 
 
-def _checkpoint_behind_a_stopped_peer(through_run: bool) -> str:
-    """Rank 1 stops after step 1 (hung); rank 0 schedules step 2, then checkpoints."""
+def _checkpoint_behind_a_stopped_peer(through_run: bool, wait: float) -> str:
+    """Rank 1 stops after step 1 (hung); rank 0 schedules step 2, then checkpoints.
+
+    With ``wait`` past the group's timeout the window has failed when the checkpoint's
+    collective starts (the backend then fails that one at once), else it is still waiting.
+    """
     import datetime
     import time
 
     from sidestream import Run
 
-    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    group = dist.new_group(timeout=datetime.timedelta(seconds=2))
     run = Run([]) if through_run else None
     metric = MeanMetric()
     if run is None:
@@ -139,29 +143,37 @@ def _checkpoint_behind_a_stopped_peer(through_run: bool) -> str:
         metric.update(torch.tensor([2.0]))
         collector.schedule_collection(2)
         try:
-            (run or collector).state_dict(timeout=0.5)
+            (run or collector).state_dict(timeout=wait)
             outcome = "no error"
         except RuntimeError as error:
             outcome = str(error)
     else:
-        time.sleep(6)  # past the group's timeout: rank 0's collectives gave up
+        time.sleep(6)  # past the group's timeout and the checkpoint's wait
     (run or collector).close(timeout=5)
     dist.destroy_process_group(group)
     return outcome
 
 
 @pytest.mark.parametrize("through_run", [False, True], ids=["collector", "run"])
-def test_a_checkpoint_behind_a_stopped_peer_names_the_waiting_windows(through_run: bool) -> None:
+@pytest.mark.parametrize("wait", [0.5, 4.0], ids=["window waiting", "window failed"])
+def test_a_checkpoint_behind_a_stopped_peer_names_the_windows(
+    through_run: bool, wait: float
+) -> None:
     """The checkpoint's collective failed at the group's timeout with gloo's message alone
     ("Application timeout caused pair closure"), naming neither the call nor the windows."""
     from sidestream.testing import DistributedPool
 
     with DistributedPool(2) as pool:  # its own: a group that timed out is not reused
-        outcome = pool.run(_checkpoint_behind_a_stopped_peer, through_run, timeout=120)[0]
+        outcome = pool.run(_checkpoint_behind_a_stopped_peer, through_run, wait, timeout=120)[0]
     where = "run.state_dict" if through_run else "state_dict"
     assert outcome.startswith(f"{where}: the checkpoint's collective with the other ranks "), (
         outcome
     )
     prefix = "train" if through_run else ""
-    assert f"1 window(s) of the collector with prefix {prefix!r} still waited" in outcome
+    if wait < 2:
+        assert f"1 window(s) of the collector with prefix {prefix!r} still waited" in outcome
+    else:
+        assert f"the window(s) at step 2 of the collector with prefix {prefix!r} had failed" in (
+            outcome
+        )
     assert "skipped a schedule_collection" in outcome

@@ -25,6 +25,8 @@ class _Windows(Protocol):
 
     def _windows_waiting(self) -> int: ...
 
+    def _windows_failed(self) -> list[int]: ...
+
 
 @contextlib.contextmanager
 def naming_checkpoint_failures(where: str, collectors: Sequence[_Windows]) -> Iterator[None]:
@@ -49,16 +51,25 @@ def naming_checkpoint_failures(where: str, collectors: Sequence[_Windows]) -> It
     except RankMismatchError:
         raise
     except RuntimeError as error:
-        if not waiting and not isinstance(error, _BACKEND_ERRORS):
+        # Windows that failed before it (their collectives timed out: the backend then fails
+        # every later one of the group at once).
+        failed = {c.prefix: c._windows_failed() for c in collectors}
+        failed = {prefix: steps for prefix, steps in failed.items() if steps}
+        if not waiting and not failed and not isinstance(error, _BACKEND_ERRORS):
             raise
-        described = ", ".join(
-            f"{count} window(s) of the collector with prefix {prefix!r}"
+        causes = [
+            f"{count} window(s) of the collector with prefix {prefix!r} still waited for their "
+            "collectives as it started"
             for prefix, count in waiting.items()
-        )
+        ] + [
+            f"the window(s) at step {', '.join(map(str, steps))} of the collector with prefix "
+            f"{prefix!r} had failed"
+            for prefix, steps in failed.items()
+        ]
         cause = (
-            f" while {described} still waited for their collectives as it started (a rank is "
-            "behind, stopped or gone, or skipped a schedule_collection)"
-            if waiting
+            f" while {'; '.join(causes)} (a rank is behind, stopped or gone, or skipped a "
+            "schedule_collection)"
+            if causes
             else " (did every rank of the group call it, and is every rank alive?)"
         )
         raise RuntimeError(

@@ -165,6 +165,12 @@ class Dispatcher:
             return self._errors
 
     @property
+    def failed_steps(self) -> list[int]:
+        """Steps of the windows that failed since ``latest`` last reported them (the first few)."""
+        with self._cond:
+            return [step for step, _ in self._unreported]
+
+    @property
     def unprocessed(self) -> int:
         """Windows submitted and not processed yet."""
         with self._cond:

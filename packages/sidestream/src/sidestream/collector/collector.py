@@ -754,6 +754,10 @@ class AsyncMetricCollector(Generic[T]):
         """Windows scheduled and not processed yet (0 when not bound)."""
         return 0 if self._dispatcher is None else self._dispatcher.unprocessed
 
+    def _windows_failed(self) -> list[int]:
+        """Steps of windows that failed and ``collect_results`` has not raised yet."""
+        return [] if self._dispatcher is None else self._dispatcher.failed_steps
+
     def _raise_mismatch(self) -> None:
         # A window paired with another call on some rank: every rank fails the same way.
         error = None if self._dispatcher is None else self._dispatcher.mismatch
