@@ -166,14 +166,123 @@ def test_a_checkpoint_behind_a_stopped_peer_names_the_windows(
     with DistributedPool(2) as pool:  # its own: a group that timed out is not reused
         outcome = pool.run(_checkpoint_behind_a_stopped_peer, through_run, wait, timeout=120)[0]
     where = "run.state_dict" if through_run else "state_dict"
-    assert outcome.startswith(f"{where}: the checkpoint's collective with the other ranks "), (
-        outcome
-    )
     prefix = "train" if through_run else ""
+    called = f"{where}: the checkpoint's collective (collector prefix {prefix!r}) with the other"
+    assert outcome.startswith(called), outcome
     if wait < 2:
-        assert f"1 window(s) of the collector with prefix {prefix!r} still waited" in outcome
+        assert f"1 window(s) of the collector with prefix {prefix!r} were still running" in (
+            outcome
+        )
     else:
         assert f"the window(s) at step 2 of the collector with prefix {prefix!r} had failed" in (
             outcome
         )
-    assert "skipped a schedule_collection" in outcome
+    assert "did one skip a schedule_collection?" in outcome
+
+
+def _checkpoint_after_a_skipped_window() -> str:
+    """Rank 1 skips step 2 and checkpoints a second late: rank 0's wait for its windows
+    (0.2 s) ends before its window 2 paired with rank 1's checkpoint."""
+    import datetime
+    import time
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=2))
+    collector = AsyncMetricCollector(MeanMetric(), group=group).bind("cpu")
+    collector.metric.update(torch.tensor([1.0]))
+    collector.schedule_collection(1)
+    if dist.get_rank() == 0:
+        collector.schedule_collection(2)
+    else:
+        time.sleep(1.0)
+    try:
+        collector.state_dict(timeout=0.2)
+        outcome = "no error"
+    except RuntimeError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    collector.close(timeout=5)
+    dist.destroy_process_group(group)
+    return outcome
+
+
+def test_a_checkpoint_behind_a_skipped_window_raises_the_mismatch_on_every_rank() -> None:
+    """Rank 0 got the backend's timeout renamed, though its dispatcher held the mismatch."""
+    from sidestream.testing import DistributedPool
+
+    with DistributedPool(2) as pool:
+        outcomes = pool.run(_checkpoint_after_a_skipped_window, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.startswith("RankMismatchError: "), (rank, outcome)
+        assert "paired different calls" in outcome, (rank, outcome)
+
+
+def _checkpoint_of_collectors_over_two_groups() -> str:
+    """Collector 'a' over a group of its own, 'b' over the default one; rank 1 stops after
+    step 1 and rank 0 schedules step 2 of 'b' only: the check over a's group fails."""
+    import datetime
+    import time
+
+    from sidestream import Run
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=2))
+    run = Run([])
+    over_a = run.collector(MeanMetric(), prefix="a", group=group).bind("cpu")
+    over_b = run.collector(MeanMetric(), prefix="b").bind("cpu")
+    for collector in (over_a, over_b):
+        collector.metric.update(torch.tensor([1.0]))
+        collector.schedule_collection(1)
+        collector.collect_results(timeout=30)
+    outcome = "stopped"
+    if dist.get_rank() == 0:
+        over_b.schedule_collection(2)
+        try:
+            run.state_dict(timeout=0.5)
+            outcome = "no error"
+        except RuntimeError as error:
+            outcome = str(error)
+    else:
+        time.sleep(4)  # past a's group timeout: then b's window 2 of rank 0 gets its partner
+        over_b.schedule_collection(2)
+    run.close(timeout=5)
+    dist.destroy_process_group(group)
+    return outcome
+
+
+def test_a_failed_checkpoint_collective_names_its_own_group_only() -> None:
+    """The check over a's group blamed the window of 'b', over another group."""
+    from sidestream.testing import DistributedPool
+
+    with DistributedPool(2) as pool:
+        outcome = pool.run(_checkpoint_of_collectors_over_two_groups, timeout=120)[0]
+    assert outcome.startswith(
+        "run.state_dict: the checkpoint's collective (collector prefix 'a') with the other ranks"
+    ), outcome
+    assert "'b'" not in outcome, outcome
+
+
+def test_a_local_error_of_a_checkpoint_is_not_named_a_collective() -> None:
+    """An exact metric's input changed in place while a window was still computing: the
+    local error was renamed a failed collective "while 1 window(s) still waited"."""
+    import threading
+
+    from sidestream.metrics.classification import BinaryAUROCMetric
+
+    release = threading.Event()
+
+    class SlowAUROC(BinaryAUROCMetric):
+        def compute(self) -> torch.Tensor:
+            release.wait(30)
+            return super().compute()
+
+    metric = SlowAUROC(exact=True)
+    collector = AsyncMetricCollector(metric, reset_each_window=False).bind("cpu")
+    scores = torch.tensor([0.2, 0.8])
+    metric.update(scores, torch.tensor([0, 1]))
+    collector.schedule_collection(1)  # its compute waits
+    scores.add_(0.1)  # the kept input changed in place
+    try:
+        with pytest.raises(RuntimeError, match="modified in place") as raised:
+            collector.state_dict(timeout=0.2)
+        assert "collective" not in str(raised.value)
+    finally:
+        release.set()
+        collector.close(timeout=30)

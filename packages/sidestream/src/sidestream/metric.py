@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import functools
 import inspect
 import json
 import math
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import FunctionType, MappingProxyType, MemberDescriptorType
 from typing import Any, Generic, Self, TypeVar
@@ -1033,18 +1035,30 @@ class Metric(Generic[T], abc.ABC):
         """
         return self._reduced_state()
 
-    def _reduced_state(self, stream: str = "") -> dict[str, Any]:
+    def _reduced_state(
+        self, stream: str = "", around_collectives: AbstractContextManager[object] | None = None
+    ) -> dict[str, Any]:
         """``state_dict``, with ``stream`` (a collector's prefix) in the call's fingerprint.
 
         A collector's checkpoint sends its stream: ranks that reduce different collectors'
         states against each other (same structure, other order) then fail on every rank
-        instead of saving each other's numbers.
+        instead of saving each other's numbers. ``around_collectives`` is entered around the
+        collectives only, after every local check (a collector names a failed one's cause).
         """
         self._refuse_hidden_in_tree()
         for metric in self._readability_checked():
             metric._check_readable("state_dict")
         check_process_group("state_dict")
         self.verify_sync()
+        self._check_load(self._sync_group)  # prepare_sync's local check, before any collective
+        locals_ = {prefix: store.local() for prefix, store in self.named_sample_stores()}
+        with around_collectives or contextlib.nullcontext():
+            return self._reduce_for_checkpoint(stream, locals_)
+
+    def _reduce_for_checkpoint(
+        self, stream: str, locals_: dict[str, dict[str, torch.Tensor]]
+    ) -> dict[str, Any]:
+        """``_reduced_state``'s collectives: the states' reduction, then the stores' rows."""
         prepared = self.prepare_sync(self._sync_group)
         fingerprint = self._call("state_dict", self.call_counter.next(), stream)
         prepared.every_state.start(fingerprint).verify()
@@ -1060,9 +1074,9 @@ class Metric(Generic[T], abc.ABC):
                 (name, state.local.dtype) for name, state in self.named_accumulators()
             )
         group = resolve_group(self._sync_group)
-        for prefix, store in self.named_sample_stores():
+        for prefix, local in locals_.items():
             # Every rank's rows, in rank order: the same global data on every rank.
-            for field_name, rows in gather_rows(store.local(), group, fingerprint).items():
+            for field_name, rows in gather_rows(local, group, fingerprint).items():
                 saved[prefix + field_name] = SavedRows(rows.clone())
         return saved
 

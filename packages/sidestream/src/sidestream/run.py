@@ -460,7 +460,8 @@ class Run:
             RuntimeError: If the environment says the job has several processes but no
                 process group is initialized (every rank would save its own sink states as
                 rank 0's); or if a checkpoint collective failed (a rank stopped: at the
-                process group's timeout, not ``timeout``), naming the windows still waiting.
+                process group's timeout, not ``timeout``), naming the windows still running
+                or failed.
         """
         # The collector's own state_dict first raises a rank mismatch its windows found (as
         # it does when called directly); a collector of this run holds no sink states.
@@ -480,8 +481,9 @@ class Run:
         for collector, (group, device) in zip(ordered, scopes, strict=True):
             if id(group) not in checked:
                 checked.add(id(group))
-                peers = [c.prefix for c, (g, _) in zip(ordered, scopes, strict=True) if g is group]
-                with naming_checkpoint_failures("run.state_dict", ordered):
+                over = [c for c, (g, _) in zip(ordered, scopes, strict=True) if g is group]
+                peers = [c.prefix for c in over]
+                with naming_checkpoint_failures("run.state_dict", over):
                     check_same_setting(
                         group,
                         device,
@@ -489,7 +491,10 @@ class Run:
                         repr(peers),
                         "make the same collectors (prefixes) on every rank before a checkpoint",
                     )
-            collectors[collector.prefix] = collector.state_dict(seconds_left(deadline))["metric"]
+            # What collector.state_dict returns of it (it holds no sink states: see above).
+            collectors[collector.prefix] = collector._checkpoint_metric(
+                seconds_left(deadline), "run.state_dict"
+            )
         if self._metric_states:
             # Loaded and not claimed by any collector yet (made later, or a renamed prefix):
             # carried on, so this checkpoint does not lose them.

@@ -6,17 +6,9 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-import torch.distributed as dist
-
 from sidestream.sync import RankMismatchError
 
 __all__ = ["naming_checkpoint_failures"]
-
-_BACKEND_ERRORS: tuple[type[BaseException], ...] = tuple(
-    error for error in (getattr(dist, "DistError", None),) if error is not None
-)
-"""What torch.distributed raises for a failed collective (a plain ``RuntimeError`` in gloo's
-case before torch named its errors)."""
 
 
 class _Windows(Protocol):
@@ -27,20 +19,26 @@ class _Windows(Protocol):
 
     def _windows_failed(self) -> list[int]: ...
 
+    def _mismatch_found(self) -> BaseException | None: ...
+
 
 @contextlib.contextmanager
 def naming_checkpoint_failures(where: str, collectors: Sequence[_Windows]) -> Iterator[None]:
-    """Re-raise a failed checkpoint collective with what was waiting when it failed.
+    """Re-raise a failed checkpoint collective naming the call and what may have caused it.
 
     A peer that stopped (hung, or gone) leaves this rank's windows waiting for their
     collectives; the checkpoint's collective queues behind them and fails at the process
     group's timeout with the backend's message alone ("Application timeout caused pair
-    closure"), which names neither the call nor the windows. A ``RankMismatchError`` and other
-    errors pass unchanged.
+    closure"), which names neither the call nor the windows. Entered around the collectives
+    only (a local error is not theirs to name).
 
     Raises:
-        RuntimeError: Naming ``where`` and the windows still waiting, chained to the backend's
-            error, when windows were waiting or the backend raised a ``DistError``.
+        RankMismatchError: If a window of ``collectors`` found that ranks paired different
+            calls: that is the cause, whatever the backend said (a ``RankMismatchError``
+            raised inside passes unchanged).
+        RuntimeError: Naming ``where``, the collectors, and the windows still running as it
+            started or failed before it, chained to the backend's error (any other error
+            passes unchanged).
     """
     # Counted before the collective: once the backend gives up on it, it fails the windows'
     # collectives too, and the dispatcher may have handed them back by the time this raises.
@@ -51,28 +49,33 @@ def naming_checkpoint_failures(where: str, collectors: Sequence[_Windows]) -> It
     except RankMismatchError:
         raise
     except RuntimeError as error:
+        for collector in collectors:
+            mismatch = collector._mismatch_found()
+            if mismatch is not None:
+                # A window paired with another call (a rank skipped one): that is the cause,
+                # whatever the backend said when it gave up on this collective.
+                raise RankMismatchError(str(mismatch)) from error
         # Windows that failed before it (their collectives timed out: the backend then fails
         # every later one of the group at once).
         failed = {c.prefix: c._windows_failed() for c in collectors}
         failed = {prefix: steps for prefix, steps in failed.items() if steps}
-        if not waiting and not failed and not isinstance(error, _BACKEND_ERRORS):
-            raise
         causes = [
-            f"{count} window(s) of the collector with prefix {prefix!r} still waited for their "
-            "collectives as it started"
+            f"{count} window(s) of the collector with prefix {prefix!r} were still running as "
+            "it started"
             for prefix, count in waiting.items()
         ] + [
             f"the window(s) at step {', '.join(map(str, steps))} of the collector with prefix "
-            f"{prefix!r} had failed"
+            f"{prefix!r} had failed before it"
             for prefix, steps in failed.items()
         ]
         cause = (
-            f" while {'; '.join(causes)} (a rank is behind, stopped or gone, or skipped a "
-            "schedule_collection)"
+            f"; {'; '.join(causes)} (is a rank behind, stopped or gone, or did one skip a "
+            "schedule_collection?)"
             if causes
             else " (did every rank of the group call it, and is every rank alive?)"
         )
+        of = ", ".join(repr(collector.prefix) for collector in collectors)
         raise RuntimeError(
-            f"{where}: the checkpoint's collective with the other ranks failed{cause}: "
-            f"{type(error).__name__}: {error}"
+            f"{where}: the checkpoint's collective (collector prefix {of}) with the other ranks "
+            f"failed{cause}: {type(error).__name__}: {error}"
         ) from error

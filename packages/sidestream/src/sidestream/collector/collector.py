@@ -750,6 +750,17 @@ class AsyncMetricCollector(Generic[T]):
             self._dispatcher.wait_idle(timeout, until_mismatch=True)
         self._raise_mismatch()
 
+    def _checkpoint_metric(self, timeout: float | None, where: str) -> dict[str, Any]:
+        """The metric's reduced state for a checkpoint (``where``: the call, for errors)."""
+        self.settle_windows(timeout)
+        return self._metric._reduced_state(
+            self._prefix or "(no prefix)", naming_checkpoint_failures(where, [self])
+        )
+
+    def _mismatch_found(self) -> BaseException | None:
+        """The rank mismatch a window found, if any (what ``_raise_mismatch`` raises)."""
+        return None if self._dispatcher is None else self._dispatcher.mismatch
+
     def _windows_waiting(self) -> int:
         """Windows scheduled and not processed yet (0 when not bound)."""
         return 0 if self._dispatcher is None else self._dispatcher.unprocessed
@@ -1026,13 +1037,12 @@ class AsyncMetricCollector(Generic[T]):
         Raises:
             RankMismatchError: If a window was paired with another call on some rank.
             RuntimeError: If the checkpoint's collective failed (a rank stopped: at the
-                process group's timeout, not ``timeout``), naming the windows still waiting.
+                process group's timeout, not ``timeout``), naming the windows still running
+                or failed.
         """
         timeout = self._delivery.options.checkpoint_wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.settle_windows(timeout)
-        with naming_checkpoint_failures("state_dict", [self]):
-            metric_state = self._metric._reduced_state(self._prefix or "(no prefix)")
+        metric_state = self._checkpoint_metric(timeout, "state_dict")
         sink_states: dict[str, Any] = {}
         undelivered: dict[str, str] = {}
         if self._owns_delivery and self.is_writer:
