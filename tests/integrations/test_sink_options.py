@@ -327,7 +327,9 @@ def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
     replayed = tmp_path / f"sidestream-console@{pid}-def456.spool.jsonl.replayed"
     replayed.write_text("")
     _start_a_console_sink(tmp_path, caplog)
-    assert str(left) in caplog.text and "sidestream.sinks.replay" in caplog.text
+    assert str(left) in caplog.text and "python -m sidestream replay FILE --sink console" in (
+        caplog.text
+    )
     assert str(other_sink) not in caplog.text and str(replayed) not in caplog.text
 
 
@@ -555,3 +557,56 @@ def test_histogram_edges_keyed_without_the_streams_prefix_are_named(
         "'train/scores'); keys are the names as reported, with the stream's prefix (such as "
         "'train/scores')",
     ]
+
+
+def test_a_crashed_jobs_spool_is_not_replayed_to_the_sinks_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No state file beside it (the job crashed): ``--sink mlflow`` alone delivered into a new
+    MLflow store in the current folder, a new run, and renamed the file as replayed."""
+    from sidestream.sinks.replay import main
+
+    monkeypatch.chdir(tmp_path)
+    spool = tmp_path / "crashed.spool.jsonl"
+    spool.write_text(_A_REPORT)
+    with pytest.raises(SystemExit) as exited:
+        main([str(spool), "--sink", "mlflow"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "has no .state.json file beside it" in error and "--option" in error, error
+    assert "tracking_uri" in error and "--resume-state" in error, error
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["crashed.spool.jsonl"]
+
+
+@pytest.mark.parametrize("skip_damaged", [False, True])
+def test_a_file_that_is_no_spool_is_refused_before_the_sink_opens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], skip_damaged: bool
+) -> None:
+    """A checkpoint given by mistake opened the tracker (an empty run, an empty file) before
+    its first line failed."""
+    import torch
+
+    from sidestream.sinks.replay import main
+
+    checkpoint = tmp_path / "ck.pt"
+    torch.save({"step": torch.tensor(3)}, checkpoint)
+    out = tmp_path / "out.jsonl"
+    command = [str(checkpoint), "--sink", "jsonl", "--option", f"path={out}"]
+    with pytest.raises(SystemExit) as exited:
+        main(command + (["--skip-damaged"] if skip_damaged else []))
+    assert exited.value.code == 2
+    assert "not a spool file" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_replay_command_speaks_as_typed_and_names_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sidestream.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["replay", str(tmp_path)])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("usage: python -m sidestream replay "), error
+    assert "a directory" in error and "no such file" not in error, error

@@ -254,7 +254,8 @@ def test_a_replay_whose_sink_does_not_confirm_at_close_keeps_the_file_and_fails(
             return super().close(timeout)
 
     monkeypatch.setattr(replay, "_sink", lambda parser, name, options: Recording(str(out)))
-    assert replay.main([str(spool), "--sink", "jsonl", "--timeout", "7.5"]) == 1
+    command = [str(spool), "--sink", "jsonl", "--option", f"path={out}", "--timeout", "7.5"]
+    assert replay.main(command) == 1
     # Said before the close waits, so a replay that looks done does not look hung.
     assert before_close[0].splitlines()[-1] == (
         "read 3 reports (3 written, 0 the sink had); waiting up to 7.5 s for the jsonl sink "

@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Its own options and help: one tool, reached from both names.
         from sidestream.sinks.replay import main as replay
 
-        return replay(arguments[1:])
+        return replay(arguments[1:], prog="python -m sidestream replay")
     parser = argparse.ArgumentParser(prog="python -m sidestream")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(

@@ -88,11 +88,9 @@ def _count_lines(path: str) -> int:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m sidestream.sinks.replay", description="Deliver a kept spool file."
-    )
+def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.sinks.replay") -> int:
+    """Run the command line; return the exit status (``prog``: the command typed)."""
+    parser = argparse.ArgumentParser(prog=prog, description="Deliver a kept spool file.")
     parser.add_argument("spool", help="the spool file a warning named")
     parser.add_argument(
         "--sink",
@@ -140,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.spool}: replayed already (its reports were delivered); to deliver them "
             f"again, rename it without {_REPLAYED}"
         )
+    if os.path.isdir(args.spool):
+        parser.error(f"{args.spool}: a directory; give one of the spool files a warning named")
     if not os.path.isfile(args.spool):
         done = (
             f" (it was replayed already: {args.spool}{_REPLAYED})"
@@ -147,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else ""
         )
         parser.error(f"{args.spool}: no such file{done}")
+    _refuse_a_file_of_no_reports(parser, args.spool, args.skip_damaged)
     if args.print:
         damaged: list[str] | None = [] if args.skip_damaged else None
         try:
@@ -199,6 +200,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"options from {kept.path}: {named}")
             options = {**taken, **options}
     sink = _sink(parser, args.sink, options)
+    where = sink.replay_options()
+    if kept is None and not args.resume_state and where and not options:
+        # A crashed job's spool: its sink's defaults are not where the job delivered (an
+        # MLflow store in this folder, a new run), and the file would count as replayed.
+        parser.error(
+            f"{args.spool} has no {STATE_SUFFIX} file beside it (its job ended without "
+            f"closing: crashed or killed), so where its {args.sink} sink delivered and the run "
+            f"it wrote are not known; give where to deliver with --option (the job's "
+            f"{', '.join(sorted(where))}) and, to continue the job's run, "
+            "--resume-state with the sink's state from the job's last checkpoint "
+            f"(run.state_dict()['sinks'][{args.sink!r}], saved as JSON)"
+        )
     state = None  # replay_spool takes the kept state beside the spool, if any
     if args.resume_state:
         try:
@@ -307,6 +320,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as error:
             print(f"{args.spool}{STATE_SUFFIX} could not be renamed ({error})", file=sys.stderr)
     return 0
+
+
+def _refuse_a_file_of_no_reports(
+    parser: argparse.ArgumentParser, path: str, skip_damaged: bool
+) -> None:
+    """Exit (2) before any sink opens if ``path`` starts with no report (not a spool file).
+
+    A checkpoint or log given by mistake opened the tracker (an empty run) before its first
+    line failed. A spool whose first line was cut is replayed with ``--skip-damaged``.
+    """
+    damaged: list[str] = []
+    try:
+        for _ in read_spool(path, damaged=damaged if skip_damaged else None):
+            return  # a report: a spool file
+    except DamagedLineError:  # the first line, as no report came before it
+        parser.error(
+            f"{path}: its first line is not a report, so it is not a spool file (or one whose "
+            "first line was cut: --skip-damaged then delivers the rest)"
+        )
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"{path}: not a spool file ({type(error).__name__}: {error})")
+    if damaged:
+        parser.error(f"{path}: not a spool file (none of its {len(damaged)} line(s) is a report)")
 
 
 def _sink(parser: argparse.ArgumentParser, name: str, options: dict[str, object]) -> Sink:

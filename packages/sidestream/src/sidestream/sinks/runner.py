@@ -192,10 +192,13 @@ class SinkRunner:
                 "them: the checkpoint holds the reports undelivered at that point and this job "
                 "logs the later steps again (a replay would deliver later steps first, and "
                 "MLflow and TensorBoard then skip the earlier ones). For a job that is not "
-                "resumed, deliver them with python -m sidestream.sinks.replay FILE --sink NAME",
+                "resumed, deliver them with python -m sidestream replay FILE --sink %s and the "
+                "sink's --option values (where this job's sink delivers); with --resume-state "
+                "(the sink's state from that job's last checkpoint) they go into its run",
                 self.key,
                 len(left),
                 ", ".join(left[:_LEFTOVERS_NAMED]) + (f" and {more} more" if more > 0 else ""),
+                self.sink.name,
             )
         self._intake.start()
         try:
