@@ -298,3 +298,14 @@ class DiesAtFirstOpenSink(JsonlSink):
             marker.touch()
             os._exit(9)
         super().open(run)
+
+
+class DiesThenFailsToOpenSink(JsonlSink):
+    """Its first child dies while opening; every later open raises (a tracker down)."""
+
+    def open(self, run: RunInfo) -> None:
+        marker = Path(f"{self.path}.died")
+        if not marker.exists():
+            marker.touch()
+            os._exit(9)
+        raise ConnectionError("tracker down")

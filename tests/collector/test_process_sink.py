@@ -38,6 +38,7 @@ from tests.collector.child_sinks import (
     ChildlessSink,
     CloseMarkerSink,
     DiesAtFirstOpenSink,
+    DiesThenFailsToOpenSink,
     DurableCountSink,
     FailingOpenSink,
     FlushFailsOnceSink,
@@ -116,6 +117,20 @@ def test_a_child_dying_while_it_opens_counts_as_a_restart(
         caplog.text
     )
     assert [line["step"] for line in _lines(path)] == [1]
+
+
+def test_a_childs_death_at_open_counts_once_however_often_the_sink_then_fails(
+    tmp_path: Path,
+) -> None:
+    """After one death, every later open the wrapped sink failed itself counted a restart
+    (1, 2, 3, ...) and logged the death again."""
+    sink = ProcessSink(DiesThenFailsToOpenSink(tmp_path / "m.jsonl"))
+    with pytest.raises(SinkProcessError, match="died during open"):
+        sink.open(RunInfo())
+    for _ in range(3):
+        with pytest.raises(SinkProcessError, match="tracker down"):
+            sink.open(RunInfo())
+    assert sink.restarts == 1
 
 
 def test_a_sink_whose_open_raises_is_no_restart(tmp_path: Path) -> None:

@@ -315,6 +315,28 @@ def _ended_process_id() -> int:
     return int(ended.stdout)
 
 
+def test_the_leftover_warning_of_a_sink_with_no_entry_point_gives_a_placeholder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--sink sink`` (a custom sink's default name) was printed: a command that fails."""
+    from sidestream.sinks import Sink, SinkRunner
+
+    class Mine(Sink):
+        def open(self, run: RunInfo) -> None:
+            del run
+
+        def write(self, report: Report) -> None:
+            del report
+
+    pid = _ended_process_id()
+    (tmp_path / f"sidestream-sink@{pid}-abc123.spool.jsonl").write_text(_A_REPORT)
+    runner = SinkRunner(Mine(), spool_dir=str(tmp_path))
+    with caplog.at_level("WARNING", logger="sidestream"):
+        runner.start()
+    runner.close(timeout=10)
+    assert "replay FILE --sink NAME --option ..." in caplog.text, caplog.text
+
+
 def test_spool_files_of_an_ended_job_are_named_when_the_sink_starts(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -559,23 +581,71 @@ def test_histogram_edges_keyed_without_the_streams_prefix_are_named(
     ]
 
 
+@pytest.mark.parametrize("sink", ["mlflow", "wandb", "tensorboard"])
+@pytest.mark.parametrize("resume_state", [False, True])
 def test_a_crashed_jobs_spool_is_not_replayed_to_the_sinks_defaults(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    sink: str,
+    resume_state: bool,
 ) -> None:
     """No state file beside it (the job crashed): ``--sink mlflow`` alone delivered into a new
-    MLflow store in the current folder, a new run, and renamed the file as replayed."""
+    MLflow store in the current folder, a new run, and renamed the file as replayed (W&B: its
+    default project; TensorBoard: ./runs). A state alone names a run, not where it is."""
     from sidestream.sinks.replay import main
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
     spool = tmp_path / "crashed.spool.jsonl"
     spool.write_text(_A_REPORT)
+    command = [str(spool), "--sink", sink]
+    if resume_state:
+        state = tmp_path / "state.json"
+        state.write_text("{}")
+        command += ["--resume-state", str(state)]
     with pytest.raises(SystemExit) as exited:
-        main([str(spool), "--sink", "mlflow"])
+        main(command)
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert "has no .state.json file beside it" in error and "--option" in error, error
-    assert "tracking_uri" in error and "--resume-state" in error, error
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["crashed.spool.jsonl"]
+    assert "--resume-state" in error, error
+    if sink == "mlflow":
+        assert "such as tracking_uri" in error, error
+    left = {path.name for path in tmp_path.iterdir()} - {"state.json"}
+    assert left == {"crashed.spool.jsonl"}
+
+
+def test_a_crashed_spool_with_a_damaged_state_file_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sidestream.sinks.replay import main
+
+    monkeypatch.chdir(tmp_path)
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_text(_A_REPORT)
+    (tmp_path / "kept.spool.jsonl.state.json").write_text("{cut")
+    with pytest.raises(SystemExit):
+        main([str(spool), "--sink", "mlflow"])
+    error = capsys.readouterr().err
+    assert "its .state.json file could not be read" in error, error
+    assert "has no .state.json" not in error, error
+
+
+def test_a_spool_whose_every_line_was_cut_can_be_cleared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused as "not a spool file" even with --skip-damaged: the next job named it again at
+    every start, with no way to clear it."""
+    from sidestream.sinks.replay import main
+
+    spool = tmp_path / "sidestream-jsonl@1-abc.spool.jsonl"
+    spool.write_text(_A_REPORT[: len(_A_REPORT) // 2] + "\n")
+    out = tmp_path / "out.jsonl"
+    command = [str(spool), "--sink", "jsonl", "--option", f"path={out}", "--skip-damaged"]
+    assert main(command) == 0
+    assert not spool.exists() and Path(f"{spool}.replayed").exists()
+    assert "1 damaged line(s) skipped" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("skip_damaged", [False, True])

@@ -289,7 +289,8 @@ def test_a_replay_into_a_run_that_lacks_values_is_delivered_and_says_what_it_lac
     state = tmp_path / "state.json"
     state.write_text(json.dumps({"path": str(out), "last_steps": [], "skipped_values": ["h"]}))
     monkeypatch.setattr(replay, "_sink", lambda parser, name, options: _LackingJsonlSink(str(out)))
-    arguments = [str(spool), "--sink", "jsonl", "--resume-state", str(state)]
+    arguments = [str(spool), "--sink", "jsonl", "--option", f"path={out}", "--resume-state"]
+    arguments.append(str(state))
     assert replay.main(arguments) == 0
     printed = capsys.readouterr()
     assert "delivered 3 report(s)" in printed.out

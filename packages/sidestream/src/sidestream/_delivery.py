@@ -418,7 +418,7 @@ class Delivery:
                     waited = time.monotonic() - began
                     # The sink may give up before its budget (wandb answers at most 3 s
                     # late): the time it waited, not only what it was given.
-                    given = "" if timeout is None else f" of the {timeout:.1f} s it was given"
+                    given = "" if timeout is None else f"; it was given {timeout:.1f} s"
                     # Sent but not yet confirmed by the backend (wandb's file): they travel in
                     # the checkpoint, which wait_delivered's warning (queued ones) does not say.
                     logger.warning(

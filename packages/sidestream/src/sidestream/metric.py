@@ -1050,7 +1050,13 @@ class Metric(Generic[T], abc.ABC):
             metric._check_readable("state_dict")
         check_process_group("state_dict")
         self.verify_sync()
-        self._check_load(self._sync_group)  # prepare_sync's local check, before any collective
+        # prepare_sync's local checks, before any collective (a collector names a failed
+        # collective's cause: a local error is not one).
+        self._check_load(self._sync_group)
+        if self.__dict__.get("_children_loaded"):
+            for inner in self._walk_metrics():
+                if inner is not self:
+                    inner._check_load(self._sync_group)
         locals_ = {prefix: store.local() for prefix, store in self.named_sample_stores()}
         with around_collectives or contextlib.nullcontext():
             return self._reduce_for_checkpoint(stream, locals_)

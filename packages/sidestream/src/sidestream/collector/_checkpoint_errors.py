@@ -6,9 +6,14 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+import torch
+
 from sidestream.sync import RankMismatchError
 
 __all__ = ["naming_checkpoint_failures"]
+
+
+_OUT_OF_MEMORY: type[RuntimeError] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class _Windows(Protocol):
@@ -46,7 +51,7 @@ def naming_checkpoint_failures(where: str, collectors: Sequence[_Windows]) -> It
     waiting = {prefix: count for prefix, count in waiting.items() if count}
     try:
         yield
-    except RankMismatchError:
+    except (RankMismatchError, _OUT_OF_MEMORY):  # not the collective's to name
         raise
     except RuntimeError as error:
         for collector in collectors:

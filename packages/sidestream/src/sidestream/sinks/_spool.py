@@ -17,6 +17,7 @@ from sidestream.sinks.base import Report
 
 __all__ = [
     "DEFAULT_SPOOL_MAX_BYTES",
+    "SPOOL_SUFFIX",
     "Spool",
     "SpoolWriteError",
     "file_label",
@@ -404,7 +405,9 @@ _SLOW_DISK_BYTES_PER_S = 10 * 1024 * 1024
 """The slowest disk a kept spool's ``fsync`` is waited for (``kept_progress``): 27 s for a full
 256 MiB spool, longer than which the disk counts as having stopped answering."""
 
-_SUFFIX = ".spool.jsonl"
+SPOOL_SUFFIX = ".spool.jsonl"
+"""How every spool file's name ends."""
+_SUFFIX = SPOOL_SUFFIX
 # Characters a sink's label keeps in a file name; the others become "_".
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.+-]")
 # Most characters of a label in a file name: with the prefix, process mark, random part,

@@ -39,11 +39,14 @@ class SinkProcessError(RuntimeError):
 
     Attributes:
         child_traceback: The traceback from the child when the sink raised there, else ``""``.
+        child_gone: How the child ended when it died or hung (``"ended (exit code 9)"``,
+            ``"hung and was stopped"``), else ``None``.
     """
 
     def __init__(self, message: str, child_traceback: str = "") -> None:
         super().__init__(message)
         self.child_traceback = child_traceback
+        self.child_gone: str | None = None  # how the child ended, if it died or hung
 
 
 class _ParentGone(Exception):
@@ -65,12 +68,15 @@ class _PermanentSinkProcessError(SinkProcessError, PermanentSinkError):
     """
 
 
-class _ChildGone(SinkProcessError):
-    """The child died or hung (and was stopped): ``how`` says which, for a log line."""
+def _child_gone(message: str, how: str) -> SinkProcessError:
+    """The error for a child that died or hung (and was stopped); ``how`` says which.
 
-    def __init__(self, message: str, how: str) -> None:
-        super().__init__(message)
-        self.how = how
+    A ``SinkProcessError`` as any other (its class name is what logs and the sink status
+    show), marked for ``open``, which counts the child it replaces as a restart.
+    """
+    error = SinkProcessError(message)
+    error.child_gone = how
+    return error
 
 
 def _failure(error: BaseException) -> tuple[str, str, bool]:
@@ -477,12 +483,12 @@ class ProcessSink(Sink):
                     self._open_failed,
                     self.restarts,
                 )
+                self._open_failed = None  # counted once: a later failed open may be the sink's
             try:
                 self._start((self._flushed_state or None) if again else self._resume)
-            except _ChildGone as error:
-                self._open_failed = error.how
+            except SinkProcessError as error:
+                self._open_failed = error.child_gone
                 raise
-            self._open_failed = None
             self._opened = True
             self._flushed_state = dict(self._state)
 
@@ -724,14 +730,14 @@ class ProcessSink(Sink):
             if not self._process.is_alive():
                 code = self._process.exitcode
                 self._stop()
-                raise _ChildGone(
+                raise _child_gone(
                     f"sink {self.name!r}: the child process died during {operation} "
                     f"(exit code {code})",
                     f"ended (exit code {code})",
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 self._stop(join_s=0.0)  # hung: waiting longer would not help
-                raise _ChildGone(
+                raise _child_gone(
                     f"sink {self.name!r}: {operation} took longer than {timeout:.1f} s in the "
                     "child process; it was stopped",
                     "hung and was stopped",
@@ -742,7 +748,7 @@ class ProcessSink(Sink):
             process = self._process
             self._stop()  # joins it: its exit code is known then
             code = process.exitcode
-            raise _ChildGone(
+            raise _child_gone(
                 f"sink {self.name!r}: the child process died during {operation} (exit code {code})",
                 f"ended (exit code {code})",
             ) from error

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from sidestream._cli import run_command
+from sidestream.sinks._spool import SPOOL_SUFFIX
 from sidestream.sinks._spool_format import (
     STATE_SUFFIX,
     DamagedLineError,
@@ -26,6 +27,7 @@ from sidestream.sinks._spool_format import (
 )
 from sidestream.sinks.base import Sink
 from sidestream.sinks.config import available_sinks, sinks_from_config
+from sidestream.sinks.tracker import TrackerSink
 
 __all__ = ["main"]
 
@@ -159,9 +161,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
         for line in damaged or []:
             print(f"skipped a damaged line: {line}", file=sys.stderr)
         return 0
+    state_damaged = False
     try:
         kept = read_kept_state(args.spool)
     except ValueError as error:
+        state_damaged = True
         if not args.sink:
             parser.error(
                 f"{error}; give --sink (with its --option values, and --resume-state for the "
@@ -200,15 +204,22 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
             print(f"options from {kept.path}: {named}")
             options = {**taken, **options}
     sink = _sink(parser, args.sink, options)
-    where = sink.replay_options()
-    if kept is None and not args.resume_state and where and not options:
-        # A crashed job's spool: its sink's defaults are not where the job delivered (an
-        # MLflow store in this folder, a new run), and the file would count as replayed.
+    if kept is None and not options and isinstance(sink, TrackerSink):
+        # A crashed job's spool: a tracker's defaults are not where the job delivered (an
+        # MLflow store in this folder, wandb's default project, ./runs), its state (a run id)
+        # does not say where that is either, and the file would count as replayed.
+        where = sorted(sink.replay_options())
+        why = (
+            f"its {STATE_SUFFIX} file could not be read"
+            if state_damaged
+            else f"it has no {STATE_SUFFIX} file beside it (its job ended without closing: "
+            "crashed or killed)"
+        )
         parser.error(
-            f"{args.spool} has no {STATE_SUFFIX} file beside it (its job ended without "
-            f"closing: crashed or killed), so where its {args.sink} sink delivered and the run "
-            f"it wrote are not known; give where to deliver with --option (the job's "
-            f"{', '.join(sorted(where))}) and, to continue the job's run, "
+            f"{args.spool}: {why}, so where its {args.sink} sink delivered is not known; give "
+            "it with --option (the job's sink options"
+            + (f", such as {', '.join(where)}" if where else "")
+            + "; an environment variable does not count) and, to continue the job's run, "
             "--resume-state with the sink's state from the job's last checkpoint "
             f"(run.state_dict()['sinks'][{args.sink!r}], saved as JSON)"
         )
@@ -341,7 +352,9 @@ def _refuse_a_file_of_no_reports(
         )
     except (OSError, UnicodeDecodeError) as error:
         parser.error(f"{path}: not a spool file ({type(error).__name__}: {error})")
-    if damaged:
+    if damaged and not path.endswith(SPOOL_SUFFIX):
+        # A spool's own name: one whose every line was cut is replayed (nothing delivered)
+        # and renamed, or a job would name it at every start with no way to clear it.
         parser.error(f"{path}: not a spool file (none of its {len(damaged)} line(s) is a report)")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import random
 import threading
@@ -192,13 +193,13 @@ class SinkRunner:
                 "them: the checkpoint holds the reports undelivered at that point and this job "
                 "logs the later steps again (a replay would deliver later steps first, and "
                 "MLflow and TensorBoard then skip the earlier ones). For a job that is not "
-                "resumed, deliver them with python -m sidestream replay FILE --sink %s and the "
-                "sink's --option values (where this job's sink delivers); with --resume-state "
-                "(the sink's state from that job's last checkpoint) they go into its run",
+                "resumed, deliver them with python -m sidestream replay FILE %s (where this "
+                "job's sink delivers); with --resume-state (the sink's state from that job's "
+                "last checkpoint) they go into its run",
                 self.key,
                 len(left),
                 ", ".join(left[:_LEFTOVERS_NAMED]) + (f" and {more} more" if more > 0 else ""),
-                self.sink.name,
+                _replay_arguments(self.sink),
             )
         self._intake.start()
         try:
@@ -1215,6 +1216,25 @@ class SinkRunner:
         if self._close_deadline is None:
             return None
         return max(0.0, self._close_deadline - time.monotonic())
+
+
+def _replay_arguments(sink: Sink) -> str:
+    """``--sink NAME --option KEY=VALUE ...`` that replay a spool of ``sink`` where it delivers.
+
+    ``NAME`` stays a placeholder for a sink the command cannot build (no entry point).
+    """
+    from sidestream.sinks.config import available_sinks  # the config imports the sinks
+
+    name = sink.name if sink.name in available_sinks() else "NAME"
+    try:
+        options = sink.replay_options()
+    except Exception:  # a warning's hint must not fail the start
+        options = {}
+    given = [
+        f"--option {key}={value if isinstance(value, str) else json.dumps(value)}"
+        for key, value in sorted(options.items())
+    ]
+    return " ".join([f"--sink {name}", *given] if given else [f"--sink {name} --option ..."])
 
 
 _LOCK_GRACE_S = 1.0
