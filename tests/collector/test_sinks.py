@@ -1074,3 +1074,29 @@ def test_a_batch_holding_a_step_twice_writes_it_once(tmp_path: Path) -> None:
         ("val", 2),
     ]
     assert [line["values"]["x"] for line in lines[:4]] == [1.0, 2.0, 3.0, 4.0]  # the first ones
+
+
+@pytest.mark.parametrize("delivered", [False, True])
+def test_a_runner_that_gives_up_leaves_the_run_unfinished(tmp_path: Path, delivered: bool) -> None:
+    """Its reports kept for a replay, a tracker must not mark the run finished at close."""
+    calls: list[str] = []
+
+    class Tracking(AlwaysFailingSink):
+        def write(self, report: Report) -> None:
+            if delivered:
+                self.reports.append(report)
+                return
+            super().write(report)
+
+        def leave_unfinished(self) -> None:
+            calls.append("leave_unfinished")
+
+        def close(self, timeout: float | None = None) -> bool:
+            calls.append("close")
+            return True
+
+    runner = SinkRunner(Tracking(), spool_dir=str(tmp_path), retry_initial_s=0.01)
+    runner.start()
+    runner.submit(Report(step=1, values={"x": 1.0}, time=0.0))
+    assert runner.close(timeout=0.5) is delivered
+    assert calls == (["close"] if delivered else ["leave_unfinished", "close"])

@@ -842,3 +842,38 @@ def test_a_run_ends_as_the_job_did(shm_path: Path, mode: str, ending: str) -> No
         time.sleep(0.5)
     assert run.info.status == expected_status, done.stderr[-3000:]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "x")] == [1, 2, 3]
+
+
+def test_a_close_that_leaves_reports_for_a_replay_leaves_the_run_running(
+    shm_path: Path,
+) -> None:
+    """A pipeline that gave up (its reports kept in a spool) ended the run FINISHED once the
+    server answered, and so did a replay stopped at a damaged line: the run looked whole."""
+    from sidestream.sinks import replay_spool
+    from sidestream.sinks._spool_format import DamagedLineError, encode_report
+
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    sink = MlflowSink(tracking_uri=uri, experiment="unfinished")
+    sink.open(RunInfo(name="unfinished"))
+    sink.write(Report(step=1, values={"loss": 1.0}, time=0.0, stream="train"))
+    saved = sink.state_dict()
+    sink.leave_unfinished()  # what a runner that gave up calls before its close
+    assert sink.close(timeout=30)
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(saved["run_id"]).info.status == "RUNNING"
+    spool = shm_path / "kept.spool.jsonl"
+    report = encode_report(Report(step=2, values={"loss": 2.0}, time=0.0, stream="train"))
+    spool.write_bytes(report + b"{cut\n")
+    replayed = MlflowSink(tracking_uri=uri, experiment="unfinished")
+    with pytest.raises(DamagedLineError):
+        replay_spool(spool, replayed, resume_state=saved)
+    assert client.get_run(saved["run_id"]).info.status == "RUNNING"
+    history = client.get_metric_history(saved["run_id"], "loss")
+    assert [point.step for point in history] == [1, 2]
+    spool.write_bytes(encode_report(Report(step=3, values={"loss": 3.0}, time=0.0, stream="train")))
+    assert replay_spool(
+        spool,
+        MlflowSink(tracking_uri=uri, experiment="unfinished"),
+        resume_state=replayed.state_dict(),
+    ).closed
+    assert client.get_run(saved["run_id"]).info.status == "FINISHED"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import uuid
@@ -24,6 +25,8 @@ from sidestream.sinks.support import (
     uri_without_password,
 )
 from sidestream_mlflow._http import request_settings
+
+logger = logging.getLogger("sidestream.sinks")
 
 __all__ = ["MlflowSink"]
 
@@ -136,6 +139,7 @@ class MlflowSink(TrackerSink):
         self._http_timeout = http_timeout
         self._http_max_retries = http_max_retries
         self._client: Any = None
+        self._unfinished = False  # leave_unfinished: the next close leaves the run RUNNING
         self._run_id: str | None = None
         # Progress through the reports being delivered: their streams and steps, how many
         # chunks went out, and whether the last attempt at the next chunk failed (it may
@@ -219,6 +223,7 @@ class MlflowSink(TrackerSink):
                 for good (HTTP 4xx other than 408/429, a bad argument).
             RuntimeError: If the tracking server cannot be reached (redacted message).
         """
+        self._unfinished = False
         self._configure_http()
         try:
             from mlflow.tracking import MlflowClient
@@ -465,17 +470,29 @@ class MlflowSink(TrackerSink):
         history = self._client.get_metric_history(self._run_id, probe.key)
         return any(int(metric.step) == probe.step for metric in history)
 
+    def leave_unfinished(self) -> None:
+        """Leave the run RUNNING at the next close: it lacks reports kept for a replay."""
+        self._unfinished = True
+
     def close(self, timeout: float | None = None) -> bool:
         """End the run; return whether that happened within ``timeout`` seconds.
 
         FINISHED, or, closed at exit after an uncaught exception (or in a ``ProcessSink``
         child whose trainer failed or vanished), FAILED (KILLED for Ctrl-C or a killed
-        trainer), as MLflow's own ``end_run`` marks them.
+        trainer), as MLflow's own ``end_run`` marks them. After ``leave_unfinished`` (its
+        pipeline gave up with reports kept, a replay stopped short) the run stays RUNNING.
         """
         if self._client is None or self._run_id is None:
             return True
         client, run_id = self._client, self._run_id
         self._client = None
+        if self._unfinished:
+            # Reports it was given are kept for a replay: FINISHED would say the run is whole.
+            logger.info(
+                "MlflowSink: run %s left RUNNING: it lacks reports that are kept for a replay",
+                run_id,
+            )
+            return True
         code = failed_exit_code()
         status = "FINISHED" if code is None else "KILLED" if code == KILLED_EXIT_CODE else "FAILED"
 

@@ -406,12 +406,16 @@ def replay_spool(
         sink.load_state_dict(resume_state)
     sink.open(run or RunInfo())
     tracker = sink if isinstance(sink, TrackerSink) else None
+    read_all = False
     try:
         for report in read_spool(path, damaged=result.damaged if skip_damaged else None):
             _replay_one(sink, tracker, report, result)
             if progress is not None:
                 progress(result)
+        read_all = True
     finally:
+        if not read_all or result.held:
+            sink.leave_unfinished()  # the file is kept: the run still lacks some of it
         try:
             if closing is not None:
                 closing(result)

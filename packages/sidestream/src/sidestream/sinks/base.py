@@ -153,6 +153,16 @@ class Sink(abc.ABC):
         """Flush and release the backend; return whether it finished within ``timeout``."""
         return self.flush(timeout)
 
+    def leave_unfinished(self) -> None:
+        """Let the next ``close`` leave the backend's run unfinished (the default: no-op).
+
+        Called before a close when reports this sink was given are kept elsewhere for a replay
+        (its pipeline gave up or failed, a replay stopped short): a tracker that marks a run
+        as finished at close (MLflow) leaves it running instead, since it lacks them. A later
+        ``open`` (a replay, a resumed job) continues it.
+        """
+        return None
+
     def pending_reports(self) -> list[Report]:
         """Reports ``write`` took that the backend may not hold yet (none by default).
 

@@ -154,10 +154,14 @@ def _answer_calls(conn: Connection, sink: Sink) -> None:
             elif operation == "make_durable":
                 result = _make_durable(sink, argument)
             else:
-                # (timeout, exit code); a bare timeout from a parent of an older release.
-                timeout, exit_code = argument if isinstance(argument, tuple) else (argument, None)
+                # (timeout, exit code, unfinished); a bare timeout from an older release.
+                timeout, exit_code, *unfinished = (
+                    argument if isinstance(argument, tuple) else (argument, None)
+                )
                 if exit_code is not None:  # the trainer is ending on an uncaught exception
                     record_failed_exit(exit_code)
+                if unfinished and unfinished[0]:
+                    sink.leave_unfinished()
                 result = sink.close(timeout)
             _reply(conn, _OK, result, sink.state_dict())
         except _ParentGone:
@@ -445,6 +449,7 @@ class ProcessSink(Sink):
         self._opened = False  # a child opened the sink once
         self._closed: bool | None = None  # what a finished close returned
         self.restarts = 0
+        self._unfinished = False  # leave_unfinished: passed to the child's close
         # How the last child that failed to open ended ("ended (exit code -9)"), until an open
         # succeeds: the next open replaces it, and counts a restart.
         self._open_failed: str | None = None
@@ -462,6 +467,10 @@ class ProcessSink(Sink):
         self._resume = dict(state_dict)
         self._state = dict(state_dict)
 
+    def leave_unfinished(self) -> None:
+        """Pass ``Sink.leave_unfinished`` on to the sink in the child, with its close."""
+        self._unfinished = True
+
     def open(self, run: RunInfo) -> None:
         """Start the child, which resumes (if a state was loaded) and opens the sink."""
         # Under the pipe lock: a checkpoint's make_durable from the training thread must wait
@@ -474,6 +483,7 @@ class ProcessSink(Sink):
             # kept by its runner.
             again = self._opened
             self._closed = None
+            self._unfinished = False
             self._unflushed.clear()
             if self._open_failed is not None:  # the last open's child died or hung
                 self.restarts += 1
@@ -615,7 +625,8 @@ class ProcessSink(Sink):
                 self._restart(deadline)
             try:
                 limit = self._limit(seconds_left(deadline))
-                done = bool(self._call("close", (limit, failed_exit_code()), limit))
+                argument = (limit, failed_exit_code(), self._unfinished)
+                done = bool(self._call("close", argument, limit))
             finally:
                 self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
             if done:

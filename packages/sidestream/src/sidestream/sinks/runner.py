@@ -956,6 +956,7 @@ class SinkRunner:
         reports it had not delivered are kept as ever; an error here is only logged.
         """
         try:
+            self.sink.leave_unfinished()  # its undelivered reports are kept for a replay
             done = self.sink.close(self._remaining())
         except Exception as error:
             logger.warning(
