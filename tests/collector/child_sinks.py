@@ -290,22 +290,20 @@ class StalledFlushSink(Sink):
 
 
 class DiesAtFirstOpenSink(JsonlSink):
-    """A JSONL sink whose first child dies while opening (once per marker file)."""
+    """A JSONL sink whose first child dies while opening (once per marker file).
+
+    With ``then_fail`` every later open raises instead (a tracker down).
+    """
+
+    def __init__(self, path: Path, *, then_fail: bool = False) -> None:
+        super().__init__(path)
+        self._then_fail = then_fail
 
     def open(self, run: RunInfo) -> None:
         marker = Path(f"{self.path}.died")
         if not marker.exists():
             marker.touch()
             os._exit(9)
+        if self._then_fail:
+            raise ConnectionError("tracker down")
         super().open(run)
-
-
-class DiesThenFailsToOpenSink(JsonlSink):
-    """Its first child dies while opening; every later open raises (a tracker down)."""
-
-    def open(self, run: RunInfo) -> None:
-        marker = Path(f"{self.path}.died")
-        if not marker.exists():
-            marker.touch()
-            os._exit(9)
-        raise ConnectionError("tracker down")

@@ -38,7 +38,6 @@ from tests.collector.child_sinks import (
     ChildlessSink,
     CloseMarkerSink,
     DiesAtFirstOpenSink,
-    DiesThenFailsToOpenSink,
     DurableCountSink,
     FailingOpenSink,
     FlushFailsOnceSink,
@@ -124,7 +123,7 @@ def test_a_childs_death_at_open_counts_once_however_often_the_sink_then_fails(
 ) -> None:
     """After one death, every later open the wrapped sink failed itself counted a restart
     (1, 2, 3, ...) and logged the death again."""
-    sink = ProcessSink(DiesThenFailsToOpenSink(tmp_path / "m.jsonl"))
+    sink = ProcessSink(DiesAtFirstOpenSink(tmp_path / "m.jsonl", then_fail=True))
     with pytest.raises(SinkProcessError, match="died during open"):
         sink.open(RunInfo())
     for _ in range(3):
