@@ -877,3 +877,27 @@ def test_a_close_that_leaves_reports_for_a_replay_leaves_the_run_running(
         resume_state=replayed.state_dict(),
     ).closed
     assert client.get_run(saved["run_id"]).info.status == "FINISHED"
+
+
+def test_a_replay_of_a_failed_jobs_spool_ends_its_run_failed(shm_path: Path) -> None:
+    """The replay ended the run FINISHED: the job's failure was not kept with its spool."""
+    from sidestream._exit import ending_with
+    from sidestream.sinks import replay_spool
+    from sidestream.sinks._spool_format import encode_report, write_kept_state
+
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    sink = MlflowSink(tracking_uri=uri, experiment="failed")
+    sink.open(RunInfo(name="failed"))
+    sink.write(Report(step=1, values={"loss": 1.0}, time=0.0))
+    spool = shm_path / "kept.spool.jsonl"
+    spool.write_bytes(encode_report(Report(step=2, values={"loss": 2.0}, time=0.0)))
+    with ending_with(RuntimeError):  # a `with Run(...)` block left by an exception
+        state = sink.state_dict()
+        write_kept_state(str(spool), "mlflow", state, RunInfo(name="failed"), {"tracking_uri": uri})
+        sink.leave_unfinished()
+        assert sink.close(timeout=30)
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(state["run_id"]).info.status == "RUNNING"
+    assert replay_spool(spool, MlflowSink(tracking_uri=uri, experiment="failed")).closed
+    assert client.get_run(state["run_id"]).info.status == "FAILED"
+    assert [point.step for point in client.get_metric_history(state["run_id"], "loss")] == [1, 2]

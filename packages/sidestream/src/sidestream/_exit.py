@@ -96,6 +96,23 @@ def ending_with(
         _scoped_code = previous
 
 
+@contextlib.contextmanager
+def exiting_with(code: int | None) -> Iterator[None]:
+    """Within the block, ``failed_exit_code`` is ``code`` (``None``: as before).
+
+    For a replay that closes a job's sink after that job ended: the tracker is told how the
+    job ended (a failed job's run FAILED), not how the replay does.
+    """
+    global _scoped_code
+    previous = _scoped_code
+    if code is not None:
+        _scoped_code = code
+    try:
+        yield
+    finally:
+        _scoped_code = previous
+
+
 def _exit_code(exception: type[BaseException], value: BaseException | None) -> int | None:
     """The process's exit code if ``exception`` ends it, ``None`` for a success (or no end)."""
     if issubclass(exception, GeneratorExit):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sidestream._exit import exiting_with, failed_exit_code
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.tracker import TrackerSink
@@ -191,6 +192,8 @@ class KeptState:
             did; ``None`` in files written before it was kept.
         options: The sink's ``replay_options`` (where its backend is), which the replay
             command uses unless ``--option`` gives them; empty in files written before.
+        exit_code: How the job was ending when it kept the file (``failed_exit_code``:
+            ``None`` for a success), so a replay's close tells the tracker the same.
     """
 
     path: str
@@ -198,6 +201,7 @@ class KeptState:
     state: dict[str, Any] | None
     run: RunInfo | None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    exit_code: int | None = None
 
 
 def write_kept_state(
@@ -225,12 +229,12 @@ def write_kept_state(
         kept_options = _plain(dict(options or {}))
     except Exception:
         kept_options = {}
+    kept = {"sink": sink, "run": kept_run, "options": kept_options}
+    kept["exit_code"] = failed_exit_code()  # a failed job's run is not ended FINISHED by a replay
     try:
-        text = json.dumps(
-            {"sink": sink, "state": dict(state), "run": kept_run, "options": kept_options}
-        )
+        text = json.dumps({**kept, "state": dict(state)})
     except (TypeError, ValueError):  # a state that is not JSON: the run is still worth keeping
-        text = json.dumps({"sink": sink, "state": None, "run": kept_run, "options": kept_options})
+        text = json.dumps({**kept, "state": None})
     # Written beside it and renamed over it: a full disk (the usual reason a close keeps a
     # spool) leaves the earlier state file or none, never a cut one that refuses a replay.
     partial = path + ".partial"
@@ -280,14 +284,17 @@ def read_kept_state(spool_path: str | os.PathLike[str]) -> KeptState | None:
     try:
         sink, state, run = kept["sink"], kept["state"], kept.get("run")
         options = kept.get("options") or {}
+        exit_code = kept.get("exit_code")
         if not isinstance(sink, str) or not isinstance(state, dict | None):
             raise TypeError("expected a sink name and a state")
+        if exit_code is not None and type(exit_code) is not int:  # a bool is no code
+            raise TypeError(f"expected the job's exit code as an integer, got {exit_code!r}")
         if not isinstance(options, dict):
             raise TypeError(f"expected the sink's options as an object, got {options!r}")
         info = None if run is None else _kept_run(path, run)
     except (TypeError, KeyError, AttributeError) as error:
         raise ValueError(f"{path}: not a kept sink state ({error})") from error
-    return KeptState(path, sink, state, info, options)
+    return KeptState(path, sink, state, info, options, exit_code)
 
 
 def _kept_run(path: str, run: Mapping[str, Any]) -> RunInfo:
@@ -421,8 +428,10 @@ def replay_spool(
                 closing(result)
         finally:  # the sink closes even if the callback fails
             # Only a confirmed close means the backend has the reports (W&B's service, or a
-            # TensorBoard file, may still hold them before it): the caller must know.
-            result.closed = sink.close(timeout)
+            # TensorBoard file, may still hold them before it): the caller must know. The
+            # tracker hears how the job ended (a failed job's MLflow run FAILED).
+            with exiting_with(None if kept is None else kept.exit_code):
+                result.closed = sink.close(timeout)
         if tracker is not None:
             result.lacking = tracker.skipped_values
             # Not the close's False for values the run lacks (every later close says it
