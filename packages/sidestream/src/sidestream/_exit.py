@@ -85,15 +85,8 @@ def ending_with(
     exception leaves later runs of the process alone). ``value``, the exception itself, gives
     a ``SystemExit`` its own code: ``sys.exit(0)`` (or ``sys.exit()``) is a success.
     """
-    global _scoped_code
-    previous = _scoped_code
-    code = None if exception is None else _exit_code(exception, value)
-    if code is not None:
-        _scoped_code = code
-    try:
+    with exiting_with(None if exception is None else _exit_code(exception, value)):
         yield
-    finally:
-        _scoped_code = previous
 
 
 @contextlib.contextmanager

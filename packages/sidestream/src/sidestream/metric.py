@@ -803,11 +803,7 @@ class Metric(Generic[T], abc.ABC):
                 group is initialized (as ``sync``).
         """
         check_process_group("prepare_sync")
-        self._check_load(group)
-        if self.__dict__.get("_children_loaded"):  # a child took a checkpoint of its own
-            for inner in self._walk_metrics():
-                if inner is not self:
-                    inner._check_load(group)
+        self._check_loads(group)
         arena = self._own_arena()
         # The arena this tree's states live in: its own, or its parent tree's.
         home: Arena | None = self.__dict__.get("_state_arena")
@@ -853,6 +849,14 @@ class Metric(Generic[T], abc.ABC):
                 "reduce or save; move it to the device it is updated on (metric.to('cpu'), "
                 "metric.to('cuda:0')) before sync or state_dict"
             )
+
+    def _check_loads(self, group: Group) -> None:
+        """``_check_load`` of this metric, and of its children if one took a checkpoint."""
+        self._check_load(group)
+        if self.__dict__.get("_children_loaded"):  # a child took a checkpoint of its own
+            for inner in self._walk_metrics():
+                if inner is not self:
+                    inner._check_load(group)
 
     def _check_load(self, group: Group) -> None:
         """Raise if this metric's loaded checkpoint was placed for another group than ``group``.
@@ -1050,13 +1054,9 @@ class Metric(Generic[T], abc.ABC):
             metric._check_readable("state_dict")
         check_process_group("state_dict")
         self.verify_sync()
-        # prepare_sync's local checks, before any collective (a collector names a failed
+        # prepare_sync's local check, before any collective (a collector names a failed
         # collective's cause: a local error is not one).
-        self._check_load(self._sync_group)
-        if self.__dict__.get("_children_loaded"):
-            for inner in self._walk_metrics():
-                if inner is not self:
-                    inner._check_load(self._sync_group)
+        self._check_loads(self._sync_group)
         locals_ = {prefix: store.local() for prefix, store in self.named_sample_stores()}
         with around_collectives or contextlib.nullcontext():
             return self._reduce_for_checkpoint(stream, locals_)

@@ -771,7 +771,7 @@ class AsyncMetricCollector(Generic[T]):
 
     def _raise_mismatch(self) -> None:
         # A window paired with another call on some rank: every rank fails the same way.
-        error = None if self._dispatcher is None else self._dispatcher.mismatch
+        error = self._mismatch_found()
         if error is not None:
             raise RankMismatchError(str(error)) from error
 
