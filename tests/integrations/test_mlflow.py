@@ -850,7 +850,7 @@ def test_a_close_that_leaves_reports_for_a_replay_leaves_the_run_running(
     """A pipeline that gave up (its reports kept in a spool) ended the run FINISHED once the
     server answered, and so did a replay stopped at a damaged line: the run looked whole."""
     from sidestream.sinks import replay_spool
-    from sidestream.sinks._spool_format import DamagedLineError, encode_report
+    from sidestream.sinks._spool_format import DamagedLineError, encode_report, write_kept_state
 
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"
     sink = MlflowSink(tracking_uri=uri, experiment="unfinished")
@@ -871,12 +871,49 @@ def test_a_close_that_leaves_reports_for_a_replay_leaves_the_run_running(
     history = client.get_metric_history(saved["run_id"], "loss")
     assert [point.step for point in history] == [1, 2]
     spool.write_bytes(encode_report(Report(step=3, values={"loss": 3.0}, time=0.0, stream="train")))
+    # What a close that kept its file writes beside it: the job closed, so its replay ends it.
+    write_kept_state(str(spool), "mlflow", replayed.state_dict(), RunInfo(name="unfinished"), {})
     assert replay_spool(
         spool,
         MlflowSink(tracking_uri=uri, experiment="unfinished"),
         resume_state=replayed.state_dict(),
     ).closed
     assert client.get_run(saved["run_id"]).info.status == "FINISHED"
+
+
+@pytest.mark.parametrize("resumed_ending", [None, "FINISHED", "FAILED"])
+def test_a_replay_of_a_crashed_jobs_spool_leaves_the_runs_status_alone(
+    shm_path: Path, resumed_ending: str | None
+) -> None:
+    """A crashed job's spool (no state file beside it) was replayed with the run ended FINISHED:
+    over a resumed job's FAILED, under a resumed job still running, or for a job that crashed
+    and was never resumed. How the job ended is not known: the status is left as it is."""
+    from sidestream._exit import ending_with
+    from sidestream.sinks import replay_spool
+    from sidestream.sinks._spool_format import encode_report
+
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    crashed = MlflowSink(tracking_uri=uri, experiment="crashed")
+    crashed.open(RunInfo(name="crashed"))
+    crashed.write(Report(step=1, values={"loss": 1.0}, time=0.0))
+    checkpointed = crashed.state_dict()  # the job is killed here: nothing closes its run
+    spool = shm_path / "crashed.spool.jsonl"
+    spool.write_bytes(encode_report(Report(step=2, values={"loss": 2.0}, time=0.0)))
+    client = MlflowClient(tracking_uri=uri)
+    if resumed_ending is not None:
+        resumed = MlflowSink(tracking_uri=uri, experiment="crashed")
+        resumed.load_state_dict(checkpointed)
+        resumed.open(RunInfo(name="crashed"))
+        with ending_with(None if resumed_ending == "FINISHED" else RuntimeError):
+            assert resumed.close(timeout=30)
+        assert client.get_run(checkpointed["run_id"]).info.status == resumed_ending
+    replayed = replay_spool(
+        spool, MlflowSink(tracking_uri=uri, experiment="crashed"), resume_state=checkpointed
+    )
+    assert replayed.closed and replayed.written == 1
+    assert client.get_run(checkpointed["run_id"]).info.status == (resumed_ending or "RUNNING")
+    history = client.get_metric_history(checkpointed["run_id"], "loss")
+    assert [point.step for point in history] == [1, 2]
 
 
 def test_a_replay_of_a_failed_jobs_spool_ends_its_run_failed(shm_path: Path) -> None:

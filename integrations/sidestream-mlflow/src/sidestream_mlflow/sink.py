@@ -140,6 +140,7 @@ class MlflowSink(TrackerSink):
         self._http_max_retries = http_max_retries
         self._client: Any = None
         self._unfinished = False  # leave_unfinished: the next close leaves the run RUNNING
+        self._keep_status = False  # keep_run_status: open and close leave the status alone
         self._run_id: str | None = None
         # Progress through the reports being delivered: their streams and steps, how many
         # chunks went out, and whether the last attempt at the next chunk failed (it may
@@ -245,6 +246,7 @@ class MlflowSink(TrackerSink):
         if self._run_id is None:
             self._run_id, created = self._find_or_create_run(run)
         if created:
+            self._keep_status = False  # no status of its own yet: ended at close as usual
             existing_params: Mapping[str, str] = {}
         else:
             existing = self._resumed_run()
@@ -254,7 +256,7 @@ class MlflowSink(TrackerSink):
                     f"restore it (mlflow runs restore --run-id {self._run_id}) and start the "
                     "job again, or start it without this sink's checkpointed state for a new run"
                 )
-            if existing.info.status != "RUNNING":
+            if existing.info.status != "RUNNING" and not self._keep_status:
                 self._client.update_run(self._run_id, status="RUNNING")
             existing_params = existing.data.params
             self.found_values_in_backend(self._server_last_steps(existing))
@@ -474,18 +476,28 @@ class MlflowSink(TrackerSink):
         """Leave the run RUNNING at the next close: it lacks reports kept for a replay."""
         self._unfinished = True
 
+    def keep_run_status(self) -> None:
+        """Leave the run's status as found (a replay of a crashed job's spool): see ``Sink``."""
+        self._keep_status = True
+
     def close(self, timeout: float | None = None) -> bool:
         """End the run; return whether that happened within ``timeout`` seconds.
 
         FINISHED, or, closed at exit after an uncaught exception (or in a ``ProcessSink``
         child whose trainer failed or vanished), FAILED (KILLED for Ctrl-C or a killed
         trainer), as MLflow's own ``end_run`` marks them. After ``leave_unfinished`` (its
-        pipeline gave up with reports kept, a replay stopped short) the run stays RUNNING.
+        pipeline gave up with reports kept, a replay stopped short) the run stays RUNNING;
+        after ``keep_run_status`` (a replay of a crashed job's spool into its existing run)
+        the status stays as the replay's ``open`` found it.
         """
         if self._client is None or self._run_id is None:
             return True
         client, run_id = self._client, self._run_id
         self._client = None
+        if self._keep_status:
+            self._keep_status = False
+            logger.info("MlflowSink: run %s left in its status: its job's end is unknown", run_id)
+            return True
         if self._unfinished:
             # Reports it was given are kept for a replay: FINISHED would say the run is whole.
             logger.info(

@@ -365,7 +365,10 @@ def replay_spool(
 
     A close that kept the file wrote the sink's state and the job's run beside it
     (``PATH.state.json``, see ``read_kept_state``): what is not given is taken from there, so
-    the reports land in the job's run, named as the job named it.
+    the reports land in the job's run, named as the job named it, and the sink's close ends
+    the run as the job was ending. A file with no state beside it was left by a job that never
+    closed (a crash): the run's status is left as it is (``Sink.keep_run_status``), since a
+    resumed job may be running the run, or have ended it already.
 
     Args:
         path: The spool file.
@@ -411,6 +414,10 @@ def replay_spool(
                 )
     if resume_state is not None:
         sink.load_state_dict(resume_state)
+    if not os.path.exists(os.fspath(path) + STATE_SUFFIX):
+        # Its job never closed (a crash): how it ended is unknown, and a resumed job may be
+        # running its run, or have ended it already.
+        sink.keep_run_status()
     sink.open(run or RunInfo())
     tracker = sink if isinstance(sink, TrackerSink) else None
     read_all = False

@@ -163,6 +163,16 @@ class Sink(abc.ABC):
         """
         return None
 
+    def keep_run_status(self) -> None:
+        """Let the next ``open`` and ``close`` leave the run's status alone (default: no-op).
+
+        Called before ``open`` by a replay of a spool file whose job never closed (no state
+        file beside it: the job crashed or was killed). How that job ended is unknown, and a
+        resumed job may be running its run, or may have ended it already: a tracker that keeps
+        a run status (MLflow) neither sets it back to running at open nor ends it at close.
+        """
+        return None
+
     def pending_reports(self) -> list[Report]:
         """Reports ``write`` took that the backend may not hold yet (none by default).
 
