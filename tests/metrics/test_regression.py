@@ -148,6 +148,9 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
     metric = R2ScoreMetric(num_outputs=2)
     with pytest.raises(ValueError, match=r"preds.*num_outputs=2"):
         metric.update(torch.zeros(4, 3), torch.zeros(4, 3))
+    # A preds of the wrong width named itself, not the right target (told to take its shape).
+    with pytest.raises(ValueError, match=r"^preds: expected shape \(N, 2\)"):
+        metric.update(torch.zeros(4, 3), torch.zeros(4, 2))
     with pytest.raises(ValueError, match="target"):
         metric.update(torch.zeros(4, 2), torch.zeros(4, 3))
     with pytest.raises(ValueError, match="preds"):

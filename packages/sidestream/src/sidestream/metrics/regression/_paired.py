@@ -88,13 +88,14 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
         preds_t = as_tensor("preds", preds, self.device, floating=True)
         target_t = as_tensor("target", target, self.device, floating=True)
         check_floating("preds", preds_t)
-        check_same_shape(preds_t, target_t)
         outputs = self._num_outputs
+        # preds against num_outputs first: a target of preds' shape would not fix a wrong preds.
         if outputs > 1 and (preds_t.ndim != 2 or preds_t.shape[1] != outputs):
             raise ValueError(
                 f"preds: expected shape (N, {outputs}) for num_outputs={outputs}, "
                 f"got {tuple(preds_t.shape)}"
             )
+        check_same_shape(preds_t, target_t)
         preds_64 = preds_t.to(torch.float64).reshape(-1, outputs)
         target_64 = target_t.to(torch.float64).reshape(-1, outputs)
         if not checks_stay_on_device(preds_t.device):

@@ -25,7 +25,8 @@ class PearsonCorrelationMetric(PairedRegressionMetric):
     Both inputs are shifted by ``shift`` (the target by ``target_shift`` if given) before
     summing; as for ``R2ScoreMetric`` this only guards the one-pass covariance against
     cancellation when the means are far from 0 relative to the spread (relative error about
-    ``1e-16 * (mean - shift)^2 / var``). Fewer than two samples, a constant input, or a variance
+    ``1e-16 * (mean - shift)^2 / var`` per update, growing about with the square root of the
+    number of updates). Fewer than two samples, a constant input, or a variance
     lost to that rounding give NaN. The variances are rooted one at a time, so the result
     holds at any scale whose sums of squares are normal, finite float64 numbers (below that
     the squares underflow: NaN once their loss may exceed what is left), and it is clamped to

@@ -26,7 +26,8 @@ class R2ScoreMetric(PairedRegressionMetric):
     State per output: the squared-error sum, and ``sum(y - s)``, ``sum((y - s)^2)`` of the
     target shifted by ``shift`` ``s``; ``SST = sum((y-s)^2) - sum(y-s)^2 / n``. Shifting
     changes nothing mathematically but removes the cancellation of the one-pass formula: its
-    relative error is about ``1e-16 * (mean(y) - s)^2 / var(y)``, so leave ``shift`` at 0 for
+    relative error is about ``1e-16 * (mean(y) - s)^2 / var(y)`` for one update (growing
+    about with the square root of the number of updates), so leave ``shift`` at 0 for
     targets whose mean is within a few thousand standard deviations of 0, and pass a rough
     mean otherwise (it must be the same on every rank).
 
