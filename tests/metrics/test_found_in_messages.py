@@ -78,3 +78,19 @@ def test_the_message_shows_the_bad_values_and_their_count(
     with pytest.raises(ValueError) as error:
         update()
     assert str(error.value).endswith(message)
+
+
+@pytest.mark.parametrize(
+    ("preds", "target", "hint"),
+    [((4, 1), (4,), "pass preds.squeeze(-1)"), ((4,), (4, 1), "pass target.squeeze(-1)")],
+)
+def test_a_column_against_a_vector_says_which_to_squeeze(
+    preds: tuple[int, ...], target: tuple[int, ...], hint: str
+) -> None:
+    """d9d took binary scores (N, 1) with labels (N,); the error gave no way out."""
+    from sidestream.metrics.classification import BinaryAUROCMetric
+
+    metric = BinaryAUROCMetric()
+    with pytest.raises(ValueError, match=r"^target: expected the shape of preds") as raised:
+        metric.update(torch.rand(preds), torch.randint(0, 2, target))
+    assert hint in str(raised.value)

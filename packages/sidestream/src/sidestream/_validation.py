@@ -118,8 +118,14 @@ def check_floating(argument: str, tensor: Tensor) -> None:
 def check_same_shape(preds: Tensor, target: Tensor) -> None:
     """Raise ``ValueError`` naming ``target`` unless it has exactly ``preds``' shape."""
     if target.shape != preds.shape:
+        hint = ""
+        if preds.shape == (*target.shape, 1):
+            hint = " (a trailing axis of size 1: pass preds.squeeze(-1))"
+        elif target.shape == (*preds.shape, 1):
+            hint = " (a trailing axis of size 1: pass target.squeeze(-1))"
         raise ValueError(
-            f"target: expected the shape of preds {tuple(preds.shape)}, got {tuple(target.shape)}"
+            f"target: expected the shape of preds {tuple(preds.shape)}, got "
+            f"{tuple(target.shape)}{hint}"
         )
 
 
