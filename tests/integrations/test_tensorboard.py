@@ -276,6 +276,38 @@ def test_a_relative_log_dir_resumes_in_the_same_directory_from_another_working_d
     assert [e.step for e in events] == list(range(1, 8))
 
 
+def test_a_given_log_dir_other_than_the_checkpoints_is_written_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same relative log_dir given again from another working directory split the job's
+    TensorBoard run in two without a word (JSONL warns in that case)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    first = TensorBoardSink(log_dir="runs/job")
+    first.open(RunInfo())
+    first.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
+    assert first.flush(30)
+    checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    monkeypatch.chdir(tmp_path / "b")
+    resumed = TensorBoardSink(log_dir="runs/job")  # the config given again: a given one wins
+    resumed.load_state_dict(checkpoint)
+    with caplog.at_level("WARNING", logger="sidestream"):
+        resumed.open(RunInfo())
+    assert resumed.close(timeout=30)
+    warned = [r.getMessage() for r in caplog.records if "checkpoint's run is in" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path / "a" / "runs" / "job") in warned[0]
+    assert str(tmp_path / "b" / "runs" / "job") in warned[0]
+    caplog.clear()
+    same = TensorBoardSink(log_dir=tmp_path / "a" / "runs" / "job")  # the same one: no warning
+    same.load_state_dict(checkpoint)
+    with caplog.at_level("WARNING", logger="sidestream"):
+        same.open(RunInfo())
+    assert same.close(timeout=30)
+    assert not [r for r in caplog.records if "checkpoint's run is in" in r.getMessage()]
+
+
 def test_purge_step_is_refused_since_tensorboard_would_hide_kept_steps(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="purge_step is not supported"):
         TensorBoardSink(log_dir=tmp_path, purge_step=6)

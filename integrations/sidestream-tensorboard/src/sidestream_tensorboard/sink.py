@@ -117,6 +117,7 @@ class TensorBoardSink(TrackerSink):
         _check_writer_ranges(writer_kwargs)
         # A resumed job's saved directory replaces only a default one (see identity).
         self._log_dir_given = log_dir is not None
+        self._saved_log_dir: str | None = None  # a checkpoint's directory, compared at open
         if log_dir is None:
             self._log_dir = _default_log_dir(writer_kwargs.get("comment", ""))
         else:
@@ -188,6 +189,7 @@ class TensorBoardSink(TrackerSink):
 
     @identity.setter
     def identity(self, value: str | None) -> None:
+        self._saved_log_dir = value
         if value is not None and not self._log_dir_given:  # a given directory wins
             self._log_dir = value
 
@@ -202,6 +204,19 @@ class TensorBoardSink(TrackerSink):
         if self._writer is not None:  # an earlier attempt that failed: end its writer
             self._discard_writer()
         earlier = self._earlier_runs_files()  # before this run's first file
+        saved = self._saved_log_dir
+        if (
+            self.resumed
+            and saved is not None
+            and os.path.abspath(saved) != os.path.abspath(self._log_dir)
+        ):
+            self.warn_once(
+                "other-log-dir",
+                f"TensorBoardSink: the checkpoint's run is in {saved}, this sink writes "
+                f"{self._log_dir} (the log_dir given wins; a relative one is resolved in the "
+                "current working directory): TensorBoard shows the two as separate runs; give "
+                "the checkpoint's directory as log_dir (or leave log_dir out) to continue it",
+            )
         if not self.resumed and not self._earlier_files_warned:
             self._earlier_files_warned = True
             if earlier:
