@@ -175,13 +175,15 @@ class SinkRunner:
         Spool files this sink's earlier jobs left behind (a crash, or a close that timed out)
         hold reports never delivered: a warning names them, with how to replay them. Files
         whose kept state names another run (a kept spool of another job in the same
-        directory) are only counted, at INFO.
+        directory), or names none (a console sink's), are only counted, at INFO: their job
+        named them when it closed.
         """
         left, others = _leftovers_of(self._spool.leftovers(), self._state)
         if others:
             logger.info(
-                "sink %r: %d spool file(s) in the spool directory were kept by other runs (their "
-                "state files say so); each was named when its job closed",
+                "sink %r: %d spool file(s) in the spool directory were kept by other runs, or by "
+                "jobs whose state files name no run to tell them apart; each was named when its "
+                "job closed",
                 self.key,
                 len(others),
             )
@@ -1270,7 +1272,11 @@ state names another run is another job's."""
 def _leftovers_of(paths: list[str], state: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """``paths`` split into those that may be this sink's run's and those of other runs.
 
-    A file without a readable kept state (a crashed job writes none) may be this run's.
+    A file without a readable kept state (a crashed job writes none) may be this run's. A file
+    with a kept state was named in a warning when its job closed; if that state names no run
+    (a console sink, a sink of one's own without a run identity), nothing tells it apart from
+    another job's in a shared spool directory (the temp dir by default), so it is counted with
+    the other runs' rather than named again in every later job.
     """
     mine: list[str] = []
     others: list[str] = []
@@ -1279,10 +1285,13 @@ def _leftovers_of(paths: list[str], state: Mapping[str, Any]) -> tuple[list[str]
             kept = read_kept_state(path)
         except ValueError:
             kept = None
-        theirs = None if kept is None else kept.state
+        if kept is None:
+            mine.append(path)
+            continue
+        theirs = kept.state
         named = [key for key in _RUN_KEYS if theirs and theirs.get(key) is not None]
-        same = any(theirs is not None and theirs.get(key) == state.get(key) for key in named)
-        (mine if not named or same else others).append(path)
+        same = any(theirs.get(key) == state.get(key) for key in named)
+        (mine if same else others).append(path)
     return mine, others
 
 
