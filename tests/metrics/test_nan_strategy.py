@@ -250,3 +250,18 @@ def test_ignore_still_refuses_a_bad_weight_of_a_nan_value(weights: Tensor, compi
     metric.update(values, torch.tensor([5.0, 3.0]))
     assert metric.compute().item() == (4.0 + 3.0) / 4.0
     assert int(metric.nan_count) == 1
+
+
+@pytest.mark.parametrize(("saved", "loading"), [("ignore", "disable"), ("disable", "error")])
+def test_a_checkpoint_of_another_nan_strategy_says_so(saved: str, loading: str) -> None:
+    """Only "missing keys ['rejected']" was said: it read as a damaged checkpoint."""
+    from sidestream import ComposeMetric, MaxMetric, MeanMetric
+
+    checkpoint = ComposeMetric({"m": MeanMetric(nan_strategy=saved), "x": MaxMetric()})
+    target = ComposeMetric({"m": MeanMetric(nan_strategy=loading), "x": MaxMetric()})
+    with pytest.raises(KeyError, match=rf"by nan_strategy \(now '{loading}'\)"):
+        target.load_state_dict(checkpoint.state_dict())
+    # Keys of another metric altogether get no such hint.
+    with pytest.raises(KeyError) as other:
+        MaxMetric().load_state_dict(MeanMetric().state_dict())
+    assert "nan_strategy" not in str(other.value)

@@ -402,6 +402,25 @@ class Metric(Generic[T], abc.ABC):
             if isinstance(value, Metric):
                 yield from value._named_metrics(f"{prefix}{name}.")
 
+    def _key_hints(self, keys: list[str]) -> str:
+        """What the metrics of the tree say of checkpoint ``keys`` they miss or do not know."""
+        hints = []
+        for prefix, metric in self._named_metrics():
+            own = {k[len(prefix) :] for k in keys if k.startswith(prefix)}
+            own = {k for k in own if "." not in k}  # not a child's
+            hint = metric._state_key_hint(own) if own else ""
+            if hint and hint not in hints:
+                hints.append(hint)
+        return "".join(f"; {hint}" for hint in hints)
+
+    def _state_key_hint(self, names: set[str]) -> str:
+        """Why a checkpoint may lack, or hold, this metric's states ``names`` ("": no idea).
+
+        ``load_state_dict`` adds it to its error, so a checkpoint of another configuration
+        does not read as a damaged one. The default says nothing.
+        """
+        return ""
+
     def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, Any]) -> None:
         """Rewrite, in place, a checkpoint's keys of an older layout of this metric's states.
 
@@ -1144,7 +1163,7 @@ class Metric(Generic[T], abc.ABC):
         if missing or unexpected:
             raise KeyError(
                 f"state_dict: missing keys {missing}, unexpected keys {unexpected} "
-                f"for {type(self).__name__}"
+                f"for {type(self).__name__}{self._key_hints(missing + unexpected)}"
             )
         saved: dict[str, torch.Tensor] = {}
         # Constants first: a checkpoint of other bins is told as such, not as a histogram of

@@ -58,6 +58,15 @@ class NanScreenedMetric(Metric[Tensor]):
         checks = counts_rejected or self._nan.checks
         self._rejected = MetricAccumulator(0, dtype=torch.int64) if checks else None
 
+    def _state_key_hint(self, names: set[str]) -> str:
+        if names <= {"nan_count", "rejected", "configuration"}:
+            return (
+                "'nan_count' and 'rejected' exist or not by nan_strategy (now "
+                f"{self._nan._strategy!r}): load into a metric made with the nan_strategy "
+                "it was saved with"
+            )
+        return ""
+
     @property
     def rejected_updates(self) -> Tensor:
         """Batches dropped for bad values on CUDA (CPU raises instead); 0 without checks."""

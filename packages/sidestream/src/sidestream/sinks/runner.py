@@ -1290,7 +1290,7 @@ def _leftovers_of(paths: list[str], state: Mapping[str, Any]) -> tuple[list[str]
             continue
         theirs = kept.state
         named = [key for key in _RUN_KEYS if theirs and theirs.get(key) is not None]
-        same = any(theirs.get(key) == state.get(key) for key in named)
+        same = theirs is not None and any(theirs.get(key) == state.get(key) for key in named)
         (mine if same else others).append(path)
     return mine, others
 
