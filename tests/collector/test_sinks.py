@@ -81,6 +81,34 @@ def test_jsonl_writes_standard_json_and_resumes_without_duplicates(tmp_path: Pat
     assert list(frame["step"]) == [1, 2, 3] and frame["values"][0]["acc"] == "NaN"
 
 
+def test_a_step_at_or_below_the_checkpoints_is_skipped_with_a_warning_once_per_stream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resumed job whose step counter started again lost every report, silently. Steps a
+    crashed job delivered after its checkpoint are still skipped quietly."""
+    path = tmp_path / "m.jsonl"
+    sink = JsonlSink(path)
+    sink.open(RunInfo())
+    for step in range(1, 6):
+        sink.write(Report(step=step, values={"x": 1.0}, time=0.0, stream="train"))
+        if step == 3:
+            saved = sink.state_dict()  # steps 4 and 5 land after the checkpoint
+    sink.close()
+    resumed = JsonlSink(path)
+    resumed.load_state_dict(saved)
+    resumed.open(RunInfo())
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        for step in (4, 5):  # the crashed job's steps after its checkpoint: no warning
+            resumed.write(Report(step=step, values={"x": 2.0}, time=0.0, stream="train"))
+        assert not caplog.records
+        for step in (1, 2, 3, 6):
+            resumed.write(Report(step=step, values={"x": 2.0}, time=0.0, stream="train"))
+    resumed.close()
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "stream 'train' step 1 is at or below step 3" in warning
+    assert [line["step"] for line in read_jsonl(path)] == [1, 2, 3, 4, 5, 6]
+
+
 def test_jsonl_writes_non_finite_values_of_a_2d_histogram_and_reads_them_back(
     tmp_path: Path,
 ) -> None:

@@ -403,6 +403,35 @@ def _checkpoint_of_one_step(uri: str, experiment: str) -> dict[str, Any]:
     return checkpoint
 
 
+def test_a_resume_of_another_jobs_run_or_config_says_so(
+    shm_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another job's checkpoint loaded by mistake: JSONL and TensorBoard warned, MLflow went on
+    in that job's run (skipping its steps) without a word, and dropped this job's changed
+    params (MLflow keeps a run's first value of each)."""
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    first = MlflowSink(tracking_uri=uri, experiment="e")
+    first.open(RunInfo(name="X", config={"lr": 0.1, "layers": 4}))
+    checkpoint = first.state_dict()
+    assert first.close(timeout=30)
+    same = MlflowSink(tracking_uri=uri, experiment="e")
+    same.load_state_dict(checkpoint)
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        same.open(RunInfo(name="X", config={"lr": 0.1, "layers": 4}))  # the job resumed
+    assert same.close(timeout=30)
+    assert not caplog.records
+    other = MlflowSink(tracking_uri=uri, experiment="e")
+    other.load_state_dict(checkpoint)
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        other.open(RunInfo(name="Y", config={"lr": 0.5, "layers": 4, "new": 1}))
+    assert other.close(timeout=30)
+    text = caplog.text
+    assert f"the checkpoint's run {checkpoint['run_id']} is named 'X', this job 'Y'" in text
+    assert "keeps its params ['lr']" in text
+    params = MlflowClient(tracking_uri=uri).get_run(checkpoint["run_id"]).data.params
+    assert params == {"lr": "0.1", "layers": "4", "new": "1"}
+
+
 def test_a_resume_configured_with_another_experiment_continues_the_run_where_it_is(
     shm_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -177,6 +177,9 @@ def test_checkpoint_keeps_its_shift(kind: Any) -> None:
         ValueError, match=r"state_dict\['shift'\]: saved with \[2.0\], this metric has \[5.0\]"
     ):
         kind(shift=5.0).load_state_dict(saved)
+    # Another output count is not another shift: the message says the size differs.
+    with pytest.raises(ValueError, match=r"shape \(1,\) against this one's \(2,\): a metric of"):
+        kind(num_outputs=2, shift=2.0).load_state_dict(saved)
     resumed = kind(shift=2.0)
     resumed.load_state_dict(saved)
     resumed.update(torch.as_tensor(second["preds"]), torch.as_tensor(second["target"]))

@@ -259,6 +259,15 @@ class MlflowSink(TrackerSink):
             if existing.info.status != "RUNNING" and not self._keep_status:
                 self._client.update_run(self._run_id, status="RUNNING")
             existing_params = existing.data.params
+            name = self._run_name if self._run_name is not None else run.name
+            saved_name = existing.info.run_name
+            if name and saved_name and saved_name != shorten(name, MAX_RUN_NAME_LENGTH):
+                self.warn_once(
+                    "other-run-name",
+                    f"MlflowSink: the checkpoint's run {self._run_id} is named {saved_name!r}, "
+                    f"this job {name!r}: a checkpoint of another job? The steps that run already "
+                    "has are skipped, not logged again",
+                )
             self.found_values_in_backend(self._server_last_steps(existing))
         self._history_steps = {}
         self._log_params(run, existing_params)
@@ -370,6 +379,13 @@ class MlflowSink(TrackerSink):
             Param(_key(key), shorten(str(value), MAX_PARAM_VALUE_LENGTH))
             for key, value in flatten_config(run.config, plain_types=()).items()
         ]
+        changed = sorted(p.key for p in params if p.key in existing and existing[p.key] != p.value)
+        if changed:
+            self.warn_once(
+                "changed-params",
+                f"MlflowSink: the resumed run keeps its params {changed}; this job's config has "
+                "other values for them (MLflow params cannot change)",
+            )
         params = [param for param in params if param.key not in existing]
         for start in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
             chunk = params[start : start + MAX_PARAMS_TAGS_PER_BATCH]

@@ -242,10 +242,18 @@ class MetricAccumulator:
         own = self._initial.detach().cpu().to(self._compared_as)
         theirs = saved.detach().cpu().to(self._compared_as)
         if not torch.equal(theirs, own):
+            # Another shape is not a value that changed: the metric that saved it has another
+            # size (outputs, classes, bins), which is what the user changed.
+            why = (
+                f"; shape {tuple(theirs.shape)} against this one's {tuple(own.shape)}: a "
+                "metric of another size (outputs, classes, bins) saved it"
+                if theirs.shape != own.shape
+                else "; the other states mean something only with their own value"
+            )
             raise ValueError(
                 f"state_dict[{key!r}]: saved with {_describe_constant(theirs)}, this metric has "
-                f"{_describe_constant(own)}; the other states mean something only with their "
-                "own value, so load the checkpoint into a metric configured the same"
+                f"{_describe_constant(own)}{why}, so load the checkpoint into a metric "
+                "configured the same"
             )
 
     def _bind(self, local: Tensor, initial: Tensor, synced: Tensor) -> None:

@@ -73,6 +73,10 @@ class TrackerSink(Sink):
         # A state from before streams: one last step for all of them.
         self._sent_default: int | None = None
         self._delivered_default: int | None = None
+        # The steps a loaded checkpoint had delivered (not those found in the backend since):
+        # a report at or below one is a step counter gone back past the checkpoint.
+        self._loaded: dict[str, int] = {}
+        self._loaded_default: int | None = None
         # Sent and not counted as delivered yet (durable_on_send False): a checkpoint or a
         # close that times out keeps them, so a backend that lost them gets them again.
         self._unconfirmed: collections.deque[Report] = collections.deque()
@@ -391,6 +395,7 @@ class TrackerSink(Sink):
         newest: dict[str, int] = {}
         for report in reports:
             if self.is_delivered(report):
+                self._warn_below_checkpoint(report)
                 continue
             top = newest.get(report.stream)
             if top is not None and report.step <= top:
@@ -462,7 +467,27 @@ class TrackerSink(Sink):
         with self._lock:
             self._sent, self._delivered = dict(steps), dict(steps)
             self._sent_default = self._delivered_default = default
+        self._loaded, self._loaded_default = dict(steps), default
         self._resumed = True
+
+    def _warn_below_checkpoint(self, report: Report) -> None:
+        """Warn once per stream of a skipped report at or below its checkpoint's step.
+
+        Steps a crashed job delivered after its checkpoint are skipped quietly (the resumed
+        job repeats them); a step the checkpoint itself had means the job's step counter went
+        back past it (it started again at 1?), and every report until it passes is lost.
+        """
+        last = self._loaded.get(report.stream, self._loaded_default)
+        if last is not None and report.step <= last:
+            stream = f"stream {report.stream!r}" if report.stream else "Run.log's values"
+            self.warn_once(
+                f"below-checkpoint:{report.stream}",
+                f"{type(self).__name__}: {stream} step {report.step} is at or "
+                f"below step {last}, which this run had delivered when its checkpoint was "
+                f"taken: it is skipped, as is every report of the stream up to step {last}. A "
+                "resumed job continues after its checkpoint's step; one whose step counter "
+                "started again logs nothing until it passes it",
+            )
 
     # ------------------------------------------------------------------ helpers
 
