@@ -432,6 +432,32 @@ def test_a_resume_of_another_jobs_run_or_config_says_so(
     assert params == {"lr": "0.1", "layers": "4", "new": "1"}
 
 
+def test_a_replay_of_a_kept_spool_does_not_warn_of_another_job_or_config(
+    shm_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kept config comes back from JSON (a tuple as a list) and the kept options lacked
+    run_name: every replay warned of changed params and of another job's run."""
+    from sidestream.sinks import replay_spool
+    from sidestream.sinks._spool_format import encode_report, read_kept_state, write_kept_state
+
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    info = RunInfo(name="job", config={"optim": {"betas": (0.9, 0.95)}, "lr": 0.1})
+    sink = MlflowSink(tracking_uri=uri, experiment="e", run_name="my-run")
+    sink.open(info)
+    sink.write(Report(step=1, values={"loss": 1.0}, time=0.0))
+    spool = shm_path / "job.spool.jsonl"
+    spool.write_bytes(encode_report(Report(step=2, values={"loss": 2.0}, time=0.0)))
+    write_kept_state(str(spool), "mlflow", sink.state_dict(), info, sink.replay_options())
+    sink.leave_unfinished()
+    assert sink.close(timeout=30)
+    kept = read_kept_state(spool)
+    assert kept is not None and kept.options["run_name"] == "my-run"
+    replayed = MlflowSink(**kept.options)
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        assert replay_spool(spool, replayed).closed
+    assert not [r for r in caplog.records if "MlflowSink" in r.getMessage()], caplog.text
+
+
 def test_a_resume_configured_with_another_experiment_continues_the_run_where_it_is(
     shm_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 import threading
@@ -300,12 +301,51 @@ def test_a_given_log_dir_other_than_the_checkpoints_is_written_with_a_warning(
     assert len(warned) == 1 and str(tmp_path / "a" / "runs" / "job") in warned[0]
     assert str(tmp_path / "b" / "runs" / "job") in warned[0]
     caplog.clear()
-    same = TensorBoardSink(log_dir=tmp_path / "a" / "runs" / "job")  # the same one: no warning
-    same.load_state_dict(checkpoint)
-    with caplog.at_level("WARNING", logger="sidestream"):
-        same.open(RunInfo())
-    assert same.close(timeout=30)
-    assert not [r for r in caplog.records if "checkpoint's run is in" in r.getMessage()]
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    for log_dir in (tmp_path / "a" / "runs" / "job", tmp_path / "link" / "runs" / "job"):
+        same = TensorBoardSink(log_dir=log_dir)  # the same directory: no warning
+        same.load_state_dict(checkpoint)
+        with caplog.at_level("WARNING", logger="sidestream"):
+            same.open(RunInfo())
+        assert same.close(timeout=30)
+        assert not [r for r in caplog.records if "checkpoint's run is in" in r.getMessage()]
+
+
+def test_a_resume_after_the_checkpoints_step_does_not_warn_of_a_restarted_counter(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The checkpoint's undelivered reports are read before the sinks' states, so rows sent in
+    between are in both: re-sent first by the resumed job, they were taken for a step counter
+    that went back past the checkpoint (a warning on every ordinary resume)."""
+    import torch
+
+    from sidestream import Run, SumMetric
+
+    def job(steps: range, checkpoint: dict[str, Any] | None) -> dict[str, Any]:
+        run = Run([TensorBoardSink(log_dir=tmp_path)])
+        if checkpoint is not None:
+            run.load_state_dict(checkpoint)
+        train = run.collector(SumMetric(), prefix="train").bind("cpu")
+        for step in steps:
+            train.metric.update(torch.tensor([float(step)]))
+            train.schedule_collection(step)
+            run.log(step, {"lr": 0.1})
+        saved = run.state_dict()
+        assert run.close(timeout=30)
+        return saved
+
+    checkpoint = job(range(1, 6), None)
+    below = [line for line in checkpoint["undelivered"]["tensorboard"].splitlines()]
+    assert below, "the checkpoint holds no undelivered rows: the case is not exercised"
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        job(range(6, 9), checkpoint)
+    assert not [r for r in caplog.records if "at or below" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        job(range(1, 4), checkpoint)  # a step counter that started again: said per stream
+    warned = sorted(r.getMessage() for r in caplog.records if "at or below" in r.getMessage())
+    assert len(warned) == 2 and "stream 'train' step 1" in warned[0], warned
+    assert "the unnamed stream" in warned[1]
+    assert [e.step for e in _load(tmp_path).Scalars("train")] == list(range(1, 9))
 
 
 def test_purge_step_is_refused_since_tensorboard_would_hide_kept_steps(tmp_path: Path) -> None:

@@ -574,3 +574,38 @@ def test_ignore_index_applies_to_bool_binary_targets_too() -> None:
     for name, int_counts in results[0].items():
         assert torch.equal(int_counts, results[1][name]), name
     assert results[1]["fp"].sum().item() == 0  # no false positive: the negatives are ignored
+
+
+def test_updates_after_a_validation_pass_in_inference_mode_still_work() -> None:
+    """A scratch tensor first made under torch.inference_mode() is an inference tensor: every
+    later CPU update outside it that wrote into it raised, for every metric of that kind in
+    the process (calibration; weighted means past one chunk)."""
+    import threading
+
+    from sidestream import WeightedMeanMetric
+    from sidestream.metrics.classification import MulticlassCalibrationErrorMetric
+
+    def run() -> None:  # a thread of its own: its scratch tensors are made here, fresh
+        generator = torch.Generator().manual_seed(0)
+        calibration = MulticlassCalibrationErrorMetric(4, 7)
+        weighted = WeightedMeanMetric()
+        big = torch.rand(2**18, generator=generator)
+        for inference in (True, False, True, False):
+            with torch.inference_mode(inference):
+                scores = torch.randn(8, 4, generator=generator).softmax(-1)
+                calibration.update(scores, torch.randint(0, 4, (8,), generator=generator))
+                weighted.update(big, big)
+        assert torch.isfinite(calibration.compute()) and torch.isfinite(weighted.compute())
+
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _record(run, errors))
+    thread.start()
+    thread.join()
+    assert not errors, errors
+
+
+def _record(function: Any, errors: list[BaseException]) -> None:
+    try:
+        function()
+    except BaseException as error:
+        errors.append(error)

@@ -261,7 +261,12 @@ class MlflowSink(TrackerSink):
             existing_params = existing.data.params
             name = self._run_name if self._run_name is not None else run.name
             saved_name = existing.info.run_name
-            if name and saved_name and saved_name != shorten(name, MAX_RUN_NAME_LENGTH):
+            if (
+                name
+                and saved_name
+                and saved_name != shorten(name, MAX_RUN_NAME_LENGTH)
+                and not self.replaying  # a replay's run is the kept one, not a job's config
+            ):
                 self.warn_once(
                     "other-run-name",
                     f"MlflowSink: the checkpoint's run {self._run_id} is named {saved_name!r}, "
@@ -370,7 +375,12 @@ class MlflowSink(TrackerSink):
                 tracking_uri = mlflow.get_tracking_uri()  # the default store this job used
             except Exception:
                 return {}
-        return {"tracking_uri": uri_without_password(_absolute_store(tracking_uri))}
+        options: dict[str, Any] = {
+            "tracking_uri": uri_without_password(_absolute_store(tracking_uri))
+        }
+        if self._run_name is not None:  # a replay names a run it creates as the job would
+            options["run_name"] = self._run_name
+        return options
 
     def _log_params(self, run: RunInfo, existing: Mapping[str, str]) -> None:
         from mlflow.entities import Param
@@ -380,7 +390,9 @@ class MlflowSink(TrackerSink):
             for key, value in flatten_config(run.config, plain_types=()).items()
         ]
         changed = sorted(p.key for p in params if p.key in existing and existing[p.key] != p.value)
-        if changed:
+        # A replay's config is the job's as kept in JSON (a tuple comes back a list): not a
+        # config that changed.
+        if changed and not self.replaying:
             self.warn_once(
                 "changed-params",
                 f"MlflowSink: the resumed run keeps its params {changed}; this job's config has "

@@ -208,7 +208,7 @@ class TensorBoardSink(TrackerSink):
         if (
             self.resumed
             and saved is not None
-            and os.path.abspath(saved) != os.path.abspath(self._log_dir)
+            and os.path.realpath(saved) != os.path.realpath(self._log_dir)  # a symlink: same
         ):
             self.warn_once(
                 "other-log-dir",

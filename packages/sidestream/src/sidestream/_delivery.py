@@ -217,7 +217,10 @@ class Delivery:
             for runner in runners:
                 runner.start()
             for runner in runners:
-                runner.submit_backlog(self.backlogs.get(runner.key, "").encode())
+                runner.submit_backlog(
+                    self.backlogs.get(runner.key, "").encode(),
+                    _saved_steps(self.resume_states.get(runner.key)),
+                )
                 handed.append(runner)
         except BaseException as error:
             self._withdraw(runners, handed, interrupted=not isinstance(error, Exception))
@@ -836,3 +839,23 @@ def _copy_of(report: Report) -> Report:
         values=dict(report.values),
         histograms={name: values.clone() for name, values in report.histograms.items()},
     )
+
+
+def _saved_steps(state: Any) -> dict[str, int]:
+    """The last delivered step per stream a tracker sink's saved state holds ({} if none).
+
+    A checkpoint's undelivered reports are read before the sinks' states, so a report
+    delivered in between (a TensorBoard or W&B row sent, flushed by the checkpoint) is in
+    both: the resumed sink would skip it anyway, and must not take it for a step counter
+    that went back past the checkpoint.
+    """
+    if not isinstance(state, Mapping):
+        return {}
+    pairs = steps_as_pairs(state).get("last_steps")
+    if not isinstance(pairs, list):
+        return {}
+    return {
+        pair[0]: pair[1]
+        for pair in pairs
+        if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[1], int)
+    }

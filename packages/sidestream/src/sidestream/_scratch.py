@@ -31,6 +31,12 @@ def scratch(
     numel = math.prod(shape)
     key = (name, dtype, device)
     kept = cache.get(key)
-    if kept is None or kept.numel() < numel:
+    # One made under torch.inference_mode() is an inference tensor, which no in-place op may
+    # write outside inference mode (a validation pass, then training): make a new one then.
+    if (
+        kept is None
+        or kept.numel() < numel
+        or (kept.is_inference() and not torch.is_inference_mode_enabled())
+    ):
         kept = cache[key] = torch.empty(numel, dtype=dtype, device=device)
     return kept[:numel].view(shape)

@@ -418,8 +418,10 @@ def replay_spool(
         # Its job never closed (a crash): how it ended is unknown, and a resumed job may be
         # running its run, or have ended it already.
         sink.keep_run_status()
-    sink.open(run or RunInfo())
     tracker = sink if isinstance(sink, TrackerSink) else None
+    if tracker is not None:
+        tracker.replaying = True
+    sink.open(run or RunInfo())
     read_all = False
     try:
         for report in read_spool(path, damaged=result.damaged if skip_damaged else None):

@@ -61,6 +61,9 @@ class TrackerSink(Sink):
     identity_key: ClassVar[str] = "run_id"
     identity_is_path: ClassVar[bool] = False
     durable_on_send: ClassVar[bool] = True
+    #: Set by ``replay_spool`` before ``open``: the run given is the job's as a spool kept it
+    #: (JSON: a tuple comes back a list), so it is no sign of another job or config.
+    replaying: bool = False
     skips_values: ClassVar[bool] = False
     """Whether ``skip_value`` may leave values out: its state then always has
     ``skipped_values`` (torch.distributed.checkpoint loads only the keys a fresh state has)."""
@@ -479,7 +482,11 @@ class TrackerSink(Sink):
         """
         last = self._loaded.get(report.stream, self._loaded_default)
         if last is not None and report.step <= last:
-            stream = f"stream {report.stream!r}" if report.stream else "Run.log's values"
+            stream = (
+                f"stream {report.stream!r}"
+                if report.stream
+                else "the unnamed stream (Run.log's values, or a collector without prefix)"
+            )
             self.warn_once(
                 f"below-checkpoint:{report.stream}",
                 f"{type(self).__name__}: {stream} step {report.step} is at or "
