@@ -772,3 +772,34 @@ def test_a_refused_collector_leaves_the_metrics_group_as_it_was(dist_pool: RankP
     world = dist_pool.world_size
     expected = world * (world + 1) / 2
     assert dist_pool.run(_checkpoint_after_a_refused_collector) == [(True, expected)] * world
+
+
+def _schedule_late_on_rank1() -> list[str]:
+    from sidestream.collector import _dispatcher
+
+    _dispatcher.SLOW_WINDOW_S, _dispatcher._WATCH_EVERY_S = 0.5, 0.05
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("sidestream.collector").addHandler(handler)
+    try:
+        collector = AsyncMetricCollector(SumMetric(), prefix="val").bind("cpu")
+        collector.metric.update(torch.tensor([1.0]))
+        if dist.get_rank() == 1:
+            time.sleep(2.0)  # a rank that reaches the window late (or never: a rank-0 branch)
+        collector.schedule_collection(7)
+        assert collector.collect_results(timeout=60) is not None
+        assert collector.close(timeout=60)
+    finally:
+        logging.getLogger("sidestream.collector").removeHandler(handler)
+    return [m for m in messages if "waited" in m]
+
+
+def test_a_window_that_waits_long_for_its_reduction_is_named(dist_pool: RankPool) -> None:
+    """A window one rank skipped next to DDP's collectives hung for the process group's
+    timeout (30 minutes with gloo) without a word: it is named once it waited long."""
+    warned = dist_pool.run(_schedule_late_on_rank1, timeout=120)
+    assert len(warned[0]) == 1, warned
+    assert "window at step 7 of stream 'val' has waited" in warned[0][0]
+    assert "schedule_collection" in warned[0][0]
+    assert warned[1] == []  # the late rank's own window did not wait

@@ -6,6 +6,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,6 +33,12 @@ logger = logging.getLogger("sidestream.collector")
 _STOP = object()
 _STEPS_NAMED = 8  # failed windows' steps a collect_results error lists
 _IDLE_STOP_S = 1.0  # how long an idle dispatcher thread may take to see the stop
+SLOW_WINDOW_S = 60.0
+"""A window whose reduction has waited this long is named in a warning (once): a rank that
+skipped its schedule_collection (a validation pass under ``if rank == 0:``) pairs the window
+with another collective, such as DDP's all-reduce, and both wait for the process group's
+timeout (30 minutes for gloo) without a word."""
+_WATCH_EVERY_S = 5.0
 
 
 class ReportTarget(Protocol):
@@ -78,8 +85,14 @@ class Dispatcher:
         self._mismatch: RankMismatchError | None = None
         self._layouts: dict[Any, _Layout] = {}
         self._failed_submits: set[str] = set()
+        self._waiting: tuple[int, float] | None = None  # (step, since): a reduction waited for
+        self._watch_stop = threading.Event()  # set when the dispatcher thread ends
         self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
         self._thread.start()
+        self._watch_thread = threading.Thread(
+            target=self._watch, name="sidestream-dispatch-watch", daemon=True
+        )
+        self._watch_thread.start()
 
     def submit(self, window: Window) -> None:
         """Queue ``window`` (returns at once)."""
@@ -146,7 +159,10 @@ class Dispatcher:
         if idle and timeout is not None:
             timeout = max(timeout, _IDLE_STOP_S)
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        self._watch_thread.join(_IDLE_STOP_S)  # sees the stop at once
+        return True
 
     @property
     def alive(self) -> bool:
@@ -177,6 +193,12 @@ class Dispatcher:
             return self._scheduled - self._processed
 
     def _work(self) -> None:
+        try:
+            self._work_until_stop()
+        finally:
+            self._watch_stop.set()
+
+    def _work_until_stop(self) -> None:
         while True:
             window = self._windows.get()
             if window is _STOP:
@@ -204,6 +226,28 @@ class Dispatcher:
                 self._processed += 1
                 self._cond.notify_all()
 
+    def _watch(self) -> None:
+        """Warn once per window whose reduction waits longer than ``SLOW_WINDOW_S``."""
+        warned: int | None = None
+        while not self._watch_stop.wait(_WATCH_EVERY_S):
+            waiting = self._waiting  # one read: set and cleared by the dispatcher thread
+            if waiting is None or waiting[0] == warned:
+                continue
+            step, since = waiting
+            waited = time.monotonic() - since
+            if waited >= SLOW_WINDOW_S:
+                warned = step
+                logger.warning(
+                    "window at step %d of stream %r has waited %.0f s for its reduction across "
+                    "ranks: is a rank stopped or gone, or did one not call schedule_collection "
+                    "for it (a validation pass under `if rank == 0:`)? Every rank must schedule "
+                    "every window of every stream, in the same order; this one fails at the "
+                    "process group's timeout",
+                    step,
+                    self._prefix,
+                    waited,
+                )
+
     def _failed(self, step: int, error: Exception) -> None:
         """Count, keep and (the first) log the failure of the window at ``step``."""
         with self._cond:
@@ -228,11 +272,15 @@ class Dispatcher:
 
     def _process(self, window: Window) -> tuple[int, Any]:
         try:
+            self._waiting = (window.step, time.monotonic())
             if window.side is not None:
                 tree, leaves = _finish_on_side_stream(window)
             else:
                 assert window.batch is not None
-                window.batch.wait()
+                try:
+                    window.batch.wait()
+                finally:
+                    self._waiting = None
                 tree = flatten_tree(window.slot.metric.compute())
                 leaves = list(tree.leaves)
             # One tolist per leaf and plain Python after it: every torch call here lets the
@@ -240,6 +288,7 @@ class Dispatcher:
             python_leaves = [leaf.tolist() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
             rejected = rejected_on_host(window)
         finally:
+            self._waiting = None
             # Also when the reduction or compute() failed: the slot is free either way, and
             # the training thread may be waiting for one (see AsyncMetricCollector max_slots).
             self._release(window.slot)
