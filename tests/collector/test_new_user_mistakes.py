@@ -237,3 +237,17 @@ def test_a_sink_max_batch_below_one_is_refused_when_the_run_is_built(
         Run([sink])
     with pytest.raises(error, match=r"^sinks\[0\]\.max_batch: expected an int >= 1"):
         AsyncMetricCollector(MeanMetric(), sinks=[sink])
+
+
+def test_a_with_block_per_validation_pass_says_the_collector_is_closed(tmp_path: Path) -> None:
+    """The second `with val:` entered a closed collector silently; schedule_collection then
+    asked for a bind that bind itself refused ("already bound (or closed)")."""
+    run = Run([JsonlSink(tmp_path / "m.jsonl")])
+    val = run.collector(MeanMetric(), prefix="val")
+    with val:  # the first pass binds, and closes at its end
+        val.metric.update(torch.tensor([1.0]))
+        val.schedule_collection(100)
+    for call in (val.__enter__, lambda: val.schedule_collection(200), lambda: val.bind("cpu")):
+        with pytest.raises(RuntimeError, match=r"the collector is closed \(a `with collector:`"):
+            call()
+    assert run.close(timeout=30)

@@ -67,6 +67,14 @@ _BOUND: weakref.WeakValueDictionary[int, AsyncMetricCollector[Any]] = weakref.We
 DEFAULT_MAX_SLOTS = 8
 
 
+_CLOSED = (
+    "the collector is closed (a `with collector:` block closes it at its end) and cannot be "
+    "bound again; bind a collector once, outside the loop, and close it once at the end: a "
+    "stream used in several passes (validation) keeps its collector, and a Run's collectors "
+    "are closed by run.close()"
+)
+
+
 class AsyncMetricCollector(Generic[T]):
     """Reduce, compute and log a metric every window without stalling the training thread.
 
@@ -298,8 +306,10 @@ class AsyncMetricCollector(Generic[T]):
                 ``device`` is ``"meta"``, or a str torch cannot parse or a negative index.
         """
         check_device("bind", device, allow_none=True)
-        if self._dispatcher is not None or self._closed:
-            raise RuntimeError("bind: the collector is already bound (or closed)")
+        if self._closed:
+            raise RuntimeError(f"bind: {_CLOSED}")
+        if self._dispatcher is not None:
+            raise RuntimeError("bind: the collector is already bound")
         self._refuse_a_metric_bound_elsewhere("bind")
         target = torch.device(device) if device is not None else self._metric.device
         check_cuda_available("bind", target)
@@ -519,8 +529,10 @@ class AsyncMetricCollector(Generic[T]):
                 ``[0, 2**63)`` (it travels as an int64); or a wrapped torchmetrics metric's
                 setting changed after ``wrap()``.
         """
-        if self._dispatcher is None or self._closed:
-            raise RuntimeError("schedule_collection: call bind(device) first (and not after close)")
+        if self._closed:
+            raise RuntimeError(f"schedule_collection: {_CLOSED}")
+        if self._dispatcher is None:
+            raise RuntimeError("schedule_collection: call bind(device) first")
         if not self._scheduling.acquire(blocking=False):
             raise RuntimeError(
                 "schedule_collection: called from another thread while a call is in progress; "
@@ -1005,6 +1017,8 @@ class AsyncMetricCollector(Generic[T]):
         self.close(exit_time_left(self._delivery.options.exit_timeout))
 
     def __enter__(self) -> Self:
+        if self._closed:
+            raise RuntimeError(f"with collector: {_CLOSED}")
         if self._dispatcher is None:
             self.bind()
         return self
