@@ -252,6 +252,13 @@ def test_unknown_sink_and_bad_options() -> None:
         sinks_from_config({"console": 3})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="names or dicts with a 'type'"):
         sinks_from_config([{"path": "x"}])
+    # A required option left out is named with how to give it (Python's own error named
+    # neither the sink nor the config: "__init__() missing 1 required positional argument").
+    for config in ({"jsonl": {}}, {"jsonl": None}, ["jsonl"]):
+        with pytest.raises(
+            TypeError, match=r"sink 'jsonl': missing required option\(s\) \['path'\]"
+        ):
+            sinks_from_config(config)  # type: ignore[arg-type]
 
 
 def test_runner_spools_overflow_and_keeps_order(tmp_path: Path) -> None:

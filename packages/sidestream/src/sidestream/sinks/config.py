@@ -260,3 +260,30 @@ def _check_options(name: str, factory: Any, options: Mapping[str, Any]) -> None:
     if accepted is not None:
         accepted = accepted | {"child_process"}
     refuse_unknown_options(f"sinks_from_config: sink {name!r}", options, accepted)
+    _refuse_missing_options(name, factory, options)
+
+
+def _refuse_missing_options(name: str, factory: Any, options: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` naming the required options that ``options`` lacks.
+
+    Python's own error ("__init__() missing 1 required positional argument") names neither
+    the sink nor how to give the option in a config (or to the replay command).
+    """
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return
+    required = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    missing = [
+        p.name
+        for p in parameters
+        if p.kind in required and p.default is inspect.Parameter.empty and p.name not in options
+    ]
+    if missing:
+        example = ", ".join(f"{option!r}: ..." for option in missing)
+        raise TypeError(
+            f"sinks_from_config: sink {name!r}: missing required option(s) {missing}: give "
+            f"them in its options ({{{name!r}: {{{example}}}}}; to the replay command: "
+            + " ".join(f"--option {option}=..." for option in missing)
+            + ")"
+        )
