@@ -248,6 +248,6 @@ def test_a_with_block_per_validation_pass_says_the_collector_is_closed(tmp_path:
         val.metric.update(torch.tensor([1.0]))
         val.schedule_collection(100)
     for call in (val.__enter__, lambda: val.schedule_collection(200), lambda: val.bind("cpu")):
-        with pytest.raises(RuntimeError, match=r"the collector is closed \(a `with collector:`"):
+        with pytest.raises(RuntimeError, match=r"the collector is closed \(by close\(\)"):
             call()
     assert run.close(timeout=30)

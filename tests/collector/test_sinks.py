@@ -261,6 +261,31 @@ def test_unknown_sink_and_bad_options() -> None:
             sinks_from_config(config)  # type: ignore[arg-type]
 
 
+_FROM_ENV: Any = None
+
+
+def test_a_factory_that_fills_a_required_option_itself_still_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """functools.wraps shows the class's signature, whose path the factory fills itself: only
+    the factory's own refusal is explained as a missing option."""
+    import functools
+    from importlib.metadata import EntryPoint
+
+    from sidestream.sinks import config
+
+    @functools.wraps(JsonlSink)
+    def from_env(**options: Any) -> JsonlSink:
+        options.setdefault("path", str(tmp_path / "env.jsonl"))
+        return JsonlSink(**options)
+
+    monkeypatch.setitem(globals(), "_FROM_ENV", from_env)
+    entry = EntryPoint("env_jsonl", f"{__name__}:_FROM_ENV", "sidestream.sinks")
+    monkeypatch.setattr(config, "entry_points", lambda **_: [entry])
+    (built,) = sinks_from_config({"env_jsonl": {}})
+    assert isinstance(built, JsonlSink) and built.path == tmp_path / "env.jsonl"
+
+
 def test_runner_spools_overflow_and_keeps_order(tmp_path: Path) -> None:
     import threading
 

@@ -340,12 +340,19 @@ def test_a_resume_after_the_checkpoints_step_does_not_warn_of_a_restarted_counte
     with caplog.at_level(logging.WARNING, logger="sidestream"):
         job(range(6, 9), checkpoint)
     assert not [r for r in caplog.records if "at or below" in r.getMessage()]
+    # An older state's one last_step for every stream is the saved step of each.
+    older = dict(checkpoint, sinks=dict(checkpoint["sinks"]))
+    state = older["sinks"]["tensorboard"]
+    older["sinks"]["tensorboard"] = {"log_dir": state["log_dir"], "last_step": 5}
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        job(range(9, 10), older)
+    assert not [r for r in caplog.records if "at or below" in r.getMessage()]
     with caplog.at_level(logging.WARNING, logger="sidestream"):
         job(range(1, 4), checkpoint)  # a step counter that started again: said per stream
     warned = sorted(r.getMessage() for r in caplog.records if "at or below" in r.getMessage())
     assert len(warned) == 2 and "stream 'train' step 1" in warned[0], warned
     assert "the unnamed stream" in warned[1]
-    assert [e.step for e in _load(tmp_path).Scalars("train")] == list(range(1, 9))
+    assert [e.step for e in _load(tmp_path).Scalars("train")] == list(range(1, 10))
 
 
 def test_purge_step_is_refused_since_tensorboard_would_hide_kept_steps(tmp_path: Path) -> None:

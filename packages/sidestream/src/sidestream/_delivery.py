@@ -217,10 +217,8 @@ class Delivery:
             for runner in runners:
                 runner.start()
             for runner in runners:
-                runner.submit_backlog(
-                    self.backlogs.get(runner.key, "").encode(),
-                    _saved_steps(self.resume_states.get(runner.key)),
-                )
+                steps, default = _saved_steps(self.resume_states.get(runner.key))
+                runner.submit_backlog(self.backlogs.get(runner.key, "").encode(), steps, default)
                 handed.append(runner)
         except BaseException as error:
             self._withdraw(runners, handed, interrupted=not isinstance(error, Exception))
@@ -841,8 +839,10 @@ def _copy_of(report: Report) -> Report:
     )
 
 
-def _saved_steps(state: Any) -> dict[str, int]:
-    """The last delivered step per stream a tracker sink's saved state holds ({} if none).
+def _saved_steps(state: Any) -> tuple[dict[str, int], int | None]:
+    """Each stream's last delivered step in a tracker sink's saved state, and the others'.
+
+    The others' is an older state's ``last_step``, kept by the jobs resumed from it.
 
     A checkpoint's undelivered reports are read before the sinks' states, so a report
     delivered in between (a TensorBoard or W&B row sent, flushed by the checkpoint) is in
@@ -850,12 +850,18 @@ def _saved_steps(state: Any) -> dict[str, int]:
     that went back past the checkpoint.
     """
     if not isinstance(state, Mapping):
-        return {}
+        return {}, None
+    default = state.get("last_step")
+    if not isinstance(default, int) or isinstance(default, bool):
+        default = None
     pairs = steps_as_pairs(state).get("last_steps")
     if not isinstance(pairs, list):
-        return {}
+        return {}, default
     return {
         pair[0]: pair[1]
         for pair in pairs
-        if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[1], int)
-    }
+        if isinstance(pair, list | tuple)
+        and len(pair) == 2
+        and isinstance(pair[1], int)
+        and not isinstance(pair[1], bool)
+    }, default

@@ -238,13 +238,14 @@ class Dispatcher:
             if waited >= SLOW_WINDOW_S:
                 warned = step
                 logger.warning(
-                    "window at step %d of stream %r has waited %.0f s for its reduction across "
-                    "ranks: is a rank stopped or gone, or did one not call schedule_collection "
-                    "for it (a validation pass under `if rank == 0:`)? Every rank must schedule "
-                    "every window of every stream, in the same order; this one fails at the "
-                    "process group's timeout",
+                    "window at step %d of %s has waited %.0f s for its reduction across "
+                    "ranks: is a rank slow (a long rank-0-only pass or checkpoint write), "
+                    "stopped or gone, or did one not call schedule_collection for it (a "
+                    "validation pass under `if rank == 0:`)? Every rank must schedule every "
+                    "window of every stream, in the same order; a window no rank pairs fails "
+                    "at the process group's timeout",
                     step,
-                    self._prefix,
+                    f"stream {self._prefix!r}" if self._prefix else "the unnamed stream",
                     waited,
                 )
 

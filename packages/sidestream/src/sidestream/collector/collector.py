@@ -68,10 +68,10 @@ DEFAULT_MAX_SLOTS = 8
 
 
 _CLOSED = (
-    "the collector is closed (a `with collector:` block closes it at its end) and cannot be "
-    "bound again; bind a collector once, outside the loop, and close it once at the end: a "
-    "stream used in several passes (validation) keeps its collector, and a Run's collectors "
-    "are closed by run.close()"
+    "the collector is closed (by close(), its Run's close(), or the end of a `with "
+    "collector:` block) and cannot be used again; bind a collector once, outside the loop, "
+    "and close it once at the end: a stream used in several passes (validation) keeps its "
+    "collector"
 )
 
 

@@ -229,6 +229,10 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
     try:
         sink = factory(**options)
     except TypeError as error:
+        # Only once the factory itself refused: one that fills an option itself (a decorated
+        # __init__, a function wrapping the class with functools.wraps) shows the class's
+        # signature, whose required options it does not need.
+        _refuse_missing_options(name, factory, options, error)
         raise TypeError(f"sinks_from_config: sink {name!r}: {error}") from error
     except ValueError as error:  # a subclass (pydantic's) may not take a plain message
         raise ValueError(f"sinks_from_config: sink {name!r}: {error}") from error
@@ -260,10 +264,11 @@ def _check_options(name: str, factory: Any, options: Mapping[str, Any]) -> None:
     if accepted is not None:
         accepted = accepted | {"child_process"}
     refuse_unknown_options(f"sinks_from_config: sink {name!r}", options, accepted)
-    _refuse_missing_options(name, factory, options)
 
 
-def _refuse_missing_options(name: str, factory: Any, options: Mapping[str, Any]) -> None:
+def _refuse_missing_options(
+    name: str, factory: Any, options: Mapping[str, Any], error: TypeError
+) -> None:
     """Raise ``TypeError`` naming the required options that ``options`` lacks.
 
     Python's own error ("__init__() missing 1 required positional argument") names neither
@@ -279,11 +284,11 @@ def _refuse_missing_options(name: str, factory: Any, options: Mapping[str, Any])
         for p in parameters
         if p.kind in required and p.default is inspect.Parameter.empty and p.name not in options
     ]
-    if missing:
+    if missing and "missing" in str(error):
         example = ", ".join(f"{option!r}: ..." for option in missing)
         raise TypeError(
             f"sinks_from_config: sink {name!r}: missing required option(s) {missing}: give "
             f"them in its options ({{{name!r}: {{{example}}}}}; to the replay command: "
             + " ".join(f"--option {option}=..." for option in missing)
             + ")"
-        )
+        ) from error

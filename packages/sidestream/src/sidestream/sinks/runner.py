@@ -502,13 +502,19 @@ class SinkRunner:
         ours = [*(encode_report(r) for r in older), spooled, *(encode_report(r) for r in newest)]
         return b"".join([*held, *ours])
 
-    def submit_backlog(self, lines: bytes, delivered: Mapping[str, int] | None = None) -> None:
+    def submit_backlog(
+        self,
+        lines: bytes,
+        delivered: Mapping[str, int] | None = None,
+        delivered_default: int | None = None,
+    ) -> None:
         """Queue a checkpoint's undelivered reports (``undelivered``) before anything else.
 
         Call before anything else is submitted (before ``start``, or right after it). A
         damaged line is counted in ``dropped`` and warned about. A report at or below
         ``delivered``'s step of its stream (the checkpoint's sink state, read after the
-        reports) was delivered as the checkpoint was taken: it is left out.
+        reports) was delivered as the checkpoint was taken: it is left out. A stream
+        ``delivered`` lacks has ``delivered_default`` (an older state's ``last_step``).
         """
         for line in lines.splitlines():
             if not line.strip():
@@ -521,7 +527,7 @@ class SinkRunner:
                         self._submitted += 1
                     self._drop(1, f"damaged undelivered report in the checkpoint: {error}")
                 continue
-            last = (delivered or {}).get(report.stream)
+            last = (delivered or {}).get(report.stream, delivered_default)
             if last is not None and report.step <= last:
                 continue
             self.submit(report)
