@@ -631,6 +631,9 @@ class ProcessSink(Sink):
                 self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
             if done:
                 self._unflushed.clear()
+                # A close flushes: an open after it resumes from here, not from an older state
+                # (which the backend's later steps would contradict).
+                self._flushed_state = dict(self._state)
             self._closed = done
             return done
 
