@@ -109,44 +109,6 @@ def test_a_step_at_or_below_the_checkpoints_is_skipped_with_a_warning_once_per_s
     assert [line["step"] for line in read_jsonl(path)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_resume_that_skips_a_step_delivered_after_the_checkpoint_is_warned(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A checkpoint taken before its step's schedule_collection: the job delivered that window
-    after the checkpoint, and the resumed job, starting after the step, counted the window's
-    updates again in its first window, silently (measured: every tracker's window twice as
-    long). A resumed job that repeats the step (or gets it from the checkpoint's backlog)
-    does not warn."""
-
-    def resume(name: str, steps: tuple[int, ...]) -> list[str]:
-        path = tmp_path / name / "m.jsonl"
-        first = JsonlSink(path)
-        first.open(RunInfo())
-        for step in (10, 20, 30, 40, 50, 60):
-            first.write(Report(step=step, values={"x": 1.0}, time=0.0, stream="train"))
-            if step == 50:
-                saved = first.state_dict()  # step 60 is delivered after the checkpoint
-        first.close()
-        caplog.clear()
-        resumed = JsonlSink(path)
-        resumed.load_state_dict(saved)
-        resumed.open(RunInfo())
-        with caplog.at_level(logging.WARNING, logger="sidestream"):
-            for step in steps:
-                resumed.write(Report(step=step, values={"x": 2.0}, time=0.0, stream="train"))
-        resumed.close()
-        return [r.getMessage() for r in caplog.records]
-
-    assert resume("good", (60, 70)) == []  # the step repeated (or the checkpoint's backlog)
-    (warning,) = resume("bad", (70, 80))
-    assert "stream 'train': the job before this one delivered step 60 after its checkpoint" in (
-        warning
-    )
-    assert "(which had step 50), and this job went on at step 70 without giving step 60" in (
-        warning
-    )
-
-
 def test_jsonl_writes_non_finite_values_of_a_2d_histogram_and_reads_them_back(
     tmp_path: Path,
 ) -> None:

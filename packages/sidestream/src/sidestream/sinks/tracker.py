@@ -80,11 +80,6 @@ class TrackerSink(Sink):
         # a report at or below one is a step counter gone back past the checkpoint.
         self._loaded: dict[str, int] = {}
         self._loaded_default: int | None = None
-        # Resume order check (_check_resume_order): each stream's last step found in the
-        # backend past the checkpoint, the largest step this job gave of it, streams checked.
-        self._found_streams: dict[str, int] = {}
-        self._seen: dict[str, int] = {}
-        self._order_checked: set[str] = set()
         # Sent and not counted as delivered yet (durable_on_send False): a checkpoint or a
         # close that times out keeps them, so a backend that lost them gets them again.
         self._unconfirmed: collections.deque[Report] = collections.deque()
@@ -253,8 +248,6 @@ class TrackerSink(Sink):
 
     def found_in_backend(self, last_steps: Mapping[str, int]) -> None:
         """Count steps that the backend already holds (found on resume) as delivered."""
-        for stream, step in last_steps.items():
-            self._found_streams[stream] = max(step, self._found_streams.get(stream, step))
         with self._lock:
             for stream, step in last_steps.items():
                 sent = self._sent.get(stream, self._sent_default)
@@ -404,8 +397,6 @@ class TrackerSink(Sink):
         fresh: list[Report] = []
         newest: dict[str, int] = {}
         for report in reports:
-            if self._resumed and report.stream not in self._order_checked:
-                self._check_resume_order(report)
             if self.is_delivered(report):
                 self._warn_below_checkpoint(report)
                 continue
@@ -481,43 +472,6 @@ class TrackerSink(Sink):
             self._sent_default = self._delivered_default = default
         self._loaded, self._loaded_default = dict(steps), default
         self._resumed = True
-
-    def _check_resume_order(self, report: Report) -> None:
-        """Warn once per stream if this job skips a step delivered after its checkpoint.
-
-        The job that crashed delivered step ``F`` of the stream after its checkpoint; a resumed
-        job repeats the steps after the checkpoint, ``F`` among them (its first reports: the
-        checkpoint's undelivered ones, then the loop's). One whose first report past ``F``
-        came without ``F`` started after it: its checkpoint was taken before step ``F``'s
-        ``schedule_collection`` and ``log`` calls, so its first window counts window ``F``'s
-        updates again (or its windows moved).
-        """
-        stream = report.stream
-        found = self._found_streams.get(stream)
-        names = [self.backend_name(name) for name in (*report.values, *report.histograms)]
-        for step in (self._backend_steps.get(name) for name in names):
-            if step is not None and (found is None or step > found):
-                found = step
-        saved = self._loaded.get(stream, self._loaded_default)
-        if found is None or (saved is not None and found <= saved):
-            self._order_checked.add(stream)  # nothing past the checkpoint: nothing to miss
-            return
-        seen = self._seen.get(stream)
-        if report.step <= found:
-            self._seen[stream] = report.step if seen is None else max(seen, report.step)
-            return
-        self._order_checked.add(stream)
-        if seen is None or seen < found:
-            named = f"stream {stream!r}" if stream else "the unnamed stream"
-            self.warn_once(
-                f"resume-order:{stream}",
-                f"{type(self).__name__}: {named}: the job before this one delivered step "
-                f"{found} after its checkpoint (which had step {saved}), and this job went on "
-                f"at step {report.step} without giving step {found}: was the checkpoint taken "
-                f"before step {found}'s schedule_collection and log calls? Then a window at "
-                f"step {report.step} counts the updates of the window at step {found} a "
-                "second time: take the checkpoint after those calls (docs/runs.md)",
-            )
 
     def _warn_below_checkpoint(self, report: Report) -> None:
         """Warn once per stream of a skipped report at or below its checkpoint's step.
