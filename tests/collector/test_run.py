@@ -293,6 +293,13 @@ def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
     assert f"{tmp_path}: not a regular file" in error
     # The usage of show, not of the whole command (python -m sidestream [-h] {replay,show}).
     assert error.startswith("usage: python -m sidestream show [-h] [--plot OUT.png] path")
+    # --version printed the usage error; it says which sidestream this is.
+    import sidestream
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"sidestream {sidestream.__version__}\n"
 
 
 def test_show_without_a_plot_keeps_one_point_per_name(

@@ -35,6 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return replay(arguments[1:], prog="python -m sidestream replay")
     parser = argparse.ArgumentParser(prog="python -m sidestream")
+    from sidestream import __version__
+
+    parser.add_argument("--version", action="version", version=f"sidestream {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "replay",
