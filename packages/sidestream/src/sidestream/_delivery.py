@@ -31,7 +31,7 @@ from sidestream.sinks.support import (
     check_seconds,
     seconds_left,
 )
-from sidestream.sinks.tracker import TrackerSink, steps_as_pairs
+from sidestream.sinks.tracker import TrackerSink, delivered_steps, steps_as_pairs
 
 __all__ = ["Delivery", "DeliveryOptions"]
 
@@ -217,7 +217,10 @@ class Delivery:
             for runner in runners:
                 runner.start()
             for runner in runners:
-                steps, default = _saved_steps(self.resume_states.get(runner.key))
+                # Read before the sinks' states, a checkpoint's backlog may hold reports its
+                # sink state counts as delivered (sent, then flushed by the checkpoint): a
+                # resumed sink must not take them for a step counter gone back past it.
+                steps, default = delivered_steps(self.resume_states.get(runner.key))
                 runner.submit_backlog(self.backlogs.get(runner.key, "").encode(), steps, default)
                 handed.append(runner)
         except BaseException as error:
@@ -837,31 +840,3 @@ def _copy_of(report: Report) -> Report:
         values=dict(report.values),
         histograms={name: values.clone() for name, values in report.histograms.items()},
     )
-
-
-def _saved_steps(state: Any) -> tuple[dict[str, int], int | None]:
-    """Each stream's last delivered step in a tracker sink's saved state, and the others'.
-
-    The others' is an older state's ``last_step``, kept by the jobs resumed from it.
-
-    A checkpoint's undelivered reports are read before the sinks' states, so a report
-    delivered in between (a TensorBoard or W&B row sent, flushed by the checkpoint) is in
-    both: the resumed sink would skip it anyway, and must not take it for a step counter
-    that went back past the checkpoint.
-    """
-    if not isinstance(state, Mapping):
-        return {}, None
-    default = state.get("last_step")
-    if not isinstance(default, int) or isinstance(default, bool):
-        default = None
-    pairs = steps_as_pairs(state).get("last_steps")
-    if not isinstance(pairs, list):
-        return {}, default
-    return {
-        pair[0]: pair[1]
-        for pair in pairs
-        if isinstance(pair, list | tuple)
-        and len(pair) == 2
-        and isinstance(pair[1], int)
-        and not isinstance(pair[1], bool)
-    }, default

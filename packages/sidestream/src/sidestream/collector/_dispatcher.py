@@ -278,10 +278,7 @@ class Dispatcher:
                 tree, leaves = _finish_on_side_stream(window)
             else:
                 assert window.batch is not None
-                try:
-                    window.batch.wait()
-                finally:
-                    self._waiting = None
+                window.batch.wait()
                 tree = flatten_tree(window.slot.metric.compute())
                 leaves = list(tree.leaves)
             # One tolist per leaf and plain Python after it: every torch call here lets the

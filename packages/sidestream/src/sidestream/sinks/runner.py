@@ -1299,10 +1299,9 @@ def _leftovers_of(paths: list[str], state: Mapping[str, Any]) -> tuple[list[str]
         if kept is None:
             mine.append(path)
             continue
-        theirs = kept.state
-        named = [key for key in _RUN_KEYS if theirs and theirs.get(key) is not None]
-        same = theirs is not None and any(theirs.get(key) == state.get(key) for key in named)
-        (mine if same else others).append(path)
+        theirs = kept.state or {}
+        named = [key for key in _RUN_KEYS if theirs.get(key) is not None]
+        (mine if any(theirs[key] == state.get(key) for key in named) else others).append(path)
     return mine, others
 
 

@@ -639,6 +639,26 @@ def parse_tracker_state(
     identity = state_dict.get(identity_key)
     if identity is not None and not isinstance(identity, str):
         raise ValueError(f"state_dict[{identity_key!r}]: expected a str or None, got {identity!r}")
+    by_stream, default = _parse_steps(state_dict)
+    return identity, by_stream, default
+
+
+def delivered_steps(state: Any) -> tuple[dict[str, int], int | None]:
+    """A tracker sink state's last delivered step per stream, and an older state's default.
+
+    ``({}, None)`` for anything that is no tracker sink state (another sink's, a bad one:
+    refused where it is loaded).
+    """
+    if not isinstance(state, Mapping) or not {"last_steps", "last_step"} & set(state):
+        return {}, None
+    try:
+        return _parse_steps(state)
+    except ValueError:
+        return {}, None
+
+
+def _parse_steps(state_dict: Mapping[str, Any]) -> tuple[dict[str, int], int | None]:
+    """``parse_tracker_state``'s steps: the last step per stream, and the default step."""
     default = state_dict.get("last_step")
     if default is not None and not _is_int(default):
         raise ValueError(f"state_dict['last_step']: expected an int or None, got {default!r}")
@@ -658,7 +678,7 @@ def parse_tracker_state(
     by_stream = {stream: step for stream, step in pairs}
     if len(by_stream) != len(pairs):
         raise ValueError(f"state_dict['last_steps']: expected one pair per stream, got {steps!r}")
-    return identity, by_stream, default
+    return by_stream, default
 
 
 def steps_as_pairs(state: Any) -> Any:
