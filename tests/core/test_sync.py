@@ -333,8 +333,13 @@ def _mesh_sync(seed: int) -> dict[str, Any]:
         out[group_name] = ({k: float(v) for k, v in metrics.compute().items()}, calls)
         saved = metrics.state_dict()  # reduced over the last sync's group
         out[f"{group_name} state_dict"] = {k: v.tolist() for k, v in states_only(saved).items()}
+    refused = MeanMetric()
+    refused.update(torch.tensor([1.0]))
     with pytest.raises(ValueError, match="1-D DeviceMesh"):
-        MeanMetric().sync(group=mesh)
+        refused.sync(group=mesh)
+    # Refused, so not kept: state_dict() reduces over the default group, as before the call.
+    assert refused.sync_group is None
+    refused.state_dict()
     whole_world = SumMetric()  # the mistake the mesh group avoids: replicas counted twice
     feed("sum", whole_world, shard)
     whole_world.sync()

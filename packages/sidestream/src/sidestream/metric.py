@@ -628,9 +628,11 @@ class Metric(Generic[T], abc.ABC):
         Raises:
             RankMismatchError: If ranks hold different state, or paired different calls.
             RuntimeError: If ``WORLD_SIZE``/``RANK`` say the job has several processes but no
-                process group is initialized (the sync would silently reduce nothing).
+                process group is initialized (the sync would silently reduce nothing); or if a
+                loaded checkpoint was placed for another group (``sync_group`` at the load).
             TypeError: If ``step`` is not an integer (Python or numpy).
-            ValueError: If ``step`` is negative or 2**63 or more (it travels as an int64).
+            ValueError: If ``step`` is negative or 2**63 or more (it travels as an int64), or
+                ``group`` is a device mesh of more than one dimension.
         """
         if step is not None:
             step = training_step(step)
@@ -720,6 +722,7 @@ class Metric(Generic[T], abc.ABC):
 
     def _sync_as(self, group: Group, fingerprint: CallFingerprint) -> None:
         if self._sync_group is not group:
+            resolve_group(group)  # a refused group (a 2-D mesh, a wrong type) is not kept
             object.__setattr__(self, "_sync_group", group)  # bookkeeping: past __setattr__
         self.verify_sync(block=False)
         prepared = self.prepare_sync(group)
