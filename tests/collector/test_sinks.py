@@ -397,6 +397,31 @@ def test_default_write_batch_writes_one_by_one() -> None:
     assert sink.steps == [1, 2] and Sink.max_batch == 1
 
 
+def test_a_sink_without_its_own_write_batch_gets_reports_one_at_a_time(tmp_path: Path) -> None:
+    # max_batch > 1 with the default write_batch: a batch retried whole after a failure
+    # part-way wrote the reports before the failure again (and a batch that failed somewhere
+    # every time never got through).
+    class Flaky(RecordingSink):
+        max_batch = 8
+
+        tries = 0
+
+        def write(self, report: Report) -> None:
+            self.tries += 1
+            if self.tries % 3 == 0:
+                raise ConnectionError("lost")
+            super().write(report)
+
+    sink = Flaky()
+    runner = SinkRunner(sink, capacity=4, spool_dir=str(tmp_path), retry_initial_s=0.001)
+    for step in range(1, 21):  # a backlog before the thread starts: queue and spool
+        runner.submit(_report(step))
+    runner.start()
+    assert runner.close(timeout=30) is True
+    assert sink.steps == list(range(1, 21)), "each step once, in order"
+    assert runner.delivered == 20
+
+
 def test_runner_keeps_undeliverable_reports_and_warns_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

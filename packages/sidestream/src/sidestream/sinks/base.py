@@ -126,6 +126,8 @@ class Sink(abc.ABC):
     #: Most reports one ``write_batch`` call may get. With 1 (the default) the pipeline only
     #: calls ``write``; a sink whose backend takes many values per request (MLflow) sets more,
     #: so a backlog after an outage goes out in a few requests instead of one per report.
+    #: It needs a ``write_batch`` of the sink's own: with the default one, reports come one at
+    #: a time (``batch_size``), so a retry after a failure part-way never writes one twice.
     max_batch: int = 1
 
     @abc.abstractmethod
@@ -140,7 +142,8 @@ class Sink(abc.ABC):
         """Deliver consecutive reports (at most ``max_batch``, in delivery order) at once.
 
         Raise on failure: the pipeline retries the same batch, so a sink must not repeat what
-        an earlier attempt delivered. The default writes them one by one.
+        an earlier attempt delivered. Only called for a sink that overrides it (see
+        ``max_batch``); the default writes them one by one.
         """
         for report in reports:
             self.write(report)
@@ -210,3 +213,14 @@ class Sink(abc.ABC):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore ``state_dict`` before ``open`` so ``open`` resumes the saved run."""
         del state_dict  # a sink without run identity has nothing to restore
+
+
+def batch_size(sink: Sink) -> int:
+    """Reports per delivery call: ``max_batch`` for a sink with its own ``write_batch``, else 1.
+
+    The default ``write_batch`` writes one by one and cannot tell a retry from a new batch:
+    retried whole after a failure part-way, it would write the reports before the failure
+    again (and a batch that fails somewhere each time would never get through).
+    """
+    own = getattr(type(sink), "write_batch", Sink.write_batch) is not Sink.write_batch
+    return int(getattr(sink, "max_batch", 1)) if own else 1

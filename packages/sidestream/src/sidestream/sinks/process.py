@@ -22,7 +22,7 @@ from typing import Any
 
 from sidestream._exit import KILLED_EXIT_CODE, failed_exit_code, record_failed_exit
 from sidestream._validation import check_int
-from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.base import Report, RunInfo, Sink, batch_size
 from sidestream.sinks.status import PermanentSinkError, is_permanent
 from sidestream.sinks.support import check_seconds, seconds_left
 from sidestream.sinks.tracker import UnconfirmedBacklogError
@@ -424,7 +424,7 @@ class ProcessSink(Sink):
                 f"({type(error).__name__}: {error})"
             ) from error
         self.name = sink.name
-        self.max_batch = sink.max_batch
+        self.max_batch = batch_size(sink)  # the child's write_batch calls take no more
         self._place = sink.written_place()
         self._replay_options = sink.replay_options()
         self._call_timeout_s = call_timeout_s

@@ -21,7 +21,7 @@ from sidestream.sinks._spool_format import (
     read_kept_state,
     write_kept_state,
 )
-from sidestream.sinks.base import Report, RunInfo, Sink
+from sidestream.sinks.base import Report, RunInfo, Sink, batch_size
 from sidestream.sinks.status import SinkStatus, is_permanent
 from sidestream.sinks.support import check_retry_waits
 
@@ -91,8 +91,8 @@ class SinkRunner:
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
         self._flush_interval_s = flush_interval_s
-        self._max_batch: int = getattr(sink, "max_batch", 1)
-        check_int(f"{type(sink).__name__}.max_batch", self._max_batch, 1)
+        check_int(f"{type(sink).__name__}.max_batch", getattr(sink, "max_batch", 1), 1)
+        self._max_batch = batch_size(sink)
         self._cond = threading.Condition()
         self._queue: deque[Report] = deque()
         self._spool = Spool(spool_dir, label=self.key, max_bytes=spool_max_bytes)
