@@ -1032,6 +1032,31 @@ def test_a_hung_spool_disk_holds_up_neither_the_training_thread_nor_other_sinks(
         down.gate.set()
 
 
+def test_a_run_of_many_sinks_on_a_hung_spool_disk_closes_within_its_timeout_and_one_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each sink's close added its grace second to what was left of the run's timeout, one
+    # after another: six sinks on one hung disk took the timeout and six seconds.
+    disk = threading.Event()
+    _before_spool_writes(monkeypatch, lambda label: disk.wait(60))
+    sinks = [GatedSink(f"down{index}") for index in range(6)]  # none writes: all spool
+    run = Run(sinks, spool_dir=str(tmp_path), sink_capacity=2)
+    try:
+        for step in range(1, 11):
+            run.log(step, {"lr": 0.1})
+        _wait(lambda: all(runner._waiting_in() for runner in run.sink_runners))
+        start = time.monotonic()
+        assert run.close(timeout=0.2) is False
+        took = time.monotonic() - start
+        assert took < 4.0, f"close(timeout=0.2) of 6 sinks on a hung disk took {took:.1f} s"
+        # Not "healthy": what it had not delivered waits for the disk.
+        assert {status.state for status in run.sink_status.values()} == {"failed"}
+    finally:
+        disk.set()
+        for sink in sinks:
+            sink.gate.set()
+
+
 def _three_reports_waiting(spool_dir: Path) -> tuple[SinkRunner, GatedSink]:
     """A started runner whose sink never writes (until its gate opens), with 3 reports."""
     down = GatedSink("down")
@@ -1459,6 +1484,30 @@ def test_drops_from_a_spool_that_stays_full_are_logged_once(
     for _ in range(1000):
         sink.allowed.release()
     runner.close(10.0)
+
+
+def test_a_report_larger_than_the_whole_spool_is_dropped_and_said_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It was counted as a drop for a "spool full (0 bytes)": the spool was empty, and the
+    # report dropped was the new one.
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=1, spool_dir=tmp_path, spool_max_bytes=400)
+    runner.start()
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        runner.submit(_report(1))  # taken by the sink's write, which waits at the gate
+        runner.submit(_report(2))  # queued
+        values = {f"value_{index}": 1.0 for index in range(40)}
+        runner.submit(Report(step=3, values=values, time=3.0))
+        runner.submit(_report(4))  # spooled: the spool has room for it
+        _wait(lambda: not runner._waiting_in())
+    assert runner.dropped == 1
+    [message] = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert "could not spool step 3" in message and "more than spool_max_bytes (400)" in message
+    assert "spool full" not in message
+    sink.gate.set()
+    assert runner.close(10.0) is False  # a report was lost
+    assert sink.steps == [1, 2, 4]
 
 
 def test_a_checkpoint_before_the_sinks_start_takes_a_state_that_needs_an_open_backend() -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_SPOOL_MAX_BYTES",
     "SPOOL_SUFFIX",
     "Spool",
+    "SpoolTooLargeError",
     "SpoolWriteError",
     "file_label",
     "leftover_spools",
@@ -37,6 +38,10 @@ class SpoolWriteError(OSError):
     def __init__(self, error: OSError, dropped: int) -> None:
         super().__init__(error.errno, f"{error.strerror} ({dropped} older report(s) dropped)")
         self.dropped = dropped
+
+
+class SpoolTooLargeError(ValueError):
+    """A report whose spool line alone is larger than the spool's cap: it cannot be spooled."""
 
 
 class Spool:
@@ -122,14 +127,19 @@ class Spool:
         """Add ``report`` at the end; return how many old reports were dropped to make room.
 
         Raises:
+            SpoolTooLargeError: If the report alone is larger than ``max_bytes`` (the spool is
+                left as it was).
             OSError: If the file cannot be created or written (the spool is left as it was).
             SpoolWriteError: If it could not be written even after the oldest reports were
                 dropped to make room (``dropped`` of them).
         """
         line = encode_report(report)
         if len(line) > self._max_bytes:
-            self.dropped += 1  # larger than the whole cap: it can never be kept
-            return 1
+            # Larger than the whole cap: it can never be kept, and the spool is not full.
+            raise SpoolTooLargeError(
+                f"the report is {len(line)} bytes as a spool line, more than spool_max_bytes "
+                f"({self._max_bytes}) allows"
+            )
         # The oldest reports that make room, dropped only once the new one is written: a
         # failed write leaves the spool as it was.
         dropped, freed = 0, 0

@@ -606,8 +606,12 @@ class SinkRunner:
         ended = not self._thread.is_alive()  # else it ran past the timeout
         failed = self.status.state == "failed"
         # Held across the spool's reads and writes: on a hung disk, wait no longer than close.
-        if not self._acquire_within(self._remaining()):
+        # The grace second counts from the close's deadline, not from now: runners closed one
+        # after another (a run's sinks, begun at once) on one hung disk all give up by then.
+        if not self._acquire_by_deadline():
             self._abandon.set()
+            # Without the lock (a hung disk holds it): one assignment, seen whole.
+            self._status = SinkStatus("failed", "the spool did not answer at close")
             logger.error(
                 "sink %r: close: the spool did not answer within %.1f s (a hung disk?); the "
                 "reports this sink had not delivered stay in memory and in %s, are kept there "
@@ -714,6 +718,13 @@ class SinkRunner:
             worker.join(min(wait, 0.1))
             if not worker.is_alive():
                 return kept[0] if kept else None
+
+    def _acquire_by_deadline(self) -> bool:
+        """Take ``_cond`` by the close's deadline and a grace second; whether it was taken."""
+        if self._close_deadline is None:
+            return self._cond.acquire()
+        left = self._close_deadline + _LOCK_GRACE_S - time.monotonic()
+        return self._cond.acquire(timeout=max(0.0, left))
 
     def _acquire_within(self, timeout: float | None) -> bool:
         """Take ``_cond`` within ``timeout`` and a grace second; whether it was taken.
