@@ -385,6 +385,32 @@ def test_set_dtype_after_wrap_is_refused_and_before_wrap_carried() -> None:
     wrapped = wrap(early)
     wrapped.update(values)
     assert wrapped.compute().item() == 1e8 + 2
+    # After an update the message blamed an update, call or reset outside the wrapper.
+    used = wrap(torchmetrics.MeanMetric())
+    used.update(torch.tensor([1.0]))
+    used.torchmetrics.set_dtype(torch.float64)
+    with pytest.raises(RuntimeError, match=r"dtype changed from torch.float32 to torch.float64"):
+        used.update(values)
+
+
+def test_a_batch_one_member_of_a_collection_refuses_is_kept_by_none() -> None:
+    # The members before the one that refused kept the batch: MSE counted a batch R2Score
+    # refused (21.7 where the accepted batch gives 2.18).
+    from sklearn.metrics import mean_squared_error
+
+    collection = wrap(
+        torchmetrics.MetricCollection(
+            {"mse": torchmetrics.MeanSquaredError(), "r2": torchmetrics.R2Score()}
+        )
+    )
+    refused = torch.tensor([10.0, -10.0, 7.0], dtype=torch.float64)
+    with pytest.raises(TypeError, match="set_dtype"):  # R2Score's own float64 refusal
+        collection.update(refused, torch.zeros(3, dtype=torch.float64))
+    preds, target = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1.5, 2.0, 3.0])
+    collection.update(preds, target)
+    assert collection.compute()["mse"].item() == pytest.approx(
+        mean_squared_error(target.numpy(), preds.numpy())
+    )
 
 
 def test_state_names_are_torchmetrics_names_whatever_they_are() -> None:
@@ -750,6 +776,46 @@ def test_a_counter_an_update_adds_is_refused_before_the_state_changes() -> None:
     with pytest.raises(UnsupportedStateError, match="'batches' changed from None to 1"):
         maybe.update(torch.tensor([2.0]))
     assert maybe._bridged[0][1].local.item() == 1.0
+
+
+class _KeepsCountIn(torchmetrics.Metric):
+    """Counts values outside its states, in an attribute made in ``__init__`` (``kind``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.kind = kind
+        if kind == "dict":
+            self.seen = {"n": 0}
+        elif kind == "tensor":
+            self.seen = torch.zeros(())
+        elif kind == "buffer":
+            self.register_buffer("seen", torch.zeros(()))
+        else:
+            self.seen = [torch.zeros(())]
+
+    def update(self, values: torch.Tensor) -> None:
+        self.total += values.sum()
+        if self.kind == "dict":
+            self.seen["n"] += values.numel()
+        elif self.kind == "list":
+            self.seen[0] += values.numel()
+        else:
+            self.seen += values.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.total
+
+
+@pytest.mark.parametrize("kind", ["dict", "tensor", "buffer", "list"])
+def test_a_counter_kept_in_an_attribute_made_before_wrap_is_refused(kind: str) -> None:
+    # Only attributes an update added were looked at: a count kept in a dict, tensor, buffer or
+    # list made in __init__ passed, and after a sync each rank divided all ranks' total by its
+    # own count (32.5 and 10.83 where the data give 8.125).
+    metric = wrap(_KeepsCountIn(kind))
+    with pytest.raises(UnsupportedStateError, match=r"'seen' (\(a buffer\) )?was changed"):
+        metric.update(torch.tensor([1.0, 2.0]))
+    assert metric._bridged[0][1].local.item() == 0.0  # none of the refused batch
 
 
 def _replaced_behind_the_wrappers_back() -> tuple[Any, TorchmetricsMetric]:

@@ -61,10 +61,20 @@ class TorchmetricsCollection(ComposeMetric):
 
         As ``MetricCollection.update``, each member gets only the keyword arguments its
         ``update`` takes (``preds=``/``target=`` for a classifier, ``value=`` for a mean).
+        A member that refuses the batch (or raises) leaves it in none of them.
         """
-        for _, child in self.items():
-            assert isinstance(child, TorchmetricsMetric)
-            child.update(*args, **child.torchmetrics._filter_kwargs(**kwargs))
+        done: list[tuple[TorchmetricsMetric, list[Any]]] = []
+        try:
+            for _, child in self.items():
+                assert isinstance(child, TorchmetricsMetric)
+                snapshot = child._update(args, child.torchmetrics._filter_kwargs(**kwargs))
+                done.append((child, snapshot))
+        except BaseException:
+            # A member refused the batch: the members before it give it back too, so a
+            # retried update does not count it twice in them.
+            for child, snapshot in reversed(done):
+                child._undo(snapshot)
+            raise
 
     def compute(self) -> dict[str, Any]:
         """``{name: value}``, names with the collection's prefix and postfix.

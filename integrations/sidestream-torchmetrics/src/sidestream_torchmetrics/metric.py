@@ -218,6 +218,18 @@ class TorchmetricsMetric(Metric[Any]):
         # call sees whether any appeared without a pass over them.
         self._attributes = frozenset(key for key, _ in _public_settings(metric))
         self._attribute_count = len(vars(metric))
+        # Attributes there at wrap() that may hold data (a tensor, an array, a dict, a list of
+        # tensors) and buffers that are not states: an update that changes one in place keeps
+        # data outside the states, which no sync or checkpoint carries. Fingerprinted around
+        # each update (usually none: no cost).
+        self._data_keys = tuple(
+            key
+            for key, value in _public_settings(metric)
+            if _may_carry_data(value) and not _plain(value)
+        )
+        self._buffer_keys = tuple(
+            key for key, buffer in metric._buffers.items() if key not in metric._defaults
+        )
         self._updates_seen: int = metric._update_count
         # The state tensors the wrapper last left in the torchmetrics attributes: another
         # tensor there later means torchmetrics rebound them itself (its reset, merge_state,
@@ -277,6 +289,8 @@ class TorchmetricsMetric(Metric[Any]):
         metric = self._torchmetrics
         kind = type(metric).__name__
         rebound = self._states_replaced()
+        if rebound and metric._update_count == self._updates_seen:
+            self._check_dtype(call)  # set_dtype (or .to(dtype)) rebinds the states too: say so
         if metric._update_count != self._updates_seen or rebound:
             # forward() and reset() rebind the states, so the next call would drop what they
             # did; update() adds to them outside sidestream's bookkeeping.
@@ -300,6 +314,22 @@ class TorchmetricsMetric(Metric[Any]):
                 "wrap() (a fresh wrap of a new metric to change it)"
             )
 
+    def _check_dtype(self, call: str) -> None:
+        """Raise if the torchmetrics metric's dtype (or a state's) changed after ``wrap()``."""
+        metric = self._torchmetrics
+        changed = metric.dtype != self._torchmetrics_dtype or any(
+            isinstance(getattr(metric, name, None), Tensor)
+            and getattr(metric, name).dtype != accumulator.dtype
+            for name, accumulator in self._bridged
+        )
+        if changed:
+            raise RuntimeError(
+                f"{call}: the wrapped {type(metric).__name__}'s dtype changed from "
+                f"{self._torchmetrics_dtype} to {metric.dtype} after wrap() (set_dtype, "
+                ".to(dtype)...): its states are sidestream's now and keep their dtype. "
+                "Call set_dtype on the torchmetrics metric before wrap()"
+            )
+
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Run torchmetrics' ``update`` on the local state. No communication.
 
@@ -313,17 +343,16 @@ class TorchmetricsMetric(Metric[Any]):
             RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran on the
                 wrapped metric, or its dtype changed after ``wrap()``.
         """
+        self._update(args, kwargs)
+
+    def _update(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        """``update``; returns the copy of the states it took first, for ``_undo``."""
         self._check_readable("update")
-        if self._torchmetrics.dtype != self._torchmetrics_dtype:
-            raise RuntimeError(
-                f"update: the wrapped {type(self._torchmetrics).__name__}'s dtype changed from "
-                f"{self._torchmetrics_dtype} to {self._torchmetrics.dtype} after wrap() (set_dtype"
-                ", double(), half()...): its states are sidestream's now and keep their dtype. "
-                "Call set_dtype on the torchmetrics metric before wrap()"
-            )
+        self._check_dtype("update")
         # torchmetrics adds in place (self.total += ...): a refused update (or one that raised
         # half way) would leave part of its batch in the states. One copy each, put back then.
         snapshot = [accumulator.local.clone() for _, accumulator in self._bridged]
+        held = self._held_data()
         self._point_states(synced=False)
         try:
             try:
@@ -331,23 +360,55 @@ class TorchmetricsMetric(Metric[Any]):
             finally:
                 # Counted before its update runs: one that raised (a bad target) counts too.
                 self._updates_seen = self._torchmetrics._update_count
-            if self._store_update():
+            if self._store_update(held):
                 # States the update rebound (self.max_value = torch.max(...)) were stored into
                 # the arena: the attributes alias it again, as the wrapper left them.
                 self._point_states(synced=False)
         except BaseException:
-            for (_, accumulator), saved in zip(self._bridged, snapshot, strict=True):
-                accumulator.local.copy_(saved)
-            self._point_states(synced=False)  # rebinding states left elsewhere come back
+            self._undo(snapshot)
             raise
+        return snapshot
 
-    def _store_update(self) -> bool:
+    def _undo(self, snapshot: list[Tensor]) -> None:
+        """Put back the states ``_update`` copied (its batch refused, here or in a collection)."""
+        for (_, accumulator), saved in zip(self._bridged, snapshot, strict=True):
+            accumulator.local.copy_(saved)
+        self._point_states(synced=False)  # rebinding states left elsewhere come back
+
+    def _held_data(self) -> tuple[object, ...]:
+        """Fingerprints of the attributes and buffers that may hold data (``_data_keys``)."""
+        if not getattr(self, "_data_keys", ()) and not getattr(self, "_buffer_keys", ()):
+            return ()
+        metric = self._torchmetrics
+        return tuple(
+            _fingerprint(metric.__dict__.get(key, _MISSING)) for key in self._data_keys
+        ) + tuple(_fingerprint(metric._buffers.get(key)) for key in self._buffer_keys)
+
+    def _data_changed(self, held: tuple[object, ...]) -> str | None:
+        """``"'name' was changed by the update (value)"`` for the first one ``held`` misses."""
+        if not held:
+            return None
+        now = self._held_data()
+        metric = self._torchmetrics
+        keys = [(repr(key), metric.__dict__.get(key)) for key in self._data_keys] + [
+            (f"{key!r} (a buffer)", metric._buffers.get(key)) for key in self._buffer_keys
+        ]
+        for (label, value), before, after in zip(keys, held, now, strict=True):
+            if before != after:
+                return f"{label} was changed ({_shown(value)})"
+        return None
+
+    def _store_update(self, held: tuple[object, ...] = ()) -> bool:
         """Check what torchmetrics' update left in its states, then make it the local state.
 
         Returns:
             Whether the update rebound any state (its attribute holds another tensor now).
         """
-        changed = _changed_setting(self._torchmetrics, self._settings) or self._new_attribute()
+        changed = (
+            _changed_setting(self._torchmetrics, self._settings)
+            or self._new_attribute()
+            or self._data_changed(held)
+        )
         if changed is not None:
             raise UnsupportedStateError(
                 f"{type(self._torchmetrics).__name__}.update: its attribute {changed}: a value "
@@ -538,6 +599,23 @@ def _may_carry_data(value: object) -> bool:
     return isinstance(
         value, int | float | complex | Tensor | np.ndarray | list | tuple | dict | set | deque
     )
+
+
+def _fingerprint(value: object) -> object:
+    """What tells a later in-place change of ``value`` (a tensor by identity and version)."""
+    if isinstance(value, Tensor):
+        return ("tensor", id(value), value._version)
+    if isinstance(value, np.ndarray):
+        return ("array", id(value), value.shape, value.tobytes())
+    if isinstance(value, dict):
+        return ("dict", tuple((repr(k), _fingerprint(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple | deque):
+        return (type(value).__name__, tuple(_fingerprint(item) for item in value))
+    if isinstance(value, set):
+        return ("set", frozenset(value))
+    if isinstance(value, float) and value != value:
+        return ("nan",)
+    return ("value", id(value)) if value is _MISSING else ("value", value)
 
 
 def _shown(value: object) -> str:
