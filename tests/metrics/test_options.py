@@ -479,6 +479,9 @@ def test_two_ranks_one_empty_match_references(pools: Pools) -> None:
         (lambda: BinaryAUROCMetric(thresholds=[0.5, 0.2]), ValueError, "thresholds"),
         (lambda: BinaryAUROCMetric(thresholds=[0.5, 1.5]), ValueError, "thresholds"),
         (lambda: BinaryAUROCMetric(max_fpr=0.0), ValueError, "max_fpr"),
+        # float() took these: True computed the whole area, as max_fpr=1.0.
+        (lambda: BinaryAUROCMetric(max_fpr=True), TypeError, r"max_fpr: .* got True \(bool\)"),
+        (lambda: BinaryAUROCMetric(max_fpr="0.5"), TypeError, "max_fpr"),  # type: ignore[arg-type]
         (lambda: MulticlassAUROCMetric(3, average="micro"), ValueError, "average"),  # type: ignore[arg-type]
         (lambda: BinaryCalibrationErrorMetric(norm="l3"), ValueError, "norm"),  # type: ignore[arg-type]
         (lambda: BinaryConfusionMatrixMetric(normalize="rows"), ValueError, "normalize"),  # type: ignore[arg-type]

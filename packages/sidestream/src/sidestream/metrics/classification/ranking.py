@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from numbers import Real
 from typing import Literal, NamedTuple
 
 import torch
@@ -146,6 +147,10 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if max_fpr is not None:
             if curve is not Curve.AUROC or problem.kind is not ProblemKind.BINARY:
                 raise ValueError("max_fpr: only binary AUROC has a partial area")
+            if isinstance(max_fpr, bool) or not isinstance(max_fpr, Real):
+                # float() would take True (1.0), "0.1" and b"1" without a word.
+                kind = type(max_fpr).__name__
+                raise TypeError(f"max_fpr: expected a number in (0, 1], got {max_fpr!r} ({kind})")
             if not 0.0 < float(max_fpr) <= 1.0:
                 raise ValueError(f"max_fpr: expected a number in (0, 1], got {max_fpr}")
         if not isinstance(exact, bool):
