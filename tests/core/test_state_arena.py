@@ -165,6 +165,31 @@ def test_a_container_filled_after_init_is_refused_by_the_first_sync() -> None:
         metric.sync()
 
 
+def test_a_container_filled_after_a_sync_is_refused_by_the_next_one() -> None:
+    # The check ran when a sync was laid out only: a sync before the first update (an eval at
+    # step 0) kept the layout, and later syncs left the new state out (0.5 and 1.0 on two
+    # ranks for 1.5: each rank's own sum over the global count).
+    metric = _FillsAContainerLate()
+    metric.sync()
+    metric.update(1.0)
+    with pytest.raises(TypeError, match="extra: a MetricAccumulator inside a dict"):
+        metric.sync()
+
+
+def test_a_subclass_reusing_its_base_class_state_attribute_raises() -> None:
+    # MeanMetric's own update fed the subclass's new _count (1.83 for a mean of 2.75), where a
+    # base class declaring with add_state (MaxMetric) raised.
+    class CountsUpdates(MeanMetric):
+        def __init__(self) -> None:
+            super().__init__()
+            self._count = MetricAccumulator(torch.zeros((), dtype=torch.int64))
+
+    with pytest.raises(
+        ValueError, match=r"CountsUpdates\._count: already holds the declared state"
+    ):
+        CountsUpdates()
+
+
 def test_a_state_named_configuration_next_to_configured_states_is_refused() -> None:
     """A state named "configuration" was replaced in state_dict by the hash of the settings of
     the same metric's configured states, and its checkpoint did not load."""

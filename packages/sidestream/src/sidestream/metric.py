@@ -302,11 +302,17 @@ class Metric(Generic[T], abc.ABC):
         for metric in self._walk_metrics():
             for attribute, value in vars(metric).items():
                 if attribute not in _BOOKKEEPING and isinstance(value, _CONTAINERS):
-                    self._refuse_hidden(attribute, value)
+                    self._refuse_hidden(attribute, value, metric)
 
-    def _refuse_hidden(self, attribute: str, container: Any) -> None:
-        """Raise ``TypeError`` for a state or metric in ``container`` that is not of this tree."""
+    def _refuse_hidden(self, attribute: str, container: Any, holder: Any = None) -> None:
+        """Raise ``TypeError`` for a state or metric in ``container`` that is not of this tree.
+
+        ``holder``: the metric whose attribute it is; what that metric declared itself (a
+        composition's dict of children) is found without a walk over the whole tree.
+        """
         found = list(_tree_objects(container))
+        if holder is not None:
+            found = [(item, box) for item, box in found if not holder._holds_declared(item)]
         if not found:  # plain data: no walk over the tree
             return
         ours = self._tree_ids()
@@ -340,6 +346,18 @@ class Metric(Generic[T], abc.ABC):
             raise ValueError(
                 f"{type(self).__name__}: the state name {name!r} is declared twice "
                 f"({where(existing[0])}, then {where(attribute)})"
+            )
+        if existing is not None and existing[1] is not value and self.__dict__.get("_init_depth"):
+            # The same attribute given a new state or metric while the metric is built: most
+            # often a subclass reusing its base class's attribute name (``self._count`` in a
+            # MeanMetric subclass), whose new state the base's update then feeds, silently
+            # changing what the base computes. (Replacing a state after __init__ stays allowed.)
+            what = "state" if isinstance(existing[1], MetricAccumulator) else "child metric"
+            raise ValueError(
+                f"{type(self).__name__}.{attribute}: already holds the declared {what} "
+                f"{name!r} (declared by a base class's __init__, or earlier in this one); "
+                f"assigning a new {type(value).__name__} would replace it, and the base class's "
+                "code would update the new one. Give the new one an attribute of another name"
             )
         if isinstance(value, Metric):
             if any(inner is self for inner in value._walk_metrics()):
@@ -636,6 +654,10 @@ class Metric(Generic[T], abc.ABC):
         """
         if step is not None:
             step = training_step(step)
+        # Every time, not only when the sync is laid out: a container filled after the first
+        # sync (a state appended to a list in an update) would otherwise be left out of every
+        # later sync, and compute would mix this rank's sum with the global count.
+        self._refuse_hidden_in_tree()
         check_process_group("sync")
         if step is None:
             self._sync_as(group, self._call("sync", self.call_counter.next()))
