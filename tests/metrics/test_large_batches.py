@@ -242,3 +242,21 @@ def test_outside_the_unit_range_of_a_large_int64_batch(special: int) -> None:
     reference = not bool(((values >= 0) & (values <= 1)).all())
     assert _cpu_path.outside(values, 0, 1) is reference
     assert _cpu_path.outside(values.view(256, 256).t(), 0, 1) is reference  # non-contiguous
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_half_precision_mean_counts_past_what_its_dtype_holds(compiled: bool) -> None:
+    # The count was kept in the mean's dtype: 70,000 float16 values made it inf (mean 0.0), and
+    # a float32 count stopped growing at 2**24.
+    from sidestream import MeanMetric
+
+    metric = MeanMetric(dtype=torch.float16)
+    update = metric.update
+    if compiled:
+        update = torch.compile(update, fullgraph=True, backend="aot_eager")
+    values = torch.full((70_000,), 1e-4, dtype=torch.float16)
+    update(values)
+    expected = values.double().mean().item()
+    result = metric.compute()
+    assert result.dtype == torch.float16
+    assert result.item() == pytest.approx(expected, rel=1e-3)

@@ -19,8 +19,11 @@ class MeanMetric(NanScreenedMetric):
     A mean over no data is NaN (0 / 0), on purpose: it is not a zero loss.
 
     Args:
-        dtype: The floating-point accumulation dtype of the sum and the count (float64 by
-            default; an integer one would truncate the values: ``TypeError``).
+        dtype: The floating-point accumulation dtype of the sum (float64 by default; an
+            integer one would truncate the values: ``TypeError``), and of the result. The count
+            is float64 whatever ``dtype``: exact to 2**53 elements, where a bfloat16 count
+            stops at 256, a float16 one at 2048 (and overflows past 65504), a float32 one at
+            2**24.
         nan_strategy: ``"disable"`` (NaN propagates), ``"error"``, ``"ignore"`` or a fill
             value; see ``sidestream.metrics.NanPolicy``.
     """
@@ -30,7 +33,7 @@ class MeanMetric(NanScreenedMetric):
     ) -> None:
         check_floating_dtype("dtype", dtype)
         self._total = MetricAccumulator(0.0, dtype=dtype)
-        self._count = MetricAccumulator(0.0, dtype=dtype)
+        self._count = MetricAccumulator(0.0, dtype=torch.float64)
         super().__init__(nan_strategy, dtype=dtype)
 
     def update(self, values: Tensor | float) -> None:
@@ -51,5 +54,6 @@ class MeanMetric(NanScreenedMetric):
         self._count.accumulate(count if keep is None else keep.to(dtype) * count)
 
     def compute(self) -> Tensor:
-        """Sum / count; NaN over no data."""
-        return self._total.value / self._count.value
+        """Sum / count, in the accumulation dtype; NaN over no data."""
+        total = self._total.value
+        return (total / self._count.value).to(total.dtype)

@@ -18,6 +18,7 @@ from sidestream._validation import (
     checks_stay_on_device,
     drop_invalid,
     found_outside,
+    found_where,
     given_as_number,
 )
 from sidestream.metrics._nan_strategy import NanStrategy
@@ -44,7 +45,9 @@ class WeightedMeanMetric(NanScreenedMetric):
             truncate the values: ``TypeError``).
         nan_strategy: What a NaN value does: ``"disable"`` (it propagates), ``"error"`` (bad
             input, like a bad weight), ``"ignore"`` (its weight becomes 0) or a fill value; see
-            ``sidestream.metrics.NanPolicy``.
+            ``sidestream.metrics.NanPolicy``. A weight of 0 does not mask an infinite value
+            (``inf * 0`` is NaN): under ``"error"`` such a batch, or one with +inf and -inf, is
+            bad input too; under the other policies the result is NaN.
 
     Example:
         >>> metric = WeightedMeanMetric()
@@ -119,6 +122,13 @@ class WeightedMeanMetric(NanScreenedMetric):
                 raise
             if rides and math.isnan(float(weighted)):
                 self._nan.apply(values_t, self._rejected, self._nan_count)
+                # No NaN value, and the weights passed: an infinite value at weight 0 (inf * 0
+                # is NaN), or +inf and -inf in one batch. Bad input all the same.
+                raise ValueError(
+                    "values: expected values whose weighted sum is not NaN (nan_strategy="
+                    "'error'); this batch has no NaN value but an infinite one at weight 0, or "
+                    f"+inf and -inf{found_where(values_t, torch.isinf(values_t))}"
+                )
             self._weighted_sum.accumulate(weighted)
             self._weight.accumulate(total)
         else:
@@ -147,8 +157,10 @@ class WeightedMeanMetric(NanScreenedMetric):
             if number is not None:  # not a finite value >= 0 (NaN fails both comparisons)
                 invalid = invalid | ~((number >= 0) & (number < torch.inf))
             if self._nan.checks:
-                # One flag, so a batch bad in both ways is counted once.
-                invalid = invalid | torch.isnan(values_t).any()
+                # One flag, so a batch bad in both ways is counted once. The weighted sum is NaN
+                # for a NaN value (NaN * w is NaN for every w), an infinite value at weight 0
+                # and +inf with -inf: one scalar test, where isnan(values) read the batch.
+                invalid = invalid | torch.isnan(sums[0])
             if nan_seen is None:
                 drop_invalid(invalid, self._rejected, sums)
             else:
