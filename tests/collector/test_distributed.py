@@ -803,3 +803,53 @@ def test_a_window_that_waits_long_for_its_reduction_is_named(dist_pool: RankPool
     assert "window at step 7 of stream 'val' has waited" in warned[0][0]
     assert "schedule_collection" in warned[0][0]
     assert warned[1] == []  # the late rank's own window did not wait
+
+
+def _dp_batch(step: int, data_parallel: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 * step + data_parallel)
+    return torch.rand(3 + data_parallel, generator=generator, dtype=torch.float64)
+
+
+def _run_over_a_mesh_dimension(tmp: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sidestream import Run
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    data_parallel = mesh["dp"].get_local_rank()
+    outcome = "bound"
+    if 0 not in dist.get_process_group_ranks(mesh["dp"].get_group()):
+        # The slice's process group, not the mesh: no window of it reaches rank 0's sinks.
+        sinks = [JsonlSink(Path(tmp) / "refused.jsonl")]
+        refused = AsyncMetricCollector(MeanMetric(), sinks, group=mesh["dp"].get_group())
+        try:
+            refused.bind("cpu")
+        except ValueError as error:
+            outcome = f"refused: {error}"
+        refused.close(timeout=10)
+    run = Run([JsonlSink(Path(tmp) / "run.jsonl")])
+    train = run.collector(MeanMetric(), prefix="train", group=mesh["dp"]).bind("cpu")
+    for step in range(1, 5):
+        train.metric.update(_dp_batch(step, data_parallel))
+        if step % 2 == 0:
+            train.schedule_collection(step)
+    assert run.close(timeout=30)
+    return outcome
+
+
+def test_a_run_collector_over_a_mesh_dimension_writes_each_window_once(
+    pools: Any, tmp_path: Path
+) -> None:
+    # dp=2 x tp=2: the tensor-parallel ranks' slice of mesh["dp"] holds no rank 0, and bind
+    # refused it ("no window would reach them"), though rank 0's slice writes the stream.
+    outcomes = pools.get(4).run(_run_over_a_mesh_dimension, str(tmp_path))
+    assert outcomes[0] == outcomes[2] == "bound"
+    for outcome in (outcomes[1], outcomes[3]):
+        assert "written by global rank 0" in outcome and "mesh['dp']" in outcome, outcome
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [2, 4]
+    for record in records:
+        step = record["step"]
+        batches = [_dp_batch(s, dp) for s in (step - 1, step) for dp in (0, 1)]
+        expected = torch.cat(batches).mean().item()  # each replica's batch once
+        assert record["values"]["train"] == pytest.approx(expected, rel=1e-12)

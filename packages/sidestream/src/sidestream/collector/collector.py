@@ -13,6 +13,7 @@ from typing import Any, Generic, Self, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from sidestream._delivery import (
     OF_THE_RUN,
@@ -480,12 +481,14 @@ class AsyncMetricCollector(Generic[T]):
         ]
         if not taken:
             return 0
-        # Logged, not warned: each collector has sinks of its own (a Run refuses one prefix
-        # twice, and a sink object serves one collector), so their reports never share names
-        # in one tracker run; another order fails loudly with RankMismatchError.
-        logger.info(
-            "bind: %d other bound collector(s) have the prefix %r; ranks must schedule them in "
-            "the same order (another order fails with RankMismatchError)",
+        # Warned: twins are told apart only by their bind order on each rank. Ranks that bind
+        # them in different orders and schedule each in that order pair one twin's windows
+        # with the other's, with equal fingerprints: wrong numbers, no error.
+        logger.warning(
+            "bind: %d other bound collector(s) have the prefix %r, so this one is told apart "
+            "from them only by the order of the binds: bind and schedule them in the same "
+            "order on every rank (a rank that binds them in another order reduces one's "
+            "windows with the other's, undetected); give each collector a prefix of its own",
             len(taken),
             self._prefix,
         )
@@ -497,13 +500,27 @@ class AsyncMetricCollector(Generic[T]):
         if process_group is None or not self._delivery.sinks:
             return
         ranks = dist.get_process_group_ranks(process_group)
-        if 0 not in ranks:
-            raise ValueError(
-                f"group: the collector's group holds global ranks {ranks}, but the sinks are "
-                "written by global rank 0, which is not in it, so no window would reach them; "
-                "reduce over a group with rank 0 (or gather the value to rank 0's group), or "
-                "use a collector without sinks and read collect_results on these ranks"
+        if 0 in ranks:
+            return
+        if isinstance(self._group, DeviceMesh) and _mesh_holds_rank_0(self._group):
+            # One slice of a mesh dimension (mesh["dp"] on a tensor-parallel rank): global
+            # rank 0 reduces the same stream over its own slice and writes it; this slice's
+            # windows are reduced (collect_results works) and written by no one, as a replica's.
+            logger.info(
+                "bind: the collector's group %s is a slice of a device mesh dimension without "
+                "global rank 0; rank 0's slice writes the stream, this one's windows are only "
+                "reduced",
+                ranks,
             )
+            return
+        raise ValueError(
+            f"group: the collector's group holds global ranks {ranks}, but the sinks are "
+            "written by global rank 0, which is not in it, so no window would reach them; "
+            "reduce over a group with rank 0 (or gather the value to rank 0's group), or "
+            "use a collector without sinks and read collect_results on these ranks. For one "
+            "dimension of a DeviceMesh (data-parallel replicas under tensor parallelism) pass "
+            "the mesh dimension itself (mesh['dp']), not its process group"
+        )
 
     def schedule_collection(self, step: int) -> None:
         """Start collecting the window that ends now, logged at ``step``; returns at once.
@@ -785,7 +802,10 @@ class AsyncMetricCollector(Generic[T]):
         # A window paired with another call on some rank: every rank fails the same way.
         error = self._mismatch_found()
         if error is not None:
-            raise RankMismatchError(str(error)) from error
+            # The fingerprints name collectors by hash only: say which stream this one is.
+            raise RankMismatchError(
+                f"{error} [raised by this rank's collector with prefix {self._prefix!r}]"
+            ) from error
 
     @property
     def slot_wait_s(self) -> float:
@@ -1184,3 +1204,11 @@ def _reduced_over(group: Group) -> dist.ProcessGroup | None:
     """
     resolved = resolve_group(group)
     return None if resolved is None or resolved is dist.group.WORLD else resolved
+
+
+def _mesh_holds_rank_0(mesh: DeviceMesh) -> bool:
+    """Whether the whole mesh ``mesh`` is a slice of holds global rank 0."""
+    # A private accessor (torch 2.2 to 2.13 at least); without it, the mesh is taken as
+    # spanning the world, as init_device_mesh makes it.
+    root = getattr(mesh, "_get_root_mesh", None)
+    return root is None or 0 in root().mesh
