@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from sidestream._delivery import (
@@ -22,7 +23,7 @@ from sidestream._delivery import (
     DeliveryOptions,
     check_timeout,
 )
-from sidestream._distributed import Group, check_process_group
+from sidestream._distributed import Group, check_process_group, group_ranks
 from sidestream._exit import close_at_exit, ending_with, exit_time_left, forget_close_at_exit
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
@@ -118,6 +119,9 @@ class Run:
         self._delivery.on_start = functools.partial(_register_close_at_exit, weakref.ref(self))
         self._collectors: list[AsyncMetricCollector[Any]] = []
         self._metric_states: dict[str, Any] = {}
+        # The global ranks of the loaded states' collectors that reduced over a group of
+        # their own (a subgroup): a rank outside one neither claims nor warns about its state.
+        self._metric_ranks: dict[str, list[int]] = {}
         self._loaded = False  # load_state_dict was called
         self._warned_unclaimed = False
         self._log_pipe: LogPipe | None = None
@@ -477,8 +481,15 @@ class Run:
             collector.settle_windows(seconds_left(deadline))
         scopes = [c._checkpoint_scope() for c in ordered]
         collectors: dict[str, Any] = {}
+        ranks = {
+            prefix: ranks
+            for prefix, ranks in self._metric_ranks.items()
+            if prefix in self._metric_states
+        }
         checked: set[int] = set()
         for collector, (group, device) in zip(ordered, scopes, strict=True):
+            if group is not None:
+                ranks[collector.prefix] = list(group_ranks(group))
             if id(group) not in checked:
                 checked.add(id(group))
                 over = [c for c, (g, _) in zip(ordered, scopes, strict=True) if g is group]
@@ -508,7 +519,10 @@ class Run:
             if self._log_pipe is not None:
                 self._log_pipe.wait_idle(seconds_left(deadline))
             sinks, undelivered = self._delivery.sink_states(seconds_left(deadline))
-        return {"collectors": collectors, "sinks": sinks, "undelivered": undelivered}
+        state = {"collectors": collectors, "sinks": sinks, "undelivered": undelivered}
+        if ranks:  # only then: a checkpoint of world-wide collectors keeps its three keys
+            state[_COLLECTOR_RANKS] = ranks
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a ``state_dict`` (any world size) before the first bind or log.
@@ -547,9 +561,20 @@ class Run:
         ]
         for restore in restores:
             restore()
+        saved_ranks = dict(state_dict.get(_COLLECTOR_RANKS) or {})
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        for prefix in [p for p in collectors if rank not in saved_ranks.get(p, [rank])]:
+            # A subgroup's collector this rank is not in (made on its members only): its
+            # state is theirs, not an unclaimed one.
+            del collectors[prefix]
         self._metric_states = collectors
+        self._metric_ranks = {p: list(saved_ranks[p]) for p in collectors if p in saved_ranks}
         self._loaded = True
         self._delivery.load_sink_states(sinks, state_dict.get("undelivered"))
+
+
+_COLLECTOR_RANKS = "collector_ranks"
+"""The key of the global ranks of each collector over a group of its own, in a checkpoint."""
 
 
 def _register_close_at_exit(run: weakref.ref[Run]) -> None:
