@@ -124,6 +124,12 @@ def test_python_numbers_accumulate_like_tensors_and_wrong_kinds_name_the_argumen
     assert int(count.value) == 10 and float(metric.state_dict()["largest"]) == 0.5
     with pytest.raises(ValueError, match=r"accumulate: update: .* does not fit a torch\.int64"):
         count.accumulate(2**63)
+    # A float too large for a half-precision state became inf without a word.
+    half = MetricAccumulator(0.0, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"accumulate: update: 70000.0 does not fit a torch\.f"):
+        half.accumulate(70000.0)
+    half.accumulate(float("inf"))  # an inf is an inf: kept, as in a float64 state
+    assert half.value.item() == float("inf")
     count.accumulate(-2)
     for bad, message in ((2.5, "float .*int64 state"), ("3", "got str"), (None, "NoneType")):
         with pytest.raises(TypeError, match=f"accumulate: update: .*{message}"):

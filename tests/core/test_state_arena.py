@@ -1056,3 +1056,17 @@ def test_a_state_refused_by_add_state_is_named_with_its_metric() -> None:
 
     with pytest.raises((TypeError, ValueError), match=r"^Phases\.add_state\('phase'\): initial"):
         Phases()
+
+
+def test_a_state_named_by_an_underscore_alone_names_its_attribute() -> None:
+    class Underscore(Metric[Tensor]):
+        def __init__(self) -> None:
+            self._ = MetricAccumulator(0.0)
+
+        def update(self) -> None: ...
+
+        def compute(self) -> Tensor:
+            return self._.value
+
+    with pytest.raises(ValueError, match=r"^Underscore\._: state name: expected a non-empty"):
+        Underscore()

@@ -331,8 +331,10 @@ class Metric(Generic[T], abc.ABC):
 
     def _declare(self, name: str, value: _Child, attribute: str | None) -> None:
         if not isinstance(name, str) or not name or "." in name or "/" in name:
+            # Named by its attribute (``self._ = ...`` gives the name ''), if it has one.
+            holder = "" if attribute is None else f"{type(self).__name__}.{attribute}: "
             raise ValueError(
-                f"state name: expected a non-empty str without '.' or '/', got {name!r}"
+                f"{holder}state name: expected a non-empty str without '.' or '/', got {name!r}"
             )
         registry: dict[str, tuple[str | None, _Child]] = self.__dict__.setdefault(
             "_declarations", {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import itertools
+import math
 import numbers
 from typing import Any
 
@@ -500,6 +501,14 @@ class MetricAccumulator:
                 "or a tensor"
             )
         value = int(update) if integral_value else float(update)  # type: ignore[arg-type]
+        if (
+            state.dtype != torch.float64
+            and state.is_floating_point()
+            and math.isfinite(value)
+            and abs(value) > torch.finfo(state.dtype).max
+        ):
+            # The fill would make it inf without a word (an int too large raises below).
+            raise ValueError(f"accumulate: update: {update} does not fit a {state.dtype} state")
         try:
             return torch.full((), value, dtype=state.dtype, device=state.device)
         except RuntimeError as error:  # an int too large for the state's dtype
