@@ -1070,3 +1070,32 @@ def test_a_state_named_by_an_underscore_alone_names_its_attribute() -> None:
 
     with pytest.raises(ValueError, match=r"^Underscore\._: state name: expected a non-empty"):
         Underscore()
+
+
+def test_one_child_at_two_places_of_one_tree_raises() -> None:
+    # Laid out twice and saved under two keys (a.total and sub.child.total) without a word.
+    class Holder(Metric[Tensor]):
+        def __init__(self, child: SumMetric) -> None:
+            self.child = child
+
+        def update(self) -> None: ...
+
+        def compute(self) -> Tensor:
+            return self.child.compute()
+
+    class Top(Metric[Tensor]):
+        def __init__(self) -> None:
+            shared = SumMetric()
+            self.a = shared
+            self.sub = Holder(shared)
+
+        def update(self) -> None: ...
+
+        def compute(self) -> Tensor:
+            return self.a.compute()
+
+    with pytest.raises(ValueError, match=r"'sub\.child\.total' is state 'a\.total' again"):
+        Top()
+    twice = SumMetric()
+    with pytest.raises(ValueError, match="one child metric"):
+        ComposeMetric({"first": twice, "second": twice})

@@ -558,6 +558,7 @@ class Metric(Generic[T], abc.ABC):
             return arena if arena.root is self else None
         self._refuse_hidden_in_tree()
         states = list(self.named_accumulators())
+        _refuse_twice(states)
         stores = [store for _, store in self.named_sample_stores()]
         built = Arena(
             self, states, list(self._assign_freshness()), device, stores, self._settings_parts()
@@ -1296,6 +1297,20 @@ def _check_load_group(loaded_for: tuple[int, ...], group: Group) -> None:
             "otherwise; set metric.sync_group = group before load_state_dict (the group it "
             "syncs over, for example mesh['dp']), or reset() the metric to drop the loaded state"
         )
+
+
+def _refuse_twice(states: list[tuple[str, MetricAccumulator]]) -> None:
+    """Raise ``ValueError`` for a state reached by two names (one child at two places)."""
+    seen: dict[int, str] = {}
+    for name, state in states:
+        first = seen.setdefault(id(state), name)
+        if first != name:
+            # Laid out twice and saved under two keys: a checkpoint of it would load one
+            # copy's values over the other's.
+            raise ValueError(
+                f"state {name!r} is state {first!r} again: one child metric (or state) at two "
+                "places of one metric tree; give each place a metric of its own"
+            )
 
 
 DTYPES_KEY = "sidestream/dtypes"
