@@ -1099,3 +1099,15 @@ def test_one_child_at_two_places_of_one_tree_raises() -> None:
     twice = SumMetric()
     with pytest.raises(ValueError, match="one child metric"):
         ComposeMetric({"first": twice, "second": twice})
+
+
+def test_deleting_a_declared_state_or_child_raises() -> None:
+    # It stayed declared and in checkpoints; compute then failed with an AttributeError.
+    metric = _Total()
+    with pytest.raises(TypeError, match=r"^_total: holds a declared state"):
+        del metric._total
+    with pytest.raises(TypeError, match=r"^inner: holds a declared child metric"):
+        del metric.inner
+    metric.note = "plain"
+    del metric.note  # anything else goes as usual
+    assert [name for name, _ in metric.named_accumulators()] == ["total", "inner.total"]

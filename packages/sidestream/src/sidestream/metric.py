@@ -236,6 +236,17 @@ class Metric(Generic[T], abc.ABC):
                 self._refuse_hidden(attribute, value)
         object.__setattr__(self, attribute, value)
 
+    def __delattr__(self, attribute: str) -> None:
+        current = self.__dict__.get(attribute)
+        if isinstance(current, MetricAccumulator | Metric) and self._holds_declared(current):
+            # It would stay declared (synced, reset, in checkpoints) out of the code's reach.
+            what = "state" if isinstance(current, MetricAccumulator) else "child metric"
+            raise TypeError(
+                f"{attribute}: holds a declared {what}; a deleted one would stay in sync, reset "
+                "and checkpoints while update and compute could not reach it"
+            )
+        object.__delattr__(self, attribute)
+
     def _refuse_shadowing(self, attribute: str, value: _Child) -> None:
         """Raise ``TypeError`` for a state or child on a method's or property's name.
 
