@@ -872,3 +872,63 @@ def test_a_run_collector_over_a_mesh_dimension_writes_each_window_once(
         batches = [_dp_batch(s, dp) for s in (step - 1, step) for dp in (0, 1)]
         expected = torch.cat(batches).mean().item()  # each replica's batch once
         assert record["values"]["train"] == pytest.approx(expected, rel=1e-12)
+
+
+def _mesh_resume_from_rank_0(tmp: str) -> tuple[float, list[str]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sidestream import Run
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rank, data_parallel = dist.get_rank(), mesh["dp"].get_local_rank()
+    run = Run([JsonlSink(Path(tmp) / "first.jsonl")])
+    train = run.collector(MeanMetric(), prefix="train", group=mesh["dp"]).bind("cpu")
+    train.metric.update(torch.tensor([1.0 + data_parallel]))  # one value per replica
+    saved = run.state_dict(timeout=30)
+    run.close(timeout=30)
+    shared = [saved if rank == 0 else None]
+    dist.broadcast_object_list(shared)
+    handler = CountingHandler()
+    logging.getLogger("sidestream").addHandler(handler)
+    try:
+        resumed = Run([JsonlSink(Path(tmp) / "resumed.jsonl")])
+        resumed.load_state_dict(shared[0])
+        # Made after the load: it takes the saved state by prefix, on every slice.
+        again = resumed.collector(MeanMetric(), prefix="train", group=mesh["dp"]).bind("cpu")
+        count = float(again.metric.state_dict()["count"])
+        resumed.close(timeout=30)
+    finally:
+        logging.getLogger("sidestream").removeHandler(handler)
+    return count, [m for m in handler.messages if "starts from zero" in m]
+
+
+def test_a_mesh_dimension_collector_resumes_its_state_on_every_slice(
+    pools: Any, tmp_path: Path
+) -> None:
+    # Rank 0's checkpoint named its own slice's ranks ([0, 2]) for "train": ranks 1 and 3,
+    # whose slice holds the same replicas, dropped the state and started from zero.
+    for count, warned in pools.get(4).run(_mesh_resume_from_rank_0, str(tmp_path)):
+        assert (count, warned) == (2.0, []), (count, warned)  # both replicas' values, once
+
+
+def _fresh_run_state_keys(tmp: str) -> tuple[list[str], list[str]]:
+    from sidestream import Run
+
+    run = Run([JsonlSink(Path(tmp) / "run.jsonl")])
+    everyone = dist.new_group(list(range(dist.get_world_size())))  # a group of its own
+    run.collector(MeanMetric(), prefix="train", group=everyone)
+    fresh = sorted(run.state_dict(timeout=30))  # what torch.distributed.checkpoint loads into
+    run._collectors[0].bind("cpu")
+    started = sorted(run.state_dict(timeout=30))
+    run.close(timeout=30)
+    return fresh, started
+
+
+def test_a_fresh_runs_state_dict_keeps_the_keys_older_checkpoints_have(
+    dist_pool: RankPool, tmp_path: Path
+) -> None:
+    # dcp.load of a checkpoint saved before "collector_ranks" failed ("Missing key in
+    # checkpoint state_dict: run.collector_ranks.train"): the template had the new key.
+    for fresh, started in dist_pool.run(_fresh_run_state_keys, str(tmp_path)):
+        assert fresh == ["collectors", "sinks", "undelivered"]
+        assert started == ["collector_ranks", "collectors", "sinks", "undelivered"]

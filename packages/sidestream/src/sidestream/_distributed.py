@@ -135,6 +135,16 @@ def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
+def mesh_ranks(mesh: DeviceMesh) -> list[int]:
+    """The global ranks of the whole mesh that ``mesh`` (a slice, ``mesh["dp"]``) is part of."""
+    # A private accessor (torch 2.2 to 2.13 at least); without it, the mesh is taken as
+    # spanning the world, as init_device_mesh makes it.
+    root = getattr(mesh, "_get_root_mesh", None)
+    if root is None:
+        return list(range(dist.get_world_size()))
+    return [int(rank) for rank in root().mesh.flatten().tolist()]
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks in ``group``; 1 when torch.distributed is not initialized."""
     if not (dist.is_available() and dist.is_initialized()):

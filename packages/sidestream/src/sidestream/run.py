@@ -15,6 +15,7 @@ from typing import Any, Self, TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from sidestream._delivery import (
     OF_THE_RUN,
@@ -23,7 +24,7 @@ from sidestream._delivery import (
     DeliveryOptions,
     check_timeout,
 )
-from sidestream._distributed import Group, check_process_group, group_ranks
+from sidestream._distributed import Group, check_process_group, group_ranks, mesh_ranks
 from sidestream._exit import close_at_exit, ending_with, exit_time_left, forget_close_at_exit
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
@@ -489,7 +490,7 @@ class Run:
         checked: set[int] = set()
         for collector, (group, device) in zip(ordered, scopes, strict=True):
             if group is not None:
-                ranks[collector.prefix] = list(group_ranks(group))
+                ranks[collector.prefix] = _holding_ranks(collector._group, group)
             if id(group) not in checked:
                 checked.add(id(group))
                 over = [c for c, (g, _) in zip(ordered, scopes, strict=True) if g is group]
@@ -520,7 +521,11 @@ class Run:
                 self._log_pipe.wait_idle(seconds_left(deadline))
             sinks, undelivered = self._delivery.sink_states(seconds_left(deadline))
         state = {"collectors": collectors, "sinks": sinks, "undelivered": undelivered}
-        if ranks:  # only then: a checkpoint of world-wide collectors keeps its three keys
+        # Not in the state_dict of a run not started yet: that is the template
+        # torch.distributed.checkpoint loads into, and a key there that an older checkpoint
+        # lacks fails dcp.load ("Missing key"). DCP needs no record: it loads a collector's
+        # state only into a run that made that collector before dcp.load.
+        if ranks and self._delivery.started:
             state[_COLLECTOR_RANKS] = ranks
         return state
 
@@ -575,6 +580,16 @@ class Run:
 
 _COLLECTOR_RANKS = "collector_ranks"
 """The key of the global ranks of each collector over a group of its own, in a checkpoint."""
+
+
+def _holding_ranks(given: Group, group: dist.ProcessGroup) -> list[int]:
+    """The global ranks that make the collector over ``given`` (resolved to ``group``).
+
+    A 1-D slice of a device mesh (``mesh["dp"]``) is made on every rank of the mesh, each
+    rank's collector over its own slice (rank 0's writes): all of them claim its state, not
+    only the members of the slice the saving rank is in.
+    """
+    return mesh_ranks(given) if isinstance(given, DeviceMesh) else list(group_ranks(group))
 
 
 def _register_close_at_exit(run: weakref.ref[Run]) -> None:

@@ -29,6 +29,7 @@ from sidestream._distributed import (
     check_device,
     check_process_group,
     group_size,
+    mesh_ranks,
     resolve_group,
 )
 from sidestream._exit import close_at_exit, ending_with, exit_time_left, forget_close_at_exit
@@ -502,7 +503,7 @@ class AsyncMetricCollector(Generic[T]):
         ranks = dist.get_process_group_ranks(process_group)
         if 0 in ranks:
             return
-        if isinstance(self._group, DeviceMesh) and _mesh_holds_rank_0(self._group):
+        if isinstance(self._group, DeviceMesh) and 0 in mesh_ranks(self._group):
             # One slice of a mesh dimension (mesh["dp"] on a tensor-parallel rank): global
             # rank 0 reduces the same stream over its own slice and writes it; this slice's
             # windows are reduced (collect_results works) and written by no one, as a replica's.
@@ -1204,11 +1205,3 @@ def _reduced_over(group: Group) -> dist.ProcessGroup | None:
     """
     resolved = resolve_group(group)
     return None if resolved is None or resolved is dist.group.WORLD else resolved
-
-
-def _mesh_holds_rank_0(mesh: DeviceMesh) -> bool:
-    """Whether the whole mesh ``mesh`` is a slice of holds global rank 0."""
-    # A private accessor (torch 2.2 to 2.13 at least); without it, the mesh is taken as
-    # spanning the world, as init_device_mesh makes it.
-    root = getattr(mesh, "_get_root_mesh", None)
-    return root is None or 0 in root().mesh
