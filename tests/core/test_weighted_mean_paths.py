@@ -144,3 +144,18 @@ def test_finite_weights_whose_total_overflows_are_refused_naming_the_total(size:
     weights[-1] = -1.0  # a bad weight is still named as one
     with pytest.raises(ValueError, match=r"weights: expected finite values >= 0.*-1"):
         metric.update(torch.ones(size), weights)
+
+
+def test_nan_error_on_the_device_path_drops_an_infinite_value_at_weight_zero() -> None:
+    # The device path (compiled, or CUDA) tests the weighted sum for NaN now: an infinite value
+    # at weight 0 (inf * 0 is NaN) is dropped and counted there, as the CPU path refuses it.
+    # Reverting to isnan(values).any() kept it (mean NaN) and no test failed.
+    metric = WeightedMeanMetric(nan_strategy="error")
+    update = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+    update(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0]))
+    update(torch.tensor([2.0, float("inf")]), torch.tensor([1.0, 0.0]))
+    update(torch.tensor([float("inf"), -float("inf")]), torch.tensor([1.0, 1.0]))
+    assert int(metric.rejected_updates) == 2
+    assert float(metric.compute()) == 2.0
+    update(torch.tensor([float("inf")]), torch.tensor([2.0]))  # +inf at a weight > 0: a value
+    assert int(metric.rejected_updates) == 2 and float(metric.compute()) == float("inf")

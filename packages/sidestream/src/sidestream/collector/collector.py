@@ -469,8 +469,8 @@ class AsyncMetricCollector(Generic[T]):
         """0, or above every index of the open collectors with this prefix, mode and group.
 
         The same on every rank (binds and closes run in program order), and never an index an
-        open twin holds, so twins' call fingerprints differ. Logged: a distinct prefix also
-        keeps their reports apart.
+        open twin holds, so twins' call fingerprints differ. Warned: ranks that bind twins in
+        different orders pair them undetected; a distinct prefix avoids that.
         """
         mine = (self._prefix, self._reset_each_window, _reduced_over(self._group))
         taken = [

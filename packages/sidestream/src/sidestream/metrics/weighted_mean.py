@@ -123,11 +123,18 @@ class WeightedMeanMetric(NanScreenedMetric):
             if rides and math.isnan(float(weighted)):
                 self._nan.apply(values_t, self._rejected, self._nan_count)
                 # No NaN value, and the weights passed: an infinite value at weight 0 (inf * 0
-                # is NaN), or +inf and -inf in one batch. Bad input all the same.
+                # is NaN), +inf and -inf in one batch, or finite products that overflowed the
+                # accumulation dtype both ways. Bad input all the same.
+                infinite = torch.isinf(values_t)
+                cause = (
+                    "an infinite value at weight 0, or +inf and -inf"
+                    f"{found_where(values_t, infinite)}"
+                    if bool(infinite.any())
+                    else f"values * weights past what {dtype} holds, of both signs"
+                )
                 raise ValueError(
                     "values: expected values whose weighted sum is not NaN (nan_strategy="
-                    "'error'); this batch has no NaN value but an infinite one at weight 0, or "
-                    f"+inf and -inf{found_where(values_t, torch.isinf(values_t))}"
+                    f"'error'); this batch has no NaN value but {cause}"
                 )
             self._weighted_sum.accumulate(weighted)
             self._weight.accumulate(total)

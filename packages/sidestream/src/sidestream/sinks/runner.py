@@ -46,10 +46,12 @@ class SinkRunner:
     is counted in ``dropped`` and logged (the first of a streak, which ends once a report is spooled
     into a spool at most half full, and the total at ``close``), and ``close`` then returns
     ``False``: a failing spool affects this sink only. A ``write`` that raises is retried with
-    exponential backoff until it succeeds; a sink with ``max_batch > 1`` gets a backlog in
-    ``write_batch`` calls of up to that many reports, retried whole. The first failure of a streak
-    is logged (logger ``sidestream.sinks``) and so is the recovery, never each attempt. Every sink
-    method runs on this thread, so a slow or failing sink delays nothing else.
+    exponential backoff until it succeeds; a sink with ``max_batch > 1`` and a ``write_batch``
+    of its own gets a backlog in calls of up to that many reports, retried whole (with the
+    default ``write_batch``, one report at a time: see ``sinks.base.batch_size``). The first
+    failure of a streak is logged (logger ``sidestream.sinks``) and so is the recovery, never
+    each attempt. Every sink method runs on this thread, so a slow or failing sink delays
+    nothing else.
 
     Args:
         sink: The sink to drive.
