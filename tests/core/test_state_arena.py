@@ -1111,3 +1111,28 @@ def test_deleting_a_declared_state_or_child_raises() -> None:
     metric.note = "plain"
     del metric.note  # anything else goes as usual
     assert [name for name, _ in metric.named_accumulators()] == ["total", "inner.total"]
+
+
+def test_each_sync_walks_a_container_again_only_once_it_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every sync walked every item of every container: 76 ms per sync of a metric keeping
+    # 100k plain values in a list.
+    metric = _FillsAContainerLate()
+    metric.history = [0.5] * 1000  # type: ignore[attr-defined]  # plain data, no state
+    walked: list[str] = []
+    refuse = Metric._refuse_hidden
+
+    def counting(self: Metric[Any], attribute: str, *args: Any) -> None:
+        walked.append(attribute)
+        refuse(self, attribute, *args)
+
+    monkeypatch.setattr(Metric, "_refuse_hidden", counting)
+    metric.sync()
+    assert {"extra", "history"} <= set(walked)
+    walked.clear()
+    metric.sync()
+    assert walked == [], walked  # unchanged: not walked again
+    metric.update(1.0)  # puts a state in the dict: a new length
+    with pytest.raises(TypeError, match="extra: a MetricAccumulator inside a dict"):
+        metric.sync()
