@@ -1136,3 +1136,13 @@ def test_each_sync_walks_a_container_again_only_once_it_changed(
     metric.update(1.0)  # puts a state in the dict: a new length
     with pytest.raises(TypeError, match="extra: a MetricAccumulator inside a dict"):
         metric.sync()
+
+
+def test_a_metric_on_the_meta_device_refuses_a_load_and_a_move_plainly() -> None:
+    # A load into meta tensors kept nothing without a word; a move off meta raised torch's
+    # "Cannot copy out of meta tensor" from inside the arena.
+    saved = MeanMetric().state_dict()
+    with pytest.raises(ValueError, match="load_state_dict: this MeanMetric is on the meta"):
+        MeanMetric().to("meta").load_state_dict(saved)
+    with pytest.raises(NotImplementedError, match="to: this MeanMetric is on the meta device"):
+        MeanMetric().to("meta").to("cpu")

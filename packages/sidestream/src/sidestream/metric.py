@@ -1041,10 +1041,17 @@ class Metric(Generic[T], abc.ABC):
             ValueError: If ``device`` is a str torch cannot parse (``"gpu"``) or a negative
                 index.
             RuntimeError: If ``device`` is a CUDA device and CUDA is not available.
+            NotImplementedError: If the metric is on the meta device and ``device`` is not:
+                meta tensors hold no values to move (torch's own error, said plainly).
         """
         check_device("to", device)
         target = torch.device(device)
         check_cuda_available("to", target)
+        if self.device.type == "meta" and target.type != "meta":
+            raise NotImplementedError(
+                f"to: this {type(self).__name__} is on the meta device, which holds no values "
+                f"to move to {target}; build a new metric there instead"
+            )
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
         self._refuse_hidden_in_tree()  # before anything moves
@@ -1177,7 +1184,8 @@ class Metric(Generic[T], abc.ABC):
                 ``"sidestream/dtypes"`` record tells), or the checkpoint was saved with another
                 constant (``MetricAccumulator.constant``: bins, a shift) or another
                 classification configuration (threshold, top-k, ...). A checkpoint saved before
-                the metric kept any of these loads as it is.
+                the metric kept any of these loads as it is. Or if the metric is on the meta
+                device (no values to load into).
             RuntimeError: If the metric is bound to an open collector (load before ``bind``:
                 ``collector.load_state_dict`` or ``run.load_state_dict``).
         """
@@ -1198,6 +1206,12 @@ class Metric(Generic[T], abc.ABC):
                 f"load_state_dict: this {type(self).__name__} belongs to a bound collector "
                 f"(prefix {prefix!r}), whose windows already stage it; load the checkpoint "
                 "before bind, with collector.load_state_dict or run.load_state_dict"
+            )
+        if self.device.type == "meta":
+            # The copies into meta tensors would succeed and keep nothing.
+            raise ValueError(
+                f"load_state_dict: this {type(self).__name__} is on the meta device, which "
+                "holds no values; move it first (metric.to('cpu') or a GPU), then load"
             )
         original = state_dict
         state_dict = dict(state_dict)
