@@ -89,6 +89,49 @@ def test_failing_rank_reported_without_hang(dist_pool: RankPool) -> None:
     assert dist_pool.run(dist.get_rank) == list(range(dist_pool.world_size))
 
 
+def _destroys_the_group() -> int:
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank
+
+
+def _rank_environment() -> tuple[str | None, ...]:
+    return tuple(os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def test_a_task_that_destroys_the_group_is_followed_by_a_fresh_pool(
+    dist_pool: RankPool,
+) -> None:
+    # It returned fine, and the next, unrelated call failed on every rank ("Default process
+    # group has not been initialized"), blamed on the next test.
+    assert dist_pool.run(_destroys_the_group) == list(range(dist_pool.world_size))
+    assert dist_pool.run(_rank_sum) == [float(sum(range(1, dist_pool.world_size + 1)))] * (
+        dist_pool.world_size
+    )
+
+
+def test_ranks_see_their_own_rank_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # They inherited the pool's process's: a test run inside a torchrun job saw RANK=0
+    # everywhere, and sidestream's world-size check refused a 1-rank pool's sync.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert run_distributed(_rank_environment, 2, timeout=60) == [("0", "0", "2"), ("1", "1", "2")]
+
+
+def _rank_one_is_killed() -> int:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+def test_a_rank_killed_by_a_signal_is_named_and_reported_soon() -> None:
+    # Reported as "exit code -9" only, after the whole 5 s grace though rank 0 had answered.
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"exit code -9 \(killed by SIGKILL\)"):
+        run_distributed(_rank_one_is_killed, 2, timeout=60)
+    assert time.monotonic() - start < 45
+
+
 def test_dead_rank_reported() -> None:
     start = time.monotonic()
     with pytest.raises(DistributedError, match="exit code 3"):

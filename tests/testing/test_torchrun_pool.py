@@ -23,6 +23,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 from sidestream.testing import DistributedError, TorchrunPool, rank_device
 from tests.testing.test_pool import (
     _default_group_references_left_by_ddp,
+    _destroys_the_group,
     _gone_soon,
     _rank_one_dies,
     _rank_one_raises,
@@ -93,6 +94,13 @@ def test_a_chunk_count_written_by_another_process_is_refused_without_waiting() -
 
 def test_ddp_in_a_rank_leaves_the_default_group_destroyable(torchrun_pool: TorchrunPool) -> None:
     assert torchrun_pool.run(_default_group_references_left_by_ddp) == [0, 0]
+
+
+def test_a_task_that_destroys_the_group_is_followed_by_a_fresh_pool(
+    torchrun_pool: TorchrunPool,
+) -> None:
+    assert torchrun_pool.run(_destroys_the_group) == [0, 1]
+    assert torchrun_pool.run(_rank_sum) == [3.0, 3.0]
 
 
 def test_failing_rank_reported_then_pool_restarts(torchrun_pool: TorchrunPool) -> None:
@@ -181,6 +189,9 @@ def test_rejects_what_it_cannot_run() -> None:
             TorchrunPool(64, backend="nccl")
     with pytest.raises(ValueError, match="world_size"):
         TorchrunPool(0, backend="gloo")
+    # Refused at the first run only, by every rank, after about 9 s.
+    with pytest.raises(ValueError, match="backend: 'bogus' is not a torch"):
+        TorchrunPool(2, backend="bogus")
 
 
 def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

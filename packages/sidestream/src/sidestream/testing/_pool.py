@@ -27,7 +27,9 @@ __all__ = ["DistributedPool", "run_distributed"]
 
 _STOP = "stop"
 _START_FAILED = "start failed"  # a rank's message when joining the process group raised
+_GROUP_LOST = "group lost"  # a rank's message before its result: the task destroyed the group
 _GRACE_S = 5.0  # after one rank fails, how long the others get to report their own view
+_DRAIN_S = 0.5  # once every rank still waited for is dead: time for their last messages
 _PARENT_CHECK_S = 0.5  # how often a rank looks whether the pool's process is gone
 
 
@@ -85,6 +87,10 @@ class RankPool(ABC):
     @abstractmethod
     def _death_reason(self, rank: int) -> str:
         """How ``rank``'s process (or the launcher holding it) ended."""
+
+    def _group_lost(self) -> bool:
+        """Whether the last task destroyed a rank's default process group (by default: no)."""
+        return False
 
     @abstractmethod
     def _stop(self) -> None:
@@ -144,6 +150,10 @@ class RankPool(ABC):
             if not finished:
                 if grace_deadline is None and self._any_dead():
                     grace_deadline = time.monotonic() + _GRACE_S
+                if grace_deadline is not None and not any(map(self._rank_alive, waiting)):
+                    # Nobody left to report: the grace is for living ranks (a rank that died
+                    # after every other one answered cost the caller the whole grace).
+                    grace_deadline = min(grace_deadline, time.monotonic() + _DRAIN_S)
                 continue
             for rank, outcome in finished:
                 try:
@@ -165,6 +175,10 @@ class RankPool(ABC):
         if failures:
             self.close()
             raise DistributedError(name, self.world_size, failures)
+        if self._group_lost():
+            # The task destroyed the process group (destroy_process_group()): the next call
+            # would fail on every rank for it, so it starts a fresh pool instead.
+            self.close()
         return [outcomes[rank][1] for rank in range(self.world_size)]
 
     def _failures(
@@ -252,6 +266,15 @@ def _worker(
     ).start()
     torch.set_num_threads(1)  # N ranks share this machine's cores
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # gloo ranks are CPU ranks
+    # What torchrun sets for its ranks, so code that reads them (LOCAL_RANK, sidestream's check
+    # that WORLD_SIZE matches the group) sees this rank, not the environment of the pool's
+    # process (itself a rank of some job, say: every rank then read its RANK and WORLD_SIZE).
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     try:
         dist.init_process_group(
             backend,
@@ -271,7 +294,12 @@ def _worker(
             if task == _STOP:
                 break
             task_id, payload = task
-            results.send((task_id, run_task(payload)))
+            outcome = run_task(payload)
+            if not dist.is_initialized():  # the task destroyed the group: no later task runs
+                results.send((_GROUP_LOST, b""))  # before the result, which ends the call
+                results.send((task_id, outcome))
+                break
+            results.send((task_id, outcome))
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -355,8 +383,10 @@ class DistributedPool(RankPool):
         self._store_dir: tempfile.TemporaryDirectory[str] | None = None
         self._ready: Any = None
         self._start_errors: dict[int, str] = {}
+        self._lost = False
 
     def _start(self) -> None:
+        self._lost = False
         self._ready = self._context.Array("b", self.world_size, lock=False)
         self._start_errors = {}
         self._store_dir = tempfile.TemporaryDirectory(prefix="sidestream-pg-")
@@ -413,10 +443,16 @@ class DistributedPool(RankPool):
         if got_id == _START_FAILED:
             self._start_errors[rank] = outcome.decode(errors="replace")
             return []
+        if got_id == _GROUP_LOST:
+            self._lost = True
+            return []
         return [(rank, outcome)] if got_id == task_id and rank in waiting else []
 
     def _rank_started(self, rank: int) -> bool:
         return self._ready is not None and bool(self._ready[rank])
+
+    def _group_lost(self) -> bool:
+        return self._lost
 
     def _read_start_errors(self) -> None:
         """Take the start failures still queued (the rank died before they were polled)."""
@@ -435,7 +471,11 @@ class DistributedPool(RankPool):
         return self._processes[rank].is_alive()
 
     def _death_reason(self, rank: int) -> str:
-        reason = f"process died with exit code {self._processes[rank].exitcode}"
+        code = self._processes[rank].exitcode
+        reason = f"process died with exit code {code}"
+        if code is not None and code < 0:  # multiprocessing's way of saying "killed by -code"
+            with contextlib.suppress(ValueError):
+                reason += f" (killed by {signal.Signals(-code).name})"
         if self._rank_started(rank):
             return reason
         if rank not in self._start_errors:

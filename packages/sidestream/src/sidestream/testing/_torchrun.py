@@ -68,7 +68,14 @@ class TorchrunPool(RankPool):
     def __init__(
         self, world_size: int, backend: str = "nccl", collective_timeout_s: float = 30.0
     ) -> None:
+        backend = backend.lower()  # as torch reads it: "NCCL" skipped the GPU checks below
         super().__init__(world_size, backend, collective_timeout_s)
+        if backend != "nccl" and not torch.distributed.is_backend_available(backend):
+            # Refused here, as DistributedPool does, not by every rank at the first call.
+            raise ValueError(
+                f"backend: {backend!r} is not a torch.distributed backend this torch has "
+                "('nccl' for GPU ranks, 'gloo' for CPU ranks)"
+            )
         if backend == "nccl" and torch.cuda.device_count() < world_size:
             raise ValueError(
                 f"world_size: NCCL needs one GPU per rank, got {world_size} ranks and "
@@ -191,6 +198,12 @@ class TorchrunPool(RankPool):
 
     def _rank_started(self, rank: int) -> bool:
         return self._store is not None and self._store.check([f"{_PREFIX}/ready/{rank}"])
+
+    def _group_lost(self) -> bool:
+        if self._store is None:
+            return False
+        keys = [f"{_PREFIX}/lost/{rank}" for rank in range(self.world_size)]
+        return any(self._store.check([key]) for key in keys)
 
     def _rank_pids(self) -> list[int]:
         """The ranks' process ids, as each wrote it when it started (not all may have)."""

@@ -89,6 +89,10 @@ def main() -> None:
                 if task == STOP:
                     break
                 result = run_task(task)
+                if not dist.is_initialized():
+                    # The task destroyed the group: the pool restarts. Said before the result,
+                    # which ends the call.
+                    store.set(f"{prefix}/lost/{rank}", "1")
             # In chunks: the store's server refuses (and breaks on) a value over 8 MiB.
             put_message(store, f"{prefix}/result/{task_id}/{rank}", sign(key, result))
             task_id += 1
