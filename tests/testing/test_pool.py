@@ -373,6 +373,41 @@ def test_count_collectives_counts_an_old_name_once_and_the_new_scatter(
         assert calls == expected
 
 
+def _counted_from_two_threads() -> tuple[bool, list[str], list[str]]:
+    import threading
+
+    from sidestream.testing import count_collectives
+
+    original = dist.all_reduce
+    first = count_collectives()
+    first_calls = first.__enter__()
+    opened, closed = threading.Event(), threading.Event()
+    second_calls: list[str] = []
+
+    def second() -> None:  # opened after the first block, closed after it
+        with count_collectives() as calls:
+            opened.set()
+            closed.wait(30)
+        second_calls.extend(calls)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    opened.wait(30)
+    dist.all_reduce(torch.ones(1))
+    first.__exit__(None, None, None)
+    closed.set()
+    thread.join(30)
+    return dist.all_reduce is original, first_calls, second_calls
+
+
+def test_count_collectives_blocks_on_two_threads_restore_torch(dist_pool: RankPool) -> None:
+    # Closed out of order, the first block restored the second's wrapper: all_reduce stayed
+    # patched for the rest of the process.
+    for restored, first, second in dist_pool.run(_counted_from_two_threads, timeout=60):
+        assert restored
+        assert first == second == ["all_reduce"]  # a block counts the whole process
+
+
 def _rank_one_dies_mid_result() -> int:
     """Rank 1 writes the start of a result message, then dies before the rest."""
     import gc

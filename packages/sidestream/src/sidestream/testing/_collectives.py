@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,52 @@ _ALIASES = {
 """Old names that call the new one inside them (torch 2.13): one collective, counted once."""
 
 
+_lock = threading.Lock()
+_blocks: list[list[str]] = []  # the open blocks' lists, whichever thread opened them
+_saved: list[tuple[Any, str, Any]] = []  # the functions replaced while a block is open
+_thread = threading.local()  # per thread: the collectives it is inside (see ``call``)
+
+
+def _counted(name: str, original: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        # Per thread: a collective another thread is inside is a separate call.
+        active: set[str] = getattr(_thread, "active", None) or set()
+        _thread.active = active
+        if name in active:
+            return original(*args, **kwargs)
+        with _lock:
+            for calls in _blocks:
+                calls.append(name)
+        inside = {name, _ALIASES.get(name, name)} - active
+        active.update(inside)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            active.difference_update(inside)
+
+    return call
+
+
+def _install() -> None:
+    for module in (dist, c10d):
+        for name in COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is not None:
+                _saved.append((module, name, original))
+                setattr(module, name, _counted(name, original))
+    for attribute, name in (("_GATHER", _distributed.PUBLIC_GATHER), ("_REDUCE", "all_reduce")):
+        original = getattr(_distributed, attribute)
+        if original is not None:
+            _saved.append((_distributed, attribute, original))
+            setattr(_distributed, attribute, _counted(name, original))
+
+
+def _uninstall() -> None:
+    for module, name, original in reversed(_saved):
+        setattr(module, name, original)
+    _saved.clear()
+
+
 @contextlib.contextmanager
 def count_collectives() -> Iterator[list[str]]:
     """Record the name of every collective issued inside the block, in order.
@@ -55,6 +102,10 @@ def count_collectives() -> Iterator[list[str]]:
     that re-enters itself counts once: under a ``torch.device`` context (as ``on_rank_device``
     sets) torch dispatches the call again by its public name.
 
+    The count is of the whole process: a block open on one thread also records the collectives
+    other threads issue meanwhile. Blocks may be nested and may be open on several threads at
+    once; ``torch.distributed`` is restored when the last one closes.
+
     Example:
         >>> with count_collectives() as calls:
         ...     metric.sync()  # doctest: +SKIP
@@ -62,36 +113,15 @@ def count_collectives() -> Iterator[list[str]]:
         ['all_gather_single']
     """
     calls: list[str] = []
-    active: set[str] = set()
-    saved: list[tuple[Any, str, Any]] = []
-
-    def counted(name: str, original: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if name in active:
-                return original(*args, **kwargs)
-            calls.append(name)
-            inside = {name, _ALIASES.get(name, name)} - active
-            active.update(inside)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                active.difference_update(inside)
-
-        return call
-
-    for module in (dist, c10d):
-        for name in COLLECTIVES:
-            original = getattr(module, name, None)
-            if original is not None:
-                saved.append((module, name, original))
-                setattr(module, name, counted(name, original))
-    for attribute, name in (("_GATHER", _distributed.PUBLIC_GATHER), ("_REDUCE", "all_reduce")):
-        original = getattr(_distributed, attribute)
-        if original is not None:
-            saved.append((_distributed, attribute, original))
-            setattr(_distributed, attribute, counted(name, original))
+    with _lock:
+        if not _blocks:
+            _install()
+        _blocks.append(calls)
     try:
         yield calls
     finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
+        with _lock:
+            # By identity: two blocks' lists may be equal.
+            del _blocks[next(i for i, block in enumerate(_blocks) if block is calls)]
+            if not _blocks:
+                _uninstall()
