@@ -103,6 +103,22 @@ def test_a_task_that_destroys_the_group_is_followed_by_a_fresh_pool(
     assert torchrun_pool.run(_rank_sum) == [3.0, 3.0]
 
 
+def _says_hello() -> int:
+    print(f"hello from rank {dist.get_rank()}", flush=True)
+    return dist.get_rank()
+
+
+def test_what_ranks_print_is_shown_by_the_call(
+    torchrun_pool: TorchrunPool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It went to torchrun's private log, shown only when torchrun died.
+    torchrun_pool.run(dist.get_rank)  # started before: its start-up output is not this call's
+    capsys.readouterr()
+    assert torchrun_pool.run(_says_hello) == [0, 1]
+    out = capsys.readouterr().out
+    assert "hello from rank 0" in out and "hello from rank 1" in out, out
+
+
 def test_failing_rank_reported_then_pool_restarts(torchrun_pool: TorchrunPool) -> None:
     torchrun_pool.run(dist.get_rank)  # started (or restarted) before the clock runs
     start = time.monotonic()

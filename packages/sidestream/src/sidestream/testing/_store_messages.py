@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CHUNK_BYTES", "delete_message", "get_message", "has_message", "put_message"]
+__all__ = ["CHUNK_BYTES", "STOP", "delete_message", "get_message", "has_message", "put_message"]
+
+#: The task that tells a TorchrunPool's rank to leave its loop.
+STOP = b"stop"
 
 #: Bytes per stored value: well under the 8 MiB a libuv ``TCPStore`` server takes in one value
 #: (a larger one closed the connection and left the store unusable).

@@ -22,13 +22,17 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 
 from sidestream.testing._pool import RankPool, kill_own_group
 from sidestream.testing._signed import KEY_ENV, sign, verify
+
+# STOP from _store_messages, not _torchrun_worker: run as `-m`, a module this package's
+# __init__ imported already warned in every rank (runpy's RuntimeWarning, "found in
+# sys.modules ... unpredictable behaviour").
 from sidestream.testing._store_messages import (
+    STOP,
     delete_message,
     get_message,
     has_message,
     put_message,
 )
-from sidestream.testing._torchrun_worker import STOP
 
 __all__ = ["TorchrunPool"]
 
@@ -90,6 +94,7 @@ class TorchrunPool(RankPool):
         # /tmp/torchelastic_* folder per start and never removed it).
         self._log_dir: tempfile.TemporaryDirectory[str] | None = None
         self._pids: dict[int, int] = {}  # rank -> pid, as read once: a broken store has none
+        self._echoed = 0  # how much of torchrun's output (the ranks' too) was echoed already
 
     def run(
         self, function: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
@@ -108,7 +113,29 @@ class TorchrunPool(RankPool):
                 "function: the torchrun ranks import it by module; define it in an importable "
                 "module, not in __main__"
             )
-        return super().run(function, *args, timeout=timeout, **kwargs)
+        try:
+            return super().run(function, *args, timeout=timeout, **kwargs)
+        finally:
+            self._echo_output()  # after a failure: _stop echoed it before closing the log
+
+    def _echo_output(self) -> None:
+        """Write what the ranks (and torchrun) printed since the last call to this stdout.
+
+        The ranks write into torchrun's log file, not this process's stdout as
+        ``DistributedPool``'s ranks do: without this a rank's print or log line was never seen
+        (only quoted when torchrun died), and pytest showed nothing of it under a failed test.
+        """
+        if self._log is None:
+            return
+        # pread, not seek and read: torchrun writes through the same open file, whose offset
+        # a seek would move under its next write.
+        descriptor = self._log.fileno()
+        size = os.fstat(descriptor).st_size
+        new = os.pread(descriptor, max(0, size - self._echoed), self._echoed)
+        self._echoed += len(new)
+        if new:
+            sys.stdout.write(new.decode(errors="replace"))
+            sys.stdout.flush()
 
     def _start(self) -> None:
         self._key = secrets.token_bytes(32)
@@ -126,6 +153,7 @@ class TorchrunPool(RankPool):
             master_listen_fd=self._listener.fileno(),
         )
         self._log = tempfile.TemporaryFile(prefix="sidestream-torchrun-")  # noqa: SIM115 (closed in _stop)
+        self._echoed = 0
         self._log_dir = tempfile.TemporaryDirectory(prefix="sidestream-torchrun-logs-")
         env = {
             **os.environ,
@@ -136,6 +164,8 @@ class TorchrunPool(RankPool):
             # The ranks end themselves once this process is gone (killed, no close).
             "SIDESTREAM_POOL_PARENT": str(os.getpid()),
             KEY_ENV: self._key.hex(),
+            # What torchrun would set, without its banner about it in the ranks' output.
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             # The ranks unpickle functions by module, as spawned processes would.
             "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),
         }
@@ -252,6 +282,8 @@ class TorchrunPool(RankPool):
                     os.killpg(self._launcher.pid, signal.SIGKILL)
                 self._launcher.wait(timeout=10.0)
         if self._log is not None:
+            with contextlib.suppress(Exception):
+                self._echo_output()
             self._log.close()
         if self._listener is not None:
             self._listener.close()

@@ -20,9 +20,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 
 from sidestream.testing._pool import end_group_when, run_task
 from sidestream.testing._signed import KEY_ENV, sign, verify
-from sidestream.testing._store_messages import get_message, put_message
-
-STOP = b"stop"
+from sidestream.testing._store_messages import STOP, get_message, put_message
 
 
 def _join_group(backend: str, timeout: timedelta) -> None:
