@@ -128,6 +128,9 @@ def test_python_numbers_accumulate_like_tensors_and_wrong_kinds_name_the_argumen
     half = MetricAccumulator(0.0, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"accumulate: update: 70000.0 does not fit a torch\.f"):
         half.accumulate(70000.0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        with pytest.raises(ValueError, match=r"accumulate: update: 1000+ does not fit"):
+            MetricAccumulator(0.0, dtype=dtype).accumulate(10**400)  # was an OverflowError
     half.accumulate(float("inf"))  # an inf is an inf: kept, as in a float64 state
     assert half.value.item() == float("inf")
     count.accumulate(-2)

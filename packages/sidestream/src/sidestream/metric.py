@@ -245,7 +245,9 @@ class Metric(Generic[T], abc.ABC):
                 f"{attribute}: holds a declared {what}; a deleted one would stay in sync, reset "
                 "and checkpoints while update and compute could not reach it"
             )
-        object.__delattr__(self, attribute)
+        # super(), not object.__delattr__: dynamo traces the one and refuses the other
+        # (a fullgraph-compiled update that deletes an attribute of its own).
+        super().__delattr__(attribute)
 
     def _refuse_shadowing(self, attribute: str, value: _Child) -> None:
         """Raise ``TypeError`` for a state or child on a method's or property's name.
@@ -302,30 +304,18 @@ class Metric(Generic[T], abc.ABC):
         ids.update(id(state) for _, state in self.named_accumulators())
         return ids
 
-    def _refuse_hidden_in_tree(self, *, unless_unchanged: bool = False) -> None:
+    def _refuse_hidden_in_tree(self) -> None:
         """Raise ``TypeError`` if a container attribute holds an undeclared state or metric.
 
-        Checked again when the arena is built, on ``to``, when a sync is laid out and on
+        Checked again when the arena is built, on ``to``, on every sync and on
         ``state_dict``, not only when an attribute is assigned: a container filled later
-        (``self.sums = []``, then ``append``) would otherwise leave its states out of sync,
-        reset and checkpoints. ``unless_unchanged``: not again while every container is the
-        same object of the same length as at the last check (``sync``, each call).
+        (``self.sums = []``, then ``append``; an item replaced; a list inside a dict) would
+        otherwise leave its states out of sync, reset and checkpoints.
         """
-        found = [
-            (metric, attribute, value)
-            for metric in self._walk_metrics()
-            for attribute, value in vars(metric).items()
-            if _is_container(value) and attribute not in _BOOKKEEPING
-        ]
-        sizes = tuple((id(value), len(value)) for _, _, value in found)
-        if unless_unchanged and self.__dict__.get("_containers_checked") == sizes:
-            # Each sync checks again, but walks a container's items only once it changed
-            # (another object, another length: a state appended): a metric keeping 100k
-            # plain values in a list paid 76 ms per sync.
-            return
-        for metric, attribute, value in found:
-            self._refuse_hidden(attribute, value, metric)
-        object.__setattr__(self, "_containers_checked", sizes)
+        for metric in self._walk_metrics():
+            for attribute, value in vars(metric).items():
+                if _is_container(value) and attribute not in _BOOKKEEPING:
+                    self._refuse_hidden(attribute, value, metric)
 
     def _refuse_hidden(self, attribute: str, container: Any, holder: Any = None) -> None:
         """Raise ``TypeError`` for a state or metric in ``container`` that is not of this tree.
@@ -333,6 +323,12 @@ class Metric(Generic[T], abc.ABC):
         ``holder``: the metric whose attribute it is; what that metric declared itself (a
         composition's dict of children) is found without a walk over the whole tree.
         """
+        if not _may_hold_tree_objects(container):
+            # Plain data (floats, strings, tensors): its item types, gathered in C, say so
+            # without a walk in Python (a metric keeping 100k values in a list paid 76 ms per
+            # sync). Not a cache of ids and lengths: a replaced item or a list inside a dict
+            # changes neither.
+            return
         found = list(_tree_objects(container))
         if holder is not None:
             found = [(item, box) for item, box in found if not holder._holds_declared(item)]
@@ -687,7 +683,7 @@ class Metric(Generic[T], abc.ABC):
         # Every time, not only when the sync is laid out: a container filled after the first
         # sync (a state appended to a list in an update) would otherwise be left out of every
         # later sync, and compute would mix this rank's sum with the global count.
-        self._refuse_hidden_in_tree(unless_unchanged=True)
+        self._refuse_hidden_in_tree()
         check_process_group("sync")
         if step is None:
             self._sync_as(group, self._call("sync", self.call_counter.next()))
@@ -1453,16 +1449,10 @@ _BUILT_ON_THE_ARENA = frozenset(
     {"_state_arena", "_sync_layouts", "_unverified_syncs", "_reset_children"}
 )
 """A metric's attributes that hold or depend on its tree's arena (made again when it is)."""
-_NOT_PICKLED = _BUILT_ON_THE_ARENA | {
-    "_sync_group",
-    "_bound_prefix",
-    "_load_checked",
-    "_containers_checked",
-}
+_NOT_PICKLED = _BUILT_ON_THE_ARENA | {"_sync_group", "_bound_prefix", "_load_checked"}
 """Left out of a pickle: what is built on the arena (made again on load), the process group,
 which cannot be pickled, the collector that holds the metric (a copy belongs to none), and the
-ids of the group a loaded checkpoint was last checked against and of the containers last
-checked for hidden states (another process's ids)."""
+id of the group a loaded checkpoint was last checked against (another process's ids)."""
 
 _BOOKKEEPING = _NOT_PICKLED | {"_declarations", "_freshness_flag", "_call_counter"}
 """Attributes the library keeps on every metric (not a metric's own data)."""
@@ -1571,7 +1561,19 @@ _CONTAINER_TYPES: dict[type, bool] = {}
 
 
 def _is_container(value: object) -> bool:
-    kind = type(value)
+    return _is_container_type(type(value))
+
+
+def _may_hold_tree_objects(container: Any) -> bool:
+    """Whether an item of ``container`` is a state, a metric or another container."""
+    items = container.values() if isinstance(container, _MAPPINGS) else container
+    for kind in set(map(type, items)):
+        if issubclass(kind, MetricAccumulator | Metric) or _is_container_type(kind):
+            return True
+    return False
+
+
+def _is_container_type(kind: type) -> bool:
     known = _CONTAINER_TYPES.get(kind)
     if known is None:
         known = _CONTAINER_TYPES[kind] = issubclass(kind, _CONTAINERS)

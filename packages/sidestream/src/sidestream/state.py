@@ -87,6 +87,11 @@ class Freshness:
             self.mark(True)
 
 
+_FILL_LIMITS = {dtype: torch.finfo(dtype).max for dtype in (torch.float16, torch.bfloat16)}
+"""Past these, torch's fill into a state of the dtype gives inf without a word; a float32 fill
+past its range raises by itself, as an int64 one does (so they cost the hot path nothing)."""
+
+
 class MetricAccumulator:
     """One tensor of metric state, updated in place on its device.
 
@@ -501,17 +506,13 @@ class MetricAccumulator:
                 "or a tensor"
             )
         value = int(update) if integral_value else float(update)  # type: ignore[arg-type]
-        if (
-            state.dtype != torch.float64
-            and state.is_floating_point()
-            and math.isfinite(value)
-            and abs(value) > torch.finfo(state.dtype).max
-        ):
-            # The fill would make it inf without a word (an int too large raises below).
+        limit = _FILL_LIMITS.get(state.dtype)
+        if limit is not None and limit < abs(value) < math.inf:  # an inf stays an inf
+            # The fill would make it inf without a word (float32 and ints raise below).
             raise ValueError(f"accumulate: update: {update} does not fit a {state.dtype} state")
         try:
             return torch.full((), value, dtype=state.dtype, device=state.device)
-        except RuntimeError as error:  # an int too large for the state's dtype
+        except (RuntimeError, OverflowError) as error:  # too large for the state's dtype
             raise ValueError(
                 f"accumulate: update: {update} does not fit a {state.dtype} state"
             ) from error

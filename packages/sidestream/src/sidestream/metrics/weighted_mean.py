@@ -126,10 +126,15 @@ class WeightedMeanMetric(NanScreenedMetric):
                 # is NaN), +inf and -inf in one batch, or finite products that overflowed the
                 # accumulation dtype both ways. Bad input all the same.
                 infinite = torch.isinf(values_t)
+                # An inf at a weight > 0 beside a finite product past the dtype's range (inf +
+                # -inf) is the overflow: no inf at weight 0, no -inf beside it to name.
+                named = bool((infinite & (weights_t == 0)).any()) or (
+                    bool((values_t == torch.inf).any()) and bool((values_t == -torch.inf).any())
+                )
                 cause = (
                     "an infinite value at weight 0, or +inf and -inf"
                     f"{found_where(values_t, infinite)}"
-                    if bool(infinite.any())
+                    if named
                     else f"values * weights past what {dtype} holds, of both signs"
                 )
                 raise ValueError(

@@ -295,10 +295,11 @@ def _worker(
                 break
             task_id, payload = task
             outcome = run_task(payload)
-            if not dist.is_initialized():  # the task destroyed the group: no later task runs
-                results.send((_GROUP_LOST, b""))  # before the result, which ends the call
-                results.send((task_id, outcome))
-                break
+            if not dist.is_initialized():
+                # The task destroyed the group: the pool starts afresh after this call. Said
+                # before the result, which ends the call. The rank then waits for the pool's
+                # stop: exiting now cut the ranks still working to the grace of a dead rank.
+                results.send((_GROUP_LOST, b""))
             results.send((task_id, outcome))
     finally:
         with contextlib.suppress(Exception):
