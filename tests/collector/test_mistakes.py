@@ -680,3 +680,34 @@ def test_a_spool_dir_that_is_a_dangling_link_is_refused_when_built(tmp_path: Pat
     link.symlink_to(tmp_path / "gone")
     with pytest.raises(ValueError, match=r"spool_dir: .*is a symbolic link to nothing"):
         Run([RecordingSink()], spool_dir=str(link / "run"))
+
+
+def test_a_state_put_in_a_container_after_bind_is_named_when_its_window_fails() -> None:
+    # The window's copy (made at bind) held an empty list: compute failed with a bare
+    # "IndexError: list index out of range" that did not say why.
+    from torch import Tensor
+
+    from sidestream import Metric, MetricAccumulator
+
+    class FillsLater(Metric[Tensor]):
+        def __init__(self) -> None:
+            self._count = MetricAccumulator(0.0)
+            self.sums: list[MetricAccumulator] = []
+
+        def update(self, values: Tensor) -> None:
+            if not self.sums:
+                self.sums.append(MetricAccumulator(0.0))
+            self.sums[0].accumulate(values.double().sum())
+            self._count.accumulate(float(values.numel()))
+
+        def compute(self) -> Tensor:
+            return self.sums[0].value / self._count.value
+
+    collector = AsyncMetricCollector(FillsLater(), prefix="fills-later").bind("cpu")
+    try:
+        collector.metric.update(torch.ones(3))
+        collector.schedule_collection(1)
+        with pytest.raises(RuntimeError, match=r"likely cause: sums: a MetricAccumulator inside"):
+            collector.collect_results(timeout=30)
+    finally:
+        collector.close(timeout=30)

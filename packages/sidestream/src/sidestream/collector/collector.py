@@ -906,7 +906,17 @@ class AsyncMetricCollector(Generic[T]):
                 "scheduled it (is a rank behind, or did one skip a schedule_collection?), or "
                 "compute is slow; call it again with a longer timeout, or close()"
             )
-        return self._dispatcher.latest()[1]
+        try:
+            return self._dispatcher.latest()[1]
+        except RuntimeError as failed:
+            # A window's copy of the metric was made at bind: a state put in a container of
+            # the live metric since then is in no window, and compute fails on the copy (an
+            # IndexError) without saying why. Looked for only now, off the hot path.
+            try:
+                self._metric._refuse_hidden_in_tree()
+            except TypeError as hidden:
+                raise RuntimeError(f"{failed}; likely cause: {hidden}") from failed
+            raise
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Finish every scheduled window and stop the threads (and the sinks of its own run).
