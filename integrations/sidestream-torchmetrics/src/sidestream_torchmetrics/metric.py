@@ -377,7 +377,7 @@ class TorchmetricsMetric(Metric[Any]):
 
     def _held_data(self) -> tuple[object, ...]:
         """Fingerprints of the attributes and buffers that may hold data (``_data_keys``)."""
-        if not getattr(self, "_data_keys", ()) and not getattr(self, "_buffer_keys", ()):
+        if not self._data_keys and not self._buffer_keys:
             return ()
         metric = self._torchmetrics
         return tuple(
