@@ -159,6 +159,14 @@ def test_histogram_edges_keys_that_match_no_histogram_are_named() -> None:
     every = HistogramEdges({"a/h": [0, 1]}, "S")
     every.edges("a/h", 1, warn_once)
     assert every.unmatched_warning() is None
+    # One key used, another not: the run did write a histogram ("it wrote no histogram" said).
+    partly = HistogramEdges({"a/h": [0, 1], "a/g": [0, 1]}, "S")
+    partly.edges("a/h", 1, warn_once)
+    assert partly.unmatched_warning() == (
+        "S: histogram_edges 'a/g' matched no histogram of this run (every histogram it wrote "
+        "had edges); keys are the names as reported, with the stream's prefix (such as "
+        "'train/scores')"
+    )
     assert HistogramEdges(None, "S").unmatched_warning() is None
 
 

@@ -892,6 +892,27 @@ def test_a_replay_into_another_sink_keeps_the_spool_for_its_own(
     assert not kept.exists() and Path(f"{kept}.replayed").is_file()
 
 
+def test_a_replay_into_another_file_keeps_the_spool_for_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The docs' `--sink jsonl --option path=out.jsonl` of a JSONL sink's spool wrote the copy,
+    # then renamed the file .replayed: the job's own file never got the reports, and a replay
+    # into it refused the spool ("replayed already").
+    from sidestream.sinks.replay import main
+
+    log = tmp_path / "job" / "m.jsonl"
+    kept = _spool_of_a_jsonl_sink_that_never_opened(log, tmp_path / "spool")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out.jsonl"
+    assert main([str(kept), "--sink", "jsonl", "--option", f"path={out}"]) == 0
+    assert f"{kept} is kept" in capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in out.read_text().splitlines()] == [1, 2, 3]
+    assert kept.is_file() and not Path(f"{kept}.replayed").exists()
+    assert main([str(kept), "--option", f"path={log}"]) == 0  # its own file, given: renamed
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
+    assert not kept.exists() and Path(f"{kept}.replayed").is_file()
+
+
 def test_replay_spool_refuses_a_sink_in_a_child_process(tmp_path: Path) -> None:
     """The replay asks the sink which reports its backend has: a ProcessSink cannot say, so
     it is refused before anything is opened or written."""

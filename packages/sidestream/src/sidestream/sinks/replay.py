@@ -196,6 +196,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
+    given = set(options)
     if kept is not None and kept.sink == args.sink:
         # Where the job's sink delivered (MLflow's tracking URI), unless given otherwise.
         taken = {key: value for key, value in kept.options.items() if key not in options}
@@ -204,6 +205,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
             print(f"options from {kept.path}: {named}")
             options = {**taken, **options}
     sink = _sink(parser, args.sink, options)
+    # Options given that move the sink's backend (a JSONL copy at another path): its reports
+    # then go elsewhere, not where the job's sink delivered, as for another kind of sink.
+    moved = (
+        kept is not None
+        and kept.sink == args.sink
+        and any(
+            sink.replay_options().get(key) != value
+            for key, value in kept.options.items()
+            if key in given
+        )
+    )
     if kept is None and not options and isinstance(sink, TrackerSink):
         # A crashed job's spool: a tracker's defaults are not where the job delivered (an
         # MLflow store in this folder, wandb's default project, ./runs), its state (a run id)
@@ -297,6 +309,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
         )
     if result.held or not result.closed:
         return 1
+    if not args.keep and kept is not None and moved:
+        named = ", ".join(f"{key}={value}" for key, value in sorted(kept.options.items()))
+        print(
+            f"{args.spool} is kept: its reports went into a {args.sink} sink with other "
+            f"options than the one that spooled them ({named}); replay it without --option "
+            "to deliver them there",
+            file=sys.stderr,
+        )
+        return 0
     if (
         not args.keep
         and kept is not None

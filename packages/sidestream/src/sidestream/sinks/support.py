@@ -358,9 +358,15 @@ class HistogramEdges:
             guess = " or ".join(map(repr, close))
             hints.append(f"{key!r}" + (f" (did you mean {guess}?)" if close else ""))
         seen = ", ".join(map(repr, written[:5])) + (", ..." if len(written) > 5 else "")
+        if written:
+            about = f"histograms without edges: {seen}"
+        elif self._matched:
+            about = "every histogram it wrote had edges"  # the others' names were used
+        else:
+            about = "it wrote no histogram"
         return (
             f"{self._sink}: histogram_edges {', '.join(hints)} matched no histogram of this run "
-            f"({'histograms without edges: ' + seen if written else 'it wrote no histogram'}); "
+            f"({about}); "
             "keys are the names as reported, with the stream's prefix (such as 'train/scores')"
         )
 
