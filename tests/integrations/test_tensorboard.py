@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import errno
+import html
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -584,6 +586,34 @@ def test_a_resumed_run_that_never_wrote_records_its_hyper_parameters_and_name(
     texts = accumulator.Tags()["tensors"]
     assert sorted(texts) == ["run_name/text_summary", "tags/text_summary"]
     assert len(accumulator.Tensors("run_name/text_summary")) == 1
+
+
+def test_tags_are_shown_as_given_in_tensorboards_table(tmp_path: Path) -> None:
+    """TensorBoard renders the tags' text as markdown: a ``|``, a newline or markdown in a tag
+    is shown as written, not as another cell, another row or formatting."""
+    from tensorboard.plugin_util import markdown_to_safe_html
+
+    tags = {
+        "cmd": "python train.py | tee log",
+        "note": "first line\nsecond line",
+        "k|ey": "*not* _emphasis_ [nor](a link) &amp; <b>",
+        "path": "C:\\runs\\a",
+        "plain": "nlp",
+    }
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.open(RunInfo(name="tags", tags=tags))
+    assert sink.close(30)
+    (event,) = _load(tmp_path / "tb").Tensors("tags/text_summary")
+    shown = markdown_to_safe_html(event.tensor_proto.string_val[0].decode())
+    rows = re.findall(r"<tr>(.*?)</tr>", shown, re.S)[1:]  # after the header
+    cells = [
+        [
+            html.unescape(re.sub(r"<br\s*/?>", "\n", cell))
+            for cell in re.findall(r"<td>(.*?)</td>", row, re.S)
+        ]
+        for row in rows
+    ]
+    assert cells == [[key, value] for key, value in tags.items()]
 
 
 @pytest.mark.parametrize(

@@ -205,6 +205,34 @@ def test_values_named_like_the_step_or_a_wandb_column_keep_their_own_columns(
         assert f"{name} is logged as" in caplog.text
 
 
+def test_each_row_carries_its_reports_time_as_wall_time(tmp_path: Path) -> None:
+    """W&B's ``_timestamp`` is the report's time, as MLflow and TensorBoard keep it: a row
+    delivered late (behind ``wandb.init``, a backlog, a resumed job's undelivered reports) is
+    not shown at the time it reached wandb."""
+    past = time.time() - 3600.0
+    sink = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    sink.open(RunInfo(name="times"))
+    sink.write(Report(step=1, values={"loss": 1.0}, time=past))
+    sink.write(Report(step=2, values={"train/loss": 2.0}, time=past + 1.5, stream="train"))
+    run_dir = sink.run_dir
+    assert sink.close(timeout=60) and run_dir is not None
+    rows = _history(_data_file(run_dir))
+    assert [row.items["_timestamp"] for row in rows] == [past, past + 1.5]
+
+
+def test_tags_with_a_false_value_keep_it(tmp_path: Path) -> None:
+    """Only ``""`` makes a bare tag: a seed of 0 or a flag set to False is shown with its
+    value, as the other trackers keep it."""
+    tags = {"seed": 0, "ablation": False, "lr": 0.0, "bare": "", "team": "nlp"}
+    sink = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    sink.open(RunInfo(name="tags", tags=tags))
+    run_dir = sink.run_dir
+    assert sink.close(timeout=60) and run_dir is not None
+    records = read_records(_data_file(run_dir))
+    runs = [record.run for record in records if record.WhichOneof("record_type") == "run"]
+    assert list(runs[0].tags) == ["seed:0", "ablation:False", "lr:0.0", "bare", "team:nlp"]
+
+
 def test_each_value_is_charted_against_its_own_streams_step(tmp_path: Path) -> None:
     """Nested prefixes, a value named as its stream, and names holding ``*``: each value is
     declared against its own stream's step, and no row gets another stream's step."""
@@ -427,9 +455,12 @@ def test_a_job_resumed_after_a_late_crash_skips_the_steps_in_the_crashed_file(
     assert _losses(checkpoint["run_dir"])[:10] == [(step, float(step)) for step in range(10)]
     # The job repeats steps 5 to 10 from its checkpoint.
     rows = _resume(checkpoint, tmp_path, range(5, 13))
-    # Step 10 was logged just before the crash, not counted: logged again (it may or may
-    # not be in the crashed file as well).
-    assert rows == [(step, float(step)) for step in range(10, 13)]
+    # Step 10 was logged just before the crash, not counted. wandb's service outlives the
+    # killed job and may still write it to the crashed file (on a loaded machine it does):
+    # then the resumed job finds it there and skips it; else it logs it again. Once in all.
+    crashed = _losses(checkpoint["run_dir"])
+    again = [] if (10, 10.0) in crashed else [(10, 10.0)]
+    assert rows == again + [(step, float(step)) for step in range(11, 13)]
 
 
 _RESUMED_CRASH_JOB = (
@@ -473,7 +504,10 @@ def test_a_second_crash_before_a_new_checkpoint_is_resumed_past_both_jobs(
     ]
     assert len(second) == 1
     second_rows = _losses(str(second[0]))
-    assert second_rows[:6] == [(step, float(step)) for step in range(10, 16)]
+    # Step 10 is the second job's unless wandb's service wrote it into the first job's file
+    # after that job was killed (see the test above): then the second job skipped it.
+    start = 11 if (10, 10.0) in _losses(checkpoint["run_dir"]) else 10
+    assert second_rows[: 16 - start] == [(step, float(step)) for step in range(start, 16)]
     rows = _resume(checkpoint, tmp_path, range(5, 19))
     # Each step once over the three jobs' directories: the second job's rows past its
     # progress file (16, 17 when wandb wrote them before the crash) are skipped too.

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import html
 import itertools
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +34,19 @@ __all__ = ["TensorBoardSink"]
 logger = logging.getLogger("sidestream.sinks")
 
 _HPARAM_TYPES = (bool, int, float, str)
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+\-.!|~])")
+
+
+def _cell(value: Any) -> str:
+    """``value`` as the text of a cell of TensorBoard's markdown table, shown as it is.
+
+    TensorBoard renders text summaries as markdown: a ``|`` would end the cell (the rest of
+    the value lost), a newline the row (its second line shown as a tag of its own), and
+    ``*``, ``_``, ``[..](..)`` or ``&amp;`` would be shown formatted. HTML-escaped, markdown's
+    punctuation backslash-escaped, newlines as ``<br>``.
+    """
+    text = html.escape(str(value), quote=False)
+    return _MARKDOWN_PUNCTUATION.sub(r"\\\1", text).replace("\n", "<br>")
 
 
 def _hparam(value: Any) -> Any:
@@ -252,7 +267,7 @@ class TensorBoardSink(TrackerSink):
             flat = flatten_config(run.config, plain_types=_HPARAM_TYPES)
             self._write_hparams({key: _hparam(value) for key, value in flat.items()})
         if run.tags:
-            lines = [f"| {key} | {value} |" for key, value in run.tags.items()]
+            lines = [f"| {_cell(key)} | {_cell(value)} |" for key, value in run.tags.items()]
             self._writer.add_text("tags", "\n".join(["| tag | value |", "|---|---|", *lines]), 0)
         if run.name:
             self._writer.add_text("run_name", run.name, 0)

@@ -245,7 +245,10 @@ class WandbSink(TrackerSink):
             kwargs.setdefault("name", run.name)
         config = flatten_config(run.config)
         config.update(flatten_config(kwargs.pop("config", None) or {}))
-        tags = [shorten(f"{k}:{v}" if v else str(k), _MAX_TAG_LENGTH) for k, v in run.tags.items()]
+        # Only "" makes a bare tag (RunInfo's documented way): a value 0 or False is a value.
+        tags = [
+            shorten(f"{k}:{v}" if str(v) else str(k), _MAX_TAG_LENGTH) for k, v in run.tags.items()
+        ]
         tags += list(kwargs.pop("tags", None) or [])
         if self._run_id is not None:
             kwargs["id"] = self._run_id
@@ -357,6 +360,9 @@ class WandbSink(TrackerSink):
             try:
                 self._define(key, row)
                 row[key] = report.step
+                # W&B's wall time of the row: the report's, as MLflow and TensorBoard keep it,
+                # not when the row reached wandb (after wandb.init, a backlog, or a resume).
+                row["_timestamp"] = report.time
                 size_before = self._data_size()
                 self._run.log(row, commit=True)
             except ConnectionError as error:
