@@ -326,3 +326,21 @@ def test_a_metric_with_a_nan_count_of_its_own_is_not_taken_for_a_counter() -> No
         metric.update(torch.tensor([[1.0, float("nan"), 3.0], [3.0, 2.0, float("nan")]]))
         collector.schedule_collection(1)
         assert collector.collect_results(timeout=30) == [2.0, 2.0, 3.0]
+
+
+def test_staging_copies_freed_by_the_pool_are_not_kept_alive() -> None:
+    # The cache of a metric's dropped-batch counters held the metric itself as a value of its
+    # own weak key: every slot made and freed again stayed in memory (734 MeanMetric copies
+    # after 6000 windows whose backlog grew and drained, with 3 slots in the pool).
+    import gc
+    import weakref
+
+    from sidestream import MeanMetric
+    from sidestream.collector._window import rejected_names
+
+    copy = MeanMetric()
+    assert rejected_names(copy, "train") == ["train/rejected_updates"]
+    gone = weakref.ref(copy)
+    del copy
+    gc.collect()
+    assert gone() is None

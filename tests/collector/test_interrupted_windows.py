@@ -260,3 +260,156 @@ def test_a_mismatch_found_by_a_metrics_own_sync_is_reported_as_a_mismatch(
     with pytest.raises(RankMismatchError, match="window #1"):
         collector.schedule_collection(2)
     assert not collector.close(timeout=30)
+
+
+@pytest.mark.parametrize("where", ["as the hand-off begins", "as the hand-off ends"])
+def test_a_ctrl_c_as_a_started_window_is_handed_on_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # A Ctrl-C in the dispatcher's submit, once the window's collectives had started, lost the
+    # window without a word: step 3's 3.0 never reached the sink, its step could not be
+    # scheduled again, close returned True, and (interrupted after the count) collect_results
+    # waited for it until its timeout, blaming the other ranks.
+    from sidestream.collector._dispatcher import Dispatcher
+
+    metric = SumMetric()
+    sink = RecordingSink()
+    collector = AsyncMetricCollector(metric, sinks=[sink]).bind("cpu")
+    real = Dispatcher.submit
+    interrupted: list[int] = []
+
+    def submit(self: Dispatcher, window: Any) -> None:
+        if window.step == 3 and not interrupted:
+            interrupted.append(window.step)
+            if where == "as the hand-off ends":
+                real(self, window)
+            raise KeyboardInterrupt
+        real(self, window)
+
+    monkeypatch.setattr(Dispatcher, "submit", submit)
+    for step in (1, 2):
+        metric.update(torch.tensor([float(step)]))
+        collector.schedule_collection(step)
+    metric.update(torch.tensor([3.0]))
+    with pytest.raises(KeyboardInterrupt) as caught:
+        collector.schedule_collection(3)
+    assert "step 3 was scheduled before this error" in "".join(caught.value.__notes__)
+    with pytest.raises(ValueError, match="previous window's 3"):
+        collector.schedule_collection(3)
+    metric.update(torch.tensor([4.0]))
+    collector.schedule_collection(4)
+    assert collector.collect_results(timeout=30) == 4.0
+    assert collector.close(timeout=30)
+    assert [(r.step, r.values["value"]) for r in sink.reports] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 4.0),
+    ]
+
+
+def test_a_ctrl_c_before_the_window_exists_gives_the_slot_and_step_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Interrupted just after taking its slot, a call kept the slot and used the step: its
+    # updates went into the next window, and eight such calls left the pool dry for good.
+    import sidestream.collector.collector as collector_module
+
+    metric = SumMetric()
+    sink = RecordingSink()
+    collector = AsyncMetricCollector(metric, sinks=[sink]).bind("cpu")
+    real = collector_module.Window
+
+    def interrupted(**fields: Any) -> Any:
+        raise KeyboardInterrupt
+
+    metric.update(torch.tensor([1.0]))
+    for _ in range(12):  # more than the pool's slots
+        monkeypatch.setattr(collector_module, "Window", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            collector.schedule_collection(1)
+        monkeypatch.setattr(collector_module, "Window", real)
+    assert collector._slot_count == len(_free_slots(collector))
+    collector.schedule_collection(1)  # the step is free, and its update still in the metric
+    assert collector.collect_results(timeout=30) == 1.0
+    assert collector.close(timeout=30)
+    assert [(r.step, r.values["value"]) for r in sink.reports] == [(1, 1.0)]
+
+
+def test_a_ctrl_c_while_a_slot_is_made_counts_no_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The slot was counted before its copy was made: a Ctrl-C there left a count for a slot
+    # that did not exist, and enough of them left none to make.
+    import sidestream.collector.collector as collector_module
+
+    metric = SumMetric()
+    collector = AsyncMetricCollector(metric, max_slots=4).bind("cpu")
+    taken = [collector._free_slots.get_nowait() for _ in range(len(_free_slots(collector)))]
+    count = collector._slot_count
+
+    def interrupted(metric: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(collector_module, "clone_metric", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        collector.schedule_collection(1)
+    assert collector._slot_count == count
+    for slot in taken:
+        collector._free_slots.put(slot)
+    monkeypatch.undo()
+    metric.update(torch.tensor([2.0]))
+    collector.schedule_collection(1)
+    assert collector.collect_results(timeout=30) == 2.0
+    assert collector.close(timeout=30)
+
+
+def test_a_ctrl_c_in_the_reset_after_the_start_delivers_the_window_with_a_note(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sidestream._arena import Arena
+
+    metric = SumMetric()
+    sink = RecordingSink()
+    collector = AsyncMetricCollector(metric, sinks=[sink]).bind("cpu")
+    real = Arena.reset
+    calls: list[int] = []
+
+    def reset(self: Arena) -> None:
+        if not calls:
+            calls.append(1)
+            raise KeyboardInterrupt
+        real(self)
+
+    metric.update(torch.tensor([3.0]))
+    monkeypatch.setattr(Arena, "reset", reset)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        collector.schedule_collection(1)
+    monkeypatch.undo()
+    assert "step 1 was scheduled before this error and is delivered" in "".join(
+        caught.value.__notes__
+    )
+    metric.update(torch.tensor([4.0]))
+    collector.schedule_collection(2)
+    assert collector.collect_results(timeout=30) == 4.0  # the reset ran after the failure
+    assert collector.close(timeout=30)
+    assert [(r.step, r.values["value"]) for r in sink.reports] == [(1, 3.0), (2, 4.0)]
+
+
+def test_slots_lost_to_an_interrupt_are_made_anew_instead_of_waited_for() -> None:
+    # A Ctrl-C right as a call took its slot (before its window existed) dropped the slot:
+    # once every slot was lost, schedule_collection waited for one forever.
+    import threading
+
+    metric = SumMetric()
+    collector = AsyncMetricCollector(metric, max_slots=2).bind("cpu")
+    while not collector._free_slots.empty():
+        collector._free_slots.get_nowait()  # lost, as to an interrupt
+    metric.update(torch.tensor([5.0]))
+    done = threading.Event()
+    worker = threading.Thread(
+        target=lambda: (collector.schedule_collection(1), done.set()), daemon=True
+    )
+    worker.start()
+    worker.join(timeout=30)
+    assert done.is_set()
+    assert collector.collect_results(timeout=30) == 5.0
+    assert collector.close(timeout=30)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -124,3 +125,62 @@ def test_a_zero_timeout_close_with_nothing_waiting_says_nothing_of_cuda_copies(
     with caplog.at_level(logging.WARNING, logger="sidestream.run"):
         run.close(timeout=0)
     assert "waited for CUDA copies" not in caplog.text
+
+
+@pytest.mark.parametrize("taken", [False, True], ids=["before-taken", "after-taken"])
+def test_a_ctrl_c_in_log_uses_the_step_only_if_its_values_were_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taken: bool
+) -> None:
+    # The step was used before the values were queued: a Ctrl-C in between lost them, and the
+    # call made again was refused ("expected > the previous log call's 2").
+    run = Run([JsonlSink(tmp_path / "run.jsonl")])
+    run.log(1, {"lr": 1.0})
+    real = LogPipe.put
+
+    def interrupted(self: LogPipe, entry: LogEntry) -> None:
+        if taken:
+            real(self, entry)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LogPipe, "put", interrupted)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        run.log(2, {"lr": 2.0})
+    monkeypatch.undo()
+    if taken:
+        assert "the values of step 2 were logged" in "".join(caught.value.__notes__)
+        with pytest.raises(ValueError, match="previous log call's 2"):
+            run.log(2, {"lr": 2.0})
+    else:
+        run.log(2, {"lr": 2.0})
+    run.log(3, {"lr": 3.0})
+    assert run.close(timeout=30)
+    logged = [(r["step"], r["values"]["lr"]) for r in read_jsonl(tmp_path / "run.jsonl")]
+    assert logged == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
+def test_a_ctrl_c_as_log_takes_the_queue_lock_leaves_it_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The call entered the queue's Condition, whose __enter__ is Python code: a Ctrl-C there
+    # left its lock held, and the pipe's thread never delivered another value.
+    delivered: list[Report] = []
+    pipe = LogPipe(delivered.append)
+    caller = threading.current_thread()
+    real_enter = threading.Condition.__enter__
+    interrupts = [1]
+
+    def enter(self: threading.Condition) -> bool:
+        acquired = real_enter(self)
+        if threading.current_thread() is caller and interrupts:
+            interrupts.pop()
+            raise KeyboardInterrupt
+        return acquired
+
+    monkeypatch.setattr(threading.Condition, "__enter__", enter)
+    with contextlib.suppress(KeyboardInterrupt):
+        pipe.put(LogEntry(step=1, time=0.0, numbers={"x": 1.0}))
+    pipe.put(LogEntry(step=2, time=0.0, numbers={"x": 2.0}))
+    monkeypatch.undo()
+    assert pipe.wait_idle(timeout=10)
+    assert [report.step for report in delivered] == [1, 2]
+    assert pipe.stop(timeout=10)

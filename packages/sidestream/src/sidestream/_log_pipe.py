@@ -25,6 +25,7 @@ class LogEntry:
     """One ``Run.log`` call: numbers known now, and device values on their way to the host.
 
     ``host`` (pinned, float64) holds ``device_names``' values once ``done`` has completed.
+    ``queued``: taken by ``LogPipe.put`` (queued, delivered or dropped).
     """
 
     step: int
@@ -33,6 +34,7 @@ class LogEntry:
     device_names: tuple[str, ...] = ()
     host: Tensor | None = None
     done: torch.cuda.Event | None = None
+    queued: bool = False
 
 
 class LogPipe:
@@ -54,7 +56,11 @@ class LogPipe:
     def __init__(self, deliver: Callable[[Report], None], capacity: int = 4096) -> None:
         self._deliver = deliver
         self._capacity = capacity
-        self._cond = threading.Condition()
+        # Entered as the lock itself (with self._lock), never as the Condition: its __enter__
+        # is a Python frame, and a Ctrl-C there in a log call left the lock held, so the
+        # thread never delivered another entry.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         # Held around each delivery, by the thread or by a caller draining a full queue: one
         # delivery at a time, in the order of the calls.
         self._delivering = threading.Lock()
@@ -67,17 +73,24 @@ class LogPipe:
         self._thread.start()
 
     def put(self, entry: LogEntry) -> None:
-        """Queue ``entry``; returns without waiting for the GPU (see the class's policy)."""
-        with self._cond:
+        """Queue ``entry``; returns without waiting for the GPU (see the class's policy).
+
+        Sets ``entry.queued`` once it is queued (or delivered, or dropped): a Ctrl-C that
+        interrupts this call finds it set or not, and the entry then queued or not.
+        """
+        with self._lock:
             if len(self._entries) < self._capacity:
-                self._entries.append(entry)
                 if entry.host is not None:
                     self._on_device += 1
+                entry.queued = True
+                self._entries.append(entry)
                 self._cond.notify_all()
                 return
             if entry.host is not None or self._on_device:
+                entry.queued = True
                 self._drop(entry)
                 return
+        entry.queued = True  # delivered by this call, before any later one
         self._drain_with(entry)
 
     def _drop(self, entry: LogEntry) -> None:
@@ -93,20 +106,25 @@ class LogPipe:
     def _drain_with(self, entry: LogEntry) -> None:
         """Deliver every waiting entry, then ``entry``, on the calling thread, in order."""
         with self._delivering:
-            with self._cond:
+            with self._lock:
                 if self._on_device:  # queued meanwhile by another thread: it would wait
                     self._drop(entry)
                     return
                 waiting = list(self._entries)
                 self._entries.clear()
-            for queued in (*waiting, entry):  # host numbers only: none waits for the GPU
-                self._deliver_one(queued)
-            with self._cond:
-                self._cond.notify_all()
+            pending = deque((*waiting, entry))  # host numbers only: none waits for the GPU
+            try:
+                while pending:
+                    self._deliver_one(pending.popleft())
+            finally:
+                with self._lock:
+                    # Interrupted (Ctrl-C): the entries not delivered yet go back, in order.
+                    self._entries.extendleft(reversed(pending))
+                    self._cond.notify_all()
 
     def wait_idle(self, timeout: float | None) -> bool:
         """Block until every queued entry is delivered; whether it happened in time."""
-        with self._cond:
+        with self._lock:
             return self._cond.wait_for(lambda: not self._entries and not self._busy, timeout)
 
     def stop(self, timeout: float | None) -> bool:
@@ -115,7 +133,7 @@ class LogPipe:
         When it did not (a CUDA copy still stalls), ``undelivered`` says how many entries
         reached no sink.
         """
-        with self._cond:
+        with self._lock:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout)
@@ -124,12 +142,12 @@ class LogPipe:
     @property
     def undelivered(self) -> int:
         """Entries queued or being delivered now (after a timed-out ``stop``: never delivered)."""
-        with self._cond:
+        with self._lock:
             return len(self._entries) + self._busy
 
     def _work(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 self._cond.wait_for(lambda: self._entries or self._stopping)
                 if not self._entries:
                     return
@@ -141,13 +159,13 @@ class LogPipe:
                 with contextlib.suppress(Exception):
                     wait_on_host(head.done)
             with self._delivering:
-                with self._cond:
+                with self._lock:
                     if not self._entries or self._entries[0] is not head:
                         continue  # a caller delivered it: look again
                     entry = self._entries.popleft()
                     self._busy = True
                 self._deliver_one(entry)
-                with self._cond:
+                with self._lock:
                     self._busy = False
                     if entry.host is not None:
                         self._on_device -= 1

@@ -320,15 +320,24 @@ class Run:
                 "give it a prefix"
             )
         self._delivery.start("log")
-        self._last_log_step = step
         if not self.is_writer:
+            self._last_log_step = step
             return
         entry = LogEntry(step=step, time=time.time(), numbers=numbers)
-        if on_gpu:
-            self._copy_to_host(entry, on_gpu)
-        if self._log_pipe is None:
-            self._log_pipe = LogPipe(self._delivery.submit)
-        self._log_pipe.put(entry)
+        try:
+            if on_gpu:
+                self._copy_to_host(entry, on_gpu)
+            if self._log_pipe is None:
+                self._log_pipe = LogPipe(self._delivery.submit)
+            self._log_pipe.put(entry)
+        except BaseException as error:
+            # A Ctrl-C (or the exit of a SIGTERM handler) in the call: the step is used only if
+            # its values were taken, so the call made again logs them once.
+            if entry.queued:
+                self._last_log_step = step
+                error.add_note(f"log: the values of step {step} were logged before this error")
+            raise
+        self._last_log_step = step
 
     def _copy_to_host(self, entry: LogEntry, tensors: list[tuple[str, Tensor]]) -> None:
         device = tensors[0][1].device  # one device: log checked it

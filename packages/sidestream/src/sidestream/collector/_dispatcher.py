@@ -73,7 +73,11 @@ class Dispatcher:
         self._prefix = prefix
         self._histograms = frozenset(histograms)
         self._windows: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._cond = threading.Condition()
+        # Entered as the lock itself (with self._lock), never as the Condition: its __enter__
+        # is a Python frame, and a Ctrl-C there on the training thread left the lock held, so
+        # this thread stopped for good.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._scheduled = 0
         self._processed = 0
         self._latest: tuple[int, Any] | None = None
@@ -95,16 +99,23 @@ class Dispatcher:
         self._watch_thread.start()
 
     def submit(self, window: Window) -> None:
-        """Queue ``window`` (returns at once)."""
+        """Queue ``window`` (returns at once).
+
+        A Ctrl-C on the calling thread finds the window either queued and counted (then
+        ``window.queued`` is set) or neither.
+        """
         # Under the lock: a close or checkpoint waiting on another thread must see every window.
-        with self._cond:
+        # No Python code runs from the count to the put, so an interrupt comes before or after
+        # both.
+        with self._lock:
             self._scheduled += 1
-        self._windows.put(window)
+            window.queued = True
+            self._windows.put(window)
 
     @property
     def scheduled(self) -> int:
         """Windows submitted so far."""
-        with self._cond:
+        with self._lock:
             return self._scheduled
 
     def wait_idle(self, timeout: float | None, *, until_mismatch: bool = False) -> bool:
@@ -114,7 +125,7 @@ class Dispatcher:
         ranks paired different calls: a later window of this rank then waits for a partner
         that never comes, until the collective's timeout.
         """
-        with self._cond:
+        with self._lock:
             idle = self._cond.wait_for(
                 lambda: (
                     self._processed == self._scheduled
@@ -131,7 +142,7 @@ class Dispatcher:
             RuntimeError: If a window failed since the last call (naming their steps, the
                 first failure chained), if the last window failed, or if none was processed.
         """
-        with self._cond:
+        with self._lock:
             unreported, self._unreported = self._unreported, []
             count, self._unreported_count = self._unreported_count, 0
             if unreported:
@@ -177,19 +188,19 @@ class Dispatcher:
     @property
     def failed_windows(self) -> int:
         """Windows whose processing raised."""
-        with self._cond:
+        with self._lock:
             return self._errors
 
     @property
     def failed_steps(self) -> list[int]:
         """Steps of the windows that failed since ``latest`` last reported them (the first few)."""
-        with self._cond:
+        with self._lock:
             return [step for step, _ in self._unreported]
 
     @property
     def unprocessed(self) -> int:
         """Windows submitted and not processed yet."""
-        with self._cond:
+        with self._lock:
             return self._scheduled - self._processed
 
     def _work(self) -> None:
@@ -220,7 +231,7 @@ class Dispatcher:
                 window = None
                 continue
             window = None
-            with self._cond:
+            with self._lock:
                 self._latest = (step, result)
                 self._latest_error = None
                 self._processed += 1
@@ -251,7 +262,7 @@ class Dispatcher:
 
     def _failed(self, step: int, error: Exception) -> None:
         """Count, keep and (the first) log the failure of the window at ``step``."""
-        with self._cond:
+        with self._lock:
             self._errors += 1
         if self._errors == 1:
             logger.error(
@@ -261,7 +272,7 @@ class Dispatcher:
                 type(error).__name__,
                 error,
             )
-        with self._cond:
+        with self._lock:
             self._latest_error = error
             self._unreported_count += 1
             if len(self._unreported) < _STEPS_NAMED:

@@ -46,7 +46,8 @@ class Window:
     after its updates were taken from the live metric; the dispatcher reports it as failed
     (a copy of the error without traceback frames: see ``without_frames``).
     ``kept_updates``: the live state still holds the failed window's updates (resetting it
-    after the failure failed too).
+    after the failure failed too). ``queued``: handed to the dispatcher (a Ctrl-C as the
+    hand-off began leaves it unset).
     """
 
     step: int
@@ -60,6 +61,7 @@ class Window:
     staged: bool = False
     error: BaseException | None = None
     kept_updates: bool = False
+    queued: bool = False
 
 
 def without_frames(error: BaseException, _depth: int = 0) -> BaseException:
@@ -101,7 +103,7 @@ _COUNTERS_OF_THE_LIBRARY = (
 )
 
 # Found once per staging copy: walking the metric tree per window would cost the training thread.
-_COUNTERS: weakref.WeakKeyDictionary[Metric[Any], list[tuple[str, Metric[Any], str]]] = (
+_COUNTERS: weakref.WeakKeyDictionary[Metric[Any], list[tuple[str, Metric[Any] | None, str]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -125,10 +127,16 @@ def _walk(metric: Metric[Any], path: str) -> Iterator[tuple[str, Metric[Any], st
 
 
 def _counters(metric: Metric[Any]) -> list[tuple[str, Metric[Any], str]]:
-    counters = _COUNTERS.get(metric)
-    if counters is None:
-        counters = _COUNTERS[metric] = list(_walk(metric, ""))
-    return counters
+    found = _COUNTERS.get(metric)
+    if found is None:
+        # The metric itself is kept as None: a value that refers to its own weak key keeps
+        # the key alive, so every staging copy ever made (slots are freed and made again as
+        # the backlog drains and grows) stayed in memory for good.
+        found = _COUNTERS[metric] = [
+            (path, None if child is metric else child, count)
+            for path, child, count in _walk(metric, "")
+        ]
+    return [(path, metric if child is None else child, count) for path, child, count in found]
 
 
 def rejected_names(metric: Metric[Any], prefix: str) -> list[str]:

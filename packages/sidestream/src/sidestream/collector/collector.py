@@ -56,6 +56,11 @@ T = TypeVar("T")
 
 logger = logging.getLogger("sidestream.collector")
 
+_DELIVERED = (
+    "schedule_collection: the window at step {step} was scheduled before this error and is "
+    "delivered; its step is used (do not schedule it again)"
+)
+
 WINDOW_COMPUTE_LIMIT_S = 300.0
 """How long a checkpoint waits, past its own timeout, for windows scheduled before it to be
 computed and handed to the sinks (their collectives have ended by then: local work only)."""
@@ -235,7 +240,9 @@ class AsyncMetricCollector(Generic[T]):
         self._last_step: int | None = None
         # Held by the call in progress: a second thread's call raises instead of staging the
         # same live state again (both copied it before either reset it: counted twice).
-        self._scheduling = threading.Lock()
+        # Re-entrant: a Ctrl-C between the acquire and the try that releases it leaves it held
+        # by the training thread, whose later calls must still get in.
+        self._scheduling = threading.RLock()
         self._unreported_warned = False  # warn_unreported said it
         self._twin_index = 0  # set at bind: told apart from open collectors of this prefix
         self._close_result = True  # what the first close returned; later calls repeat it
@@ -557,8 +564,14 @@ class AsyncMetricCollector(Generic[T]):
                 "schedule (and update the metrics) from one thread, the training loop's: two "
                 "calls at once would stage the same updates into two windows"
             )
+        before = self._last_step
         try:
             self._schedule(step)
+        except BaseException as error:
+            if self._last_step != before and not getattr(error, "__notes__", None):
+                # The step was taken and nothing failed: a Ctrl-C as the call returned.
+                error.add_note(_DELIVERED.format(step=self._last_step))
+            raise
         finally:
             self._scheduling.release()
 
@@ -574,12 +587,15 @@ class AsyncMetricCollector(Generic[T]):
         for inner in self._readability_checked:  # before anything is staged or counted
             inner._check_readable("schedule_collection")
         # The step counts as used once its window exists: a wait for a slot that was
-        # interrupted (Ctrl-C) leaves it free for the call made again.
+        # interrupted (Ctrl-C) leaves it free for the call made again, and so does a Ctrl-C
+        # before the window exists (the slot comes back: eight such and the pool ran dry).
+        previous_step = self._last_step
         slot = self._take_slot()
-        previous_step, self._last_step = self._last_step, step
-        window = Window(step=step, time=time.time(), slot=slot)
+        window: Window | None = None
         reset = False  # the CPU path's reset of the live state ran to its end
         try:
+            window = Window(step=step, time=time.time(), slot=slot)
+            self._last_step = step
             if self._side is None:
                 slot.start_from_live(step, window)
                 if self._reset_each_window:
@@ -594,13 +610,20 @@ class AsyncMetricCollector(Generic[T]):
             else:
                 self._schedule_on_side_stream(window)
         except BaseException as error:
+            if window is None:
+                self._free_slots.put(slot)
+                self._last_step = previous_step
+                raise
             if window.started and self._side is None and self._reset_each_window and not reset:
                 # Its updates went (or may have gone) to the other ranks with this window: kept
                 # in the live state, the next window would count them again, so reset it as a
                 # window that succeeded does (the side stream's staging has reset it already).
                 self._reset_after_failure(window)
             if window.batch is not None:
-                self._dispatcher.submit(window)  # in flight: the dispatcher hands it back
+                # In flight: the dispatcher hands it back, and delivers it (an error after the
+                # start, such as a Ctrl-C in the reset, fails no window).
+                self._dispatcher.submit(window)
+                error.add_note(_DELIVERED.format(step=step))
             elif window.started:
                 self._give_up_started(window, error)
             else:
@@ -610,7 +633,17 @@ class AsyncMetricCollector(Generic[T]):
                 if self._keep_updates(window, error):
                     self._last_step = previous_step  # the call made again reports them
             raise
-        self._dispatcher.submit(window)
+        try:
+            self._dispatcher.submit(window)
+        except BaseException as error:
+            # A Ctrl-C as the hand-off began queued nothing: its collectives were started, so
+            # the window is queued now (else its report was lost without a word, while close
+            # returned True and collect_results waited for it forever). One as it ended left
+            # it queued. Either way it is delivered, and its step is used.
+            if not window.queued:
+                self._dispatcher.submit(window)
+            error.add_note(_DELIVERED.format(step=step))
+            raise
 
     def _reset_live(self, slot: Slot) -> None:
         """Reset the live state after its window took it (the CPU path, window mode)."""
@@ -841,6 +874,9 @@ class AsyncMetricCollector(Generic[T]):
                 return self._free_slots.get(timeout=_SLOT_WAIT_QUIET_S)
             except queue.Empty:
                 pass
+            replaced = self._replace_lost_slots()
+            if replaced is not None:
+                return replaced
             if not self._slot_wait_logged:
                 self._slot_wait_logged = True
                 ranks = group_size(resolve_group(self._group))
@@ -861,11 +897,38 @@ class AsyncMetricCollector(Generic[T]):
                         raise RuntimeError(
                             "schedule_collection: the dispatcher thread has stopped"
                         ) from None
+                    replaced = self._replace_lost_slots()
+                    if replaced is not None:
+                        return replaced
         finally:
             self._slot_wait_s += time.monotonic() - start
 
+    def _replace_lost_slots(self) -> Slot | None:
+        """A new slot if slots were lost: none is free, yet no window holds one.
+
+        A Ctrl-C (or a SIGTERM handler's exit) right as a call took its slot, before its window
+        existed, can drop the slot; enough such calls and every later call would wait for a
+        slot forever. Every window processed has given its slot back (before it counts as
+        processed), so the free slots are then all there are: the count is set to them.
+        """
+        assert self._dispatcher is not None
+        if self._dispatcher.unprocessed or not self._free_slots.empty():
+            return None
+        lost = self._slot_count - self._free_slots.qsize()
+        logger.warning(
+            "schedule_collection: %d staging slot(s) lost to an interrupted call; made anew",
+            lost,
+        )
+        self._slot_count -= lost
+        return self._new_slot()
+
     def _new_slot(self, check: bool = False) -> Slot:
+        slot = self._make_slot(check)
+        # Counted once it exists: a Ctrl-C while it was made would count a slot that is not.
         self._slot_count += 1
+        return slot
+
+    def _make_slot(self, check: bool) -> Slot:
         copied = clone_metric(self._metric)
         if self._side is None:
             return Slot(

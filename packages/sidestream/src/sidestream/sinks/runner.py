@@ -95,7 +95,10 @@ class SinkRunner:
         self._flush_interval_s = flush_interval_s
         check_int(f"{type(sink).__name__}.max_batch", getattr(sink, "max_batch", 1), 1)
         self._max_batch = batch_size(sink)
-        self._cond = threading.Condition()
+        # Entered as the lock itself (with self._lock), never as the Condition: its
+        # __enter__ is a Python frame, and a Ctrl-C there leaves the lock held for good.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._queue: deque[Report] = deque()
         self._spool = Spool(spool_dir, label=self.key, max_bytes=spool_max_bytes)
         self._in_flight: list[Report] = []
@@ -266,7 +269,7 @@ class SinkRunner:
             RuntimeError: After ``close``.
         """
         if self._intake.ident is None:
-            with self._cond:
+            with self._lock:
                 with self._inbox_lock:
                     self._refuse_after_close()
                     self._submitted += 1
@@ -362,7 +365,7 @@ class SinkRunner:
                     self._inbox_ready.wait()
                 if not self._inbox:
                     break
-            with self._cond:
+            with self._lock:
                 with self._inbox_lock:
                     if self._keeper is not None:  # a close keeps what waits: not twice
                         break
@@ -378,7 +381,7 @@ class SinkRunner:
                     self._admit(report)
                 finally:
                     self._admitting = None  # queued or spooled now: found there
-        with self._cond:  # everything submitted is queued or spooled: the sink may finish
+        with self._lock:  # everything submitted is queued or spooled: the sink may finish
             self._closing = True
             self._cond.notify_all()
 
@@ -524,7 +527,7 @@ class SinkRunner:
             try:
                 report = decode_report(line)
             except ValueError as error:
-                with self._cond:
+                with self._lock:
                     with self._inbox_lock:
                         self._submitted += 1
                     self._drop(1, f"damaged undelivered report in the checkpoint: {error}")
@@ -564,7 +567,7 @@ class SinkRunner:
             self._room.notify_all()  # a submitter waiting for room raises at once
         if not self._intake.is_alive():
             # No intake thread to say so once the inbox is empty (never started, or failed).
-            with self._cond:
+            with self._lock:
                 self._closing = True
                 self._cond.notify_all()
 
@@ -591,7 +594,7 @@ class SinkRunner:
         timeout = self._close_timeout
         if self._thread.ident is None:  # never started: nothing was opened or delivered
             self._let_go()  # in case it was registered on its sink (a start interrupted)
-            with self._cond:
+            with self._lock:
                 self._spool.discard()
                 # Counted and said, as any report lost (those dropped already were).
                 lost = self._submitted - self._delivered - self._lost()
@@ -639,7 +642,7 @@ class SinkRunner:
 
     def _close_late(self, timeout: float | None, ended: bool, failed: bool) -> None:
         """The rest of a close that gave up on a slow spool disk, once the disk answers."""
-        with self._cond:
+        with self._lock:
             self._close_locked(timeout, ended, failed)
 
     def close_now(self) -> bool:
@@ -676,7 +679,7 @@ class SinkRunner:
                 kept.append(result)
                 late = self._keeper_gave_up
             if late:  # close stopped waiting: what was kept is said here, once the disk is back
-                with self._cond:
+                with self._lock:
                     report(*result)
 
         worker = threading.Thread(
@@ -883,7 +886,7 @@ class SinkRunner:
                 state_file or "--resume-state: the sink's state from this job's checkpoint",
             )
             if not failed:  # a failure's own error stays the one named
-                with self._cond:
+                with self._lock:
                     # Nothing more is delivered: status says so, and why (not "healthy").
                     self._status = SinkStatus(
                         "failed", f"close: {count - lost} report(s) kept in a spool file ({why})"
@@ -1032,7 +1035,7 @@ class SinkRunner:
         # must find it in the sink's state. Until then it is in both, and a job resumed from
         # such a checkpoint skips what the state says the backend has.
         self._snapshot_state()
-        with self._cond:
+        with self._lock:
             self._in_flight = []
             self._delivered += len(batch)
             self._cond.notify_all()
@@ -1042,7 +1045,7 @@ class SinkRunner:
 
         Up to the sink's ``max_batch`` reports, oldest first.
         """
-        with self._cond:
+        with self._lock:
             while True:
                 if self._abandon.is_set():
                     return [], False, True
@@ -1110,7 +1113,7 @@ class SinkRunner:
                 if is_permanent(error) or not isinstance(error, Exception):
                     self._fail(what, reason)
                     return False
-                with self._cond:
+                with self._lock:
                     self._status = SinkStatus("retrying", reason)
                 if not self._failing:
                     self._failing = True
@@ -1132,7 +1135,7 @@ class SinkRunner:
                     "sink %r: recovered after %d failed attempt(s)", self.key, self._failed_attempts
                 )
                 self._failed_attempts = 0
-            with self._cond:
+            with self._lock:
                 # Not once close gave the sink up: its status says what close kept.
                 if self._status.state != "healthy" and not self._abandon.is_set():
                     self._status = SinkStatus("healthy", self._status.last_error)
@@ -1140,7 +1143,7 @@ class SinkRunner:
 
     def _fail(self, what: str, reason: str) -> None:
         """Mark the sink failed for good: stop delivering, count nothing more as delivered."""
-        with self._cond:
+        with self._lock:
             self._status = SinkStatus("failed", reason)
             # Set before the waiters wake: one that checked before the set would wait on.
             self._abandon.set()
@@ -1215,7 +1218,7 @@ class SinkRunner:
         return kind
 
     def _note(self, reason: str, *, failed: bool) -> None:
-        with self._cond:
+        with self._lock:
             state = "failed" if failed else self._status.state
             self._status = SinkStatus(state, reason)
 
@@ -1236,7 +1239,7 @@ class SinkRunner:
             self._note(reason, failed=False)
             return
         self._state_failing = False
-        with self._cond:
+        with self._lock:
             self._state = state
 
     def _remaining(self) -> float | None:
