@@ -533,7 +533,13 @@ def test_a_child_whose_trainer_was_killed_closes_its_sink_quietly(
         trainer = subprocess.Popen(
             [sys.executable, str(script), str(marks), "write" if gate == "stuck" else gate, "1.0"],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            # The root, then the suite's own path (the GPU machines' src folders).
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))
+                ),
+            },
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,

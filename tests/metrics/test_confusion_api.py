@@ -103,6 +103,36 @@ def test_a_plain_custom_statistic_with_other_attributes_is_not_dropped() -> None
         SamplewiseConfusionCountMetric(Problem(ProblemKind.MULTICLASS, 3), ())
 
 
+@pytest.mark.parametrize("metric_class", [ConfusionCountMetric, SamplewiseConfusionCountMetric])
+def test_direct_construction_checks_problem_and_statistics(metric_class: type) -> None:
+    # SamplewiseConfusionCountMetric took two statistics of one name (compute() returned one
+    # value, of the other's sums) and a non-Problem (AttributeError 'kind'); both classes read
+    # a string statistic's name before refusing it (AttributeError 'name').
+    from sidestream.metrics.classification import Precision
+
+    problem = Problem(ProblemKind.MULTICLASS, 3)
+    with pytest.raises(ValueError, match=r"statistics: names must be unique"):
+        metric_class(problem, [Precision(), Precision()])
+    with pytest.raises(TypeError, match=r"statistics: expected Statistic objects, got 'f1'"):
+        metric_class(problem, ["f1"])
+    with pytest.raises(TypeError, match=r"problem: expected a sidestream Problem, got 3"):
+        metric_class(3, [Precision()])
+
+
+def test_one_hot_integer_preds_are_refused_naming_preds() -> None:
+    # (N, C) integer predictions are class indices with positions; against (N,) targets the
+    # error blamed the target ("expected class indices of shape (2, 3) or one-hot targets of
+    # shape (2, 3, 3)") and never said what to do with the predictions.
+    preds, target = torch.tensor([[0, 1, 0], [1, 0, 0]]), torch.tensor([1, 0])
+    for metric in (
+        confusion_count_metric().multiclass(3).with_accuracy().build(),
+        MulticlassConfusionMatrixMetric(3),
+    ):
+        with pytest.raises(ValueError, match=r"preds: integer preds are class indices.*argmax"):
+            metric.update(preds, target)
+        metric.update(preds.argmax(-1), target)
+
+
 def test_a_ratio_of_another_shape_is_refused_naming_the_statistic() -> None:
     preds, target = torch.tensor([0, 1]), torch.tensor([0, 2])
     odd = _Named("odd", broadcast=True)

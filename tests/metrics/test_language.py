@@ -271,3 +271,26 @@ def test_messages_show_the_expected_shape_and_range_as_they_are() -> None:
     padded = r"^target: expected token ids in \[0, 4\) or ignore_index=-1;"
     with pytest.raises(ValueError, match=padded):
         PerplexityMetric(ignore_index=-1).update(torch.randn(1, 2, 4), torch.tensor([[1, 7]]))
+
+
+@pytest.mark.parametrize("weights", ["2", "a", [1.0, 1.0], True, object()])
+def test_weights_that_are_not_a_number_are_refused_naming_the_argument(weights: Any) -> None:
+    """``float()`` took a string ("2" as weight 2.0) and a bool (weight 1), and raised its own
+    error, naming no argument, for a list or ``"a"``."""
+    metric = PerplexityMetric()
+    metric.update(losses=torch.tensor([1.0]))
+    with pytest.raises(TypeError, match=r"^weights: expected a torch.Tensor or a number"):
+        metric.update(losses=torch.tensor([2.0, 3.0]), weights=weights)
+    assert metric.state_dict()["tokens"].item() == 1  # refused before any state changed
+    metric.update(losses=torch.tensor([3.0]), weights=np.float32(2.0))  # a numpy number is one
+    assert metric.compute().item() == pytest.approx(math.exp(7.0 / 3.0))
+
+
+@pytest.mark.parametrize("ignore_index", [2**63, -(2**63) - 1, 10**30])
+@pytest.mark.parametrize("kind", [PerplexityMetric, TokenAccuracyMetric])
+def test_an_ignore_index_past_int64_is_refused_when_the_metric_is_made(
+    kind: Any, ignore_index: int
+) -> None:
+    with pytest.raises(ValueError, match=r"^ignore_index: expected an int64 id"):
+        kind(ignore_index=ignore_index)
+    kind(ignore_index=2**63 - 1)  # the largest id an int64 target holds: fine

@@ -196,3 +196,40 @@ def test_weighted_specificity_without_usable_support_averages_present_classes_on
     with np.errstate(invalid="ignore", divide="ignore"):
         expected = np.nanmean(tn / (tn + fp))
     assert float(metric.compute()) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_logits_are_compared_with_the_logit_of_the_threshold(
+    dtype: torch.dtype, device_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sigmoid(x) >= t exactly when x >= log(t / (1 - t)). Through a float32 sigmoid, every
+    # logit above about 17 was 1.0 (positive at threshold 1.0, though sigmoid(x) < 1 for every
+    # finite x), and a logit of -1e-7 was 0.5 (positive at threshold 0.5).
+    from sidestream.metrics.classification import (
+        BinaryConfusionMatrixMetric,
+        MultilabelConfusionMatrixMetric,
+        _cpu_path,
+    )
+
+    if device_path:
+        monkeypatch.setattr(_cpu_path, "enabled", lambda device: False)
+    logits = torch.tensor([17.0, 40.0, 10.0, -1e-7, 0.0, -40.0, float("inf")], dtype=dtype)
+    expected = {
+        1.0: [0, 0, 0, 0, 0, 0, 1],
+        0.5: [1, 1, 1, 0, 1, 0, 1],
+        0.0: [1, 1, 1, 1, 1, 1, 1],
+        0.9999999: [1, 1, 0, 0, 0, 0, 1],  # logit(0.9999999) = 16.1
+    }
+    if dtype == torch.bfloat16:  # -1e-7 is a bfloat16 too, but 17.0 and 40.0 stay as given
+        assert logits.to(torch.float64)[3] < 0
+    for threshold, positive in expected.items():
+        matrix = BinaryConfusionMatrixMetric(threshold, logits=True)
+        matrix.update(logits, torch.ones(len(positive), dtype=torch.long))
+        assert matrix.compute()[1].tolist() == [positive.count(0), positive.count(1)], threshold
+        per_label = MultilabelConfusionMatrixMetric(1, threshold, logits=True)
+        per_label.update(logits.unsqueeze(-1), torch.ones(len(positive), 1, dtype=torch.long))
+        assert per_label.compute()[0, 1].tolist() == [positive.count(0), positive.count(1)]
+        recall = confusion_count_metric().binary(threshold, logits=True).with_recall().build()
+        recall.update(logits, torch.ones(len(positive), dtype=torch.long))
+        assert float(recall.compute()) == pytest.approx(sum(positive) / len(positive))

@@ -14,6 +14,7 @@ device), ``screen`` (the bad-value policy over several checks) and the per-probl
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -272,6 +273,13 @@ def multiclass_labels(
     elif _integer(preds):
         if top_k != 1:
             raise ValueError(f"preds: top_k={top_k} needs scores (N, ..., C), got class indices")
+        if preds.ndim >= 2 and preds.shape[-1] == num_classes and target.shape == preds.shape[:-1]:
+            # Refused anyway (target fits neither layout), but the target was blamed.
+            raise ValueError(
+                f"preds: integer preds are class indices of the target's shape, got "
+                f"{tuple(preds.shape)} for a target of shape {tuple(target.shape)}; one-hot "
+                "or 0/1 predictions (N, ..., C) go in as preds.argmax(-1), or as float scores"
+            )
         sample_shape = preds.shape
         flat = preds.reshape(-1, 1)
         checks.append(
@@ -490,19 +498,35 @@ def _build_count_map(classes: int, device: torch.device, dtype: torch.dtype) -> 
     return torch.cat(stacked).to(dtype)
 
 
+def _logit(threshold: float | Tensor) -> float | Tensor:
+    """The logit at or above which ``sigmoid(logit) >= threshold``: ``log(t / (1 - t))``.
+
+    Logits are compared with it, not sent through a sigmoid: a float32 sigmoid rounds every
+    logit above about 17 to 1.0 (so threshold 1.0 took them as positive) and logits within
+    about 1e-7 of 0 to 0.5. ``-inf`` for threshold 0, ``inf`` for 1.
+    """
+    if isinstance(threshold, Tensor):
+        return torch.logit(threshold.to(torch.float64))
+    if threshold <= 0.0:
+        return -_INF
+    if threshold >= 1.0:
+        return _INF
+    return math.log(threshold) - math.log1p(-threshold)
+
+
 def _positives(problem: Problem, preds: Tensor) -> tuple[Tensor, list[Check]]:
     if preds.is_floating_point():
         # Half precision is widened so the threshold is compared exactly as given.
         scores = preds if preds.dtype in (torch.float32, torch.float64) else preds.float()
         if problem.logits:
-            # sigmoid(NaN) >= threshold is false: a NaN would be counted as a negative.
+            # NaN >= any threshold is false: a NaN would be counted as a negative.
             nan: Check = (
                 has_nan(scores),
                 "preds",
                 "logits without NaN",
                 (scores, -_INF, _INF, False),
             )
-            return torch.sigmoid(scores) >= problem.threshold, [nan]
+            return scores >= _logit(problem.threshold), [nan]
         bad: Check = (outside(scores, 0, 1), "preds", PROBABILITIES, (scores, 0.0, 1.0, False))
         return scores >= problem.threshold, [bad]
     if preds.dtype == torch.bool:

@@ -174,7 +174,10 @@ def score_batch(
         labels = torch.where(kept, labels, 0)
         checked = labels
     if ranked is None:
-        found = found or (scores, 0, 1, False)
+        # `is None`, not `found or ...`: dynamo before torch 2.13 cannot take the truth value
+        # of a functools.partial ("Data-dependent branching"), a fullgraph compile failed.
+        if found is None:
+            found = (scores, 0, 1, False)
         checks: list[Check] = [(outside(scores, 0, 1), "preds", expected, found)]
     else:
         inf = torch.inf  # NaN only

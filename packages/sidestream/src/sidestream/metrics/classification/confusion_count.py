@@ -29,7 +29,7 @@ from sidestream.metrics.classification._problem import Problem, ProblemKind, con
 from sidestream.metrics.classification.statistics import Counts, Statistic, checked_ratio
 from sidestream.state import MetricAccumulator
 
-__all__ = ["ConfusionCountMetric", "macro_weights"]
+__all__ = ["ConfusionCountMetric", "check_statistics", "macro_weights"]
 
 
 class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
@@ -72,14 +72,7 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
                 f"problem: expected a sidestream Problem, got {problem!r}; build the metric with "
                 "confusion_count_metric()"
             )
-        if not statistics:
-            raise ValueError("statistics: select at least one, e.g. .with_accuracy()")
-        names = [statistic.name for statistic in statistics]
-        if len(set(names)) != len(names):
-            raise ValueError(f"statistics: names must be unique, got {names}")
-        for statistic in statistics:
-            if not isinstance(statistic, Statistic):
-                raise TypeError(f"statistics: expected Statistic objects, got {statistic!r}")
+        check_statistics(statistics)
         check_average(average)
         zero_division = check_zero_division(zero_division)
         self._problem = problem
@@ -185,6 +178,24 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
             macro_weights(self._problem, counts),
             self._zero_division,
         )
+
+
+def check_statistics(statistics: Sequence[Statistic]) -> None:
+    """Raise unless ``statistics`` holds at least one ``Statistic``, each of its own name.
+
+    Raises:
+        ValueError: If it is empty or two statistics share a name (one key per name).
+        TypeError: If an item does not follow the ``Statistic`` protocol (checked before the
+            names are read: a string has no ``name``).
+    """
+    if not statistics:
+        raise ValueError("statistics: select at least one, e.g. .with_accuracy()")
+    for statistic in statistics:
+        if not isinstance(statistic, Statistic):
+            raise TypeError(f"statistics: expected Statistic objects, got {statistic!r}")
+    names = [statistic.name for statistic in statistics]
+    if len(set(names)) != len(names):
+        raise ValueError(f"statistics: names must be unique, got {names}")
 
 
 def macro_weights(problem: Problem, counts: Counts) -> Tensor:

@@ -22,7 +22,7 @@ from sidestream.metrics.classification._inputs import (
     sample_counts,
 )
 from sidestream.metrics.classification._problem import Problem, ProblemKind, configure_states
-from sidestream.metrics.classification.confusion_count import macro_weights
+from sidestream.metrics.classification.confusion_count import check_statistics, macro_weights
 from sidestream.metrics.classification.statistics import Counts, Statistic, checked_ratio
 from sidestream.state import MetricAccumulator
 
@@ -56,8 +56,13 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
         zero_division: float = 0.0,
     ) -> None:
         super().__init__()
-        if not statistics:
-            raise ValueError("statistics: select at least one, e.g. .with_accuracy()")
+        if not isinstance(problem, Problem):
+            raise TypeError(
+                f"problem: expected a sidestream Problem, got {problem!r}; build the metric with "
+                "confusion_count_metric(multidim_average='samplewise')"
+            )
+        # Two statistics of one name would share a key of compute()'s dict: one value lost.
+        check_statistics(statistics)
         check_average(average)
         self._problem = problem
         self._statistics = tuple(statistics)

@@ -31,11 +31,21 @@ def count_under(ignore_index: int | None, *states: MetricAccumulator) -> None:
 
 
 def check_ignore_index(ignore_index: int | None) -> None:
-    """Raise ``TypeError`` unless ``ignore_index`` is an int or ``None``."""
+    """Raise unless ``ignore_index`` is ``None`` or an int that int64 token ids can hold.
+
+    Past int64 it matched no token but failed the first update, far from its cause, with
+    ``cross_entropy``'s "Overflow when unpacking long long" (token accuracy took it).
+    """
     if ignore_index is not None and (
         isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
     ):
         raise TypeError(f"ignore_index: expected an int or None, got {ignore_index!r}")
+    limits = torch.iinfo(_INT64)
+    if ignore_index is not None and not limits.min <= ignore_index <= limits.max:
+        raise ValueError(
+            f"ignore_index: expected an int64 id (in [{limits.min}, {limits.max}]) or None, "
+            f"got {ignore_index}"
+        )
 
 
 def check_vocab_size(vocab_size: int | None) -> None:

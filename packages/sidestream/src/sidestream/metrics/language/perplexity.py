@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from numbers import Real
 
 import torch
 import torch.nn.functional as F
@@ -193,6 +194,13 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
         self._tokens.accumulate(counted)
 
     def _update_losses(self, losses: Tensor, weights: Tensor | float) -> None:
+        if not (isinstance(weights, Tensor) or is_compiling()) and (
+            isinstance(weights, bool) or not isinstance(weights, Real)
+        ):
+            # float() below took a string ("2" as weight 2.0) and a bool (weight 1), and named
+            # no argument for the rest: refused as WeightedMeanMetric's weights are. (Compiling,
+            # Dynamo hands a numpy scalar in as an array, which float() takes.)
+            raise TypeError(f"weights: expected a torch.Tensor or a number, got {type(weights)}")
         check_weight_number("weights", weights)
         losses_t = as_tensor("losses", losses, self.device, floating=True)
         check_floating("losses", losses_t)
