@@ -853,3 +853,35 @@ def test_a_comment_names_the_default_directory_and_is_refused_with_a_log_dir(
     monkeypatch.chdir(tmp_path)
     default = TensorBoardSink(comment="-lr3")
     assert default.log_dir.startswith(str(tmp_path / "runs")) and default.log_dir.endswith("-lr3")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs os.fork")
+def test_a_forked_child_leaves_the_parents_run_to_the_parent(tmp_path: Path) -> None:
+    # A child made by os.fork() that exited normally closed its copy of the parent's Run at
+    # its exit: no sink thread there, so it kept the reports TensorBoard had not confirmed in
+    # a spool file of its own and warned of them (the parent delivered them all).
+    from tests._scripts import run_python
+
+    script = f"""
+import os, sys
+import torch
+from sidestream import Run, SumMetric
+from sidestream_tensorboard import TensorBoardSink
+run = Run([TensorBoardSink({str(tmp_path / "tb")!r})], spool_dir={str(tmp_path / "spool")!r})
+train = run.collector(SumMetric(), prefix="train").bind("cpu")
+for step in range(1, 31):
+    train.metric.update(torch.tensor([float(step)]))
+    train.schedule_collection(step)
+    if step == 15:
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # the child's at-exit hooks run
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+assert run.close(timeout=60)
+"""
+    done = run_python("-c", script, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "undelivered" not in done.stderr, done.stderr
+    spool = tmp_path / "spool"
+    assert not spool.exists() or not any(spool.iterdir())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -142,6 +143,21 @@ def exit_time_left(timeout: float) -> float:
     if began is None:
         return timeout
     return max(0.0, timeout - (time.monotonic() - began))
+
+
+def _forget_in_child() -> None:
+    """In a child made by ``os.fork``: the parent's runs and collectors are not this process's.
+
+    Their threads were not copied, so a close at the child's exit would only fail to deliver
+    (spooling copies of the parent's reports and warning of them); the parent closes them.
+    """
+    global _LOCK
+    _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+    _CLOSES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _close_all() -> None:
