@@ -344,3 +344,24 @@ def test_staging_copies_freed_by_the_pool_are_not_kept_alive() -> None:
     del copy
     gc.collect()
     assert gone() is None
+
+
+def test_staging_copies_of_a_composition_freed_by_the_pool_are_not_kept_alive() -> None:
+    # A metric inside a ComposeMetric refers to the composition through its state arena: the
+    # counter cache held the inner metrics, so it still kept every staging copy alive.
+    import gc
+    import weakref
+
+    from sidestream import MeanMetric
+    from sidestream.collector._window import rejected_names
+    from sidestream.metrics import ComposeMetric
+
+    copy = ComposeMetric({"loss": MeanMetric(), "acc": MeanMetric()})
+    assert rejected_names(copy, "train") == [
+        "train/loss/rejected_updates",
+        "train/acc/rejected_updates",
+    ]
+    gone = weakref.ref(copy)
+    del copy
+    gc.collect()
+    assert gone() is None

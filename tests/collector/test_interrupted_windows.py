@@ -413,3 +413,39 @@ def test_slots_lost_to_an_interrupt_are_made_anew_instead_of_waited_for() -> Non
     assert done.is_set()
     assert collector.collect_results(timeout=30) == 5.0
     assert collector.close(timeout=30)
+
+
+def test_a_call_made_inside_a_call_on_the_same_thread_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The lock that refuses a second call became re-entrant (a Ctrl-C between its acquire and
+    # the try that releases it left it held by the training thread): a signal handler that
+    # schedules a window, run inside a call, got in. Its window took the live updates first,
+    # the outer window then reported 0.0 and set the last step back below the inner one's.
+    metric = SumMetric()
+    sink = RecordingSink()
+    collector = AsyncMetricCollector(metric, sinks=[sink]).bind("cpu")
+    real = Slot.start_from_live
+    refused: list[BaseException] = []
+
+    def nested(self: Slot, step: int, window: Any) -> Any:
+        if step == 1 and not refused:
+            try:  # what a signal handler landing here would do
+                collector.schedule_collection(2)
+            except RuntimeError as error:
+                refused.append(error)
+            else:
+                refused.append(AssertionError("the inner call was let in"))
+        return real(self, step, window)
+
+    monkeypatch.setattr(Slot, "start_from_live", nested)
+    metric.update(torch.tensor([3.0]))
+    collector.schedule_collection(1)
+    monkeypatch.undo()
+    assert isinstance(refused[0], RuntimeError), refused
+    assert "while a call is in progress" in str(refused[0])
+    metric.update(torch.tensor([4.0]))
+    collector.schedule_collection(2)
+    assert collector.collect_results(timeout=30) == 4.0
+    assert collector.close(timeout=30)
+    assert [(r.step, r.values["value"]) for r in sink.reports] == [(1, 3.0), (2, 4.0)]

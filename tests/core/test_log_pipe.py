@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -184,3 +185,51 @@ def test_a_ctrl_c_as_log_takes_the_queue_lock_leaves_it_free(
     assert pipe.wait_idle(timeout=10)
     assert [report.step for report in delivered] == [1, 2]
     assert pipe.stop(timeout=10)
+
+
+def test_a_ctrl_c_as_a_full_queue_waits_to_deliver_marks_the_entry_taken_only_if_it_was() -> None:
+    # The call that finds the queue full waits for the delivery in progress before it
+    # delivers the queue itself; a Ctrl-C in that wait left the entry marked queued though it
+    # was in no queue: run.log used its step (its note said "logged"), refused the call made
+    # again, and close returned True without it.
+    gate = threading.Event()
+    delivered: list[int] = []
+
+    def deliver(report: Report) -> None:
+        if report.step == 1:
+            gate.wait(30)
+        delivered.append(report.step)
+
+    pipe = LogPipe(deliver, capacity=2)
+    pipe.put(LogEntry(step=1, time=0.0, numbers={"x": 1.0}))
+    deadline = time.monotonic() + 30
+    while not pipe._busy and time.monotonic() < deadline:  # the thread delivers step 1
+        time.sleep(0.01)
+    pipe.put(LogEntry(step=2, time=0.0, numbers={"x": 2.0}))
+    pipe.put(LogEntry(step=3, time=0.0, numbers={"x": 3.0}))  # the queue is full
+    caller = threading.current_thread()
+
+    class Interrupted:
+        """The delivery lock, whose wait this thread leaves by a Ctrl-C (once)."""
+
+        def __init__(self, lock: Any) -> None:
+            self.lock, self.armed = lock, True
+
+        def __enter__(self) -> Any:
+            if self.armed and threading.current_thread() is caller:
+                self.armed = False
+                raise KeyboardInterrupt
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self.lock.__exit__(*exc)
+
+    pipe._delivering = Interrupted(pipe._delivering)  # type: ignore[assignment]
+    entry = LogEntry(step=4, time=0.0, numbers={"x": 4.0})
+    with pytest.raises(KeyboardInterrupt):
+        pipe.put(entry)
+    gate.set()
+    assert pipe.wait_idle(timeout=30)
+    assert pipe.stop(timeout=30)
+    assert delivered == ([1, 2, 3, 4] if entry.queued else [1, 2, 3])
+    assert not entry.queued  # interrupted before it was taken: the call made again logs it

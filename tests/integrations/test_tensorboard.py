@@ -885,3 +885,25 @@ assert run.close(timeout=60)
     assert "undelivered" not in done.stderr, done.stderr
     spool = tmp_path / "spool"
     assert not spool.exists() or not any(spool.iterdir())
+
+
+def test_a_tilde_or_a_carriage_return_in_a_tag_is_shown_as_given(tmp_path: Path) -> None:
+    # "~" was backslash-escaped, which TensorBoard's markdown does not take (shown "v\~2"),
+    # and a "\r" alone (which it reads as a line end) split the row.
+    from tensorboard.plugin_util import markdown_to_safe_html
+
+    tags = {"range": "v~2", "note": "one\rtwo", "crlf": "a\r\nb"}
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.open(RunInfo(name="tags", tags=tags))
+    assert sink.close(30)
+    (event,) = _load(tmp_path / "tb").Tensors("tags/text_summary")
+    shown = markdown_to_safe_html(event.tensor_proto.string_val[0].decode())
+    rows = re.findall(r"<tr>(.*?)</tr>", shown, re.S)[1:]  # after the header
+    cells = [
+        [
+            html.unescape(re.sub(r"<br\s*/?>", "\n", cell))
+            for cell in re.findall(r"<td>(.*?)</td>", row, re.S)
+        ]
+        for row in rows
+    ]
+    assert cells == [["range", "v~2"], ["note", "one\ntwo"], ["crlf", "a\nb"]]

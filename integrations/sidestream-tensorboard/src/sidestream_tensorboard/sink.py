@@ -34,7 +34,10 @@ __all__ = ["TensorBoardSink"]
 logger = logging.getLogger("sidestream.sinks")
 
 _HPARAM_TYPES = (bool, int, float, str)
-_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+\-.!|~])")
+# The characters Python-Markdown (TensorBoard's renderer, with its tables extension) takes a
+# backslash escape of: another one (``~``) would show the backslash.
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+\-.!|])")
+_LINE_BREAKS = re.compile(r"\r\n?|\n")
 
 
 def _cell(value: Any) -> str:
@@ -46,7 +49,8 @@ def _cell(value: Any) -> str:
     punctuation backslash-escaped, newlines as ``<br>``.
     """
     text = html.escape(str(value), quote=False)
-    return _MARKDOWN_PUNCTUATION.sub(r"\\\1", text).replace("\n", "<br>")
+    # "\r" alone ends a line too (Python-Markdown reads it as "\n"): its own row otherwise.
+    return _LINE_BREAKS.sub("<br>", _MARKDOWN_PUNCTUATION.sub(r"\\\1", text))
 
 
 def _hparam(value: Any) -> Any:

@@ -90,8 +90,7 @@ class LogPipe:
                 entry.queued = True
                 self._drop(entry)
                 return
-        entry.queued = True  # delivered by this call, before any later one
-        self._drain_with(entry)
+        self._drain_with(entry)  # sets entry.queued once the entry is in the queue
 
     def _drop(self, entry: LogEntry) -> None:
         self.dropped += 1
@@ -105,22 +104,32 @@ class LogPipe:
 
     def _drain_with(self, entry: LogEntry) -> None:
         """Deliver every waiting entry, then ``entry``, on the calling thread, in order."""
+        # A Ctrl-C while this call waits for the delivery in progress (the usual place: a
+        # full queue means slow deliveries) must leave the entry untaken: entry.queued is set
+        # only once it is in the queue, past the wait.
         with self._delivering:
-            with self._lock:
-                if self._on_device:  # queued meanwhile by another thread: it would wait
-                    self._drop(entry)
-                    return
-                waiting = list(self._entries)
-                self._entries.clear()
-            pending = deque((*waiting, entry))  # host numbers only: none waits for the GPU
+            pending: deque[LogEntry] | None = None
             try:
-                while pending:
+                with self._lock:
+                    if self._on_device:  # queued meanwhile by another thread: it would wait
+                        entry.queued = True
+                        self._drop(entry)
+                        return
+                    # Queued (one over capacity) at once with the flag: an interrupt from here
+                    # on finds it queued, and the pipe's thread delivers it.
+                    entry.queued = True
+                    self._entries.append(entry)
+                    fresh: deque[LogEntry] = deque()
+                    # Swapped with no call in between: every entry is in one of the two.
+                    pending, self._entries = self._entries, fresh
+                while pending:  # host numbers only: none waits for the GPU
                     self._deliver_one(pending.popleft())
             finally:
-                with self._lock:
-                    # Interrupted (Ctrl-C): the entries not delivered yet go back, in order.
-                    self._entries.extendleft(reversed(pending))
-                    self._cond.notify_all()
+                if pending is not None:
+                    with self._lock:
+                        # Interrupted (Ctrl-C): the entries not delivered yet go back, in order.
+                        self._entries.extendleft(reversed(pending))
+                        self._cond.notify_all()
 
     def wait_idle(self, timeout: float | None) -> bool:
         """Block until every queued entry is delivered; whether it happened in time."""

@@ -6,7 +6,7 @@ import copy
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -103,9 +103,9 @@ _COUNTERS_OF_THE_LIBRARY = (
 )
 
 # Found once per staging copy: walking the metric tree per window would cost the training thread.
-_COUNTERS: weakref.WeakKeyDictionary[Metric[Any], list[tuple[str, Metric[Any] | None, str]]] = (
-    weakref.WeakKeyDictionary()
-)
+_COUNTERS: weakref.WeakKeyDictionary[
+    Metric[Any], list[tuple[str, weakref.ref[Metric[Any]], str]]
+] = weakref.WeakKeyDictionary()
 
 
 def _walk(metric: Metric[Any], path: str) -> Iterator[tuple[str, Metric[Any], str]]:
@@ -129,14 +129,15 @@ def _walk(metric: Metric[Any], path: str) -> Iterator[tuple[str, Metric[Any], st
 def _counters(metric: Metric[Any]) -> list[tuple[str, Metric[Any], str]]:
     found = _COUNTERS.get(metric)
     if found is None:
-        # The metric itself is kept as None: a value that refers to its own weak key keeps
-        # the key alive, so every staging copy ever made (slots are freed and made again as
-        # the backlog drains and grows) stayed in memory for good.
+        # Weak references only: a value that refers to its own weak key keeps the key alive,
+        # so every staging copy ever made (slots are freed and made again as the backlog
+        # drains and grows) stayed in memory for good. The metric itself is such a value, and
+        # so is any metric inside it: its state arena refers to the root (a ComposeMetric's).
         found = _COUNTERS[metric] = [
-            (path, None if child is metric else child, count)
-            for path, child, count in _walk(metric, "")
+            (path, weakref.ref(child), count) for path, child, count in _walk(metric, "")
         ]
-    return [(path, metric if child is None else child, count) for path, child, count in found]
+    # Alive while the metric is: it holds the metrics inside it.
+    return [(path, cast("Metric[Any]", child()), count) for path, child, count in found]
 
 
 def rejected_names(metric: Metric[Any], prefix: str) -> list[str]:

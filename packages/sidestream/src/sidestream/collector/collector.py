@@ -243,6 +243,10 @@ class AsyncMetricCollector(Generic[T]):
         # Re-entrant: a Ctrl-C between the acquire and the try that releases it leaves it held
         # by the training thread, whose later calls must still get in.
         self._scheduling = threading.RLock()
+        # Set inside a call (in its try): a call on the same thread while it is set (a signal
+        # handler that schedules a window, run inside the call) is refused as a second
+        # thread's is, which the re-entrant lock alone lets in.
+        self._in_schedule = False
         self._unreported_warned = False  # warn_unreported said it
         self._twin_index = 0  # set at bind: told apart from open collectors of this prefix
         self._close_result = True  # what the first close returned; later calls repeat it
@@ -558,14 +562,19 @@ class AsyncMetricCollector(Generic[T]):
             raise RuntimeError(f"schedule_collection: {_CLOSED}")
         if self._dispatcher is None:
             raise RuntimeError("schedule_collection: call bind(device) first")
-        if not self._scheduling.acquire(blocking=False):
+        acquired = self._scheduling.acquire(blocking=False)
+        if not acquired or self._in_schedule:
+            if acquired:  # this thread, inside its own call (a signal handler's)
+                self._scheduling.release()
             raise RuntimeError(
-                "schedule_collection: called from another thread while a call is in progress; "
-                "schedule (and update the metrics) from one thread, the training loop's: two "
-                "calls at once would stage the same updates into two windows"
+                "schedule_collection: called from another thread while a call is in progress "
+                "(or from a signal handler run inside it); schedule (and update the metrics) "
+                "from one thread, the training loop's: two calls at once would stage the same "
+                "updates into two windows"
             )
         before = self._last_step
         try:
+            self._in_schedule = True
             self._schedule(step)
         except BaseException as error:
             if self._last_step != before and not getattr(error, "__notes__", None):
@@ -573,6 +582,7 @@ class AsyncMetricCollector(Generic[T]):
                 error.add_note(_DELIVERED.format(step=self._last_step))
             raise
         finally:
+            self._in_schedule = False
             self._scheduling.release()
 
     def _schedule(self, step: int) -> None:

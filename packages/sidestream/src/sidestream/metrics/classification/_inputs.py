@@ -503,7 +503,9 @@ def _logit(threshold: float | Tensor) -> float | Tensor:
 
     Logits are compared with it, not sent through a sigmoid: a float32 sigmoid rounds every
     logit above about 17 to 1.0 (so threshold 1.0 took them as positive) and logits within
-    about 1e-7 of 0 to 0.5. ``-inf`` for threshold 0, ``inf`` for 1.
+    about 1e-7 of 0 to 0.5. ``-inf`` for threshold 0, ``inf`` for 1. Not exact at the bound: a
+    logit within a rounding step of it (the float64 logs', or float32's when compared with
+    float32 logits) may fall on the other side.
     """
     if isinstance(threshold, Tensor):
         return torch.logit(threshold.to(torch.float64))
