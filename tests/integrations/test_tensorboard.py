@@ -591,8 +591,6 @@ def test_a_resumed_run_that_never_wrote_records_its_hyper_parameters_and_name(
 def test_tags_are_shown_as_given_in_tensorboards_table(tmp_path: Path) -> None:
     """TensorBoard renders the tags' text as markdown: a ``|``, a newline or markdown in a tag
     is shown as written, not as another cell, another row or formatting."""
-    from tensorboard.plugin_util import markdown_to_safe_html
-
     tags = {
         "cmd": "python train.py | tee log",
         "note": "first line\nsecond line",
@@ -600,19 +598,7 @@ def test_tags_are_shown_as_given_in_tensorboards_table(tmp_path: Path) -> None:
         "path": "C:\\runs\\a",
         "plain": "nlp",
     }
-    sink = TensorBoardSink(tmp_path / "tb")
-    sink.open(RunInfo(name="tags", tags=tags))
-    assert sink.close(30)
-    (event,) = _load(tmp_path / "tb").Tensors("tags/text_summary")
-    shown = markdown_to_safe_html(event.tensor_proto.string_val[0].decode())
-    rows = re.findall(r"<tr>(.*?)</tr>", shown, re.S)[1:]  # after the header
-    cells = [
-        [
-            html.unescape(re.sub(r"<br\s*/?>", "\n", cell))
-            for cell in re.findall(r"<td>(.*?)</td>", row, re.S)
-        ]
-        for row in rows
-    ]
+    cells = _tag_table_cells(tmp_path, tags)
     assert cells == [[key, value] for key, value in tags.items()]
 
 
@@ -890,20 +876,25 @@ assert run.close(timeout=60)
 def test_a_tilde_or_a_carriage_return_in_a_tag_is_shown_as_given(tmp_path: Path) -> None:
     # "~" was backslash-escaped, which TensorBoard's markdown does not take (shown "v\~2"),
     # and a "\r" alone (which it reads as a line end) split the row.
+    tags = {"range": "v~2", "note": "one\rtwo", "crlf": "a\r\nb"}
+    cells = _tag_table_cells(tmp_path, tags)
+    assert cells == [["range", "v~2"], ["note", "one\ntwo"], ["crlf", "a\nb"]]
+
+
+def _tag_table_cells(tmp_path: Path, tags: dict[str, str]) -> list[list[str]]:
+    """The tags table's cells as TensorBoard's own markdown renderer shows them."""
     from tensorboard.plugin_util import markdown_to_safe_html
 
-    tags = {"range": "v~2", "note": "one\rtwo", "crlf": "a\r\nb"}
     sink = TensorBoardSink(tmp_path / "tb")
     sink.open(RunInfo(name="tags", tags=tags))
     assert sink.close(30)
     (event,) = _load(tmp_path / "tb").Tensors("tags/text_summary")
     shown = markdown_to_safe_html(event.tensor_proto.string_val[0].decode())
     rows = re.findall(r"<tr>(.*?)</tr>", shown, re.S)[1:]  # after the header
-    cells = [
+    return [
         [
             html.unescape(re.sub(r"<br\s*/?>", "\n", cell))
             for cell in re.findall(r"<td>(.*?)</td>", row, re.S)
         ]
         for row in rows
     ]
-    assert cells == [["range", "v~2"], ["note", "one\ntwo"], ["crlf", "a\nb"]]
