@@ -919,17 +919,16 @@ class AsyncMetricCollector(Generic[T]):
         A Ctrl-C (or a SIGTERM handler's exit) right as a call took its slot, before its window
         existed, can drop the slot; enough such calls and every later call would wait for a
         slot forever. Every window processed has given its slot back (before it counts as
-        processed), so the free slots are then all there are: the count is set to them.
+        processed), so every slot counted is then lost.
         """
         assert self._dispatcher is not None
         if self._dispatcher.unprocessed or not self._free_slots.empty():
             return None
-        lost = self._slot_count - self._free_slots.qsize()
         logger.warning(
             "schedule_collection: %d staging slot(s) lost to an interrupted call; made anew",
-            lost,
+            self._slot_count,
         )
-        self._slot_count -= lost
+        self._slot_count = 0
         return self._new_slot()
 
     def _new_slot(self, check: bool = False) -> Slot:

@@ -20,6 +20,7 @@ from sidestream.sinks._spool import SPOOL_SUFFIX
 from sidestream.sinks._spool_format import (
     STATE_SUFFIX,
     DamagedLineError,
+    KeptState,
     ReplayResult,
     read_kept_state,
     read_spool,
@@ -88,6 +89,32 @@ def _count_lines(path: str) -> int:
         while chunk := file.read(1 << 20):
             lines += chunk.count(b"\n")
     return lines
+
+
+def _elsewhere(kept: KeptState | None, name: str, sink: Sink, given: set[str]) -> str | None:
+    """Where a replay's reports went, when not where the job's sink delivered; else ``None``.
+
+    Another kind of sink, or the same kind moved by an option given (a JSONL copy at another
+    path). A sink of one's own with no entry point cannot be replayed into here: the sink
+    given stands in for it.
+    """
+    if kept is None:
+        return None
+    if kept.sink != name:
+        if kept.sink not in available_sinks():
+            return None
+        return (
+            f"into {name}, not into the {kept.sink} sink that spooled them; replay it with "
+            f"--sink {kept.sink} (or without --sink) to deliver them there"
+        )
+    replayed = sink.replay_options()
+    if all(replayed.get(key) == value for key, value in kept.options.items() if key in given):
+        return None
+    named = ", ".join(f"{key}={value}" for key, value in sorted(kept.options.items()))
+    return (
+        f"into a {name} sink with other options than the one that spooled them ({named}); "
+        "replay it without --option to deliver them there"
+    )
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.sinks.replay") -> int:
@@ -205,17 +232,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
             print(f"options from {kept.path}: {named}")
             options = {**taken, **options}
     sink = _sink(parser, args.sink, options)
-    # Options given that move the sink's backend (a JSONL copy at another path): its reports
-    # then go elsewhere, not where the job's sink delivered, as for another kind of sink.
-    moved = (
-        kept is not None
-        and kept.sink == args.sink
-        and any(
-            sink.replay_options().get(key) != value
-            for key, value in kept.options.items()
-            if key in given
-        )
-    )
+    elsewhere = None if args.keep else _elsewhere(kept, args.sink, sink, given)
     if kept is None and not options and isinstance(sink, TrackerSink):
         # A crashed job's spool: a tracker's defaults are not where the job delivered (an
         # MLflow store in this folder, wandb's default project, ./runs), its state (a run id)
@@ -309,30 +326,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
         )
     if result.held or not result.closed:
         return 1
-    if not args.keep and kept is not None and moved:
-        named = ", ".join(f"{key}={value}" for key, value in sorted(kept.options.items()))
-        print(
-            f"{args.spool} is kept: its reports went into a {args.sink} sink with other "
-            f"options than the one that spooled them ({named}); replay it without --option "
-            "to deliver them there",
-            file=sys.stderr,
-        )
-        return 0
-    if (
-        not args.keep
-        and kept is not None
-        and kept.sink != args.sink
-        and kept.sink in available_sinks()
-    ):
+    if elsewhere is not None:
         # Written out elsewhere (a JSONL copy to read), not delivered where the job sent them:
-        # renamed, the file would never be replayed into its own sink. (A sink of one's own with
-        # no entry point cannot be replayed into here: the sink given stands in for it.)
-        print(
-            f"{args.spool} is kept: its reports went into {args.sink}, not into the "
-            f"{kept.sink} sink that spooled them; replay it with --sink {kept.sink} (or "
-            "without --sink) to deliver them there",
-            file=sys.stderr,
-        )
+        # renamed, the file would never be replayed into its own sink.
+        print(f"{args.spool} is kept: its reports went {elsewhere}", file=sys.stderr)
         return 0
     if not args.keep:
         try:
