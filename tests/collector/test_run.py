@@ -204,8 +204,10 @@ def test_stream_names_and_log_arguments_are_checked() -> None:
         run.log(1, {"lr": "high"})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match=r"values\['lr'\]: expected a 0-dim tensor, got shape"):
         run.log(1, {"lr": torch.ones(2)})
-    with pytest.raises(TypeError, match="names must be non-empty str"):
-        run.log(1, {"": 1.0})
+    with pytest.raises(ValueError, match="names must be non-empty str, got ''"):
+        run.log(1, {"": 1.0})  # a value error (a str of the wrong value), as RunInfo's
+    with pytest.raises(TypeError, match="names must be non-empty str, got 3"):
+        run.log(1, {3: 1.0})  # type: ignore[dict-item]
     run.log(5, {"lr": 1.0})
     with pytest.raises(ValueError, match="expected > the previous log call's 5"):
         run.log(5, {"grad_norm": 1.0})
@@ -300,6 +302,25 @@ def test_show_takes_the_value_written_last_and_skips_lines_it_cannot_read(
         cli(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out == f"sidestream {sidestream.__version__}\n"
+
+
+def test_show_escapes_unprintable_characters_in_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A newline in a name made a row of its own; a tab or carriage return broke the columns.
+    path = tmp_path / "names.jsonl"
+    lines = [
+        {"step": 4, "stream": "va\tl", "time": 0, "values": {"a\nb": 1.5, "c\rd": 2.0}},
+        {"step": 4, "stream": "", "time": 0, "values": {"température": 3.0}},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cli(["show", str(path)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1:] == [
+        "(log)   4     température  3",
+        "va\\tl   4     a\\nb         1.5",
+        "va\\tl   4     c\\rd         2",
+    ]
 
 
 def test_show_without_a_plot_keeps_one_point_per_name(

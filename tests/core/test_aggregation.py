@@ -225,6 +225,28 @@ def test_numpy_and_other_real_scalars_are_numbers() -> None:
         MeanMetric().update(np.bool_(True))
 
 
+@pytest.mark.parametrize("make", [MeanMetric, SumMetric, MaxMetric, WeightedMeanMetric])
+def test_python_ints_out_of_range_are_refused_naming_the_argument(make: type) -> None:
+    # Python's OverflowError ("int too large to convert to float") named no argument, and an
+    # int weight past int64 raised torch's own RuntimeError.
+    metric = make()
+    metric.update(1.0)
+    before = {key: value.clone() for key, value in states_only(metric.state_dict()).items()}
+    with pytest.raises(ValueError, match=r"values: expected a number within float64's range"):
+        metric.update(-(10**400))
+    if make is WeightedMeanMetric:
+        with pytest.raises(ValueError, match=r"weights: expected an integer in \[-2\*\*63"):
+            metric.update(1.0, weights=2**63)
+    after = states_only(metric.state_dict())
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    metric.update(2**70)  # within float64's range: taken as 2.0**70
+    expected = {"mean": (1 + 2**70) / 2, "sum": 1 + 2**70, "max": 2**70, "weighted": None}
+    if make is not WeightedMeanMetric:
+        name = {MeanMetric: "mean", SumMetric: "sum", MaxMetric: "max"}[make]
+        assert float(metric.compute()) == float(expected[name])
+
+
 def test_python_numbers_keep_double_precision() -> None:
     # They became float32 tensors (torch's default dtype) before reaching the float64 state.
     from sidestream.metrics.language import PerplexityMetric

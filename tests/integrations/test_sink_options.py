@@ -78,6 +78,9 @@ _A_REPORT = '{"step": 1, "time": 0.0, "values": {"a": 1.0}}\n'
         # Accepted, these failed at open on rank 0 (MLflow's "'name' exceeds the maximum length
         # of 500 characters"; FileExistsError making the database's folder).
         (lambda d: _mlflow()(experiment="x" * 501), ValueError, "experiment: expected at most 500"),
+        # A tag RunInfo refuses (MLflow refused the empty key only at open, on rank 0).
+        (lambda d: _mlflow()(tags={"": "x"}), ValueError, "tags: a tag name must not be empty"),
+        (lambda d: _mlflow()(tags={1: "x"}), TypeError, r"tags: expected a mapping of tag names"),
         (
             lambda d: _mlflow()(tracking_uri=f"sqlite:///{_a_file(d)}/m.db"),
             ValueError,

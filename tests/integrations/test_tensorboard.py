@@ -677,7 +677,15 @@ def test_a_histogram_it_cannot_write_is_skipped_and_close_says_the_run_lacks_it(
 
 def test_ints_a_float64_cannot_hold_exactly_are_hyper_parameters_as_text(tmp_path: Path) -> None:
     # TensorBoard keeps numbers as doubles: 10**400 raised OverflowError at every open.
-    config = {"huge": 10**400, "negative": -(10**309), "odd": 2**53 + 1, "fits": 2**53, "n": 3}
+    config = {
+        "huge": 10**400,
+        "negative": -(10**309),
+        "odd": 2**53 + 1,
+        "fits": 2**53,
+        "n": 3,
+        "flag": True,  # torch's writer made it the number 1
+        "off": False,
+    }
     sink = TensorBoardSink(tmp_path / "tb")
     sink.open(RunInfo(config=config))
     sink.write(Report(step=1, values={"loss": 1.0}, time=time.time()))
@@ -691,6 +699,8 @@ def test_ints_a_float64_cannot_hold_exactly_are_hyper_parameters_as_text(tmp_pat
     assert start.hparams["odd"].string_value == str(2**53 + 1)
     assert start.hparams["fits"].number_value == 2**53
     assert start.hparams["n"].number_value == 3
+    assert start.hparams["flag"].string_value == "True"
+    assert start.hparams["off"].string_value == "False"
 
 
 def test_a_skipped_value_survives_a_distributed_checkpoint(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -231,6 +232,20 @@ def test_tags_with_a_false_value_keep_it(tmp_path: Path) -> None:
     records = read_records(_data_file(run_dir))
     runs = [record.run for record in records if record.WhichOneof("record_type") == "run"]
     assert list(runs[0].tags) == ["seed:0", "ablation:False", "lr:0.0", "bare", "team:nlp"]
+
+
+def test_a_nan_hyperparameter_is_kept_in_the_config(tmp_path: Path) -> None:
+    """wandb writes a NaN config value as null: it goes as the text "nan" (infinities stay)."""
+    sink = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    config = {"opt": {"lr": float("nan")}, "clip": float("inf"), "wd": 0.5}
+    sink.open(RunInfo(name="nan-config", config=config))
+    run_dir = sink.run_dir
+    assert sink.close(timeout=60) and run_dir is not None
+    records = read_records(_data_file(run_dir))
+    runs = [record.run for record in records if record.WhichOneof("record_type") == "run"]
+    stored = {item.key: item.value_json for item in runs[0].config.update}
+    assert json.loads(stored["opt.lr"]) == "nan"
+    assert stored["clip"] == "Infinity" and json.loads(stored["wd"]) == 0.5
 
 
 def test_each_value_is_charted_against_its_own_streams_step(tmp_path: Path) -> None:

@@ -225,7 +225,12 @@ MULTICLASS_BAD = [
     (torch.randn(4, 4), torch.tensor([0, 1, 2, -1]), ValueError, r"target: .*\[0, 4\)"),
     (torch.tensor([0, 1, 5, 3]), torch.tensor([0, 1, 2, 3]), ValueError, r"preds: .*\[0, 4\)"),
     (torch.randn(4, 4), torch.tensor([0.0, 1, 2, 3]), TypeError, "target: expected integer"),
-    (torch.randn(2, 4), torch.tensor([[1, 1, 0, 0], [0, 0, 1, 0]]), ValueError, "one-hot"),
+    (
+        torch.randn(2, 4),
+        torch.tensor([[1, 1, 0, 0], [0, 0, 1, 0]]),
+        ValueError,
+        r"one-hot rows.* \(found \[1, 1, 0, 0\]: 1 of 2 rows\)",  # the bad row shown
+    ),
     (torch.randn(4, 4), [0, 1, 2, 3], TypeError, "target: expected a torch.Tensor"),
     (torch.randn(4, 4).bool(), torch.tensor([0, 1, 2, 3]), TypeError, "preds"),
 ]

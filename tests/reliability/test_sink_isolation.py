@@ -1211,6 +1211,13 @@ def test_an_interrupted_close_keeps_the_undelivered_reports_and_says_false(
     delivered = set(sink.steps)
     sink.gate.clear()  # the sink thread stops taking reports at its next write
     assert delivered | {r.step for r in read_spool(kept)} == set(range(1, 21))
+    # A stopped job's code: a replay ends the tracker's run as killed, not finished (the kept
+    # code was null, read as a success).
+    from sidestream._exit import KILLED_EXIT_CODE
+    from sidestream.sinks._spool_format import read_kept_state
+
+    state = read_kept_state(str(kept))
+    assert state is not None and state.exit_code == KILLED_EXIT_CODE
 
 
 def test_a_checkpoint_of_a_busy_sink_holds_its_undelivered_reports(tmp_path: Path) -> None:

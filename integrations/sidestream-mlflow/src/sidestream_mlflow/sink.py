@@ -125,8 +125,14 @@ class MlflowSink(TrackerSink):
                 f"experiment: expected at most {_MAX_EXPERIMENT_NAME} characters (MLflow's "
                 f"limit), got {len(experiment)}"
             )
-        if tags is not None and not isinstance(tags, Mapping):
-            raise TypeError(f"tags: expected a mapping of str to str, got {type(tags).__name__}")
+        if tags is not None:
+            if not isinstance(tags, Mapping):
+                raise TypeError(
+                    f"tags: expected a mapping of str to str, got {type(tags).__name__}"
+                )
+            # The run's own tags' checks (str names, none empty, encodable), here and not when
+            # rank 0 opens the sink once training has started.
+            RunInfo(tags=tags)
         if tracking_uri is not None:
             _check_uri_scheme(tracking_uri)
             _check_file_store(tracking_uri)

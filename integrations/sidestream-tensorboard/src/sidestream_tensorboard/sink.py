@@ -54,12 +54,16 @@ def _cell(value: Any) -> str:
 
 
 def _hparam(value: Any) -> Any:
-    """``value`` as TensorBoard keeps it: an int a float64 cannot hold exactly as a str.
+    """``value`` as TensorBoard keeps it: an int a float64 cannot hold exactly, or a bool, as a str.
 
     TensorBoard stores numbers as doubles: ``10**400`` would raise ``OverflowError`` at every
-    open, and ``2**53 + 1`` would be shown as another number.
+    open, and ``2**53 + 1`` would be shown as another number. torch's ``hparams`` writes a bool
+    as the number 1 or 0 (its bool branch comes after the int one): ``"True"``, as MLflow
+    shows it.
     """
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int) and abs(value) > 2**53:
         return str(value)
     return value
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import os
 import re
 import secrets
@@ -245,6 +246,12 @@ class WandbSink(TrackerSink):
             kwargs.setdefault("name", run.name)
         config = flatten_config(run.config)
         config.update(flatten_config(kwargs.pop("config", None) or {}))
+        # wandb writes a NaN into the config as null (infinities it keeps): the text keeps it,
+        # as MLflow's params and TensorBoard's hparams show it.
+        config = {
+            key: "nan" if isinstance(value, float) and math.isnan(value) else value
+            for key, value in config.items()
+        }
         # Only "" makes a bare tag (RunInfo's documented way): a value 0 or False is a value.
         tags = [
             shorten(f"{k}:{v}" if str(v) else str(k), _MAX_TAG_LENGTH) for k, v in run.tags.items()

@@ -164,12 +164,22 @@ def _table(history: History) -> str:
             points = history[stream][name]
             step = max(point[0] for point in points)
             value = next(v for s, v in reversed(points) if s == step)
-            rows.append((stream or "(log)", str(step), name, _number(value)))
+            rows.append((_cell(stream) or "(log)", str(step), _cell(name), _number(value)))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in rows
     )
+
+
+def _cell(text: str) -> str:
+    """``text`` with unprintable characters escaped.
+
+    A newline in a name made a row of its own, a tab or carriage return broke the columns.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def _number(value: float) -> str:

@@ -71,7 +71,8 @@ def as_tensor(
 
     Raises:
         TypeError: If ``value`` is neither a tensor nor a real number, or is a complex tensor.
-        ValueError: If ``value`` is a tensor on another device than the metric.
+        ValueError: If ``value`` is a tensor on another device than the metric, or a Python
+            number out of float64's range (``floating`` or a float) or int64's (an int).
     """
     if isinstance(value, Tensor):
         if value.is_complex():
@@ -93,7 +94,19 @@ def as_tensor(
     # A Python float is a double: float64, never torch's default dtype (float32 would round
     # 0.1 and 2**53 + 2, and overflow at 1e39 before a float64 state sees the value).
     if floating or isinstance(value, float):
-        return torch.full((), float(value), dtype=torch.float64, device=device)
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float64's range; its digits could fill a screen
+            raise ValueError(
+                f"{argument}: expected a number within float64's range (about 1.8e308), got "
+                f"an int of {abs(int(value)).bit_length()} bits"
+            ) from None
+        return torch.full((), number, dtype=torch.float64, device=device)
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(
+            f"{argument}: expected an integer in [-2**63, 2**63) (it becomes an int64 tensor), "
+            f"got one of {abs(int(value)).bit_length()} bits"
+        )
     return torch.full((), value, dtype=torch.int64, device=device)
 
 

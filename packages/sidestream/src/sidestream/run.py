@@ -253,9 +253,9 @@ class Run:
             TypeError: If ``step`` is not an integer (Python or numpy), or a name or value has
                 the wrong type (a bool, or a complex or meta tensor, too).
             ValueError: If ``step`` does not increase or is outside [0, 2**63), a tensor is
-                not 0-dim, CUDA tensors are on several devices, or a name cannot be encoded as
-                UTF-8 (a lone surrogate); raised before the step counts, so the corrected call
-                may log it.
+                not 0-dim, CUDA tensors are on several devices, or a name is empty or cannot be
+                encoded as UTF-8 (a lone surrogate); raised before the step counts, so the
+                corrected call may log it.
             RuntimeError: If the run is closed, or the job's process group is missing.
         """
         step = training_step(step)
@@ -269,8 +269,10 @@ class Run:
         numbers: dict[str, float] = {}
         on_gpu: list[tuple[str, Tensor]] = []
         for name, value in values.items():
-            if not isinstance(name, str) or not name:
+            if not isinstance(name, str):
                 raise TypeError(f"values: names must be non-empty str, got {name!r}")
+            if not name:
+                raise ValueError("values: names must be non-empty str, got ''")
             check_encodable("values: a name", name)
             if isinstance(value, Tensor):
                 if value.dim() != 0:

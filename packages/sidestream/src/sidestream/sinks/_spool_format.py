@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sidestream._exit import exiting_with, failed_exit_code
+from sidestream._exit import KILLED_EXIT_CODE, exiting_with, failed_exit_code
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.tracker import TrackerSink
@@ -210,10 +210,15 @@ def write_kept_state(
     state: Mapping[str, Any],
     run: RunInfo,
     options: Mapping[str, Any] | None = None,
+    *,
+    interrupted: bool = False,
 ) -> str | None:
     """Write ``KeptState`` beside ``spool_path``, owner-only; its path, or ``None`` if it failed.
 
     Config keys and values JSON cannot hold are kept as their ``str`` (how trackers log them).
+    ``interrupted``: the close that keeps it was cut short (Ctrl-C): unless the job is known to
+    be ending otherwise, its exit code is a stopped job's (a replay then ends the tracker's run
+    as killed, not finished).
     """
     path = spool_path + STATE_SUFFIX
     kept_run: dict[str, Any] | None
@@ -230,7 +235,9 @@ def write_kept_state(
     except Exception:
         kept_options = {}
     kept = {"sink": sink, "run": kept_run, "options": kept_options}
-    kept["exit_code"] = failed_exit_code()  # a failed job's run is not ended FINISHED by a replay
+    # A failed (or stopped) job's run is not ended FINISHED by a replay.
+    code = failed_exit_code()
+    kept["exit_code"] = KILLED_EXIT_CODE if code is None and interrupted else code
     try:
         text = json.dumps({**kept, "state": dict(state)})
     except (TypeError, ValueError):  # a state that is not JSON: the run is still worth keeping

@@ -854,7 +854,9 @@ class SinkRunner:
             except Exception:  # a sink of one's own that fails here: the replay needs --option
                 options = {}
             for path in paths:
-                state_file = write_kept_state(path, self.sink.name, state, self._run, options)
+                state_file = write_kept_state(
+                    path, self.sink.name, state, self._run, options, interrupted=self._interrupted
+                )
             if failed:
                 why = "the sink failed"
             elif self._interrupted:

@@ -174,6 +174,18 @@ def _integer(tensor: Tensor) -> bool:
     return not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
 
 
+def _found_rows(rows: Tensor, invalid: Tensor) -> str:
+    """For a CPU error message: up to two rows (last dimension) where ``invalid``, how many."""
+    flat = rows.detach().reshape(-1, rows.shape[-1])
+    bad = invalid.detach().reshape(-1)
+    count = int(bad.sum())
+    if not count:
+        return ""
+    shown = "; ".join(str(row) for row in flat[bad][:2].tolist())
+    more = "; ..." if count > 2 else ""
+    return f" (found {shown}{more}: {count} of {flat.shape[0]} rows)"
+
+
 def _target_labels(
     num_classes: int, sample_shape: torch.Size, target: Tensor, ignore_index: int | None
 ) -> tuple[Tensor, Tensor | None, list[Check]]:
@@ -183,7 +195,8 @@ def _target_labels(
         is_binary = (one_hot == 0) | (one_hot == 1)
         invalid = ~is_binary.all(-1) | (one_hot.sum(-1) != 1)
         labels = one_hot.argmax(-1).reshape(-1)
-        return labels, None, [(invalid, "target", "one-hot rows: one 1, zeros elsewhere", None)]
+        found = functools.partial(_found_rows, one_hot, invalid)
+        return labels, None, [(invalid, "target", "one-hot rows: one 1, zeros elsewhere", found)]
     if target.shape != sample_shape:
         column = target.shape == (*sample_shape, 1)
         raise ValueError(
