@@ -195,8 +195,8 @@ def _target_labels(
         is_binary = (one_hot == 0) | (one_hot == 1)
         invalid = ~is_binary.all(-1) | (one_hot.sum(-1) != 1)
         labels = one_hot.argmax(-1).reshape(-1)
-        found = functools.partial(_found_rows, one_hot, invalid)
-        return labels, None, [(invalid, "target", "one-hot rows: one 1, zeros elsewhere", found)]
+        rows = functools.partial(_found_rows, one_hot, invalid)
+        return labels, None, [(invalid, "target", "one-hot rows: one 1, zeros elsewhere", rows)]
     if target.shape != sample_shape:
         column = target.shape == (*sample_shape, 1)
         raise ValueError(
