@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from sidestream._arena import Arena
+from sidestream._dcp_guard import refuse_dcp_pickle
 from sidestream._digest import checkpoint_digest
 from sidestream._distributed import (
     Group,
@@ -138,12 +139,15 @@ class Metric(Generic[T], abc.ABC):
         # from the states' views (see MetricAccumulator.__getstate__): leave the arena and the
         # sync layouts built on it out, and build them again on load. A process group cannot
         # be pickled (nor used in another process): the copy syncs over the default group.
+        refuse_dcp_pickle(self, _DCP_NESTED_METRIC)
         state = super().__getstate__()  # the __dict__, with a subclass's __slots__ if any
         attributes, slots = state if isinstance(state, tuple) else (state, None)
         kept = {key: value for key, value in attributes.items() if key not in _NOT_PICKLED}
         return kept if slots is None else (kept, slots)
 
     def __setstate__(self, state: Any) -> None:
+        # A checkpoint written before the check above (or by hand) holds one rank's pickle.
+        refuse_dcp_pickle(self, _DCP_NESTED_METRIC)
         attributes, slots = state if isinstance(state, tuple) else (state, None)
         for key, value in (slots or {}).items():
             object.__setattr__(self, key, value)
@@ -1389,6 +1393,12 @@ def _refuse_twice(states: list[tuple[str, MetricAccumulator]]) -> None:
                 "places of one metric tree; give each place a metric of its own"
             )
 
+
+_DCP_NESTED_METRIC = (
+    "Its pickle holds this rank's local state, not the globally reduced one, and DCP keeps "
+    "one rank's copy of it: a load would drop the other ranks' data and count the kept "
+    "copy once on every loading rank."
+)
 
 DTYPES_KEY = "sidestream/dtypes"
 """The ``state_dict`` key of the states' dtype record (no state name holds a ``/``)."""

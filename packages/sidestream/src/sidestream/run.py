@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from sidestream._dcp_guard import refuse_pickling
 from sidestream._delivery import (
     OF_THE_RUN,
     CheckpointTimeout,
@@ -91,6 +92,10 @@ class Run:
         ...     train.schedule_collection(step=10)
         ...     run.log(10, {"lr": 3e-4})
     """
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused (threads, locks, sinks), with a message that says how to checkpoint it."""
+        refuse_pickling(self, "Run")
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from sidestream._dcp_guard import refuse_pickling
 from sidestream._delivery import (
     OF_THE_RUN,
     CheckpointTimeout,
@@ -153,6 +154,10 @@ class AsyncMetricCollector(Generic[T]):
         >>> collector.close()
         True
     """
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused (threads, locks, sinks), with a message that says how to checkpoint it."""
+        refuse_pickling(self, "collector")
 
     def __init__(
         self,
