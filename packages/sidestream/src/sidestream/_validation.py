@@ -29,6 +29,7 @@ __all__ = [
     "check_weight_number",
     "checks_stay_on_device",
     "screen_invalid",
+    "WIDE_UNSIGNED",
 ]
 
 
@@ -38,6 +39,14 @@ _iinfo = torch.iinfo
 """Read by the update helpers below instead of through ``torch``: a compiled update that reaches
 the torch module through this module's globals and another's pays an identity guard, run in
 Python, on every call."""
+
+
+WIDE_UNSIGNED = frozenset(
+    dtype
+    for dtype in (getattr(torch, name, None) for name in ("uint16", "uint32", "uint64"))
+    if dtype is not None
+)
+"""Unsigned dtypes wider than uint8: torch (2.11 to 2.13) lacks most CPU kernels for them."""
 
 
 def expected_text(template: str, *values: object) -> str:

@@ -35,12 +35,16 @@ class ComposeMetric(Metric[dict[str, Any]]):
     _children: dict[str, Metric[Any]]
 
     def __init__(self, metrics: Mapping[str, Metric[Any]]) -> None:
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics: expected a mapping of names to metrics, got {type(metrics)}")
         if not metrics:
             # Children cannot be added later: a collector of it would report nothing, every
             # window, with no sign why.
             raise ValueError("metrics: expected at least one metric, got none")
         for name, metric in metrics.items():
-            if not isinstance(name, str) or not name or "." in name or "/" in name:
+            if not isinstance(name, str):
+                raise TypeError(f"metrics: names must be strings, got {name!r} ({type(name)})")
+            if not name or "." in name or "/" in name:
                 raise ValueError(
                     f"metrics: names must be non-empty without '.' or '/', got {name!r}"
                 )

@@ -10,6 +10,7 @@ from torch.compiler import is_compiling
 
 from sidestream._scratch import scratch
 from sidestream._validation import (
+    WIDE_UNSIGNED,
     as_tensor,
     check_broadcastable,
     check_floating,
@@ -194,8 +195,6 @@ class WeightedMeanMetric(NanScreenedMetric):
 
 
 _CHUNK = 1 << 17
-"""Elements per chunk of a large CPU batch: the two float64 chunk buffers (1 MiB each) stay in
-cache, instead of batch-sized float64 copies paged in on every update."""
 
 
 def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -206,6 +205,10 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
     ``ValueError`` before any state changes.
     """
     low: Tensor | None
+    if weights.dtype in WIDE_UNSIGNED:
+        # torch has no CPU min kernel for them (the chunked path reads the input's minimum):
+        # converted once, exactly (a float64 holds every uint32, and uint64 up to 2**53).
+        weights = weights.to(dtype)
     if weights.dim() == 0:  # a scalar (the default 1.0): no batch-sized weights at all
         weight = weights.to(dtype)
         weighted, total = values.sum(dtype=dtype) * weight, weight * values.numel()

@@ -66,7 +66,15 @@ class Bins:
                 f"thresholds: expected a sequence of edges in [0, 1], got the number {edges!r}"
                 f"{hint}"
             )
-        values = torch.as_tensor(edges, dtype=torch.float64).reshape(-1).cpu()
+        try:
+            values = torch.as_tensor(edges, dtype=torch.float64).reshape(-1).cpu()
+        except (TypeError, ValueError, RuntimeError) as error:
+            # A string, None or a ragged list: torch's message ("new(): invalid data type
+            # 'str'", "too many dimensions 'str'") named no argument.
+            raise TypeError(
+                f"thresholds: expected a sequence of numbers in [0, 1] or a tensor, got "
+                f"{edges!r} ({error})"
+            ) from None
         if values.numel() == 0:
             raise ValueError("thresholds: expected at least one value in [0, 1], got none")
         if not bool(((values >= 0) & (values <= 1)).all()):

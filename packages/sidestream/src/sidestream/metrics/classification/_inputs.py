@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import (
+    WIDE_UNSIGNED,
     any_flag,
     as_tensor,
     check_same_shape,
@@ -95,7 +96,7 @@ def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
         raise TypeError(f"{argument}: expected a torch.Tensor, got {type(value)}")
     if value.layout is not torch.strided:
         raise TypeError(f"{argument}: expected a dense tensor, got layout {value.layout}")
-    if value.dtype in _WIDE_UNSIGNED:
+    if value.dtype in WIDE_UNSIGNED:
         # torch has no comparison or reduction kernels for them on the CPU: an update died in
         # aminmax or clamp, with an error that named neither the argument nor a fix.
         raise TypeError(
@@ -103,14 +104,6 @@ def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
             f"counted; convert it first ({argument}.long() or .int())"
         )
     return as_tensor(argument, value, device)
-
-
-_WIDE_UNSIGNED = frozenset(
-    dtype
-    for dtype in (getattr(torch, name, None) for name in ("uint16", "uint32", "uint64"))
-    if dtype is not None
-)
-"""Unsigned dtypes wider than uint8: torch (2.11 to 2.13) lacks most CPU kernels for them."""
 
 
 def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:

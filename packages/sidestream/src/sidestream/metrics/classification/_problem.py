@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from sidestream._validation import check_int
 from sidestream.state import MetricAccumulator
 
@@ -26,12 +28,24 @@ class ProblemKind(enum.Enum):
     MULTILABEL = "multilabel"
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 def check_ignore_index(ignore_index: object) -> None:
-    """Raise ``TypeError`` unless ``ignore_index`` is an int or ``None``."""
+    """Raise unless ``ignore_index`` is ``None`` or an int that int64 targets can hold.
+
+    ``TypeError`` for another type; ``ValueError`` past int64, which matched no target but
+    failed the first update, far from its cause, with torch's "int too big to convert".
+    """
     if ignore_index is not None and (
         isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
     ):
         raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index)}")
+    if ignore_index is not None and not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        raise ValueError(
+            f"ignore_index: expected an int64 value (in [{_INT64_MIN}, {_INT64_MAX}]) or None, "
+            f"got {ignore_index}"
+        )
 
 
 @dataclass(frozen=True)
@@ -58,8 +72,7 @@ class Problem:
     def __post_init__(self) -> None:
         name = "num_labels" if self.kind is ProblemKind.MULTILABEL else "num_classes"
         check_int(name, self.num_classes, 2 if self.kind is ProblemKind.MULTICLASS else 1)
-        if isinstance(self.threshold, bool):
-            raise TypeError(f"threshold: expected a probability in [0, 1], got {self.threshold}")
+        _check_threshold_type(self.threshold)
         if not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"threshold: expected a probability in [0, 1], got {self.threshold}")
         if not isinstance(self.logits, bool):
@@ -75,6 +88,26 @@ class Problem:
     def size_name(self) -> str:
         """``num_classes`` or ``num_labels``, for error messages."""
         return "num_labels" if self.kind is ProblemKind.MULTILABEL else "num_classes"
+
+
+def _check_threshold_type(threshold: object) -> None:
+    """Raise naming ``threshold`` unless ``float()`` reads it as one number (not a str or bool).
+
+    ``float()`` alone took a string ("0.5"), which then failed the first update with torch's
+    "'>=' not supported between instances of 'Tensor' and 'str'", and raised Python's own
+    errors, naming nothing, for ``None`` or a tensor of several thresholds.
+    """
+    if isinstance(threshold, bool | str | bytes):
+        raise TypeError(f"threshold: expected a probability in [0, 1], got {threshold!r}")
+    if isinstance(threshold, Tensor) and threshold.numel() != 1:
+        raise ValueError(
+            "threshold: expected one probability in [0, 1], got a tensor of shape "
+            f"{tuple(threshold.shape)}"
+        )
+    try:
+        float(threshold)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TypeError(f"threshold: expected a probability in [0, 1], got {threshold!r}") from None
 
 
 def class_axis_hint(shape: tuple[int, ...], size: int, *, last: bool, labels: bool) -> str:

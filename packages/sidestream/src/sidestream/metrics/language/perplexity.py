@@ -50,9 +50,9 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
 
     Bad input: a shape or vocabulary mismatch raises at once. A target id outside
     ``[0, V)`` other than ``ignore_index``, logits that make a counted token's loss non-finite
-    (NaN or +inf, or -inf at the target id), or a negative / non-finite weight or loss,
-    raises on CPU before the state changes; on CUDA the batch is dropped and counted in
-    ``rejected_updates``.
+    (NaN or +inf, or -inf at the target id), a negative / non-finite weight or loss, or
+    finite weights whose total float64 cannot hold, raises on CPU before the state changes;
+    on CUDA the batch is dropped and counted in ``rejected_updates``.
 
     Args:
         ignore_index: The target id of padding tokens (``None``: every token counts).
@@ -231,9 +231,18 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
                 values=weights_64,
             )
         nll, tokens = (losses_64 * weights_64).sum(), weights_64.sum()
+        if not on_device and not math.isfinite(tokens.item()):
+            # Finite weights whose total overflows: the token count would be inf, and the
+            # perplexity NaN (inf / inf) for good.
+            raise ValueError(
+                "weights: expected a total that torch.float64 holds; this batch's finite "
+                f"weights sum to {tokens.item()} (scale the weights down)"
+            )
         if on_device:
             bad_losses = (losses_64 < 0) | not_finite(losses_64)
             invalid = bad_losses | (weights_64 < 0) | not_finite(weights_64)
+            # A total past float64 (finite weights) is bad input as on the CPU.
+            invalid = invalid.any() | (tokens == torch.inf)
             if is_compiling() and not isinstance(weights, Tensor):
                 # A number is a graph input, unchecked on the host; an empty batch's filled
                 # weights hold none of it, so it is checked on its own.
