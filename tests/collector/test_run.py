@@ -1121,3 +1121,31 @@ def test_a_run_resumes_without_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert resumed.close()
     values = {r["step"]: r["values"]["train"] for r in read_jsonl(tmp_path / "a.jsonl")}
     assert values == {1: 5.0, 2: 4.0}
+
+
+def test_a_closed_stream_lets_go_of_its_staging_copies() -> None:
+    # A Run keeps every stream's collector (for state_dict and close); each kept its staging
+    # copies of the metric (a 500-class confusion matrix: 24 MB per closed evaluation stream).
+    import gc
+    import weakref
+
+    sink = RecordingSink()
+    run = Run([sink])
+    kept: list[weakref.ref[Any]] = []
+    for name in ("val_a", "val_b"):
+        with run.collector(MeanMetric(), prefix=name) as collector:
+            for step in range(1, 4):
+                collector.metric.update(torch.tensor([float(step)]))
+                collector.schedule_collection(step)
+            assert collector.wait_windows(timeout=30)
+            slot = collector._free_slots.get_nowait()
+            kept.append(weakref.ref(slot))
+            collector._free_slots.put(slot)
+            del slot
+        assert collector._slot_count == 0 and collector._free_slots.empty()
+    gc.collect()
+    assert [ref() for ref in kept] == [None, None]
+    run.state_dict()  # reads no staging copy
+    assert run.close()
+    delivered = [(r.stream, r.step, r.values) for r in sink.reports if r.stream == "val_b"]
+    assert delivered == [("val_b", step, {"val_b": float(step)}) for step in (1, 2, 3)]

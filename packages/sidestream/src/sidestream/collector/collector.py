@@ -1027,8 +1027,21 @@ class AsyncMetricCollector(Generic[T]):
             if self._owns_delivery:
                 self._delivery.close_now()
             raise
+        if complete:
+            # Every window is done: its staging copies (a copy of the metric each, up to
+            # max_slots) are no longer needed, and a Run keeps its closed streams' collectors
+            # (one per evaluation set kept 24 MB for a 500-class confusion matrix).
+            self._drop_free_slots()
         self._close_result = complete
         return complete
+
+    def _drop_free_slots(self) -> None:
+        while True:
+            try:
+                self._free_slots.get_nowait()
+            except queue.Empty:
+                return
+            self._slot_count -= 1
 
     def warn_unreported(self, why: str) -> None:
         """Warn (once) how many scheduled windows are not processed and so will not be reported.

