@@ -1226,6 +1226,66 @@ def test_a_copy_scans_its_own_containers(how: str) -> None:
     metric.sync()  # the original's own list is still empty
 
 
+def test_a_shallow_copy_scans_its_own_containers() -> None:
+    # copy.copy shares every attribute: a shared scan names the original's attributes, so
+    # the copy's list went unchecked once the original let its own go.
+    metric = _HidesInPlace(nested=True)
+    metric.sync()
+    twin = copy.copy(metric)
+    metric.slots = None  # not a container: no assignment counted
+    twin.update(1.0)  # into the list the copy still holds
+    with pytest.raises(TypeError, match="slots: a MetricAccumulator inside a list"):
+        twin.sync()
+
+
+class _KeepsALastBatch(Metric[Tensor]):
+    """Assigns a fresh list in every update (a custom metric keeping its last batch's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._total = self.add_state("total", 0.0)
+        self.last_shape: list[int] = []
+
+    def update(self, value: Tensor) -> None:
+        self._total.accumulate(value.sum())
+        self.last_shape = [value.shape[0]]
+
+    def compute(self) -> Tensor:
+        return self._total.value
+
+
+def test_a_compiled_update_that_assigns_a_container_compiles_once() -> None:
+    # Each container assignment bumped a global count of assignments, which Dynamo guards on:
+    # every call recompiled, and fullgraph=True failed at the recompile limit (8 calls).
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    try:
+        metric = _KeepsALastBatch()
+        metric.sync()  # the container scan is made
+        counter = torch._dynamo.testing.CompileCounter()
+        update = torch.compile(metric.update, backend=counter, fullgraph=True)
+        for _ in range(12):
+            update(torch.ones(4))
+        assert counter.frame_count <= 2, counter.frame_count
+        assert float(metric.compute()) == 48.0
+        metric.last_shape.append(MetricAccumulator(0.0))  # the replaced list is still looked at
+        with pytest.raises(TypeError, match="last_shape: a MetricAccumulator inside a list"):
+            metric.sync()
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_container_attribute_replaced_by_a_container_is_still_checked() -> None:
+    metric = _HidesInPlace(nested=True)
+    metric.sync()
+    metric.slots = {"a": []}  # a container in place of a container: not counted
+    metric.slots["a"].append(MetricAccumulator(0.0))
+    with pytest.raises(TypeError, match="slots: a MetricAccumulator inside a list"):
+        metric.sync()
+
+
 def test_a_metric_on_the_meta_device_refuses_a_load_and_a_move_plainly() -> None:
     # A load into meta tensors kept nothing without a word; a move off meta raised torch's
     # "Cannot copy out of meta tensor" from inside the arena.

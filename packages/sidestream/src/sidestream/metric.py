@@ -191,6 +191,8 @@ class Metric(Generic[T], abc.ABC):
         # Shares everything, as a shallow copy does: not __getstate__'s pickling copy, which
         # leaves the process group out and builds an arena of its own.
         copied: Self = copy_sharing(self)
+        # Not the container scan: it names this metric's attributes, not the copy's.
+        copied.__dict__.pop("_container_scan", None)
         return copied
 
     # ------------------------------------------------------------------ declaration
@@ -243,8 +245,17 @@ class Metric(Generic[T], abc.ABC):
         else:
             self._refuse_replacing(attribute, value)
             if isinstance(value, _CONTAINERS):
-                _count_tree_assignment()  # the tree's container scan is made again
                 self._refuse_hidden(attribute, value)
+                if not isinstance(self.__dict__.get(attribute), _CONTAINERS):
+                    # A new container attribute: the tree's container scan is made again.
+                    # Counted after the assignment (a scan made in between would keep the
+                    # old attributes under the new count), and not for a container replacing
+                    # one, which the scan finds by name already: a compiled update that
+                    # assigns a list every call would guard on the count and recompile every
+                    # call (fullgraph=True failed at the recompile limit).
+                    object.__setattr__(self, attribute, value)
+                    _count_tree_assignment()
+                    return
         object.__setattr__(self, attribute, value)
 
     def __delattr__(self, attribute: str) -> None:
