@@ -11,8 +11,12 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "docs"]  # as `nox -t ci`
 nox.options.reuse_existing_virtualenvs = False
+# Every session needs Python 3.11. Without it nox would only skip the session and exit 0
+# outside CI (where the CI variable is unset): `nox -s demo` or `nox -t ci` on a machine with
+# another Python would report success having run nothing.
+nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
 TORCH = os.environ.get("SIDESTREAM_TORCH", "torch==2.13.0")
