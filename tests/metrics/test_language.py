@@ -207,10 +207,17 @@ def test_bad_input_raises_naming_the_argument_before_state_changes() -> None:
     assert perplexity.state_dict()["tokens"].item() == 0
 
 
-@pytest.mark.parametrize("vocab_size", [0, -3, 2.5, True, "10"])
+@pytest.mark.parametrize(
+    ("vocab_size", "error"),
+    [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError), ("10", TypeError)],
+)
 @pytest.mark.parametrize("kind", [PerplexityMetric, TokenAccuracyMetric])
-def test_vocab_size_is_checked_when_the_metric_is_made(kind: Any, vocab_size: Any) -> None:
-    with pytest.raises(ValueError, match="vocab_size: expected an int >= 1 or None"):
+def test_vocab_size_is_checked_when_the_metric_is_made(
+    kind: Any, vocab_size: Any, error: type[Exception]
+) -> None:
+    # A wrong type is a TypeError, as num_classes's is (a float, a str and a bool were
+    # ValueErrors, unlike every classification count).
+    with pytest.raises(error, match="vocab_size: expected an int >= 1"):
         kind(vocab_size=vocab_size)
 
 

@@ -7,7 +7,13 @@ import math
 import torch
 from torch import Tensor
 
-from sidestream._validation import WIDE_UNSIGNED, clamped, expected_text, ignore_index_of
+from sidestream._validation import (
+    WIDE_UNSIGNED,
+    check_int,
+    clamped,
+    expected_text,
+    ignore_index_of,
+)
 from sidestream.state import MetricAccumulator
 
 __all__: list[str] = []
@@ -49,11 +55,12 @@ def check_ignore_index(ignore_index: int | None) -> None:
 
 
 def check_vocab_size(vocab_size: int | None) -> None:
-    """Raise ``ValueError`` unless ``vocab_size`` is ``None`` or an int >= 1."""
-    if vocab_size is not None and (
-        isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
-    ):
-        raise ValueError(f"vocab_size: expected an int >= 1 or None, got {vocab_size!r}")
+    """Raise unless ``vocab_size`` is ``None`` or an int >= 1.
+
+    ``TypeError`` for another type (a float, a str, a bool), ``ValueError`` for an int < 1.
+    """
+    if vocab_size is not None:
+        check_int("vocab_size", vocab_size, 1)
 
 
 def check_logits(logits: Tensor, target: Tensor, vocab_size: int | None) -> None:

@@ -12,6 +12,7 @@ from sidestream._validation import (
     any_not_finite,
     as_tensor,
     check_floating,
+    check_int,
     check_same_shape,
     checks_stay_on_device,
     screen_invalid,
@@ -45,8 +46,7 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
 
     def __init__(self, num_outputs: int = 1, multioutput: MultiOutput = "uniform_average") -> None:
         super().__init__()
-        if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:
-            raise ValueError(f"num_outputs: expected an int >= 1, got {num_outputs!r}")
+        check_int("num_outputs", num_outputs, 1)
         if multioutput not in _MULTIOUTPUT:
             raise ValueError(f"multioutput: expected one of {_MULTIOUTPUT}, got {multioutput!r}")
         self._num_outputs = num_outputs

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from sidestream._validation import check_int
 from sidestream.metrics.regression._paired import (
     PairedRegressionMetric,
     fill_saved_updates,
@@ -68,8 +69,7 @@ class R2ScoreMetric(PairedRegressionMetric):
         super().__init__(
             num_outputs, "raw_values" if multioutput == "raw_values" else "uniform_average"
         )
-        if isinstance(adjusted, bool) or not isinstance(adjusted, int) or adjusted < 0:
-            raise ValueError(f"adjusted: expected an int >= 0 (regressors), got {adjusted!r}")
+        check_int("adjusted (regressors)", adjusted, 0)
         self._variance_weighted = weighted
         self._adjusted = adjusted
         self._shift = shift_state("shift", shift, num_outputs)
