@@ -1191,4 +1191,9 @@ def _mismatch_message(structures: list[Any], own_rank: int) -> str:
         "every rank must sync the same metrics with the same shapes, dtypes, ops and "
         "configuration (constants such as bins; settings compute reads, such as an average): "
         + "; ".join(sorted(set(problems)))
+        # A rank that skipped dcp.load (which calls every metric's state_dict, a collective)
+        # pairs its next sync with another metric's call: it reads as different metrics.
+        + ". If every rank built the same metrics, a rank skipped or reordered a call that "
+        "meets the other ranks (sync, state_dict, load_state_dict, or dcp.save / dcp.load "
+        "of them)"
     )
