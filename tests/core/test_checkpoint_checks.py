@@ -70,6 +70,29 @@ def test_dcp_refuses_a_mean_of_another_dtype_and_loads_a_narrower_one(tmp_path: 
     assert wide.compute().item() == values.mean().item()
 
 
+def test_dcp_refuses_a_checkpoint_holding_states_the_metric_lacks(tmp_path: Path) -> None:
+    # DCP loads only the keys the loading metric has: a MeanMetric's checkpoint went into a
+    # SumMetric (its count dropped), a 3-child composition's into a 2-child one, silently.
+    from sidestream import ComposeMetric, SumMetric
+
+    mean = MeanMetric()
+    mean.update(torch.tensor([1.0, 3.0]))
+    dcp.save({"metric": mean}, checkpoint_id=str(tmp_path / "mean"))
+    target = SumMetric()
+    target.update(torch.tensor([5.0]))
+    with pytest.raises(KeyError, match=r"holds states \['count'\] that this SumMetric lacks"):
+        dcp.load({"metric": target}, checkpoint_id=str(tmp_path / "mean"))
+    assert target.compute().item() == 5.0  # untouched
+    three = ComposeMetric({name: SumMetric() for name in "abc"})
+    dcp.save({"metric": three}, checkpoint_id=str(tmp_path / "three"))
+    two = ComposeMetric({name: SumMetric() for name in "ab"})
+    with pytest.raises(KeyError, match=r"\['c.total'\] that this ComposeMetric lacks"):
+        dcp.load({"metric": two}, checkpoint_id=str(tmp_path / "three"))
+    same = MeanMetric()
+    dcp.load({"metric": same}, checkpoint_id=str(tmp_path / "mean"))  # the same metric loads
+    assert same.compute().item() == 2.0
+
+
 def test_a_checkpoint_without_the_record_still_loads() -> None:
     source = _Total(torch.int64)
     source.update(torch.tensor([3]))

@@ -1318,7 +1318,7 @@ class Metric(Generic[T], abc.ABC):
                     "checkpoint of a different metric or configuration)"
                 )
             saved[name] = tensor
-        _check_saved_dtypes(dtype_record, states)
+        _check_saved_dtypes(dtype_record, states, type(self).__name__)
         load_group = resolve_group(self._sync_group)
         owner = group_rank(load_group) == 0
         loaded_for = group_ranks(load_group)
@@ -1435,12 +1435,14 @@ def _dtype_record(states: Iterator[tuple[str, torch.dtype]]) -> str:
     return json.dumps({name: str(dtype).removeprefix("torch.") for name, dtype in states})
 
 
-def _check_saved_dtypes(saved: object, states: dict[str, MetricAccumulator]) -> None:
-    """Raise if the checkpoint recorded a state in a dtype that does not load into it.
+def _check_saved_dtypes(
+    saved: object, states: dict[str, MetricAccumulator], metric: str = "metric"
+) -> None:
+    """Raise if the checkpoint recorded a state this metric lacks, or one it cannot load.
 
-    ``None``: a checkpoint from before the record (or a child's part of its parent's); a state
+    A state's dtype that does not load into this metric's raises too. ``None``: a checkpoint from before the record (or a child's part of its parent's); a state
     the record does not name (saved by a layout without it), or in a dtype this torch does not
-    have, is not checked.
+    have, is not checked. ``metric``: the loading metric's class, for the message.
     """
     if saved is None:
         return
@@ -1452,6 +1454,15 @@ def _check_saved_dtypes(saved: object, states: dict[str, MetricAccumulator]) -> 
         raise TypeError(
             f"state_dict[{DTYPES_KEY!r}]: expected the states' dtype record (JSON text of a "
             f"mapping), got {saved!r}"
+        )
+    extra = sorted(set(recorded) - set(states))
+    if extra:
+        # Only through torch.distributed.checkpoint (a direct load refuses the keys first): it
+        # loads the keys this metric has and drops the rest, so a MeanMetric's checkpoint went
+        # into a SumMetric, or an "ignore" metric's into a "disable" one, without a word.
+        raise KeyError(
+            f"state_dict: the checkpoint holds states {extra} that this {metric} lacks (its "
+            f"record of saved states says so): a checkpoint of another metric or configuration"
         )
     for name, state in states.items():
         dtype = state.local.dtype
