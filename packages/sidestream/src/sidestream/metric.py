@@ -1440,9 +1440,10 @@ def _check_saved_dtypes(
 ) -> None:
     """Raise if the checkpoint recorded a state this metric lacks, or one it cannot load.
 
-    A state's dtype that does not load into this metric's raises too. ``None``: a checkpoint from before the record (or a child's part of its parent's); a state
-    the record does not name (saved by a layout without it), or in a dtype this torch does not
-    have, is not checked. ``metric``: the loading metric's class, for the message.
+    A state saved in a dtype that does not load into this metric's raises too. ``None``: a
+    checkpoint from before the record (or a child's part of its parent's); a state the record
+    does not name (saved by a layout without it), or in a dtype this torch does not have, is
+    not checked. ``metric``: the loading metric's class, for the message.
     """
     if saved is None:
         return
