@@ -36,7 +36,7 @@ class _Copy:
 def _slow_deliveries() -> tuple[list[Report], LogPipe]:
     delivered: list[Report] = []
 
-    def deliver(report: Report) -> None:
+    def deliver(report: Report, given: set[str]) -> None:
         time.sleep(0.001)  # slower than the calls: the queue fills
         delivered.append(report)
 
@@ -165,7 +165,7 @@ def test_a_ctrl_c_as_log_takes_the_queue_lock_leaves_it_free(
     # The call entered the queue's Condition, whose __enter__ is Python code: a Ctrl-C there
     # left its lock held, and the pipe's thread never delivered another value.
     delivered: list[Report] = []
-    pipe = LogPipe(delivered.append)
+    pipe = LogPipe(lambda report, given: delivered.append(report))
     caller = threading.current_thread()
     real_enter = threading.Condition.__enter__
     interrupts = [1]
@@ -195,7 +195,7 @@ def test_a_ctrl_c_as_a_full_queue_waits_to_deliver_marks_the_entry_taken_only_if
     gate = threading.Event()
     delivered: list[int] = []
 
-    def deliver(report: Report) -> None:
+    def deliver(report: Report, given: set[str]) -> None:
         if report.step == 1:
             gate.wait(30)
         delivered.append(report.step)
@@ -233,3 +233,44 @@ def test_a_ctrl_c_as_a_full_queue_waits_to_deliver_marks_the_entry_taken_only_if
     assert pipe.stop(timeout=30)
     assert delivered == ([1, 2, 3, 4] if entry.queued else [1, 2, 3])
     assert not entry.queued  # interrupted before it was taken: the call made again logs it
+
+
+def test_a_ctrl_c_in_a_delivery_of_a_full_queue_loses_no_entry_and_repeats_none() -> None:
+    # The caller draining a full queue took the entry off before delivering it: a Ctrl-C while
+    # the second sink waited for room lost it there (the first sink had it already).
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    armed = [True]
+
+    def deliver(report: Report, given: set[str]) -> None:
+        for key in ("a", "b"):
+            if key in given:
+                continue
+            if key == "b" and report.step == 2 and armed:
+                armed.clear()
+                raise KeyboardInterrupt  # as in SinkRunner.submit's wait for room
+            got[key].append(report.step)
+            given.add(key)
+
+    pipe = LogPipe(deliver, capacity=2)
+    assert pipe.stop(timeout=30)  # no thread: this caller delivers what fills the queue
+    for step in (1, 2):
+        pipe.put(LogEntry(step=step, time=0.0, numbers={"x": float(step)}))
+    with pytest.raises(KeyboardInterrupt):
+        pipe.put(LogEntry(step=3, time=0.0, numbers={"x": 3.0}))  # delivers 1, 2, 3
+    assert got == {"a": [1, 2], "b": [1]}
+    pipe.put(LogEntry(step=4, time=0.0, numbers={"x": 4.0}))  # full again: delivers the rest
+    assert got == {"a": [1, 2, 3, 4], "b": [1, 2, 3, 4]}
+
+
+def test_delivery_skips_the_sinks_an_entry_was_given_to(tmp_path: Path) -> None:
+    first, second = JsonlSink(tmp_path / "a.jsonl"), JsonlSink(tmp_path / "b.jsonl")
+    run = Run([first, second])
+    run.log(1, {"x": 1.0})  # starts the sinks
+    assert run._log_pipe is not None and run._log_pipe.wait_idle(30)
+    keys = [runner.key for runner in run.sink_runners]
+    given = {keys[0]}
+    run._delivery.submit(Report(step=2, values={"x": 2.0}, time=0.0, stream=""), given)
+    assert given == set(keys)
+    assert run.close(timeout=30)
+    assert [r["step"] for r in read_jsonl(tmp_path / "a.jsonl")] == [1]
+    assert [r["step"] for r in read_jsonl(tmp_path / "b.jsonl")] == [1, 2]

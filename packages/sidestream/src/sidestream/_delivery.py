@@ -269,8 +269,12 @@ class Delivery:
             if runners:
                 self._withdraw(runners, runners, interrupted=interrupted)
 
-    def submit(self, report: Report) -> None:
-        """Hand ``report`` to every runner (rank 0, once started); one failing stays its own."""
+    def submit(self, report: Report, given: set[str] | None = None) -> None:
+        """Hand ``report`` to every runner (rank 0, once started); one failing stays its own.
+
+        ``given``: the keys of runners that have it already (a ``Run.log`` entry whose delivery
+        a Ctrl-C cut short), skipped; each runner handed it is added.
+        """
         if self._closed:
             # A window that finished after close gave up on it (close warned that it is not
             # reported): the sinks are closing, which is no error of theirs to log.
@@ -280,7 +284,9 @@ class Delivery:
             self._check_names(report)
         # A failed sink's runner keeps its reports too (queue, then its capped spool): a
         # checkpoint holds them and a job resumed from it delivers them.
-        runners = self.runners or []
+        runners = [
+            runner for runner in self.runners or [] if given is None or runner.key not in given
+        ]
         # Each sink its own values: one that changes the mapping or a histogram in place
         # would otherwise change what every other sink writes and keeps. Copied before any is
         # handed out: the first sink's thread may start on its report at once.
@@ -288,7 +294,11 @@ class Delivery:
         for runner, own in zip(runners, reports, strict=False):
             try:
                 runner.submit(own)
+                if given is not None:
+                    given.add(runner.key)
             except Exception as error:
+                if given is not None:
+                    given.add(runner.key)  # failed for good here: not handed it again
                 if runner.key not in self._failed_submits:
                     self._failed_submits.add(runner.key)
                     logger.error(

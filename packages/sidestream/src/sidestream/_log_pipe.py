@@ -7,7 +7,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -25,7 +25,8 @@ class LogEntry:
     """One ``Run.log`` call: numbers known now, and device values on their way to the host.
 
     ``host`` (pinned, float64) holds ``device_names``' values once ``done`` has completed.
-    ``queued``: taken by ``LogPipe.put`` (queued, delivered or dropped).
+    ``queued``: taken by ``LogPipe.put`` (queued, delivered or dropped). ``given``: the sinks
+    (runner keys) that have it, so a delivery cut short by Ctrl-C goes on with the others only.
     """
 
     step: int
@@ -35,6 +36,7 @@ class LogEntry:
     host: Tensor | None = None
     done: torch.cuda.Event | None = None
     queued: bool = False
+    given: set[str] = field(default_factory=set)
 
 
 class LogPipe:
@@ -49,11 +51,12 @@ class LogPipe:
       ``dropped`` and warned about once. The caller never waits for the GPU.
 
     Args:
-        deliver: Called with each report, in the order of the ``log`` calls.
+        deliver: Called with each report, in the order of the ``log`` calls, and the set of
+            sinks that have it already (it adds each sink it hands the report to).
         capacity: Entries that may wait.
     """
 
-    def __init__(self, deliver: Callable[[Report], None], capacity: int = 4096) -> None:
+    def __init__(self, deliver: Callable[[Report, set[str]], None], capacity: int = 4096) -> None:
         self._deliver = deliver
         self._capacity = capacity
         # Entered as the lock itself (with self._lock), never as the Condition: its __enter__
@@ -123,7 +126,10 @@ class LogPipe:
                     # Swapped with no call in between: every entry is in one of the two.
                     pending, self._entries = self._entries, fresh
                 while pending:  # host numbers only: none waits for the GPU
-                    self._deliver_one(pending.popleft())
+                    # Taken off only once delivered: a Ctrl-C in the delivery (a sink's full
+                    # queue waiting for room) puts it back, for the sinks that lack it only.
+                    self._deliver_one(pending[0])
+                    pending.popleft()
             finally:
                 if pending is not None:
                     with self._lock:
@@ -182,7 +188,7 @@ class LogPipe:
 
     def _deliver_one(self, entry: LogEntry) -> None:
         try:
-            self._deliver(_report(entry))
+            self._deliver(_report(entry), entry.given)
         except Exception as error:  # a bad entry must not stop the others
             logger.error("Run.log at step %d failed: %s", entry.step, error)
 
