@@ -154,3 +154,15 @@ def test_compose_metric_refuses_a_list_and_names_that_are_not_strings() -> None:
         ComposeMetric([MeanMetric()])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"metrics: names must be strings, got 1"):
         ComposeMetric({1: MeanMetric()})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("kind", [PerplexityMetric, TokenAccuracyMetric])
+def test_language_metrics_take_tensors_only_for_logits_and_target(kind: type) -> None:
+    # A Python number was made a 0-dim tensor and failed on shape ("expected shape
+    # target.shape + (vocab,)"), where the classification metrics say it is no tensor.
+    metric = kind()
+    with pytest.raises(TypeError, match=r"logits: expected a torch\.Tensor, got <class 'float'>"):
+        metric.update(0.5, torch.tensor([1]))
+    with pytest.raises(TypeError, match=r"target: expected a torch\.Tensor, got <class 'list'>"):
+        metric.update(torch.randn(2, 4), [1, 2])
+    metric.update(torch.randn(2, 4), torch.tensor([1, 2]))  # tensors as before

@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import (
-    WIDE_UNSIGNED,
     check_int,
     clamped,
     expected_text,
@@ -69,13 +68,6 @@ def check_logits(logits: Tensor, target: Tensor, vocab_size: int | None) -> None
         raise TypeError(f"logits: expected a floating-point tensor, got dtype {logits.dtype}")
     if target.is_floating_point() or target.dtype == _BOOL:
         raise TypeError(f"target: expected integer token ids, got dtype {target.dtype}")
-    if target.dtype in WIDE_UNSIGNED:
-        # torch has no comparison or reduction kernels for them on the CPU: an update died in
-        # aminmax or clamp with an error that named neither the argument nor a fix.
-        raise TypeError(
-            f"target: dtype {target.dtype} has too few torch kernels to be checked and "
-            "counted; convert it first (target.long() or .int())"
-        )
     if logits.ndim < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
             f"logits: expected shape target.shape + (vocab,) = "

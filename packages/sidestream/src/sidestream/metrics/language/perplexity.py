@@ -23,6 +23,7 @@ from sidestream._validation import (
     screen_invalid,
 )
 from sidestream.metrics._screened import ScreenedMetric
+from sidestream.metrics.classification._inputs import check_tensor
 from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,
@@ -114,8 +115,9 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
             self._update_losses(losses, 1.0 if weights is None else weights)
 
     def _update_logits(self, logits: Tensor, target: Tensor) -> None:
-        logits_t = as_tensor("logits", logits, self.device)
-        target_t = as_tensor("target", target, self.device)
+        # Tensors only, as the classification metrics take (a Python number failed on shape).
+        logits_t = check_tensor("logits", logits, self.device)
+        target_t = check_tensor("target", target, self.device)
         check_logits(logits_t, target_t, self._vocab_size)
         vocab = logits_t.shape[-1]
         if not checks_stay_on_device(logits_t.device):

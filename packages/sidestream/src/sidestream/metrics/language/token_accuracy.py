@@ -6,12 +6,12 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import (
-    as_tensor,
     checks_stay_on_device,
     ignore_index_of,
     screen_invalid,
 )
 from sidestream.metrics._screened import ScreenedMetric
+from sidestream.metrics.classification._inputs import check_tensor
 from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,
@@ -66,8 +66,9 @@ class TokenAccuracyMetric(ScreenedMetric[Tensor]):
                 token (CUDA drops such a batch and counts it in ``rejected_updates`` once;
                 the logits of ``ignore_index`` tokens are not read).
         """
-        logits_t = as_tensor("logits", logits, self.device)
-        target_t = as_tensor("target", target, self.device)
+        # Tensors only, as the classification metrics take (a Python number failed on shape).
+        logits_t = check_tensor("logits", logits, self.device)
+        target_t = check_tensor("target", target, self.device)
         check_logits(logits_t, target_t, self._vocab_size)
         vocab = logits_t.shape[-1]
         counted, bad_target = token_masks(target_t, vocab, self._ignore_index)
