@@ -89,3 +89,18 @@ def test_metric_families_are_attributes_imported_on_first_use() -> None:
         "R2ScoreMetric",
         "PerplexityMetric",
     ]
+
+
+def test_the_language_metrics_leave_the_classification_family_unimported() -> None:
+    # The classification family imports torch._dynamo (torch.compiler.disable at class
+    # definition), sympy and mpmath: seconds, and about 800 modules, for a job that only
+    # measures perplexity. The language metrics share its tensor check, not the family.
+    code = (
+        "import sys, torch; from sidestream.metrics.language import PerplexityMetric; "
+        "PerplexityMetric().update(torch.randn(2, 5), torch.tensor([1, 2])); "
+        "print('sidestream.metrics.classification' in sys.modules)"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert found.stdout.strip() == "False", found.stderr

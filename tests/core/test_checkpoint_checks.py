@@ -221,3 +221,26 @@ def test_different_checkpoints_are_caught_at_bind_and_start_sync_and_dropped_by_
     n = dist_pool.world_size
     expected = sum(1.0 + rank for rank in range(n)) / n
     assert dist_pool.run(_load_then_bind_or_reset, "reset") == [f"value {expected}"] * n
+
+
+class _Renamed(_Total):
+    """``_Total`` whose state was ``old`` in an older layout (renamed on load, as
+    ``ConfusionCountMetric`` stacks ``tp``/``fp``/``fn``/``tn`` into ``counts``)."""
+
+    def _upgrade_state_dict(self, prefix: str, state_dict: dict[str, object]) -> None:
+        if prefix + "old" in state_dict and prefix + "total" not in state_dict:
+            state_dict[prefix + "total"] = state_dict.pop(prefix + "old")
+
+
+def test_a_record_naming_the_states_of_an_older_layout_loads() -> None:
+    # The record of a checkpoint of the older layout names its states: renamed by
+    # _upgrade_state_dict, they are not states the checkpoint holds and the metric lacks.
+    saved = {"old": torch.tensor(7, dtype=torch.int64), DTYPES_KEY: '{"old": "int64"}'}
+    metric = _Renamed(torch.int64)
+    metric.load_state_dict(saved)
+    assert metric.compute().item() == 7
+    # A record naming a state the dict given lacks (DCP left it out) is still refused.
+    with pytest.raises(KeyError, match=r"holds states \['gone'\] that this _Renamed lacks"):
+        _Renamed(torch.int64).load_state_dict(
+            {"total": torch.tensor(7), DTYPES_KEY: '{"total": "int64", "gone": "int64"}'}
+        )

@@ -23,6 +23,7 @@ __all__ = [
     "found_where",
     "ignore_index_of",
     "as_tensor",
+    "check_tensor",
     "check_broadcastable",
     "check_floating",
     "check_same_shape",
@@ -149,6 +150,27 @@ def check_same_shape(preds: Tensor, target: Tensor) -> None:
             f"target: expected the shape of preds {tuple(preds.shape)}, got "
             f"{tuple(target.shape)}{hint}"
         )
+
+
+def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
+    """Return ``value`` detached, after checking it is a tensor on ``device``.
+
+    Raises:
+        TypeError: If ``value`` is not a dense tensor (sparse layouts are refused).
+        ValueError: If it lives on another device than the metric (``as_tensor``'s check).
+    """
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{argument}: expected a torch.Tensor, got {type(value)}")
+    if value.layout is not torch.strided:
+        raise TypeError(f"{argument}: expected a dense tensor, got layout {value.layout}")
+    if value.dtype in WIDE_UNSIGNED:
+        # torch has no comparison or reduction kernels for them on the CPU: an update died in
+        # aminmax or clamp, with an error that named neither the argument nor a fix.
+        raise TypeError(
+            f"{argument}: dtype {value.dtype} has too few torch kernels to be checked and "
+            f"counted; convert it first ({argument}.long() or .int())"
+        )
+    return as_tensor(argument, value, device)
 
 
 def check_int(argument: str, value: object, minimum: int) -> None:

@@ -10,7 +10,7 @@ import inspect
 import json
 import math
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import FunctionType, MappingProxyType, MemberDescriptorType
@@ -1318,7 +1318,10 @@ class Metric(Generic[T], abc.ABC):
                     "checkpoint of a different metric or configuration)"
                 )
             saved[name] = tensor
-        _check_saved_dtypes(dtype_record, states, type(self).__name__)
+        # The keys given: a recorded state among them was renamed by _upgrade_state_dict (an
+        # older layout), or refused above as unexpected; one the record names beyond them was
+        # left out by torch.distributed.checkpoint, which loads only this metric's keys.
+        _check_saved_dtypes(dtype_record, states, type(self).__name__, set(original))
         load_group = resolve_group(self._sync_group)
         owner = group_rank(load_group) == 0
         loaded_for = group_ranks(load_group)
@@ -1436,14 +1439,19 @@ def _dtype_record(states: Iterator[tuple[str, torch.dtype]]) -> str:
 
 
 def _check_saved_dtypes(
-    saved: object, states: dict[str, MetricAccumulator], metric: str = "metric"
+    saved: object,
+    states: dict[str, MetricAccumulator],
+    metric: str = "metric",
+    given: Collection[str] = (),
 ) -> None:
     """Raise if the checkpoint recorded a state this metric lacks, or one it cannot load.
 
     A state saved in a dtype that does not load into this metric's raises too. ``None``: a
     checkpoint from before the record (or a child's part of its parent's); a state the record
     does not name (saved by a layout without it), or in a dtype this torch does not have, is
-    not checked. ``metric``: the loading metric's class, for the message.
+    not checked. ``metric``: the loading metric's class, for the message. ``given``: the keys
+    of the dict given to the load; a recorded state among them that this metric lacks was
+    renamed by ``_upgrade_state_dict`` (a checkpoint of an older layout), not left out.
     """
     if saved is None:
         return
@@ -1456,7 +1464,7 @@ def _check_saved_dtypes(
             f"state_dict[{DTYPES_KEY!r}]: expected the states' dtype record (JSON text of a "
             f"mapping), got {saved!r}"
         )
-    extra = sorted(set(recorded) - set(states))
+    extra = sorted(set(recorded) - set(states) - set(given))
     if extra:
         # Only through torch.distributed.checkpoint (a direct load refuses the keys first): it
         # loads the keys this metric has and drops the rest, so a MeanMetric's checkpoint went

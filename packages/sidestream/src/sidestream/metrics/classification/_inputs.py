@@ -8,7 +8,9 @@ on the host and raise before anything is counted, so counts come from ``bincount
 is skipped where every value was checked.
 
 This module is the one home of the classification input checks: ``check_tensor`` (type and
-device), ``screen`` (the bad-value policy over several checks) and the per-problem parsers.
+device; defined in ``sidestream._validation``, which the language metrics import it from
+without importing this family), ``screen`` (the bad-value policy over several checks) and the
+per-problem parsers.
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import (
-    WIDE_UNSIGNED,
     any_flag,
-    as_tensor,
     check_same_shape,
+    check_tensor,
     checks_stay_on_device,
     clamped,
     expected_text,
@@ -83,27 +84,6 @@ one value check.
 The first item is a bool when the check was already read on the host (CPU fast path)."""
 
 _INF = float("inf")
-
-
-def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
-    """Return ``value`` detached, after checking it is a tensor on ``device``.
-
-    Raises:
-        TypeError: If ``value`` is not a dense tensor (sparse layouts are refused).
-        ValueError: If it lives on another device than the metric (``as_tensor``'s check).
-    """
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{argument}: expected a torch.Tensor, got {type(value)}")
-    if value.layout is not torch.strided:
-        raise TypeError(f"{argument}: expected a dense tensor, got layout {value.layout}")
-    if value.dtype in WIDE_UNSIGNED:
-        # torch has no comparison or reduction kernels for them on the CPU: an update died in
-        # aminmax or clamp, with an error that named neither the argument nor a fix.
-        raise TypeError(
-            f"{argument}: dtype {value.dtype} has too few torch kernels to be checked and "
-            f"counted; convert it first ({argument}.long() or .int())"
-        )
-    return as_tensor(argument, value, device)
 
 
 def screen(checks: list[Check], rejected: MetricAccumulator) -> Tensor | None:

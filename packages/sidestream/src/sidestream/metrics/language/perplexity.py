@@ -14,6 +14,7 @@ from sidestream._validation import (
     as_tensor,
     check_broadcastable,
     check_floating,
+    check_tensor,
     check_weight_number,
     checks_stay_on_device,
     drop_invalid,
@@ -23,7 +24,6 @@ from sidestream._validation import (
     screen_invalid,
 )
 from sidestream.metrics._screened import ScreenedMetric
-from sidestream.metrics.classification._inputs import check_tensor
 from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,

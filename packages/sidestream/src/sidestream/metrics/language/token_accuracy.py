@@ -6,12 +6,12 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import (
+    check_tensor,
     checks_stay_on_device,
     ignore_index_of,
     screen_invalid,
 )
 from sidestream.metrics._screened import ScreenedMetric
-from sidestream.metrics.classification._inputs import check_tensor
 from sidestream.metrics.language._tokens import (
     check_ignore_index,
     check_logits,
