@@ -1667,10 +1667,6 @@ _CONTAINER_TYPES: dict[type, bool] = {}
 (``UserDict``, ``ChainMap``) costs a microsecond, and every sync asks of every attribute."""
 
 
-def _is_container(value: object) -> bool:
-    return _is_container_type(type(value))
-
-
 def _items(container: Any) -> Iterable[Any]:
     """The items of a container: a mapping's values, else the container itself."""
     return container.values() if isinstance(container, _MAPPINGS) else container
