@@ -23,6 +23,7 @@ from sklearn.metrics import (
     top_k_accuracy_score,
 )
 
+from sidestream.metric import Metric
 from sidestream.metrics.classification import (
     ConfusionCountMetricBuilder,
     MulticlassCohenKappaMetric,
@@ -502,3 +503,25 @@ def assert_matrix_matches(
             actual[name],
             expected[name],
         )
+
+
+def device_metrics() -> list[tuple[Case, Metric[Any]]]:
+    """Every confusion-family metric of ``CASES`` and ``MATRIX_CASES``, each with its case."""
+    pairs: list[tuple[Case, Metric[Any]]] = [(case, case.builder().build()) for case in CASES]
+    for case in MATRIX_CASES:
+        pairs += [(case, metric) for metric in matrix_metrics(case).values()]
+    return pairs
+
+
+def bad_batch(case: Case) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A batch with one out-of-range value, or ``None`` when the inputs cannot be invalid."""
+    preds, target = to_torch(case, make_shards(case, 99, 1)[0][0])
+    if target.dtype != torch.bool:
+        target = target.clone()
+        target.view(-1)[0] = 2 if case.target_dtype == "one_hot" else 99
+        return preds, target
+    if preds.is_floating_point() and not case.logits:
+        preds = preds.clone()
+        preds.view(-1)[0] = 1.5
+        return preds, target
+    return None

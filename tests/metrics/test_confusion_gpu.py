@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
-from sidestream.metric import Metric
-from tests.metrics.confusion_cases import (
-    CASES,
-    MATRIX_CASES,
-    Case,
-    make_shards,
-    matrix_metrics,
-    to_torch,
-)
+from tests.metrics.confusion_cases import bad_batch, device_metrics, make_shards, to_torch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,29 +13,8 @@ pytestmark = [
 ]
 
 
-def _metrics() -> list[tuple[Case, Metric[Any]]]:
-    pairs: list[tuple[Case, Metric[Any]]] = [(case, case.builder().build()) for case in CASES]
-    for case in MATRIX_CASES:
-        pairs += [(case, metric) for metric in matrix_metrics(case).values()]
-    return pairs
-
-
-def _bad_batch(case: Case) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A batch with one out-of-range value, or ``None`` when the inputs cannot be invalid."""
-    preds, target = to_torch(case, make_shards(case, 99, 1)[0][0])
-    if target.dtype != torch.bool:
-        target = target.clone()
-        target.view(-1)[0] = 2 if case.target_dtype == "one_hot" else 99
-        return preds, target
-    if preds.is_floating_point() and not case.logits:
-        preds = preds.clone()
-        preds.view(-1)[0] = 1.5
-        return preds, target
-    return None
-
-
 def test_updates_do_not_sync_with_host() -> None:
-    pairs = _metrics()
+    pairs = device_metrics()
     batches = {case: [b for s in make_shards(case, 5, 1) for b in s] for case, _ in pairs}
     gpu_inputs = {
         case: [tuple(t.cuda() for t in to_torch(case, b)) for b in batches[case]]
@@ -53,11 +22,11 @@ def test_updates_do_not_sync_with_host() -> None:
     }
     bad_inputs = {}
     for case in batches:
-        bad = _bad_batch(case)
+        bad = bad_batch(case)
         if bad is not None:
             bad_inputs[case] = (bad[0].cuda(), bad[1].cuda())
     gpu_metrics = [(case, type(m), m) for case, m in pairs]
-    cpu_metrics = _metrics()
+    cpu_metrics = device_metrics()
     for _, _, metric in gpu_metrics:
         metric.to("cuda")
     torch.cuda.synchronize()
