@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sidestream import MaxMetric, MeanMetric, MinMetric, SumMetric, WeightedMeanMetric
 from tests.metrics.confusion_cases import bad_batch, device_metrics, make_shards, to_torch
 from tests.metrics.device_cases import device_cases
+from tests.metrics.test_compiled_updates import CASES as EVERY_METRIC
 
 META = torch.device("meta")
 
@@ -155,5 +156,24 @@ def test_weighted_mean_updates_read_nothing_on_the_host() -> None:
         metric.update(values=values, weights=3)
         metric.update(values=1.5, weights=0.5)
         metric.reset()
+
+    _assert_no_host_read(updates)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_METRIC))
+def test_every_built_in_update_reads_nothing_on_the_host(name: str) -> None:
+    # The compile tests' catalogue: one configuration of every built-in metric.
+    factory, batch = EVERY_METRIC[name]
+    metric = factory().to(META)
+    generator = torch.Generator().manual_seed(5)
+    inputs = [
+        tuple(v.to(META) if isinstance(v, torch.Tensor) else v for v in batch(generator))
+        for _ in range(2)
+    ]
+
+    def updates() -> None:
+        metric.update(*inputs[0])
+        metric.reset()
+        metric.update(*inputs[1])
 
     _assert_no_host_read(updates)
