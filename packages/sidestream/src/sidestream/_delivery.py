@@ -158,6 +158,9 @@ class Delivery:
         self._place_warned: set[str] = set()
         self._name_streams: dict[str, str] = {}  # value name -> the stream that reported it
         self._name_warned: set[tuple[str, str]] = set()  # (name, stream) named in a warning
+        # Each sink's state as of the last checkpoint whose make_durable succeeded: what a
+        # checkpoint keeps when a later make_durable fails (see _durable_state).
+        self._durable_states: dict[str, Any] = {}
 
     @property
     def started(self) -> bool:
@@ -417,8 +420,9 @@ class Delivery:
                 sorted(fresh - now),
             )
 
-    @staticmethod
-    def _durable_state(runner: SinkRunner, timeout: float | None, *, warn: bool = True) -> Any:
+    def _durable_state(
+        self, runner: SinkRunner, timeout: float | None, *, warn: bool = True
+    ) -> Any:
         sink = runner.sink
         # Before its open succeeded a sink's own state is not ready (a resumed JSONL sink has
         # no offset yet): the runner's copy, the state it resumes from, is the one to keep.
@@ -447,9 +451,30 @@ class Delivery:
                 if durable or isinstance(sink, TrackerSink):
                     # A tracker's state holds delivered steps only, so it is right either way,
                     # and fresher than the runner's copy when part of it was written by now.
-                    return sink.state_dict()
+                    state = sink.state_dict()
+                    if durable:
+                        self._durable_states[runner.key] = copy.deepcopy(state)
+                    return state
             except Exception as error:
-                logger.warning("state_dict: sink %r: make_durable failed: %s", runner.key, error)
+                # Nothing sent since the last durable checkpoint is known to be on disk (an
+                # fsync that raised EIO: the kernel may have dropped those pages). The
+                # sink's state now counts it as delivered, so a checkpoint keeping it would
+                # say steps are safe that a machine crash loses, and the resumed job would
+                # never send them again. Keep the state of the last checkpoint that made its
+                # steps durable (or the one the sink started from): a resumed job finds in
+                # the backend what survived and skips it.
+                kept = self._durable_states.get(runner.key, runner.first_state())
+                logger.error(
+                    "state_dict: sink %r: make_durable failed (%s): what it delivered since "
+                    "the last checkpoint may not be on disk, so this checkpoint keeps its "
+                    "state as of then (%s)",
+                    runner.key,
+                    error,
+                    "the last checkpoint that made it durable"
+                    if runner.key in self._durable_states
+                    else "its state when the run started",
+                )
+                return copy.deepcopy(kept)
         return runner.sink_state()
 
     def check_sink_states(

@@ -121,6 +121,13 @@ class Spool:
     def _open(self) -> IO[bytes]:
         if self._file is None:
             self._file, self._path = self._new_file()
+        elif self._file.closed:
+            # The reopen after a failed write failed too (too many open files, say): the
+            # spooled lines are still in the file. Open it again now, cut back to its last
+            # whole line, instead of failing every later call on the closed one for good.
+            assert self._path is not None
+            self._file = open(self._path, "r+b")  # noqa: SIM115 - kept open, closed by close()
+            self._file.truncate(self._end)
         return self._file
 
     def append(self, report: Report) -> int:
@@ -218,8 +225,9 @@ class Spool:
         start = self._read_offset
         self._read_offset += size
         try:
-            self._file.seek(start)
-            line = self._file.read(size)
+            file = self._open()
+            file.seek(start)
+            line = file.read(size)
         finally:
             if not self._lines:
                 self._reset_file()
@@ -232,7 +240,7 @@ class Spool:
         assert self._file is not None
         self._end = self._read_offset = 0
         with contextlib.suppress(OSError):
-            self._file.truncate(0)
+            self._open().truncate(0)
 
     def _compact(self, file: IO[bytes]) -> None:
         """Move the live lines to the start of the file, in chunks (bounded memory)."""
@@ -259,8 +267,9 @@ class Spool:
         """
         if self._file is None or not self._lines:
             return b""
-        self._file.seek(self._read_offset)
-        data = self._file.read(self._end - self._read_offset)
+        file = self._open()
+        file.seek(self._read_offset)
+        data = file.read(self._end - self._read_offset)
         if len(data) != self._end - self._read_offset:
             raise OSError(f"spool {self._path}: read {len(data)} of {self.nbytes} bytes")
         return data
@@ -319,10 +328,11 @@ class Spool:
                     out.write(encode_report(report))
                 self._progress()
                 if self._file is not None:
+                    spooled = self._open()
                     source = self._read_offset
                     while source < self._end:
-                        self._file.seek(source)
-                        chunk = self._file.read(min(_CHUNK, self._end - source))
+                        spooled.seek(source)
+                        chunk = spooled.read(min(_CHUNK, self._end - source))
                         if not chunk:
                             break
                         out.write(chunk)
@@ -388,12 +398,13 @@ class Spool:
         if not os.path.exists(self._path):  # moved or deleted: a path that names nothing
             raise FileNotFoundError(self._path)
         self._progress()
+        file = self._open()
         if self._read_offset:
-            self._compact(self._file)  # overwrites and truncates: needs no new blocks
+            self._compact(file)  # overwrites and truncates: needs no new blocks
         self._progress(syncing=self._end)
-        os.fsync(self._file.fileno())
+        os.fsync(file.fileno())
         path = self._path
-        self._file.close()
+        file.close()
         self._file = self._path = None  # discard must not delete it now
         return path
 

@@ -153,6 +153,9 @@ class SinkRunner:
             if resume_state is not None
             else state_before_open(sink, self.key)
         )
+        # The state a checkpoint falls back to when the sink's make_durable fails before any
+        # succeeded (Delivery._durable_state): what it resumed from, or had before open.
+        self._first_state = copy.deepcopy(self._state)
         self._sink_closed = False  # the sink's final flush and close both succeeded
         self._state_failing = False  # the sink's state_dict raised when last read
         self._opened = False  # set by the sink thread once open succeeded
@@ -454,6 +457,10 @@ class SinkRunner:
         """
         state = self._state  # replaced whole, never changed in place: no lock (see pending)
         return copy.deepcopy(state)
+
+    def first_state(self) -> dict[str, Any]:
+        """The state the sink started from (resumed from, or had before open); a copy."""
+        return copy.deepcopy(self._first_state)
 
     def undelivered(self, timeout: float | None = None) -> bytes:
         """Every report not delivered yet, oldest first, as spool lines (JSON, one per line).
