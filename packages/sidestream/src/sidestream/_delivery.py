@@ -127,7 +127,12 @@ class Delivery:
     ) -> None:
         if isinstance(sinks, Sink):
             raise TypeError(f"sinks: expected a list of sinks, got one sink: pass [{sinks!r}]")
-        sink_list = list(sinks)
+        try:
+            items = iter(sinks)
+        except TypeError:
+            # list() alone said "'X' object is not iterable", naming no argument.
+            raise TypeError(f"sinks: expected a list of sinks, got {sinks!r}") from None
+        sink_list = list(items)
         for index, sink in enumerate(sink_list):
             if not isinstance(sink, Sink):
                 raise TypeError(f"sinks[{index}]: expected a sidestream.sinks.Sink, got {sink!r}")

@@ -194,7 +194,17 @@ class AsyncMetricCollector(Generic[T]):
                     "run.collector(metric, prefix=...)"
                 )
             raise TypeError(f"run: expected a sidestream.sinks.RunInfo, got {run!r}")
-        histogram_paths = (histograms,) if isinstance(histograms, str) else tuple(histograms)
+        if isinstance(histograms, str):
+            histogram_paths: tuple[str, ...] = (histograms,)
+        else:
+            try:
+                paths = iter(histograms)
+            except TypeError:
+                # tuple() alone said "'int' object is not iterable", naming no argument.
+                raise TypeError(
+                    f"histograms: expected leaf paths (a str or a list of str), got {histograms!r}"
+                ) from None
+            histogram_paths = tuple(paths)
         for path in histogram_paths:
             if not isinstance(path, str) or not path.strip("/"):
                 raise TypeError(f"histograms: expected non-empty leaf paths (str), got {path!r}")

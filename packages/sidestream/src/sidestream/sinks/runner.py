@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -23,7 +24,7 @@ from sidestream.sinks._spool_format import (
 )
 from sidestream.sinks.base import Report, RunInfo, Sink, batch_size
 from sidestream.sinks.status import SinkStatus, is_permanent
-from sidestream.sinks.support import check_retry_waits
+from sidestream.sinks.support import check_retry_waits, check_seconds
 
 __all__ = ["SinkRunner", "state_before_open"]
 
@@ -82,8 +83,22 @@ class SinkRunner:
     ) -> None:
         if not isinstance(sink, Sink):
             raise TypeError(f"sink: expected a sidestream.sinks.Sink, got {type(sink)}")
-        if capacity < 1:
-            raise ValueError(f"capacity: expected >= 1, got {capacity}")
+        # Checked here, naming the argument, as a run checks its own options: a str capacity
+        # failed with "'<' not supported ...", a spool_max_bytes with the spool's "max_bytes",
+        # and a str flush_interval_s passed and then failed the sink for good on its thread.
+        check_int("capacity", capacity, 1)
+        check_int("spool_max_bytes", spool_max_bytes, 1)
+        check_seconds("flush_interval_s", flush_interval_s)
+        if run is not None and not isinstance(run, RunInfo):
+            # A dict was taken, and failed the sink's open on its thread.
+            raise TypeError(f"run: expected a sidestream.sinks.RunInfo or None, got {run!r}")
+        if key is not None and not isinstance(key, str):
+            raise TypeError(f"key: expected a str or None, got {key!r}")
+        if resume_state is not None and not isinstance(resume_state, Mapping):
+            raise TypeError(f"resume_state: expected a dict or None, got {resume_state!r}")
+        if spool_dir is not None and not isinstance(spool_dir, str | os.PathLike):
+            # 3 was taken, and every report past the queue then dropped as unspoolable.
+            raise TypeError(f"spool_dir: expected a directory path or None, got {spool_dir!r}")
         check_retry_waits("retry_initial_s", "retry_max_s", retry_initial_s, retry_max_s)
         self.sink = sink
         self.key = key or sink.name

@@ -366,6 +366,9 @@ class DistributedPool(RankPool):
     ) -> None:
         import torch.distributed as dist
 
+        if not isinstance(backend, str):
+            # backend.lower() below raised AttributeError, naming no argument.
+            raise TypeError(f"backend: expected a str such as 'gloo', got {backend!r}")
         if backend.lower() == "nccl":
             raise ValueError(
                 "backend: DistributedPool's ranks are CPU processes (CUDA hidden from them); "

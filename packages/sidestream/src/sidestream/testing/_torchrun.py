@@ -72,6 +72,9 @@ class TorchrunPool(RankPool):
     def __init__(
         self, world_size: int, backend: str = "nccl", collective_timeout_s: float = 30.0
     ) -> None:
+        if not isinstance(backend, str):
+            # backend.lower() below raised AttributeError, naming no argument.
+            raise TypeError(f"backend: expected a str such as 'nccl' or 'gloo', got {backend!r}")
         backend = backend.lower()  # as torch reads it: "NCCL" skipped the GPU checks below
         super().__init__(world_size, backend, collective_timeout_s)
         if backend != "nccl" and not torch.distributed.is_backend_available(backend):

@@ -70,6 +70,13 @@ class Problem:
     ignore_index: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, ProblemKind):
+            # A string ("multiclass") was kept and failed the metric built on it with
+            # "'str' object has no attribute 'value'", far from here.
+            raise TypeError(
+                f"kind: expected a ProblemKind (ProblemKind.BINARY, .MULTICLASS, .MULTILABEL), "
+                f"got {self.kind!r}"
+            )
         name = "num_labels" if self.kind is ProblemKind.MULTILABEL else "num_classes"
         check_int(name, self.num_classes, 2 if self.kind is ProblemKind.MULTICLASS else 1)
         _check_threshold_type(self.threshold)

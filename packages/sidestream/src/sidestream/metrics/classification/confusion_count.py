@@ -186,13 +186,20 @@ def check_statistics(statistics: Sequence[Statistic]) -> None:
     Raises:
         ValueError: If it is empty or two statistics share a name (one key per name).
         TypeError: If an item does not follow the ``Statistic`` protocol (checked before the
-            names are read: a string has no ``name``).
+            names are read: a string has no ``name``), or its name is not a str.
     """
     if not statistics:
         raise ValueError("statistics: select at least one, e.g. .with_accuracy()")
     for statistic in statistics:
         if not isinstance(statistic, Statistic):
             raise TypeError(f"statistics: expected Statistic objects, got {statistic!r}")
+        if not isinstance(statistic.name, str):
+            # The name is compute()'s key: another type failed the metric's construction
+            # with str.join's "sequence item 0: expected str instance", naming nothing.
+            raise TypeError(
+                f"statistics: a statistic's name must be a str, got {statistic.name!r} "
+                f"for {statistic!r}"
+            )
     names = [statistic.name for statistic in statistics]
     if len(set(names)) != len(names):
         raise ValueError(f"statistics: names must be unique, got {names}")

@@ -139,6 +139,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
         exact: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(curve, Curve):
+            # A string ("auroc") failed below with "'str' object has no attribute 'name'".
+            raise TypeError(f"curve: expected a Curve (Curve.AUROC, ...), got {curve!r}")
         check_problem(problem, "AUROC")
         allowed: tuple[str, ...] = ("macro", "weighted", "none")
         if problem.kind is ProblemKind.MULTILABEL:

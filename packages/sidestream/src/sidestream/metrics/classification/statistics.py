@@ -18,6 +18,7 @@ sums of counts for ``micro`` to mean what it says.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -123,6 +124,15 @@ class FBeta:
     """
 
     beta: float = 1.0
+
+    def __post_init__(self) -> None:
+        # The builder's with_fbeta checked beta, an FBeta made directly (with_statistic, a
+        # ConfusionCountMetric's statistics) did not: -1 was the F1 value under the name
+        # "f-1", NaN and inf made every value NaN, and "2" failed in ``name``'s format.
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int | float):
+            raise TypeError(f"beta: expected a finite number > 0, got {self.beta!r}")
+        if not (math.isfinite(self.beta) and self.beta > 0):
+            raise ValueError(f"beta: expected a finite number > 0, got {self.beta!r}")
 
     @property
     def name(self) -> str:
