@@ -296,3 +296,30 @@ def test_a_constant_target_is_nan_however_it_is_fed(batch: int, updates: int) ->
             r2.update(preds, target)
             pearson.update(preds, target)
         assert torch.isnan(r2.compute()) and torch.isnan(pearson.compute()), constant
+
+
+def test_variance_weighted_r2_does_not_drop_an_output_whose_variance_is_lost() -> None:
+    """An output 1e8 from 0 with std 1 has its one-pass variance lost to rounding (NaN), but it
+    is not constant: it holds nearly all the weight. variance_weighted left it out as constant
+    and gave 0.026, the other output's R², where scikit-learn gives 0.180."""
+    rng = np.random.default_rng(0)
+    target = np.stack([1e8 + rng.normal(size=1000), 1e-3 * rng.normal(size=1000)], axis=1)
+    preds = target + np.stack([0.9 * rng.normal(size=1000), 1e-3 * rng.normal(size=1000)], 1)
+    weighted = R2ScoreMetric(2, "variance_weighted")
+    weighted.update(torch.from_numpy(preds), torch.from_numpy(target))
+    assert torch.isnan(weighted.compute())
+    # With a shift the variance is kept, and the value is scikit-learn's.
+    shifted = R2ScoreMetric(2, "variance_weighted", shift=[1e8, 0.0])
+    shifted.update(torch.from_numpy(preds), torch.from_numpy(target))
+    expected = r2_score(target, preds, multioutput="variance_weighted")
+    assert shifted.compute().item() == pytest.approx(expected, rel=1e-6)
+    # A constant output still weighs nothing, as in scikit-learn, even when it is not exact in
+    # float64 (its sums leave rounding noise) or sits a thousand standard deviations out. The
+    # reference is the other output's R²: scikit-learn's own float64 mean of 0.1s leaves a
+    # variance of 1e-30 that it weighs in, with all of that output's squared error.
+    expected = r2_score(target[:, 0], preds[:, 0])
+    for constant in (5.0, 0.1, 1000.0 + 1 / 3):
+        target[:, 1] = constant
+        metric = R2ScoreMetric(2, "variance_weighted", shift=[1e8, 0.0])
+        metric.update(torch.from_numpy(preds), torch.from_numpy(target))
+        assert metric.compute().item() == pytest.approx(expected, rel=1e-6), constant

@@ -148,9 +148,18 @@ def spread(squares: Tensor, sums: Tensor, count: Tensor, updates: Tensor) -> Ten
     mean 4000 standard deviations out NaN).
     """
     value = squares - sums * (sums / count)  # sums**2 / count overflows sooner
-    steps = updates + count.sqrt() + 32.0
-    noise = 3.0 * steps * _EPS * squares + count * _UNDERFLOW_LOSS
+    noise = rounding_bound(squares, count, updates)
     return torch.where(value > noise, value, torch.nan)
+
+
+def rounding_bound(squares: Tensor, count: Tensor, updates: Tensor) -> Tensor:
+    """``spread``'s worst-case rounding of the one-pass ``sum((v - mean v)^2)`` (see there).
+
+    Also the most a variance that ``spread`` reports as NaN can be: R²'s ``variance_weighted``
+    weighs such an output by at most this.
+    """
+    steps = updates + count.sqrt() + 32.0
+    return 3.0 * steps * _EPS * squares + count * _UNDERFLOW_LOSS
 
 
 def fill_saved_updates(state_dict: dict[str, Any], prefix: str) -> None:

@@ -12,6 +12,7 @@ from sidestream._validation import check_int
 from sidestream.metrics.regression._paired import (
     PairedRegressionMetric,
     fill_saved_updates,
+    rounding_bound,
     shift_state,
     spread,
 )
@@ -19,6 +20,11 @@ from sidestream.metrics.regression._paired import (
 __all__ = ["R2ScoreMetric"]
 
 R2MultiOutput = Literal["uniform_average", "raw_values", "variance_weighted"]
+
+# ``variance_weighted`` leaves out an output with no variance only if the most it could weigh
+# is at most this share of the outputs that vary: 1e-16 * (mean / std)**2 of a constant output
+# against the others' variance, so one within a few thousand standard deviations of ``shift``.
+_NEGLIGIBLE_WEIGHT = 1e-6
 
 
 class R2ScoreMetric(PairedRegressionMetric):
@@ -34,7 +40,9 @@ class R2ScoreMetric(PairedRegressionMetric):
 
     A constant target (``SST == 0``, or an SST lost to rounding: see ``shift``) gives NaN
     (scikit-learn returns 1.0 or 0.0 there); with ``variance_weighted`` such an output has
-    weight 0, as in scikit-learn.
+    weight 0, as a constant one has in scikit-learn, when the most its SST could be (the
+    rounding bound) is under a millionth of the other outputs' SST. Otherwise the weighted
+    mean is NaN: an output far from ``shift`` may vary, and weigh more than all the others.
 
     ``adjusted=k`` reports the adjusted R² of a model with ``k`` regressors,
     ``1 - (1 - R²) (n - 1) / (n - k - 1)`` (torchmetrics' ``R2Score(adjusted=k)``); it is NaN
@@ -115,8 +123,15 @@ class R2ScoreMetric(PairedRegressionMetric):
             ratio = (count - 1) / torch.where(dof > 0, dof, 1.0)
             r2 = torch.where(dof > 0, 1.0 - (1.0 - r2) * ratio, torch.nan)
         if self._variance_weighted and self._num_outputs > 1:
-            # A constant output has no variance, so no weight (as in scikit-learn).
+            # A constant output has no variance, so no weight (as in scikit-learn). But NaN
+            # also stands for a variance lost to rounding (a mean far from the shift), which
+            # may be the largest weight of all: leave such an output out only where the most
+            # it could weigh is negligible, else the weighted mean is unknown.
             varies = ~torch.isnan(total)
             weights = torch.where(varies, total, 0.0)
-            return torch.where(varies, r2 * weights, 0.0).sum() / weights.sum()
+            hidden = torch.where(
+                varies, 0.0, rounding_bound(self._target_squares.value, count, updates)
+            ).sum()
+            mean = torch.where(varies, r2 * weights, 0.0).sum() / weights.sum()
+            return torch.where(hidden <= _NEGLIGIBLE_WEIGHT * weights.sum(), mean, torch.nan)
         return self._finish(r2)
