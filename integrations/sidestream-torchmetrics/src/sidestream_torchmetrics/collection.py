@@ -52,6 +52,9 @@ class TorchmetricsCollection(ComposeMetric):
         super().__init__(wrapped)
         self._collection = collection
 
+    def __repr__(self) -> str:
+        return f"TorchmetricsCollection({getattr(self, '_collection', None)!r})"
+
     def __getitem__(self, name: str) -> Metric[Any]:
         """The wrapped member under its collection key (``"val/acc"``) or its plain name."""
         return super().__getitem__(_plain_name(name))

@@ -164,6 +164,9 @@ class TorchmetricsMetric(Metric[Any]):
             torchmetrics' own ``process_group`` or ``dist_sync_fn``.
     """
 
+    def __repr__(self) -> str:
+        return f"TorchmetricsMetric({getattr(self, '_torchmetrics', None)!r})"
+
     def __init__(self, metric: TorchmetricsBase) -> None:
         if not isinstance(metric, TorchmetricsBase):
             raise TypeError(f"metric: expected a torchmetrics Metric, got {type(metric)}")

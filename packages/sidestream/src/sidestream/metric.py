@@ -1148,6 +1148,10 @@ class Metric(Generic[T], abc.ABC):
         constants with the root; ``to`` of a child is not called. Override it, not ``to``.
         """
 
+    def __repr__(self) -> str:
+        # The class, not the object's address: what print(metric) and error messages show.
+        return f"{type(self).__name__}()"
+
     @property
     def device(self) -> torch.device:
         """The device of the metric's state (CPU for a metric without state)."""

@@ -136,6 +136,13 @@ class Run:
         self._closed = False
         self._close_result = True  # what the first close returned; later calls repeat it
 
+    def __repr__(self) -> str:
+        # getattr: a constructor that raised part-way leaves an object a debugger may print.
+        delivery = getattr(self, "_delivery", None)
+        sinks = list(delivery.sinks) if delivery is not None else []
+        streams = [c.prefix for c in getattr(self, "_collectors", ())]
+        return f"Run(sinks={sinks}, streams={streams}, closed={getattr(self, '_closed', False)})"
+
     # ------------------------------------------------------------------ properties
 
     @property

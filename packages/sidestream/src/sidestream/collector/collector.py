@@ -269,6 +269,19 @@ class AsyncMetricCollector(Generic[T]):
         # not whatever the metric last saw (a refused collector leaves the metric as it was).
         metric.sync_group = group
 
+    def __repr__(self) -> str:
+        # getattr: a constructor that raised part-way leaves an object a debugger may print.
+        if getattr(self, "_closed", False):
+            state = "closed"
+        else:
+            state = "bound" if getattr(self, "_device", None) is not None else "unbound"
+        delivery = getattr(self, "_delivery", None)
+        sinks = list(delivery.sinks) if delivery is not None else []
+        return (
+            f"AsyncMetricCollector(prefix={getattr(self, '_prefix', '')!r}, "
+            f"metric={getattr(self, '_metric', None)!r}, sinks={sinks}, {state})"
+        )
+
     # ------------------------------------------------------------------ properties
 
     @property

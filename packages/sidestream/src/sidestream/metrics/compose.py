@@ -60,6 +60,10 @@ class ComposeMetric(Metric[dict[str, Any]]):
     def __getitem__(self, name: str) -> Metric[Any]:
         return self._children[name]
 
+    def __repr__(self) -> str:
+        children = ", ".join(f"{name!r}: {child!r}" for name, child in self._children.items())
+        return f"ComposeMetric({{{children}}})"
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._children)
 

@@ -37,6 +37,9 @@ class ConsoleSink(Sink):
 
     name = "console"
 
+    def __repr__(self) -> str:
+        return f"ConsoleSink(every={getattr(self, '_every', 1)})"
+
     def __init__(
         self,
         stream: TextIO | None = None,

@@ -99,6 +99,9 @@ class JsonlSink(TrackerSink):
     identity_is_path = True
     _own_locks = ("_lock", "_file_lock")
 
+    def __repr__(self) -> str:
+        return f"JsonlSink(path={str(getattr(self, 'path', ''))!r})"
+
     def __init__(
         self, path: str | os.PathLike[str], flush_every: int = 64, fsync: bool = False
     ) -> None:

@@ -384,6 +384,9 @@ class ProcessSink(Sink):
         >>> sinks = [ProcessSink(JsonlSink("runs/a.jsonl"))]  # doctest: +SKIP
     """
 
+    def __repr__(self) -> str:
+        return f"ProcessSink({getattr(self, '_wrapped_repr', '')})"
+
     def __init__(
         self,
         sink: Sink,
@@ -424,6 +427,7 @@ class ProcessSink(Sink):
                 f"({type(error).__name__}: {error})"
             ) from error
         self.name = sink.name
+        self._wrapped_repr = repr(sink)
         self.max_batch = batch_size(sink)  # the child's write_batch calls take no more
         self._place = sink.written_place()
         self._replay_options = sink.replay_options()
