@@ -229,9 +229,8 @@ def test_tags_with_a_false_value_keep_it(tmp_path: Path) -> None:
     sink.open(RunInfo(name="tags", tags=tags))
     run_dir = sink.run_dir
     assert sink.close(timeout=60) and run_dir is not None
-    records = read_records(_data_file(run_dir))
-    runs = [record.run for record in records if record.WhichOneof("record_type") == "run"]
-    assert list(runs[0].tags) == ["seed:0", "ablation:False", "lr:0.0", "bare", "team:nlp"]
+    tags = list(_run_record(run_dir).tags)
+    assert tags == ["seed:0", "ablation:False", "lr:0.0", "bare", "team:nlp"]
 
 
 def test_a_nan_hyperparameter_is_kept_in_the_config(tmp_path: Path) -> None:
@@ -241,9 +240,7 @@ def test_a_nan_hyperparameter_is_kept_in_the_config(tmp_path: Path) -> None:
     sink.open(RunInfo(name="nan-config", config=config))
     run_dir = sink.run_dir
     assert sink.close(timeout=60) and run_dir is not None
-    records = read_records(_data_file(run_dir))
-    runs = [record.run for record in records if record.WhichOneof("record_type") == "run"]
-    stored = {item.key: item.value_json for item in runs[0].config.update}
+    stored = {item.key: item.value_json for item in _run_record(run_dir).config.update}
     assert json.loads(stored["opt.lr"]) == "nan"
     assert stored["clip"] == "Infinity" and json.loads(stored["wd"]) == 0.5
 
@@ -830,11 +827,19 @@ def test_a_forked_run_resumed_from_a_checkpoint_continues_the_fork(tmp_path: Pat
     assert named.close(timeout=60)
 
 
-def _run_record(run_dir: str) -> Any:
-    """The ``run`` record wandb wrote for the run in ``run_dir`` (W&B's own protobuf)."""
-    runs = [
-        r.run for r in read_records(_data_file(run_dir)) if r.WhichOneof("record_type") == "run"
-    ]
+def _run_record(run_dir: str, timeout: float = 30.0) -> Any:
+    """The ``run`` record wandb wrote for the run in ``run_dir`` (W&B's own protobuf).
+
+    As for ``_history``: on a loaded machine the block holding it can reach the disk a moment
+    after ``run.finish()`` returned (seen in CI at a load average of 15), so wait for it.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_records(_data_file(run_dir))
+        runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        if runs or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert len(runs) == 1, runs
     return runs[0]
 
