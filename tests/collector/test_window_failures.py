@@ -422,6 +422,9 @@ def test_an_interrupted_close_says_how_many_windows_are_not_reported(
     with caplog.at_level("WARNING"), pytest.raises(KeyboardInterrupt):
         run.close(30)
     release.set()
+    monkeypatch.undo()
+    assert collector._dispatcher is not None
+    assert collector._dispatcher.stop(30)  # no thread left for later tests
     messages = [r.getMessage() for r in caplog.records]
     assert any(
         re.search(r"close was interrupted: [1-3] window\(s\) of stream 'train' not finished", m)

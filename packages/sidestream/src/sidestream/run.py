@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from sidestream._closing import CloseOnce
 from sidestream._dcp_guard import refuse_pickling
 from sidestream._delivery import (
     OF_THE_RUN,
@@ -133,7 +135,15 @@ class Run:
         self._log_pipe: LogPipe | None = None
         self._log_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last_log_step: int | None = None
+        # Held by a log call from its step check to the step's hand-off: calls from several
+        # threads (a data loader's throughput, a callback) take turns, so each sees the step
+        # the previous one took and the pipe gets the steps in increasing order. Without it
+        # two calls passed the check at once and a larger step reached the sinks first: the
+        # tracker sinks then skipped the smaller one, silently, though its call had returned.
+        # Re-entrant: a signal handler that logs, run inside a call, must not wait for itself.
+        self._log_lock = threading.RLock()
         self._closed = False
+        self._closing = CloseOnce()
         self._close_result = True  # what the first close returned; later calls repeat it
 
     def __repr__(self) -> str:
@@ -271,6 +281,11 @@ class Run:
             RuntimeError: If the run is closed, or the job's process group is missing.
         """
         step = training_step(step)
+        with self._log_lock:
+            self._log(step, values)
+
+    def _log(self, step: int, values: Mapping[str, float | int | Tensor]) -> None:
+        """``log`` with ``_log_lock`` held (the step checked against the previous call's)."""
         if self._last_log_step is not None and step <= self._last_log_step:
             raise ValueError(
                 f"step: expected > the previous log call's {self._last_log_step}, got {step} "
@@ -387,30 +402,42 @@ class Run:
             for good.
         """
         timeout = check_timeout("close: timeout", timeout)
-        if self._closed:
-            return self._close_result
+        if not self._closing.begin():
+            # Closed, or being closed by another call (another thread's): its answer, once
+            # it has one, not True before anything was delivered.
+            return self._closing.answer(timeout)
         self._closed = True
-        forget_close_at_exit(self._close_at_exit)
-        if self._metric_states:
-            self._warn_unclaimed("close")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        self._close_result = False  # until this call knows better (an error escaping it)
         try:
-            complete = self._close_all(deadline)
-        except BaseException:
-            # Interrupted (Ctrl-C, a signal handler's SystemExit): the sinks keep what they had
-            # not delivered in spool files at once (the exit would lose it with their threads),
-            # and a later close says False. Windows not processed yet are lost with the
-            # sinks: said per stream (the collector that was closing said it already).
-            self._close_result = False
-            for collector in self._collectors:
-                collector.warn_unreported("Run.close was interrupted")
-            self._delivery.close_now()
-            raise
-        self._close_result = complete
-        return complete
+            forget_close_at_exit(self._close_at_exit)
+            if self._metric_states:
+                self._warn_unclaimed("close")
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                complete = self._close_all(deadline)
+            except BaseException:
+                # Interrupted (Ctrl-C, a signal handler's SystemExit): the sinks keep what they
+                # had not delivered in spool files at once (the exit would lose it with their
+                # threads), and a later close says False. Windows not processed yet are lost
+                # with the sinks: said per stream (the collector that was closing said it
+                # already).
+                for collector in self._collectors:
+                    collector.warn_unreported("Run.close was interrupted")
+                self._delivery.close_now()
+                raise
+            self._close_result = complete
+            return complete
+        finally:
+            self._closing.end(self._close_result)
 
     def _close_all(self, deadline: float | None) -> bool:
         complete = True
+        # A log call in progress on another thread checked _closed before it was set: let it
+        # hand its values to the pipe before the pipe stops, or they would be put in after
+        # its thread ended and reach no sink while close returned True. (Re-entrant: a
+        # close run inside a log call on this thread, a signal handler's, passes at once.)
+        if self._log_lock.acquire(timeout=_lock_wait(seconds_left(deadline))):
+            self._log_lock.release()
         for collector in self._collectors:
             if not collector.close(seconds_left(deadline)):
                 complete = False
@@ -599,6 +626,11 @@ class Run:
         self._metric_ranks = {p: list(saved_ranks[p]) for p in collectors if p in saved_ranks}
         self._loaded = True
         self._delivery.load_sink_states(sinks, state_dict.get("undelivered"))
+
+
+def _lock_wait(timeout: float | None) -> float:
+    """``timeout`` as ``Lock.acquire`` takes it (``-1``: no limit)."""
+    return -1 if timeout is None else timeout
 
 
 _COLLECTOR_RANKS = "collector_ranks"

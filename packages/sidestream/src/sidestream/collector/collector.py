@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from sidestream._closing import CloseOnce
 from sidestream._dcp_guard import refuse_pickling
 from sidestream._delivery import (
     OF_THE_RUN,
@@ -264,6 +265,7 @@ class AsyncMetricCollector(Generic[T]):
         self._in_schedule = False
         self._unreported_warned = False  # warn_unreported said it
         self._twin_index = 0  # set at bind: told apart from open collectors of this prefix
+        self._closing = CloseOnce()
         self._close_result = True  # what the first close returned; later calls repeat it
         # Last, once nothing can be refused: checkpoints reduce over the collector's group,
         # not whatever the metric last saw (a refused collector leaves the metric as it was).
@@ -603,6 +605,11 @@ class AsyncMetricCollector(Generic[T]):
         before = self._last_step
         try:
             self._in_schedule = True
+            if self._closed:
+                # Closed by another thread since the check above: close waits for the call
+                # that holds this lock, so a call let in here would queue its window after
+                # the dispatcher stopped (lost, while close returned True).
+                raise RuntimeError(f"schedule_collection: {_CLOSED}")
             self._schedule(step)
         except BaseException as error:
             if self._last_step != before and not getattr(error, "__notes__", None):
@@ -1032,31 +1039,55 @@ class AsyncMetricCollector(Generic[T]):
             in a spool file a warning names) or if a sink failed for good.
         """
         timeout = check_timeout("close: timeout", timeout)
-        if self._closed:
-            return self._close_result
+        if not self._closing.begin():
+            # Closed, or being closed by another call (another thread's, or Run.close's): its
+            # answer, once it has one, not True before its windows were delivered.
+            return self._closing.answer(timeout)
         self._closed = True
-        if _BOUND.get(id(self._metric)) is self:  # this collector bound it (not another one)
-            for metric in self._metric._walk_metrics():
-                metric.__dict__.pop("_bound_prefix", None)
-        if self._owns_delivery:
-            forget_close_at_exit(self._close_at_exit)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        self._close_result = False  # until this call knows better (an error escaping it)
         try:
-            complete = self._close_windows_and_sinks(timeout, deadline)
-        except BaseException:
-            # Interrupted (Ctrl-C): as Run.close, keep what the sinks had not delivered.
-            self._close_result = False
-            self.warn_unreported("close was interrupted")
+            if _BOUND.get(id(self._metric)) is self:  # this collector bound it (not another)
+                for metric in self._metric._walk_metrics():
+                    metric.__dict__.pop("_bound_prefix", None)
             if self._owns_delivery:
-                self._delivery.close_now()
-            raise
-        if complete:
-            # Every window is done: its staging copies (a copy of the metric each, up to
-            # max_slots) are no longer needed, and a Run keeps its closed streams' collectors
-            # (one per evaluation set kept 24 MB for a 500-class confusion matrix).
-            self._drop_free_slots()
-        self._close_result = complete
-        return complete
+                forget_close_at_exit(self._close_at_exit)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                if self._wait_for_schedule_in_progress(deadline):
+                    timeout = seconds_left(deadline)  # what the wait left of it
+                complete = self._close_windows_and_sinks(timeout, deadline)
+            except BaseException:
+                # Interrupted (Ctrl-C): as Run.close, keep what the sinks had not delivered.
+                self.warn_unreported("close was interrupted")
+                if self._owns_delivery:
+                    self._delivery.close_now()
+                raise
+            if complete:
+                # Every window is done: its staging copies (a copy of the metric each, up to
+                # max_slots) are no longer needed, and a Run keeps its closed streams'
+                # collectors (one per evaluation set kept 24 MB for a 500-class confusion
+                # matrix).
+                self._drop_free_slots()
+            self._close_result = complete
+            return complete
+        finally:
+            self._closing.end(self._close_result)
+
+    def _wait_for_schedule_in_progress(self, deadline: float | None) -> bool:
+        """Let a ``schedule_collection`` running on another thread hand its window on first.
+
+        It checked ``_closed`` before close set it: its window, queued after the dispatcher's
+        stop, would never be processed, while close returned True. Calls that take the lock
+        after this see ``_closed`` and raise. A close run inside the call on its own thread (a
+        signal handler's) gets the re-entrant lock at once. Whether it waited.
+        """
+        if self._scheduling.acquire(blocking=False):
+            self._scheduling.release()
+            return False
+        left = seconds_left(deadline)
+        if self._scheduling.acquire(timeout=-1 if left is None else left):
+            self._scheduling.release()
+        return True
 
     def _drop_free_slots(self) -> None:
         while True:

@@ -1,0 +1,51 @@
+"""One close per object, and the answer that later and concurrent ``close`` calls give."""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["CloseOnce"]
+
+
+class CloseOnce:
+    """Which ``close`` call closes, and what every other call returns.
+
+    A second ``close`` used to return the first one's result as soon as the first had begun:
+    ``True`` (nothing known yet) at once, from another thread (a watchdog, a callback) while
+    the first was still delivering, even when the first then returned ``False``. Now a call
+    made while the first is in progress waits (up to its own timeout) for the first's answer.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._closer: int | None = None  # the thread whose call closes
+        self._result = False
+
+    def begin(self) -> bool:
+        """Whether this call is the first, which closes (atomic: one thread wins)."""
+        with self._lock:
+            if self._closer is not None:
+                return False
+            self._closer = threading.get_ident()
+            return True
+
+    def end(self, result: bool) -> None:
+        """The first call's answer; wakes the calls waiting for it."""
+        self._result = result
+        self._done.set()
+
+    def answer(self, timeout: float | None) -> bool:
+        """What a call after the first returns: the first's answer, waited for up to ``timeout``.
+
+        ``False`` if the first has not answered in time, or if this call runs inside the first
+        on its own thread (a signal handler's close during it): nothing is delivered yet that
+        it could vouch for, and waiting there would wait for itself.
+        """
+        if self._done.is_set():
+            return self._result
+        if self._closer == threading.get_ident():
+            return False
+        if not self._done.wait(timeout):
+            return False
+        return self._result
