@@ -911,6 +911,52 @@ def test_a_mesh_dimension_collector_resumes_its_state_on_every_slice(
         assert (count, warned) == (2.0, []), (count, warned)  # both replicas' values, once
 
 
+def _mesh_checkpoint_on_two_ranks(tmp: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sidestream import Run
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    run = Run([JsonlSink(Path(tmp) / "run.jsonl")])
+    train = run.collector(MeanMetric(), prefix="train", group=mesh["dp"]).bind("cpu")
+    train.metric.update(torch.tensor([1.0 + dist.get_rank()]))  # mid-window: 1.0 and 2.0
+    saved = run.state_dict(timeout=30)
+    if dist.get_rank() == 0:
+        torch.save(saved, Path(tmp) / "checkpoint.pt")
+    assert run.close(timeout=30)
+
+
+def _mesh_resume_on_four_ranks(tmp: str) -> tuple[float, list[str]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sidestream import Run
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    handler = CountingHandler()
+    logging.getLogger("sidestream").addHandler(handler)
+    try:
+        run = Run([JsonlSink(Path(tmp) / "run.jsonl")])
+        run.load_state_dict(torch.load(Path(tmp) / "checkpoint.pt", weights_only=False))
+        train = run.collector(MeanMetric(), prefix="train", group=mesh["dp"]).bind("cpu")
+        train.metric.update(torch.tensor([3.0]))  # each data-parallel replica: 3.0
+        train.schedule_collection(1)
+        value = train.collect_results(timeout=30)
+        assert run.close(timeout=30)
+    finally:
+        logging.getLogger("sidestream").removeHandler(handler)
+    return value, [m for m in handler.messages if "starts from zero" in m]
+
+
+def test_a_mesh_dimension_checkpoint_resumes_on_more_ranks(pools: Any, tmp_path: Path) -> None:
+    # Saved on 2 ranks, the checkpoint named ranks [0, 1] for "train": on 4 ranks, ranks 2
+    # and 3 dropped its state at load ("starts from zero"), and bind failed on every rank with
+    # "ranks of the group hold different checkpoint loads". Checkpoints are world-size
+    # independent (DESIGN.md invariant 7), in both directions.
+    pools.get(2).run(_mesh_checkpoint_on_two_ranks, str(tmp_path))
+    outcomes = pools.get(4).run(_mesh_resume_on_four_ranks, str(tmp_path), timeout=120)
+    assert outcomes == [(pytest.approx(2.25, rel=1e-12), [])] * 4  # mean(1, 2, 3, 3)
+
+
 def _fresh_run_state_keys(tmp: str) -> tuple[list[str], list[str]]:
     from sidestream import Run
 

@@ -130,6 +130,10 @@ class Run:
         # The global ranks of the loaded states' collectors that reduced over a group of
         # their own (a subgroup): a rank outside one neither claims nor warns about its state.
         self._metric_ranks: dict[str, list[int]] = {}
+        # The loaded states of those collectors, on a rank that did not make them when they
+        # were saved: claimed by a collector of that prefix made here (a job resumed on more
+        # ranks, or over a larger group), otherwise neither warned about nor carried on.
+        self._outside_states: dict[str, Any] = {}
         self._loaded = False  # load_state_dict was called
         self._warned_unclaimed = False
         self._log_pipe: LogPipe | None = None
@@ -241,11 +245,15 @@ class Run:
             max_slots=max_slots,
             _delivery=self._delivery,
         )
-        if stream in self._metric_states:
+        # A state saved by ranks this one was not among (a job resumed on more ranks: mesh
+        # (2, 1) on 2 ranks, then (2, 2) on 4) is this collector's too: every rank of its
+        # group must load it, or bind fails with "different checkpoint loads".
+        saved = self._metric_states if stream in self._metric_states else self._outside_states
+        if stream in saved:
             # Dropped only once it loaded: a refused state (another metric) stays saved, and
             # goes on to the next checkpoint if no collector claims it.
-            collector.load_metric_state(self._metric_states[stream])
-            del self._metric_states[stream]
+            collector.load_metric_state(saved[stream])
+            del saved[stream]
         elif self._loaded:
             logger.warning(
                 "run.collector(prefix=%r): the state given to run.load_state_dict has no "
@@ -618,10 +626,13 @@ class Run:
             restore()
         saved_ranks = dict(state_dict.get(_COLLECTOR_RANKS) or {})
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        for prefix in [p for p in collectors if rank not in saved_ranks.get(p, [rank])]:
-            # A subgroup's collector this rank is not in (made on its members only): its
-            # state is theirs, not an unclaimed one.
-            del collectors[prefix]
+        outside = {
+            prefix: collectors.pop(prefix)
+            for prefix in [p for p in collectors if rank not in saved_ranks.get(p, [rank])]
+        }
+        # A subgroup's collector this rank was not in (made on its members only): its state
+        # is theirs, not an unclaimed one, unless this rank makes that collector now.
+        self._outside_states = outside
         self._metric_states = collectors
         self._metric_ranks = {p: list(saved_ranks[p]) for p in collectors if p in saved_ranks}
         self._loaded = True

@@ -53,6 +53,7 @@ from sidestream._distributed import (
     all_gather_async,
     all_reduce_async,
     group_rank,
+    group_ranks,
     group_size,
     resolve_group,
     retain_work,
@@ -1075,9 +1076,32 @@ def _check_structure(slot: _GroupEntries, structure: _Structure) -> None:
     difference on every rank.
     """
     device = slot.entries[0].state.local.device
-    everyone = _differing(slot.group, slot.size, device, structure, _hash(structure), 0)
+    # And the group's members as this rank sees them: ranks that made their groups in another
+    # order (new_group([0, 1]) then new_group([2, 3]) on ranks 0 and 1, the other way round on
+    # 2 and 3) get groups whose backends connect ranks of different groups (gloo connected
+    # ranks 0 and 3), and would reduce each other's states into wrong numbers, without an error.
+    members = group_ranks(slot.group)
+    described = (members, structure)
+    everyone = _differing(slot.group, slot.size, device, described, stable_hash(repr(described)), 0)
     if everyone is not None:
-        raise RankMismatchError(_mismatch_message(everyone, group_rank(slot.group)))
+        seen = [held[0] for held in everyone]
+        if any(ranks != seen[0] for ranks in seen):
+            raise RankMismatchError(_members_message(seen, group_rank(slot.group)))
+        raise RankMismatchError(
+            _mismatch_message([held[1] for held in everyone], group_rank(slot.group))
+        )
+
+
+def _members_message(seen: list[tuple[int, ...]], own_rank: int) -> str:
+    """What ranks paired in a group they each see with other members are told."""
+    held = "; ".join(f"rank {rank}: {list(ranks)}" for rank, ranks in enumerate(seen))
+    return (
+        f"sync: the ranks that met in this group each see it with other members (seen from "
+        f"rank {own_rank}; its global ranks, by rank in the group: {held}): the process groups "
+        "were made in different orders on different ranks; every rank must call new_group, "
+        "new_subgroups and init_device_mesh in the same order, with the same ranks (a rank "
+        "outside a group calls new_group for it too)"
+    )
 
 
 _CHECK_KINDS = ("a structure check (a first sync or bind)", "a setting check (bind, a checkpoint)")
