@@ -630,7 +630,7 @@ class SinkRunner:
                     )
                 return self._submitted == 0
         self._thread.join(self._remaining())
-        ended = not self._thread.is_alive()  # else it ran past the timeout
+        ended = not self._sink_thread_running()  # else it ran past the timeout
         failed = self.status.state == "failed"
         # Held across the spool's reads and writes: on a hung disk, wait no longer than close.
         # The grace second counts from the close's deadline, not from now: runners closed one
@@ -661,6 +661,19 @@ class SinkRunner:
             return self._close_locked(timeout, ended, failed)
         finally:
             self._cond.release()
+
+    def _sink_thread_running(self) -> bool:
+        """Whether the sink thread is still at work (in a write, a flush or the sink's close).
+
+        Not ``Thread.is_alive()`` alone: on Python 3.11 a ``join`` interrupted by a signal
+        handler's exception (Ctrl-C, a SIGTERM handler's ``SystemExit``) marks the thread it
+        waited for as stopped while it still runs (threading's bpo-45274 handling), and an
+        interrupted close is exactly when this is asked. The thread sets ``_done`` itself as it
+        ends; one never started has nothing running.
+        """
+        if self._thread.is_alive():
+            return True
+        return self._thread.ident is not None and not self._done.is_set()
 
     def _close_late(self, timeout: float | None, ended: bool, failed: bool) -> None:
         """The rest of a close that gave up on a slow spool disk, once the disk answers."""
@@ -770,7 +783,8 @@ class SinkRunner:
             self._forget_queued()  # in case it was interrupted before it emptied them
             return self._report_kept_within(self._wait_for_keeper(), self._keeper[2])
         pending = bool(self._queue or self._in_flight or len(self._spool) or self._waiting_in())
-        if not self._thread.is_alive() and not self._held_by_sink() and not failed and not pending:
+        running = self._sink_thread_running()
+        if not running and not self._held_by_sink() and not failed and not pending:
             self._spool.discard()
             self._log_dropped()
             return self._delivered == self._submitted and self._sink_closed
@@ -794,16 +808,19 @@ class SinkRunner:
             self._spool.discard()  # an emptied spool file: nothing for a later job
             if not failed:  # a failure was logged at ERROR already
                 # Not "healthy": the backend may not have everything its close would
-                # have flushed.
-                self._status = SinkStatus(
-                    "failed", f"close did not finish within {timeout or 0.0:.1f} s"
-                )
-                logger.warning(
-                    "sink %r: every report was delivered, but flushing and closing the "
-                    "sink did not finish within %.1f s of close",
-                    self.key,
-                    timeout or 0.0,
-                )
+                # have flushed. After an interrupt (close_now) the first close's timeout
+                # never ran out: naming it would send the user looking for a hung backend.
+                if self._interrupted:
+                    why = "close was interrupted before the sink's flush and close finished"
+                    said = why
+                else:
+                    why = f"close did not finish within {timeout or 0.0:.1f} s"
+                    said = (
+                        "flushing and closing the sink did not finish within "
+                        f"{timeout or 0.0:.1f} s of close"
+                    )
+                self._status = SinkStatus("failed", why)
+                logger.warning("sink %r: every report was delivered, but %s", self.key, said)
             self._log_dropped()
             return False
         report = partial(
