@@ -20,6 +20,17 @@ def _last_steps(state: dict) -> dict[str, int]:
     return {stream: step for stream, step in state["sinks"]["jsonl"]["last_steps"]}
 
 
+def _checkpoint_with_failing_fsync(run: Run, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """``run.state_dict()`` while every ``os.fsync`` fails as a disk's write-back error does."""
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", failing_fsync)
+        return run.state_dict(timeout=10)
+
+
 def test_failed_fsync_keeps_the_last_durable_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -30,13 +41,7 @@ def test_failed_fsync_keeps_the_last_durable_state(
     assert _last_steps(run.state_dict(timeout=10)) == {"": 5}
     for step in range(6, 11):
         run.log(step, {"x": float(step)})
-
-    def failing_fsync(fd: int) -> None:
-        raise OSError(errno.EIO, "Input/output error")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(os, "fsync", failing_fsync)
-        checkpoint = run.state_dict(timeout=10)
+    checkpoint = _checkpoint_with_failing_fsync(run, monkeypatch)
     # Steps 6..10 were written but never made durable: a machine crash may lose them, so the
     # checkpoint must not count them as delivered (the resumed job would never send them).
     assert _last_steps(checkpoint) == {"": 5}
@@ -60,13 +65,7 @@ def test_failed_fsync_before_any_durable_checkpoint_keeps_the_starting_state(
     run = Run([JsonlSink(path)])
     for step in range(1, 4):
         run.log(step, {"x": float(step)})
-
-    def failing_fsync(fd: int) -> None:
-        raise OSError(errno.EIO, "Input/output error")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(os, "fsync", failing_fsync)
-        checkpoint = run.state_dict(timeout=10)
+    checkpoint = _checkpoint_with_failing_fsync(run, monkeypatch)
     assert _last_steps(checkpoint) == {}
     assert checkpoint["sinks"]["jsonl"]["offset"] == 0
     assert run.close(timeout=10)
