@@ -307,3 +307,15 @@ class DiesAtFirstOpenSink(JsonlSink):
         if self._then_fail:
             raise ConnectionError("tracker down")
         super().open(run)
+
+
+class EioOnSecondSyncJsonlSink(JsonlSink):
+    """Its second ``fsync`` (a second checkpoint's) fails as a disk's write-back error does."""
+
+    def _sync_file(self) -> None:
+        self._syncs = getattr(self, "_syncs", 0) + 1
+        if self._syncs >= 2:
+            import errno
+
+            raise OSError(errno.EIO, "Input/output error")
+        super()._sync_file()

@@ -69,3 +69,64 @@ def test_failed_fsync_before_any_durable_checkpoint_keeps_the_starting_state(
     assert _last_steps(checkpoint) == {}
     assert checkpoint["sinks"]["jsonl"]["offset"] == 0
     assert run.close(timeout=10)
+
+
+def test_fsync_that_does_not_finish_in_time_keeps_the_last_durable_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # make_durable returning False (the fsync still running when the checkpoint's time ran
+    # out: a hung disk, an NFS server gone) leaves steps 6..10 as unsafe as an fsync that
+    # raised. The checkpoint kept the newest state, counting them as delivered, and warned
+    # that it "holds the rest", which it did not: a machine crash then lost them for good.
+    import threading
+
+    path = tmp_path / "m.jsonl"
+    run = Run([JsonlSink(path)])
+    for step in range(1, 6):
+        run.log(step, {"x": float(step)})
+    assert _last_steps(run.state_dict(timeout=10)) == {"": 5}
+    for step in range(6, 11):
+        run.log(step, {"x": float(step)})
+    disk = threading.Event()
+    real_fsync = os.fsync
+
+    def hung_fsync(fd: int) -> None:
+        disk.wait(10)  # the disk answers only after the checkpoint gave up
+        real_fsync(fd)
+
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "fsync", hung_fsync)
+            checkpoint = run.state_dict(timeout=0.2)
+    finally:
+        disk.set()
+    assert _last_steps(checkpoint) == {"": 5}
+    assert checkpoint["undelivered"]["jsonl"] == ""  # steps 6..10 were sent: not carried
+    assert any("make_durable failed or did not finish" in r.getMessage() for r in caplog.records)
+    assert run.close(timeout=10)
+
+    resumed = Run([JsonlSink(path)])
+    resumed.load_state_dict(checkpoint)
+    resumed.log(11, {"x": 11.0})
+    assert resumed.close(timeout=10)
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == list(range(1, 12))
+
+
+def test_failed_fsync_in_a_child_process_keeps_the_last_durable_state(tmp_path: Path) -> None:
+    # The same EIO in a ProcessSink's child: ProcessSink.make_durable says False (the child's
+    # error), and the checkpoint kept the runner's newest state, steps 4..6 counted as
+    # delivered (and a warning that the checkpoint "holds the rest", which it did not).
+    from sidestream.sinks import ProcessSink
+    from tests.collector.child_sinks import EioOnSecondSyncJsonlSink
+
+    run = Run([ProcessSink(EioOnSecondSyncJsonlSink(tmp_path / "m.jsonl"))])
+    try:
+        for step in (1, 2, 3):
+            run.log(step, {"x": float(step)})
+        assert _last_steps(run.state_dict(timeout=30)) == {"": 3}
+        for step in (4, 5, 6):
+            run.log(step, {"x": float(step)})
+        assert _last_steps(run.state_dict(timeout=30)) == {"": 3}
+    finally:
+        run.close(timeout=30)

@@ -536,7 +536,9 @@ def test_a_checkpoint_does_not_wait_for_a_hung_jsonl_fsync(
         start = time.monotonic()
         state = run.state_dict(timeout=0.5)
         assert time.monotonic() - start < 10, "the checkpoint waited for the hung fsync"
-        assert state["sinks"]["jsonl"]["last_steps"] == [["", 1]]
+        # Step 1 was written but its fsync never finished: not durable, so not counted (the
+        # state the sink started from); a job resumed from it finds step 1 in the file.
+        assert state["sinks"]["jsonl"]["last_steps"] == []
     finally:
         disk.set()
     assert run.close()

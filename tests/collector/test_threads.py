@@ -147,3 +147,37 @@ def test_close_from_another_thread_waits_for_the_window_being_scheduled() -> Non
     assert [(r.stream, r.step, dict(r.values)) for r in sink.reports] == [
         ("train", 1, {"train": 3.0})
     ]
+
+
+def test_a_signal_handlers_close_inside_the_first_close_s_claim_does_not_hang(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # A SIGTERM handler that calls run.close() runs on the main thread between two bytecodes,
+    # here while that thread's own close was claiming to be the first (CloseOnce.begin). The
+    # claim held a lock there, and the handler's close waited for it forever: the job hung
+    # until the scheduler's SIGKILL, its sinks' reports in no spool. Simulated without a
+    # signal: the handler's call made from inside the claim, on the same (here a worker) thread.
+    import sidestream._closing as closing
+
+    run = Run([JsonlSink(tmp_path / "run.jsonl")])
+    run.log(1, {"x": 1.0})
+    answers: list[tuple[str, bool]] = []
+    real = threading.get_ident
+
+    class _SignalInClaim:
+        fired = False
+
+        def get_ident(self) -> int:
+            if not _SignalInClaim.fired:
+                _SignalInClaim.fired = True
+                answers.append(("handler", run.close(5)))
+            return real()
+
+    monkeypatch.setattr(closing, "threading", _SignalInClaim())
+    closer = threading.Thread(target=lambda: answers.append(("main", run.close(5))), daemon=True)
+    closer.start()
+    closer.join(20)
+    assert not closer.is_alive(), "the handler's close waited for its own thread's claim"
+    assert _SignalInClaim.fired
+    assert sorted(answers) == [("handler", True), ("main", True)]
+    assert [record["step"] for record in read_jsonl(tmp_path / "run.jsonl")] == [1]

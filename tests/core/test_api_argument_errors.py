@@ -106,6 +106,11 @@ def test_collector_names_histograms_that_are_no_list() -> None:
         # A str was taken and failed the sink for good at its first idle flush.
         ({"flush_interval_s": "1"}, TypeError, "flush_interval_s: expected a number"),
         ({"flush_interval_s": math.nan}, ValueError, "flush_interval_s: expected a number"),
+        # inf (or 1e300) passed, and the idle sink's timed wait failed it for good
+        # ("timestamp out of range for platform time_t").
+        ({"flush_interval_s": math.inf}, ValueError, r"flush_interval_s: expected seconds in"),
+        ({"flush_interval_s": 1e300}, ValueError, r"flush_interval_s: expected seconds in"),
+        ({"flush_interval_s": -1.0}, ValueError, r"flush_interval_s: expected seconds in"),
         ({"resume_state": 3}, TypeError, "resume_state: expected a dict or None"),
         ({"run": {"name": "x"}}, TypeError, "run: expected a sidestream.sinks.RunInfo or None"),
         ({"key": 3}, TypeError, "key: expected a str or None"),

@@ -52,3 +52,21 @@ def test_an_object_whose_constructor_raised_part_way_still_prints() -> None:
     # A debugger or a traceback formatter may print one.
     for cls in (Run, AsyncMetricCollector, JsonlSink, ConsoleSink, ProcessSink):
         assert repr(cls.__new__(cls)).startswith(cls.__name__ + "(")
+
+
+def test_a_compose_metric_whose_constructor_raised_part_way_still_prints() -> None:
+    # Its children are set last: a child already in another tree raised before, and repr
+    # then raised AttributeError ('_children') where the other reprs guard for it.
+    shared = MeanMetric()
+    ComposeMetric({"loss": shared})
+    half = ComposeMetric.__new__(ComposeMetric)
+    with pytest.raises(ValueError, match="already part of the metric tree"):
+        half.__init__({"acc": MeanMetric(), "loss": shared})  # type: ignore[misc]
+    assert repr(half) == "ComposeMetric({})"
+
+
+def test_a_compose_metric_subclass_shows_its_own_class() -> None:
+    class Losses(ComposeMetric):
+        pass
+
+    assert repr(Losses({"loss": MeanMetric()})) == "Losses({'loss': MeanMetric()})"

@@ -17,18 +17,18 @@ class CloseOnce:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # The first call's claim, (thread id, token), made by one dict.setdefault: a single C
+        # call, so a signal handler cannot run inside it. With a lock held there, a SIGTERM
+        # handler's close, run between two bytecodes of the first call's claim on the same
+        # thread, waited for that lock, held by its own thread, forever.
+        self._claim: dict[str, tuple[int, object]] = {}
         self._done = threading.Event()
-        self._closer: int | None = None  # the thread whose call closes
         self._result = False
 
     def begin(self) -> bool:
         """Whether this call is the first, which closes (atomic: one thread wins)."""
-        with self._lock:
-            if self._closer is not None:
-                return False
-            self._closer = threading.get_ident()
-            return True
+        mine = (threading.get_ident(), object())
+        return self._claim.setdefault("closer", mine) is mine
 
     def end(self, result: bool) -> None:
         """The first call's answer; wakes the calls waiting for it."""
@@ -44,7 +44,8 @@ class CloseOnce:
         """
         if self._done.is_set():
             return self._result
-        if self._closer == threading.get_ident():
+        closer = self._claim.get("closer")
+        if closer is not None and closer[0] == threading.get_ident():
             return False
         if not self._done.wait(timeout):
             return False

@@ -437,6 +437,18 @@ class Delivery:
             try:
                 began = time.monotonic()
                 durable = sink.make_durable(timeout)
+                if not durable and _send_is_delivery(sink):
+                    # Its state counts a step once send returned, and make_durable is what
+                    # makes those steps survive a machine crash (JSONL's fsync): one that did
+                    # not finish (a hung disk, an NFS server gone), or failed in a child
+                    # process (a ProcessSink says False for the child's EIO), leaves them as
+                    # unsafe as an fsync that raised here. The newest state was kept, while the
+                    # warning below said the checkpoint holds the rest: it held neither them
+                    # nor their reports.
+                    limit = "the time given" if timeout is None else f"{timeout:.1f} s"
+                    return self._last_durable_state(
+                        runner, f"make_durable failed or did not finish within {limit}"
+                    )
                 if not durable and warn:  # warn: not said already (reports still queued)
                     waited = time.monotonic() - began
                     # The sink may give up before its budget (wandb answers at most 3 s
@@ -454,33 +466,39 @@ class Delivery:
                         given,
                     )
                 if durable or isinstance(sink, TrackerSink):
-                    # A tracker's state holds delivered steps only, so it is right either way,
-                    # and fresher than the runner's copy when part of it was written by now.
+                    # A tracker whose steps count once its backend confirms them
+                    # (durable_on_send False) holds confirmed steps only, so it is right either
+                    # way, and fresher than the runner's copy when part was confirmed by now.
                     state = sink.state_dict()
                     if durable:
                         self._durable_states[runner.key] = copy.deepcopy(state)
                     return state
             except Exception as error:
                 # Nothing sent since the last durable checkpoint is known to be on disk (an
-                # fsync that raised EIO: the kernel may have dropped those pages). The
-                # sink's state now counts it as delivered, so a checkpoint keeping it would
-                # say steps are safe that a machine crash loses, and the resumed job would
-                # never send them again. Keep the state of the last checkpoint that made its
-                # steps durable (or the one the sink started from): a resumed job finds in
-                # the backend what survived and skips it.
-                kept = self._durable_states.get(runner.key, runner.first_state())
-                logger.error(
-                    "state_dict: sink %r: make_durable failed (%s): what it delivered since "
-                    "the last checkpoint may not be on disk, so this checkpoint keeps its "
-                    "state as of then (%s)",
-                    runner.key,
-                    error,
-                    "the last checkpoint that made it durable"
-                    if runner.key in self._durable_states
-                    else "its state when the run started",
-                )
-                return copy.deepcopy(kept)
+                # fsync that raised EIO: the kernel may have dropped those pages).
+                return self._last_durable_state(runner, f"make_durable failed ({error})")
         return runner.sink_state()
+
+    def _last_durable_state(self, runner: SinkRunner, why: str) -> Any:
+        """The sink's state as of the last checkpoint that made it durable, for one that did not.
+
+        The sink's state now counts what it sent since as delivered, so a checkpoint keeping it
+        would say steps are safe that a machine crash loses, and the resumed job would never
+        send them again. The state of the last checkpoint whose make_durable succeeded (or the
+        one the sink started from): a resumed job finds in the backend what survived and skips
+        it.
+        """
+        kept = self._durable_states.get(runner.key, runner.first_state())
+        logger.error(
+            "state_dict: sink %r: %s: what it delivered since the last checkpoint may not be "
+            "on disk, so this checkpoint keeps its state as of then (%s)",
+            runner.key,
+            why,
+            "the last checkpoint that made it durable"
+            if runner.key in self._durable_states
+            else "its state when the run started",
+        )
+        return copy.deepcopy(kept)
 
     def check_sink_states(
         self, states: Mapping[str, Any], undelivered: Mapping[str, Any] | None = None
@@ -710,6 +728,17 @@ class Delivery:
         _release(self.sinks.values(), self)
         if interrupted is not None:
             raise interrupted
+
+
+def _send_is_delivery(sink: Sink) -> bool:
+    """Whether ``sink``'s state counts a step once sent, before ``make_durable`` ran.
+
+    A tracker with ``durable_on_send`` (JSONL, MLflow), in this process or in a child one. One
+    without (W&B, TensorBoard) counts only what its backend confirmed.
+    """
+    if isinstance(sink, ProcessSink):
+        return sink.send_is_delivery
+    return isinstance(sink, TrackerSink) and sink.durable_on_send
 
 
 def _stream_text(stream: str) -> str:

@@ -61,8 +61,11 @@ class ComposeMetric(Metric[dict[str, Any]]):
         return self._children[name]
 
     def __repr__(self) -> str:
-        children = ", ".join(f"{name!r}: {child!r}" for name, child in self._children.items())
-        return f"ComposeMetric({{{children}}})"
+        # getattr: a constructor that raised part-way (a child already in another tree) leaves
+        # an object without children that a debugger or pytest --showlocals prints.
+        children = getattr(self, "_children", {})
+        inner = ", ".join(f"{name!r}: {child!r}" for name, child in children.items())
+        return f"{type(self).__name__}({{{inner}}})"
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._children)

@@ -25,7 +25,7 @@ from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo, Sink, batch_size
 from sidestream.sinks.status import PermanentSinkError, is_permanent
 from sidestream.sinks.support import check_seconds, seconds_left
-from sidestream.sinks.tracker import UnconfirmedBacklogError
+from sidestream.sinks.tracker import TrackerSink, UnconfirmedBacklogError
 
 __all__ = ["ProcessSink", "SinkProcessError"]
 
@@ -428,6 +428,10 @@ class ProcessSink(Sink):
             ) from error
         self.name = sink.name
         self._wrapped_repr = repr(sink)
+        # Whether the child's state counts a step once its send returned, so that only its
+        # make_durable (JSONL's fsync) makes it survive a machine crash: a checkpoint whose
+        # make_durable fell short must not keep that state (Delivery._durable_state).
+        self.send_is_delivery = isinstance(sink, TrackerSink) and sink.durable_on_send
         self.max_batch = batch_size(sink)  # the child's write_batch calls take no more
         self._place = sink.written_place()
         self._replay_options = sink.replay_options()

@@ -24,7 +24,7 @@ from sidestream.sinks._spool_format import (
 )
 from sidestream.sinks.base import Report, RunInfo, Sink, batch_size
 from sidestream.sinks.status import SinkStatus, is_permanent
-from sidestream.sinks.support import check_retry_waits, check_seconds
+from sidestream.sinks.support import MAX_RETRY_WAIT_S, check_retry_waits, check_seconds
 
 __all__ = ["SinkRunner", "state_before_open"]
 
@@ -64,7 +64,8 @@ class SinkRunner:
         spool_max_bytes: Most bytes the spool file holds (256 MiB by default).
         retry_initial_s: First backoff after a failure; doubles up to ``retry_max_s``.
         retry_max_s: Longest backoff.
-        flush_interval_s: An idle sink with unflushed writes is flushed after this long.
+        flush_interval_s: An idle sink with unflushed writes is flushed after this long (0 to
+            86,400 seconds).
     """
 
     def __init__(
@@ -89,6 +90,13 @@ class SinkRunner:
         check_int("capacity", capacity, 1)
         check_int("spool_max_bytes", spool_max_bytes, 1)
         check_seconds("flush_interval_s", flush_interval_s)
+        if not 0 <= flush_interval_s <= MAX_RETRY_WAIT_S:
+            # The idle sink waits this long for its flush: inf (or 1e300) passed the check
+            # above and failed the sink for good on its thread ("timestamp out of range").
+            raise ValueError(
+                f"flush_interval_s: expected seconds in [0, {MAX_RETRY_WAIT_S:g}], got "
+                f"{flush_interval_s!r}"
+            )
         if run is not None and not isinstance(run, RunInfo):
             # A dict was taken, and failed the sink's open on its thread.
             raise TypeError(f"run: expected a sidestream.sinks.RunInfo or None, got {run!r}")
