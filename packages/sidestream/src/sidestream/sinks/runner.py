@@ -153,6 +153,10 @@ class SinkRunner:
         ) = None
         self._keeper_lock = threading.Lock()
         self._keeper_gave_up = False  # under _keeper_lock: close stopped waiting for it
+        # Set by the keeper thread as it ends. Not Thread.is_alive(): a second interrupt in
+        # close's join of the keeper (Ctrl-C twice) marks it stopped while it still writes on
+        # Python 3.11 (bpo-45274), as _sink_thread_running says of the sink thread.
+        self._keeper_ended = threading.Event()
         self._kept_all = False  # a close kept every undelivered report in a spool file
         self._inbox_capacity = max(capacity, INBOX_MIN_CAPACITY)
         self._inbox_dropped = 0
@@ -717,10 +721,13 @@ class SinkRunner:
         kept: list[tuple[list[str], int, Exception | None]] = []
 
         def keep() -> None:
-            result = self._spool.keep(undelivered, newest)
-            with self._keeper_lock:
-                kept.append(result)
-                late = self._keeper_gave_up
+            try:
+                result = self._spool.keep(undelivered, newest)
+                with self._keeper_lock:
+                    kept.append(result)
+                    late = self._keeper_gave_up
+            finally:
+                self._keeper_ended.set()
             if late:  # close stopped waiting: what was kept is said here, once the disk is back
                 with self._lock:
                     report(*result)
@@ -752,7 +759,7 @@ class SinkRunner:
             if self._keeper_gave_up:  # given up before: the thread says what it kept itself
                 return None
         if self._remaining() is None:  # close(None): no limit, as asked
-            worker.join()
+            self._keeper_ended.wait()
             return kept[0] if kept else None
         while True:
             stalled = time.monotonic() - self._spool.kept_progress
@@ -763,8 +770,7 @@ class SinkRunner:
                         return kept[0]
                     self._keeper_gave_up = True  # it says what it kept, if it ever ends
                 return None
-            worker.join(min(wait, 0.1))
-            if not worker.is_alive():
+            if self._keeper_ended.wait(min(wait, 0.1)):
                 return kept[0] if kept else None
 
     def _acquire_by_deadline(self) -> bool:
