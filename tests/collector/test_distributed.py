@@ -957,6 +957,43 @@ def test_a_mesh_dimension_checkpoint_resumes_on_more_ranks(pools: Any, tmp_path:
     assert outcomes == [(pytest.approx(2.25, rel=1e-12), [])] * 4  # mean(1, 2, 3, 3)
 
 
+def _subgroup_checkpoint(tmp: str) -> None:
+    from sidestream import Run
+
+    group, _ = dist.new_subgroups(2)
+    run = Run([])  # no sinks: a subgroup without rank 0 may reduce on its own
+    val = run.collector(SumMetric(), prefix="val", group=group).bind("cpu")
+    val.metric.update(torch.tensor([10.0 ** (dist.get_rank() // 2)]))  # [0, 1]: 1s, [2, 3]: 10s
+    saved = run.state_dict(timeout=30)
+    if dist.get_rank() == 0:
+        torch.save(saved, Path(tmp) / "checkpoint.pt")
+    assert run.close(timeout=30)
+
+
+def _subgroup_resume_from_rank_0(tmp: str) -> float:
+    from sidestream import Run
+
+    group, _ = dist.new_subgroups(2)
+    run = Run([])
+    run.load_state_dict(torch.load(Path(tmp) / "checkpoint.pt", weights_only=False))
+    val = run.collector(SumMetric(), prefix="val", group=group).bind("cpu")
+    val.metric.update(torch.tensor([100.0]))
+    val.schedule_collection(1)
+    value = val.collect_results(timeout=30)
+    assert run.close(timeout=30)
+    return float(value)
+
+
+def test_another_subgroups_checkpoint_state_is_not_taken(pools: Any, tmp_path: Path) -> None:
+    # Rank 0's file holds subgroup [0, 1]'s state (2.0). Ranks 2 and 3, whose subgroup counted
+    # other data, must not continue from it (they start from zero, as their state is not in
+    # that file): only a collector whose group holds a saving rank takes a state saved by
+    # ranks this one was not among (a job resumed on more ranks).
+    pools.get(4).run(_subgroup_checkpoint, str(tmp_path))
+    values = pools.get(4).run(_subgroup_resume_from_rank_0, str(tmp_path), timeout=120)
+    assert values == [202.0, 202.0, 200.0, 200.0]
+
+
 def _fresh_run_state_keys(tmp: str) -> tuple[list[str], list[str]]:
     from sidestream import Run
 

@@ -134,6 +134,7 @@ class Run:
         # were saved: claimed by a collector of that prefix made here (a job resumed on more
         # ranks, or over a larger group), otherwise neither warned about nor carried on.
         self._outside_states: dict[str, Any] = {}
+        self._outside_ranks: dict[str, list[int]] = {}  # the ranks that saved each of them
         self._loaded = False  # load_state_dict was called
         self._warned_unclaimed = False
         self._log_pipe: LogPipe | None = None
@@ -246,9 +247,16 @@ class Run:
             _delivery=self._delivery,
         )
         # A state saved by ranks this one was not among (a job resumed on more ranks: mesh
-        # (2, 1) on 2 ranks, then (2, 2) on 4) is this collector's too: every rank of its
-        # group must load it, or bind fails with "different checkpoint loads".
-        saved = self._metric_states if stream in self._metric_states else self._outside_states
+        # (2, 1) on 2 ranks, then (2, 2) on 4) is this collector's too when its group holds
+        # one of them: every rank of its group must load it, or bind fails with "different
+        # checkpoint loads". Another subgroup's (new_subgroups: [0, 1] saved, this is [2, 3])
+        # counted other data: not this collector's.
+        if stream in self._metric_states:
+            saved = self._metric_states
+        elif stream in self._outside_states and self._holds_saving_rank(stream, collector):
+            saved = self._outside_states
+        else:
+            saved = {}
         if stream in saved:
             # Dropped only once it loaded: a refused state (another metric) stays saved, and
             # goes on to the next checkpoint if no collector claims it.
@@ -437,6 +445,12 @@ class Run:
             return complete
         finally:
             self._closing.end(self._close_result)
+
+    def _holds_saving_rank(self, stream: str, collector: AsyncMetricCollector[Any]) -> bool:
+        """Whether ``collector``'s group holds a rank that saved ``stream``'s outside state."""
+        group, _ = collector._checkpoint_scope()
+        holders = _holding_ranks(collector._group, group)
+        return not set(holders).isdisjoint(self._outside_ranks.get(stream, ()))
 
     def _close_all(self, deadline: float | None) -> bool:
         complete = True
@@ -633,6 +647,7 @@ class Run:
         # A subgroup's collector this rank was not in (made on its members only): its state
         # is theirs, not an unclaimed one, unless this rank makes that collector now.
         self._outside_states = outside
+        self._outside_ranks = {p: list(saved_ranks[p]) for p in outside}
         self._metric_states = collectors
         self._metric_ranks = {p: list(saved_ranks[p]) for p in collectors if p in saved_ranks}
         self._loaded = True
@@ -648,7 +663,7 @@ _COLLECTOR_RANKS = "collector_ranks"
 """The key of the global ranks of each collector over a group of its own, in a checkpoint."""
 
 
-def _holding_ranks(given: Group, group: dist.ProcessGroup) -> list[int]:
+def _holding_ranks(given: Group, group: dist.ProcessGroup | None) -> list[int]:
     """The global ranks that make the collector over ``given`` (resolved to ``group``).
 
     A 1-D slice of a device mesh (``mesh["dp"]``) is made on every rank of the mesh, each
