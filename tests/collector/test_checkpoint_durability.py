@@ -20,6 +20,21 @@ def _last_steps(state: dict) -> dict[str, int]:
     return {stream: step for stream, step in state["sinks"]["jsonl"]["last_steps"]}
 
 
+def _run_past_a_durable_checkpoint(path: Path) -> Run:
+    """A run that logged steps 1..5, checkpointed them durably, then logged 6..10."""
+    run = Run([JsonlSink(path)])
+    for step in range(1, 6):
+        run.log(step, {"x": float(step)})
+    assert _last_steps(run.state_dict(timeout=10)) == {"": 5}
+    for step in range(6, 11):
+        run.log(step, {"x": float(step)})
+    return run
+
+
+def _steps_in(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
 def _checkpoint_with_failing_fsync(run: Run, monkeypatch: pytest.MonkeyPatch) -> dict:
     """``run.state_dict()`` while every ``os.fsync`` fails as a disk's write-back error does."""
 
@@ -35,12 +50,7 @@ def test_failed_fsync_keeps_the_last_durable_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "m.jsonl"
-    run = Run([JsonlSink(path)])
-    for step in range(1, 6):
-        run.log(step, {"x": float(step)})
-    assert _last_steps(run.state_dict(timeout=10)) == {"": 5}
-    for step in range(6, 11):
-        run.log(step, {"x": float(step)})
+    run = _run_past_a_durable_checkpoint(path)
     checkpoint = _checkpoint_with_failing_fsync(run, monkeypatch)
     # Steps 6..10 were written but never made durable: a machine crash may lose them, so the
     # checkpoint must not count them as delivered (the resumed job would never send them).
@@ -54,8 +64,7 @@ def test_failed_fsync_keeps_the_last_durable_state(
     for step in range(11, 13):
         resumed.log(step, {"x": float(step)})
     assert resumed.close(timeout=10)
-    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
-    assert steps == list(range(1, 13))
+    assert _steps_in(path) == list(range(1, 13))
 
 
 def test_failed_fsync_before_any_durable_checkpoint_keeps_the_starting_state(
@@ -81,12 +90,7 @@ def test_fsync_that_does_not_finish_in_time_keeps_the_last_durable_state(
     import threading
 
     path = tmp_path / "m.jsonl"
-    run = Run([JsonlSink(path)])
-    for step in range(1, 6):
-        run.log(step, {"x": float(step)})
-    assert _last_steps(run.state_dict(timeout=10)) == {"": 5}
-    for step in range(6, 11):
-        run.log(step, {"x": float(step)})
+    run = _run_past_a_durable_checkpoint(path)
     disk = threading.Event()
     real_fsync = os.fsync
 
@@ -109,8 +113,7 @@ def test_fsync_that_does_not_finish_in_time_keeps_the_last_durable_state(
     resumed.load_state_dict(checkpoint)
     resumed.log(11, {"x": 11.0})
     assert resumed.close(timeout=10)
-    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
-    assert steps == list(range(1, 12))
+    assert _steps_in(path) == list(range(1, 12))
 
 
 def test_failed_fsync_in_a_child_process_keeps_the_last_durable_state(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from sidestream.sinks import Report, RunInfo, Sink, SinkRunner
+from tests.reliability.interrupts import alarm_interrupts
 
 
 class _SlowToClose(Sink):
@@ -101,25 +102,18 @@ def test_an_interrupt_in_close_s_join_does_not_pass_the_sink_thread_off_as_ended
     runner = SinkRunner(sink, capacity=16, spool_dir=tmp_path)
     runner.start()
 
-    def interrupt(signum: int, frame: object) -> None:
-        del signum, frame
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         runner.submit(Report(step=1, values={"x": 1.0}, time=time.time()))
         deadline = time.monotonic() + 20
         while not sink.steps and time.monotonic() < deadline:
             time.sleep(0.01)
-        with caplog.at_level(logging.WARNING, logger="sidestream"):
+        with caplog.at_level(logging.WARNING, logger="sidestream"), alarm_interrupts():
             signal.setitimer(signal.ITIMER_REAL, 0.3)  # inside close's join: the sink is closing
             with pytest.raises(KeyboardInterrupt):
                 runner.close(30.0)
             assert sink.closing.is_set()
             assert runner.close_now() is False
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         sink.gate.set()
     said = [m for m in (r.getMessage() for r in caplog.records) if "every report was" in m]
     assert len(said) == 1 and "interrupted" in said[0], [r.getMessage() for r in caplog.records]

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from sidestream.sinks import Report, RunInfo, Sink, SinkRunner
+from tests.reliability.interrupts import alarm_interrupts
 
 
 class _HungWrite(Sink):
@@ -57,22 +58,16 @@ def test_an_interrupt_while_close_keeps_the_reports_waits_for_the_keeper(
 
     runner._spool.keep = slow_keep  # type: ignore[method-assign]
 
-    def interrupt(signum: int, frame: object) -> None:
-        del signum, frame
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
     runner.start()
     try:
         for step in range(1, 4):
             runner.submit(Report(step=step, values={"x": float(step)}, time=time.time()))
-        with caplog.at_level(logging.WARNING, logger="sidestream"):
+        with caplog.at_level(logging.WARNING, logger="sidestream"), alarm_interrupts():
             with pytest.raises(KeyboardInterrupt):
                 runner.close(0.2)  # the write hangs: its reports go to a kept spool file
             threading.Timer(0.5, release.set).start()  # the disk catches up
             assert runner.close_now() is False
     finally:
-        signal.signal(signal.SIGALRM, previous)
         release.set()
         sink.gate.set()
     messages = [r.getMessage() for r in caplog.records]

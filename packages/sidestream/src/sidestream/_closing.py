@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["CloseOnce"]
+__all__ = ["CloseOnce", "wait_until_free"]
 
 
 class CloseOnce:
@@ -50,3 +50,19 @@ class CloseOnce:
         if not self._done.wait(timeout):
             return False
         return self._result
+
+
+def wait_until_free(lock: threading.RLock, timeout: float | None) -> bool:
+    """Wait up to ``timeout`` seconds (``None``: no limit) for a call holding ``lock`` to end.
+
+    What a close does for a ``log`` or ``schedule_collection`` another thread is inside: that
+    call checked "closed" before the close set it, so its values go out only if it finishes
+    before the threads that deliver them stop. Re-entrant locks: a close run inside such a
+    call on its own thread (a signal handler's) passes at once. Whether it had to wait.
+    """
+    if lock.acquire(blocking=False):
+        lock.release()
+        return False
+    if lock.acquire(timeout=-1 if timeout is None else timeout):
+        lock.release()
+    return True

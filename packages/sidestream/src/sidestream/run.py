@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from sidestream._closing import CloseOnce
+from sidestream._closing import CloseOnce, wait_until_free
 from sidestream._dcp_guard import refuse_pickling
 from sidestream._delivery import (
     OF_THE_RUN,
@@ -148,8 +148,7 @@ class Run:
         # Re-entrant: a signal handler that logs, run inside a call, must not wait for itself.
         self._log_lock = threading.RLock()
         self._closed = False
-        self._closing = CloseOnce()
-        self._close_result = True  # what the first close returned; later calls repeat it
+        self._closing = CloseOnce()  # which close call closes, and its answer for the others
 
     def __repr__(self) -> str:
         # getattr: a constructor that raised part-way leaves an object a debugger may print.
@@ -423,7 +422,7 @@ class Run:
             # it has one, not True before anything was delivered.
             return self._closing.answer(timeout)
         self._closed = True
-        self._close_result = False  # until this call knows better (an error escaping it)
+        complete = False  # the answer other calls get if an error escapes this one
         try:
             forget_close_at_exit(self._close_at_exit)
             if self._metric_states:
@@ -441,10 +440,9 @@ class Run:
                     collector.warn_unreported("Run.close was interrupted")
                 self._delivery.close_now()
                 raise
-            self._close_result = complete
             return complete
         finally:
-            self._closing.end(self._close_result)
+            self._closing.end(complete)
 
     def _holds_saving_rank(self, stream: str, collector: AsyncMetricCollector[Any]) -> bool:
         """Whether ``collector``'s group holds a rank that saved ``stream``'s outside state."""
@@ -454,12 +452,9 @@ class Run:
 
     def _close_all(self, deadline: float | None) -> bool:
         complete = True
-        # A log call in progress on another thread checked _closed before it was set: let it
-        # hand its values to the pipe before the pipe stops, or they would be put in after
-        # its thread ended and reach no sink while close returned True. (Re-entrant: a
-        # close run inside a log call on this thread, a signal handler's, passes at once.)
-        if self._log_lock.acquire(timeout=_lock_wait(seconds_left(deadline))):
-            self._log_lock.release()
+        # A log call in progress on another thread hands its values to the pipe before the
+        # pipe stops: put in after its thread ended, they would reach no sink.
+        wait_until_free(self._log_lock, seconds_left(deadline))
         for collector in self._collectors:
             if not collector.close(seconds_left(deadline)):
                 complete = False
@@ -652,11 +647,6 @@ class Run:
         self._metric_ranks = {p: list(saved_ranks[p]) for p in collectors if p in saved_ranks}
         self._loaded = True
         self._delivery.load_sink_states(sinks, state_dict.get("undelivered"))
-
-
-def _lock_wait(timeout: float | None) -> float:
-    """``timeout`` as ``Lock.acquire`` takes it (``-1``: no limit)."""
-    return -1 if timeout is None else timeout
 
 
 _COLLECTOR_RANKS = "collector_ranks"

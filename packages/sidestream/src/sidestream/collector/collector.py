@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from sidestream._closing import CloseOnce
+from sidestream._closing import CloseOnce, wait_until_free
 from sidestream._dcp_guard import refuse_pickling
 from sidestream._delivery import (
     OF_THE_RUN,
@@ -265,8 +265,7 @@ class AsyncMetricCollector(Generic[T]):
         self._in_schedule = False
         self._unreported_warned = False  # warn_unreported said it
         self._twin_index = 0  # set at bind: told apart from open collectors of this prefix
-        self._closing = CloseOnce()
-        self._close_result = True  # what the first close returned; later calls repeat it
+        self._closing = CloseOnce()  # which close call closes, and its answer for the others
         # Last, once nothing can be refused: checkpoints reduce over the collector's group,
         # not whatever the metric last saw (a refused collector leaves the metric as it was).
         metric.sync_group = group
@@ -1044,7 +1043,7 @@ class AsyncMetricCollector(Generic[T]):
             # answer, once it has one, not True before its windows were delivered.
             return self._closing.answer(timeout)
         self._closed = True
-        self._close_result = False  # until this call knows better (an error escaping it)
+        complete = False  # the answer other calls get if an error escapes this one
         try:
             if _BOUND.get(id(self._metric)) is self:  # this collector bound it (not another)
                 for metric in self._metric._walk_metrics():
@@ -1053,7 +1052,10 @@ class AsyncMetricCollector(Generic[T]):
                 forget_close_at_exit(self._close_at_exit)
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                if self._wait_for_schedule_in_progress(deadline):
+                # A schedule_collection in progress on another thread hands its window to the
+                # dispatcher before it stops: queued after that, it would never be processed.
+                # Calls that take the lock after this see _closed and raise.
+                if wait_until_free(self._scheduling, timeout):
                     timeout = seconds_left(deadline)  # what the wait left of it
                 complete = self._close_windows_and_sinks(timeout, deadline)
             except BaseException:
@@ -1068,26 +1070,9 @@ class AsyncMetricCollector(Generic[T]):
                 # collectors (one per evaluation set kept 24 MB for a 500-class confusion
                 # matrix).
                 self._drop_free_slots()
-            self._close_result = complete
             return complete
         finally:
-            self._closing.end(self._close_result)
-
-    def _wait_for_schedule_in_progress(self, deadline: float | None) -> bool:
-        """Let a ``schedule_collection`` running on another thread hand its window on first.
-
-        It checked ``_closed`` before close set it: its window, queued after the dispatcher's
-        stop, would never be processed, while close returned True. Calls that take the lock
-        after this see ``_closed`` and raise. A close run inside the call on its own thread (a
-        signal handler's) gets the re-entrant lock at once. Whether it waited.
-        """
-        if self._scheduling.acquire(blocking=False):
-            self._scheduling.release()
-            return False
-        left = seconds_left(deadline)
-        if self._scheduling.acquire(timeout=-1 if left is None else left):
-            self._scheduling.release()
-        return True
+            self._closing.end(complete)
 
     def _drop_free_slots(self) -> None:
         while True:
