@@ -61,6 +61,12 @@ def test_a_statistic_whose_name_is_no_str_is_refused_naming_statistics(name: Any
         ConfusionCountMetric(Problem(ProblemKind.BINARY), [Accuracy(name)])
 
 
+def test_a_statistic_with_an_empty_name_is_refused() -> None:
+    # Its key vanished from the flat names: "val/f1" held the empty-named value.
+    with pytest.raises(ValueError, match="statistics: a statistic's name must not be empty"):
+        ConfusionCountMetric(Problem(ProblemKind.BINARY), [Accuracy(""), Accuracy()])
+
+
 def test_problem_refuses_a_kind_given_as_a_string() -> None:
     # Was kept, and the metric built on it failed with "'str' object has no attribute".
     with pytest.raises(TypeError, match="kind: expected a ProblemKind"):

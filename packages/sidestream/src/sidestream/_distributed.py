@@ -28,7 +28,7 @@ __all__ = [
     "retain_work",
 ]
 
-Group: TypeAlias = "dist.ProcessGroup | DeviceMesh | None"
+Group: TypeAlias = dist.ProcessGroup | DeviceMesh | None
 
 
 def check_device(where: str, device: object, *, allow_none: bool = False) -> None:

@@ -184,7 +184,8 @@ def check_statistics(statistics: Sequence[Statistic]) -> None:
     """Raise unless ``statistics`` holds at least one ``Statistic``, each of its own name.
 
     Raises:
-        ValueError: If it is empty or two statistics share a name (one key per name).
+        ValueError: If it is empty, a name is empty, or two statistics share a name (one key
+            per name).
         TypeError: If an item does not follow the ``Statistic`` protocol (checked before the
             names are read: a string has no ``name``), or its name is not a str.
     """
@@ -200,6 +201,10 @@ def check_statistics(statistics: Sequence[Statistic]) -> None:
                 f"statistics: a statistic's name must be a str, got {statistic.name!r} "
                 f"for {statistic!r}"
             )
+        if not statistic.name:
+            # An empty key vanishes from the flat names: "val/f1/" would be reported as
+            # "val/f1", next to (or in place of) another statistic's value.
+            raise ValueError(f"statistics: a statistic's name must not be empty: {statistic!r}")
     names = [statistic.name for statistic in statistics]
     if len(set(names)) != len(names):
         raise ValueError(f"statistics: names must be unique, got {names}")
