@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,60 @@ def test_failed_fsync_in_a_child_process_keeps_the_last_durable_state(tmp_path: 
         assert _last_steps(run.state_dict(timeout=30)) == {"": 3}
     finally:
         run.close(timeout=30)
+
+
+class _DeliversDuringFsync(JsonlSink):
+    """A JSONL sink whose checkpoint fsync is followed by a delivery on the sink's thread.
+
+    Records how many bytes of the file the fsync covered. ``during`` (set by the test) runs on
+    the checkpoint's thread once the fsync is done, before ``make_durable`` returns: there
+    the sink's thread delivers a report logged meanwhile (another thread's ``run.log``, a
+    window that finished late), as it may at any time.
+    """
+
+    synced = 0
+    during = None
+
+    def _sync_file(self) -> None:
+        super()._sync_file()
+        if self._file is not None:
+            self.synced = os.fstat(self._file.fileno()).st_size
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        durable = super().make_durable(timeout)
+        if self.during is not None:
+            self.during()
+        return durable
+
+
+def test_a_report_delivered_after_the_fsync_is_not_counted_as_durable(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    sink = _DeliversDuringFsync(path)
+    run = Run([sink])
+    for step in range(1, 4):
+        run.log(step, {"x": float(step)})
+    (runner,) = run.sink_runners
+
+    def deliver_step_4() -> None:
+        sink.during = None
+        run.log(4, {"x": 4.0})  # handed to the runner by the run's log thread
+        deadline = time.monotonic() + 10
+        while runner.delivered < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runner.delivered == 4
+
+    sink.during = deliver_step_4
+    checkpoint = run.state_dict(timeout=10)
+    state = checkpoint["sinks"]["jsonl"]
+    # Step 4 reached the file after the fsync: a machine crash may lose it, so the
+    # checkpoint must neither count it nor point past it (the resumed job would skip it).
+    assert _last_steps(checkpoint) == {"": 3}
+    assert state["offset"] <= sink.synced
+    assert run.close(timeout=10)
+
+    # Resumed with the line still there (a process crash): it is found, not written twice.
+    resumed = Run([JsonlSink(path)])
+    resumed.load_state_dict(checkpoint)
+    resumed.log(5, {"x": 5.0})
+    assert resumed.close(timeout=10)
+    assert _steps_in(path) == [1, 2, 3, 4, 5]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -28,6 +29,19 @@ def test_call_within_reports_the_error_and_success() -> None:
     calls: list[int] = []
     assert call_within(lambda: calls.append(1), 5, "test-ok") == (True, None)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("kind", [SystemExit, asyncio.CancelledError])
+def test_call_within_reports_a_base_exception_as_a_failure(kind: type[BaseException]) -> None:
+    # A client that raises SystemExit (sys.exit) or CancelledError (an asyncio layer): the
+    # call did not succeed. It read as finished without error, so a close that never ended
+    # the run or a flush that wrote nothing counted as done.
+    def fail() -> None:
+        raise kind("client gave up")
+
+    finished, error = call_within(fail, 5, "test-base-exception")
+    assert finished and isinstance(error, RuntimeError)
+    assert kind.__name__ in str(error) and isinstance(error.__cause__, kind)
 
 
 def test_parse_resume_state() -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import statistics
@@ -324,6 +325,25 @@ def test_a_lost_reply_to_the_final_set_terminated_is_checked_with_the_server(
     assert sink.close(timeout=30) is lands
     status = MlflowClient(tracking_uri=uri).get_run(run_id).info.status
     assert status == ("FINISHED" if lands else "RUNNING")
+
+
+def test_a_final_set_terminated_cancelled_in_the_client_is_a_failed_close(
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # asyncio.CancelledError is a BaseException: it ended the close's worker thread silently,
+    # and close said True while the run stayed RUNNING.
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+
+    def cancelled(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise asyncio.CancelledError()
+
+    sink = MlflowSink(tracking_uri=uri, experiment="cancelled")
+    sink.open(RunInfo(name="cancelled"))
+    sink.write(Report(step=0, values={"loss": 0.5}, time=time.time()))
+    run_id = sink.run_id
+    monkeypatch.setattr(MlflowClient, "set_terminated", cancelled)
+    assert sink.close(timeout=30) is False
+    assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "RUNNING"
 
 
 def test_long_names_and_odd_config_values_are_kept_within_limits(shm_path: Path) -> None:

@@ -873,3 +873,29 @@ def test_a_branched_run_opened_again_after_close_continues_the_same_run(
     assert not continued.HasField("branch_point")
     assert continued.resume  # wandb.init(id=..., resume="allow"): the same run, continued
     assert [row.items["step"] for row in _history(_data_file(run_dirs[1]))] == [1]
+
+
+def test_a_disabled_run_keeps_no_memory_per_row(tmp_path: Path) -> None:
+    """mode="disabled" reads no .wandb file and counts no row by time: a row kept for that
+    count was never let go, one per row for the whole job (DESIGN: memory has caps)."""
+    import tracemalloc
+
+    sink = WandbSink(project="sidestream-it", mode="disabled", dir=str(tmp_path))
+    sink.open(RunInfo(name="disabled"))
+
+    def write(steps: range) -> None:
+        for step in steps:
+            sink.write(Report(step=step, values={"loss": 1.0}, time=0.0, stream="train"))
+        assert sink.flush(1.0)
+
+    write(range(0, 2_000))  # wandb's own caches warmed up
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        write(range(2_000, 22_000))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert sink.close(timeout=60)
+    # 20,000 rows kept took about 3 MB.
+    assert grown < 500_000, grown

@@ -391,7 +391,7 @@ class WandbSink(TrackerSink):
             # then waits for it in the file too.
             with self._unwritten_lock:
                 self._handed[report.stream] = report.step
-                if self._log is None:
+                if self._log is None and self._counts_by_time():
                     self._unwritten.append(
                         (self._last_log, size_before, report.stream, report.step)
                     )
@@ -441,6 +441,15 @@ class WandbSink(TrackerSink):
         return {
             stream: found[step_metric(stream)] for stream in streams if step_metric(stream) in found
         }
+
+    def _counts_by_time(self) -> bool:
+        """Whether rows count by time (``_rows_by_time``), which takes them off ``_unwritten``.
+
+        Not for ``mode="disabled"`` (nothing is kept), nor without a periodic write (an older
+        client, an interval of 0): only a persist at finish counts those rows, and a row held
+        for ``_rows_by_time`` would stay for good, one per row for the whole job.
+        """
+        return not self._disabled and self._flush_interval is not None and self._flush_interval > 0
 
     def _rows_by_time(self) -> dict[str, int]:
         """Rows logged at least one periodic write (plus the margin) ago, the file grown since.

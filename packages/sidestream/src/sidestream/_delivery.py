@@ -435,6 +435,13 @@ class Delivery:
         if ready and isinstance(sink, TrackerSink | ProcessSink):
             # Thread-safe by contract: make what was sent durable, then read what counts.
             try:
+                # A sink whose state counts a step once sent (JSONL, MLflow) is read before
+                # make_durable: its thread may deliver more meanwhile (run.log from another
+                # thread, a window that finished late), and a state read after the fsync
+                # counted those un-synced steps (and JSONL's offset past them) as durable.
+                # What the state holds was sent before make_durable began, so it covers them.
+                # One that counts confirmed steps only (W&B, TensorBoard) is read after it.
+                sent_state = sink.state_dict() if _send_is_delivery(sink) else None
                 began = time.monotonic()
                 durable = sink.make_durable(timeout)
                 if not durable and _send_is_delivery(sink):
@@ -469,7 +476,7 @@ class Delivery:
                     # A tracker whose steps count once its backend confirms them
                     # (durable_on_send False) holds confirmed steps only, so it is right either
                     # way, and fresher than the runner's copy when part was confirmed by now.
-                    state = sink.state_dict()
+                    state = sent_state if sent_state is not None else sink.state_dict()
                     if durable:
                         self._durable_states[runner.key] = copy.deepcopy(state)
                     return state

@@ -504,6 +504,10 @@ def call_within(
 
     Returns:
         ``(finished, error)``: whether it ended in time, and the exception it raised, if any.
+        A ``BaseException`` that is no ``Exception`` (``SystemExit`` from a client,
+        ``asyncio.CancelledError``) comes back as a ``RuntimeError`` naming it: the call
+        failed, and the caller (a checkpoint on the training thread) must not get an
+        interpreter exit raised into it.
     """
     errors: list[Exception] = []
 
@@ -512,6 +516,13 @@ def call_within(
             action()
         except Exception as error:
             errors.append(error)
+        except BaseException as error:
+            # Caught, or the thread died with it silently (threading ignores SystemExit) and
+            # the call read as finished without error: a close that never ended the run,
+            # a flush that wrote nothing, counted as done.
+            failure = RuntimeError(f"{type(error).__name__}: {error}")
+            failure.__cause__ = error
+            errors.append(failure)
 
     worker = threading.Thread(target=run, name=thread_name, daemon=True)
     worker.start()
