@@ -25,10 +25,26 @@ class CloseOnce:
         self._done = threading.Event()
         self._result = False
 
-    def begin(self) -> bool:
-        """Whether this call is the first, which closes (atomic: one thread wins)."""
-        mine = (threading.get_ident(), object())
-        return self._claim.setdefault("closer", mine) is mine
+    @staticmethod
+    def closer() -> tuple[int, object]:
+        """A close call's own claim, to make before its ``try``: its thread and a fresh token."""
+        return (threading.get_ident(), object())
+
+    def begin(self, closer: tuple[int, object]) -> bool:
+        """Whether the call with ``closer`` is the first, which closes (atomic: one thread wins).
+
+        Call it inside the ``try`` whose handlers end the claim (``holds``, then ``end``): an
+        exception raised right after the claim (a signal handler's ``KeyboardInterrupt`` or
+        ``SystemExit``, run at the check Python makes once ``setdefault`` returns) skipped an
+        ``end`` called only from a ``try`` entered after this returned, and every later close
+        (another thread's, or the one at exit) waited for an answer that never came, or said
+        ``False`` at once with the sinks never closed.
+        """
+        return self._claim.setdefault("closer", closer) is closer
+
+    def holds(self, closer: tuple[int, object]) -> bool:
+        """Whether the call with ``closer`` made the claim (so it must ``end`` it)."""
+        return self._claim.get("closer") is closer
 
     def end(self, result: bool) -> None:
         """The first call's answer; wakes the calls waiting for it."""

@@ -153,7 +153,13 @@ class Delivery:
         # Called once when the sinks start, whoever starts them (a collector's bind or
         # Run.log): the owner registers its close at interpreter exit there.
         self.on_start: Callable[[], None] | None = None
-        self._lock = threading.Lock()
+        # Re-entrant: a signal handler's log or close, run on a thread that holds it (starting
+        # the sinks in bind or the first log), waited on a plain lock for its own thread, and
+        # the job hung. ``_starting`` names the thread inside a start (or its undoing), whose
+        # handler's calls are refused (``refuse_inside_start``) instead of let in on runners
+        # half started.
+        self._lock = threading.RLock()
+        self._starting: int | None = None
         self._closed = False
         self._close_result = True  # what the first close returned; later calls repeat it
         self._failed_submits: set[str] = set()
@@ -192,20 +198,45 @@ class Delivery:
             return started  # started: the process group was checked then (run.log's hot path)
         check_process_group(where)
         with self._lock:
+            self.refuse_inside_start(where)  # a handler's log, run inside this thread's start
             if self._closed:
                 raise RuntimeError(f"{where}: the run is closed")
             if self.runners is not None:
                 return self.runners
-            runners: list[SinkRunner] = []
-            if not self.is_writer:
-                self.backlogs = {}  # only rank 0 delivers: do not hold them for the whole job
-            if self.is_writer:
-                runners = [self._runner(key, sink) for key, sink in self.sinks.items()]
-                self._start_runners(runners)
-            self.runners = runners
-            if self.on_start is not None:
-                self.on_start()
-            return runners
+            self._starting = threading.get_ident()
+            try:
+                runners: list[SinkRunner] = []
+                if not self.is_writer:
+                    self.backlogs = {}  # only rank 0 delivers: do not hold them for the whole job
+                if self.is_writer:
+                    runners = [self._runner(key, sink) for key, sink in self.sinks.items()]
+                    self._start_runners(runners)
+                self.runners = runners
+                if self.on_start is not None:
+                    self.on_start()
+                return runners
+            finally:
+                self._starting = None
+
+    def refuse_inside_start(self, where: str) -> None:
+        """Raise if this thread is starting the sinks (or undoing a start): a handler's call.
+
+        What a signal handler's ``close`` (or ``log``) finds when it runs between two bytecodes
+        of ``bind`` or the first ``log`` while they start the sinks: the start holds ``_lock``
+        with runners half started, so the call can neither wait for it (it would wait for its
+        own thread: the job hung) nor go on. Raised before anything changed, so the run is
+        closed as usual once that call has returned or raised.
+
+        Raises:
+            RuntimeError: Naming ``where`` and what to do instead.
+        """
+        if self._starting is not None and self._starting == threading.get_ident():
+            raise RuntimeError(
+                f"{where}: called on the thread that is starting this run's sinks (from a "
+                "signal handler run inside bind or the first log?), which would wait for "
+                "itself; let the handler raise instead (sys.exit), and close the run when "
+                "that reaches it: with Run(...) as run:, or run.close() in a finally"
+            )
 
     def _start_runners(self, runners: list[SinkRunner]) -> None:
         """Start ``runners``, then hand each its sink's backlog (lock held), all or nothing.
@@ -273,9 +304,14 @@ class Delivery:
         checkpoint's backlog, nothing else was submitted) is kept for the next ``start``.
         """
         with self._lock:
-            runners, self.runners = self.runners, None
-            if runners:
-                self._withdraw(runners, runners, interrupted=interrupted)
+            self.refuse_inside_start("bind")  # a handler's bind, run inside a start's undoing
+            self._starting = threading.get_ident()
+            try:
+                runners, self.runners = self.runners, None
+                if runners:
+                    self._withdraw(runners, runners, interrupted=interrupted)
+            finally:
+                self._starting = None
 
     def submit(self, report: Report, given: set[str] | None = None) -> None:
         """Hand ``report`` to every runner (rank 0, once started); one failing stays its own.
@@ -383,16 +419,13 @@ class Delivery:
             began = time.monotonic()
             behind = not runner.wait_delivered(left)
             if behind:
-                failed = runner.status.state == "failed"
                 logger.warning(
                     "state_dict: sink %r still has %d undelivered report(s) %s; its state is "
                     "as of its last delivered step, and the checkpoint holds those reports "
                     "(a job resumed from it delivers them first)",
                     runner.key,
                     runner.pending,
-                    "(it failed for good: see its status)"
-                    if failed
-                    else f"after waiting {time.monotonic() - began:.1f} s",
+                    _wait_text(runner, time.monotonic() - began, left, timeout),
                 )
             undelivered[runner.key] = runner.undelivered(seconds_left(deadline)).decode()
             # What is left of the overall timeout, not the wait's share again.
@@ -633,6 +666,7 @@ class Delivery:
         checkpoint's undelivered reports are delivered now (or kept in a spool file), not
         dropped with the run.
         """
+        self.refuse_inside_start("close")  # before anything changed (Run.close checked too)
         self._start_for_backlogs()
         with self._lock:
             if self._closed:
@@ -735,6 +769,27 @@ class Delivery:
         _release(self.sinks.values(), self)
         if interrupted is not None:
             raise interrupted
+
+
+def _wait_text(runner: SinkRunner, waited: float, left: float | None, timeout: float | None) -> str:
+    """Why a checkpoint's sink is behind, for its warning: how long it waited, and of what.
+
+    The sinks wait in turn within one deadline (``timeout`` seconds from the first): a sink
+    behind a slow one found it passed and was said to have waited "0.0 s", as if it had been
+    given no time by mistake.
+    """
+    if runner.status.state == "failed":
+        return "(it failed for good: see its status)"
+    given = "no limit" if timeout is None else f"{timeout:.1f} s"
+    if left is not None and left <= 0:
+        return (
+            f"(not waited for: the checkpoint's time for its sinks, {given}, which they "
+            "share in turn, had run out before its turn)"
+        )
+    return (
+        f"after waiting {waited:.1f} s of the checkpoint's time for its sinks, {given}, "
+        "which they share in turn"
+    )
 
 
 def _send_is_delivery(sink: Sink) -> bool:

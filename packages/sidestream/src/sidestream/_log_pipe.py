@@ -71,6 +71,7 @@ class LogPipe:
         self._on_device = 0  # entries waiting for a CUDA copy, queued or being delivered
         self._busy = False
         self._stopping = False
+        self._refusing = False  # stopped by a run's close: put refuses (_refuse_if_stopping)
         self.dropped = 0
         self._thread = threading.Thread(target=self._work, name="sidestream-log", daemon=True)
         self._thread.start()
@@ -82,6 +83,7 @@ class LogPipe:
         interrupts this call finds it set or not, and the entry then queued or not.
         """
         with self._lock:
+            self._refuse_if_stopping(entry)
             if len(self._entries) < self._capacity:
                 if entry.host is not None:
                     self._on_device += 1
@@ -114,6 +116,7 @@ class LogPipe:
             pending: deque[LogEntry] | None = None
             try:
                 with self._lock:
+                    self._refuse_if_stopping(entry)
                     if self._on_device:  # queued meanwhile by another thread: it would wait
                         entry.queued = True
                         self._drop(entry)
@@ -137,19 +140,35 @@ class LogPipe:
                         self._entries.extendleft(reversed(pending))
                         self._cond.notify_all()
 
+    def _refuse_if_stopping(self, entry: LogEntry) -> None:
+        """Raise, leaving ``entry`` untaken, after ``stop(refuse_later=True)`` (lock held).
+
+        A close run inside a ``log`` call on its own thread (a signal handler's) stops the pipe
+        before the call hands its entry over: queued after that, it reached no sink, while the
+        call returned as if it had and close said True.
+        """
+        if self._refusing:
+            raise RuntimeError(
+                f"log: the run was closed during this call (by a close run inside it on this "
+                f"thread, such as a signal handler's); the values of step {entry.step} reached "
+                "no sink"
+            )
+
     def wait_idle(self, timeout: float | None) -> bool:
         """Block until every queued entry is delivered; whether it happened in time."""
         with self._lock:
             return self._cond.wait_for(lambda: not self._entries and not self._busy, timeout)
 
-    def stop(self, timeout: float | None) -> bool:
+    def stop(self, timeout: float | None, *, refuse_later: bool = False) -> bool:
         """Deliver what is queued, then end the thread; whether it ended in time.
 
         When it did not (a CUDA copy still stalls), ``undelivered`` says how many entries
-        reached no sink.
+        reached no sink. ``refuse_later``: later ``put`` calls raise (a run's close: nothing
+        would deliver them).
         """
         with self._lock:
             self._stopping = True
+            self._refusing = self._refusing or refuse_later
             self._cond.notify_all()
         self._thread.join(timeout)
         return not self._thread.is_alive()

@@ -293,7 +293,9 @@ class Run:
                 not 0-dim, CUDA tensors are on several devices, or a name is empty or cannot be
                 encoded as UTF-8 (a lone surrogate); raised before the step counts, so the
                 corrected call may log it.
-            RuntimeError: If the run is closed, or the job's process group is missing.
+            RuntimeError: If the run is closed (also by a close run inside this call on its
+                thread, a signal handler's, before the values were handed over: they reach
+                no sink), or the job's process group is missing.
         """
         step = training_step(step)
         with self._log_lock:
@@ -373,6 +375,11 @@ class Run:
                 self._copy_to_host(entry, on_gpu)
             if self._log_pipe is None:
                 self._log_pipe = LogPipe(self._delivery.submit)
+                if self._closed:
+                    # Closed inside this call before the pipe existed (a signal handler's close
+                    # on this thread): no close stops this one, so it is stopped here, and put
+                    # refuses the entry (it would reach no sink) instead of taking it.
+                    self._log_pipe.stop(0, refuse_later=True)
             self._log_pipe.put(entry)
         except BaseException as error:
             # A Ctrl-C (or the exit of a SIGTERM handler) in the call: the step is used only if
@@ -417,32 +424,41 @@ class Run:
             for good.
         """
         timeout = check_timeout("close: timeout", timeout)
-        if not self._closing.begin():
-            # Closed, or being closed by another call (another thread's): its answer, once
-            # it has one, not True before anything was delivered.
-            return self._closing.answer(timeout)
-        self._closed = True
+        # Before the claim: a signal handler's close run while this thread starts the sinks
+        # (inside bind or the first log) is refused with nothing changed, not left waiting for
+        # the lock its own thread holds; the run closes normally afterwards.
+        self._delivery.refuse_inside_start("close")
+        closer = CloseOnce.closer()
         complete = False  # the answer other calls get if an error escapes this one
         try:
+            # Claimed inside the try: an interrupt landing right after the claim ends it below
+            # (see CloseOnce.begin).
+            if not self._closing.begin(closer):
+                # Closed, or being closed by another call (another thread's): its answer,
+                # once it has one, not True before anything was delivered.
+                return self._closing.answer(timeout)
+            self._closed = True
             forget_close_at_exit(self._close_at_exit)
             if self._metric_states:
                 self._warn_unclaimed("close")
             deadline = None if timeout is None else time.monotonic() + timeout
-            try:
-                complete = self._close_all(deadline)
-            except BaseException:
-                # Interrupted (Ctrl-C, a signal handler's SystemExit): the sinks keep what they
-                # had not delivered in spool files at once (the exit would lose it with their
-                # threads), and a later close says False. Windows not processed yet are lost
-                # with the sinks: said per stream (the collector that was closing said it
-                # already).
+            complete = self._close_all(deadline)
+            return complete
+        except BaseException:
+            if self._closing.holds(closer):
+                # Interrupted (Ctrl-C, a signal handler's SystemExit), from the claim on: the
+                # sinks keep what they had not delivered in spool files at once (the exit would
+                # lose it with their threads), and a later close says False. Windows not
+                # processed yet are lost with the sinks: said per stream (the collector that
+                # was closing said it already).
+                self._closed = True
                 for collector in self._collectors:
                     collector.warn_unreported("Run.close was interrupted")
                 self._delivery.close_now()
-                raise
-            return complete
+            raise
         finally:
-            self._closing.end(complete)
+            if self._closing.holds(closer):
+                self._closing.end(complete)
 
     def _holds_saving_rank(self, stream: str, collector: AsyncMetricCollector[Any]) -> bool:
         """Whether ``collector``'s group holds a rank that saved ``stream``'s outside state."""
@@ -460,7 +476,8 @@ class Run:
                 complete = False
         if self._log_pipe is not None:
             # An idle thread not yet ended in a zero timeout lost nothing.
-            if not self._log_pipe.stop(seconds_left(deadline)) and self._log_pipe.undelivered:
+            stopped = self._log_pipe.stop(seconds_left(deadline), refuse_later=True)
+            if not stopped and self._log_pipe.undelivered:
                 complete = False
                 logger.warning(
                     "close: %d Run.log call(s) still waited for CUDA copies when the timeout "

@@ -91,6 +91,7 @@ class Dispatcher:
         self._failed_submits: set[str] = set()
         self._waiting: tuple[int, float] | None = None  # (step, since): a reduction waited for
         self._watch_stop = threading.Event()  # set when the dispatcher thread ends
+        self._stopped = False  # stop was called: submit refuses (see there)
         self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
         self._thread.start()
         self._watch_thread = threading.Thread(
@@ -108,6 +109,15 @@ class Dispatcher:
         # No Python code runs from the count to the put, so an interrupt comes before or after
         # both.
         with self._lock:
+            if self._stopped:
+                # Stopped by a close run inside the scheduling call on its own thread (a signal
+                # handler's close): queued behind the stop, the window was never processed,
+                # while the call returned and close said True.
+                raise RuntimeError(
+                    f"schedule_collection: the collector was closed during this call (by a "
+                    f"close run inside it on this thread, such as a signal handler's); the "
+                    f"window at step {window.step} is not reported"
+                )
             self._scheduled += 1
             window.queued = True
             self._windows.put(window)
@@ -166,6 +176,8 @@ class Dispatcher:
         for that even when ``timeout`` is 0, so a close after ``collect_results`` succeeds.
         """
         idle = self.unprocessed == 0
+        with self._lock:  # with submit's check: a window is refused, or queued before the stop
+            self._stopped = True
         self._windows.put(_STOP)
         if idle and timeout is not None:
             timeout = max(timeout, _IDLE_STOP_S)
@@ -174,6 +186,11 @@ class Dispatcher:
             return False
         self._watch_thread.join(_IDLE_STOP_S)  # sees the stop at once
         return True
+
+    @property
+    def stopped(self) -> bool:
+        """Whether ``stop`` was called (windows submitted since are refused)."""
+        return self._stopped
 
     @property
     def alive(self) -> bool:

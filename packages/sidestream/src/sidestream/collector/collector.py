@@ -579,9 +579,11 @@ class AsyncMetricCollector(Generic[T]):
         as a mismatch, as one found later is.
 
         Raises:
-            RuntimeError: If not bound, or closed; or if a metric of the tree says its states
-                cannot be read as they are (``Metric._check_readable``: the torchmetrics
-                bridge's wrapped object updated directly), before anything is staged.
+            RuntimeError: If not bound, or closed (also by a close run inside this call on its
+                thread, a signal handler's, before the window was handed over: it is not
+                reported); or if a metric of the tree says its states cannot be read as they
+                are (``Metric._check_readable``: the torchmetrics bridge's wrapped object
+                updated directly), before anything is staged.
             TypeError: If ``step`` is not an integer (Python or numpy).
             ValueError: If ``step`` is not larger than the previous window's step, or not in
                 ``[0, 2**63)`` (it travels as an int64); or a wrapped torchmetrics metric's
@@ -684,6 +686,14 @@ class AsyncMetricCollector(Generic[T]):
             # the window is queued now (else its report was lost without a word, while close
             # returned True and collect_results waited for it forever). One as it ended left
             # it queued. Either way it is delivered, and its step is used.
+            if not window.queued and self._dispatcher.stopped:
+                # Refused: the collector was closed inside this call (a signal handler's close
+                # on this thread). Not delivered, which the note says (not _DELIVERED's).
+                error.add_note(
+                    f"schedule_collection: the window at step {step} is not reported (the "
+                    "collector was closed during this call)"
+                )
+                raise
             if not window.queued:
                 self._dispatcher.submit(window)
             error.add_note(_DELIVERED.format(step=step))
@@ -1038,41 +1048,51 @@ class AsyncMetricCollector(Generic[T]):
             in a spool file a warning names) or if a sink failed for good.
         """
         timeout = check_timeout("close: timeout", timeout)
-        if not self._closing.begin():
-            # Closed, or being closed by another call (another thread's, or Run.close's): its
-            # answer, once it has one, not True before its windows were delivered.
-            return self._closing.answer(timeout)
-        self._closed = True
+        if self._owns_delivery:
+            # Before the claim, as Run.close: not inside this thread's start of the sinks.
+            self._delivery.refuse_inside_start("close")
+        closer = CloseOnce.closer()
         complete = False  # the answer other calls get if an error escapes this one
         try:
+            # Claimed inside the try: an interrupt landing right after the claim ends it below
+            # (see CloseOnce.begin).
+            if not self._closing.begin(closer):
+                # Closed, or being closed by another call (another thread's, or Run.close's):
+                # its answer, once it has one, not True before its windows were delivered.
+                return self._closing.answer(timeout)
+            self._closed = True
             if _BOUND.get(id(self._metric)) is self:  # this collector bound it (not another)
                 for metric in self._metric._walk_metrics():
                     metric.__dict__.pop("_bound_prefix", None)
             if self._owns_delivery:
                 forget_close_at_exit(self._close_at_exit)
             deadline = None if timeout is None else time.monotonic() + timeout
-            try:
-                # A schedule_collection in progress on another thread hands its window to the
-                # dispatcher before it stops: queued after that, it would never be processed.
-                # Calls that take the lock after this see _closed and raise.
-                if wait_until_free(self._scheduling, timeout):
-                    timeout = seconds_left(deadline)  # what the wait left of it
-                complete = self._close_windows_and_sinks(timeout, deadline)
-            except BaseException:
-                # Interrupted (Ctrl-C): as Run.close, keep what the sinks had not delivered.
-                self.warn_unreported("close was interrupted")
-                if self._owns_delivery:
-                    self._delivery.close_now()
-                raise
-            if complete:
+            # A schedule_collection in progress on another thread hands its window to the
+            # dispatcher before it stops: queued after that, it would never be processed.
+            # Calls that take the lock after this see _closed and raise.
+            if wait_until_free(self._scheduling, timeout):
+                timeout = seconds_left(deadline)  # what the wait left of it
+            done = self._close_windows_and_sinks(timeout, deadline)
+            if done:
                 # Every window is done: its staging copies (a copy of the metric each, up to
                 # max_slots) are no longer needed, and a Run keeps its closed streams'
                 # collectors (one per evaluation set kept 24 MB for a 500-class confusion
                 # matrix).
                 self._drop_free_slots()
+            complete = done
             return complete
+        except BaseException:
+            if self._closing.holds(closer):
+                # Interrupted (Ctrl-C), from the claim on: as Run.close, keep what the sinks
+                # had not delivered.
+                self._closed = True
+                self.warn_unreported("close was interrupted")
+                if self._owns_delivery:
+                    self._delivery.close_now()
+            raise
         finally:
-            self._closing.end(complete)
+            if self._closing.holds(closer):
+                self._closing.end(complete)
 
     def _drop_free_slots(self) -> None:
         while True:
