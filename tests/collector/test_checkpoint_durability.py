@@ -191,3 +191,30 @@ def test_a_report_delivered_after_the_fsync_is_not_counted_as_durable(tmp_path: 
     resumed.log(5, {"x": 5.0})
     assert resumed.close(timeout=10)
     assert _steps_in(path) == [1, 2, 3, 4, 5]
+
+
+def test_a_later_fsync_that_succeeds_does_not_count_lines_an_earlier_one_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Linux reports a write-back error to fsync once per file descriptor and drops the pages
+    # it could not write: the next fsync succeeds with steps 6..10 gone. The checkpoint after
+    # it counted them as durable (and 11..12), so a resumed job never sent them again.
+    path = tmp_path / "m.jsonl"
+    run = _run_past_a_durable_checkpoint(path)
+    real_fsync = os.fsync
+    failed: list[int] = []
+
+    def eio_once(fd: int) -> None:
+        if not failed:
+            failed.append(fd)
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", eio_once)
+        assert _last_steps(run.state_dict(timeout=10)) == {"": 5}
+        for step in range(11, 13):
+            run.log(step, {"x": float(step)})
+        assert _last_steps(run.state_dict(timeout=10)) == {"": 5}
+    assert failed
+    assert run.close(timeout=10)

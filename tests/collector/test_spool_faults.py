@@ -53,3 +53,83 @@ def test_a_failed_reopen_after_a_failed_write_does_not_break_the_spool_for_good(
     assert b'"step":1' in spool.live_bytes()
     assert [spool.pop_oldest().step for _ in range(2)] == [1, 3]
     spool.discard()
+
+
+def test_one_unreadable_spooled_report_costs_only_itself(tmp_path: Path) -> None:
+    # A read of one spooled line that fails (EIO on a bad sector) dropped the whole spool:
+    # steps 6..12 lost, although the lines after it were readable at their own offsets.
+    from sidestream.sinks import SinkRunner
+    from sidestream.sinks.base import Sink
+
+    class Recording(Sink):
+        name = "rec"
+
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def open(self, run: object) -> None:
+            pass
+
+        def write(self, report: Report) -> None:
+            self.steps.append(report.step)
+
+    sink = Recording()
+    runner = SinkRunner(sink, capacity=4, spool_dir=str(tmp_path))
+    for step in range(1, 13):  # before start: 1..4 queued, 5..12 spooled
+        runner.submit(_report(step))
+    assert runner.spooled == 8
+    spool = runner._spool
+    real_open = spool._open
+    reads: list[int] = []
+
+    class OneBadRead:
+        def __init__(self, file: Any) -> None:
+            self._file = file
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._file, name)
+
+        def read(self, size: int = -1) -> bytes:
+            reads.append(size)
+            if len(reads) == 2:  # the line of step 6
+                raise OSError(errno.EIO, "Input/output error")
+            return self._file.read(size)
+
+    spool._open = lambda: OneBadRead(real_open())  # type: ignore[method-assign]
+    runner.start()
+    assert runner.close(timeout=30) is False  # one report lost: said so
+    assert sink.steps == [1, 2, 3, 4, 5, *range(7, 13)]
+    assert runner.dropped == 1
+
+
+def test_a_spool_line_of_a_newer_format_is_refused_not_read_in_part(tmp_path: Path) -> None:
+    # Lines carried no format: a newer writer's line, with a field this version does not
+    # know (one that changes what the values mean), was read without it, silently.
+    import json
+
+    from sidestream.sinks import JsonlSink, read_spool, replay_spool
+    from sidestream.sinks._spool_format import (
+        SPOOL_FORMAT,
+        SpoolFormatError,
+        decode_report,
+        encode_report,
+    )
+
+    line = json.loads(encode_report(_report(1)))
+    assert line["format"] == SPOOL_FORMAT
+    path = tmp_path / "x.spool.jsonl"
+    newer = {**line, "format": SPOOL_FORMAT + 1, "value_scale": 0.001}
+    path.write_text(json.dumps(newer) + "\n")
+    with pytest.raises(SpoolFormatError, match=r"line 1: spool format 2.*upgrade sidestream"):
+        list(read_spool(path))
+    with pytest.raises(SpoolFormatError):  # no damage: never skipped as a damaged line is
+        list(read_spool(path, damaged=[]))
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(SpoolFormatError):  # before the sink opens: no file made
+        replay_spool(path, JsonlSink(out), skip_damaged=True)
+    assert not out.exists()
+    # A field this format does not have is damage; a line of before the format is read.
+    with pytest.raises(ValueError, match="unknown field 'value_scale'"):
+        decode_report(json.dumps({**line, "value_scale": 0.001}))
+    old = {key: value for key, value in line.items() if key != "format"}
+    assert decode_report(json.dumps({**old, "extra": 1})) == _report(1)

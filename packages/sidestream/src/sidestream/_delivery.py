@@ -21,6 +21,7 @@ import torch.distributed as dist
 from sidestream._distributed import check_process_group
 from sidestream._validation import check_int
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
+from sidestream.sinks._spool_format import SpoolFormatError, check_line_format
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner, state_before_open
@@ -960,6 +961,12 @@ def _backlogs(undelivered: Mapping[str, Any]) -> dict[str, str]:
                 f"state_dict['undelivered'][{key!r}]: expected text (spool lines), got "
                 f"{type(text).__name__}"
             )
+        # A checkpoint of a newer sidestream: refused when loaded, not each of its reports
+        # dropped as damaged once the sink starts. One process wrote them: the first tells.
+        try:
+            check_line_format(text.lstrip().partition("\n")[0])
+        except SpoolFormatError as error:
+            raise ValueError(f"state_dict['undelivered'][{key!r}]: {error}") from None
         out[str(key)] = text
     return out
 

@@ -217,7 +217,7 @@ class Spool:
         Raises:
             IndexError: If the spool is empty.
             ValueError: If its line is damaged.
-            OSError: If the file cannot be read.
+            OSError: If its line cannot be read (the later lines stay spooled).
         """
         if self._file is None or not self._lines:
             raise IndexError("the spool is empty")
@@ -228,6 +228,13 @@ class Spool:
             file = self._open()
             file.seek(start)
             line = file.read(size)
+        except OSError:
+            # Only this line is lost: the next read seeks to its own line. A buffer the
+            # failed read left in an unknown state is dropped with the file object.
+            if self._lines:
+                with contextlib.suppress(OSError):
+                    self._reopen_at_end()
+            raise
         finally:
             if not self._lines:
                 self._reset_file()

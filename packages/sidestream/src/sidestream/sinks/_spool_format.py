@@ -22,10 +22,13 @@ from sidestream.sinks.tracker import TrackerSink
 logger = logging.getLogger("sidestream.sinks")
 
 __all__ = [
+    "SPOOL_FORMAT",
     "STATE_SUFFIX",
     "DamagedLineError",
     "KeptState",
     "ReplayResult",
+    "SpoolFormatError",
+    "check_spool_format",
     "decode_report",
     "encode_report",
     "read_kept_state",
@@ -33,6 +36,15 @@ __all__ = [
     "replay_spool",
     "write_kept_state",
 ]
+
+SPOOL_FORMAT = 1
+"""The format of the spool lines this version writes (each line's ``"format"``) and the newest
+it reads. A writer that adds a field or changes what one means writes a higher number: a
+reader refuses such a line (``SpoolFormatError``) instead of dropping what it does not know
+(a field that scales the values would be read as wrong numbers without a word). Lines without
+it are format 1 (written before it was kept)."""
+
+_FORMAT_KEY = "format"
 
 # Standard JSON has no NaN or infinity: they are written as these strings.
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -57,9 +69,10 @@ def encode_report(report: Report) -> bytes:
     """One report as a line of standard JSON (newline-terminated, UTF-8).
 
     Values are numbers (``"NaN"``, ``"Infinity"``, ``"-Infinity"`` as strings); a histogram is
-    ``{"dtype", "shape", "data"}`` with its elements flat, in row-major order.
+    ``{"dtype", "shape", "data"}`` with its elements flat, in row-major order. The line's
+    ``"format"`` is ``SPOOL_FORMAT``.
     """
-    line: dict[str, Any] = {}
+    line: dict[str, Any] = {_FORMAT_KEY: SPOOL_FORMAT}
     for field in dataclasses.fields(report):
         value = getattr(report, field.name)
         if field.name == "values":
@@ -110,20 +123,57 @@ def _check_fields(kwargs: Mapping[str, Any]) -> None:
             raise TypeError(f"{name}: expected {text}, got {value!r}")
 
 
+class SpoolFormatError(ValueError):
+    """A spool line of a newer format than this version reads: upgrade sidestream to read it.
+
+    Not damage: every later line of its file is of that format too, so it is never skipped as
+    a damaged line is (``skip_damaged``).
+    """
+
+
+def _check_format(data: Any) -> bool:
+    """Whether ``data`` (a decoded line) names its format; raise for a newer one.
+
+    Raises:
+        SpoolFormatError: If the line is of a newer format than ``SPOOL_FORMAT``.
+        TypeError: If its ``"format"`` is not an int >= 1 (a damaged line).
+    """
+    if not isinstance(data, dict) or _FORMAT_KEY not in data:
+        return False
+    version = data[_FORMAT_KEY]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise TypeError(f"{_FORMAT_KEY}: expected an int >= 1, got {version!r}")
+    if version > SPOOL_FORMAT:
+        raise SpoolFormatError(
+            f"spool format {version}, written by a newer sidestream; this version reads "
+            f"format {SPOOL_FORMAT} and older: upgrade sidestream to read it"
+        )
+    return True
+
+
 def decode_report(line: bytes | str) -> Report:
     """The report that ``encode_report`` wrote as ``line``.
 
     Raises:
+        SpoolFormatError: If the line is of a newer format than ``SPOOL_FORMAT`` (a
+            ``ValueError``).
         ValueError: If the line is not such a report (damaged or cut short, or a field of the
-            wrong type).
+            wrong type or unknown to its format).
     """
     try:
         data = json.loads(line)
+        # Only a line of a format this version knows is read: a newer one may mean more
+        # by its fields than the names say.
+        versioned = _check_format(data)
         kwargs: dict[str, Any] = {}
         names = {field.name for field in dataclasses.fields(Report)}
         for name, value in data.items():
+            if name == _FORMAT_KEY:
+                continue
             if name not in names:
-                continue  # written by a newer version: keep what this one knows
+                if versioned:  # a writer of this format writes no other field: damage
+                    raise TypeError(f"unknown field {name!r} for spool format {SPOOL_FORMAT}")
+                continue  # a line of before the format was kept: its other fields are old
             if name == "values":
                 value = {key: _float(number) for key, number in value.items()}
             elif name == "histograms":
@@ -140,6 +190,44 @@ def decode_report(line: bytes | str) -> Report:
         json.JSONDecodeError,
     ) as error:
         raise ValueError(f"not a spooled report: {type(error).__name__}: {error}") from error
+
+
+def check_line_format(line: bytes | str) -> None:
+    """Raise ``SpoolFormatError`` if ``line`` is of a newer format; damage is not looked at."""
+    try:
+        data = json.loads(line)
+        _check_format(data)
+    except (TypeError, ValueError) as error:
+        if isinstance(error, SpoolFormatError):
+            raise
+        return  # a damaged line: decode_report says so where it is read
+
+
+def check_spool_format(path: str | os.PathLike[str]) -> None:
+    """Raise ``SpoolFormatError`` if the spool file at ``path`` is of a newer format.
+
+    One process writes a spool file, so its first line that is whole JSON tells: called
+    before a replay opens its sink, a newer file is refused with nothing delivered.
+
+    Raises:
+        SpoolFormatError: Naming the file, the line and the format.
+        OSError: If the file cannot be read.
+    """
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue  # a damaged line (a cut first line): the next one tells
+            try:
+                _check_format(data)
+            except SpoolFormatError as error:
+                raise SpoolFormatError(f"{os.fspath(path)}, line {number}: {error}") from None
+            except TypeError:
+                continue
+            return
 
 
 class DamagedLineError(ValueError):
@@ -159,6 +247,9 @@ def read_spool(
     Raises:
         DamagedLineError: At a damaged line, naming its number (the reports before it were
             yielded), unless ``damaged`` is given. A ``ValueError``.
+        SpoolFormatError: At a line of a newer format than this version reads, naming its
+            number, even with ``damaged`` given: it is no damage, and skipping it would skip
+            the whole file. A ``ValueError``.
     """
     with open(path, "rb") as file:
         for number, line in enumerate(file, start=1):
@@ -166,6 +257,8 @@ def read_spool(
                 continue
             try:
                 report = decode_report(line)
+            except SpoolFormatError as error:
+                raise SpoolFormatError(f"{os.fspath(path)}, line {number}: {error}") from None
             except ValueError as error:
                 message = f"{os.fspath(path)}, line {number}: {error}"
                 if damaged is None:
@@ -400,6 +493,8 @@ def replay_spool(
         DamagedLineError: At a damaged line without ``skip_damaged`` (the reports before it
             were delivered). A ``ValueError``, as are the errors of a ``resume_state`` that
             the sink refuses.
+        SpoolFormatError: If the file is of a newer format than this version reads, before
+            the sink opens (a ``ValueError``).
         TypeError: If ``sink`` is a ``ProcessSink``: the replay asks the sink itself which
             reports and values its backend has, which a sink in a child process cannot tell.
     """
@@ -408,6 +503,8 @@ def replay_spool(
             "sink: pass the sink itself, not a ProcessSink (child_process): the replay asks it "
             "which reports its backend has already, and a sink in a child process cannot say"
         )
+    # Before the sink takes a state or opens (an empty run): a newer file is not read at all.
+    check_spool_format(path)
     result = ReplayResult()
     kept = _kept_beside(path) if run is None or resume_state is None else None
     if kept is not None:

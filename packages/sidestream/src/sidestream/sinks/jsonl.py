@@ -52,7 +52,10 @@ class JsonlSink(TrackerSink):
     Delivery: ``write`` returns once its lines are flushed to the file, so a step counts as
     delivered only when the operating system has it (a full disk fails the write, which the
     pipeline retries). When a checkpoint takes the state, the file is ``fsync``-ed first
-    (``make_durable``). With ``fsync=True`` every write is.
+    (``make_durable``). With ``fsync=True`` every write is. Once an ``fsync`` of lines the sink
+    does not write again failed (``EIO``: the kernel dropped pages it could not write, and
+    tells one ``fsync`` only), ``make_durable`` fails for the rest of the sink's life, so no
+    checkpoint counts those lines as durable.
 
     The file is appended to. A job resumed from a checkpoint (``load_state_dict`` before
     ``open``) skips reports at or before each stream's last step in the checkpoint or in the
@@ -145,6 +148,11 @@ class JsonlSink(TrackerSink):
         self._resume_offset: int | None = None
         self._resume_tail: int | None = None
         self._saved_path: str | None = None  # the file a loaded checkpoint was taken of
+        # The first fsync of a line this sink will not write again that failed (EIO): Linux
+        # reports a write-back error once per file descriptor, and drops the pages it could
+        # not write, so a later fsync succeeds although lines before it are gone. From then
+        # on make_durable fails: a checkpoint never counts those lines as durable.
+        self._sync_error: OSError | None = None
 
     @property
     def identity(self) -> str | None:
@@ -418,8 +426,10 @@ class JsonlSink(TrackerSink):
             )
         if self._cut:
             self._cut_back(file)
-        with contextlib.suppress(OSError):  # its lines were delivered: a checkpoint had synced
+        try:  # its lines since the last checkpoint were never synced: a failure must stay known
             os.fsync(file.fileno())
+        except OSError as error:
+            self._note_sync_error(error)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("ab", buffering=0)
         file.close()
@@ -508,9 +518,31 @@ class JsonlSink(TrackerSink):
         return finished
 
     def _sync_file(self) -> None:
-        """``fsync`` the open file, if it is a regular one (lock held)."""
+        """``fsync`` the open file, if it is a regular one (lock held).
+
+        Raises:
+            OSError: If this ``fsync`` fails, or an earlier one did (``_sync_error``): the
+                lines written before it may be lost whatever a later ``fsync`` says.
+        """
+        if self._sync_error is not None:
+            error = self._sync_error
+            raise OSError(
+                error.errno,
+                f"JsonlSink: an earlier fsync of {self.path} failed ({error.strerror}): lines "
+                "written before it may be lost, and a later fsync cannot tell (the kernel "
+                "reports a write-back error once), so none counts as durable from then on",
+            ) from error
         if self._file is not None and self._regular:
-            os.fsync(self._file.fileno())
+            try:
+                os.fsync(self._file.fileno())
+            except OSError as error:
+                self._note_sync_error(error)
+                raise
+
+    def _note_sync_error(self, error: OSError) -> None:
+        """Remember the first failed ``fsync`` of lines not written again (lock held)."""
+        if self._sync_error is None:
+            self._sync_error = error
 
     def close(self, timeout: float | None = None) -> bool:
         """Close the file (every delivered line is already in it)."""

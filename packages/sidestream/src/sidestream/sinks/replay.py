@@ -22,6 +22,7 @@ from sidestream.sinks._spool_format import (
     DamagedLineError,
     KeptState,
     ReplayResult,
+    SpoolFormatError,
     read_kept_state,
     read_spool,
     replay_spool,
@@ -363,6 +364,8 @@ def _refuse_a_file_of_no_reports(
     try:
         for _ in read_spool(path, damaged=damaged if skip_damaged else None):
             return  # a report: a spool file
+    except SpoolFormatError as error:  # a newer sidestream's file: no sink opens for it
+        parser.error(str(error))
     except DamagedLineError:  # the first line, as no report came before it
         parser.error(
             f"{path}: its first line is not a report, so it is not a spool file (or one whose "

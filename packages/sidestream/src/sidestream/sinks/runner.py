@@ -1129,10 +1129,11 @@ class SinkRunner:
         try:
             self._in_flight.append(self._spool.pop_oldest())
         except OSError as error:
-            # The file cannot be read at all: nothing after this point can come back.
-            count = len(self._spool) + 1
-            self._spool.discard()
-            self._drop(count, f"spool file unreadable: {_describe(error)}")
+            # That one report's bytes could not be read (a bad sector, a read cut by EIO): it
+            # is lost, not the reports after it, whose lines the next reads find at their own
+            # offsets. A file that cannot be read at all loses each of them here in turn,
+            # every one counted, the same total as dropping them at once.
+            self._drop(1, f"spool file unreadable: {_describe(error)}")
         except Exception as error:
             self._drop(1, f"damaged spool line: {_describe(error)}")
         else:
