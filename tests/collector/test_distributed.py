@@ -984,6 +984,31 @@ def _subgroup_resume_from_rank_0(tmp: str) -> float:
     return float(value)
 
 
+def _subgroup_resume_made_before_load(tmp: str) -> float:
+    from sidestream import Run
+
+    group, _ = dist.new_subgroups(2)
+    run = Run([])
+    val = run.collector(SumMetric(), prefix="val", group=group)  # made, then loaded (DCP's order)
+    run.load_state_dict(torch.load(Path(tmp) / "checkpoint.pt", weights_only=False))
+    val.bind("cpu")
+    val.metric.update(torch.tensor([100.0]))
+    val.schedule_collection(1)
+    value = val.collect_results(timeout=30)
+    assert run.close(timeout=30)
+    return float(value)
+
+
+def test_another_subgroups_state_is_not_taken_by_a_collector_made_before_load(
+    pools: Any, tmp_path: Path
+) -> None:
+    # As below, with the collectors made before run.load_state_dict: ranks 2 and 3 took
+    # subgroup [0, 1]'s 2.0 and reported 202.0, as if their subgroup had counted it.
+    pools.get(4).run(_subgroup_checkpoint, str(tmp_path))
+    values = pools.get(4).run(_subgroup_resume_made_before_load, str(tmp_path), timeout=120)
+    assert values == [202.0, 202.0, 200.0, 200.0]
+
+
 def test_another_subgroups_checkpoint_state_is_not_taken(pools: Any, tmp_path: Path) -> None:
     # Rank 0's file holds subgroup [0, 1]'s state (2.0). Ranks 2 and 3, whose subgroup counted
     # other data, must not continue from it (they start from zero, as their state is not in

@@ -462,9 +462,7 @@ class Run:
 
     def _holds_saving_rank(self, stream: str, collector: AsyncMetricCollector[Any]) -> bool:
         """Whether ``collector``'s group holds a rank that saved ``stream``'s outside state."""
-        group, _ = collector._checkpoint_scope()
-        holders = _holding_ranks(collector._group, group)
-        return not set(holders).isdisjoint(self._outside_ranks.get(stream, ()))
+        return _group_holds(collector, self._outside_ranks.get(stream, ()))
 
     def _close_all(self, deadline: float | None) -> bool:
         complete = True
@@ -641,17 +639,25 @@ class Run:
         sinks = state_dict["sinks"]
         # Before anything is restored.
         self._delivery.check_sink_states(sinks, state_dict.get("undelivered"))
+        saved_ranks = dict(state_dict.get(_COLLECTOR_RANKS) or {})
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         # Every collector's checkpoint is checked before any is restored: a job that catches a
-        # refusal and starts fresh then counts no collector's saved numbers twice.
+        # refusal and starts fresh then counts no collector's saved numbers twice. A collector
+        # made before the load takes a state saved by ranks this one was not among only as one
+        # made after it does (see collector()): when its group holds one of them. Another
+        # subgroup's collector of that prefix (new_subgroups: [0, 1] saved, this is [2, 3])
+        # counted other data, and would continue from [0, 1]'s counts.
         restores = [
             collector.prepare_metric_load(collectors.pop(collector.prefix))
             for collector in self._collectors
             if collector.prefix in collectors
+            and (
+                rank in saved_ranks.get(collector.prefix, [rank])
+                or _group_holds(collector, saved_ranks[collector.prefix])
+            )
         ]
         for restore in restores:
             restore()
-        saved_ranks = dict(state_dict.get(_COLLECTOR_RANKS) or {})
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         outside = {
             prefix: collectors.pop(prefix)
             for prefix in [p for p in collectors if rank not in saved_ranks.get(p, [rank])]
@@ -678,6 +684,12 @@ def _holding_ranks(given: Group, group: dist.ProcessGroup | None) -> list[int]:
     only the members of the slice the saving rank is in.
     """
     return mesh_ranks(given) if isinstance(given, DeviceMesh) else list(group_ranks(group))
+
+
+def _group_holds(collector: AsyncMetricCollector[Any], ranks: Iterable[int]) -> bool:
+    """Whether ``collector``'s group holds one of the global ``ranks`` (that saved a state)."""
+    group, _ = collector._checkpoint_scope()
+    return not set(_holding_ranks(collector._group, group)).isdisjoint(ranks)
 
 
 def _register_close_at_exit(run: weakref.ref[Run]) -> None:
