@@ -61,7 +61,11 @@ def test_dcp_refuses_a_mean_of_another_dtype_and_loads_a_narrower_one(tmp_path: 
     source.update(values)
     dcp.save({"metric": source}, checkpoint_id=str(tmp_path / "wide"))
     with pytest.raises(ValueError, match=r"'total'.*saved as torch.float64"):
-        dcp.load({"metric": MeanMetric(dtype=torch.float16)}, checkpoint_id=str(tmp_path / "wide"))
+        dcp.load({"metric": MeanMetric(dtype=torch.float32)}, checkpoint_id=str(tmp_path / "wide"))
+    # A float16 mean sums in float64 (its float16 sum overflowed past 65504): it loads exactly.
+    half = MeanMetric(dtype=torch.float16)
+    dcp.load({"metric": half}, checkpoint_id=str(tmp_path / "wide"))
+    assert half.compute().item() == 100.0
     narrow = MeanMetric(dtype=torch.float32)
     narrow.update(values.float())
     dcp.save({"metric": narrow}, checkpoint_id=str(tmp_path / "narrow"))

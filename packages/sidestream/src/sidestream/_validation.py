@@ -29,6 +29,7 @@ __all__ = [
     "check_same_shape",
     "check_weight_number",
     "checks_stay_on_device",
+    "summing_dtype",
     "screen_invalid",
     "WIDE_UNSIGNED",
 ]
@@ -130,6 +131,17 @@ def check_floating_dtype(argument: str, dtype: object) -> None:
             f"{argument}: expected a floating-point torch.dtype (torch.float64, torch.float32, "
             f"...), got {dtype!r}"
         )
+
+
+def summing_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a metric keeps a running sum of ``dtype`` results in: float64 below 32 bits.
+
+    A float16 sum overflows past 65504 and, adding ones, stops growing at 2048; a bfloat16 one
+    stops at 256. A mean of many values then came out inf or percent-off while the mean itself
+    fits the dtype. Such sums are kept in float64 (exact to 2**53 added ones, as
+    ``MeanMetric``'s count) and rounded into ``dtype`` once, by ``compute``.
+    """
+    return torch.float64 if dtype.itemsize < 4 else dtype
 
 
 def check_floating(argument: str, tensor: Tensor) -> None:

@@ -46,7 +46,7 @@ class NanPolicy:
 
     Args:
         strategy: ``"error"``, ``"ignore"``, ``"disable"`` or a finite fill value.
-        dtype: The metric's accumulation dtype, if known: a fill value must be finite in it
+        dtype: The metric's dtype (its result's), if known: a fill value must be finite in it
             too (1e5 is inf in float16), or every filled NaN would make the result inf.
 
     Raises:

@@ -43,7 +43,7 @@ class NanScreenedMetric(Metric[Tensor]):
         nan_strategy: ``"disable"``, ``"error"``, ``"ignore"`` or a fill value.
         counts_rejected: Keep the rejected-update counter even when the policy drops nothing
             (the metric has other checks that do).
-        dtype: The accumulation dtype, which a fill value must fit (see ``NanPolicy``).
+        dtype: The metric's dtype (its result's), which a fill value must fit (see ``NanPolicy``).
     """
 
     def __init__(

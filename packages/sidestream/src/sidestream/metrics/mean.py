@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating, check_floating_dtype
+from sidestream._validation import as_tensor, check_floating, check_floating_dtype, summing_dtype
 from sidestream.metrics._nan_strategy import NanStrategy
 from sidestream.metrics._screened import NanScreenedMetric
 from sidestream.state import MetricAccumulator
@@ -19,21 +19,30 @@ class MeanMetric(NanScreenedMetric):
     A mean over no data is NaN (0 / 0), on purpose: it is not a zero loss.
 
     Args:
-        dtype: The floating-point accumulation dtype of the sum (float64 by default; an
-            integer one would truncate the values: ``TypeError``), and of the result. The count
-            is float64 whatever ``dtype``: exact to 2**53 elements, where a bfloat16 count
-            stops at 256, a float16 one at 2048 (and overflows past 65504), a float32 one at
-            2**24.
+        dtype: The floating-point dtype of the result, and of the sum where it is 32 bits or
+            wider (float64 by default; an integer one would truncate the values:
+            ``TypeError``). The count is float64 whatever ``dtype``: exact to 2**53 elements,
+            where a bfloat16 count stops at 256, a float16 one at 2048 (and overflows past
+            65504), a float32 one at 2**24. So is the sum of a float16 or bfloat16 mean, for
+            the same reasons (a float16 sum overflowed past 65504: a mean of inf); the mean is
+            rounded into ``dtype`` once, by ``compute``.
         nan_strategy: ``"disable"`` (NaN propagates), ``"error"``, ``"ignore"`` or a fill
             value; see ``sidestream.metrics.NanPolicy``.
     """
+
+    # The result's dtype where the sum is kept wider (see summing_dtype); None: the sum's. A
+    # class default, so a metric unpickled from a release that did not keep it still computes.
+    _result_dtype: torch.dtype | None = None
 
     def __init__(
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
         check_floating_dtype("dtype", dtype)
-        self._total = MetricAccumulator(0.0, dtype=dtype)
+        self._total = MetricAccumulator(0.0, dtype=summing_dtype(dtype))
         self._count = MetricAccumulator(0.0, dtype=torch.float64)
+        if self._total.dtype != dtype:
+            self._result_dtype = dtype
+        # A fill value is checked against dtype: the result could not hold one it does not.
         super().__init__(nan_strategy, dtype=dtype)
 
     def update(self, values: Tensor | float) -> None:
@@ -54,9 +63,11 @@ class MeanMetric(NanScreenedMetric):
         self._count.accumulate(count if keep is None else keep.to(dtype) * count)
 
     def compute(self) -> Tensor:
-        """Sum / count, in the accumulation dtype; NaN over no data."""
+        """Sum / count, in ``dtype``; NaN over no data."""
         total = self._total.value
         mean = total / self._count.value
-        # The count is float64: only a narrower sum's mean needs converting back. A .to() of
-        # the default float64 one is a no-op that still cost every compute about 1 µs (1.8x).
-        return mean if mean.dtype == total.dtype else mean.to(total.dtype)
+        # The count is float64: only a float32 sum's mean, or a half-precision dtype's (summed
+        # in float64), needs converting. A .to() of the default float64 one is a no-op that
+        # still cost every compute about 1 µs (1.8x).
+        dtype = total.dtype if self._result_dtype is None else self._result_dtype
+        return mean if mean.dtype == dtype else mean.to(dtype)

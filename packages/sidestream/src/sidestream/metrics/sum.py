@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sidestream._validation import as_tensor, check_floating, check_floating_dtype
+from sidestream._validation import as_tensor, check_floating, check_floating_dtype, summing_dtype
 from sidestream.metrics._nan_strategy import NanStrategy
 from sidestream.metrics._screened import NanScreenedMetric
 from sidestream.state import MetricAccumulator
@@ -17,8 +17,11 @@ class SumMetric(NanScreenedMetric):
     """The sum of every value passed to ``update``, over all ranks after ``sync``.
 
     Args:
-        dtype: The floating-point accumulation dtype; float64 by default so long runs do not
-            lose precision (an integer one would truncate the values: ``TypeError``).
+        dtype: The floating-point dtype of the sum and the result; float64 by default so long
+            runs do not lose precision (an integer one would truncate the values:
+            ``TypeError``). A dtype narrower than 32 bits (float16, bfloat16) is summed in
+            float64 and the result rounded into it: a float16 sum stopped growing at 2048 when
+            adding ones, a bfloat16 one at 256.
         nan_strategy: ``"disable"`` (NaN propagates), ``"error"``, ``"ignore"`` or a fill
             value; see ``sidestream.metrics.NanPolicy``.
 
@@ -29,11 +32,18 @@ class SumMetric(NanScreenedMetric):
         tensor(3., dtype=torch.float64)
     """
 
+    # The result's dtype where the sum is kept wider (see summing_dtype); None: the sum's. A
+    # class default, so a metric unpickled from a release that did not keep it still computes.
+    _result_dtype: torch.dtype | None = None
+
     def __init__(
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
         check_floating_dtype("dtype", dtype)
-        self._total = MetricAccumulator(0.0, dtype=dtype)
+        self._total = MetricAccumulator(0.0, dtype=summing_dtype(dtype))
+        if self._total.dtype != dtype:
+            self._result_dtype = dtype
+        # A fill value is checked against dtype: the result could not hold one it does not.
         super().__init__(nan_strategy, dtype=dtype)
 
     def update(self, values: Tensor | float) -> None:
@@ -44,5 +54,7 @@ class SumMetric(NanScreenedMetric):
         self._total.accumulate(tensor.sum(dtype=self._total.dtype))
 
     def compute(self) -> Tensor:
-        """The sum (0 over no data)."""
+        """The sum (0 over no data), in ``dtype``."""
+        if self._result_dtype is not None:  # summed wider: rounded into dtype once, here
+            return self._total.value.to(self._result_dtype)
         return self._total.value.clone()

@@ -21,6 +21,7 @@ from sidestream._validation import (
     found_outside,
     found_where,
     given_as_number,
+    summing_dtype,
 )
 from sidestream.metrics._nan_strategy import NanStrategy
 from sidestream.metrics._screened import NanScreenedMetric
@@ -42,8 +43,11 @@ class WeightedMeanMetric(NanScreenedMetric):
     A mean with zero total weight (no data) is NaN.
 
     Args:
-        dtype: The floating-point accumulation dtype (float64 by default; an integer one would
-            truncate the values: ``TypeError``).
+        dtype: The floating-point accumulation dtype, and the result's (float64 by default; an
+            integer one would truncate the values: ``TypeError``). A dtype narrower than 32
+            bits (float16, bfloat16) accumulates in float64, as ``MeanMetric``'s count does,
+            and the mean is rounded into it once, by ``compute``: a float16 total weight
+            overflowed past 65504 (a mean of NaN), and a bfloat16 one stopped growing at 256.
         nan_strategy: What a NaN value does: ``"disable"`` (it propagates), ``"error"`` (bad
             input, like a bad weight), ``"ignore"`` (its weight becomes 0) or a fill value; see
             ``sidestream.metrics.NanPolicy``. A weight of 0 does not mask an infinite value
@@ -58,15 +62,21 @@ class WeightedMeanMetric(NanScreenedMetric):
     """
 
     _rejected: MetricAccumulator  # counts_rejected=True: always there
+    # The result's dtype where the sums are kept wider (see summing_dtype); None: the sums'. A
+    # class default, so a metric unpickled from a release that did not keep it still computes.
+    _result_dtype: torch.dtype | None = None
 
     def __init__(
         self, dtype: torch.dtype = torch.float64, nan_strategy: NanStrategy = "disable"
     ) -> None:
         check_floating_dtype("dtype", dtype)
-        self._weighted_sum = MetricAccumulator(0.0, dtype=dtype)
-        self._weight = MetricAccumulator(0.0, dtype=dtype)
+        self._weighted_sum = MetricAccumulator(0.0, dtype=summing_dtype(dtype))
+        self._weight = MetricAccumulator(0.0, dtype=summing_dtype(dtype))
         # Read by update as a plain attribute: a compiled call guards a property's getter too.
+        # The accumulation dtype: the batch's sums and weight checks are in it.
         self._dtype = self._weight.dtype
+        if self._dtype != dtype:
+            self._result_dtype = dtype
         # The weight checks drop bad batches on CUDA whatever the NaN policy.
         super().__init__(nan_strategy, counts_rejected=True, dtype=dtype)
 
@@ -190,8 +200,10 @@ class WeightedMeanMetric(NanScreenedMetric):
         return self._weight.value.clone()
 
     def compute(self) -> Tensor:
-        """The weighted mean; NaN when the total weight is zero."""
-        return self._weighted_sum.value / self._weight.value
+        """The weighted mean, in ``dtype``; NaN when the total weight is zero."""
+        mean = self._weighted_sum.value / self._weight.value
+        # Summed wider than a half-precision dtype: rounded into it once, here.
+        return mean if self._result_dtype is None else mean.to(self._result_dtype)
 
 
 _CHUNK = 1 << 17

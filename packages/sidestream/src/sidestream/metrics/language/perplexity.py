@@ -52,7 +52,8 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
     Bad input: a shape or vocabulary mismatch raises at once. A target id outside
     ``[0, V)`` other than ``ignore_index``, logits that make a counted token's loss non-finite
     (NaN or +inf, or -inf at the target id), a negative / non-finite weight or loss, or
-    finite weights whose total float64 cannot hold, raises on CPU before the state changes;
+    finite weights whose total (or whose sum of losses times weights) float64 cannot hold,
+    raises on CPU before the state changes;
     on CUDA the batch is dropped and counted in ``rejected_updates``.
 
     Args:
@@ -240,11 +241,20 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
                 "weights: expected a total that torch.float64 holds; this batch's finite "
                 f"weights sum to {tokens.item()} (scale the weights down)"
             )
+        if not on_device and not math.isfinite(nll.item()):
+            # Finite losses >= 0 at finite weights whose weighted sum overflows (a loss of 2 at
+            # weight 1e308): the NLL total would be inf, and the perplexity inf for good, where
+            # the mean NLL is 2.
+            raise ValueError(
+                "weights: expected losses * weights to total what torch.float64 holds; this "
+                f"batch's finite losses and weights sum to {nll.item()} (scale the weights down)"
+            )
         if on_device:
             bad_losses = (losses_64 < 0) | not_finite(losses_64)
             invalid = bad_losses | (weights_64 < 0) | not_finite(weights_64)
-            # A total past float64 (finite weights) is bad input as on the CPU.
-            invalid = invalid.any() | (tokens == torch.inf)
+            # A total past float64 (finite weights, or finite losses at them) is bad input as
+            # on the CPU: with every loss and weight finite and >= 0, only overflow makes inf.
+            invalid = invalid.any() | (tokens == torch.inf) | (nll == torch.inf)
             if is_compiling() and not isinstance(weights, Tensor):
                 # A number is a graph input, unchecked on the host; an empty batch's filled
                 # weights hold none of it, so it is checked on its own.
