@@ -180,6 +180,11 @@ class Delivery:
         return self.runners is not None
 
     @property
+    def closed(self) -> bool:
+        """Whether the sinks were closed (or their close began): they take no more reports."""
+        return self._closed
+
+    @property
     def is_writer(self) -> bool:
         """Whether this process opens and writes the sinks (global rank 0)."""
         return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

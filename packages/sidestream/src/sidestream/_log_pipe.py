@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from sidestream.sinks.base import Report
 __all__ = ["LogEntry", "LogPipe"]
 
 logger = logging.getLogger("sidestream.run")
+
+_POLL_S = 0.001  # how often an interrupted close looks at a CUDA copy it waits for
 
 
 @dataclass
@@ -145,13 +148,14 @@ class LogPipe:
 
         A close run inside a ``log`` call on its own thread (a signal handler's) stops the pipe
         before the call hands its entry over: queued after that, it reached no sink, while the
-        call returned as if it had and close said True.
+        call returned as if it had and close said True. So does an interrupted close on another
+        thread (``hand_over_now``), which does not wait for log calls in progress.
         """
         if self._refusing:
             raise RuntimeError(
                 f"log: the run was closed during this call (by a close run inside it on this "
-                f"thread, such as a signal handler's); the values of step {entry.step} reached "
-                "no sink"
+                f"thread, such as a signal handler's, or by a close on another thread that was "
+                f"interrupted); the values of step {entry.step} reached no sink"
             )
 
     def wait_idle(self, timeout: float | None) -> bool:
@@ -172,6 +176,55 @@ class LogPipe:
             self._cond.notify_all()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def hand_over_now(self, timeout: float) -> int:
+        """Stop, and deliver what is queued on the calling thread now; how many reached no sink.
+
+        For a run's interrupted close (Ctrl-C, a signal handler's ``SystemExit``): the sinks
+        keep what they were handed in spool files at once and take nothing after that, so the
+        entries still queued here reached them only later, on this pipe's thread, and the closed
+        run dropped them with a DEBUG line. The delivery in progress (on the thread, or by a
+        caller draining a full queue) is waited for up to ``timeout`` seconds, and so is each
+        CUDA copy, all within that time: an entry whose copy has not completed by then reaches
+        no sink, and neither does any entry if the delivery in progress did not end (the count,
+        for the caller's warning). Later ``put`` calls raise, as after
+        ``stop(refuse_later=True)``; the thread ends with nothing left to deliver.
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._stopping = True
+            self._refusing = True
+            self._cond.notify_all()
+        # Behind the delivery in progress: the entries reach each sink in the order of the calls.
+        taken = self._delivering.acquire(timeout=max(0.0, timeout))
+        lost = 0
+        pending: deque[LogEntry] | None = None
+        try:
+            with self._lock:
+                # Taken off the queue whole (no call in between): the thread finds it empty.
+                pending, self._entries = self._entries, deque()
+            if not taken:
+                # A delivery that does not end (a sink's queue waiting for room, or this
+                # thread's own, under a handler's close): delivering beside it would break the
+                # order. Said, not left to the thread to hand to sinks that have closed by then.
+                lost, pending = len(pending), None
+                return lost
+            while pending:
+                entry = pending[0]
+                if entry.done is None or _completed_by(entry.done, deadline):
+                    self._deliver_one(entry)
+                else:
+                    lost += 1
+                pending.popleft()
+            return lost
+        finally:
+            if taken:
+                self._delivering.release()
+            if pending:
+                with self._lock:
+                    # Interrupted again (a second Ctrl-C): the rest go back, in order.
+                    self._entries.extendleft(reversed(pending))
+                    self._cond.notify_all()
 
     @property
     def undelivered(self) -> int:
@@ -210,6 +263,15 @@ class LogPipe:
             self._deliver(_report(entry), entry.given)
         except Exception as error:  # a bad entry must not stop the others
             logger.error("Run.log at step %d failed: %s", entry.step, error)
+
+
+def _completed_by(done: torch.cuda.Event, deadline: float) -> bool:
+    """Whether the CUDA copy ``done`` marks completes by ``deadline`` (polled: never hangs)."""
+    while not done.query():  # type: ignore[no-untyped-call]
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
 
 
 def _report(entry: LogEntry) -> Report:

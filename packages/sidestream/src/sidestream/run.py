@@ -50,6 +50,9 @@ T = TypeVar("T")
 
 logger = logging.getLogger("sidestream.run")
 
+_INTERRUPTED_HAND_OVER_S = 1.0
+"""How long an interrupted close waits to hand the queued ``log`` values to the sinks."""
+
 
 class Run:
     """One tracker run per training job: every stream (train, validation, plain values) in it.
@@ -454,11 +457,35 @@ class Run:
                 self._closed = True
                 for collector in self._collectors:
                     collector.warn_unreported("Run.close was interrupted")
+                # Before the sinks keep what they hold: handed to them after that, the values
+                # still queued for them were dropped by the closed run (0 of 200 kept).
+                self._hand_over_logged()
                 self._delivery.close_now()
             raise
         finally:
             if self._closing.holds(closer):
                 self._closing.end(complete)
+
+    def _hand_over_logged(self) -> None:
+        """Give the sinks the ``log`` values still queued, at once (an interrupted close).
+
+        Within ``_INTERRUPTED_HAND_OVER_S``: the values whose CUDA copy did not complete by then
+        (or all, if the delivery in progress did not end) reach no sink, which a warning says.
+        Nothing to do once the sinks closed (an interrupt in their own close): the pipe was
+        stopped before them, and a timeout there was warned about.
+        """
+        pipe = self._log_pipe
+        if pipe is None or self._delivery.closed:
+            return
+        lost = pipe.hand_over_now(_INTERRUPTED_HAND_OVER_S)
+        if lost:
+            logger.warning(
+                "close was interrupted: %d Run.log call(s) could not be handed to the sinks "
+                "within %.1f s (a CUDA copy not completed, or a sink's delivery in progress); "
+                "their values reached no sink",
+                lost,
+                _INTERRUPTED_HAND_OVER_S,
+            )
 
     def _holds_saving_rank(self, stream: str, collector: AsyncMetricCollector[Any]) -> bool:
         """Whether ``collector``'s group holds a rank that saved ``stream``'s outside state."""
