@@ -175,3 +175,70 @@ def test_a_checkpoint_says_a_later_sink_was_not_waited_for(
     assert "after waiting 0.0 s" not in messages[1]
     assert "not waited for: the checkpoint's time for its sinks, 0.5 s" in messages[1]
     assert run.close(10) is True
+
+
+def test_a_handlers_close_and_exit_after_the_windows_start_exits_not_crashes(
+    monkeypatch: Any,
+) -> None:
+    # A SIGTERM handler `run.close(); sys.exit(0)` landing after the window's collectives
+    # started (the CPU path's reset): the stopped dispatcher's refusal, raised from the
+    # handler of the SystemExit, replaced it (the process crashed with a RuntimeError), under
+    # a note that said the window was delivered. It reached no sink.
+    from sidestream.collector import _slot
+
+    sink = RecordingSink()
+    run = Run([sink])
+    train = run.collector(SumMetric(), prefix="train").bind("cpu")
+    real_start = _slot.Slot.start_from_live
+    answers: list[bool] = []
+
+    def start_from_live(self: Any, step: int, window: Any) -> None:
+        real_start(self, step, window)  # window.batch is set: its collectives started
+        answers.append(run.close(5))  # the handler's close...
+        raise SystemExit(0)  # ...and its sys.exit
+
+    monkeypatch.setattr(_slot.Slot, "start_from_live", start_from_live)
+    train.metric.update(torch.tensor([2.0]))
+    with pytest.raises(SystemExit) as caught:
+        train.schedule_collection(1)
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("step 1 is not reported" in note for note in notes), notes
+    assert not any("is delivered" in note for note in notes), notes
+    assert answers == [True]
+    assert sink.reports == []
+
+
+def test_a_log_refused_after_another_threads_close_ran_out_says_so(tmp_path: Path) -> None:
+    # Another thread's close(timeout) that ran out while a log call was in progress stopped
+    # the log pipe; the call then raised saying a close ran "inside it on this thread, such as
+    # a signal handler's", which sent the reader looking for a handler that was not there.
+    run = Run([JsonlSink(tmp_path / "run.jsonl")])
+    run.log(1, {"x": 1.0})
+    real_start = run._delivery.start
+    inside, release = threading.Event(), threading.Event()
+
+    def held_start(where: str) -> Any:
+        started = real_start(where)
+        inside.set()
+        release.wait(30)  # a slow call (a full queue drained by the caller)
+        return started
+
+    run._delivery.start = held_start  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def log() -> None:
+        try:
+            run.log(2, {"x": 2.0})
+        except RuntimeError as error:
+            errors.append(error)
+
+    logging_thread = threading.Thread(target=log, daemon=True)
+    logging_thread.start()
+    assert inside.wait(10)
+    run.close(0.1)  # waits 0.1 s for the log call, then closes without it
+    release.set()
+    logging_thread.join(10)
+    assert len(errors) == 1
+    message = str(errors[0])
+    assert "closed during this call" in message and "step 2 reached no sink" in message
+    assert "whose timeout ran out" in message

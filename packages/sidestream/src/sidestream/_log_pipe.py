@@ -149,13 +149,15 @@ class LogPipe:
         A close run inside a ``log`` call on its own thread (a signal handler's) stops the pipe
         before the call hands its entry over: queued after that, it reached no sink, while the
         call returned as if it had and close said True. So does an interrupted close on another
-        thread (``hand_over_now``), which does not wait for log calls in progress.
+        thread (``hand_over_now``), which does not wait for log calls in progress, and a close
+        on another thread whose timeout ran out while it waited for the call.
         """
         if self._refusing:
             raise RuntimeError(
                 f"log: the run was closed during this call (by a close run inside it on this "
                 f"thread, such as a signal handler's, or by a close on another thread that was "
-                f"interrupted); the values of step {entry.step} reached no sink"
+                f"interrupted or whose timeout ran out while it waited for this call); the "
+                f"values of step {entry.step} reached no sink"
             )
 
     def wait_idle(self, timeout: float | None) -> bool:

@@ -297,7 +297,8 @@ class Run:
                 encoded as UTF-8 (a lone surrogate); raised before the step counts, so the
                 corrected call may log it.
             RuntimeError: If the run is closed (also by a close run inside this call on its
-                thread, a signal handler's, before the values were handed over: they reach
+                thread, a signal handler's, or by another thread's close whose timeout ran out
+                while it waited for this call, before the values were handed over: they reach
                 no sink), or the job's process group is missing.
         """
         step = training_step(step)

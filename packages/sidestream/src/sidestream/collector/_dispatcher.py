@@ -111,12 +111,14 @@ class Dispatcher:
         with self._lock:
             if self._stopped:
                 # Stopped by a close run inside the scheduling call on its own thread (a signal
-                # handler's close): queued behind the stop, the window was never processed,
+                # handler's close), or by another thread's close whose timeout ran out while it
+                # waited for the call: queued behind the stop, the window was never processed,
                 # while the call returned and close said True.
                 raise RuntimeError(
                     f"schedule_collection: the collector was closed during this call (by a "
-                    f"close run inside it on this thread, such as a signal handler's); the "
-                    f"window at step {window.step} is not reported"
+                    f"close on another thread whose timeout ran out while it waited for this "
+                    f"call, or by one run inside it on this thread, such as a signal handler's); "
+                    f"the window at step {window.step} is not reported"
                 )
             self._scheduled += 1
             window.queued = True

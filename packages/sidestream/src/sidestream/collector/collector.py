@@ -62,6 +62,10 @@ _DELIVERED = (
     "schedule_collection: the window at step {step} was scheduled before this error and is "
     "delivered; its step is used (do not schedule it again)"
 )
+_REFUSED = (
+    "schedule_collection: the window at step {step} is not reported (the collector was closed "
+    "during this call)"
+)
 
 WINDOW_COMPUTE_LIMIT_S = 300.0
 """How long a checkpoint waits, past its own timeout, for windows scheduled before it to be
@@ -580,7 +584,8 @@ class AsyncMetricCollector(Generic[T]):
 
         Raises:
             RuntimeError: If not bound, or closed (also by a close run inside this call on its
-                thread, a signal handler's, before the window was handed over: it is not
+                thread, a signal handler's, or by another thread's close whose timeout ran out
+                while it waited for this call, before the window was handed over: it is not
                 reported); or if a metric of the tree says its states cannot be read as they
                 are (``Metric._check_readable``: the torchmetrics bridge's wrapped object
                 updated directly), before anything is staged.
@@ -667,9 +672,19 @@ class AsyncMetricCollector(Generic[T]):
                 self._reset_after_failure(window)
             if window.batch is not None:
                 # In flight: the dispatcher hands it back, and delivers it (an error after the
-                # start, such as a Ctrl-C in the reset, fails no window).
-                self._dispatcher.submit(window)
-                error.add_note(_DELIVERED.format(step=step))
+                # start, such as a Ctrl-C in the reset, fails no window). Unless the collector
+                # was closed inside this call (a signal handler's close, then its sys.exit):
+                # the stopped dispatcher refuses the window, and that refusal raised here hid
+                # the handler's SystemExit (the process crashed instead of exiting) under a
+                # note that said the window was delivered.
+                try:
+                    self._dispatcher.submit(window)
+                except RuntimeError:
+                    if not self._dispatcher.stopped:
+                        raise
+                    error.add_note(_REFUSED.format(step=step))
+                else:
+                    error.add_note(_DELIVERED.format(step=step))
             elif window.started:
                 self._give_up_started(window, error)
             else:
@@ -689,10 +704,7 @@ class AsyncMetricCollector(Generic[T]):
             if not window.queued and self._dispatcher.stopped:
                 # Refused: the collector was closed inside this call (a signal handler's close
                 # on this thread). Not delivered, which the note says (not _DELIVERED's).
-                error.add_note(
-                    f"schedule_collection: the window at step {step} is not reported (the "
-                    "collector was closed during this call)"
-                )
+                error.add_note(_REFUSED.format(step=step))
                 raise
             if not window.queued:
                 self._dispatcher.submit(window)

@@ -246,8 +246,9 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
             # weight 1e308): the NLL total would be inf, and the perplexity inf for good, where
             # the mean NLL is 2.
             raise ValueError(
-                "weights: expected losses * weights to total what torch.float64 holds; this "
-                f"batch's finite losses and weights sum to {nll.item()} (scale the weights down)"
+                "losses, weights: expected losses * weights to total what torch.float64 "
+                f"holds; this batch's finite losses and weights sum to {nll.item()} (scale "
+                "the losses or weights down)"
             )
         if on_device:
             bad_losses = (losses_64 < 0) | not_finite(losses_64)
