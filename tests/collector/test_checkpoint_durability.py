@@ -56,7 +56,7 @@ def test_failed_fsync_keeps_the_last_durable_state(
     # Steps 6..10 were written but never made durable: a machine crash may lose them, so the
     # checkpoint must not count them as delivered (the resumed job would never send them).
     assert _last_steps(checkpoint) == {"": 5}
-    assert any("make_durable failed" in r.getMessage() for r in caplog.records)
+    assert any("make_durable or state_dict failed" in r.getMessage() for r in caplog.records)
     assert run.close(timeout=10)
 
     # Resumed from it with the lines still there (a process crash): none is written twice.

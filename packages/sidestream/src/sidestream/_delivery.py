@@ -521,8 +521,11 @@ class Delivery:
                     return state
             except Exception as error:
                 # Nothing sent since the last durable checkpoint is known to be on disk (an
-                # fsync that raised EIO: the kernel may have dropped those pages).
-                return self._last_durable_state(runner, f"make_durable failed ({error})")
+                # fsync that raised EIO: the kernel may have dropped those pages), nor what a
+                # state_dict that raised would have counted.
+                return self._last_durable_state(
+                    runner, f"make_durable or state_dict failed ({error})"
+                )
         return runner.sink_state()
 
     def _last_durable_state(self, runner: SinkRunner, why: str) -> Any:
