@@ -242,3 +242,29 @@ def test_a_log_refused_after_another_threads_close_ran_out_says_so(tmp_path: Pat
     message = str(errors[0])
     assert "closed during this call" in message and "step 2 reached no sink" in message
     assert "whose timeout ran out" in message
+
+
+@pytest.mark.parametrize("kind", ["collector", "run"])
+def test_a_close_interrupted_before_the_dispatcher_stops_ends_its_thread(
+    tmp_path: Path, monkeypatch: Any, kind: str
+) -> None:
+    # The interrupt landed before the close stopped the dispatcher: its thread (and watcher)
+    # waited for windows for the rest of the process.
+    run = Run([JsonlSink(tmp_path / "run.jsonl")], spool_dir=str(tmp_path))
+    train = run.collector(SumMetric(), prefix="train").bind("cpu")
+    train.metric.update(torch.tensor([1.0]))
+    train.schedule_collection(1)
+    assert train.wait_windows(10)
+    dispatcher = train._dispatcher
+    assert dispatcher is not None
+
+    def interrupted(*args: Any, **kwargs: Any) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(train), "_close_windows_and_sinks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        (train if kind == "collector" else run).close(10)
+    dispatcher._thread.join(10)
+    assert not dispatcher.alive, "the dispatcher thread outlived the interrupted close"
+    monkeypatch.undo()
+    run.close(10)

@@ -457,7 +457,7 @@ class Run:
                 # was closing said it already).
                 self._closed = True
                 for collector in self._collectors:
-                    collector.warn_unreported("Run.close was interrupted")
+                    collector.give_up_windows("Run.close was interrupted")
                 # Before the sinks keep what they hold: handed to them after that, the values
                 # still queued for them were dropped by the closed run (0 of 200 kept).
                 self._hand_over_logged()

@@ -178,9 +178,7 @@ class Dispatcher:
         for that even when ``timeout`` is 0, so a close after ``collect_results`` succeeds.
         """
         idle = self.unprocessed == 0
-        with self._lock:  # with submit's check: a window is refused, or queued before the stop
-            self._stopped = True
-        self._windows.put(_STOP)
+        self.request_stop()
         if idle and timeout is not None:
             timeout = max(timeout, _IDLE_STOP_S)
         self._thread.join(timeout)
@@ -188,6 +186,16 @@ class Dispatcher:
             return False
         self._watch_thread.join(_IDLE_STOP_S)  # sees the stop at once
         return True
+
+    def request_stop(self) -> None:
+        """Have the thread end once it has processed what was submitted; no wait for it.
+
+        For an interrupted close, which does not wait for windows: without it the thread (and
+        its watcher) waited for windows for the rest of the process.
+        """
+        with self._lock:  # with submit's check: a window is refused, or queued before the stop
+            self._stopped = True
+        self._windows.put(_STOP)
 
     @property
     def stopped(self) -> bool:

@@ -267,7 +267,7 @@ class AsyncMetricCollector(Generic[T]):
         # handler that schedules a window, run inside the call) is refused as a second
         # thread's is, which the re-entrant lock alone lets in.
         self._in_schedule = False
-        self._unreported_warned = False  # warn_unreported said it
+        self._unreported_warned = False  # give_up_windows said it
         self._twin_index = 0  # set at bind: told apart from open collectors of this prefix
         self._closing = CloseOnce()  # which close call closes, and its answer for the others
         # Last, once nothing can be refused: checkpoints reduce over the collector's group,
@@ -1098,7 +1098,7 @@ class AsyncMetricCollector(Generic[T]):
                 # Interrupted (Ctrl-C), from the claim on: as Run.close, keep what the sinks
                 # had not delivered.
                 self._closed = True
-                self.warn_unreported("close was interrupted")
+                self.give_up_windows("close was interrupted")
                 if self._owns_delivery:
                     self._delivery.close_now()
             raise
@@ -1114,13 +1114,19 @@ class AsyncMetricCollector(Generic[T]):
                 return
             self._slot_count -= 1
 
-    def warn_unreported(self, why: str) -> None:
-        """Warn (once) how many scheduled windows are not processed and so will not be reported.
+    def give_up_windows(self, why: str) -> None:
+        """For a close that ends early: warn (once) how many windows will not be reported.
 
-        For a close that ends early: their reports never reach a sink or a spool file (the
-        sinks are closing), so only this says they are missing.
+        Their reports never reach a sink or a spool file (the sinks are closing), so only this
+        says they are missing. The dispatcher is told to stop once it has processed what it
+        holds, not waited for: a close interrupted before it stopped the dispatcher left the
+        thread waiting for windows for the rest of the process.
         """
-        unprocessed = 0 if self._dispatcher is None else self._dispatcher.unprocessed
+        if self._dispatcher is None:
+            return
+        unprocessed = self._dispatcher.unprocessed
+        if not self._dispatcher.stopped:
+            self._dispatcher.request_stop()
         if unprocessed and not self._unreported_warned:
             self._unreported_warned = True
             logger.warning(
