@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -319,3 +320,31 @@ class EioOnSecondSyncJsonlSink(JsonlSink):
 
             raise OSError(errno.EIO, "Input/output error")
         super()._sync_file()
+
+
+class SlowExitSink(Sink):
+    """Closes within its timeout (at 60 % of it), then its child is slow to exit.
+
+    A finalizer made at open sleeps ``exit_s`` when the child ends (as removing a temporary
+    folder on a hung disk would), after close has answered.
+    """
+
+    name = "slow_exit"
+
+    def __init__(self, exit_s: float = 60.0) -> None:
+        self._exit_s = exit_s
+
+    def open(self, run: RunInfo) -> None:
+        self._anchor = _Anchor()
+        weakref.finalize(self._anchor, time.sleep, self._exit_s)
+
+    def write(self, report: Report) -> None:
+        pass
+
+    def close(self, timeout: float | None = None) -> bool:
+        time.sleep(0.6 * (timeout or 0.0))
+        return True
+
+
+class _Anchor:
+    """An object a finalizer can hang on (a plain ``object()`` takes no weak reference)."""

@@ -42,6 +42,7 @@ from tests.collector.child_sinks import (
     FailingOpenSink,
     FlushFailsOnceSink,
     FlushHangSink,
+    SlowExitSink,
     SlowOpenSink,
     SlowReopenSink,
     StalledFlushSink,
@@ -605,3 +606,15 @@ def test_reports_held_for_re_sending_are_capped_and_the_rest_wait_in_the_runner(
 def test_max_unflushed_below_flush_every_is_refused() -> None:
     with pytest.raises(ValueError, match=r"max_unflushed: expected at least flush_every \(16\)"):
         ProcessSink(BatchSizesSink(), flush_every=16, max_unflushed=8)
+
+
+def test_close_keeps_to_its_timeout_when_the_child_is_slow_to_exit() -> None:
+    # The child answered close in time, then close waited its whole timeout again for the
+    # child to exit: 1.6 s of close(timeout=1.0), 9 s of close(timeout=5.0).
+    sink = ProcessSink(SlowExitSink(exit_s=60.0))
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    started = time.monotonic()
+    assert sink.close(2.0)  # its sink closed: the slow exit loses nothing
+    assert time.monotonic() - started < 2.0 + 0.5
+    assert not sink._alive()

@@ -165,6 +165,35 @@ class LogPipe:
         with self._lock:
             return self._cond.wait_for(lambda: not self._entries and not self._busy, timeout)
 
+    def hand_over(self) -> int:
+        """Deliver the queued entries whose values are on the host now, on the calling thread.
+
+        For a checkpoint or a close whose time ran out before this pipe's thread was idle:
+        entries still queued here are in no sink's queue, so neither the checkpoint's
+        ``"undelivered"`` nor the spool file a timed-out close keeps would hold them. Handed to
+        the sinks' pipelines (which never wait for the backend), they are in both. In order,
+        after the delivery in progress; stops at the first entry whose CUDA copy has not
+        completed (the caller never waits for the GPU). Returns how many entries still wait.
+        """
+        with self._delivering:
+            while True:
+                with self._lock:
+                    if not self._entries:
+                        return 0
+                    head = self._entries[0]
+                    copied = head.done is None or head.done.query()  # type: ignore[no-untyped-call]
+                    if not copied:
+                        return len(self._entries)
+                # Taken off only once delivered, as in _drain_with: a Ctrl-C in the delivery
+                # leaves it queued for the sinks that lack it. Holding _delivering, nothing
+                # else takes the head meanwhile.
+                self._deliver_one(head)
+                with self._lock:
+                    self._entries.popleft()
+                    if head.host is not None:
+                        self._on_device -= 1
+                    self._cond.notify_all()
+
     def stop(self, timeout: float | None, *, refuse_later: bool = False) -> bool:
         """Deliver what is queued, then end the thread; whether it ended in time.
 

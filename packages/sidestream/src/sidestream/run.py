@@ -503,6 +503,12 @@ class Run:
         if self._log_pipe is not None:
             # An idle thread not yet ended in a zero timeout lost nothing.
             stopped = self._log_pipe.stop(seconds_left(deadline), refuse_later=True)
+            if not stopped:
+                # The values on the host that the pipe's thread had not handed on yet go to the
+                # sinks' pipelines now, whose close below delivers them or keeps them in a spool
+                # file; left in the pipe they reached no sink and no file (and the warning
+                # below blamed CUDA copies).
+                self._log_pipe.hand_over()
             if not stopped and self._log_pipe.undelivered:
                 complete = False
                 logger.warning(
@@ -627,8 +633,12 @@ class Run:
         if self.is_writer:
             for collector in self._collectors:
                 collector.wait_windows_for_checkpoint(seconds_left(deadline), timeout)
-            if self._log_pipe is not None:
-                self._log_pipe.wait_idle(seconds_left(deadline))
+            if self._log_pipe is not None and not self._log_pipe.wait_idle(seconds_left(deadline)):
+                # Out of time (a zero timeout, or windows that used it up): values still in the
+                # pipe are in no sink's queue, so "undelivered" below would lack them and a job
+                # resumed from this checkpoint would never log them. Handed over here, they are
+                # in it.
+                self._log_pipe.hand_over()
             sinks, undelivered = self._delivery.sink_states(seconds_left(deadline))
         state = {"collectors": collectors, "sinks": sinks, "undelivered": undelivered}
         # Not in the state_dict of a run not started yet: that is the template

@@ -636,7 +636,11 @@ class ProcessSink(Sink):
                 argument = (limit, failed_exit_code(), self._unfinished)
                 done = bool(self._call("close", argument, limit))
             finally:
-                self._stop(join_s=5.0 if timeout is None else max(0.1, timeout))
+                # What is left of the timeout, not the whole of it again: a child that answered
+                # close late and is slow to exit (its finalizers) kept close twice its timeout.
+                # Killing it then loses nothing: its sink has closed (or the call gave up).
+                left = seconds_left(deadline)
+                self._stop(join_s=5.0 if left is None else max(0.1, left))
             if done:
                 self._unflushed.clear()
                 # A close flushes: an open after it resumes from here, not from an older state
