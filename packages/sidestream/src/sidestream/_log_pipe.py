@@ -149,8 +149,9 @@ class LogPipe:
         A close run inside a ``log`` call on its own thread (a signal handler's) stops the pipe
         before the call hands its entry over: queued after that, it reached no sink, while the
         call returned as if it had and close said True. So does an interrupted close on another
-        thread (``hand_over_now``), which does not wait for log calls in progress, and a close
-        on another thread whose timeout ran out while it waited for the call.
+        thread (``hand_over(refuse_later=True)``), which does not wait for log calls in
+        progress, and a close on another thread whose timeout ran out while it waited for the
+        call.
         """
         if self._refusing:
             raise RuntimeError(
@@ -164,35 +165,6 @@ class LogPipe:
         """Block until every queued entry is delivered; whether it happened in time."""
         with self._lock:
             return self._cond.wait_for(lambda: not self._entries and not self._busy, timeout)
-
-    def hand_over(self) -> int:
-        """Deliver the queued entries whose values are on the host now, on the calling thread.
-
-        For a checkpoint or a close whose time ran out before this pipe's thread was idle:
-        entries still queued here are in no sink's queue, so neither the checkpoint's
-        ``"undelivered"`` nor the spool file a timed-out close keeps would hold them. Handed to
-        the sinks' pipelines (which never wait for the backend), they are in both. In order,
-        after the delivery in progress; stops at the first entry whose CUDA copy has not
-        completed (the caller never waits for the GPU). Returns how many entries still wait.
-        """
-        with self._delivering:
-            while True:
-                with self._lock:
-                    if not self._entries:
-                        return 0
-                    head = self._entries[0]
-                    copied = head.done is None or head.done.query()  # type: ignore[no-untyped-call]
-                    if not copied:
-                        return len(self._entries)
-                # Taken off only once delivered, as in _drain_with: a Ctrl-C in the delivery
-                # leaves it queued for the sinks that lack it. Holding _delivering, nothing
-                # else takes the head meanwhile.
-                self._deliver_one(head)
-                with self._lock:
-                    self._entries.popleft()
-                    if head.host is not None:
-                        self._on_device -= 1
-                    self._cond.notify_all()
 
     def stop(self, timeout: float | None, *, refuse_later: bool = False) -> bool:
         """Deliver what is queued, then end the thread; whether it ended in time.
@@ -208,54 +180,58 @@ class LogPipe:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def hand_over_now(self, timeout: float) -> int:
-        """Stop, and deliver what is queued on the calling thread now; how many reached no sink.
+    def hand_over(self, wait_s: float, *, refuse_later: bool = False) -> int:
+        """Deliver the entries queued now on the calling thread, in order; how many are left.
 
-        For a run's interrupted close (Ctrl-C, a signal handler's ``SystemExit``): the sinks
-        keep what they were handed in spool files at once and take nothing after that, so the
-        entries still queued here reached them only later, on this pipe's thread, and the closed
-        run dropped them with a DEBUG line. The delivery in progress (on the thread, or by a
-        caller draining a full queue) is waited for up to ``timeout`` seconds, and so is each
-        CUDA copy, all within that time: an entry whose copy has not completed by then reaches
-        no sink, and neither does any entry if the delivery in progress did not end (the count,
-        for the caller's warning). Later ``put`` calls raise, as after
-        ``stop(refuse_later=True)``; the thread ends with nothing left to deliver.
+        For a checkpoint or a close whose time ran out before this pipe's thread was idle, and
+        for an interrupted close: entries still queued here are in no sink's queue, so neither
+        a checkpoint's ``"undelivered"`` nor the spool file a close keeps would hold them (an
+        interrupted close's sinks, closed next, dropped them with a DEBUG line). Handed to the
+        sinks' pipelines, which never wait for the backend, they are in both. The delivery in
+        progress (on the thread, or by a caller draining a full queue) and the CUDA copies are
+        waited for up to ``wait_s`` seconds in all: what is left then reaches no sink from
+        here, which the count tells the caller. ``refuse_later``: later ``put`` calls raise, as
+        after ``stop(refuse_later=True)`` (a close: nothing would deliver them).
+
+        Once stopped (a close), an entry whose copy has not completed is given up and the
+        later ones are still handed over; before (a checkpoint), the hand-over ends there: a
+        later step delivered first would make the sinks skip it as delivered.
         """
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + wait_s
         with self._lock:
-            self._stopping = True
-            self._refusing = True
-            self._cond.notify_all()
-        # Behind the delivery in progress: the entries reach each sink in the order of the calls.
-        taken = self._delivering.acquire(timeout=max(0.0, timeout))
+            if refuse_later:
+                self._stopping = True
+                self._refusing = True
+                self._cond.notify_all()
+            # Those queued now: another thread's later log calls are not this caller's.
+            count = len(self._entries)
+            final = self._stopping
+        # Behind the delivery in progress: the entries reach each sink in the order of calls.
+        if not self._delivering.acquire(timeout=max(0.0, wait_s)):
+            return count
         lost = 0
-        pending: deque[LogEntry] | None = None
         try:
-            with self._lock:
-                # Taken off the queue whole (no call in between): the thread finds it empty.
-                pending, self._entries = self._entries, deque()
-            if not taken:
-                # A delivery that does not end (a sink's queue waiting for room, or this
-                # thread's own, under a handler's close): delivering beside it would break the
-                # order. Said, not left to the thread to hand to sinks that have closed by then.
-                lost, pending = len(pending), None
-                return lost
-            while pending:
-                entry = pending[0]
-                if entry.done is None or _completed_by(entry.done, deadline):
-                    self._deliver_one(entry)
+            for handed in range(count):
+                with self._lock:
+                    # Only holders of _delivering take entries off: this is still the head.
+                    head = self._entries[0]
+                copied = head.done is None or _completed_by(head.done, deadline)
+                if not copied and not final:
+                    return count - handed
+                if copied:
+                    # Taken off only once delivered, as in _drain_with: a second Ctrl-C in the
+                    # delivery leaves it queued for the sinks that lack it.
+                    self._deliver_one(head)
                 else:
                     lost += 1
-                pending.popleft()
+                with self._lock:
+                    self._entries.popleft()
+                    if head.host is not None:
+                        self._on_device -= 1
+                    self._cond.notify_all()
             return lost
         finally:
-            if taken:
-                self._delivering.release()
-            if pending:
-                with self._lock:
-                    # Interrupted again (a second Ctrl-C): the rest go back, in order.
-                    self._entries.extendleft(reversed(pending))
-                    self._cond.notify_all()
+            self._delivering.release()
 
     @property
     def undelivered(self) -> int:

@@ -50,8 +50,9 @@ T = TypeVar("T")
 
 logger = logging.getLogger("sidestream.run")
 
-_INTERRUPTED_HAND_OVER_S = 1.0
-"""How long an interrupted close waits to hand the queued ``log`` values to the sinks."""
+_HAND_OVER_S = 1.0
+"""How long a close or checkpoint that ran out of time (or was interrupted) waits to hand the
+queued ``log`` values to the sinks (a delivery in progress, a CUDA copy)."""
 
 
 class Run:
@@ -470,22 +471,22 @@ class Run:
     def _hand_over_logged(self) -> None:
         """Give the sinks the ``log`` values still queued, at once (an interrupted close).
 
-        Within ``_INTERRUPTED_HAND_OVER_S``: the values whose CUDA copy did not complete by then
-        (or all, if the delivery in progress did not end) reach no sink, which a warning says.
+        Within ``_HAND_OVER_S``: the values whose CUDA copy did not complete by then (or all,
+        if the delivery in progress did not end) reach no sink, which a warning says.
         Nothing to do once the sinks closed (an interrupt in their own close): the pipe was
         stopped before them, and a timeout there was warned about.
         """
         pipe = self._log_pipe
         if pipe is None or self._delivery.closed:
             return
-        lost = pipe.hand_over_now(_INTERRUPTED_HAND_OVER_S)
+        lost = pipe.hand_over(_HAND_OVER_S, refuse_later=True)
         if lost:
             logger.warning(
                 "close was interrupted: %d Run.log call(s) could not be handed to the sinks "
                 "within %.1f s (a CUDA copy not completed, or a sink's delivery in progress); "
                 "their values reached no sink",
                 lost,
-                _INTERRUPTED_HAND_OVER_S,
+                _HAND_OVER_S,
             )
 
     def _holds_saving_rank(self, stream: str, collector: AsyncMetricCollector[Any]) -> bool:
@@ -502,19 +503,18 @@ class Run:
                 complete = False
         if self._log_pipe is not None:
             # An idle thread not yet ended in a zero timeout lost nothing.
+            # The values on the host that the pipe's thread had not handed on when the timeout
+            # ran out go to the sinks' pipelines now, whose close below delivers them or keeps
+            # them in a spool file; left in the pipe they reached no sink and no file.
             stopped = self._log_pipe.stop(seconds_left(deadline), refuse_later=True)
-            if not stopped:
-                # The values on the host that the pipe's thread had not handed on yet go to the
-                # sinks' pipelines now, whose close below delivers them or keeps them in a spool
-                # file; left in the pipe they reached no sink and no file (and the warning
-                # below blamed CUDA copies).
-                self._log_pipe.hand_over()
-            if not stopped and self._log_pipe.undelivered:
+            lost = 0 if stopped else self._log_pipe.hand_over(_HAND_OVER_S)
+            if lost:
                 complete = False
                 logger.warning(
-                    "close: %d Run.log call(s) still waited for CUDA copies when the timeout "
-                    "ran out; their values reached no sink",
-                    self._log_pipe.undelivered,
+                    "close: %d Run.log call(s) still waited for CUDA copies (or a delivery in "
+                    "progress) %.1f s after the timeout ran out; their values reached no sink",
+                    lost,
+                    _HAND_OVER_S,
                 )
             if self._log_pipe.dropped:
                 complete = False
@@ -638,7 +638,7 @@ class Run:
                 # pipe are in no sink's queue, so "undelivered" below would lack them and a job
                 # resumed from this checkpoint would never log them. Handed over here, they are
                 # in it.
-                self._log_pipe.hand_over()
+                self._log_pipe.hand_over(_HAND_OVER_S)
             sinks, undelivered = self._delivery.sink_states(seconds_left(deadline))
         state = {"collectors": collectors, "sinks": sinks, "undelivered": undelivered}
         # Not in the state_dict of a run not started yet: that is the template
