@@ -69,3 +69,42 @@ def test_a_close_with_no_time_left_keeps_the_logged_values_in_a_spool_file(
     kept = {r.step for path in tmp_path.glob("*.spool.jsonl") for r in read_spool(path)}
     assert [step for step in STEPS if step not in delivered | kept] == []
     assert "CUDA" not in caplog.text
+
+
+class _StalledCopy:
+    """A CUDA copy's event that never completes (a GPU far behind the training thread)."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_checkpoint_that_lacks_values_behind_a_stalled_copy_says_so(
+    tmp_path: Path, slow_log_pipe: threading.Event, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The hand-over stops at a copy not completed (a later step first would make the sinks
+    # skip it): that value and every later one were in neither the sink's state nor
+    # "undelivered", and nothing said so; a job resumed from it never logged them.
+    import torch
+
+    from sidestream._log_pipe import LogEntry
+
+    run = Run([JsonlSink(tmp_path / "m.jsonl")], spool_dir=tmp_path)
+    try:
+        run.log(1, {"x": 1.0})
+        stalled = LogEntry(step=2, time=0.0, numbers={}, device_names=("y",))
+        stalled.host, stalled.done = torch.zeros(1, dtype=torch.float64), _StalledCopy()  # type: ignore[assignment]
+        assert run._log_pipe is not None
+        run._log_pipe.put(stalled)
+        run.log(3, {"x": 3.0})
+        with caplog.at_level(logging.WARNING, logger="sidestream.run"):
+            state = run.state_dict(timeout=0)
+        (lines,) = state["undelivered"].values()
+        assert {json.loads(line)["step"] for line in lines.splitlines()} <= {1}
+        assert "state_dict: 2 Run.log call(s) still waited for a CUDA copy" in caplog.text
+        assert "this checkpoint lacks their values" in caplog.text
+    finally:
+        assert run._log_pipe is not None
+        for entry in run._log_pipe._entries:
+            entry.done = None  # let the close end
+        slow_log_pipe.set()
+        run.close(30)

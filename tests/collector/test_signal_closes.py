@@ -268,3 +268,26 @@ def test_a_close_interrupted_before_the_dispatcher_stops_ends_its_thread(
     assert not dispatcher.alive, "the dispatcher thread outlived the interrupted close"
     monkeypatch.undo()
     run.close(10)
+
+
+def test_a_collector_whose_run_close_was_interrupted_before_its_turn_refuses_windows_up_front(
+    tmp_path: Path,
+) -> None:
+    # Run.close's interrupt handler stopped every collector's dispatcher but left the later
+    # ones open: their next schedule_collection ran its collectives and reset the live state,
+    # then the stopped dispatcher refused the window, saying a close ran "during this call".
+    run = Run([JsonlSink(tmp_path / "run.jsonl")], spool_dir=str(tmp_path))
+    first = run.collector(SumMetric(), prefix="a").bind("cpu")
+    second = run.collector(SumMetric(), prefix="b").bind("cpu")
+
+    def interrupted(*args: Any, **kwargs: Any) -> bool:
+        raise KeyboardInterrupt
+
+    first.close = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        run.close(10)
+    second.metric.update(torch.tensor([5.0]))
+    with pytest.raises(RuntimeError, match="schedule_collection: the collector is closed"):
+        second.schedule_collection(1)
+    assert second.metric.compute().item() == 5.0  # nothing was staged or reset
+    assert second.close(5) is True

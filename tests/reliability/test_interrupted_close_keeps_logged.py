@@ -129,3 +129,33 @@ def test_an_interrupted_close_names_the_log_values_it_could_not_hand_over(
     assert [m for m in messages if "1 Run.log call(s)" in m and "reached no sink" in m], messages
     kept = {r.step for f in _spool_files(tmp_path / "spool") for r in _read_spool(f)}
     assert {1, 3} <= kept | set(_logged_steps(path))
+
+
+class _SecondCtrlC:
+    """A CUDA copy's event still in flight, whose wait a second Ctrl-C interrupts."""
+
+    def query(self) -> bool:
+        raise KeyboardInterrupt
+
+
+def test_a_second_ctrl_c_in_the_hand_over_still_keeps_what_the_sinks_hold(
+    tmp_path: Path, held_pipe: threading.Event
+) -> None:
+    # The second Ctrl-C of a double Ctrl-C, landing while the interrupted close waited (up to
+    # a second) to hand the queued values over, skipped the sinks' close_now: no spool file,
+    # and the exit lost all they held (200 of 200 steps in neither the file nor a spool).
+    path, spool = tmp_path / "run.jsonl", tmp_path / "spool"
+    run = Run([JsonlSink(path)], spool_dir=str(spool))
+    for step in range(1, _STEPS + 1):
+        run.log(step, {"x": float(step)})
+    pipe = run._log_pipe
+    assert pipe is not None
+    stalled = LogEntry(step=_STEPS + 1, time=0.0, numbers={}, device_names=("y",))
+    stalled.host, stalled.done = torch.zeros(1, dtype=torch.float64), _SecondCtrlC()  # type: ignore[assignment]
+    pipe.put(stalled)
+    pipe._thread.join = _interrupt  # type: ignore[method-assign]  # the first Ctrl-C
+    with pytest.raises(KeyboardInterrupt):
+        run.close(10)
+    assert run._delivery.closed, "the sinks were left open, keeping nothing"
+    kept = {r.step for f in _spool_files(spool) for r in _read_spool(f)}
+    assert set(range(1, _STEPS + 1)) <= kept | set(_logged_steps(path))

@@ -203,7 +203,12 @@ class LogPipe:
                 self._stopping = True
                 self._refusing = True
                 self._cond.notify_all()
-            # Those queued now: another thread's later log calls are not this caller's.
+            # Those queued now: another thread's later log calls are not this caller's. Known
+            # by the last of them, not by their number: the pipe's thread (or a caller draining
+            # a full queue) may deliver some before this call has the delivery lock, and a
+            # count taken now then ran past the queue's end (IndexError out of a checkpoint or
+            # a close, half the time after a burst of log calls).
+            last = self._entries[-1] if self._entries else None
             count = len(self._entries)
             final = self._stopping
         # Behind the delivery in progress: the entries reach each sink in the order of calls.
@@ -211,6 +216,10 @@ class LogPipe:
             return count
         lost = 0
         try:
+            with self._lock:
+                # With _delivering held nothing leaves the queue's head: ours still queued lead
+                # it, up to the last.
+                count = self._queued_through(last)
             for handed in range(count):
                 with self._lock:
                     # Only holders of _delivering take entries off: this is still the head.
@@ -232,6 +241,15 @@ class LogPipe:
             return lost
         finally:
             self._delivering.release()
+
+    def _queued_through(self, last: LogEntry | None) -> int:
+        """How many entries lead the queue up to ``last`` (0 if it left it); lock held."""
+        if last is None:
+            return 0
+        for index, entry in enumerate(self._entries):
+            if entry is last:  # by identity: a LogEntry's == compares its fields
+                return index + 1
+        return 0
 
     @property
     def undelivered(self) -> int:

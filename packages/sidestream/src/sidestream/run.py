@@ -457,12 +457,18 @@ class Run:
                 # processed yet are lost with the sinks: said per stream (the collector that
                 # was closing said it already).
                 self._closed = True
-                for collector in self._collectors:
-                    collector.give_up_windows("Run.close was interrupted")
-                # Before the sinks keep what they hold: handed to them after that, the values
-                # still queued for them were dropped by the closed run (0 of 200 kept).
-                self._hand_over_logged()
-                self._delivery.close_now()
+                try:
+                    for collector in self._collectors:
+                        collector.give_up_windows("Run.close was interrupted")
+                    # Before the sinks keep what they hold: handed to them after that, the
+                    # values still queued for them were dropped by the closed run (0 of 200
+                    # kept).
+                    self._hand_over_logged()
+                finally:
+                    # Also after a second Ctrl-C in the hand-over (it waits up to a second, for
+                    # a CUDA copy or a delivery in progress): skipped, the sinks kept no spool
+                    # file and the exit lost all they held (200 of 200 steps).
+                    self._delivery.close_now()
             raise
         finally:
             if self._closing.holds(closer):
@@ -638,7 +644,19 @@ class Run:
                 # pipe are in no sink's queue, so "undelivered" below would lack them and a job
                 # resumed from this checkpoint would never log them. Handed over here, they are
                 # in it.
-                self._log_pipe.hand_over(_HAND_OVER_S)
+                left = self._log_pipe.hand_over(_HAND_OVER_S)
+                if left:
+                    # Behind a CUDA copy not completed (or a delivery in progress): the pipe
+                    # delivers them later, after this checkpoint read the sinks, so it lacks
+                    # them. Said, not left for the resumed job's missing steps to tell.
+                    logger.warning(
+                        "state_dict: %d Run.log call(s) still waited for a CUDA copy (or a "
+                        "delivery in progress) %.1f s after the checkpoint's time ran out; this "
+                        "checkpoint lacks their values (a job resumed from it does not log "
+                        "them), while this run still delivers them",
+                        left,
+                        _HAND_OVER_S,
+                    )
             sinks, undelivered = self._delivery.sink_states(seconds_left(deadline))
         state = {"collectors": collectors, "sinks": sinks, "undelivered": undelivered}
         # Not in the state_dict of a run not started yet: that is the template

@@ -1127,6 +1127,11 @@ class AsyncMetricCollector(Generic[T]):
         unprocessed = self._dispatcher.unprocessed
         if not self._dispatcher.stopped:
             self._dispatcher.request_stop()
+        # Nothing processes a window from here (a Run's close interrupted before this
+        # collector's turn closed it no other way): a later schedule_collection is refused up
+        # front, with the closed collector's message, not by the stopped dispatcher once its
+        # collectives had run and the live state was reset ("closed during this call").
+        self._closed = True
         if unprocessed and not self._unreported_warned:
             self._unreported_warned = True
             logger.warning(
