@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -132,6 +133,62 @@ def test_a_process_group_of_another_size_than_the_launchers_fails_at_bind() -> N
     for line, where in zip(lines, ("bind", "log", "sync"), strict=True):
         assert line.startswith(f"{where}: the environment says this job has 2 processes"), line
         assert "holds this process alone" in line, line
+
+
+def test_a_group_per_node_smaller_than_the_launchers_world_fails_at_bind(tmp_path: Path) -> None:
+    # Two nodes of two processes each, where every node made its own group from LOCAL_RANK
+    # and LOCAL_WORLD_SIZE: each node's local rank 0 was rank 0 of a group of 2, so both wrote
+    # their node's half of the numbers (count 80 where the job had 160) to the same shared
+    # JSONL file and TensorBoard directory, every step twice, and closed True. One node of it
+    # here: WORLD_SIZE=4, RANK=2 and 3, a group of 2.
+    script = textwrap.dedent(
+        """
+        import os
+        import sys
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+        from sidestream import MeanMetric, Run
+        from sidestream.collector import AsyncMetricCollector
+
+        def work(local_rank, init_method):
+            os.environ["RANK"] = str(2 + local_rank)
+            dist.init_process_group("gloo", init_method=init_method, world_size=2, rank=local_rank)
+            lines = []
+            for where, call in (
+                ("bind", lambda: AsyncMetricCollector(MeanMetric()).bind("cpu")),
+                ("log", lambda: Run().log(1, {"lr": 0.1})),
+                ("sync", lambda: MeanMetric().sync()),
+            ):
+                try:
+                    call()
+                except RuntimeError as error:
+                    lines.append(f"{local_rank} {error}")
+                else:
+                    lines.append(f"{local_rank} {where}: no error")
+            sys.stdout.write("\\n".join(lines) + "\\n")  # one write: the ranks share the pipe
+            sys.stdout.flush()
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.spawn(work, args=(f"file://{__file__}.store",), nprocs=2)
+        """
+    )
+    path = tmp_path / "per_node.py"  # spawn imports the main module again: a file, not -c
+    path.write_text(script)
+    done = _python(str(path), WORLD_SIZE="4", RANK="2")
+    assert done.returncode == 0, done.stderr
+    lines = sorted(done.stdout.splitlines())
+    assert len(lines) == 6, lines
+    for line in lines:
+        local_rank = int(line[0])
+        assert "no error" not in line, line
+        assert re.match(
+            rf"{local_rank} (bind|log|sync): the environment says this job has 4 processes "
+            rf"\(WORLD_SIZE, RANK={2 + local_rank}\), but the default process group holds 2 "
+            rf"processes \(this one as rank {local_rank}\)",
+            line,
+        ), line
+        assert "init_process_group" in line, line
 
 
 def test_a_larger_group_than_the_launchers_world_is_fine(tmp_path: Path) -> None:

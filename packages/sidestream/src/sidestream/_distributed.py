@@ -169,9 +169,12 @@ def check_process_group(where: str) -> None:
     torchrun (and most launchers) set ``WORLD_SIZE`` and ``RANK``. Without
     ``init_process_group`` every rank would act as rank 0 of a job of its own: each writes to
     the trackers, each reduces only its own data. The same happens with a default group of one
-    process where the environment says several (a ``world_size=1`` group on every rank). A
-    larger group is fine: some launchers set ``WORLD_SIZE``/``RANK`` per node and spawn one
-    process per GPU (PyTorch's ImageNet example, Kubeflow's PyTorchJob).
+    process where the environment says several (a ``world_size=1`` group on every rank), and
+    with any default group smaller than the environment's world: a group per node (made with
+    ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` on a multi-node job) has a rank 0 on every node, and
+    each of them writes its node's numbers to the same trackers. A larger group is fine: some
+    launchers set ``WORLD_SIZE``/``RANK`` per node and spawn one process per GPU (PyTorch's
+    ImageNet example, Kubeflow's PyTorchJob).
 
     Raises:
         RuntimeError: Naming ``torch.distributed.init_process_group``.
@@ -182,13 +185,31 @@ def check_process_group(where: str) -> None:
         if _checked_group is not None and _checked_group() is default:
             return  # a window's sync calls this on the training thread: checked once per group
         world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
-        if dist.get_world_size() == 1 and world.isdigit() and int(world) > 1:
+        size = dist.get_world_size()
+        if world.isdigit() and size < int(world):
+            # Smaller than the launcher's world: the job is split into several groups, each
+            # with a rank 0 that writes its part to the trackers as if it were the whole job.
+            if size == 1:
+                held = "holds this process alone"
+                consequence = (
+                    "each rank reduces only its own data and writes to the trackers as rank 0"
+                )
+            else:
+                held = (
+                    f"holds {size} processes (this one as rank {dist.get_rank()}): the job "
+                    "is split into groups, a group per node when it was made with "
+                    "LOCAL_RANK/LOCAL_WORLD_SIZE"
+                )
+                consequence = (
+                    "each group reduces only its own data and its rank 0 writes to the "
+                    "trackers as the job's"
+                )
             raise RuntimeError(
                 f"{where}: the environment says this job has {world} processes (WORLD_SIZE, "
-                f"RANK={rank or 'unset'}), but the default process group holds this process "
-                "alone; initialize it with the environment's world size and rank on every "
-                "rank (torch.distributed.init_process_group() reads them itself), otherwise "
-                "each rank reduces only its own data and writes to the trackers as rank 0"
+                f"RANK={rank or 'unset'}), but the default process group {held}; initialize "
+                "it with the environment's world size and rank on every rank "
+                "(torch.distributed.init_process_group() reads them itself), otherwise "
+                f"{consequence}"
             )
         # A weak reference: one kept past destroy_process_group ran gloo's destructor at exit,
         # which aborted the process ("terminate called without an active exception").
