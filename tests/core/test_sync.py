@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -739,6 +740,9 @@ def _sync_over_a_smaller_default_group(store_path: str) -> dict[str, Any] | None
     dist.destroy_process_group()
     if rank == 2:
         return None  # this rank leaves the job
+    # As an elastic agent restarting the job with two processes says (a default group smaller
+    # than WORLD_SIZE is refused: a group per node would write each node's part as the job's).
+    os.environ["WORLD_SIZE"] = "2"
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store_path}",
