@@ -149,3 +149,10 @@ class BatchingSink(RecordingSink):
             self.failures_left -= 1
             raise ConnectionError("tracker unreachable")
         self.steps.extend(report.step for report in reports)
+
+
+class NeverCompletedCopy:
+    """Stands in for a CUDA copy's event that never completes (a GPU far behind)."""
+
+    def query(self) -> bool:
+        return False

@@ -11,6 +11,7 @@ import pytest
 
 from sidestream import Run, _log_pipe
 from sidestream.sinks import JsonlSink, read_jsonl, read_spool
+from tests.collector.helpers import NeverCompletedCopy
 
 STEPS = range(1, 201)
 
@@ -71,13 +72,6 @@ def test_a_close_with_no_time_left_keeps_the_logged_values_in_a_spool_file(
     assert "CUDA" not in caplog.text
 
 
-class _StalledCopy:
-    """A CUDA copy's event that never completes (a GPU far behind the training thread)."""
-
-    def query(self) -> bool:
-        return False
-
-
 def test_a_checkpoint_that_lacks_values_behind_a_stalled_copy_says_so(
     tmp_path: Path, slow_log_pipe: threading.Event, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -92,7 +86,7 @@ def test_a_checkpoint_that_lacks_values_behind_a_stalled_copy_says_so(
     try:
         run.log(1, {"x": 1.0})
         stalled = LogEntry(step=2, time=0.0, numbers={}, device_names=("y",))
-        stalled.host, stalled.done = torch.zeros(1, dtype=torch.float64), _StalledCopy()  # type: ignore[assignment]
+        stalled.host, stalled.done = torch.zeros(1, dtype=torch.float64), NeverCompletedCopy()  # type: ignore[assignment]
         assert run._log_pipe is not None
         run._log_pipe.put(stalled)
         run.log(3, {"x": 3.0})

@@ -22,6 +22,7 @@ import torch
 from sidestream import Run, SumMetric
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream.sinks import JsonlSink, Report, read_jsonl, read_spool, replay_spool
+from tests.collector.helpers import NeverCompletedCopy
 
 _STEPS = 200
 
@@ -101,13 +102,6 @@ def _read_spool(path: Path) -> list[Report]:
     return list(read_spool(path))
 
 
-class _NeverDone:
-    """A CUDA copy's event that never completes (a stalled copy)."""
-
-    def query(self) -> bool:
-        return False
-
-
 def test_an_interrupted_close_names_the_log_values_it_could_not_hand_over(
     tmp_path: Path, held_pipe: threading.Event, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -118,7 +112,7 @@ def test_an_interrupted_close_names_the_log_values_it_could_not_hand_over(
     assert pipe is not None
     # A value whose copy to the host stalls, then one with host numbers only, behind it.
     stalled = LogEntry(step=2, time=0.0, numbers={}, device_names=("y",))
-    stalled.host, stalled.done = torch.zeros(1, dtype=torch.float64), _NeverDone()  # type: ignore[assignment]
+    stalled.host, stalled.done = torch.zeros(1, dtype=torch.float64), NeverCompletedCopy()  # type: ignore[assignment]
     pipe.put(stalled)
     run.log(3, {"x": 3.0})
     pipe._thread.join = _interrupt  # type: ignore[method-assign]

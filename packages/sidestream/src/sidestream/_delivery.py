@@ -480,10 +480,11 @@ class Delivery:
                 # counted those un-synced steps (and JSONL's offset past them) as durable.
                 # What the state holds was sent before make_durable began, so it covers them.
                 # One that counts confirmed steps only (W&B, TensorBoard) is read after it.
-                sent_state = sink.state_dict() if _send_is_delivery(sink) else None
+                send_is_delivery = _send_is_delivery(sink)
+                sent_state = sink.state_dict() if send_is_delivery else None
                 began = time.monotonic()
                 durable = sink.make_durable(timeout)
-                if not durable and _send_is_delivery(sink):
+                if not durable and send_is_delivery:
                     # Its state counts a step once send returned, and make_durable is what
                     # makes those steps survive a machine crash (JSONL's fsync): one that did
                     # not finish (a hung disk, an NFS server gone), or failed in a child
@@ -515,7 +516,7 @@ class Delivery:
                     # A tracker whose steps count once its backend confirms them
                     # (durable_on_send False) holds confirmed steps only, so it is right either
                     # way, and fresher than the runner's copy when part was confirmed by now.
-                    state = sent_state if sent_state is not None else sink.state_dict()
+                    state = sent_state if send_is_delivery else sink.state_dict()
                     if durable:
                         self._durable_states[runner.key] = copy.deepcopy(state)
                     return state

@@ -1084,14 +1084,13 @@ class AsyncMetricCollector(Generic[T]):
             # Calls that take the lock after this see _closed and raise.
             if wait_until_free(self._scheduling, timeout):
                 timeout = seconds_left(deadline)  # what the wait left of it
-            done = self._close_windows_and_sinks(timeout, deadline)
-            if done:
+            complete = self._close_windows_and_sinks(timeout, deadline)
+            if complete:
                 # Every window is done: its staging copies (a copy of the metric each, up to
                 # max_slots) are no longer needed, and a Run keeps its closed streams'
                 # collectors (one per evaluation set kept 24 MB for a 500-class confusion
                 # matrix).
                 self._drop_free_slots()
-            complete = done
             return complete
         except BaseException:
             if self._closing.holds(closer):
