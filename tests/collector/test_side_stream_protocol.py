@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -166,3 +166,82 @@ def test_a_failed_window_still_records_its_done_event(monkeypatch: pytest.Monkey
     for slot in slots:
         collector._free_slots.put(slot)
     collector.close()
+
+
+def test_slots_made_for_the_side_stream_at_bind_order_their_first_staging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The tests above switch to the CUDA branch after bind, so their slots were laid out for
+    # the CPU. A CUDA bind makes every slot on the side stream (pinned buffers sized by a
+    # compute on the copy, a done event recorded there): the first staging into each slot
+    # waits for that event, which was recorded before, and the numbers are the same.
+    log, side = _stand_ins(monkeypatch)
+    make_slot = AsyncMetricCollector._make_slot
+
+    def on_the_side_stream(self: AsyncMetricCollector[Any], check: bool) -> Any:
+        self._side = side  # as bind does on CUDA, before the first slot
+        return make_slot(self, check)
+
+    monkeypatch.setattr(AsyncMetricCollector, "_make_slot", on_the_side_stream)
+    metric, sink = make_metric(), RecordingSink()
+    collector = AsyncMetricCollector(metric, sinks=[sink]).bind("cpu")
+    for window in range(6):
+        feed(metric, window_data(4, window, 0))
+        collector.schedule_collection(window + 1)
+    assert collector.close()
+
+    assert [report.step for report in sink.reports] == list(range(1, 7))
+    for window, report in enumerate(sink.reports):
+        expected = reference([window_data(4, window, 0)])
+        assert report.values == {k: pytest.approx(v, rel=1e-12) for k, v in expected.items()}
+    # Every event a stream or the host waits on was recorded before: on CUDA a wait on an
+    # event never recorded passes at once (a race), unnoticed.
+    recorded: set[int] = set()
+    for kind, _, event in log:
+        if kind == "record":
+            recorded.add(event)
+        elif kind in ("wait_event", "synchronize"):
+            assert event in recorded, (kind, event)
+    made_at_bind = [e for kind, s, e in log if kind == "record" and s == "side"][:1]
+    current_waits = [e for kind, s, e in log if kind == "wait_event" and s == "current"]
+    assert made_at_bind and current_waits[0] == made_at_bind[0]
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that takes Run.log's CUDA branch (its copy on a side stream)."""
+
+    streams: ClassVar[list[str]] = []
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    def record_stream(self, stream: Any) -> None:  # type: ignore[override]
+        _OnCuda.streams.append(stream.label)
+
+
+def test_run_log_copies_cuda_values_on_its_own_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Run.log's CUDA branch had never run anywhere: a stream of its own waits for the caller's,
+    # the values are copied into a pinned float64 buffer there, each input is kept alive for
+    # that stream (record_stream), and the pipe's thread reads the buffer only after the
+    # blocking done event recorded on that stream.
+    from sidestream import Run
+
+    log, side = _stand_ins(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    _OnCuda.streams = []
+    sink = RecordingSink()
+    run = Run([sink])
+    for step in range(1, 6):
+        value = torch.tensor(step * 0.25, dtype=torch.float32).as_subclass(_OnCuda)
+        count = torch.tensor(step, dtype=torch.int64).as_subclass(_OnCuda)
+        run.log(step, {"x": value, "n": count, "lr": 0.5})
+    assert run.close(timeout=30)
+    assert [report.values for report in sink.reports] == [
+        {"lr": 0.5, "x": step * 0.25, "n": float(step)} for step in range(1, 6)
+    ]
+    assert _OnCuda.streams == ["side"] * 10
+    assert [kind for kind, stream, _ in log if stream == "side"][:2] == ["wait_stream", "record"]
+    done = [event for kind, stream, event in log if kind == "record" and stream == "side"]
+    synchronized = [event for kind, _, event in log if kind == "synchronize"]
+    assert len(done) == 5 and set(done) <= set(synchronized)
