@@ -6,13 +6,15 @@ import errno
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from sidestream import Run
-from sidestream.sinks import JsonlSink
+from sidestream.sinks import JsonlSink, Report, RunInfo, TrackerSink
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX fsync")
 
@@ -217,4 +219,56 @@ def test_a_later_fsync_that_succeeds_does_not_count_lines_an_earlier_one_lost(
             run.log(step, {"x": float(step)})
         assert _last_steps(run.state_dict(timeout=10)) == {"": 5}
     assert failed
+    assert run.close(timeout=10)
+
+
+class _HangingMakeDurable(TrackerSink):
+    """A sink of one's own whose ``make_durable`` ignores its timeout (a client call hangs)."""
+
+    name = "hangs"
+    identity_key = "run_id"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.calls = 0
+
+    @property
+    def identity(self) -> str | None:
+        return "run-1"
+
+    def open(self, run: RunInfo) -> None:
+        pass
+
+    def send(self, reports: Sequence[Report]) -> None:
+        pass
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        self.calls += 1
+        self.release.wait(60)  # its timeout ignored
+        return True
+
+
+def test_a_make_durable_that_ignores_its_timeout_does_not_hold_the_checkpoint(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sink = _HangingMakeDurable()
+    run = Run([sink])
+    try:
+        for step in range(1, 4):
+            run.log(step, {"x": float(step)})
+        began = time.monotonic()
+        checkpoint = run.state_dict(timeout=0.5)
+        # The time left and the grace (2 s), not the sink's hang of 60 s.
+        assert time.monotonic() - began < 10
+        # Sent, but not made durable: not counted as delivered.
+        assert checkpoint["sinks"]["hangs"]["last_steps"] == []
+        assert any("make_durable did not return" in r.getMessage() for r in caplog.records)
+        # The hung call still runs: a second checkpoint starts no other beside it.
+        began = time.monotonic()
+        run.state_dict(timeout=0.5)
+        assert time.monotonic() - began < 2
+        assert sink.calls == 1
+    finally:
+        sink.release.set()
     assert run.close(timeout=10)

@@ -417,12 +417,68 @@ def test_a_dead_childs_restart_keeps_to_the_timeout_of_close_and_flush(
     assert first is not None and first.pid is not None
     os.kill(first.pid, signal.SIGKILL)
     first.join(30.0)
+    # A close given less time than a child takes to start starts none (see the test below):
+    # this one has time for a start, not for the slow reopen.
+    assert sink._start_s is not None
+    timeout = 1.0 if call == "flush" else max(1.0, 2 * sink._start_s)
     started = time.monotonic()
     with pytest.raises(SinkProcessError, match="open took longer than"):
-        getattr(sink, call)(1.0)
-    assert time.monotonic() - started < 10.0
+        getattr(sink, call)(timeout)
+    assert time.monotonic() - started < timeout + 9.0
     assert not sink._alive()  # the slow child was stopped, not left running
     assert [r.step for r in sink.pending_reports()] == [1]  # still owed to the backend
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.2])
+def test_a_close_without_time_to_start_a_child_starts_none(
+    tmp_path: Path, timeout: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    # close(0) (a pipeline that gave up) after the child died spawned a child only to kill it
+    # before it opened: past its timeout (a whole poll slice, 0.5 s), and a restart counted.
+    marks = tmp_path / "marks.txt"
+    sink = ProcessSink(CloseMarkerSink(marks))
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    first = sink._process
+    assert first is not None and first.pid is not None
+    os.kill(first.pid, signal.SIGKILL)
+    first.join(30.0)
+    started = time.monotonic()
+    assert sink.close(timeout) is False
+    assert time.monotonic() - started < timeout + 2.0  # a child's start takes seconds
+    assert sink.restarts == 0
+    assert marks.read_text().split()[0::2] == ["open"]  # no second child opened
+    assert [r.step for r in sink.pending_reports()] == [1]  # kept for the spool
+    assert any("none is started" in r.getMessage() for r in caplog.records)
+    assert sink.close(60.0)  # given time, a later close still closes the backend's run
+    assert marks.read_text().split()[0::2] == ["open", "open", "close"]
+
+
+def test_a_call_on_a_hung_child_ends_at_its_timeout_not_at_the_next_poll(tmp_path: Path) -> None:
+    # The pipe was polled in 0.5 s slices past the deadline: a flush(0.1) took 0.5 s.
+    path = tmp_path / "m.jsonl"
+    sink = ProcessSink(FlushHangSink(path))
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+    Path(f"{path}.hang").touch()
+    conn = sink._conn
+    assert conn is not None
+    waits: list[float] = []
+    poll = conn.poll
+
+    def recorded_poll(wait: float = 0.0) -> bool:
+        waits.append(wait)
+        return poll(wait)
+
+    conn.poll = recorded_poll  # type: ignore[method-assign]
+    started = time.monotonic()
+    with pytest.raises(SinkProcessError, match=r"took longer than 0\.1 s"):
+        sink.flush(0.1)
+    # Each poll waits at most what is left (timed with the calls' own clock, not a bound on
+    # a loaded machine's wall time): the old slices were 0.5 s whatever the deadline.
+    assert waits and max(waits) <= 0.1
+    assert time.monotonic() - started < 5.0
+    assert not sink._alive()  # stopped; the next call starts another
 
 
 def test_a_closed_child_leaves_no_temporary_folders() -> None:

@@ -27,6 +27,7 @@ from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner, state_before_open
 from sidestream.sinks.status import SinkStatus
 from sidestream.sinks.support import (
+    call_within,
     check_directory_path,
     check_retry_waits,
     check_seconds,
@@ -51,6 +52,14 @@ _CLAIM_LOCK = threading.Lock()
 
 _INTERRUPTED_STOP_S = 1.0
 """How long a start undone by an interrupt (Ctrl-C) waits for the sink threads it started."""
+
+_DURABLE_GRACE_S = 2.0
+"""Added to a checkpoint's time left for a sink's ``make_durable`` before it stops waiting.
+
+The built-in sinks bound their own (JSONL's ``fsync``: its timeout and a grace second, which
+ends first), so only one that ignores its timeout (a sink of your own whose call hangs) is
+cut off: the checkpoint runs on the training thread, which a sink must never hold for good.
+"""
 
 
 class CheckpointTimeout(enum.Enum):
@@ -173,6 +182,9 @@ class Delivery:
         # Each sink's state as of the last checkpoint whose make_durable succeeded: what a
         # checkpoint keeps when a later make_durable fails (see _durable_state).
         self._durable_states: dict[str, Any] = {}
+        # Each sink's make_durable that a checkpoint stopped waiting for (set once it ended):
+        # a later checkpoint does not start another beside it (see _make_durable).
+        self._durable_calls: dict[str, threading.Event] = {}
 
     @property
     def started(self) -> bool:
@@ -483,7 +495,7 @@ class Delivery:
                 send_is_delivery = _send_is_delivery(sink)
                 sent_state = sink.state_dict() if send_is_delivery else None
                 began = time.monotonic()
-                durable = sink.make_durable(timeout)
+                durable = self._make_durable(runner, sink, timeout)
                 if not durable and send_is_delivery:
                     # Its state counts a step once send returned, and make_durable is what
                     # makes those steps survive a machine crash (JSONL's fsync): one that did
@@ -528,6 +540,54 @@ class Delivery:
                     runner, f"make_durable or state_dict failed ({error})"
                 )
         return runner.sink_state()
+
+    def _make_durable(
+        self, runner: SinkRunner, sink: TrackerSink | ProcessSink, timeout: float | None
+    ) -> bool:
+        """``sink.make_durable(timeout)``, waited for at most ``timeout`` and a grace.
+
+        A sink of one's own may ignore its timeout (a client call that hangs): the checkpoint,
+        on the training thread, would wait for it without end. The call runs on a thread that
+        is abandoned if it overruns, as ``TrackerSink.within`` does for backend calls, and
+        counts as not durable; while it still runs, a later checkpoint starts no second one
+        beside it (also not durable).
+
+        Raises:
+            Exception: What ``make_durable`` raised (an ``fsync``'s ``EIO``).
+        """
+        if timeout is None:
+            return bool(sink.make_durable(None))  # no bound asked for
+        earlier = self._durable_calls.get(runner.key)
+        if earlier is not None and not earlier.is_set():
+            return False  # the hung one still runs: it is warned of already
+        outcome: list[bool] = []
+        ended = threading.Event()
+
+        def call() -> None:
+            try:
+                outcome.append(bool(sink.make_durable(timeout)))
+            finally:
+                ended.set()
+
+        limit = timeout + _DURABLE_GRACE_S
+        finished, error = call_within(call, limit, f"sidestream-{runner.key}-make-durable")
+        if not finished:
+            self._durable_calls[runner.key] = ended
+            logger.warning(
+                "state_dict: sink %r: make_durable did not return within %.1f s (the "
+                "checkpoint's time left, %.1f s, and %.1f s more): the checkpoint goes on "
+                "without it and counts what the sink sent since its last checkpoint as not "
+                "durable; a later checkpoint starts none while it runs (a sink's "
+                "make_durable must return within its timeout)",
+                runner.key,
+                limit,
+                timeout,
+                _DURABLE_GRACE_S,
+            )
+            return False
+        if error is not None:
+            raise error
+        return outcome[0]
 
     def _last_durable_state(self, runner: SinkRunner, why: str) -> Any:
         """The sink's state as of the last checkpoint that made it durable, for one that did not.

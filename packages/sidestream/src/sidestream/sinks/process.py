@@ -461,6 +461,9 @@ class ProcessSink(Sink):
         # How the last child that failed to open ended ("ended (exit code -9)"), until an open
         # succeeds: the next open replaces it, and counts a restart.
         self._open_failed: str | None = None
+        # How long the last child took to start and open its sink (spawn, imports): a close
+        # with less time left than that does not start one only to stop it unopened.
+        self._start_s: float | None = None
 
     # ------------------------------------------------------------------ the Sink contract
 
@@ -620,7 +623,8 @@ class ProcessSink(Sink):
 
         A child that died since its last call is started again first (resumed, and given the
         reports since the last flush), so that the backend's run is closed all the same: a W&B
-        run that is never finished stays open, and an MLflow run stays RUNNING.
+        run that is never finished stays open, and an MLflow run stays RUNNING. Not when less
+        of ``timeout`` is left than the last child took to start (``_too_late_to_restart``).
         """
         with self._pipe_lock:
             if self._closed is not None:
@@ -630,6 +634,8 @@ class ProcessSink(Sink):
                 return True
             deadline = _deadline(timeout)
             if not self._alive():
+                if self._too_late_to_restart(deadline):
+                    return False
                 self._restart(deadline)
             try:
                 limit = self._limit(seconds_left(deadline))
@@ -648,6 +654,32 @@ class ProcessSink(Sink):
                 self._flushed_state = dict(self._state)
             self._closed = done
             return done
+
+    def _too_late_to_restart(self, deadline: float | None) -> bool:
+        """Whether a close whose child died has too little time left to start another.
+
+        A close after its caller's timeout ran out (the pipeline gave up: ``close(0)``), or
+        with less time left than the last child took to start, would spawn a child only to
+        kill it before it opened the sink: seconds of imports past the timeout for nothing.
+        The run is left unclosed (warned) and close returns False; the reports written since
+        the last flush stay in ``pending_reports``, which the pipeline keeps in its spool.
+        """
+        left = seconds_left(deadline)
+        if left is None or (left > 0 and (self._start_s is None or left >= self._start_s)):
+            return False
+        code = None if self._process is None else self._process.exitcode
+        self._stop()
+        logger.warning(
+            "sink %r: its child process %s, and close has %.1f s left, less than a child took "
+            "to start (%.1f s): none is started, so the backend's run is not closed; the %d "
+            "report(s) written since the last flush are kept with the undelivered ones",
+            self.name,
+            "was stopped" if code is None else f"ended (exit code {code})",
+            max(0.0, left),
+            self._start_s or 0.0,
+            len(self._unflushed),
+        )
+        return True
 
     def written_place(self) -> tuple[type, str, str] | None:
         """The file or folder the wrapped sink writes (checked against the run's other sinks)."""
@@ -702,6 +734,7 @@ class ProcessSink(Sink):
             name=f"sidestream-sink-{self.name}",
             daemon=True,
         )
+        began = time.monotonic()
         process.start()
         child.close()
         self._process, self._conn = process, parent
@@ -710,6 +743,7 @@ class ProcessSink(Sink):
         except SinkProcessError:
             self._stop()
             raise
+        self._start_s = time.monotonic() - began
 
     def _restart(self, deadline: float | None = None) -> None:
         """A fresh child resumed from the last flush, then the reports since, sent again.
@@ -752,7 +786,8 @@ class ProcessSink(Sink):
         assert self._conn is not None and self._process is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         # Poll in slices so a child that dies without closing the pipe is noticed.
-        while not self._conn.poll(0.5):
+        # Never past the deadline: a close(0.2) once waited a whole 0.5 s slice.
+        while not self._conn.poll(0.5 if deadline is None else _slice(deadline)):
             if not self._process.is_alive():
                 code = self._process.exitcode
                 self._stop()
@@ -800,6 +835,11 @@ class ProcessSink(Sink):
 def _deadline(timeout: float | None) -> float | None:
     """The ``time.monotonic`` by which a call given ``timeout`` must end (``None``: never)."""
     return None if timeout is None else time.monotonic() + timeout
+
+
+def _slice(deadline: float) -> float:
+    """How long one poll of the pipe waits: half a second, or what is left before ``deadline``."""
+    return max(0.0, min(0.5, deadline - time.monotonic()))
 
 
 def _within(limit: float | None, deadline: float | None) -> float | None:
