@@ -1624,3 +1624,42 @@ def test_a_huge_integer_in_a_spool_line_is_a_damaged_line() -> None:
 
     with pytest.raises(ValueError, match="not a spooled report: OverflowError"):
         decode_report(b'{"step": 1, "values": {"x": 1' + b"0" * 400 + b'}, "time": 0.0}\n')
+
+
+_HUNG_REPLAY = """
+import sys, threading
+from sidestream.sinks import jsonl
+from sidestream.sinks.replay import main
+
+hang = sys.argv.pop(1)
+original = getattr(jsonl.JsonlSink, hang)
+calls = []
+
+def hung(self, *args, **kwargs):
+    calls.append(1)
+    if hang == "open" or len(calls) == 2:  # the open, or the second report's write
+        threading.Event().wait()  # a backend call that never returns
+    return original(self, *args, **kwargs)
+
+setattr(jsonl.JsonlSink, hang, hung)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("hang", ["open", "send"])
+def test_a_replay_whose_sink_never_returns_stops_at_its_timeout(tmp_path: Path, hang: str) -> None:
+    # --timeout bounded only the close: a sink whose open (TensorBoard's first flush on a hung
+    # disk) or a write never returned kept the command waiting for ever, printing nothing.
+    spool = tmp_path / "kept.spool.jsonl"
+    spool.write_bytes(b"".join(encode_report(_report(step)) for step in range(1, 4)))
+    out = tmp_path / "out.jsonl"
+    script = tmp_path / "hung_replay.py"
+    script.write_text(_HUNG_REPLAY)
+    arguments = [hang, str(spool), "--sink", "jsonl", "--option", f"path={out}", "--timeout", "2"]
+    done = subprocess.run(
+        [sys.executable, str(script), *arguments], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stderr
+    waiting_for = "its open" if hang == "open" else "the write of report 2 (of the file's 3)"
+    assert f"did not return from {waiting_for}" in done.stderr
+    assert spool.exists()  # kept for a later replay

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -45,11 +46,20 @@ def _seconds(text: str) -> float:
     return value
 
 
+_CLOSE_GRACE_S = 10.0
+"""How long past ``--timeout`` the close may run before the command gives up on it.
+
+The built-in sinks keep their close to its timeout; the grace is for one that does not.
+"""
+
+
 class _Progress:
     """Prints how far a replay is, to stderr, at most every ``every`` seconds.
 
     A spool holds up to its cap of reports (hundreds of thousands), and a tracker takes each
-    over the network: without it a long replay looks hung.
+    over the network: without it a long replay looks hung. A watch thread (``watch``) also
+    prints while the sink takes no report, and ends the command when one call of the sink
+    (its open, a write) takes longer than ``timeout``, or its close ``timeout`` and a grace.
     """
 
     def __init__(self, path: str, sink: str, timeout: float, every: float = 5.0) -> None:
@@ -58,9 +68,13 @@ class _Progress:
         self._every = every
         self._next = time.monotonic() + every
         self._done = 0
+        self._last = time.monotonic()  # when the sink last took a report (or the replay began)
+        self._closing = False
+        self._finished = threading.Event()
 
     def closing(self, result: ReplayResult) -> None:
         """Once the spool is read: the sink's close that follows may wait ``timeout``."""
+        self._closing, self._last = True, time.monotonic()
         print(
             f"read {self._done:,} reports ({result.written:,} written, {result.skipped:,} the "
             f"sink had); waiting up to {self._timeout:g} s for the {self._sink} sink to "
@@ -72,6 +86,7 @@ class _Progress:
     def __call__(self, result: ReplayResult) -> None:
         self._done += 1
         now = time.monotonic()
+        self._last = now
         if now < self._next:
             return
         self._next = now + self._every
@@ -81,6 +96,51 @@ class _Progress:
             file=sys.stderr,
             flush=True,
         )
+
+    def watch(self) -> None:
+        """Start the thread that reports (and ends) a sink call that does not return."""
+        threading.Thread(target=self._watch, name="sidestream-replay-watch", daemon=True).start()
+
+    def finished(self) -> None:
+        """The replay returned (or raised): the watch thread stops."""
+        self._finished.set()
+
+    def _waiting_for(self) -> str:
+        if self._closing:
+            return "its close"
+        if self._done == 0:
+            return "its open or the first report's write"
+        return f"the write of report {self._done + 1:,} (of the file's {self._total:,})"
+
+    def _watch(self) -> None:
+        while not self._finished.wait(min(1.0, self._every)):
+            now = time.monotonic()
+            idle = now - self._last
+            limit = self._timeout + (_CLOSE_GRACE_S if self._closing else 0.0)
+            if idle > limit:
+                print(
+                    f"the {self._sink} sink did not return from {self._waiting_for()} in "
+                    f"{idle:.0f} s (--timeout {self._timeout:g} s"
+                    f"{f' and {_CLOSE_GRACE_S:g} s more' if self._closing else ''}): stopped. "
+                    f"The spool is kept; run this command again once the backend answers (with "
+                    "the state kept beside the file, or --resume-state, reports the backend "
+                    "has are skipped)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                sys.stdout.flush()
+                # The sink's call holds the main thread and may never return: a hard exit,
+                # like a crash the replay is made to survive (the file is only renamed at
+                # the end of a replay that delivered everything).
+                os._exit(1)
+            if idle >= self._every and now >= self._next and not self._closing:
+                self._next = now + self._every
+                print(
+                    f"waiting for the {self._sink} sink: {self._waiting_for()} has not "
+                    f"returned for {idle:.0f} s (it stops at --timeout {self._timeout:g} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def _count_lines(path: str) -> int:
@@ -158,8 +218,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
         type=_seconds,
         default=60.0,
         metavar="SECONDS",
-        help="how long the sink's close may wait for its backend to confirm every report "
-        "(default 60); if it does not, the file is kept and the command exits 1",
+        help="how long the sink's close may wait for its backend to confirm every report, "
+        "and its open or one write may take (default 60); if it takes longer, the file is "
+        "kept and the command exits 1",
     )
     parser.add_argument("--print", action="store_true", help="print the reports, write nothing")
     args = parser.parse_args(argv)
@@ -272,6 +333,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
         except (TypeError, ValueError, KeyError) as error:
             parser.error(f"--resume-state: {error}")
     progress = _Progress(args.spool, args.sink, args.timeout)
+    progress.watch()
     try:
         result = replay_spool(
             args.spool,
@@ -294,6 +356,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
     except Exception as error:  # the sink could not open or write: its message says why
         print(f"replay failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
+    finally:
+        progress.finished()
     if result.resumed_from is not None:
         print(f"resumed the sink's run from {result.resumed_from}")
     for line in result.damaged:
