@@ -18,11 +18,11 @@ import torch.distributed.checkpoint as dcp
 from sklearn.metrics import roc_auc_score
 from torch import Tensor
 
-from sidestream import ComposeMetric, Metric
+from sidestream import ComposeMetric, MeanMetric, Metric
 from sidestream._samples import SavedRows
 from sidestream.metrics.classification import BinaryAUROCMetric
 from sidestream.state import MetricAccumulator, ReduceOp
-from sidestream.testing import on_rank_device, rank_device
+from sidestream.testing import RankPool, on_rank_device, rank_device
 from tests._checkpoints import states_only
 from tests.conftest import Pools
 from tests.core.cases import CASES, Shard, concat, feed, make_shards
@@ -145,3 +145,45 @@ def test_save_on_four_resume_on_two_then_one(pools: Pools, tmp_path: Path) -> No
     _assert_matches(_results(resumed), _references([*seen, *last]))
     _assert_matches(_results(resumed), _results(uninterrupted))
     assert _results(resumed)["max"] == _results(uninterrupted)["max"]
+
+
+@on_rank_device
+def _checkpoint_between_uneven_updates() -> dict[str, float]:
+    """Rank 0 updates after the sync, the others do not; then a checkpoint is taken."""
+    rank = dist.get_rank()
+    metric = ComposeMetric({"mean": MeanMetric(), "auroc": BinaryAUROCMetric(num_bins=10)})
+    metric["mean"].update(torch.tensor([float(rank + 1)]))
+    metric["auroc"].update(torch.tensor([0.15, 0.85]), torch.tensor([0, 1]))
+    metric.sync()
+    at_sync = metric.compute()
+    if rank == 0:
+        # Its own last batch (uneven data): only rank 0's metric reads local state now.
+        metric["mean"].update(torch.tensor([100.0]))
+        metric["auroc"].update(torch.tensor([0.95]), torch.tensor([0]))
+    before = metric.compute()
+    saved = metric.state_dict()
+    after = metric.compute()
+    return {
+        "mean_at_sync": float(at_sync["mean"]),
+        "mean_before": float(before["mean"]),
+        "mean_after": float(after["mean"]),
+        "auroc_before": float(before["auroc"]),
+        "auroc_after": float(after["auroc"]),
+        "saved_count": float(saved["mean.count"]),
+    }
+
+
+def test_a_checkpoint_leaves_compute_as_it_was_on_a_rank_that_did_not_update(
+    dist_pool: RankPool,
+) -> None:
+    # state_dict reduced into the synced views: on a rank still reading its last sync's result,
+    # compute then showed another rank's later batch (rank 1 of 2: 2.0 became 34.67).
+    world = dist_pool.world_size
+    results = dist_pool.run(_checkpoint_between_uneven_updates)
+    global_mean = sum(range(1, world + 1)) / world
+    for rank, result in enumerate(results):
+        assert result["mean_after"] == result["mean_before"], (rank, result)
+        assert result["auroc_after"] == result["auroc_before"], (rank, result)
+        assert result["saved_count"] == world + 1, result  # the checkpoint holds every batch
+        if rank > 0:
+            assert result["mean_after"] == pytest.approx(global_mean), result

@@ -1213,12 +1213,21 @@ class Metric(Generic[T], abc.ABC):
         """``_reduced_state``'s collectives: the states' reduction, then the stores' rows."""
         prepared = self.prepare_sync(self._sync_group)
         fingerprint = self._call("state_dict", self.call_counter.next(), stream)
-        prepared.every_state.start(fingerprint).verify()
-        # The synced views now hold the global state of this moment, which is what they held
-        # already if the last sync is current; the freshness flags stay as they were.
-        saved: dict[str, Any] = {
-            name: state._synced.clone() for name, state in self.named_accumulators()
-        }
+        # The reduction writes the synced views, which compute reads while this rank has not
+        # updated since its last sync. Another rank may have (uneven data, or another child
+        # of a composition): the global state of this moment is not the last sync's result,
+        # and a checkpoint must not change what compute returns. Put the views back as they
+        # were (a copy each way; checkpoints are rare); the freshness flags stay as they were.
+        states = [state for _, state in self.named_accumulators()]
+        kept = [state._synced.clone() for state in states]
+        try:
+            prepared.every_state.start(fingerprint).verify()
+            saved: dict[str, Any] = {
+                name: state._synced.clone() for name, state in self.named_accumulators()
+            }
+        finally:
+            if states:
+                torch._foreach_copy_([state._synced for state in states], kept)
         for key, configuration in self._configurations():
             saved[key] = torch.tensor(stable_hash(configuration))
         if saved:
