@@ -48,7 +48,8 @@ def _check_agreement(metric: str, values: dict[str, Callable[[], torch.Tensor]])
     """Raise unless every implementation computed sidestream's value after the same updates.
 
     Each implementation ran the same number of updates on the same tensors, so a lost or
-    wrong update (a confusion count off by one batch) shows here.
+    wrong update (a confusion count off by one batch) shows here: in the counts, which the
+    scores' cases return with their value (a score is the same after one update as after many).
     """
     ours = values["sidestream"]().double().cpu()
     for name, value in values.items():
@@ -92,9 +93,24 @@ def _cases(device: torch.device) -> Cases:
     matrix_default = BinaryConfusionMatrix().to(device)
     matrix_fast = BinaryConfusionMatrix(validate_args=False).to(device)
 
+    names = ("sidestream", "torchmetrics (default)", "torchmetrics (validate_args=False)")
+
     def computed(*metrics: Any) -> dict[str, Callable[[], torch.Tensor]]:
-        names = ("sidestream", "torchmetrics (default)", "torchmetrics (validate_args=False)")
         return {name: metric.compute for name, metric in zip(names, metrics, strict=True)}
+
+    def with_counts(ours: Any, *peers: Any) -> dict[str, Callable[[], torch.Tensor]]:
+        """The value, then the tp, fp, fn, tn counts: a score is a ratio of counts, the same
+        after one update as after many identical ones, so only the counts show a lost update."""
+
+        def flat(value: torch.Tensor, counts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([t.double().flatten() for t in (value, *counts)])
+
+        def peer_counts(peer: Any) -> Callable[[], torch.Tensor]:
+            return lambda: flat(peer.compute(), [peer.tp, peer.fp, peer.fn, peer.tn])
+
+        out = {names[0]: lambda: flat(ours.compute(), list(ours.counts().values()))}
+        out.update((name, peer_counts(peer)) for name, peer in zip(names[1:], peers, strict=True))
+        return out
 
     return {
         f"multiclass F1 macro, logits ({BATCH}, {CLASSES}) float32": (
@@ -103,7 +119,7 @@ def _cases(device: torch.device) -> Cases:
                 "torchmetrics (default)": lambda: f1_default.update(logits, labels),
                 "torchmetrics (validate_args=False)": lambda: f1_fast.update(logits, labels),
             },
-            computed(f1, f1_default, f1_fast),
+            with_counts(f1, f1_default, f1_fast),
         ),
         f"binary accuracy, probabilities ({BATCH * 16},) float32": (
             {
@@ -113,7 +129,7 @@ def _cases(device: torch.device) -> Cases:
                     probabilities, truth
                 ),
             },
-            computed(accuracy, accuracy_default, accuracy_fast),
+            with_counts(accuracy, accuracy_default, accuracy_fast),
         ),
         f"binary confusion matrix, probabilities ({large:,},) float32": (
             {
@@ -140,7 +156,8 @@ def run() -> str:
         f"One `update` per call on the same tensors; best of {ROUNDS} interleaved blocks of "
         f"{BLOCK} updates, one CPU thread. Ratio = time per update / sidestream's. After "
         "timing, every implementation's value (after the same updates) is checked against "
-        "sidestream's.\n",
+        "sidestream's, and for F1 and accuracy its tp, fp, fn and tn counts too (a score is "
+        "the same after one update as after many).\n",
         "| device | metric | implementation | µs per update | time / sidestream |",
         "| --- | --- | --- | ---: | ---: |",
     ]

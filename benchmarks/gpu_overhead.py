@@ -107,9 +107,10 @@ def _captured(step: Callable[[], object]) -> Callable[[], object] | str:
     return graph.replay
 
 
-def _update_rows(size: int, compiled: bool) -> list[str]:
+def _update_rows(size: int, compiled: bool, wrong: list[str]) -> list[str]:
     """One row per metric; ``compiled`` adds inductor builds (seconds each, so small inputs
-    only: the launch overhead compiling removes is what small inputs show)."""
+    only: the launch overhead compiling removes is what small inputs show). A graph replay
+    that computed another value than one peer update is added to ``wrong``."""
     rows = []
     for name, case in update_overhead._cases(size, "cuda").items():
         if not case.compiled:
@@ -154,7 +155,22 @@ def _update_rows(size: int, compiled: bool) -> list[str]:
         if callable(graph):
             us["graph"] = _host_us(graph)
             free.append(_sync_free(graph))
-            replay = f"{us['graph']:.1f}"
+            # A replay is timed only as the update it stands for: one replay into the reset
+            # state (the arena's buffers never move) must give what one peer update gives.
+            # A wrong one is named in its row and fails the run at the end, after every row
+            # (a device session is short: one wrong replay must not cost the other rows).
+            for metric in case.metrics:
+                metric.reset()  # type: ignore[attr-defined]
+            graph()
+            torch.cuda.synchronize()
+            case.peer()
+            try:
+                update_overhead._check_agreement(f"{name} (one graph replay)", size, case)
+            except AssertionError as error:
+                wrong.append(str(error))
+                replay = f"{us['graph']:.1f} (WRONG value)"
+            else:
+                replay = f"{us['graph']:.1f}"
         else:
             replay = graph
         rows.append(
@@ -235,7 +251,11 @@ def run() -> str:
             dist.destroy_process_group()
     print(f"schedule_collection: {costs}", flush=True)
     # Large inputs first (no compiling): a run cut short by its time limit has those rows.
-    rows = {size: _update_rows(size, compiled=size == min(SIZES)) for size in sorted(SIZES)[::-1]}
+    wrong: list[str] = []
+    rows = {
+        size: _update_rows(size, compiled=size == min(SIZES), wrong=wrong)
+        for size in sorted(SIZES)[::-1]
+    }
     for size in SIZES:
         lines += rows[size]
     lines += [
@@ -255,6 +275,8 @@ def run() -> str:
         )
     text = "\n".join(lines) + "\n"
     print(text)
+    if wrong:
+        raise AssertionError("graph replays computed other values:\n" + "\n".join(wrong))
     return text
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._goals import goal_line
 from benchmarks._threads import one_thread
 from sidestream.metrics.classification import BinaryAUROCMetric
 
@@ -80,6 +81,26 @@ def _bincount_ns() -> float:
         torch.bincount(index, minlength=2 * (BINS + 1))
         best = min(best, time.perf_counter() - started)
     return best / index.numel() * 1e9
+
+
+PEERS = ("torchmetrics exact (default)", "torchmetrics exact, `validate_args=False`")
+"""The rows issue 12's throughput goal names: torchmetrics' exact metric, checks on and off."""
+
+
+def goals(big: dict[str, float], small: dict[str, float]) -> list[str]:
+    """Issue 12's throughput goal for each sidestream row, on samples/s by row name per batch
+    size (``big``: batches of ``CHUNK``, ``small``: of ``SMALL_BATCH``)."""
+    out = []
+    for ours in ("sidestream `BinaryAUROCMetric(10000)`", EXACT):
+        figures, met = [], True
+        for batch, rates in ((SMALL_BATCH, small), (CHUNK, big)):
+            # The fastest peer over sidestream, rounded as the table prints it.
+            ratio = float(f"{max(rates[peer] for peer in PEERS) / rates[ours]:.3g}")
+            figures.append(f"fastest peer / sidestream {ratio:.3g} at batches of {batch:,}")
+            met = met and ratio <= 1
+        goal = f"{ours}: update throughput at least torchmetrics' exact metric's"
+        out.append(goal_line(goal, "; ".join(figures), met))
+    return out
 
 
 @one_thread
@@ -180,6 +201,13 @@ def run() -> str:
     ours_rate = rates["sidestream `BinaryAUROCMetric(10000)`"]
     for name, rate in rates.items():
         lines.append(f"| {name} | {rate:,.0f} | {rate / ours_rate:.3g} |")
+    big_rates = {name: TOTAL / seconds for name, seconds in big_times.items()}
+    lines += [
+        "",
+        "Goals (issue 12), from the ratios above as printed:",
+        "",
+        *goals(big_rates, rates),
+    ]
     lines += [
         "",
         "A throughput ratio above 1 means the peer is faster. torchmetrics' exact AUROC only "

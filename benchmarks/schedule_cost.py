@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks._goals import goal_line
 from benchmarks.sync_cost import NUM_CLASSES, sidestream_collection
 from sidestream import ComposeMetric
 from sidestream import sync as sync_module
@@ -189,9 +190,33 @@ def run() -> str:
             f"{numbers['wall_median_us']:.1f} | "
             f"{numbers['cpu_median_us'] / alone[1]['cpu_median_us']:.2f}x |"
         )
+    lines += ["", "Goals (issue 12), from the medians above as printed:", "", *goals(result, alone)]
     text = "\n".join(lines)
     print(text)
     return text + "\n"
+
+
+def goals(ranks: dict[int, dict[str, float]], alone: dict[int, dict[str, float]]) -> list[str]:
+    """Issue 12's per-step goals, decided on ``_both``'s figures on the ranks and alone."""
+    growth = {
+        where: round(numbers[4]["cpu_median_us"] / numbers[1]["cpu_median_us"], 2)
+        for where, numbers in ((f"{WORLD_SIZE} ranks", ranks), ("one rank alone", alone))
+    }
+    figure = ", ".join(f"{ratio:.2f}x on {where}" for where, ratio in growth.items())
+    eleven = round(alone[1]["cpu_median_us"], 1)
+    return [
+        goal_line(
+            "flat in the metric count, 44 metrics within 1.5x of 11",
+            figure,
+            all(ratio <= 1.5 for ratio in growth.values()),
+        ),
+        goal_line(
+            "at most 50 µs of CPU for 11 metrics on an idle CPU",
+            f"{eleven:.1f} µs on one rank alone ({ranks[1]['cpu_median_us']:.1f} µs on "
+            f"{WORLD_SIZE} ranks), on a machine that is not idle",
+            eleven <= 50,
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks._bare import bare_all_gather
+from benchmarks._goals import goal_line
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, MinMetric, SumMetric
 from sidestream import sync as sync_module
 from sidestream.metrics.classification import confusion_count_metric
@@ -285,6 +286,26 @@ def _measure_all() -> dict[str, Any]:
     return {**_measure(), "scaling": _scaling()}
 
 
+def goals(over_bare: float, scaling: dict[int, float]) -> list[str]:
+    """Issue 12's sync goals: one sync against the bare collective of its bytes (``over_bare``)
+    and ``sync()`` + ``compute()`` seconds by metric count (``scaling``)."""
+    small, large = SCALING
+    growth = round(scaling[large] / scaling[small], 1)
+    over_bare = round(over_bare, 2)
+    return [
+        goal_line(
+            "one sync within 1.2x of one bare collective of the same bytes",
+            f"{over_bare:.2f}x",
+            over_bare <= 1.2,
+        ),
+        goal_line(
+            f"sync + compute of {large} metrics within 3x of {small}",
+            f"{growth:.1f}x",
+            growth <= 3,
+        ),
+    ]
+
+
 def run() -> str:
     with DistributedPool(WORLD_SIZE) as pool:
         measured = pool.run(_measure_all, timeout=900)[0]
@@ -332,6 +353,12 @@ def run() -> str:
             f"| {count} | {scaling[count] * 1e3:.2f} | {scaling[count] / scaling[small]:.1f}x |"
         )
     del large
+    lines += [
+        "",
+        "Goals (issue 12), from the medians above as printed:",
+        "",
+        *goals(ours_time / floor, scaling),
+    ]
     section = "\n".join(lines) + "\n"
     print(section)
     assert ours_count > 0

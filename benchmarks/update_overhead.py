@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from benchmarks._goals import goal_line
 from benchmarks._threads import one_thread
 from sidestream.metrics import MaxMetric, MeanMetric, WeightedMeanMetric
 from sidestream.metrics.classification import BinaryAUROCMetric, confusion_count_metric
@@ -311,8 +312,10 @@ def _table(compiled: bool) -> str:
         "sidestream | raw compiled µs | sidestream compiled µs | / raw compiled |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    measured: list[tuple[str, int, dict[str, float]]] = []
     for size in SIZES:
         for name, us in _measure(size, compiled):
+            measured.append((name, size, us))
             # An exact store has no state arithmetic: its raw ops are a bare list append, shown
             # as the floor but not as a ratio (its peer is torchmetrics' exact metric).
             over_raw = "—" if name.startswith(EXACT_ROW) else f"{us['ours'] / us['raw']:.2f}x"
@@ -329,7 +332,46 @@ def _table(compiled: bool) -> str:
                 row += " | | |"
             lines.append(row)
             print(row, flush=True)
+    lines += ["", "Goals (issue 12), from the ratios above as printed:", "", *goals(measured)]
     return "\n".join(lines) + "\n"
+
+
+def goals(measured: list[tuple[str, int, dict[str, float]]]) -> list[str]:
+    """Issue 12's update goals, decided on ``(row name, size, µs by implementation)``."""
+
+    def worst(rows: list[tuple[str, int, float]], highest: bool) -> tuple[str, float]:
+        name, size, ratio = (max if highest else min)(rows, key=lambda row: row[2])
+        return f"{ratio:.2f}x ({name}, {size:,})", round(ratio, 2)
+
+    small = min(SIZES)
+    eager = [
+        (name, size, us["ours"] / us["raw"])
+        for name, size, us in measured
+        if size == small and not name.startswith(EXACT_ROW)
+    ]
+    built = [
+        (name, size, us["ours compiled"] / us["raw compiled"])
+        for name, size, us in measured
+        if "ours compiled" in us
+    ]
+    peer = [(name, size, us["torchmetrics"] / us["ours"]) for name, size, us in measured]
+    out = []
+    if eager:
+        figure, ratio = worst(eager, highest=True)
+        out.append(
+            goal_line(f"eager, within 2x of raw ops at {small} elements", figure, ratio <= 2)
+        )
+    if built:
+        figure, ratio = worst(built, highest=True)
+        out.append(goal_line("compiled, within 1.2x of the raw compiled ops", figure, ratio <= 1.2))
+    else:
+        out.append("- compiled, within 1.2x of the raw compiled ops: not measured in this run.")
+    if peer:
+        figure, ratio = worst(peer, highest=False)
+        slower = sum(round(r, 2) < 1 for _, _, r in peer)
+        figure = f"lowest torchmetrics / sidestream {figure}; {slower} of {len(peer)} rows below 1x"
+        out.append(goal_line("never slower than torchmetrics", figure, ratio >= 1))
+    return out
 
 
 if __name__ == "__main__":
