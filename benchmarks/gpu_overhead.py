@@ -199,6 +199,7 @@ def _schedule_cost(copies: int) -> dict[str, float]:
         if step > WARMUP:
             cpu.append(time.thread_time() - begin_cpu)
             wall.append(time.perf_counter() - begin_wall)
+    collector.collect_results()  # the dispatcher idle: the mode below is the process's
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
