@@ -765,6 +765,40 @@ def test_a_checkpoint_flush_behind_a_hung_write_returns_within_its_timeout(
     assert sink.close(5) is True
 
 
+def test_a_checkpoint_flush_shares_one_timeout_between_the_lock_and_the_flush(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The wait for the writer's lock and the flush after it each got the whole timeout: a
+    # write that held the lock most of it, then a hung flush, took up to twice the timeout.
+    from sidestream_tensorboard import sink as sink_module
+
+    sink = TensorBoardSink(log_dir=str(tmp_path / "tb"))
+    sink.open(RunInfo(name="shared"))
+    sink.write(Report(step=1, values={"x": 1.0}, time=1.0))
+    given: list[float | None] = []
+    call_within = sink_module.call_within
+
+    def recorded(action: Any, timeout: float | None, name: str) -> tuple[bool, Exception | None]:
+        given.append(timeout)
+        return call_within(action, timeout, name)
+
+    monkeypatch.setattr(sink_module, "call_within", recorded)
+    held = threading.Event()
+
+    def a_long_write() -> None:
+        with sink._writer_lock:
+            held.set()
+            time.sleep(0.6)
+
+    writer = threading.Thread(target=a_long_write)
+    writer.start()
+    held.wait(10)
+    assert sink.make_durable(1.0) is True
+    writer.join(10)
+    assert len(given) == 1 and given[0] is not None and given[0] <= 0.5, given
+    assert sink.close(5) is True
+
+
 def test_a_close_that_did_not_end_counts_nothing_more_as_delivered(tmp_path: Path) -> None:
     # The writer's close ran past its timeout (a hung disk): close said False, but a flush
     # after it found no writer, said True, and counted the step as on disk.

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from sidestream.sinks.support import (
     check_option_types,
     flatten_config,
     histogram_counts,
+    seconds_left,
     silence_thread_errors,
 )
 from sidestream.sinks.tracker import signature_options
@@ -473,7 +475,9 @@ class TensorBoardSink(TrackerSink):
         ``write`` or ``close`` (the sink's thread), not here: False until then.
         """
         # Bounded: the sink's thread holds the lock through a write, and a write to a hung
-        # disk would hold a checkpoint's call with it.
+        # disk would hold a checkpoint's call with it. One deadline for the lock and the
+        # flush: each given the whole timeout, the call took up to twice it.
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not self._writer_lock.acquire(timeout=-1 if timeout is None else timeout):
             logger.warning("TensorBoardSink: a write did not end within %s s", timeout)
             return False
@@ -485,7 +489,9 @@ class TensorBoardSink(TrackerSink):
             # Opened: a failed writer not replaced yet. Closed: done, unless that close did
             # not end (a later flush must not count its events as on disk).
             return not self._opened and not self._unclosed
-        finished, error = call_within(writer.flush, timeout, f"sidestream-{self.name}-flush")
+        finished, error = call_within(
+            writer.flush, seconds_left(deadline), f"sidestream-{self.name}-flush"
+        )
         if error is not None:
             with self._writer_lock:
                 if self._writer is writer:  # not replaced meanwhile: the next write replaces it
