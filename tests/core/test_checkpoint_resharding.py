@@ -7,6 +7,7 @@ same data (exactly for integer counts), and to a direct numpy computation on all
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from sidestream import ComposeMetric, MeanMetric, Metric
 from sidestream._samples import SavedRows
 from sidestream.metrics.classification import BinaryAUROCMetric
 from sidestream.state import MetricAccumulator, ReduceOp
+from sidestream.sync import CallFingerprint
 from sidestream.testing import RankPool, on_rank_device, rank_device
 from tests._checkpoints import states_only
 from tests.conftest import Pools
@@ -187,3 +189,33 @@ def test_a_checkpoint_leaves_compute_as_it_was_on_a_rank_that_did_not_update(
         assert result["saved_count"] == world + 1, result  # the checkpoint holds every batch
         if rank > 0:
             assert result["mean_after"] == pytest.approx(global_mean), result
+
+
+@on_rank_device
+def _checkpoint_before_an_async_sync_is_waited() -> dict[str, float]:
+    """Every rank starts an async sync; rank 0 updates, then a checkpoint, then the wait."""
+    rank = dist.get_rank()
+    metric = MeanMetric()
+    metric.update(torch.tensor([float(rank + 1)]))
+    handle = metric.start_sync(None, CallFingerprint("sync", 1), async_op=True)
+    if rank == 0:
+        metric.update(torch.tensor([100.0]))  # after the start: not part of that sync
+    time.sleep(0.2)  # let the collective land in the layout's buffers (gloo runs it meanwhile)
+    saved = metric.state_dict()
+    handle.wait()
+    return {"compute": float(metric.compute()), "saved_count": float(saved["count"])}
+
+
+def test_a_checkpoint_before_an_async_sync_is_waited_leaves_that_sync_as_it_was(
+    dist_pool: RankPool,
+) -> None:
+    # The checkpoint's reduction reused the layout's buffers, which the sync's wait unpacks:
+    # rank 1 (no update since the start) then read rank 0's later batch (1.5 became 34.33).
+    world = dist_pool.world_size
+    results = dist_pool.run(_checkpoint_before_an_async_sync_is_waited)
+    at_start = sum(range(1, world + 1)) / world
+    assert results[0]["compute"] == pytest.approx((1.0 + 100.0) / 2)  # updated: local state
+    for rank, result in enumerate(results):
+        assert result["saved_count"] == world + 1, result  # the checkpoint holds every batch
+        if rank > 0:
+            assert result["compute"] == pytest.approx(at_start), (rank, result)

@@ -86,6 +86,9 @@ class _Prepared:
     #: another world size, is another group). Weak: a reference kept past
     #: ``destroy_process_group`` runs gloo's destructor at exit, which aborts the process.
     default_at_layout: weakref.ref[dist.ProcessGroup] | None = None
+    #: The last ``start_sync(async_op=True)`` of this layout: until it is waited on, its
+    #: results are still in the layout's buffers, which a checkpoint's reduction reuses.
+    in_flight: SyncHandle | None = None
 
 
 class Metric(Generic[T], abc.ABC):
@@ -865,7 +868,8 @@ class Metric(Generic[T], abc.ABC):
 
         For trees whose metrics have no ``sync`` of their own and no sample stores (see
         ``has_own_sync``): those need ``sync``. The state counts as synchronized once the
-        handle was waited on.
+        handle was waited on. A ``state_dict`` before that wait finishes this sync first
+        (its reduction reuses the same buffers); the handle's ``wait`` is then a no-op.
 
         Args:
             group: The process group to reduce over (``None``: the default group).
@@ -892,6 +896,7 @@ class Metric(Generic[T], abc.ABC):
         if fingerprint.kind == "sync":  # as sync() sends it
             fingerprint = self._call("sync", fingerprint.sequence, fingerprint.stream)
         handle = prepared.every_state.start(fingerprint, async_op=async_op)
+        prepared.in_flight = handle if async_op else None
         if mark and async_op:
             self._mark_fresh_when_ready(handle)
         elif mark:
@@ -1212,6 +1217,14 @@ class Metric(Generic[T], abc.ABC):
     ) -> dict[str, Any]:
         """``_reduced_state``'s collectives: the states' reduction, then the stores' rows."""
         prepared = self.prepare_sync(self._sync_group)
+        in_flight, prepared.in_flight = prepared.in_flight, None
+        if in_flight is not None and in_flight.pending:
+            # A start_sync not waited on yet: its results are unpacked from the layout's
+            # buffers at its wait, and the reduction below reuses those buffers, so that wait
+            # would unpack this checkpoint's reduction instead (another rank's updates made
+            # after the sync started, on a rank that made none). Finish it first: a local
+            # step on every rank (the collectives were issued), and its wait is then a no-op.
+            in_flight.wait()
         fingerprint = self._call("state_dict", self.call_counter.next(), stream)
         # The reduction writes the synced views, which compute reads while this rank has not
         # updated since its last sync. Another rank may have (uneven data, or another child

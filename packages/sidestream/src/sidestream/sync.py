@@ -772,6 +772,11 @@ class SyncHandle:
         self._when_ready.append(callback)
 
     @property
+    def pending(self) -> bool:
+        """Whether ``wait`` has collectives to wait for or results to finish."""
+        return bool(self.works or self._finishers)
+
+    @property
     def deferred(self) -> bool:
         """Whether the fingerprint check waits for ``verify`` (CUDA, after ``wait``)."""
         return self._event is not None
