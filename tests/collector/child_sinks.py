@@ -103,6 +103,19 @@ class DurableCountSink(JsonlSink):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "durable_calls"})
 
 
+class SlowDurableSink(JsonlSink):
+    """A JSONL sink whose ``make_durable`` takes ``seconds`` (a slow backend), within its
+    timeout."""
+
+    def __init__(self, path: Path, seconds: float) -> None:
+        super().__init__(path)
+        self._seconds = seconds
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        time.sleep(self._seconds)
+        return super().make_durable(timeout)
+
+
 class SlowOpenSink(JsonlSink):
     """A JSONL sink whose ``open`` takes ``seconds``; each open writes its pid to a file."""
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from sidestream import Run
-from sidestream.sinks import JsonlSink, Report, RunInfo, TrackerSink
+from sidestream.sinks import JsonlSink, ProcessSink, Report, RunInfo, TrackerSink
+from tests.collector.child_sinks import SlowDurableSink
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX fsync")
 
@@ -269,6 +270,81 @@ def test_a_make_durable_that_ignores_its_timeout_does_not_hold_the_checkpoint(
         run.state_dict(timeout=0.5)
         assert time.monotonic() - began < 2
         assert sink.calls == 1
+    finally:
+        sink.release.set()
+    assert run.close(timeout=10)
+
+
+def test_a_checkpoint_with_no_timeout_starts_no_make_durable_beside_a_hung_one() -> None:
+    # timeout=None skipped the check for a make_durable still running: a second call started
+    # beside the hung one, and the checkpoint waited on it.
+    sink = _HangingMakeDurable()
+    run = Run([sink])
+    try:
+        run.log(1, {"x": 1.0})
+        run.state_dict(timeout=0.5)  # stops waiting; the call still runs
+        began = time.monotonic()
+        checkpoint = run.state_dict(timeout=None)
+        assert time.monotonic() - began < 2
+        assert sink.calls == 1
+        assert checkpoint["sinks"]["hangs"]["last_steps"] == []  # not durable
+    finally:
+        sink.release.set()
+    assert run.close(timeout=10)
+
+
+def test_a_process_sinks_make_durable_that_waited_for_a_write_is_not_cut_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A ProcessSink's make_durable waits its timeout for the pipe (a write under way) and as
+    # long again for the child: a healthy one cut off at the timeout and 2 s counted as not
+    # durable, with an error, and the checkpoint kept the older state.
+    sink = ProcessSink(SlowDurableSink(tmp_path / "m.jsonl", seconds=4.0))
+    run = Run([sink])
+    try:
+        run.log(1, {"x": 1.0})
+        run.state_dict(timeout=60)  # opened, step 1 durable
+        run.log(2, {"x": 2.0})
+        deadline = time.monotonic() + 60
+        while sink.state_dict().get("last_steps") != [["", 2]]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        held = threading.Event()
+
+        def writing() -> None:  # the sink's thread in a write as the checkpoint begins
+            with sink._pipe_lock:
+                held.set()
+                time.sleep(5.0)
+
+        writer = threading.Thread(target=writing)
+        writer.start()
+        held.wait()
+        # 5 s for the pipe and 4 s in the child: within 6 s each, 9 s in all (past 6 + 2 s).
+        checkpoint = run.state_dict(timeout=6.0)
+        writer.join()
+        assert checkpoint["sinks"]["jsonl"]["last_steps"] == [["", 2]]
+        assert not any("make_durable did not return" in r.getMessage() for r in caplog.records)
+    finally:
+        assert run.close(timeout=30)
+
+
+def test_a_checkpoint_after_a_ctrl_c_in_the_wait_starts_no_second_make_durable() -> None:
+    # The hung call was recorded only once the wait ran out: a Ctrl-C inside the wait left it
+    # unrecorded, and a checkpoint in the handler started a second one beside it.
+    import signal
+
+    sink = _HangingMakeDurable()
+    run = Run([sink])
+    main = threading.get_ident()
+    try:
+        run.log(1, {"x": 1.0})
+        # A real SIGINT: it wakes the wait, as Ctrl-C does (interrupt_main would not).
+        threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            run.state_dict(timeout=30)
+        assert sink.calls == 1
+        run.state_dict(timeout=0.5)
+        assert sink.calls == 1  # none beside the one still running
     finally:
         sink.release.set()
     assert run.close(timeout=10)

@@ -417,10 +417,10 @@ def test_a_dead_childs_restart_keeps_to_the_timeout_of_close_and_flush(
     assert first is not None and first.pid is not None
     os.kill(first.pid, signal.SIGKILL)
     first.join(30.0)
-    # A close given less time than a child takes to start starts none (see the test below):
-    # this one has time for a start, not for the slow reopen.
+    # A close or flush given less time than a child takes to start starts none (see the
+    # tests below): this one has time for a start, not for the slow reopen.
     assert sink._start_s is not None
-    timeout = 1.0 if call == "flush" else max(1.0, 2 * sink._start_s)
+    timeout = max(1.0, 2 * sink._start_s)
     started = time.monotonic()
     with pytest.raises(SinkProcessError, match="open took longer than"):
         getattr(sink, call)(timeout)
@@ -452,6 +452,37 @@ def test_a_close_without_time_to_start_a_child_starts_none(
     assert any("none is started" in r.getMessage() for r in caplog.records)
     assert sink.close(60.0)  # given time, a later close still closes the backend's run
     assert marks.read_text().split()[0::2] == ["open", "open", "close"]
+
+
+def test_a_runs_close_without_time_to_start_a_child_starts_none_for_its_flush_either(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A pipeline's close flushes before it closes, with the same time left: close started no
+    # child, but the flush before it did, only to stop it unopened (a restart counted, "open
+    # took longer than 0.0 s").
+    from sidestream import Run
+    from sidestream.sinks import read_spool
+
+    # A restarted child's open is slow (a cold machine): a start attempted is sure to fail.
+    sink = ProcessSink(SlowReopenSink(tmp_path / "m.jsonl", seconds=30.0))
+    run = Run([sink], spool_dir=str(tmp_path / "spool"))
+    for step in (1, 2, 3):
+        run.log(step, {"x": float(step)})
+    deadline = time.monotonic() + 60
+    while len(sink.pending_reports()) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    first = sink._process
+    assert first is not None and first.pid is not None
+    os.kill(first.pid, signal.SIGKILL)
+    first.join(30.0)
+    # Time for the sink's thread to flush and close, not for a child to start.
+    assert sink._start_s is not None
+    assert run.close(timeout=sink._start_s / 2) is False
+    assert sink.restarts == 0
+    assert not any("open took longer" in r.getMessage() for r in caplog.records)
+    (spool,) = (tmp_path / "spool").rglob("*.spool.jsonl")
+    assert [report.step for report in read_spool(spool)] == [1, 2, 3]  # kept for a replay
 
 
 def test_a_call_on_a_hung_child_ends_at_its_timeout_not_at_the_next_poll(tmp_path: Path) -> None:

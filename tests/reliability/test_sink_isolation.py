@@ -1662,4 +1662,6 @@ def test_a_replay_whose_sink_never_returns_stops_at_its_timeout(tmp_path: Path, 
     assert done.returncode == 1, done.stderr
     waiting_for = "its open" if hang == "open" else "the write of report 2 (of the file's 3)"
     assert f"did not return from {waiting_for}" in done.stderr
+    # A slow backend (not a down one) stops at the same call again: the remedy is named.
+    assert "with a longer --timeout" in done.stderr
     assert spool.exists()  # kept for a later replay

@@ -57,7 +57,8 @@ _DURABLE_GRACE_S = 2.0
 """Added to a checkpoint's time left for a sink's ``make_durable`` before it stops waiting.
 
 The built-in sinks bound their own (JSONL's ``fsync``: its timeout and a grace second, which
-ends first), so only one that ignores its timeout (a sink of your own whose call hangs) is
+ends first; a ``ProcessSink``, called without it: its timeout for the pipe and as long again
+for the child), so only one that ignores its timeout (a sink of your own whose call hangs) is
 cut off: the checkpoint runs on the training thread, which a sink must never hold for good.
 """
 
@@ -555,11 +556,19 @@ class Delivery:
         Raises:
             Exception: What ``make_durable`` raised (an ``fsync``'s ``EIO``).
         """
-        if timeout is None:
-            return bool(sink.make_durable(None))  # no bound asked for
         earlier = self._durable_calls.get(runner.key)
         if earlier is not None and not earlier.is_set():
-            return False  # the hung one still runs: it is warned of already
+            # The hung one still runs (warned of already): none beside it, whatever this
+            # checkpoint's timeout, ``None`` too (it would wait on a second hung call).
+            return False
+        if timeout is None:
+            return bool(sink.make_durable(None))  # no bound asked for
+        if isinstance(sink, ProcessSink):
+            # It bounds its own: its timeout for the pipe (a write under way on the sink's
+            # thread) and as long again for the child, which it stops past that. Cut off at
+            # the timeout and a grace, a healthy child's make_durable that waited for a write
+            # counted as not durable, with an error blaming the sink.
+            return bool(sink.make_durable(timeout))
         outcome: list[bool] = []
         ended = threading.Event()
 
@@ -570,9 +579,11 @@ class Delivery:
                 ended.set()
 
         limit = timeout + _DURABLE_GRACE_S
+        # Recorded before the wait: a Ctrl-C during it leaves the call running, and a
+        # checkpoint in the interrupt's handler must not start a second one beside it.
+        self._durable_calls[runner.key] = ended
         finished, error = call_within(call, limit, f"sidestream-{runner.key}-make-durable")
         if not finished:
-            self._durable_calls[runner.key] = ended
             logger.warning(
                 "state_dict: sink %r: make_durable did not return within %.1f s (the "
                 "checkpoint's time left, %.1f s, and %.1f s more): the checkpoint goes on "

@@ -577,12 +577,21 @@ class ProcessSink(Sink):
         )
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Flush the child's sink; the reports written so far no longer need re-sending."""
+        """Flush the child's sink; the reports written so far no longer need re-sending.
+
+        A child that died is started again first, unless less of ``timeout`` is left than the
+        last child took to start (``_too_late_to_restart``): then False, the reports kept.
+        """
         with self._pipe_lock:
             deadline = _deadline(timeout)
             if not self._alive():
                 if not self._unflushed:
                     return True
+                # A pipeline's close flushes before it closes, with the same time left: a
+                # child started with too little of it is stopped unopened (a restart counted
+                # for nothing, "open took longer than 0.0 s"), as close's would be.
+                if self._too_late_to_restart(deadline, "flush"):
+                    return False
                 # They may have died with the child: deliver them again first.
                 self._restart(deadline)
             # The pipeline's idle flushes pass no timeout: a child hung in flush must be
@@ -634,7 +643,7 @@ class ProcessSink(Sink):
                 return True
             deadline = _deadline(timeout)
             if not self._alive():
-                if self._too_late_to_restart(deadline):
+                if self._too_late_to_restart(deadline, "close"):
                     return False
                 self._restart(deadline)
             try:
@@ -655,14 +664,15 @@ class ProcessSink(Sink):
             self._closed = done
             return done
 
-    def _too_late_to_restart(self, deadline: float | None) -> bool:
-        """Whether a close whose child died has too little time left to start another.
+    def _too_late_to_restart(self, deadline: float | None, call: str) -> bool:
+        """Whether a ``call`` (close, flush) with a dead child has too little time to start one.
 
-        A close after its caller's timeout ran out (the pipeline gave up: ``close(0)``), or
-        with less time left than the last child took to start, would spawn a child only to
-        kill it before it opened the sink: seconds of imports past the timeout for nothing.
-        The run is left unclosed (warned) and close returns False; the reports written since
-        the last flush stay in ``pending_reports``, which the pipeline keeps in its spool.
+        One after its caller's timeout ran out (the pipeline gave up: ``close(0)``, and the
+        flush before it), or with less time left than the last child took to start, would
+        spawn a child only to kill it before it opened the sink: seconds of imports past the
+        timeout for nothing. The call returns False (warned; a close leaves the run unclosed);
+        the reports written since the last flush stay in ``pending_reports``, which the
+        pipeline keeps in its spool.
         """
         left = seconds_left(deadline)
         if left is None or (left > 0 and (self._start_s is None or left >= self._start_s)):
@@ -670,13 +680,15 @@ class ProcessSink(Sink):
         code = None if self._process is None else self._process.exitcode
         self._stop()
         logger.warning(
-            "sink %r: its child process %s, and close has %.1f s left, less than a child took "
-            "to start (%.1f s): none is started, so the backend's run is not closed; the %d "
-            "report(s) written since the last flush are kept with the undelivered ones",
+            "sink %r: its child process %s, and %s has %.1f s left, less than a child took "
+            "to start (%.1f s): none is started%s; the %d report(s) written since the last "
+            "flush are kept with the undelivered ones",
             self.name,
             "was stopped" if code is None else f"ended (exit code {code})",
+            call,
             max(0.0, left),
             self._start_s or 0.0,
+            ", so the backend's run is not closed" if call == "close" else "",
             len(self._unflushed),
         )
         return True

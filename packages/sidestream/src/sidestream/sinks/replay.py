@@ -122,9 +122,11 @@ class _Progress:
                     f"the {self._sink} sink did not return from {self._waiting_for()} in "
                     f"{idle:.0f} s (--timeout {self._timeout:g} s"
                     f"{f' and {_CLOSE_GRACE_S:g} s more' if self._closing else ''}): stopped. "
-                    f"The spool is kept; run this command again once the backend answers (with "
-                    "the state kept beside the file, or --resume-state, reports the backend "
-                    "has are skipped)",
+                    "The spool is kept; run this command again once the backend answers, or "
+                    "with a longer --timeout if it is slow rather than down (the same call "
+                    "would stop there again). With the state "
+                    "kept beside the file, or --resume-state, reports the backend has are "
+                    "skipped",
                     file=sys.stderr,
                     flush=True,
                 )
