@@ -57,7 +57,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["ci"])
 def typecheck(session: nox.Session) -> None:
-    """Mypy (strict) over the packages."""
+    """Mypy (strict) over the packages and the documented usage in tests/typed_usage."""
     _install_project(session, "mypy>=1.11")
     session.run("mypy")
 

@@ -6,7 +6,6 @@ from typing import Any
 
 from torchmetrics import MetricCollection
 
-from sidestream.metric import Metric
 from sidestream.metrics import ComposeMetric
 from sidestream_torchmetrics.metric import TorchmetricsMetric
 
@@ -55,7 +54,7 @@ class TorchmetricsCollection(ComposeMetric):
     def __repr__(self) -> str:
         return f"TorchmetricsCollection({getattr(self, '_collection', None)!r})"
 
-    def __getitem__(self, name: str) -> Metric[Any]:
+    def __getitem__(self, name: str) -> Any:  # as ComposeMetric's
         """The wrapped member under its collection key (``"val/acc"``) or its plain name."""
         return super().__getitem__(_plain_name(name))
 

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import overload
 
 from torchmetrics import Metric as TorchmetricsBase
 from torchmetrics import MetricCollection
 
-from sidestream.metric import Metric
 from sidestream_torchmetrics.collection import TorchmetricsCollection
 from sidestream_torchmetrics.metric import TorchmetricsMetric
 
 __all__ = ["wrap"]
 
 
-def wrap(metric: TorchmetricsBase | MetricCollection) -> Metric[Any]:
+# The class the argument decides: a collection's wrapper is indexed by member
+# (wrap(collection)["f1"].update(...)), which a type checker refused on a plain Metric.
+@overload
+def wrap(metric: MetricCollection) -> TorchmetricsCollection: ...
+@overload
+def wrap(metric: TorchmetricsBase) -> TorchmetricsMetric: ...
+def wrap(
+    metric: TorchmetricsBase | MetricCollection,
+) -> TorchmetricsMetric | TorchmetricsCollection:
     """A torchmetrics ``Metric`` or ``MetricCollection`` as a sidestream ``Metric``.
 
     Wrap a fresh metric (before any update): the wrapper owns the state from then on.

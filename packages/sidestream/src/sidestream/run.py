@@ -45,7 +45,7 @@ from sidestream.sync import check_same_setting
 
 __all__ = ["Run"]
 
-T = TypeVar("T")
+MetricT = TypeVar("MetricT", bound=Metric[Any])  # run.collector(m).metric is m's own class
 
 
 logger = logging.getLogger("sidestream.run")
@@ -201,14 +201,14 @@ class Run:
 
     def collector(
         self,
-        metric: Metric[T],
+        metric: MetricT,
         *,
         prefix: str,
         group: Group = None,
         reset_each_window: bool = True,
         histograms: Iterable[str] = (),
         max_slots: int = DEFAULT_MAX_SLOTS,
-    ) -> AsyncMetricCollector[T]:
+    ) -> AsyncMetricCollector[MetricT]:
         """A collector whose windows go to this run's sinks, as the stream ``prefix``.
 
         Bind it (``collector.bind(device)``) before its first window, like any collector.

@@ -54,7 +54,9 @@ from sidestream.sync import RankMismatchError, check_same_setting
 
 __all__ = ["AsyncMetricCollector"]
 
-T = TypeVar("T")
+#: The collector's metric type: ``collector.metric`` is the metric given, as its own class
+#: (``collector.metric["loss"]`` type-checks for a ``ComposeMetric``).
+MetricT = TypeVar("MetricT", bound=Metric[Any])
 
 logger = logging.getLogger("sidestream.collector")
 
@@ -88,7 +90,7 @@ _CLOSED = (
 )
 
 
-class AsyncMetricCollector(Generic[T]):
+class AsyncMetricCollector(Generic[MetricT]):
     """Reduce, compute and log a metric every window without stalling the training thread.
 
     ``schedule_collection(step)`` copies the metric's local state into a private staging copy
@@ -166,7 +168,7 @@ class AsyncMetricCollector(Generic[T]):
 
     def __init__(
         self,
-        metric: Metric[T],
+        metric: MetricT,
         sinks: Iterable[Sink] = (),
         group: Group = None,
         reset_each_window: bool = True,
@@ -290,7 +292,7 @@ class AsyncMetricCollector(Generic[T]):
     # ------------------------------------------------------------------ properties
 
     @property
-    def metric(self) -> Metric[T]:
+    def metric(self) -> MetricT:
         """The live metric: update it on the training thread."""
         return self._metric
 

@@ -57,7 +57,13 @@ class ComposeMetric(Metric[dict[str, Any]]):
             self._declare(name, metric, None)
         object.__setattr__(self, "_children", dict(metrics))
 
-    def __getitem__(self, name: str) -> Metric[Any]:
+    def __getitem__(self, name: str) -> Any:
+        """The child ``name``: a metric, or a composition to index again.
+
+        Typed ``Any``: a child may be a leaf metric or a ``ComposeMetric``, and no annotation
+        can say which per name. ``Metric[Any]`` made a type checker refuse the documented
+        ``compose["train"]["tokens"].update(...)``.
+        """
         return self._children[name]
 
     def __repr__(self) -> str:

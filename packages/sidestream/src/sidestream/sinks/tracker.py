@@ -459,6 +459,16 @@ class TrackerSink(Sink):
         identity, steps, default = parse_tracker_state(
             state_dict, self.identity_key, type(self).__name__, extra_keys=self.extra_state()
         )
+        # Before any state changes: an override of ``identity`` without a setter failed at
+        # ``self.identity = ...`` below, with the skipped values and extra state loaded already
+        # and an AttributeError that did not say what to add (a type checker says it at once).
+        own = inspect.getattr_static(type(self), "identity", None)
+        if isinstance(own, property) and own.fset is None:
+            raise TypeError(
+                f"{type(self).__name__}.identity: a property without a setter; load_state_dict "
+                "sets the identity of the run it resumes (here "
+                f"{identity!r}): add an @identity.setter that keeps it for open"
+            )
         skipped = state_dict.get(_SKIPPED_KEY, [])
         if not isinstance(skipped, list | tuple) or not all(isinstance(n, str) for n in skipped):
             raise ValueError(

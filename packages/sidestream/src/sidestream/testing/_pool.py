@@ -19,11 +19,14 @@ from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Self, TypeVar
 
 from sidestream.testing._results import DistributedError, RankFailure, dumps_on_host
 
 __all__ = ["DistributedPool", "run_distributed"]
+
+# What the function run on every rank returns: pool.run(f) is a list of it.
+Result = TypeVar("Result")
 
 _STOP = "stop"
 _START_FAILED = "start failed"  # a rank's message when joining the process group raised
@@ -97,8 +100,8 @@ class RankPool(ABC):
         """Stop every rank (politely, then by force) and release what ``_start`` made."""
 
     def run(
-        self, function: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
-    ) -> list[Any]:
+        self, function: Callable[..., Result], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Result]:
         """Run ``function(*args, **kwargs)`` on every rank and return the results by rank.
 
         ``function`` must be picklable (defined at module level) and so must its arguments and
@@ -221,7 +224,7 @@ class RankPool(ABC):
                 self._started = False
                 atexit.unregister(self.close)
 
-    def __enter__(self) -> RankPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -537,13 +540,13 @@ def _kill_group(process: BaseProcess) -> None:
 
 
 def run_distributed(
-    function: Callable[..., Any],
+    function: Callable[..., Result],
     world_size: int,
     *args: Any,
     timeout: float = 120.0,
     backend: str = "gloo",
     **kwargs: Any,
-) -> list[Any]:
+) -> list[Result]:
     """Run ``function`` once on ``world_size`` fresh gloo processes; results by rank.
 
     Raises:

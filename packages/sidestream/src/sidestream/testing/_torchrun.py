@@ -20,7 +20,7 @@ from typing import IO, Any
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
 
-from sidestream.testing._pool import RankPool, kill_own_group
+from sidestream.testing._pool import RankPool, Result, kill_own_group
 from sidestream.testing._signed import KEY_ENV, sign, verify
 
 # STOP from _store_messages, not _torchrun_worker: run as `-m`, a module this package's
@@ -100,8 +100,8 @@ class TorchrunPool(RankPool):
         self._echoed = 0  # how much of torchrun's output (the ranks' too) was echoed already
 
     def run(
-        self, function: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
-    ) -> list[Any]:
+        self, function: Callable[..., Result], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Result]:
         """Run ``function(*args, **kwargs)`` on every rank; see ``RankPool.run``.
 
         Raises:

@@ -6,7 +6,10 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Generic, Literal, Self, TypeAlias, overload
+
+from torch import Tensor
+from typing_extensions import TypeVar  # defaults (PEP 696); torch requires typing_extensions
 
 from sidestream.metrics.classification._average import Average, check_zero_division
 from sidestream.metrics.classification._problem import Problem, ProblemKind, check_ignore_index
@@ -21,16 +24,39 @@ from sidestream.metrics.classification.statistics import (
     Statistic,
 )
 
-__all__ = ["ConfusionCountMetricBuilder", "confusion_count_metric", "confusion_matrix_metric"]
+__all__ = [
+    "ConfusionCountMetricBuilder",
+    "NoStatistic",
+    "confusion_count_metric",
+    "confusion_matrix_metric",
+]
+
+
+class NoStatistic:
+    """For type checkers: a builder with no statistic yet, which ``build()`` refuses."""
+
+
+# For type checkers only (nothing reads them at run time). Statistics: what the metric's
+# compute() will return (NoStatistic before the first with_*, Tensor after one, dict[str,
+# Tensor] after more), so that `.with_f1().macro().build().compute()` is a Tensor without a
+# cast. Multidim: multidim_average's value, which decides the class build() makes. Both
+# covariant: a one-statistic builder is also a "some statistics" one to the overloads below.
+Statistics = TypeVar("Statistics", covariant=True, default=Tensor | dict[str, Tensor])
+Multidim = TypeVar("Multidim", covariant=True, default=str)
+_Kind = TypeVar("_Kind")
 
 
 @dataclass(frozen=True)
-class ConfusionCountMetricBuilder:
+class ConfusionCountMetricBuilder(Generic[Statistics, Multidim]):
     """An immutable description of a confusion-count metric; every method returns a new one.
 
     Pick exactly one problem (``binary``, ``multiclass``, ``multilabel``), one or more
     statistics (``with_*``), at most one average (``micro``, ``macro`` (the default),
     ``weighted``, ``per_class``; binary problems take none), then ``build()``.
+
+    To a type checker the builder also tracks what ``compute()`` will return: a ``Tensor``
+    for one statistic, a ``dict[str, Tensor]`` for several (adding the same statistic twice,
+    which is ignored, is typed as several).
     """
 
     problem: Problem | None = None
@@ -40,14 +66,12 @@ class ConfusionCountMetricBuilder:
     zero_division: float = 0.0
     multidim_average: str = "global"
 
-    def _with_problem(self, problem: Problem) -> ConfusionCountMetricBuilder:
+    def _with_problem(self, problem: Problem) -> Self:
         if self.problem is not None:
             raise ValueError(f"problem already chosen ({self.problem.kind.value}); pick one")
         return dataclasses.replace(self, problem=problem)
 
-    def binary(
-        self, threshold: float = 0.5, *, logits: bool = False
-    ) -> ConfusionCountMetricBuilder:
+    def binary(self, threshold: float = 0.5, *, logits: bool = False) -> Self:
         """Binary problem: one score per element, positive when ``score >= threshold``.
 
         Args:
@@ -59,7 +83,7 @@ class ConfusionCountMetricBuilder:
             Problem(ProblemKind.BINARY, 1, threshold, logits, ignore_index=self.ignore_index)
         )
 
-    def multiclass(self, num_classes: int, top_k: int | None = None) -> ConfusionCountMetricBuilder:
+    def multiclass(self, num_classes: int, top_k: int | None = None) -> Self:
         """Multiclass problem with ``num_classes`` classes.
 
         Args:
@@ -71,9 +95,7 @@ class ConfusionCountMetricBuilder:
             Problem(ProblemKind.MULTICLASS, num_classes, top_k=top, ignore_index=self.ignore_index)
         )
 
-    def multilabel(
-        self, num_labels: int, threshold: float = 0.5, *, logits: bool = False
-    ) -> ConfusionCountMetricBuilder:
+    def multilabel(self, num_labels: int, threshold: float = 0.5, *, logits: bool = False) -> Self:
         """Multilabel problem: ``num_labels`` independent binary labels in the last dim.
 
         Args:
@@ -91,13 +113,21 @@ class ConfusionCountMetricBuilder:
             )
         )
 
-    def with_statistic(self, statistic: Statistic) -> ConfusionCountMetricBuilder:
+    @overload
+    def with_statistic(self: _Empty[_Kind], statistic: Statistic) -> _One[_Kind]: ...
+    @overload
+    def with_statistic(self: _Some[_Kind], statistic: Statistic) -> _Several[_Kind]: ...
+    def with_statistic(self, statistic: Statistic) -> ConfusionCountMetricBuilder[Any, Any]:
         """Add any ``Statistic`` (a built-in one or your own); the same one again is ignored.
 
         Raises:
             TypeError: If ``statistic`` does not follow the ``Statistic`` protocol.
             ValueError: If another statistic already has its name (one key per name).
         """
+        return self._adding(statistic)
+
+    def _adding(self, statistic: Statistic) -> ConfusionCountMetricBuilder[Any, Any]:
+        """``with_statistic``'s work, without the overloads (the ``with_*`` methods call it)."""
         if not isinstance(statistic, Statistic):
             raise TypeError(f"statistic: expected a Statistic (name and ratio), got {statistic!r}")
         for chosen in self.statistics:
@@ -111,23 +141,43 @@ class ConfusionCountMetricBuilder:
             )
         return dataclasses.replace(self, statistics=(*self.statistics, statistic))
 
-    def with_accuracy(self) -> ConfusionCountMetricBuilder:
+    @overload
+    def with_accuracy(self: _Empty[_Kind]) -> _One[_Kind]: ...
+    @overload
+    def with_accuracy(self: _Some[_Kind]) -> _Several[_Kind]: ...
+    def with_accuracy(self) -> ConfusionCountMetricBuilder[Any, Any]:
         """Add ``"accuracy"`` (multiclass per class: recall; see the docs)."""
-        return self.with_statistic(Accuracy())
+        return self._adding(Accuracy())
 
-    def with_precision(self) -> ConfusionCountMetricBuilder:
+    @overload
+    def with_precision(self: _Empty[_Kind]) -> _One[_Kind]: ...
+    @overload
+    def with_precision(self: _Some[_Kind]) -> _Several[_Kind]: ...
+    def with_precision(self) -> ConfusionCountMetricBuilder[Any, Any]:
         """Add ``"precision"``: tp / (tp + fp)."""
-        return self.with_statistic(Precision())
+        return self._adding(Precision())
 
-    def with_recall(self) -> ConfusionCountMetricBuilder:
+    @overload
+    def with_recall(self: _Empty[_Kind]) -> _One[_Kind]: ...
+    @overload
+    def with_recall(self: _Some[_Kind]) -> _Several[_Kind]: ...
+    def with_recall(self) -> ConfusionCountMetricBuilder[Any, Any]:
         """Add ``"recall"``: tp / (tp + fn)."""
-        return self.with_statistic(Recall())
+        return self._adding(Recall())
 
-    def with_f1(self) -> ConfusionCountMetricBuilder:
+    @overload
+    def with_f1(self: _Empty[_Kind]) -> _One[_Kind]: ...
+    @overload
+    def with_f1(self: _Some[_Kind]) -> _Several[_Kind]: ...
+    def with_f1(self) -> ConfusionCountMetricBuilder[Any, Any]:
         """Add ``"f1"``: 2 tp / (2 tp + fn + fp)."""
-        return self.with_statistic(FBeta(1.0))
+        return self._adding(FBeta(1.0))
 
-    def with_fbeta(self, beta: float) -> ConfusionCountMetricBuilder:
+    @overload
+    def with_fbeta(self: _Empty[_Kind], beta: float) -> _One[_Kind]: ...
+    @overload
+    def with_fbeta(self: _Some[_Kind], beta: float) -> _Several[_Kind]: ...
+    def with_fbeta(self, beta: float) -> ConfusionCountMetricBuilder[Any, Any]:
         """Add ``f"f{beta:g}"``: (1 + b²) tp / ((1 + b²) tp + b² fn + fp).
 
         Args:
@@ -138,36 +188,54 @@ class ConfusionCountMetricBuilder:
             raise TypeError(f"beta: expected a finite number > 0, got {beta!r}")
         if not (math.isfinite(beta) and beta > 0):
             raise ValueError(f"beta: expected a finite number > 0, got {beta!r}")
-        return self.with_statistic(FBeta(float(beta)))
+        return self._adding(FBeta(float(beta)))
 
-    def with_specificity(self) -> ConfusionCountMetricBuilder:
+    @overload
+    def with_specificity(self: _Empty[_Kind]) -> _One[_Kind]: ...
+    @overload
+    def with_specificity(self: _Some[_Kind]) -> _Several[_Kind]: ...
+    def with_specificity(self) -> ConfusionCountMetricBuilder[Any, Any]:
         """Add ``"specificity"``: tn / (tn + fp)."""
-        return self.with_statistic(Specificity())
+        return self._adding(Specificity())
 
-    def _with_average(self, average: Average) -> ConfusionCountMetricBuilder:
+    def _with_average(self, average: Average) -> Self:
         if self.average is not None and self.average != average:
             raise ValueError(
                 f"average already chosen ({self.average}); build one metric per average"
             )
         return dataclasses.replace(self, average=average)
 
-    def micro(self) -> ConfusionCountMetricBuilder:
+    def micro(self) -> Self:
         """Statistics of the counts summed over classes (torchmetrics' ``average="micro"``)."""
         return self._with_average("micro")
 
-    def macro(self) -> ConfusionCountMetricBuilder:
+    def macro(self) -> Self:
         """Unweighted mean of per-class statistics (the default)."""
         return self._with_average("macro")
 
-    def weighted(self) -> ConfusionCountMetricBuilder:
+    def weighted(self) -> Self:
         """Mean of per-class statistics weighted by each class's support (tp + fn)."""
         return self._with_average("weighted")
 
-    def per_class(self) -> ConfusionCountMetricBuilder:
+    def per_class(self) -> Self:
         """One value per class, shape (C,) (torchmetrics' ``average="none"``)."""
         return self._with_average("none")
 
-    def build(self) -> ConfusionCountMetric | SamplewiseConfusionCountMetric:
+    # One overload per result, none for NoStatistic: a type checker refuses the build() of a
+    # builder without a statistic, as the builder does at run time.
+    @overload
+    def build(self: _One[Literal["global"]]) -> ConfusionCountMetric[Tensor]: ...
+    @overload
+    def build(self: _Several[Literal["global"]]) -> ConfusionCountMetric[dict[str, Tensor]]: ...
+    @overload
+    def build(self: _One[Literal["samplewise"]]) -> SamplewiseConfusionCountMetric[Tensor]: ...
+    @overload
+    def build(
+        self: _Several[Literal["samplewise"]],
+    ) -> SamplewiseConfusionCountMetric[dict[str, Tensor]]: ...
+    @overload
+    def build(self: _Some[str]) -> ConfusionCountMetric | SamplewiseConfusionCountMetric: ...
+    def build(self) -> ConfusionCountMetric[Any] | SamplewiseConfusionCountMetric[Any]:
         """The metric, on CPU (move it with ``.to(device)``).
 
         Raises:
@@ -191,12 +259,33 @@ class ConfusionCountMetricBuilder:
         return ConfusionCountMetric(self.problem, self.statistics, average, self.zero_division)
 
 
+@overload
+def confusion_count_metric(
+    *,
+    ignore_index: int | None = None,
+    zero_division: float = 0.0,
+    multidim_average: Literal["global"] = "global",
+) -> ConfusionCountMetricBuilder[NoStatistic, Literal["global"]]: ...
+@overload
+def confusion_count_metric(
+    *,
+    ignore_index: int | None = None,
+    zero_division: float = 0.0,
+    multidim_average: Literal["samplewise"],
+) -> ConfusionCountMetricBuilder[NoStatistic, Literal["samplewise"]]: ...
+@overload
+def confusion_count_metric(
+    *,
+    ignore_index: int | None = None,
+    zero_division: float = 0.0,
+    multidim_average: Literal["global", "samplewise"],
+) -> ConfusionCountMetricBuilder[NoStatistic, str]: ...
 def confusion_count_metric(
     *,
     ignore_index: int | None = None,
     zero_division: float = 0.0,
     multidim_average: Literal["global", "samplewise"] = "global",
-) -> ConfusionCountMetricBuilder:
+) -> ConfusionCountMetricBuilder[NoStatistic, str]:
     """Start building an accuracy / precision / recall / F-beta / specificity metric.
 
     Args:
@@ -229,7 +318,7 @@ def confusion_count_metric(
 
 def confusion_matrix_metric(
     *, ignore_index: int | None = None, zero_division: float = 0.0
-) -> ConfusionCountMetricBuilder:
+) -> ConfusionCountMetricBuilder[NoStatistic, Literal["global"]]:
     """Deprecated name of ``confusion_count_metric`` (it never built a confusion matrix).
 
     Kept for one release so existing code keeps running; it warns once per call site.
@@ -244,6 +333,13 @@ def confusion_matrix_metric(
         stacklevel=2,
     )
     return confusion_count_metric(ignore_index=ignore_index, zero_division=zero_division)
+
+
+# The builder types the with_* methods' overloads name.
+_Empty: TypeAlias = ConfusionCountMetricBuilder[NoStatistic, _Kind]
+_One: TypeAlias = ConfusionCountMetricBuilder[Tensor, _Kind]
+_Some: TypeAlias = ConfusionCountMetricBuilder[Tensor | dict[str, Tensor], _Kind]
+_Several: TypeAlias = ConfusionCountMetricBuilder[dict[str, Tensor], _Kind]
 
 
 def _same_statistic(chosen: Statistic, statistic: Statistic) -> bool:

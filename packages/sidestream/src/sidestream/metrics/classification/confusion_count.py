@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+from typing_extensions import TypeVar  # a default (PEP 696); torch requires typing_extensions
 
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification import _cpu_path
@@ -29,10 +30,20 @@ from sidestream.metrics.classification._problem import Problem, ProblemKind, con
 from sidestream.metrics.classification.statistics import Counts, Statistic, checked_ratio
 from sidestream.state import MetricAccumulator
 
-__all__ = ["ConfusionCountMetric", "check_statistics", "macro_weights"]
+__all__ = ["ConfusionCountMetric", "ConfusionValue", "check_statistics", "macro_weights"]
+
+#: What ``compute()`` returns: ``Tensor`` for one statistic, ``dict[str, Tensor]`` for several.
+#: ``confusion_count_metric()...build()`` fills it in from the statistics chosen, so that
+#: ``.with_f1().macro().build().compute()`` is a ``Tensor`` to a type checker, with no cast;
+#: a metric made directly has the union (the default).
+ConfusionValue = TypeVar(
+    "ConfusionValue",
+    bound=Tensor | dict[str, Tensor],
+    default=Tensor | dict[str, Tensor],
+)
 
 
-class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
+class ConfusionCountMetric(ScreenedMetric[ConfusionValue]):
     """Per-class true/false positive/negative counts and the statistics built from them.
 
     Usually made by ``confusion_count_metric()...build()``. The state is one int64 ``(4, C)``
@@ -157,15 +168,16 @@ class ConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
     def _compute_settings(self) -> str:
         return averaging_settings(self._statistics, self._average, self._zero_division)
 
-    def compute(self) -> Tensor | dict[str, Tensor]:
+    def compute(self) -> ConfusionValue:
         """The selected statistics: a tensor for one, ``{name: tensor}`` for several."""
         counts = Counts(*self._counts.value.to(torch.float64).unbind())
         values = {statistic.name: self._value(statistic, counts) for statistic in self._statistics}
         if self._problem.kind is ProblemKind.BINARY:
             values = {name: value.reshape(()) for name, value in values.items()}
+        # The casts are what the builder's types promise: one statistic, a Tensor.
         if len(values) == 1:
-            return next(iter(values.values()))
-        return values
+            return cast(ConfusionValue, next(iter(values.values())))
+        return cast(ConfusionValue, values)
 
     def _value(self, statistic: Statistic, counts: Counts) -> Tensor:
         """One statistic, averaged over classes as configured, in float64."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -22,14 +23,18 @@ from sidestream.metrics.classification._inputs import (
     sample_counts,
 )
 from sidestream.metrics.classification._problem import Problem, ProblemKind, configure_states
-from sidestream.metrics.classification.confusion_count import check_statistics, macro_weights
+from sidestream.metrics.classification.confusion_count import (
+    ConfusionValue,
+    check_statistics,
+    macro_weights,
+)
 from sidestream.metrics.classification.statistics import Counts, Statistic, checked_ratio
 from sidestream.state import MetricAccumulator
 
 __all__ = ["SamplewiseConfusionCountMetric"]
 
 
-class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]]):
+class SamplewiseConfusionCountMetric(ScreenedMetric[ConfusionValue]):
     """The mean over samples of each sample's statistic (``multidim_average="samplewise"``).
 
     Each sample (an index of the first dimension: an image, a sequence) gets its own confusion
@@ -114,15 +119,16 @@ class SamplewiseConfusionCountMetric(ScreenedMetric[Tensor | dict[str, Tensor]])
     def _compute_settings(self) -> str:
         return averaging_settings(self._statistics, self._average, self._zero_division)
 
-    def compute(self) -> Tensor | dict[str, Tensor]:
+    def compute(self) -> ConfusionValue:
         """The mean per-sample statistics: a tensor for one, ``{name: tensor}`` for several."""
         means: Tensor = self._sums.value / self._samples.value
         if self._average != "none":
             means = means[:, 0]
         values = {statistic.name: means[row] for row, statistic in enumerate(self._statistics)}
+        # The casts are what the builder's types promise: one statistic, a Tensor.
         if len(values) == 1:
-            return next(iter(values.values()))
-        return values
+            return cast(ConfusionValue, next(iter(values.values())))
+        return cast(ConfusionValue, values)
 
 
 def _check_positions(problem: Problem, preds: Tensor) -> None:
