@@ -361,3 +361,22 @@ class SlowExitSink(Sink):
 
 class _Anchor:
     """An object a finalizer can hang on (a plain ``object()`` takes no weak reference)."""
+
+
+class SlowDurableRefusingSink(JsonlSink):
+    """A JSONL sink whose ``make_durable`` takes ``seconds`` and whose child refuses the write
+    of step ``refuse_at`` once (a transient backend error)."""
+
+    def __init__(self, path: Path, seconds: float, refuse_at: int) -> None:
+        super().__init__(path, flush_every=1)
+        self._seconds, self._refuse_at, self._refused = seconds, refuse_at, False
+
+    def send(self, reports: Sequence[Report]) -> None:
+        if not self._refused and any(report.step == self._refuse_at for report in reports):
+            self._refused = True
+            raise ConnectionError("tracker refused the connection")
+        super().send(reports)
+
+    def make_durable(self, timeout: float | None = None) -> bool:
+        time.sleep(self._seconds)
+        return super().make_durable(timeout)

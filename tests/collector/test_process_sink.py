@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import json
 import logging
 import multiprocessing as mp
@@ -42,6 +43,7 @@ from tests.collector.child_sinks import (
     FailingOpenSink,
     FlushFailsOnceSink,
     FlushHangSink,
+    SlowDurableRefusingSink,
     SlowExitSink,
     SlowOpenSink,
     SlowReopenSink,
@@ -326,6 +328,31 @@ def test_a_checkpoint_makes_the_child_sinks_writes_durable(tmp_path: Path) -> No
         assert [line["step"] for line in _lines(path)] == [1, 2, 3]
         (again,) = collector.state_dict()["sinks"].values()
         assert again["durable_calls"] == 1
+
+
+def test_a_ctrl_c_in_make_durable_leaves_no_reply_for_the_next_call(tmp_path: Path) -> None:
+    """A KeyboardInterrupt while a checkpoint's make_durable (training thread) waits for the
+    child stops the child: its reply, left in the pipe, was read by the next call, and each
+    call after by the one after it, so a write the child refused counted as written (lost)."""
+    path = tmp_path / "m.jsonl"
+    sink = ProcessSink(SlowDurableRefusingSink(path, seconds=1.5, refuse_at=3))
+    sink.open(RunInfo())
+    for step in (1, 2):
+        sink.write(Report(step=step, values={"x": float(step)}, time=0.0))
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sink.make_durable(10.0)
+    finally:
+        timer.join()
+    # The next call's own reply: the refusal, which the pipeline retries.
+    with pytest.raises(SinkProcessError, match="refused the connection"):
+        sink.write(Report(step=3, values={"x": 3.0}, time=0.0))
+    sink.write(Report(step=3, values={"x": 3.0}, time=0.0))
+    assert sink.flush(30.0)
+    assert sink.close(30.0)
+    assert [line["step"] for line in _lines(path)] == [1, 2, 3]
 
 
 def test_a_checkpoint_during_the_childs_open_waits_for_it_instead_of_killing_it(

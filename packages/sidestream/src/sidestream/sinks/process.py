@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -751,7 +751,8 @@ class ProcessSink(Sink):
         child.close()
         self._process, self._conn = process, parent
         try:
-            self._receive(_within(self._start_timeout_s, deadline), "open")
+            with self._stopped_if_interrupted():
+                self._receive(_within(self._start_timeout_s, deadline), "open")
         except SinkProcessError:
             self._stop()
             raise
@@ -787,12 +788,32 @@ class ProcessSink(Sink):
 
     def _call_locked(self, operation: str, argument: Any, timeout: float | None) -> Any:
         assert self._conn is not None
+        request = pickle.dumps((operation, argument))
+        with self._stopped_if_interrupted():
+            try:
+                self._conn.send_bytes(request)
+            except OSError as error:
+                self._stop()
+                raise SinkProcessError(f"sink {self.name!r}: the child process is gone") from error
+            return self._receive(timeout, operation)
+
+    @contextlib.contextmanager
+    def _stopped_if_interrupted(self) -> Iterator[None]:
+        """Stop the child when an interrupt cuts a request or the wait for its reply short.
+
+        A Ctrl-C (``KeyboardInterrupt``) while a call waits, such as a checkpoint's
+        ``make_durable`` on the training thread, left that call's reply in the pipe (or half
+        a request): every later call read the reply of the one before, so a write the child
+        refused counted as written and its report was lost. The next call starts a new child,
+        which resumes from the last flush and is sent the reports since again.
+        """
         try:
-            self._conn.send_bytes(pickle.dumps((operation, argument)))
-        except OSError as error:
-            self._stop()
-            raise SinkProcessError(f"sink {self.name!r}: the child process is gone") from error
-        return self._receive(timeout, operation)
+            yield
+        except Exception:
+            raise  # the reply was read, or the child is stopped already
+        except BaseException:
+            self._stop(join_s=0.0)
+            raise
 
     def _receive(self, timeout: float | None, operation: str) -> Any:
         assert self._conn is not None and self._process is not None

@@ -9,6 +9,7 @@ classes named as in torchmetrics.
 from sidestream.metrics.classification._problem import Problem, ProblemKind
 from sidestream.metrics.classification.builder import (
     ConfusionCountMetricBuilder,
+    NoStatistic,
     confusion_count_metric,
     confusion_matrix_metric,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "MultilabelAveragePrecisionMetric",
     "MultilabelConfusionMatrixMetric",
     "MultilabelMatthewsCorrCoefMetric",
+    "NoStatistic",
     "Precision",
     "Problem",
     "ProblemKind",
