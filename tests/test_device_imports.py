@@ -17,7 +17,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEVICE_PACKAGES = {"torch", "pytest", "sklearn", "scipy", "numpy", "tensorboard", "torchmetrics"}
+# typing_extensions: a requirement of torch itself, so wherever torch is installed.
+DEVICE_PACKAGES = {
+    "torch",
+    "typing_extensions",
+    "pytest",
+    "sklearn",
+    "scipy",
+    "numpy",
+    "tensorboard",
+    "torchmetrics",
+}
 SOURCE_ROOTS = [
     ROOT / "packages" / "sidestream" / "src",
     *sorted((ROOT / "integrations").glob("*/src")),

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -328,22 +329,33 @@ def test_a_process_sinks_make_durable_that_waited_for_a_write_is_not_cut_off(
         assert run.close(timeout=30)
 
 
-def test_a_checkpoint_after_a_ctrl_c_in_the_wait_starts_no_second_make_durable() -> None:
+def test_a_checkpoint_after_a_ctrl_c_in_the_wait_starts_no_second_make_durable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The hung call was recorded only once the wait ran out: a Ctrl-C inside the wait left it
-    # unrecorded, and a checkpoint in the handler started a second one beside it.
-    import signal
+    # unrecorded, and a checkpoint in the handler started a second one beside it. The Ctrl-C
+    # is raised by the wait itself (a real SIGINT is ignored in pytest-xdist's workers).
+    from sidestream import _delivery
+
+    call_within = _delivery.call_within
+
+    def interrupted(action: Any, timeout: float | None, name: str) -> Any:
+        started = threading.Thread(target=action, daemon=True)
+        started.start()
+        raise KeyboardInterrupt
 
     sink = _HangingMakeDurable()
     run = Run([sink])
-    main = threading.get_ident()
     try:
         run.log(1, {"x": 1.0})
-        # A real SIGINT: it wakes the wait, as Ctrl-C does (interrupt_main would not).
-        threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
+        monkeypatch.setattr(_delivery, "call_within", interrupted)
         with pytest.raises(KeyboardInterrupt):
             run.state_dict(timeout=30)
-        assert sink.calls == 1
+        monkeypatch.setattr(_delivery, "call_within", call_within)
         run.state_dict(timeout=0.5)
+        deadline = time.monotonic() + 10
+        while sink.calls < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the interrupted call's thread has begun
         assert sink.calls == 1  # none beside the one still running
     finally:
         sink.release.set()
