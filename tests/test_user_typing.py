@@ -17,15 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_type_hints import PACKAGES
+
 ROOT = Path(__file__).resolve().parents[1]
 SNIPPETS = ROOT / "tests" / "typed_usage"
-PACKAGES = [
-    "sidestream",
-    "sidestream_wandb",
-    "sidestream_mlflow",
-    "sidestream_tensorboard",
-    "sidestream_torchmetrics",
-]
 
 
 def _source_roots() -> list[str]:
