@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import json
 import logging
 import multiprocessing as mp
@@ -339,13 +338,19 @@ def test_a_ctrl_c_in_make_durable_leaves_no_reply_for_the_next_call(tmp_path: Pa
     sink.open(RunInfo())
     for step in (1, 2):
         sink.write(Report(step=step, values={"x": float(step)}, time=0.0))
-    timer = threading.Timer(0.2, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            sink.make_durable(10.0)
-    finally:
-        timer.join()
+    # The Ctrl-C arrives in the wait for the child's reply (raised by the pipe's poll: a real
+    # SIGINT, or interrupt_main, does nothing in pytest-xdist's workers, which ignore it).
+    conn = sink._conn
+    assert conn is not None
+    poll = conn.poll
+
+    def interrupted(wait: float = 0.0) -> bool:
+        conn.poll = poll  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    conn.poll = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        sink.make_durable(10.0)
     # The next call's own reply: the refusal, which the pipeline retries.
     with pytest.raises(SinkProcessError, match="refused the connection"):
         sink.write(Report(step=3, values={"x": 3.0}, time=0.0))
