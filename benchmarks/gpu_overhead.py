@@ -107,6 +107,16 @@ def _captured(step: Callable[[], object]) -> Callable[[], object] | str:
     return graph.replay
 
 
+def _replayed(graph: Callable[[], object]) -> Callable[[], None]:
+    """One replay of ``graph``, finished (the peer's update and the check read its result)."""
+
+    def replay() -> None:
+        graph()
+        torch.cuda.synchronize()
+
+    return replay
+
+
 def _update_rows(size: int, compiled: bool, wrong: list[str]) -> list[str]:
     """One row per metric; ``compiled`` adds inductor builds (seconds each, so small inputs
     only: the launch overhead compiling removes is what small inputs show). A graph replay
@@ -139,11 +149,7 @@ def _update_rows(size: int, compiled: bool, wrong: list[str]) -> list[str]:
         # The same metric on both sides, as on the CPU: after the timing, and after one
         # update each from a fresh state (a lost update shows there).
         update_overhead._check_agreement(name, size, case)
-        for metric in case.metrics:
-            metric.reset()  # type: ignore[attr-defined]
-        ours()
-        case.peer()
-        update_overhead._check_agreement(f"{name} (one update)", size, case)
+        update_overhead._check_one_update(f"{name} (one update)", size, case, ours)
         free = [_sync_free(variants["ours"])]
         cells = f"| {not_compiled or '—'} | — | — |"
         if compiled and not not_compiled:
@@ -159,13 +165,10 @@ def _update_rows(size: int, compiled: bool, wrong: list[str]) -> list[str]:
             # state (the arena's buffers never move) must give what one peer update gives.
             # A wrong one is named in its row and fails the run at the end, after every row
             # (a device session is short: one wrong replay must not cost the other rows).
-            for metric in case.metrics:
-                metric.reset()  # type: ignore[attr-defined]
-            graph()
-            torch.cuda.synchronize()
-            case.peer()
             try:
-                update_overhead._check_agreement(f"{name} (one graph replay)", size, case)
+                update_overhead._check_one_update(
+                    f"{name} (one graph replay)", size, case, _replayed(graph)
+                )
             except AssertionError as error:
                 wrong.append(str(error))
                 replay = f"{us['graph']:.1f} (WRONG value)"

@@ -261,12 +261,17 @@ def _measure(size: int, compiled: bool) -> list[tuple[str, dict[str, float]]]:
         if "ours compiled" in implementations:
             updates["compiled"] = implementations["ours compiled"]
         for how, update in updates.items():
-            for metric in case.metrics:
-                metric.reset()  # type: ignore[attr-defined]
-            update()
-            case.peer()
-            _check_agreement(f"{name} ({how}, one update)", size, case)
+            _check_one_update(f"{name} ({how}, one update)", size, case, update)
     return out
+
+
+def _check_one_update(name: str, size: int, case: Case, ours: Callable[[], object]) -> None:
+    """From a fresh state, ``ours`` (one sidestream update) and one peer update agree."""
+    for metric in case.metrics:
+        metric.reset()  # type: ignore[attr-defined]
+    ours()
+    case.peer()
+    _check_agreement(name, size, case)
 
 
 def _check_agreement(name: str, size: int, case: Case) -> None:

@@ -1231,16 +1231,14 @@ class Metric(Generic[T], abc.ABC):
         # of a composition): the global state of this moment is not the last sync's result,
         # and a checkpoint must not change what compute returns. Put the views back as they
         # were (a copy each way; checkpoints are rare); the freshness flags stay as they were.
-        states = [state for _, state in self.named_accumulators()]
-        kept = [state._synced.clone() for state in states]
+        named = list(self.named_accumulators())
+        kept = [state._synced.clone() for _, state in named]
         try:
             prepared.every_state.start(fingerprint).verify()
-            saved: dict[str, Any] = {
-                name: state._synced.clone() for name, state in self.named_accumulators()
-            }
+            saved: dict[str, Any] = {name: state._synced.clone() for name, state in named}
         finally:
-            if states:
-                torch._foreach_copy_([state._synced for state in states], kept)
+            if named:
+                torch._foreach_copy_([state._synced for _, state in named], kept)
         for key, configuration in self._configurations():
             saved[key] = torch.tensor(stable_hash(configuration))
         if saved:

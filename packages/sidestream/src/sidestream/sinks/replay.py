@@ -75,12 +75,10 @@ class _Progress:
     def closing(self, result: ReplayResult) -> None:
         """Once the spool is read: the sink's close that follows may wait ``timeout``."""
         self._closing, self._last = True, time.monotonic()
-        print(
+        _say(
             f"read {self._done:,} reports ({result.written:,} written, {result.skipped:,} the "
             f"sink had); waiting up to {self._timeout:g} s for the {self._sink} sink to "
-            "confirm delivery",
-            file=sys.stderr,
-            flush=True,
+            "confirm delivery"
         )
 
     def __call__(self, result: ReplayResult) -> None:
@@ -90,11 +88,9 @@ class _Progress:
         if now < self._next:
             return
         self._next = now + self._every
-        print(
+        _say(
             f"replayed {self._done:,} of about {self._total:,} reports "
-            f"({result.written:,} written, {result.skipped:,} the sink had)",
-            file=sys.stderr,
-            flush=True,
+            f"({result.written:,} written, {result.skipped:,} the sink had)"
         )
 
     def watch(self) -> None:
@@ -118,7 +114,7 @@ class _Progress:
             idle = now - self._last
             limit = self._timeout + (_CLOSE_GRACE_S if self._closing else 0.0)
             if idle > limit:
-                print(
+                _say(
                     f"the {self._sink} sink did not return from {self._waiting_for()} in "
                     f"{idle:.0f} s (--timeout {self._timeout:g} s"
                     f"{f' and {_CLOSE_GRACE_S:g} s more' if self._closing else ''}): stopped. "
@@ -126,9 +122,7 @@ class _Progress:
                     "with a longer --timeout if it is slow rather than down (the same call "
                     "would stop there again). With the state "
                     "kept beside the file, or --resume-state, reports the backend has are "
-                    "skipped",
-                    file=sys.stderr,
-                    flush=True,
+                    "skipped"
                 )
                 sys.stdout.flush()
                 # The sink's call holds the main thread and may never return: a hard exit,
@@ -137,12 +131,15 @@ class _Progress:
                 os._exit(1)
             if idle >= self._every and now >= self._next and not self._closing:
                 self._next = now + self._every
-                print(
+                _say(
                     f"waiting for the {self._sink} sink: {self._waiting_for()} has not "
-                    f"returned for {idle:.0f} s (it stops at --timeout {self._timeout:g} s)",
-                    file=sys.stderr,
-                    flush=True,
+                    f"returned for {idle:.0f} s (it stops at --timeout {self._timeout:g} s)"
                 )
+
+
+def _say(text: str) -> None:
+    """A progress or stall line: on stderr, at once (stdout keeps the command's result)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 def _count_lines(path: str) -> int:
