@@ -219,3 +219,36 @@ def test_a_checkpoint_before_an_async_sync_is_waited_leaves_that_sync_as_it_was(
         assert result["saved_count"] == world + 1, result  # the checkpoint holds every batch
         if rank > 0:
             assert result["compute"] == pytest.approx(at_start), (rank, result)
+
+
+@on_rank_device
+def _second_start_before_the_first_wait() -> dict[str, float]:
+    """Two async syncs in a row, each waited on only after both started (rank 0 updates between)."""
+    rank = dist.get_rank()
+    metric = MeanMetric()
+    metric.update(torch.tensor([float(rank + 1)]))
+    first = metric.start_sync(None, CallFingerprint("sync", 1), async_op=True)
+    if rank == 0:
+        metric.update(torch.tensor([100.0]))
+    second = metric.start_sync(None, CallFingerprint("sync", 2), async_op=True)
+    first.wait()
+    after_first = float(metric.compute())
+    second.wait()
+    return {"after_first": after_first, "after_second": float(metric.compute())}
+
+
+def test_a_second_start_sync_before_the_first_wait_finishes_the_first(
+    dist_pool: RankPool,
+) -> None:
+    # The second start wrote the layout's buffers under the first collective: gloo sent the
+    # second payload in the first all_gather, reported as "ranks paired different calls"
+    # though every rank called alike.
+    world = dist_pool.world_size
+    results = dist_pool.run(_second_start_before_the_first_wait)
+    everything = (sum(range(1, world + 1)) + 100.0) / (world + 1)
+    # Between the waits the second sync is in flight: compute reads local state (docs/sync.md).
+    assert results[0]["after_first"] == pytest.approx((1.0 + 100.0) / 2)
+    for rank, result in enumerate(results):
+        if rank > 0:
+            assert result["after_first"] == pytest.approx(rank + 1.0), (rank, result)
+        assert result["after_second"] == pytest.approx(everything), (rank, result)

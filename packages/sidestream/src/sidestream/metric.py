@@ -91,6 +91,20 @@ class _Prepared:
     in_flight: SyncHandle | None = None
 
 
+def _finish_in_flight(prepared: _Prepared) -> None:
+    """Wait on the layout's last ``start_sync`` if nobody has yet, before its buffers are reused.
+
+    Its results are unpacked from the layout's buffers at its wait, and another start (a second
+    ``start_sync``, a checkpoint's reduction) writes those buffers: that wait would unpack the
+    later reduction instead, and on gloo the first collective could send the later payload
+    (reported as a rank mismatch, though the ranks called alike). A local step on every rank
+    (the collectives were issued); the handle's own ``wait`` is then a no-op.
+    """
+    in_flight, prepared.in_flight = prepared.in_flight, None
+    if in_flight is not None and in_flight.pending:
+        in_flight.wait()
+
+
 class Metric(Generic[T], abc.ABC):
     """A metric whose state lives on the device and reduces linearly across ranks.
 
@@ -868,8 +882,9 @@ class Metric(Generic[T], abc.ABC):
 
         For trees whose metrics have no ``sync`` of their own and no sample stores (see
         ``has_own_sync``): those need ``sync``. The state counts as synchronized once the
-        handle was waited on. A ``state_dict`` before that wait finishes this sync first
-        (its reduction reuses the same buffers); the handle's ``wait`` is then a no-op.
+        handle was waited on. A ``state_dict`` or another ``start_sync`` before that wait
+        finishes this sync first (both reuse the same buffers); the handle's ``wait`` is then
+        a no-op.
 
         Args:
             group: The process group to reduce over (``None``: the default group).
@@ -895,6 +910,7 @@ class Metric(Generic[T], abc.ABC):
             )
         if fingerprint.kind == "sync":  # as sync() sends it
             fingerprint = self._call("sync", fingerprint.sequence, fingerprint.stream)
+        _finish_in_flight(prepared)
         handle = prepared.every_state.start(fingerprint, async_op=async_op)
         prepared.in_flight = handle if async_op else None
         if mark and async_op:
@@ -1217,14 +1233,7 @@ class Metric(Generic[T], abc.ABC):
     ) -> dict[str, Any]:
         """``_reduced_state``'s collectives: the states' reduction, then the stores' rows."""
         prepared = self.prepare_sync(self._sync_group)
-        in_flight, prepared.in_flight = prepared.in_flight, None
-        if in_flight is not None and in_flight.pending:
-            # A start_sync not waited on yet: its results are unpacked from the layout's
-            # buffers at its wait, and the reduction below reuses those buffers, so that wait
-            # would unpack this checkpoint's reduction instead (another rank's updates made
-            # after the sync started, on a rank that made none). Finish it first: a local
-            # step on every rank (the collectives were issued), and its wait is then a no-op.
-            in_flight.wait()
+        _finish_in_flight(prepared)
         fingerprint = self._call("state_dict", self.call_counter.next(), stream)
         # The reduction writes the synced views, which compute reads while this rank has not
         # updated since its last sync. Another rank may have (uneven data, or another child
