@@ -7,6 +7,7 @@ must not add a host sync on CUDA, so they take the policy of ``screen_invalid``.
 from __future__ import annotations
 
 import math
+import sys
 from numbers import Integral, Real
 
 import torch
@@ -86,6 +87,8 @@ def as_tensor(
             number out of float64's range (``floating`` or a float) or int64's (an int).
     """
     if isinstance(value, Tensor):
+        if type(value) is not Tensor:
+            _refuse_distributed(argument, value)
         if value.is_complex():
             # No metric here is defined on complex numbers; casting would drop the imaginary part.
             raise TypeError(f"{argument}: expected a real tensor, got dtype {value.dtype}")
@@ -119,6 +122,25 @@ def as_tensor(
             f"got one of {abs(int(value)).bit_length()} bits"
         )
     return torch.full((), value, dtype=torch.int64, device=device)
+
+
+def _refuse_distributed(argument: str, value: Tensor) -> None:
+    """Raise ``TypeError`` naming ``argument`` if ``value`` is a ``DTensor``.
+
+    Its ops into a plain state tensor raised a bare ``AssertionError`` or "mixed torch.Tensor
+    and DTensor" after a state had already taken the batch (a mean's sum, not its count). Which
+    part to count is the caller's choice: the local part, or the whole (a collective).
+    """
+    # Looked up, not imported: a process that never imported DTensor holds none, and the
+    # import costs more than an update.
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is not None and isinstance(value, module.DTensor):
+        raise TypeError(
+            f"{argument}: expected a plain torch.Tensor, got a DTensor (placements "
+            f"{tuple(value.placements)}); pass {argument}.to_local() (this rank's part: sync "
+            f"the metric over the ranks that hold the other parts) or {argument}.full_tensor() "
+            f"(the whole tensor, a collective)"
+        )
 
 
 def check_floating_dtype(argument: str, dtype: object) -> None:
