@@ -21,6 +21,7 @@ from sidestream.metrics.classification import (
 )
 from sidestream.metrics.language import PerplexityMetric
 from sidestream.metrics.regression import MeanSquaredErrorMetric, PearsonCorrelationMetric
+from tests.collector.helpers import RecordingSink
 from tests.conftest import Pools
 
 _SCORES = torch.linspace(0.05, 0.95, 8)
@@ -78,3 +79,29 @@ def test_a_dtensor_input_is_refused_naming_it_before_the_state_changes(pools: Po
                 assert "expected a plain torch.Tensor, got a DTensor" in message, (name, message)
                 assert ".to_local()" in message and ".full_tensor()" in message, message
                 assert unchanged, name
+
+
+def _log_a_dtensor() -> tuple[str, list[int]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from sidestream import Run
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sink = RecordingSink()
+    with Run([sink]) as run:
+        loss = distribute_tensor(torch.tensor(0.5), mesh, [Replicate()])
+        try:
+            run.log(1, {"loss": loss})
+            message = "no error"
+        except TypeError as error:
+            message = str(error)
+        run.log(1, {"loss": loss.full_tensor()})  # the same step, fixed: not taken before
+    return message, sink.steps
+
+
+def test_run_log_refuses_a_dtensor_before_the_step_counts(pools: Pools) -> None:
+    for rank, (message, steps) in enumerate(pools.get(2).run(_log_a_dtensor)):
+        assert message.startswith("values['loss']: expected a plain torch.Tensor"), message
+        if rank == 0:
+            assert steps == [1], steps

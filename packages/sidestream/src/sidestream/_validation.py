@@ -19,6 +19,7 @@ from sidestream.state import MetricAccumulator
 
 __all__ = [
     "check_int",
+    "refuse_distributed",
     "expected_text",
     "found_outside",
     "found_where",
@@ -88,7 +89,7 @@ def as_tensor(
     """
     if isinstance(value, Tensor):
         if type(value) is not Tensor:
-            _refuse_distributed(argument, value)
+            refuse_distributed(argument, value)
         if value.is_complex():
             # No metric here is defined on complex numbers; casting would drop the imaginary part.
             raise TypeError(f"{argument}: expected a real tensor, got dtype {value.dtype}")
@@ -124,12 +125,13 @@ def as_tensor(
     return torch.full((), value, dtype=torch.int64, device=device)
 
 
-def _refuse_distributed(argument: str, value: Tensor) -> None:
+def refuse_distributed(argument: str, value: Tensor) -> None:
     """Raise ``TypeError`` naming ``argument`` if ``value`` is a ``DTensor``.
 
     Its ops into a plain state tensor raised a bare ``AssertionError`` or "mixed torch.Tensor
     and DTensor" after a state had already taken the batch (a mean's sum, not its count). Which
-    part to count is the caller's choice: the local part, or the whole (a collective).
+    part to count is the caller's choice: the local part, or the whole (a collective). For
+    ``Run.log`` too: reading one could start a collective on the ranks that log.
     """
     # Looked up, not imported: a process that never imported DTensor holds none, and the
     # import costs more than an update.
@@ -137,9 +139,8 @@ def _refuse_distributed(argument: str, value: Tensor) -> None:
     if module is not None and isinstance(value, module.DTensor):
         raise TypeError(
             f"{argument}: expected a plain torch.Tensor, got a DTensor (placements "
-            f"{tuple(value.placements)}); pass {argument}.to_local() (this rank's part: sync "
-            f"the metric over the ranks that hold the other parts) or {argument}.full_tensor() "
-            f"(the whole tensor, a collective)"
+            f"{tuple(value.placements)}); pass {argument}.to_local() (this rank's part) or "
+            f"{argument}.full_tensor() (the whole tensor, a collective every rank must join)"
         )
 
 

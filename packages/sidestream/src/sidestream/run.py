@@ -33,6 +33,7 @@ from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream._step import training_step
 from sidestream._text import check_encodable
+from sidestream._validation import refuse_distributed
 from sidestream.collector._checkpoint_errors import naming_checkpoint_failures
 from sidestream.collector.collector import DEFAULT_MAX_SLOTS, AsyncMetricCollector
 from sidestream.metric import Metric
@@ -292,7 +293,7 @@ class Run:
 
         Raises:
             TypeError: If ``step`` is not an integer (Python or numpy), or a name or value has
-                the wrong type (a bool, or a complex or meta tensor, too).
+                the wrong type (a bool, a complex or meta tensor, or a DTensor, too).
             ValueError: If ``step`` does not increase or is outside [0, 2**63), a tensor is
                 not 0-dim, CUDA tensors are on several devices, or a name is empty or cannot be
                 encoded as UTF-8 (a lone surrogate); raised before the step counts, so the
@@ -324,6 +325,8 @@ class Run:
                 raise ValueError("values: names must be non-empty str, got ''")
             check_encodable("values: a name", name)
             if isinstance(value, Tensor):
+                if type(value) is not Tensor:
+                    refuse_distributed(f"values[{name!r}]", value)
                 if value.dim() != 0:
                     raise ValueError(
                         f"values[{name!r}]: expected a 0-dim tensor, got shape {tuple(value.shape)}"
