@@ -276,6 +276,11 @@ class SampleStore:
             versions = self._versions[name]
             for index, (old, new) in enumerate(zip(chunks, moved, strict=True)):
                 if new is not old:
+                    # The copy took the rows as they are now: a borrowed tensor changed in
+                    # place before the move must still raise (as ``local`` would have), not
+                    # be forgotten with its version and counted as if it were the update's.
+                    if versions[index] != _OWNED and old._version != versions[index]:
+                        self._modified = True
                     versions[index] = _OWNED
             chunks[:] = moved
         self._borrowing = any(v != _OWNED for vs in self._versions.values() for v in vs)

@@ -25,6 +25,7 @@ __all__ = [
     "found_where",
     "ignore_index_of",
     "as_tensor",
+    "check_dense",
     "check_tensor",
     "check_broadcastable",
     "check_floating",
@@ -83,13 +84,16 @@ def as_tensor(
     a float tensor, as ``3.0`` would. Python floats become float64 tensors (exact), ints int64.
 
     Raises:
-        TypeError: If ``value`` is neither a tensor nor a real number, or is a complex tensor.
+        TypeError: If ``value`` is neither a tensor nor a real number, or is a complex, sparse,
+            nested or masked tensor.
         ValueError: If ``value`` is a tensor on another device than the metric, or a Python
             number out of float64's range (``floating`` or a float) or int64's (an int).
     """
     if isinstance(value, Tensor):
         if type(value) is not Tensor:
             refuse_distributed(argument, value)
+            _refuse_masked(argument, value)
+        check_dense(argument, value)
         if value.is_complex():
             # No metric here is defined on complex numbers; casting would drop the imaginary part.
             raise TypeError(f"{argument}: expected a real tensor, got dtype {value.dtype}")
@@ -187,17 +191,54 @@ def check_same_shape(preds: Tensor, target: Tensor) -> None:
         )
 
 
+def check_dense(argument: str, value: Tensor) -> None:
+    """Raise ``TypeError`` naming ``argument`` unless ``value`` is a dense tensor.
+
+    Sparse layouts and nested tensors are refused here (``as_tensor``), for every metric:
+    further in, the first operator without a kernel for them failed instead (``aten::amax``
+    for sparse COO values of ``MaxMetric``, "NestedTensorImpl doesn't support sizes" for a
+    nested ``preds``), naming neither the argument nor a fix. A nested tensor of the default
+    layout reports ``torch.strided``, so it is refused by ``is_nested``, not by its layout.
+    """
+    if value.is_nested:
+        raise TypeError(
+            f"{argument}: expected a dense tensor, got a nested tensor; pass its components "
+            "concatenated (torch.cat), or one update each"
+        )
+    if value.layout is not torch.strided:
+        raise TypeError(
+            f"{argument}: expected a dense tensor, got layout {value.layout}; pass "
+            f"{argument}.to_dense()"
+        )
+
+
+def _refuse_masked(argument: str, value: Tensor) -> None:
+    """Raise ``TypeError`` naming ``argument`` if ``value`` is a ``torch.masked`` tensor.
+
+    Its ``__torch_dispatch__`` failed on the first operator it has no rule for, naming
+    neither the argument nor a fix.
+    """
+    # Looked up, not imported (as refuse_distributed's DTensor): a process that made a
+    # MaskedTensor has imported it, and the import costs more than an update.
+    masked = sys.modules.get("torch.masked")
+    if masked is not None and isinstance(value, masked.MaskedTensor):
+        raise TypeError(
+            f"{argument}: expected a plain torch.Tensor, got a torch.masked MaskedTensor; "
+            f"pass the kept elements ({argument}.get_data()[{argument}.get_mask()]), or "
+            "for the classification metrics an ignore_index in the target"
+        )
+
+
 def check_tensor(argument: str, value: object, device: torch.device) -> Tensor:
     """Return ``value`` detached, after checking it is a tensor on ``device``.
 
     Raises:
-        TypeError: If ``value`` is not a dense tensor (sparse layouts are refused).
+        TypeError: If ``value`` is not a dense tensor (sparse layouts, nested and masked
+            tensors are refused).
         ValueError: If it lives on another device than the metric (``as_tensor``'s check).
     """
     if not isinstance(value, Tensor):
         raise TypeError(f"{argument}: expected a torch.Tensor, got {type(value)}")
-    if value.layout is not torch.strided:
-        raise TypeError(f"{argument}: expected a dense tensor, got layout {value.layout}")
     if value.dtype in WIDE_UNSIGNED:
         # torch has no comparison or reduction kernels for them on the CPU: an update died in
         # aminmax or clamp, with an error that named neither the argument nor a fix.

@@ -177,6 +177,10 @@ def checked_arrays(
         or not _cpu_path.enabled(rejected.device)
         or type(preds) is not Tensor
         or type(target) is not Tensor
+        # Before any size: a nested tensor of the default layout says strided, and its shape
+        # raises. Left to the torch path, whose check_tensor refuses it naming the argument.
+        or preds.is_nested
+        or target.is_nested
         or preds.dtype not in _SCORES
         or target.dtype not in _TARGETS
         or preds.shape != target.shape
