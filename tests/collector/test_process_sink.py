@@ -31,7 +31,7 @@ from sidestream.sinks import (
     is_permanent,
     sinks_from_config,
 )
-from tests._scripts import ROOT
+from tests._scripts import ROOT, run_python
 from tests.collector.child_sinks import (
     BatchSizesSink,
     BuggySink,
@@ -740,3 +740,90 @@ def test_close_keeps_to_its_timeout_when_the_child_is_slow_to_exit() -> None:
     assert sink.close(4.0)
     assert time.monotonic() - started < 4.0 + 1.5
     assert not sink._alive()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_that_exits_normally_leaves_the_sinks_child_process_alone(
+    tmp_path: Path,
+) -> None:
+    # multiprocessing's exit hook, which a child made by os.fork() runs when it exits normally,
+    # sent SIGTERM to every daemonic child it found in the list it inherited: the parent's sink
+    # process. The parent restarted it (a warning, the reports since its last flush sent
+    # again) and the forked child printed join's "can only join a child process".
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"""
+import os, sys, time
+from sidestream import MeanMetric, Run
+from sidestream.sinks import JsonlSink, ProcessSink
+
+def main():
+    sink = ProcessSink(JsonlSink({str(tmp_path / "m.jsonl")!r}))
+    run = Run([sink])
+    train = run.collector(MeanMetric(), prefix="train").bind("cpu")
+    for step in range(1, 11):
+        train.metric.update(float(step))
+        train.schedule_collection(step)
+        if step == 5:
+            deadline = time.monotonic() + 60
+            while sink._process is None and time.monotonic() < deadline:
+                time.sleep(0.05)  # the sink's thread starts the child
+            assert sink._process is not None
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)  # the at-exit hooks it inherited run
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+    assert run.close(timeout=60)
+    print("restarts", sink.restarts)
+
+if __name__ == "__main__":
+    main()
+"""
+    )
+    done = run_python(str(script), timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "restarts 0" in done.stdout, done.stderr
+    assert "can only join a child process" not in done.stderr, done.stderr
+    assert [line["step"] for line in _lines(tmp_path / "m.jsonl")] == list(range(1, 11))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_close_does_not_wait_for_a_process_forked_while_the_child_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A DataLoader worker forked by the training thread while the sink's thread started the
+    # child holds the write end of the child's sentinel pipe: close waited on that sentinel for
+    # the rest of its timeout although the child had ended (a persistent worker outlives it),
+    # and the run warned that the sink's close did not finish. The spawn is slowed here so the
+    # fork lands in that window every time.
+    import multiprocessing.util
+
+    in_window = threading.Event()
+    spawn = multiprocessing.util.spawnv_passfds
+
+    def slow_spawn(path: str, args: list[str], passfds: list[int]) -> int:
+        if any(b"spawn_main" in os.fsencode(arg) for arg in args):  # not the resource tracker
+            in_window.set()
+            time.sleep(0.5)
+        return spawn(path, args, passfds)
+
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", slow_spawn)
+    sink = ProcessSink(BatchSizesSink())
+    opening = threading.Thread(target=sink.open, args=(RunInfo(),))
+    opening.start()
+    assert in_window.wait(60)
+    pid = os.fork()
+    if pid == 0:  # a worker that outlives the sink's child
+        time.sleep(30)
+        os._exit(0)
+    try:
+        opening.join(60)
+        sink.write(Report(step=1, values={"x": 1.0}, time=0.0))
+        started = time.monotonic()
+        assert sink.close(10.0)
+        assert time.monotonic() - started < 5.0
+        assert not sink._alive()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

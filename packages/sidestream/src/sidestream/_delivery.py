@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from sidestream._distributed import check_process_group
+from sidestream._exit import fork_mark
 from sidestream._validation import check_int
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks._spool_format import SpoolFormatError, check_line_format
@@ -161,6 +162,8 @@ class Delivery:
         self.backlogs: dict[str, str] = {}
         self.unclaimed_backlogs: dict[str, str] = {}
         self.runners: list[SinkRunner] | None = None
+        # fork_mark() where the runners' threads started: a fork's calls are refused.
+        self.started_in: int | None = None
         # Called once when the sinks start, whoever starts them (a collector's bind or
         # Run.log): the owner registers its close at interpreter exit there.
         self.on_start: Callable[[], None] | None = None
@@ -231,6 +234,7 @@ class Delivery:
                     runners = [self._runner(key, sink) for key, sink in self.sinks.items()]
                     self._start_runners(runners)
                 self.runners = runners
+                self.started_in = fork_mark()
                 if self.on_start is not None:
                     self.on_start()
                 return runners

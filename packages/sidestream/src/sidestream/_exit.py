@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -28,8 +29,11 @@ __all__ = [
     "ending_with",
     "exit_time_left",
     "failed_exit_code",
+    "fork_mark",
+    "forked_since",
     "forget_close_at_exit",
     "record_failed_exit",
+    "refuse_in_forked_child",
 ]
 
 KILLED_EXIT_CODE = 255
@@ -151,9 +155,56 @@ def _forget_in_child() -> None:
     Their threads were not copied, so a close at the child's exit would only fail to deliver
     (spooling copies of the parent's reports and warning of them); the parent closes them.
     """
-    global _LOCK
+    global _LOCK, _forks
     _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
     _CLOSES.clear()
+    _forks += 1
+
+
+_forks = 0  # os.fork calls between the process that imported this module and this one
+
+
+def fork_mark() -> int:
+    """A mark of this process: it differs in a child made by ``os.fork`` since it was taken."""
+    return _forks
+
+
+def forked_since(mark: int | None, call: str, what: str) -> bool:
+    """Whether this process is a fork of the one that took ``mark`` (a warning says so).
+
+    ``mark`` is ``fork_mark()`` where the threads started (``None``: none started yet).
+
+    For a close: the process that started the run or collector delivers its reports and
+    closes it, so a close in the child does nothing (and says nothing was delivered). Not an
+    error: a child that leaves a ``with Run(...)`` block on its way out closes it.
+    """
+    if mark is None or mark == _forks:
+        return False
+    logging.getLogger("sidestream").warning(
+        "%s: this %s was started in the process this one was forked from (os.fork), which "
+        "delivers its reports and closes it; nothing was done here",
+        call,
+        what,
+    )
+    return True
+
+
+def refuse_in_forked_child(call: str, mark: int | None, what: str) -> None:
+    """Raise ``RuntimeError`` if this process is a fork of the one that took ``mark``.
+
+    ``mark`` is ``fork_mark()`` where the threads started (``None``: none started yet, and
+    this process may start them).
+
+    The threads of a run or a collector (dispatcher, sinks) are not copied by ``os.fork``: in
+    the child its calls returned normally and nothing was delivered, and its close said every
+    report was.
+    """
+    if mark is not None and mark != _forks:
+        raise RuntimeError(
+            f"{call}: this {what} was started in the process this one was forked from (os.fork); "
+            f"its threads, which deliver, stay there. Log from that process, or make a "
+            f"{what} in this one"
+        )
 
 
 if hasattr(os, "register_at_fork"):

@@ -28,7 +28,14 @@ from sidestream._delivery import (
     check_timeout,
 )
 from sidestream._distributed import Group, check_process_group, group_ranks, mesh_ranks
-from sidestream._exit import close_at_exit, ending_with, exit_time_left, forget_close_at_exit
+from sidestream._exit import (
+    close_at_exit,
+    ending_with,
+    exit_time_left,
+    forget_close_at_exit,
+    forked_since,
+    refuse_in_forked_child,
+)
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream._step import training_step
@@ -368,6 +375,7 @@ class Run:
             )
         if self._closed:
             raise RuntimeError("log: the run is closed")
+        refuse_in_forked_child("log", self._delivery.started_in, "Run")
         if "" in self.streams:
             raise ValueError(
                 "log: a collector of this run has the prefix '' (the stream of run.log); "
@@ -432,6 +440,8 @@ class Run:
             for good.
         """
         timeout = check_timeout("close: timeout", timeout)
+        if forked_since(self._delivery.started_in, "close", "Run"):
+            return False
         # Before the claim: a signal handler's close run while this thread starts the sinks
         # (inside bind or the first log) is refused with nothing changed, not left waiting for
         # the lock its own thread holds; the run closes normally afterwards.

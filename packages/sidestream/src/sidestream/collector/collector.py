@@ -34,7 +34,15 @@ from sidestream._distributed import (
     mesh_ranks,
     resolve_group,
 )
-from sidestream._exit import close_at_exit, ending_with, exit_time_left, forget_close_at_exit
+from sidestream._exit import (
+    close_at_exit,
+    ending_with,
+    exit_time_left,
+    forget_close_at_exit,
+    fork_mark,
+    forked_since,
+    refuse_in_forked_child,
+)
 from sidestream._step import training_step
 from sidestream._text import check_encodable
 from sidestream._validation import check_int
@@ -217,6 +225,7 @@ class AsyncMetricCollector(Generic[MetricT]):
                 raise TypeError(f"histograms: expected non-empty leaf paths (str), got {path!r}")
         self._metric = metric
         self._closed = False
+        self._bound_in: int | None = None  # fork_mark() where its dispatcher thread started
         # Refused here too, not only at bind: a run's stream made for a metric another open
         # collector has would keep its prefix (and save that metric's state) for nothing.
         self._refuse_a_metric_bound_elsewhere("metric")
@@ -496,6 +505,7 @@ class AsyncMetricCollector(Generic[MetricT]):
         # The dispatcher before the sinks: starting them (which opens them) is the last step
         # that can fail, so a failed bind never leaves a tracker run opened for nothing.
         writes = self._delivery.is_writer and bool(self._delivery.sinks)
+        self._bound_in = fork_mark()
         self._dispatcher = Dispatcher(
             [self._delivery] if writes else [],
             self._free_slots.put,
@@ -600,6 +610,8 @@ class AsyncMetricCollector(Generic[MetricT]):
             raise RuntimeError(f"schedule_collection: {_CLOSED}")
         if self._dispatcher is None:
             raise RuntimeError("schedule_collection: call bind(device) first")
+        refuse_in_forked_child("schedule_collection", self._bound_in, "collector")
+        refuse_in_forked_child("schedule_collection", self._delivery.started_in, "Run")
         acquired = self._scheduling.acquire(blocking=False)
         if not acquired or self._in_schedule:
             if acquired:  # this thread, inside its own call (a signal handler's)
@@ -1062,6 +1074,8 @@ class AsyncMetricCollector(Generic[MetricT]):
             in a spool file a warning names) or if a sink failed for good.
         """
         timeout = check_timeout("close: timeout", timeout)
+        if forked_since(self._bound_in, "close", "collector"):
+            return False
         if self._owns_delivery:
             # Before the claim, as Run.close: not inside this thread's start of the sinks.
             self._delivery.refuse_inside_start("close")

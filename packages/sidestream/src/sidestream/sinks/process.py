@@ -748,6 +748,7 @@ class ProcessSink(Sink):
         )
         began = time.monotonic()
         process.start()
+        _CHILDREN.add(process)
         child.close()
         self._process, self._conn = process, parent
         try:
@@ -858,11 +859,59 @@ class ProcessSink(Sink):
         if self._conn is not None:
             self._conn.close()
         if self._process is not None:
-            self._process.join(join_s)
-            if self._process.is_alive():
+            if not _join(self._process, join_s):
                 self._process.kill()
-                self._process.join(5.0)
+                _join(self._process, 5.0)
+            _CHILDREN.discard(self._process)
         self._process, self._conn = None, None
+
+
+def _join(process: BaseProcess, timeout: float) -> bool:
+    """Wait at most ``timeout`` seconds for ``process`` to end; whether it did.
+
+    Not on its sentinel alone, as ``join`` does: a process forked from the trainer while this
+    child was being started (a DataLoader worker forked by the training thread while the sink's
+    thread started the child) holds a copy of the sentinel pipe's write end, so the sentinel
+    says nothing until that process ends too, and a close that had already ended the child
+    waited the whole of its timeout and reported that it did not finish. ``is_alive`` asks the
+    system (``waitpid``), so the wait ends within a slice of the child's exit all the same.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        process.join(max(0.0, min(_JOIN_SLICE_S, deadline - time.monotonic())))
+        if not process.is_alive():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
+_JOIN_SLICE_S = 0.05
+"""How long one wait on a stopping child's sentinel lasts before the system is asked."""
+
+_CHILDREN: weakref.WeakSet[BaseProcess] = weakref.WeakSet()
+"""The child processes of this process's ``ProcessSink``s that have not been stopped."""
+
+
+def _disown_children_in_fork() -> None:
+    """In a child made by ``os.fork``: the parent's sink processes are not this process's.
+
+    ``multiprocessing`` keeps them in its list of this process's children, and its exit hook
+    (which a forked child that exits normally runs, ``sys.exit`` or the end of its script)
+    sends every daemonic child there SIGTERM: each such child killed the parent's sink
+    process, which the parent then restarted (a warning, the reports since the last flush sent
+    again, a tracker client killed mid-call), and printed a traceback of ``join``'s "can only
+    join a child process". Children ``multiprocessing`` starts itself (DataLoader workers, a
+    ``Pool``'s) begin with an empty list and end with ``os._exit``: they never did this.
+    """
+    children = getattr(mp.process, "_children", None)  # private; absent, nothing to undo
+    if children is not None:
+        for process in list(_CHILDREN):
+            children.discard(process)
+    _CHILDREN.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_children_in_fork)
 
 
 def _deadline(timeout: float | None) -> float | None:

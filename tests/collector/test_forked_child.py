@@ -1,0 +1,78 @@
+"""A run or collector used in a child made by ``os.fork`` fails loudly instead of dropping.
+
+Their threads (the dispatcher, the sinks' runners) stay in the process that started them: in
+the child, ``run.log`` and ``schedule_collection`` returned normally and nothing was delivered,
+and the child's ``close`` said every report was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests._scripts import run_python
+
+_SCRIPT = """
+import json, os, sys
+from sidestream import MeanMetric, Run
+from sidestream.sinks import JsonlSink
+
+run = Run([JsonlSink({path!r})])
+train = run.collector(MeanMetric(), prefix="train").bind("cpu")
+train.metric.update(1.0)
+train.schedule_collection(1)
+run.log(1, {{"lr": 0.1}})
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(read)
+    seen = {{}}
+    for name, call in (
+        ("log", lambda: run.log(2, {{"lr": 0.2}})),
+        ("schedule", lambda: train.schedule_collection(2)),
+    ):
+        try:
+            call()
+            seen[name] = "returned"
+        except RuntimeError as error:
+            seen[name] = str(error)
+    seen["close"] = run.close(timeout=5)
+    os.write(write, json.dumps(seen).encode())
+    sys.exit(0)  # its at-exit hooks run: they must leave the parent's run alone
+os.close(write)
+with os.fdopen(read) as pipe:
+    seen = json.loads(pipe.read())
+_, status = os.waitpid(pid, 0)
+train.metric.update(3.0)
+train.schedule_collection(2)
+run.log(2, {{"lr": 0.2}})
+print(json.dumps({{"child": seen, "child_exit": os.waitstatus_to_exitcode(status),
+                  "closed": run.close(timeout=60)}}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_is_refused_the_parents_run_and_its_close_does_nothing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "m.jsonl"
+    script = tmp_path / "job.py"
+    script.write_text(_SCRIPT.format(path=str(path)))
+    done = run_python(str(script), timeout=180)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    child = result["child"]
+    assert child["log"].startswith("log: this Run was started in the process this one was"), child
+    assert "forked from (os.fork)" in child["schedule"], child
+    assert child["close"] is False  # not "every report delivered": it delivers nothing
+    assert "nothing was done here" in done.stderr
+    assert result["child_exit"] == 0
+    assert result["closed"] is True
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    steps = [(line["step"], sorted(line["values"])) for line in lines]
+    assert sorted(steps) == [(1, ["lr"]), (1, ["train"]), (2, ["lr"]), (2, ["train"])]
+    trained = [line["values"]["train"] for line in lines if "train" in line["values"]]
+    assert trained == [1.0, 3.0]  # each window once, the second with the parent's update only
