@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
-from sidestream import ComposeMetric, MeanMetric, SumMetric
+from sidestream import ComposeMetric, MeanMetric, Metric, MetricAccumulator, SumMetric
 from sidestream.collector import AsyncMetricCollector
-from sidestream.sinks import JsonlSink
+from sidestream.sinks import JsonlSink, read_jsonl
 from tests.collector.helpers import (
     AlwaysFailingSink,
     RecordingSink,
@@ -365,3 +366,43 @@ def test_staging_copies_of_a_composition_freed_by_the_pool_are_not_kept_alive() 
     del copy
     gc.collect()
     assert gone() is None
+
+
+_EPOCH = [0]
+
+
+class _KeyPerEpoch(Metric[dict[str, Tensor]]):
+    """A sum reported under a name of the current epoch: a result whose names change."""
+
+    def __init__(self) -> None:
+        self._sum = MetricAccumulator(torch.zeros((), dtype=torch.float64))
+
+    def update(self, value: Tensor) -> None:
+        self._sum.accumulate(value.double().sum())
+
+    def compute(self) -> dict[str, Tensor]:
+        return {f"epoch{_EPOCH[0]}": self._sum.value}
+
+
+def test_layouts_of_results_whose_names_change_are_capped(tmp_path: Path) -> None:
+    """The dispatcher keeps each result layout for reuse; a result with a name per epoch made
+    one per window, kept for the whole run."""
+    from sidestream.collector._dispatcher import _LAYOUTS_KEPT
+
+    windows = _LAYOUTS_KEPT + 36
+    metric = _KeyPerEpoch()
+    collector = AsyncMetricCollector(metric, sinks=[JsonlSink(tmp_path / "m.jsonl")])
+    collector.bind("cpu")
+    try:
+        for step in range(windows):
+            metric.update(torch.tensor([1.0]))
+            if step:
+                collector.collect_results()  # the previous window computed under its epoch
+            _EPOCH[0] = step
+            collector.schedule_collection(step)
+        collector.collect_results()
+        assert len(collector._dispatcher._layouts) <= _LAYOUTS_KEPT
+    finally:
+        assert collector.close()
+    names = [name for record in read_jsonl(tmp_path / "m.jsonl") for name in record["values"]]
+    assert names == [f"epoch{step}" for step in range(windows)]

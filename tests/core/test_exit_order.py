@@ -168,3 +168,34 @@ def test_closes_at_exit_share_the_exit_timeout(tmp_path: Path) -> None:
     # What no close had time for is kept, for each of them.
     kept = sorted(path.name.split("@")[0] for path in tmp_path.glob("*.spool.jsonl"))
     assert kept == ["sidestream-first", "sidestream-second", "sidestream-third"], done.stderr
+
+
+_SWEEP = """
+import atexit
+from sidestream._exit import close_at_exit, close_before_backends_exit, forget_close_at_exit
+
+def say(text):
+    return lambda: print(text, flush=True)
+
+slots = atexit._ncallbacks()
+for index in range(200):  # a sweep: a run made and closed, its tracker sink opened, 200 times
+    close = say(f"run {index}")
+    close_at_exit(close)
+    close_before_backends_exit()
+    forget_close_at_exit(close)
+print("slots added", atexit._ncallbacks() - slots, flush=True)
+close_at_exit(say("last run closed"))
+atexit.register(say("client torn down"))
+close_before_backends_exit()  # a hook registered since: still moved in front of it
+"""
+
+
+def test_a_sweep_of_runs_leaves_no_atexit_slots_behind() -> None:
+    """Each move of the hook unregistered and registered it again; CPython's ``unregister``
+    leaves an empty slot for good, so a sweep of runs grew atexit's list by one or two per run
+    (and every later move scanned them all)."""
+    done = _python(_SWEEP)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "slots added 1", done.stdout  # the first registration only
+    assert lines[1:] == ["last run closed", "client torn down"], done.stderr

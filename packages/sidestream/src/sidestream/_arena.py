@@ -109,12 +109,16 @@ class Arena:
             # A whole number of elements of every dtype in it: torch refuses a storage whose
             # size is not (aot_eager's functionalized updates, torch.save of a state).
             size = -(-size // _BLOCK_ALIGN) * _BLOCK_ALIGN
-            blocks = [torch.empty(size, dtype=torch.uint8, device=where) for _ in range(3)]
-            self.locals.append(blocks[0])
-            self.initials.append(blocks[1])
-            self.synceds.append(blocks[2])
-            for (dtype, members), offset in zip(by_width, offsets, strict=True):
-                self._lay_out(blocks, offset, dtype, members)
+            # Normal tensors even under torch.inference_mode() (a metric built in an evaluation
+            # function): inference ones, and tensors set onto their storage, could not be
+            # updated in place outside it (see state.normal_tensor).
+            with torch.inference_mode(False):
+                blocks = [torch.empty(size, dtype=torch.uint8, device=where) for _ in range(3)]
+                self.locals.append(blocks[0])
+                self.initials.append(blocks[1])
+                self.synceds.append(blocks[2])
+                for (dtype, members), offset in zip(by_width, offsets, strict=True):
+                    self._lay_out(blocks, offset, dtype, members)
         if settings and self.segments:
             first = self.segments[0]
             first.parts = first.parts + tuple(settings)

@@ -233,11 +233,27 @@ def _close_all() -> None:
             )
 
 
+_hook_slots: int | None = None  # atexit's count of hooks just after ours was registered
+
+
 def _move_to_front() -> None:
-    """Register the hook again, in front of every hook registered so far (lock held)."""
-    if not _exiting:
-        atexit.unregister(_close_all)
-        atexit.register(_close_all)
+    """Register the hook again, in front of every hook registered so far (lock held).
+
+    Only when some hook was registered after it: CPython's ``atexit.unregister`` leaves an
+    empty slot behind that stays until exit, and every later call scans them all, so moving it
+    for each run of a sweep (and each tracker sink's open) grew that list without bound and
+    made each move slower. ``atexit._ncallbacks`` counts the slots, empty ones too: unchanged
+    means nothing was registered since ours.
+    """
+    global _hook_slots
+    if _exiting:
+        return
+    count = getattr(atexit, "_ncallbacks", None)
+    if count is not None and _hook_slots is not None and count() == _hook_slots:
+        return
+    atexit.unregister(_close_all)
+    atexit.register(_close_all)
+    _hook_slots = count() if count is not None else None
 
 
 def close_at_exit(close: Callable[[], object]) -> None:

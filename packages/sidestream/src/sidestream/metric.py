@@ -198,7 +198,10 @@ class Metric(Generic[T], abc.ABC):
                 value = inner.__dict__.get(private)
                 if value is not None:
                     memo.setdefault(id(value), empty)
-        copied: Self = copy_keeping_views(self, memo)
+        # Normal tensors even under torch.inference_mode() (a collector's slots made as it binds
+        # in an evaluation function): inference ones could not be written in place outside it.
+        with torch.inference_mode(False):
+            copied: Self = copy_keeping_views(self, memo)
         copied.__dict__.pop("_bound_prefix", None)  # a copy belongs to no collector
         if alone:
             copied._own_arena()

@@ -187,12 +187,13 @@ class MetricAccumulator:
         self._compared_as: torch.dtype | None = None
         # Contiguous copies whatever the layout given (a transposed initial value): the state's
         # flat views need one.
-        initial_tensor = initial_tensor.clone(memory_format=torch.contiguous_format)
-        self._bind(
-            initial_tensor.clone(),
-            initial_tensor.clone(),
-            torch.empty_like(initial_tensor),
-        )
+        with torch.inference_mode(False):  # normal tensors, wherever made: see normal_tensor
+            initial_tensor = initial_tensor.clone(memory_format=torch.contiguous_format)
+            self._bind(
+                initial_tensor.clone(),
+                initial_tensor.clone(),
+                torch.empty_like(initial_tensor),
+            )
 
     @classmethod
     def constant(
@@ -324,7 +325,9 @@ class MetricAccumulator:
         state.setdefault("_compared_as", state["_initial"].dtype if constant else None)
         state.setdefault("_maxes", state["_op"] is ReduceOp.MAX)
         self.__dict__.update(state)
-        self._bind(state["_local"], state["_initial"], state["_synced"])
+        # Unpickled inside torch.inference_mode(): inference tensors, which updates outside it
+        # could not write in place.
+        self._bind(*(normal_tensor(state[key]) for key in ("_local", "_initial", "_synced")))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MetricAccumulator:
         copied: MetricAccumulator = copy_keeping_views(self, memo)
@@ -640,7 +643,8 @@ class MetricAccumulator:
 
         A metric's states move with ``Metric.to`` (which rebuilds the arena).
         """
-        self._bind(self._local.to(device), self._initial.to(device), self._synced.to(device))
+        with torch.inference_mode(False):  # moved inside inference mode: see normal_tensor
+            self._bind(self._local.to(device), self._initial.to(device), self._synced.to(device))
         if self._arena is not None:
             self._arena.alive = False  # this state is no longer a view into it
         return self
@@ -685,6 +689,21 @@ _VIEWS = frozenset(
     }
 )
 """What ``MetricAccumulator._bind`` derives: left out of a pickle and made again on load."""
+
+
+def normal_tensor(tensor: Tensor) -> Tensor:
+    """``tensor``, or a normal copy of it if it is an inference tensor.
+
+    State made under ``torch.inference_mode()`` (a metric built or first used in an evaluation
+    function decorated with it) would be inference tensors, which no in-place op may write
+    outside inference mode: the first training update after validation would fail. So every
+    state, arena and sync buffer is made with ``torch.inference_mode(False)``, which makes
+    normal tensors; those may be written in place in either mode, so updates pay nothing.
+    """
+    if not tensor.is_inference():
+        return tensor
+    with torch.inference_mode(False):
+        return tensor.clone()
 
 
 def accumulate_sums(

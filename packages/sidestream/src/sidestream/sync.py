@@ -881,11 +881,16 @@ class SyncBatch:
             for entries in by_device.values():
                 segments = _segments(entries)
                 packed = sum(_padded_bytes(s) for s in segments) + 8 * _FINGERPRINT_WORDS
-                if packed * slot.size <= GATHER_LIMIT_BYTES:
-                    plans.append(_GatherPlan(segments, slot.group, slot.size, digest))
-                else:
-                    plans.append(_ReducePlan(segments, slot.group, slot.size, digest))
-        return SyncProgram(_CopyPlan(copies), plans)
+                # Normal buffers even when laid out under torch.inference_mode() (a first sync
+                # in an evaluation function): later starts outside it write them in place,
+                # which torch refuses for inference tensors (see state.normal_tensor).
+                with torch.inference_mode(False):
+                    if packed * slot.size <= GATHER_LIMIT_BYTES:
+                        plans.append(_GatherPlan(segments, slot.group, slot.size, digest))
+                    else:
+                        plans.append(_ReducePlan(segments, slot.group, slot.size, digest))
+        with torch.inference_mode(False):  # its spanning tensors too
+            return SyncProgram(_CopyPlan(copies), plans)
 
     def check(self) -> None:
         """Only run the structure check (blocking, a collective), reducing nothing."""

@@ -32,6 +32,10 @@ logger = logging.getLogger("sidestream.collector")
 
 _STOP = object()
 _STEPS_NAMED = 8  # failed windows' steps a collect_results error lists
+# Result layouts kept for reuse. A result whose names change over the run (a key per epoch, a
+# vector whose length follows the data) makes a new layout per window; without a cap the cache
+# held one for every window such a run ever reported.
+_LAYOUTS_KEPT = 64
 _IDLE_STOP_S = 1.0  # how long an idle dispatcher thread may take to see the stop
 SLOW_WINDOW_S = 60.0
 """A window whose reduction has waited this long is named in a warning (once): a rank that
@@ -379,7 +383,12 @@ class Dispatcher:
         layout = self._layouts.get(key)
         if layout is None:
             counts = rejected_names(window.slot.metric, self._prefix)
-            layout = self._layouts[key] = _Layout.of(tree, self._prefix, self._histograms, counts)
+            layout = _Layout.of(tree, self._prefix, self._histograms, counts)
+            if len(self._layouts) >= _LAYOUTS_KEPT:
+                # The oldest first (dicts keep insertion order): a steady result's layout is
+                # made again at once if it was among them.
+                del self._layouts[next(iter(self._layouts))]
+            self._layouts[key] = layout
         return layout
 
 

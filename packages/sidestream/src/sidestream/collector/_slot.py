@@ -209,9 +209,14 @@ class Slot:
         """
         tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
         if [(t.shape, t.dtype) for t in tensors] != [(h.shape, h.dtype) for h in self.host]:
-            self.host = [
-                torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in tensors
-            ]
+            # Normal tensors even when first made under torch.inference_mode() (a collector
+            # bound in an evaluation function): the dispatcher thread, which is never in
+            # inference mode (it is per thread), copies into them in place.
+            with torch.inference_mode(False):
+                self.host = [
+                    torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                    for t in tensors
+                ]
         buffers = iter(self.host)
         out: list[Any] = []
         for leaf in leaves:
