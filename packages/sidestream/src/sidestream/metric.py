@@ -32,6 +32,7 @@ from sidestream._distributed import (
     group_ranks,
     resolve_group,
 )
+from sidestream._eager import host_call
 from sidestream._reduce_op import ReduceOp
 from sidestream._samples import SampleStore, SavedRows, gather_rows
 from sidestream._step import training_step
@@ -734,6 +735,7 @@ class Metric(Generic[T], abc.ABC):
             object.__setattr__(self, "_call_counter", counter)
         return counter
 
+    @host_call
     def sync(self, group: Group = None, *, step: int | None = None) -> None:
         """Reduce the state over ``group`` with a coalesced, fixed number of collectives.
 

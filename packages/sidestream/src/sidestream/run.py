@@ -28,6 +28,7 @@ from sidestream._delivery import (
     check_timeout,
 )
 from sidestream._distributed import Group, check_process_group, group_ranks, mesh_ranks
+from sidestream._eager import host_call
 from sidestream._exit import (
     close_at_exit,
     ending_with,
@@ -284,6 +285,7 @@ class Run:
         self._collectors.append(collector)
         return collector
 
+    @host_call
     def log(self, step: int, values: Mapping[str, float | int | Tensor]) -> None:
         """Log plain values (learning rate, grad norm, tokens/s) at ``step``; returns at once.
 

@@ -34,6 +34,7 @@ from sidestream._distributed import (
     mesh_ranks,
     resolve_group,
 )
+from sidestream._eager import host_call
 from sidestream._exit import (
     close_at_exit,
     ending_with,
@@ -579,6 +580,7 @@ class AsyncMetricCollector(Generic[MetricT]):
             "the mesh dimension itself (mesh['dp']), not its process group"
         )
 
+    @host_call
     def schedule_collection(self, step: int) -> None:
         """Start collecting the window that ends now, logged at ``step``; returns at once.
 
@@ -1024,6 +1026,7 @@ class AsyncMetricCollector(Generic[MetricT]):
             slot.done.record(self._side)
         return slot
 
+    @host_call
     def collect_results(self, timeout: float | None = None) -> Any:
         """Wait for every scheduled window and return the latest one's value.
 
