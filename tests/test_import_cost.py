@@ -104,3 +104,19 @@ def test_the_language_metrics_leave_the_classification_family_unimported() -> No
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert found.stdout.strip() == "False", found.stderr
+
+
+def test_a_job_that_never_compiles_leaves_torch_dynamo_unimported() -> None:
+    # Metric.sync, schedule_collection, collect_results and run.log run eagerly inside a
+    # compiled step (host_call); torch.compiler.disable applied at their definition imported
+    # torch._dynamo, sympy and mpmath into every process importing sidestream: about 800
+    # modules and 2 s, for jobs that never compile.
+    code = (
+        f"import sys; {_IMPORTS.replace(', sidestream.metrics.classification', '')}; "
+        f"{_USE}; m = MeanMetric(); m.update(torch.tensor([1.0])); m.sync(); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert found.stdout.strip() == "False", found.stderr

@@ -38,10 +38,21 @@ def test_a_compiled_step_is_not_traced_into_the_host_calls_and_delivers(tmp_path
         for i in range(1, 6):
             step(torch.full((4,), float(i)), i)
         reasons = list(counters["graph_break"])
+        frames = counters["frames"]["total"]
+        for i in range(6, 11):
+            step(torch.full((4,), float(i)), i)
+        assert counters["frames"]["total"] == frames, "nothing compiled again after warm-up"
     assert reasons, "the calls break the graph (they are host work)"
-    assert all("torch.compiler.disable" in reason for reason in reasons), reasons
-    assert alone.compute().item() == 6.0  # the mean of 2, 4, ..., 10
+    # At each call, never inside it; the first compiled call of a wrapper also breaks once on
+    # the wrapper's own setup (made lazily: torch._dynamo is not imported by sidestream).
+    setup = ("`skip_code`", "function `disable`")
+    assert all(
+        "torch.compiler.disable" in reason or any(name in reason for name in setup)
+        for reason in reasons
+    ), reasons
+    assert frames <= 15, frames  # 49 when Dynamo traced into them
+    assert alone.compute().item() == 11.0  # the mean of 2, 4, ..., 20
     records = list(read_jsonl(tmp_path / "m.jsonl"))
     trained = {r["step"]: r["values"]["train"] for r in records if "train" in r["values"]}
-    assert trained == {i: 2.0 * i for i in range(1, 6)}
-    assert sorted(r["step"] for r in records if "lr" in r["values"]) == [1, 2, 3, 4, 5]
+    assert trained == {i: 2.0 * i for i in range(1, 11)}
+    assert sorted(r["step"] for r in records if "lr" in r["values"]) == list(range(1, 11))

@@ -76,3 +76,64 @@ def test_a_forked_child_is_refused_the_parents_run_and_its_close_does_nothing(
     assert sorted(steps) == [(1, ["lr"]), (1, ["train"]), (2, ["lr"]), (2, ["train"])]
     trained = [line["values"]["train"] for line in lines if "train" in line["values"]]
     assert trained == [1.0, 3.0]  # each window once, the second with the parent's update only
+
+
+_IN_FLIGHT = """
+import json, os, signal, sys, time
+from sidestream import MeanMetric, Run
+from sidestream.sinks import JsonlSink
+
+class Slow(MeanMetric):
+    def compute(self):
+        time.sleep(2.0)  # the window is still being computed when the trainer forks
+        return super().compute()
+
+run = Run([JsonlSink({path!r})])
+train = run.collector(Slow(), prefix="train").bind("cpu")
+train.metric.update(1.0)
+train.schedule_collection(1)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(read)
+    signal.alarm(20)  # a call that waits for the parent's threads ends the child here
+    seen = {{}}
+    for name, call in (
+        ("collect_results", lambda: train.collect_results()),
+        ("collector.state_dict", lambda: train.state_dict()),
+        ("run.state_dict", lambda: run.state_dict()),
+        ("bind", lambda: run.collector(MeanMetric(), prefix="val").bind("cpu")),
+    ):
+        try:
+            call()
+            seen[name] = "returned"
+        except RuntimeError as error:
+            seen[name] = str(error)
+    os.write(write, json.dumps(seen).encode())
+    os._exit(0)
+os.close(write)
+with os.fdopen(read) as pipe:
+    seen = json.loads(pipe.read())
+os.waitpid(pid, 0)
+print(json.dumps({{"child": seen, "parent": train.collect_results(),
+                  "closed": run.close(timeout=60)}}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_is_refused_the_calls_that_wait_for_the_parents_threads(
+    tmp_path: Path,
+) -> None:
+    # A window in flight at the fork is computed by the parent's dispatcher thread: in the
+    # child collect_results and state_dict waited for it for ever (with a timeout, blaming a
+    # rank that was behind), and a new collector's bind handed its windows to the parent's
+    # sink threads.
+    script = tmp_path / "job.py"
+    script.write_text(_IN_FLIGHT.format(path=str(tmp_path / "m.jsonl")))
+    done = run_python(str(script), timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    for name, outcome in result["child"].items():
+        assert "forked from (os.fork)" in outcome, (name, outcome)
+    assert result["parent"] == 1.0
+    assert result["closed"] is True

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -19,7 +21,29 @@ def host_call(function: _F) -> _F:
     collectives issued through the process group). Called from a training step compiled whole,
     Dynamo traced into them and broke the step's graph at every lock and queue (24 graph breaks
     and resumed frames for one ``schedule_collection`` and one ``log``, about 200 µs a step on
-    one CPU thread); skipped, the graph breaks once at each call. Eagerly the wrapper costs
-    about 0.4 µs a call.
+    one CPU thread); skipped, the graph breaks once at each call.
+
+    Not ``torch.compiler.disable`` at definition: that imports ``torch._dynamo`` (with sympy,
+    about 800 modules and 2 s) into every process that imports sidestream, compiled or not.
+    Until something imported it nothing can be compiling, so the call goes straight through;
+    after that the wrapper defers to ``torch.compiler.disable(function)``, made on the first
+    call. Dynamo does not inline the wrapper into a caller (``_torchdynamo_disable``), and its
+    code is marked skipped there, so at most the first compiled call traces it once.
     """
-    return cast(_F, torch.compiler.disable(function))  # type: ignore[no-untyped-call]
+    disabled: list[Callable[..., Any]] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            dynamo = sys.modules.get("torch._dynamo")
+            if dynamo is None:  # no torch.compile in this process yet: nothing traces this
+                return function(*args, **kwargs)
+            # One code object for every wrapper; private to Dynamo, so looked up with care.
+            skip_code = getattr(getattr(dynamo, "eval_frame", None), "skip_code", None)
+            if skip_code is not None:
+                skip_code(call.__code__)
+            disabled.append(torch.compiler.disable(function))  # type: ignore[no-untyped-call]
+        return disabled[0](*args, **kwargs)
+
+    functools.update_wrapper(call, function)  # its name, docstring and signature
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]  # a caller breaks here
+    return cast(_F, call)

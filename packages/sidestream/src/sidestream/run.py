@@ -612,6 +612,11 @@ class Run:
         # order (or one rank an extra one) would otherwise reduce one collector's state against
         # another's.
         timeout = self._delivery.options.checkpoint_wait(timeout)
+        # It waits for the collectors' windows and the sinks, whose threads stay in the
+        # process that started them: in a forked child it would wait for ever.
+        refuse_in_forked_child("state_dict", self._delivery.started_in, "Run")
+        for collector in self._collectors:
+            refuse_in_forked_child("state_dict", collector._bound_in, "Run")
         check_process_group("state_dict")
         deadline = None if timeout is None else time.monotonic() + timeout
         ordered = sorted(self._collectors, key=lambda c: c.prefix)

@@ -368,6 +368,9 @@ class AsyncMetricCollector(Generic[MetricT]):
             raise RuntimeError(f"bind: {_CLOSED}")
         if self._dispatcher is not None:
             raise RuntimeError("bind: the collector is already bound")
+        # A collector of a run whose sinks started in the process this one was forked from:
+        # its windows would go to sink threads that stay there (nothing delivered here).
+        refuse_in_forked_child("bind", self._delivery.started_in, "Run")
         self._refuse_a_metric_bound_elsewhere("bind")
         target = torch.device(device) if device is not None else self._metric.device
         check_cuda_available("bind", target)
@@ -1037,9 +1040,13 @@ class AsyncMetricCollector(Generic[MetricT]):
             RankMismatchError: As soon as a window found that ranks paired different calls (a
                 rank skipped one), without waiting for the windows left with no partner.
             RuntimeError: If nothing was scheduled, a window failed since the last call (or the
-                latest window failed), or ``timeout`` passed first.
+                latest window failed), or ``timeout`` passed first; or in a child made by
+                ``os.fork`` after ``bind`` (the dispatcher thread stays in the parent).
         """
         timeout = check_timeout("collect_results: timeout", timeout)
+        # The dispatcher thread stays in the parent: a window in flight at the fork would be
+        # waited for forever (or, with a timeout, blamed on a rank that is behind).
+        refuse_in_forked_child("collect_results", self._bound_in, "collector")
         if self._dispatcher is None or self._dispatcher.scheduled == 0:
             raise RuntimeError("collect_results: no window scheduled; call schedule_collection")
         idle = self._dispatcher.wait_idle(timeout, until_mismatch=True)
@@ -1276,6 +1283,8 @@ class AsyncMetricCollector(Generic[MetricT]):
                 or failed.
         """
         timeout = self._delivery.options.checkpoint_wait(timeout)
+        # It waits for the windows, which the dispatcher thread of the parent computes.
+        refuse_in_forked_child("state_dict", self._bound_in, "collector")
         deadline = None if timeout is None else time.monotonic() + timeout
         metric_state = self._checkpoint_metric(timeout, "state_dict")
         sink_states: dict[str, Any] = {}
