@@ -137,3 +137,60 @@ def test_a_forked_child_is_refused_the_calls_that_wait_for_the_parents_threads(
         assert "forked from (os.fork)" in outcome, (name, outcome)
     assert result["parent"] == 1.0
     assert result["closed"] is True
+
+
+# A run made in a multiprocessing child and left to the close at exit, as a LightningModule's
+# or an Accelerate training function's run is when the job does not close it: under the fork
+# and forkserver methods (Lightning's ddp_fork / ddp_notebook, Accelerate's notebook_launcher)
+# the child ends with os._exit, which runs no atexit hook.
+_CHILD_SCRIPT = """
+import json, multiprocessing, sys, time
+from sidestream import MeanMetric, Run
+from sidestream.sinks import JsonlSink, Sink
+
+class SlowSink(Sink):
+    name = "slow"
+
+    def __init__(self, path):
+        self.path = path
+
+    def open(self, run):
+        pass
+
+    def write(self, report):
+        time.sleep(0.02)  # a tracker's round trip
+        with open(self.path, "a") as f:
+            f.write(json.dumps([report.stream, report.step]) + "\\n")
+
+def train(folder):
+    run = Run([JsonlSink(folder + "/m.jsonl"), SlowSink(folder + "/slow.jsonl")])
+    collector = run.collector(MeanMetric(), prefix="train").bind("cpu")
+    for step in range(1, 31):
+        collector.metric.update(float(step))
+        collector.schedule_collection(step)
+        run.log(step, {{"lr": 0.1}})
+    # no close: the run closes at the process's exit, as in the main process
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context({method!r}).Process(target=train, args=({folder!r},))
+    child.start()
+    child.join(120)
+    print(json.dumps({{"exitcode": child.exitcode}}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs the fork and forkserver methods")
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_run_left_open_in_a_multiprocessing_child_is_closed_at_its_exit(
+    tmp_path: Path, method: str
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(_CHILD_SCRIPT.format(method=method, folder=str(tmp_path)))
+    done = run_python(str(script), timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"exitcode": 0}, done.stderr
+    expected = sorted((stream, step) for stream in ("", "train") for step in range(1, 31))
+    slow = [tuple(json.loads(line)) for line in (tmp_path / "slow.jsonl").read_text().splitlines()]
+    assert sorted(slow) == expected  # every report, once: nothing left in the dead sink thread
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert sorted((line["stream"], line["step"]) for line in lines) == expected

@@ -24,6 +24,7 @@ __all__ = [
     "group_rank",
     "group_ranks",
     "group_size",
+    "resolve_device",
     "resolve_group",
     "retain_work",
 ]
@@ -62,6 +63,21 @@ def check_device(where: str, device: object, *, allow_none: bool = False) -> Non
                 f"{where}: device: {device!r} names no device torch knows ({error}); give one "
                 "such as 'cpu', 'cuda', 'cuda:0' or a CUDA index 0, 1, ..."
             ) from None
+
+
+def resolve_device(device: torch.device) -> torch.device:
+    """The device that tensors made on ``device`` report, which states and inputs are compared by.
+
+    CUDA without an index is the current CUDA device. CPU with an index (``"cpu:0"``, which
+    Accelerate's ``accelerator.device`` is on a multi-process CPU job) is plain ``cpu``: torch
+    drops the index, so every CPU tensor is on ``torch.device("cpu")``, and a metric kept on
+    ``cpu:0`` refused each of them as "a tensor on another device".
+    """
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu" and device.index is not None:
+        return torch.device("cpu")
+    return device
 
 
 def check_cuda_available(where: str, device: torch.device) -> None:

@@ -155,10 +155,12 @@ def _forget_in_child() -> None:
     Their threads were not copied, so a close at the child's exit would only fail to deliver
     (spooling copies of the parent's reports and warning of them); the parent closes them.
     """
-    global _LOCK, _forks
+    global _LOCK, _forks, _child_hooked
     _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
     _CLOSES.clear()
     _forks += 1
+    # multiprocessing forgets the parent's finalizers in a child it starts: register anew.
+    _child_hooked = False
 
 
 _forks = 0  # os.fork calls between the process that imported this module and this one
@@ -256,11 +258,38 @@ def _move_to_front() -> None:
     _hook_slots = count() if count is not None else None
 
 
+_child_hooked = False  # _close_all is registered with this multiprocessing child's own exit
+
+
+def _close_at_child_exit() -> None:
+    """In a ``multiprocessing`` child, run the closes at its exit too (lock held).
+
+    A child started by the fork or forkserver method (Lightning's ``ddp_fork`` and
+    ``ddp_notebook``, Accelerate's ``notebook_launcher``, ``multiprocessing.Process`` under
+    those methods) ends with ``os._exit`` once its target returns, which runs no ``atexit``
+    hook: a run made there and not closed lost what its sinks had not delivered yet, without
+    a word. ``multiprocessing`` runs its finalizers there, after the target, before it joins
+    the threads and terminates daemonic children. A spawned child runs them too, then the
+    ``atexit`` hook, which finds nothing left to close.
+    """
+    global _child_hooked
+    process = sys.modules.get("multiprocessing.process")  # an mp child has imported it
+    if _child_hooked or process is None or process.parent_process() is None:
+        return
+    from multiprocessing import util
+
+    _child_hooked = True
+    # Above the default priority 0 of other finalizers: before the child's daemonic
+    # processes (a ProcessSink's) are terminated, as at a normal exit.
+    util.Finalize(None, _close_all, exitpriority=100)
+
+
 def close_at_exit(close: Callable[[], object]) -> None:
     """Run ``close`` at interpreter exit (newest first, before the hooks registered so far)."""
     with _LOCK:
         _CLOSES.append(close)
         _move_to_front()
+        _close_at_child_exit()
         _hook_exceptions()
 
 

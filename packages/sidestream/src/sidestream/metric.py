@@ -30,6 +30,7 @@ from sidestream._distributed import (
     default_group,
     group_rank,
     group_ranks,
+    resolve_device,
     resolve_group,
 )
 from sidestream._eager import host_call
@@ -1139,8 +1140,7 @@ class Metric(Generic[T], abc.ABC):
                 f"to: this {type(self).__name__} is on the meta device, which holds no values "
                 f"to move to {target}; build a new metric there instead"
             )
-        if target.type == "cuda" and target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
+        target = resolve_device(target)  # cuda -> cuda:N, cpu:0 -> cpu
         self._refuse_hidden_in_tree()  # before anything moves
         for metric in self._walk_metrics():
             metric._move_extras(target)

@@ -32,6 +32,7 @@ from sidestream._distributed import (
     check_process_group,
     group_size,
     mesh_ranks,
+    resolve_device,
     resolve_group,
 )
 from sidestream._eager import host_call
@@ -381,8 +382,7 @@ class AsyncMetricCollector(Generic[MetricT]):
             )
         check_process_group("bind")
         self._refuse_group_without_writer()
-        if target.type == "cuda" and target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
+        target = resolve_device(target)  # cuda -> cuda:N, cpu:0 -> cpu
         # All or nothing: a bind that fails part-way (a sink, a device move, a rank check) is
         # undone, so a corrected bind, or another collector's of this metric, starts afresh
         # instead of finding threads started, slots of another layout or a longer fingerprint.
