@@ -740,7 +740,16 @@ class SinkRunner:
         self._spool.kept_progress = time.monotonic()
         self._keeper = (worker, kept, report)
         self._forget_queued()
-        worker.start()
+        try:
+            worker.start()
+        except RuntimeError:
+            # CPython 3.12.0 and 3.12.1 start no thread once the interpreter's exit has begun
+            # (the closes at exit run there; 3.12.2 lifted it): the spool file is the last
+            # place these reports can go, so they are kept on this thread, without the wait's
+            # bound, rather than lost with the process. ``_keeper`` stays set, so the intake
+            # thread keeps nothing a second time.
+            keep()
+            return kept[0] if kept else None
         return self._wait_for_keeper()
 
     def _forget_queued(self) -> None:

@@ -525,11 +525,38 @@ def call_within(
             errors.append(failure)
 
     worker = threading.Thread(target=run, name=thread_name, daemon=True)
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError as error:
+        # CPython 3.12.0 and 3.12.1 start no thread once the interpreter's exit has begun,
+        # atexit hooks included, where a Run or collector left open is closed (3.12.2 lifted
+        # it). Run here, the call would have no timeout and a hung backend would hold the
+        # exit for good: it counts as not ended in time, so the caller keeps what is
+        # undelivered in its spool file, as for a close at exit that runs out of time.
+        _warn_no_thread(thread_name, error)
+        return False, None
     worker.join(timeout)
     if worker.is_alive():
         return False, None
     return True, (errors[0] if errors else None)
+
+
+_no_thread_warned = False
+
+
+def _warn_no_thread(thread_name: str, error: RuntimeError) -> None:
+    """Say once why a bounded call did not run: its thread could not start."""
+    global _no_thread_warned
+    if _no_thread_warned:
+        return
+    _no_thread_warned = True
+    logging.getLogger("sidestream.sinks").warning(
+        "%s: could not start its thread (%s); counted as not ended in time. Python 3.12.0 "
+        "and 3.12.1 refuse new threads at interpreter exit: close the Run (or use `with "
+        "Run(...)`) before the script ends, or use Python 3.12.2 or later",
+        thread_name,
+        error,
+    )
 
 
 _thread_filters: list[Callable[[threading.Thread], bool]] = []
