@@ -194,3 +194,67 @@ def test_a_run_left_open_in_a_multiprocessing_child_is_closed_at_its_exit(
     assert sorted(slow) == expected  # every report, once: nothing left in the dead sink thread
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert sorted((line["stream"], line["step"]) for line in lines) == expected
+
+
+# A run left open in a multiprocessing child whose target raised: multiprocessing prints the
+# exception itself (the child's sys.excepthook never sees it) and runs its finalizers, the
+# close at exit among them, in a ``finally`` while it is on its way out.
+_CRASHED_CHILD = """
+import json, multiprocessing, os, sys
+from sidestream import Run
+from sidestream.sinks import Sink
+from sidestream.sinks.support import failed_exit_code
+
+class CodeSink(Sink):
+    name = "code"
+
+    def __init__(self, path):
+        self.path = path
+
+    def open(self, run):
+        pass
+
+    def write(self, report):
+        pass
+
+    def close(self, timeout=None):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(failed_exit_code()) + "\\n")
+        return True
+
+def train(path, how):
+    run = Run([CodeSink(path)])
+    run.log(1, {{"lr": 0.1}})
+    if how == "raise":
+        raise ValueError("the training crashed")
+    if how == "exit":
+        sys.exit(3)
+    if how == "exit0":
+        sys.exit(0)
+
+if __name__ == "__main__":
+    codes = {{}}
+    for how in ("raise", "exit", "exit0", "return"):
+        path = {folder!r} + "/" + how
+        child = multiprocessing.get_context({method!r}).Process(target=train, args=(path, how))
+        child.start()
+        child.join(120)
+        with open(path) as f:
+            codes[how] = [child.exitcode, json.loads(f.read())]
+    print(json.dumps(codes))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs the fork method")
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_run_closed_at_a_multiprocessing_childs_exit_is_told_how_the_child_ended(
+    tmp_path: Path, method: str
+) -> None:
+    # A crashed child's run was closed as a success (MLflow FINISHED, wandb exit code 0, the
+    # spool file's exit code None): its finalizers ran before its exception was recorded.
+    script = tmp_path / "job.py"
+    script.write_text(_CRASHED_CHILD.format(method=method, folder=str(tmp_path)))
+    done = run_python(str(script), timeout=180)
+    assert done.returncode == 0, done.stderr
+    codes = json.loads(done.stdout.splitlines()[-1])
+    assert codes == {"raise": [1, 1], "exit": [3, 3], "exit0": [0, None], "return": [0, None]}

@@ -281,7 +281,20 @@ def _close_at_child_exit() -> None:
     _child_hooked = True
     # Above the default priority 0 of other finalizers: before the child's daemonic
     # processes (a ProcessSink's) are terminated, as at a normal exit.
-    util.Finalize(None, _close_all, exitpriority=100)
+    util.Finalize(None, _close_all_at_child_exit, exitpriority=100)
+
+
+def _close_all_at_child_exit() -> None:
+    """``_close_all`` from a ``multiprocessing`` child's finalizers, told how the child ends.
+
+    They run in a ``finally`` after the target, while an exception it raised (or its
+    ``sys.exit(code)``) is still on its way out; ``multiprocessing`` prints it itself, so the
+    child's ``sys.excepthook`` never records it. Without this a crashed child's run was closed
+    as a success (MLflow FINISHED, wandb exit code 0, its spool file's exit code unset).
+    """
+    kind, value, _ = sys.exc_info()
+    with ending_with(kind, value) if kind is not None else contextlib.nullcontext():
+        _close_all()
 
 
 def close_at_exit(close: Callable[[], object]) -> None:
