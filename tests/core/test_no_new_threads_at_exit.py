@@ -75,3 +75,29 @@ def test_a_close_where_no_thread_can_start_still_keeps_the_undelivered(
     assert [(line["step"], line["values"]) for line in lines] == [
         (step, {"x": float(step)}) for step in range(3)
     ]
+
+
+@pytest.mark.parametrize(
+    ("refusal", "hint"),
+    [
+        ("can't create new thread at interpreter shutdown", "Python 3.12.0 and 3.12.1"),
+        ("can't start new thread", "limit of threads"),
+    ],
+)
+def test_the_warning_names_the_cause_the_refusal_gives(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, refusal: str, hint: str
+) -> None:
+    # The 3.12.0/3.12.1 advice was given for a thread limit reached as well.
+    import sidestream.sinks.support as support
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError(refusal)
+
+    monkeypatch.setattr(support, "_no_thread_warned", False)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with caplog.at_level("WARNING", logger="sidestream.sinks"):
+        assert call_within(lambda: None, 1.0, "flush") == (False, None)
+    monkeypatch.undo()
+    assert hint in caplog.text, caplog.text
+    other = "limit of threads" if hint.startswith("Python") else "Python 3.12.0"
+    assert other not in caplog.text, caplog.text

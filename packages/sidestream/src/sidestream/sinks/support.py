@@ -550,12 +550,18 @@ def _warn_no_thread(thread_name: str, error: RuntimeError) -> None:
     if _no_thread_warned:
         return
     _no_thread_warned = True
+    if "shutdown" in str(error):
+        hint = (
+            "Python 3.12.0 and 3.12.1 refuse new threads at interpreter exit: close the Run "
+            "(or use `with Run(...)`) before the script ends, or use Python 3.12.2 or later"
+        )
+    else:  # "can't start new thread": the system's limit of threads or memory
+        hint = "the process may have reached the system's limit of threads"
     logging.getLogger("sidestream.sinks").warning(
-        "%s: could not start its thread (%s); counted as not ended in time. Python 3.12.0 "
-        "and 3.12.1 refuse new threads at interpreter exit: close the Run (or use `with "
-        "Run(...)`) before the script ends, or use Python 3.12.2 or later",
+        "%s: could not start its thread (%s); counted as not ended in time (%s)",
         thread_name,
         error,
+        hint,
     )
 
 
