@@ -10,10 +10,21 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests._scripts import run_python
+
+
+def _job(tmp_path: Path, template: str, timeout: float = 180, **fields: str) -> tuple[Any, str]:
+    """Run ``template`` (filled with ``fields``) as a script; its last stdout line as JSON."""
+    script = tmp_path / "job.py"
+    script.write_text(template.format(**fields))
+    done = run_python(str(script), timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
 
 _SCRIPT = """
 import json, os, sys
@@ -59,16 +70,12 @@ def test_a_forked_child_is_refused_the_parents_run_and_its_close_does_nothing(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "m.jsonl"
-    script = tmp_path / "job.py"
-    script.write_text(_SCRIPT.format(path=str(path)))
-    done = run_python(str(script), timeout=180)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.splitlines()[-1])
+    result, stderr = _job(tmp_path, _SCRIPT, path=str(path))
     child = result["child"]
     assert child["log"].startswith("log: this Run was started in the process this one was"), child
     assert "forked from (os.fork)" in child["schedule"], child
     assert child["close"] is False  # not "every report delivered": it delivers nothing
-    assert "nothing was done here" in done.stderr
+    assert "nothing was done here" in stderr
     assert result["child_exit"] == 0
     assert result["closed"] is True
     lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -128,11 +135,7 @@ def test_a_forked_child_is_refused_the_calls_that_wait_for_the_parents_threads(
     # child collect_results and state_dict waited for it for ever (with a timeout, blaming a
     # rank that was behind), and a new collector's bind handed its windows to the parent's
     # sink threads.
-    script = tmp_path / "job.py"
-    script.write_text(_IN_FLIGHT.format(path=str(tmp_path / "m.jsonl")))
-    done = run_python(str(script), timeout=120)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.splitlines()[-1])
+    result, _ = _job(tmp_path, _IN_FLIGHT, timeout=120, path=str(tmp_path / "m.jsonl"))
     for name, outcome in result["child"].items():
         assert "forked from (os.fork)" in outcome, (name, outcome)
     assert result["parent"] == 1.0
@@ -184,11 +187,8 @@ if __name__ == "__main__":
 def test_a_run_left_open_in_a_multiprocessing_child_is_closed_at_its_exit(
     tmp_path: Path, method: str
 ) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(_CHILD_SCRIPT.format(method=method, folder=str(tmp_path)))
-    done = run_python(str(script), timeout=180)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == {"exitcode": 0}, done.stderr
+    result, stderr = _job(tmp_path, _CHILD_SCRIPT, method=method, folder=str(tmp_path))
+    assert result == {"exitcode": 0}, stderr
     expected = sorted((stream, step) for stream in ("", "train") for step in range(1, 31))
     slow = [tuple(json.loads(line)) for line in (tmp_path / "slow.jsonl").read_text().splitlines()]
     assert sorted(slow) == expected  # every report, once: nothing left in the dead sink thread
@@ -252,9 +252,5 @@ def test_a_run_closed_at_a_multiprocessing_childs_exit_is_told_how_the_child_end
 ) -> None:
     # A crashed child's run was closed as a success (MLflow FINISHED, wandb exit code 0, the
     # spool file's exit code None): its finalizers ran before its exception was recorded.
-    script = tmp_path / "job.py"
-    script.write_text(_CRASHED_CHILD.format(method=method, folder=str(tmp_path)))
-    done = run_python(str(script), timeout=180)
-    assert done.returncode == 0, done.stderr
-    codes = json.loads(done.stdout.splitlines()[-1])
+    codes, _ = _job(tmp_path, _CRASHED_CHILD, method=method, folder=str(tmp_path))
     assert codes == {"raise": [1, 1], "exit": [3, 3], "exit0": [0, None], "return": [0, None]}
