@@ -668,6 +668,48 @@ def test_sink_whose_module_fails_to_import_names_the_extra(monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize(
+    ("value", "cause"),
+    [
+        ("sidestream.sinks.config:NoSuchSink", "AttributeError"),  # names no object
+        (f"{__name__}:_PLUGIN_THAT_RAISES.sink", "AttributeError"),
+    ],
+)
+def test_a_broken_third_party_sink_is_named_with_its_entry_point(
+    monkeypatch: pytest.MonkeyPatch, value: str, cause: str
+) -> None:
+    """A plugin that fails to load raised its bare error (an AttributeError, a plugin's own
+    RuntimeError or SyntaxError at import), naming neither the sink nor the entry point."""
+    from importlib.metadata import EntryPoint
+
+    import sidestream.sinks.config as config
+
+    entry = EntryPoint(name="thirdparty", value=value, group="sidestream.sinks")
+    monkeypatch.setattr(config, "entry_points", lambda group: [entry])
+    with pytest.raises(
+        LookupError, match=rf"sink 'thirdparty': loading its entry point '{value}' failed: {cause}"
+    ):
+        sinks_from_config(["thirdparty"])
+
+
+def test_a_sink_module_raising_at_import_is_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from importlib.metadata import EntryPoint
+
+    import sidestream.sinks.config as config
+
+    (tmp_path / "plugin_that_breaks.py").write_text("raise RuntimeError('broke at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entry = EntryPoint("breaks", "plugin_that_breaks:Sink", "sidestream.sinks")
+    monkeypatch.setattr(config, "entry_points", lambda group: [entry])
+    with pytest.raises(LookupError, match=r"sink 'breaks': .*RuntimeError: broke at import"):
+        sinks_from_config(["breaks"])
+
+
+_PLUGIN_THAT_RAISES = object()
+
+
+@pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"fsync": "yes"}, "fsync: expected True or False, got 'yes'"),

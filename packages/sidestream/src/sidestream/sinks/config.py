@@ -97,10 +97,11 @@ def sinks_from_config(config: SinkConfig) -> list[Sink]:
         The sinks, in the order given.
 
     Raises:
-        LookupError: If a name is not installed, its module fails to import or its tracker
-            client is missing; for ``wandb``, ``mlflow`` and ``tensorboard`` the message gives
-            the install command from an index (``pip install "sidestream[mlflow]"``) and from
-            a checkout.
+        LookupError: If a name is not installed, its entry point fails to load (its module's
+            import raises, or it names no object: the message names the sink and the entry
+            point) or its tracker client is missing; for ``wandb``, ``mlflow`` and
+            ``tensorboard`` the message gives the install command from an index
+            (``pip install "sidestream[mlflow]"``) and from a checkout.
         TypeError: If the config has the wrong shape, an option is unknown (the message names
             it, the valid options and the nearest match), or the entry point does not make a
             ``Sink``.
@@ -216,6 +217,14 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
             else f"reinstall the package that provides {entry.value}"
         )
         raise LookupError(f"sink {name!r} could not be imported ({error}); {hint}") from error
+    except Exception as error:
+        # A third-party plugin's own fault (an error raised at its import, a syntax error, an
+        # entry point naming no object): said with the sink and the entry point it came from,
+        # where the bare error named neither.
+        raise LookupError(
+            f"sink {name!r}: loading its entry point {entry.value!r} failed: "
+            f"{type(error).__name__}: {error}"
+        ) from error
     check_available = getattr(factory, "check_available", None)
     if callable(check_available):
         try:
