@@ -739,6 +739,29 @@ def test_a_spool_dir_that_is_a_dangling_link_is_refused_when_built(tmp_path: Pat
         Run([RecordingSink()], spool_dir=str(link / "run"))
 
 
+def test_a_relative_spool_dir_stays_where_it_was_when_the_run_was_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Resolved at each spill, it followed a later os.chdir: the kept spool landed under
+    # another folder than the one checked when the run was made, where a restarted job,
+    # started in the first folder, never found it among the leftovers.
+    class Down(RecordingSink):
+        def open(self, run: RunInfo) -> None:
+            raise PermanentSinkError("down")
+
+    job, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
+    job.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(job)
+    run = Run([Down()], spool_dir="spools")
+    run.log(1, {"x": 1.0})
+    monkeypatch.chdir(elsewhere)
+    run.log(2, {"x": 2.0})
+    assert not run.close(timeout=5)
+    kept = sorted(path.relative_to(tmp_path).parts[:2] for path in tmp_path.rglob("*.spool.jsonl"))
+    assert kept == [("job", "spools")]
+
+
 def test_a_state_put_in_a_container_after_bind_is_named_when_its_window_fails() -> None:
     # The window's copy (made at bind) held an empty list: compute failed with a bare
     # "IndexError: list index out of range" that did not say why.

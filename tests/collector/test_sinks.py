@@ -765,6 +765,30 @@ def test_console_escapes_a_name_its_encoding_cannot_show() -> None:
     ]
 
 
+def test_console_escapes_control_characters_in_names() -> None:
+    # A newline in a name broke a report's line in two (a live line scrolled at each redraw),
+    # and an escape sequence or a right-to-left override in a name acted on the terminal.
+    import io
+
+    from sidestream.sinks import ConsoleSink
+
+    stream = io.StringIO()
+    sink = ConsoleSink(stream=stream, live=False)
+    sink.open(RunInfo(name="exp\n1"))
+    sink.write(Report(step=1, values={"new\nline": 0.5, "\x1b[31mred": 1.0}, time=0.0))
+    sink.write(Report(step=2, values={"\u202eltr": 2.0, "tab\t": 3.0, "λ": 4.0}, time=0.0))
+    assert stream.getvalue().splitlines() == [
+        "run exp\\n1",
+        "step 1 | new\\nline 0.5 | \\x1b[31mred 1",
+        "step 2 | \\u202eltr 2 | tab\\t 3 | λ 4",
+    ]
+    live = io.StringIO()
+    sink = ConsoleSink(stream=live, live=True)
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"a\nb": 0.5}, time=0.0))
+    assert "\n" not in live.getvalue() and "a\\nb 0.5" in live.getvalue()
+
+
 def test_jsonl_to_a_pipe_with_fsync_writes_each_line_once(tmp_path: Path) -> None:
     # fsync fails on a pipe (EINVAL): the write was retried as transient, and each retry wrote
     # a newline and the line again, forever (invalid JSONL, close() False).

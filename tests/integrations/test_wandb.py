@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -276,6 +277,41 @@ def test_each_value_is_charted_against_its_own_streams_step(tmp_path: Path) -> N
         for column in values:
             assert declared[column] == step_key, (column, declared)
     assert not any("*" in name for name in declared)
+
+
+def test_names_with_dots_declare_their_own_columns_and_add_nothing_to_the_rows(
+    tmp_path: Path,
+) -> None:
+    """wandb reads a ``.`` in a ``define_metric`` name as nesting: a stream ``val.ood`` once
+    declared its step as ``val`` -> ``ood/step``, and wandb added ``{"val": {"ood/step": 0}}``
+    to each of its rows, over the value ``val`` of the unnamed stream."""
+    reports = [
+        Report(step=10, values={"val.ood/f0.5": 0.5}, time=time.time(), stream="val.ood"),
+        Report(step=10, values={"val": 1.0, "top1.acc": 0.25}, time=time.time()),
+        Report(step=20, values={"val.ood/f0.5": 0.75}, time=time.time(), stream="val.ood"),
+        Report(step=30, values={"a\\.b": 2.0}, time=time.time(), stream="x\\y"),
+    ]
+    sink = WandbSink(project="sidestream-it", mode="offline", dir=str(tmp_path))
+    sink.open(RunInfo(name="dots"))
+    for report in reports:
+        sink.write(report)
+    run_dir = sink.run_dir
+    assert sink.close(timeout=60) and run_dir is not None
+    data = _data_file(run_dir)
+    rows = _history(data)
+    assert len(rows) == len(reports)
+    for report, row in zip(reports, rows, strict=True):
+        own = {key: value for key, value in row.items.items() if not key.startswith("_")}
+        step_key = f"{report.stream}/step" if report.stream else "step"
+        assert own == {**report.values, step_key: report.step}, own
+    # Declared escaped: unescaped, each name is a row's column, against its stream's step.
+    unescaped = {
+        re.sub(r"\\(.)", r"\1", name): re.sub(r"\\(.)", r"\1", step)
+        for name, step in read_step_metrics(data).items()
+    }
+    assert unescaped["val.ood/f0.5"] == "val.ood/step"
+    assert unescaped["top1.acc"] == "step"
+    assert unescaped["a\\.b"] == "x\\y/step"
 
 
 def test_rows_a_stalled_service_has_not_written_do_not_count_as_delivered(

@@ -655,13 +655,15 @@ class WandbSink(TrackerSink):
         Each name is declared by itself, not with a ``<stream>/*`` glob: a glob also takes the
         names of a nested stream (``val/*`` matches ``val/ood/loss``, which wandb then
         charted, and filled, with ``val/step``), and misses a value named as its stream
-        (``train`` of a one-metric collector with prefix ``train``).
+        (``train`` of a one-metric collector with prefix ``train``). Names are declared
+        escaped (``_metric_name``): wandb reads a ``.`` in a declared name as a level of
+        nesting.
         """
         if key not in self._defined:
-            self._run.define_metric(key)
+            self._run.define_metric(_metric_name(key))
             self._defined.add(key)
         for name in row.keys() - self._defined:
-            self._run.define_metric(name, step_metric=key)
+            self._run.define_metric(_metric_name(name), step_metric=_metric_name(key))
             self._defined.add(name)
 
     def _column(self, name: str) -> str:
@@ -1109,6 +1111,18 @@ def _check_run_options(init_kwargs: Mapping[str, Any]) -> None:
                 f"id: W&B run ids cannot hold {''.join(reserved)!r} (reserved: "
                 f"{_RESERVED_ID_CHARACTERS!r}), got {run_id!r}"
             )
+
+
+def _metric_name(name: str) -> str:
+    """``name`` as ``define_metric`` takes it: a backslash before each backslash and dot.
+
+    wandb reads an unescaped dot in a declared name as a level of nesting: a stream
+    ``val.ood`` declared its step as ``val`` -> ``ood/step``, which no row holds, so wandb
+    added ``{"val": {"ood/step": 0}}`` to every row of that stream (over a value named
+    ``val`` of another stream), a step of 0 for the stream's values. Escaped, the declared
+    names are the rows' own (``val.ood/step``, ``f0.5``).
+    """
+    return name.replace("\\", "\\\\").replace(".", "\\.")
 
 
 def step_metric(stream: str) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sidestream._cli import run_command
+from sidestream._text import printable
 from sidestream.sinks.jsonl import read_lines
 
 __all__ = ["main"]
@@ -177,9 +178,7 @@ def _cell(text: str) -> str:
 
     A newline in a name made a row of its own, a tab or carriage return broke the columns.
     """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    return printable(text)
 
 
 def _number(value: float) -> str:

@@ -110,7 +110,10 @@ class DeliveryOptions:
         self.spool_max_bytes = spool_max_bytes
         self.sink_capacity = sink_capacity
         self.retry = (sink_retry_initial_s, sink_retry_max_s)
-        self.spool_dir = spool_dir
+        # Absolute now, as JsonlSink's path: resolved at each spill instead, a relative one
+        # followed a later os.chdir, so the kept spool landed under another folder than the
+        # one checked here, where a restarted job never looks for leftovers.
+        self.spool_dir = None if spool_dir is None else os.path.abspath(spool_dir)
         self.exit_timeout = exit_timeout
 
     def checkpoint_wait(self, timeout: float | CheckpointTimeout | None) -> float | None:

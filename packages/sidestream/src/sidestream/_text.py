@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["check_encodable"]
+__all__ = ["check_encodable", "printable"]
 
 
 def check_encodable(what: str, text: str) -> None:
@@ -20,3 +20,16 @@ def check_encodable(what: str, text: str) -> None:
             f"index {error.start}; for a name made from raw bytes, decode them with "
             "errors='replace' or 'backslashreplace')"
         ) from None
+
+
+def printable(text: str) -> str:
+    """``text`` with the characters a terminal would act on instead of show escaped.
+
+    A name may hold a newline, a tab, an escape sequence (ESC) or a right-to-left override:
+    printed as they are, a report's line broke in two, the console changed colour, or the rest
+    of the line was shown reversed. ``str.isprintable`` tells them (and spaces other than " ")
+    apart; they are written as Python escapes, as ``repr`` shows them.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)

@@ -81,7 +81,8 @@ class Run:
         sink_retry_initial_s: A sink's first wait after a transient failure; doubles (with
             jitter) after each further failure, up to ``sink_retry_max_s``.
         sink_retry_max_s: A sink's longest wait between retries.
-        spool_dir: Directory for spool files (system temp dir by default).
+        spool_dir: Directory for spool files (system temp dir by default); a relative one is
+            taken from the working directory when this is made.
         exit_timeout: Seconds ``close`` may take when called at interpreter exit, counted from
             when the closes at exit begin (runs and collectors still open then share it, so
             they all end within the largest ``exit_timeout``). It bounds the closes only,

@@ -139,7 +139,8 @@ class AsyncMetricCollector(Generic[MetricT]):
             further failure, up to ``sink_retry_max_s``.
         sink_retry_max_s: A sink's longest wait between retries, so also how late a recovered
             backend may see its first retry.
-        spool_dir: Directory for spool files (system temp dir by default).
+        spool_dir: Directory for spool files (system temp dir by default); a relative one is
+            taken from the working directory when this is made.
         spool_max_bytes: Most bytes of undelivered reports each sink's spool file holds (on
             disk within twice this); beyond it the oldest spooled reports are dropped, counted
             (``SinkRunner.dropped``) and logged.

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import TextIO
 
+from sidestream._text import printable
 from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.status import PermanentSinkError
@@ -87,7 +88,7 @@ class ConsoleSink(Sink):
         else:
             self._live = self._live_option
         if run.name:
-            self._print(f"run {run.name}")
+            self._print(f"run {printable(run.name)}")
 
     def write(self, report: Report) -> None:
         """Redraw the live line, or print one line (one in ``every`` reports).
@@ -186,7 +187,9 @@ class ConsoleSink(Sink):
         """``parts``, then ``name value`` per item; ``@step`` after one older than the line."""
         parts = list(parts)
         for index, (name, value) in enumerate(items[: self._max_values]):
-            text = f"{name} {self._number(value)}"
+            # Escaped: a newline in a name broke the report's line in two (and the live line
+            # into a new line per redraw), an escape sequence recoloured the console.
+            text = f"{printable(name)} {self._number(value)}"
             if steps is not None and self._step is not None and steps[index] < self._step:
                 text += f" @{steps[index]}"
             parts.append(text)
