@@ -239,7 +239,10 @@ class SampleStore:
             value = rows[name]
             # A bare tensor: a checkpoint from before SavedRows, or one made by hand.
             # Detached: rows that require grad would carry autograd history into the store.
-            tensor = torch.as_tensor(value.rows if isinstance(value, SavedRows) else value).detach()
+            given = value.rows if isinstance(value, SavedRows) else value
+            # device=: torch.as_tensor would move the rows to the caller's default device.
+            own = given.device if isinstance(given, Tensor) else torch.device("cpu")
+            tensor = torch.as_tensor(given, device=own).detach()
             if tuple(tensor.shape[1:]) != tuple(template.shape[1:]) or tensor.ndim == 0:
                 raise ValueError(
                     f"state_dict[{name!r}]: expected rows of shape {tuple(template.shape[1:])}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import contextvars
 import functools
 import inspect
 import json
@@ -1254,7 +1255,9 @@ class Metric(Generic[T], abc.ABC):
             if named:
                 torch._foreach_copy_([state._synced for _, state in named], kept)
         for key, configuration in self._configurations():
-            saved[key] = torch.tensor(stable_hash(configuration))
+            # On the host whatever the caller's default device: under a meta one the
+            # checkpoint held a meta tensor, no hash to check at load.
+            saved[key] = torch.tensor(stable_hash(configuration), device="cpu")
         if saved:
             saved[DTYPES_KEY] = _dtype_record(
                 (name, state.local.dtype) for name, state in self.named_accumulators()
@@ -1528,7 +1531,9 @@ def _check_saved_configuration(key: str, saved: object, configuration: str) -> N
     if saved is None:
         return
     try:
-        value = int(torch.as_tensor(saved).item())
+        # device=: not the caller's default device (see _saved_tensor).
+        own = saved.device if isinstance(saved, torch.Tensor) else torch.device("cpu")
+        value = int(torch.as_tensor(saved, device=own).item())
     except (TypeError, ValueError, RuntimeError) as error:
         raise TypeError(
             f"state_dict[{key!r}]: expected a configuration hash (an int64 tensor), got {saved!r}"
@@ -1558,18 +1563,48 @@ def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:
         # Counted, not compared with type(self).__init__: behind a plain mixin (first in the
         # bases) the outermost __init__ is the mixin's, which no wrapper sees.
         depth: int = self.__dict__.get("_init_depth", 0)
+        outer = _BUILT_FOR_META.get()
+        # A metric's __init__ reads its arguments on the host (a SUM state starts at 0, bin
+        # edges increase, a fill value fits the dtype). Under a meta default device
+        # (torch.set_default_device("meta"), or `with torch.device("meta")` around a model
+        # built for its size) its tensors were meta ones, and every metric but MaxMetric and
+        # MinMetric failed with torch's "Tensor.item() cannot be called on meta tensors". It is
+        # built on the CPU, then moved: the same metric as `.to("meta")` gives.
+        for_meta = not depth and outer is None and torch.get_default_device().type == "meta"
+        token = _BUILT_FOR_META.set(set()) if for_meta else None
         object.__setattr__(self, "_init_depth", depth + 1)
         try:
-            init(self, *args, **kwargs)
+            with torch.device("cpu") if for_meta else contextlib.nullcontext():
+                init(self, *args, **kwargs)
         finally:
             if depth:
                 object.__setattr__(self, "_init_depth", depth)
             else:
                 del self.__dict__["_init_depth"]
+            built_here = _BUILT_FOR_META.get()
+            if token is not None:
+                _BUILT_FOR_META.reset(token)
         if not depth:  # the outermost metric __init__ ended
+            if outer is not None:  # a child built inside a parent's meta build: it moves along
+                outer.add(id(self))
             self._own_arena()
+            # Only a tree made here, or already on meta, moves: children the caller built
+            # elsewhere (a ComposeMetric of CPU metrics) stay where they are, as torch's
+            # default device leaves existing tensors alone.
+            if for_meta and all(
+                inner is self or id(inner) in (built_here or ()) or inner.device.type == "meta"
+                for inner in self._walk_metrics()
+            ):
+                self.to("meta")
 
     return build_after
+
+
+# The ids of the metrics built inside an outermost metric __init__ run on the CPU for a meta
+# default device (see _building_the_arena); None outside one.
+_BUILT_FOR_META: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar(
+    "_BUILT_FOR_META", default=None
+)
 
 
 # Unchecked CUDA syncs a metric keeps before a sync waits for the oldest (``verify_sync``).
@@ -1652,8 +1687,12 @@ def _saved_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
         TypeError: If ``value`` is neither a tensor nor a number.
         ValueError: If it is a meta tensor (no values to load).
     """
+    # device= always: torch.as_tensor without it takes the caller's default device
+    # (torch.set_default_device, `with torch.device(...)`), moving a saved tensor there too,
+    # and under a meta one every load was refused as "a meta tensor holds no values".
+    host = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
     try:
-        tensor = torch.as_tensor(value)
+        tensor = torch.as_tensor(value, device=host)
     except (TypeError, ValueError, RuntimeError) as error:
         raise TypeError(f"state_dict[{name!r}]: expected a tensor, got {value!r}") from error
     if tensor.is_meta:
@@ -1662,7 +1701,7 @@ def _saved_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
             "tensors, for example with torch.load or dcp.load into this metric's state_dict())"
         )
     if isinstance(value, float) and dtype.is_floating_point:
-        tensor = torch.as_tensor(value, dtype=dtype)
+        tensor = torch.as_tensor(value, dtype=dtype, device=host)
         if math.isfinite(value) and not bool(torch.isfinite(tensor)):
             raise ValueError(
                 f"state_dict[{name!r}]: {value!r} is past the range of this state's {dtype} "
@@ -1670,7 +1709,7 @@ def _saved_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
             )
     elif isinstance(value, int) and not isinstance(value, bool) and dtype is not torch.bool:
         try:
-            exact: torch.Tensor | None = torch.as_tensor(value, dtype=dtype)
+            exact: torch.Tensor | None = torch.as_tensor(value, dtype=dtype, device=host)
         except RuntimeError:  # out of the dtype's range: refused below, as a saved int64
             exact = None
         if exact is not None and exact.item() == value:

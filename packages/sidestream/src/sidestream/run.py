@@ -417,7 +417,10 @@ class Run:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             flat = torch.stack([tensor.detach().to(torch.float64) for _, tensor in tensors])
-            host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            # device="cpu": under torch.set_default_device("cuda") a pinned tensor was asked
+            # of CUDA, and every log of a CUDA value raised "Only dense CPU tensors can be
+            # pinned".
+            host = torch.empty(flat.shape, dtype=torch.float64, device="cpu", pin_memory=True)
             host.copy_(flat, non_blocking=True)
             done = host_event()
             done.record(side)

@@ -713,7 +713,9 @@ def _to_host(tensor: Tensor) -> Tensor:
     """A host copy of ``tensor``: on CUDA queued into pinned memory (read after the stream)."""
     if tensor.device.type != "cuda":
         return tensor.clone()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    # device="cpu": under torch.set_default_device("cuda") a pinned tensor was asked of CUDA
+    # ("Only dense CPU tensors can be pinned").
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     return host
 
@@ -1131,8 +1133,12 @@ def _differing(
     paired two different checks raise at once, on every rank, instead of reading each other's
     values as their own kind.
     """
-    own = torch.zeros(_CHECK_BYTES, dtype=torch.uint8)
-    own[:8] = torch.tensor([digest], dtype=torch.int64).view(torch.uint8)
+    # Built on the host, then sent to the states' device: under a default device of the
+    # caller's (torch.set_default_device("cuda"), `with torch.device("meta")`) they were made
+    # there, and a CPU metric's sync or state_dict failed (meta: "Cannot copy out of meta
+    # tensor"), after the other states of the call were laid out.
+    own = torch.zeros(_CHECK_BYTES, dtype=torch.uint8, device="cpu")
+    own[:8] = torch.tensor([digest], dtype=torch.int64, device="cpu").view(torch.uint8)
     own[8] = kind
     gathered = torch.empty(size * _CHECK_BYTES, dtype=torch.uint8, device=device)
     work = retain_work(all_gather_async(gathered, own.to(device), group))

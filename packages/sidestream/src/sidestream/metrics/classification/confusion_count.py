@@ -162,7 +162,11 @@ class ConfusionCountMetric(ScreenedMetric[ConfusionValue]):
         """
         old = [prefix + name for name in ("tp", "fp", "fn", "tn")]
         if prefix + "counts" not in state_dict and all(key in state_dict for key in old):
-            rows = [torch.as_tensor(state_dict.pop(key)) for key in old]
+            # device=: torch.as_tensor would move them to the caller's default device.
+            rows = [
+                torch.as_tensor(value, device=value.device if isinstance(value, Tensor) else "cpu")
+                for value in (state_dict.pop(key) for key in old)
+            ]
             state_dict[prefix + "counts"] = torch.stack(rows)
 
     def _compute_settings(self) -> str:

@@ -172,9 +172,10 @@ def fill_saved_updates(state_dict: dict[str, Any], prefix: str) -> None:
     key, count = prefix + "updates", state_dict.get(prefix + "count")
     if count is None:
         return
-    count_t = torch.as_tensor(count).detach().cpu().to(torch.float64)
+    # device=: torch.as_tensor would move them to the caller's default device.
+    count_t = torch.as_tensor(count, device="cpu").detach().to(torch.float64)
     saved = state_dict.get(key)
-    saved_t = None if saved is None else torch.as_tensor(saved)
+    saved_t = None if saved is None else torch.as_tensor(saved, device="cpu")
     unknown = saved_t is None or (
         saved_t.numel() == 1 and int(saved_t.reshape(())) == 0 and float(count_t.sum()) > 0
     )
