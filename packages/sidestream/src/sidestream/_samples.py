@@ -231,8 +231,10 @@ class SampleStore:
 
         Raises:
             KeyError: If a field is missing.
-            ValueError: If a row shape or dtype differs from the field's, or the fields hold
-                different numbers of rows (each row pairs one element of every field).
+            TypeError: If a field's value is not a tensor (nor ``SavedRows`` of one).
+            ValueError: If a row shape or dtype differs from the field's, the fields hold
+                different numbers of rows (each row pairs one element of every field), or the
+                rows are a meta tensor (no values).
         """
         checked: dict[str, Tensor] = {}
         for name, template in self._templates.items():
@@ -242,7 +244,23 @@ class SampleStore:
             given = value.rows if isinstance(value, SavedRows) else value
             # device=: torch.as_tensor would move the rows to the caller's default device.
             own = given.device if isinstance(given, Tensor) else torch.device("cpu")
-            tensor = torch.as_tensor(given, device=own).detach()
+            try:
+                tensor = torch.as_tensor(given, device=own).detach()
+            except (TypeError, ValueError, RuntimeError) as error:
+                # torch's own error ("new(): invalid data type 'str'") names no key. Not the
+                # SavedRows' repr: it reads the shape of what it holds.
+                raise TypeError(
+                    f"state_dict[{name!r}]: expected rows (a tensor, or SavedRows of one), got "
+                    f"{'SavedRows of ' if isinstance(value, SavedRows) else ''}{given!r}"
+                ) from error
+            if tensor.is_meta:
+                # Checked here, on every rank: the copy that takes them (on the group's first
+                # rank only) raised torch's "Cannot copy out of meta tensor", naming no key.
+                raise ValueError(
+                    f"state_dict[{name!r}]: a meta tensor holds no values (load the "
+                    "checkpoint's tensors, for example with torch.load or dcp.load into this "
+                    "metric's state_dict())"
+                )
             if tuple(tensor.shape[1:]) != tuple(template.shape[1:]) or tensor.ndim == 0:
                 raise ValueError(
                     f"state_dict[{name!r}]: expected rows of shape {tuple(template.shape[1:])}, "

@@ -1287,7 +1287,8 @@ class Metric(Generic[T], abc.ABC):
                 constant (``MetricAccumulator.constant``: bins, a shift) or another
                 classification configuration (threshold, top-k, ...). A checkpoint saved before
                 the metric kept any of these loads as it is. Or if the metric is on the meta
-                device (no values to load into).
+                device (no values to load into), or a saved value is a meta tensor (a
+                checkpoint loaded with ``map_location="meta"``: no values to load).
             RuntimeError: If the metric is bound to an open collector (load before ``bind``:
                 ``collector.load_state_dict`` or ``run.load_state_dict``).
         """
@@ -1530,6 +1531,13 @@ def _check_saved_configuration(key: str, saved: object, configuration: str) -> N
     """Raise if a checkpoint's configuration hash (None: saved before it was) is another's."""
     if saved is None:
         return
+    if isinstance(saved, torch.Tensor) and saved.is_meta:
+        # Not "expected a configuration hash (an int64 tensor)": it is one, with no values (a
+        # checkpoint loaded with map_location="meta"), as the states' check says.
+        raise ValueError(
+            f"state_dict[{key!r}]: a meta tensor holds no values (load the checkpoint's "
+            "tensors, for example with torch.load or dcp.load into this metric's state_dict())"
+        )
     try:
         # device=: not the caller's default device (see _saved_tensor).
         own = saved.device if isinstance(saved, torch.Tensor) else torch.device("cpu")

@@ -162,11 +162,28 @@ class ConfusionCountMetric(ScreenedMetric[ConfusionValue]):
         """
         old = [prefix + name for name in ("tp", "fp", "fn", "tn")]
         if prefix + "counts" not in state_dict and all(key in state_dict for key in old):
-            # device=: torch.as_tensor would move them to the caller's default device.
-            rows = [
-                torch.as_tensor(value, device=value.device if isinstance(value, Tensor) else "cpu")
-                for value in (state_dict.pop(key) for key in old)
-            ]
+            # Checked by key before they are stacked: torch.as_tensor and torch.stack raised
+            # errors naming no key ("new(): invalid data type 'str'", "stack expects each
+            # tensor to be equal size"). The stacked table's shape and dtype are checked later.
+            rows = []
+            for key in old:
+                value = state_dict[key]
+                try:
+                    # device=: torch.as_tensor would move them to the caller's default device.
+                    own = value.device if isinstance(value, Tensor) else "cpu"
+                    rows.append(torch.as_tensor(value, device=own).detach())
+                except (TypeError, ValueError, RuntimeError) as error:
+                    raise TypeError(
+                        f"state_dict[{key!r}]: expected a tensor, got {value!r}"
+                    ) from error
+            for key, row in zip(old, rows, strict=True):
+                if row.shape != rows[0].shape:
+                    raise ValueError(
+                        f"state_dict[{key!r}]: expected shape {tuple(rows[0].shape)} (as "
+                        f"state_dict[{old[0]!r}]), got {tuple(row.shape)}"
+                    )
+            for key in old:
+                del state_dict[key]
             state_dict[prefix + "counts"] = torch.stack(rows)
 
     def _compute_settings(self) -> str:

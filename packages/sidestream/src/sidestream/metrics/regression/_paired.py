@@ -172,15 +172,37 @@ def fill_saved_updates(state_dict: dict[str, Any], prefix: str) -> None:
     key, count = prefix + "updates", state_dict.get(prefix + "count")
     if count is None:
         return
-    # device=: torch.as_tensor would move them to the caller's default device.
-    count_t = torch.as_tensor(count, device="cpu").detach().to(torch.float64)
     saved = state_dict.get(key)
-    saved_t = None if saved is None else torch.as_tensor(saved, device="cpu")
+    try:
+        # device=: torch.as_tensor would move them to the caller's default device.
+        count_t = torch.as_tensor(count, device=_own_device(count)).detach()
+        saved_t = None if saved is None else torch.as_tensor(saved, device=_own_device(saved))
+    except (TypeError, ValueError, RuntimeError):
+        # Not a tensor (nor numbers): load_state_dict's own check refuses it, naming the key,
+        # where reading it here raised torch's "new(): invalid data type 'str'".
+        return
+    if count_t.is_meta or (saved_t is not None and saved_t.is_meta):
+        # No values to read (a checkpoint loaded with map_location="meta"): reading them
+        # raised torch's "Cannot copy out of meta tensor". load_state_dict's own check refuses
+        # a meta tensor naming its key; a count of updates the checkpoint lacks stands in as
+        # one, so that check (not a missing key) is what such a checkpoint gets.
+        if saved_t is None:
+            state_dict[key] = torch.empty((), dtype=torch.int64, device="meta")
+        return
+    count_t = count_t.cpu().to(torch.float64)
     unknown = saved_t is None or (
-        saved_t.numel() == 1 and int(saved_t.reshape(())) == 0 and float(count_t.sum()) > 0
+        saved_t.numel() == 1
+        and not bool(saved_t.isnan().any() if saved_t.is_floating_point() else False)
+        and int(saved_t.reshape(())) == 0
+        and float(count_t.sum()) > 0
     )
     if unknown:
         state_dict[key] = torch.ceil(count_t / 3.0).to(torch.int64)
+
+
+def _own_device(value: object) -> torch.device:
+    """A saved value's own device: a tensor's, else the CPU (numbers)."""
+    return value.device if isinstance(value, Tensor) else torch.device("cpu")
 
 
 def shift_vector(argument: str, shift: float | Sequence[float], outputs: int) -> Tensor:
