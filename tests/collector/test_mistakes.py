@@ -791,3 +791,29 @@ def test_a_state_put_in_a_container_after_bind_is_named_when_its_window_fails() 
             collector.collect_results(timeout=30)
     finally:
         collector.close(timeout=30)
+
+
+@pytest.mark.parametrize("bound_first", ["original", "copy"])
+@pytest.mark.parametrize("copied", ["root", "child"])
+def test_a_shallow_copy_of_a_bound_metric_is_refused_by_another_collector(
+    bound_first: str, copied: str
+) -> None:
+    """copy.copy shares the original's states: a second collector on it was accepted, and the
+    two then staged and reset the same storage (one reported the other's updates)."""
+    import copy
+
+    from sidestream import ComposeMetric, MaxMetric, MeanMetric
+
+    original = ComposeMetric({"loss": MeanMetric(), "top": MaxMetric()})
+    part = original if copied == "root" else original["loss"]
+    shallow = copy.copy(part)
+    first, second = (part, shallow) if bound_first == "original" else (shallow, part)
+    collector = AsyncMetricCollector(first, prefix="a").bind("cpu")
+    try:
+        with pytest.raises(ValueError, match="shares its states with the metric of another"):
+            AsyncMetricCollector(second, prefix="b")
+        deep = AsyncMetricCollector(copy.deepcopy(part), prefix="c").bind("cpu")  # its own
+        deep.close()
+    finally:
+        collector.close()
+    AsyncMetricCollector(second, prefix="b").close()  # the first one closed: free again

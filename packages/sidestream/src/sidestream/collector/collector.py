@@ -159,7 +159,9 @@ class AsyncMetricCollector(Generic[MetricT]):
 
     Raises:
         ValueError: If the metric, or one in or around it, is bound to another collector that
-            is not closed (the metric is left as it was); or an option is out of range.
+            is not closed, or shares its states with such a collector's metric (one is a
+            ``copy.copy`` of the other); the metric is left as it was. Or an option is out of
+            range.
         TypeError: If an argument is of the wrong type (``sinks``, ``prefix``, ``max_slots``...).
 
     Example:
@@ -829,6 +831,20 @@ class AsyncMetricCollector(Generic[MetricT]):
                     f"{owner.prefix!r}) that is not closed; a metric belongs to one collector, "
                     "whose windows stage and reset it (its children included): give each "
                     "collector its own metric"
+                )
+        ours = {id(state) for _, state in self._metric.named_accumulators()}
+        for owner in list(_BOUND.values()):
+            if owner is self or owner._closed:
+                continue
+            if any(id(state) in ours for _, state in owner._metric.named_accumulators()):
+                # A shallow copy (copy.copy) holds its original's state objects (in either
+                # order of binding, and after either's arena was rebuilt): two collectors
+                # would stage and reset the same storage, each window taking the other's
+                # updates. (A metric and one in or around it are refused above.)
+                raise ValueError(
+                    f"{where}: this metric shares its states with the metric of another "
+                    f"collector (prefix {owner.prefix!r}) that is not closed: one is a copy.copy "
+                    "of the other (copy.deepcopy makes a metric of its own)"
                 )
 
     def _related_metrics(self) -> Iterator[tuple[Metric[Any], str]]:
