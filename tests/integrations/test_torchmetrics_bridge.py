@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -921,3 +923,64 @@ def test_importing_the_bridge_without_torchmetrics_names_the_extra(
     with pytest.raises(ModuleNotFoundError, match=message) as raised:
         importlib.import_module("sidestream_torchmetrics")
     assert raised.value.name == "torchmetrics"  # pytest.importorskip and the like still skip
+
+
+_COMPUTING = threading.Event()  # module-level: the collector's slot is a deep copy of the metric
+_FINISH = threading.Event()
+
+
+class _GatedSum(torchmetrics.Metric):
+    """A sum whose compute, off the main thread, waits until the test lets it finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.total += values.sum()
+
+    def compute(self) -> torch.Tensor:
+        if threading.current_thread() is not threading.main_thread():
+            _COMPUTING.set()
+            _FINISH.wait(30)
+        return self.total
+
+
+class _FilterProbeWarning(UserWarning):
+    pass
+
+
+def test_a_compute_on_the_dispatcher_thread_leaves_the_warning_filters_alone() -> None:
+    # compute silenced torchmetrics' "called before update" warning with
+    # warnings.catch_warnings(), which swaps the process-wide filter list: a collector computes
+    # on its dispatcher thread, so a filter the training thread added meanwhile was lost.
+    from sidestream.collector import AsyncMetricCollector
+
+    _COMPUTING.clear()
+    _FINISH.clear()
+    metric = wrap(_GatedSum())
+    collector = AsyncMetricCollector(metric).bind(torch.device("cpu"))
+    with warnings.catch_warnings():  # this test's own filter ends with it
+        try:
+            metric.update(torch.tensor([1.0, 2.0]))
+            collector.schedule_collection(1)
+            assert _COMPUTING.wait(30)
+            warnings.simplefilter("error", _FilterProbeWarning)
+        finally:
+            _FINISH.set()
+        assert collector.collect_results() == pytest.approx(3.0)
+        collector.close()
+        with pytest.raises(_FilterProbeWarning):
+            warnings.warn("kept", _FilterProbeWarning, stacklevel=1)
+
+
+def test_compute_after_a_reset_does_not_warn_and_keeps_torchmetrics_update_count() -> None:
+    metric = wrap(torchmetrics.MeanMetric())
+    metric.update(torch.tensor([1.0, 3.0]))
+    metric.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torchmetrics' "called before update" would raise
+        metric.compute()
+    assert metric.torchmetrics._update_count == 0
+    metric.update(torch.tensor([2.0]))  # the wrapper's bookkeeping still agrees
+    assert metric.compute() == pytest.approx(2.0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import inspect
-import warnings
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -462,12 +461,18 @@ class TorchmetricsMetric(Metric[Any]):
         metric = self._torchmetrics
         self._point_states(synced=True)
         metric._computed = None
+        # After a reset or a checkpoint load torchmetrics has seen no update of its own, and
+        # its compute would warn that none was called: counted as one for the call (as
+        # torchmetrics' ClasswiseWrapper does), not silenced with warnings.catch_warnings(),
+        # which swaps the process-wide filters and is not thread-safe. A collector computes
+        # on its dispatcher thread: a filter the training thread set meanwhile was lost, and
+        # one it set inside its own catch_warnings block stayed for good.
+        updates = metric._update_count
+        metric._update_count = max(updates, 1)
         try:
-            with warnings.catch_warnings():
-                # After a reset or a checkpoint load torchmetrics has seen no update of its own.
-                warnings.filterwarnings("ignore", message=".*was called before the ``update``")
-                return metric.compute()
+            return metric.compute()
         finally:
+            metric._update_count = updates
             metric._computed = None
             self._point_states(synced=False)
 
