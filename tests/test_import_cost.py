@@ -92,9 +92,8 @@ def test_metric_families_are_attributes_imported_on_first_use() -> None:
 
 
 def test_the_language_metrics_leave_the_classification_family_unimported() -> None:
-    # The classification family imports torch._dynamo (torch.compiler.disable at class
-    # definition), sympy and mpmath: seconds, and about 800 modules, for a job that only
-    # measures perplexity. The language metrics share its tensor check, not the family.
+    # The classification family is the largest: a job that only measures perplexity need
+    # not import it. The language metrics share its tensor check, not the family.
     code = (
         "import sys, torch; from sidestream.metrics.language import PerplexityMetric; "
         "PerplexityMetric().update(torch.randn(2, 5), torch.tensor([1, 2])); "
@@ -111,9 +110,14 @@ def test_a_job_that_never_compiles_leaves_torch_dynamo_unimported() -> None:
     # compiled step (host_call); torch.compiler.disable applied at their definition imported
     # torch._dynamo, sympy and mpmath into every process importing sidestream: about 800
     # modules and 2 s, for jobs that never compile.
+    # So did the exact ranking metrics' store (torch.compiler.disable at class definition),
+    # for every job importing the classification metrics.
     code = (
-        f"import sys; {_IMPORTS.replace(', sidestream.metrics.classification', '')}; "
+        f"import sys; {_IMPORTS}; "
         f"{_USE}; m = MeanMetric(); m.update(torch.tensor([1.0])); m.sync(); "
+        "from sidestream.metrics.classification import BinaryAUROCMetric; "
+        "auroc = BinaryAUROCMetric(exact=True); "
+        "auroc.update(torch.tensor([0.2, 0.7]), torch.tensor([0, 1])); auroc.compute(); "
         "print('torch._dynamo' in sys.modules)"
     )
     found = subprocess.run(

@@ -14,7 +14,7 @@ __all__ = ["host_call"]
 _F = TypeVar("_F", bound=Callable[..., object])
 
 
-def host_call(function: _F) -> _F:
+def host_call(function: _F, reason: str | None = None) -> _F:
     """``function``, run eagerly also when a compiled function calls it.
 
     A collector's scheduling, a run's ``log`` and a sync are host work (locks, queues, threads,
@@ -29,6 +29,11 @@ def host_call(function: _F) -> _F:
     after that the wrapper defers to ``torch.compiler.disable(function)``, made on the first
     call. Dynamo does not inline the wrapper into a caller (``_torchdynamo_disable``), and its
     code is marked skipped there, so at most the first compiled call traces it once.
+
+    Args:
+        function: The host-side function (or method, defined in a class body).
+        reason: What ``torch.compile(fullgraph=True)`` says when a graph reaches the call
+            (``torch.compiler.disable``'s ``reason``).
     """
     disabled: list[Callable[..., Any]] = []
 
@@ -41,9 +46,13 @@ def host_call(function: _F) -> _F:
             skip_code = getattr(getattr(dynamo, "eval_frame", None), "skip_code", None)
             if skip_code is not None:
                 skip_code(call.__code__)
-            disabled.append(torch.compiler.disable(function))  # type: ignore[no-untyped-call]
+            disabled.append(
+                torch.compiler.disable(function, reason=reason)  # type: ignore[no-untyped-call]
+            )
         return disabled[0](*args, **kwargs)
 
     functools.update_wrapper(call, function)  # its name, docstring and signature
     call._torchdynamo_disable = True  # type: ignore[attr-defined]  # a caller breaks here
+    if reason is not None:  # what a fullgraph compile's error says (read by Dynamo)
+        call._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
     return cast(_F, call)

@@ -21,6 +21,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from sidestream._eager import host_call
 from sidestream._samples import SampleStore
 from sidestream._scratch import scratch
 from sidestream.metrics._screened import ScreenedMetric
@@ -357,7 +358,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
 
     # Compiled, the checks above stay in the graph and the rows are stored here, eagerly: a
     # graph that appended to the store's growing list would be recompiled on every call.
-    _store_outside_the_graph = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    # host_call, not torch.compiler.disable: that imported torch._dynamo (about 800 modules,
+    # 2 s) into every job that imports the classification metrics.
+    _store_outside_the_graph = host_call(
         _store,
         reason="an exact ranking metric (exact=True) appends every batch's rows to a growing "
         "list, which a compiled graph cannot hold; compile without fullgraph=True (the rows "
