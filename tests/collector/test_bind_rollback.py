@@ -89,6 +89,18 @@ def _dispatcher_fails_to_start() -> AbstractContextManager[Any]:
     return mock.patch.object(collector_module, "Dispatcher", dispatcher)
 
 
+def _dispatchers_watcher_fails_to_start() -> AbstractContextManager[Any]:
+    """The dispatcher starts its thread, then fails to start its watcher (a thread limit)."""
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "sidestream-dispatch-watch":
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    return mock.patch.object(threading.Thread, "start", start)
+
+
 def _interrupted_while_making_slots() -> AbstractContextManager[Any]:
     real = AsyncMetricCollector._new_slot
     made = [0]
@@ -108,6 +120,9 @@ FAILURES: dict[str, tuple[Callable[[], AbstractContextManager[Any]], type[BaseEx
     "an interrupt once the sinks started": (_interrupted_once_the_sinks_started, KeyboardInterrupt),
     "a rank check": (_sinks_differ_across_ranks, RankMismatchError),
     "the dispatcher": (_dispatcher_fails_to_start, RuntimeError),
+    # The dispatcher's own thread was left waiting for windows for good: the constructor
+    # raised, so no one held the dispatcher to stop it.
+    "the dispatcher's watcher": (_dispatchers_watcher_fails_to_start, RuntimeError),
     "an interrupt": (_interrupted_while_making_slots, KeyboardInterrupt),
 }
 

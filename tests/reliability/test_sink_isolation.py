@@ -422,6 +422,9 @@ def test_keep_failing_at_close_is_logged_not_raised(
         assert runner.close(timeout=0.3) is False
     assert any("they are lost" in r.getMessage() for r in caplog.records)
     assert runner.dropped == 3
+    # Status said "healthy", with no error, after a close that lost every undelivered report.
+    assert runner.status.state == "failed", runner.status
+    assert "3 report(s) lost" in (runner.status.last_error or ""), runner.status
 
 
 _DISK_FULL = r"""

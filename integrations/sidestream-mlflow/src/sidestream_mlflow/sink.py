@@ -23,6 +23,7 @@ from sidestream.sinks.support import (
     secrets_in,
     shorten,
     uri_without_password,
+    working_directory_hint,
 )
 from sidestream_mlflow._http import request_settings
 
@@ -134,10 +135,9 @@ class MlflowSink(TrackerSink):
             # rank 0 opens the sink once training has started.
             RunInfo(tags=tags)
         if tracking_uri is not None:
-            _check_uri_scheme(tracking_uri)
-            _check_file_store(tracking_uri)
-            _check_database_uri(tracking_uri)
-            _check_sqlite_folder(tracking_uri)
+            _check_tracking_uri(tracking_uri)
+        else:
+            _check_environment_uri()
         self._tracking_uri = tracking_uri
         self._experiment = experiment
         self._run_name = run_name
@@ -206,7 +206,8 @@ class MlflowSink(TrackerSink):
         uri = uri_without_password(self._tracking_uri)
         permanent = is_permanent(error) or _unreadable_database_uri(error)
         kind = PermanentSinkError if permanent else RuntimeError
-        return kind(f"MlflowSink ({uri}): {what} failed: {self.describe_error(error)}")
+        hint = working_directory_hint(error)
+        return kind(f"MlflowSink ({uri}): {what} failed: {self.describe_error(error)}{hint}")
 
     def _call(self, action: Callable[[], _T]) -> _T:
         """Run MLflow client calls with this sink's HTTP settings (this thread only)."""
@@ -559,6 +560,34 @@ _MAX_EXPERIMENT_NAME = 500
 
 
 _MLFLOW_SCHEMES = frozenset({"http", "https", "file", "databricks", "databricks-uc", "uc"})
+
+
+def _check_tracking_uri(uri: str) -> None:
+    """Every check of a tracking URI that can be made before the sink opens."""
+    _check_uri_scheme(uri)
+    _check_file_store(uri)
+    _check_database_uri(uri)
+    _check_sqlite_folder(uri)
+
+
+def _check_environment_uri() -> None:
+    """The checks of ``tracking_uri`` for ``MLFLOW_TRACKING_URI``, which ``None`` uses.
+
+    MLflow reads the variable only at open, on rank 0's sink thread once training has started:
+    a typo there (``sqllite://``, ``http//host``, a folder not writable) would fail the sink
+    for the whole job, or retry it until close, instead of failing the job's start. An empty
+    variable is MLflow's default store, as unset.
+    """
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return
+    try:
+        _check_tracking_uri(uri)
+    except ValueError as error:
+        detail = str(error).removeprefix("tracking_uri: ")
+        raise ValueError(
+            f"tracking_uri: None uses the environment variable MLFLOW_TRACKING_URI, and {detail}"
+        ) from None
 
 
 def _check_uri_scheme(uri: str) -> None:

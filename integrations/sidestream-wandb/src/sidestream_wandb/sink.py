@@ -32,6 +32,7 @@ from sidestream.sinks.support import (
     secrets_in,
     shorten,
     uri_without_password,
+    working_directory_hint,
 )
 from sidestream.sinks.tracker import signature_options
 from sidestream_wandb._transaction_log import TransactionLog
@@ -132,6 +133,7 @@ class WandbSink(TrackerSink):
         self._histogram_edges = HistogramEdges(histogram_edges, "WandbSink")
         _check_branching(self._init_kwargs)  # before _check_settings: it names the options
         _check_settings(self._init_kwargs)
+        _check_environment(self._init_kwargs)
         _check_run_options(self._init_kwargs)
         if self._init_kwargs.get("dir") is not None:
             # wandb falls back to a temporary folder, silently, for a dir it cannot make.
@@ -226,7 +228,8 @@ class WandbSink(TrackerSink):
     def _failure(self, what: str, error: BaseException) -> RuntimeError:
         # Unchained and redacted; the kind (permanent or not) survives in the class.
         kind = PermanentSinkError if is_permanent(error) or _is_usage(error) else RuntimeError
-        return kind(f"WandbSink: {what} failed: {self.describe_error(error)}")
+        hint = working_directory_hint(error)
+        return kind(f"WandbSink: {what} failed: {self.describe_error(error)}{hint}")
 
     def open(self, run: RunInfo) -> None:
         """Start the run, or continue the one from ``load_state_dict`` / ``id=``.
@@ -697,14 +700,20 @@ class WandbSink(TrackerSink):
         always when disabled, which is no mistake).
         """
         given_dir = self._init_kwargs.get("dir")
+        given_as = "dir"
+        if given_dir is None:
+            # wandb.init reads WANDB_DIR for a dir not given, and falls back from it as
+            # silently: a run looked for in WANDB_DIR would seem lost.
+            given_dir = _environment_dir(self._init_kwargs)
+            given_as = "the environment variable WANDB_DIR"
         if given_dir is None or self._disabled:
             return
         wanted = os.path.realpath(os.path.expanduser(os.fspath(given_dir)))
         if os.path.commonpath([wanted, os.path.realpath(self._local_dir)]) != wanted:
             self.warn_once(
                 "dir",
-                f"WandbSink: wandb could not write in dir={os.fspath(given_dir)!r} and "
-                f"keeps the run in {self._local_dir} instead (a read-only folder?)",
+                f"WandbSink: wandb could not write in {given_as}={os.fspath(given_dir)!r} "
+                f"and keeps the run in {self._local_dir} instead (a read-only folder?)",
             )
 
     def _histogram(self, wandb: Any, name: str, counts: Any) -> Any:
@@ -978,7 +987,7 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
     except ImportError:
         return  # reported by check_available / open, with the install command
     try:
-        wandb.Settings(**checked)
+        _make_settings(wandb, checked)
     except ValueError as error:  # pydantic's ValidationError: one entry per bad key
         entries: list[dict[str, Any]] = getattr(error, "errors", lambda: [])()
         keys = [".".join(str(part) for part in entry.get("loc", ())) for entry in entries]
@@ -1006,6 +1015,71 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
                 problems.append(f"{key!r}{where} = {checked.get(key)!r}: {entry.get('msg')}")
         detail = "; ".join(problems) or str(error).splitlines()[0]
         raise ValueError(f"settings: wandb.Settings refuses {detail}") from None
+
+
+def _given_settings(init_kwargs: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ``settings`` given as a mapping (``{}`` for none); ``None`` for a ``wandb.Settings``.
+
+    A ``wandb.Settings`` object holds a value for every setting, so it is not known which of
+    them it overrides the environment with.
+    """
+    settings = init_kwargs.get("settings")
+    if settings is None:
+        return {}
+    return settings if isinstance(settings, Mapping) else None
+
+
+def _environment_dir(init_kwargs: Mapping[str, Any]) -> str | None:
+    """``WANDB_DIR`` where ``wandb.init`` uses it: no ``dir`` given (nor ``root_dir``)."""
+    settings = _given_settings(init_kwargs)
+    if init_kwargs.get("dir") is not None or settings is None or "root_dir" in settings:
+        return None
+    return os.environ.get("WANDB_DIR") or None
+
+
+def _make_settings(wandb: Any, settings: Mapping[str, Any]) -> Any:
+    """``wandb.Settings(**settings)``, naming a deleted working directory as the cause.
+
+    Its defaults read the working directory (``root_dir``): deleted, the sink's build failed
+    with a bare ``FileNotFoundError`` that names no path.
+    """
+    try:
+        return wandb.Settings(**settings)
+    except FileNotFoundError as error:
+        hint = working_directory_hint(error)
+        if not hint:
+            raise
+        raise FileNotFoundError(f"WandbSink: wandb.Settings failed: {error}{hint}") from None
+
+
+def _check_environment(init_kwargs: Mapping[str, Any]) -> None:
+    """Refuse, when the sink is built, a ``WANDB_MODE`` or ``WANDB_DIR`` wandb cannot use.
+
+    ``wandb.init`` reads them for a ``mode`` or ``dir`` not given, at open: on rank 0's sink
+    thread once training has started, where a bad ``WANDB_MODE`` fails the sink for the whole
+    job and a ``WANDB_DIR`` wandb cannot write sends the run, silently, to a temporary folder.
+    The sink's own options take precedence over them, as in wandb.
+    """
+    settings = _given_settings(init_kwargs)
+    mode = os.environ.get("WANDB_MODE")
+    if mode and "mode" not in init_kwargs and settings is not None and "mode" not in settings:
+        try:
+            import wandb
+        except ImportError:
+            return  # reported by check_available / open, with the install command
+        try:
+            _make_settings(wandb, {"mode": mode})  # any text: wandb says which it takes
+        except ValueError as error:  # pydantic's ValidationError
+            entries: list[dict[str, Any]] = getattr(error, "errors", lambda: [])()
+            message = entries[0].get("msg") if entries else str(error).splitlines()[0]
+            raise ValueError(
+                f"mode: None uses the environment variable WANDB_MODE, and wandb does not take "
+                f"{mode!r} ({message}); set WANDB_MODE to online, offline or disabled, or pass "
+                "mode='online', 'offline' or 'disabled'"
+            ) from None
+    directory = _environment_dir(init_kwargs)
+    if directory is not None:
+        check_directory_path("WANDB_DIR", directory)
 
 
 _RESUME_VALUES = (True, False, "allow", "must", "never", "auto")

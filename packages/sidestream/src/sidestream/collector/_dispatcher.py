@@ -101,7 +101,15 @@ class Dispatcher:
         self._watch_thread = threading.Thread(
             target=self._watch, name="sidestream-dispatch-watch", daemon=True
         )
-        self._watch_thread.start()
+        try:
+            self._watch_thread.start()
+        except BaseException:
+            # "can't start new thread" (a thread limit reached): the constructor raises, so no
+            # one holds this dispatcher to stop it, and its thread waited for windows for the
+            # rest of the process, one more at every retried bind.
+            self.request_stop()
+            self._thread.join(_IDLE_STOP_S)  # nothing was submitted: it sees the stop at once
+            raise
 
     def submit(self, window: Window) -> None:
         """Queue ``window`` (returns at once).

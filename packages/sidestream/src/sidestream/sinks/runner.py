@@ -955,6 +955,16 @@ class SinkRunner:
                     self._status = SinkStatus(
                         "failed", f"close: {count - lost} report(s) kept in a spool file ({why})"
                     )
+        elif lost and not failed:
+            # None could be kept (a spool directory gone or replaced by a file, a full disk):
+            # nothing more is delivered either, and status read "healthy" with no error.
+            cause = _describe(error) if error is not None else "unknown error"
+            with self._lock:
+                self._status = SinkStatus(
+                    "failed",
+                    f"close: {lost} report(s) lost: not delivered, and they could not be kept "
+                    f"in a spool file ({cause})",
+                )
 
     def _waiting_in(self) -> bool:
         """Whether reports wait for the intake thread."""

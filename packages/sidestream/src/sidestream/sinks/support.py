@@ -43,6 +43,7 @@ __all__ = [
     "shorten",
     "silence_thread_errors",
     "uri_without_password",
+    "working_directory_hint",
 ]
 
 _PLAIN = (bool, int, float, str)
@@ -408,6 +409,27 @@ def check_directory_path(
                     f"{name}: {str(place)!r} is not writable by this process (in {str(path)!r})"
                 )
             return
+
+
+def working_directory_hint(error: BaseException) -> str:
+    """A note for ``error`` when it comes from this process's deleted working directory.
+
+    MLflow and wandb read the working directory when they open a run, even for absolute
+    paths; once it is deleted their open fails with a ``FileNotFoundError`` that names no
+    path, so the retried open said nothing of the cause. ``""`` for any other error.
+    """
+    if not isinstance(error, FileNotFoundError) or error.filename is not None:
+        return ""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return (
+            " (this process's working directory was deleted, and the client reads it: "
+            "os.chdir to a folder that exists, or start the job from one)"
+        )
+    except OSError:
+        return ""
+    return ""
 
 
 def check_seconds(name: str, seconds: object) -> None:
