@@ -762,6 +762,32 @@ def test_a_relative_spool_dir_stays_where_it_was_when_the_run_was_made(
     assert kept == [("job", "spools")]
 
 
+def test_a_hand_made_runners_relative_spool_dir_stays_where_it_was_when_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a run's: a SinkRunner (public) kept the relative spool_dir and resolved it at the
+    # first spill, under whatever folder the job had moved to by then.
+    from sidestream.sinks import Report, SinkRunner
+
+    class Down(RecordingSink):
+        def open(self, run: RunInfo) -> None:
+            raise PermanentSinkError("down")
+
+    job, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
+    job.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(job)
+    runner = SinkRunner(Down(), RunInfo(), capacity=1, spool_dir="spools")
+    runner.start()
+    runner.submit(Report(step=1, values={"x": 1.0}, time=0.0))
+    monkeypatch.chdir(elsewhere)
+    for step in (2, 3):
+        runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
+    assert not runner.close(timeout=5)
+    kept = sorted(path.relative_to(tmp_path).parts[:2] for path in tmp_path.rglob("*.spool.jsonl"))
+    assert kept == [("job", "spools")]
+
+
 def test_a_state_put_in_a_container_after_bind_is_named_when_its_window_fails() -> None:
     # The window's copy (made at bind) held an empty list: compute failed with a bare
     # "IndexError: list index out of range" that did not say why.

@@ -389,6 +389,23 @@ def test_show_plots_at_most_twelve_streams_and_names_the_rest(
         assert image.size[1] == 12 * 3 * 100  # 12 plots of 3 inches at matplotlib's 100 dpi
 
 
+def test_show_escapes_control_characters_in_the_streams_the_plot_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The table escaped them; the note naming the streams --plot left out printed them as
+    # they are (an escape sequence cleared the terminal, a newline made a fake line).
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "odd.jsonl"
+    streams = [f"s{index:02d}" for index in range(12)] + ["zz\x1b[2J\nfake"]
+    lines = [{"step": 1, "stream": stream, "time": 0, "values": {"x": 1.0}} for stream in streams]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cli(["show", str(path), "--plot", str(tmp_path / "odd.png")]) == 0
+    shown = capsys.readouterr()
+    assert shown.err == (
+        "note: --plot drew the first 12 streams by name; left out: zz\\x1b[2J\\nfake\n"
+    )
+
+
 def test_show_skips_lines_that_are_not_utf8_and_names_bad_plot_paths(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -67,6 +67,21 @@ def test_a_regression_state_of_the_wrong_kind_is_named(
 
 
 @pytest.mark.parametrize("factory", _REGRESSION, ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "updates",
+    [float("inf"), torch.tensor(float("-inf")), torch.tensor(1 + 1j)],
+    ids=["inf", "tensor_-inf", "complex"],
+)
+def test_a_count_of_updates_that_is_no_finite_number_is_named(
+    factory: Callable[[], Metric[Any]], updates: Any
+) -> None:
+    # Read by the older-layout hook before load_state_dict's checks: Python's "cannot convert
+    # float infinity to integer" (torch's overflow for a complex), naming no key.
+    saved = _fed(factory).state_dict()
+    _refused(_fed(factory), {**saved, "updates": updates}, ValueError, r"state_dict\['updates'\]")
+
+
+@pytest.mark.parametrize("factory", _REGRESSION, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("older", [False, True], ids=["current", "without_updates"])
 def test_a_regression_checkpoint_loaded_onto_meta_is_named(
     factory: Callable[[], Metric[Any]], older: bool

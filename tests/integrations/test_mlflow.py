@@ -829,6 +829,26 @@ def test_a_kept_local_store_is_named_by_its_absolute_path(
     assert str(tmp_path) in MlflowSink().replay_options()["tracking_uri"]
 
 
+def test_a_relative_sqlite_file_is_the_one_next_to_the_job_when_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Read at open, the relative path followed an os.chdir made after the sink was built:
+    # the run went to another database.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "job").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "job")
+    sink = MlflowSink(tracking_uri="sqlite:///mlflow.db", experiment="relative")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    sink.open(RunInfo(name="r"))
+    sink.write(Report(step=1, values={"loss": 0.5}, time=time.time()))
+    sink.close()
+    assert not (tmp_path / "elsewhere" / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'job' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("relative").experiment_id])
+    assert [run.data.metrics for run in runs] == [{"loss": 0.5}]
+
+
 @pytest.mark.parametrize(
     ("uri", "message"),
     [

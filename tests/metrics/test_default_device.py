@@ -99,6 +99,27 @@ def test_set_default_device_meta_builds_on_meta_and_cpu_metrics_stay() -> None:
     assert float(on_cpu.compute()) == 2.0
 
 
+@pytest.mark.parametrize("order", ["meta_first", "cpu_first"])
+def test_a_tree_of_meta_and_cpu_metrics_built_under_meta_is_refused(order: str) -> None:
+    # A metric built in the block is meta; the caller's CPU metric stays on the CPU. Joined,
+    # the tree's arena spanned both and every metric reported the first state's device: the
+    # CPU metric refused CPU updates ("on the metric's device meta"), or the meta one took
+    # them and checkpointed meta tensors.
+    cpu_child = MeanMetric()
+    with torch.device("meta"):
+        in_block = SumMetric()
+        children: dict[str, Metric[Any]] = {"built": in_block, "mine": cpu_child}
+        if order == "cpu_first":
+            children = dict(reversed(children.items()))
+        with pytest.raises(ValueError, match=r"meta \('built'.*on cpu \('mine'\)"):
+            ComposeMetric(children)
+    # Left as they were: each is still a metric of its own, on its own device.
+    assert cpu_child.device.type == "cpu" and in_block.device.type == "meta"
+    cpu_child.update(torch.tensor([1.0, 3.0]))
+    assert float(cpu_child.compute()) == 2.0
+    assert float(ComposeMetric({"mine": cpu_child}).compute()["mine"]) == 2.0
+
+
 def _under_meta_default(rank_data: float) -> list[float]:
     # A CPU metric synced and checkpointed while the caller's default device is meta (a
     # `with torch.device(...)` block, torch.set_default_device): the structure check's buffer

@@ -138,7 +138,9 @@ class MlflowSink(TrackerSink):
             _check_tracking_uri(tracking_uri)
         else:
             _check_environment_uri()
-        self._tracking_uri = tracking_uri
+        # A relative SQLite file or store path is fixed now, as JsonlSink's path is: read at
+        # open, it followed a later os.chdir and the job wrote to another database.
+        self._tracking_uri = None if tracking_uri is None else _absolute_store(tracking_uri)
         self._experiment = experiment
         self._run_name = run_name
         self._tags = dict(tags or {})

@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if left_out:
             print(
                 f"note: --plot drew the first {_MAX_PLOTS} streams by name; left out: "
-                + ", ".join(stream or "(log)" for stream in left_out),
+                + ", ".join(printable(stream) or "(log)" for stream in left_out),
                 file=sys.stderr,
             )
         print(f"plot written to {out}")

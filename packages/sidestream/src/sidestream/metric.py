@@ -1595,6 +1595,8 @@ def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:
         if not depth:  # the outermost metric __init__ ended
             if outer is not None:  # a child built inside a parent's meta build: it moves along
                 outer.add(id(self))
+            if for_meta:
+                _refuse_a_meta_mix(self, built_here or set())
             self._own_arena()
             # Only a tree made here, or already on meta, moves: children the caller built
             # elsewhere (a ComposeMetric of CPU metrics) stay where they are, as torch's
@@ -1606,6 +1608,36 @@ def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:
                 self.to("meta")
 
     return build_after
+
+
+def _refuse_a_meta_mix(metric: Metric[Any], built_here: set[int]) -> None:
+    """Raise if a tree built under a meta default device joins meta metrics and others.
+
+    A metric built earlier in the block is meta already, and a CPU metric the caller built
+    before it stays on the CPU: the tree's arena then spanned both devices and every metric of
+    it reported the first state's device (the CPU child refused CPU updates as "expected a
+    tensor on the metric's device meta", or a meta child took CPU updates and checkpointed
+    meta tensors). Checked before the arena is built: the children are left as they were.
+    """
+    on_meta: list[tuple[str, Metric[Any]]] = []
+    elsewhere: list[tuple[str, Metric[Any]]] = []
+    for prefix, inner in metric._named_metrics():
+        if inner is metric or id(inner) in built_here:
+            continue  # built on the CPU for this block: moves with the tree
+        if next(iter(inner.named_accumulators()), None) is None:
+            continue  # no state (an empty ComposeMetric): on no device of its own
+        (on_meta if inner.device.type == "meta" else elsewhere).append((prefix, inner))
+    if on_meta and elsewhere:
+
+        def named(group: list[tuple[str, Metric[Any]]]) -> str:
+            return ", ".join(repr(prefix.rstrip(".")) for prefix, _ in group)
+
+        raise ValueError(
+            f"{type(metric).__name__}: built under a meta default device with metrics on meta "
+            f"({named(on_meta)}, built in the block) and on {elsewhere[0][1].device} "
+            f"({named(elsewhere)}); a metric tree is on one device: build the metrics you "
+            'train with outside the `with torch.device("meta")` block'
+        )
 
 
 # The ids of the metrics built inside an outermost metric __init__ run on the CPU for a meta

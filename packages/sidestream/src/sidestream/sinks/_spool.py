@@ -70,7 +70,9 @@ class Spool:
     ) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes: expected >= 1, got {max_bytes}")
-        self._directory = directory
+        # Absolute now: resolved at the first spill instead, a relative one followed a later
+        # os.chdir (a hand-made SinkRunner's spool_dir; a run's is made absolute already).
+        self._directory = None if directory is None else os.path.abspath(directory)
         self._label = label
         self._max_bytes = max_bytes
         self._file: IO[bytes] | None = None

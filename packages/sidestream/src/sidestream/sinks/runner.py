@@ -60,7 +60,8 @@ class SinkRunner:
         key: A name for messages, thread and spool file (the sink's name by default).
         resume_state: Given to ``sink.load_state_dict`` before ``open``, if not ``None``.
         capacity: Reports kept in memory before spooling to disk.
-        spool_dir: Directory of the spool file (the system temp dir by default).
+        spool_dir: Directory of the spool file (the system temp dir by default); a relative
+            one is taken from the working directory when the runner is made.
         spool_max_bytes: Most bytes the spool file holds (256 MiB by default).
         retry_initial_s: First backoff after a failure; doubles up to ``retry_max_s``.
         retry_max_s: Longest backoff.

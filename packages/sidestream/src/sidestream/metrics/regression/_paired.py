@@ -192,7 +192,11 @@ def fill_saved_updates(state_dict: dict[str, Any], prefix: str) -> None:
     count_t = count_t.cpu().to(torch.float64)
     unknown = saved_t is None or (
         saved_t.numel() == 1
-        and not bool(saved_t.isnan().any() if saved_t.is_floating_point() else False)
+        # Not read when it is no finite real number: int() of an infinity or a complex raised
+        # Python's "cannot convert float infinity to integer" (or torch's overflow), naming no
+        # key; load_state_dict's own check refuses such a count of updates, naming it.
+        and not saved_t.is_complex()
+        and bool(torch.isfinite(saved_t).all())
         and int(saved_t.reshape(())) == 0
         and float(count_t.sum()) > 0
     )
