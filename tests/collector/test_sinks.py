@@ -709,6 +709,27 @@ def test_a_sink_module_raising_at_import_is_named(
 _PLUGIN_THAT_RAISES = object()
 
 
+class _ClientCheckRaises:
+    @staticmethod
+    def check_available() -> None:
+        raise RuntimeError("client 0.1 is too old")
+
+
+def test_a_client_check_that_raises_otherwise_is_named_with_the_sink(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from importlib.metadata import EntryPoint
+
+    import sidestream.sinks.config as config
+
+    entry = EntryPoint("oldclient", f"{__name__}:_ClientCheckRaises", "sidestream.sinks")
+    monkeypatch.setattr(config, "entry_points", lambda group: [entry])
+    with pytest.raises(
+        LookupError, match="sink 'oldclient': checking its tracker client failed: RuntimeError"
+    ):
+        sinks_from_config(["oldclient"])
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -234,6 +234,13 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
             # The integrations' own message already gives the command: not twice.
             said = (hint if name in _EXTRAS else "pip install") in str(error)
             raise LookupError(f"sink {name!r}: {error}" + ("" if said else f" ({hint})")) from None
+        except Exception as error:
+            # A client whose own import fails otherwise (a broken install raising an
+            # AttributeError, a version check's RuntimeError): named with the sink.
+            raise LookupError(
+                f"sink {name!r}: checking its tracker client failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
     _check_options(name, factory, options)
     try:
         sink = factory(**options)
