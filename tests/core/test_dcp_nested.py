@@ -83,6 +83,9 @@ def test_a_nested_run_or_collector_says_how_to_checkpoint_it(tmp_path: Path) -> 
             assert type(value).__name__ in message
         with pytest.raises(TypeError, match="cannot be pickled or copied"):
             pickle.dumps(run)
+        # A LightningModule holding one, pickled by ddp_spawn: says where to make it instead.
+        with pytest.raises(TypeError, match=r"ddp_spawn .*make it in that process"):
+            pickle.dumps(collector)
     finally:
         run.close()
         collector.close()

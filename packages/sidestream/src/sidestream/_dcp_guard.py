@@ -59,5 +59,7 @@ def refuse_pickling(obj: object, kind: str) -> NoReturn:
         raise TypeError(dcp_message(obj, why))
     raise TypeError(
         f"a {kind} cannot be pickled or copied (it holds threads, locks and sinks); "
-        "checkpoint its state_dict() instead"
+        "checkpoint its state_dict() instead. To have one in a process started by spawning "
+        "(multiprocessing, Lightning's ddp_spawn pickling a LightningModule), make it in that "
+        "process (in the function it runs, or the module's setup()), not before"
     )
