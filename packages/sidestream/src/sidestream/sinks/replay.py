@@ -215,11 +215,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sidestream.si
     parser.add_argument(
         "--timeout",
         type=_seconds,
-        default=60.0,
+        default=120.0,
         metavar="SECONDS",
         help="how long the sink's close may wait for its backend to confirm every report, "
-        "and its open or one write may take (default 60); if it takes longer, the file is "
-        "kept and the command exits 1",
+        "and its open or one write may take (default 120: longer than wandb.init's own 90 s "
+        "wait); if it takes longer, the file is kept and the command exits 1",
     )
     parser.add_argument("--print", action="store_true", help="print the reports, write nothing")
     args = parser.parse_args(argv)
