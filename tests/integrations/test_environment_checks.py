@@ -8,6 +8,8 @@ to a temporary folder), while the same value given as an option was refused at o
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,45 @@ def test_a_deleted_working_directory_is_named_as_the_cause(
             sink.open(RunInfo())
     with pytest.raises(FileNotFoundError, match="working directory was deleted"):
         WandbSink(project="p", mode="offline")
+
+
+def test_a_password_in_mlflow_tracking_uri_is_as_secret_as_one_in_the_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # tracking_uri=None: MLflow takes the URI from the variable, and its errors name the
+    # request's URL with the password in it; the sink redacted (and kept MLflow from printing)
+    # only a password given as the option, while its page says none appears in its errors.
+    pytest.importorskip("mlflow")
+    from sidestream_mlflow import MlflowSink
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    password = "hunter2-fake-password"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:{password}@127.0.0.1:{port}")
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
+    sink = MlflowSink(experiment="x", http_timeout=2, http_max_retries=0)
+    with pytest.raises(RuntimeError, match=r"open failed") as raised:
+        sink.open(RunInfo(name="r"))
+    assert password not in str(raised.value)
+    assert "***" in str(raised.value)
+    assert os.environ.get("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT") == "true"
+
+
+def test_wandb_mode_none_is_wandbs_default_and_reads_wandb_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # mode=None is wandb.init's default (WANDB_MODE, else online): it was refused as a mode
+    # wandb does not take, and a bad WANDB_MODE then went unchecked.
+    pytest.importorskip("wandb")
+    from sidestream_wandb import WandbSink
+
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    WandbSink(project="p", mode=None)
+    sinks_from_config({"wandb": {"project": "p", "mode": None}})
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    WandbSink(project="p", mode=None)
+    monkeypatch.setenv("WANDB_MODE", "offlien")
+    with pytest.raises(ValueError, match=r"mode: None uses .*WANDB_MODE.*'offlien'"):
+        WandbSink(project="p", mode=None)

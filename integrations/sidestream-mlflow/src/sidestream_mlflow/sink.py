@@ -195,7 +195,15 @@ class MlflowSink(TrackerSink):
         self._run_id = value
 
     def _secrets(self) -> list[str]:
-        return secrets_in(_SECRET_ENV, [self._tracking_uri])
+        return secrets_in(_SECRET_ENV, [self._used_uri()])
+
+    def _used_uri(self) -> str | None:
+        """The tracking URI MLflow uses: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``.
+
+        A password in the variable is as secret as one in the option: MLflow's errors name the
+        request's URL with it, and it prints the run's URL with it when the run ends.
+        """
+        return self._tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
 
     def describe_error(self, error: BaseException) -> str:
         """``error`` as text without the tracking URI's password or tokens."""
@@ -217,7 +225,8 @@ class MlflowSink(TrackerSink):
             return action()
 
     def _configure_http(self) -> None:
-        if uri_without_password(self._tracking_uri) != self._tracking_uri:
+        uri = self._used_uri()
+        if uri_without_password(uri) != uri:
             # MLflow prints the run's URL, user information included, when a run ends.
             os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 

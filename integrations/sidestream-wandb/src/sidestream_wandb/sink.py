@@ -977,7 +977,8 @@ def _check_settings(init_kwargs: Mapping[str, Any]) -> None:
     from_init = {
         key: init_kwargs[key]
         for key in _INIT_SETTINGS
-        if key in init_kwargs and (key == "mode" or init_kwargs[key] is not None)
+        # mode=None too is wandb.init's default (WANDB_MODE, else online), not a mode.
+        if init_kwargs.get(key) is not None
     }
     checked.update(from_init)
     if not checked:
@@ -1062,7 +1063,8 @@ def _check_environment(init_kwargs: Mapping[str, Any]) -> None:
     """
     settings = _given_settings(init_kwargs)
     mode = os.environ.get("WANDB_MODE")
-    if mode and "mode" not in init_kwargs and settings is not None and "mode" not in settings:
+    given = init_kwargs.get("mode") is not None  # mode=None: wandb reads WANDB_MODE
+    if mode and not given and settings is not None and "mode" not in settings:
         try:
             import wandb
         except ImportError:
