@@ -517,6 +517,37 @@ def test_jsonl_resume_skips_steps_logged_after_the_checkpoint_and_heals_cut_line
     assert [json.loads(line)["step"] for line in lines] == [1, 4, 5]
 
 
+def test_jsonl_resume_of_an_older_streamless_file_skips_each_streams_later_steps(
+    tmp_path: Path,
+) -> None:
+    # A collector's file and checkpoint from before streams (an older sidestream): lines
+    # without "stream", a state with one "last_step" for every stream. Its last line was read
+    # as stream "", so the collector's stream "train" wrote steps 7 and 8 (delivered after
+    # the checkpoint) again.
+    path = tmp_path / "m.jsonl"
+    path.write_text(
+        "".join(
+            f'{{"step": {step}, "time": 0, "values": {{"train/loss": 1.0}}}}\n'
+            for step in range(1, 9)
+        )
+    )
+    sink = JsonlSink(path)
+    sink.load_state_dict({"path": str(path), "last_step": 6})  # the checkpoint: step 6
+    sink.open(RunInfo())
+    for step in range(7, 11):
+        sink.write(Report(step=step, values={"train/loss": 2.0}, time=0.0, stream="train"))
+    sink.write(Report(step=8, values={"lr": 0.1}, time=0.0))  # run.log's stream: 8 is there
+    sink.write(Report(step=9, values={"lr": 0.1}, time=0.0))
+    sink.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r.get("stream"), r["step"]) for r in records[8:]] == [
+        ("train", 9),
+        ("train", 10),
+        ("", 9),
+    ]
+    assert sink.last_steps() == {"train": 10, "": 9}
+
+
 def test_jsonl_keeps_a_whole_last_line_that_lacks_its_newline(tmp_path: Path) -> None:
     # A whole record with no newline (another tool wrote it, or a crash came just before the
     # newline) was deleted as a cut line.

@@ -589,6 +589,26 @@ def test_metrics_pickled_before_the_numpy_paths_still_update() -> None:
     _close(old_binned.compute(), roc_auc_score(*every))
 
 
+def test_metrics_pickled_before_the_binary_host_counter_still_update() -> None:
+    """``torch.save`` of a metric object from before the numpy counter of small binary batches
+    (``_host_counter``; a pickle of commit 1d5106d failed its first update and compute with
+    "'BinaryAUROCMetric' object has no attribute '_host_counter'")."""
+    import pickle
+
+    scores, target = torch.tensor([0.2, 0.8, 0.4]), torch.tensor([0, 1, 1])
+    olds = []
+    for metric in (BinaryAUROCMetric(exact=True), BinaryAUROCMetric(num_bins=10)):
+        metric.update(scores, target)
+        old = pickle.loads(pickle.dumps(metric))
+        del old.__dict__["_host_counter"]
+        olds.append(old)
+    every = ([0, 1, 1, 0, 1], [0.2, 0.8, 0.4, 0.9, 0.1])
+    for old in olds:
+        _close(old.compute(), roc_auc_score([0, 1, 1], [0.2, 0.8, 0.4]))
+        old.update(torch.tensor([0.9, 0.1]), torch.tensor([0, 1]))
+        _close(old.compute(), roc_auc_score(*every))
+
+
 def test_inference_tensors_are_copied() -> None:
     """An inference tensor has no version counter to watch, so the store copies it."""
     metric = BinaryAUROCMetric(exact=True)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from sidestream._arena import Arena
-from sidestream._dcp_guard import refuse_dcp_pickle
+from sidestream._dcp_guard import refuse_dcp_pickle, under_dcp
 from sidestream._digest import checkpoint_digest
 from sidestream._distributed import (
     Group,
@@ -196,6 +196,7 @@ class Metric(Generic[T], abc.ABC):
                 ("_sync_layouts", {}),
                 ("_unverified_syncs", []),
                 ("_container_scan", None),
+                ("_dcp_template", None),  # weak references to the original's DCP template
             )
             for private, empty in pairs:
                 value = inner.__dict__.get(private)
@@ -1267,6 +1268,12 @@ class Metric(Generic[T], abc.ABC):
             # Every rank's rows, in rank order: the same global data on every rank.
             for field_name, rows in gather_rows(local, group, fingerprint).items():
                 saved[prefix + field_name] = SavedRows(rows.clone())
+        if under_dcp():
+            # dcp.load loads into this dict in place and, with allow_partial_load=True, leaves
+            # a key its checkpoint lacks as it is: this metric's own value, which the load
+            # would take as saved (an older layout's counts came back as zeros). Remember what
+            # each key held, so _prepare_load can tell the keys the checkpoint never had.
+            self.__dict__["_dcp_template"] = _template_marks(saved)
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1318,6 +1325,13 @@ class Metric(Generic[T], abc.ABC):
             )
         original = state_dict
         state_dict = dict(state_dict)
+        # Keys torch.distributed.checkpoint's partial load left at this metric's own values are
+        # keys the checkpoint lacks: treated as absent, an older layout is upgraded, a missing
+        # constant taken as this metric's, and a missing state refused, instead of loading the
+        # template's numbers.
+        left_out = _left_by_partial_load(self.__dict__.get("_dcp_template"), state_dict)
+        for key in left_out:
+            del state_dict[key]
         for prefix, metric in self._named_metrics():
             metric._upgrade_state_dict(prefix, state_dict)
         states = dict(self.named_accumulators())
@@ -1336,6 +1350,7 @@ class Metric(Generic[T], abc.ABC):
             raise KeyError(
                 f"state_dict: missing keys {missing}, unexpected keys {unexpected} "
                 f"for {type(self).__name__}{self._key_hints(missing + unexpected)}"
+                f"{_partial_load_hint(missing, left_out)}"
             )
         saved: dict[str, torch.Tensor] = {}
         # Constants first: a checkpoint of other bins is told as such, not as a histogram of
@@ -1394,6 +1409,7 @@ class Metric(Generic[T], abc.ABC):
             # reset drops the loaded state).
             self.__dict__["_loaded_for"] = loaded_for
             self.__dict__.pop("_load_checked", None)
+            self.__dict__.pop("_dcp_template", None)
             home: Arena | None = self.__dict__.get("_state_arena")
             if home is not None and home.root is not self:
                 # A child loaded alone: its tree's root syncs it, and checks it from there.
@@ -1465,6 +1481,66 @@ _DCP_NESTED_METRIC = (
     "one rank's copy of it: a load would drop the other ranks' data and count the kept "
     "copy once on every loading rank."
 )
+
+
+def _template_marks(saved: dict[str, Any]) -> dict[str, tuple[weakref.ref[Any], int | None]]:
+    """Each value of a ``state_dict`` made for ``torch.distributed.checkpoint``, as it is now.
+
+    A weak reference (the dict is DCP's, not ours to keep alive) and, for a tensor, its version
+    counter: DCP copies a loaded tensor into the template's, which bumps it, and replaces any
+    other value (a string, ``SavedRows``) by the one it unpickles. ``None``: a tensor that
+    tracks no version (made under ``torch.inference_mode``), never taken as left out.
+    """
+    marks: dict[str, tuple[weakref.ref[Any], int | None]] = {}
+    for key, value in saved.items():
+        version: int | None = None
+        if isinstance(value, torch.Tensor):
+            try:
+                version = value._version
+            except RuntimeError:  # an inference tensor tracks no version
+                continue
+        try:
+            marks[key] = (weakref.ref(value), version)
+        except TypeError:  # a value without weak references (none today): not checked
+            continue
+    return marks
+
+
+def _left_by_partial_load(
+    marks: dict[str, tuple[weakref.ref[Any], int | None]] | None, state_dict: dict[str, Any]
+) -> list[str]:
+    """The keys of ``state_dict`` that still hold the template ``_template_marks`` saw.
+
+    Only a ``torch.distributed.checkpoint`` load with ``allow_partial_load=True`` leaves one so
+    (a strict load raises for a key its checkpoint lacks): that key was not in the checkpoint.
+    """
+    if not marks:
+        return []
+    left = []
+    for key, (ref, version) in marks.items():
+        value = state_dict.get(key)
+        if value is None or ref() is not value:
+            continue  # another object: loaded (or a dict that never was a template)
+        if isinstance(value, torch.Tensor) and value._version != version:
+            continue  # loaded in place
+        left.append(key)
+    return left
+
+
+def _partial_load_hint(missing: list[str], left_out: list[str]) -> str:
+    """The end of a missing-keys error for the keys a partial DCP load left out, if any."""
+    left = sorted(set(missing) & set(left_out))
+    if not left:
+        return ""
+    return (
+        f"; {left} are not in the checkpoint (torch.distributed.checkpoint's partial load, "
+        "allow_partial_load=True, left them at this metric's own values): a checkpoint of "
+        "another metric, or of an earlier sidestream whose states had other names (such as "
+        "a ConfusionCountMetric's 'tp', 'fp', 'fn', 'tn' before 'counts'), which DCP cannot "
+        "load into this layout; convert it with torch.distributed.checkpoint.format_utils."
+        "dcp_to_torch_save and give the metric's part to load_state_dict, which upgrades it"
+    )
+
 
 DTYPES_KEY = "sidestream/dtypes"
 """The ``state_dict`` key of the states' dtype record (no state name holds a ``/``)."""
@@ -1658,11 +1734,13 @@ _NOT_PICKLED = _BUILT_ON_THE_ARENA | {
     "_bound_prefix",
     "_load_checked",
     "_container_scan",
+    "_dcp_template",
 }
 """Left out of a pickle: what is built on the arena (made again on load), the process group,
 which cannot be pickled, the collector that holds the metric (a copy belongs to none), the id
-of the group a loaded checkpoint was last checked against (another process's ids), and which
-attributes held containers (of the original objects)."""
+of the group a loaded checkpoint was last checked against (another process's ids), which
+attributes held containers (of the original objects), and the weak references to a DCP
+template (``_template_marks``: of this process's dict)."""
 
 _tree_assignments = 0
 """How many containers, states and metrics were assigned to a metric's attribute (or

@@ -203,7 +203,17 @@ class JsonlSink(TrackerSink):
             _check_json_lines(self.path)
             _mend_last_line(self.path)
         if regular and self.resumed and same_file:
-            self.found_in_backend(self._steps_in_file())
+            steps = self._steps_in_file()
+            # A line without a stream was written before streams existed, by an older
+            # sidestream whose checkpoint's "last_step" counts for every stream: so does the
+            # line's step (read as stream "", the steps a collector's stream had delivered
+            # after the checkpoint were written again).
+            streamless = steps.pop(None, None)
+            if streamless is not None:
+                self.found_in_backend_for_every_stream(streamless)
+            self.found_in_backend(
+                {stream: step for stream, step in steps.items() if stream is not None}
+            )
         elif self.resumed and not same_file:
             logger.warning(
                 "JsonlSink: the checkpoint's file is %s, this sink writes %s; steps up to the "
@@ -219,7 +229,7 @@ class JsonlSink(TrackerSink):
             self._offset = self._file.seek(0, os.SEEK_END)
             self._tail = _bytes_before(self.path, self._offset)
 
-    def _steps_in_file(self) -> dict[str, int]:
+    def _steps_in_file(self) -> dict[str | None, int]:
         """Each stream's last step in the file, from the checkpoint's offset when it still fits.
 
         The offset fits the file the checkpoint was taken of. A file rotated away (moved,
@@ -948,13 +958,16 @@ def _regular_file_size(path: Path) -> int | None:
     return status.st_size if stat.S_ISREG(status.st_mode) else None
 
 
-def _steps_after(path: Path, offset: int | None) -> dict[str, int]:
-    """The last step per stream in the lines from ``offset`` on (the last line if unknown)."""
+def _steps_after(path: Path, offset: int | None) -> dict[str | None, int]:
+    """The last step per stream in the lines from ``offset`` on (the last line if unknown).
+
+    Lines without a stream (an older sidestream's) under ``None``.
+    """
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         return {}
-    steps: dict[str, int] = {}
+    steps: dict[str | None, int] = {}
     if offset is not None and offset <= size:
         with path.open("rb") as file:
             file.seek(offset)
@@ -965,10 +978,11 @@ def _steps_after(path: Path, offset: int | None) -> dict[str, int]:
     return steps
 
 
-def _note(steps: dict[str, int], record: dict[str, Any] | None) -> None:
+def _note(steps: dict[str | None, int], record: dict[str, Any] | None) -> None:
     if record is None:
         return
-    stream = str(record.get("stream", ""))
+    # None: a line without a stream (an older sidestream's), apart from every named one.
+    stream = str(record["stream"]) if "stream" in record else None
     if record["step"] > steps.get(stream, record["step"] - 1):
         steps[stream] = record["step"]
 

@@ -255,6 +255,22 @@ class TrackerSink(Sink):
                     self._sent[stream] = step
         self.count_delivered(last_steps)
 
+    def found_in_backend_for_every_stream(self, step: int) -> None:
+        """Count ``step`` as held for every stream (found on resume in a backend without streams).
+
+        What a backend written before streams existed holds, by an older sidestream whose
+        checkpoint's ``"last_step"`` counts for every stream: so does the step found after it.
+        """
+        with self._lock:
+            if self._sent_default is None or step > self._sent_default:
+                self._sent_default = step
+            if self._delivered_default is None or step > self._delivered_default:
+                self._delivered_default = step
+            for steps in (self._sent, self._delivered):
+                for stream, last in steps.items():
+                    steps[stream] = max(last, step)
+            self._forget_confirmed()
+
     def count_delivered(self, last_steps: Mapping[str, int]) -> None:
         """Count each stream's steps up to ``last_steps[stream]`` as delivered.
 

@@ -125,8 +125,9 @@ class RankingMetric(ScreenedMetric[Tensor]):
     """
 
     # A metric pickled (torch.save of the object) before the exact numpy path existed takes
-    # the torch path.
+    # the torch path; so does one pickled before the numpy counter of small binary batches.
     _stores_on_host = False
+    _host_counter: BinaryHostCounter | None = None
 
     def __init__(
         self,
