@@ -10,6 +10,7 @@ import pickle
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -121,6 +122,7 @@ class RankPool(ABC):
             raise TypeError(f"timeout: expected seconds > 0, got {timeout!r}")
         if not timeout > 0:
             raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
+        _refuse_unimportable_main(function)
         task = pickle.dumps((function, args, kwargs))
         with self._calls:
             try:
@@ -554,3 +556,26 @@ def run_distributed(
     """
     with DistributedPool(world_size, backend=backend) as pool:
         return pool.run(function, *args, timeout=timeout, **kwargs)
+
+
+def _refuse_unimportable_main(function: Any) -> None:
+    """Refuse, before anything is sent, a function that no rank can import.
+
+    Pickle sends a function by name: ``__main__.rank_sum``. A spawned rank finds ``__main__``'s
+    functions by running the caller's script file again, so a ``__main__`` with no file (a
+    Jupyter notebook, an IPython or Python REPL, ``python -c``) leaves every rank with
+    ``AttributeError: Can't get attribute ...`` after the pool's start (seconds), with no word
+    of what to do.
+    """
+    if getattr(function, "__module__", None) != "__main__":
+        return
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if main_file is not None and os.path.isfile(main_file):
+        return
+    name = getattr(function, "__qualname__", repr(function))
+    raise ValueError(
+        f"function: {name} is defined in __main__ of a process that has no script file (a "
+        "notebook, a REPL, python -c), which the ranks cannot import it from; define it in a "
+        "module (a .py file beside the notebook) and import it from there"
+    )
