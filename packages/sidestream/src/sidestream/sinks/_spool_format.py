@@ -333,7 +333,18 @@ def write_kept_state(
     kept["exit_code"] = KILLED_EXIT_CODE if code is None and interrupted else code
     try:
         text = json.dumps({**kept, "state": dict(state)})
-    except (TypeError, ValueError):  # a state that is not JSON: the run is still worth keeping
+    except (TypeError, ValueError) as error:  # not JSON: the run is still worth keeping
+        # Said, not silent: without the state a replay cannot resume the sink's run (its run
+        # id, its delivered steps), so it may open a new run or deliver steps again.
+        logger.warning(
+            "sink %r: its state_dict() is not JSON (%s: %s), so the state kept beside %s "
+            "holds none and a replay of it does not resume the sink's run; a sink's "
+            "state_dict must hold plain JSON values (str keys, lists, numbers, strings)",
+            sink,
+            type(error).__name__,
+            error,
+            spool_path,
+        )
         text = json.dumps({**kept, "state": None})
     # Written beside it and renamed over it: a full disk (the usual reason a close keeps a
     # spool) leaves the earlier state file or none, never a cut one that refuses a replay.

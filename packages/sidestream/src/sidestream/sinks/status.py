@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import urllib.error
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,7 +68,8 @@ def is_permanent(error: BaseException) -> bool:
     file is wanted or the reverse (``IsADirectoryError``, ``NotADirectoryError``,
     ``FileExistsError``), and HTTP
     errors with a 4xx status other than 408/429 (read from ``status_code``,
-    ``response.status_code`` or ``get_http_status_code()``). Everything else (connection
+    ``response.status_code``, ``get_http_status_code()``, or the standard library's
+    ``urllib.error.HTTPError.code``). Everything else (connection
     errors, timeouts, 5xx, a full disk) is transient.
     """
     if isinstance(error, _PERMANENT_ERRORS):
@@ -81,6 +83,10 @@ def _http_status(error: BaseException) -> int | None:
         getattr(error, "status_code", None),
         getattr(getattr(error, "response", None), "status_code", None),
     ]
+    if isinstance(error, urllib.error.HTTPError):
+        # The standard library's (``urlopen``): a sink of one's own written with it raised an
+        # OSError with ``code``, read as transient, so an HTTP 400 was retried until close.
+        candidates.append(error.code)
     getter = getattr(error, "get_http_status_code", None)
     if callable(getter):
         with contextlib.suppress(Exception):

@@ -9,6 +9,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -71,6 +72,12 @@ class TrackerSink(Sink):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Held around ``send`` and ``persist``: a checkpoint's ``make_durable`` runs ``flush``
+        # off the sink's thread, and a subclass written to the contract ("every method on the
+        # sink's own thread") would otherwise persist a buffer while ``send`` fills it (rows
+        # cleared unwritten, then counted delivered). Reentrant: ``send``'s backlog check and
+        # ``close`` flush on the thread that may hold it.
+        self._io_lock = threading.RLock()
         self._sent: dict[str, int] = {}
         self._delivered: dict[str, int] = {}
         # A state from before streams: one last step for all of them.
@@ -94,12 +101,14 @@ class TrackerSink(Sink):
         state = dict(self.__dict__)
         for key in self._own_locks:
             state.pop(key, None)
+        state.pop("_io_lock", None)  # not in subclasses' _own_locks: this class's own
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         for key in self._own_locks:
             setattr(self, key, threading.Lock())
+        self._io_lock = threading.RLock()
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -427,7 +436,8 @@ class TrackerSink(Sink):
         if not fresh:
             return
         self._check_unconfirmed_backlog(len(fresh))
-        self.send(fresh)
+        with self._io_lock:
+            self.send(fresh)
         for name in passed:
             del self._backend_steps[name]
         for report in fresh:
@@ -435,10 +445,19 @@ class TrackerSink(Sink):
 
     def flush(self, timeout: float | None = None) -> bool:
         """``persist``; what was sent before counts as delivered once it succeeded."""
-        with self._lock:
-            sent = dict(self._sent)
-        if not self.persist(timeout):
+        # After a send under way (a checkpoint's make_durable runs this off the sink's
+        # thread): within the timeout, else it did not finish, as a persist cut short.
+        began = time.monotonic()
+        if not self._io_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return False
+        try:
+            with self._lock:
+                sent = dict(self._sent)
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
+            if not self.persist(left):
+                return False
+        finally:
+            self._io_lock.release()
         self.count_delivered(sent)
         return True
 
