@@ -119,3 +119,19 @@ def test_a_metric_saved_by_dcp_still_pickles_and_copies(tmp_path: Path) -> None:
         again.update(torch.tensor([3.0]))
         assert float(again.compute()) == 2.0
     assert float(metric.compute()) == 1.5
+
+
+def test_a_child_added_to_a_composition_since_starts_fresh_under_a_partial_load(
+    tmp_path: Path,
+) -> None:
+    # A metric the checkpoint has no key of is not in it at all: it keeps its own values, as
+    # such a partial load always did; the children the checkpoint has load their numbers.
+    saved = ComposeMetric({"loss": MeanMetric()})
+    saved["loss"].update(torch.tensor([1.0, 3.0]))
+    dcp.save({"metrics": saved}, checkpoint_id=tmp_path / "ckpt")
+    grown = ComposeMetric({"loss": MeanMetric(), "extra": MeanMetric()})
+    dcp.load({"metrics": grown}, checkpoint_id=tmp_path / "ckpt", planner=_partial())
+    grown["extra"].update(torch.tensor([5.0]))
+    result = grown.compute()
+    assert float(result["loss"]) == 2.0
+    assert float(result["extra"]) == 5.0

@@ -1301,6 +1301,25 @@ class Metric(Generic[T], abc.ABC):
         """
         self._prepare_load(state_dict)()
 
+    def _partly_left_out(self, left_out: list[str]) -> list[str]:
+        """The keys of ``left_out`` whose metric (in this tree) had some other key loaded.
+
+        A metric of the tree all of whose keys a partial DCP load left out is not in the
+        checkpoint at all: its keys are dropped from ``left_out``, so it loads its own values.
+        """
+        if not left_out:
+            return left_out
+        marks = self.__dict__.get("_dcp_template") or {}
+        prefixes = sorted((prefix for prefix, _ in self._named_metrics()), key=len, reverse=True)
+
+        def owner(key: str) -> str:  # the deepest metric whose prefix the key has
+            found = (p for p in prefixes if key.startswith(p) and "." not in key[len(p) :])
+            return next(found, "")
+
+        skipped = set(left_out)
+        loaded_owners = {owner(key) for key in marks if key not in skipped}
+        return [key for key in left_out if owner(key) in loaded_owners]
+
     def _prepare_load(self, state_dict: dict[str, Any]) -> Callable[[], None]:
         """Check ``state_dict`` as ``load_state_dict`` does; return the call that restores it.
 
@@ -1328,8 +1347,12 @@ class Metric(Generic[T], abc.ABC):
         # Keys torch.distributed.checkpoint's partial load left at this metric's own values are
         # keys the checkpoint lacks: treated as absent, an older layout is upgraded, a missing
         # constant taken as this metric's, and a missing state refused, instead of loading the
-        # template's numbers.
-        left_out = _left_by_partial_load(self.__dict__.get("_dcp_template"), state_dict)
+        # template's numbers. Not those of a metric the checkpoint has no key of at all (a
+        # child added to a composition, a collector added to a run since): it keeps its own
+        # values, as such a load always did.
+        left_out = self._partly_left_out(
+            _left_by_partial_load(self.__dict__.get("_dcp_template"), state_dict)
+        )
         for key in left_out:
             del state_dict[key]
         for prefix, metric in self._named_metrics():
