@@ -984,3 +984,52 @@ def test_compute_after_a_reset_does_not_warn_and_keeps_torchmetrics_update_count
     assert metric.torchmetrics._update_count == 0
     metric.update(torch.tensor([2.0]))  # the wrapper's bookkeeping still agrees
     assert metric.compute() == pytest.approx(2.0)
+
+
+class _CachingSum(torchmetrics.Metric):
+    """A sum whose compute caches its result in an attribute it adds (self.last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.total += values.sum()
+
+    def compute(self) -> torch.Tensor:
+        self.last = self.total.clone()
+        return self.total
+
+
+def test_an_attribute_compute_adds_is_not_taken_for_data_kept_outside_the_states() -> None:
+    # The next call took compute's cache for a setting added after wrap() and raised; in a
+    # collector only once a staging copy was reused (the fourth window), on the dispatcher
+    # thread: a refusal far from its cause, of a metric that keeps nothing outside its states.
+    from sidestream.collector import AsyncMetricCollector
+
+    metric = wrap(_CachingSum())
+    metric.update(torch.tensor([1.0]))
+    assert metric.compute() == pytest.approx(1.0)
+    metric.update(torch.tensor([2.0]))
+    assert metric.compute() == pytest.approx(3.0)
+    assert not hasattr(metric.torchmetrics, "last")
+
+    metric = wrap(_CachingSum())
+    collector = AsyncMetricCollector(metric).bind(torch.device("cpu"))
+    try:
+        for step in range(6):
+            metric.update(torch.tensor([float(step)]))
+            collector.schedule_collection(step)
+            assert collector.collect_results(timeout=30) == pytest.approx(float(step)), step
+    finally:
+        assert collector.close()
+
+
+def test_one_metric_under_two_keys_of_a_collection_is_refused_when_wrapped() -> None:
+    # Both members' wrappers pointed their states at the one object: the first update raised
+    # that the metric was "updated, called or reset directly", naming neither key.
+    shared = BinaryAccuracy(validate_args=False)
+    collection = torchmetrics.MetricCollection({"a": shared, "b": shared})
+    with pytest.raises(ValueError, match=r"^collection: keys 'a' and 'b' hold the same "):
+        wrap(collection)
+    assert shared.sync_on_compute  # refused before any member's own sync was switched off

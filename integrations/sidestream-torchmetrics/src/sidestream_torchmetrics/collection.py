@@ -38,6 +38,18 @@ class TorchmetricsCollection(ComposeMetric):
                 f"collection: keys {sorted(members)} collide once '/' and '.' become '_'; "
                 "rename one of them"
             )
+        # One torchmetrics object under two keys: each wrapper would point its states at it
+        # in turn, and the second's first update took the first's for a direct update of the
+        # torchmetrics object ("updated, called or reset directly"), far from the cause.
+        first_key: dict[int, str] = {}
+        for key, member in members.items():
+            if id(member) in first_key:
+                raise ValueError(
+                    f"collection: keys {first_key[id(member)]!r} and {key!r} hold the same "
+                    f"{type(member).__name__} object; give each key a metric of its own "
+                    "(copy.deepcopy of a fresh one)"
+                )
+            first_key[id(member)] = key
         wrapped: dict[str, TorchmetricsMetric] = {}
         for plain, key in self._keys.items():
             try:

@@ -469,11 +469,20 @@ class TorchmetricsMetric(Metric[Any]):
         # one it set inside its own catch_warnings block stayed for good.
         updates = metric._update_count
         metric._update_count = max(updates, 1)
+        # A compute that caches its result in a new attribute (self.last = ...) holds no data
+        # an update kept, but the next call's check of settings would take it for one and
+        # raise, blaming wrap(); in a collector only once a staging copy is reused, in the
+        # dispatcher thread (the fourth window). compute is a function of the states: what it
+        # adds is dropped after the call.
+        attributes = set(vars(metric))
         try:
             return metric.compute()
         finally:
             metric._update_count = updates
             metric._computed = None
+            for key in [key for key in vars(metric) if key not in attributes]:
+                if not key.startswith("_"):
+                    del metric.__dict__[key]
             self._point_states(synced=False)
 
     def reset(self) -> None:
