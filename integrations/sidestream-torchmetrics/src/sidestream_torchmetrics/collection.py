@@ -42,14 +42,14 @@ class TorchmetricsCollection(ComposeMetric):
         # in turn, and the second's first update took the first's for a direct update of the
         # torchmetrics object ("updated, called or reset directly"), far from the cause.
         first_key: dict[int, str] = {}
-        for key, member in members.items():
-            if id(member) in first_key:
+        for key, held in members.items():
+            if id(held) in first_key:
                 raise ValueError(
-                    f"collection: keys {first_key[id(member)]!r} and {key!r} hold the same "
-                    f"{type(member).__name__} object; give each key a metric of its own "
+                    f"collection: keys {first_key[id(held)]!r} and {key!r} hold the same "
+                    f"{type(held).__name__} object; give each key a metric of its own "
                     "(copy.deepcopy of a fresh one)"
                 )
-            first_key[id(member)] = key
+            first_key[id(held)] = key
         wrapped: dict[str, TorchmetricsMetric] = {}
         for plain, key in self._keys.items():
             try:
