@@ -942,3 +942,29 @@ def _tag_table_cells(tmp_path: Path, tags: dict[str, str]) -> list[list[str]]:
         ]
         for row in rows
     ]
+
+
+def test_close_while_a_checkpoint_persists_counts_every_report(tmp_path: Path) -> None:
+    # A checkpoint's make_durable (persist, on another thread) held the lock that close's
+    # final flush takes: flush(0) said False, so close failed with its last report held by
+    # the sink (a runner spools it, and a replay writes the event again).
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.open(RunInfo())
+    sink.write(Report(step=1, values={"x": 1.0}, time=time.time()))
+    writer = sink._writer
+    assert writer is not None
+    flush = writer.flush
+
+    def slow_flush() -> None:
+        time.sleep(0.5)  # a slow disk
+        flush()
+
+    writer.flush = slow_flush  # type: ignore[method-assign]
+    outcome: list[bool] = []
+    checkpoint = threading.Thread(target=lambda: outcome.append(sink.make_durable(5.0)))
+    checkpoint.start()
+    time.sleep(0.1)
+    assert sink.close(5.0) is True
+    assert sink.pending_reports() == []
+    checkpoint.join(5)
+    assert outcome == [True]

@@ -504,6 +504,7 @@ class TensorBoardSink(TrackerSink):
 
     def close(self, timeout: float | None = None) -> bool:
         """Flush and close the event file; return whether that ended within ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._writer_lock:
             if not self._opened:
                 return True
@@ -518,8 +519,11 @@ class TensorBoardSink(TrackerSink):
         if not self.within(writer.close, timeout, "close"):
             self._unclosed = True
             return False
-        # The writer is gone: what was sent is on disk now.
-        return self.closed_with_every_value(self.flush(0))
+        # The writer is gone: what was sent is on disk now. With what is left of the timeout,
+        # not 0: a checkpoint's make_durable in persist on another thread holds the lock
+        # flush takes, and flush(0) then said False (close failed, its last reports spooled
+        # for a replay to write again) for a flush that would have ended at once.
+        return self.closed_with_every_value(self.flush(seconds_left(deadline)))
 
 
 _MIN_FLUSH_S = 0.01

@@ -445,6 +445,16 @@ class TrackerSink(Sink):
 
     def flush(self, timeout: float | None = None) -> bool:
         """``persist``; what was sent before counts as delivered once it succeeded."""
+        if type(self).persist is TrackerSink.persist:
+            # Nothing buffered to persist (MLflow, a sink that writes in send): a send under
+            # way loses nothing, and ``_sent`` counts it only once it returned. Waiting for it
+            # held a checkpoint for a request to a slow server, and one that ran out of time
+            # counted the sink as not durable: its state as of an older checkpoint (before the
+            # first one, without the run id: the resumed job opened a new run).
+            with self._lock:
+                sent = dict(self._sent)
+            self.count_delivered(sent)
+            return True
         # After a send under way (a checkpoint's make_durable runs this off the sink's
         # thread): within the timeout, else it did not finish, as a persist cut short.
         began = time.monotonic()
