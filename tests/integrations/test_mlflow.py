@@ -849,6 +849,25 @@ def test_a_relative_sqlite_file_is_the_one_next_to_the_job_when_built(
     assert [run.data.metrics for run in runs] == [{"loss": 0.5}]
 
 
+def test_a_relative_sqlite_file_in_the_environment_is_fixed_when_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MLFLOW_TRACKING_URI, read by MLflow at open, followed a later os.chdir as the option did.
+    (tmp_path / "job").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "job")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///env.db")
+    sink = MlflowSink(experiment="relative-env")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    sink.open(RunInfo(name="r"))
+    sink.write(Report(step=1, values={"loss": 0.25}, time=time.time()))
+    sink.close()
+    assert not (tmp_path / "elsewhere" / "env.db").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'job' / 'env.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("relative-env").experiment_id])
+    assert [run.data.metrics for run in runs] == [{"loss": 0.25}]
+
+
 @pytest.mark.parametrize(
     ("uri", "message"),
     [

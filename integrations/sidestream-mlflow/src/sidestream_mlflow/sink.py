@@ -139,7 +139,13 @@ class MlflowSink(TrackerSink):
         else:
             _check_environment_uri()
         # A relative SQLite file or store path is fixed now, as JsonlSink's path is: read at
-        # open, it followed a later os.chdir and the job wrote to another database.
+        # open, it followed a later os.chdir and the job wrote to another database. So is one
+        # in MLFLOW_TRACKING_URI, which MLflow would read at open too.
+        if tracking_uri is None:
+            from_environment = os.environ.get("MLFLOW_TRACKING_URI") or None
+            if from_environment is not None:
+                fixed = _absolute_store(from_environment)
+                tracking_uri = fixed if fixed != from_environment else None
         self._tracking_uri = None if tracking_uri is None else _absolute_store(tracking_uri)
         self._experiment = experiment
         self._run_name = run_name
