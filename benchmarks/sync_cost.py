@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks._bare import bare_all_gather
-from benchmarks._goals import goal_line
+from benchmarks._goals import goal_line, machine_note
 from sidestream import ComposeMetric, MaxMetric, MeanMetric, Metric, MinMetric, SumMetric
 from sidestream import sync as sync_module
 from sidestream.metrics.classification import confusion_count_metric
@@ -339,9 +339,9 @@ def run() -> str:
     lines += [
         "",
         f"One sync takes {ours_time / floor:.2f}x the time of the bare all_gather of the same "
-        "bytes in the same run. This machine is shared and loaded "
-        f"({os.cpu_count()} cores, 1-minute load average {os.getloadavg()[0]:.1f} after the "
-        "run), so absolute times vary from run to run.\n",
+        "bytes in the same run. Machine: "
+        f"{machine_note()}; 1-minute load average {os.getloadavg()[0]:.1f} after the "
+        "run. Absolute times vary from run to run.\n",
         f"### Sync + compute against metric count ({WORLD_SIZE} gloo ranks)\n",
         "`ComposeMetric` of Sum, Mean, Max and Min metrics in turn; one `sync()` plus one "
         f"`compute()`, median of {REPEATS}. Both are one collective.\n",

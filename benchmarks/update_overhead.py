@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from benchmarks._goals import goal_line
+from benchmarks._goals import goal_line, machine_note
 from benchmarks._threads import one_thread
 from sidestream.metrics import MaxMetric, MeanMetric, WeightedMeanMetric
 from sidestream.metrics.classification import BinaryAUROCMetric, confusion_count_metric
@@ -309,10 +308,8 @@ def _table(compiled: bool) -> str:
         "Size = input elements. sidestream's eager update includes its input checks (CPU "
         "reads them on the host and raises before the state changes). *BinaryAUROC exact* "
         "(`exact=True`, every sample stored, like its torchmetrics peer; raw ops: appending "
-        "the inputs, a floor with no arithmetic, so no ratio to it) is eager only. This machine is "
-        f"shared and loaded ({os.cpu_count()} cores, 1-minute load average "
-        f"{os.getloadavg()[0]:.1f} at the start): compare ratios within a row, not absolute "
-        "numbers across rows.\n",
+        "the inputs, a floor with no arithmetic, so no ratio to it) is eager only. Machine: "
+        f"{machine_note()}; compare ratios within a row, not absolute numbers across rows.\n",
         "| metric | size | raw µs | sidestream µs | / raw | torchmetrics µs | torchmetrics / "
         "sidestream | raw compiled µs | sidestream compiled µs | / raw compiled |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -739,34 +739,13 @@ def test_a_spool_dir_that_is_a_dangling_link_is_refused_when_built(tmp_path: Pat
         Run([RecordingSink()], spool_dir=str(link / "run"))
 
 
-def test_a_relative_spool_dir_stays_where_it_was_when_the_run_was_made(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("made_by", ["run", "hand-made runner"])
+def test_a_relative_spool_dir_stays_where_it_was_when_made(
+    made_by: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Resolved at each spill, it followed a later os.chdir: the kept spool landed under
-    # another folder than the one checked when the run was made, where a restarted job,
-    # started in the first folder, never found it among the leftovers.
-    class Down(RecordingSink):
-        def open(self, run: RunInfo) -> None:
-            raise PermanentSinkError("down")
-
-    job, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
-    job.mkdir()
-    elsewhere.mkdir()
-    monkeypatch.chdir(job)
-    run = Run([Down()], spool_dir="spools")
-    run.log(1, {"x": 1.0})
-    monkeypatch.chdir(elsewhere)
-    run.log(2, {"x": 2.0})
-    assert not run.close(timeout=5)
-    kept = sorted(path.relative_to(tmp_path).parts[:2] for path in tmp_path.rglob("*.spool.jsonl"))
-    assert kept == [("job", "spools")]
-
-
-def test_a_hand_made_runners_relative_spool_dir_stays_where_it_was_when_made(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # As a run's: a SinkRunner (public) kept the relative spool_dir and resolved it at the
-    # first spill, under whatever folder the job had moved to by then.
+    # another folder than the one checked when the run (or a public SinkRunner) was made,
+    # where a restarted job, started in the first folder, never found it among the leftovers.
     from sidestream.sinks import Report, SinkRunner
 
     class Down(RecordingSink):
@@ -777,13 +756,20 @@ def test_a_hand_made_runners_relative_spool_dir_stays_where_it_was_when_made(
     job.mkdir()
     elsewhere.mkdir()
     monkeypatch.chdir(job)
-    runner = SinkRunner(Down(), RunInfo(), capacity=1, spool_dir="spools")
-    runner.start()
-    runner.submit(Report(step=1, values={"x": 1.0}, time=0.0))
-    monkeypatch.chdir(elsewhere)
-    for step in (2, 3):
-        runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
-    assert not runner.close(timeout=5)
+    if made_by == "run":
+        run = Run([Down()], spool_dir="spools")
+        run.log(1, {"x": 1.0})
+        monkeypatch.chdir(elsewhere)
+        run.log(2, {"x": 2.0})
+        assert not run.close(timeout=5)
+    else:
+        runner = SinkRunner(Down(), RunInfo(), capacity=1, spool_dir="spools")
+        runner.start()
+        runner.submit(Report(step=1, values={"x": 1.0}, time=0.0))
+        monkeypatch.chdir(elsewhere)
+        for step in (2, 3):
+            runner.submit(Report(step=step, values={"x": float(step)}, time=0.0))
+        assert not runner.close(timeout=5)
     kept = sorted(path.relative_to(tmp_path).parts[:2] for path in tmp_path.rglob("*.spool.jsonl"))
     assert kept == [("job", "spools")]
 

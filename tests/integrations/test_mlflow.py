@@ -829,16 +829,21 @@ def test_a_kept_local_store_is_named_by_its_absolute_path(
     assert str(tmp_path) in MlflowSink().replay_options()["tracking_uri"]
 
 
+@pytest.mark.parametrize("through", ["option", "environment"])
 def test_a_relative_sqlite_file_is_the_one_next_to_the_job_when_built(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    through: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Read at open, the relative path followed an os.chdir made after the sink was built:
-    # the run went to another database.
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # Read at open, the relative path (the option, or MLFLOW_TRACKING_URI, which MLflow reads)
+    # followed an os.chdir made after the sink was built: the run went to another database.
     (tmp_path / "job").mkdir()
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "job")
-    sink = MlflowSink(tracking_uri="sqlite:///mlflow.db", experiment="relative")
+    if through == "option":
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        sink = MlflowSink(tracking_uri="sqlite:///mlflow.db", experiment="relative")
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+        sink = MlflowSink(experiment="relative")
     monkeypatch.chdir(tmp_path / "elsewhere")
     sink.open(RunInfo(name="r"))
     sink.write(Report(step=1, values={"loss": 0.5}, time=time.time()))
@@ -847,25 +852,6 @@ def test_a_relative_sqlite_file_is_the_one_next_to_the_job_when_built(
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'job' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("relative").experiment_id])
     assert [run.data.metrics for run in runs] == [{"loss": 0.5}]
-
-
-def test_a_relative_sqlite_file_in_the_environment_is_fixed_when_built(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # MLFLOW_TRACKING_URI, read by MLflow at open, followed a later os.chdir as the option did.
-    (tmp_path / "job").mkdir()
-    (tmp_path / "elsewhere").mkdir()
-    monkeypatch.chdir(tmp_path / "job")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///env.db")
-    sink = MlflowSink(experiment="relative-env")
-    monkeypatch.chdir(tmp_path / "elsewhere")
-    sink.open(RunInfo(name="r"))
-    sink.write(Report(step=1, values={"loss": 0.25}, time=time.time()))
-    sink.close()
-    assert not (tmp_path / "elsewhere" / "env.db").exists()
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'job' / 'env.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("relative-env").experiment_id])
-    assert [run.data.metrics for run in runs] == [{"loss": 0.25}]
 
 
 @pytest.mark.parametrize(
