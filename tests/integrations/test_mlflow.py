@@ -829,18 +829,20 @@ def test_a_kept_local_store_is_named_by_its_absolute_path(
     assert str(tmp_path) in MlflowSink().replay_options()["tracking_uri"]
 
 
-@pytest.mark.parametrize("through", ["option", "environment"])
+@pytest.mark.parametrize("through", ["option", "environment", "driver"])
 def test_a_relative_sqlite_file_is_the_one_next_to_the_job_when_built(
     through: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Read at open, the relative path (the option, or MLFLOW_TRACKING_URI, which MLflow reads)
-    # followed an os.chdir made after the sink was built: the run went to another database.
+    # Read at open, the relative path (the option, with or without a driver, or
+    # MLFLOW_TRACKING_URI, which MLflow reads) followed an os.chdir made after the sink was
+    # built: the run went to another database.
     (tmp_path / "job").mkdir()
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "job")
-    if through == "option":
+    if through != "environment":
         monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-        sink = MlflowSink(tracking_uri="sqlite:///mlflow.db", experiment="relative")
+        scheme = "sqlite+pysqlite" if through == "driver" else "sqlite"
+        sink = MlflowSink(tracking_uri=f"{scheme}:///mlflow.db", experiment="relative")
     else:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
         sink = MlflowSink(experiment="relative")

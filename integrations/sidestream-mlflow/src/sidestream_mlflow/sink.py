@@ -674,10 +674,23 @@ def _check_file_store(uri: str) -> None:
         )
 
 
+_SQLITE_FILE = re.compile(r"(sqlite(?:\+\w+)?:///)(?![/:])(.+)", re.IGNORECASE | re.DOTALL)
+"""A SQLite file URL with a relative path (any driver: ``sqlite+pysqlite:///rel.db``): the
+scheme part, then the path. Four slashes are an absolute path, ``:memory:`` no file."""
+
+
+def _sqlite_file(uri: str) -> str | None:
+    """The path of a SQLite file URL (made absolute, query left off), else ``None``."""
+    if _SQLITE_FILE.fullmatch(uri) is None and not re.match(r"sqlite(\+\w+)?:////", uri, re.I):
+        return None
+    return _absolute_store(uri).split(":///", 1)[1].split("?", 1)[0]
+
+
 def _absolute_store(uri: str) -> str:
     """``uri`` with a relative SQLite file or local store path made absolute."""
-    if uri.startswith("sqlite:///") and not uri.startswith(("sqlite:////", "sqlite:///:")):
-        return "sqlite:///" + os.path.abspath(uri.removeprefix("sqlite:///"))
+    relative = _SQLITE_FILE.fullmatch(uri)
+    if relative is not None:
+        return relative.group(1) + os.path.abspath(relative.group(2))
     if len(urlparse(uri).scheme) <= 1 and uri not in ("databricks", "databricks-uc"):
         return os.path.abspath(uri)
     return uri
@@ -712,9 +725,9 @@ def _check_sqlite_folder(uri: str) -> None:
     MLflow makes it at the first request, on rank 0's sink thread once training has started,
     where a path under a file fails for good.
     """
-    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:///:"):
+    path = _sqlite_file(uri)
+    if path is None:
         return  # another database, or SQLite in memory
-    path = _absolute_store(uri).removeprefix("sqlite:///").split("?", 1)[0]
     check_directory_path("tracking_uri", os.path.dirname(path) or ".")
 
 
