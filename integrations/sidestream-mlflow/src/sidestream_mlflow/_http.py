@@ -17,7 +17,9 @@ from typing import Any
 
 __all__ = ["request_settings"]
 
-_log = logging.getLogger(__name__)
+# The sinks' logger, not the module's: every sidestream message is under ``sidestream.*``, so
+# one ``logging.getLogger("sidestream")`` setting covers the integrations too.
+_log = logging.getLogger("sidestream.sinks")
 _local = threading.local()
 _install_lock = threading.Lock()
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from sidestream._distributed import check_process_group
-from sidestream._exit import fork_mark
+from sidestream._exit import closing_at_exit, fork_mark
 from sidestream._validation import check_int
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks._spool_format import SpoolFormatError, check_line_format
@@ -810,10 +810,16 @@ class Delivery:
         )
 
     def _close_runners(self, runners: list[SinkRunner], deadline: float | None) -> bool:
-        complete = True
         # Start every sink's close at once, so one slow sink does not use up the others' time.
         for runner in runners:
             runner.begin_close(seconds_left(deadline))
+        # A backlog (a tracker that was down, a slow one behind a full queue) can take the
+        # whole timeout, 30 s at exit: without a word the process looks hung after training.
+        with CloseProgress(runners, deadline):
+            return self._close_each(runners, deadline)
+
+    def _close_each(self, runners: list[SinkRunner], deadline: float | None) -> bool:
+        complete = True
         for runner in runners:
             left = seconds_left(deadline)
             try:
@@ -857,6 +863,111 @@ class Delivery:
         _release(self.sinks.values(), self)
         if interrupted is not None:
             raise interrupted
+
+
+CLOSE_PROGRESS_FIRST_S = 5.0
+"""How long a close waits for its sinks' backlog before it says how far they are."""
+
+CLOSE_PROGRESS_EVERY_S = 15.0
+"""How often, after the first, a close still waiting for a backlog says how far it is."""
+
+
+class CloseProgress:
+    """While a close waits for its sinks' backlog, logs how far each sink is.
+
+    A context manager around the close: a watch thread logs one warning (logger
+    ``sidestream.sinks``) after ``CLOSE_PROGRESS_FIRST_S`` and one every
+    ``CLOSE_PROGRESS_EVERY_S`` after it, while some sink still has reports to deliver: for
+    each, how many are left, how many it delivered since the close began, and whether its
+    backend fails meanwhile; and how much of the close's timeout is left, after which what is
+    left is kept in a spool file. A close that ends sooner says nothing. It only reads the
+    runners' counters (no lock), so it changes nothing in the close.
+
+    Args:
+        runners: The runners being closed.
+        deadline: The close's deadline (``time.monotonic()``), ``None`` for no limit.
+        first_s: Seconds before the first line.
+        every_s: Seconds between later lines.
+    """
+
+    def __init__(
+        self,
+        runners: list[SinkRunner],
+        deadline: float | None,
+        first_s: float | None = None,
+        every_s: float | None = None,
+    ) -> None:
+        self._runners = runners
+        self._deadline = deadline
+        self._first_s = CLOSE_PROGRESS_FIRST_S if first_s is None else first_s
+        self._every_s = CLOSE_PROGRESS_EVERY_S if every_s is None else every_s
+        self._began = time.monotonic()
+        self._delivered_before = {id(runner): runner.delivered for runner in runners}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> CloseProgress:
+        left = seconds_left(self._deadline)
+        # A close that ends before the first line would be due needs no watcher (nor the time
+        # its thread takes to start, which a close with no time left would spend delivering).
+        long_enough = left is None or left > self._first_s
+        if long_enough and any(self._busy(runner) for runner in self._runners):
+            thread = threading.Thread(
+                target=self._watch,
+                name="sidestream-close-progress",
+                daemon=True,  # only reads counters: never holds the interpreter's exit
+            )
+            try:
+                thread.start()
+            except RuntimeError:  # no new threads at this point of the exit (CPython 3.12.0)
+                return self
+            self._thread = thread
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)  # it only logs; never waited for long
+
+    @staticmethod
+    def _busy(runner: SinkRunner) -> bool:
+        # A failed sink delivers nothing more: its close keeps its reports at once.
+        return runner.pending > 0 and runner.status.state != "failed"
+
+    def _watch(self) -> None:
+        wait = self._first_s
+        while not self._stop.wait(wait):
+            wait = self._every_s
+            busy = [runner for runner in self._runners if self._busy(runner)]
+            if not busy:
+                return
+            logger.warning("%s", self.line(busy))
+
+    def line(self, busy: list[SinkRunner]) -> str:
+        """The progress line for the runners in ``busy``."""
+        waited = time.monotonic() - self._began
+        parts = []
+        for runner in busy:
+            done = runner.delivered - self._delivered_before.get(id(runner), 0)
+            part = f"sink {runner.key!r}: {runner.pending:,} report(s) left, {done:,} delivered"
+            status = runner.status
+            if status.state == "retrying":
+                part += f", its backend failing ({status.last_error}), retried with backoff"
+            parts.append(part)
+        left = seconds_left(self._deadline)
+        # At exit the timeout is the run's exit_timeout: named, as the option to change.
+        timeout = "exit_timeout" if closing_at_exit() else "the close's timeout"
+        if left is None:
+            after = f"no timeout ({timeout} is None): it waits until they are delivered"
+        else:
+            after = (
+                f"{left:.0f} s of {timeout} left; what is left then is kept in a spool file "
+                "(a warning names it)"
+            )
+        close = "close at exit" if closing_at_exit() else "close"
+        return (
+            f"{close}: waiting {waited:.0f} s for the sinks' backlog: {'; '.join(parts)}; {after}"
+        )
 
 
 def _wait_text(runner: SinkRunner, waited: float, left: float | None, timeout: float | None) -> str:

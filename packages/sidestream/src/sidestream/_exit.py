@@ -26,6 +26,7 @@ __all__ = [
     "KILLED_EXIT_CODE",
     "close_at_exit",
     "close_before_backends_exit",
+    "closing_at_exit",
     "ending_with",
     "exit_time_left",
     "failed_exit_code",
@@ -134,6 +135,11 @@ def failed_exit_code() -> int | None:
     knows better, runs after the closes).
     """
     return _scoped_code if _scoped_code is not None else _failed_code
+
+
+def closing_at_exit() -> bool:
+    """Whether the closes at interpreter exit have begun (a close now is one of them)."""
+    return _exit_began is not None
 
 
 def exit_time_left(timeout: float) -> float:

@@ -12,6 +12,7 @@ import re
 import stat
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -30,6 +31,14 @@ logger = logging.getLogger("sidestream.sinks")
 # Non-finite floats as JSON strings, spelt the way float() reads them back.
 _NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 _CHUNK = 65536
+
+READ_PROGRESS_FIRST_S = 5.0
+"""How long a resume reads the file for each stream's last step before it says how far it is."""
+
+READ_PROGRESS_EVERY_S = 15.0
+"""How often, after the first, a resume still reading the file says how far it is."""
+
+_LINES_PER_CLOCK_READ = 4096  # lines read between two looks at the clock (cheap per line)
 
 _FSYNC_GRACE_S = 1.0
 """Added to a checkpoint's timeout for ``make_durable``: a healthy disk's ``fsync`` ends well
@@ -969,10 +978,36 @@ def _steps_after(path: Path, offset: int | None) -> dict[str | None, int]:
         return {}
     steps: dict[str | None, int] = {}
     if offset is not None and offset <= size:
+        # A job that ran long past its checkpoint, or a file rotated since (every line read),
+        # leaves gigabytes to parse: minutes in which the sink's reports wait and nothing is
+        # said, so a long read says how far it is.
+        began = time.monotonic()
+        say_at = began + READ_PROGRESS_FIRST_S
+        said = False
+        read = 0
         with path.open("rb") as file:
             file.seek(offset)
-            for line in file:  # one line in memory at a time
+            for count, line in enumerate(file, 1):  # one line in memory at a time
+                read += len(line)
                 _note(steps, _parse(line) if line.endswith(b"\n") else None)
+                if count % _LINES_PER_CLOCK_READ == 0 and time.monotonic() >= say_at:
+                    say_at = time.monotonic() + READ_PROGRESS_EVERY_S
+                    said = True
+                    logger.warning(
+                        "JsonlSink: resuming, %s is read for each stream's last step: %.1f of "
+                        "%.1f MiB read in %.0f s; the sink's reports wait (kept) until it ends",
+                        path,
+                        read / 2**20,
+                        (size - offset) / 2**20,
+                        time.monotonic() - began,
+                    )
+        if said:
+            logger.warning(
+                "JsonlSink: resuming, read %s (%.1f MiB) in %.0f s; delivering",
+                path,
+                read / 2**20,
+                time.monotonic() - began,
+            )
         return steps
     _note(steps, _last_record(path, size))
     return steps

@@ -170,6 +170,7 @@ class SinkRunner:
         self._interrupted = False  # close_now: an earlier close was interrupted
         self._failing = False
         self._failed_attempts = 0
+        self._failing_since = 0.0  # time.monotonic() of the streak's first failure
         self._flush_failures = 0  # in a row: only the first of a streak is logged
         self._flush_failure_kind: str | None = None  # how the streak's flushes fail
         self._status = SinkStatus("healthy", None)
@@ -1193,6 +1194,7 @@ class SinkRunner:
                     self._status = SinkStatus("retrying", reason)
                 if not self._failing:
                     self._failing = True
+                    self._failing_since = time.monotonic()
                     logger.warning(
                         "sink %r: %s failed: %s; retrying with backoff, reports are kept "
                         "(not logged again until it recovers)",
@@ -1207,8 +1209,17 @@ class SinkRunner:
                 continue
             if self._failing:
                 self._failing = False
+                # What an operator asks once the tracker is back: how long it was away, and
+                # how much it has to catch up on (the reports kept meanwhile).
                 logger.warning(
-                    "sink %r: recovered after %d failed attempt(s)", self.key, self._failed_attempts
+                    "sink %r: %s recovered after %d failed attempt(s) over %.1f s; %d "
+                    "report(s) waiting (%d of them in the spool file) are delivered now",
+                    self.key,
+                    what,
+                    self._failed_attempts,
+                    time.monotonic() - self._failing_since,
+                    self.pending,
+                    len(self._spool),
                 )
                 self._failed_attempts = 0
             with self._lock:
