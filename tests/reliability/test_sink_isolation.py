@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -581,6 +582,8 @@ def test_a_full_spool_is_logged_once_while_it_stays_full(
         assert runner.dropped > 500
         full = [r for r in caplog.records if "spool full" in r.getMessage()]
         assert len(full) == 1, len(full)
+        # The setting to raise, and from where on reports were lost.
+        assert re.search(r"spool_max_bytes=4096\): the oldest .* step \d+", full[0].getMessage())
         sink.gate.set()
         runner.close(timeout=20)
 

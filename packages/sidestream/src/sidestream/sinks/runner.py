@@ -375,7 +375,12 @@ class SinkRunner:
                 self._drop(lost, f"could not spool step {report.step}: {_describe(error)}")
             else:
                 if dropped:
-                    self._drop(dropped, f"spool full ({self._spool.nbytes} bytes)")
+                    self._drop(
+                        dropped,
+                        f"spool full ({self._spool.nbytes} bytes, its cap spool_max_bytes="
+                        f"{self._spool.max_bytes}): the oldest report(s) made room for step "
+                        f"{report.step}",
+                    )
                 else:
                     self._end_drop_streak_if_room()
         else:
