@@ -1306,3 +1306,34 @@ def test_a_runner_that_gives_up_leaves_the_run_unfinished(tmp_path: Path, delive
     # still be in its last retry when close returns): waited for before looking.
     runner._thread.join(10.0)
     assert calls == (["close"] if delivered else ["leave_unfinished", "close"])
+
+
+def test_a_rollback_chain_says_why_a_correctly_resumed_job_repeats_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Job 1 writes 1..11 (checkpoint at 3), job 2 rolls back to it and writes 4..8
+    (checkpoint at 6), job 3 resumes from that one at step 7: every step once. Job 2's
+    checkpoint counts the steps it found in the file (up to 11), so job 3's correct resume was
+    told its step counter had started again, with no word of the rollback."""
+    path = tmp_path / "m.jsonl"
+
+    def job(saved: dict[str, object] | None, steps: range, save_at: int) -> dict[str, object]:
+        sink = JsonlSink(path)
+        if saved is not None:
+            sink.load_state_dict(saved)
+        sink.open(RunInfo())
+        state: dict[str, object] = {}
+        for step in steps:
+            sink.write(Report(step=step, values={"x": float(step)}, time=0.0, stream="train"))
+            if step == save_at:
+                state = sink.state_dict()
+        sink.close()
+        return state
+
+    third = job(job(job(None, range(1, 12), 3), range(4, 9), 6), range(7, 15), 0)
+    assert third == {}
+    steps = [line["step"] for line in read_jsonl(path)]
+    assert steps == list(range(1, 15))  # exactly once, job 1's values up to 11
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "step 7 is at or below step 11" in warning
+    assert "rollback" in warning

@@ -548,7 +548,10 @@ class TrackerSink(Sink):
                 f"below step {last}, which this run had delivered when its checkpoint was "
                 f"taken: it is skipped, as is every report of the stream up to step {last}. A "
                 "resumed job continues after its checkpoint's step; one whose step counter "
-                "started again logs nothing until it passes it",
+                "started again logs nothing until it passes it. After a rollback (a job "
+                "resumed from a checkpoint older than the last one) the tracker already held "
+                "the steps a later job delivered, and a checkpoint of the rolled-back job "
+                "counts them: the tracker keeps those steps as they were",
             )
 
     # ------------------------------------------------------------------ helpers
