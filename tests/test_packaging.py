@@ -71,3 +71,23 @@ def test_every_distribution_ships_the_license() -> None:
     for folder in folders:
         assert (folder / "LICENSE").read_text() == text, folder
         assert _project(folder / "pyproject.toml")["license"] == "Apache-2.0"
+
+
+# Tracker releases a requirement must leave out: they fail with what pip installs beside them.
+# tensorboard 2.16.x and 2.17.0 with NumPy 2 (pip's pick): the hparams summary the sink writes
+# at open raised AttributeError (np.string_), failing the sink for the whole job.
+BROKEN_RELEASES = {"sidestream-tensorboard": {"tensorboard": ["2.16.0", "2.16.2", "2.17.0"]}}
+
+
+def test_tracker_requirements_leave_out_broken_releases() -> None:
+    from packaging.requirements import Requirement
+
+    for distribution, broken in BROKEN_RELEASES.items():
+        project = _project(ROOT / f"integrations/{distribution}/pyproject.toml")
+        requirements = {
+            requirement.name: requirement.specifier
+            for requirement in map(Requirement, project["dependencies"])
+        }
+        for client, versions in broken.items():
+            allowed = [version for version in versions if version in requirements[client]]
+            assert not allowed, f"{distribution} allows {client} {allowed}"
