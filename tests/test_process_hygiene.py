@@ -4,6 +4,7 @@ documented."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -58,3 +59,34 @@ def test_every_environment_variable_a_sink_sets_is_documented() -> None:
         for path in source.rglob("*.py"):
             for name in setting.findall(path.read_text()):
                 assert name in page, f"{path.name} sets {name}; docs/integrations/{package}.md"
+
+
+_HELD_GROUP_PROBE = """
+import os, torch, torch.distributed as dist
+import sidestream  # at the top of a training script, before its init_process_group
+dist.init_process_group("gloo", init_method=os.environ["PROBE_STORE"], rank=0, world_size=1)
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # imports torch.distributed.nn
+import torch.distributed.nn.functional as functional
+held = [d for d in functional.broadcast.__defaults__ if isinstance(d, dist.ProcessGroup)]
+dist.destroy_process_group()
+print(len(held))
+"""
+
+
+def test_a_script_importing_sidestream_first_keeps_no_group_past_destroy_process_group(
+    tmp_path: Path,
+) -> None:
+    # The quickstart under torchrun aborted at exit in about one run of ten ("terminate called
+    # without an active exception"): its optimizer imported torch.distributed.nn after
+    # init_process_group, whose functions then held the group as a default argument past
+    # destroy_process_group(), and gloo's destructor ran during the interpreter's teardown.
+    result = subprocess.run(
+        [sys.executable, "-c", _HELD_GROUP_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PROBE_STORE": f"file://{tmp_path / 'store'}"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "0", "torch.distributed.nn holds the default group"

@@ -10,6 +10,15 @@ from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
+
+# torch.distributed.nn takes the default group as its functions' default argument when first
+# imported, and torch imports it with its optimizers (through torch._dynamo), DDP and DCP.
+# First imported after init_process_group, it keeps the group alive past
+# destroy_process_group(), and gloo then aborts the process at exit now and then ("terminate
+# called without an active exception", exit code -6; the quickstart under torchrun in about
+# one run of ten). Imported with sidestream, it comes before a script's init_process_group,
+# while the default is still None.
+import torch.distributed.nn
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
