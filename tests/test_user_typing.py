@@ -3,8 +3,13 @@
 The packages ship ``py.typed``, yet ``confusion_count_metric().multiclass(3).with_f1().macro()
 .build().compute()`` was ``Tensor | dict[str, Tensor]`` (a cast for every ``float(...)``),
 ``run.collector(compose).metric["loss"]`` and ``compose["train"]["tokens"]`` were refused as not
-indexable, ``wrap(collection)["f1"]`` too, and ``pool.run(f)`` was ``list[Any]``. The snippets
-in ``tests/typed_usage`` are checked with one mypy run against the packages this test imports.
+indexable, ``wrap(collection)["f1"]`` too, and ``pool.run(f)`` was ``list[Any]``. The metric
+and collector type parameters were invariant: a built ``ConfusionCountMetric[Tensor]`` was no
+``ConfusionCountMetric`` (a factory's return type), a ``MeanMetric`` no ``Metric[Tensor | dict[str,
+Tensor]]``, and ``run.collector(MeanMetric(), prefix="train").bind(device)`` no
+``AsyncMetricCollector[Metric[Tensor]]`` (a trainer's attribute), to mypy and pyright alike. The
+snippets in ``tests/typed_usage`` are checked with one mypy run against the packages this test
+imports.
 """
 
 from __future__ import annotations

@@ -138,6 +138,48 @@ def pools() -> None:
         assert_type(pool.run(world_rank), list[int])
 
 
+def build_f1(num_classes: int) -> ConfusionCountMetric:
+    # A factory annotated with the documented class: ConfusionCountMetric[Tensor] is one.
+    return confusion_count_metric().multiclass(num_classes).with_f1().macro().build()
+
+
+def build_counts(
+    num_classes: int, per_sample: bool
+) -> ConfusionCountMetric | SamplewiseConfusionCountMetric:
+    if per_sample:
+        samplewise = confusion_count_metric(multidim_average="samplewise")
+        return samplewise.multiclass(num_classes).with_f1().build()
+    return confusion_count_metric().multiclass(num_classes).with_f1().with_recall().build()
+
+
+def any_value(metric: Metric[Tensor | dict[str, Tensor]]) -> None:
+    print(metric.compute())
+
+
+class Trainer:
+    """Collectors kept in attributes typed with the metric interface, as a trainer does."""
+
+    def __init__(self, run: Run) -> None:
+        # docs/runs.md's chain: run.collector(...).bind(device).
+        self.train: AsyncMetricCollector[Metric[Tensor]] = run.collector(
+            MeanMetric(), prefix="train"
+        ).bind("cpu")
+        self.val: AsyncMetricCollector[Metric[dict[str, Any]]] = run.collector(
+            ComposeMetric({"loss": MeanMetric()}), prefix="val"
+        ).bind("cpu")
+        self.collectors: list[AsyncMetricCollector[Metric[Any]]] = [self.train, self.val]
+
+
+def subtypes() -> None:
+    # A metric is a metric of any wider value type: compute() only hands the value out.
+    any_value(MeanMetric())
+    any_value(build_f1(3))
+    any_value(build_counts(3, per_sample=True))
+    f1 = AsyncMetricCollector(confusion_count_metric().multiclass(3).with_f1().build())
+    general: AsyncMetricCollector[ConfusionCountMetric] = f1.bind("cpu")
+    print(general.metric.compute())  # pyright narrows to the assigned type; mypy does not
+
+
 def custom_metric() -> None:
     class LabelCounts(Metric[Tensor]):
         def __init__(self, num_classes: int) -> None:

@@ -53,7 +53,9 @@ from sidestream.sync import (
 
 __all__ = ["CallCounter", "Metric", "has_own_sync"]
 
-T = TypeVar("T")
+# Covariant: T is only what compute() returns, so a MeanMetric (a Metric[Tensor]) is also a
+# Metric[Tensor | dict[str, Tensor]] or a Metric[object] to a function that takes any metric.
+T = TypeVar("T", covariant=True)
 
 _Child = MetricAccumulator | Any  # a state or a child Metric
 

@@ -65,8 +65,10 @@ from sidestream.sync import RankMismatchError, check_same_setting
 __all__ = ["AsyncMetricCollector"]
 
 #: The collector's metric type: ``collector.metric`` is the metric given, as its own class
-#: (``collector.metric["loss"]`` type-checks for a ``ComposeMetric``).
-MetricT = TypeVar("MetricT", bound=Metric[Any])
+#: (``collector.metric["loss"]`` type-checks for a ``ComposeMetric``). Covariant (the collector
+#: only hands its metric out): ``run.collector(MeanMetric(), prefix="train").bind(device)`` is
+#: also an ``AsyncMetricCollector[Metric[Tensor]]``, as a trainer's attribute is annotated.
+MetricT = TypeVar("MetricT", bound=Metric[Any], covariant=True)
 
 logger = logging.getLogger("sidestream.collector")
 

@@ -13,7 +13,7 @@ from sidestream.state import MetricAccumulator
 
 __all__ = ["NanScreenedMetric", "ScreenedMetric"]
 
-T = TypeVar("T")
+T = TypeVar("T", covariant=True)  # as Metric's: only what compute() returns
 
 
 class ScreenedMetric(Metric[T]):

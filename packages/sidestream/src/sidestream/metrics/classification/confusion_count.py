@@ -35,9 +35,12 @@ __all__ = ["ConfusionCountMetric", "ConfusionValue", "check_statistics", "macro_
 #: What ``compute()`` returns: ``Tensor`` for one statistic, ``dict[str, Tensor]`` for several.
 #: ``confusion_count_metric()...build()`` fills it in from the statistics chosen, so that
 #: ``.with_f1().macro().build().compute()`` is a ``Tensor`` to a type checker, with no cast;
-#: a metric made directly has the union (the default).
+#: a metric made directly has the union (the default). Covariant (only compute() returns it):
+#: a built ``ConfusionCountMetric[Tensor]`` is also a plain ``ConfusionCountMetric``, the type
+#: a factory that may build one statistic or several is annotated with.
 ConfusionValue = TypeVar(
     "ConfusionValue",
+    covariant=True,
     bound=Tensor | dict[str, Tensor],
     default=Tensor | dict[str, Tensor],
 )
