@@ -27,18 +27,14 @@ def test_urllib_http_error_status_decides_permanence(code: int, permanent: bool)
     assert is_permanent(error) is permanent
 
 
-class _BufferingSink(TrackerSink):
-    """Buffers in send, writes the buffer out in persist: correct on one thread only."""
-
-    name = "buffering"
-    durable_on_send = False
+class _GatedSend(TrackerSink):
+    """A sink with a run id whose ``send`` waits for ``release`` (a slow request)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.run_id: str | None = None
         self.in_send = threading.Event()
         self.release = threading.Event()
-        self.overlapped = False
 
     @property
     def identity(self) -> str | None:
@@ -49,12 +45,23 @@ class _BufferingSink(TrackerSink):
         self.run_id = value
 
     def open(self, run: RunInfo) -> None:
-        self.run_id = "run-1"
+        self.run_id = self.run_id or "run-1"
 
     def send(self, reports: Sequence[Report]) -> None:
         self.in_send.set()
         self.release.wait(5)
         self.in_send.clear()
+
+
+class _BufferingSink(_GatedSend):
+    """Buffers in send, writes the buffer out in persist: correct on one thread only."""
+
+    name = "buffering"
+    durable_on_send = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overlapped = False
 
     def persist(self, timeout: float | None) -> bool:
         self.overlapped = self.overlapped or self.in_send.is_set()
@@ -101,32 +108,10 @@ def test_kept_state_that_is_not_json_is_said(tmp_path, caplog: pytest.LogCapture
     assert any("not JSON" in r.getMessage() and "'mine'" in r.getMessage() for r in caplog.records)
 
 
-class _SlowSend(TrackerSink):
+class _SlowSend(_GatedSend):
     """Writes in send (durable on send, no persist of its own), like MLflow: one request."""
 
     name = "slow"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.run_id: str | None = None
-        self.in_send = threading.Event()
-        self.release = threading.Event()
-
-    @property
-    def identity(self) -> str | None:
-        return self.run_id
-
-    @identity.setter
-    def identity(self, value: str | None) -> None:
-        self.run_id = value
-
-    def open(self, run: RunInfo) -> None:
-        self.run_id = self.run_id or "run-1"
-
-    def send(self, reports: Sequence[Report]) -> None:
-        self.in_send.set()
-        self.release.wait(5)  # a request to a slow tracking server
-        self.in_send.clear()
 
 
 def test_make_durable_does_not_wait_for_a_send_with_nothing_to_persist() -> None:

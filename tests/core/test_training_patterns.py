@@ -95,36 +95,50 @@ def test_docs_warn_of_recomputation_and_shadowed_collectives() -> None:
     assert "torch.distributed.algorithms.join.Join" in collector
 
 
+class _DdpJob:
+    """A small DDP model, its optimizer and a collected mean of the loss, on this rank."""
+
+    def __init__(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        self.model = DistributedDataParallel(nn.Linear(4, 1))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.metric = MeanMetric()
+        self.collector = AsyncMetricCollector(self.metric, prefix="train")
+        self._generator = torch.Generator().manual_seed(100 + dist.get_rank())
+        self.losses: list[float] = []
+
+    def step(self) -> None:
+        """One training step, its loss added to the metric (and kept for the reference)."""
+        x = torch.randn(5, 4, generator=self._generator)
+        y = torch.randn(5, 1, generator=self._generator)
+        loss = (self.model(x) - y).pow(2).mean()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.metric.update(loss)
+        self.losses.append(loss.item())
+
+    def every_ranks_losses(self) -> list[list[float]]:
+        everyone: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, self.losses)
+        return everyone
+
+
 def _uneven_join(batches: list[int]) -> tuple[float, list[list[float]]]:
     """Join's default: ranks that ran out shadow DDP; one window after the block."""
     from torch.distributed.algorithms.join import Join
-    from torch.nn.parallel import DistributedDataParallel
 
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    metric = MeanMetric()
-    collector = AsyncMetricCollector(metric, prefix="train")
-    generator = torch.Generator().manual_seed(100 + rank)
-    losses: list[float] = []
-    with collector.bind("cpu"):
-        with Join([model]):
-            for _ in range(batches[rank]):
-                x = torch.randn(5, 4, generator=generator)
-                y = torch.randn(5, 1, generator=generator)
-                loss = (model(x) - y).pow(2).mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                metric.update(loss)
-                losses.append(loss.item())
+    job = _DdpJob()
+    with job.collector.bind("cpu"):
+        with Join([job.model]):
+            for _ in range(batches[dist.get_rank()]):
+                job.step()
         # Once, after Join, on every rank (docs/collector.md): never inside the Join block.
-        collector.schedule_collection(1)
-        value = collector.collect_results()
-    everyone: list[list[float]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, losses)
-    return value, everyone
+        job.collector.schedule_collection(1)
+        value = job.collector.collect_results()
+    return value, job.every_ranks_losses()
 
 
 @pytest.mark.distributed
@@ -141,37 +155,20 @@ def test_join_with_uneven_inputs_then_one_window(dist_pool: RankPool) -> None:
 def _join_throwing(batches: list[int]) -> tuple[dict[int, float], list[list[float]]]:
     """``throw_on_early_termination=True``: a window every step inside the block stays paired."""
     from torch.distributed.algorithms.join import Join
-    from torch.nn.parallel import DistributedDataParallel
 
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    metric = MeanMetric()
-    collector = AsyncMetricCollector(metric, prefix="train")
-    generator = torch.Generator().manual_seed(100 + rank)
-    losses: list[float] = []
+    job = _DdpJob()
     values: dict[int, float] = {}
-    with collector.bind("cpu"):
+    with job.collector.bind("cpu"):
         try:
-            with Join([model], throw_on_early_termination=True):
-                for step in range(1, batches[rank] + 1):
-                    x = torch.randn(5, 4, generator=generator)
-                    y = torch.randn(5, 1, generator=generator)
-                    loss = (model(x) - y).pow(2).mean()
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    metric.update(loss)
-                    losses.append(loss.item())
-                    collector.schedule_collection(step)
-                    values[step] = collector.collect_results()
+            with Join([job.model], throw_on_early_termination=True):
+                for step in range(1, batches[dist.get_rank()] + 1):
+                    job.step()
+                    job.collector.schedule_collection(step)
+                    values[step] = job.collector.collect_results()
         except RuntimeError as error:
             assert "exhausted" in str(error)  # every rank stops at the same step
-        assert collector.close()
-    everyone: list[list[float]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, losses)
-    return values, everyone
+        assert job.collector.close()
+    return values, job.every_ranks_losses()
 
 
 @pytest.mark.distributed
