@@ -3,6 +3,9 @@
 The histograms are float64 ``(classes, bins)`` counts of negatives and positives, bins in
 increasing score order. Only samples that share a bin can be ordered wrongly, so each function
 returns the value and a bound on its distance to the exact value on the same scores.
+
+Running totals go through ``running_counts``, never a floating-point ``cumsum``: CUDA has no
+deterministic one, so under ``torch.use_deterministic_algorithms(True)`` it raises.
 """
 
 from __future__ import annotations
@@ -14,7 +17,20 @@ __all__ = [
     "auroc_from_histograms",
     "average_precision_from_histograms",
     "partial_auroc_from_histograms",
+    "running_counts",
 ]
+
+
+def running_counts(counts: Tensor, dim: int = -1) -> Tensor:
+    """``counts.cumsum(dim)`` of whole-number float counts, summed as int64, in ``counts``' dtype.
+
+    CUDA's floating-point ``cumsum`` is not deterministic: under
+    ``torch.use_deterministic_algorithms(True)`` it raises ``RuntimeError`` (a warning with
+    ``warn_only=True``), which failed every ranking ``compute()`` on the GPU. Its integer
+    ``cumsum`` is deterministic and needs no host sync. Counts below 2**53 are exact in float64,
+    and so are their running totals, so the int64 sums are the same numbers on every device.
+    """
+    return counts.to(torch.int64).cumsum(dim).to(counts.dtype)
 
 
 def auroc_from_histograms(negatives: Tensor, positives: Tensor) -> tuple[Tensor, Tensor]:
@@ -25,7 +41,7 @@ def auroc_from_histograms(negatives: Tensor, positives: Tensor) -> tuple[Tensor,
     and each by at most half a pair, so the bound is ``0.5 * sum_b P_b N_b / (P * N)``.
     Classes without positives or without negatives are NaN.
     """
-    below = negatives.cumsum(-1) - negatives
+    below = running_counts(negatives) - negatives
     pairs = positives.sum(-1) * negatives.sum(-1)
     auroc = (positives * (below + 0.5 * negatives)).sum(-1) / pairs
     bound = 0.5 * (positives * negatives).sum(-1) / pairs
@@ -44,8 +60,8 @@ def average_precision_from_histograms(
     width of the intervals. Classes without positives are NaN.
     """
     positives_desc, negatives_desc = positives.flip(-1), negatives.flip(-1)
-    true_pos = positives_desc.cumsum(-1)
-    false_pos = negatives_desc.cumsum(-1)
+    true_pos = running_counts(positives_desc)
+    false_pos = running_counts(negatives_desc)
     true_above, false_above = true_pos - positives_desc, false_pos - negatives_desc
     has_positive = positives_desc > 0
     ones = torch.ones_like(true_pos)
@@ -70,8 +86,10 @@ def partial_auroc_from_histograms(
     clipped rectangles' area, standardized the same way.
     """
     zero = torch.zeros_like(negatives[..., :1])
-    fpr = torch.cat((zero, negatives.flip(-1).cumsum(-1)), -1) / negatives.sum(-1, keepdim=True)
-    tpr = torch.cat((zero, positives.flip(-1).cumsum(-1)), -1) / positives.sum(-1, keepdim=True)
+    false_pos = torch.cat((zero, running_counts(negatives.flip(-1))), -1)
+    true_pos = torch.cat((zero, running_counts(positives.flip(-1))), -1)
+    fpr = false_pos / negatives.sum(-1, keepdim=True)
+    tpr = true_pos / positives.sum(-1, keepdim=True)
     x0, x1, y0, y1 = fpr[..., :-1], fpr[..., 1:], tpr[..., :-1], tpr[..., 1:]
     left, right = x0.clamp(max=max_fpr), x1.clamp(max=max_fpr)
     width = right - left

@@ -44,10 +44,12 @@ def tie_histograms(scores: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _per_group(members: Tensor, last: Tensor) -> Tensor:
-    """``members`` counted per tie group, the count at the group's last row."""
-    running = members.to(torch.float64).cumsum(0)
+    """``members`` counted per tie group (float64), the count at the group's last row."""
+    # Counted in int64: CUDA's floating-point cumsum raises under
+    # torch.use_deterministic_algorithms(True), its integer one is deterministic.
+    running = members.to(torch.int64).cumsum(0)
     # The running count is non-decreasing, so its maximum over group ends so far is the count
     # at the latest group end: shifted one row, the count before each group.
-    at_ends = torch.where(last, running, 0.0).cummax(0).values
+    at_ends = torch.where(last, running, 0).cummax(0).values
     before = torch.cat((torch.zeros_like(at_ends[:1]), at_ends[:-1]))
-    return torch.where(last, running - before, 0.0)
+    return torch.where(last, running - before, 0).to(torch.float64)
