@@ -856,6 +856,30 @@ def test_a_relative_sqlite_file_is_the_one_next_to_the_job_when_built(
     assert [run.data.metrics for run in runs] == [{"loss": 0.5}]
 
 
+@pytest.mark.parametrize("scheme", ["sqlite", "sqlite+pysqlite"])
+def test_a_sqlite_url_keeps_its_query_out_of_the_path_made_absolute(
+    scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The query was made absolute with the path: an empty path (SQLAlchemy's in-memory
+    # database) became the working directory, which SQLite cannot open ("unable to open
+    # database file" at open), and a relative file's query was normalized as a path.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "job").mkdir()
+    monkeypatch.chdir(tmp_path / "job")
+    in_memory = MlflowSink(tracking_uri=f"{scheme}:///?timeout=5")
+    assert in_memory.replay_options()["tracking_uri"] == f"{scheme}:///?timeout=5"
+    sink = MlflowSink(tracking_uri=f"{scheme}:///m.db?timeout=5&x=a//b", experiment="query")
+    absolute = f"{scheme}:///{tmp_path / 'job'}/m.db?timeout=5&x=a//b"
+    assert sink.replay_options()["tracking_uri"] == absolute
+    monkeypatch.chdir(tmp_path)
+    sink.open(RunInfo(name="r"))
+    sink.write(Report(step=1, values={"loss": 0.5}, time=time.time()))
+    sink.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'job' / 'm.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("query").experiment_id])
+    assert [run.data.metrics for run in runs] == [{"loss": 0.5}]
+
+
 @pytest.mark.parametrize(
     ("uri", "message"),
     [

@@ -674,9 +674,12 @@ def _check_file_store(uri: str) -> None:
         )
 
 
-_SQLITE_FILE = re.compile(r"(sqlite(?:\+\w+)?:///)(?![/:])(.+)", re.IGNORECASE | re.DOTALL)
+_SQLITE_FILE = re.compile(
+    r"(sqlite(?:\+\w+)?:///)(?![/:?])([^?]+)(\?.*)?", re.IGNORECASE | re.DOTALL
+)
 """A SQLite file URL with a relative path (any driver: ``sqlite+pysqlite:///rel.db``): the
-scheme part, then the path. Four slashes are an absolute path, ``:memory:`` no file."""
+scheme part, the path, then the query if any. Four slashes are an absolute path; ``:memory:``
+and an empty path (``sqlite:///?timeout=5``, SQLAlchemy's in-memory database) no file."""
 
 
 def _sqlite_file(uri: str) -> str | None:
@@ -690,7 +693,9 @@ def _absolute_store(uri: str) -> str:
     """``uri`` with a relative SQLite file or local store path made absolute."""
     relative = _SQLITE_FILE.fullmatch(uri)
     if relative is not None:
-        return relative.group(1) + os.path.abspath(relative.group(2))
+        # The query is not part of the path: made absolute with it, an empty path (in
+        # memory) became the working directory itself, which SQLite cannot open.
+        return relative.group(1) + os.path.abspath(relative.group(2)) + (relative.group(3) or "")
     if len(urlparse(uri).scheme) <= 1 and uri not in ("databricks", "databricks-uc"):
         return os.path.abspath(uri)
     return uri
