@@ -829,3 +829,26 @@ def test_a_shallow_copy_of_a_bound_metric_is_refused_by_another_collector(
     finally:
         collector.close()
     AsyncMetricCollector(second, prefix="b").close()  # the first one closed: free again
+
+
+def test_permanent_failure_advice_fits_an_error_that_is_no_missing_client(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A JSONL file another writer appends to is no option or client to fix: say so plainly.
+
+    Found when a killed torchrun's orphaned ranks kept writing beside the resumed job: the
+    error said "Fix the sink's options or install its client", which fitted neither.
+    """
+    path = tmp_path / "m.jsonl"
+    run = Run([JsonlSink(path)], spool_dir=str(tmp_path))
+    with caplog.at_level(logging.ERROR, logger="sidestream.sinks"):
+        run.log(1, {"lr": 0.1})
+        run.state_dict()  # waits until step 1 is in the file
+        with path.open("a") as other:  # a second job on the same path
+            other.write(json.dumps({"step": 1, "stream": "", "values": {"lr": 0.1}}) + "\n")
+        run.log(2, {"lr": 0.1})
+        assert run.close(timeout=30) is False
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "another writer" in errors[0]
+    assert "install its client" not in errors[0]
+    assert "fix what the error names" in errors[0].lower()

@@ -1243,8 +1243,9 @@ class SinkRunner:
         logger.error(
             "sink %r: %s failed permanently: %s. Not retried: nothing more is sent to this "
             "sink and close() returns False; its reports are kept (queue, then spool) for a "
-            "checkpoint and for close to leave in a spool file. Fix the sink's options or "
-            "install its client, then resume from the last checkpoint",
+            "checkpoint and for close to leave in a spool file. Fix what the error names "
+            "(an option, a missing client, another writer on the sink's path, ...), then "
+            "resume from the last checkpoint",
             self.key,
             what,
             reason,
