@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from sidestream._host_events import wait_on_host
+from sidestream._threads import own_thread
 from sidestream.sinks.base import Report
 
 __all__ = ["LogEntry", "LogPipe"]
@@ -48,8 +49,9 @@ class LogPipe:
     Policy when full (``capacity`` entries waiting):
 
     - every waiting entry, and the new one, holds host numbers only (the thread is behind a
-      burst of calls, not waiting for a GPU): the caller delivers them itself, in order, and
-      nothing is dropped; that call takes as long as the deliveries;
+      burst of calls, not waiting for a GPU): the new one is queued all the same, and the
+      caller then delivers the queue itself, in order (``drain``), and nothing is dropped;
+      that call takes as long as the deliveries;
     - an entry waits for a CUDA copy (the copies stall): the new entry is dropped, counted in
       ``dropped`` and warned about once. The caller never waits for the GPU.
 
@@ -70,20 +72,39 @@ class LogPipe:
         # Held around each delivery, by the thread or by a caller draining a full queue: one
         # delivery at a time, in the order of the calls.
         self._delivering = threading.Lock()
+        # The thread holding _delivering: a logging handler run inside a delivery (a sink's
+        # warning) whose Run.log finds the queue full must not wait for its own thread.
+        self._deliverer: int | None = None
         self._entries: deque[LogEntry] = deque()
         self._on_device = 0  # entries waiting for a CUDA copy, queued or being delivered
         self._busy = False
         self._stopping = False
         self._refusing = False  # stopped by a run's close: put refuses (_refuse_if_stopping)
         self.dropped = 0
-        self._thread = threading.Thread(target=self._work, name="sidestream-log", daemon=True)
+        self._thread = own_thread(
+            self._work, name="sidestream-log", role="Run.log thread (from a logging handler)"
+        )
         self._thread.start()
 
     def put(self, entry: LogEntry) -> None:
         """Queue ``entry``; returns without waiting for the GPU (see the class's policy).
 
-        Sets ``entry.queued`` once it is queued (or delivered, or dropped): a Ctrl-C that
-        interrupts this call finds it set or not, and the entry then queued or not.
+        ``take``, then ``drain`` if the queue was full.
+        """
+        if self.take(entry):
+            self.drain()
+
+    def take(self, entry: LogEntry) -> bool:
+        """Queue ``entry``, or drop it (see the class's policy); never waits.
+
+        Sets ``entry.queued`` once it is queued (or dropped): a Ctrl-C that interrupts this call
+        finds it set or not, and the entry then queued or not.
+
+        Returns:
+            Whether the queue was full of host numbers: the caller should ``drain`` it, once it
+            holds no lock a delivery may need (``Run.log``'s: a logging handler run inside the
+            delivery in progress may log, and a caller that waited for that delivery holding
+            it hung the job).
         """
         with self._lock:
             self._refuse_if_stopping(entry)
@@ -93,12 +114,17 @@ class LogPipe:
                 entry.queued = True
                 self._entries.append(entry)
                 self._cond.notify_all()
-                return
+                return False
             if entry.host is not None or self._on_device:
                 entry.queued = True
                 self._drop(entry)
-                return
-        self._drain_with(entry)  # sets entry.queued once the entry is in the queue
+                return False
+            # Queued one over capacity at once, with the flag: its place in the order of the
+            # calls is taken here, and an interrupt from here on finds it queued.
+            entry.queued = True
+            self._entries.append(entry)
+            self._cond.notify_all()
+            return True
 
     def _drop(self, entry: LogEntry) -> None:
         self.dropped += 1
@@ -110,24 +136,23 @@ class LogPipe:
                 entry.step,
             )
 
-    def _drain_with(self, entry: LogEntry) -> None:
-        """Deliver every waiting entry, then ``entry``, on the calling thread, in order."""
-        # A Ctrl-C while this call waits for the delivery in progress (the usual place: a
-        # full queue means slow deliveries) must leave the entry untaken: entry.queued is set
-        # only once it is in the queue, past the wait.
+    def drain(self) -> None:
+        """Deliver every waiting entry on the calling thread, in order (after ``take`` said so).
+
+        Left to the delivery in progress when this thread runs it (a logging handler's
+        ``Run.log`` inside a delivery: waiting for it, this thread would wait for itself), and
+        to the pipe's thread while an entry waits for a CUDA copy (the caller never waits for
+        the GPU). An interrupt (Ctrl-C) leaves what was not delivered queued, in order.
+        """
+        if self._deliverer == threading.get_ident():
+            return
         with self._delivering:
+            self._deliverer = threading.get_ident()
             pending: deque[LogEntry] | None = None
             try:
                 with self._lock:
-                    self._refuse_if_stopping(entry)
                     if self._on_device:  # queued meanwhile by another thread: it would wait
-                        entry.queued = True
-                        self._drop(entry)
                         return
-                    # Queued (one over capacity) at once with the flag: an interrupt from here
-                    # on finds it queued, and the pipe's thread delivers it.
-                    entry.queued = True
-                    self._entries.append(entry)
                     fresh: deque[LogEntry] = deque()
                     # Swapped with no call in between: every entry is in one of the two.
                     pending, self._entries = self._entries, fresh
@@ -137,6 +162,7 @@ class LogPipe:
                     self._deliver_one(pending[0])
                     pending.popleft()
             finally:
+                self._deliverer = None
                 if pending is not None:
                     with self._lock:
                         # Interrupted (Ctrl-C): the entries not delivered yet go back, in order.
@@ -216,6 +242,7 @@ class LogPipe:
             return count
         lost = 0
         try:
+            self._deliverer = threading.get_ident()
             with self._lock:
                 # With _delivering held nothing leaves the queue's head: ours still queued lead
                 # it, up to the last.
@@ -228,7 +255,7 @@ class LogPipe:
                 if not copied and not final:
                     return count - handed
                 if copied:
-                    # Taken off only once delivered, as in _drain_with: a second Ctrl-C in the
+                    # Taken off only once delivered, as in drain: a second Ctrl-C in the
                     # delivery leaves it queued for the sinks that lack it.
                     self._deliver_one(head)
                 else:
@@ -240,6 +267,7 @@ class LogPipe:
                     self._cond.notify_all()
             return lost
         finally:
+            self._deliverer = None
             self._delivering.release()
 
     def _queued_through(self, last: LogEntry | None) -> int:
@@ -271,17 +299,21 @@ class LogPipe:
                 with contextlib.suppress(Exception):
                     wait_on_host(head.done)
             with self._delivering:
-                with self._lock:
-                    if not self._entries or self._entries[0] is not head:
-                        continue  # a caller delivered it: look again
-                    entry = self._entries.popleft()
-                    self._busy = True
-                self._deliver_one(entry)
-                with self._lock:
-                    self._busy = False
-                    if entry.host is not None:
-                        self._on_device -= 1
-                    self._cond.notify_all()
+                self._deliverer = threading.get_ident()
+                try:
+                    with self._lock:
+                        if not self._entries or self._entries[0] is not head:
+                            continue  # a caller delivered it: look again
+                        entry = self._entries.popleft()
+                        self._busy = True
+                    self._deliver_one(entry)
+                    with self._lock:
+                        self._busy = False
+                        if entry.host is not None:
+                            self._on_device -= 1
+                        self._cond.notify_all()
+                finally:
+                    self._deliverer = None
 
     def _deliver_one(self, entry: LogEntry) -> None:
         try:

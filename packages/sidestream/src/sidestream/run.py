@@ -41,6 +41,7 @@ from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
 from sidestream._step import training_step
 from sidestream._text import check_encodable
+from sidestream._threads import refuse_on_own_thread
 from sidestream._validation import refuse_distributed
 from sidestream.collector._checkpoint_errors import naming_checkpoint_failures
 from sidestream.collector.collector import DEFAULT_MAX_SLOTS, AsyncMetricCollector
@@ -161,6 +162,13 @@ class Run:
         # tracker sinks then skipped the smaller one, silently, though its call had returned.
         # Re-entrant: a signal handler that logs, run inside a call, must not wait for itself.
         self._log_lock = threading.RLock()
+        # The thread inside a log call's step check and hand-off: a log call run inside it on
+        # that thread (a logging handler forwarding a warning the call logged, a signal
+        # handler's) is refused. Let in, its step reached the sinks first (the tracker sinks
+        # then skipped the smaller one of the call it ran inside), or the outer call then put
+        # the previous step back below it, and the calls that followed were skipped: silently,
+        # while close said True.
+        self._logging_thread: int | None = None
         self._closed = False
         self._closing = CloseOnce()  # which close call closes, and its answer for the others
 
@@ -311,14 +319,45 @@ class Run:
             RuntimeError: If the run is closed (also by a close run inside this call on its
                 thread, a signal handler's, or by another thread's close whose timeout ran out
                 while it waited for this call, before the values were handed over: they reach
-                no sink), or the job's process group is missing.
+                no sink), or the job's process group is missing; or if called inside another
+                ``log`` call on its thread, before that call handed its values over (a logging
+                handler forwarding a warning the call logged, or a signal handler): the two
+                steps could reach the sinks out of order, and trackers skip the smaller.
         """
         step = training_step(step)
+        if self._logging_thread == threading.get_ident():
+            raise RuntimeError(
+                f"log: called inside a log call on the same thread (by a logging handler that "
+                f"forwards a warning that call logged, or a signal handler); step {step} would "
+                "reach the sinks out of order with that call's, and trackers skip the smaller: "
+                "count the warnings (set a flag in a signal handler) and log them from the "
+                "training loop"
+            )
         with self._log_lock:
-            self._log(step, values)
+            try:
+                # Inside the try: an interrupt right after it is set must not leave it set.
+                self._logging_thread = threading.get_ident()
+                drain = self._log(step, values)
+            finally:
+                self._logging_thread = None
+        if drain:
+            assert self._log_pipe is not None
+            try:
+                # Outside _log_lock: a logging handler run inside the delivery in progress (a
+                # sink's warning on the Run.log thread) may log, and waiting for that delivery
+                # with the lock held hung both threads for good.
+                self._log_pipe.drain()
+            except BaseException as error:
+                error.add_note(f"log: the values of step {step} were logged before this error")
+                raise
 
-    def _log(self, step: int, values: Mapping[str, float | int | Tensor]) -> None:
-        """``log`` with ``_log_lock`` held (the step checked against the previous call's)."""
+    def _log(self, step: int, values: Mapping[str, float | int | Tensor]) -> bool:
+        """``log`` with ``_log_lock`` held (the step checked against the previous call's).
+
+        Returns:
+            Whether the queue was full: the caller delivers it (``LogPipe.drain``) once it let
+            go of ``_log_lock``.
+        """
         if self._last_log_step is not None and step <= self._last_log_step:
             raise ValueError(
                 f"step: expected > the previous log call's {self._last_log_step}, got {step} "
@@ -387,7 +426,7 @@ class Run:
         self._delivery.start("log")
         if not self.is_writer:
             self._last_log_step = step
-            return
+            return False
         entry = LogEntry(step=step, time=time.time(), numbers=numbers)
         try:
             if on_gpu:
@@ -399,7 +438,7 @@ class Run:
                     # on this thread): no close stops this one, so it is stopped here, and put
                     # refuses the entry (it would reach no sink) instead of taking it.
                     self._log_pipe.stop(0, refuse_later=True)
-            self._log_pipe.put(entry)
+            drain = self._log_pipe.take(entry)
         except BaseException as error:
             # A Ctrl-C (or the exit of a SIGTERM handler) in the call: the step is used only if
             # its values were taken, so the call made again logs them once.
@@ -408,6 +447,7 @@ class Run:
                 error.add_note(f"log: the values of step {step} were logged before this error")
             raise
         self._last_log_step = step
+        return drain
 
     def _copy_to_host(self, entry: LogEntry, tensors: list[tuple[str, Tensor]]) -> None:
         device = tensors[0][1].device  # one device: log checked it
@@ -444,10 +484,17 @@ class Run:
             failed, ``log`` calls were dropped (``log_dropped``), a sink could not take its
             reports in time (they are kept in a spool file a warning names) or a sink failed
             for good.
+
+        Raises:
+            RuntimeError: If called on one of sidestream's threads (from a sink's method, a
+                metric's ``compute``, or a logging handler run there): it waits for them.
         """
         timeout = check_timeout("close: timeout", timeout)
         if forked_since(self._delivery.started_in, "close", "Run"):
             return False
+        # Before the claim: a close from a sink's write waited for that write, gave up at
+        # once, and left the reports still queued to die with the process, in no spool file.
+        refuse_on_own_thread("close")
         # Before the claim: a signal handler's close run while this thread starts the sinks
         # (inside bind or the first log) is refused with nothing changed, not left waiting for
         # the lock its own thread holds; the run closes normally afterwards.
@@ -607,7 +654,8 @@ class Run:
                 process group is initialized (every rank would save its own sink states as
                 rank 0's); or if a checkpoint collective failed (a rank stopped: at the
                 process group's timeout, not ``timeout``), naming the windows still running
-                or failed.
+                or failed; or if called on one of sidestream's threads (from a sink's
+                method, a metric's ``compute``, or a logging handler run there).
         """
         # The collector's own state_dict first raises a rank mismatch its windows found (as
         # it does when called directly); a collector of this run holds no sink states.
@@ -616,6 +664,8 @@ class Run:
         # order (or one rank an extra one) would otherwise reduce one collector's state against
         # another's.
         timeout = self._delivery.options.checkpoint_wait(timeout)
+        # It waits for the sinks and the windows: on their threads it waits for itself.
+        refuse_on_own_thread("state_dict")
         # It waits for the collectors' windows and the sinks, whose threads stay in the
         # process that started them: in a forked child it would wait for ever.
         refuse_in_forked_child("state_dict", self._delivery.started_in, "Run")

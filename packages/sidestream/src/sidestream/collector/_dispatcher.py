@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from sidestream._host_events import host_event, wait_on_host
+from sidestream._threads import own_thread
 from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
 from sidestream.collector._window import (
@@ -96,10 +97,17 @@ class Dispatcher:
         self._waiting: tuple[int, float] | None = None  # (step, since): a reduction waited for
         self._watch_stop = threading.Event()  # set when the dispatcher thread ends
         self._stopped = False  # stop was called: submit refuses (see there)
-        self._thread = threading.Thread(target=self._work, name="sidestream-dispatch", daemon=True)
+        self._thread = own_thread(
+            self._work,
+            name="sidestream-dispatch",
+            role="dispatcher thread of a collector (from a metric's sync or compute, or a logging "
+            "handler)",
+        )
         self._thread.start()
-        self._watch_thread = threading.Thread(
-            target=self._watch, name="sidestream-dispatch-watch", daemon=True
+        self._watch_thread = own_thread(
+            self._watch,
+            name="sidestream-dispatch-watch",
+            role="watch thread of a collector (from a logging handler)",
         )
         try:
             self._watch_thread.start()

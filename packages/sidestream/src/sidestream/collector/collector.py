@@ -47,6 +47,7 @@ from sidestream._exit import (
 )
 from sidestream._step import training_step
 from sidestream._text import check_encodable
+from sidestream._threads import refuse_on_own_thread
 from sidestream._validation import check_int
 from sidestream.collector._checkpoint_errors import naming_checkpoint_failures
 from sidestream.collector._dispatcher import Dispatcher
@@ -608,9 +609,11 @@ class AsyncMetricCollector(Generic[MetricT]):
             RuntimeError: If not bound, or closed (also by a close run inside this call on its
                 thread, a signal handler's, or by another thread's close whose timeout ran out
                 while it waited for this call, before the window was handed over: it is not
-                reported); or if a metric of the tree says its states cannot be read as they
-                are (``Metric._check_readable``: the torchmetrics bridge's wrapped object
-                updated directly), before anything is staged.
+                reported); if called on one of sidestream's threads (from a sink's method, a
+                metric's ``compute``, or a logging handler run there); or if a metric of the
+                tree says its states cannot be read as they are (``Metric._check_readable``:
+                the torchmetrics bridge's wrapped object updated directly), before anything
+                is staged.
             TypeError: If ``step`` is not an integer (Python or numpy).
             ValueError: If ``step`` is not larger than the previous window's step, or not in
                 ``[0, 2**63)`` (it travels as an int64); or a wrapped torchmetrics metric's
@@ -620,6 +623,9 @@ class AsyncMetricCollector(Generic[MetricT]):
             raise RuntimeError(f"schedule_collection: {_CLOSED}")
         if self._dispatcher is None:
             raise RuntimeError("schedule_collection: call bind(device) first")
+        # It may wait for a staging slot, which the dispatcher frees: from a metric's compute
+        # with every slot in use it waited for ever for the window it was computing.
+        refuse_on_own_thread("schedule_collection")
         refuse_in_forked_child("schedule_collection", self._bound_in, "collector")
         refuse_in_forked_child("schedule_collection", self._delivery.started_in, "Run")
         acquired = self._scheduling.acquire(blocking=False)
@@ -1060,9 +1066,12 @@ class AsyncMetricCollector(Generic[MetricT]):
                 rank skipped one), without waiting for the windows left with no partner.
             RuntimeError: If nothing was scheduled, a window failed since the last call (or the
                 latest window failed), or ``timeout`` passed first; or in a child made by
-                ``os.fork`` after ``bind`` (the dispatcher thread stays in the parent).
+                ``os.fork`` after ``bind`` (the dispatcher thread stays in the parent); or
+                on one of sidestream's threads (from a sink's method, a metric's
+                ``compute``, or a logging handler run there): it waits for the windows.
         """
         timeout = check_timeout("collect_results: timeout", timeout)
+        refuse_on_own_thread("collect_results")
         # The dispatcher thread stays in the parent: a window in flight at the fork would be
         # waited for forever (or, with a timeout, blamed on a rank that is behind).
         refuse_in_forked_child("collect_results", self._bound_in, "collector")
@@ -1101,10 +1110,16 @@ class AsyncMetricCollector(Generic[MetricT]):
             Whether everything finished and was delivered: ``False`` if windows were still
             running or failed, if a sink could not take its reports in time (they are kept
             in a spool file a warning names) or if a sink failed for good.
+
+        Raises:
+            RuntimeError: If called on one of sidestream's threads (from a sink's method, a
+                metric's ``compute``, or a logging handler run there): it waits for them.
         """
         timeout = check_timeout("close: timeout", timeout)
         if forked_since(self._bound_in, "close", "collector"):
             return False
+        # Before the claim: from a metric's compute it waited for the window it computed.
+        refuse_on_own_thread("close")
         if self._owns_delivery:
             # Before the claim, as Run.close: not inside this thread's start of the sinks.
             self._delivery.refuse_inside_start("close")
@@ -1299,9 +1314,11 @@ class AsyncMetricCollector(Generic[MetricT]):
             RankMismatchError: If a window was paired with another call on some rank.
             RuntimeError: If the checkpoint's collective failed (a rank stopped: at the
                 process group's timeout, not ``timeout``), naming the windows still running
-                or failed.
+                or failed; or if called on one of sidestream's threads (from a sink's
+                method, a metric's ``compute``, or a logging handler run there).
         """
         timeout = self._delivery.options.checkpoint_wait(timeout)
+        refuse_on_own_thread("state_dict")  # it waits for the dispatcher and sink threads
         # It waits for the windows, which the dispatcher thread of the parent computes.
         refuse_in_forked_child("state_dict", self._bound_in, "collector")
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+from sidestream._threads import own_thread
 from sidestream._validation import check_int
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool, SpoolWriteError
 from sidestream.sinks._spool_format import (
@@ -162,6 +163,7 @@ class SinkRunner:
         self._inbox_capacity = max(capacity, INBOX_MIN_CAPACITY)
         self._inbox_dropped = 0
         self._inbox_dropping = False
+        self._inbox_unsaid: Report | None = None  # under _inbox_lock: see _say_inbox_drop
         self._close_requested = False  # under _inbox_lock: no more submit
         self._close_timeout: float | None = None  # the first close's, which its messages name
         self._close_deadline: float | None = None
@@ -193,11 +195,15 @@ class SinkRunner:
         # on the sink later opens it only then (see _SINK_USERS).
         self._done = threading.Event()
         self._earlier: list[threading.Event] = []  # those of runners started on it before
-        self._thread = threading.Thread(
-            target=self._work_or_fail, name=f"sidestream-sink-{self.key}", daemon=True
+        self._thread = own_thread(
+            self._work_or_fail,
+            name=f"sidestream-sink-{self.key}",
+            role=f"thread of sink {self.key!r} (from the sink's methods, or a logging handler)",
         )
-        self._intake = threading.Thread(
-            target=self._take_in_or_fail, name=f"sidestream-spool-{self.key}", daemon=True
+        self._intake = own_thread(
+            self._take_in_or_fail,
+            name=f"sidestream-spool-{self.key}",
+            role=f"spool thread of sink {self.key!r} (from a logging handler)",
         )
 
     # ------------------------------------------------------------------ caller side
@@ -323,8 +329,33 @@ class SinkRunner:
                         return
             finally:
                 self._cond.release()
-        with self._inbox_lock:  # _cond released: the intake thread needs it to make room
-            self._wait_in_inbox(report)
+        try:
+            with self._inbox_lock:  # _cond released: the intake thread needs it to make room
+                self._wait_in_inbox(report)
+        finally:
+            self._say_inbox_drop()
+
+    def _say_inbox_drop(self) -> None:
+        """Warn about the first drop of a streak ``_wait_in_inbox`` made, with no lock held.
+
+        Under ``_inbox_lock``, a logging handler that logs to the run (``run.log``, on the
+        dispatcher's thread) waited for the ``Run.log`` thread's delivery, which waited for
+        that lock: both threads hung.
+        """
+        if self._inbox_unsaid is None:  # the usual case: no lock taken again
+            return
+        with self._inbox_lock:
+            lost, self._inbox_unsaid = self._inbox_unsaid, None
+        if lost is not None:
+            logger.warning(
+                "sink %r: %d report(s) wait to be spooled and the spool's disk wrote none "
+                "for %.0f s (spool_dir on a hung disk?); dropped the oldest, step %d "
+                "(counted in SinkRunner.dropped; not logged again until the wait drains)",
+                self.key,
+                self._inbox_capacity,
+                INTAKE_STALL_S,
+                lost.step,
+            )
 
     def _refuse_after_close(self) -> None:
         if self._close_requested:  # _inbox_lock held
@@ -334,7 +365,8 @@ class SinkRunner:
         """Give ``report`` to the intake thread (``_inbox_lock`` held, ``_cond`` not).
 
         Waits for room while the intake thread makes progress; past ``INTAKE_STALL_S`` without
-        any, drops the oldest waiting instead.
+        any, drops the oldest waiting instead (the first of a streak is kept in
+        ``_inbox_unsaid``, for ``_say_inbox_drop`` to warn about once the lock is free).
         """
         if not self._inbox:
             # Nothing waited: the intake thread has had no work, so no time without progress.
@@ -349,15 +381,7 @@ class SinkRunner:
             self._inbox_dropped += 1
             if not self._inbox_dropping:
                 self._inbox_dropping = True
-                logger.warning(
-                    "sink %r: %d report(s) wait to be spooled and the spool's disk wrote none "
-                    "for %.0f s (spool_dir on a hung disk?); dropped the oldest, step %d "
-                    "(counted in SinkRunner.dropped; not logged again until the wait drains)",
-                    self.key,
-                    self._inbox_capacity,
-                    INTAKE_STALL_S,
-                    lost.step,
-                )
+                self._inbox_unsaid = lost
         # Checked again after any wait: close takes what waits, so nothing may come later.
         self._refuse_after_close()
         self._submitted += 1

@@ -1,0 +1,49 @@
+"""sidestream's own threads, and the blocking calls that must not be made on them.
+
+User code runs on these threads: a sink's methods on its sink thread, a metric's ``sync`` and
+``compute`` on a collector's dispatcher thread, and any ``logging`` handler on whichever thread
+logs. A call that waits for the thread it runs on never ends: ``run.state_dict(None)`` from a
+sink's ``write`` waited forever for that write; ``run.close()`` there returned ``False`` at once
+("cannot join current thread"), keeping no spool file, and the reports still queued died with
+the process; ``schedule_collection`` from a ``compute`` with every staging slot in use waited
+forever for the window it was computing. Such calls raise instead (``refuse_on_own_thread``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+__all__ = ["own_thread", "refuse_on_own_thread"]
+
+_ROLE = "_sidestream_role"  # the attribute a thread made by own_thread carries
+
+
+def own_thread(target: Callable[[], object], *, name: str, role: str) -> threading.Thread:
+    """A daemon thread of sidestream's, not started; ``role`` says what runs on it.
+
+    Args:
+        target: What the thread runs.
+        name: The thread's name.
+        role: The thread as an error names it, with the user code that runs on it
+            (``"thread of sink 'jsonl' (from the sink's methods, or a logging handler)"``).
+    """
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    setattr(thread, _ROLE, role)
+    return thread
+
+
+def refuse_on_own_thread(call: str) -> None:
+    """Raise if this is one of sidestream's threads: ``call`` waits for them, so for itself.
+
+    Raises:
+        RuntimeError: Naming ``call``, the thread, and what to do instead.
+    """
+    role = getattr(threading.current_thread(), _ROLE, None)
+    if role is not None:
+        raise RuntimeError(
+            f"{call}: called on sidestream's {role}, which it waits for: it would wait for "
+            "itself (a hang, or a close that loses what was not delivered). Make it from the "
+            "training loop's thread (from a sink, a metric or a logging handler, set a flag "
+            "the loop reads)"
+        )
