@@ -267,3 +267,51 @@ def test_the_hung_spool_disk_warning_is_logged_with_no_lock_held(
         sink.gate.set()
         runner.close(10)
     assert held == [False], "warned while holding the inbox lock"
+
+
+def test_a_close_waits_for_another_threads_log_delivering_a_full_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A data-loader thread's run.log found the queue full and delivered it itself, outside
+    # Run.log's lock, holding the entries aside; the training thread's close meanwhile found the
+    # pipe's queue empty, closed the sinks, and said True: the entries held aside were lost.
+    draining = threading.Event()
+    release = threading.Event()
+    loader: threading.Thread | None = None
+
+    def slow_pipe(deliver: Callable[..., Any]) -> LogPipe:
+        def slowly(*args: Any) -> Any:
+            if threading.current_thread() is loader and not draining.is_set():
+                draining.set()  # the loader's drain is inside its first delivery
+                release.wait(_DEADLINE_S)
+            else:
+                time.sleep(0.02)  # the pipe's thread falls behind: the queue fills
+            return deliver(*args)
+
+        return LogPipe(slowly, capacity=2)
+
+    monkeypatch.setattr(run_module, "LogPipe", slow_pipe)
+    path = tmp_path / "run.jsonl"
+    run = Run([JsonlSink(path)])
+    returned: list[int] = []
+
+    def log_until_draining() -> None:
+        for step in range(1, 200):
+            if draining.is_set():
+                return
+            run.log(step, {"x": float(step)})
+            returned.append(step)
+
+    def scenario() -> None:
+        nonlocal loader
+        loader = threading.Thread(target=log_until_draining, name="loader", daemon=True)
+        loader.start()
+        assert draining.wait(_DEADLINE_S), "the loader never delivered the queue itself"
+        threading.Timer(0.3, release.set).start()
+        closed = run.close(_DEADLINE_S)
+        loader.join(_DEADLINE_S)
+        assert closed
+        delivered = {record["step"] for record in read_jsonl(path)}
+        assert set(returned) <= delivered, sorted(set(returned) - delivered)
+
+    _within_deadline(scenario, "close during another thread's drain")

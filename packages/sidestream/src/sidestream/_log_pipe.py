@@ -148,26 +148,29 @@ class LogPipe:
             return
         with self._delivering:
             self._deliverer = threading.get_ident()
-            pending: deque[LogEntry] | None = None
             try:
                 with self._lock:
                     if self._on_device:  # queued meanwhile by another thread: it would wait
                         return
-                    fresh: deque[LogEntry] = deque()
-                    # Swapped with no call in between: every entry is in one of the two.
-                    pending, self._entries = self._entries, fresh
-                while pending:  # host numbers only: none waits for the GPU
-                    # Taken off only once delivered: a Ctrl-C in the delivery (a sink's full
-                    # queue waiting for room) puts it back, for the sinks that lack it only.
-                    self._deliver_one(pending[0])
-                    pending.popleft()
+                    # Those queued now (host numbers only: none waits for the GPU); later ones
+                    # are the pipe's thread's, or their own callers'.
+                    count = len(self._entries)
+                for _ in range(count):
+                    with self._lock:
+                        # Only holders of _delivering take entries off: this is still the head.
+                        head = self._entries[0]
+                    # Delivered from the queue's head and taken off only once delivered, never
+                    # held aside: a close on another thread (which waits for the pipe's thread
+                    # to find the queue empty) or a checkpoint (wait_idle) then waits for it,
+                    # where entries held aside reached the sinks after they closed, lost while
+                    # close said True; and a Ctrl-C in the delivery (a sink's full queue
+                    # waiting for room) leaves it queued, for the sinks that lack it only.
+                    self._deliver_one(head)
+                    with self._lock:
+                        self._entries.popleft()
+                        self._cond.notify_all()
             finally:
                 self._deliverer = None
-                if pending is not None:
-                    with self._lock:
-                        # Interrupted (Ctrl-C): the entries not delivered yet go back, in order.
-                        self._entries.extendleft(reversed(pending))
-                        self._cond.notify_all()
 
     def _refuse_if_stopping(self, entry: LogEntry) -> None:
         """Raise, leaving ``entry`` untaken, after ``stop(refuse_later=True)`` (lock held).
