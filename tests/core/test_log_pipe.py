@@ -228,6 +228,9 @@ def test_a_ctrl_c_as_a_full_queue_waits_to_deliver_marks_the_entry_taken_only_if
         def __exit__(self, *exc: Any) -> Any:
             return self.lock.__exit__(*exc)
 
+        def held_here(self) -> bool:
+            return bool(self.lock.held_here())
+
     pipe._delivering = Interrupted(pipe._delivering)  # type: ignore[assignment]
     entry = LogEntry(step=4, time=0.0, numbers={"x": 4.0})
     with pytest.raises(KeyboardInterrupt):

@@ -886,21 +886,14 @@ class CloseProgress:
     Args:
         runners: The runners being closed.
         deadline: The close's deadline (``time.monotonic()``), ``None`` for no limit.
-        first_s: Seconds before the first line.
-        every_s: Seconds between later lines.
     """
 
-    def __init__(
-        self,
-        runners: list[SinkRunner],
-        deadline: float | None,
-        first_s: float | None = None,
-        every_s: float | None = None,
-    ) -> None:
+    def __init__(self, runners: list[SinkRunner], deadline: float | None) -> None:
         self._runners = runners
         self._deadline = deadline
-        self._first_s = CLOSE_PROGRESS_FIRST_S if first_s is None else first_s
-        self._every_s = CLOSE_PROGRESS_EVERY_S if every_s is None else every_s
+        # Read when made, not imported: tests shorten them.
+        self._first_s = CLOSE_PROGRESS_FIRST_S
+        self._every_s = CLOSE_PROGRESS_EVERY_S
         self._began = time.monotonic()
         self._delivered_before = {id(runner): runner.delivered for runner in runners}
         self._stop = threading.Event()

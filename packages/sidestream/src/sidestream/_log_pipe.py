@@ -71,10 +71,7 @@ class LogPipe:
         self._cond = threading.Condition(self._lock)
         # Held around each delivery, by the thread or by a caller draining a full queue: one
         # delivery at a time, in the order of the calls.
-        self._delivering = threading.Lock()
-        # The thread holding _delivering: a logging handler run inside a delivery (a sink's
-        # warning) whose Run.log finds the queue full must not wait for its own thread.
-        self._deliverer: int | None = None
+        self._delivering = _OwnedLock()
         self._entries: deque[LogEntry] = deque()
         self._on_device = 0  # entries waiting for a CUDA copy, queued or being delivered
         self._busy = False
@@ -144,33 +141,31 @@ class LogPipe:
         to the pipe's thread while an entry waits for a CUDA copy (the caller never waits for
         the GPU). An interrupt (Ctrl-C) leaves what was not delivered queued, in order.
         """
-        if self._deliverer == threading.get_ident():
+        # A logging handler run inside a delivery (a sink's warning) whose Run.log finds the
+        # queue full must not wait for its own thread.
+        if self._delivering.held_here():
             return
         with self._delivering:
-            self._deliverer = threading.get_ident()
-            try:
+            with self._lock:
+                if self._on_device:  # queued meanwhile by another thread: it would wait
+                    return
+                # Those queued now (host numbers only: none waits for the GPU); later ones
+                # are the pipe's thread's, or their own callers'.
+                count = len(self._entries)
+            for _ in range(count):
                 with self._lock:
-                    if self._on_device:  # queued meanwhile by another thread: it would wait
-                        return
-                    # Those queued now (host numbers only: none waits for the GPU); later ones
-                    # are the pipe's thread's, or their own callers'.
-                    count = len(self._entries)
-                for _ in range(count):
-                    with self._lock:
-                        # Only holders of _delivering take entries off: this is still the head.
-                        head = self._entries[0]
-                    # Delivered from the queue's head and taken off only once delivered, never
-                    # held aside: a close on another thread (which waits for the pipe's thread
-                    # to find the queue empty) or a checkpoint (wait_idle) then waits for it,
-                    # where entries held aside reached the sinks after they closed, lost while
-                    # close said True; and a Ctrl-C in the delivery (a sink's full queue
-                    # waiting for room) leaves it queued, for the sinks that lack it only.
-                    self._deliver_one(head)
-                    with self._lock:
-                        self._entries.popleft()
-                        self._cond.notify_all()
-            finally:
-                self._deliverer = None
+                    # Only holders of _delivering take entries off: this is still the head.
+                    head = self._entries[0]
+                # Delivered from the queue's head and taken off only once delivered, never
+                # held aside: a close on another thread (which waits for the pipe's thread
+                # to find the queue empty) or a checkpoint (wait_idle) then waits for it,
+                # where entries held aside reached the sinks after they closed, lost while
+                # close said True; and a Ctrl-C in the delivery (a sink's full queue
+                # waiting for room) leaves it queued, for the sinks that lack it only.
+                self._deliver_one(head)
+                with self._lock:
+                    self._entries.popleft()
+                    self._cond.notify_all()
 
     def _refuse_if_stopping(self, entry: LogEntry) -> None:
         """Raise, leaving ``entry`` untaken, after ``stop(refuse_later=True)`` (lock held).
@@ -245,7 +240,6 @@ class LogPipe:
             return count
         lost = 0
         try:
-            self._deliverer = threading.get_ident()
             with self._lock:
                 # With _delivering held nothing leaves the queue's head: ours still queued lead
                 # it, up to the last.
@@ -270,7 +264,6 @@ class LogPipe:
                     self._cond.notify_all()
             return lost
         finally:
-            self._deliverer = None
             self._delivering.release()
 
     def _queued_through(self, last: LogEntry | None) -> int:
@@ -302,21 +295,17 @@ class LogPipe:
                 with contextlib.suppress(Exception):
                     wait_on_host(head.done)
             with self._delivering:
-                self._deliverer = threading.get_ident()
-                try:
-                    with self._lock:
-                        if not self._entries or self._entries[0] is not head:
-                            continue  # a caller delivered it: look again
-                        entry = self._entries.popleft()
-                        self._busy = True
-                    self._deliver_one(entry)
-                    with self._lock:
-                        self._busy = False
-                        if entry.host is not None:
-                            self._on_device -= 1
-                        self._cond.notify_all()
-                finally:
-                    self._deliverer = None
+                with self._lock:
+                    if not self._entries or self._entries[0] is not head:
+                        continue  # a caller delivered it: look again
+                    entry = self._entries.popleft()
+                    self._busy = True
+                self._deliver_one(entry)
+                with self._lock:
+                    self._busy = False
+                    if entry.host is not None:
+                        self._on_device -= 1
+                    self._cond.notify_all()
 
     def _deliver_one(self, entry: LogEntry) -> None:
         try:
@@ -340,3 +329,32 @@ def _report(entry: LogEntry) -> Report:
         wait_on_host(entry.done)
         values.update(zip(entry.device_names, entry.host.tolist(), strict=True))
     return Report(step=entry.step, values=values, time=entry.time, stream="")
+
+
+class _OwnedLock:
+    """A lock that knows which thread holds it (``held_here``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def acquire(self, timeout: float = -1) -> bool:
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._owner = threading.get_ident()
+        return True
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds it."""
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> _OwnedLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
