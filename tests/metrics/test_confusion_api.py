@@ -578,6 +578,9 @@ def test_old_names_point_to_the_new_ones() -> None:
         builder = confusion_matrix_metric(ignore_index=-100)
     # d9d's name, with d9d's numbers changed: the warning says how.
     assert "per-class accuracy is recall" in str(warned[0].message)
+    assert warned[0].filename == __file__  # the caller's line, not sidestream's
+    # PEP 702: mypy and pyright flag each use, not only the run that reaches it.
+    assert "confusion_count_metric" in confusion_matrix_metric.__deprecated__
     assert builder == confusion_count_metric(ignore_index=-100)
     generator = torch.Generator().manual_seed(2)
     preds, target = torch.randint(0, 3, (40,), generator=generator), torch.randint(0, 3, (40,))

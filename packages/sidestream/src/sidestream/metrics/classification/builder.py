@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Self, TypeAlias, overload
 
 from torch import Tensor
-from typing_extensions import TypeVar  # defaults (PEP 696); torch requires typing_extensions
+from typing_extensions import TypeVar, deprecated  # PEP 696 defaults, PEP 702 (torch needs it)
 
 from sidestream.metrics.classification._average import Average, check_zero_division
 from sidestream.metrics.classification._problem import Problem, ProblemKind, check_ignore_index
@@ -316,22 +315,21 @@ def confusion_count_metric(
     )
 
 
+@deprecated(
+    "confusion_matrix_metric() is now confusion_count_metric(); the C x C matrix is "
+    "MulticlassConfusionMatrixMetric. Its statistics follow scikit-learn, not d9d's builder: "
+    "per-class accuracy is recall, zero_division defaults to 0.0 (d9d: NaN), top_k averages "
+    "macro unless .micro(), and the threshold compares with >= (see 'Coming from d9d' in "
+    "the docs)"
+)
 def confusion_matrix_metric(
     *, ignore_index: int | None = None, zero_division: float = 0.0
 ) -> ConfusionCountMetricBuilder[NoStatistic, Literal["global"]]:
     """Deprecated name of ``confusion_count_metric`` (it never built a confusion matrix).
 
-    Kept for one release so existing code keeps running; it warns once per call site.
+    Kept for one release so existing code keeps running: each call warns
+    (``DeprecationWarning``), and type checkers flag its uses (PEP 702).
     """
-    warnings.warn(
-        "confusion_matrix_metric() is now confusion_count_metric(); the C x C matrix is "
-        "MulticlassConfusionMatrixMetric. Its statistics follow scikit-learn, not d9d's builder: "
-        "per-class accuracy is recall, zero_division defaults to 0.0 (d9d: NaN), top_k averages "
-        "macro unless .micro(), and the threshold compares with >= (see 'Coming from d9d' in "
-        "the docs)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
     return confusion_count_metric(ignore_index=ignore_index, zero_division=zero_division)
 
 
