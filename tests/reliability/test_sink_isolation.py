@@ -135,6 +135,58 @@ def test_spool_is_bounded_drops_oldest_and_counts(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_drop_messages_name_the_lost_steps_of_each_stream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full spool's warning and close's summary gave counts only: an operator could not tell
+    which steps a tracker lacks. They name each stream's lost steps now (lowest, highest, how
+    many), which must be the steps the sink never received."""
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=2, spool_dir=str(tmp_path), spool_max_bytes=2048)
+    sent: dict[str, set[int]] = {"train": set(), "val": set(), "": set()}
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        for step in range(1, 301):
+            for stream in ("train", "val", "") if step % 10 == 0 else ("train",):
+                runner.submit(Report(step=step, values={"loss": 0.5}, time=0.0, stream=stream))
+                sent[stream].add(step)
+        runner.start()
+        sink.gate.set()
+        assert runner.close(10) is False
+    received: dict[str, set[int]] = {"train": set(), "val": set(), "": set()}
+    for report in sink.reports:
+        received[report.stream].add(report.step)
+    said = [r.getMessage() for r in caplog.records]
+    summary = next(m for m in said if "were dropped" in m)
+    names = {"train": "train", "val": "val", "": "Run.log"}
+    for stream, steps in sent.items():
+        lost = sorted(steps - received[stream])
+        assert lost, stream  # the cap is small enough to lose some of each
+        expected = f"{names[stream]}: {len(lost)} between steps {lost[0]} and {lost[-1]}"
+        assert expected in summary, (expected, summary)
+    assert runner.dropped == sum(len(sent[s] - received[s]) for s in sent)
+    full = next(m for m in said if "spool full" in m)
+    assert "lost train: " in full
+
+
+def test_a_spool_notes_the_steps_it_loses_itself(tmp_path: Path) -> None:
+    """Steps lost inside the spool (a damaged line read back, reports a close could not keep)
+    are noted there, so the runner's messages name them too."""
+    from sidestream.sinks._spool import Spool
+
+    spool = Spool(str(tmp_path), label="t")
+    for step in (5, 6, 7):
+        spool.append(Report(step=step, values={"x": 1.0}, time=0.0, stream="val"))
+    assert spool.path is not None
+    with open(spool.path, "r+b") as file:
+        file.write(b"#")  # the first line is damaged now
+    with pytest.raises(ValueError):
+        spool.pop_oldest()
+    assert spool.lost.describe() == "val: step 5"
+    spool.discard(lost=True)
+    assert spool.lost.describe() == "val: 3 between steps 5 and 7"
+    assert len(spool) == 0
+
+
 def test_damaged_and_unreadable_spool_lines_are_dropped_not_fatal(tmp_path: Path) -> None:
     sink = GatedSink()
     runner = SinkRunner(sink, capacity=1, spool_dir=str(tmp_path))

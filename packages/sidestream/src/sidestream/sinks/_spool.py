@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import IO
 
+from sidestream.sinks._lost import LostSteps
 from sidestream.sinks._spool_format import decode_report, encode_report
 from sidestream.sinks.base import Report
 
@@ -80,7 +81,10 @@ class Spool:
         self._read_offset = 0
         self._end = 0
         self._lines: deque[int] = deque()  # byte length of each spooled line, oldest first
+        self._marks: deque[tuple[str, int]] = deque()  # (stream, step) of each line, likewise
         self.dropped = 0
+        #: The steps of the reports this spool dropped or could not keep, for the messages.
+        self.lost = LostSteps()
         #: When ``keep`` last wrote something (``time.monotonic()``): a caller that waits for
         #: it on another thread gives up on a disk that stopped answering, not on a slow one.
         self.kept_progress = 0.0
@@ -179,11 +183,13 @@ class Spool:
             self._drop_oldest(dropped)
         self._end += len(line)
         self._lines.append(len(line))
+        self._marks.append((report.stream, report.step))
         return dropped
 
     def _drop_oldest(self, count: int) -> None:
         for _ in range(count):
             self._read_offset += self._lines.popleft()
+            self.lost.add(*self._marks.popleft())
         self.dropped += count
 
     def _write_at_end(self, line: bytes) -> None:
@@ -224,6 +230,7 @@ class Spool:
         if self._file is None or not self._lines:
             raise IndexError("the spool is empty")
         size = self._lines.popleft()
+        mark = self._marks.popleft()
         start = self._read_offset
         self._read_offset += size
         try:
@@ -231,6 +238,7 @@ class Spool:
             file.seek(start)
             line = file.read(size)
         except OSError:
+            self.lost.add(*mark)
             # Only this line is lost: the next read seeks to its own line. A buffer the
             # failed read left in an unknown state is dropped with the file object.
             if self._lines:
@@ -240,9 +248,15 @@ class Spool:
         finally:
             if not self._lines:
                 self._reset_file()
-        if len(line) != size:
-            raise ValueError(f"spool {self._path}: a line was cut short ({len(line)} of {size} B)")
-        return decode_report(line)
+        try:
+            if len(line) != size:
+                raise ValueError(
+                    f"spool {self._path}: a line was cut short ({len(line)} of {size} B)"
+                )
+            return decode_report(line)
+        except ValueError:
+            self.lost.add(*mark)
+            raise
 
     def _reset_file(self) -> None:
         # Everything read back: start the file over instead of growing it forever.
@@ -310,17 +324,21 @@ class Spool:
             if path is not None:
                 paths.append(path)
             lost += len(reports) - kept
+            self.lost.add_reports(reports[kept:])
         if self._lines:
             spooled = len(self._lines)
             try:
                 paths.append(self._keep_file())
             except Exception:
                 lost += spooled
+                for mark in self._marks:
+                    self.lost.add(*mark)
         if newer:
             path, kept = self._write_oldest(list(newer))
             if path is not None:
                 paths.append(path)
             lost += len(newer) - kept
+            self.lost.add_reports(newer[kept:])
         self.discard()
         return paths, lost, first_error
 
@@ -417,8 +435,15 @@ class Spool:
         self._file = self._path = None  # discard must not delete it now
         return path
 
-    def discard(self) -> None:
-        """Close and delete the spool file; never raises."""
+    def discard(self, *, lost: bool = False) -> None:
+        """Close and delete the spool file; never raises.
+
+        Args:
+            lost: The spooled reports are lost (not delivered, not kept): note their steps.
+        """
+        if lost:
+            for mark in self._marks:
+                self.lost.add(*mark)
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
@@ -428,6 +453,7 @@ class Spool:
                 os.unlink(self._path)
             self._path = None
         self._lines.clear()
+        self._marks.clear()
         self._read_offset = self._end = 0
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from sidestream._threads import own_thread
 from sidestream._validation import check_int
+from sidestream.sinks._lost import LostSteps
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES, Spool, SpoolWriteError
 from sidestream.sinks._spool_format import (
     decode_report,
@@ -130,6 +131,8 @@ class SinkRunner:
         self._submitted = 0  # under _inbox_lock: submit never waits for _cond
         self._delivered = 0
         self._dropped = 0  # spool drops, under _cond
+        # The steps of reports lost here (the spool notes those it loses itself), for messages.
+        self._lost_steps = LostSteps()
         self._dropping = False  # inside a streak of drops: logged once
         self._closing = False  # under _cond: the sink thread stops once all is delivered
         # Reports for the spool wait here, in memory, for the intake thread to write them, so
@@ -379,6 +382,7 @@ class SinkRunner:
                 continue
             lost = self._inbox.popleft()
             self._inbox_dropped += 1
+            self._lost_steps.add(lost.stream, lost.step)
             if not self._inbox_dropping:
                 self._inbox_dropping = True
                 self._inbox_unsaid = lost
@@ -396,6 +400,7 @@ class SinkRunner:
             except Exception as error:
                 # And the older reports dropped for room before the write failed.
                 lost = 1 + (error.dropped if isinstance(error, SpoolWriteError) else 0)
+                self._lost_steps.add(report.stream, report.step)  # the spool notes the older
                 self._drop(lost, f"could not spool step {report.step}: {_describe(error)}")
             else:
                 if dropped:
@@ -452,12 +457,13 @@ class SinkRunner:
         if not self._dropping:
             self._dropping = True
             logger.warning(
-                "sink %r: %s; dropped %d report(s) (counted in SinkRunner.dropped, %d so far; "
+                "sink %r: %s; dropped %d report(s) (counted in SinkRunner.dropped, %d so far%s; "
                 "not logged again until the spool works and is at most half full)",
                 self.key,
                 reason,
                 count,
                 self._dropped,
+                self._lost_steps_said(", lost "),
             )
 
     # The counters and the status are read without _cond, which the intake and sink threads
@@ -660,16 +666,19 @@ class SinkRunner:
         if self._thread.ident is None:  # never started: nothing was opened or delivered
             self._let_go()  # in case it was registered on its sink (a start interrupted)
             with self._lock:
-                self._spool.discard()
+                with self._inbox_lock:
+                    self._lost_steps.add_reports([*self._queue, *self._inbox])
+                self._spool.discard(lost=True)
                 # Counted and said, as any report lost (those dropped already were).
                 lost = self._submitted - self._delivered - self._lost()
                 if lost:
                     self._dropped += lost
                     logger.warning(
                         "sink %r: closed before it was started; dropped the %d report(s) "
-                        "submitted to it (counted in SinkRunner.dropped)",
+                        "submitted to it (counted in SinkRunner.dropped%s)",
                         self.key,
                         lost,
+                        self._lost_steps_said(", "),
                     )
                 return self._submitted == 0
         self._thread.join(self._remaining())
@@ -1019,11 +1028,17 @@ class SinkRunner:
         if self._lost():
             logger.warning(
                 "sink %r: %d of %d report(s) were dropped (spool full, unusable or damaged, or "
-                "the spool's disk did not keep up)",
+                "the spool's disk did not keep up)%s",
                 self.key,
                 self._lost(),
                 self._submitted,
+                self._lost_steps_said("; lost "),
             )
+
+    def _lost_steps_said(self, lead: str) -> str:
+        """``lead`` and the steps of the reports lost so far (``LostSteps``), or ``""``."""
+        said = self._lost_steps.merged(self._spool.lost).describe()
+        return f"{lead}{said}" if said else ""
 
     # ------------------------------------------------------------------ sink thread
 
