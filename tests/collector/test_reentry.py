@@ -8,8 +8,10 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -315,3 +317,51 @@ def test_a_close_waits_for_another_threads_log_delivering_a_full_queue(
         assert set(returned) <= delivered, sorted(set(returned) - delivered)
 
     _within_deadline(scenario, "close during another thread's drain")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_from_a_sidestream_thread_may_make_blocking_calls() -> None:
+    """The child of a fork runs on the forking thread's object: it kept the role of the
+    sidestream thread it was forked from, and every blocking call in it was refused."""
+    from sidestream._threads import own_thread, refuse_on_own_thread
+
+    codes: list[int] = []
+
+    def fork_and_ask() -> None:
+        child = os.fork()
+        if child == 0:  # the child: its only thread is its own
+            try:
+                refuse_on_own_thread("close")
+            except RuntimeError:
+                os._exit(3)
+            os._exit(0)
+        codes.append(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+
+    thread = own_thread(fork_and_ask, name="forker", role="thread of a test")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: as asked
+        thread.start()
+        thread.join(30)
+    assert codes == [0]
+    with pytest.raises(RuntimeError, match="thread of a test"):
+        # The parent's thread keeps its role.
+        _ask_on_a_new_own_thread(own_thread, refuse_on_own_thread)
+
+
+def _ask_on_a_new_own_thread(
+    make: Callable[..., threading.Thread], refuse: Callable[[str], None]
+) -> None:
+    """Call ``refuse("close")`` on a new thread made by ``make``; raise what it raised."""
+    raised: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            refuse("close")
+        except RuntimeError as error:
+            raised.append(error)
+
+    thread = make(ask, name="asker", role="thread of a test")
+    thread.start()
+    thread.join(30)
+    if raised:
+        raise raised[0]

@@ -11,6 +11,7 @@ forever for the window it was computing. Such calls raise instead (``refuse_on_o
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -47,3 +48,18 @@ def refuse_on_own_thread(call: str) -> None:
             "training loop's thread (from a sink, a metric or a logging handler, set a flag "
             "the loop reads)"
         )
+
+
+def _forget_role_in_child() -> None:
+    """In a process forked from one of sidestream's threads: that thread is its own now.
+
+    The child runs on the forking thread's object (its main thread from then on), which still
+    carried the role, so every blocking call there was refused.
+    """
+    thread = threading.current_thread()
+    if hasattr(thread, _ROLE):
+        delattr(thread, _ROLE)
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which does not fork
+    os.register_at_fork(after_in_child=_forget_role_in_child)
