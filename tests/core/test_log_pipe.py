@@ -114,9 +114,12 @@ def test_a_close_that_times_out_behind_a_stalled_copy_says_how_many_calls_were_l
         assert "1 Run.log call(s) still waited for CUDA copies" in caplog.text
     finally:
         copy.finish()
-    steps = [record["step"] for record in read_jsonl(tmp_path / "run.jsonl")]
-    steps += [r.step for f in (tmp_path / "spool").glob("*.spool.jsonl") for r in read_spool(f)]
-    assert sorted(steps) == [1, 3]
+    written = [record["step"] for record in read_jsonl(tmp_path / "run.jsonl")]
+    kept = [r.step for f in (tmp_path / "spool").glob("*.spool.jsonl") for r in read_spool(f)]
+    assert sorted(written) == sorted(set(written))  # each once in the file
+    # A write under way as the timeout ran out may be in both (at least once: a replay skips
+    # the steps the file has), so the steps are compared as a set.
+    assert sorted(set(written + kept)) == [1, 3]
 
 
 def test_a_zero_timeout_close_with_nothing_waiting_says_nothing_of_cuda_copies(

@@ -884,7 +884,11 @@ def copy_keeping_views(obj: Any, memo: dict[int, Any]) -> Any:
     """
     new = object.__new__(type(obj))
     memo[id(obj)] = new
-    for key, value in obj.__dict__.items():
+    # Over a snapshot of the attributes: a close run inside the copy on this thread (a signal
+    # handler's, during schedule_collection's copy into a new slot) takes a key out of a
+    # metric's __dict__, and a checkpoint on another thread adds one; iterated live, the copy
+    # failed with "dictionary changed size during iteration".
+    for key, value in list(obj.__dict__.items()):
         object.__setattr__(new, key, copy.deepcopy(value, memo))
     for key in _slot_names(obj):
         object.__setattr__(new, key, copy.deepcopy(getattr(obj, key), memo))

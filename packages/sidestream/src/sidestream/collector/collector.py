@@ -975,6 +975,21 @@ class AsyncMetricCollector(Generic[MetricT]):
         return slot
 
     def _wait_for_slot(self) -> Slot:
+        slot = self._wait_for_free_slot()
+        self._refuse_if_closed_meanwhile()  # the slot may be one a window gave back since
+        return slot
+
+    def _refuse_if_closed_meanwhile(self) -> None:
+        """Raise the closed collector's error if a close ran inside this call.
+
+        A signal handler's close while the call waited for a slot: the wait then met the stopped
+        dispatcher ("the dispatcher thread has stopped") or took the slots the close dropped for
+        lost ones (and warned so).
+        """
+        if self._closed:
+            raise RuntimeError(f"schedule_collection: {_CLOSED}")
+
+    def _wait_for_free_slot(self) -> Slot:
         assert self._dispatcher is not None
         start = time.monotonic()
         try:
@@ -1003,6 +1018,7 @@ class AsyncMetricCollector(Generic[MetricT]):
                 try:
                     return self._free_slots.get(timeout=1.0)
                 except queue.Empty:
+                    self._refuse_if_closed_meanwhile()
                     if not self._dispatcher.alive:
                         raise RuntimeError(
                             "schedule_collection: the dispatcher thread has stopped"
@@ -1022,6 +1038,7 @@ class AsyncMetricCollector(Generic[MetricT]):
         processed), so every slot counted is then lost.
         """
         assert self._dispatcher is not None
+        self._refuse_if_closed_meanwhile()
         if self._dispatcher.unprocessed or not self._free_slots.empty():
             return None
         logger.warning(
