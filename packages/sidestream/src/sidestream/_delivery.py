@@ -161,6 +161,7 @@ class Delivery:
         self.options = options
         self.resume_states: dict[str, Any] = {}
         self.unclaimed_states: dict[str, Any] = {}
+        self.loaded = False  # load_sink_states was called: the sinks resume a checkpoint's run
         # A checkpoint's undelivered reports per sink (spool lines): delivered first at start.
         self.backlogs: dict[str, str] = {}
         self.unclaimed_backlogs: dict[str, str] = {}
@@ -236,6 +237,7 @@ class Delivery:
                 if self.is_writer:
                     runners = [self._runner(key, sink) for key, sink in self.sinks.items()]
                     self._start_runners(runners)
+                    self._warn_restart_without_checkpoint()
                 self.runners = runners
                 self.started_in = fork_mark()
                 if self.on_start is not None:
@@ -243,6 +245,29 @@ class Delivery:
                 return runners
             finally:
                 self._starting = None
+
+    def _warn_restart_without_checkpoint(self) -> None:
+        """Warn when torchrun restarted the job in place and nothing was loaded.
+
+        ``torchrun --max-restarts`` starts every worker again in the same job
+        (``TORCHELASTIC_RESTART_COUNT`` counts the restarts). A run that loaded no checkpoint
+        then opens new tracker runs beside the earlier attempt's (MLflow, W&B) and writes its
+        steps again after theirs (JSONL, TensorBoard): the job shows as two runs, steps
+        twice, with only the JSONL and TensorBoard sinks saying why, and their advice (resume
+        the earlier job's checkpoint) is none a restart before the first checkpoint can take.
+        """
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if self.loaded or not self.sinks or not restarts.isdigit() or int(restarts) == 0:
+            return
+        logger.warning(
+            "torchrun restarted this job's workers (TORCHELASTIC_RESTART_COUNT=%s) and this "
+            "run loaded no checkpoint, so its sinks (%s) start anew: a tracker run beside the "
+            "one the earlier attempt opened (MLflow, W&B), and the steps it wrote written "
+            "again (JSONL, TensorBoard). Checkpoint the run once before the first step (after "
+            "bind), so that every restart resumes it (docs/runs.md: Restarts by torchrun)",
+            restarts,
+            ", ".join(self.sinks),
+        )
 
     def refuse_inside_start(self, where: str) -> None:
         """Raise if this thread is starting the sinks (or undoing a start): a handler's call.
@@ -726,6 +751,7 @@ class Delivery:
         # The callers ran check_sink_states first, before restoring anything else.
         keys = self._saved_keys(states)
         loaded = {keys[key]: copy.deepcopy(steps_as_pairs(state)) for key, state in states.items()}
+        self.loaded = True
         self.resume_states = {key: state for key, state in loaded.items() if key in self.sinks}
         # A sink this run does not have (left out of the config for this job): its state is
         # carried on into this run's checkpoints, as unclaimed collector states are.
