@@ -207,3 +207,14 @@ def test_pinned_host_copies_under_a_cuda_default_device(what: str, tmp_path: Pat
     finally:
         torch.set_default_device(None)
     assert [record["values"] for record in read_jsonl(tmp_path / "run.jsonl")] == [{"loss": 2.5}]
+
+
+def test_metrics_are_made_after_the_default_device_is_set_back_to_none() -> None:
+    # torch 2.8's get_default_device() raised AttributeError after set_default_device(None),
+    # and every metric's __init__ asks it: no metric could be made for the rest of the process.
+    torch.set_default_device("meta")
+    torch.set_default_device(None)
+    metric = MeanMetric()
+    metric.update(torch.tensor([1.0, 3.0]))
+    assert metric.compute().item() == 2.0
+    assert metric.device == torch.device("cpu")

@@ -104,7 +104,9 @@ def as_tensor(
             )
         # detach() makes a new tensor object: skip it when there is no graph to cut.
         return value.detach() if value.requires_grad else value
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    # A tuple, not int | float: torch 2.8's dynamo cannot trace isinstance with a
+    # types.UnionType (a compiled update given a number).
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         if isinstance(value, bool) or not isinstance(value, Real):
             raise TypeError(f"{argument}: expected a torch.Tensor or a number, got {type(value)}")
         # Another real number (numpy.float32, numpy.int64, Fraction) as the Python one.

@@ -264,7 +264,7 @@ class Metric(Generic[T], abc.ABC):
                 f"{attribute}: a name the Metric base class keeps its own bookkeeping in; give "
                 f"the {type(value).__name__} an attribute of another name"
             )
-        if isinstance(value, MetricAccumulator | Metric):
+        if isinstance(value, _TREE_TYPES):
             if not self._holds_declared(value):
                 self._refuse_shadowing(attribute, value)
                 self._declare(attribute.lstrip("_"), value, attribute)
@@ -286,7 +286,7 @@ class Metric(Generic[T], abc.ABC):
 
     def __delattr__(self, attribute: str) -> None:
         current = self.__dict__.get(attribute)
-        if isinstance(current, MetricAccumulator | Metric) and self._holds_declared(current):
+        if isinstance(current, _TREE_TYPES) and self._holds_declared(current):
             # It would stay declared (synced, reset, in checkpoints) out of the code's reach.
             what = "state" if isinstance(current, MetricAccumulator) else "child metric"
             raise TypeError(
@@ -328,12 +328,14 @@ class Metric(Generic[T], abc.ABC):
         if declared is None or declared[0] != attribute:
             # A state from add_state kept in an attribute (``self._high = self.add_state(
             # "high", ...)``) is declared without one: look at what the attribute holds.
+            # A loop, not next() over a generator: torch 2.8's dynamo cannot trace that (a
+            # compiled update assigning an attribute).
             current = self.__dict__.get(attribute)
-            name, declared = next(
-                ((key, item) for key, item in registry.items() if item[1] is current),
-                (name, None),
-            )
-            if declared is None:
+            for key, item in registry.items():
+                if item[1] is current:
+                    name, declared = key, item
+                    break
+            else:
                 return
         what = "state" if isinstance(declared[1], MetricAccumulator) else "child metric"
         raise TypeError(
@@ -1679,7 +1681,7 @@ def _building_the_arena(init: Callable[..., None]) -> Callable[..., None]:
         # built for its size) its tensors were meta ones, and every metric but MaxMetric and
         # MinMetric failed with torch's "Tensor.item() cannot be called on meta tensors". It is
         # built on the CPU, then moved: the same metric as `.to("meta")` gives.
-        for_meta = not depth and outer is None and torch.get_default_device().type == "meta"
+        for_meta = not depth and outer is None and _default_device_type() == "meta"
         token = _BUILT_FOR_META.set(set()) if for_meta else None
         object.__setattr__(self, "_init_depth", depth + 1)
         try:
@@ -1804,7 +1806,7 @@ def _tree_objects(value: Any) -> Iterator[tuple[MetricAccumulator | Metric[Any],
     if not isinstance(value, _CONTAINERS):
         return
     for item in value.values() if isinstance(value, _MAPPINGS) else value:
-        if isinstance(item, MetricAccumulator | Metric):
+        if isinstance(item, _TREE_TYPES):
             yield item, value
         else:
             yield from _tree_objects(item)
@@ -1881,6 +1883,9 @@ def has_own_sync(metric: Metric[Any]) -> bool:
 # The collections module's wrappers too: a UserDict or ChainMap of states hides them as well.
 _MAPPINGS = (dict, collections.UserDict, collections.ChainMap, MappingProxyType)
 _CONTAINERS = (list, tuple, set, frozenset, collections.deque, collections.UserList, *_MAPPINGS)
+# A tuple, not MetricAccumulator | Metric: torch 2.8's dynamo cannot trace isinstance with a
+# types.UnionType, and a compiled update runs __setattr__ and __delattr__.
+_TREE_TYPES = (MetricAccumulator, Metric)
 
 _CONTAINER_TYPES: dict[type, bool] = {}
 """Whether each type met is a container: ``isinstance`` against the ABC-registered ones
@@ -1895,9 +1900,19 @@ def _items(container: Any) -> Iterable[Any]:
 def _may_hold_tree_objects(container: Any) -> bool:
     """Whether an item of ``container`` is a state, a metric or another container."""
     for kind in set(map(type, _items(container))):
-        if issubclass(kind, MetricAccumulator | Metric) or _is_container_type(kind):
+        if issubclass(kind, _TREE_TYPES) or _is_container_type(kind):
             return True
     return False
+
+
+def _default_device_type() -> str:
+    """The type of the device tensors are made on by default (``torch.set_default_device``)."""
+    try:
+        return torch.get_default_device().type
+    except AttributeError:
+        # torch 2.8 after torch.set_default_device(None), which leaves its context None and
+        # get_default_device failing on it: the default is the CPU again.
+        return "cpu"
 
 
 def _is_container_type(kind: type) -> bool:
