@@ -187,6 +187,52 @@ def test_a_spool_notes_the_steps_it_loses_itself(tmp_path: Path) -> None:
     assert len(spool) == 0
 
 
+def test_the_lost_steps_records_are_never_written_by_two_threads_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submitter drops from the inbox holding _inbox_lock alone while the intake thread notes
+    a failed spool write holding _cond alone: the one record both wrote lost counts (a GIL
+    switch inside ``seen[2] += 1``, or two threads making a stream's first entry). Each record
+    is written under one lock, as the counters beside it are."""
+    from sidestream.sinks import runner as runner_module
+    from sidestream.sinks._lost import LostSteps
+    from sidestream.sinks._spool import Spool
+
+    def slow_failing_append(self: Spool, report: Report) -> int:
+        time.sleep(0.003)  # a slow disk, then full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    overlaps: list[int] = []
+    inside: set[int] = set()
+    add = LostSteps.add
+
+    def add_widened(self: LostSteps, stream: str, step: int) -> None:
+        if id(self) in inside:
+            overlaps.append(step)
+        inside.add(id(self))
+        try:
+            time.sleep(0.0005)  # a thread switch inside add, widened
+            add(self, stream, step)
+        finally:
+            inside.discard(id(self))
+
+    monkeypatch.setattr(Spool, "append", slow_failing_append)
+    monkeypatch.setattr(LostSteps, "add", add_widened)
+    monkeypatch.setattr(runner_module, "INBOX_MIN_CAPACITY", 4)
+    monkeypatch.setattr(runner_module, "INTAKE_STALL_S", 0.001)
+    sink = GatedSink()
+    runner = SinkRunner(sink, capacity=1, spool_dir=str(tmp_path))
+    runner.start()
+    for step in range(1, 301):
+        runner.submit(Report(step=step, values={"x": 1.0}, time=0.0, stream="train"))
+    sink.gate.set()
+    runner.close(20)
+    assert runner._inbox_dropped > 0 and runner._dropped > 0  # both kinds of drop happened
+    assert overlaps == []
+    said = runner._lost_steps_said("")
+    assert said.startswith(f"train: {runner.dropped} between steps "), (said, runner.dropped)
+
+
 def test_damaged_and_unreadable_spool_lines_are_dropped_not_fatal(tmp_path: Path) -> None:
     sink = GatedSink()
     runner = SinkRunner(sink, capacity=1, spool_dir=str(tmp_path))

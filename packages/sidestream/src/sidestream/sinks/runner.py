@@ -131,8 +131,13 @@ class SinkRunner:
         self._submitted = 0  # under _inbox_lock: submit never waits for _cond
         self._delivered = 0
         self._dropped = 0  # spool drops, under _cond
-        # The steps of reports lost here (the spool notes those it loses itself), for messages.
+        # The steps of reports lost here (the spool notes those it loses itself), for messages:
+        # under _cond, as _dropped; the inbox's drops in _inbox_lost, under _inbox_lock, as
+        # _inbox_dropped (a submitter drops them holding that lock alone, while the intake
+        # thread notes a failed spool write holding _cond alone: one record written under
+        # either lost counts, and made a stream's first entry twice).
         self._lost_steps = LostSteps()
+        self._inbox_lost = LostSteps()
         self._dropping = False  # inside a streak of drops: logged once
         self._closing = False  # under _cond: the sink thread stops once all is delivered
         # Reports for the spool wait here, in memory, for the intake thread to write them, so
@@ -382,7 +387,7 @@ class SinkRunner:
                 continue
             lost = self._inbox.popleft()
             self._inbox_dropped += 1
-            self._lost_steps.add(lost.stream, lost.step)
+            self._inbox_lost.add(lost.stream, lost.step)
             if not self._inbox_dropping:
                 self._inbox_dropping = True
                 self._inbox_unsaid = lost
@@ -1037,7 +1042,8 @@ class SinkRunner:
 
     def _lost_steps_said(self, lead: str) -> str:
         """``lead`` and the steps of the reports lost so far (``LostSteps``), or ``""``."""
-        said = self._lost_steps.merged(self._spool.lost).describe()
+        # _inbox_lost read without its lock, as _lost() reads _inbox_dropped: merged copies it.
+        said = self._lost_steps.merged(self._spool.lost).merged(self._inbox_lost).describe()
         return f"{lead}{said}" if said else ""
 
     # ------------------------------------------------------------------ sink thread
