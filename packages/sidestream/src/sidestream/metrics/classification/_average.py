@@ -10,6 +10,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from sidestream.metrics._ordered_sum import ordered_sum
+
 __all__ = [
     "AVERAGES",
     "Average",
@@ -90,14 +92,15 @@ def mean_over_classes(
     if undefined:
         weights = torch.where(per_class.isnan(), 0.0, weights)
     total = weights.sum(-1)
-    weighted = torch.where(weights > 0, per_class, 0.0).mul(weights).sum(-1)
+    # Fractions: summed in an order of their own, the same under any CPU thread count.
+    weighted = ordered_sum(torch.where(weights > 0, per_class, 0.0).mul(weights))
     if support_weighted:
         defined = ~per_class.isnan()
         if present is not None:
             # Without any class present (no sample counted) every defined class stays.
             occurs = present > 0
             defined = defined & (occurs | ~occurs.any(-1, keepdim=True))
-        fallback = torch.where(defined, per_class, 0.0).sum(-1) / defined.sum(-1)  # 0/0: NaN
+        fallback = ordered_sum(torch.where(defined, per_class, 0.0)) / defined.sum(-1)  # 0/0: NaN
     else:
         fallback = torch.full_like(weighted, zero_division)
     return torch.where(total > 0, weighted / total.clamp_min(1e-300), fallback)

@@ -5,13 +5,16 @@ increasing score order. Only samples that share a bin can be ordered wrongly, so
 returns the value and a bound on its distance to the exact value on the same scores.
 
 Running totals go through ``running_counts``, never a floating-point ``cumsum``: CUDA has no
-deterministic one, so under ``torch.use_deterministic_algorithms(True)`` it raises.
+deterministic one, so under ``torch.use_deterministic_algorithms(True)`` it raises. Sums of
+fractions go through ``ordered_sum``, whose bits do not depend on the number of CPU threads.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from sidestream.metrics._ordered_sum import ordered_sum
 
 __all__ = [
     "auroc_from_histograms",
@@ -69,8 +72,8 @@ def average_precision_from_histograms(
     highest = true_pos / torch.where(has_positive, true_pos + false_above, ones)
     lowest = (true_above + 1) / (true_above + 1 + false_pos)
     total = positives.sum(-1)
-    ap = (positives_desc * precision).sum(-1) / total
-    bound = (positives_desc * (highest - lowest)).sum(-1) / total
+    ap = ordered_sum(positives_desc * precision) / total
+    bound = ordered_sum(positives_desc * (highest - lowest)) / total
     return ap, bound
 
 
@@ -95,8 +98,8 @@ def partial_auroc_from_histograms(
     width = right - left
     run = torch.where(x1 > x0, x1 - x0, 1.0)
     y_right = torch.where(x1 > x0, y0 + (y1 - y0) * (right - x0) / run, y1)
-    area = (width * (y0 + y_right) / 2).sum(-1)
-    bound = (width * (y1 - y0)).sum(-1)
+    area = ordered_sum(width * (y0 + y_right) / 2)
+    bound = ordered_sum(width * (y1 - y0))
     smallest = 0.5 * max_fpr**2
     scale = 0.5 / (max_fpr - smallest)
     return 0.5 + (area - smallest) * scale, bound * scale

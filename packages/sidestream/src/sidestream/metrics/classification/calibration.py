@@ -7,6 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from sidestream.metrics._ordered_sum import ordered_sum
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.metrics.classification import _cpu_path
 from sidestream.metrics.classification._binning import bin_index
@@ -174,11 +175,11 @@ class CalibrationErrorMetric(ScreenedMetric[Tensor]):
         gap = self._confidence.value - self._accuracy.value
         total = count.sum()
         if self._norm == "l1":
-            return gap.abs().sum() / total
+            return ordered_sum(gap.abs()) / total
         mean_gap = gap / count.clamp_min(1.0)
         if self._norm == "max":
             return torch.where(total > 0, mean_gap.abs().max(), torch.nan)
-        return (mean_gap.square().mul(count).sum() / total).sqrt()
+        return (ordered_sum(mean_gap.square().mul(count)) / total).sqrt()
 
 
 class BinaryCalibrationErrorMetric(CalibrationErrorMetric):

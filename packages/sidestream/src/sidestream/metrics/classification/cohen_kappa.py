@@ -7,6 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from sidestream.metrics._ordered_sum import ordered_sum
 from sidestream.metrics.classification._problem import Problem, ProblemKind, check_problem
 from sidestream.metrics.classification.confusion_matrix import ConfusionMatrixMetric
 
@@ -64,7 +65,8 @@ class CohenKappaMetric(ConfusionMatrixMetric):
             weight = distance
         else:
             weight = distance**2
-        disagreement = (weight * expected).sum()
+        # Fractions (whole-number weights and counts below are exact in any order).
+        disagreement = ordered_sum((weight * expected).reshape(-1))
         safe = torch.where(disagreement == 0, 1.0, disagreement)
         kappa = 1.0 - (weight * observed).sum() / safe
         return torch.where(disagreement == 0, torch.nan, kappa)

@@ -17,6 +17,7 @@ from sidestream._validation import (
     checks_stay_on_device,
     screen_invalid,
 )
+from sidestream.metrics._ordered_sum import ordered_sum
 from sidestream.metrics._screened import ScreenedMetric
 from sidestream.state import MetricAccumulator
 
@@ -126,7 +127,9 @@ class PairedRegressionMetric(ScreenedMetric[Tensor]):
     def _finish(self, per_output: Tensor) -> Tensor:
         if self._num_outputs == 1:
             return per_output[0]
-        return per_output if self._multioutput == "raw_values" else per_output.mean()
+        if self._multioutput == "raw_values":
+            return per_output
+        return ordered_sum(per_output) / self._num_outputs  # the same bits under any thread count
 
 
 def spread(squares: Tensor, sums: Tensor, count: Tensor, updates: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from sidestream._validation import check_int
+from sidestream.metrics._ordered_sum import ordered_sum
 from sidestream.metrics.regression._paired import (
     PairedRegressionMetric,
     fill_saved_updates,
@@ -129,9 +130,10 @@ class R2ScoreMetric(PairedRegressionMetric):
             # it could weigh is negligible, else the weighted mean is unknown.
             varies = ~torch.isnan(total)
             weights = torch.where(varies, total, 0.0)
-            hidden = torch.where(
-                varies, 0.0, rounding_bound(self._target_squares.value, count, updates)
-            ).sum()
-            mean = torch.where(varies, r2 * weights, 0.0).sum() / weights.sum()
-            return torch.where(hidden <= _NEGLIGIBLE_WEIGHT * weights.sum(), mean, torch.nan)
+            hidden = ordered_sum(
+                torch.where(varies, 0.0, rounding_bound(self._target_squares.value, count, updates))
+            )
+            total_weight = ordered_sum(weights)
+            mean = ordered_sum(torch.where(varies, r2 * weights, 0.0)) / total_weight
+            return torch.where(hidden <= _NEGLIGIBLE_WEIGHT * total_weight, mean, torch.nan)
         return self._finish(r2)
