@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -235,6 +236,7 @@ class MlflowSink(TrackerSink):
         if uri_without_password(uri) != uri:
             # MLflow prints the run's URL, user information included, when a run ends.
             os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+            _quiet_run_urls_with_passwords()
 
     def open(self, run: RunInfo) -> None:
         """Create the run, or continue the one from ``load_state_dict``.
@@ -740,6 +742,38 @@ def _unreadable_database_uri(error: BaseException) -> bool:
     """Whether ``error`` is SQLAlchemy refusing the URL itself: retrying cannot help."""
     kind = type(error)
     return kind.__module__.startswith("sqlalchemy") and kind.__name__ == "ArgumentError"
+
+
+def _quiet_run_urls_with_passwords() -> None:
+    """Keep MLflow 2.x from printing a run's URL that holds the tracking URI's password.
+
+    MLflow 3 reads ``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT``, which ``_configure_http`` sets.
+    MLflow 2 (2.16 to 2.22, within this package's requirement) has no such variable: each run
+    it ends prints "View run ... at: http://user:password@host/..." (logged at INFO up to 2.17,
+    written to stdout from 2.18). There its ``TrackingServiceClient._log_url`` is wrapped, once,
+    to print nothing for a client whose tracking URI holds user information, for the whole
+    process as the variable would; other clients print as before.
+    """
+    try:
+        from mlflow import environment_variables
+        from mlflow.tracking._tracking_service.client import TrackingServiceClient
+    except ImportError:
+        return
+    if hasattr(environment_variables, "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"):
+        return  # MLflow 3: the variable is enough
+    original = getattr(TrackingServiceClient, "_log_url", None)
+    if original is None or getattr(original, "_sidestream_wrapper", False):
+        return
+
+    @functools.wraps(original)
+    def _log_url(self: Any, run_id: str) -> None:
+        uri = getattr(self, "tracking_uri", None)
+        if isinstance(uri, str) and uri_without_password(uri) != uri:
+            return
+        original(self, run_id)
+
+    _log_url._sidestream_wrapper = True  # type: ignore[attr-defined]
+    TrackingServiceClient._log_url = _log_url  # type: ignore[method-assign, unused-ignore]
 
 
 def _ended_on_server(client: Any, run_id: str, status: str) -> bool:
