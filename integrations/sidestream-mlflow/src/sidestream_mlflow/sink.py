@@ -42,7 +42,9 @@ RUN_KEY_TAG = "sidestream.run_key"
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_KEY_LENGTH = 250
 MAX_PARAM_VALUE_LENGTH = 6000
-MAX_TAG_VALUE_LENGTH = 8000
+# MLflow 2.x servers (within this package's requirement) refuse tag values over 5000
+# characters; MLflow 3 allows 8000. The client cannot tell the server's limit: the lower one.
+MAX_TAG_VALUE_LENGTH = 5000
 MAX_RUN_NAME_LENGTH = 250
 
 # Characters MLflow allows in metric, param and tag names; others become "_".
