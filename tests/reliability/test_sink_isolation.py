@@ -1442,7 +1442,8 @@ def test_a_submitter_stops_waiting_for_a_spool_disk_that_writes_nothing(
             runner.submit(_report(step))
     assert time.monotonic() - start < 10  # one stall's wait, not one per report
     assert runner.dropped > 0
-    assert any("wrote none for" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "wrote none for" in r.getMessage()]
+    assert said and "dropped the oldest, Run.log step " in said[0]  # _report's stream is ""
     # The newest wait; the oldest of those waiting went first.
     waiting = [r.step for r in runner._inbox]
     assert waiting == list(range(31 - len(waiting), 31)), waiting

@@ -145,17 +145,22 @@ def _rank_one_is_killed() -> int:
     return 0
 
 
-def test_a_rank_killed_by_a_signal_is_named_and_reported_soon() -> None:
+def test_a_rank_killed_by_a_signal_is_named_and_reported_soon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Reported as "exit code -9" only, after the whole 5 s grace though rank 0 had answered.
-    # Timed on a started pool: a start (seconds under load) hid the grace.
-    from sidestream.testing._pool import _GRACE_S
+    # Timed on a started pool: a start (seconds under load) hid the grace. The grace is made
+    # long, so that waiting for it stands out from a loaded machine's slow report (8.3 s seen
+    # under a load of 15 against the 5 s grace).
+    from sidestream.testing import _pool
 
+    monkeypatch.setattr(_pool, "_GRACE_S", 40.0)
     with DistributedPool(2) as pool:
         pool.run(dist.get_rank, timeout=60)
         start = time.monotonic()
         with pytest.raises(DistributedError, match=r"exit code -9 \(killed by SIGKILL\)"):
             pool.run(_rank_one_is_killed, timeout=60)
-        assert time.monotonic() - start < _GRACE_S - 1.0
+        assert time.monotonic() - start < 25.0
 
 
 def test_dead_rank_reported() -> None:

@@ -357,11 +357,13 @@ class SinkRunner:
         if lost is not None:
             logger.warning(
                 "sink %r: %d report(s) wait to be spooled and the spool's disk wrote none "
-                "for %.0f s (spool_dir on a hung disk?); dropped the oldest, step %d "
-                "(counted in SinkRunner.dropped; not logged again until the wait drains)",
+                "for %.0f s (spool_dir on a hung disk?); dropped the oldest, %s step %d "
+                "(counted in SinkRunner.dropped; not logged again until the wait drains; the "
+                "total at close names every lost step)",
                 self.key,
                 self._inbox_capacity,
                 INTAKE_STALL_S,
+                lost.stream or "Run.log",
                 lost.step,
             )
 
