@@ -22,31 +22,27 @@ class LostSteps:
 
     def add(self, stream: str, step: int) -> None:
         """Note one lost report of ``stream`` at ``step``."""
-        seen = self._streams.get(stream)
-        if seen is None:
-            self._streams[stream] = [step, step, 1]
-            return
-        seen[0] = min(seen[0], step)
-        seen[1] = max(seen[1], step)
-        seen[2] += 1
+        self._note(stream, step, step, 1)
 
     def add_reports(self, reports: Iterable[Report]) -> None:
         """Note each of ``reports`` as lost."""
         for report in reports:
             self.add(report.stream, report.step)
 
-    def merged(self, other: LostSteps) -> LostSteps:
-        """A new record of both ``self``'s and ``other``'s lost reports."""
-        both = LostSteps()
-        for record in (self, other):
+    @classmethod
+    def union(cls, *records: LostSteps) -> LostSteps:
+        """A new record of the reports lost in every one of ``records``."""
+        both = cls()
+        for record in records:
+            # A copy: another thread may note a new stream meanwhile.
             for stream, (low, high, count) in list(record._streams.items()):
-                seen = both._streams.setdefault(stream, [low, high, 0])
-                seen[0], seen[1] = min(seen[0], low), max(seen[1], high)
-                seen[2] += count
+                both._note(stream, low, high, count)
         return both
 
-    def __bool__(self) -> bool:
-        return bool(self._streams)
+    def _note(self, stream: str, low: int, high: int, count: int) -> None:
+        seen = self._streams.setdefault(stream, [low, high, 0])
+        seen[0], seen[1] = min(seen[0], low), max(seen[1], high)
+        seen[2] += count
 
     def describe(self) -> str:
         """``"train: 31 between steps 10 and 40; val: step 12"``; ``Run.log`` for its values.
@@ -54,8 +50,7 @@ class LostSteps:
         Empty when nothing was noted.
         """
         parts = []
-        # A copy: another thread may note a new stream meanwhile.
-        for stream, (low, high, count) in sorted(list(self._streams.items())):
+        for stream, (low, high, count) in sorted(self._streams.items()):
             name = stream or "Run.log"
             if count == 1:
                 parts.append(f"{name}: step {low}")

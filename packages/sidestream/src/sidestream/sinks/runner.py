@@ -1045,7 +1045,7 @@ class SinkRunner:
     def _lost_steps_said(self, lead: str) -> str:
         """``lead`` and the steps of the reports lost so far (``LostSteps``), or ``""``."""
         # _inbox_lost read without its lock, as _lost() reads _inbox_dropped: merged copies it.
-        said = self._lost_steps.merged(self._spool.lost).merged(self._inbox_lost).describe()
+        said = LostSteps.union(self._lost_steps, self._spool.lost, self._inbox_lost).describe()
         return f"{lead}{said}" if said else ""
 
     # ------------------------------------------------------------------ sink thread
