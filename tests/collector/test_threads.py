@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -181,3 +182,27 @@ def test_a_signal_handlers_close_inside_the_first_close_s_claim_does_not_hang(
     assert _SignalInClaim.fired
     assert sorted(answers) == [("handler", True), ("main", True)]
     assert [record["step"] for record in read_jsonl(tmp_path / "run.jsonl")] == [1]
+
+
+def test_first_times_gives_each_key_to_exactly_one_of_many_threads() -> None:
+    """What is said once per key (a sink's failed submit, a name two streams report) is said once
+    even when several threads find the key at the same moment."""
+    from sidestream._threads import FirstTimes
+
+    once = FirstTimes()
+    start = threading.Barrier(8)
+    firsts: list[int] = []
+
+    def claim() -> None:
+        start.wait(10)
+        firsts.extend(key for key in range(2000) if once.first(key))
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(firsts) == list(range(2000))
+    assert 5 in once and 2000 not in once
+    copy = pickle.loads(pickle.dumps(once))  # a sink holding one runs in a ProcessSink's child
+    assert 5 in copy and not copy.first(5) and copy.first(2000)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from sidestream._distributed import check_process_group
 from sidestream._exit import closing_at_exit, fork_mark
+from sidestream._threads import FirstTimes
 from sidestream._validation import check_int
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks._spool_format import SpoolFormatError, check_line_format
@@ -180,13 +181,13 @@ class Delivery:
         self._starting: int | None = None
         self._closed = False
         self._close_result = True  # what the first close returned; later calls repeat it
-        self._failed_submits: set[str] = set()
+        self._failed_submits = FirstTimes()
         # The places each sink's state has before it opens: the template a fresh run gives
         # torch.distributed.checkpoint, which loads only those (see _check_places).
         self._fresh_places = {key: _state_places(sink) for key, sink in self.sinks.items()}
-        self._place_warned: set[str] = set()
+        self._place_warned = FirstTimes()
         self._name_streams: dict[str, str] = {}  # value name -> the stream that reported it
-        self._name_warned: set[tuple[str, str]] = set()  # (name, stream) named in a warning
+        self._name_warned = FirstTimes()  # (name, stream) named in a warning
         # Each sink's state as of the last checkpoint whose make_durable succeeded: what a
         # checkpoint keeps when a later make_durable fails (see _durable_state).
         self._durable_states: dict[str, Any] = {}
@@ -394,8 +395,7 @@ class Delivery:
             except Exception as error:
                 if given is not None:
                     given.add(runner.key)  # failed for good here: not handed it again
-                if runner.key not in self._failed_submits:
-                    self._failed_submits.add(runner.key)
+                if self._failed_submits.first(runner.key):
                     logger.error(
                         "sink %r: submit failed: %s: %s; the other sinks are unaffected "
                         "(later failures of this sink are not logged)",
@@ -418,8 +418,7 @@ class Delivery:
                 owner = owners.setdefault(name, report.stream)  # atomic: several threads submit
                 # Per stream, not per name: a third stream on the name is named too.
                 clash = (name, report.stream)
-                if owner != report.stream and clash not in self._name_warned:
-                    self._name_warned.add(clash)
+                if owner != report.stream and self._name_warned.first(clash):
                     logger.warning(
                         "%r is reported by two streams of this run, %r and %r: trackers keep "
                         "values by name, so they would show one series with the values of "
@@ -496,8 +495,7 @@ class Delivery:
         if fresh is None or key in self._place_warned:
             return
         now = _places(state)
-        if now != fresh:
-            self._place_warned.add(key)
+        if now != fresh and self._place_warned.first(key):
             logger.warning(
                 "state_dict: sink %r: its state has places it had not before open (%s) or lacks "
                 "some it had (%s): torch.distributed.checkpoint restores only the places of "

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
-__all__ = ["own_thread", "refuse_on_own_thread"]
+__all__ = ["FirstTimes", "own_thread", "refuse_on_own_thread"]
 
 _ROLE = "_sidestream_role"  # the attribute a thread made by own_thread carries
 
@@ -48,6 +48,39 @@ def refuse_on_own_thread(call: str) -> None:
             "training loop's thread (from a sink, a metric or a logging handler, set a flag "
             "the loop reads)"
         )
+
+
+class FirstTimes:
+    """The keys seen so far, for what is said once per key from any number of threads.
+
+    A bare ``if key not in seen: seen.add(key)`` lets two threads both find the key missing
+    and say the same warning twice.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[Hashable] = set()
+        self._lock = threading.Lock()
+
+    def first(self, key: Hashable) -> bool:
+        """Whether this is the first call with ``key``; exactly one caller per key gets True."""
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` was seen (a quick check; only ``first`` decides who says it)."""
+        return key in self._seen
+
+    def __getstate__(self) -> set[Hashable]:
+        # Picklable (a sink that holds one runs in a ProcessSink's child); the lock is new there.
+        with self._lock:
+            return set(self._seen)
+
+    def __setstate__(self, seen: set[Hashable]) -> None:
+        self._seen = set(seen)
+        self._lock = threading.Lock()
 
 
 def _forget_role_in_child() -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from sidestream._host_events import host_event, wait_on_host
-from sidestream._threads import own_thread
+from sidestream._threads import FirstTimes, own_thread
 from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
 from sidestream.collector._window import (
@@ -93,7 +93,7 @@ class Dispatcher:
         self._errors = 0
         self._mismatch: RankMismatchError | None = None
         self._layouts: dict[Any, _Layout] = {}
-        self._failed_submits: set[str] = set()
+        self._failed_submits = FirstTimes()
         self._waiting: tuple[int, float] | None = None  # (step, since): a reduction waited for
         self._watch_stop = threading.Event()  # set when the dispatcher thread ends
         self._stopped = False  # stop was called: submit refuses (see there)
@@ -383,8 +383,7 @@ class Dispatcher:
             runner.submit(report)
         except Exception as error:
             key = str(getattr(runner, "key", runner))
-            if key not in self._failed_submits:
-                self._failed_submits.add(key)
+            if self._failed_submits.first(key):
                 logger.error(
                     "sink %r: submit failed: %s: %s; this sink misses the report of step %d "
                     "(other sinks are unaffected; later failures are not logged)",

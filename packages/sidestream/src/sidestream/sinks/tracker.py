@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
+from sidestream._threads import FirstTimes
 from sidestream.sinks.base import Report, Sink
 from sidestream.sinks.support import call_within, refuse_unknown_options
 
@@ -91,7 +92,7 @@ class TrackerSink(Sink):
         # close that times out keeps them, so a backend that lost them gets them again.
         self._unconfirmed: collections.deque[Report] = collections.deque()
         self._resumed = False
-        self._warned: set[str] = set()
+        self._warned = FirstTimes()
         self._skipped: set[str] = set()  # value names the backend could not take (skip_value)
         # Found on resume: the last step the backend holds of each value name (backend_name).
         self._backend_steps: dict[str, int] = {}
@@ -558,8 +559,7 @@ class TrackerSink(Sink):
 
     def warn_once(self, key: str, message: str) -> None:
         """Log ``message`` at WARNING the first time ``key`` is seen on this sink."""
-        if key not in self._warned:
-            self._warned.add(key)
+        if self._warned.first(key):
             logger.warning("%s", message)
 
     def skip_value(self, name: str, message: str) -> None:
