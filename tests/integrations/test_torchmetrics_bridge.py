@@ -1033,3 +1033,145 @@ def test_one_metric_under_two_keys_of_a_collection_is_refused_when_wrapped() -> 
     with pytest.raises(ValueError, match=r"^collection: keys 'a' and 'b' hold the same "):
         wrap(collection)
     assert shared.sync_on_compute  # refused before any member's own sync was switched off
+
+
+def _empty_batches(world: int, rank: int) -> list[dict[str, torch.Tensor]]:
+    """An uneven split: rank 0 has rows and an empty last batch, rank 1 only an empty batch
+    (DistributedSampler with drop_last=False), the last of four ranks no batch at all."""
+    sizes = {0: [9, 6, 0], 1: [0]}.get(rank, [] if rank == world - 1 else [5, 0])
+    generator = torch.Generator().manual_seed(31 + rank)
+    return [
+        {
+            "scores": torch.randn(size, CLASSES, generator=generator),
+            "labels": torch.randint(0, CLASSES, (size,), generator=generator),
+            "label_scores": torch.rand(size, 3, generator=generator),
+            "label_targets": torch.randint(0, 2, (size, 3), generator=generator),
+        }
+        for size in sizes
+    ]
+
+
+def _with_empty_batches() -> dict[str, Any]:
+    from torchmetrics.classification import (
+        MultilabelCoverageError,
+        MultilabelF1Score,
+        MultilabelRankingLoss,
+    )
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    multiclass = wrap(
+        torchmetrics.MetricCollection(
+            {
+                "f1": MulticlassF1Score(CLASSES, average="macro", validate_args=False),
+                "cm": torchmetrics.classification.MulticlassConfusionMatrix(CLASSES),
+            }
+        )
+    )
+    multilabel = {
+        "label_f1": wrap(MultilabelF1Score(3, average="micro")),
+        "ranking": wrap(MultilabelRankingLoss(3)),
+        "coverage": wrap(MultilabelCoverageError(3)),
+    }
+    for batch in _empty_batches(world, rank):
+        multiclass.update(batch["scores"], batch["labels"])
+        for metric in multilabel.values():
+            metric.update(batch["label_scores"], batch["label_targets"])
+    multiclass.sync()
+    out = {key: value.double().numpy() for key, value in multiclass.compute().items()}
+    for name, metric in multilabel.items():
+        metric.sync()
+        out[name] = float(metric.compute())
+    return out
+
+
+def test_an_empty_batch_on_some_ranks_matches_the_concatenated_data(dist_pool: RankPool) -> None:
+    """An empty last batch made torchmetrics' stat scores raise on that rank (the others then
+    waited in sync), and its ranking loss counted it as a sample (0.357, not 0.417)."""
+    from sklearn.metrics import (
+        confusion_matrix,
+        coverage_error,
+        f1_score,
+        label_ranking_loss,
+    )
+
+    world = dist_pool.world_size
+    batches = [batch for rank in range(world) for batch in _empty_batches(world, rank)]
+    data = {key: torch.cat([batch[key] for batch in batches]).numpy() for key in batches[0]}
+    predicted = data["scores"].argmax(1)
+    for out in dist_pool.run(_with_empty_batches, timeout=60):
+        assert out["f1"] == pytest.approx(
+            f1_score(data["labels"], predicted, average="macro", labels=range(CLASSES)), rel=1e-5
+        )
+        np.testing.assert_array_equal(
+            out["cm"], confusion_matrix(data["labels"], predicted, labels=range(CLASSES))
+        )
+        targets, scores = data["label_targets"], data["label_scores"]
+        micro = f1_score(targets, scores > 0.5, average="micro")
+        assert out["label_f1"] == pytest.approx(micro, rel=1e-5)
+        assert out["ranking"] == pytest.approx(label_ranking_loss(targets, scores), rel=1e-5)
+        assert out["coverage"] == pytest.approx(coverage_error(targets, scores), rel=1e-5)
+
+
+@pytest.mark.parametrize("validate_args", [True, False])
+def test_an_empty_batch_adds_nothing_to_any_wrappable_family(validate_args: bool) -> None:
+    """Stat scores raised on a batch of no rows (torchmetrics' reshape(0, -1)); the ranking
+    loss counted it as one sample. Every family: an empty batch leaves the state as it was."""
+    from torchmetrics import classification as tc
+
+    scores, labels = torch.randn(6, CLASSES), torch.randint(0, CLASSES, (6,))
+    probs, binary = torch.rand(6, 3), torch.randint(0, 2, (6, 3))
+    check = {"validate_args": validate_args}
+    cases: list[tuple[torchmetrics.Metric, tuple[torch.Tensor, ...]]] = [
+        (tc.BinaryF1Score(**check), (probs[:, 0], binary[:, 0])),
+        (tc.MulticlassAccuracy(CLASSES, top_k=2, **check), (scores, labels)),
+        (tc.MulticlassStatScores(CLASSES, average=None, **check), (scores, labels)),
+        (tc.MultilabelF1Score(3, average=None, **check), (probs, binary)),
+        (tc.MultilabelRankingLoss(3, **check), (probs, binary)),
+        (tc.MultilabelCoverageError(3, **check), (probs, binary)),
+        (tc.BinaryAUROC(thresholds=20, **check), (probs[:, 0], binary[:, 0])),
+        (torchmetrics.R2Score(), (scores[:, 0], scores[:, 1])),
+        (torchmetrics.MaxMetric(), (scores[:, 0],)),
+        (torchmetrics.text.Perplexity(), (scores[:, None], labels[:, None])),
+    ]
+    for metric, batch in cases:
+        wrapped = wrap(metric)
+        wrapped.update(*batch)
+        before = states_only(wrapped.state_dict())
+        wrapped.update(*(value[:0] for value in batch))
+        after = states_only(wrapped.state_dict())
+        assert before.keys() == after.keys()
+        for key in before:
+            assert torch.equal(before[key], after[key]), (type(metric).__name__, key)
+
+
+def test_an_empty_batch_of_wrong_shapes_is_refused_naming_the_argument() -> None:
+    """Checked as one row of each shape: refused as a batch with rows is, state untouched."""
+    from torchmetrics.classification import MultilabelF1Score
+
+    refusals: list[tuple[Any, tuple[torch.Tensor, ...], type, str]] = [
+        (  # preds of 3 classes, not 5
+            MulticlassF1Score(CLASSES),
+            (torch.randn(0, 3), torch.randint(0, CLASSES, (0,))),
+            ValueError,
+            r"empty batch \(shapes \(0, 3\), \(0,\)\).*`preds`",
+        ),
+        (
+            MultilabelF1Score(3),
+            (torch.rand(0, 2), torch.randint(0, 2, (0, 2))),
+            ValueError,
+            r"empty batch.*number of labels",
+        ),
+        (  # float token ids
+            torchmetrics.text.Perplexity(),
+            (torch.randn(0, 4, 7), torch.rand(0, 4)),
+            TypeError,
+            r"empty batch.*`target`",
+        ),
+    ]
+    for metric, batch, error, message in refusals:
+        wrapped = wrap(metric)
+        before = states_only(wrapped.state_dict())
+        with pytest.raises(error, match=message):
+            wrapped.update(*batch)
+        after = states_only(wrapped.state_dict())
+        assert all(torch.equal(before[key], after[key]) for key in before), metric

@@ -338,8 +338,13 @@ class TorchmetricsMetric(Metric[Any]):
         Host syncs are torchmetrics': its argument validation reads values on CUDA, so pass
         ``validate_args=False`` to the torchmetrics constructor where it has one.
 
+        An empty batch (every tensor argument with 0 rows: a rank's last batch of an uneven
+        split) adds nothing, whatever torchmetrics' own ``update`` does with one (its stat
+        scores raise, its ranking loss counts a sample); its shapes are checked all the same.
+
         Raises:
-            ValueError: If a setting of the torchmetrics metric changed after ``wrap()``.
+            ValueError: If a setting of the torchmetrics metric changed after ``wrap()``, or
+                torchmetrics refuses an empty batch's shapes (``TypeError`` for a dtype).
             UnsupportedStateError: If this ``update`` changed a setting (a counter kept in a
                 plain attribute, which the bridge cannot sync or save) or a state's shape.
             RuntimeError: If torchmetrics' own ``update``, ``forward`` or ``reset`` ran on the
@@ -355,10 +360,19 @@ class TorchmetricsMetric(Metric[Any]):
         # half way) would leave part of its batch in the states. One copy each, put back then.
         snapshot = [accumulator.local.clone() for _, accumulator in self._bridged]
         held = self._held_data()
+        # A rank's last batch of an uneven split (DistributedSampler, drop_last=False) may
+        # hold no rows. torchmetrics' stat scores raise on one (reshape(0, -1)), which left
+        # the other ranks waiting in sync, and its ranking loss counts it as a sample: the
+        # value then depended on how the data was split. An empty batch adds nothing.
+        empty = _empty_batch(args, kwargs)
         self._point_states(synced=False)
         try:
             try:
                 self._torchmetrics.update(*args, **kwargs)
+            except Exception:
+                if empty is None:
+                    raise
+                self._check_empty_batch(snapshot, args, kwargs, empty)
             finally:
                 # Counted before its update runs: one that raised (a bad target) counts too.
                 self._updates_seen = self._torchmetrics._update_count
@@ -366,10 +380,42 @@ class TorchmetricsMetric(Metric[Any]):
                 # States the update rebound (self.max_value = torch.max(...)) were stored into
                 # the arena: the attributes alias it again, as the wrapper left them.
                 self._point_states(synced=False)
+            if empty is not None:
+                self._undo(snapshot)  # checked like any batch, kept like none
         except BaseException:
             self._undo(snapshot)
             raise
         return snapshot
+
+    def _check_empty_batch(
+        self,
+        snapshot: list[Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        shapes: str,
+    ) -> None:
+        """Check an empty batch torchmetrics refused as one row of zeros of the same shapes.
+
+        torchmetrics' own checks of shapes and dtypes (and their errors, naming the argument)
+        then run as for a batch with rows; its state changes are put back by the caller.
+
+        Raises:
+            ValueError, TypeError: If torchmetrics refuses the batch with rows too, with its
+                message.
+        """
+        self._undo(snapshot)
+        try:
+            self._torchmetrics.update(
+                *(_one_row(value) for value in args),
+                **{key: _one_row(value) for key, value in kwargs.items()},
+            )
+        except Exception as error:
+            kind = TypeError if isinstance(error, TypeError) else ValueError
+            raise kind(
+                f"{type(self._torchmetrics).__name__}.update: an empty batch ({shapes}), "
+                "refused by torchmetrics when checked as one row of each shape: "
+                f"{type(error).__name__}: {error}"
+            ) from error
 
     def _undo(self, snapshot: list[Tensor]) -> None:
         """Put back the states ``_update`` copied (its batch refused, here or in a collection)."""
@@ -633,6 +679,29 @@ def _fingerprint(value: object) -> object:
     if isinstance(value, float) and value != value:
         return ("nan",)
     return ("value", id(value)) if value is _MISSING else ("value", value)
+
+
+def _empty_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The shapes of a batch of no rows, in words, or None for one with rows.
+
+    Empty: every tensor argument of one dimension or more has 0 rows, and there is one
+    (scalar tensors, such as a weight, and non-tensor arguments do not count).
+    """
+    batched = [
+        value
+        for value in (*args, *kwargs.values())
+        if isinstance(value, Tensor) and value.dim() > 0
+    ]
+    if not batched or any(value.shape[0] for value in batched):
+        return None
+    return "shapes " + ", ".join(str(tuple(value.shape)) for value in batched)
+
+
+def _one_row(value: object) -> object:
+    """A tensor of 0 rows as one row of zeros (same dtype and device); anything else as is."""
+    if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == 0:
+        return torch.zeros((1, *value.shape[1:]), dtype=value.dtype, device=value.device)
+    return value
 
 
 def _shown(value: object) -> str:
