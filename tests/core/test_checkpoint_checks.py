@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from sklearn.metrics import roc_auc_score
 
-from sidestream import MeanMetric, Metric, ReduceOp
+from sidestream import MaxMetric, MeanMetric, Metric, ReduceOp
 from sidestream._samples import SavedRows
 from sidestream.metric import DTYPES_KEY
 from sidestream.metrics.classification import BinaryAUROCMetric
@@ -55,23 +55,33 @@ def test_dcp_refuses_a_checkpoint_of_another_dtype(
     assert target.compute().item() == 1  # untouched
 
 
-def test_dcp_refuses_a_mean_of_another_dtype_and_loads_a_narrower_one(tmp_path: Path) -> None:
+def test_dcp_refuses_a_state_of_another_dtype_and_loads_a_narrower_one(tmp_path: Path) -> None:
     values = torch.full((1000,), 100.0, dtype=torch.float64)
-    source = MeanMetric()  # float64 sums
+    source = MaxMetric()  # a float64 state: an extremum keeps its dtype
     source.update(values)
     dcp.save({"metric": source}, checkpoint_id=str(tmp_path / "wide"))
-    with pytest.raises(ValueError, match=r"'total'.*saved as torch.float64"):
-        dcp.load({"metric": MeanMetric(dtype=torch.float32)}, checkpoint_id=str(tmp_path / "wide"))
-    # A float16 mean sums in float64 (its float16 sum overflowed past 65504): it loads exactly.
-    half = MeanMetric(dtype=torch.float16)
-    dcp.load({"metric": half}, checkpoint_id=str(tmp_path / "wide"))
-    assert half.compute().item() == 100.0
-    narrow = MeanMetric(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"'max'.*saved as torch.float64"):
+        dcp.load({"metric": MaxMetric(dtype=torch.float32)}, checkpoint_id=str(tmp_path / "wide"))
+    narrow = MaxMetric(dtype=torch.float32)
     narrow.update(values.float())
     dcp.save({"metric": narrow}, checkpoint_id=str(tmp_path / "narrow"))
-    wide = MeanMetric()
+    wide = MaxMetric()
     dcp.load({"metric": wide}, checkpoint_id=str(tmp_path / "narrow"))  # widens exactly
-    assert wide.compute().item() == values.mean().item()
+    assert wide.compute().item() == 100.0
+
+
+def test_dcp_loads_a_mean_into_any_dtype(tmp_path: Path) -> None:
+    # A mean's sums are float64 whatever its dtype (a float16 sum overflowed past 65504, a
+    # float32 one past 3.4e38): a checkpoint of one loads into another exactly.
+    values = torch.full((1000,), 100.0, dtype=torch.float64)
+    source = MeanMetric()
+    source.update(values)
+    dcp.save({"metric": source}, checkpoint_id=str(tmp_path / "wide"))
+    for dtype in (torch.float16, torch.float32):
+        loaded = MeanMetric(dtype=dtype)
+        dcp.load({"metric": loaded}, checkpoint_id=str(tmp_path / "wide"))
+        assert loaded.compute().item() == 100.0
+        assert loaded.compute().dtype == dtype
 
 
 def test_dcp_refuses_a_checkpoint_holding_states_the_metric_lacks(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import io
+import math
 from types import MappingProxyType
 from typing import Any
 
@@ -350,12 +351,12 @@ def test_max_state_does_not_load_into_min() -> None:
 
 
 def test_float64_state_does_not_load_into_float32() -> None:
-    wide = SumMetric(dtype=torch.float64)
+    wide = MaxMetric(dtype=torch.float64)
     wide.update(torch.tensor([1.5]))
-    narrow = SumMetric(dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"state_dict\['total'\]: expected dtype torch.float32"):
+    narrow = MaxMetric(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"state_dict\['max'\]: expected dtype torch.float32"):
         narrow.load_state_dict(wide.state_dict())
-    assert float(narrow.compute()) == 0.0  # nothing was loaded
+    assert float(narrow.compute()) == -math.inf  # nothing was loaded
 
 
 def test_complex_weights_are_refused() -> None:

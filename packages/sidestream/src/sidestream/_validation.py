@@ -33,6 +33,7 @@ __all__ = [
     "check_weight_number",
     "checks_stay_on_device",
     "summing_dtype",
+    "SUM_STATE_DTYPE",
     "screen_invalid",
     "WIDE_UNSIGNED",
 ]
@@ -160,6 +161,13 @@ def check_floating_dtype(argument: str, dtype: object) -> None:
             f"{argument}: expected a floating-point torch.dtype (torch.float64, torch.float32, "
             f"...), got {dtype!r}"
         )
+
+
+# The dtype of ``SumMetric``'s and ``MeanMetric``'s sums (each batch's and the running one),
+# whatever their ``dtype``, which is only the result's: a float32 sum overflowed past 3.4e38 (a
+# mean of ten values of 1e38 was inf) and stopped growing at 2**24 added ones. Summing a
+# float32 batch in float64 costs what adding its float32 sum into a float64 state would.
+SUM_STATE_DTYPE = torch.float64
 
 
 def summing_dtype(dtype: torch.dtype) -> torch.dtype:
