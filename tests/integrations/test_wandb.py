@@ -6,7 +6,7 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -791,6 +791,51 @@ def test_the_wandb_extra_installs_the_numpy_its_histograms_need() -> None:
     pyproject = tomllib.loads((root / "integrations/sidestream-wandb/pyproject.toml").read_text())
     names = {Requirement(dependency).name for dependency in pyproject["project"]["dependencies"]}
     assert "numpy" in names
+
+
+def test_the_declared_wandb_floor_is_the_first_release_with_the_periodic_write() -> None:
+    # wandb>=0.19.10 was declared, but clients before 0.31 write logged rows only at finish
+    # (the .wandb file was 0 bytes when finish returned): no row could count as delivered
+    # by the backend having it.
+    import tomllib
+
+    import wandb
+    from packaging.requirements import Requirement
+
+    from sidestream_wandb import MIN_WANDB_VERSION
+    from sidestream_wandb.sink import FLUSH_SETTING
+
+    root = Path(__file__).resolve().parents[2]
+    pyproject = tomllib.loads((root / "integrations/sidestream-wandb/pyproject.toml").read_text())
+    requirements = [Requirement(dependency) for dependency in pyproject["project"]["dependencies"]]
+    (declared,) = [str(r.specifier) for r in requirements if r.name == "wandb"]
+    assert declared == f">={MIN_WANDB_VERSION}"
+    assert FLUSH_SETTING in wandb.Settings.model_fields  # the wandb this suite runs on has it
+
+
+def test_a_wandb_older_than_the_sink_needs_fails_when_the_sink_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # pip keeps the floor only when it installs the sink's dependencies (not with --no-deps,
+    # a conda wandb, a later pip install wandb==0.30.0): the sink worked on, counting rows as
+    # delivered that wandb had not written, with no word of it.
+    import wandb
+
+    from sidestream.sinks import sinks_from_config
+
+    class SettingsOf030:  # wandb 0.30's Settings: no x_transaction_log_flush_interval
+        model_fields: ClassVar[dict[str, Any]] = {"mode": None, "silent": None}
+
+        def __init__(self, **settings: Any) -> None:
+            self.__dict__.update(settings)
+
+    monkeypatch.setattr(wandb, "Settings", SettingsOf030)
+    monkeypatch.setattr(wandb, "__version__", "0.30.0")
+    message = r'needs wandb 0\.31 or later, found 0\.30\.0.*pip install --upgrade "wandb>=0\.31"'
+    with pytest.raises(LookupError, match=r"sink 'wandb': WandbSink " + message):
+        sinks_from_config({"wandb": {"project": "sidestream-it", "mode": "offline"}})
+    with pytest.raises(ImportError, match=message):
+        WandbSink(project="sidestream-it", mode="offline")
 
 
 def test_a_histogram_torch_cannot_hand_to_numpy_fails_the_sink_for_good(

@@ -37,7 +37,7 @@ from sidestream.sinks.support import (
 from sidestream.sinks.tracker import signature_options
 from sidestream_wandb._transaction_log import TransactionLog
 
-__all__ = ["FLUSH_INTERVAL_S", "WandbSink", "step_metric"]
+__all__ = ["FLUSH_INTERVAL_S", "MIN_WANDB_VERSION", "WandbSink", "step_metric"]
 
 _SECRET_ENV = ("WANDB_API_KEY",)
 _INIT_OPTION_TYPES: dict[str, tuple[type, ...]] = {
@@ -54,6 +54,10 @@ PROGRESS_FILE = "sidestream-steps.json"
 FLUSH_SETTING = "x_transaction_log_flush_interval"
 #: The sink's value for it unless the settings give one (wandb's own default is 15 s).
 FLUSH_INTERVAL_S = 1.0
+#: The oldest wandb the sink works with: the first with ``FLUSH_SETTING``. Older clients write
+#: logged rows only when a 32 KiB buffer fills or after ``run.finish()`` returned, so the sink
+#: could not tell which rows wandb has (the floor in sidestream-wandb's pyproject.toml).
+MIN_WANDB_VERSION = "0.31"
 # How long a logged row may take to reach wandb's writer before its next periodic write.
 _FLUSH_MARGIN_S = 0.5
 # How often a flush looks again whether a stalled service has written the rows.
@@ -86,8 +90,9 @@ class WandbSink(TrackerSink):
     and reads it back on resume. A sink opened again after its ``close`` continues its run the
     same way (a fork or rewind it made is not made again).
 
-    Delivered: wandb has no call that writes logged rows out and confirms it. From wandb 0.31
-    its service writes buffered rows to the run's ``.wandb`` file every
+    Delivered: wandb has no call that writes logged rows out and confirms it. Its service
+    (wandb 0.31 or later, ``MIN_WANDB_VERSION``, which the sink needs: older clients write rows
+    only when the run finishes) writes buffered rows to the run's ``.wandb`` file every
     ``x_transaction_log_flush_interval`` seconds, which the sink sets to
     ``FLUSH_INTERVAL_S`` (1 s) unless ``settings`` give it. The sink reads the file back: a
     row counts as delivered (in ``state_dict``) once its record is in the file whole, never
@@ -96,9 +101,6 @@ class WandbSink(TrackerSink):
     far (given less time, they still count the rows already written). Without a ``.wandb``
     file to read (``x_skip_transaction_log``, a layout this reader does not know) a row counts
     once the interval plus a margin passed since it was logged and wandb's service is alive.
-    Older wandb clients write rows only when a 32 KiB buffer fills or the run finishes and
-    cannot say when: there rows count as delivered at the next ``flush`` after ``run.log``,
-    and a crashed job loses those wandb had not written.
 
     Args:
         project: W&B project.
@@ -128,6 +130,7 @@ class WandbSink(TrackerSink):
         self._init_kwargs = dict(init_kwargs)
         if project is not None:
             self._init_kwargs["project"] = project
+        _refuse_old_wandb()  # built directly, not by sinks_from_config (check_available)
         self.refuse_unknown_options(init_kwargs)
         check_option_types("WandbSink", self._init_kwargs, _INIT_OPTION_TYPES)
         self._histogram_edges = HistogramEdges(histogram_edges, "WandbSink")
@@ -153,8 +156,8 @@ class WandbSink(TrackerSink):
         self._defined: set[str] = set()  # names given a step metric with define_metric
         self._logged: dict[str, int] = {}  # last step per stream handed to W&B by this sink
         self._previous_dir: str | None = None  # the run directory of the checkpointed job
-        # Seconds between wandb's writes of buffered rows to the .wandb file, once opened;
-        # None: a client without them (rows are written when a buffer fills or at finish).
+        # Seconds between wandb's writes of buffered rows to the .wandb file, set at open;
+        # None: never opened (nothing logged to wait for).
         self._flush_interval: float | None = None
         self._last_log = 0.0  # time.monotonic() when the last row was handed to wandb
         # (time.monotonic(), .wandb file size before the row, stream, step) of each row logged
@@ -170,7 +173,7 @@ class WandbSink(TrackerSink):
         self._finished = False
         self._disabled = False  # mode="disabled": nothing is kept anywhere
         self._service_pid: int | None = None  # wandb-core, found at open
-        # The rows wandb has written to the .wandb file, read back from it (wandb 0.31 on).
+        # The rows wandb has written to the .wandb file, read back from it.
         self._log: TransactionLog | None = None
         self._handed: dict[str, int] = {}  # last step per stream given to run.log since open
         self._where: dict[str, str] = {}  # project, entity and dir of the open run
@@ -178,11 +181,12 @@ class WandbSink(TrackerSink):
 
     @classmethod
     def check_available(cls) -> None:
-        """Raise ``ImportError`` with the install command if wandb is missing."""
+        """Raise ``ImportError`` with the install command if wandb is missing or too old."""
         try:
             import wandb  # noqa: F401
         except ImportError as error:
             raise ImportError(f"WandbSink needs wandb ({error}): {INSTALL}") from None
+        _refuse_old_wandb()
 
     @classmethod
     def option_names(cls) -> set[str] | None:
@@ -271,7 +275,7 @@ class WandbSink(TrackerSink):
             if kwargs.get("fork_from") is None and kwargs.get("resume_from") is None:
                 kwargs.setdefault("resume", "allow")
         kwargs.setdefault("reinit", "create_new")
-        settings, self._flush_interval = _with_flush_interval(wandb, kwargs.get("settings"))
+        settings, self._flush_interval = _with_flush_interval(kwargs.get("settings"))
         kwargs["settings"] = settings
         failure: RuntimeError | None = None
         try:
@@ -292,9 +296,7 @@ class WandbSink(TrackerSink):
             # A file of a layout this reader does not know (another wandb): rows count by time.
             self._log = (
                 None
-                if self._data_file is None
-                or self._flush_interval is None
-                or not TransactionLog.readable(self._data_file)
+                if self._data_file is None or not TransactionLog.readable(self._data_file)
                 else TransactionLog(self._data_file)
             )
         with self._progress_lock:
@@ -448,9 +450,9 @@ class WandbSink(TrackerSink):
     def _counts_by_time(self) -> bool:
         """Whether rows count by time (``_rows_by_time``), which takes them off ``_unwritten``.
 
-        Not for ``mode="disabled"`` (nothing is kept), nor without a periodic write (an older
-        client, an interval of 0): only a persist at finish counts those rows, and a row held
-        for ``_rows_by_time`` would stay for good, one per row for the whole job.
+        Not for ``mode="disabled"`` (nothing is kept), nor without a periodic write (an
+        interval of 0): only a persist at finish counts those rows, and a row held for
+        ``_rows_by_time`` would stay for good, one per row for the whole job.
         """
         return not self._disabled and self._flush_interval is not None and self._flush_interval > 0
 
@@ -460,7 +462,7 @@ class WandbSink(TrackerSink):
         For a run without a ``.wandb`` file to read (``x_skip_transaction_log``).
         """
         if self._flush_interval is None or self._flush_interval <= 0:
-            return {}  # no periodic write: only persist at finish can say
+            return {}  # never opened, or no periodic write: only persist at finish can say
         if not self._service_alive():
             return {}  # it may have died before its periodic write: the rows stay unconfirmed
         written: dict[str, int] = {}
@@ -491,7 +493,7 @@ class WandbSink(TrackerSink):
         ``finish``), or if ``finish`` returned without writing them all (a full disk).
         """
         if self._flush_interval is None or self._disabled:
-            return True  # a client that cannot say (before 0.31), or nothing kept
+            return True  # never opened, or nothing kept
         if self._log is None:
             return self._persist_by_time(timeout)
         with self._unwritten_lock:
@@ -803,15 +805,12 @@ def _unless_default(base_url: object, settings_type: Any) -> str | None:
     return base_url
 
 
-def _with_flush_interval(wandb: Any, settings: Any) -> tuple[Any, float | None]:
+def _with_flush_interval(settings: Any) -> tuple[Any, float]:
     """``settings`` with wandb's periodic write every ``FLUSH_INTERVAL_S`` unless they set it.
 
     Returns:
-        The settings to pass to ``wandb.init`` and the interval in effect, ``None`` for a
-        client without the setting (then ``settings`` are returned as given).
+        The settings to pass to ``wandb.init`` and the interval in effect.
     """
-    if FLUSH_SETTING not in getattr(wandb.Settings, "model_fields", {}):
-        return settings, None
     if settings is None:
         return {FLUSH_SETTING: FLUSH_INTERVAL_S}, FLUSH_INTERVAL_S
     if isinstance(settings, Mapping):
@@ -841,8 +840,8 @@ def _service_process() -> int | None:
 def _data_file_of(run: Any) -> str | None:
     """The run's ``.wandb`` transaction log as an absolute path, or None if there is none.
 
-    None for an older client, ``mode="disabled"``, ``x_skip_transaction_log`` or a file that
-    ``wandb.init`` did not create: rows then count by time alone.
+    None for ``mode="disabled"``, ``x_skip_transaction_log`` or a file that ``wandb.init``
+    did not create: rows then count by time alone.
     """
     try:
         settings = run.settings
@@ -1091,6 +1090,29 @@ _BRANCHING_OPTIONS = ("fork_from", "resume", "resume_from")
 _RESERVED_ID_CHARACTERS = ":;,#?/'"  # wandb's own list (wandb_settings.validate_run_id)
 _MAX_PROJECT_LENGTH = 128  # wandb's own limit (wandb_settings.validate_project)
 _RESERVED_PROJECT_CHARACTERS = "/\\#?%:"  # wandb's own list (wandb_settings.validate_project)
+
+
+def _refuse_old_wandb() -> None:
+    """Raise ``ImportError`` if the installed wandb is older than ``MIN_WANDB_VERSION``.
+
+    pip keeps the floor only when it installs sidestream-wandb's dependencies (not with
+    ``--no-deps``, a conda wandb or a later ``pip install wandb==...``); an older client would
+    leave the sink unable to say which rows wandb has written. Judged by the setting the sink
+    needs, not the version text, so a development build of a newer wandb passes. Nothing to
+    say without wandb: ``check_available`` and ``open`` name the install command.
+    """
+    try:
+        import wandb
+    except ImportError:
+        return
+    if FLUSH_SETTING in getattr(getattr(wandb, "Settings", None), "model_fields", {}):
+        return
+    found = getattr(wandb, "__version__", None) or "a release of unknown version"
+    raise ImportError(
+        f"WandbSink needs wandb {MIN_WANDB_VERSION} or later, found {found}: older clients "
+        "write logged rows only when the run finishes, so the sink cannot say which ones wandb "
+        f'has; pip install --upgrade "wandb>={MIN_WANDB_VERSION}"'
+    )
 
 
 def _settings_type() -> type | None:
