@@ -832,8 +832,9 @@ def test_a_wandb_older_than_the_sink_needs_fails_when_the_sink_is_built(
     monkeypatch.setattr(wandb, "Settings", SettingsOf030)
     monkeypatch.setattr(wandb, "__version__", "0.30.0")
     message = r'needs wandb 0\.31 or later, found 0\.30\.0.*pip install --upgrade "wandb>=0\.31"'
-    with pytest.raises(LookupError, match=r"sink 'wandb': WandbSink " + message):
+    with pytest.raises(LookupError, match=r"sink 'wandb': WandbSink " + message) as raised:
         sinks_from_config({"wandb": {"project": "sidestream-it", "mode": "offline"}})
+    assert str(raised.value).count("pip install") == 1  # the upgrade, not an install beside it
     with pytest.raises(ImportError, match=message):
         WandbSink(project="sidestream-it", mode="offline")
 

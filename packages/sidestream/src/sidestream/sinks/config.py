@@ -231,8 +231,9 @@ def _make(name: str, options: dict[str, Any]) -> Sink:
             check_available()
         except ImportError as error:
             hint = install_hint(name) if name in _EXTRAS else "install the tracker's client"
-            # The integrations' own message already gives the command: not twice.
-            said = (hint if name in _EXTRAS else "pip install") in str(error)
+            # A message that gives a command already (the integrations' own: an install, or
+            # an upgrade of a client older than the sink needs) gets no second one.
+            said = "pip install" in str(error)
             raise LookupError(f"sink {name!r}: {error}" + ("" if said else f" ({hint})")) from None
         except Exception as error:
             # A client whose own import fails otherwise (a broken install raising an
