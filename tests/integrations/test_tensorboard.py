@@ -968,3 +968,28 @@ def test_close_while_a_checkpoint_persists_counts_every_report(tmp_path: Path) -
     assert sink.pending_reports() == []
     checkpoint.join(5)
     assert outcome == [True]
+
+
+def test_the_trials_of_a_fast_sweep_get_default_directories_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SummaryWriter's default name changes once a second: the trials of a sweep (or a notebook
+    # cell run again) made within one second shared a directory, and TensorBoard showed their
+    # points as one run's, each step repeated (a warning said so, nothing more).
+    from sidestream import Run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    made = [TensorBoardSink() for _ in range(3)]  # within a second (at most two seconds)
+    existing = Path(made[-1].log_dir + "-4")  # another job's, this second: not taken either
+    existing.mkdir()
+    made.append(TensorBoardSink())
+    names = [Path(sink.log_dir).name for sink in made]
+    assert len(set(names)) == 4 and existing.name not in names, names
+    for trial, sink in enumerate(made[:2]):
+        with Run([sink]) as run:
+            for step in (1, 2):
+                run.log(step, {"trial": trial})
+    for trial, sink in enumerate(made[:2]):
+        events = _load(Path(sink.log_dir)).Scalars("trial")
+        assert [(e.step, e.value) for e in events] == [(1, trial), (2, trial)]

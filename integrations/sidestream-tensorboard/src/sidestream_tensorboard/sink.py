@@ -100,7 +100,8 @@ class TensorBoardSink(TrackerSink):
         log_dir: The run's directory, made absolute when the sink is built (a checkpoint names
             it for a job resumed from another working directory; a URL such as ``s3://...`` is
             kept as it is); ``None`` takes the saved one
-            on resume, else SummaryWriter's default (``runs/<date>_<host><comment>``).
+            on resume, else SummaryWriter's default (``runs/<date>_<host><comment>``; with
+            ``-2``, ``-3``, ... after a name that exists or another sink was given).
         histogram_edges: Bin edges per histogram name (``num_bins + 1`` values); bins without
             edges span ``[i, i + 1)``.
         **writer_kwargs: Passed to ``SummaryWriter`` under its own names (``flush_secs``,
@@ -576,13 +577,34 @@ def _summary_writer() -> Any:
     return SummaryWriter
 
 
+_DEFAULTS_GIVEN: dict[str, int] = {}
+"""The latest default name (``_default_log_dir``) and how many sinks were given it."""
+_DEFAULTS_LOCK = threading.Lock()
+
+
 def _default_log_dir(comment: str) -> str:
-    """SummaryWriter's default directory, ``runs/<date>_<host><comment>``, as an absolute path."""
+    """SummaryWriter's default directory, ``runs/<date>_<host><comment>``, as an absolute path.
+
+    Its name changes once a second only: the sinks of a sweep's trials (or of a notebook cell
+    run again) made within one second got one directory, and TensorBoard showed their points
+    as one run's, steps repeated (or the second run was refused while the first was open). A
+    name this process gave already, or that exists, gets ``-2``, ``-3``, ... after it.
+    """
     import socket
     from datetime import datetime
 
     name = datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname() + comment
-    return os.path.abspath(os.path.join("runs", name))
+    base = os.path.abspath(os.path.join("runs", name))
+    with _DEFAULTS_LOCK:
+        given = _DEFAULTS_GIVEN.get(base, 0)
+        _DEFAULTS_GIVEN.clear()  # only this second's name can be made again: no growth
+        number = given + 1
+        path = base if number == 1 else f"{base}-{number}"
+        while os.path.lexists(path):
+            number += 1
+            path = f"{base}-{number}"
+        _DEFAULTS_GIVEN[base] = number
+    return path
 
 
 def _last_steps_on_disk(log_dir: str, earlier: frozenset[str]) -> dict[str, int]:

@@ -49,6 +49,13 @@ _CLAIMED: dict[int, tuple[weakref.ref[Sink], weakref.ref[Delivery]]] = {}
 # runs writing one JSONL file or TensorBoard directory would interleave or repeat its steps.
 # A place is taken while its sink is claimed (``_owner``).
 _PLACES: dict[tuple[type, str, str], weakref.ref[Sink]] = {}
+# Sinks whose run started (a bind or a log, on any rank) and was closed, by id, with a weak
+# reference to the sink: given to a new run (a sweep's trial or a notebook cell that reuses the
+# sinks it built once), such a sink continued the closed run's tracker run and skipped every
+# step up to the last one it delivered, so the new run's first steps (a trial starting again at
+# step 1: all of them) were lost unsaid. A run closed before it started opened no tracker run:
+# its sinks are free again.
+_RETIRED: dict[int, weakref.ref[Sink]] = {}
 _CLAIM_LOCK = threading.Lock()
 
 
@@ -167,6 +174,9 @@ class Delivery:
         self.backlogs: dict[str, str] = {}
         self.unclaimed_backlogs: dict[str, str] = {}
         self.runners: list[SinkRunner] | None = None
+        # A bind or a log started the sinks (``start``), on any rank alike: closed, its sinks
+        # retire (``_release``), whether or not this rank opened them.
+        self.began = False
         # fork_mark() where the runners' threads started: a fork's calls are refused.
         self.started_in: int | None = None
         # Called once when the sinks start, whoever starts them (a collector's bind or
@@ -240,6 +250,7 @@ class Delivery:
                     self._start_runners(runners)
                     self._warn_restart_without_checkpoint()
                 self.runners = runners
+                self.began = True
                 self.started_in = fork_mark()
                 if self.on_start is not None:
                     self.on_start()
@@ -360,6 +371,7 @@ class Delivery:
             self._starting = threading.get_ident()
             try:
                 runners, self.runners = self.runners, None
+                self.began = False
                 if runners:
                     self._withdraw(runners, runners, interrupted=interrupted)
             finally:
@@ -1100,6 +1112,14 @@ def _claim(sinks: list[Sink], owner: Delivery) -> None:
                     "sidestream.Run); a sink is one tracker run, so share it by creating one "
                     "sidestream.Run(sinks) and making every collector with run.collector(...)"
                 )
+            if _retired(sink):
+                raise ValueError(
+                    f"sinks: {sink!r} belonged to a run that started and is closed; a sink is "
+                    "one tracker run, and given to this one it would continue that run, skipping "
+                    "every step up to the last one it delivered. Make new sinks for each run "
+                    "(in a sweep or a notebook cell: build them inside the loop or the cell, "
+                    "with the run); to continue a run, resume it with load_state_dict"
+                )
             seen.add(id(sink))
             if place is None:
                 continue
@@ -1124,11 +1144,38 @@ def _claim(sinks: list[Sink], owner: Delivery) -> None:
                 _PLACES[place] = weakref.ref(sink)
 
 
+def _retired(sink: Sink) -> bool:
+    """Whether ``sink`` belonged to a run that was closed (the caller holds the lock)."""
+    entry = _RETIRED.get(id(sink))
+    if entry is None:
+        return False
+    if entry() is not sink:
+        del _RETIRED[id(sink)]  # a sink that is gone (its id may be reused)
+        return False
+    return True
+
+
+def _forget_retired(key: int) -> Callable[[weakref.ref[Sink]], None]:
+    """A callback that drops ``_RETIRED``'s entry of a sink once it is gone.
+
+    So a sweep of many trials keeps no entry per trial.
+    """
+
+    def forget(gone: weakref.ref[Sink]) -> None:
+        if _RETIRED.get(key) is gone:  # not a newer sink's entry, made since under its id
+            _RETIRED.pop(key, None)
+
+    return forget
+
+
 def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
+    """Free ``owner``'s sinks and their places (its close ended); a started run's sinks retire."""
     with _CLAIM_LOCK:
         for sink in sinks:
             if _owner(sink) is owner:
                 del _CLAIMED[id(sink)]
+                if owner.began:  # on every rank alike: each rank refuses the sink again
+                    _RETIRED[id(sink)] = weakref.ref(sink, _forget_retired(id(sink)))
         for place, held in list(_PLACES.items()):
             if (other := held()) is None or _owner(other) is None:
                 del _PLACES[place]

@@ -35,6 +35,7 @@ __all__ = [
     "forget_close_at_exit",
     "record_failed_exit",
     "refuse_in_forked_child",
+    "scoped_exit_code",
 ]
 
 KILLED_EXIT_CODE = 255
@@ -44,7 +45,12 @@ _LOCK = threading.Lock()
 _CLOSES: list[Callable[[], object]] = []  # oldest first
 _exiting = False
 _failed_code: int | None = None  # set by an uncaught exception on its way out
-_scoped_code: int | None = None  # set while a block left by an exception closes (ending_with)
+# Set while a block left by an exception closes (ending_with), on that block's thread only: a
+# process-wide value told every run closing meanwhile that its job failed (trials of a sweep run
+# in threads, as Optuna's n_jobs does: a trial that finished ended its MLflow run FAILED while
+# another trial's block was left by an exception). A sink's close, on its own thread, is told
+# the code its run's close saw (``scoped_exit_code``, then ``exiting_with``).
+_scope = threading.local()
 _hooked = False
 _exit_began: float | None = None  # time.monotonic() when the closes at exit began
 
@@ -102,14 +108,22 @@ def exiting_with(code: int | None) -> Iterator[None]:
     For a replay that closes a job's sink after that job ended: the tracker is told how the
     job ended (a failed job's run FAILED), not how the replay does.
     """
-    global _scoped_code
-    previous = _scoped_code
+    previous = scoped_exit_code()
     if code is not None:
-        _scoped_code = code
+        _scope.code = code
     try:
         yield
     finally:
-        _scoped_code = previous
+        _scope.code = previous
+
+
+def scoped_exit_code() -> int | None:
+    """The code ``exiting_with`` set on this thread (``None``: none set).
+
+    For a close that goes on on other threads (a sink's): they take it with ``exiting_with``.
+    """
+    code: int | None = getattr(_scope, "code", None)
+    return code
 
 
 def _exit_code(exception: type[BaseException], value: BaseException | None) -> int | None:
@@ -134,7 +148,8 @@ def failed_exit_code() -> int | None:
     that crashed without closing its ``Run`` would show as finished (its own exit hook, which
     knows better, runs after the closes).
     """
-    return _scoped_code if _scoped_code is not None else _failed_code
+    scoped = scoped_exit_code()
+    return scoped if scoped is not None else _failed_code
 
 
 def closing_at_exit() -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+from sidestream._exit import exiting_with, scoped_exit_code
 from sidestream._threads import own_thread
 from sidestream._validation import check_int
 from sidestream.sinks._lost import LostSteps
@@ -140,6 +141,11 @@ class SinkRunner:
         self._inbox_lost = LostSteps()
         self._dropping = False  # inside a streak of drops: logged once
         self._closing = False  # under _cond: the sink thread stops once all is delivered
+        # How the job was ending as the close began (``exiting_with`` on the closing thread: a
+        # ``with Run(...)`` block left by an exception), told to the sink's close on this
+        # runner's threads: that scope is the closing thread's own, so that runs closing in
+        # other threads meanwhile (a sweep's trials) are not told their job failed.
+        self._ending_code: int | None = None
         # Reports for the spool wait here, in memory, for the intake thread to write them, so
         # no submitting thread (the dispatcher, the training thread in run.log) ever waits for
         # the spool's disk; _cond is held across that disk's reads and writes, _inbox_lock
@@ -639,6 +645,7 @@ class SinkRunner:
         with self._inbox_lock:
             if not self._close_requested:
                 self._close_requested = True
+                self._ending_code = scoped_exit_code()
                 self._close_timeout = timeout
                 self._close_deadline = None if timeout is None else time.monotonic() + timeout
             self._inbox_ready.notify_all()
@@ -963,9 +970,15 @@ class SinkRunner:
             except Exception:  # a sink of one's own that fails here: the replay needs --option
                 options = {}
             for path in paths:
-                state_file = write_kept_state(
-                    path, self.sink.name, state, self._run, options, interrupted=self._interrupted
-                )
+                with exiting_with(self._ending_code):  # on a keeper's thread, maybe
+                    state_file = write_kept_state(
+                        path,
+                        self.sink.name,
+                        state,
+                        self._run,
+                        options,
+                        interrupted=self._interrupted,
+                    )
             if failed:
                 why = "the sink failed"
             elif self._interrupted:
@@ -1113,8 +1126,9 @@ class SinkRunner:
         reports it had not delivered are kept as ever; an error here is only logged.
         """
         try:
-            self.sink.leave_unfinished()  # its undelivered reports are kept for a replay
-            done = self.sink.close(self._remaining())
+            with exiting_with(self._ending_code):
+                self.sink.leave_unfinished()  # its undelivered reports are kept for a replay
+                done = self.sink.close(self._remaining())
         except Exception as error:
             logger.warning(
                 "sink %r: close after delivery stopped failed: %s", self.key, _describe(error)
@@ -1146,7 +1160,8 @@ class SinkRunner:
                 break
         # close() flushes too: an idle flush that failed earlier is covered by it.
         self._close_tried = True
-        closed = self._once("close", lambda: self.sink.close(self._remaining()))
+        with exiting_with(self._ending_code):
+            closed = self._once("close", lambda: self.sink.close(self._remaining()))
         self._sink_closed = closed is None
 
     def _open(self) -> None:
