@@ -116,6 +116,8 @@ def as_tensor(
     # A Python float is a double: float64, never torch's default dtype (float32 would round
     # 0.1 and 2**53 + 2, and overflow at 1e39 before a float64 state sees the value).
     if floating or isinstance(value, float):
+        if is_compiling() and isinstance(value, float):
+            return compiled_number(value, torch.float64, device)
         try:
             number = float(value)
         except OverflowError:  # an int past float64's range; its digits could fill a screen
@@ -130,6 +132,19 @@ def as_tensor(
             f"got one of {abs(int(value)).bit_length()} bits"
         )
     return torch.full((), value, dtype=torch.int64, device=device)
+
+
+def compiled_number(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A Python float given to a compiled update, as a 0-dim tensor that stays a graph input.
+
+    torch (``specialize_float=False``) passes a float argument into the graph as a tensor,
+    unless an op takes it as a Python number: ``torch.full((), value)`` (or ``float(value)``)
+    made Dynamo bake it into the graph as a constant, so every new value (a learning rate, a
+    token count as a float) compiled again, and the 9th failed a ``fullgraph=True`` step at
+    torch's recompile limit. Added to a tensor it stays an input: dynamic from its second
+    value, as a Python int is. Exact: ``0 + value`` in float64 is ``value``.
+    """
+    return torch.zeros((), dtype=dtype, device=device) + value
 
 
 def refuse_distributed(argument: str, value: Tensor) -> None:

@@ -17,6 +17,7 @@ from sidestream._validation import (
     check_tensor,
     check_weight_number,
     checks_stay_on_device,
+    compiled_number,
     drop_invalid,
     found_where,
     ignore_index_of,
@@ -208,10 +209,15 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
         losses_t = as_tensor("losses", losses, self.device, floating=True)
         check_floating("losses", losses_t)
         losses_64 = losses_t.to(torch.float64)
+        number: Tensor | None = None  # a Python weight as a tensor, compiling
         if isinstance(weights, Tensor):
             weights_t = as_tensor("weights", weights, self.device)
             check_broadcastable("weights", weights_t, losses_t, "losses")
             weights_64 = weights_t.to(torch.float64).expand(losses_t.shape)
+        elif is_compiling() and isinstance(weights, float):
+            # full_like would make the float a constant of the graph (see compiled_number).
+            number = compiled_number(weights, torch.float64, self.device)
+            weights_64 = number.expand(losses_64.shape)
         else:
             # A Python weight is filled on the device: no host-to-device copy (a CUDA sync).
             weights_64 = torch.full_like(losses_64, float(weights))
@@ -259,7 +265,8 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
             if is_compiling() and not isinstance(weights, Tensor):
                 # A number is a graph input, unchecked on the host; an empty batch's filled
                 # weights hold none of it, so it is checked on its own.
-                number = torch.full((), float(weights), dtype=torch.float64, device=self.device)
+                if number is None:  # an int (a float's is made above)
+                    number = torch.full((), float(weights), dtype=torch.float64, device=self.device)
                 invalid = invalid.any() | ~((number >= 0) & (number < torch.inf))
             drop_invalid(invalid, self._rejected, nll, tokens)
         self._nll.accumulate(nll)
