@@ -76,7 +76,13 @@ def test_every_distribution_ships_the_license() -> None:
 # Tracker releases a requirement must leave out: they fail with what pip installs beside them.
 # tensorboard 2.16.x and 2.17.0 with NumPy 2 (pip's pick): the hparams summary the sink writes
 # at open raised AttributeError (np.string_), failing the sink for the whole job.
-BROKEN_RELEASES = {"sidestream-tensorboard": {"tensorboard": ["2.16.0", "2.16.2", "2.17.0"]}}
+# mlflow 2.16.0 to 3.8.1 with SQLAlchemy 2.1 (pip's pick: they take any sqlalchemy<3): their
+# database store imports sqlalchemy.pool.FallbackAsyncAdaptedQueuePool, which 2.1 removed, so a
+# sqlite:/// tracking URI failed at open and `mlflow server` with a database store did not start.
+BROKEN_RELEASES = {
+    "sidestream-tensorboard": {"tensorboard": ["2.16.0", "2.16.2", "2.17.0"]},
+    "sidestream-mlflow": {"mlflow": ["2.16.0", "2.22.5", "3.0.0", "3.8.0", "3.8.1"]},
+}
 
 
 def test_tracker_requirements_leave_out_broken_releases() -> None:
@@ -91,3 +97,23 @@ def test_tracker_requirements_leave_out_broken_releases() -> None:
         for client, versions in broken.items():
             allowed = [version for version in versions if version in requirements[client]]
             assert not allowed, f"{distribution} allows {client} {allowed}"
+
+
+def test_install_page_names_each_trackers_lowest_release() -> None:
+    # docs/install.md: `pip install "sidestream[mlflow]"  # ... (and mlflow 3.9+)`, the lowest
+    # release each integration's requirement takes.
+    import re
+
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "docs/install.md").read_text()
+    pattern = r'"sidestream\[(\w+)\]" +#.*\(and (\w+) ([\d.]+)\+'
+    named = {extra: (client, lowest) for extra, client, lowest in re.findall(pattern, text)}
+    assert set(named) == set(INTEGRATIONS), named
+    for name, (client, lowest) in named.items():
+        project = _project(ROOT / f"integrations/sidestream-{name}/pyproject.toml")
+        specifiers = {
+            requirement.name: {str(spec) for spec in requirement.specifier}
+            for requirement in map(Requirement, project["dependencies"])
+        }
+        assert f">={lowest}" in specifiers[client], (name, client, lowest, specifiers[client])

@@ -42,8 +42,9 @@ RUN_KEY_TAG = "sidestream.run_key"
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_KEY_LENGTH = 250
 MAX_PARAM_VALUE_LENGTH = 6000
-# MLflow 2.x servers (within this package's requirement) refuse tag values over 5000
-# characters; MLflow 3 allows 8000. The client cannot tell the server's limit: the lower one.
+# MLflow 2.16 tracking servers refuse tag values over 5000 characters; later ones allow 8000.
+# The client (mlflow 3.9 or later) may talk to an older server and cannot tell its limit: the
+# lower one.
 MAX_TAG_VALUE_LENGTH = 5000
 MAX_RUN_NAME_LENGTH = 250
 
@@ -750,7 +751,8 @@ def _quiet_run_urls_with_passwords() -> None:
     """Keep MLflow 2.x from printing a run's URL that holds the tracking URI's password.
 
     MLflow 3 reads ``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT``, which ``_configure_http`` sets.
-    MLflow 2 (2.16 to 2.22, within this package's requirement) has no such variable: each run
+    MLflow 2 has no such variable. This package requires mlflow 3.9 or later, but an
+    environment can hold an older one all the same (installed with ``--no-deps``): each run
     it ends prints "View run ... at: http://user:password@host/..." (logged at INFO up to 2.17,
     written to stdout from 2.18). There its ``TrackingServiceClient._log_url`` is wrapped, once,
     to print nothing for a client whose tracking URI holds user information, for the whole
