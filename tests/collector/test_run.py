@@ -153,10 +153,11 @@ def test_one_sink_belongs_to_one_run(tmp_path: Path) -> None:
         Run([sink])
     with pytest.raises(ValueError, match="is given twice"):
         Run([RecordingSink(), *[JsonlSink(tmp_path / "b.jsonl")] * 2])
+    AsyncMetricCollector(MeanMetric(), sinks=[free := RecordingSink()])  # gone unclosed
+    AsyncMetricCollector(MeanMetric(), sinks=[free]).close()  # so the sink is free again
     assert first.close()
-    Run([sink]).close()  # released once its run is closed
-    AsyncMetricCollector(MeanMetric(), sinks=[sink])  # never closed, and gone at once
-    AsyncMetricCollector(MeanMetric(), sinks=[sink]).close()  # so the sink is free again
+    with pytest.raises(ValueError, match="belonged to a run that is closed"):
+        Run([sink])  # closed, it retired: a sink is not opened again
     with pytest.raises(TypeError, match=r"run: got a sidestream\.Run; .*run\.collector"):
         AsyncMetricCollector(MeanMetric(), run=Run())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"sinks\[0\]: expected a sidestream"):

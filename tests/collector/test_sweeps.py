@@ -15,6 +15,7 @@ Found by using the library as a sweep does (``for trial in ...: with Run(...) as
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,7 @@ def test_a_sink_of_a_closed_run_is_refused_by_the_next_trial(tmp_path):
     sinks = [JsonlSink(tmp_path / "sweep.jsonl")]  # built once, outside the loop: the mistake
     with Run(sinks) as run:
         run.log(1, {"lr": 0.1})
-    with pytest.raises(ValueError, match="belonged to a run that started and is closed") as raised:
+    with pytest.raises(ValueError, match="belonged to a run that is closed") as raised:
         Run(sinks)
     assert "build them inside the loop" in str(raised.value)
     # Sinks made per trial are fine, and each trial gets its own steps, all of them.
@@ -95,3 +96,26 @@ def test_a_trial_left_by_an_exception_tells_its_own_sinks():
     with Run([after]) as run:
         run.log(1, {"lr": 0.1})
     assert after.ending == [None]
+
+
+def _reuse_after_a_run_only_rank_0_logged_to() -> str:
+    import torch.distributed as dist
+
+    sinks = [RecordingSink()]
+    with Run(sinks) as run:
+        if dist.get_rank() == 0:  # plain values from rank 0 only: the run starts there alone
+            run.log(1, {"lr": 0.1})
+    try:
+        Run(sinks)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_every_rank_refuses_a_closed_runs_sinks_even_where_the_run_never_started(
+    pools: Any,
+) -> None:
+    """A rule on starting refused on rank 0 alone (only it started the run), and the other
+    ranks went on to wait in their next collective for it."""
+    outcomes = pools.get(2).run(_reuse_after_a_run_only_rank_0_logged_to, timeout=60)
+    assert all("belonged to a run that is closed" in outcome for outcome in outcomes), outcomes

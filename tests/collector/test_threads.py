@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from sidestream import Run, SumMetric
@@ -206,3 +207,37 @@ def test_first_times_gives_each_key_to_exactly_one_of_many_threads() -> None:
     assert 5 in once and 2000 not in once
     copy = pickle.loads(pickle.dumps(once))  # a sink holding one runs in a ProcessSink's child
     assert 5 in copy and not copy.first(5) and copy.first(2000)
+
+
+def test_first_times_decides_under_one_lock_while_a_check_is_slow() -> None:
+    """Two threads at one key, the first held inside its check: only one says it.
+
+    The many-threads test above passed with a bare ``if key not in seen: seen.add(key)`` too
+    (the race window is a few bytecodes; 0 of 20 runs failed): here the check is slowed.
+    """
+    from sidestream._threads import FirstTimes
+
+    class SlowSet(set):  # type: ignore[type-arg]
+        def __contains__(self, key: object) -> bool:
+            found = super().__contains__(key)
+            time.sleep(0.2)  # another thread gets its turn between the check and the record
+            return found
+
+    once = FirstTimes()
+    once._seen = SlowSet()
+    firsts: list[bool] = []
+    threads = [threading.Thread(target=lambda: firsts.append(once.first("key"))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(firsts) == [False, True]
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_an_empty_first_times_survives_every_pickle_protocol(protocol: int) -> None:
+    """Protocols 0 and 1 skip ``__setstate__`` for a false state: an empty set was one."""
+    from sidestream._threads import FirstTimes
+
+    copy = pickle.loads(pickle.dumps(FirstTimes(), protocol=protocol))
+    assert copy.first("key") and not copy.first("key")

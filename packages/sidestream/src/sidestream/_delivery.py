@@ -43,18 +43,20 @@ logger = logging.getLogger("sidestream.sinks")
 
 # Sinks that belong to a live, unclosed run, by id, with weak references to the sink and its
 # run: a sink is one tracker run, so two runs (or two collectors with runs of their own) sharing
-# it would interleave or drop each other's steps. A run that is closed or gone frees its sinks.
+# it would interleave or drop each other's steps. A run that is gone unclosed frees its sinks; a
+# closed one retires them (``_RETIRED``).
 _CLAIMED: dict[int, tuple[weakref.ref[Sink], weakref.ref[Delivery]]] = {}
 # The sink that writes each file or folder (``Sink.written_place``), process-wide: two live
 # runs writing one JSONL file or TensorBoard directory would interleave or repeat its steps.
 # A place is taken while its sink is claimed (``_owner``).
 _PLACES: dict[tuple[type, str, str], weakref.ref[Sink]] = {}
-# Sinks whose run started (a bind or a log, on any rank) and was closed, by id, with a weak
-# reference to the sink: given to a new run (a sweep's trial or a notebook cell that reuses the
-# sinks it built once), such a sink continued the closed run's tracker run and skipped every
-# step up to the last one it delivered, so the new run's first steps (a trial starting again at
-# step 1: all of them) were lost unsaid. A run closed before it started opened no tracker run:
-# its sinks are free again.
+# Sinks whose run was closed, by id, with a weak reference to the sink: given to a new run (a
+# sweep's trial or a notebook cell that reuses the sinks it built once), such a sink continued
+# the closed run's tracker run and skipped every step up to the last one it delivered, so the
+# new run's first steps (a trial starting again at step 1: all of them) were lost unsaid. Every
+# close retires, started or not: only rank 0 starts a run that logs there alone, so a rule on
+# starting would refuse the sinks on rank 0 only, and the other ranks would go on to wait in a
+# collective for it.
 _RETIRED: dict[int, weakref.ref[Sink]] = {}
 _CLAIM_LOCK = threading.Lock()
 
@@ -174,9 +176,6 @@ class Delivery:
         self.backlogs: dict[str, str] = {}
         self.unclaimed_backlogs: dict[str, str] = {}
         self.runners: list[SinkRunner] | None = None
-        # A bind or a log started the sinks (``start``), on any rank alike: closed, its sinks
-        # retire (``_release``), whether or not this rank opened them.
-        self.began = False
         # fork_mark() where the runners' threads started: a fork's calls are refused.
         self.started_in: int | None = None
         # Called once when the sinks start, whoever starts them (a collector's bind or
@@ -250,7 +249,6 @@ class Delivery:
                     self._start_runners(runners)
                     self._warn_restart_without_checkpoint()
                 self.runners = runners
-                self.began = True
                 self.started_in = fork_mark()
                 if self.on_start is not None:
                     self.on_start()
@@ -371,7 +369,6 @@ class Delivery:
             self._starting = threading.get_ident()
             try:
                 runners, self.runners = self.runners, None
-                self.began = False
                 if runners:
                     self._withdraw(runners, runners, interrupted=interrupted)
             finally:
@@ -1114,11 +1111,13 @@ def _claim(sinks: list[Sink], owner: Delivery) -> None:
                 )
             if _retired(sink):
                 raise ValueError(
-                    f"sinks: {sink!r} belonged to a run that started and is closed; a sink is "
-                    "one tracker run, and given to this one it would continue that run, skipping "
-                    "every step up to the last one it delivered. Make new sinks for each run "
-                    "(in a sweep or a notebook cell: build them inside the loop or the cell, "
-                    "with the run); to continue a run, resume it with load_state_dict"
+                    f"sinks: {sink!r} belonged to a run that is closed; a sink is one tracker "
+                    "run and is not opened again (a tracker sink would continue the closed "
+                    "run, skipping every step up to the last one it delivered). Make new sinks "
+                    "for each run (in a sweep or a notebook cell: build them inside the loop or "
+                    "the cell, with the run); for one tracker run over several collectors, make "
+                    "one sidestream.Run and take them with run.collector(...); to continue a "
+                    "run in a later job, make new sinks and resume with load_state_dict"
                 )
             seen.add(id(sink))
             if place is None:
@@ -1169,13 +1168,12 @@ def _forget_retired(key: int) -> Callable[[weakref.ref[Sink]], None]:
 
 
 def _release(sinks: Iterable[Sink], owner: Delivery) -> None:
-    """Free ``owner``'s sinks and their places (its close ended); a started run's sinks retire."""
+    """Free ``owner``'s places and retire its sinks (its close ended; see ``_RETIRED``)."""
     with _CLAIM_LOCK:
         for sink in sinks:
             if _owner(sink) is owner:
                 del _CLAIMED[id(sink)]
-                if owner.began:  # on every rank alike: each rank refuses the sink again
-                    _RETIRED[id(sink)] = weakref.ref(sink, _forget_retired(id(sink)))
+                _RETIRED[id(sink)] = weakref.ref(sink, _forget_retired(id(sink)))
         for place, held in list(_PLACES.items()):
             if (other := held()) is None or _owner(other) is None:
                 del _PLACES[place]

@@ -146,7 +146,10 @@ def failed_exit_code() -> int | None:
 
     For sinks closed at exit: wandb marks a run finished with code 0 as successful, so a job
     that crashed without closing its ``Run`` would show as finished (its own exit hook, which
-    knows better, runs after the closes).
+    knows better, runs after the closes). A ``with Run(...)`` block left by an exception sets
+    the code for its own close only, on the closing thread (``ending_with``), and a sink's
+    close on its runner's thread sees it too; another thread of a sink's own sees ``None``
+    there (read it in the sink's ``close``).
     """
     scoped = scoped_exit_code()
     return scoped if scoped is not None else _failed_code

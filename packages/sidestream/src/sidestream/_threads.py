@@ -73,13 +73,15 @@ class FirstTimes:
         """Whether ``key`` was seen (a quick check; only ``first`` decides who says it)."""
         return key in self._seen
 
-    def __getstate__(self) -> set[Hashable]:
+    def __getstate__(self) -> tuple[set[Hashable]]:
         # Picklable (a sink that holds one runs in a ProcessSink's child); the lock is new there.
+        # A tuple, never empty: pickle protocols 0 and 1 skip __setstate__ for a false state
+        # (an empty set), which left an unpickled FirstTimes with no lock and no keys.
         with self._lock:
-            return set(self._seen)
+            return (set(self._seen),)
 
-    def __setstate__(self, seen: set[Hashable]) -> None:
-        self._seen = set(seen)
+    def __setstate__(self, state: tuple[set[Hashable]]) -> None:
+        self._seen = set(state[0])
         self._lock = threading.Lock()
 
 
