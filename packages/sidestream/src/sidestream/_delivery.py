@@ -27,7 +27,7 @@ from sidestream.sinks._spool_format import SpoolFormatError, check_line_format
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.runner import SinkRunner, state_before_open
-from sidestream.sinks.status import SinkStatus
+from sidestream.sinks.status import PermanentSinkError, SinkStatus
 from sidestream.sinks.support import (
     call_within,
     check_directory_path,
@@ -840,7 +840,53 @@ class Delivery:
             spool_max_bytes=self.options.spool_max_bytes,
             retry_initial_s=self.options.retry[0],
             retry_max_s=self.options.retry[1],
+            before_open=self._refuse_live_tracker_run,
         )
+
+    def _refuse_live_tracker_run(self, sink: Sink) -> None:
+        """Fail ``sink`` for good if another live run of this process writes its tracker run.
+
+        Called on the sink's thread before it opens, its checkpoint loaded. The places a path
+        names are refused when a run is made (``_claim``), but a run id (MLflow, W&B) or a
+        default TensorBoard directory becomes the saved one only here: a job restarted in the
+        same process that made its new run before closing the old one would write the
+        checkpoint's tracker run beside the old run's sinks, which still deliver (MLflow got
+        the steps both computed twice; W&B refused the id in use, over and over, until
+        close). Failing here, on rank 0's sink thread, keeps the ranks alike: the other
+        ranks never open a sink, and this run's reports are kept (spool, checkpoint).
+
+        Raises:
+            PermanentSinkError: If a sink of ``sink``'s kind in another unclosed run has
+                ``sink``'s identity.
+        """
+        if not isinstance(sink, TrackerSink):
+            return
+        identity = sink.identity
+        if not isinstance(identity, str):
+            return
+        is_path = sink.identity_is_path
+        mine = os.path.realpath(identity) if is_path else identity
+        with _CLAIM_LOCK:
+            others = [
+                other
+                for entry in list(_CLAIMED.values())
+                if type(other := entry[0]()) is type(sink)
+                and other is not sink
+                and entry[1]() not in (None, self)
+            ]
+        for other in others:
+            theirs = getattr(other, "identity", None)
+            if not isinstance(theirs, str):
+                continue
+            if (os.path.realpath(theirs) if is_path else theirs) == mine:
+                raise PermanentSinkError(
+                    f"{type(sink).__name__} resumes {sink.identity_key} {identity!r}, which "
+                    "a sink of another run of this process that is not closed yet still "
+                    "writes (a restart in the same process that made its new sidestream.Run "
+                    "before closing the failed attempt's): both would write that tracker run. "
+                    "Close the old run (run.close()) before making the new one; this sink "
+                    "delivers nothing, and its reports are kept in a spool file at close"
+                )
 
     def _close_runners(self, runners: list[SinkRunner], deadline: float | None) -> bool:
         # Start every sink's close at once, so one slow sink does not use up the others' time.

@@ -234,6 +234,8 @@ class AsyncMetricCollector(Generic[MetricT]):
         self._metric = metric
         self._closed = False
         self._bound_in: int | None = None  # fork_mark() where its dispatcher thread started
+        # The default process group at bind, weakly (None: not distributed); see bind.
+        self._bound_world: weakref.ref[dist.ProcessGroup] | None = None
         # Refused here too, not only at bind: a run's stream made for a metric another open
         # collector has would keep its prefix (and save that metric's state) for nothing.
         self._refuse_a_metric_bound_elsewhere("metric")
@@ -388,6 +390,14 @@ class AsyncMetricCollector(Generic[MetricT]):
             )
         check_process_group("bind")
         self._refuse_group_without_writer()
+        # The default process group it binds under: a job restarted in its process
+        # (destroy_process_group, then a new init_process_group) has a new one, which a
+        # collector of the failed attempt would otherwise reduce over unsaid, pairing its
+        # collectives with the new attempt's.
+        # Weakly, and in no local of this frame: held, it kept the group alive through a
+        # mismatch error's traceback, and gloo aborted the process at exit after
+        # destroy_process_group().
+        self._bound_world = _weak_world()
         target = resolve_device(target)  # cuda -> cuda:N, cpu:0 -> cpu
         # All or nothing: a bind that fails part-way (a sink, a device move, a rank check) is
         # undone, so a corrected bind, or another collector's of this metric, starts afresh
@@ -623,6 +633,7 @@ class AsyncMetricCollector(Generic[MetricT]):
             raise RuntimeError(f"schedule_collection: {_CLOSED}")
         if self._dispatcher is None:
             raise RuntimeError("schedule_collection: call bind(device) first")
+        self._refuse_replaced_group("schedule_collection")
         # It may wait for a staging slot, which the dispatcher frees: from a metric's compute
         # with every slot in use it waited for ever for the window it was computing.
         refuse_on_own_thread("schedule_collection")
@@ -978,6 +989,24 @@ class AsyncMetricCollector(Generic[MetricT]):
         slot = self._wait_for_free_slot()
         self._refuse_if_closed_meanwhile()  # the slot may be one a window gave back since
         return slot
+
+    def _refuse_replaced_group(self, call: str) -> None:
+        """Raise if the default process group this collector bound under was destroyed.
+
+        Raises:
+            RuntimeError: If ``destroy_process_group`` ran since ``bind`` (and maybe a new
+                ``init_process_group``): the collector's group is gone.
+        """
+        bound = self._bound_world
+        if bound is None or (dist.is_initialized() and dist.group.WORLD is bound()):
+            return
+        raise RuntimeError(
+            f"{call}: the process group this collector was bound under was destroyed "
+            "(torch.distributed.destroy_process_group, as an in-process restart does); its "
+            "collectives would run over the new group, paired with the new attempt's. Close "
+            "the failed attempt's run (or collector) and make new collectors after the new "
+            "init_process_group"
+        )
 
     def _refuse_if_closed_meanwhile(self) -> None:
         """Raise the closed collector's error if a close ran inside this call.
@@ -1467,3 +1496,10 @@ def _reduced_over(group: Group) -> dist.ProcessGroup | None:
     """
     resolved = resolve_group(group)
     return None if resolved is None or resolved is dist.group.WORLD else resolved
+
+
+def _weak_world() -> weakref.ref[dist.ProcessGroup] | None:
+    """A weak reference to the default process group, or None when not distributed."""
+    if not dist.is_initialized() or dist.group.WORLD is None:
+        return None
+    return weakref.ref(dist.group.WORLD)

@@ -70,6 +70,9 @@ class SinkRunner:
         retry_max_s: Longest backoff.
         flush_interval_s: An idle sink with unflushed writes is flushed after this long (0 to
             86,400 seconds).
+        before_open: Called with the sink after ``resume_state`` is loaded and before each
+            ``open`` (its identity then is the tracker run it will write); what it raises fails
+            the open like the sink's own error (a ``PermanentSinkError``: for good).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class SinkRunner:
         retry_initial_s: float = 0.1,
         retry_max_s: float = 10.0,
         flush_interval_s: float = 1.0,
+        before_open: Callable[[Sink], None] | None = None,
     ) -> None:
         if not isinstance(sink, Sink):
             raise TypeError(f"sink: expected a sidestream.sinks.Sink, got {type(sink)}")
@@ -116,6 +120,7 @@ class SinkRunner:
         self.key = key or sink.name
         self._run = run or RunInfo()
         self._resume_state = resume_state
+        self._before_open = before_open
         self._capacity = capacity
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
@@ -1167,6 +1172,8 @@ class SinkRunner:
     def _open(self) -> None:
         if self._resume_state is not None:
             self.sink.load_state_dict(self._resume_state)
+        if self._before_open is not None:
+            self._before_open(self.sink)
         self.sink.open(self._run)
 
     def _write(self, batch: list[Report]) -> None:
