@@ -23,15 +23,20 @@ def _wait_settled(run: Run, key: str) -> None:
         time.sleep(0.02)
 
 
+def _failed_attempt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Run, dict[str, Any]]:
+    """The failed attempt's run (left open) with step 1 logged, and its checkpoint."""
+    monkeypatch.chdir(tmp_path)  # a default TensorBoard directory lands here
+    old = Run([TensorBoardSink(tmp_path / "tb")])
+    old.log(1, {"lr": 1.0})
+    return old, old.state_dict(timeout=10)
+
+
 def test_new_run_resuming_an_unclosed_runs_tracker_run_fails_its_sink(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A retry loop that made its new run before closing the failed attempt's: the checkpoint
     # names the directory (a run id, for MLflow or W&B) the old run's sink still writes.
-    monkeypatch.chdir(tmp_path)
-    old = Run([TensorBoardSink(tmp_path / "tb")])
-    old.log(1, {"lr": 1.0})
-    checkpoint = old.state_dict(timeout=10)
+    old, checkpoint = _failed_attempt(tmp_path, monkeypatch)
     new = Run([TensorBoardSink()])  # a default directory: the checkpoint's replaces it
     try:
         new.load_state_dict(checkpoint)
@@ -49,16 +54,20 @@ def test_new_run_after_the_old_one_closed_continues_its_tracker_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The documented way: close the failed attempt's run, then make new sinks and a new run.
-    monkeypatch.chdir(tmp_path)
-    old = Run([TensorBoardSink(tmp_path / "tb")])
-    old.log(1, {"lr": 1.0})
-    checkpoint = old.state_dict(timeout=10)
+    old, checkpoint = _failed_attempt(tmp_path, monkeypatch)
     assert old.close(timeout=10)
     new = Run([TensorBoardSink()])
     new.load_state_dict(checkpoint)
     new.log(2, {"lr": 2.0})
     assert new.close(timeout=10)
     assert new.sink_status["tensorboard"].state == "healthy"
+    # One TensorBoard run, each step once, read back with TensorBoard's own reader.
+    from tensorboard.backend.event_processing import event_accumulator
+
+    assert [path.name for path in (tmp_path / "runs").glob("*")] == []  # no default dir used
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tb"), size_guidance={"*": 0})
+    scalars = events.Reload().Scalars("lr")
+    assert sorted((e.step, e.value) for e in scalars) == [(1, 1.0), (2, 2.0)]
 
 
 def _restart_in_process(store_path: str) -> str:

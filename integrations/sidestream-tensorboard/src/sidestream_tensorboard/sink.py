@@ -577,8 +577,8 @@ def _summary_writer() -> Any:
     return SummaryWriter
 
 
-_DEFAULTS_GIVEN: dict[str, int] = {}
-"""The latest default name (``_default_log_dir``) and how many sinks were given it."""
+_LAST_DEFAULT: tuple[str, int] = ("", 0)
+"""The latest default name (``_default_log_dir``) and the suffix number it was last given."""
 _DEFAULTS_LOCK = threading.Lock()
 
 
@@ -595,15 +595,15 @@ def _default_log_dir(comment: str) -> str:
 
     name = datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname() + comment
     base = os.path.abspath(os.path.join("runs", name))
+    global _LAST_DEFAULT
     with _DEFAULTS_LOCK:
-        given = _DEFAULTS_GIVEN.get(base, 0)
-        _DEFAULTS_GIVEN.clear()  # only this second's name can be made again: no growth
-        number = given + 1
+        # Only the latest name can be made again (the date in it moves on): nothing grows.
+        number = (_LAST_DEFAULT[1] if _LAST_DEFAULT[0] == base else 0) + 1
         path = base if number == 1 else f"{base}-{number}"
         while os.path.lexists(path):
             number += 1
             path = f"{base}-{number}"
-        _DEFAULTS_GIVEN[base] = number
+        _LAST_DEFAULT = (base, number)
     return path
 
 

@@ -870,9 +870,7 @@ class Delivery:
             others = [
                 other
                 for entry in list(_CLAIMED.values())
-                if type(other := entry[0]()) is type(sink)
-                and other is not sink
-                and entry[1]() not in (None, self)
+                if type(other := entry[0]()) is type(sink) and entry[1]() not in (None, self)
             ]
         for other in others:
             theirs = getattr(other, "identity", None)

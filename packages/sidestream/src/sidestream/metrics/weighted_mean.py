@@ -224,7 +224,7 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
     weight is >= 0 (NaN fails) and the total is finite (an inf weight makes it inf). Raises
     ``ValueError`` before any state changes.
     """
-    low: Tensor | None
+    low: Tensor | float | None
     if weights.dtype in WIDE_UNSIGNED:
         # torch has no CPU min kernel for them (the chunked path reads the input's minimum):
         # converted once, exactly (a float64 holds every uint32, and uint64 up to 2**53).
@@ -235,11 +235,13 @@ def _host_sums(values: Tensor, weights: Tensor, dtype: torch.dtype) -> tuple[Ten
         # sum(values) * weight is sum(values * weights) with one rounding, but the plain sum
         # can overflow where the products' does not (a weight below 1: [3e38, 3e38] at 0.5 in
         # float32 is 3e38, not inf, as the device path gives). Redone only for such a sum.
-        if float(weight) < 1 and not math.isfinite(float(weighted)):
+        # One read of the weight serves this and the check below.
+        weight_value = float(weight)
+        if weight_value < 1 and not math.isfinite(float(weighted)):
             weighted = (values.to(dtype) * weight).sum()
         # Checked as the batch's weights, as broadcast ones and the device path's are: an
         # empty batch has none (a Python number is checked on its own in update).
-        low = weight if values.numel() else None
+        low = weight_value if values.numel() else None
     elif weights.shape != values.shape:
         expanded = weights.to(dtype).expand(values.shape)
         weighted, total = (values.to(dtype) * expanded).sum(), expanded.sum()
