@@ -118,6 +118,32 @@ def compile_inductor(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def lowest(session: nox.Session) -> None:
+    """Opt-in: the tracker and torchmetrics tests on the lowest release each integration declares.
+
+    Each integration's ``client>=X`` requirement is installed as ``client==X`` (torch stays
+    ``SIDESTREAM_TORCH``), so a floor that stopped working fails here, not on a user's machine.
+    """
+    _install_project(session, *TEST_REQUIREMENTS, *lowest_releases())
+    session.run("pytest", *(session.posargs or ["-n", "2", "-m", "integration", "tests"]))
+
+
+def lowest_releases() -> list[str]:
+    """``name==X`` for each integration requirement ``name>=X`` (the sibling pins excluded)."""
+    import re
+    import tomllib
+
+    pins = []
+    for path in INTEGRATIONS:
+        project = tomllib.loads(Path(path, "pyproject.toml").read_text())["project"]
+        for requirement in project["dependencies"]:
+            floor = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9][0-9A-Za-z.]*)", requirement)
+            if floor is not None:
+                pins.append(f"{floor[1]}=={floor[2]}")
+    return pins
+
+
+@nox.session(python=PYTHON)
 def build(session: nox.Session) -> None:
     """Wheels and sdists of all five distributions (one version) into dist/, then a smoke test.
 

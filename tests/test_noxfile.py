@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,3 +56,37 @@ def test_a_bare_nox_runs_what_ci_runs() -> None:
     # A bare `nox` left out the docs build, which CI runs: it passed where CI could fail.
     assert sorted(_ci_sessions()) == ["docs", "lint", "tests", "typecheck"]
     assert sorted(_options()["sessions"]) == sorted(_ci_sessions())  # type: ignore[arg-type]
+
+
+def _noxfile_function(name: str) -> object:
+    """One function of the noxfile, run with the noxfile's list assignments as its globals."""
+    namespace: dict[str, object] = {"Path": Path}
+    body = ast.parse((ROOT / "noxfile.py").read_text()).body
+    for node in body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:  # a list built from names: not needed here
+                continue
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    namespace[target.id] = value
+    function = next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+    exec(compile(ast.Module(body=[function], type_ignores=[]), "noxfile.py", "exec"), namespace)
+    return namespace[name]
+
+
+def test_the_lowest_session_pins_each_release_the_install_page_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `nox -s lowest` runs the tracker tests on each integration's lowest declared release: a
+    # floor raised in a pyproject (or a client added) must move its pin, not leave it behind.
+    import re
+
+    monkeypatch.chdir(ROOT)
+    lowest_releases = _noxfile_function("lowest_releases")
+    pins = dict(pin.split("==") for pin in lowest_releases())  # type: ignore[operator]
+    text = (ROOT / "docs/install.md").read_text()
+    named = dict(re.findall(r'"sidestream\[\w+\]" +#.*\(and (\w+) ([\d.]+)\+', text))
+    assert named.keys() == {"wandb", "mlflow", "tensorboard", "torchmetrics"}
+    assert pins == named
