@@ -1169,3 +1169,22 @@ def test_a_closed_stream_lets_go_of_its_staging_copies() -> None:
     assert run.close()
     delivered = [(r.stream, r.step, r.values) for r in sink.reports if r.stream == "val_b"]
     assert delivered == [("val_b", step, {"val_b": float(step)}) for step in (1, 2, 3)]
+
+
+def test_the_sinks_open_with_the_config_as_it_was_when_the_run_info_was_made() -> None:
+    # A Hydra config or a dict changed after the RunInfo was made (a key filled in, a value
+    # overwritten) reached the sinks as changed, unchecked, and read by rank 0's sink thread
+    # while the training thread could be writing it.
+    config: dict[str, Any] = {"lr": 0.1, "opt": {"betas": [0.9, 0.99]}}
+    tags = {"team": "vision"}
+    info = RunInfo(name="job", config=config, tags=tags)
+    config["lr"] = 5.0
+    config["opt"]["eps"] = 1e-8
+    config["opt.eps"] = 1e-6  # would collide with opt.eps once flattened
+    tags["owner"] = "someone"
+    sink = RecordingSink()
+    with Run([sink], info=info) as run:
+        run.log(1, {"loss": 1.0})
+    assert sink.opened == [info]
+    assert sink.opened[0].config == {"lr": 0.1, "opt": {"betas": [0.9, 0.99]}}
+    assert sink.opened[0].tags == {"team": "vision"}

@@ -52,6 +52,8 @@ class RunInfo:
     Attributes:
         name: Human-readable run name, if any.
         config: Hyper-parameters; nested dicts allowed (sinks flatten them for their backend).
+            Kept as a copy of its mappings (nested dicts, an OmegaConf ``DictConfig`` with its
+            interpolations resolved), so a later change to the caller's config reaches no sink.
         tags: Tags as a mapping of names to values (``{"team": "vision"}``; a value ``""``
             for a tag that is only a name).
 
@@ -91,6 +93,10 @@ class RunInfo:
             # A tracker refuses an empty tag (W&B) or key (MLflow) when rank 0 opens.
             raise ValueError(f"tags: a tag name must not be empty, got {dict(self.tags)!r}")
         self._check_encodable(flat)
+        # A copy of what was checked: the caller's dict (or Hydra config) may change later,
+        # while rank 0's sink thread reads it at open.
+        object.__setattr__(self, "config", _copied(self.config))
+        object.__setattr__(self, "tags", dict(self.tags))
 
     def _check_encodable(self, flat_config: Mapping[str, Any]) -> None:
         # Every tracker writes UTF-8: a lone surrogate would fail rank 0's open at every retry.
@@ -103,6 +109,14 @@ class RunInfo:
             check_encodable("config: a key", key)
             if not isinstance(value, int | float):  # sinks store other values as str(value)
                 check_encodable(f"config[{key!r}]", str(value))
+
+
+def _copied(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config``'s nested mappings as new dicts; other values kept as they are."""
+    return {
+        key: _copied(value) if isinstance(value, Mapping) else value
+        for key, value in config.items()
+    }
 
 
 class Sink(abc.ABC):
