@@ -934,9 +934,22 @@ class AsyncMetricCollector(Generic[MetricT]):
             self._dispatcher.wait_idle(timeout, until_mismatch=True)
         self._raise_mismatch()
 
+    def _own_group(self) -> None:
+        """Make the collector's group the metric's ``sync_group`` again, for a checkpoint.
+
+        The live metric's state is what no window reduced yet, so it is saved reduced over
+        the windows' group and placed for it at load. A ``metric.sync()`` of the live metric
+        over another group (a look at its numbers over the default group) had made that its
+        group: the checkpoint of a collector over ``mesh["dp"]`` then counted the
+        tensor-parallel replicas twice.
+        """
+        if self._metric.sync_group is not self._group:
+            self._metric.sync_group = self._group
+
     def _checkpoint_metric(self, timeout: float | None, where: str) -> dict[str, Any]:
         """The metric's reduced state for a checkpoint (``where``: the call, for errors)."""
         self.settle_windows(timeout)
+        self._own_group()
         return self._metric._reduced_state(
             self._prefix or "(no prefix)", naming_checkpoint_failures(where, [self])
         )
@@ -1428,6 +1441,7 @@ class AsyncMetricCollector(Generic[MetricT]):
         """
         if self._dispatcher is not None:
             raise RuntimeError(f"load_state_dict: call it before bind; {_DCP_ORDER}")
+        self._own_group()  # placed for the windows' group, whatever the metric synced over
         try:
             restore = self._metric._prepare_load(dict(state_dict))
         except (KeyError, TypeError, ValueError) as error:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from sidestream._distributed import Group
 from sidestream._text import check_encodable
 from sidestream.metric import Metric
 
@@ -93,14 +92,3 @@ class ComposeMetric(Metric[dict[str, Any]]):
     def compute(self) -> dict[str, Any]:
         """``{name: child.compute()}``."""
         return {name: child.compute() for name, child in self._children.items()}
-
-    @property
-    def sync_group(self) -> Group:
-        """The group of this composition and, once set, of every child (see ``Metric``)."""
-        return self._sync_group
-
-    @sync_group.setter
-    def sync_group(self, group: Group) -> None:
-        object.__setattr__(self, "_sync_group", group)  # bookkeeping: past __setattr__
-        for child in self._children.values():
-            child.sync_group = group
