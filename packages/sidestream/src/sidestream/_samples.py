@@ -126,7 +126,8 @@ class SampleStore:
         Each row may have another dtype than its field if its values convert exactly (it is
         converted by ``local``). A field whose rows hold one element each may be given in any
         shape, its elements in order being the rows: no reshaping view per update. Inference
-        tensors have no version counter to watch, so those are copied.
+        tensors have no version counter to watch, so those are copied, and so are views of
+        part of a larger tensor (see below).
         """
         for name, chunks in self._chunks.items():
             row = rows[name]
@@ -134,6 +135,13 @@ class SampleStore:
                 version = row._version
             except RuntimeError:  # an inference tensor: no version counter
                 row, version = row.clone(), _OWNED
+            else:
+                if row.untyped_storage().nbytes() > row.numel() * row.element_size():
+                    # Part of a larger tensor (a slice of a preallocated buffer, probs[:, 1]):
+                    # a view shares the whole tensor's version counter, so filling the next
+                    # slice would read as a change of these rows, and compute would raise
+                    # though they never changed. Only memory the rows fill can be watched.
+                    row, version = row.clone(), _OWNED
             chunks.append(row)
             self._versions[name].append(version)
         self._borrowing = True

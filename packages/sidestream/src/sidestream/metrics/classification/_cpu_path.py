@@ -101,8 +101,12 @@ def _surely_in_unit(values: Tensor) -> bool:
         return smallest.item() >= 0 and largest.item() <= bits[1]
     if values.dtype == torch.int64 and values.is_contiguous():
         # aminmax has no vector kernel for int64, amax has: bytes of at most 1 clear the sign
-        # bit (so every value is >= 0), and then a maximum of 1 leaves 0 and 1.
-        return values.view(torch.uint8).amax().item() <= 1 and values.amax().item() <= 1
+        # bit (so every value is >= 0), and then a maximum of 1 leaves 0 and 1. Flattened
+        # first: a contiguous tensor may still have a last stride other than 1 (a size-1 last
+        # dimension, as a (N, 1, H, W) mask's .movedim(1, -1) has), which a view as bytes
+        # refuses, while the flat view of a contiguous tensor always has stride 1.
+        flat = values.view(-1)
+        return flat.view(torch.uint8).amax().item() <= 1 and flat.amax().item() <= 1
     return False
 
 
