@@ -301,3 +301,23 @@ def test_an_ignore_index_past_int64_is_refused_when_the_metric_is_made(
     with pytest.raises(ValueError, match=r"^ignore_index: expected an int64 id"):
         kind(ignore_index=ignore_index)
     kind(ignore_index=2**63 - 1)  # the largest id an int64 target holds: fine
+
+
+@pytest.mark.parametrize("kind", [PerplexityMetric, TokenAccuracyMetric])
+def test_vocabulary_second_logits_get_the_movedim_hint(kind: Any) -> None:
+    # F.cross_entropy's (N, V, S) layout was refused with the expected shape alone, where the
+    # classification metrics name the view that fixes it. The view then gives cross_entropy's
+    # perplexity.
+    logits = torch.randn(2, 50, 7, generator=torch.Generator().manual_seed(0))
+    target = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    metric = kind()
+    hint = re.escape(".movedim(1, -1), a view of shape (2, 7, 50)")
+    with pytest.raises(ValueError, match=r"got \(2, 50, 7\); logits laid out .*" + hint):
+        metric.update(logits, target)
+    metric.update(logits.movedim(1, -1), target)
+    if kind is PerplexityMetric:
+        expected = math.exp(F.cross_entropy(logits.double(), target).item())
+        assert metric.compute().item() == pytest.approx(expected, rel=1e-6)
+    else:
+        expected = (logits.argmax(1) == target).double().mean().item()
+        assert metric.compute().item() == pytest.approx(expected)

@@ -69,10 +69,18 @@ def check_logits(logits: Tensor, target: Tensor, vocab_size: int | None) -> None
     if target.is_floating_point() or target.dtype == _BOOL:
         raise TypeError(f"target: expected integer token ids, got dtype {target.dtype}")
     if logits.ndim < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
+        hint = ""
+        if logits.ndim >= 2 and (logits.shape[0], *logits.shape[2:]) == tuple(target.shape):
+            # cross_entropy's layout, (N, V, ...): the vocabulary second, not last.
+            moved = (logits.shape[0], *logits.shape[2:], logits.shape[1])
+            hint = (
+                f"; logits laid out (N, vocab, ...), as F.cross_entropy takes them, go in as "
+                f".movedim(1, -1), a view of shape {moved}"
+            )
         raise ValueError(
             f"logits: expected shape target.shape + (vocab,) = "
             f"({', '.join([*(str(size) for size in target.shape), 'vocab'])}), "
-            f"got {tuple(logits.shape)}"
+            f"got {tuple(logits.shape)}{hint}"
         )
     if logits.shape[-1] == 0:
         raise ValueError(
