@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sidestream._distributed import Group, group_rank, group_size, resolve_group, retain_work
+from sidestream._distributed import (
+    Group,
+    all_gather_async,
+    group_rank,
+    group_size,
+    resolve_group,
+    retain_work,
+)
 from sidestream.sync import CallFingerprint, check_calls, stable_hash
 
 __all__ = ["SampleStore", "SavedRows"]
@@ -350,17 +357,45 @@ def gather_rows(
     largest = max(sizes)
     out: dict[str, Tensor] = {}
     for name, tensor in rows.items():
-        padded = tensor.new_zeros((largest, *tensor.shape[1:]))
-        padded[: tensor.shape[0]] = tensor
-        parts = [torch.empty_like(padded) for _ in range(world)]
-        _gather(parts, padded, group)
-        out[name] = torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
+        # Into one tensor whose rank blocks are the result itself when every rank holds as
+        # many rows: a list of parts, a padded copy and their concatenation were 2.5x the
+        # gathered rows at 2 ranks, kept while the last collectives' works are (retain_work).
+        send = tensor
+        if tensor.shape[0] != largest or not tensor.is_contiguous():
+            send = tensor.new_zeros((largest, *tensor.shape[1:]))
+            send[: tensor.shape[0]] = tensor
+        gathered = tensor.new_empty((world * largest, *tensor.shape[1:]))
+        _gather_into(gathered, send, group)
+        if min(sizes) == largest:
+            out[name] = gathered
+        else:
+            blocks = [gathered[rank * largest :][:size] for rank, size in enumerate(sizes)]
+            out[name] = torch.cat(blocks)
+            _release(gathered)
+        if send is not tensor:
+            _release(send)
     return out
+
+
+def _release(tensor: Tensor) -> None:
+    """Free the memory of a buffer a completed collective used (its work keeps the tensor).
+
+    ``retain_work`` keeps the last collectives' works referenced, and with them their tensors:
+    a row gather's buffers would stay allocated for dozens of later collectives.
+    """
+    tensor.untyped_storage().resize_(0)
 
 
 def _layout(rows: dict[str, Tensor]) -> int:
     """The rows' field names, dtypes and row shapes as a signed int64, equal in every process."""
     return stable_hash(";".join(f"{n}:{t.dtype}:{tuple(t.shape[1:])}" for n, t in rows.items()))
+
+
+def _gather_into(output: Tensor, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
+    # As _gather: async and retained, then waited for.
+    work = retain_work(all_gather_async(output, tensor, group))
+    if work is not None:
+        work.wait()
 
 
 def _gather(parts: list[Tensor], tensor: Tensor, group: dist.ProcessGroup | None) -> None:

@@ -985,43 +985,75 @@ def _buffer_kind(segment: _Segment) -> tuple[str, int]:
     return "max", 2  # value and NaN flag
 
 
+_BLOCK = 1 << 22
+"""Elements per block of an all_reduce buffer's staging and unstaging: each shift, mask and
+conversion of a state made a temporary of the whole state (a first sync of a 30 MB int64
+confusion matrix peaked at 5x its size, a later one at 3x), where a block's are at most 32 MiB.
+A state within one block is staged with the ops (CUDA kernel launches) it always took."""
+
+
+def _blocks(numel: int) -> list[slice | None]:
+    """``[0, numel)`` in slices of at most ``_BLOCK`` elements; ``[None]`` when within one.
+
+    ``None`` stands for the whole: no slicing view (a dispatch each) for the usual state.
+    """
+    if numel <= _BLOCK:
+        return [None]
+    return [slice(start, min(start + _BLOCK, numel)) for start in range(0, numel, _BLOCK)]
+
+
+def _part(tensor: Tensor, part: slice | None) -> Tensor:
+    return tensor if part is None else tensor[part]
+
+
 def _stage(segment: _Segment, view: Tensor) -> None:
     locals_ = segment.locals()
     local = (
         locals_[0].reshape(-1) if len(locals_) == 1 else torch.cat([t.reshape(-1) for t in locals_])
     )
     n = segment.numel
-    if segment.integral:
-        wide = local.to(torch.int64)
-        if segment.op is ReduceOp.SUM:
-            view[:n].copy_(wide >> 32)
-            view[n:].copy_(wide & _LOW_BITS)
-        elif segment.op is ReduceOp.MIN:
-            torch.bitwise_not(wide, out=view)  # MIN as MAX, overflow-free
+    split = view.numel() != n  # an integer sum's halves, or a max's values and NaN flags
+    high, low = (view[:n], view[n:]) if split else (view, view)
+    for part in _blocks(n):
+        values = _part(local, part)
+        if segment.integral:
+            wide = values.to(torch.int64)
+            if segment.op is ReduceOp.SUM:
+                _part(high, part).copy_(wide >> 32)
+                _part(low, part).copy_(wide & _LOW_BITS)
+            elif segment.op is ReduceOp.MIN:
+                torch.bitwise_not(wide, out=_part(view, part))  # MIN as MAX, overflow-free
+            else:
+                _part(view, part).copy_(wide)
+        elif segment.op is ReduceOp.SUM:
+            _part(view, part).copy_(values)
         else:
-            view.copy_(wide)
-    elif segment.op is ReduceOp.SUM:
-        view.copy_(local)
-    else:
-        value = local.to(view.dtype)
-        if segment.op is ReduceOp.MIN:
-            value = value.neg()
-        nan = torch.isnan(value)
-        view[:n].copy_(value.masked_fill(nan, -torch.inf))
-        view[n:].copy_(nan)
+            value = values.to(view.dtype)
+            if segment.op is ReduceOp.MIN:
+                value = value.neg()
+            nan = torch.isnan(value)
+            _part(high, part).copy_(value.masked_fill(nan, -torch.inf))
+            _part(low, part).copy_(nan)
 
 
 def _unstage(segment: _Segment, view: Tensor, result: Tensor) -> None:
     n = segment.numel
-    if segment.integral and segment.op is ReduceOp.SUM:
-        result.copy_((view[:n].to(torch.int64) << 32) + view[n:].to(torch.int64))
-    elif segment.integral and segment.op is ReduceOp.MIN:
-        result.copy_(torch.bitwise_not(view))
-    elif segment.integral or segment.op is ReduceOp.SUM:
-        result.copy_(view)
-    else:
-        value = view[:n].neg() if segment.op is ReduceOp.MIN else view[:n]
-        result.copy_(value.masked_fill(view[n:] > 0, torch.nan))
+    flat = result.reshape(-1)  # the result tensors are contiguous: a view
+    split = view.numel() != n
+    high, low = (view[:n], view[n:]) if split else (view, view)
+    for part in _blocks(n):
+        if segment.integral and segment.op is ReduceOp.SUM:
+            _part(flat, part).copy_(
+                (_part(high, part).to(torch.int64) << 32) + _part(low, part).to(torch.int64)
+            )
+        elif segment.integral and segment.op is ReduceOp.MIN:
+            _part(flat, part).copy_(torch.bitwise_not(_part(view, part)))
+        elif segment.integral or segment.op is ReduceOp.SUM:
+            _part(flat, part).copy_(_part(view, part))
+        else:
+            value = _part(high, part)
+            value = value.neg() if segment.op is ReduceOp.MIN else value
+            _part(flat, part).copy_(value.masked_fill(_part(low, part) > 0, torch.nan))
 
 
 def _row_reducer(per_rank: Tensor, op: ReduceOp, out: Tensor) -> Callable[[], object]:

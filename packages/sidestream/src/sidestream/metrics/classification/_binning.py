@@ -27,7 +27,9 @@ def bin_index(scores: Tensor, num_bins: int, lift: float = 0.0) -> Tensor:
     """
     work = _cpu_path.binning_scores(scores)
     scale = _cpu_path.bin_scale(num_bins, lift)
-    return (work * scale).to(torch.int64).clamp_(0, num_bins - 1)
+    # Scaled in place when widening made a copy: one float64 temporary per score, not two.
+    scaled = work * scale if work is scores else work.mul_(scale)
+    return scaled.to(torch.int64).clamp_(0, num_bins - 1)
 
 
 class Bins:

@@ -140,6 +140,9 @@ def has_nan(scores: Tensor) -> Tensor | bool:
         # amax propagates NaN: one reduction and a read, instead of a mask, any() and a read.
         largest = scores.amax().item()
         return largest != largest
+    if scores.numel():
+        # amax propagates NaN: no bool per score (a quarter of a float32 batch, half of bf16).
+        return scores.amax().isnan()
     return torch.isnan(scores).any()
 
 
@@ -247,15 +250,17 @@ def multiclass_labels(
                 + class_axis_hint(preds.shape, num_classes, last=True, labels=False)
             )
         sample_shape = preds.shape[:-1]
-        scores = preds.reshape(-1, num_classes)
+        # Ranked in their own layout and the (M, top_k) result flattened: reshaping the scores
+        # copied a class-last view (preds.movedim(1, -1) of (N, C, H, W) scores) whole.
+        scores = preds
         # argmax / topk rank NaN as the highest score: a NaN row would be counted as a class.
         checks.append(
             (has_nan(scores), "preds", "scores without NaN", (scores, -_INF, _INF, False))
         )
         if top_k == 1:
-            predicted = scores.argmax(-1, keepdim=True)
+            predicted = scores.argmax(-1, keepdim=True).reshape(-1, 1)
         else:
-            predicted = scores.topk(top_k, dim=-1).indices
+            predicted = scores.topk(top_k, dim=-1).indices.reshape(-1, top_k)
     elif _integer(preds):
         if top_k != 1:
             raise ValueError(f"preds: top_k={top_k} needs scores (N, ..., C), got class indices")

@@ -44,6 +44,10 @@ from sidestream.metrics.classification._problem import (
 from sidestream.metrics.classification._scores import score_batch, screen_elements
 from sidestream.state import MetricAccumulator
 
+_DEVICE_BLOCK = 2**22
+"""Scores per block of a device-path histogram update: its float64 scores and int64 slots
+(32 MiB each at most), where a whole batch's are 4x a float32 batch."""
+
 __all__ = [
     "BinaryAUROCMetric",
     "BinaryAveragePrecisionMetric",
@@ -284,9 +288,44 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if cpu_path and scores.numel() >= 2 * classes * (bins + 1):
             self._histogram.accumulate(self._cpu_counts(scores, labels))
             return
+        slots = 2 * classes * bins
+        if scores.numel() >= slots and _cpu_path.bincount_enabled(device):
+            # Compiled for CPU, with ignore_index, or with threshold edges: bincount's pass over
+            # the slots pays off once the batch is at least that large.
+            index, weight = self._slot_index(scores, labels, weight, cpu_path)
+            if valid is None:
+                self._histogram.accumulate(_cpu_path.count_indices(index, slots, weight))
+                return
+            counts, invalid = _cpu_path.count_valid_indices(index, slots, weight, valid)
+            keep = screen_elements(invalid, self._rejected)
+            self._histogram.accumulate(counts if keep is None else counts * keep)
+            return
+        if valid is not None:
+            keep = screen_elements(~valid, self._rejected)
+        if keep is not None:
+            weight = keep.to(torch.int64) if weight is None else weight * keep
+        # In blocks of rows: binning widens each score to float64, and its slot index is int64,
+        # so a whole float32 (N, C) batch cost 6x its size at once (1 GB for 2048 x 21,841).
+        # A batch within one block is sliced whole (views: no kernel of their own).
+        rows = scores.shape[0]  # (M, C) rows; never empty here (score_batch returned None)
+        step = max(1, _DEVICE_BLOCK // max(1, scores.numel() // rows))
+        for start in range(0, rows, step):
+            block = slice(start, start + step)
+            rows_weight = weight[block] if weight is not None and weight.ndim > 0 else weight
+            index, source = self._slot_index(scores[block], labels[block], rows_weight, cpu_path)
+            if source is None:
+                source = torch.ones((), dtype=torch.int64, device=device)
+            self._histogram.add_at(index.reshape(-1), source.expand(index.shape).reshape(-1))
+
+    def _slot_index(
+        self, scores: Tensor, labels: Tensor, weight: Tensor | None, cpu_path: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The int64 histogram slot of each score, and its weight broadcast to the scores'."""
+        device = scores.device
+        classes, bins = self._problem.num_classes, self._bins.count
         if self._problem.kind is ProblemKind.MULTICLASS:
             positive = labels.unsqueeze(1) == torch.arange(classes, device=device)
-            if weight is not None:
+            if weight is not None and weight.ndim > 0:  # per row; a 0-dim keep flag expands
                 weight = weight.unsqueeze(1).expand(positive.shape)
         elif cpu_path and not labels.is_floating_point():
             # Checked on the host to be 0/1 (or bool) already: the labels are the flags.
@@ -300,26 +339,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
             index.add_(torch.arange(0, classes * bins, bins, device=device))
         # add_ promotes bool and narrower integer flags itself: no int64 copy first.
         index.add_(positive, alpha=classes * bins)
-        slots = 2 * classes * bins
-        if index.numel() >= slots and _cpu_path.bincount_enabled(device):
-            # Compiled for CPU, with ignore_index, or with threshold edges: bincount's pass over
-            # the slots pays off once the batch is at least that large.
-            if valid is None:
-                self._histogram.accumulate(_cpu_path.count_indices(index, slots, weight))
-                return
-            counts, invalid = _cpu_path.count_valid_indices(index, slots, weight, valid)
-            keep = screen_elements(invalid, self._rejected)
-            self._histogram.accumulate(counts if keep is None else counts * keep)
-            return
-        if valid is not None:
-            keep = screen_elements(~valid, self._rejected)
-        if keep is not None:
-            weight = keep.to(torch.int64) if weight is None else weight * keep
-        if weight is not None:
-            source = weight.expand(index.shape)
-        else:
-            source = torch.ones((), dtype=torch.int64, device=device).expand(index.shape)
-        self._histogram.add_at(index.reshape(-1), source.reshape(-1))
+        return index, weight
 
     def _store(self, scores: Tensor, labels: Tensor, weight: Tensor | None, borrow: bool) -> None:
         """Keep one checked batch as float64 scores and int8 labels, both ``(M, C)``.
@@ -342,7 +362,7 @@ class RankingMetric(ScreenedMetric[Tensor]):
         if self._problem.kind is ProblemKind.MULTICLASS:
             classes = torch.arange(self._problem.num_classes, device=labels.device)
             positive = labels.unsqueeze(1) == classes
-            if weight is not None:
+            if weight is not None and weight.ndim > 0:  # per row; a 0-dim keep flag expands
                 weight = weight.unsqueeze(1).expand(positive.shape)
         else:
             positive = labels == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from sidestream._validation import (
@@ -135,6 +136,71 @@ def token_weights(
         weights = _where(in_vocab, 1.0, _where(target == ignore, 0.0, math.inf))
     ids = target if target.dtype == _INT64 else target.long()  # before -100: uint8
     return weights, _where(in_vocab, ids, skipped).reshape(-1), skipped
+
+
+WORK_ELEMENTS = 2**24
+"""Logits per block of ``summed_nll`` (64 MiB of float32 work): its float copy of half-precision
+logits and ``cross_entropy``'s log-softmax, made for the whole batch at once, cost 4x a bfloat16
+batch (2 GB for 4 x 2048 x 32,000 logits), where a block's cost is this, whatever the batch."""
+
+
+def summed_nll(logits: Tensor, ids: Tensor, skipped: int, work_dtype: torch.dtype) -> Tensor:
+    """The float64 sum of ``cross_entropy``'s per-token loss, in blocks of ``WORK_ELEMENTS``.
+
+    The loss of each token is computed in ``work_dtype`` as one ``cross_entropy`` over the
+    whole batch computes it (a row's log-softmax reads only that row), so the numbers are the
+    same; only the float64 sum adds per block.
+
+    Args:
+        logits: ``(..., V)`` scores, of any layout (a non-contiguous block is copied alone).
+        ids: The flat int64 target ids, one per row of ``logits``, ``skipped`` where not
+            counted.
+        skipped: The ``ignore_index`` to give ``cross_entropy`` (loss 0).
+        work_dtype: float32 or float64: what the logits are converted to, block by block.
+
+    Returns:
+        A 0-dim float64 tensor on the logits' device.
+    """
+    if logits.numel() <= WORK_ELEMENTS:  # the usual batch: the ops of an unblocked update
+        return _nll(logits, ids, skipped, work_dtype)
+    total: Tensor | None = None
+    for scores, targets in _blocks(logits, ids.reshape(logits.shape[:-1]), WORK_ELEMENTS):
+        nll = _nll(scores, targets.reshape(-1), skipped, work_dtype)
+        total = nll if total is None else total + nll
+    assert total is not None  # _blocks gives at least one block
+    return total
+
+
+def _nll(logits: Tensor, ids: Tensor, skipped: int, work_dtype: torch.dtype) -> Tensor:
+    scores = logits.reshape(-1, logits.shape[-1])
+    if scores.dtype != work_dtype:  # skipped when already fine: a no-op call costs a dispatch
+        scores = scores.to(work_dtype)
+    nll = F.cross_entropy(scores, ids, ignore_index=skipped, reduction="none")
+    return nll.sum(dtype=torch.float64)
+
+
+def _blocks(logits: Tensor, ids: Tensor, limit: int) -> list[tuple[Tensor, Tensor]]:
+    """``(logits, ids)`` views along the leading dimensions, each of at most ``limit`` logits.
+
+    Sliced along the first dimension (a view, whatever the layout, so reshaping a block copies
+    at most the block), and within one entry of it where one alone holds more. A batch within
+    the limit is one block: the ops (each a kernel launch on CUDA) of an unblocked update. A
+    list, not a generator: older Dynamo releases break a compiled graph at a generator.
+    """
+    if logits.numel() <= limit or logits.ndim == 1:
+        return [(logits, ids)]
+    per_entry = logits[0].numel()
+    if per_entry > limit and logits.ndim > 2:
+        return [
+            block
+            for index in range(logits.shape[0])
+            for block in _blocks(logits[index], ids[index], limit)
+        ]
+    step = max(1, limit // max(per_entry, 1))
+    return [
+        (logits[start : start + step], ids[start : start + step])
+        for start in range(0, logits.shape[0], step)
+    ]
 
 
 def token_range(vocab: int, ignore_index: int | None) -> str:

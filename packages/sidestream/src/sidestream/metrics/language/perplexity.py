@@ -6,7 +6,6 @@ import math
 from numbers import Real
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.compiler import is_compiling
 
@@ -30,6 +29,7 @@ from sidestream.metrics.language._tokens import (
     check_logits,
     check_vocab_size,
     count_under,
+    summed_nll,
     token_masks,
     token_range,
     token_weights,
@@ -139,12 +139,8 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
         # A separate any() would cost compiled code another reduction and its buffer per call.
         tokens = weights.sum(dtype=torch.float64)
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        nll = F.cross_entropy(
-            logits.reshape(-1, vocab).to(work_dtype),
-            ids,
-            ignore_index=skipped,
-            reduction="none",
-        ).sum(dtype=torch.float64)
+        # In blocks: a float copy and the log-softmax of the whole batch cost 4x bf16 logits.
+        nll = summed_nll(logits, ids, skipped, work_dtype)
         # Bad logits (NaN, +inf, or -inf at a target token) make the summed loss non-finite,
         # and a bad token made tokens inf. Both sums as one tensor: one drop, one add.
         invalid = not_finite(nll + tokens)
@@ -175,17 +171,12 @@ class PerplexityMetric(ScreenedMetric[Tensor]):
                     found_where(flat, bad),
                 )
                 ignored = flat.numel() - int(counted.sum())
-        scores = logits.reshape(-1, vocab)
-        if scores.dtype not in (torch.float32, torch.float64):
-            scores = scores.float()  # skipped when already fine: each no-op call costs a dispatch
+        work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         ids = flat if flat.dtype == torch.int64 else flat.long()
-        nll = F.cross_entropy(
-            scores,
-            ids,
-            ignore_index=-100 if ignore is None else ignore,  # None: no -100 got past the check
-            reduction="none",
-        )
-        total = nll.sum(dtype=torch.float64)
+        # In blocks, the float copy of half-precision logits and the log-softmax bounded by
+        # WORK_ELEMENTS instead of 4x a bf16 batch. None: no -100 got past the check.
+        skipped = -100 if ignore is None else ignore
+        total = summed_nll(logits, ids, skipped, work_dtype)
         if not math.isfinite(total.item()):
             raise ValueError(
                 f"logits: expected {_FINITE_LOGITS}; this batch's loss is {total.item()}"
