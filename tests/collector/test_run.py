@@ -1188,3 +1188,17 @@ def test_the_sinks_open_with_the_config_as_it_was_when_the_run_info_was_made() -
     assert sink.opened == [info]
     assert sink.opened[0].config == {"lr": 0.1, "opt": {"betas": [0.9, 0.99]}}
     assert sink.opened[0].tags == {"team": "vision"}
+
+
+def test_the_sinks_open_with_the_config_lists_as_they_were_when_the_run_info_was_made() -> None:
+    # RunInfo copied the config's mappings but kept its lists: a list appended to after the
+    # RunInfo was made reached the sinks changed (an OmegaConf ListConfig, its interpolations
+    # unresolved, too).
+    config: dict[str, Any] = {"opt": {"betas": [0.9, 0.99]}, "milestones": [[10, 20]]}
+    info = RunInfo(config=config)
+    config["opt"]["betas"].append(0.5)
+    config["milestones"][0][1] = 30
+    sink = RecordingSink()
+    with Run([sink], info=info) as run:
+        run.log(1, {"loss": 1.0})
+    assert sink.opened[0].config == {"opt": {"betas": [0.9, 0.99]}, "milestones": [[10, 20]]}

@@ -104,3 +104,48 @@ def test_a_tree_synced_again_takes_back_a_child_synced_alone_over_another_group(
     # child's own sync was such a change, and the tree's next sync must see it.
     results = pools.get(4).run(_tree_synced_again_after_a_child_alone)
     assert results == [(REPLICAS_ONCE, REPLICAS_ONCE)] * 4
+
+
+def _collector_after_a_look_at_one_child() -> tuple[float, float]:
+    mesh = _mesh()
+    metrics = ComposeMetric({"a": SumMetric(), "b": SumMetric()})
+    collector = AsyncMetricCollector(metrics, group=mesh["dp"]).bind("cpu")
+    try:
+        metrics["a"].update(torch.tensor([1.0 + mesh["dp"].get_local_rank()]))  # mid-window
+        metrics["a"].sync()  # a look at one child over the default group
+        saved = float(collector.state_dict(timeout=30)["metric"]["a.total"])
+        collector.schedule_collection(1)
+        window = collector.collect_results(timeout=30)["a"]
+    finally:
+        collector.close(timeout=30)
+    return saved, window
+
+
+def test_a_collector_checkpoints_over_its_own_group_after_a_look_at_one_child(
+    pools: Pools,
+) -> None:
+    # The collector gave its group back to the root alone, whose group had not changed: the
+    # child's other group made the checkpoint raise as a tree synced over mixed groups.
+    results = pools.get(4).run(_collector_after_a_look_at_one_child)
+    assert results == [(pytest.approx(REPLICAS_ONCE), pytest.approx(REPLICAS_ONCE))] * 4
+
+
+def _tree_started_again_after_a_child_alone() -> tuple[float, float]:
+    from sidestream.sync import CallFingerprint
+
+    dp = _mesh()["dp"]
+    metrics = ComposeMetric({"a": SumMetric(), "b": SumMetric()})
+    metrics["a"].update(torch.tensor([1.0 + dp.get_local_rank()]))
+    metrics.sync(group=dp)
+    metrics["a"].sync()  # a look over the whole world
+    metrics.start_sync(dp, CallFingerprint("sync", 1), async_op=True).wait()  # the tree again
+    return float(metrics.state_dict()["a.total"]), float(metrics["a"].state_dict()["total"])
+
+
+def test_a_tree_started_again_takes_back_a_child_synced_alone_over_another_group(
+    pools: Pools,
+) -> None:
+    # start_sync walked the tree only when the root's own group changed: the child kept the
+    # world as its group, and the tree's state_dict raised as if synced over mixed groups.
+    results = pools.get(4).run(_tree_started_again_after_a_child_alone)
+    assert results == [(REPLICAS_ONCE, REPLICAS_ONCE)] * 4

@@ -90,3 +90,29 @@ def test_a_whole_input_tensor_is_still_kept_without_a_copy_and_watched() -> None
     scores.mul_(0.5)
     with pytest.raises(RuntimeError, match="modified in place"):
         metric.compute()
+
+
+def test_an_expanded_slice_of_a_buffer_is_copied_not_watched() -> None:
+    """A slice of a buffer expanded to more elements than the buffer holds (one label per
+    sequence, broadcast over its tokens) was taken as all of the buffer: kept, and watched
+    through the buffer's version counter, so filling the buffer's next slice made ``compute``
+    raise "modified in place" though the rows read had not changed."""
+    scores = torch.tensor([0.1, 0.4, 0.35, 0.8, 0.2, 0.9]).view(2, 3)  # 2 sequences, 3 tokens
+    # The eval buffer, 2 sequences a batch; bool labels are kept as they are (viewed as int8).
+    sequence_labels = torch.zeros(4, dtype=torch.bool)
+    metric = BinaryAUROCMetric(exact=True)
+    sequence_labels[:2] = torch.tensor([False, True])
+    metric.update(scores, sequence_labels[:2, None].expand(-1, 3))
+    sequence_labels[2:] = True  # the next batch's labels
+    expected = roc_auc_score([0, 0, 0, 1, 1, 1], scores.view(-1))
+    assert metric.compute().item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_an_expanded_whole_tensor_is_still_kept_without_a_copy() -> None:
+    scores, labels = torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([True])
+    metric = BinaryAUROCMetric(exact=True)
+    metric.update(scores, labels.expand(4))  # all of its one element: watched, not copied
+    assert metric._samples._chunks["labels"][0].data_ptr() == labels.data_ptr()
+    labels.logical_not_()
+    with pytest.raises(RuntimeError, match="modified in place"):
+        metric.compute()

@@ -31,6 +31,20 @@ _OWNED = -1
 """The version of a chunk the store owns (version counters start at 0): nothing to watch."""
 
 
+def _distinct_elements(tensor: Tensor) -> int:
+    """How many elements of its storage ``tensor`` reads: an expanded dimension reads one.
+
+    Not ``numel()``: a slice of a buffer expanded to more elements than the buffer holds
+    (``labels[i:j, None].expand(-1, tokens)``) read as all of the buffer, and was watched
+    through the buffer's version counter, which filling its next slice moves.
+    """
+    count = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        if stride != 0:
+            count *= size
+    return 0 if tensor.numel() == 0 else count
+
+
 def _raise_modified() -> None:
     raise RuntimeError(
         "a tensor passed to update was modified in place before compute: exact metrics keep "
@@ -143,7 +157,7 @@ class SampleStore:
             except RuntimeError:  # an inference tensor: no version counter
                 row, version = row.clone(), _OWNED
             else:
-                if row.untyped_storage().nbytes() > row.numel() * row.element_size():
+                if row.untyped_storage().nbytes() > _distinct_elements(row) * row.element_size():
                     # Part of a larger tensor (a slice of a preallocated buffer, probs[:, 1]):
                     # a view shares the whole tensor's version counter, so filling the next
                     # slice would read as a change of these rows, and compute would raise

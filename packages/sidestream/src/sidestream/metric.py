@@ -975,8 +975,10 @@ class Metric(Generic[T], abc.ABC):
                 group is initialized (as ``sync``).
         """
         check_process_group("start_sync")
-        if self._sync_group is not group:  # a collector's staging copies hold theirs already
-            self._record_sync_group(group)
+        # Even when this metric's group is ``group`` already: a child synced alone over
+        # another group since must take it back, or the tree's next state_dict refused the
+        # tree as synced over mixed groups. A walk only when some group changed since.
+        self._record_sync_group(group)
         prepared = self.prepare_sync(group)
         if not prepared.arena_only:
             raise TypeError(

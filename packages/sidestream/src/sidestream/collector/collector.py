@@ -941,10 +941,11 @@ class AsyncMetricCollector(Generic[MetricT]):
         the windows' group and placed for it at load. A ``metric.sync()`` of the live metric
         over another group (a look at its numbers over the default group) had made that its
         group: the checkpoint of a collector over ``mesh["dp"]`` then counted the
-        tensor-parallel replicas twice.
+        tensor-parallel replicas twice. The whole tree's, not the root's alone: a look at one
+        child (``metric["loss"].sync()``) left the root's group as it was, and the child's
+        other group then made the checkpoint refuse the tree as synced over mixed groups.
         """
-        if self._metric.sync_group is not self._group:
-            self._metric.sync_group = self._group
+        self._metric._give_group(self._group)
 
     def _checkpoint_metric(self, timeout: float | None, where: str) -> dict[str, Any]:
         """The metric's reduced state for a checkpoint (``where``: the call, for errors)."""

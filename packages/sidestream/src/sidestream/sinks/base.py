@@ -8,7 +8,7 @@ calls every method of a sink from that sink's own thread on rank 0 only, so a si
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +52,9 @@ class RunInfo:
     Attributes:
         name: Human-readable run name, if any.
         config: Hyper-parameters; nested dicts allowed (sinks flatten them for their backend).
-            Kept as a copy of its mappings (nested dicts, an OmegaConf ``DictConfig`` with its
-            interpolations resolved), so a later change to the caller's config reaches no sink.
+            Kept as a copy of its mappings and lists (nested dicts, an OmegaConf ``DictConfig``
+            or ``ListConfig`` with its interpolations resolved), so a later change to the
+            caller's config reaches no sink.
         tags: Tags as a mapping of names to values (``{"team": "vision"}``; a value ``""``
             for a tag that is only a name).
 
@@ -112,11 +113,23 @@ class RunInfo:
 
 
 def _copied(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config``'s nested mappings as new dicts; other values kept as they are."""
-    return {
-        key: _copied(value) if isinstance(value, Mapping) else value
-        for key, value in config.items()
-    }
+    """``config``'s nested mappings as new dicts, and its lists as new lists (see ``_copy``)."""
+    return {key: _copy(value) for key, value in config.items()}
+
+
+def _copy(value: Any) -> Any:
+    """``value`` as ``_copied`` keeps it: mappings and mutable sequences copied, all else as is.
+
+    Lists too, not mappings alone: a list of the caller's (``betas``, ``milestones``) changed
+    later reached the sinks changed, and an OmegaConf ``ListConfig`` kept a reference to its
+    whole config, read at open with an interpolation in it unresolved (``"[0.9, '${lr}']"``).
+    A ``ListConfig``'s items are resolved as it is read, as a ``DictConfig``'s are.
+    """
+    if isinstance(value, Mapping):
+        return _copied(value)
+    if isinstance(value, MutableSequence):
+        return [_copy(item) for item in value]
+    return value
 
 
 class Sink(abc.ABC):
