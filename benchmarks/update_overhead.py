@@ -377,6 +377,6 @@ def goals(measured: list[tuple[str, int, dict[str, float]]]) -> list[str]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--no-compile", action="store_true")
     print(run(compiled=not parser.parse_args().no_compile))

@@ -88,7 +88,7 @@ def _rank(rank: int, world_size: int, init_file: str, samples: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--samples", type=int, default=1000, help="samples per rank")
     args = parser.parse_args()

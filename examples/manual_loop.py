@@ -43,7 +43,7 @@ def make_batches(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="steps per epoch on each rank")
     parser.add_argument("--batch-size", type=int, default=16)

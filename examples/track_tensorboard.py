@@ -23,7 +23,7 @@ from sidestream.sinks import RunInfo, sinks_from_config
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/tensorboard-example"))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--log-every", type=int, default=10)

@@ -152,7 +152,7 @@ def _spawned(rank: int, world_size: int, init_file: str, args: argparse.Namespac
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument(
         "--world-size", type=int, default=2, help="ranks to start (without torchrun)"
     )

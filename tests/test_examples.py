@@ -322,3 +322,27 @@ def test_examples_with_ddp_import_torch_distributed_nn_before_any_group() -> Non
         if "DistributedDataParallel" in text:
             imported = text.find("import torch.distributed.nn")
             assert 0 <= imported < text.find("init_process_group("), example.name
+
+
+def test_examples_start_under_python_OO() -> None:
+    """``python -OO`` strips docstrings: each example read its --help text from ``__doc__``
+    and failed at start with AttributeError ('NoneType' object has no attribute 'splitlines')."""
+    scripts = sorted(str(path) for path in (ROOT / "examples").glob("*.py"))
+    code = (
+        "import runpy, sys\n"
+        "for script in sys.argv[1:]:\n"
+        "    sys.argv = [script, '--help']\n"
+        "    try:\n"
+        "        runpy.run_path(script, run_name='__main__')\n"
+        "    except SystemExit as done:\n"
+        "        assert done.code in (0, None), (script, done.code)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-OO", "-c", code, *scripts],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("usage:") == len(scripts)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sidestream import Run
+from sidestream._logs import SafeLogger
 from sidestream.sinks import JsonlSink, Report, SinkRunner
 from sidestream.sinks import jsonl as jsonl_module
 from tests.collector.helpers import RecordingSink
@@ -140,7 +141,8 @@ def test_every_logger_of_the_integrations_is_under_sidestream(module: str) -> No
     # One logging.getLogger("sidestream") setting (a level, a handler) must reach them all.
     pytest.importorskip(module.split(".")[0])
     imported = importlib.import_module(module)
-    loggers = [value for value in vars(imported).values() if isinstance(value, logging.Logger)]
+    kinds = (logging.Logger, SafeLogger)  # SafeLogger: sidestream's, over logging's own
+    loggers = [value for value in vars(imported).values() if isinstance(value, kinds)]
     assert loggers, f"{module} has no module-level logger"
     for found in loggers:
         assert found.name == "sidestream" or found.name.startswith("sidestream."), found.name

@@ -432,6 +432,35 @@ def test_mlflow_2_prints_no_run_url_with_the_tracking_uris_password(
     assert f"{mlflow_server.uri}/#/experiments/0/runs/" in out + err + caplog.text
 
 
+class _ClosedPipe:
+    """A job's stdout whose reader exited (``python train.py | head -1``)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_close_ends_the_run_when_stdout_is_a_closed_pipe(
+    monkeypatch: pytest.MonkeyPatch, mlflow_server: MlflowServer
+) -> None:
+    """MLflow prints the run's URL to stdout before it ends the run: a broken stdout made every
+    try of the close fail with BrokenPipeError, and the run stayed RUNNING."""
+    # Set, then removed: the teardown removes what the close sets for the process.
+    monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "")
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
+    sink = MlflowSink(tracking_uri=mlflow_server.uri, experiment="closed-stdout")
+    sink.open(RunInfo(name="closed-stdout"))
+    sink.write(Report(step=1, values={"loss": 0.5}, time=time.time()))
+    run_id = sink.state_dict()["run_id"]
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    assert sink.close(timeout=30)
+    run = MlflowClient(tracking_uri=mlflow_server.uri).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics == {"loss": 0.5}
+
+
 def test_resume_skips_steps_delivered_after_the_checkpoint(shm_path: Path) -> None:
     uri = f"sqlite:///{shm_path / 'mlflow.db'}"
     first = MlflowSink(tracking_uri=uri, experiment="late")

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+from sidestream._logs import get_logger
 
 __all__ = ["request_settings"]
 
 # The sinks' logger, not the module's: every sidestream message is under ``sidestream.*``, so
 # one ``logging.getLogger("sidestream")`` setting covers the integrations too.
-_log = logging.getLogger("sidestream.sinks")
+_log = get_logger("sidestream.sinks")
 _local = threading.local()
 _install_lock = threading.Lock()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import re
 import uuid
@@ -11,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+from sidestream._logs import get_logger
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
 from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
@@ -28,7 +28,7 @@ from sidestream.sinks.support import (
 )
 from sidestream_mlflow._http import request_settings
 
-logger = logging.getLogger("sidestream.sinks")
+logger = get_logger("sidestream.sinks")
 
 __all__ = ["MlflowSink"]
 
@@ -568,10 +568,17 @@ class MlflowSink(TrackerSink):
         def finish() -> None:
             try:
                 client.set_terminated(run_id, status=status)
-            except Exception:
+            except Exception as error:
                 # The reply may be lost after the server ended the run: ask it once.
-                if not _ended_on_server(client, run_id, status):
+                if _ended_on_server(client, run_id, status):
+                    return
+                if not _url_print_failed(error):
                     raise
+                # MLflow prints the run's URL to stdout before it ends the run: a job whose
+                # stdout is a closed pipe (`| head`), full or closed left its run RUNNING,
+                # retried until close gave up. The URL cannot be shown there anyway.
+                os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+                client.set_terminated(run_id, status=status)
 
         return self.within(lambda: self._call(finish), timeout, "close")
 
@@ -778,6 +785,29 @@ def _quiet_run_urls_with_passwords() -> None:
 
     _log_url._sidestream_wrapper = True  # type: ignore[attr-defined]
     TrackingServiceClient._log_url = _log_url  # type: ignore[method-assign, unused-ignore]
+
+
+def _url_print_failed(error: BaseException) -> bool:
+    """Whether ``error`` is MLflow's print of a run's URL failing (stdout closed or full).
+
+    Its ``TrackingServiceClient._log_url`` writes to ``sys.stdout`` itself. The error comes
+    from that method, or from a stdout of Python code called by it (a framework's tee); a
+    network error while it reads the run comes from MLflow's or the HTTP clients' code.
+    """
+    if not isinstance(error, (OSError, ValueError, AttributeError)):
+        return False
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name != "_log_url":
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    tb = tb.tb_next
+    while tb is not None:
+        module = str(tb.tb_frame.f_globals.get("__name__", ""))
+        if module.split(".")[0] in ("mlflow", "requests", "urllib3", "http", "socket"):
+            return False
+        tb = tb.tb_next
+    return True
 
 
 def _ended_on_server(client: Any, run_id: str, status: str) -> bool:

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import html
 import itertools
-import logging
 import math
 import os
 import re
@@ -16,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sidestream._logs import get_logger
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink
 from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
@@ -33,7 +33,7 @@ from sidestream.sinks.tracker import signature_options
 
 __all__ = ["TensorBoardSink"]
 
-logger = logging.getLogger("sidestream.sinks")
+logger = get_logger("sidestream.sinks")
 
 _HPARAM_TYPES = (bool, int, float, str)
 # The characters Python-Markdown (TensorBoard's renderer, with its tables extension) takes a

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import logging
 import math
 import os
 import threading
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from sidestream._distributed import check_process_group
 from sidestream._exit import closing_at_exit, fork_mark
+from sidestream._logs import get_logger
 from sidestream._threads import FirstTimes
 from sidestream._validation import check_int
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
@@ -39,7 +39,7 @@ from sidestream.sinks.tracker import TrackerSink, delivered_steps, steps_as_pair
 
 __all__ = ["Delivery", "DeliveryOptions"]
 
-logger = logging.getLogger("sidestream.sinks")
+logger = get_logger("sidestream.sinks")
 
 # Sinks that belong to a live, unclosed run, by id, with weak references to the sink and its
 # run: a sink is one tracker run, so two runs (or two collectors with runs of their own) sharing

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import sys
 import threading
@@ -21,6 +20,8 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from types import TracebackType
+
+from sidestream._logs import get_logger
 
 __all__ = [
     "KILLED_EXIT_CODE",
@@ -206,7 +207,7 @@ def forked_since(mark: int | None, call: str, what: str) -> bool:
     """
     if mark is None or mark == _forks:
         return False
-    logging.getLogger("sidestream").warning(
+    get_logger("sidestream").warning(
         "%s: this %s was started in the process this one was forked from (os.fork), which "
         "delivers its reports and closes it; nothing was done here",
         call,

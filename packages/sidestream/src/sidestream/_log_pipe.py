@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections import deque
@@ -14,12 +13,13 @@ import torch
 from torch import Tensor
 
 from sidestream._host_events import wait_on_host
+from sidestream._logs import get_logger
 from sidestream._threads import own_thread
 from sidestream.sinks.base import Report
 
 __all__ = ["LogEntry", "LogPipe"]
 
-logger = logging.getLogger("sidestream.run")
+logger = get_logger("sidestream.run")
 
 _POLL_S = 0.001  # how often an interrupted close looks at a CUDA copy it waits for
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import threading
 import time
@@ -39,6 +38,7 @@ from sidestream._exit import (
 )
 from sidestream._host_events import host_event
 from sidestream._log_pipe import LogEntry, LogPipe
+from sidestream._logs import get_logger
 from sidestream._step import training_step
 from sidestream._text import check_encodable
 from sidestream._threads import refuse_on_own_thread
@@ -58,7 +58,7 @@ __all__ = ["Run"]
 MetricT = TypeVar("MetricT", bound=Metric[Any])  # run.collector(m).metric is m's own class
 
 
-logger = logging.getLogger("sidestream.run")
+logger = get_logger("sidestream.run")
 
 _HAND_OVER_S = 1.0
 """How long a close or checkpoint that ran out of time (or was interrupted) waits to hand the

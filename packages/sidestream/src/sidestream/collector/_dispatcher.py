@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import queue
 import threading
 import time
@@ -15,6 +14,7 @@ import torch
 from torch import Tensor
 
 from sidestream._host_events import host_event, wait_on_host
+from sidestream._logs import get_logger
 from sidestream._threads import FirstTimes, own_thread
 from sidestream.collector._slot import Slot
 from sidestream.collector._tree import FlatTree, flatten_tree
@@ -29,7 +29,7 @@ from sidestream.sync import RankMismatchError
 
 __all__ = ["Dispatcher"]
 
-logger = logging.getLogger("sidestream.collector")
+logger = get_logger("sidestream.collector")
 
 _STOP = object()
 _STEPS_NAMED = 8  # failed windows' steps a collect_results error lists

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import logging
 import sys
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -14,12 +13,13 @@ from torch import Tensor
 
 from sidestream._arena import Arena
 from sidestream._distributed import Group
+from sidestream._logs import get_logger
 from sidestream.metric import Metric, has_own_sync, own_data
 from sidestream.sync import CallFingerprint, RankMismatchError, SyncBatch, SyncHandle, SyncProgram
 
 __all__ = ["Slot", "StartedWindow", "clone_metric"]
 
-logger = logging.getLogger("sidestream.collector")
+logger = get_logger("sidestream.collector")
 
 
 class StartedWindow(Protocol):

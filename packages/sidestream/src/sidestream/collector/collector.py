@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -45,6 +44,7 @@ from sidestream._exit import (
     forked_since,
     refuse_in_forked_child,
 )
+from sidestream._logs import get_logger
 from sidestream._step import training_step
 from sidestream._text import check_encodable
 from sidestream._threads import refuse_on_own_thread
@@ -71,7 +71,7 @@ __all__ = ["AsyncMetricCollector"]
 #: also an ``AsyncMetricCollector[Metric[Tensor]]``, as a trainer's attribute is annotated.
 MetricT = TypeVar("MetricT", bound=Metric[Any], covariant=True)
 
-logger = logging.getLogger("sidestream.collector")
+logger = get_logger("sidestream.collector")
 
 _DELIVERED = (
     "schedule_collection: the window at step {step} was scheduled before this error and is "

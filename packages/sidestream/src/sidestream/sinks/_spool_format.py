@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -15,11 +14,12 @@ import torch
 from torch import Tensor
 
 from sidestream._exit import KILLED_EXIT_CODE, exiting_with, failed_exit_code
+from sidestream._logs import get_logger
 from sidestream.sinks.base import Report, RunInfo, Sink
 from sidestream.sinks.process import ProcessSink
 from sidestream.sinks.tracker import TrackerSink
 
-logger = logging.getLogger("sidestream.sinks")
+logger = get_logger("sidestream.sinks")
 
 __all__ = [
     "SPOOL_FORMAT",

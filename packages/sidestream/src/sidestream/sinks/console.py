@@ -78,9 +78,18 @@ class ConsoleSink(Sink):
         """Print the run name, if any; decide between a live line and plain lines.
 
         Raises:
-            PermanentSinkError: If the output is a pipe whose reader has exited.
+            PermanentSinkError: If the output is a pipe whose reader has exited, or there is no
+                ``sys.stdout`` (a process started with its standard output closed).
         """
         if self._stream is None:
+            if sys.stdout is None:
+                # Python sets it to None for a closed fd 1 (`exec 1>&-`, some daemons). The
+                # write's check then raised AssertionError (retried until close ran out of
+                # time, and under -O an AttributeError): nothing can ever be printed.
+                raise PermanentSinkError(
+                    "ConsoleSink: sys.stdout is None (the process started with its standard "
+                    "output closed); it prints nothing. Give it stream=, or leave it out"
+                )
             self._stream = sys.stdout
         if self._live_option is None:
             isatty = getattr(self._stream, "isatty", None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import logging
 import math
 import os
 import re
@@ -18,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from sidestream._logs import get_logger
 from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo
 from sidestream.sinks.status import PermanentSinkError
@@ -26,7 +26,7 @@ from sidestream.sinks.tracker import TrackerSink
 
 __all__ = ["JsonlSink", "read_jsonl", "read_lines"]
 
-logger = logging.getLogger("sidestream.sinks")
+logger = get_logger("sidestream.sinks")
 
 # Non-finite floats as JSON strings, spelt the way float() reads them back.
 _NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -21,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from sidestream._exit import KILLED_EXIT_CODE, failed_exit_code, record_failed_exit
+from sidestream._logs import get_logger
 from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo, Sink, batch_size
 from sidestream.sinks.status import PermanentSinkError, is_permanent
@@ -29,7 +29,7 @@ from sidestream.sinks.tracker import TrackerSink, UnconfirmedBacklogError
 
 __all__ = ["ProcessSink", "SinkProcessError"]
 
-logger = logging.getLogger("sidestream.sinks")
+logger = get_logger("sidestream.sinks")
 
 _OK, _ERROR = "ok", "error"
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import random
 import threading
@@ -15,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from sidestream._exit import exiting_with, scoped_exit_code
+from sidestream._logs import get_logger
 from sidestream._threads import own_thread
 from sidestream._validation import check_int
 from sidestream.sinks._lost import LostSteps
@@ -31,7 +31,7 @@ from sidestream.sinks.support import MAX_RETRY_WAIT_S, check_retry_waits, check_
 
 __all__ = ["SinkRunner", "state_before_open"]
 
-logger = logging.getLogger("sidestream.sinks")
+logger = get_logger("sidestream.sinks")
 
 _LEFTOVERS_NAMED = 5  # leftover spool files a warning names (the rest are counted)
 

@@ -48,6 +48,9 @@ _PERMANENT_ERRORS = (
     TypeError,
     ValueError,
     AttributeError,
+    # An assert of the sink's own code: under ``python -O`` the same code goes on to fail with
+    # another error of this list (AttributeError on a None), so it must not depend on -O.
+    AssertionError,
     KeyError,
     IndexError,
     ArithmeticError,  # OverflowError, ZeroDivisionError: the same numbers overflow again
@@ -64,9 +67,9 @@ def is_permanent(error: BaseException) -> bool:
 
     Permanent: ``PermanentSinkError``, ``ImportError`` (a client not installed), ``TypeError``
     and ``ValueError`` (bad arguments), errors of the sink's own code (``AttributeError``,
-    ``KeyError``, ``NameError``, ``NotImplementedError``), a path that is a directory where a
-    file is wanted or the reverse (``IsADirectoryError``, ``NotADirectoryError``,
-    ``FileExistsError``), and HTTP
+    ``AssertionError``, ``KeyError``, ``NameError``, ``NotImplementedError``), a path that is
+    a directory where a file is wanted or the reverse (``IsADirectoryError``,
+    ``NotADirectoryError``, ``FileExistsError``), and HTTP
     errors with a 4xx status other than 408/429 (read from ``status_code``,
     ``response.status_code``, ``get_http_status_code()``, or the standard library's
     ``urllib.error.HTTPError.code``). Everything else (connection

@@ -6,7 +6,6 @@ import difflib
 import errno
 import hashlib
 import itertools
-import logging
 import math
 import os
 import re
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from sidestream._exit import KILLED_EXIT_CODE, close_before_backends_exit, failed_exit_code
+from sidestream._logs import get_logger
 
 __all__ = [
     "KILLED_EXIT_CODE",
@@ -579,7 +579,7 @@ def _warn_no_thread(thread_name: str, error: RuntimeError) -> None:
         )
     else:  # "can't start new thread": the system's limit of threads or memory
         hint = "the process may have reached the system's limit of threads"
-    logging.getLogger("sidestream.sinks").warning(
+    get_logger("sidestream.sinks").warning(
         "%s: could not start its thread (%s); counted as not ended in time (%s)",
         thread_name,
         error,
@@ -614,7 +614,7 @@ def _quiet_hook_over(
     def quiet_excepthook(args: threading.ExceptHookArgs) -> None:
         thread = args.thread
         if thread is not None and any(_picks(is_quiet, thread) for is_quiet in _thread_filters):
-            logging.getLogger("sidestream.sinks").debug(
+            get_logger("sidestream.sinks").debug(
                 "thread %s ended with %s: %s", thread.name, args.exc_type.__name__, args.exc_value
             )
             return

@@ -6,20 +6,20 @@ import abc
 import collections
 import dataclasses
 import inspect
-import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
+from sidestream._logs import get_logger
 from sidestream._threads import FirstTimes
 from sidestream.sinks.base import Report, Sink
 from sidestream.sinks.support import call_within, refuse_unknown_options
 
 __all__ = ["TrackerSink", "UnconfirmedBacklogError", "parse_tracker_state", "signature_options"]
 
-logger = logging.getLogger("sidestream.sinks")
+logger = get_logger("sidestream.sinks")
 
 # Reports sent and not confirmed that a sink keeps to resend (a backend that never confirms
 # must not grow memory without bound). With this many, the sink sends no more until the
