@@ -25,8 +25,13 @@ from torch import Tensor
 
 from sidestream import Metric, MetricAccumulator
 from sidestream.metrics import MaxMetric, SumMetric, WeightedMeanMetric
-from sidestream.metrics.classification import confusion_count_metric
-from sidestream.metrics.language import PerplexityMetric
+from sidestream.metrics.classification import (
+    BinaryAUROCMetric,
+    MulticlassAveragePrecisionMetric,
+    MultilabelAUROCMetric,
+    confusion_count_metric,
+)
+from sidestream.metrics.language import PerplexityMetric, _tokens
 
 _RATES = [0.5 + 0.25 * i for i in range(12)]  # 12 distinct floats: past the limit of 8
 
@@ -138,3 +143,69 @@ def test_metrics_synced_on_their_own_schedules_compile_a_fixed_number_of_graphs(
     assert math.isclose(float(loss.compute()), float(losses.mean()), rel_tol=1e-6)
     assert float(accuracy.compute()) == float((logits.argmax(1) == target).double().mean())
     assert math.isclose(float(largest.compute()), float(losses.max()), rel_tol=1e-6)
+
+
+# name: (metric, a batch of n samples): binned ranking metrics, whose updates on CUDA (and
+# compiled on CPU for batches smaller than the histogram) add slots with index_add_.
+_RankingBatch = Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
+_RANKING_CASES: dict[str, tuple[Callable[[], Metric[Tensor]], _RankingBatch]] = {
+    "binary": (
+        BinaryAUROCMetric,
+        lambda n, g: (torch.rand(n, generator=g), torch.randint(0, 2, (n,), generator=g)),
+    ),
+    "multiclass": (
+        lambda: MulticlassAveragePrecisionMetric(num_classes=4),
+        lambda n, g: (
+            torch.randn(n, 4, generator=g).softmax(-1),
+            torch.randint(0, 4, (n,), generator=g),
+        ),
+    ),
+    "multilabel": (
+        lambda: MultilabelAUROCMetric(num_labels=3, ignore_index=-1),
+        lambda n, g: (torch.rand(n, 3, generator=g), torch.randint(-1, 2, (n, 3), generator=g)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_RANKING_CASES))
+def test_a_binned_ranking_update_compiles_once_for_every_batch_size(name: str) -> None:
+    # The device path's loop over row blocks ran range() over the batch's symbolic row count,
+    # which specialized it: a graph per batch size (a varying last batch, sequence lengths),
+    # failing at torch's recompile limit (8) with fullgraph=True.
+    make, batch = _RANKING_CASES[name]
+    compiled, eager = make(), make()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda p, t: compiled.update(p, t), backend=counter, fullgraph=True)
+    generator = torch.Generator().manual_seed(0)
+    for rows in range(8, 28, 2):  # 10 sizes, all smaller than the histogram
+        preds, target = batch(rows, generator)
+        step(preds, target)
+        eager.update(preds, target)
+    # The first size, then one graph with the rows as a symbol.
+    assert counter.frame_count <= 2, counter.frame_count
+    assert torch.equal(compiled.compute(), eager.compute())
+
+
+def test_a_compiled_perplexity_of_logits_past_a_block_compiles_once_per_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An eager update sums the loss in blocks of WORK_ELEMENTS logits; compiled, the loop over
+    # blocks made the batch's sizes constants: a graph per sequence length (fullgraph failed at
+    # the 9th), for every language-model batch past 16M logits.
+    monkeypatch.setattr(_tokens, "WORK_ELEMENTS", 64)  # every batch below is past a block
+    metric = PerplexityMetric(ignore_index=-100)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda x, t: metric.update(x, t), backend=counter, fullgraph=True)
+    generator = torch.Generator().manual_seed(0)
+    nll, tokens = 0.0, 0
+    for length in range(8, 28, 2):  # 10 sequence lengths
+        logits = torch.randn(2, length, 11, generator=generator).bfloat16()
+        target = torch.randint(0, 11, (2, length), generator=generator)
+        target[0, :3] = -100
+        step(logits, target)
+        counted = target != -100
+        log_probs = logits.double().log_softmax(-1)[counted]
+        nll -= float(log_probs.gather(-1, target[counted].unsqueeze(-1)).sum())
+        tokens += int(counted.sum())
+    assert counter.frame_count <= 2, counter.frame_count
+    assert math.isclose(float(metric.compute()), math.exp(nll / tokens), rel_tol=1e-6)

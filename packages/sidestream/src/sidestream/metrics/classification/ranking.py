@@ -306,16 +306,26 @@ class RankingMetric(ScreenedMetric[Tensor]):
             weight = keep.to(torch.int64) if weight is None else weight * keep
         # In blocks of rows: binning widens each score to float64, and its slot index is int64,
         # so a whole float32 (N, C) batch cost 6x its size at once (1 GB for 2048 x 21,841).
-        # A batch within one block is sliced whole (views: no kernel of their own).
+        if scores.numel() <= _DEVICE_BLOCK:
+            # Whole, with no loop: range() over a compiled batch's symbolic row count would
+            # specialize it, compiling a graph per batch size (fullgraph fails at the 9th).
+            self._add_slots(scores, labels, weight, cpu_path)
+            return
         rows = scores.shape[0]  # (M, C) rows; never empty here (score_batch returned None)
         step = max(1, _DEVICE_BLOCK // max(1, scores.numel() // rows))
         for start in range(0, rows, step):
             block = slice(start, start + step)
             rows_weight = weight[block] if weight is not None and weight.ndim > 0 else weight
-            index, source = self._slot_index(scores[block], labels[block], rows_weight, cpu_path)
-            if source is None:
-                source = torch.ones((), dtype=torch.int64, device=device)
-            self._histogram.add_at(index.reshape(-1), source.expand(index.shape).reshape(-1))
+            self._add_slots(scores[block], labels[block], rows_weight, cpu_path)
+
+    def _add_slots(
+        self, scores: Tensor, labels: Tensor, weight: Tensor | None, cpu_path: bool
+    ) -> None:
+        """Add one block of scores to the histogram with ``index_add_`` (the device path)."""
+        index, source = self._slot_index(scores, labels, weight, cpu_path)
+        if source is None:
+            source = torch.ones((), dtype=torch.int64, device=scores.device)
+        self._histogram.add_at(index.reshape(-1), source.expand(index.shape).reshape(-1))
 
     def _slot_index(
         self, scores: Tensor, labels: Tensor, weight: Tensor | None, cpu_path: bool
