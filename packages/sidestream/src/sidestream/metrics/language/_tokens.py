@@ -163,13 +163,12 @@ def summed_nll(logits: Tensor, ids: Tensor, skipped: int, work_dtype: torch.dtyp
     Returns:
         A 0-dim float64 tensor on the logits' device.
     """
-    if logits.numel() <= WORK_ELEMENTS:  # the usual batch: the ops of an unblocked update
-        return _nll(logits, ids, skipped, work_dtype)
-    if torch.compiler.is_compiling():
-        # Whole: the loop over blocks would make the batch's symbolic sizes constants of the
-        # graph (a recompile per sequence length; fullgraph fails at the 9th), and inductor
-        # fuses the float conversion and the log-softmax into the loss (measured: no extra
-        # memory for 2048 x 32,000 bf16 logits on CPU).
+    # Whole for the usual batch (the ops of an unblocked update), and when compiling: a loop
+    # over blocks would make the batch's symbolic sizes constants of the graph (a recompile
+    # per sequence length; fullgraph fails at the 9th), and inductor fuses the float
+    # conversion and the log-softmax into the loss (measured: no extra memory for
+    # 2048 x 32,000 bf16 logits on CPU).
+    if logits.numel() <= WORK_ELEMENTS or torch.compiler.is_compiling():
         return _nll(logits, ids, skipped, work_dtype)
     total: Tensor | None = None
     for scores, targets in _blocks(logits, ids.reshape(logits.shape[:-1]), WORK_ELEMENTS):
