@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import math
+import re
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping
 from numbers import Real
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Self, TypeVar
 
 import torch
@@ -171,6 +173,7 @@ class Run:
         self._logging_thread: int | None = None
         self._closed = False
         self._closing = CloseOnce()  # which close call closes, and its answer for the others
+        _note_cell_run(self, sys._getframe(1))
 
     def __repr__(self) -> str:
         # getattr: a constructor that raised part-way leaves an object a debugger may print.
@@ -826,3 +829,43 @@ def _register_close_at_exit(run: weakref.ref[Run]) -> None:
     alive = run()
     if alive is not None:
         close_at_exit(alive._close_at_exit)
+
+
+# The runs made in a notebook (an IPython shell), by the code and line that made them: a cell
+# run again makes a new Run at the same place. The earlier one stayed open with no word (its
+# threads, files and tracker run, which MLflow and W&B showed as running, kept until the kernel
+# exited), and its stream had ended at whatever step the cell left it.
+_CELL_RUNS: dict[tuple[str, int], weakref.ref[Run]] = {}
+_IPYTHON_INPUT = re.compile(r"^<ipython-input-\d+-(\w+)>$")
+
+
+def _note_cell_run(run: Run, caller: FrameType | None) -> None:
+    """In a notebook, warn when a cell makes a Run again while its earlier one is still open.
+
+    IPython names a cell's code after a hash of its text, so a cell executed again (the usual
+    way to start over) makes its Run at the same file and line. Only a started run counts (a
+    collector bound, or a value logged): one that never started holds nothing. Scripts are
+    not checked: a loop may keep several runs open on purpose.
+    """
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    if caller is None or get_ipython is None or get_ipython() is None:
+        return
+    # A terminal IPython's name also holds the execution count (<ipython-input-7-1a2b3c>);
+    # ipykernel's (a notebook's) is the hash alone.
+    name = _IPYTHON_INPUT.sub(r"<ipython-input-\1>", caller.f_code.co_filename)
+    place = (name, caller.f_lineno)
+    previous = _CELL_RUNS.get(place)
+    earlier = previous() if previous is not None else None
+    for key in [key for key, ref in _CELL_RUNS.items() if ref() is None]:
+        del _CELL_RUNS[key]
+    _CELL_RUNS[place] = weakref.ref(run)
+    if earlier is None or earlier._closed or earlier._delivery.started_in is None:
+        return
+    logger.warning(
+        "Run: this notebook cell made a Run before, which is still open (%r): it keeps its "
+        "sink threads, files and tracker run (shown as running) until it is closed or the "
+        "kernel exits. Close it before making a new one (run.close()), or make the run with "
+        "`with Run(...) as run:` in the cell that trains",
+        earlier,
+    )

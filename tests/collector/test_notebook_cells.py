@@ -1,0 +1,85 @@
+"""A notebook cell executed again makes a second Run while its first is still open: warned."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidestream import Run
+from sidestream.sinks import JsonlSink
+
+# ipykernel names a cell's code after a hash of its text: the same cell run again has it too.
+_CELL = "/tmp/ipykernel_4242/1234567890.py"
+_MAKES_A_RUN = "run = Run([JsonlSink(path)], spool_dir=spool)\nrun.log(1, {'x': 1.0})\n"
+_CLOSES_FIRST = "if 'run' in globals():\n    run.close()\n" + _MAKES_A_RUN
+
+
+def _execute(source: str, cell: str, namespace: dict[str, Any], path: Path) -> None:
+    namespace.update(Run=Run, JsonlSink=JsonlSink, path=path)
+    exec(compile(source, cell, "exec"), namespace)
+
+
+@pytest.fixture
+def notebook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An IPython shell is running (as in a Jupyter kernel)."""
+    shell = types.ModuleType("IPython")
+    shell.get_ipython = lambda: object()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "IPython", shell)
+
+
+@pytest.mark.usefixtures("notebook")
+def test_a_cell_run_again_warns_that_its_earlier_run_is_open(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: the first run stayed open with no word, its tracker run shown as running until
+    # the kernel exited.
+    namespace: dict[str, Any] = {"spool": str(tmp_path)}
+    runs = []
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        for index in range(2):
+            _execute(_MAKES_A_RUN, _CELL, namespace, tmp_path / f"{index}.jsonl")
+            runs.append(namespace["run"])
+    try:
+        warned = [r.getMessage() for r in caplog.records if "notebook cell" in r.getMessage()]
+        assert len(warned) == 1, caplog.text
+        assert "still open" in warned[0] and "run.close()" in warned[0]
+        assert "with Run(...) as run:" in warned[0]
+    finally:
+        for run in runs:
+            assert run.close()
+
+
+@pytest.mark.usefixtures("notebook")
+def test_a_cell_that_closes_first_and_other_cells_are_not_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    namespace: dict[str, Any] = {"spool": str(tmp_path)}
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        for index in range(2):
+            _execute(_CLOSES_FIRST, _CELL, namespace, tmp_path / f"{index}.jsonl")
+        other: dict[str, Any] = {"spool": str(tmp_path)}  # another cell: a second run on purpose
+        _execute(_MAKES_A_RUN, "/tmp/ipykernel_4242/99.py", other, tmp_path / "other.jsonl")
+        unstarted: dict[str, Any] = {"spool": str(tmp_path)}
+        for index in range(2):  # a run never started holds nothing
+            _execute("run = Run([JsonlSink(path)])\n", _CELL, unstarted, tmp_path / f"u{index}")
+    assert "notebook cell" not in caplog.text
+    assert namespace["run"].close() and other["run"].close()
+
+
+def test_a_script_making_runs_at_one_line_is_not_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delitem(sys.modules, "IPython", raising=False)  # no shell: a script's loop
+    namespace: dict[str, Any] = {"spool": str(tmp_path)}
+    runs = []
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        for index in range(2):
+            _execute(_MAKES_A_RUN, "train.py", namespace, tmp_path / f"{index}.jsonl")
+            runs.append(namespace["run"])
+    assert "notebook cell" not in caplog.text
+    assert all(run.close() for run in runs)
