@@ -493,3 +493,38 @@ def test_a_file_replaced_by_another_with_lines_still_fails(tmp_path: Path) -> No
     assert not run.close(timeout=30)
     assert "was replaced while this run wrote it" in str(run.sink_status["jsonl"].last_error)
     assert _steps(_lines(path)) == [("", 100)]
+
+
+class _FullDiskFile:
+    """The sink's open file, whose writes fail as on a full disk (the error names no file)."""
+
+    def __init__(self, file: object) -> None:
+        self._real = file
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+    def write(self, data: object) -> int:
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["file", "/dev/full"])
+def test_a_full_disk_error_names_the_file(tmp_path: Path, where: str) -> None:
+    # A write's ENOSPC names no file: the pipeline's warning said "OSError: [Errno 28] No
+    # space left on device" and nothing of which of the job's disks was full.
+    import errno
+
+    if where == "/dev/full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    path = tmp_path / "m.jsonl" if where == "file" else Path(where)
+    sink = JsonlSink(path)
+    sink.open(RunInfo())
+    if where == "file":
+        sink._file = _FullDiskFile(sink._file)  # type: ignore[assignment]
+    with pytest.raises(OSError) as raised:
+        sink.write(_report(1))
+    assert raised.value.errno == errno.ENOSPC
+    assert str(path) in str(raised.value)
+    sink.close()

@@ -55,6 +55,29 @@ def test_a_failed_reopen_after_a_failed_write_does_not_break_the_spool_for_good(
     spool.discard()
 
 
+def test_a_failed_write_after_the_spool_folder_was_deleted_keeps_the_spool(
+    tmp_path: Path,
+) -> None:
+    # The spool's folder deleted under the open file (a temp-dir cleaner, an rm -rf), then one
+    # failed write (a full disk): the file was reopened by its path, which failed, so the
+    # spooled reports were lost with the closed file and every later spill failed for good.
+    import shutil
+
+    folder = tmp_path / "spool"
+    spool = Spool(str(folder), "sink", max_bytes=1 << 20)
+    spool.append(_report(1))
+    spool.append(_report(2))
+    shutil.rmtree(folder)
+    spool._file = _FullDisk(spool._file)  # the next write fails: ENOSPC
+    with pytest.raises(OSError):
+        spool.append(_report(3))
+    # The disk has room again: the spool still holds what it held, and takes more.
+    spool.append(_report(4))
+    assert [spool.pop_oldest().step for _ in range(3)] == [1, 2, 4]
+    assert spool.dropped == 0
+    spool.discard()
+
+
 def test_one_unreadable_spooled_report_costs_only_itself(tmp_path: Path) -> None:
     # A read of one spooled line that fails (EIO on a bad sector) dropped the whole spool:
     # steps 6..12 lost, although the lines after it were readable at their own offsets.
@@ -133,3 +156,36 @@ def test_a_spool_line_of_a_newer_format_is_refused_not_read_in_part(tmp_path: Pa
         decode_report(json.dumps({**line, "value_scale": 0.001}))
     old = {key: value for key, value in line.items() if key != "format"}
     assert decode_report(json.dumps({**old, "extra": 1})) == _report(1)
+
+
+def test_a_report_the_full_disk_kept_out_of_the_spool_names_the_spool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # "could not spool step 5: OSError: [Errno 28] No space left on device" named neither the
+    # spool file nor its folder (the temp dir by default, often not the logs' disk).
+    import logging
+
+    from sidestream.sinks import SinkRunner
+    from sidestream.sinks.base import Sink
+
+    class Idle(Sink):
+        name = "idle"
+
+        def open(self, run: object) -> None:
+            pass
+
+        def write(self, report: Report) -> None:
+            pass
+
+    runner = SinkRunner(Idle(), capacity=2, spool_dir=str(tmp_path / "spool"))
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        for step in range(1, 4):  # not started: 1, 2 queued, 3 spooled
+            runner.submit(_report(step))
+        runner._spool._file = _FullDisk(runner._spool._file)
+        runner.submit(_report(4))
+        runner.start()
+        assert runner.close(timeout=30) is False
+    (message,) = [r.getMessage() for r in caplog.records if "could not spool" in r.getMessage()]
+    assert "No space left on device" in message
+    assert str(runner._spool.path or tmp_path / "spool") in message
+    assert "spool_dir" in message

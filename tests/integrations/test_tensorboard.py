@@ -405,6 +405,34 @@ def _has_data(path: Path) -> bool:
     )
 
 
+def test_a_full_disk_error_names_the_log_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The event writer's ENOSPC names no file: the pipeline's warning said "OSError: [Errno 28]
+    # No space left on device" and nothing of which of the job's disks was full.
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    def full_disk_write(self: Any, filename: str, content: bytes, mode: str) -> None:
+        open(filename, mode).close()  # as a full disk does: made, its write fails
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the writer thread's
+    log_dir = tmp_path / "tb"
+    sink = TensorBoardSink(log_dir, flush_secs=1)
+    sink.open(RunInfo())
+    monkeypatch.setattr(gfile.LocalFileSystem, "_write", full_disk_write)
+    deadline = time.monotonic() + 10
+    step = 0
+    with pytest.raises(OSError) as raised:  # its thread's error, raised by a later write
+        while time.monotonic() < deadline:
+            step += 1
+            sink.write(Report(step=step, values={"x": 1.0}, time=0.0))
+            time.sleep(0.05)
+    assert raised.value.errno == errno.ENOSPC
+    assert str(log_dir) in str(raised.value)
+    monkeypatch.undo()
+
+
 def test_a_full_disk_that_frees_again_loses_and_repeats_no_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -981,3 +981,29 @@ def test_a_disabled_run_keeps_no_memory_per_row(tmp_path: Path) -> None:
     assert sink.close(timeout=60)
     # 20,000 rows kept took about 3 MB.
     assert grown < 500_000, grown
+
+
+def test_a_progress_file_the_full_disk_refused_leaves_no_temporary_and_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full disk made sidestream-steps.tmp and failed its write: the empty file stayed in the
+    # run's directory, and the steps counted as recorded, so the file was not written again.
+    import errno
+
+    from sidestream_wandb import sink as sink_module
+
+    run_dir = tmp_path / "offline-run-1"
+    run_dir.mkdir()
+    sink = WandbSink(project="p", mode="offline", dir=str(tmp_path))
+    real = Path.write_text
+
+    def full_disk(self: Path, text: str, *args: Any, **kwargs: Any) -> int:
+        real(self, "", *args, **kwargs)  # made, as a full disk does; nothing written
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert sink._write_progress(str(run_dir), {"train": 3}) is False
+    assert sorted(p.name for p in run_dir.iterdir()) == []
+    monkeypatch.setattr(Path, "write_text", real)
+    assert sink._write_progress(str(run_dir), {"train": 3}) is True
+    assert json.loads((run_dir / sink_module.PROGRESS_FILE).read_text()) == {"train": 3}

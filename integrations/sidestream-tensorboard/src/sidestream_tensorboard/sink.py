@@ -333,6 +333,8 @@ class TensorBoardSink(TrackerSink):
         Raises:
             RuntimeError: If the sink is not open. Entries written before a failure are not
                 written again when the same report is retried.
+            OSError: If the event file cannot be written (a full disk), naming the log
+                directory; retried by the pipeline with a new event file.
         """
         if not self._opened:
             raise RuntimeError("TensorBoardSink.write: call open() first")
@@ -345,6 +347,13 @@ class TensorBoardSink(TrackerSink):
                     # After a new writer: what the old one got to disk is not written again.
                     self._send_one(self._without_held(report))
                     self.mark_sent(report)
+            except OSError as error:
+                self._discard_writer()  # it keeps failing: the retry makes a new one
+                if error.filename is not None or error.errno is None:
+                    raise
+                # The event writer's error names no file ("No space left on device"): the
+                # warning then said neither which directory nor which disk.
+                raise OSError(error.errno, error.strerror, self._log_dir) from error
             except Exception:
                 self._discard_writer()  # it keeps failing: the retry makes a new one
                 raise
@@ -497,7 +506,10 @@ class TensorBoardSink(TrackerSink):
             with self._writer_lock:
                 if self._writer is writer:  # not replaced meanwhile: the next write replaces it
                     self._discard_writer()
-            logger.warning("TensorBoardSink: flush failed: %s", self.describe_error(error))
+            # Named: the writer's error ("No space left on device") names no file.
+            logger.warning(
+                "TensorBoardSink: flush of %s failed: %s", self._log_dir, self.describe_error(error)
+            )
             return False
         if not finished:
             logger.warning("TensorBoardSink: flush did not end within %s s", timeout)

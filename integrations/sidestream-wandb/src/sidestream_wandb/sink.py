@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
@@ -417,9 +418,10 @@ class WandbSink(TrackerSink):
                 steps = self.last_steps()
                 if self._local_dir and steps != self._progress:
                     # What counts as delivered is in the .wandb file: a job that crashes from
-                    # here on resumes past it (the rows logged since may be lost).
-                    self._progress = steps
-                    self._write_progress(self._local_dir, steps)
+                    # here on resumes past it (the rows logged since may be lost). Not noted
+                    # as written when the write failed (a full disk): the next count tries again.
+                    recorded = self._write_progress(self._local_dir, steps)
+                    self._progress = steps if recorded else {}
 
     def _rows_in_file(self) -> dict[str, int]:
         """Each stream's last step whose row is in the ``.wandb`` file whole."""
@@ -593,7 +595,7 @@ class WandbSink(TrackerSink):
         """
         return self._service_pid is None or _process_running(self._service_pid)
 
-    def _write_progress(self, run_dir: str, last_steps: Mapping[str, int]) -> None:
+    def _write_progress(self, run_dir: str, last_steps: Mapping[str, int]) -> bool:
         """Record each stream's last step in the ``.wandb`` file next to the run (for resume).
 
         Written with the steps that count as delivered (wandb's periodic write has put them in
@@ -605,20 +607,30 @@ class WandbSink(TrackerSink):
         a job that crashes before its own first checkpoint is resumed from that same
         checkpoint, which names only that directory, so the steps this job delivered are
         found there too. Called with ``_progress_lock`` held.
+
+        Returns:
+            Whether every directory's file was written (a full disk fails it, warned once).
         """
         directories = [run_dir]
         previous = self._previous_dir
         if previous is not None and previous != run_dir and Path(previous).is_dir():
             directories.append(previous)
         text = json.dumps(dict(last_steps))
+        written = True
         for directory in directories:
             path = Path(directory) / PROGRESS_FILE
+            temporary = path.with_suffix(".tmp")
             try:
-                temporary = path.with_suffix(".tmp")
                 temporary.write_text(text)
                 os.replace(temporary, path)
             except OSError as error:
+                written = False
+                # A full disk makes the file and fails its write: an empty
+                # sidestream-steps.tmp was left in the run's directory.
+                with contextlib.suppress(OSError):
+                    temporary.unlink()
                 self.warn_once("progress", f"WandbSink: cannot write {path}: {error}")
+        return written
 
     def extra_state(self) -> dict[str, Any]:
         """The run's local directory (where the progress file is)."""

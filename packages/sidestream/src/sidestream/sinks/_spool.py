@@ -102,6 +102,16 @@ class Spool:
         """The most bytes of reports held (the cap)."""
         return self._max_bytes
 
+    @property
+    def location(self) -> str:
+        """The spool file once created, else the folder it is to be made in (for messages)."""
+        return self._path or self.directory
+
+    @property
+    def directory(self) -> str:
+        """The folder spool files are made in (the system temp dir by default)."""
+        return self._directory or tempfile.gettempdir()
+
     def leftovers(self) -> list[str]:
         """Spool files of this spool's label in its directory whose process has ended."""
         return leftover_spools(self._directory, self._label)
@@ -209,11 +219,23 @@ class Spool:
         The buffered file keeps the bytes it could not write and tries them again on every
         later seek, read or flush, so one full disk would make the spool unusable for good;
         closing it drops them. A full disk may also have taken part of the line: it is cut.
+
+        The file is reopened through a duplicate of its descriptor, not by its path: the
+        spool's folder may have been deleted while the file was open (a temp-dir cleaner, an
+        ``rm -rf``). By path the reopen failed, the spooled lines went with the closed
+        descriptor, and every later spill failed too, for the rest of the job.
         """
         assert self._file is not None and self._path is not None
+        try:
+            duplicate: int | None = os.dup(self._file.fileno())
+        except (OSError, ValueError):  # out of descriptors, or closed already: by path
+            duplicate = None
         with contextlib.suppress(OSError):
             self._file.close()  # its flush fails again; the bytes it held are dropped
-        self._file = open(self._path, "r+b")  # noqa: SIM115 - kept open, closed by close()
+        if duplicate is None:
+            self._file = open(self._path, "r+b")  # noqa: SIM115 - kept open, closed by close()
+        else:
+            self._file = os.fdopen(duplicate, "r+b")
         with contextlib.suppress(OSError):
             self._file.truncate(self._end)
 

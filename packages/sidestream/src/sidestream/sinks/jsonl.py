@@ -280,9 +280,9 @@ class JsonlSink(TrackerSink):
 
         Raises:
             RuntimeError: If the sink is not open.
-            OSError: If the file cannot take the lines (a full disk); nothing counts as
-                delivered then, and the retry writes them again after cutting a cut line off
-                (a stream: the retry of the same reports sends the rest of them only).
+            OSError: If the file cannot take the lines (a full disk), naming ``path``; nothing
+                counts as delivered then, and the retry writes them again after cutting a cut
+                line off (a stream: the retry of the same reports sends the rest of them only).
             PermanentSinkError: If another file with lines now stands at ``path``, another
                 writer appended to the file since this sink's last write, or the reader of an
                 unnamed pipe exited.
@@ -305,9 +305,13 @@ class JsonlSink(TrackerSink):
             try:
                 while written < len(data):
                     written += file.write(memoryview(data)[written:]) or 0
-            except OSError:
+            except OSError as error:
                 self._cut_back(file)  # at once: the disk may stay full until close
-                raise
+                if error.filename is not None or error.errno is None:
+                    raise
+                # A write's error names no file ("No space left on device"): the warning then
+                # said neither which file nor which disk.
+                raise OSError(error.errno, error.strerror, str(self.path)) from error
             if self._fsync:
                 os.fsync(file.fileno())
             self._cut = False
@@ -351,7 +355,11 @@ class JsonlSink(TrackerSink):
                 self._unsent = (data, written)
             if isinstance(error, BrokenPipeError):
                 raise self._pipe_gone(file) from error
-            raise
+            if error.filename is not None or error.errno is None:
+                raise
+            # Named, as for a file: "No space left on device" alone (/dev/full, a full
+            # disk behind a descriptor) said not where.
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
         self._unsent = None
 
     def _follow_file(self) -> bytes:

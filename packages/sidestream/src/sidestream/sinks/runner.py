@@ -419,7 +419,15 @@ class SinkRunner:
                 # And the older reports dropped for room before the write failed.
                 lost = 1 + (error.dropped if isinstance(error, SpoolWriteError) else 0)
                 self._lost_steps.add(report.stream, report.step)  # the spool notes the older
-                self._drop(lost, f"could not spool step {report.step}: {_describe(error)}")
+                reason = f"could not spool step {report.step}: {_describe(error)}"
+                if isinstance(error, OSError):
+                    # A write's error names no file: say which spool, on which disk, and what
+                    # helps (a job may spool to the temp dir on another disk than its logs).
+                    reason += (
+                        f" (spool {self._spool.location}: free space there, or give the run a "
+                        "spool_dir with room that this process may write)"
+                    )
+                self._drop(lost, reason)
             else:
                 if dropped:
                     self._drop(
@@ -956,11 +964,13 @@ class SinkRunner:
         if lost:
             logger.error(
                 "sink %r: %d of %d report(s) not delivered within %.1f s of close could not "
-                "be kept in a spool file (%s): they are lost",
+                "be kept in a spool file in %s (%s): they are lost",
                 self.key,
                 lost,
                 count,
                 timeout or 0.0,
+                # The spool's folder, not a file: a full disk names none in its error.
+                self._spool.directory,
                 _describe(error) if error is not None else "unknown error",
             )
         self._log_dropped()
