@@ -199,3 +199,40 @@ def test_a_sweep_of_runs_leaves_no_atexit_slots_behind() -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == "slots added 1", done.stdout  # the first registration only
     assert lines[1:] == ["last run closed", "client torn down"], done.stderr
+
+
+_REPLACED_HOOK_SCRIPT = """
+import sys
+from sidestream._exit import close_at_exit, failed_exit_code
+
+close_at_exit(lambda: print("closed with", failed_exit_code(), flush=True))
+# Installed after the run's hook, as rich.traceback.install() after the Run is: it prints
+# and does not call the hook it replaced.
+sys.excepthook = lambda kind, value, tb: print("own hook:", kind.__name__, flush=True)
+raise {exception}
+"""
+
+
+def test_an_uncaught_exception_fails_the_closes_at_exit_past_a_replaced_excepthook() -> None:
+    # Before: only sidestream's own excepthook noted the failure, so a hook installed after it
+    # that did not chain made a crashed job's closes at exit hear None: MLflow FINISHED.
+    for exception, code in (("RuntimeError('boom')", 1), ("KeyboardInterrupt", 255)):
+        done = _python(_REPLACED_HOOK_SCRIPT.format(exception=exception))
+        assert done.returncode != 0, done.stdout
+        lines = done.stdout.splitlines()
+        assert lines[-1] == f"closed with {code}", (exception, done.stdout, done.stderr)
+
+
+def test_a_clean_exit_after_a_caught_exception_is_not_a_failure() -> None:
+    done = _python(
+        """
+        from sidestream._exit import close_at_exit, failed_exit_code
+        close_at_exit(lambda: print("closed with", failed_exit_code(), flush=True))
+        try:
+            raise RuntimeError("handled")
+        except RuntimeError:
+            pass
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["closed with None"]

@@ -35,6 +35,7 @@ __all__ = [
     "fork_mark",
     "forked_since",
     "forget_close_at_exit",
+    "in_ipython",
     "record_failed_exit",
     "refuse_in_forked_child",
     "scoped_exit_code",
@@ -155,7 +156,38 @@ def failed_exit_code() -> int | None:
     there (read it in the sink's ``close``).
     """
     scoped = scoped_exit_code()
-    return scoped if scoped is not None else _failed_code
+    if scoped is not None:
+        return scoped
+    if _failed_code is None and _exit_began is not None:
+        return _uncaught_exit_code()
+    return _failed_code
+
+
+def _uncaught_exit_code() -> int | None:
+    """At exit, the code of an uncaught exception that ``sys.excepthook`` did not pass on.
+
+    The interpreter notes an uncaught exception in ``sys.last_type`` before it calls the hook,
+    so a hook installed after a run's (``rich.traceback.install()`` after the ``Run``), which
+    does not call the one it replaced, no longer lets a crashed job's trackers hear it ended
+    well (MLflow FINISHED, W&B exit code 0). Not in an interactive session, where
+    ``last_type`` is the last error shown at a prompt (a notebook cell's), not how it ends.
+    """
+    kind = getattr(sys, "last_type", None)
+    if not isinstance(kind, type) or not issubclass(kind, BaseException) or _interactive():
+        return None
+    return KILLED_EXIT_CODE if issubclass(kind, KeyboardInterrupt) else 1
+
+
+def _interactive() -> bool:
+    """Whether this process has a prompt: ``python -i``, the REPL, IPython or a notebook."""
+    return bool(sys.flags.interactive) or hasattr(sys, "ps1") or in_ipython()
+
+
+def in_ipython() -> bool:
+    """Whether this process is an IPython shell or a Jupyter kernel (a notebook)."""
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    return get_ipython is not None and get_ipython() is not None
 
 
 def closing_at_exit() -> bool:

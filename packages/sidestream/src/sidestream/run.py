@@ -36,6 +36,7 @@ from sidestream._exit import (
     exit_time_left,
     forget_close_at_exit,
     forked_since,
+    in_ipython,
     refuse_in_forked_child,
 )
 from sidestream._host_events import host_event
@@ -847,9 +848,7 @@ def _note_cell_run(run: Run, caller: FrameType | None) -> None:
     collector bound, or a value logged): one that never started holds nothing. Scripts are
     not checked: a loop may keep several runs open on purpose.
     """
-    ipython = sys.modules.get("IPython")
-    get_ipython = getattr(ipython, "get_ipython", None)
-    if caller is None or get_ipython is None or get_ipython() is None:
+    if caller is None or not in_ipython():
         return
     # A terminal IPython's name also holds the execution count (<ipython-input-7-1a2b3c>);
     # ipykernel's (a notebook's) is the hash alone.
