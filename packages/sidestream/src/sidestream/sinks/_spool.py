@@ -8,9 +8,10 @@ import os
 import re
 import tempfile
 import time
+from array import array
 from collections import deque
-from collections.abc import Sequence
-from typing import IO
+from collections.abc import Iterator, Sequence
+from typing import IO, Any
 
 from sidestream.sinks._lost import LostSteps
 from sidestream.sinks._spool_format import decode_report, encode_report
@@ -31,6 +32,85 @@ DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 
 # Bytes moved per read when the file is compacted or copied: bounded memory.
 _CHUNK = 1 << 20
+
+
+class _LineIndex:
+    """Size, stream and step of each spooled line, oldest first, in compact arrays.
+
+    The spool file is on disk, but this index of it is in memory, one entry per line: a spool
+    of small reports (``run.log`` of one value, about 100 bytes a line) holds 2.7 million lines
+    at the default 256 MiB cap. A deque of sizes and one of ``(stream, step)`` tuples took
+    about 118 bytes of memory a line there (300 MiB, more than the file on disk, for each sink
+    of a tracker that was down); these arrays take 20 (an int64 size and step, and the stream's
+    number in a table of the streams seen).
+    """
+
+    _BLOCK = 4096  # entries per array block: popleft frees memory a block at a time
+
+    def __init__(self) -> None:
+        # [sizes, steps, stream numbers] per block, oldest first; the first block's first
+        # _head entries were taken already.
+        self._blocks: deque[list[Any]] = deque()
+        self._head = 0
+        self._count = 0
+        self._streams: list[str] = []
+        self._stream_ids: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return self._count
+
+    def append(self, size: int, stream: str, step: int) -> None:
+        """Add the newest line."""
+        stream_id = self._stream_ids.get(stream)
+        if stream_id is None:
+            stream_id = self._stream_ids[stream] = len(self._streams)
+            self._streams.append(stream)
+        if not self._blocks or len(self._blocks[-1][0]) == self._BLOCK:
+            self._blocks.append([array("q"), array("q"), array("I")])
+        block = self._blocks[-1]
+        try:
+            block[1].append(step)
+        except (OverflowError, TypeError):
+            # A step no int64 holds (a Report made by hand): this block keeps its steps as
+            # Python objects, as they were given.
+            block[1] = [*block[1], step]
+        block[0].append(size)
+        block[2].append(stream_id)
+        self._count += 1
+
+    def size_at(self, index: int) -> int:
+        """The size of the ``index``-th oldest line (0 is the oldest)."""
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        index += self._head
+        sizes: array[int] = self._blocks[index // self._BLOCK][0]
+        return sizes[index % self._BLOCK]
+
+    def popleft(self) -> tuple[int, str, int]:
+        """Remove the oldest line; return its ``(size, stream, step)``."""
+        if not self._count:
+            raise IndexError("the spool is empty")
+        sizes, steps, streams = self._blocks[0]
+        entry = (sizes[self._head], self._streams[streams[self._head]], steps[self._head])
+        self._head += 1
+        self._count -= 1
+        if self._head == len(sizes) and (len(sizes) == self._BLOCK or not self._count):
+            self._blocks.popleft()
+            self._head = 0
+        return entry
+
+    def marks(self) -> Iterator[tuple[str, int]]:
+        """``(stream, step)`` of every line, oldest first."""
+        head = self._head
+        for sizes, steps, streams in self._blocks:
+            for index in range(head, len(sizes)):
+                yield self._streams[streams[index]], steps[index]
+            head = 0
+
+    def clear(self) -> None:
+        """Forget every line."""
+        self._blocks.clear()
+        self._head = self._count = 0
 
 
 class SpoolWriteError(OSError):
@@ -80,8 +160,9 @@ class Spool:
         self._path: str | None = None
         self._read_offset = 0
         self._end = 0
-        self._lines: deque[int] = deque()  # byte length of each spooled line, oldest first
-        self._marks: deque[tuple[str, int]] = deque()  # (stream, step) of each line, likewise
+        # Byte length, stream and step of each spooled line, oldest first: compact, since a
+        # spool of small reports holds millions of lines (see _LineIndex).
+        self._lines = _LineIndex()
         self.dropped = 0
         #: The steps of the reports this spool dropped or could not keep, for the messages.
         self.lost = LostSteps()
@@ -167,7 +248,7 @@ class Spool:
         # failed write leaves the spool as it was.
         dropped, freed = 0, 0
         while dropped < len(self._lines) and self.nbytes - freed + len(line) > self._max_bytes:
-            freed += self._lines[dropped]
+            freed += self._lines.size_at(dropped)
             dropped += 1
         # The dead prefix is cut once larger than the live part (and than a chunk, or the cap
         # when that is smaller), and whenever this line would take the file past twice the
@@ -192,14 +273,14 @@ class Spool:
         else:
             self._drop_oldest(dropped)
         self._end += len(line)
-        self._lines.append(len(line))
-        self._marks.append((report.stream, report.step))
+        self._lines.append(len(line), report.stream, report.step)
         return dropped
 
     def _drop_oldest(self, count: int) -> None:
         for _ in range(count):
-            self._read_offset += self._lines.popleft()
-            self.lost.add(*self._marks.popleft())
+            size, stream, step = self._lines.popleft()
+            self._read_offset += size
+            self.lost.add(stream, step)
         self.dropped += count
 
     def _write_at_end(self, line: bytes) -> None:
@@ -251,8 +332,7 @@ class Spool:
         """
         if self._file is None or not self._lines:
             raise IndexError("the spool is empty")
-        size = self._lines.popleft()
-        mark = self._marks.popleft()
+        size, stream, step = self._lines.popleft()
         start = self._read_offset
         self._read_offset += size
         try:
@@ -260,7 +340,7 @@ class Spool:
             file.seek(start)
             line = file.read(size)
         except OSError:
-            self.lost.add(*mark)
+            self.lost.add(stream, step)
             # Only this line is lost: the next read seeks to its own line. A buffer the
             # failed read left in an unknown state is dropped with the file object.
             if self._lines:
@@ -277,7 +357,7 @@ class Spool:
                 )
             return decode_report(line)
         except ValueError:
-            self.lost.add(*mark)
+            self.lost.add(stream, step)
             raise
 
     def _reset_file(self) -> None:
@@ -353,7 +433,7 @@ class Spool:
                 paths.append(self._keep_file())
             except Exception:
                 lost += spooled
-                for mark in self._marks:
+                for mark in self._lines.marks():
                     self.lost.add(*mark)
         if newer:
             path, kept = self._write_oldest(list(newer))
@@ -464,7 +544,7 @@ class Spool:
             lost: The spooled reports are lost (not delivered, not kept): note their steps.
         """
         if lost:
-            for mark in self._marks:
+            for mark in self._lines.marks():
                 self.lost.add(*mark)
         if self._file is not None:
             with contextlib.suppress(OSError):
@@ -475,7 +555,6 @@ class Spool:
                 os.unlink(self._path)
             self._path = None
         self._lines.clear()
-        self._marks.clear()
         self._read_offset = self._end = 0
 
 
