@@ -23,6 +23,7 @@ class _Control:
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
+        self.delay_s = 0.0  # each compute sleeps this long (a dispatcher a little too slow)
 
     def __deepcopy__(self, memo: dict[int, object]) -> _Control:
         return self
@@ -47,6 +48,7 @@ class Lagging(Metric[Tensor]):
             raise ArithmeticError("compute failed")
         if not self.gate.wait(30):
             raise TimeoutError("gate never opened")
+        time.sleep(self.control.delay_s)
         return self._total.value[:1]
 
 
@@ -124,6 +126,28 @@ def test_slots_are_capped_queue_bounded_values_right_and_extra_slots_freed(
         r.values["value"] if "value" in r.values else next(iter(r.values.values()))
         for r in sink.reports
     ] == [float(s) for s in range(1, 31)] + [1.0]
+
+
+def test_short_slot_waits_that_add_up_are_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: only a single wait past 0.5 s was logged; many shorter ones (16 ranks on 2
+    # cores waited 13.6 s of a 17 s loop) said nothing. Scaled down: waits of about 0.1 s
+    # that add up to 0.5 s, most of the loop's time.
+    monkeypatch.setattr(collector_module, "_SLOT_WAIT_TOTAL_S", 0.5)
+    metric = Lagging()
+    metric.control.delay_s = 0.1
+    collector = AsyncMetricCollector(metric, max_slots=1)
+    collector.bind("cpu")
+    with caplog.at_level(logging.WARNING, logger="sidestream.collector"):
+        for step in range(1, 13):
+            metric.update(torch.ones(1))
+            collector.schedule_collection(step)
+    collector.close(10)
+    messages = [r.getMessage() for r in caplog.records]
+    assert collector.slot_wait_s >= 0.5
+    assert sum("in waits shorter than 0.5 s each" in m for m in messages) == 1, messages
+    assert not any("have been in use for" in m for m in messages), "no single wait was long"
 
 
 def test_max_slots_is_checked() -> None:
