@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -224,10 +225,74 @@ class MlflowSink(TrackerSink):
         # a request header, so only a redacted message leaves the sink, raised unchained; its
         # kind (permanent or worth a retry) survives in the class.
         uri = uri_without_password(self._tracking_uri)
-        permanent = is_permanent(error) or _unreadable_database_uri(error)
+        tls_hint = self._tls_hint(error)
+        permanent = is_permanent(error) or _unreadable_database_uri(error) or bool(tls_hint)
         kind = PermanentSinkError if permanent else RuntimeError
-        hint = working_directory_hint(error)
+        hint = working_directory_hint(error) or tls_hint or self._auth_hint(error)
         return kind(f"MlflowSink ({uri}): {what} failed: {self.describe_error(error)}{hint}")
+
+    def _uri_setting(self) -> str:
+        """Where the tracking URI was set: the option, or the environment variable."""
+        return "tracking_uri" if self._tracking_uri is not None else "MLFLOW_TRACKING_URI"
+
+    def _tls_hint(self, error: BaseException) -> str:
+        """The fix for a TLS handshake that no retry gets through, else ``""``.
+
+        An ``https://`` URI of a server that speaks plain HTTP, or a certificate this machine
+        does not trust, failed every request of the job the same way: retried until close, the
+        job's reports ended in a spool file with only a WARNING said at the first attempt.
+        A TLS connection dropped midway (``SSLEOFError``) stays a transient error.
+        """
+        text = " ".join(str(link) for link in _error_chain(error))
+        if "WRONG_VERSION_NUMBER" in text:
+            return (
+                f" (the server answers plain HTTP, not TLS: make {self._uri_setting()} "
+                "http://... instead of https://...)"
+            )
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            return (
+                " (this machine does not trust the server's certificate: set "
+                "MLFLOW_TRACKING_SERVER_CERT_PATH to its CA bundle, or "
+                "MLFLOW_TRACKING_INSECURE_TLS=true to skip the check)"
+            )
+        return ""
+
+    def _auth_hint(self, error: BaseException) -> str:
+        """Which setting to fix when the server refused the credentials (401) or the user (403).
+
+        MLflow's own message says only "You are not authenticated" or "Permission denied".
+        """
+        status = _http_status_code(error)
+        in_uri = urlparse(self._used_uri() or "").username is not None
+        # A name in the URI is hidden with its password (it may be a token); the variable's
+        # is shown, as MLflow's own messages do.
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+        token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+        if status == 401:
+            if not (in_uri or user or token):
+                return (
+                    " (no credentials were given: set MLFLOW_TRACKING_USERNAME and "
+                    "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN)"
+                )
+            if in_uri:
+                where = f"the user:password@ in {self._uri_setting()}"
+            elif user:
+                where = f"MLFLOW_TRACKING_USERNAME ({user!r}) / MLFLOW_TRACKING_PASSWORD"
+            else:
+                where = "MLFLOW_TRACKING_TOKEN"
+            return f" (the server refused the credentials: check {where})"
+        if status == 403:
+            where = (
+                "MLflow's default experiment"
+                if self._experiment is None
+                else (f"experiment {self._experiment!r}")
+            )
+            who = f"user {user!r}" if user and not in_uri else "these credentials"
+            return (
+                f" ({who} may not write to {where}: ask its owner for EDIT permission, or "
+                "log to an experiment of your own)"
+            )
+        return ""
 
     def _call(self, action: Callable[[], _T]) -> _T:
         """Run MLflow client calls with this sink's HTTP settings (this thread only)."""
@@ -337,6 +402,14 @@ class MlflowSink(TrackerSink):
                     experiment_id = found.experiment_id
             else:
                 experiment_id = found.experiment_id
+                if found.lifecycle_stage == "deleted":
+                    # MLflow's refusal of the run named only the experiment's id and its state.
+                    raise PermanentSinkError(
+                        f"the experiment {self._experiment!r} (id {experiment_id}) is deleted "
+                        "on the server and takes no new runs; restore it (mlflow experiments "
+                        f"restore --experiment-id {experiment_id}) or give another experiment "
+                        "name"
+                    )
         else:
             experiment_id = "0"
         # An earlier create_run of this sink (or of the job it resumes) may have reached the
@@ -546,6 +619,10 @@ class MlflowSink(TrackerSink):
         pipeline gave up with reports kept, a replay stopped short) the run stays RUNNING;
         after ``keep_run_status`` (a replay of a crashed job's spool into its existing run)
         the status stays as the replay's ``open`` found it.
+
+        A server away at that moment (a 503, a dropped connection, a restart) is retried with
+        backoff until ``timeout`` (30 s for ``None``); a refusal (HTTP 4xx) is not, and its
+        warning gives the call that ends the run.
         """
         if self._client is None or self._run_id is None:
             return True
@@ -564,8 +641,12 @@ class MlflowSink(TrackerSink):
             return True
         code = failed_exit_code()
         status = "FINISHED" if code is None else "KILLED" if code == KILLED_EXIT_CODE else "FAILED"
+        # The pipeline has no retry after close: a server that is away for a moment (one 503,
+        # a dropped connection, a restart) left the run RUNNING for good although it holds
+        # every value. Retried here instead, within the close's own timeout.
+        deadline = time.monotonic() + (_CLOSE_RETRY_S if timeout is None else timeout)
 
-        def finish() -> None:
+        def finish_once() -> None:
             try:
                 client.set_terminated(run_id, status=status)
             except Exception as error:
@@ -580,10 +661,39 @@ class MlflowSink(TrackerSink):
                 os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
                 client.set_terminated(run_id, status=status)
 
+        def finish() -> None:
+            delay = _CLOSE_RETRY_INITIAL_S
+            while True:
+                try:
+                    finish_once()
+                    return
+                except Exception as error:
+                    permanent = is_permanent(error)
+                    if permanent or deadline - time.monotonic() <= delay:
+                        raise self._close_failure(run_id, status, error, permanent) from None
+                time.sleep(delay)
+                delay = min(2 * delay, _CLOSE_RETRY_MAX_S)
+
         return self.within(lambda: self._call(finish), timeout, "close")
+
+    def _close_failure(
+        self, run_id: str, status: str, error: BaseException, permanent: bool
+    ) -> RuntimeError:
+        """Why the run could not be ended, and how to end it: its values are all delivered."""
+        why = "refused" if permanent else "could not be reached within the close's timeout"
+        return RuntimeError(
+            f"the server {why} ({self.describe_error(error)}); run {run_id} holds every value "
+            f"delivered but stays RUNNING: end it with MlflowClient().set_terminated("
+            f"{run_id!r}, status={status!r})"
+        )
 
 
 _DATABASE_SCHEMES = frozenset({"sqlite", "postgresql", "mysql", "mssql"})
+# How a close retries ending the run while the server is away: waits from 0.1 s doubling to
+# 2 s, for at most its timeout (30 s for a close without one, as Run.close's default).
+_CLOSE_RETRY_INITIAL_S = 0.1
+_CLOSE_RETRY_MAX_S = 2.0
+_CLOSE_RETRY_S = 30.0
 _MAX_EXPERIMENT_NAME = 500
 """The longest experiment name MLflow takes."""
 
@@ -594,6 +704,7 @@ _MLFLOW_SCHEMES = frozenset({"http", "https", "file", "databricks", "databricks-
 def _check_tracking_uri(uri: str) -> None:
     """Every check of a tracking URI that can be made before the sink opens."""
     _check_uri_scheme(uri)
+    _check_server_url(uri)
     _check_file_store(uri)
     _check_database_uri(uri)
     _check_sqlite_folder(uri)
@@ -659,6 +770,24 @@ def _check_uri_scheme(uri: str) -> None:
         f"{uri_without_password(uri)!r}; expected http://host:port, https://..., "
         "sqlite:///path.db (or another database URL), databricks or file:///path (MLflow's "
         "file store, refused by MLflow 3.13 and later unless MLFLOW_ALLOW_FILE_STORE=true)"
+    )
+
+
+def _check_server_url(uri: str) -> None:
+    """Raise ``ValueError`` naming ``tracking_uri`` for a server URL with a query or fragment.
+
+    MLflow appends each request's path to the URI as it is, so a URL copied from the MLflow
+    UI (``http://host:5000/#/experiments/1``) sent every request to the UI's page: its HTML,
+    answered with 200, failed as a transient error, retried for the whole job.
+    """
+    parsed = urlparse(uri)
+    if parsed.scheme.lower() not in ("http", "https") or not (parsed.query or parsed.fragment):
+        return
+    server = parsed._replace(query="", fragment="").geturl().rstrip("/")
+    raise ValueError(
+        f"tracking_uri: {uri_without_password(uri)!r} has a query or fragment (a URL copied "
+        "from the MLflow UI?); MLflow adds its API paths to the URI as given: use the "
+        f"server's URL, {uri_without_password(server)!r}"
     )
 
 
@@ -808,6 +937,32 @@ def _url_print_failed(error: BaseException) -> bool:
             return False
         tb = tb.tb_next
     return True
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the errors it was raised from or while handling, outermost first.
+
+    MLflow raises its ``MlflowException`` inside the ``except`` of the HTTP client's error,
+    so the TLS error it wraps is that exception's context.
+    """
+    chain: list[BaseException] = []
+    link: BaseException | None = error
+    while link is not None and link not in chain and len(chain) < 16:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    return chain
+
+
+def _http_status_code(error: BaseException) -> int | None:
+    """The HTTP status MLflow read from the server's answer, if ``error`` carries one."""
+    getter = getattr(error, "get_http_status_code", None)
+    if callable(getter):
+        try:
+            status = getter()
+        except Exception:
+            return None
+        return status if isinstance(status, int) else None
+    return None
 
 
 def _ended_on_server(client: Any, run_id: str, status: str) -> bool:
