@@ -256,7 +256,9 @@ def test_a_close_that_failed_makes_close_false(result: bool | None) -> None:
         )
     else:
         assert runner.status == SinkStatus(
-            "healthy", "close returned False: not every value it was given reached the backend"
+            "healthy",
+            "close returned False: it did not finish (a value not in the backend, or the "
+            "backend's run not ended: see the sink's own warning)",
         )
 
 

@@ -1370,7 +1370,8 @@ class SinkRunner:
                 return None
             kind = _RETURNED_FALSE
             reason = (
-                "close returned False: not every value it was given reached the backend"
+                "close returned False: it did not finish (a value not in the backend, or the "
+                "backend's run not ended: see the sink's own warning)"
                 if what == "close"
                 else "flush did not finish (it returned False)"
             )
