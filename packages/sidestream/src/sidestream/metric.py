@@ -1675,7 +1675,8 @@ def _check_saved_dtypes(
             f"state_dict[{DTYPES_KEY!r}]: expected the states' dtype record (JSON text of a "
             f"mapping), got {saved!r}"
         )
-    extra = sorted(set(recorded) - set(states) - set(given))
+    # A name with a "/" is no state's: a collector records its window mode so.
+    extra = sorted(set(recorded) - set(states) - set(given) - {n for n in recorded if "/" in n})
     if extra:
         # Only through torch.distributed.checkpoint (a direct load refuses the keys first): it
         # loads the keys this metric has and drops the rest, so a MeanMetric's checkpoint went

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -54,7 +55,7 @@ from sidestream.collector._dispatcher import Dispatcher
 from sidestream.collector._slot import Slot, clone_metric
 from sidestream.collector._tree import flatten_tree
 from sidestream.collector._window import Window, without_frames
-from sidestream.metric import Metric
+from sidestream.metric import DTYPES_KEY, Metric
 from sidestream.metrics.compose import ComposeMetric
 from sidestream.sinks._spool import DEFAULT_SPOOL_MAX_BYTES
 from sidestream.sinks.base import RunInfo, Sink
@@ -953,9 +954,10 @@ class AsyncMetricCollector(Generic[MetricT]):
         """The metric's reduced state for a checkpoint (``where``: the call, for errors)."""
         self.settle_windows(timeout)
         self._own_group()
-        return self._metric._reduced_state(
+        saved = self._metric._reduced_state(
             self._prefix or "(no prefix)", naming_checkpoint_failures(where, [self])
         )
+        return _with_window_mode(saved, self._reset_each_window)
 
     def _mismatch_found(self) -> BaseException | None:
         """The rank mismatch a window found, if any (what ``_raise_mismatch`` raises)."""
@@ -1469,6 +1471,7 @@ class AsyncMetricCollector(Generic[MetricT]):
         """
         if self._dispatcher is not None:
             raise RuntimeError(f"load_state_dict: call it before bind; {_DCP_ORDER}")
+        self._check_window_mode(state_dict)
         self._own_group()  # placed for the windows' group, whatever the metric synced over
         try:
             restore = self._metric._prepare_load(dict(state_dict))
@@ -1489,9 +1492,74 @@ class AsyncMetricCollector(Generic[MetricT]):
 
         return restore_and_note
 
+    def _check_window_mode(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` if the state was saved by a collector of the other window mode.
+
+        A per-window collector's state holds the updates since its last window, a cumulative
+        one's every update since the run started: loaded into the other mode, the first window
+        would report the whole run as one window, or the cumulative values would leave out
+        every window before the checkpoint, with no error.
+        """
+        saved = _saved_window_mode(state_dict)
+        if saved is None or saved == self._reset_each_window:
+            return  # a checkpoint from before the record, or of this mode
+        held = {
+            True: "per-window values: it holds only the updates since the last window",
+            False: "cumulative values: it holds every update since the run started",
+        }
+        wrong = {
+            True: "its first window would report every update since the run started",
+            False: "its values would leave out every window before the checkpoint",
+        }
+        raise ValueError(
+            f"collector {self.prefix!r}: the checkpoint's metric state was saved with "
+            f"reset_each_window={saved} ({held[saved]}), this collector has "
+            f"reset_each_window={self._reset_each_window}, so {wrong[self._reset_each_window]}. "
+            f"Make the collector with reset_each_window={saved} to resume it; to change the "
+            "mode, give the stream a new prefix (it starts from zero; a Run keeps the saved "
+            "state in its checkpoints)"
+        )
+
 
 _DCP_ORDER = "with torch.distributed.checkpoint: make the collectors, dcp.load, then bind"
 """The order a checkpoint loads in, said when a load comes after bind."""
+
+_WINDOW_MODE = "sidestream/reset_each_window"
+"""The entry of a collector's window mode in its metric state's dtype record.
+
+In the record (JSON text) rather than a key of its own: ``torch.distributed.checkpoint`` loads
+the text whole, and a key that an older checkpoint lacks would fail its ``dcp.load``. No state
+name holds a ``/``, so the metric's own check of the record passes it by.
+"""
+
+
+def _with_window_mode(saved: dict[str, Any], reset_each_window: bool) -> dict[str, Any]:
+    """``saved`` (a metric's checkpoint) with the collector's window mode in its dtype record.
+
+    A metric without states has no record, and nothing a mode could count wrongly.
+    """
+    record = saved.get(DTYPES_KEY)
+    if not isinstance(record, str):
+        return saved
+    entries = json.loads(record)
+    entries[_WINDOW_MODE] = reset_each_window
+    saved[DTYPES_KEY] = json.dumps(entries)
+    return saved
+
+
+def _saved_window_mode(state_dict: Mapping[str, Any]) -> bool | None:
+    """The window mode a metric state's record names (``None``: saved before it was kept).
+
+    A record that is not JSON of a mapping is the metric's to refuse, as it was before.
+    """
+    record = state_dict.get(DTYPES_KEY)
+    try:
+        entries = json.loads(record) if isinstance(record, str | bytes) else None
+    except ValueError:
+        return None
+    mode = entries.get(_WINDOW_MODE) if isinstance(entries, dict) else None
+    return mode if isinstance(mode, bool) else None
+
 
 _SLOT_WAIT_QUIET_S = 0.5
 """How long ``schedule_collection`` waits for a staging slot before it says so (once)."""
