@@ -931,6 +931,31 @@ def test_a_relative_sqlite_file_is_the_one_next_to_the_job_when_built(
     assert [run.data.metrics for run in runs] == [{"loss": 0.5}]
 
 
+@pytest.mark.parametrize("folder", ["a%41b", "q?x=1"])
+def test_a_relative_sqlite_file_in_a_folder_named_like_url_syntax_stays_there(
+    folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The working directory went into the URL as it is: SQLAlchemy decoded 'a%41b' as 'aAb'
+    # (no such folder: every open retried "unable to open database file" for good) and took
+    # '?x=1/sub/m.db' for the query (the run went into a file 'q' beside the folder).
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / folder).mkdir()
+    monkeypatch.chdir(tmp_path / folder)
+    sink = MlflowSink(tracking_uri="sqlite:///sub/m.db", experiment="escaped")
+    sink.open(RunInfo(name="r"))
+    sink.write(Report(step=1, values={"loss": 0.5}, time=time.time()))
+    assert sink.close(timeout=10)
+    database = tmp_path / folder / "sub" / "m.db"
+    assert database.is_file()
+    assert not (tmp_path / "aAb").exists() and not (tmp_path / "q").exists()
+    # MLflow's own URL for the file (its path escaped), as a reader would make it.
+    from mlflow.utils.file_utils import path_to_local_sqlite_uri
+
+    client = MlflowClient(tracking_uri=path_to_local_sqlite_uri(str(database)))
+    runs = client.search_runs([client.get_experiment_by_name("escaped").experiment_id])
+    assert [run.data.metrics for run in runs] == [{"loss": 0.5}]
+
+
 @pytest.mark.parametrize("scheme", ["sqlite", "sqlite+pysqlite"])
 def test_a_sqlite_url_keeps_its_query_out_of_the_path_made_absolute(
     scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -139,6 +139,45 @@ def test_a_bad_option_fails_when_the_sink_is_made(
         make(tmp_path)
 
 
+_TOO_LONG = "損" * 90
+"""A folder or file name of 270 bytes as UTF-8: over the 255 most file systems take."""
+
+
+@pytest.mark.parametrize(
+    ("option", "make"),
+    [
+        ("path", lambda d: JsonlSink(d / f"{_TOO_LONG}.jsonl")),
+        ("path", lambda d: JsonlSink(d / "new" / _TOO_LONG / "m.jsonl")),
+        ("log_dir", lambda d: _tensorboard()(log_dir=str(d / _TOO_LONG))),
+        ("log_dir", lambda d: _tensorboard()(log_dir=str(d / "new" / _TOO_LONG))),
+        ("dir", lambda d: _wandb()(mode="offline", dir=str(d / "new" / _TOO_LONG))),
+        ("tracking_uri", lambda d: _mlflow()(tracking_uri=f"sqlite:///{d}/new/{_TOO_LONG}.db")),
+        ("spool_dir", lambda d: Run([], spool_dir=d / _TOO_LONG)),
+        ("spool_dir", lambda d: Run([], spool_dir=d / "new" / _TOO_LONG)),
+        ("path", lambda d: JsonlSink(d / "/".join(["x" * 200] * 21) / "m.jsonl")),
+    ],
+    ids=[
+        "jsonl-file",
+        "jsonl-below-a-new-folder",
+        "tensorboard",
+        "tensorboard-below-a-new-folder",
+        "wandb-below-a-new-folder",
+        "mlflow-sqlite-file",
+        "spool_dir",
+        "spool_dir-below-a-new-folder",
+        "jsonl-path-over-path-max",
+    ],
+)
+def test_a_path_too_long_for_the_file_system_fails_naming_its_option(
+    tmp_path: Path, option: str, make: Callable[[Path], Any]
+) -> None:
+    # A bare OSError ("File name too long") naming no option; below a folder not made yet the
+    # checks passed, and every open on rank 0 failed and was retried until close.
+    with pytest.raises(ValueError, match=rf"{option}: .* (bytes|takes)"):
+        make(tmp_path)
+    assert not (tmp_path / "new").exists()
+
+
 def _file(directory: Path) -> Path:
     """A regular file where a sink option wants a directory."""
     path = directory / "afile"

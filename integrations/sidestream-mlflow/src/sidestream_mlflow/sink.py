@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from sidestream._logs import get_logger
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
@@ -17,6 +17,7 @@ from sidestream.sinks.config import install_hint
 from sidestream.sinks.support import (
     KILLED_EXIT_CODE,
     check_directory_path,
+    check_name_lengths,
     check_option_types,
     failed_exit_code,
     flatten_config,
@@ -328,6 +329,7 @@ class MlflowSink(TrackerSink):
 
         failure: RuntimeError | None = None
         try:
+            _make_sqlite_folder(self._used_uri())
             self._client = MlflowClient(tracking_uri=self._tracking_uri)
             self._call(lambda: self._open_run(run))
         except Exception as error:
@@ -824,10 +826,13 @@ and an empty path (``sqlite:///?timeout=5``, SQLAlchemy's in-memory database) no
 
 
 def _sqlite_file(uri: str) -> str | None:
-    """The path of a SQLite file URL (made absolute, query left off), else ``None``."""
+    """The path of a SQLite file URL (made absolute, query left off), else ``None``.
+
+    Decoded as SQLAlchemy decodes it (``%25`` is ``%``): the file SQLite opens.
+    """
     if _SQLITE_FILE.fullmatch(uri) is None and not re.match(r"sqlite(\+\w+)?:////", uri, re.I):
         return None
-    return _absolute_store(uri).split(":///", 1)[1].split("?", 1)[0]
+    return unquote(_absolute_store(uri).split(":///", 1)[1].split("?", 1)[0])
 
 
 def _absolute_store(uri: str) -> str:
@@ -836,7 +841,13 @@ def _absolute_store(uri: str) -> str:
     if relative is not None:
         # The query is not part of the path: made absolute with it, an empty path (in
         # memory) became the working directory itself, which SQLite cannot open.
-        return relative.group(1) + os.path.abspath(relative.group(2)) + (relative.group(3) or "")
+        # The working directory goes into a URL, where SQLAlchemy decodes a '%XX' and takes
+        # what follows a '?' for the query: escaped, or a job started in 'a%41b' or 'q?x'
+        # opened 'aAb/mlflow.db' (a folder that is not there: retried for good) or the file
+        # 'q' beside its folder. The given path is URL text already and stays as written.
+        folder = os.getcwd().replace("%", "%25").replace("?", "%3F")
+        path = os.path.normpath(os.path.join(folder, relative.group(2)))
+        return relative.group(1) + path + (relative.group(3) or "")
     if len(urlparse(uri).scheme) <= 1 and uri not in ("databricks", "databricks-uc"):
         return os.path.abspath(uri)
     return uri
@@ -874,7 +885,20 @@ def _check_sqlite_folder(uri: str) -> None:
     path = _sqlite_file(uri)
     if path is None:
         return  # another database, or SQLite in memory
+    check_name_lengths("tracking_uri", path)
     check_directory_path("tracking_uri", os.path.dirname(path) or ".")
+
+
+def _make_sqlite_folder(uri: str | None) -> None:
+    """Make the folder of a SQLite file URL's file, as SQLite will open it.
+
+    MLflow makes it from the URL's text undecoded: for a folder written escaped (``a%2541b``
+    for ``a%41b``) it made another one, and SQLite's open of the file then failed at every
+    retry ("unable to open database file").
+    """
+    path = None if uri is None else _sqlite_file(uri)
+    if path is not None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
 
 def _unreadable_database_uri(error: BaseException) -> bool:

@@ -21,7 +21,12 @@ from sidestream._logs import get_logger
 from sidestream._validation import check_int
 from sidestream.sinks.base import Report, RunInfo
 from sidestream.sinks.status import PermanentSinkError
-from sidestream.sinks.support import NOT_WRITABLE_ERRNOS, call_within, check_directory_path
+from sidestream.sinks.support import (
+    NOT_WRITABLE_ERRNOS,
+    call_within,
+    check_directory_path,
+    check_name_lengths,
+)
 from sidestream.sinks.tracker import TrackerSink
 
 __all__ = ["JsonlSink", "read_jsonl", "read_lines"]
@@ -128,6 +133,7 @@ class JsonlSink(TrackerSink):
             raise ValueError("path: expected a file path, got ''")
         # Absolute: a checkpoint names this file for a job resumed from anywhere.
         self.path = Path(path).absolute()
+        check_name_lengths("path", self.path)  # is_dir() raised a bare OSError for one too long
         if self.path.is_dir():
             raise ValueError(f"path: expected a file, got the directory {str(self.path)!r}")
         # A file there already (a job's log, /dev/stdout) is appended to: its folder may be

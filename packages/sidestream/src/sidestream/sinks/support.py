@@ -27,6 +27,7 @@ __all__ = [
     "HistogramEdges",
     "call_within",
     "check_directory_path",
+    "check_name_lengths",
     "check_option_types",
     "check_seconds",
     "checked_histogram_edges",
@@ -390,6 +391,7 @@ def check_directory_path(
         # Empty, it would silently become a default (the working directory, SummaryWriter's
         # runs/...); a NUL byte fails at open, after training started.
         raise ValueError(f"{name}: expected a directory path, got {text!r}")
+    check_name_lengths(name, text)
     path = Path(directory)
     for place in (path, *path.parents):
         if place.is_symlink() and not place.exists():
@@ -409,6 +411,36 @@ def check_directory_path(
                     f"{name}: {str(place)!r} is not writable by this process (in {str(path)!r})"
                 )
             return
+
+
+def check_name_lengths(name: str, path: str | os.PathLike[str]) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``path`` is longer than its file system takes.
+
+    A folder or file name over the file system's limit (255 bytes on most, as UTF-8: 85 CJK
+    characters) or a path over ``PATH_MAX`` made the checks of a sink's path raise a bare
+    ``OSError`` ("File name too long") naming no option, or, below a folder not made yet,
+    passed them: every open on rank 0 then failed and was retried until ``close``.
+    """
+    absolute = os.path.abspath(os.fspath(path))
+    existing = absolute
+    while not os.path.isdir(existing):  # False for a name too long too: its folder answers
+        existing = os.path.dirname(existing)
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+        path_max = os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # no such setting, or no pathconf: Linux's
+        name_max, path_max = 255, 4096
+    for part in absolute.split(os.sep):
+        if len(os.fsencode(part)) > name_max:
+            raise ValueError(
+                f"{name}: {absolute!r} has a folder or file name of {len(os.fsencode(part))} "
+                f"bytes; this file system takes names of at most {name_max} (as UTF-8)"
+            )
+    if len(os.fsencode(absolute)) >= path_max:
+        raise ValueError(
+            f"{name}: {absolute!r} is {len(os.fsencode(absolute))} bytes long; this file "
+            f"system takes paths shorter than {path_max}"
+        )
 
 
 def working_directory_hint(error: BaseException) -> str:
