@@ -367,6 +367,40 @@ def test_long_names_and_odd_config_values_are_kept_within_limits(shm_path: Path)
     assert 0 < len(long_tag) <= 5000
 
 
+def test_run_name_and_run_key_tags_are_settled_not_refused_at_open(
+    shm_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: a RunInfo tag mlflow.runName other than the name made MLflow refuse create_run,
+    # a permanent failure at open once training had started; a sidestream.run_key tag was
+    # replaced by the sink's without a word.
+    uri = f"sqlite:///{shm_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    with caplog.at_level(logging.WARNING, logger="sidestream.sinks"):
+        sink = MlflowSink(tracking_uri=uri, experiment="tags")
+        tags = {"mlflow.runName": "other", "sidestream.run_key": "mine", "team": "a"}
+        sink.open(RunInfo(name="named", tags=tags))
+        sink.write(Report(step=1, values={"x": 1.0}, time=time.time()))
+        assert sink.close(timeout=30)
+    run = client.get_run(sink.run_id)
+    assert run.info.run_name == "named" and run.data.tags["team"] == "a"
+    assert run.data.tags["sidestream.run_key"] != "mine"
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "'mlflow.runName' ('other') differs" in messages and "'mine' is not set" in messages
+    # With no name, the tag names the run.
+    unnamed = MlflowSink(tracking_uri=uri, experiment="tags")
+    unnamed.open(RunInfo(tags={"mlflow.runName": "from-tag"}))
+    assert unnamed.close(timeout=30)
+    assert client.get_run(unnamed.run_id).info.run_name == "from-tag"
+
+
+def test_the_sinks_own_tags_are_checked_when_it_is_built() -> None:
+    with pytest.raises(ValueError, match=r"^tags: 'sidestream.run_key' is the sink's own tag"):
+        MlflowSink(tracking_uri="http://127.0.0.1:5000", tags={"sidestream.run_key": "x"})
+    with pytest.raises(ValueError, match=r"^tags: 'mlflow.runName' is 'a' but run_name is 'b'"):
+        MlflowSink(tracking_uri="http://127.0.0.1:5000", run_name="b", tags={"mlflow.runName": "a"})
+    MlflowSink(tracking_uri="http://127.0.0.1:5000", run_name="a", tags={"mlflow.runName": "a"})
+
+
 def test_credentials_never_leave_the_sink(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,

@@ -140,6 +140,7 @@ class MlflowSink(TrackerSink):
             # The run's own tags' checks (str names, none empty, encodable), here and not when
             # rank 0 opens the sink once training has started.
             RunInfo(tags=tags)
+            _check_own_tags(tags, run_name)
         if tracking_uri is not None:
             _check_tracking_uri(tracking_uri)
         else:
@@ -423,6 +424,7 @@ class MlflowSink(TrackerSink):
             return str(found[0].info.run_id), False
         tags = {**dict(run.tags), **self._tags}
         name = self._run_name if self._run_name is not None else run.name
+        tags, name = self._settled_tags(tags, name)
         run_tags = {_key(str(k)): shorten(str(v), MAX_TAG_VALUE_LENGTH) for k, v in tags.items()}
         created = self._client.create_run(
             experiment_id,
@@ -430,6 +432,37 @@ class MlflowSink(TrackerSink):
             tags={**run_tags, RUN_KEY_TAG: self._run_key},
         )
         return str(created.info.run_id), True
+
+    def _settled_tags(
+        self, tags: dict[str, Any], name: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """The tags and run name ``create_run`` takes, with a warning for what was set aside.
+
+        A ``RunInfo`` tag ``mlflow.runName`` other than the run's name made MLflow refuse the
+        run (permanently, at open, after training started); the name wins, and with no name
+        the tag is the name. ``sidestream.run_key`` is this sink's own: a resumed job finds
+        its run by it, so the user's value was silently replaced; now said.
+        """
+        tags = dict(tags)
+        if RUN_KEY_TAG in tags:
+            self.warn_once(
+                "run key tag",
+                f"MlflowSink: the tag {RUN_KEY_TAG!r} is the sink's own (a resumed job finds "
+                f"its run by it): your value {tags.pop(RUN_KEY_TAG)!r} is not set; use "
+                "another tag name",
+            )
+        given = tags.get(_RUN_NAME_TAG)
+        if given is not None:
+            if not name:
+                name = str(tags.pop(_RUN_NAME_TAG))
+            elif str(given) != name:
+                tags.pop(_RUN_NAME_TAG)
+                self.warn_once(
+                    "run name tag",
+                    f"MlflowSink: the tag {_RUN_NAME_TAG!r} ({given!r}) differs from the run's "
+                    f"name ({name!r}), which MLflow refuses: the run is named {name!r}",
+                )
+        return tags, name
 
     def extra_state(self) -> dict[str, Any]:
         """The run key and experiment: where a resumed job (or a replay) finds its run.
@@ -687,6 +720,24 @@ class MlflowSink(TrackerSink):
             f"the server {why} ({self.describe_error(error)}); run {run_id} holds every value "
             f"delivered but stays RUNNING: end it with MlflowClient().set_terminated("
             f"{run_id!r}, status={status!r})"
+        )
+
+
+_RUN_NAME_TAG = "mlflow.runName"
+
+
+def _check_own_tags(tags: Mapping[str, str], run_name: str | None) -> None:
+    """Raise ``ValueError`` naming ``tags`` for a tag MLflow or this sink would refuse at open."""
+    if RUN_KEY_TAG in tags:
+        raise ValueError(
+            f"tags: {RUN_KEY_TAG!r} is the sink's own tag (a resumed job finds its run by it); "
+            "use another tag name"
+        )
+    given = tags.get(_RUN_NAME_TAG)
+    if given is not None and run_name is not None and given != run_name:
+        raise ValueError(
+            f"tags: {_RUN_NAME_TAG!r} is {given!r} but run_name is {run_name!r}; MLflow "
+            "refuses a run with both: give one"
         )
 
 
