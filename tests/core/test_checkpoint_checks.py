@@ -258,3 +258,32 @@ def test_a_record_naming_the_states_of_an_older_layout_loads() -> None:
         _Renamed(torch.int64).load_state_dict(
             {"total": torch.tensor(7), DTYPES_KEY: '{"total": "int64", "gone": "int64"}'}
         )
+
+
+def test_a_child_added_or_removed_since_the_checkpoint_says_how_to_go_on() -> None:
+    # Before: only the keys, and no way forward for a script edited between checkpoint and
+    # resume. The hint's own recipe must work.
+    from sidestream.metrics import ComposeMetric, MeanMetric, SumMetric
+
+    saved = ComposeMetric({"loss": MeanMetric(), "n": SumMetric()}).to("cpu")
+    saved["loss"].update(torch.tensor([3.0, 5.0]))
+    state = saved.state_dict()
+    for children in (
+        {"loss": MeanMetric(), "n": SumMetric(), "new": MeanMetric()},
+        {"loss": MeanMetric()},
+    ):
+        metric = ComposeMetric(children).to("cpu")
+        with pytest.raises(KeyError, match=r"load the children both have one by one") as error:
+            metric.load_state_dict(state)
+        assert "['new'] are not in the checkpoint" in str(error.value) or "holds child" in str(
+            error.value
+        )
+        metric["loss"].load_state_dict(
+            {k.removeprefix("loss."): v for k, v in state.items() if k.startswith("loss.")}
+        )
+        assert metric.compute()["loss"].item() == 4.0
+    # A child whose states changed (another kind under the same name) is not "added".
+    other = ComposeMetric({"loss": MeanMetric(), "n": MeanMetric()}).to("cpu")
+    with pytest.raises(KeyError) as error:
+        other.load_state_dict(state)
+    assert "one by one" not in str(error.value)

@@ -537,6 +537,31 @@ class Metric(Generic[T], abc.ABC):
                 hints.append(hint)
         return "".join(f"; {hint}" for hint in hints)
 
+    def _children_hint(self, saved_keys: Iterable[str]) -> str:
+        """How to go on when whole child metrics were added or removed since the checkpoint.
+
+        A script edited between a checkpoint and its resume (a metric added to a
+        ``ComposeMetric``, or one dropped) got the keys only, and no way forward.
+        """
+        children = {name for name, value in self._declared_items() if isinstance(value, Metric)}
+        saved = {k.split(".", 1)[0] for k in saved_keys if "." in k and "/" not in k}
+        kept = sorted(children & saved)
+        added, dropped = sorted(children - saved), sorted(saved - children)
+        if not kept or not (added or dropped):
+            return ""
+        changes = []
+        if added:
+            changes.append(f"child metric(s) {added} are not in the checkpoint")
+        if dropped:
+            changes.append(f"the checkpoint holds child metric(s) {dropped} this one lacks")
+        prefix = kept[0] + "."
+        return (
+            f"; {' and '.join(changes)} (the metrics changed since it was saved): load the "
+            "children both have one by one, each from its own keys, as "
+            f"metric[{kept[0]!r}].load_state_dict({{k.removeprefix({prefix!r}): v for k, v in "
+            f"state.items() if k.startswith({prefix!r})}}); a new child starts from zero"
+        )
+
     def _state_key_hint(self, names: set[str]) -> str:
         """Why a checkpoint may lack, or hold, this metric's states ``names`` ("": no idea).
 
@@ -1444,6 +1469,7 @@ class Metric(Generic[T], abc.ABC):
                 f"state_dict: missing keys {missing}, unexpected keys {unexpected} "
                 f"for {type(self).__name__}{self._key_hints(missing + unexpected)}"
                 f"{_partial_load_hint(missing, left_out)}"
+                f"{self._children_hint(state_dict)}"
             )
         saved: dict[str, torch.Tensor] = {}
         # Constants first: a checkpoint of other bins is told as such, not as a histogram of
