@@ -83,3 +83,54 @@ def test_a_script_making_runs_at_one_line_is_not_warned(
             runs.append(namespace["run"])
     assert "notebook cell" not in caplog.text
     assert all(run.close() for run in runs)
+
+
+class _Shell:
+    """IPython's shell, as far as the check reads it: the count of the cell executing now."""
+
+    execution_count = 1
+
+
+_HELPER = (
+    "def make_run(name):\n    return Run([JsonlSink(f'{folder}/{name}.jsonl')], spool_dir=folder)\n"
+)
+_TRAIN_AND_EVAL = (
+    "train = make_run('train')\ntrain.log(1, {'x': 1.0})\n"
+    "val = make_run('val')\nval.log(1, {'x': 1.0})\n"
+)
+_FOLDS = (
+    "folds = []\nfor k in range(3):\n"
+    "    fold = Run([JsonlSink(f'{folder}/{next(names)}.jsonl')], spool_dir=folder)\n"
+    "    fold.log(1, {'x': 1.0})\n    folds.append(fold)\n"
+)
+
+
+def test_runs_made_by_a_helper_or_a_loop_of_one_execution_are_not_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: every Run a helper function made counted as made by one cell (the helper's line),
+    # so a train and an eval run open together were warned about, as were the runs a loop of
+    # one cell keeps open on purpose (one warning per run after the first).
+    shell = types.ModuleType("IPython")
+    shell.get_ipython = lambda: _Shell  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "IPython", shell)
+    namespace: dict[str, Any] = {"Run": Run, "JsonlSink": JsonlSink, "folder": str(tmp_path)}
+    namespace["names"] = iter(range(100))
+
+    def execute(source: str, cell: str) -> None:
+        exec(compile(source, cell, "exec"), namespace)
+        _Shell.execution_count += 1
+
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        execute(_HELPER, "/tmp/ipykernel_4242/1.py")
+        execute(_TRAIN_AND_EVAL, "/tmp/ipykernel_4242/2.py")
+        execute(_FOLDS, "/tmp/ipykernel_4242/3.py")
+        runs = [namespace["train"], namespace["val"], *namespace["folds"]]
+        assert "notebook cell" not in caplog.text
+        execute(_FOLDS, "/tmp/ipykernel_4242/3.py")  # executed again: its runs are still open
+        runs += namespace["folds"]
+    try:
+        warned = [r for r in caplog.records if "notebook cell" in r.getMessage()]
+        assert len(warned) == 1, caplog.text
+    finally:
+        assert all(run.close() for run in runs)

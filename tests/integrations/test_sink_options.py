@@ -178,6 +178,35 @@ def test_a_path_too_long_for_the_file_system_fails_naming_its_option(
     assert not (tmp_path / "new").exists()
 
 
+def test_a_file_system_that_states_no_name_limit_takes_any_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FUSE file systems whose statfs leaves the name length at 0 (borg and bindfs mounts,
+    # fusepy and llfuse ones before they set it) make pathconf answer 0 for PC_NAME_MAX, and -1
+    # means no stated limit. Before: "takes names of at most 0", every path on them refused.
+    real = os.pathconf
+    for unstated in (0, -1):
+
+        def pathconf(path: Any, name: str, unstated: int = unstated) -> int:
+            return unstated if name == "PC_NAME_MAX" else real(path, name)
+
+        monkeypatch.setattr(os, "pathconf", pathconf)
+        JsonlSink(tmp_path / "runs" / "a.jsonl")
+        Run(spool_dir=tmp_path / "spool")
+
+
+def test_no_pathconf_leaves_the_lengths_to_the_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Windows has no pathconf, and its limits count UTF-16 units (NTFS: 255 a name). Before:
+    # Linux's 255 bytes as UTF-8 were assumed, and a folder of 100 CJK characters, which NTFS
+    # takes, was refused.
+    from sidestream.sinks.support import check_name_lengths
+
+    monkeypatch.delattr(os, "pathconf")
+    check_name_lengths("path", tmp_path / ("実験" * 50) / "a.jsonl")  # no ValueError
+
+
 def _file(directory: Path) -> Path:
     """A regular file where a sink option wants a directory."""
     path = directory / "afile"

@@ -171,11 +171,27 @@ def _uncaught_exit_code() -> int | None:
     does not call the one it replaced, no longer lets a crashed job's trackers hear it ended
     well (MLflow FINISHED, W&B exit code 0). Not in an interactive session, where
     ``last_type`` is the last error shown at a prompt (a notebook cell's), not how it ends.
+
+    Only an exception that went up through the program's first frame counts: others note
+    one they caught there too (pytest a failed or ``xfail`` test's, for a debugger;
+    ``code.interact`` a line's), and a session that went on to pass told the trackers of its
+    runs closed at exit that it failed (MLflow FAILED for ``1 passed, 1 xfailed``, exit 0).
     """
     kind = getattr(sys, "last_type", None)
     if not isinstance(kind, type) or not issubclass(kind, BaseException) or _interactive():
         return None
+    if not _reached_the_top(getattr(sys, "last_traceback", None)):
+        return None
     return KILLED_EXIT_CODE if issubclass(kind, KeyboardInterrupt) else 1
+
+
+def _reached_the_top(traceback: TracebackType | None) -> bool:
+    """Whether an exception with ``traceback`` left the program's outermost Python frame.
+
+    A traceback starts at the frame where the exception was caught: uncaught, the script's
+    module frame (or ``runpy``'s for ``python -m``), which no Python frame called.
+    """
+    return traceback is not None and traceback.tb_frame.f_back is None
 
 
 def _interactive() -> bool:
@@ -358,7 +374,9 @@ def _terminate_interrupts_closes() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # Only if still ours: a close may have set a handler of its own meanwhile.
+        if signal.getsignal(signal.SIGTERM) is _interrupt_on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _terminated:
         # Ended as the sender meant, by SIGTERM (its launcher sees that, not a clean exit),
         # now that the closes kept what they held; the later exit hooks are skipped, as the

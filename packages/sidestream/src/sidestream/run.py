@@ -832,11 +832,12 @@ def _register_close_at_exit(run: weakref.ref[Run]) -> None:
         close_at_exit(alive._close_at_exit)
 
 
-# The runs made in a notebook (an IPython shell), by the code and line that made them: a cell
-# run again makes a new Run at the same place. The earlier one stayed open with no word (its
-# threads, files and tracker run, which MLflow and W&B showed as running, kept until the kernel
-# exited), and its stream had ended at whatever step the cell left it.
-_CELL_RUNS: dict[tuple[str, int], weakref.ref[Run]] = {}
+# The runs made in a notebook (an IPython shell), by the code and line that made them, with the
+# execution (IPython's count) that made them: a cell run again makes a new Run at the same place.
+# The earlier one stayed open with no word (its threads, files and tracker run, which MLflow and
+# W&B showed as running, kept until the kernel exited), and its stream had ended at whatever
+# step the cell left it.
+_CELL_RUNS: dict[tuple[str, int], tuple[weakref.ref[Run], int | None]] = {}
 _IPYTHON_INPUT = re.compile(r"^<ipython-input-\d+-(\w+)>$")
 
 
@@ -847,20 +848,27 @@ def _note_cell_run(run: Run, caller: FrameType | None) -> None:
     way to start over) makes its Run at the same file and line. Only a started run counts (a
     collector bound, or a value logged): one that never started holds nothing. Scripts are
     not checked: a loop may keep several runs open on purpose.
+
+    Only a Run made by a cell's own code (not inside a function), in a later execution: a
+    helper defined in a cell makes every run at its one line (a train and an eval run open
+    together were warned about), and a loop in one execution makes several on purpose.
     """
-    if caller is None or not in_ipython():
+    if caller is None or caller.f_code.co_name != "<module>" or not in_ipython():
         return
     # A terminal IPython's name also holds the execution count (<ipython-input-7-1a2b3c>);
     # ipykernel's (a notebook's) is the hash alone.
     name = _IPYTHON_INPUT.sub(r"<ipython-input-\1>", caller.f_code.co_filename)
     place = (name, caller.f_lineno)
-    previous = _CELL_RUNS.get(place)
+    execution = _execution_count()
+    previous, made_in = _CELL_RUNS.get(place, (None, None))
     earlier = previous() if previous is not None else None
-    for key in [key for key, ref in _CELL_RUNS.items() if ref() is None]:
+    for key in [key for key, (ref, _) in _CELL_RUNS.items() if ref() is None]:
         del _CELL_RUNS[key]
-    _CELL_RUNS[place] = weakref.ref(run)
+    _CELL_RUNS[place] = (weakref.ref(run), execution)
     if earlier is None or earlier._closed or earlier._delivery.started_in is None:
         return
+    if execution is not None and execution == made_in:
+        return  # the same execution of the cell: a loop making several runs
     logger.warning(
         "Run: this notebook cell made a Run before, which is still open (%r): it keeps its "
         "sink threads, files and tracker run (shown as running) until it is closed or the "
@@ -868,3 +876,11 @@ def _note_cell_run(run: Run, caller: FrameType | None) -> None:
         "`with Run(...) as run:` in the cell that trains",
         earlier,
     )
+
+
+def _execution_count() -> int | None:
+    """The IPython shell's count of the cell executing now (``None``: not known)."""
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    count = getattr(get_ipython() if get_ipython is not None else None, "execution_count", None)
+    return count if isinstance(count, int) else None

@@ -9,6 +9,7 @@ import itertools
 import math
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -421,15 +422,22 @@ def check_name_lengths(name: str, path: str | os.PathLike[str]) -> None:
     ``OSError`` ("File name too long") naming no option, or, below a folder not made yet,
     passed them: every open on rank 0 then failed and was retried until ``close``.
     """
+    if not hasattr(os, "pathconf"):
+        # Windows: its limits count UTF-16 units (255 a name on NTFS, 85 CJK characters would
+        # be refused as UTF-8 bytes) and long paths may be enabled: left to the open.
+        return
     absolute = os.path.abspath(os.fspath(path))
     existing = absolute
     while not os.path.isdir(existing):  # False for a name too long too: its folder answers
-        existing = os.path.dirname(existing)
+        existing = os.path.dirname(existing)  # ends at the root, a folder on POSIX
     try:
         name_max = os.pathconf(existing, "PC_NAME_MAX")
         path_max = os.pathconf(existing, "PC_PATH_MAX")
-    except (OSError, ValueError, AttributeError):  # no such setting, or no pathconf: Linux's
+    except (OSError, ValueError):  # no such setting here: Linux's
         name_max, path_max = 255, 4096
+    # -1: a limit the file system does not state (every name was refused as over it).
+    name_max = name_max if name_max > 0 else sys.maxsize
+    path_max = path_max if path_max > 0 else sys.maxsize
     for part in absolute.split(os.sep):
         if len(os.fsencode(part)) > name_max:
             raise ValueError(
