@@ -753,3 +753,11 @@ def test_the_replay_command_speaks_as_typed_and_names_a_directory(
     error = capsys.readouterr().err
     assert error.startswith("usage: python -m sidestream replay "), error
     assert "a directory" in error and "no such file" not in error, error
+
+
+def test_a_url_log_dir_is_not_length_checked_as_a_local_path() -> None:
+    # Before: s3://bucket/<300-byte key part> was refused as a local folder name.
+    pytest.importorskip("sidestream_tensorboard")
+    from sidestream_tensorboard import TensorBoardSink
+
+    TensorBoardSink(log_dir="s3://bucket/" + "k" * 300 + "/run")

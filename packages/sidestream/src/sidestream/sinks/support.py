@@ -392,7 +392,8 @@ def check_directory_path(
         # Empty, it would silently become a default (the working directory, SummaryWriter's
         # runs/...); a NUL byte fails at open, after training started.
         raise ValueError(f"{name}: expected a directory path, got {text!r}")
-    check_name_lengths(name, text)
+    if "://" not in text:  # a URL (s3://...) names no local folder or file
+        check_name_lengths(name, text)
     path = Path(directory)
     for place in (path, *path.parents):
         if place.is_symlink() and not place.exists():
