@@ -134,3 +134,38 @@ def test_runs_made_by_a_helper_or_a_loop_of_one_execution_are_not_warned(
         assert len(warned) == 1, caplog.text
     finally:
         assert all(run.close() for run in runs)
+
+
+_MAKES_A_COLLECTOR = (
+    "collector = AsyncMetricCollector(SumMetric(), [JsonlSink(path)], spool_dir=spool)\n"
+    "collector.bind('cpu')\n"
+)
+
+
+@pytest.mark.usefixtures("notebook")
+def test_a_cell_that_makes_a_collector_with_sinks_again_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: only Run was checked; a collector with sinks of its own made again by its cell
+    # kept the earlier one's threads and tracker run without a word.
+    from sidestream import AsyncMetricCollector
+    from sidestream.metrics import SumMetric
+
+    namespace: dict[str, Any] = {
+        "spool": str(tmp_path),
+        "AsyncMetricCollector": AsyncMetricCollector,
+        "SumMetric": SumMetric,
+    }
+    collectors = []
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        for index in range(2):
+            _execute(_MAKES_A_COLLECTOR, _CELL, namespace, tmp_path / f"{index}.jsonl")
+            collectors.append(namespace["collector"])
+    try:
+        warned = [r.getMessage() for r in caplog.records if "notebook cell" in r.getMessage()]
+        assert len(warned) == 1, caplog.text
+        assert warned[0].startswith("AsyncMetricCollector:")
+        assert "collector.close()" in warned[0]
+    finally:
+        for collector in collectors:
+            assert collector.close(10)

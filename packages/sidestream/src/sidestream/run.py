@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping
 from numbers import Real
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from sidestream._cells import note_made_in_cell
 from sidestream._closing import CloseOnce, wait_until_free
 from sidestream._dcp_guard import refuse_pickling
 from sidestream._delivery import (
@@ -36,7 +36,6 @@ from sidestream._exit import (
     exit_time_left,
     forget_close_at_exit,
     forked_since,
-    in_ipython,
     refuse_in_forked_child,
 )
 from sidestream._host_events import host_event
@@ -174,7 +173,7 @@ class Run:
         self._logging_thread: int | None = None
         self._closed = False
         self._closing = CloseOnce()  # which close call closes, and its answer for the others
-        _note_cell_run(self, sys._getframe(1))
+        note_made_in_cell(self, sys._getframe(1), "Run", _still_open, _CLOSE_ADVICE, logger)
 
     def __repr__(self) -> str:
         # getattr: a constructor that raised part-way leaves an object a debugger may print.
@@ -832,55 +831,12 @@ def _register_close_at_exit(run: weakref.ref[Run]) -> None:
         close_at_exit(alive._close_at_exit)
 
 
-# The runs made in a notebook (an IPython shell), by the code and line that made them, with the
-# execution (IPython's count) that made them: a cell run again makes a new Run at the same place.
-# The earlier one stayed open with no word (its threads, files and tracker run, which MLflow and
-# W&B showed as running, kept until the kernel exited), and its stream had ended at whatever
-# step the cell left it.
-_CELL_RUNS: dict[tuple[str, int], tuple[weakref.ref[Run], int | None]] = {}
-_IPYTHON_INPUT = re.compile(r"^<ipython-input-\d+-(\w+)>$")
+def _still_open(run: Run) -> bool:
+    """Whether ``run`` holds sink threads, files or a tracker run (started, not closed)."""
+    return not run._closed and run._delivery.started_in is not None
 
 
-def _note_cell_run(run: Run, caller: FrameType | None) -> None:
-    """In a notebook, warn when a cell makes a Run again while its earlier one is still open.
-
-    IPython names a cell's code after a hash of its text, so a cell executed again (the usual
-    way to start over) makes its Run at the same file and line. Only a started run counts (a
-    collector bound, or a value logged): one that never started holds nothing. Scripts are
-    not checked: a loop may keep several runs open on purpose.
-
-    Only a Run made by a cell's own code (not inside a function), in a later execution: a
-    helper defined in a cell makes every run at its one line (a train and an eval run open
-    together were warned about), and a loop in one execution makes several on purpose.
-    """
-    if caller is None or caller.f_code.co_name != "<module>" or not in_ipython():
-        return
-    # A terminal IPython's name also holds the execution count (<ipython-input-7-1a2b3c>);
-    # ipykernel's (a notebook's) is the hash alone.
-    name = _IPYTHON_INPUT.sub(r"<ipython-input-\1>", caller.f_code.co_filename)
-    place = (name, caller.f_lineno)
-    execution = _execution_count()
-    previous, made_in = _CELL_RUNS.get(place, (None, None))
-    earlier = previous() if previous is not None else None
-    for key in [key for key, (ref, _) in _CELL_RUNS.items() if ref() is None]:
-        del _CELL_RUNS[key]
-    _CELL_RUNS[place] = (weakref.ref(run), execution)
-    if earlier is None or earlier._closed or earlier._delivery.started_in is None:
-        return
-    if execution is not None and execution == made_in:
-        return  # the same execution of the cell: a loop making several runs
-    logger.warning(
-        "Run: this notebook cell made a Run before, which is still open (%r): it keeps its "
-        "sink threads, files and tracker run (shown as running) until it is closed or the "
-        "kernel exits. Close it before making a new one (run.close()), or make the run with "
-        "`with Run(...) as run:` in the cell that trains",
-        earlier,
-    )
-
-
-def _execution_count() -> int | None:
-    """The IPython shell's count of the cell executing now (``None``: not known)."""
-    ipython = sys.modules.get("IPython")
-    get_ipython = getattr(ipython, "get_ipython", None)
-    count = getattr(get_ipython() if get_ipython is not None else None, "execution_count", None)
-    return count if isinstance(count, int) else None
+_CLOSE_ADVICE = (
+    "Close it before making a new one (run.close()), or make the run with "
+    "`with Run(...) as run:` in the cell that trains"
+)

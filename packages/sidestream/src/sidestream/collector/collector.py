@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from sidestream._cells import note_made_in_cell
 from sidestream._closing import CloseOnce, wait_until_free
 from sidestream._dcp_guard import refuse_pickling
 from sidestream._delivery import (
@@ -296,6 +298,11 @@ class AsyncMetricCollector(Generic[MetricT]):
         # Last, once nothing can be refused: checkpoints reduce over the collector's group,
         # not whatever the metric last saw (a refused collector leaves the metric as it was).
         metric.sync_group = group
+        if self._owns_delivery and self._delivery.sinks:
+            # A run's collector is made in Run.collector, never at a cell's top level.
+            note_made_in_cell(
+                self, sys._getframe(1), "AsyncMetricCollector", _still_open, _ADVICE, logger
+            )
 
     def __repr__(self) -> str:
         # getattr: a constructor that raised part-way leaves an object a debugger may print.
@@ -1617,3 +1624,14 @@ def _weak_world() -> weakref.ref[dist.ProcessGroup] | None:
     if not dist.is_initialized() or dist.group.WORLD is None:
         return None
     return weakref.ref(dist.group.WORLD)
+
+
+def _still_open(collector: AsyncMetricCollector[Any]) -> bool:
+    """Whether ``collector`` holds sink threads, files or a tracker run (bound, not closed)."""
+    return not collector._closed and collector._delivery.started_in is not None
+
+
+_ADVICE = (
+    "Close it before making a new one (collector.close()), or give the sinks to a "
+    "`with Run(...) as run:` block in the cell that trains"
+)
