@@ -24,6 +24,26 @@ def _execute(source: str, cell: str, namespace: dict[str, Any], path: Path) -> N
     exec(compile(source, cell, "exec"), namespace)
 
 
+def _execute_twice(
+    source: str,
+    made: str,
+    namespace: dict[str, Any],
+    folder: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> list[Any]:
+    """Execute the cell ``source`` twice (warnings captured); what each execution made."""
+    found = []
+    with caplog.at_level(logging.WARNING, logger="sidestream"):
+        for index in range(2):
+            _execute(source, _CELL, namespace, folder / f"{index}.jsonl")
+            found.append(namespace[made])
+    return found
+
+
+def _cell_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "notebook cell" in r.getMessage()]
+
+
 @pytest.fixture
 def notebook(monkeypatch: pytest.MonkeyPatch) -> None:
     """An IPython shell is running (as in a Jupyter kernel)."""
@@ -39,13 +59,9 @@ def test_a_cell_run_again_warns_that_its_earlier_run_is_open(
     # Before: the first run stayed open with no word, its tracker run shown as running until
     # the kernel exited.
     namespace: dict[str, Any] = {"spool": str(tmp_path)}
-    runs = []
-    with caplog.at_level(logging.WARNING, logger="sidestream"):
-        for index in range(2):
-            _execute(_MAKES_A_RUN, _CELL, namespace, tmp_path / f"{index}.jsonl")
-            runs.append(namespace["run"])
+    runs = _execute_twice(_MAKES_A_RUN, "run", namespace, tmp_path, caplog)
     try:
-        warned = [r.getMessage() for r in caplog.records if "notebook cell" in r.getMessage()]
+        warned = _cell_warnings(caplog)
         assert len(warned) == 1, caplog.text
         assert "still open" in warned[0] and "run.close()" in warned[0]
         assert "with Run(...) as run:" in warned[0]
@@ -156,13 +172,9 @@ def test_a_cell_that_makes_a_collector_with_sinks_again_warns(
         "AsyncMetricCollector": AsyncMetricCollector,
         "SumMetric": SumMetric,
     }
-    collectors = []
-    with caplog.at_level(logging.WARNING, logger="sidestream"):
-        for index in range(2):
-            _execute(_MAKES_A_COLLECTOR, _CELL, namespace, tmp_path / f"{index}.jsonl")
-            collectors.append(namespace["collector"])
+    collectors = _execute_twice(_MAKES_A_COLLECTOR, "collector", namespace, tmp_path, caplog)
     try:
-        warned = [r.getMessage() for r in caplog.records if "notebook cell" in r.getMessage()]
+        warned = _cell_warnings(caplog)
         assert len(warned) == 1, caplog.text
         assert warned[0].startswith("AsyncMetricCollector:")
         assert "collector.close()" in warned[0]

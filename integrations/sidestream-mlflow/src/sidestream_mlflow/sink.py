@@ -14,6 +14,7 @@ from urllib.parse import unquote, urlparse
 from sidestream._logs import get_logger
 from sidestream.sinks import PermanentSinkError, Report, RunInfo, TrackerSink, is_permanent
 from sidestream.sinks.config import install_hint
+from sidestream.sinks.status import http_status
 from sidestream.sinks.support import (
     KILLED_EXIT_CODE,
     check_directory_path,
@@ -264,7 +265,7 @@ class MlflowSink(TrackerSink):
 
         MLflow's own message says only "You are not authenticated" or "Permission denied".
         """
-        status = _http_status_code(error)
+        status = http_status(error)
         in_uri = urlparse(self._used_uri() or "").username is not None
         # A name in the URI is hidden with its password (it may be a token); the variable's
         # is shown, as MLflow's own messages do.
@@ -1026,18 +1027,6 @@ def _error_chain(error: BaseException) -> list[BaseException]:
         chain.append(link)
         link = link.__cause__ or link.__context__
     return chain
-
-
-def _http_status_code(error: BaseException) -> int | None:
-    """The HTTP status MLflow read from the server's answer, if ``error`` carries one."""
-    getter = getattr(error, "get_http_status_code", None)
-    if callable(getter):
-        try:
-            status = getter()
-        except Exception:
-            return None
-        return status if isinstance(status, int) else None
-    return None
 
 
 def _ended_on_server(client: Any, run_id: str, status: str) -> bool:

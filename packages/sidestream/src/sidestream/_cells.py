@@ -9,13 +9,12 @@ showed as running) kept until the kernel exited.
 from __future__ import annotations
 
 import re
-import sys
 import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from sidestream._exit import in_ipython
+from sidestream._exit import in_ipython, ipython_shell
 from sidestream._logs import SafeLogger
 
 __all__ = ["note_made_in_cell"]
@@ -77,7 +76,5 @@ def note_made_in_cell(
 
 def _execution_count() -> int | None:
     """The IPython shell's count of the cell executing now (``None``: not known)."""
-    ipython = sys.modules.get("IPython")
-    get_ipython = getattr(ipython, "get_ipython", None)
-    count = getattr(get_ipython() if get_ipython is not None else None, "execution_count", None)
+    count = getattr(ipython_shell(), "execution_count", None)
     return count if isinstance(count, int) else None

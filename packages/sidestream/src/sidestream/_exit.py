@@ -36,6 +36,7 @@ __all__ = [
     "forked_since",
     "forget_close_at_exit",
     "in_ipython",
+    "ipython_shell",
     "record_failed_exit",
     "refuse_in_forked_child",
     "scoped_exit_code",
@@ -201,9 +202,13 @@ def _interactive() -> bool:
 
 def in_ipython() -> bool:
     """Whether this process is an IPython shell or a Jupyter kernel (a notebook)."""
-    ipython = sys.modules.get("IPython")
-    get_ipython = getattr(ipython, "get_ipython", None)
-    return get_ipython is not None and get_ipython() is not None
+    return ipython_shell() is not None
+
+
+def ipython_shell() -> object | None:
+    """The running IPython shell (a Jupyter kernel's too), or ``None``; IPython not imported."""
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return get_ipython() if callable(get_ipython) else None
 
 
 def closing_at_exit() -> bool:

@@ -7,7 +7,7 @@ import urllib.error
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["PermanentSinkError", "SinkStatus", "is_permanent"]
+__all__ = ["PermanentSinkError", "SinkStatus", "http_status", "is_permanent"]
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,12 @@ def is_permanent(error: BaseException) -> bool:
     """
     if isinstance(error, _PERMANENT_ERRORS):
         return True
-    status = _http_status(error)
+    status = http_status(error)
     return status is not None and 400 <= status < 500 and status not in _TRANSIENT_4XX
 
 
-def _http_status(error: BaseException) -> int | None:
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status an error of a client carries, where it carries one (see ``is_permanent``)."""
     candidates: list[object] = [
         getattr(error, "status_code", None),
         getattr(getattr(error, "response", None), "status_code", None),
